@@ -1,0 +1,15 @@
+module github.com/gdrpc/gdrpc
+
+go 1.26.0
+
+require (
+	github.com/NVIDIA/go-nvml v0.13.4-1 // indirect
+	github.com/hashicorp/yamux v0.1.2 // indirect
+	github.com/stretchr/testify v1.12.1 // indirect
+	golang.org/x/net v0.62.0 // indirect
+	golang.org/x/sys v0.49.0 // indirect
+	golang.org/x/text v0.43.0 // indirect
+	google.golang.org/genproto/googleapis/rpc v0.0.0-20260817212433-ac3dfec99bb1 // indirect
+	google.golang.org/grpc v1.85.0 // indirect
+	google.golang.org/protobuf v1.36.12 // indirect
+)
