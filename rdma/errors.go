@@ -1,0 +1,77 @@
+package rdma
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+)
+
+// ErrNotSupported reports that UCX cannot be used: the build has no UCX (no cgo,
+// or the nordma tag), UCX failed to initialise, or UCX cannot do what was asked
+// (for example register CUDA memory). It is wrapped with the reason.
+var ErrNotSupported = errors.New("rdma: not supported")
+
+// UCX status codes this package looks at (values from ucs/type/status.h).
+const (
+	statusOK            = 0
+	statusInProgress    = 1
+	statusNoMessage     = -2
+	statusUnsupported   = -22
+	statusCanceled      = -16
+	statusTimedOut      = -20
+	statusConnReset     = -25
+	statusEndpointTimed = -80
+)
+
+// StatusError is a UCX status other than success, with the operation that
+// returned it.
+type StatusError struct {
+	Op     string // the UCX operation, e.g. "ucp_put_nbx"
+	Status int    // the ucs_status_t value
+	Msg    string // ucs_status_string
+}
+
+func (e *StatusError) Error() string {
+	return fmt.Sprintf("rdma: %s: %s (status %d)", e.Op, e.Msg, e.Status)
+}
+
+// Is reports UCS_ERR_UNSUPPORTED as ErrNotSupported.
+func (e *StatusError) Is(target error) bool {
+	return target == ErrNotSupported && e.Status == statusUnsupported
+}
+
+// EndpointError reports that an endpoint failed: the peer died, the connection
+// was reset or timed out. Every pending and later operation on the endpoint
+// returns it.
+type EndpointError struct {
+	Status int
+	Msg    string
+	err    error // the *StatusError
+}
+
+func (e *EndpointError) Error() string {
+	return fmt.Sprintf("rdma: endpoint failed: %s (status %d)", e.Msg, e.Status)
+}
+
+func (e *EndpointError) Unwrap() error { return e.err }
+
+func newEndpointError(op string, status int, msg string) *EndpointError {
+	return &EndpointError{Status: status, Msg: msg, err: &StatusError{Op: op, Status: status, Msg: msg}}
+}
+
+// timeoutError is returned when a deadline passes. It is a net.Error with
+// Timeout() true and unwraps to os.ErrDeadlineExceeded.
+type timeoutError struct{ op string }
+
+func (e *timeoutError) Error() string   { return "rdma: " + e.op + ": i/o timeout" }
+func (e *timeoutError) Timeout() bool   { return true }
+func (e *timeoutError) Temporary() bool { return true }
+func (e *timeoutError) Unwrap() error   { return os.ErrDeadlineExceeded }
+
+var _ net.Error = (*timeoutError)(nil)
+
+// closedError wraps net.ErrClosed with what was closed.
+func closedError(what string) error {
+	return fmt.Errorf("rdma: %s: %w", what, net.ErrClosed)
+}

@@ -1,0 +1,92 @@
+package rdma
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+)
+
+// Packed remote key framing (all integers big-endian):
+//
+//	offset size
+//	0      4    magic "GDRK"
+//	4      1    version (1)
+//	5      1    memory type of the region
+//	6      2    reserved, zero
+//	8      8    base address of the registered region
+//	16     8    length of the registered region
+//	24     4    length n of the UCX rkey buffer (1 .. maxRkeyLen)
+//	28     n    the UCX rkey buffer (ucp_rkey_pack output)
+//
+// Nothing may follow the rkey buffer.
+const (
+	keyMagic      = "GDRK"
+	keyVersion    = 1
+	keyHeaderLen  = 28
+	maxRkeyLen    = 64 << 10
+	maxRegionSize = 1 << 50
+)
+
+// ErrBadKey reports a packed remote key that does not parse.
+var ErrBadKey = errors.New("rdma: bad packed remote key")
+
+// packedKey is a parsed packed remote key.
+type packedKey struct {
+	memType MemoryType
+	base    uint64
+	length  uint64
+	rkey    []byte // aliases the input
+}
+
+func encodeKey(k packedKey) []byte {
+	b := make([]byte, keyHeaderLen+len(k.rkey))
+	copy(b, keyMagic)
+	b[4] = keyVersion
+	b[5] = byte(k.memType)
+	binary.BigEndian.PutUint64(b[8:], k.base)
+	binary.BigEndian.PutUint64(b[16:], k.length)
+	binary.BigEndian.PutUint32(b[24:], uint32(len(k.rkey)))
+	copy(b[keyHeaderLen:], k.rkey)
+	return b
+}
+
+func decodeKey(b []byte) (packedKey, error) {
+	if len(b) < keyHeaderLen {
+		return packedKey{}, fmt.Errorf("%w: %d bytes, header needs %d", ErrBadKey, len(b), keyHeaderLen)
+	}
+	if string(b[:4]) != keyMagic {
+		return packedKey{}, fmt.Errorf("%w: bad magic %q", ErrBadKey, b[:4])
+	}
+	if b[4] != keyVersion {
+		return packedKey{}, fmt.Errorf("%w: version %d, want %d", ErrBadKey, b[4], keyVersion)
+	}
+	mt := MemoryType(b[5])
+	if mt != MemoryHost && mt != MemoryCUDA {
+		return packedKey{}, fmt.Errorf("%w: memory type %d", ErrBadKey, b[5])
+	}
+	if b[6] != 0 || b[7] != 0 {
+		return packedKey{}, fmt.Errorf("%w: reserved bytes set", ErrBadKey)
+	}
+	base := binary.BigEndian.Uint64(b[8:])
+	length := binary.BigEndian.Uint64(b[16:])
+	if length == 0 || length > maxRegionSize || base+length < base {
+		return packedKey{}, fmt.Errorf("%w: region %#x+%d", ErrBadKey, base, length)
+	}
+	n := binary.BigEndian.Uint32(b[24:])
+	if n == 0 || n > maxRkeyLen {
+		return packedKey{}, fmt.Errorf("%w: rkey length %d", ErrBadKey, n)
+	}
+	if uint64(len(b)-keyHeaderLen) != uint64(n) {
+		return packedKey{}, fmt.Errorf("%w: rkey length %d, %d bytes follow the header", ErrBadKey, n, len(b)-keyHeaderLen)
+	}
+	return packedKey{memType: mt, base: base, length: length, rkey: b[keyHeaderLen:]}, nil
+}
+
+// contains reports whether [addr, addr+n) lies inside the key's region.
+func (k *packedKey) contains(addr uint64, n int) bool {
+	if n < 0 || addr < k.base {
+		return false
+	}
+	off := addr - k.base
+	return off <= k.length && uint64(n) <= k.length-off
+}

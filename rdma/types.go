@@ -1,0 +1,144 @@
+package rdma
+
+import (
+	"log/slog"
+	"net"
+	"strconv"
+	"sync/atomic"
+)
+
+// MemoryType says where memory lives.
+type MemoryType int
+
+const (
+	// MemoryHost is ordinary CPU memory.
+	MemoryHost MemoryType = iota
+	// MemoryCUDA is CUDA device memory; the CPU never touches it.
+	MemoryCUDA
+)
+
+func (t MemoryType) String() string {
+	switch t {
+	case MemoryHost:
+		return "host"
+	case MemoryCUDA:
+		return "cuda"
+	}
+	return "MemoryType(" + strconv.Itoa(int(t)) + ")"
+}
+
+// Option configures a Context.
+type Option func(*options)
+
+type options struct {
+	config map[string]string // UCX config keys without the UCX_ prefix
+	order  []string
+	logger *slog.Logger
+}
+
+func (o *options) set(key, value string) {
+	if o.config == nil {
+		o.config = map[string]string{}
+	}
+	if _, ok := o.config[key]; !ok {
+		o.order = append(o.order, key)
+	}
+	o.config[key] = value
+}
+
+func buildOptions(opts []Option) *options {
+	o := &options{}
+	for _, opt := range opts {
+		opt(o)
+	}
+	if o.logger == nil {
+		o.logger = slog.New(slog.DiscardHandler)
+	}
+	return o
+}
+
+// WithTransports sets UCX_TLS (for example "tcp" or "posix,sysv,cma,self")
+// unless the environment already sets UCX_TLS. If not given, UCX picks.
+func WithTransports(tls string) Option {
+	return func(o *options) { o.set("TLS", tls) }
+}
+
+// WithConfig sets any UCX configuration key (without the UCX_ prefix) unless the
+// environment already sets it.
+func WithConfig(key, value string) Option {
+	return func(o *options) { o.set(key, value) }
+}
+
+// WithLogger sets the logger. If nil or not given, nothing is logged.
+func WithLogger(l *slog.Logger) Option {
+	return func(o *options) {
+		if l != nil {
+			o.logger = l
+		}
+	}
+}
+
+// Info is what a Context can do.
+type Info struct {
+	Version     string       // UCX version of the loaded library, e.g. "1.13.1"
+	Transports  []string     // transports/devices UCX can use here, "tl/device" (best effort)
+	MemoryTypes []MemoryType // memory types UCX can register (MemoryCUDA only with a CUDA-enabled UCX)
+}
+
+// HasMemoryType reports whether t is among the registrable memory types.
+func (i Info) HasMemoryType(t MemoryType) bool {
+	for _, m := range i.MemoryTypes {
+		if m == t {
+			return true
+		}
+	}
+	return false
+}
+
+// Counters counts live objects of this package, for leak checks in tests.
+type Counters struct {
+	Contexts   int64
+	Workers    int64
+	Endpoints  int64
+	Listeners  int64
+	Memories   int64 // memory maps (Alloc, Map and the per-call pins of PutBytes)
+	RemoteKeys int64
+}
+
+// Zero reports whether nothing is alive.
+func (c Counters) Zero() bool { return c == Counters{} }
+
+var live struct {
+	contexts, workers, endpoints, listeners, memories, rkeys atomic.Int64
+}
+
+// Stats returns the number of live contexts, workers, endpoints, listeners,
+// memory maps and remote keys. The Default context and its worker count while
+// they exist.
+func Stats() Counters {
+	return Counters{
+		Contexts:   live.contexts.Load(),
+		Workers:    live.workers.Load(),
+		Endpoints:  live.endpoints.Load(),
+		Listeners:  live.listeners.Load(),
+		Memories:   live.memories.Load(),
+		RemoteKeys: live.rkeys.Load(),
+	}
+}
+
+// Addr is the address of a UCX listener or endpoint. Network() is "ucx".
+type Addr struct {
+	IP   net.IP
+	Port int
+	Zone string
+}
+
+// Network returns "ucx".
+func (a *Addr) Network() string { return "ucx" }
+
+func (a *Addr) String() string {
+	if a == nil {
+		return "<nil>"
+	}
+	return (&net.TCPAddr{IP: a.IP, Port: a.Port, Zone: a.Zone}).String()
+}
