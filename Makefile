@@ -40,7 +40,12 @@ lint:
 
 proto: deps
 	$(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
+	$(GO) install google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.5.1
 	protoc -I gdrcodec/proto --go_out=. --go_opt=module=github.com/gdrpc/gdrpc gdrcodec/proto/gdr/v1/gdr.proto
+	protoc -I gdrcodec/proto -I examples/tensor/tensorpb \
+		--go_out=. --go_opt=module=github.com/gdrpc/gdrpc \
+		--go-grpc_out=. --go-grpc_opt=module=github.com/gdrpc/gdrpc \
+		examples/tensor/tensorpb/tensor.proto
 
 demo: deps
 	$(GO) run ./examples/demo
