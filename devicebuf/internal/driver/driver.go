@@ -1,0 +1,177 @@
+// Package driver is the seam between package devicebuf and a CUDA driver: the real one
+// (package cuda, libcuda.so.1 loaded at run time) or the fake GPU of package devicebuftest.
+//
+// It owns the Driver and Inventory interfaces and the process-wide choice of the current
+// implementation. It never touches device memory and imports no C.
+package driver
+
+import (
+	"errors"
+	"sync"
+)
+
+// ErrNotSupported is the root of every "this host or build cannot do that" error. Package
+// devicebuf re-exports it.
+var ErrNotSupported = errors.New("not supported")
+
+// Dir is the direction of a copy.
+type Dir uint8
+
+// Directions of a copy.
+const (
+	HtoD Dir = iota + 1
+	DtoH
+	DtoD
+)
+
+// Attribute names a device attribute (values are CUdevice_attribute).
+type Attribute int
+
+// Device attributes devicebuf reads (values from cuda.h).
+const (
+	AttrPCIBusID                        Attribute = 33
+	AttrPCIDeviceID                     Attribute = 34
+	AttrUnifiedAddressing               Attribute = 41
+	AttrPCIDomainID                     Attribute = 50
+	AttrComputeCapabilityMajor          Attribute = 75
+	AttrComputeCapabilityMinor          Attribute = 76
+	AttrGPUDirectRDMASupported          Attribute = 116
+	AttrGPUDirectRDMAFlushWritesOptions Attribute = 117
+	AttrGPUDirectRDMAWritesOrdering     Attribute = 118
+)
+
+// Values of AttrGPUDirectRDMAFlushWritesOptions (a bit mask) and
+// AttrGPUDirectRDMAWritesOrdering.
+const (
+	FlushWritesOptionHost   = 1 << 0
+	FlushWritesOptionMemOps = 1 << 1
+
+	WritesOrderingNone       = 0
+	WritesOrderingOwner      = 100
+	WritesOrderingAllDevices = 200
+)
+
+// IPCHandleSize is CU_IPC_HANDLE_SIZE.
+const IPCHandleSize = 64
+
+// Stream is an opaque stream handle; 0 is never a valid stream made by StreamCreate.
+type Stream uintptr
+
+// Driver is the subset of the CUDA driver API devicebuf uses. Device arguments are CUDA
+// ordinals; the implementation makes that device's primary context current on the calling
+// thread for the call. Host pointers passed in are valid for the call only unless said
+// otherwise. Implementations are safe for concurrent use.
+type Driver interface {
+	// Init loads and initialises the driver; an absent driver gives an error wrapping
+	// ErrNotSupported with the reason. Every other method may be called only after Init
+	// returned nil.
+	Init() error
+	DriverVersion() (int, error)
+	DeviceCount() (int, error)
+	DeviceUUID(dev int) ([16]byte, error)
+	DeviceName(dev int) (string, error)
+	DevicePCIBusID(dev int) (string, error)
+	DeviceTotalMem(dev int) (uint64, error)
+	DeviceAttribute(dev int, attr Attribute) (int, error)
+
+	MemAlloc(dev int, n int) (uintptr, error)
+	MemFree(dev int, p uintptr) error
+	// SetSyncMemops sets CU_POINTER_ATTRIBUTE_SYNC_MEMOPS on the allocation holding p.
+	SetSyncMemops(dev int, p uintptr) error
+	// MemAddressRange returns the allocation that holds device pointer p.
+	MemAddressRange(dev int, p uintptr) (base uintptr, size int, err error)
+	MemHostRegister(p uintptr, n int) error
+	MemHostUnregister(p uintptr) error
+
+	// Memcpy copies n bytes. dstDev/srcDev are the devices of the device sides (ignored for
+	// host sides). With s == 0 the copy is complete when Memcpy returns; otherwise it is
+	// ordered on s and complete after StreamSynchronize(s).
+	Memcpy(dir Dir, dstDev int, dst uintptr, srcDev int, src uintptr, n int, s Stream) error
+	StreamCreate(dev int) (Stream, error)
+	StreamSynchronize(s Stream) error
+	StreamDestroy(s Stream) error
+
+	// FlushRDMAWrites calls cuFlushGPUDirectRDMAWrites(current context, to owner).
+	FlushRDMAWrites(dev int) error
+
+	IpcGetMemHandle(dev int, p uintptr) ([IPCHandleSize]byte, error)
+	IpcOpenMemHandle(dev int, h [IPCHandleSize]byte) (uintptr, error)
+	IpcCloseMemHandle(dev int, p uintptr) error
+}
+
+// GPU is one device as the management library (NVML) reports it.
+type GPU struct {
+	UUID        string
+	Name        string
+	PCIBusID    string
+	MemoryBytes uint64
+	NUMANode    int // -1 if unknown
+	CPUAffinity string
+}
+
+// Inventory lists GPUs through the management library.
+type Inventory interface {
+	// GPUs returns every GPU the management library sees; an absent library gives an error
+	// wrapping ErrNotSupported.
+	GPUs() ([]GPU, error)
+}
+
+var (
+	mu        sync.RWMutex
+	curDriver Driver
+	curInv    Inventory
+	defDriver func() Driver
+	defInv    func() Inventory
+)
+
+// SetDefaults names the implementations used when none was installed (the real ones).
+// Package devicebuf calls it once at init.
+func SetDefaults(d func() Driver, inv func() Inventory) {
+	mu.Lock()
+	defer mu.Unlock()
+	defDriver, defInv = d, inv
+}
+
+// Current returns the driver in use.
+func Current() Driver {
+	mu.RLock()
+	d := curDriver
+	f := defDriver
+	mu.RUnlock()
+	if d != nil {
+		return d
+	}
+	if f == nil {
+		return nil
+	}
+	return f()
+}
+
+// CurrentInventory returns the inventory in use.
+func CurrentInventory() Inventory {
+	mu.RLock()
+	i := curInv
+	f := defInv
+	mu.RUnlock()
+	if i != nil {
+		return i
+	}
+	if f == nil {
+		return nil
+	}
+	return f()
+}
+
+// Install makes d and inv current (nil restores the defaults) and returns a function that
+// puts back what was installed before.
+func Install(d Driver, inv Inventory) (restore func()) {
+	mu.Lock()
+	prevD, prevI := curDriver, curInv
+	curDriver, curInv = d, inv
+	mu.Unlock()
+	return func() {
+		mu.Lock()
+		curDriver, curInv = prevD, prevI
+		mu.Unlock()
+	}
+}

@@ -1,0 +1,417 @@
+package devicebuf
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"slices"
+	"sync"
+)
+
+// Registrar registers memory with the RDMA layer. Register is called once per pool region,
+// when the region is created; the returned release runs when the region is freed (at
+// Close). reg is what Buffer.Registration returns for buffers carved from the region.
+type Registrar interface {
+	Register(ptr uintptr, n int, kind Kind, device int) (reg any, release func() error, err error)
+}
+
+// PoolConfig configures NewPool.
+type PoolConfig struct {
+	// Backing is where regions come from. If nil (and Regions is nil), a host allocator.
+	Backing Allocator
+	// Regions, if not nil, makes regions of n bytes instead of Backing (for example memory
+	// allocated by UCX, or a user's own region). The pool owns and releases what it returns.
+	// Regions must not return Go memory.
+	Regions func(n int) (*Buffer, error)
+	// Registrar, if not nil, registers each region once when it is created; regions stay
+	// registered until Close.
+	Registrar Registrar
+	// Classes are the block sizes, ascending. If nil, powers of two from 4 KiB to 64 MiB.
+	Classes []int
+	// MaxBytes bounds the total bytes of regions. If zero, 1 GiB.
+	MaxBytes int64
+	// RegionBytes is the size of a region carved into blocks of the classes smaller than it;
+	// a class as large or larger gets regions of one block. If zero, 4 MiB.
+	RegionBytes int
+	// Oversize gives an allocation above the largest class a region of its own (counted in
+	// MaxBytes, freed when the buffer is released). If false, such allocations fail with an
+	// error wrapping ErrExhausted.
+	Oversize bool
+}
+
+// PoolStats are a pool's counters.
+type PoolStats struct {
+	Regions       int   // regions alive
+	RegionBytes   int64 // bytes of regions alive
+	Registrations int64 // Registrar registrations made over the pool's life
+	InUse         int   // buffers handed out and not yet returned
+	BytesInUse    int64 // bytes of the blocks handed out and not yet returned
+	Hits          int64 // allocations served from a free block
+	Misses        int64 // allocations that created a region
+	Exhausted     int64 // allocations refused with ErrExhausted
+}
+
+// Pool hands out buffers carved from large regions in size classes. Regions are created on
+// demand (up to MaxBytes), registered once, and kept until Close; released buffers go back
+// to their class's free list. A Pool is an Allocator; it is safe for concurrent use.
+type Pool struct {
+	cfg PoolConfig
+
+	mu          sync.Mutex
+	kind        Kind
+	dev         int
+	classes     []poolClass
+	sizes       []int // classes[i].size
+	regions     map[*poolRegion]struct{}
+	total       int64
+	inUse       int
+	bytesInUse  int64
+	stats       PoolStats
+	closed      bool
+	closeFreed  bool
+	regionsMade bool
+}
+
+type poolClass struct {
+	size int
+	free []poolBlock
+}
+
+type poolRegion struct {
+	buf     *Buffer
+	size    int
+	reg     any
+	release func() error
+}
+
+type poolBlock struct {
+	r   *poolRegion
+	ptr uintptr
+	ci  int // class index; -1 for an oversize region
+}
+
+// NewPool returns a pool configured by cfg. It creates no region until the first Alloc.
+func NewPool(cfg PoolConfig) (*Pool, error) {
+	if cfg.Backing == nil && cfg.Regions == nil {
+		cfg.Backing = NewHostAllocator()
+	}
+	if cfg.MaxBytes == 0 {
+		cfg.MaxBytes = 1 << 30
+	}
+	if cfg.MaxBytes < 0 {
+		return nil, fmt.Errorf("devicebuf: pool MaxBytes %d", cfg.MaxBytes)
+	}
+	if cfg.RegionBytes == 0 {
+		cfg.RegionBytes = 4 << 20
+	}
+	if cfg.RegionBytes < 0 {
+		return nil, fmt.Errorf("devicebuf: pool RegionBytes %d", cfg.RegionBytes)
+	}
+	classes := slices.Clone(cfg.Classes)
+	if classes == nil {
+		for s := 4 << 10; s <= 64<<20; s <<= 1 {
+			classes = append(classes, s)
+		}
+	}
+	if len(classes) == 0 {
+		return nil, errors.New("devicebuf: pool with no size classes")
+	}
+	slices.Sort(classes)
+	classes = slices.Compact(classes)
+	if classes[0] <= 0 {
+		return nil, fmt.Errorf("devicebuf: pool size class %d", classes[0])
+	}
+	p := &Pool{cfg: cfg, kind: Host, dev: -1, regions: map[*poolRegion]struct{}{}}
+	if cfg.Backing != nil {
+		p.kind, p.dev = cfg.Backing.Kind(), cfg.Backing.Device()
+	}
+	for _, s := range classes {
+		p.classes = append(p.classes, poolClass{size: s})
+	}
+	p.sizes = classes
+	return p, nil
+}
+
+// Kind returns the kind of the pool's memory (for a pool fed by Regions alone, that of its
+// first region; Host before one exists).
+func (p *Pool) Kind() Kind {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.kind
+}
+
+// Device returns the CUDA ordinal of the pool's memory (-1 for host).
+func (p *Pool) Device() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.dev
+}
+
+// regionSize is the size of a region for class size s.
+func (p *Pool) regionSize(s int) int {
+	if s >= p.cfg.RegionBytes {
+		return s
+	}
+	return p.cfg.RegionBytes / s * s
+}
+
+// Alloc returns a buffer of n bytes from the smallest class that fits (from a larger class's
+// free block if its own has none and the pool may not grow). It fails with an error wrapping
+// ErrExhausted when no block is free and MaxBytes forbids a new region, and with one wrapping
+// net.ErrClosed after Close.
+func (p *Pool) Alloc(n int) (*Buffer, error) {
+	if n <= 0 {
+		return nil, fmt.Errorf("devicebuf: alloc of %d bytes", n)
+	}
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return nil, fmt.Errorf("devicebuf: pool: %w", net.ErrClosed)
+	}
+	ci, _ := slices.BinarySearch(p.sizes, n)
+	if ci == len(p.classes) {
+		return p.allocOversize(n) // unlocks
+	}
+	if b, ok := p.popLocked(ci); ok {
+		p.stats.Hits++
+		return p.handOutLocked(b, n), nil // unlocks
+	}
+	rs := p.regionSize(p.classes[ci].size)
+	if p.total+int64(rs) <= p.cfg.MaxBytes {
+		p.total += int64(rs)
+		p.stats.Misses++
+		p.mu.Unlock()
+		r, err := p.newRegion(rs)
+		p.mu.Lock()
+		if err != nil {
+			p.total -= int64(rs)
+			p.mu.Unlock()
+			return nil, err
+		}
+		if p.closed {
+			p.total -= int64(rs)
+			p.mu.Unlock()
+			p.freeRegion(r)
+			return nil, fmt.Errorf("devicebuf: pool: %w", net.ErrClosed)
+		}
+		p.regions[r] = struct{}{}
+		cs := p.classes[ci].size
+		c := &p.classes[ci]
+		for off := rs - cs; off > 0; off -= cs {
+			c.free = append(c.free, poolBlock{r: r, ptr: r.buf.ptr + uintptr(off), ci: ci})
+		}
+		return p.handOutLocked(poolBlock{r: r, ptr: r.buf.ptr, ci: ci}, n), nil
+	}
+	for j := ci + 1; j < len(p.classes); j++ {
+		if b, ok := p.popLocked(j); ok {
+			p.stats.Hits++
+			return p.handOutLocked(b, n), nil
+		}
+	}
+	p.stats.Exhausted++
+	err := fmt.Errorf("devicebuf: pool has no free block of %d bytes (class %d) and %d of %d region bytes are in use: %w",
+		n, p.classes[ci].size, p.total, p.cfg.MaxBytes, ErrExhausted)
+	p.mu.Unlock()
+	return nil, err
+}
+
+func (p *Pool) popLocked(ci int) (poolBlock, bool) {
+	c := &p.classes[ci]
+	if len(c.free) == 0 {
+		return poolBlock{}, false
+	}
+	b := c.free[len(c.free)-1]
+	c.free = c.free[:len(c.free)-1]
+	return b, true
+}
+
+func (p *Pool) blockSize(b poolBlock) int {
+	if b.ci < 0 {
+		return b.r.size
+	}
+	return p.classes[b.ci].size
+}
+
+// handOutLocked makes the buffer for b and unlocks p.mu.
+func (p *Pool) handOutLocked(b poolBlock, n int) *Buffer {
+	p.inUse++
+	p.bytesInUse += int64(p.blockSize(b))
+	p.mu.Unlock()
+	ra := b.r.buf.a
+	a := &allocation{
+		kind: ra.kind, dev: ra.dev, uuid: ra.uuid, drv: ra.drv,
+		base: ra.base, host: ra.host,
+		region: b.r.buf, reg: b.r.reg,
+		free: func() { p.put(b) },
+	}
+	return a.newHandle(b.ptr, n)
+}
+
+// allocOversize serves n above the largest class; called with p.mu held, unlocks it.
+func (p *Pool) allocOversize(n int) (*Buffer, error) {
+	if !p.cfg.Oversize {
+		p.stats.Exhausted++
+		p.mu.Unlock()
+		return nil, fmt.Errorf("devicebuf: %d bytes exceed the pool's largest class (%d) and Oversize is off: %w",
+			n, p.classes[len(p.classes)-1].size, ErrExhausted)
+	}
+	rs := roundPage(n)
+	if p.total+int64(rs) > p.cfg.MaxBytes {
+		p.stats.Exhausted++
+		err := fmt.Errorf("devicebuf: pool cannot make an oversize region of %d bytes: %d of %d region bytes are in use: %w",
+			rs, p.total, p.cfg.MaxBytes, ErrExhausted)
+		p.mu.Unlock()
+		return nil, err
+	}
+	p.total += int64(rs)
+	p.stats.Misses++
+	p.mu.Unlock()
+	r, err := p.newRegion(rs)
+	p.mu.Lock()
+	if err != nil {
+		p.total -= int64(rs)
+		p.mu.Unlock()
+		return nil, err
+	}
+	if p.closed {
+		p.total -= int64(rs)
+		p.mu.Unlock()
+		p.freeRegion(r)
+		return nil, fmt.Errorf("devicebuf: pool: %w", net.ErrClosed)
+	}
+	p.regions[r] = struct{}{}
+	return p.handOutLocked(poolBlock{r: r, ptr: r.buf.ptr, ci: -1}, n), nil
+}
+
+// newRegion makes and registers a region of n bytes (without p.mu held).
+func (p *Pool) newRegion(n int) (*poolRegion, error) {
+	var buf *Buffer
+	var err error
+	if p.cfg.Regions != nil {
+		buf, err = p.cfg.Regions(n)
+	} else {
+		buf, err = p.cfg.Backing.Alloc(n)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("devicebuf: pool region of %d bytes: %w", n, err)
+	}
+	if buf.Len() < n || buf.GoMemory() {
+		_ = buf.Release()
+		return nil, fmt.Errorf("devicebuf: pool region source returned %d bytes (Go memory: %v) for %d", buf.Len(), buf.GoMemory(), n)
+	}
+	r := &poolRegion{buf: buf, size: n}
+	if p.cfg.Registrar != nil {
+		r.reg, r.release, err = p.cfg.Registrar.Register(buf.Ptr(), n, buf.Kind(), buf.Device())
+		if err != nil {
+			_ = buf.Release()
+			return nil, fmt.Errorf("devicebuf: register pool region of %d bytes: %w", n, err)
+		}
+		live.registrations.Add(1)
+	}
+	live.regions.Add(1)
+	p.mu.Lock()
+	if p.cfg.Registrar != nil {
+		p.stats.Registrations++
+	}
+	if !p.regionsMade && p.cfg.Backing == nil {
+		p.kind, p.dev = buf.Kind(), buf.Device()
+	}
+	p.regionsMade = true
+	p.mu.Unlock()
+	return r, nil
+}
+
+// freeRegion deregisters and releases r (without p.mu held).
+func (p *Pool) freeRegion(r *poolRegion) error {
+	var err error
+	if r.release != nil {
+		if e := r.release(); e != nil {
+			err = fmt.Errorf("devicebuf: deregister pool region: %w", e)
+		}
+		live.registrations.Add(-1)
+	}
+	live.regions.Add(-1)
+	if e := r.buf.Release(); e != nil && err == nil {
+		err = e
+	}
+	return err
+}
+
+// put takes back a block whose last handle was released.
+func (p *Pool) put(b poolBlock) {
+	p.mu.Lock()
+	p.inUse--
+	p.bytesInUse -= int64(p.blockSize(b))
+	var free []*poolRegion
+	switch {
+	case p.closed:
+		if p.inUse == 0 && !p.closeFreed {
+			free = p.takeRegionsLocked()
+		}
+	case b.ci < 0:
+		delete(p.regions, b.r)
+		p.total -= int64(b.r.size)
+		free = []*poolRegion{b.r}
+	default:
+		c := &p.classes[b.ci]
+		c.free = append(c.free, b)
+	}
+	p.mu.Unlock()
+	for _, r := range free {
+		_ = p.freeRegion(r)
+	}
+}
+
+func (p *Pool) takeRegionsLocked() []*poolRegion {
+	p.closeFreed = true
+	rs := make([]*poolRegion, 0, len(p.regions))
+	for r := range p.regions {
+		rs = append(rs, r)
+	}
+	clear(p.regions)
+	for i := range p.classes {
+		p.classes[i].free = nil
+	}
+	p.total = 0
+	return rs
+}
+
+// Stats returns the pool's counters.
+func (p *Pool) Stats() PoolStats {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	s := p.stats
+	s.Regions = len(p.regions)
+	s.RegionBytes = p.total
+	s.InUse = p.inUse
+	s.BytesInUse = p.bytesInUse
+	return s
+}
+
+// Close stops allocation and frees the regions (deregistering them). If buffers are still
+// out, it reports how many and the regions are freed when the last one is released. Close
+// is idempotent; Alloc afterwards fails with an error wrapping net.ErrClosed.
+func (p *Pool) Close() error {
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return nil
+	}
+	p.closed = true
+	if p.inUse > 0 {
+		n := p.inUse
+		p.mu.Unlock()
+		return fmt.Errorf("devicebuf: pool closed with %d buffers outstanding; its regions are freed when they are released", n)
+	}
+	rs := p.takeRegionsLocked()
+	p.mu.Unlock()
+	var errs []error
+	for _, r := range rs {
+		if err := p.freeRegion(r); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+var _ Allocator = (*Pool)(nil)
