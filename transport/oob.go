@@ -1,0 +1,716 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/rdma"
+)
+
+// DefaultTransferTimeout bounds one out-of-band transfer when the caller's context
+// has no earlier deadline.
+const DefaultTransferTimeout = time.Minute
+
+// DefaultStagingChunk is the chunk size of staged GPU transfers.
+const DefaultStagingChunk = 4 << 20
+
+// Metrics receives out-of-band transfer events. Implementations must be cheap and
+// safe for concurrent use.
+type Metrics interface {
+	// Transfer reports one finished transfer, on the side that moved the bytes.
+	Transfer(path Path, bytes int64, elapsed time.Duration, err error)
+	// Fallback reports that a better path was not taken, and why.
+	Fallback(wanted, took Path, reason string)
+}
+
+type nopMetrics struct{}
+
+func (nopMetrics) Transfer(Path, int64, time.Duration, error) {}
+func (nopMetrics) Fallback(Path, Path, string)                {}
+
+// TransferConfig tunes the out-of-band engine of this process.
+type TransferConfig struct {
+	// Timeout bounds one transfer. If zero, DefaultTransferTimeout.
+	Timeout time.Duration
+	// StagingChunk is the chunk size of staged (GPU via host) transfers. If zero,
+	// DefaultStagingChunk.
+	StagingChunk int
+	// PoolBytes bounds the registered host memory the engine keeps for
+	// destinations and staging. If zero, 2 GiB.
+	PoolBytes int64
+	// Logger receives one debug record per transfer (path and reason). If nil,
+	// nothing is logged.
+	Logger *slog.Logger
+	// Metrics receives transfer events. If nil, none are reported.
+	Metrics Metrics
+}
+
+var oobConfig atomic.Pointer[TransferConfig]
+
+func init() {
+	SetTransferConfig(TransferConfig{})
+	registerControlHandler(ctlRTR, serveRTR)
+	registerControlHandler(ctlFIN, handleFIN)
+	bulkHandler = serveBulk
+}
+
+// SetTransferConfig replaces the engine's configuration for transfers that start
+// afterwards.
+func SetTransferConfig(c TransferConfig) {
+	if c.Timeout <= 0 {
+		c.Timeout = DefaultTransferTimeout
+	}
+	if c.StagingChunk <= 0 {
+		c.StagingChunk = DefaultStagingChunk
+	}
+	if c.PoolBytes <= 0 {
+		c.PoolBytes = 2 << 30
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	if c.Metrics == nil {
+		c.Metrics = nopMetrics{}
+	}
+	oobConfig.Store(&c)
+}
+
+func cfg() *TransferConfig { return oobConfig.Load() }
+
+// TransferError is a failed out-of-band transfer.
+type TransferError struct {
+	Token Token
+	// Unavailable: no live session to the owner, or the session died.
+	// NotFound: the owner does not (or no longer) hold the token.
+	// Timeout: the transfer did not finish in time.
+	Kind TransferErrorKind
+	Err  error
+}
+
+// TransferErrorKind classifies a TransferError.
+type TransferErrorKind int
+
+const (
+	TransferFailed TransferErrorKind = iota
+	TransferUnavailable
+	TransferNotFound
+	TransferTimeout
+	TransferInvalid
+)
+
+func (e *TransferError) Error() string {
+	return fmt.Sprintf("out-of-band transfer of token %v: %v", e.Token, e.Err)
+}
+
+func (e *TransferError) Unwrap() error { return e.Err }
+
+// Timeout reports whether the transfer ran out of time.
+func (e *TransferError) Timeout() bool { return e.Kind == TransferTimeout }
+
+// ---- receiver side -------------------------------------------------------------
+
+type pull struct {
+	req  uint64
+	s    *Session
+	dst  *devicebuf.Buffer // retained until settled
+	fin  chan *fin         // FIN from the owner (buffered 1)
+	bulk chan error        // the bulk stream's outcome (buffered 1)
+
+	settle   sync.Once
+	after    []func()      // run once the owner can no longer write into dst
+	reading  chan struct{} // closed when a bulk reader that claimed dst is done; guarded by pulls
+	detached bool          // settled: no bulk reader may claim dst; guarded by pulls
+}
+
+var pulls = struct {
+	sync.Mutex
+	next uint64
+	m    map[uint64]*pull
+}{m: make(map[uint64]*pull)}
+
+func (p *pull) settled() {
+	p.settle.Do(func() {
+		pulls.Lock()
+		delete(pulls.m, p.req)
+		p.detached = true
+		reading := p.reading
+		pulls.Unlock()
+		if reading != nil {
+			<-reading // bounded: the reader has a deadline and dies with the session
+		}
+		for i := len(p.after) - 1; i >= 0; i-- {
+			p.after[i]()
+		}
+		p.dst.Release()
+	})
+}
+
+// Fetch pulls the payload d names into dst (d.Length bytes) and returns the path
+// it took. It blocks until the bytes are in place, ctx ends, the transfer
+// timeout passes, or the session to the owner dies. On an error the destination
+// stays reserved until the owner can no longer write into it.
+func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, error) {
+	if err := d.Validate(); err != nil {
+		return PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid, Err: err}
+	}
+	if uint64(dst.Len()) != d.Length {
+		return PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid,
+			Err: fmt.Errorf("destination of %d bytes for a payload of %d", dst.Len(), d.Length)}
+	}
+	s := pickSession(d.Owner)
+	if s == nil {
+		if d.Owner == LocalID() {
+			return fetchLocal(d, dst)
+		}
+		return PathNone, &TransferError{Token: d.Token, Kind: TransferUnavailable,
+			Err: fmt.Errorf("no live session to owner %v", d.Owner)}
+	}
+	c := cfg()
+	ctx, cancel := context.WithTimeout(ctx, c.Timeout)
+	defer cancel()
+	start := time.Now()
+	path, err := fetchVia(ctx, s, d, dst)
+	if err != nil {
+		return path, err
+	}
+	if dst.Kind() == devicebuf.CUDA && path == PathRDMA {
+		// An RDMA write straight into GPU memory is visible to the GPU only after a
+		// flush on devices whose ordering attribute requires it.
+		if err := devicebuf.FlushRDMAWrites(dst.Device()); err != nil {
+			return path, &TransferError{Token: d.Token, Err: fmt.Errorf("flush GPUDirect RDMA writes: %w", err)}
+		}
+	}
+	c.Logger.Debug("out-of-band pull", "session", s.ID(), "path", path.String(), "bytes", d.Length, "elapsed", time.Since(start))
+	return path, nil
+}
+
+// FetchBytes pulls the payload d names into p (Go memory, d.Length bytes).
+func FetchBytes(ctx context.Context, d Descriptor, p []byte) (Path, error) {
+	dst := devicebuf.HostFromBytes(p)
+	defer dst.Release()
+	return Fetch(ctx, d, dst)
+}
+
+func pickSession(owner ID) *Session {
+	var best *Session
+	for _, s := range SessionsTo(owner) {
+		select {
+		case <-s.Done():
+			continue
+		default:
+		}
+		if s.Endpoint() != nil {
+			return s
+		}
+		if best == nil {
+			best = s
+		}
+	}
+	return best
+}
+
+// fetchLocal serves a payload this process owns itself, with no session to
+// itself: a plain copy.
+func fetchLocal(d Descriptor, dst *devicebuf.Buffer) (Path, error) {
+	e, st, err := box.checkout(d.Token, d.Length)
+	if err != nil {
+		return PathNone, finError(d.Token, &fin{Status: st, Msg: err.Error()})
+	}
+	err = copyFromSource(dst, e.src)
+	box.checkin(d.Token, e, err == nil)
+	if err != nil {
+		return PathNone, &TransferError{Token: d.Token, Err: err}
+	}
+	return PathNone, nil
+}
+
+func copyFromSource(dst *devicebuf.Buffer, src Source) error {
+	if src.Buffer != nil {
+		return devicebuf.Copy(dst, src.Buffer)
+	}
+	s := devicebuf.HostFromBytes(src.Bytes)
+	defer s.Release()
+	return devicebuf.Copy(dst, s)
+}
+
+func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buffer) (Path, error) {
+	p := &pull{s: s, dst: dst.Retain(), fin: make(chan *fin, 1), bulk: make(chan error, 1)}
+	m := &rtr{Token: d.Token, Length: d.Length, Offers: PathStream}
+	staging, err := offerDestination(s, d, p, m)
+	if err != nil {
+		p.settled()
+		return PathNone, &TransferError{Token: d.Token, Err: err}
+	}
+	pulls.Lock()
+	pulls.next++
+	p.req = pulls.next
+	pulls.m[p.req] = p
+	pulls.Unlock()
+	m.Req = p.req
+
+	if err := s.SendControl(ctx, ctlRTR, m.marshal()); err != nil {
+		p.settled()
+		return PathNone, sessionError(d.Token, s, ctx, err)
+	}
+	var f *fin
+	select {
+	case f = <-p.fin:
+	case <-ctx.Done():
+		go p.settleLater()
+		return PathNone, sessionError(d.Token, s, ctx, ctx.Err())
+	case <-s.Done():
+		p.settled()
+		return PathNone, sessionError(d.Token, s, ctx, s.Err())
+	}
+	if f.Status != finOK {
+		p.settled()
+		return f.Path, finError(d.Token, f)
+	}
+	if f.Path == PathStream {
+		select {
+		case err = <-p.bulk:
+		case <-ctx.Done():
+			go p.settleLater()
+			return f.Path, sessionError(d.Token, s, ctx, ctx.Err())
+		case <-s.Done():
+			p.settled()
+			return f.Path, sessionError(d.Token, s, ctx, s.Err())
+		}
+		if err != nil {
+			p.settled()
+			return f.Path, &TransferError{Token: d.Token, Err: fmt.Errorf("bulk stream: %w", err)}
+		}
+	}
+	if staging != nil {
+		if err := devicebuf.Copy(dst, staging); err != nil {
+			p.settled()
+			return f.Path, &TransferError{Token: d.Token, Err: fmt.Errorf("copy from staging: %w", err)}
+		}
+	}
+	p.settled()
+	return f.Path, nil
+}
+
+// settleLater keeps a timed-out pull's destination reserved until the owner
+// answers or the session dies: the owner may still be writing into it.
+func (p *pull) settleLater() {
+	select {
+	case <-p.fin:
+	case <-p.s.Done():
+	}
+	p.settled()
+}
+
+// offerDestination fills m with the destinations this receiver accepts for dst.
+// It returns a host staging buffer when the bytes land there first (GPU
+// destinations that UCX cannot write into).
+func offerDestination(s *Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buffer, error) {
+	peer := s.Peer()
+	if dst := p.dst; dst.Kind() == devicebuf.CUDA && peer.SameHost && d.HostID == LocalHostID() && d.Kind == devicebuf.CUDA {
+		h, off, err := devicebuf.ExportIPC(dst)
+		if err == nil {
+			m.Offers |= PathCUDAIPC
+			m.IPC, m.IPCOffset, m.IPCDevice = h, uint64(off), dst.DeviceUUID()
+		} else {
+			cfg().Metrics.Fallback(PathCUDAIPC, PathRDMA, "export IPC handle: "+err.Error())
+		}
+	}
+	ep, rc := s.Endpoint(), s.RDMA()
+	if ep == nil || rc == nil || d.Length == 0 {
+		return nil, nil
+	}
+	target := p.dst
+	var staging *devicebuf.Buffer
+	if target.Kind() == devicebuf.CUDA && !canRegister(rc, rdma.MemoryCUDA) {
+		b, err := HostPool(rc).Alloc(int(d.Length))
+		if err != nil {
+			cfg().Metrics.Fallback(PathRDMA, PathStream, "no host staging: "+err.Error())
+			return nil, nil
+		}
+		staging = b
+		p.after = append(p.after, func() { b.Release() })
+		target = b
+	}
+	mem, off, release, err := registered(rc, target)
+	if err != nil {
+		cfg().Metrics.Fallback(PathRDMA, PathStream, "register destination: "+err.Error())
+		return staging, nil
+	}
+	p.after = append(p.after, release)
+	key, err := packedKey(mem)
+	if err != nil {
+		cfg().Metrics.Fallback(PathRDMA, PathStream, "pack key: "+err.Error())
+		return staging, nil
+	}
+	m.Offers |= PathRDMA
+	m.RAddr = uint64(mem.Addr()) + uint64(off)
+	m.RKey = key
+	if mem.Type() == rdma.MemoryCUDA {
+		m.RMemory = 1
+	}
+	return staging, nil
+}
+
+func canRegister(rc *rdma.Context, mt rdma.MemoryType) bool {
+	for _, t := range rc.Info().MemoryTypes {
+		if t == mt {
+			return true
+		}
+	}
+	return false
+}
+
+func sessionError(t Token, s *Session, ctx context.Context, err error) error {
+	switch {
+	case ctx.Err() != nil && errors.Is(ctx.Err(), context.DeadlineExceeded):
+		return &TransferError{Token: t, Kind: TransferTimeout, Err: fmt.Errorf("no answer from the owner in time: %w", ctx.Err())}
+	case ctx.Err() != nil:
+		return &TransferError{Token: t, Kind: TransferFailed, Err: ctx.Err()}
+	}
+	if se := s.Err(); se != nil {
+		err = se
+	}
+	return &TransferError{Token: t, Kind: TransferUnavailable, Err: fmt.Errorf("session to the owner died: %w", err)}
+}
+
+func finError(t Token, f *fin) error {
+	k := TransferFailed
+	switch f.Status {
+	case finUnknownToken:
+		k = TransferNotFound
+	case finBadLength:
+		k = TransferInvalid
+	}
+	return &TransferError{Token: t, Kind: k, Err: fmt.Errorf("owner refused: %s", f.Msg)}
+}
+
+func handleFIN(s *Session, payload []byte) {
+	f, err := parseFIN(payload)
+	if err != nil {
+		cfg().Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		return
+	}
+	pulls.Lock()
+	p := pulls.m[f.Req]
+	pulls.Unlock()
+	if p == nil || p.s != s {
+		return
+	}
+	select {
+	case p.fin <- f:
+	default:
+	}
+}
+
+// serveBulk receives a stream-path payload on a bulk stream the owner opened.
+func serveBulk(s *Session, c net.Conn) {
+	defer c.Close()
+	c.SetReadDeadline(time.Now().Add(cfg().Timeout))
+	hdr := make([]byte, bulkHeaderLen)
+	if _, err := io.ReadFull(c, hdr); err != nil {
+		return
+	}
+	req, n, err := parseBulkHeader(hdr)
+	if err != nil {
+		return
+	}
+	pulls.Lock()
+	p := pulls.m[req]
+	if p == nil || p.s != s || p.detached || p.reading != nil {
+		pulls.Unlock()
+		return
+	}
+	done := make(chan struct{})
+	p.reading = done
+	pulls.Unlock()
+	defer close(done)
+	if uint64(p.dst.Len()) != n {
+		p.bulk <- fmt.Errorf("bulk stream announces %d bytes, destination holds %d", n, p.dst.Len())
+		return
+	}
+	p.bulk <- readInto(c, p.dst)
+}
+
+// readInto fills dst from r; device memory goes through a host bounce buffer.
+func readInto(r io.Reader, dst *devicebuf.Buffer) error {
+	if dst.Kind() == devicebuf.Host {
+		b, err := dst.HostBytes()
+		if err != nil {
+			return err
+		}
+		_, err = io.ReadFull(r, b)
+		return err
+	}
+	return chunked(dst.Len(), func(bounce *devicebuf.Buffer, off, n int) error {
+		hb, _ := bounce.HostBytes()
+		if _, err := io.ReadFull(r, hb[:n]); err != nil {
+			return err
+		}
+		return copyRange(dst, off, bounce, 0, n)
+	})
+}
+
+// ---- owner side ----------------------------------------------------------------
+
+// serveRTR answers one receiver's request for an outbox entry.
+func serveRTR(s *Session, payload []byte) {
+	m, err := parseRTR(payload)
+	if err != nil {
+		cfg().Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		return
+	}
+	c := cfg()
+	ctx, cancel := context.WithTimeout(context.Background(), c.Timeout)
+	defer cancel()
+	go func() {
+		select {
+		case <-s.Done():
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	f := &fin{Req: m.Req}
+	e, st, err := box.checkout(m.Token, m.Length)
+	if err != nil {
+		f.Status, f.Msg = st, err.Error()
+	} else {
+		start := time.Now()
+		f.Path, err = push(ctx, s, m, e.src)
+		box.checkin(m.Token, e, err == nil)
+		c.Metrics.Transfer(f.Path, int64(m.Length), time.Since(start), err)
+		c.Logger.Debug("out-of-band push", "session", s.ID(), "path", f.Path.String(), "bytes", m.Length, "elapsed", time.Since(start), "err", err)
+		if err != nil {
+			f.Status, f.Msg = finFailed, err.Error()
+		}
+	}
+	if err := s.SendControl(ctx, ctlFIN, f.marshal()); err != nil {
+		c.Logger.Debug("FIN not sent", "session", s.ID(), "err", err)
+	}
+}
+
+// push moves src into the receiver's destination by the best path both accept.
+func push(ctx context.Context, s *Session, m *rtr, src Source) (Path, error) {
+	if m.Length == 0 {
+		return PathNone, nil
+	}
+	if m.Offers&PathCUDAIPC != 0 {
+		err := pushIPC(m, src)
+		if err == nil {
+			return PathCUDAIPC, nil
+		}
+		cfg().Metrics.Fallback(PathCUDAIPC, PathRDMA, err.Error())
+	}
+	if m.Offers&PathRDMA != 0 {
+		if ep := s.Endpoint(); ep != nil {
+			path, err := pushRDMA(ctx, s, ep, m, src)
+			if err == nil || ctx.Err() != nil {
+				return path, err
+			}
+			cfg().Metrics.Fallback(PathRDMA, PathStream, err.Error())
+		}
+	}
+	return PathStream, pushStream(ctx, s, m, src)
+}
+
+func pushIPC(m *rtr, src Source) error {
+	dev, err := deviceOrdinal(m.IPCDevice)
+	if err != nil {
+		return err
+	}
+	remote, err := devicebuf.OpenIPC(m.IPC, dev)
+	if err != nil {
+		return err
+	}
+	defer remote.Release()
+	if m.IPCOffset > uint64(remote.Len()) || m.Length > uint64(remote.Len())-m.IPCOffset {
+		return fmt.Errorf("IPC destination [%d, +%d) outside its allocation of %d bytes", m.IPCOffset, m.Length, remote.Len())
+	}
+	dst, err := remote.Slice(int(m.IPCOffset), int(m.Length))
+	if err != nil {
+		return err
+	}
+	defer dst.Release()
+	return copyFromSource(dst, src)
+}
+
+func pushRDMA(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src Source) (Path, error) {
+	key, err := ep.UnpackKey(m.RKey)
+	if err != nil {
+		return PathRDMA, fmt.Errorf("unpack the receiver's key: %w", err)
+	}
+	defer key.Close()
+	path := PathRDMA
+	switch b := src.Buffer; {
+	case b == nil:
+		err = ep.PutBytes(ctx, src.Bytes, m.RAddr, key)
+	case b.Kind() == devicebuf.Host || canRegister(s.RDMA(), rdma.MemoryCUDA):
+		var mem *rdma.Memory
+		var off int
+		var release func()
+		mem, off, release, err = registered(s.RDMA(), b)
+		if err != nil {
+			return path, err
+		}
+		err = ep.Put(ctx, mem, off, b.Len(), m.RAddr, key)
+		release()
+	default:
+		path = PathStaged
+		err = pushStaged(ctx, s, ep, m, b, key)
+	}
+	if err != nil {
+		return path, err
+	}
+	if err := ep.Flush(ctx); err != nil {
+		return path, fmt.Errorf("flush: %w", err)
+	}
+	return path, nil
+}
+
+// pushStaged moves GPU memory that UCX cannot register: chunks are copied device
+// to registered host staging while the previous chunk is being put, two
+// staging buffers in flight.
+func pushStaged(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src *devicebuf.Buffer, key *rdma.RemoteKey) error {
+	chunk := min(cfg().StagingChunk, src.Len())
+	pool := HostPool(s.RDMA())
+	var bufs [2]*devicebuf.Buffer
+	for i := range bufs {
+		b, err := pool.Alloc(chunk)
+		if err != nil {
+			for _, o := range bufs[:i] {
+				o.Release()
+			}
+			return fmt.Errorf("staging buffer: %w", err)
+		}
+		bufs[i] = b
+	}
+	defer func() {
+		for _, b := range bufs {
+			b.Release()
+		}
+	}()
+	type filled struct {
+		slot, off, n int
+		err          error
+	}
+	ready := make(chan filled, len(bufs))
+	free := make(chan int, len(bufs))
+	for i := range bufs {
+		free <- i
+	}
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { // copier: device -> staging
+		defer wg.Done()
+		defer close(ready)
+		for off := 0; off < src.Len(); off += chunk {
+			var slot int
+			select {
+			case slot = <-free:
+			case <-stop:
+				return
+			}
+			n := min(chunk, src.Len()-off)
+			err := copyRange(bufs[slot], 0, src, off, n)
+			ready <- filled{slot, off, n, err}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	defer wg.Wait()
+	defer close(stop)
+	for f := range ready {
+		if f.err != nil {
+			return fmt.Errorf("copy to staging: %w", f.err)
+		}
+		mem, off, release, err := registered(s.RDMA(), bufs[f.slot])
+		if err != nil {
+			return err
+		}
+		err = ep.Put(ctx, mem, off, f.n, m.RAddr+uint64(f.off), key)
+		release()
+		if err != nil {
+			return err
+		}
+		free <- f.slot
+	}
+	return nil
+}
+
+func pushStream(ctx context.Context, s *Session, m *rtr, src Source) error {
+	c, err := s.OpenBulk(ctx)
+	if err != nil {
+		return fmt.Errorf("open bulk stream: %w", err)
+	}
+	defer c.Close()
+	if dl, ok := ctx.Deadline(); ok {
+		c.SetWriteDeadline(dl)
+	}
+	stop := context.AfterFunc(ctx, func() { c.SetWriteDeadline(time.Now()) })
+	defer stop()
+	if _, err := c.Write(bulkHeader(m.Req, m.Length)); err != nil {
+		return err
+	}
+	switch b := src.Buffer; {
+	case b == nil:
+		_, err = c.Write(src.Bytes)
+	case b.Kind() == devicebuf.Host:
+		var hb []byte
+		if hb, err = b.HostBytes(); err == nil {
+			_, err = c.Write(hb)
+		}
+	default:
+		err = chunked(b.Len(), func(bounce *devicebuf.Buffer, off, n int) error {
+			if err := copyRange(bounce, 0, b, off, n); err != nil {
+				return err
+			}
+			hb, _ := bounce.HostBytes()
+			_, err := c.Write(hb[:n])
+			return err
+		})
+	}
+	return err
+}
+
+// chunked runs fn over [0, n) in staging-chunk pieces with one host bounce buffer.
+func chunked(n int, fn func(bounce *devicebuf.Buffer, off, n int) error) error {
+	chunk := min(cfg().StagingChunk, n)
+	if chunk == 0 {
+		return nil
+	}
+	bounce, err := devicebuf.NewHostAllocator().Alloc(chunk)
+	if err != nil {
+		return err
+	}
+	defer bounce.Release()
+	for off := 0; off < n; off += chunk {
+		if err := fn(bounce, off, min(chunk, n-off)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// copyRange copies n bytes from src[soff:] to dst[doff:] through devicebuf.
+func copyRange(dst *devicebuf.Buffer, doff int, src *devicebuf.Buffer, soff, n int) error {
+	d, err := dst.Slice(doff, n)
+	if err != nil {
+		return err
+	}
+	defer d.Release()
+	sv, err := src.Slice(soff, n)
+	if err != nil {
+		return err
+	}
+	defer sv.Release()
+	return devicebuf.Copy(d, sv)
+}

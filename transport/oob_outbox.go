@@ -1,0 +1,147 @@
+package transport
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+)
+
+// DefaultLease bounds how long an outbox entry lives when nobody withdraws it.
+const DefaultLease = 2 * time.Minute
+
+// Source is a payload an owner serves from its outbox: a devicebuf.Buffer (host or
+// device memory) or plain Go bytes.
+type Source struct {
+	Buffer *devicebuf.Buffer
+	Bytes  []byte
+}
+
+// Len returns the payload length.
+func (s Source) Len() int {
+	if s.Buffer != nil {
+		return s.Buffer.Len()
+	}
+	return len(s.Bytes)
+}
+
+// OfferOptions say how long an outbox entry lives.
+type OfferOptions struct {
+	// Held entries stay until Withdraw (or the lease) however many receivers pulled
+	// them: a call that may be retried holds its request payloads. Entries not held
+	// leave after their first completed pull.
+	Held bool
+	// Lease is the backstop. If zero, DefaultLease.
+	Lease time.Duration
+}
+
+type outboxEntry struct {
+	src      Source
+	held     bool
+	pulls    int // completed pulls
+	inflight int // pulls under way; release waits for them
+	dead     bool
+	timer    *time.Timer
+}
+
+type outbox struct {
+	mu      sync.Mutex
+	entries map[Token]*outboxEntry
+}
+
+var box = &outbox{entries: make(map[Token]*outboxEntry)}
+
+// Offer puts src in this process's outbox and returns the descriptor that names
+// it. The outbox takes its own reference on a Buffer source and drops it when
+// the entry leaves. A Bytes source must not be modified until then.
+func Offer(src Source, opt OfferOptions) Descriptor {
+	d := Descriptor{Owner: LocalID(), Token: Token(newToken()), Length: uint64(src.Len()), HostID: LocalHostID(), Kind: devicebuf.Host, Device: -1}
+	if b := src.Buffer; b != nil {
+		b.Retain()
+		d.Kind, d.Device, d.DeviceUUID = b.Kind(), b.Device(), b.DeviceUUID()
+	}
+	lease := opt.Lease
+	if lease <= 0 {
+		lease = DefaultLease
+	}
+	e := &outboxEntry{src: src, held: opt.Held}
+	box.mu.Lock()
+	box.entries[d.Token] = e
+	box.mu.Unlock()
+	tok := d.Token
+	e.timer = time.AfterFunc(lease, func() { Withdraw(tok) })
+	return d
+}
+
+// Withdraw removes an entry; pulls under way finish first, later pulls of the
+// token fail as unknown. Withdrawing an unknown token does nothing.
+func Withdraw(t Token) {
+	box.mu.Lock()
+	e, ok := box.entries[t]
+	if !ok {
+		box.mu.Unlock()
+		return
+	}
+	delete(box.entries, t)
+	e.dead = true
+	free := e.inflight == 0
+	box.mu.Unlock()
+	e.timer.Stop()
+	if free {
+		e.free()
+	}
+}
+
+func (e *outboxEntry) free() {
+	if e.src.Buffer != nil {
+		e.src.Buffer.Release()
+	}
+}
+
+var errUnknownToken = errors.New("unknown or expired token")
+
+// checkout starts a pull of t for length n.
+func (b *outbox) checkout(t Token, n uint64) (*outboxEntry, finStatus, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	e, ok := b.entries[t]
+	if !ok {
+		return nil, finUnknownToken, errUnknownToken
+	}
+	if uint64(e.src.Len()) != n {
+		return nil, finBadLength, fmt.Errorf("length %d asked, payload is %d bytes", n, e.src.Len())
+	}
+	e.inflight++
+	return e, finOK, nil
+}
+
+// checkin ends a pull; a completed pull of an entry that is not held releases it.
+func (b *outbox) checkin(t Token, e *outboxEntry, ok bool) {
+	b.mu.Lock()
+	e.inflight--
+	if ok {
+		e.pulls++
+	}
+	leave := ok && !e.held && !e.dead
+	if leave {
+		delete(b.entries, t)
+		e.dead = true
+	}
+	free := e.dead && e.inflight == 0
+	b.mu.Unlock()
+	if leave {
+		e.timer.Stop()
+	}
+	if free {
+		e.free()
+	}
+}
+
+// OutboxLen returns the number of live outbox entries (tests check for leaks).
+func OutboxLen() int {
+	box.mu.Lock()
+	defer box.mu.Unlock()
+	return len(box.entries)
+}

@@ -1,0 +1,150 @@
+package transport
+
+import (
+	"fmt"
+	"runtime"
+	"sync"
+	"unsafe"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/rdma"
+)
+
+// registration is what a host pool's regions carry: UCX-allocated memory,
+// registered once with one rdma.Context and kept registered.
+type registration struct {
+	ctx *rdma.Context
+	mem *rdma.Memory
+}
+
+var (
+	hostPoolsMu sync.Mutex
+	hostPools   = map[*rdma.Context]*devicebuf.Pool{}
+	plainPool   *devicebuf.Pool
+
+	// regionRegs maps a UCX-allocated region's address to its registration,
+	// between the pool's region source and its registrar.
+	regionRegs sync.Map // uintptr -> *registration
+
+	keyCache sync.Map // *rdma.Memory -> []byte
+)
+
+// HostPool returns the process's pool of registered host memory for rc: regions
+// UCX allocated (puts into them run faster than into other memory), carved
+// into size classes and reused. With rc nil (no UCX), plain page-aligned host
+// memory. Received payloads and staging buffers come from it.
+func HostPool(rc *rdma.Context) *devicebuf.Pool {
+	hostPoolsMu.Lock()
+	defer hostPoolsMu.Unlock()
+	if rc == nil {
+		if plainPool == nil {
+			plainPool = mustPool(devicebuf.PoolConfig{MaxBytes: cfg().PoolBytes, Oversize: true})
+		}
+		return plainPool
+	}
+	if p := hostPools[rc]; p != nil {
+		return p
+	}
+	p := mustPool(devicebuf.PoolConfig{
+		Regions: func(n int) (*devicebuf.Buffer, error) {
+			mem, err := rc.Alloc(n)
+			if err != nil {
+				return nil, err
+			}
+			reg := &registration{ctx: rc, mem: mem}
+			regionRegs.Store(mem.Addr(), reg)
+			return devicebuf.Wrap(mem.Addr(), mem.Len(), devicebuf.Host, -1, func() {
+				regionRegs.Delete(mem.Addr())
+				keyCache.Delete(mem)
+				mem.Close()
+			}), nil
+		},
+		Registrar: regionRegistrar{},
+		MaxBytes:  cfg().PoolBytes,
+		Oversize:  true,
+	})
+	hostPools[rc] = p
+	return p
+}
+
+func mustPool(c devicebuf.PoolConfig) *devicebuf.Pool {
+	p, err := devicebuf.NewPool(c)
+	if err != nil {
+		panic(fmt.Sprintf("transport: host pool: %v", err)) // the config above is valid by construction
+	}
+	return p
+}
+
+// regionRegistrar hands a pool the registration its region source made.
+type regionRegistrar struct{}
+
+func (regionRegistrar) Register(ptr uintptr, n int, kind devicebuf.Kind, device int) (any, func() error, error) {
+	r, ok := regionRegs.Load(ptr)
+	if !ok {
+		return nil, nil, fmt.Errorf("region %#x was not allocated by UCX", ptr)
+	}
+	return r, func() error { return nil }, nil
+}
+
+// registered returns b's memory registration with rc and b's offset in it: the
+// pool's where b comes from a registered pool of rc, else a registration made
+// for this one transfer (Go memory stays pinned until release).
+func registered(rc *rdma.Context, b *devicebuf.Buffer) (*rdma.Memory, int, func(), error) {
+	root, off := b.Root()
+	if r, ok := root.Registration().(*registration); ok && r.ctx == rc {
+		return r.mem, off, func() {}, nil
+	}
+	mt := rdma.MemoryHost
+	if b.Kind() == devicebuf.CUDA {
+		if !canRegister(rc, rdma.MemoryCUDA) {
+			return nil, 0, nil, fmt.Errorf("UCX cannot register CUDA memory: %w", rdma.ErrNotSupported)
+		}
+		mt = rdma.MemoryCUDA
+	}
+	var pin runtime.Pinner
+	if b.GoMemory() {
+		hb, err := b.HostBytes()
+		if err != nil {
+			return nil, 0, nil, err
+		}
+		if len(hb) > 0 {
+			pin.Pin(unsafe.SliceData(hb))
+		}
+	}
+	mem, err := rc.Map(b.Ptr(), b.Len(), mt)
+	if err != nil {
+		pin.Unpin()
+		return nil, 0, nil, fmt.Errorf("register %d bytes: %w", b.Len(), err)
+	}
+	return mem, 0, func() {
+		keyCache.Delete(mem)
+		mem.Close()
+		pin.Unpin()
+	}, nil
+}
+
+func packedKey(mem *rdma.Memory) ([]byte, error) {
+	if k, ok := keyCache.Load(mem); ok {
+		return k.([]byte), nil
+	}
+	k, err := mem.PackKey()
+	if err != nil {
+		return nil, err
+	}
+	keyCache.Store(mem, k)
+	return k, nil
+}
+
+// deviceOrdinal finds the local CUDA ordinal of a GPU by UUID.
+func deviceOrdinal(uuid string) (int, error) {
+	n, err := devicebuf.DeviceCount()
+	if err != nil {
+		return -1, err
+	}
+	for i := range n {
+		if u, err := devicebuf.DeviceUUIDOf(i); err == nil && u == uuid {
+			return i, nil
+		}
+	}
+	return -1, fmt.Errorf("no local GPU with UUID %s", uuid)
+}

@@ -1,0 +1,255 @@
+package transport
+
+import (
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+)
+
+// Control message types of the rendezvous, sent on a session's control stream.
+const (
+	ctlRTR byte = 0x10 // receiver -> owner: ready to receive token into a destination
+	ctlFIN byte = 0x11 // owner -> receiver: the transfer of a request finished (status)
+)
+
+const wireVersion = 1
+
+// MaxPayload bounds the length a descriptor may announce: 1 TiB. A longer claim is
+// treated as garbage.
+const MaxPayload = 1 << 40
+
+// Token is the one-time capability naming an outbox entry: 128 random bits.
+type Token [16]byte
+
+func (t Token) String() string { return hex.EncodeToString(t[:4]) + "…" }
+
+// Descriptor names a payload held in an owner process's outbox. It is
+// connection-agnostic: a receiver finds a live session to Owner through the
+// registry and pulls the bytes through it.
+type Descriptor struct {
+	Owner      ID
+	Token      Token
+	Length     uint64
+	Kind       devicebuf.Kind
+	Device     int    // the owner's CUDA ordinal (-1 for host memory)
+	DeviceUUID string // the owner's GPU UUID ("" for host memory)
+	HostID     ID     // the owner's host
+}
+
+// Validate reports whether d can name a payload at all.
+func (d Descriptor) Validate() error {
+	switch {
+	case d.Owner == ID{}:
+		return errors.New("descriptor: empty owner")
+	case d.Token == Token{}:
+		return errors.New("descriptor: empty token")
+	case d.Length > MaxPayload:
+		return fmt.Errorf("descriptor: length %d exceeds %d", d.Length, uint64(MaxPayload))
+	case d.Kind != devicebuf.Host && d.Kind != devicebuf.CUDA:
+		return fmt.Errorf("descriptor: unknown kind %d", d.Kind)
+	case len(d.DeviceUUID) > 64:
+		return errors.New("descriptor: device uuid too long")
+	}
+	return nil
+}
+
+// Path names a way bytes move from the owner to the receiver.
+type Path uint8
+
+const (
+	PathNone    Path = 0
+	PathCUDAIPC Path = 1 << 0 // same host, destination in CUDA memory: device-to-device copy through a CUDA IPC handle
+	PathRDMA    Path = 1 << 1 // UCX put into the receiver's registered memory
+	PathStream  Path = 1 << 2 // the session's bulk stream
+	PathStaged  Path = 1 << 3 // GPU source, put through registered host staging (reported, never offered)
+)
+
+func (p Path) String() string {
+	switch p {
+	case PathNone:
+		return "none"
+	case PathCUDAIPC:
+		return "cuda-ipc"
+	case PathRDMA:
+		return "rdma"
+	case PathStream:
+		return "stream"
+	case PathStaged:
+		return "staged"
+	}
+	return fmt.Sprintf("paths(%#x)", uint8(p))
+}
+
+// rtr is the receiver's ready-to-receive: it names the token it wants and the
+// destinations the owner may write into.
+type rtr struct {
+	Req    uint64 // the receiver's request id, echoed in FIN and on a bulk stream
+	Token  Token
+	Length uint64
+	Offers Path // the paths the receiver accepts (PathStream is always accepted)
+
+	// PathRDMA: the destination's address in the receiver and its packed key.
+	RAddr   uint64
+	RKey    []byte
+	RMemory uint8 // 0 host, 1 cuda
+
+	// PathCUDAIPC: the destination allocation's IPC handle and the offset in it.
+	IPC       devicebuf.IPCHandle
+	IPCOffset uint64
+	IPCDevice string // the destination GPU's UUID
+}
+
+const maxRKey = 4096
+
+func (m *rtr) marshal() []byte {
+	b := make([]byte, 0, 64+len(m.RKey)+len(m.IPC))
+	b = append(b, wireVersion)
+	b = binary.BigEndian.AppendUint64(b, m.Req)
+	b = append(b, m.Token[:]...)
+	b = binary.BigEndian.AppendUint64(b, m.Length)
+	b = append(b, byte(m.Offers))
+	if m.Offers&PathRDMA != 0 {
+		b = binary.BigEndian.AppendUint64(b, m.RAddr)
+		b = append(b, m.RMemory)
+		b = binary.BigEndian.AppendUint16(b, uint16(len(m.RKey)))
+		b = append(b, m.RKey...)
+	}
+	if m.Offers&PathCUDAIPC != 0 {
+		b = append(b, m.IPC[:]...)
+		b = binary.BigEndian.AppendUint64(b, m.IPCOffset)
+		b = append(b, byte(len(m.IPCDevice)))
+		b = append(b, m.IPCDevice...)
+	}
+	return b
+}
+
+// readU64 and finish extend the handshake's reader for the rendezvous messages.
+func readU64(r *reader, what string) uint64 {
+	if p := r.take(8, what); p != nil {
+		return binary.BigEndian.Uint64(p)
+	}
+	return 0
+}
+
+func finish(r *reader, what string) error {
+	if r.err == nil && len(r.b) != 0 {
+		r.err = fmt.Errorf("%d trailing bytes", len(r.b))
+	}
+	if r.err != nil {
+		return fmt.Errorf("malformed %s: %w", what, r.err)
+	}
+	return nil
+}
+
+func parseRTR(b []byte) (*rtr, error) {
+	r := &reader{b: b}
+	if v := r.u8("u8"); r.err == nil && v != wireVersion {
+		return nil, fmt.Errorf("malformed RTR: version %d, want %d", v, wireVersion)
+	}
+	m := &rtr{Req: readU64(r, "u64")}
+	copy(m.Token[:], r.take(len(m.Token), "bytes"))
+	m.Length = readU64(r, "u64")
+	m.Offers = Path(r.u8("u8"))
+	if m.Offers&^(PathCUDAIPC|PathRDMA|PathStream) != 0 {
+		return nil, fmt.Errorf("malformed RTR: unknown paths %#x", uint8(m.Offers))
+	}
+	if m.Offers&PathRDMA != 0 {
+		m.RAddr = readU64(r, "u64")
+		m.RMemory = r.u8("u8")
+		n := int(r.u16("u16"))
+		if n > maxRKey {
+			return nil, fmt.Errorf("malformed RTR: key of %d bytes", n)
+		}
+		m.RKey = append([]byte(nil), r.take(n, "bytes")...)
+		if m.RMemory > 1 {
+			return nil, fmt.Errorf("malformed RTR: memory type %d", m.RMemory)
+		}
+	}
+	if m.Offers&PathCUDAIPC != 0 {
+		copy(m.IPC[:], r.take(len(m.IPC), "bytes"))
+		m.IPCOffset = readU64(r, "u64")
+		m.IPCDevice = string(r.take(int(r.u8("u8")), "device uuid"))
+	}
+	if err := finish(r, "RTR"); err != nil {
+		return nil, err
+	}
+	if m.Length > MaxPayload {
+		return nil, fmt.Errorf("malformed RTR: length %d", m.Length)
+	}
+	return m, nil
+}
+
+// finStatus is the owner's verdict on one request.
+type finStatus uint8
+
+const (
+	finOK finStatus = iota
+	finUnknownToken
+	finBadLength
+	finNoPath
+	finFailed
+)
+
+type fin struct {
+	Req    uint64
+	Status finStatus
+	Path   Path
+	Msg    string
+}
+
+const maxFinMsg = 1024
+
+func (m *fin) marshal() []byte {
+	msg := m.Msg
+	if len(msg) > maxFinMsg {
+		msg = msg[:maxFinMsg]
+	}
+	b := make([]byte, 0, 16+len(msg))
+	b = append(b, wireVersion)
+	b = binary.BigEndian.AppendUint64(b, m.Req)
+	b = append(b, byte(m.Status), byte(m.Path))
+	b = binary.BigEndian.AppendUint16(b, uint16(len(msg)))
+	return append(b, msg...)
+}
+
+func parseFIN(b []byte) (*fin, error) {
+	r := &reader{b: b}
+	if v := r.u8("u8"); r.err == nil && v != wireVersion {
+		return nil, fmt.Errorf("malformed FIN: version %d, want %d", v, wireVersion)
+	}
+	m := &fin{Req: readU64(r, "u64"), Status: finStatus(r.u8("u8")), Path: Path(r.u8("u8"))}
+	n := int(r.u16("u16"))
+	if n > maxFinMsg {
+		return nil, fmt.Errorf("malformed FIN: message of %d bytes", n)
+	}
+	m.Msg = string(r.take(n, "bytes"))
+	if err := finish(r, "FIN"); err != nil {
+		return nil, err
+	}
+	if m.Status > finFailed {
+		return nil, fmt.Errorf("malformed FIN: status %d", m.Status)
+	}
+	return m, nil
+}
+
+// bulk stream header: the request id and the byte count that follows.
+const bulkHeaderLen = 1 + 8 + 8
+
+func bulkHeader(req, n uint64) []byte {
+	b := make([]byte, 0, bulkHeaderLen)
+	b = append(b, wireVersion)
+	b = binary.BigEndian.AppendUint64(b, req)
+	return binary.BigEndian.AppendUint64(b, n)
+}
+
+func parseBulkHeader(b []byte) (req, n uint64, err error) {
+	r := &reader{b: b}
+	if v := r.u8("u8"); r.err == nil && v != wireVersion {
+		return 0, 0, fmt.Errorf("malformed bulk header: version %d", v)
+	}
+	req, n = readU64(r, "u64"), readU64(r, "u64")
+	return req, n, finish(r, "bulk header")
+}
