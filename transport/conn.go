@@ -1,0 +1,252 @@
+package transport
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/hashicorp/yamux"
+)
+
+// Stream roles: the first byte the opener writes on a new stream.
+const (
+	roleGRPC    = 'G' // the one stream gRPC runs on, opened by the client
+	roleControl = 'C' // the one control stream, opened by the client after the handshake
+	roleBulk    = 'B' // bulk streams, opened by either side
+)
+
+// Addr is the address of a conn a session hands out. Network() is
+// "gdrpc+ucx" or "gdrpc+tcp"; String() is the address of the underlying
+// connection.
+type Addr struct {
+	Transport string   // "ucx" or "tcp"
+	Addr      net.Addr // the address of the underlying connection
+	session   *Session
+}
+
+// Network returns "gdrpc+" and the transport.
+func (a *Addr) Network() string { return "gdrpc+" + a.Transport }
+
+func (a *Addr) String() string {
+	if a == nil || a.Addr == nil {
+		return "<nil>"
+	}
+	return a.Addr.String()
+}
+
+// TimeoutError is returned when a deadline passes. It is a net.Error with
+// Timeout() true and unwraps to os.ErrDeadlineExceeded.
+type TimeoutError struct{ Op string }
+
+func (e *TimeoutError) Error() string   { return "gdrpc: " + e.Op + ": i/o timeout" }
+func (e *TimeoutError) Timeout() bool   { return true }
+func (e *TimeoutError) Temporary() bool { return true }
+func (e *TimeoutError) Unwrap() error   { return os.ErrDeadlineExceeded }
+
+var _ net.Error = (*TimeoutError)(nil)
+
+// ErrStreamReset reports that the peer reset a stream.
+var ErrStreamReset = errors.New("gdrpc: stream reset by peer")
+
+// streamConn is a yamux stream with gdrpc's error semantics: deadlines in the
+// past fail at once, timeouts are *TimeoutError, and after Close every call
+// fails with an error wrapping net.ErrClosed.
+type streamConn struct {
+	st    *yamux.Stream
+	sess  *Session
+	role  byte
+	local net.Addr
+	peer  net.Addr
+
+	closed    atomic.Bool
+	closeOnce sync.Once
+	rdl, wdl  atomic.Int64 // deadlines in UnixNano, 0 for none
+}
+
+var _ net.Conn = (*streamConn)(nil)
+
+func newStreamConn(s *Session, st *yamux.Stream, role byte) *streamConn {
+	return &streamConn{
+		st:    st,
+		sess:  s,
+		role:  role,
+		local: &Addr{Transport: s.transport, Addr: s.localAddr, session: s},
+		peer:  &Addr{Transport: s.transport, Addr: s.remoteAddr, session: s},
+	}
+}
+
+func past(dl int64) bool { return dl != 0 && time.Now().UnixNano() >= dl }
+
+func (c *streamConn) Read(b []byte) (int, error) {
+	if c.closed.Load() {
+		return 0, c.opErr("read", net.ErrClosed)
+	}
+	if past(c.rdl.Load()) {
+		return 0, c.opErr("read", &TimeoutError{Op: "read"})
+	}
+	n, err := c.st.Read(b)
+	if err != nil {
+		err = c.mapErr("read", err)
+	}
+	return n, err
+}
+
+func (c *streamConn) Write(b []byte) (int, error) {
+	if c.closed.Load() {
+		return 0, c.opErr("write", net.ErrClosed)
+	}
+	if past(c.wdl.Load()) {
+		return 0, c.opErr("write", &TimeoutError{Op: "write"})
+	}
+	n, err := c.st.Write(b)
+	if err != nil {
+		err = c.mapErr("write", err)
+	}
+	return n, err
+}
+
+// mapErr turns a yamux error into ours.
+func (c *streamConn) mapErr(op string, err error) error {
+	if err == io.EOF {
+		return err
+	}
+	if c.closed.Load() {
+		return c.opErr(op, net.ErrClosed)
+	}
+	switch {
+	case errors.Is(err, yamux.ErrTimeout):
+		return c.opErr(op, &TimeoutError{Op: op})
+	case errors.Is(err, yamux.ErrSessionShutdown), errors.Is(err, yamux.ErrConnectionWriteTimeout):
+		return c.opErr(op, c.sess.closedErr())
+	case errors.Is(err, yamux.ErrConnectionReset):
+		return c.opErr(op, ErrStreamReset)
+	case errors.Is(err, yamux.ErrStreamClosed):
+		return c.opErr(op, fmt.Errorf("gdrpc: stream closed: %w", net.ErrClosed))
+	}
+	return c.opErr(op, err)
+}
+
+func (c *streamConn) opErr(op string, err error) error {
+	return &net.OpError{Op: op, Net: c.local.Network(), Source: c.local, Addr: c.peer, Err: err}
+}
+
+// Close closes the stream. Closing the gRPC stream closes its session too.
+func (c *streamConn) Close() error {
+	c.closeOnce.Do(func() {
+		c.closed.Store(true)
+		// Wake a blocked Read: yamux's Close only half-closes, and its Read
+		// keeps waiting for data.
+		_ = c.st.SetReadDeadline(time.Unix(1, 0))
+		_ = c.st.Close()
+		if c.role == roleGRPC {
+			c.sess.closeWith(nil)
+		}
+	})
+	return nil
+}
+
+func (c *streamConn) LocalAddr() net.Addr  { return c.local }
+func (c *streamConn) RemoteAddr() net.Addr { return c.peer }
+
+func (c *streamConn) SetDeadline(t time.Time) error {
+	if err := c.SetReadDeadline(t); err != nil {
+		return err
+	}
+	return c.SetWriteDeadline(t)
+}
+
+func nanos(t time.Time) int64 {
+	if t.IsZero() {
+		return 0
+	}
+	return t.UnixNano()
+}
+
+func (c *streamConn) SetReadDeadline(t time.Time) error {
+	if c.closed.Load() {
+		return c.opErr("set deadline", net.ErrClosed)
+	}
+	c.rdl.Store(nanos(t))
+	return c.st.SetReadDeadline(t)
+}
+
+func (c *streamConn) SetWriteDeadline(t time.Time) error {
+	if c.closed.Load() {
+		return c.opErr("set deadline", net.ErrClosed)
+	}
+	c.wdl.Store(nanos(t))
+	return c.st.SetWriteDeadline(t)
+}
+
+// Session returns the session the conn belongs to.
+func (c *streamConn) Session() *Session { return c.sess }
+
+// SessionOf returns the session a conn handed out by this package belongs to,
+// or nil (a raw plain HTTP/2 conn, or any other conn).
+func SessionOf(c net.Conn) *Session {
+	switch c := c.(type) {
+	case *streamConn:
+		return c.sess
+	case interface{ Session() *Session }:
+		return c.Session()
+	}
+	return nil
+}
+
+// replayConn is a raw TCP conn whose first bytes were read to tell gdrpc from
+// HTTP/2; it returns them again before reading on.
+type replayConn struct {
+	net.Conn
+	mu  sync.Mutex
+	buf []byte
+}
+
+func (c *replayConn) Read(b []byte) (int, error) {
+	c.mu.Lock()
+	if len(c.buf) > 0 {
+		n := copy(b, c.buf)
+		c.buf = c.buf[n:]
+		c.mu.Unlock()
+		return n, nil
+	}
+	c.mu.Unlock()
+	return c.Conn.Read(b)
+}
+
+// errConn records the first error of the underlying connection, the cause a
+// session reports when it dies.
+type errConn struct {
+	net.Conn
+	once sync.Once
+	err  atomic.Pointer[error]
+}
+
+func (c *errConn) record(err error) {
+	if err != nil {
+		c.once.Do(func() { c.err.Store(&err) })
+	}
+}
+
+func (c *errConn) Read(b []byte) (int, error) {
+	n, err := c.Conn.Read(b)
+	c.record(err)
+	return n, err
+}
+
+func (c *errConn) Write(b []byte) (int, error) {
+	n, err := c.Conn.Write(b)
+	c.record(err)
+	return n, err
+}
+
+func (c *errConn) firstErr() error {
+	if p := c.err.Load(); p != nil {
+		return *p
+	}
+	return nil
+}

@@ -1,0 +1,200 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strconv"
+	"time"
+
+	"github.com/gdrpc/gdrpc/rdma"
+)
+
+// Dial connects to a gdrpc listener at addr (host:port, TCP), runs the
+// handshake, and, when both ends have UCX and the mode allows, moves the
+// session onto a UCX endpoint. ctx bounds the dial and the handshake (which
+// WithHandshakeTimeout bounds too); it does not bound the session.
+func Dial(ctx context.Context, addr string, opts ...Option) (*Session, error) {
+	cfg, err := newConfig(opts)
+	if err != nil {
+		return nil, err
+	}
+	var rctx *rdma.Context
+	if cfg.mode != ModeTCP {
+		var uerr error
+		rctx, uerr = cfg.rdmaContext()
+		if uerr != nil {
+			if cfg.mode == ModeUCX {
+				return nil, fmt.Errorf("gdrpc: dial %s: transport ucx required: %w", addr, uerr)
+			}
+			cfg.logger.Debug("UCX unavailable, TCP only", "err", uerr)
+			rctx = nil
+		}
+	}
+	var d net.Dialer
+	tc, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("gdrpc: dial %s: %w", addr, err)
+	}
+	s, err := clientHandshake(ctx, cfg, tc, rctx)
+	if err != nil {
+		return nil, fmt.Errorf("gdrpc: dial %s: %w", addr, err)
+	}
+	return s, nil
+}
+
+// NewClientSession runs the client side of the handshake over conn, which
+// must reach a peer running NewServerSession or a Listener, and returns a
+// session over conn (transport "tcp": no UCX upgrade). The session owns conn.
+// It is the seam for fakes and for callers bringing their own connection.
+func NewClientSession(ctx context.Context, conn net.Conn, opts ...Option) (*Session, error) {
+	cfg, err := newConfig(opts)
+	if err != nil {
+		_ = conn.Close()
+		return nil, err
+	}
+	if cfg.modeSet && cfg.mode == ModeUCX {
+		_ = conn.Close()
+		return nil, errors.New("gdrpc: transport ucx needs Dial, not a caller's conn")
+	}
+	cfg.mode = ModeTCP
+	return clientHandshake(ctx, cfg, conn, nil)
+}
+
+// bindDeadline applies ctx's deadline to conn and makes ctx's end fail its
+// pending I/O. The returned func undoes both.
+func bindDeadline(ctx context.Context, conn interface{ SetDeadline(time.Time) error }) func() {
+	if dl, ok := ctx.Deadline(); ok {
+		_ = conn.SetDeadline(dl)
+	}
+	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Unix(1, 0)) })
+	return func() {
+		stop()
+		_ = conn.SetDeadline(time.Time{})
+	}
+}
+
+// ctxErr prefers the context's error to the I/O error it caused.
+func ctxErr(ctx context.Context, err error) error {
+	if cerr := ctx.Err(); cerr != nil {
+		if errors.Is(cerr, context.DeadlineExceeded) {
+			return fmt.Errorf("gdrpc: handshake: %w (%w)", &TimeoutError{Op: "handshake"}, err)
+		}
+		return fmt.Errorf("gdrpc: handshake: %w", cerr)
+	}
+	return err
+}
+
+func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma.Context) (s *Session, err error) {
+	hctx, cancel := context.WithTimeout(ctx, cfg.handshakeTimeout)
+	defer cancel()
+	unbind := bindDeadline(hctx, conn)
+	defer func() {
+		if err != nil {
+			unbind()
+			_ = conn.Close()
+			err = ctxErr(hctx, err)
+		}
+	}()
+
+	caps := cfg.localCaps()
+	if rctx == nil && cfg.mode != ModeTCP {
+		caps.UCX = false
+	}
+	if _, err := conn.Write(encodeHello(hello{ID: cfg.localID, HostID: LocalHostID(), Mode: cfg.mode, Caps: caps})); err != nil {
+		return nil, fmt.Errorf("gdrpc: handshake: send hello: %w", err)
+	}
+	version, body, err := readFrame(conn, false)
+	if err != nil {
+		if errors.Is(err, io.EOF) {
+			err = fmt.Errorf("%w: peer closed the connection during the handshake", ErrPeerGone)
+		}
+		return nil, fmt.Errorf("gdrpc: handshake: %w", err)
+	}
+	w, err := parseWelcome(version, body)
+	if err != nil {
+		return nil, fmt.Errorf("gdrpc: handshake: %w", err)
+	}
+	if w.Transport == "tcp" && cfg.mode == ModeUCX {
+		return nil, fmt.Errorf("gdrpc: handshake: transport ucx required but the server did not offer it")
+	}
+
+	setup := sessionSetup{
+		client:    true,
+		cfg:       cfg,
+		peer:      Peer{ID: w.ID, HostID: w.HostID, Caps: w.Caps, SameHost: w.HostID == LocalHostID()},
+		token:     w.Token,
+		transport: "tcp",
+		conn:      conn,
+	}
+	if w.Transport == "ucx" {
+		if rctx == nil {
+			return nil, malformed("server offered UCX to a client without it")
+		}
+		host := ""
+		if ta, ok := conn.RemoteAddr().(*net.TCPAddr); ok {
+			host = ta.IP.String()
+		} else {
+			return nil, fmt.Errorf("gdrpc: handshake: UCX offered over a non-TCP connection")
+		}
+		uaddr := net.JoinHostPort(host, strconv.Itoa(int(w.UCXPort)))
+		ep, uerr := upgradeUCX(hctx, rctx, uaddr, w.Token)
+		if uerr != nil {
+			if !w.FallbackOK || cfg.mode == ModeUCX {
+				return nil, fmt.Errorf("gdrpc: handshake: UCX upgrade to %s: %w", uaddr, uerr)
+			}
+			cfg.logger.Info("UCX upgrade failed, falling back to TCP", "ucx_addr", uaddr, "err", uerr)
+			if _, err := conn.Write([]byte{decisionTCP}); err != nil {
+				return nil, fmt.Errorf("gdrpc: handshake: send decision: %w", err)
+			}
+		} else {
+			if _, err := conn.Write([]byte{decisionUCX}); err != nil {
+				_ = ep.Close()
+				return nil, fmt.Errorf("gdrpc: handshake: send decision: %w", err)
+			}
+			unbind()
+			_ = conn.Close() // the bootstrap is done; the session runs over UCX
+			setup.transport, setup.conn, setup.ep, setup.rctx = "ucx", ep, ep, rctx
+			return newSession(setup)
+		}
+	}
+	unbind()
+	if err := hctx.Err(); err != nil {
+		return nil, err
+	}
+	return newSession(setup)
+}
+
+// upgradeUCX dials the server's UCX listener and proves the session with its
+// token.
+func upgradeUCX(ctx context.Context, rctx *rdma.Context, addr string, token ID) (*rdma.Endpoint, error) {
+	w := rctx.Worker()
+	if w == nil {
+		return nil, fmt.Errorf("gdrpc: UCX context has no worker: %w", rdma.ErrNotSupported)
+	}
+	ep, err := w.Dial(ctx, addr)
+	if err != nil {
+		return nil, err
+	}
+	unbind := bindDeadline(ctx, ep)
+	msg := append([]byte(upgradeMagic), token[:]...)
+	if _, err := ep.Write(msg); err != nil {
+		unbind()
+		_ = ep.Close()
+		return nil, ctxErr(ctx, fmt.Errorf("send token: %w", err))
+	}
+	var ack [1]byte
+	if _, err := io.ReadFull(ep, ack[:]); err != nil {
+		unbind()
+		_ = ep.Close()
+		return nil, ctxErr(ctx, fmt.Errorf("read ack: %w", err))
+	}
+	unbind()
+	if ack[0] != upgradeAckOK {
+		_ = ep.Close()
+		return nil, fmt.Errorf("server refused the UCX upgrade (ack %d)", ack[0])
+	}
+	return ep, nil
+}

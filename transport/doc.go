@@ -1,0 +1,27 @@
+// Package transport owns everything that knows about a peer: the session (one
+// per underlying connection), its handshake and capability negotiation, the
+// multiplexing of the session's byte stream (yamux: one gRPC stream, one
+// control stream, bulk streams), the net.Conn and net.Listener gRPC runs on,
+// keepalive and dead-peer detection, the process-wide registry of live
+// sessions by peer process id, gRPC transport credentials that expose the
+// session to handlers, and the out-of-band transfer engine built on sessions.
+//
+// Every session starts on a plain TCP connection. The client sends a
+// versioned handshake (process id, host id, capabilities, requested mode); the
+// server answers with its own and, when both have UCX and the mode allows, the
+// port of its UCX listener and a session token. The client then dials UCX,
+// proves the session with the token, and the session runs over the UCX
+// endpoint; otherwise it runs over the TCP connection. A listener also accepts
+// plain HTTP/2 (and TLS) clients on the same port and hands their raw
+// connections to gRPC unchanged.
+//
+// The mode is ModeAuto by default, or set by WithMode or the environment
+// variable GDRPC_TRANSPORT=ucx|tcp. The chosen transport shows in
+// Session.Transport, in the network of the conns' addresses ("gdrpc+ucx",
+// "gdrpc+tcp"), in debug logs and in AuthInfo.
+//
+// What this package must never do: call UCX other than through package rdma,
+// touch device memory (package devicebuf owns it), or keep a session alive
+// past its peer: every wait is bounded by a context, a deadline or the
+// session's life, and a peer that stops answering keepalives is dropped.
+package transport

@@ -1,0 +1,580 @@
+package transport
+
+import (
+	"bytes"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"sync"
+
+	"github.com/gdrpc/gdrpc/rdma"
+)
+
+// ID is a 16-byte identifier: a process id or a host id.
+type ID [16]byte
+
+// String returns the id in lower-case hex.
+func (id ID) String() string { return hex.EncodeToString(id[:]) }
+
+// IsZero reports whether the id is all zeros.
+func (id ID) IsZero() bool { return id == ID{} }
+
+var localID = sync.OnceValue(func() ID {
+	var id ID
+	if _, err := rand.Read(id[:]); err != nil {
+		panic("gdrpc: crypto/rand failed: " + err.Error())
+	}
+	return id
+})
+
+// LocalID returns the random id of this process. It is fixed for the life of
+// the process and sent to every peer in the handshake.
+func LocalID() ID { return localID() }
+
+var localHostID = sync.OnceValue(func() ID { return hostIDFrom(os.Getenv("GDRPC_HOST_ID")) })
+
+// LocalHostID returns the id of this host: a hash of /etc/machine-id and the
+// boot id, or of the environment variable GDRPC_HOST_ID when it is set (tests
+// use it to emulate several hosts on one machine). Two peers with the same host
+// id are on the same host (Peer.SameHost).
+func LocalHostID() ID { return localHostID() }
+
+func hostIDFrom(env string) ID {
+	h := sha256.New()
+	if env != "" {
+		h.Write([]byte("env:"))
+		h.Write([]byte(env))
+	} else {
+		for _, p := range []string{"/etc/machine-id", "/proc/sys/kernel/random/boot_id"} {
+			b, _ := os.ReadFile(p)
+			h.Write(bytes.TrimSpace(b))
+			h.Write([]byte{0})
+		}
+		if name, err := os.Hostname(); err == nil {
+			h.Write([]byte(name))
+		}
+	}
+	var id ID
+	copy(id[:], h.Sum(nil))
+	return id
+}
+
+// Caps is what a process can do, exchanged in the handshake.
+type Caps struct {
+	UCX           bool     // UCX is usable in this process
+	UCXVersion    string   // version of the loaded UCX library
+	MemoryTypes   []string // memory types UCX can register: "host", "cuda"
+	UCXTransports []string // UCX transports/devices ("tl/device"), best effort
+	CUDADevices   []string // UUIDs of the CUDA devices present
+	Codecs        []string // codecs this process speaks, e.g. "gdr"
+}
+
+// Has reports whether the codec is among c.Codecs.
+func (c Caps) HasCodec(name string) bool {
+	for _, n := range c.Codecs {
+		if n == name {
+			return true
+		}
+	}
+	return false
+}
+
+// HasMemoryType reports whether t is among c.MemoryTypes.
+func (c Caps) HasMemoryType(t string) bool {
+	for _, n := range c.MemoryTypes {
+		if n == t {
+			return true
+		}
+	}
+	return false
+}
+
+func (c Caps) clone() Caps {
+	c.MemoryTypes = append([]string(nil), c.MemoryTypes...)
+	c.UCXTransports = append([]string(nil), c.UCXTransports...)
+	c.CUDADevices = append([]string(nil), c.CUDADevices...)
+	c.Codecs = append([]string(nil), c.Codecs...)
+	return c
+}
+
+// Peer is the other end of a session as its handshake described it.
+type Peer struct {
+	ID       ID   // the peer's process id (its LocalID)
+	HostID   ID   // the peer's host id (its LocalHostID)
+	Caps     Caps // what the peer can do
+	SameHost bool // HostID equals LocalHostID()
+}
+
+// LocalCaps returns the capabilities this process announces in every
+// handshake. The default fills the UCX fields from rdma.Default() and Codecs
+// with "gdr"; CUDADevices is empty. It may be replaced (typically wrapped, to
+// add CUDA devices) before the first session is made; it must be safe for
+// concurrent use.
+var LocalCaps func() Caps = defaultLocalCaps
+
+var defaultUCXCaps = sync.OnceValue(func() Caps {
+	if rdma.Available() != nil {
+		return Caps{}
+	}
+	c, err := rdma.Default()
+	if err != nil {
+		return Caps{}
+	}
+	return ucxCaps(c)
+})
+
+func ucxCaps(c *rdma.Context) Caps {
+	info := c.Info()
+	caps := Caps{UCX: true, UCXVersion: info.Version}
+	for _, m := range info.MemoryTypes {
+		caps.MemoryTypes = append(caps.MemoryTypes, m.String())
+	}
+	caps.UCXTransports = append(caps.UCXTransports, info.Transports...)
+	return caps
+}
+
+func defaultLocalCaps() Caps {
+	c := defaultUCXCaps().clone()
+	c.Codecs = []string{"gdr"}
+	return c
+}
+
+// Wire format of the handshake (all integers big-endian). Every message is a
+// frame:
+//
+//	offset size
+//	0      6    magic "GDRPC\x00"
+//	6      2    protocol version (1)
+//	8      4    body length n (at most 64 KiB)
+//	12     n    body; its first byte is the kind (hello, welcome, reject)
+//
+// hello (client to server): kind, process id [16], host id [16], requested
+// mode u8, caps. welcome (server to client): kind, process id, host id, caps,
+// transport u8, flags u8 (bit 0: the client may fall back to TCP if the UCX
+// upgrade fails), UCX port u16, session token [16]. reject: kind, code u8,
+// message string. caps: flags u8 (bit 0: UCX), UCX version string, then four
+// string lists (memory types, UCX transports, CUDA devices, codecs). A string
+// is a u16 length and bytes (at most 1 KiB); a list a u16 count (at most 64)
+// and strings. Nothing may follow the last field. The reject body is the same
+// in every version, so a peer speaking another version can still say why.
+//
+// When the welcome offers UCX, the client dials the server's UCX listener (the
+// IP it reached over TCP, the port in the welcome), sends the upgrade magic
+// "GDRPCU" and the token on the UCX stream and waits for one ack byte; then it
+// sends one decision byte over TCP: 'U' (the session runs over UCX, the TCP
+// connection is closed by both) or 'T' (UCX failed, the session stays on TCP).
+const (
+	magic           = "GDRPC\x00"
+	upgradeMagic    = "GDRPCU"
+	protocolVersion = 1
+	frameHeaderLen  = len(magic) + 2 + 4
+	maxBodyLen      = 64 << 10
+	maxStringLen    = 1 << 10
+	maxListLen      = 64
+
+	kindHello   = 1
+	kindWelcome = 2
+	kindReject  = 3
+
+	transportCodeUCX = 1
+	transportCodeTCP = 2
+
+	welcomeFallbackOK = 1 << 0
+
+	decisionUCX = 'U'
+	decisionTCP = 'T'
+
+	upgradeAckOK = 1
+)
+
+// Reject codes.
+const (
+	rejectVersion   = 1 // protocol version not spoken
+	rejectMalformed = 2 // the hello did not parse
+	rejectMode      = 3 // the requested transport cannot be provided
+	rejectInternal  = 4
+)
+
+// Handshake errors.
+var (
+	// ErrNotGDRPC reports that the peer did not start with the gdrpc magic.
+	ErrNotGDRPC = errors.New("gdrpc: peer is not a gdrpc endpoint (bad magic)")
+	// ErrVersion reports a protocol version mismatch; the error is a *VersionError.
+	ErrVersion = errors.New("gdrpc: protocol version mismatch")
+	// ErrMalformed reports a handshake message that does not parse.
+	ErrMalformed = errors.New("gdrpc: malformed handshake message")
+	// ErrRejected reports that the peer refused the handshake; the error is a *RejectError.
+	ErrRejected = errors.New("gdrpc: handshake rejected by peer")
+)
+
+// VersionError reports that the peer speaks another protocol version.
+type VersionError struct {
+	Local, Remote uint16
+}
+
+func (e *VersionError) Error() string {
+	return fmt.Sprintf("gdrpc: protocol version mismatch: we speak %d, the peer speaks %d", e.Local, e.Remote)
+}
+
+// Is makes errors.Is(err, ErrVersion) true.
+func (e *VersionError) Is(target error) bool { return target == ErrVersion }
+
+// RejectError is the peer's refusal of a handshake, with its reason.
+type RejectError struct {
+	Code    uint8
+	Message string
+}
+
+func (e *RejectError) Error() string {
+	return fmt.Sprintf("gdrpc: handshake rejected by peer: %s (code %d)", e.Message, e.Code)
+}
+
+// Is makes errors.Is(err, ErrRejected) true, and errors.Is(err, ErrVersion)
+// true for a version rejection.
+func (e *RejectError) Is(target error) bool {
+	return target == ErrRejected || (target == ErrVersion && e.Code == rejectVersion)
+}
+
+func malformed(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", ErrMalformed, fmt.Sprintf(format, args...))
+}
+
+type hello struct {
+	ID     ID
+	HostID ID
+	Mode   Mode
+	Caps   Caps
+}
+
+type welcome struct {
+	ID         ID
+	HostID     ID
+	Caps       Caps
+	Transport  string // "ucx" or "tcp"
+	FallbackOK bool
+	UCXPort    uint16
+	Token      ID
+}
+
+// writer builds a body.
+type writer struct{ b []byte }
+
+func (w *writer) u8(v uint8)   { w.b = append(w.b, v) }
+func (w *writer) u16(v uint16) { w.b = binary.BigEndian.AppendUint16(w.b, v) }
+func (w *writer) id(v ID)      { w.b = append(w.b, v[:]...) }
+func (w *writer) str(s string) {
+	if len(s) > maxStringLen {
+		s = s[:maxStringLen]
+	}
+	w.u16(uint16(len(s)))
+	w.b = append(w.b, s...)
+}
+func (w *writer) list(l []string) {
+	if len(l) > maxListLen {
+		l = l[:maxListLen]
+	}
+	w.u16(uint16(len(l)))
+	for _, s := range l {
+		w.str(s)
+	}
+}
+func (w *writer) caps(c Caps) {
+	var f uint8
+	if c.UCX {
+		f |= 1
+	}
+	w.u8(f)
+	w.str(c.UCXVersion)
+	w.list(c.MemoryTypes)
+	w.list(c.UCXTransports)
+	w.list(c.CUDADevices)
+	w.list(c.Codecs)
+}
+
+// reader parses a body; the first error sticks.
+type reader struct {
+	b   []byte
+	err error
+}
+
+func (r *reader) take(n int, what string) []byte {
+	if r.err != nil {
+		return nil
+	}
+	if len(r.b) < n {
+		r.err = malformed("%s: need %d bytes, have %d", what, n, len(r.b))
+		return nil
+	}
+	v := r.b[:n]
+	r.b = r.b[n:]
+	return v
+}
+
+func (r *reader) u8(what string) uint8 {
+	v := r.take(1, what)
+	if v == nil {
+		return 0
+	}
+	return v[0]
+}
+
+func (r *reader) u16(what string) uint16 {
+	v := r.take(2, what)
+	if v == nil {
+		return 0
+	}
+	return binary.BigEndian.Uint16(v)
+}
+
+func (r *reader) id(what string) ID {
+	var id ID
+	copy(id[:], r.take(16, what))
+	return id
+}
+
+func (r *reader) str(what string) string {
+	n := int(r.u16(what))
+	if r.err == nil && n > maxStringLen {
+		r.err = malformed("%s: string of %d bytes (max %d)", what, n, maxStringLen)
+	}
+	return string(r.take(n, what))
+}
+
+func (r *reader) list(what string) []string {
+	n := int(r.u16(what))
+	if r.err != nil {
+		return nil
+	}
+	if n > maxListLen {
+		r.err = malformed("%s: list of %d items (max %d)", what, n, maxListLen)
+		return nil
+	}
+	var l []string
+	for range n {
+		s := r.str(what)
+		if r.err != nil {
+			return nil
+		}
+		l = append(l, s)
+	}
+	return l
+}
+
+func (r *reader) caps() Caps {
+	var c Caps
+	f := r.u8("caps flags")
+	c.UCX = f&1 != 0
+	c.UCXVersion = r.str("UCX version")
+	c.MemoryTypes = r.list("memory types")
+	c.UCXTransports = r.list("UCX transports")
+	c.CUDADevices = r.list("CUDA devices")
+	c.Codecs = r.list("codecs")
+	return c
+}
+
+func (r *reader) end() error {
+	if r.err == nil && len(r.b) != 0 {
+		r.err = malformed("%d trailing bytes", len(r.b))
+	}
+	return r.err
+}
+
+func modeCode(m Mode) uint8 {
+	switch m {
+	case ModeUCX:
+		return 1
+	case ModeTCP:
+		return 2
+	}
+	return 0
+}
+
+func modeFromCode(c uint8) (Mode, bool) {
+	switch c {
+	case 0:
+		return ModeAuto, true
+	case 1:
+		return ModeUCX, true
+	case 2:
+		return ModeTCP, true
+	}
+	return "", false
+}
+
+// frame wraps a body in the frame header.
+func frame(body []byte) []byte {
+	b := make([]byte, 0, frameHeaderLen+len(body))
+	b = append(b, magic...)
+	b = binary.BigEndian.AppendUint16(b, protocolVersion)
+	b = binary.BigEndian.AppendUint32(b, uint32(len(body)))
+	return append(b, body...)
+}
+
+func encodeHello(h hello) []byte {
+	w := &writer{}
+	w.u8(kindHello)
+	w.id(h.ID)
+	w.id(h.HostID)
+	w.u8(modeCode(h.Mode))
+	w.caps(h.Caps)
+	return frame(w.b)
+}
+
+func encodeWelcome(m welcome) []byte {
+	w := &writer{}
+	w.u8(kindWelcome)
+	w.id(m.ID)
+	w.id(m.HostID)
+	w.caps(m.Caps)
+	if m.Transport == "ucx" {
+		w.u8(transportCodeUCX)
+	} else {
+		w.u8(transportCodeTCP)
+	}
+	var f uint8
+	if m.FallbackOK {
+		f |= welcomeFallbackOK
+	}
+	w.u8(f)
+	w.u16(m.UCXPort)
+	w.id(m.Token)
+	return frame(w.b)
+}
+
+func encodeReject(code uint8, msg string) []byte {
+	w := &writer{}
+	w.u8(kindReject)
+	w.u8(code)
+	w.str(msg)
+	return frame(w.b)
+}
+
+// readFrame reads one frame whose magic has not been read yet if magicRead is
+// false. It returns the version and the body. A frame of another version is
+// returned with its body so the caller can look for a reject.
+func readFrame(r io.Reader, magicRead bool) (uint16, []byte, error) {
+	var hdr [frameHeaderLen]byte
+	start := 0
+	if magicRead {
+		start = len(magic)
+		copy(hdr[:], magic)
+	}
+	if _, err := io.ReadFull(r, hdr[start:]); err != nil {
+		if start == 0 && errors.Is(err, io.ErrUnexpectedEOF) {
+			return 0, nil, fmt.Errorf("%w: %w", ErrNotGDRPC, err)
+		}
+		return 0, nil, err
+	}
+	if string(hdr[:len(magic)]) != magic {
+		return 0, nil, fmt.Errorf("%w: got %q", ErrNotGDRPC, hdr[:len(magic)])
+	}
+	version := binary.BigEndian.Uint16(hdr[len(magic):])
+	n := binary.BigEndian.Uint32(hdr[len(magic)+2:])
+	if n == 0 || n > maxBodyLen {
+		return version, nil, malformed("body length %d (max %d)", n, maxBodyLen)
+	}
+	body := make([]byte, n)
+	if _, err := io.ReadFull(r, body); err != nil {
+		return version, nil, fmt.Errorf("%w: truncated body: %w", ErrMalformed, err)
+	}
+	return version, body, nil
+}
+
+// parseReject parses a reject body (kind byte included).
+func parseReject(body []byte) error {
+	r := &reader{b: body[1:]}
+	code := r.u8("reject code")
+	msg := r.str("reject message")
+	if err := r.end(); err != nil {
+		return err
+	}
+	return &RejectError{Code: code, Message: msg}
+}
+
+// parseHello parses a hello frame body of the given version.
+func parseHello(version uint16, body []byte) (hello, error) {
+	if version != protocolVersion {
+		return hello{}, &VersionError{Local: protocolVersion, Remote: version}
+	}
+	r := &reader{b: body}
+	if k := r.u8("kind"); r.err == nil && k != kindHello {
+		return hello{}, malformed("expected hello (kind %d), got kind %d", kindHello, k)
+	}
+	var h hello
+	h.ID = r.id("process id")
+	h.HostID = r.id("host id")
+	mc := r.u8("mode")
+	h.Caps = r.caps()
+	if err := r.end(); err != nil {
+		return hello{}, err
+	}
+	m, ok := modeFromCode(mc)
+	if !ok {
+		return hello{}, malformed("unknown mode %d", mc)
+	}
+	h.Mode = m
+	return h, nil
+}
+
+// parseWelcome parses the server's answer: a welcome, or a reject (returned as
+// a *RejectError) of any version.
+func parseWelcome(version uint16, body []byte) (welcome, error) {
+	if len(body) > 0 && body[0] == kindReject {
+		return welcome{}, parseReject(body)
+	}
+	if version != protocolVersion {
+		return welcome{}, &VersionError{Local: protocolVersion, Remote: version}
+	}
+	r := &reader{b: body}
+	if k := r.u8("kind"); r.err == nil && k != kindWelcome {
+		return welcome{}, malformed("expected welcome (kind %d), got kind %d", kindWelcome, k)
+	}
+	var m welcome
+	m.ID = r.id("process id")
+	m.HostID = r.id("host id")
+	m.Caps = r.caps()
+	tc := r.u8("transport")
+	f := r.u8("flags")
+	m.UCXPort = r.u16("UCX port")
+	m.Token = r.id("token")
+	if err := r.end(); err != nil {
+		return welcome{}, err
+	}
+	switch tc {
+	case transportCodeUCX:
+		m.Transport = "ucx"
+		if m.UCXPort == 0 {
+			return welcome{}, malformed("UCX offered without a port")
+		}
+	case transportCodeTCP:
+		m.Transport = "tcp"
+	default:
+		return welcome{}, malformed("unknown transport %d", tc)
+	}
+	m.FallbackOK = f&welcomeFallbackOK != 0
+	return m, nil
+}
+
+// isHTTP2Preface reports whether b (the first bytes a client sent) starts an
+// HTTP/2 client preface; isTLSHello whether it starts a TLS handshake record.
+func isHTTP2Preface(b []byte) bool {
+	return strings.HasPrefix("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", string(b))
+}
+
+func isTLSHello(b []byte) bool {
+	return len(b) >= 3 && b[0] == 0x16 && b[1] == 0x03 && b[2] <= 0x04
+}
+
+func newToken() ID {
+	var t ID
+	if _, err := rand.Read(t[:]); err != nil {
+		panic("gdrpc: crypto/rand failed: " + err.Error())
+	}
+	return t
+}

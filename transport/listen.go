@@ -1,0 +1,516 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/gdrpc/gdrpc/rdma"
+)
+
+// Listener accepts gdrpc sessions on a TCP port, plus plain HTTP/2 (and TLS)
+// clients on the same port. It implements net.Listener: Accept returns the
+// gRPC stream conn of each new session, or the raw conn of a plain client, so
+// it can be handed to grpc.Server.Serve. When UCX is usable it also runs one
+// UCX listener on the same IP (ephemeral port) that sessions upgrade to.
+type Listener struct {
+	cfg  *config
+	log  *slog.Logger
+	tcp  net.Listener
+	ucx  *rdma.Listener
+	rctx *rdma.Context
+
+	acceptCh  chan net.Conn
+	done      chan struct{}
+	closeOnce sync.Once
+	ctx       context.Context
+	cancel    context.CancelFunc
+	wg        sync.WaitGroup
+
+	errMu    sync.Mutex
+	fatalErr error
+
+	pendMu  sync.Mutex
+	pending map[ID]*pendingUpgrade
+}
+
+var _ net.Listener = (*Listener)(nil)
+
+// pendingUpgrade is a session whose client was told to come over UCX.
+type pendingUpgrade struct {
+	mu        sync.Mutex
+	ep        *rdma.Endpoint
+	ready     chan struct{}
+	abandoned bool
+}
+
+// Listen listens on addr (host:port, TCP). With mode auto (the default) it
+// also listens on UCX when UCX is usable; with mode ucx a missing UCX is an
+// error; with mode tcp it never uses UCX.
+func Listen(addr string, opts ...Option) (*Listener, error) {
+	cfg, err := newConfig(opts)
+	if err != nil {
+		return nil, err
+	}
+	tl, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("gdrpc: listen %s: %w", addr, err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	l := &Listener{
+		cfg:      cfg,
+		tcp:      tl,
+		acceptCh: make(chan net.Conn),
+		done:     make(chan struct{}),
+		ctx:      ctx,
+		cancel:   cancel,
+		pending:  map[ID]*pendingUpgrade{},
+	}
+	l.log = cfg.logger.With("component", "gdrpc/listener", "addr", tl.Addr().String())
+	if cfg.mode != ModeTCP {
+		uerr := l.listenUCX()
+		if uerr != nil {
+			if cfg.mode == ModeUCX {
+				cancel()
+				_ = tl.Close()
+				return nil, fmt.Errorf("gdrpc: listen %s: transport ucx required: %w", addr, uerr)
+			}
+			l.log.Debug("UCX unavailable, TCP only", "err", uerr)
+		}
+	}
+	l.wg.Add(1)
+	go l.acceptTCP()
+	if l.ucx != nil {
+		l.wg.Add(1)
+		go l.acceptUCX()
+	}
+	l.log.Debug("listening", "ucx", l.ucx != nil)
+	return l, nil
+}
+
+func (l *Listener) listenUCX() error {
+	rctx, err := l.cfg.rdmaContext()
+	if err != nil {
+		return err
+	}
+	w := rctx.Worker()
+	if w == nil {
+		return fmt.Errorf("UCX context has no worker: %w", rdma.ErrNotSupported)
+	}
+	ip := l.tcp.Addr().(*net.TCPAddr).IP
+	host := ip.String()
+	if ip.IsUnspecified() {
+		host = "0.0.0.0"
+	}
+	ul, err := w.Listen(net.JoinHostPort(host, "0"))
+	if err != nil {
+		return err
+	}
+	l.ucx, l.rctx = ul, rctx
+	return nil
+}
+
+// Addr returns the TCP address clients dial.
+func (l *Listener) Addr() net.Addr { return l.tcp.Addr() }
+
+// UCXAddr returns the address of the UCX listener sessions upgrade to, or nil
+// when the listener does not use UCX.
+func (l *Listener) UCXAddr() net.Addr {
+	if l.ucx == nil {
+		return nil
+	}
+	return l.ucx.Addr()
+}
+
+// Accept returns the gRPC stream conn of the next session (SessionOf gives
+// the session), or the raw conn of a plain HTTP/2 or TLS client. Failed
+// handshakes are logged, never returned. After Close it returns an error
+// wrapping net.ErrClosed.
+func (l *Listener) Accept() (net.Conn, error) {
+	select {
+	case <-l.done:
+		return nil, l.closedErr()
+	default:
+	}
+	select {
+	case c := <-l.acceptCh:
+		return c, nil
+	case <-l.done:
+		return nil, l.closedErr()
+	}
+}
+
+func (l *Listener) closedErr() error {
+	l.errMu.Lock()
+	ferr := l.fatalErr
+	l.errMu.Unlock()
+	if ferr != nil {
+		return &net.OpError{Op: "accept", Net: "gdrpc", Addr: l.tcp.Addr(), Err: fmt.Errorf("%w: %w", net.ErrClosed, ferr)}
+	}
+	return &net.OpError{Op: "accept", Net: "gdrpc", Addr: l.tcp.Addr(), Err: net.ErrClosed}
+}
+
+// Close stops accepting, closes the UCX listener, fails the handshakes in
+// progress and closes the sessions not yet returned by Accept. Sessions
+// already accepted stay up. It is idempotent and waits for the listener's
+// goroutines.
+func (l *Listener) Close() error {
+	l.closeOnce.Do(func() {
+		close(l.done)
+		l.cancel()
+		_ = l.tcp.Close()
+		if l.ucx != nil {
+			_ = l.ucx.Close()
+		}
+	})
+	l.wg.Wait()
+	return nil
+}
+
+func (l *Listener) fail(err error) {
+	l.errMu.Lock()
+	if l.fatalErr == nil {
+		l.fatalErr = err
+	}
+	l.errMu.Unlock()
+	l.closeOnce.Do(func() {
+		close(l.done)
+		l.cancel()
+		_ = l.tcp.Close()
+		if l.ucx != nil {
+			_ = l.ucx.Close()
+		}
+	})
+}
+
+func (l *Listener) acceptTCP() {
+	defer l.wg.Done()
+	backoff := 5 * time.Millisecond
+	for {
+		c, err := l.tcp.Accept()
+		if err != nil {
+			select {
+			case <-l.done:
+				return
+			default:
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() || isTemporary(err) {
+				l.log.Warn("accept failed; retrying", "err", err, "backoff", backoff)
+				t := time.NewTimer(backoff)
+				select {
+				case <-t.C:
+				case <-l.done:
+					t.Stop()
+					return
+				}
+				backoff = min(backoff*2, time.Second)
+				continue
+			}
+			l.log.Error("accept failed; listener closing", "err", err)
+			l.fail(err)
+			return
+		}
+		backoff = 5 * time.Millisecond
+		l.wg.Add(1)
+		go l.serveTCP(c)
+	}
+}
+
+func isTemporary(err error) bool {
+	t, ok := err.(interface{ Temporary() bool })
+	return ok && t.Temporary()
+}
+
+// deliver hands a conn to Accept, or closes it when the listener closes.
+func (l *Listener) deliver(c net.Conn) {
+	select {
+	case l.acceptCh <- c:
+	case <-l.done:
+		_ = c.Close()
+	}
+}
+
+// serveTCP tells gdrpc from plain clients, runs the handshake, and hands the
+// session's gRPC conn to Accept once the client opened it.
+func (l *Listener) serveTCP(c net.Conn) {
+	defer l.wg.Done()
+	hctx, cancel := context.WithTimeout(l.ctx, l.cfg.handshakeTimeout)
+	defer cancel()
+	unbind := bindDeadline(hctx, c)
+	var first [len(magic)]byte
+	if _, err := io.ReadFull(c, first[:]); err != nil {
+		unbind()
+		_ = c.Close()
+		l.log.Debug("connection closed before the handshake", "remote", c.RemoteAddr().String(), "err", err)
+		return
+	}
+	if string(first[:]) != magic {
+		if isHTTP2Preface(first[:]) || isTLSHello(first[:]) {
+			unbind()
+			l.deliver(&replayConn{Conn: c, buf: first[:]})
+			return
+		}
+		unbind()
+		_ = c.Close()
+		l.log.Warn("not a gdrpc, HTTP/2 or TLS client; closed", "remote", c.RemoteAddr().String(), "first_bytes", fmt.Sprintf("%q", first[:]))
+		return
+	}
+	s, err := serverHandshake(hctx, l.cfg, c, true, l)
+	unbind()
+	if err != nil {
+		_ = c.Close()
+		l.log.Warn("handshake failed", "remote", c.RemoteAddr().String(), "err", err)
+		return
+	}
+	gc, err := s.Conn(l.ctx)
+	if err != nil {
+		_ = s.Close()
+		return
+	}
+	l.deliver(gc)
+}
+
+// NewServerSession runs the server side of the handshake over conn (the
+// client runs NewClientSession or Dial) and returns a session over conn
+// (transport "tcp": no UCX upgrade). The session owns conn.
+func NewServerSession(ctx context.Context, conn net.Conn, opts ...Option) (*Session, error) {
+	cfg, err := newConfig(opts)
+	if err != nil {
+		_ = conn.Close()
+		return nil, err
+	}
+	hctx, cancel := context.WithTimeout(ctx, cfg.handshakeTimeout)
+	defer cancel()
+	unbind := bindDeadline(hctx, conn)
+	s, err := serverHandshake(hctx, cfg, conn, false, nil)
+	unbind()
+	if err != nil {
+		_ = conn.Close()
+		return nil, ctxErr(hctx, err)
+	}
+	return s, nil
+}
+
+// serverHandshake reads the hello (its magic already read if magicRead),
+// answers, and, when it offered UCX, waits for the client's decision.
+func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead bool, l *Listener) (*Session, error) {
+	version, body, err := readFrame(conn, magicRead)
+	if err != nil {
+		if errors.Is(err, ErrMalformed) {
+			_, _ = conn.Write(encodeReject(rejectMalformed, err.Error()))
+		}
+		return nil, fmt.Errorf("gdrpc: handshake: %w", err)
+	}
+	h, err := parseHello(version, body)
+	if err != nil {
+		var ve *VersionError
+		if errors.As(err, &ve) {
+			_, _ = conn.Write(encodeReject(rejectVersion, fmt.Sprintf("server speaks gdrpc protocol version %d, client %d", protocolVersion, ve.Remote)))
+		} else {
+			_, _ = conn.Write(encodeReject(rejectMalformed, err.Error()))
+		}
+		return nil, fmt.Errorf("gdrpc: handshake: %w", err)
+	}
+
+	haveUCX := l != nil && l.ucx != nil
+	canUCX := haveUCX && h.Caps.UCX && h.Mode != ModeTCP && cfg.mode != ModeTCP
+	needUCX := h.Mode == ModeUCX || cfg.mode == ModeUCX
+	if needUCX && !canUCX {
+		var why string
+		switch {
+		case h.Mode == ModeTCP || cfg.mode == ModeTCP:
+			why = "one side requires transport ucx, the other transport tcp"
+		case !haveUCX:
+			why = "transport ucx required but the server has no UCX listener"
+		default:
+			why = "transport ucx required but the client has no UCX"
+		}
+		_, _ = conn.Write(encodeReject(rejectMode, why))
+		return nil, fmt.Errorf("gdrpc: handshake: %s", why)
+	}
+
+	caps := cfg.localCaps()
+	if l != nil && !haveUCX && cfg.mode != ModeTCP {
+		caps.UCX = false
+	}
+	w := welcome{
+		ID:         cfg.localID,
+		HostID:     LocalHostID(),
+		Caps:       caps,
+		Transport:  "tcp",
+		FallbackOK: !needUCX,
+		Token:      newToken(),
+	}
+	var pu *pendingUpgrade
+	if canUCX {
+		port := 0
+		if ua, ok := l.ucx.Addr().(*rdma.Addr); ok {
+			port = ua.Port
+		} else if _, ps, err := net.SplitHostPort(l.ucx.Addr().String()); err == nil {
+			port, _ = strconv.Atoi(ps)
+		}
+		if port <= 0 || port > 65535 {
+			_, _ = conn.Write(encodeReject(rejectInternal, "server UCX listener has no port"))
+			return nil, fmt.Errorf("gdrpc: handshake: UCX listener address %v has no port", l.ucx.Addr())
+		}
+		w.Transport, w.UCXPort = "ucx", uint16(port)
+		pu = l.expect(w.Token)
+		defer l.abandon(w.Token, pu)
+	}
+	if _, err := conn.Write(encodeWelcome(w)); err != nil {
+		return nil, fmt.Errorf("gdrpc: handshake: send welcome: %w", err)
+	}
+
+	setup := sessionSetup{
+		cfg:       cfg,
+		peer:      Peer{ID: h.ID, HostID: h.HostID, Caps: h.Caps, SameHost: h.HostID == LocalHostID()},
+		token:     w.Token,
+		transport: "tcp",
+		conn:      conn,
+	}
+	if canUCX {
+		var d [1]byte
+		if _, err := io.ReadFull(conn, d[:]); err != nil {
+			return nil, fmt.Errorf("gdrpc: handshake: read decision: %w", err)
+		}
+		switch d[0] {
+		case decisionUCX:
+			select {
+			case <-pu.ready:
+			case <-ctx.Done():
+				return nil, fmt.Errorf("gdrpc: handshake: client chose UCX but its endpoint did not arrive: %w", ctx.Err())
+			}
+			pu.mu.Lock()
+			ep := pu.ep
+			pu.ep = nil
+			pu.mu.Unlock()
+			if ep == nil {
+				return nil, errors.New("gdrpc: handshake: UCX endpoint lost")
+			}
+			_ = conn.Close() // the bootstrap is done
+			setup.transport, setup.conn, setup.ep, setup.rctx = "ucx", ep, ep, l.rctx
+		case decisionTCP:
+			if needUCX {
+				return nil, errors.New("gdrpc: handshake: client fell back to TCP but transport ucx is required")
+			}
+			cfg.logger.Info("client could not upgrade to UCX; session stays on TCP", "remote", conn.RemoteAddr().String())
+		default:
+			return nil, malformed("unknown decision byte %d", d[0])
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		if setup.ep != nil {
+			_ = setup.ep.Close()
+		}
+		return nil, err
+	}
+	if setup.ep == nil {
+		_ = conn.SetDeadline(time.Time{})
+	}
+	return newSession(setup)
+}
+
+func (l *Listener) expect(token ID) *pendingUpgrade {
+	pu := &pendingUpgrade{ready: make(chan struct{})}
+	l.pendMu.Lock()
+	l.pending[token] = pu
+	l.pendMu.Unlock()
+	return pu
+}
+
+// abandon forgets a pending upgrade and closes an endpoint nobody took.
+func (l *Listener) abandon(token ID, pu *pendingUpgrade) {
+	l.pendMu.Lock()
+	if l.pending[token] == pu {
+		delete(l.pending, token)
+	}
+	l.pendMu.Unlock()
+	pu.mu.Lock()
+	pu.abandoned = true
+	ep := pu.ep
+	pu.ep = nil
+	pu.mu.Unlock()
+	if ep != nil {
+		_ = ep.Close()
+	}
+}
+
+func (l *Listener) acceptUCX() {
+	defer l.wg.Done()
+	for {
+		ep, err := l.ucx.Accept(l.ctx)
+		if err != nil {
+			select {
+			case <-l.done:
+				return
+			default:
+			}
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			l.log.Warn("UCX accept failed", "err", err)
+			// A failed connection request is not fatal; pace the retries.
+			t := time.NewTimer(10 * time.Millisecond)
+			select {
+			case <-t.C:
+			case <-l.done:
+				t.Stop()
+				return
+			}
+			continue
+		}
+		l.wg.Add(1)
+		go l.serveUCX(ep)
+	}
+}
+
+// serveUCX checks the token a client sends first on a new UCX endpoint and
+// hands the endpoint to the handshake waiting for it.
+func (l *Listener) serveUCX(ep *rdma.Endpoint) {
+	defer l.wg.Done()
+	hctx, cancel := context.WithTimeout(l.ctx, l.cfg.handshakeTimeout)
+	defer cancel()
+	unbind := bindDeadline(hctx, ep)
+	var msg [len(upgradeMagic) + 16]byte
+	if _, err := io.ReadFull(ep, msg[:]); err != nil {
+		unbind()
+		_ = ep.Close()
+		l.log.Debug("UCX endpoint closed before its token", "err", err)
+		return
+	}
+	var token ID
+	copy(token[:], msg[len(upgradeMagic):])
+	l.pendMu.Lock()
+	pu := l.pending[token]
+	delete(l.pending, token) // a token is good for one endpoint
+	l.pendMu.Unlock()
+	if string(msg[:len(upgradeMagic)]) != upgradeMagic || pu == nil {
+		unbind()
+		_, _ = ep.Write([]byte{0})
+		_ = ep.Close()
+		l.log.Warn("UCX endpoint with an unknown token; closed", "remote", ep.RemoteAddr().String())
+		return
+	}
+	_, err := ep.Write([]byte{upgradeAckOK})
+	unbind()
+	if err != nil {
+		_ = ep.Close()
+		return
+	}
+	pu.mu.Lock()
+	if pu.abandoned {
+		pu.mu.Unlock()
+		_ = ep.Close()
+		return
+	}
+	pu.ep = ep
+	close(pu.ready)
+	pu.mu.Unlock()
+}

@@ -1,0 +1,524 @@
+package transport
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"log/slog"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/hashicorp/yamux"
+
+	"github.com/gdrpc/gdrpc/rdma"
+)
+
+// Session errors.
+var (
+	// ErrSessionClosed is the cause of a session closed locally with Close. It
+	// wraps net.ErrClosed.
+	ErrSessionClosed = fmt.Errorf("gdrpc: session closed: %w", net.ErrClosed)
+	// ErrPeerGone is the cause of a session whose connection ended: the peer
+	// closed it, or the connection failed.
+	ErrPeerGone = errors.New("gdrpc: connection to peer lost")
+	// ErrKeepAlive is the cause of a session whose peer stopped answering
+	// keepalive pings; the error is a *KeepAliveError.
+	ErrKeepAlive = errors.New("gdrpc: peer did not answer keepalive")
+	// ErrConnTaken reports a second Conn call on a session.
+	ErrConnTaken = errors.New("gdrpc: the gRPC stream of this session was already taken")
+)
+
+// MaxControlPayload is the largest control message payload.
+const MaxControlPayload = 1 << 20
+
+const controlHeaderLen = 5
+
+var sessionIDs atomic.Uint64
+
+// Session is one connection to a peer process: a handshake, then a
+// multiplexer (yamux) over the session's byte stream (a UCX endpoint or the
+// TCP connection) carrying the gRPC stream, a control stream and any number of
+// bulk streams. Closing the gRPC stream conn closes the session.
+type Session struct {
+	id        uint64
+	client    bool
+	cfg       *config
+	log       *slog.Logger
+	peer      Peer
+	token     ID
+	transport string // "ucx" or "tcp"
+	under     *errConn
+	ep        *rdma.Endpoint
+	rctx      *rdma.Context
+	mux       *yamux.Session
+
+	localAddr, remoteAddr net.Addr
+
+	grpcTaken atomic.Bool
+	grpcCh    chan *streamConn // server: the gRPC stream once the client opened it
+
+	ctrl      *streamConn
+	ctrlReady chan struct{} // closed when ctrl is set
+	ctrlSem   chan struct{} // one writer at a time on the control stream
+
+	rtt atomic.Int64
+
+	done      chan struct{}
+	closeOnce sync.Once
+	errMu     sync.Mutex
+	err       error
+	wg        sync.WaitGroup // internal goroutines
+}
+
+// sessionSetup is what a handshake produced.
+type sessionSetup struct {
+	client    bool
+	cfg       *config
+	peer      Peer
+	token     ID
+	transport string
+	conn      net.Conn // TCP conn, pipe or UCX endpoint
+	ep        *rdma.Endpoint
+	rctx      *rdma.Context
+}
+
+// yamuxLogger sends yamux's log lines to slog at debug level.
+type yamuxLogger struct{ l *slog.Logger }
+
+func (y yamuxLogger) Write(p []byte) (int, error) {
+	y.l.Debug("yamux", "msg", string(p))
+	return len(p), nil
+}
+
+func newSession(st sessionSetup) (*Session, error) {
+	s := &Session{
+		id:        sessionIDs.Add(1),
+		client:    st.client,
+		cfg:       st.cfg,
+		peer:      st.peer,
+		token:     st.token,
+		transport: st.transport,
+		under:     &errConn{Conn: st.conn},
+		ep:        st.ep,
+		rctx:      st.rctx,
+		grpcCh:    make(chan *streamConn, 1),
+		ctrlReady: make(chan struct{}),
+		ctrlSem:   make(chan struct{}, 1),
+		done:      make(chan struct{}),
+	}
+	role := "server"
+	if s.client {
+		role = "client"
+	}
+	s.log = st.cfg.logger.With("component", "gdrpc/transport", "session", s.id)
+	s.localAddr, s.remoteAddr = st.conn.LocalAddr(), st.conn.RemoteAddr()
+
+	yc := yamux.DefaultConfig()
+	yc.AcceptBacklog = 256
+	yc.EnableKeepAlive = false // our own keepalive, with our bounds (keepalive.go)
+	yc.ConnectionWriteTimeout = st.cfg.kaTimeout
+	yc.MaxStreamWindowSize = st.cfg.window
+	yc.StreamOpenTimeout = st.cfg.handshakeTimeout
+	yc.StreamCloseTimeout = time.Minute
+	yc.LogOutput = nil
+	yc.Logger = log.New(yamuxLogger{s.log}, "", 0)
+	var err error
+	if s.client {
+		s.mux, err = yamux.Client(s.under, yc)
+	} else {
+		s.mux, err = yamux.Server(s.under, yc)
+	}
+	if err != nil {
+		_ = st.conn.Close()
+		return nil, fmt.Errorf("gdrpc: start multiplexer: %w", err)
+	}
+
+	if s.client {
+		ctx, cancel := context.WithTimeout(context.Background(), st.cfg.handshakeTimeout)
+		c, err := s.open(ctx, roleControl)
+		cancel()
+		if err != nil {
+			_ = s.mux.Close()
+			return nil, fmt.Errorf("gdrpc: open control stream: %w", err)
+		}
+		s.setControl(c)
+	}
+
+	registryAdd(s)
+	s.wg.Add(3)
+	go s.monitor()
+	go s.acceptLoop()
+	go s.keepalive()
+	s.log.Debug("session up", "role", role, "transport", s.transport,
+		"peer", s.peer.ID.String(), "same_host", s.peer.SameHost,
+		"local", s.localAddr.String(), "remote", s.remoteAddr.String())
+	return s, nil
+}
+
+// ID returns a number that identifies the session in this process's logs.
+func (s *Session) ID() uint64 { return s.id }
+
+// Peer returns the peer as its handshake described it.
+func (s *Session) Peer() Peer {
+	p := s.peer
+	p.Caps = p.Caps.clone()
+	return p
+}
+
+// Transport returns "ucx" or "tcp": what the session runs over.
+func (s *Session) Transport() string { return s.transport }
+
+// Endpoint returns the UCX endpoint the session runs over, or nil when it
+// does not run over UCX.
+func (s *Session) Endpoint() *rdma.Endpoint { return s.ep }
+
+// RDMA returns the UCX context of the session's endpoint, or nil when the
+// session does not run over UCX.
+func (s *Session) RDMA() *rdma.Context {
+	if s.ep == nil {
+		return nil
+	}
+	return s.rctx
+}
+
+// IsClient reports whether this end dialed the session.
+func (s *Session) IsClient() bool { return s.client }
+
+// LocalAddr and RemoteAddr return the addresses of the underlying connection.
+func (s *Session) LocalAddr() net.Addr  { return s.localAddr }
+func (s *Session) RemoteAddr() net.Addr { return s.remoteAddr }
+
+// RTT returns the round trip time the last keepalive ping measured, or 0.
+func (s *Session) RTT() time.Duration { return time.Duration(s.rtt.Load()) }
+
+// Done is closed when the session has closed, for any reason.
+func (s *Session) Done() <-chan struct{} { return s.done }
+
+// Err returns nil while the session is open, then why it closed:
+// ErrSessionClosed after Close, an error wrapping ErrKeepAlive or ErrPeerGone
+// otherwise.
+func (s *Session) Err() error {
+	s.errMu.Lock()
+	defer s.errMu.Unlock()
+	return s.err
+}
+
+// closedErr is what calls on a closed session return: it wraps net.ErrClosed
+// and the cause.
+func (s *Session) closedErr() error {
+	err := s.Err()
+	if err == nil || errors.Is(err, net.ErrClosed) {
+		if err == nil {
+			err = ErrSessionClosed
+		}
+		return err
+	}
+	return fmt.Errorf("gdrpc: session %d closed: %w: %w", s.id, net.ErrClosed, err)
+}
+
+// Close closes the session and everything on it: its streams, the underlying
+// connection, its registry entry. It is idempotent and waits for the
+// session's own goroutines.
+func (s *Session) Close() error {
+	s.closeWith(nil)
+	s.wg.Wait()
+	return nil
+}
+
+// closeWith closes the session with a cause (nil: closed locally). It does not
+// wait, so it may run on the session's own goroutines.
+func (s *Session) closeWith(cause error) {
+	first := false
+	s.closeOnce.Do(func() {
+		first = true
+		if cause == nil {
+			cause = ErrSessionClosed
+		}
+		s.errMu.Lock()
+		s.err = cause
+		s.errMu.Unlock()
+		_ = s.mux.Close() // closes every stream and the underlying connection
+		registryRemove(s)
+		close(s.done)
+		if errors.Is(cause, net.ErrClosed) {
+			s.log.Debug("session closed")
+		} else {
+			s.log.Info("session lost", "err", cause)
+		}
+	})
+	if first {
+		for _, fn := range onSessionClosed {
+			fn(s)
+		}
+	}
+}
+
+// monitor closes the session when the multiplexer dies (peer closed, I/O
+// error, write timeout) or the UCX endpoint fails.
+func (s *Session) monitor() {
+	defer s.wg.Done()
+	var epDone <-chan struct{}
+	if s.ep != nil {
+		epDone = s.ep.Done()
+	}
+	select {
+	case <-s.done:
+		return
+	case <-s.mux.CloseChan():
+	case <-epDone:
+	}
+	cause := s.under.firstErr()
+	if s.ep != nil && s.ep.Err() != nil {
+		cause = s.ep.Err()
+	}
+	if cause == nil || errors.Is(cause, io.EOF) {
+		s.closeWith(ErrPeerGone)
+		return
+	}
+	s.closeWith(fmt.Errorf("%w: %w", ErrPeerGone, cause))
+}
+
+// open opens a stream with a role.
+func (s *Session) open(ctx context.Context, role byte) (*streamConn, error) {
+	select {
+	case <-s.done:
+		return nil, s.closedErr()
+	default:
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	st, err := s.mux.OpenStream()
+	if err != nil {
+		if errors.Is(err, yamux.ErrSessionShutdown) {
+			return nil, s.closedErr()
+		}
+		return nil, fmt.Errorf("gdrpc: open stream: %w", err)
+	}
+	c := newStreamConn(s, st, role)
+	if dl, ok := ctx.Deadline(); ok {
+		_ = st.SetWriteDeadline(dl)
+	}
+	stop := context.AfterFunc(ctx, func() { _ = st.SetWriteDeadline(time.Unix(1, 0)) })
+	_, err = st.Write([]byte{role})
+	stop()
+	_ = st.SetWriteDeadline(time.Time{})
+	if err != nil {
+		_ = c.Close()
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
+		return nil, c.mapErr("open", err)
+	}
+	return c, nil
+}
+
+// acceptLoop takes the streams the peer opens and hands them on by role.
+func (s *Session) acceptLoop() {
+	defer s.wg.Done()
+	for {
+		st, err := s.mux.AcceptStream()
+		if err != nil {
+			return // the session is shutting down; monitor closes it
+		}
+		s.wg.Add(1)
+		go s.serveStream(st)
+	}
+}
+
+// serveStream reads the role byte of an accepted stream and dispatches it.
+func (s *Session) serveStream(st *yamux.Stream) {
+	defer s.wg.Done()
+	var role [1]byte
+	_ = st.SetReadDeadline(time.Now().Add(s.cfg.handshakeTimeout))
+	if _, err := io.ReadFull(st, role[:]); err != nil {
+		s.log.Debug("stream without role", "err", err)
+		_ = st.Close()
+		return
+	}
+	_ = st.SetReadDeadline(time.Time{})
+	c := newStreamConn(s, st, role[0])
+	switch role[0] {
+	case roleGRPC:
+		if s.client || !s.grpcTaken.CompareAndSwap(false, true) {
+			s.log.Warn("unexpected gRPC stream from peer; closing it")
+			_ = st.Close()
+			return
+		}
+		s.grpcCh <- c // buffered 1, sent at most once
+	case roleControl:
+		if s.client {
+			s.log.Warn("unexpected control stream from peer; closing it")
+			_ = st.Close()
+			return
+		}
+		if !s.setControl(c) {
+			s.log.Warn("second control stream from peer; closing it")
+			_ = st.Close()
+			return
+		}
+		s.readControl(c)
+	case roleBulk:
+		h := bulkHandler
+		if h == nil {
+			_ = c.Close()
+			return
+		}
+		go h(s, c)
+	default:
+		s.log.Warn("stream with unknown role; closing it", "role", role[0])
+		_ = st.Close()
+	}
+}
+
+// Conn returns the stream gRPC runs on. On the client it opens it (once); on
+// the server it waits, bounded by ctx and the session's life, for the client
+// to open it (once). Closing the conn closes the session.
+func (s *Session) Conn(ctx context.Context) (net.Conn, error) {
+	if s.client {
+		if !s.grpcTaken.CompareAndSwap(false, true) {
+			return nil, ErrConnTaken
+		}
+		c, err := s.open(ctx, roleGRPC)
+		if err != nil {
+			return nil, err
+		}
+		return c, nil
+	}
+	select {
+	case c := <-s.grpcCh:
+		return c, nil
+	case <-s.done:
+		return nil, s.closedErr()
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// OpenBulk opens a new bulk stream to the peer, whose bulk handler gets the
+// other end.
+func (s *Session) OpenBulk(ctx context.Context) (net.Conn, error) {
+	return s.open(ctx, roleBulk)
+}
+
+// bulkHandler is called, on a new goroutine, with each bulk stream the peer
+// opens. If nil, bulk streams are closed at once. Set by the out-of-band engine.
+var bulkHandler func(s *Session, c net.Conn)
+
+// onSessionClosed functions run once when a session closes, after it left
+// the registry and Done was closed, on the goroutine that closed it (which may
+// be one of the session's own: they must not call Close, which waits for
+// those). Appended to by the out-of-band engine's init.
+var onSessionClosed []func(s *Session)
+
+// Control messages.
+
+var (
+	controlMu       sync.RWMutex
+	controlHandlers = map[byte]func(s *Session, payload []byte){}
+)
+
+// registerControlHandler sets the function that handles control messages of
+// type typ. Each message is handled on its own goroutine, with a payload the
+// handler owns. It panics if typ already has a handler.
+func registerControlHandler(typ byte, fn func(s *Session, payload []byte)) {
+	controlMu.Lock()
+	defer controlMu.Unlock()
+	if _, ok := controlHandlers[typ]; ok {
+		panic(fmt.Sprintf("gdrpc: control handler %d registered twice", typ))
+	}
+	controlHandlers[typ] = fn
+}
+
+func (s *Session) setControl(c *streamConn) bool {
+	select {
+	case <-s.ctrlReady:
+		return false
+	default:
+	}
+	s.ctrl = c
+	close(s.ctrlReady)
+	if s.client {
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.readControl(c)
+		}()
+	}
+	return true
+}
+
+// SendControl sends one control message: [type u8][length u32 BE][payload] on
+// the control stream. Writers are serialised; a message is never interleaved
+// with another. ctx bounds the wait for the stream and for the turn to write;
+// once a message starts going out it is sent whole (bounded by the session's
+// life and the keepalive).
+func (s *Session) SendControl(ctx context.Context, typ byte, payload []byte) error {
+	if len(payload) > MaxControlPayload {
+		return fmt.Errorf("gdrpc: control payload of %d bytes (max %d)", len(payload), MaxControlPayload)
+	}
+	select {
+	case <-s.ctrlReady:
+	case <-s.done:
+		return s.closedErr()
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	select {
+	case s.ctrlSem <- struct{}{}:
+	case <-s.done:
+		return s.closedErr()
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	defer func() { <-s.ctrlSem }()
+	buf := make([]byte, controlHeaderLen+len(payload))
+	buf[0] = typ
+	binary.BigEndian.PutUint32(buf[1:], uint32(len(payload)))
+	copy(buf[controlHeaderLen:], payload)
+	if _, err := s.ctrl.Write(buf); err != nil {
+		// A partial message would corrupt the stream: the session is done.
+		s.closeWith(fmt.Errorf("%w: control write: %w", ErrPeerGone, err))
+		return s.closedErr()
+	}
+	return nil
+}
+
+// readControl reads control messages until the stream ends; a malformed frame
+// closes the session.
+func (s *Session) readControl(c *streamConn) {
+	var hdr [controlHeaderLen]byte
+	for {
+		if _, err := io.ReadFull(c, hdr[:]); err != nil {
+			select {
+			case <-s.done:
+			default:
+				s.closeWith(fmt.Errorf("%w: control stream ended: %w", ErrPeerGone, err))
+			}
+			return
+		}
+		n := binary.BigEndian.Uint32(hdr[1:])
+		if n > MaxControlPayload {
+			s.closeWith(fmt.Errorf("gdrpc: control message of %d bytes (max %d) from peer", n, MaxControlPayload))
+			return
+		}
+		payload := make([]byte, n)
+		if _, err := io.ReadFull(c, payload); err != nil {
+			s.closeWith(fmt.Errorf("%w: control stream ended: %w", ErrPeerGone, err))
+			return
+		}
+		controlMu.RLock()
+		fn := controlHandlers[hdr[0]]
+		controlMu.RUnlock()
+		if fn == nil {
+			s.log.Debug("control message of unknown type dropped", "type", hdr[0], "len", n)
+			continue
+		}
+		go fn(s, payload)
+	}
+}

@@ -1,0 +1,163 @@
+package transport
+
+import (
+	"fmt"
+	"log/slog"
+	"os"
+	"time"
+
+	"github.com/gdrpc/gdrpc/rdma"
+)
+
+// Mode chooses the byte stream a session runs over.
+type Mode string
+
+const (
+	// ModeAuto uses UCX when both ends have it and falls back to TCP otherwise.
+	ModeAuto Mode = "auto"
+	// ModeUCX requires UCX: a session that cannot run over UCX fails.
+	ModeUCX Mode = "ucx"
+	// ModeTCP never uses UCX: the session runs over the bootstrap TCP connection.
+	ModeTCP Mode = "tcp"
+)
+
+// EnvTransport is the environment variable that sets the mode when no
+// WithMode option is given: "ucx", "tcp" or "auto".
+const EnvTransport = "GDRPC_TRANSPORT"
+
+// Defaults of the options.
+const (
+	DefaultKeepAliveInterval = 10 * time.Second
+	DefaultKeepAliveTimeout  = 10 * time.Second
+	DefaultHandshakeTimeout  = 10 * time.Second
+	// DefaultWindow is the yamux per-stream receive window.
+	DefaultWindow = 16 << 20
+)
+
+// Option configures Dial, Listen and the sessions they make.
+type Option func(*config)
+
+type config struct {
+	mode             Mode
+	modeSet          bool
+	logger           *slog.Logger
+	kaInterval       time.Duration
+	kaTimeout        time.Duration
+	handshakeTimeout time.Duration
+	rdmaCtx          *rdma.Context
+	localID          ID
+	localIDSet       bool
+	window           uint32
+}
+
+// WithMode sets the transport mode. If not given, the environment variable
+// GDRPC_TRANSPORT decides, and if that is unset, ModeAuto.
+func WithMode(m Mode) Option {
+	return func(c *config) { c.mode, c.modeSet = m, true }
+}
+
+// WithLogger sets the logger; sessions log with the attributes component and
+// session. If nil or not given, nothing is logged.
+func WithLogger(l *slog.Logger) Option {
+	return func(c *config) { c.logger = l }
+}
+
+// WithKeepAlive sets how often a session pings its peer and how long it waits
+// for the answer (and for any write to the underlying connection) before it
+// declares the peer dead and closes the session. A dead peer is detected
+// within about interval+timeout. If zero, 10 s and 10 s. A negative interval
+// disables the keepalive.
+func WithKeepAlive(interval, timeout time.Duration) Option {
+	return func(c *config) { c.kaInterval, c.kaTimeout = interval, timeout }
+}
+
+// WithHandshakeTimeout bounds the handshake (including the UCX upgrade) and
+// the opening of each stream. If zero, 10 s.
+func WithHandshakeTimeout(d time.Duration) Option {
+	return func(c *config) { c.handshakeTimeout = d }
+}
+
+// WithRDMAContext sets the UCX context sessions use. If nil or not given,
+// rdma.Default().
+func WithRDMAContext(rc *rdma.Context) Option {
+	return func(c *config) { c.rdmaCtx = rc }
+}
+
+// WithLocalID overrides the process id a session announces (and the id it
+// rejects as its own). It exists so tests can emulate two processes in one.
+// If not given, LocalID().
+func WithLocalID(id ID) Option {
+	return func(c *config) { c.localID, c.localIDSet = id, true }
+}
+
+// WithWindow sets the per-stream receive window of the multiplexer. If zero,
+// 16 MiB; values below 256 KiB are raised to 256 KiB.
+func WithWindow(n int) Option {
+	return func(c *config) {
+		if n > 0 {
+			c.window = uint32(min(n, 1<<30))
+		}
+	}
+}
+
+func newConfig(opts []Option) (*config, error) {
+	c := &config{}
+	for _, o := range opts {
+		if o != nil {
+			o(c)
+		}
+	}
+	if !c.modeSet || c.mode == "" {
+		c.mode = ModeAuto
+		if env := os.Getenv(EnvTransport); env != "" {
+			c.mode = Mode(env)
+		}
+	}
+	switch c.mode {
+	case ModeAuto, ModeUCX, ModeTCP:
+	default:
+		return nil, fmt.Errorf("gdrpc: unknown transport mode %q (want auto, ucx or tcp)", c.mode)
+	}
+	if c.logger == nil {
+		c.logger = slog.New(slog.DiscardHandler)
+	}
+	if c.kaInterval == 0 {
+		c.kaInterval = DefaultKeepAliveInterval
+	}
+	if c.kaTimeout <= 0 {
+		c.kaTimeout = DefaultKeepAliveTimeout
+	}
+	if c.handshakeTimeout <= 0 {
+		c.handshakeTimeout = DefaultHandshakeTimeout
+	}
+	if !c.localIDSet {
+		c.localID = LocalID()
+	}
+	if c.window == 0 {
+		c.window = DefaultWindow
+	}
+	c.window = max(c.window, 256<<10)
+	return c, nil
+}
+
+// rdmaContext returns the configured UCX context, or rdma.Default().
+func (c *config) rdmaContext() (*rdma.Context, error) {
+	if c.rdmaCtx != nil {
+		return c.rdmaCtx, nil
+	}
+	if err := rdma.Available(); err != nil {
+		return nil, err
+	}
+	return rdma.Default()
+}
+
+// localCaps returns the caps to announce: LocalCaps(), with the UCX fields
+// taken from the configured context when one was given.
+func (c *config) localCaps() Caps {
+	caps := LocalCaps().clone()
+	if c.rdmaCtx != nil {
+		u := ucxCaps(c.rdmaCtx)
+		caps.UCX, caps.UCXVersion, caps.MemoryTypes, caps.UCXTransports = u.UCX, u.UCXVersion, u.MemoryTypes, u.UCXTransports
+	}
+	return caps
+}
