@@ -1,4 +1,5 @@
-// TEMPORARY: real driver follows.
+//go:build !cgo || nocuda
+
 package cuda
 
 import (
@@ -29,17 +30,13 @@ func (absent) SetSyncMemops(int, uintptr) error                   { return errAb
 func (absent) MemAddressRange(int, uintptr) (uintptr, int, error) { return 0, 0, errAbsent }
 func (absent) MemHostRegister(uintptr, int) error                 { return errAbsent }
 func (absent) MemHostUnregister(uintptr) error                    { return errAbsent }
+func (absent) StreamCreate(int) (driver.Stream, error)            { return 0, errAbsent }
+func (absent) StreamSynchronize(driver.Stream) error              { return errAbsent }
+func (absent) StreamDestroy(driver.Stream) error                  { return errAbsent }
+func (absent) FlushRDMAWrites(int) error                          { return errAbsent }
+func (absent) IpcCloseMemHandle(int, uintptr) error               { return errAbsent }
+func (absent) IpcOpenMemHandle(int, [64]byte) (uintptr, error)    { return 0, errAbsent }
+func (absent) IpcGetMemHandle(int, uintptr) ([64]byte, error)     { return [64]byte{}, errAbsent }
 func (absent) Memcpy(driver.Dir, int, uintptr, int, uintptr, int, driver.Stream) error {
 	return errAbsent
 }
-func (absent) StreamCreate(int) (driver.Stream, error) { return 0, errAbsent }
-func (absent) StreamSynchronize(driver.Stream) error   { return errAbsent }
-func (absent) StreamDestroy(driver.Stream) error       { return errAbsent }
-func (absent) FlushRDMAWrites(int) error               { return errAbsent }
-func (absent) IpcGetMemHandle(int, uintptr) ([driver.IPCHandleSize]byte, error) {
-	return [driver.IPCHandleSize]byte{}, errAbsent
-}
-func (absent) IpcOpenMemHandle(int, [driver.IPCHandleSize]byte) (uintptr, error) {
-	return 0, errAbsent
-}
-func (absent) IpcCloseMemHandle(int, uintptr) error { return errAbsent }

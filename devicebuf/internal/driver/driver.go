@@ -175,3 +175,45 @@ func Install(d Driver, inv Inventory) (restore func()) {
 		mu.Unlock()
 	}
 }
+
+// Error is a CUDA driver error: the CUresult code and the driver's name and description of
+// it.
+type Error struct {
+	Op   string // the driver call
+	Code int    // CUresult
+	Name string // "CUDA_ERROR_OUT_OF_MEMORY"
+	Desc string // "out of memory"
+}
+
+func (e *Error) Error() string {
+	name := e.Name
+	if name == "" {
+		name = "CUresult " + itoa(e.Code)
+	}
+	if e.Desc != "" {
+		return e.Op + ": " + name + ": " + e.Desc
+	}
+	return e.Op + ": " + name
+}
+
+func itoa(n int) string {
+	if n == 0 {
+		return "0"
+	}
+	neg := n < 0
+	if neg {
+		n = -n
+	}
+	var b [20]byte
+	i := len(b)
+	for n > 0 {
+		i--
+		b[i] = byte('0' + n%10)
+		n /= 10
+	}
+	if neg {
+		i--
+		b[i] = '-'
+	}
+	return string(b[i:])
+}

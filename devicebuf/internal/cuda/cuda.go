@@ -1,0 +1,601 @@
+//go:build cgo && !nocuda
+
+// Package cuda is the CUDA driver API loaded at run time: dlopen of libcuda.so.1 and dlsym
+// of the few entry points devicebuf needs, with prototypes written here (no CUDA headers or
+// toolkit at build time). It is the only package that calls the CUDA driver, and it never
+// dereferences a device pointer.
+//
+// Each call that needs a context makes the device's primary context (retained once per
+// device for the life of the process) current and performs the operation inside one C
+// call, so the context is current on the very OS thread that runs the operation.
+package cuda
+
+/*
+#cgo LDFLAGS: -ldl
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef void *CUcontext;
+typedef void *CUstream;
+typedef struct { char bytes[16]; } CUuuid;
+typedef struct { char reserved[64]; } CUipcMemHandle;
+
+#define GDR_CUDA_ERROR_NOT_FOUND_SYMBOL (-1)
+
+static struct {
+	void *lib;
+	CUresult (*cuInit)(unsigned int);
+	CUresult (*cuDriverGetVersion)(int *);
+	CUresult (*cuDeviceGetCount)(int *);
+	CUresult (*cuDeviceGet)(CUdevice *, int);
+	CUresult (*cuDeviceGetUuid)(CUuuid *, CUdevice);
+	CUresult (*cuDeviceGetName)(char *, int, CUdevice);
+	CUresult (*cuDeviceGetPCIBusId)(char *, int, CUdevice);
+	CUresult (*cuDeviceTotalMem)(size_t *, CUdevice);
+	CUresult (*cuDeviceGetAttribute)(int *, int, CUdevice);
+	CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+	CUresult (*cuCtxSetCurrent)(CUcontext);
+	CUresult (*cuMemAlloc)(CUdeviceptr *, size_t);
+	CUresult (*cuMemFree)(CUdeviceptr);
+	CUresult (*cuPointerSetAttribute)(const void *, int, CUdeviceptr);
+	CUresult (*cuMemGetAddressRange)(CUdeviceptr *, size_t *, CUdeviceptr);
+	CUresult (*cuMemHostRegister)(void *, size_t, unsigned int);
+	CUresult (*cuMemHostUnregister)(void *);
+	CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
+	CUresult (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
+	CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+	CUresult (*cuMemcpyPeerAsync)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t, CUstream);
+	CUresult (*cuStreamCreate)(CUstream *, unsigned int);
+	CUresult (*cuStreamSynchronize)(CUstream);
+	CUresult (*cuStreamDestroy)(CUstream);
+	CUresult (*cuFlushGPUDirectRDMAWrites)(int, int);
+	CUresult (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
+	CUresult (*cuIpcOpenMemHandle)(CUdeviceptr *, CUipcMemHandle, unsigned int);
+	CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
+	CUresult (*cuGetErrorString)(CUresult, const char **);
+	CUresult (*cuGetErrorName)(CUresult, const char **);
+} gdr_cu;
+
+// gdr_cu_load opens libcuda and resolves the entry points. It returns NULL on success, else
+// a message (static or from dlerror, valid until the next dl call).
+static const char *gdr_cu_load(const char *name) {
+	void *h = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+	if (h == NULL) {
+		const char *e = dlerror();
+		return e ? e : "dlopen failed";
+	}
+#define SYM(field, sym) do { \
+		*(void **)(&gdr_cu.field) = dlsym(h, sym); \
+		if (gdr_cu.field == NULL) { dlclose(h); return "libcuda.so.1 lacks " sym; } \
+	} while (0)
+#define SYM2(field, sym, alt) do { \
+		*(void **)(&gdr_cu.field) = dlsym(h, sym); \
+		if (gdr_cu.field == NULL) *(void **)(&gdr_cu.field) = dlsym(h, alt); \
+		if (gdr_cu.field == NULL) { dlclose(h); return "libcuda.so.1 lacks " sym; } \
+	} while (0)
+	SYM(cuInit, "cuInit");
+	SYM(cuDriverGetVersion, "cuDriverGetVersion");
+	SYM(cuDeviceGetCount, "cuDeviceGetCount");
+	SYM(cuDeviceGet, "cuDeviceGet");
+	SYM2(cuDeviceGetUuid, "cuDeviceGetUuid_v2", "cuDeviceGetUuid");
+	SYM(cuDeviceGetName, "cuDeviceGetName");
+	SYM(cuDeviceGetPCIBusId, "cuDeviceGetPCIBusId");
+	SYM(cuDeviceTotalMem, "cuDeviceTotalMem_v2");
+	SYM(cuDeviceGetAttribute, "cuDeviceGetAttribute");
+	SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+	SYM(cuCtxSetCurrent, "cuCtxSetCurrent");
+	SYM(cuMemAlloc, "cuMemAlloc_v2");
+	SYM(cuMemFree, "cuMemFree_v2");
+	SYM(cuPointerSetAttribute, "cuPointerSetAttribute");
+	SYM(cuMemGetAddressRange, "cuMemGetAddressRange_v2");
+	SYM(cuMemHostRegister, "cuMemHostRegister_v2");
+	SYM(cuMemHostUnregister, "cuMemHostUnregister");
+	SYM(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
+	SYM(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
+	SYM(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2");
+	SYM(cuMemcpyPeerAsync, "cuMemcpyPeerAsync");
+	SYM(cuStreamCreate, "cuStreamCreate");
+	SYM(cuStreamSynchronize, "cuStreamSynchronize");
+	SYM2(cuStreamDestroy, "cuStreamDestroy_v2", "cuStreamDestroy");
+	SYM(cuIpcGetMemHandle, "cuIpcGetMemHandle");
+	SYM2(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle");
+	SYM(cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
+	SYM(cuGetErrorString, "cuGetErrorString");
+	SYM(cuGetErrorName, "cuGetErrorName");
+	// Optional (CUDA 11.3+): absent means no flush is possible.
+	*(void **)(&gdr_cu.cuFlushGPUDirectRDMAWrites) = dlsym(h, "cuFlushGPUDirectRDMAWrites");
+#undef SYM
+#undef SYM2
+	gdr_cu.lib = h;
+	return NULL;
+}
+
+static CUresult gdr_cu_init(void) { return gdr_cu.cuInit(0); }
+static CUresult gdr_cu_driver_version(int *v) { return gdr_cu.cuDriverGetVersion(v); }
+static CUresult gdr_cu_device_count(int *n) { return gdr_cu.cuDeviceGetCount(n); }
+
+static CUresult gdr_cu_device_uuid(int ord, char *out) {
+	CUdevice d;
+	CUresult r = gdr_cu.cuDeviceGet(&d, ord);
+	if (r) return r;
+	CUuuid u;
+	r = gdr_cu.cuDeviceGetUuid(&u, d);
+	if (r) return r;
+	memcpy(out, u.bytes, 16);
+	return 0;
+}
+
+static CUresult gdr_cu_device_name(int ord, char *out, int n) {
+	CUdevice d;
+	CUresult r = gdr_cu.cuDeviceGet(&d, ord);
+	if (r) return r;
+	return gdr_cu.cuDeviceGetName(out, n, d);
+}
+
+static CUresult gdr_cu_device_busid(int ord, char *out, int n) {
+	CUdevice d;
+	CUresult r = gdr_cu.cuDeviceGet(&d, ord);
+	if (r) return r;
+	return gdr_cu.cuDeviceGetPCIBusId(out, n, d);
+}
+
+static CUresult gdr_cu_device_mem(int ord, size_t *out) {
+	CUdevice d;
+	CUresult r = gdr_cu.cuDeviceGet(&d, ord);
+	if (r) return r;
+	return gdr_cu.cuDeviceTotalMem(out, d);
+}
+
+static CUresult gdr_cu_device_attr(int ord, int attr, int *out) {
+	CUdevice d;
+	CUresult r = gdr_cu.cuDeviceGet(&d, ord);
+	if (r) return r;
+	return gdr_cu.cuDeviceGetAttribute(out, attr, d);
+}
+
+static CUresult gdr_cu_ctx_retain(int ord, CUcontext *out) {
+	CUdevice d;
+	CUresult r = gdr_cu.cuDeviceGet(&d, ord);
+	if (r) return r;
+	return gdr_cu.cuDevicePrimaryCtxRetain(out, d);
+}
+
+static CUresult gdr_cu_mem_alloc(CUcontext c, size_t n, CUdeviceptr *out) {
+	CUresult r = gdr_cu.cuCtxSetCurrent(c);
+	if (r) return r;
+	return gdr_cu.cuMemAlloc(out, n);
+}
+
+static CUresult gdr_cu_mem_free(CUcontext c, CUdeviceptr p) {
+	CUresult r = gdr_cu.cuCtxSetCurrent(c);
+	if (r) return r;
+	return gdr_cu.cuMemFree(p);
+}
+
+static CUresult gdr_cu_sync_memops(CUcontext c, CUdeviceptr p) {
+	CUresult r = gdr_cu.cuCtxSetCurrent(c);
+	if (r) return r;
+	unsigned int one = 1;
+	return gdr_cu.cuPointerSetAttribute(&one, 6, p); // CU_POINTER_ATTRIBUTE_SYNC_MEMOPS
+}
+
+static CUresult gdr_cu_address_range(CUcontext c, CUdeviceptr p, CUdeviceptr *base, size_t *size) {
+	CUresult r = gdr_cu.cuCtxSetCurrent(c);
+	if (r) return r;
+	return gdr_cu.cuMemGetAddressRange(base, size, p);
+}
+
+static CUresult gdr_cu_host_register(CUcontext c, uintptr_t p, size_t n) {
+	CUresult r = gdr_cu.cuCtxSetCurrent(c);
+	if (r) return r;
+	return gdr_cu.cuMemHostRegister((void *)p, n, 1); // CU_MEMHOSTREGISTER_PORTABLE
+}
+
+static CUresult gdr_cu_host_unregister(CUcontext c, uintptr_t p) {
+	CUresult r = gdr_cu.cuCtxSetCurrent(c);
+	if (r) return r;
+	return gdr_cu.cuMemHostUnregister((void *)p);
+}
+
+// dir: 1 HtoD, 2 DtoH, 3 DtoD (same context), 4 peer. With sync set, the copy is queued on s
+// (0: the legacy default stream) and waited for before returning.
+static CUresult gdr_cu_memcpy(CUcontext c, int dir, CUcontext dstc, uintptr_t dst, CUcontext srcc,
+		uintptr_t src, size_t n, uintptr_t st, int sync) {
+	CUstream s = (CUstream)st;
+	CUresult r = gdr_cu.cuCtxSetCurrent(c);
+	if (r) return r;
+	switch (dir) {
+	case 1: r = gdr_cu.cuMemcpyHtoDAsync((CUdeviceptr)dst, (const void *)src, n, s); break;
+	case 2: r = gdr_cu.cuMemcpyDtoHAsync((void *)dst, (CUdeviceptr)src, n, s); break;
+	case 3: r = gdr_cu.cuMemcpyDtoDAsync((CUdeviceptr)dst, (CUdeviceptr)src, n, s); break;
+	case 4: r = gdr_cu.cuMemcpyPeerAsync((CUdeviceptr)dst, dstc, (CUdeviceptr)src, srcc, n, s); break;
+	default: return 1; // CUDA_ERROR_INVALID_VALUE
+	}
+	if (r || !sync) return r;
+	return gdr_cu.cuStreamSynchronize(s);
+}
+
+static CUresult gdr_cu_stream_create(CUcontext c, CUstream *out) {
+	CUresult r = gdr_cu.cuCtxSetCurrent(c);
+	if (r) return r;
+	return gdr_cu.cuStreamCreate(out, 1); // CU_STREAM_NON_BLOCKING
+}
+
+static CUresult gdr_cu_stream_sync(CUcontext c, uintptr_t s) {
+	CUresult r = gdr_cu.cuCtxSetCurrent(c);
+	if (r) return r;
+	return gdr_cu.cuStreamSynchronize((CUstream)s);
+}
+
+static CUresult gdr_cu_stream_destroy(CUcontext c, uintptr_t s) {
+	CUresult r = gdr_cu.cuCtxSetCurrent(c);
+	if (r) return r;
+	return gdr_cu.cuStreamDestroy((CUstream)s);
+}
+
+static CUresult gdr_cu_flush_rdma(CUcontext c) {
+	if (gdr_cu.cuFlushGPUDirectRDMAWrites == NULL) return GDR_CUDA_ERROR_NOT_FOUND_SYMBOL;
+	CUresult r = gdr_cu.cuCtxSetCurrent(c);
+	if (r) return r;
+	// CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX, CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER
+	return gdr_cu.cuFlushGPUDirectRDMAWrites(0, 100);
+}
+
+static CUresult gdr_cu_ipc_get(CUcontext c, CUdeviceptr p, char *out) {
+	CUresult r = gdr_cu.cuCtxSetCurrent(c);
+	if (r) return r;
+	CUipcMemHandle h;
+	r = gdr_cu.cuIpcGetMemHandle(&h, p);
+	if (r) return r;
+	memcpy(out, h.reserved, 64);
+	return 0;
+}
+
+static CUresult gdr_cu_ipc_open(CUcontext c, const char *in, CUdeviceptr *out) {
+	CUresult r = gdr_cu.cuCtxSetCurrent(c);
+	if (r) return r;
+	CUipcMemHandle h;
+	memcpy(h.reserved, in, 64);
+	return gdr_cu.cuIpcOpenMemHandle(out, h, 1); // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+}
+
+static CUresult gdr_cu_ipc_close(CUcontext c, CUdeviceptr p) {
+	CUresult r = gdr_cu.cuCtxSetCurrent(c);
+	if (r) return r;
+	return gdr_cu.cuIpcCloseMemHandle(p);
+}
+
+static void gdr_cu_error(CUresult r, const char **name, const char **desc) {
+	*name = NULL;
+	*desc = NULL;
+	if (gdr_cu.cuGetErrorName) gdr_cu.cuGetErrorName(r, name);
+	if (gdr_cu.cuGetErrorString) gdr_cu.cuGetErrorString(r, desc);
+}
+*/
+import "C"
+
+import (
+	"fmt"
+	"sync"
+	"unsafe"
+
+	"github.com/gdrpc/gdrpc/devicebuf/internal/driver"
+)
+
+// LibraryName is the soname dlopen'ed.
+const LibraryName = "libcuda.so.1"
+
+const cudaErrorNoDevice = 100
+
+type real struct {
+	once    sync.Once
+	initErr error
+
+	mu   sync.Mutex
+	ctxs map[int]C.CUcontext
+
+	streams sync.Map // driver.Stream -> int (device)
+}
+
+var theDriver = &real{ctxs: map[int]C.CUcontext{}}
+
+// Default returns the process's CUDA driver (loaded on first Init).
+func Default() driver.Driver { return theDriver }
+
+func cuErr(op string, r C.CUresult) error {
+	if r == 0 {
+		return nil
+	}
+	if r == C.GDR_CUDA_ERROR_NOT_FOUND_SYMBOL {
+		return fmt.Errorf("%s: not in this libcuda: %w", op, driver.ErrNotSupported)
+	}
+	var name, desc *C.char
+	C.gdr_cu_error(r, &name, &desc)
+	e := &driver.Error{Op: op, Code: int(r)}
+	if name != nil {
+		e.Name = C.GoString(name)
+	}
+	if desc != nil {
+		e.Desc = C.GoString(desc)
+	}
+	return e
+}
+
+func (d *real) Init() error {
+	d.once.Do(func() {
+		cname := C.CString(LibraryName)
+		defer C.free(unsafe.Pointer(cname))
+		if msg := C.gdr_cu_load(cname); msg != nil {
+			d.initErr = fmt.Errorf("CUDA driver: %s: %w", C.GoString(msg), driver.ErrNotSupported)
+			return
+		}
+		if r := C.gdr_cu_init(); r != 0 {
+			err := cuErr("cuInit", r)
+			if r == cudaErrorNoDevice {
+				d.initErr = fmt.Errorf("CUDA driver: no CUDA device: %v: %w", err, driver.ErrNotSupported)
+			} else {
+				d.initErr = fmt.Errorf("CUDA driver: %v: %w", err, driver.ErrNotSupported)
+			}
+		}
+	})
+	return d.initErr
+}
+
+func (d *real) DriverVersion() (int, error) {
+	var v C.int
+	return int(v), cuErr("cuDriverGetVersion", C.gdr_cu_driver_version(&v))
+}
+
+func (d *real) DeviceCount() (int, error) {
+	var n C.int
+	return int(n), cuErr("cuDeviceGetCount", C.gdr_cu_device_count(&n))
+}
+
+func (d *real) DeviceUUID(dev int) ([16]byte, error) {
+	var u [16]byte
+	var buf [16]C.char
+	if err := cuErr("cuDeviceGetUuid", C.gdr_cu_device_uuid(C.int(dev), &buf[0])); err != nil {
+		return u, err
+	}
+	for i := range u {
+		u[i] = byte(buf[i])
+	}
+	return u, nil
+}
+
+func (d *real) DeviceName(dev int) (string, error) {
+	var buf [256]C.char
+	if err := cuErr("cuDeviceGetName", C.gdr_cu_device_name(C.int(dev), &buf[0], C.int(len(buf)))); err != nil {
+		return "", err
+	}
+	return C.GoString(&buf[0]), nil
+}
+
+func (d *real) DevicePCIBusID(dev int) (string, error) {
+	var buf [64]C.char
+	if err := cuErr("cuDeviceGetPCIBusId", C.gdr_cu_device_busid(C.int(dev), &buf[0], C.int(len(buf)))); err != nil {
+		return "", err
+	}
+	return C.GoString(&buf[0]), nil
+}
+
+func (d *real) DeviceTotalMem(dev int) (uint64, error) {
+	var n C.size_t
+	return uint64(n), cuErr("cuDeviceTotalMem", C.gdr_cu_device_mem(C.int(dev), &n))
+}
+
+func (d *real) DeviceAttribute(dev int, attr driver.Attribute) (int, error) {
+	var v C.int
+	return int(v), cuErr("cuDeviceGetAttribute", C.gdr_cu_device_attr(C.int(dev), C.int(attr), &v))
+}
+
+// ctx returns dev's primary context, retained on first use and kept for the process's life.
+func (d *real) ctx(dev int) (C.CUcontext, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if c, ok := d.ctxs[dev]; ok {
+		return c, nil
+	}
+	var c C.CUcontext
+	if err := cuErr("cuDevicePrimaryCtxRetain", C.gdr_cu_ctx_retain(C.int(dev), &c)); err != nil {
+		return nil, err
+	}
+	d.ctxs[dev] = c
+	return c, nil
+}
+
+func (d *real) MemAlloc(dev int, n int) (uintptr, error) {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return 0, err
+	}
+	var p C.CUdeviceptr
+	if err := cuErr("cuMemAlloc", C.gdr_cu_mem_alloc(c, C.size_t(n), &p)); err != nil {
+		return 0, err
+	}
+	return uintptr(p), nil
+}
+
+func (d *real) MemFree(dev int, p uintptr) error {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return err
+	}
+	return cuErr("cuMemFree", C.gdr_cu_mem_free(c, C.CUdeviceptr(p)))
+}
+
+func (d *real) SetSyncMemops(dev int, p uintptr) error {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return err
+	}
+	return cuErr("cuPointerSetAttribute(SYNC_MEMOPS)", C.gdr_cu_sync_memops(c, C.CUdeviceptr(p)))
+}
+
+func (d *real) MemAddressRange(dev int, p uintptr) (uintptr, int, error) {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return 0, 0, err
+	}
+	var base C.CUdeviceptr
+	var size C.size_t
+	if err := cuErr("cuMemGetAddressRange", C.gdr_cu_address_range(c, C.CUdeviceptr(p), &base, &size)); err != nil {
+		return 0, 0, err
+	}
+	return uintptr(base), int(size), nil
+}
+
+// hostCtx is the context host registrations are made in (PORTABLE makes them valid in all).
+func (d *real) hostCtx() (C.CUcontext, error) { return d.ctx(0) }
+
+func (d *real) MemHostRegister(p uintptr, n int) error {
+	c, err := d.hostCtx()
+	if err != nil {
+		return err
+	}
+	return cuErr("cuMemHostRegister", C.gdr_cu_host_register(c, C.uintptr_t(p), C.size_t(n)))
+}
+
+func (d *real) MemHostUnregister(p uintptr) error {
+	c, err := d.hostCtx()
+	if err != nil {
+		return err
+	}
+	return cuErr("cuMemHostUnregister", C.gdr_cu_host_unregister(c, C.uintptr_t(p)))
+}
+
+func (d *real) Memcpy(dir driver.Dir, dstDev int, dst uintptr, srcDev int, src uintptr, n int, s driver.Stream) error {
+	var cdir C.int
+	var ctxDev int
+	switch dir {
+	case driver.HtoD:
+		cdir, ctxDev = 1, dstDev
+	case driver.DtoH:
+		cdir, ctxDev = 2, srcDev
+	case driver.DtoD:
+		cdir, ctxDev = 3, dstDev
+		if srcDev != dstDev {
+			cdir = 4
+		}
+	default:
+		return fmt.Errorf("memcpy: bad direction %d", dir)
+	}
+	if s != 0 {
+		v, ok := d.streams.Load(s)
+		if !ok {
+			return fmt.Errorf("memcpy: unknown stream %#x", uintptr(s))
+		}
+		ctxDev = v.(int)
+	}
+	c, err := d.ctx(ctxDev)
+	if err != nil {
+		return err
+	}
+	var dstc, srcc C.CUcontext
+	if cdir == 4 {
+		if dstc, err = d.ctx(dstDev); err != nil {
+			return err
+		}
+		if srcc, err = d.ctx(srcDev); err != nil {
+			return err
+		}
+	}
+	var sync C.int
+	if s == 0 {
+		sync = 1
+	}
+	r := C.gdr_cu_memcpy(c, cdir, dstc, C.uintptr_t(dst), srcc, C.uintptr_t(src), C.size_t(n), C.uintptr_t(s), sync)
+	return cuErr("cuMemcpyAsync", r)
+}
+
+func (d *real) StreamCreate(dev int) (driver.Stream, error) {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return 0, err
+	}
+	var s C.CUstream
+	if err := cuErr("cuStreamCreate", C.gdr_cu_stream_create(c, &s)); err != nil {
+		return 0, err
+	}
+	h := driver.Stream(uintptr(unsafe.Pointer(s)))
+	d.streams.Store(h, dev)
+	return h, nil
+}
+
+func (d *real) streamCtx(s driver.Stream) (C.CUcontext, error) {
+	v, ok := d.streams.Load(s)
+	if !ok {
+		return nil, fmt.Errorf("unknown stream %#x", uintptr(s))
+	}
+	return d.ctx(v.(int))
+}
+
+func (d *real) StreamSynchronize(s driver.Stream) error {
+	c, err := d.streamCtx(s)
+	if err != nil {
+		return err
+	}
+	return cuErr("cuStreamSynchronize", C.gdr_cu_stream_sync(c, C.uintptr_t(s)))
+}
+
+func (d *real) StreamDestroy(s driver.Stream) error {
+	c, err := d.streamCtx(s)
+	if err != nil {
+		return err
+	}
+	d.streams.Delete(s)
+	return cuErr("cuStreamDestroy", C.gdr_cu_stream_destroy(c, C.uintptr_t(s)))
+}
+
+func (d *real) FlushRDMAWrites(dev int) error {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return err
+	}
+	return cuErr("cuFlushGPUDirectRDMAWrites", C.gdr_cu_flush_rdma(c))
+}
+
+func (d *real) IpcGetMemHandle(dev int, p uintptr) ([driver.IPCHandleSize]byte, error) {
+	var h [driver.IPCHandleSize]byte
+	c, err := d.ctx(dev)
+	if err != nil {
+		return h, err
+	}
+	var buf [driver.IPCHandleSize]C.char
+	if err := cuErr("cuIpcGetMemHandle", C.gdr_cu_ipc_get(c, C.CUdeviceptr(p), &buf[0])); err != nil {
+		return h, err
+	}
+	for i := range h {
+		h[i] = byte(buf[i])
+	}
+	return h, nil
+}
+
+func (d *real) IpcOpenMemHandle(dev int, h [driver.IPCHandleSize]byte) (uintptr, error) {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return 0, err
+	}
+	var buf [driver.IPCHandleSize]C.char
+	for i := range h {
+		buf[i] = C.char(h[i])
+	}
+	var p C.CUdeviceptr
+	if err := cuErr("cuIpcOpenMemHandle", C.gdr_cu_ipc_open(c, &buf[0], &p)); err != nil {
+		return 0, err
+	}
+	return uintptr(p), nil
+}
+
+func (d *real) IpcCloseMemHandle(dev int, p uintptr) error {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return err
+	}
+	return cuErr("cuIpcCloseMemHandle", C.gdr_cu_ipc_close(c, C.CUdeviceptr(p)))
+}
