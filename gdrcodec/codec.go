@@ -1,0 +1,678 @@
+package gdrcodec
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
+	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/encoding"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/protoadapt"
+	"google.golang.org/protobuf/reflect/protoreflect"
+)
+
+// Name is the content-subtype of the out-of-band codec: gdrpc clients send
+// "application/grpc+gdr".
+const Name = "gdr"
+
+// DefaultEagerThreshold: payloads shorter than this travel inline.
+const DefaultEagerThreshold = 64 << 10
+
+// Option configures the codecs.
+type Option func(*options)
+
+type options struct {
+	eager int
+	alloc devicebuf.Allocator
+}
+
+// WithEagerThreshold sets the payload size from which the gdr codec moves a
+// payload out-of-band; shorter ones travel inline. If zero, 64 KiB; negative
+// sends everything out-of-band (tests).
+func WithEagerThreshold(n int) Option { return func(o *options) { o.eager = n } }
+
+// WithReceiveAllocator sets where received DeviceBuffer payloads land: host
+// memory, a GPU (devicebuf.NewCUDAAllocator), or a pool of the user's. If nil,
+// the registered host pool of the default UCX context (plain host memory where
+// there is no UCX).
+func WithReceiveAllocator(a devicebuf.Allocator) Option { return func(o *options) { o.alloc = a } }
+
+var (
+	registerMu sync.Mutex
+	current    atomic.Pointer[options]
+	baseProto  encoding.CodecV2 // grpc's own proto codec, for the message bodies
+)
+
+// Register registers the gdr codec and replaces the proto codec with one that
+// behaves exactly like gRPC's for ordinary messages and sends attached device
+// buffers inline, so plain gRPC peers still receive correct data. Call it once,
+// at start-up, before serving or dialing; a later call replaces the options.
+// It is never called from an init function.
+func Register(opts ...Option) {
+	o := &options{eager: DefaultEagerThreshold}
+	for _, fn := range opts {
+		fn(o)
+	}
+	if o.eager == 0 {
+		o.eager = DefaultEagerThreshold
+	}
+	registerMu.Lock()
+	defer registerMu.Unlock()
+	current.Store(o)
+	if baseProto == nil {
+		baseProto = encoding.GetCodecV2("proto")
+		if baseProto == nil {
+			panic("gdrcodec: gRPC's proto codec is not registered")
+		}
+		encoding.RegisterCodecV2(&codec{name: Name, oob: true})
+		encoding.RegisterCodecV2(&codec{name: "proto"})
+	}
+}
+
+// ensureRegistered registers with default options where nobody did.
+func ensureRegistered() {
+	registerMu.Lock()
+	done := baseProto != nil
+	registerMu.Unlock()
+	if !done {
+		Register()
+	}
+}
+
+func opts() *options {
+	if o := current.Load(); o != nil {
+		return o
+	}
+	return &options{eager: DefaultEagerThreshold}
+}
+
+// codec is the gdr codec (oob) or the proto replacement (inline only).
+type codec struct {
+	name string
+	oob  bool
+}
+
+func (c *codec) Name() string { return c.name }
+
+func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
+	vv := messageV2Of(v)
+	if vv == nil {
+		return nil, fmt.Errorf("gdrcodec: cannot marshal %T, want proto.Message", v)
+	}
+	m := vv.ProtoReflect()
+	if !mayCarry(m.Descriptor()) {
+		return baseProto.Marshal(v)
+	}
+	w := &rewriter{oob: c.oob, eager: opts().eager, hold: holdOf(v)}
+	out, err := w.message(m)
+	if err != nil {
+		w.abort()
+		return nil, err
+	}
+	if out == nil {
+		return baseProto.Marshal(v)
+	}
+	data, err := baseProto.Marshal(out.Interface())
+	if err != nil {
+		w.abort()
+	}
+	return data, err
+}
+
+func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
+	if err := baseProto.Unmarshal(data, v); err != nil {
+		return err
+	}
+	vv := messageV2Of(v)
+	if vv == nil {
+		return nil // the base codec refused it already
+	}
+	m := vv.ProtoReflect()
+	if !mayCarry(m.Descriptor()) {
+		return nil
+	}
+	return resolve(context.Background(), m, c.oob)
+}
+
+func messageV2Of(v any) proto.Message {
+	switch v := v.(type) {
+	case protoadapt.MessageV1:
+		return protoadapt.MessageV2Of(v)
+	case protoadapt.MessageV2:
+		return v
+	}
+	return nil
+}
+
+// ---- which messages can carry payloads --------------------------------------
+
+var carries sync.Map // protoreflect.FullName -> bool
+
+var deviceBufferName = (&gdrv1.DeviceBuffer{}).ProtoReflect().Descriptor().FullName()
+
+// mayCarry reports whether messages of type md can hold a DeviceBuffer or a
+// marked bytes field anywhere inside.
+func mayCarry(md protoreflect.MessageDescriptor) bool {
+	if v, ok := carries.Load(md.FullName()); ok {
+		return v.(bool)
+	}
+	r := search(md, map[protoreflect.FullName]bool{})
+	carries.Store(md.FullName(), r)
+	return r
+}
+
+func search(md protoreflect.MessageDescriptor, seen map[protoreflect.FullName]bool) bool {
+	if md.FullName() == deviceBufferName {
+		return true
+	}
+	if seen[md.FullName()] {
+		return false
+	}
+	seen[md.FullName()] = true
+	fields := md.Fields()
+	for i := 0; i < fields.Len(); i++ {
+		fd := fields.Get(i)
+		if marked(fd) {
+			return true
+		}
+		if sub := valueMessage(fd); sub != nil && search(sub, seen) {
+			return true
+		}
+	}
+	return false
+}
+
+// marked reports whether fd is a bytes field with the device_buffer option.
+func marked(fd protoreflect.FieldDescriptor) bool {
+	if fd.Kind() != protoreflect.BytesKind || fd.IsMap() {
+		return false
+	}
+	o := fd.Options()
+	if o == nil {
+		return false
+	}
+	v, _ := proto.GetExtension(o, gdrv1.E_DeviceBuffer).(bool)
+	return v
+}
+
+// ---- marked bytes fields on the wire -----------------------------------------
+
+// A marked bytes field sent by the gdr codec starts with bytesMagic when it
+// does not hold the payload itself: then the next byte says what follows:
+// markDescriptor, a DeviceBuffer descriptor; markEscaped, a payload that
+// happened to start with the magic.
+var bytesMagic = []byte("\x00\xffgdrpc\x00")
+
+const (
+	markEscaped    = 0
+	markDescriptor = 1
+)
+
+// ---- marshal: replacing payloads by descriptors ------------------------------
+
+type rewriter struct {
+	oob    bool
+	eager  int
+	hold   *hold
+	offers []transport.Token
+}
+
+func (w *rewriter) abort() {
+	for _, t := range w.offers {
+		transport.Withdraw(t)
+	}
+}
+
+func (w *rewriter) outOfBand(n int) bool { return w.oob && n >= w.eager }
+
+func (w *rewriter) offer(src transport.Source) transport.Descriptor {
+	d := transport.Offer(src, transport.OfferOptions{Held: w.hold != nil})
+	w.offers = append(w.offers, d.Token)
+	if w.hold != nil {
+		w.hold.add(d.Token)
+	}
+	return d
+}
+
+// message returns a shallow copy of m with its payloads replaced, or nil when
+// nothing in m needed replacing. m itself is never modified.
+func (w *rewriter) message(m protoreflect.Message) (protoreflect.Message, error) {
+	if db, ok := m.Interface().(*gdrv1.DeviceBuffer); ok {
+		out, err := w.deviceBuffer(db)
+		if out == nil || err != nil {
+			return nil, err
+		}
+		return out.ProtoReflect(), nil
+	}
+	if !mayCarry(m.Descriptor()) {
+		return nil, nil
+	}
+	var out protoreflect.Message
+	var err error
+	m.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
+		var nv protoreflect.Value
+		var changed bool
+		nv, changed, err = w.field(m, fd, v)
+		if err != nil {
+			return false
+		}
+		if changed {
+			if out == nil {
+				out = shallowCopy(m)
+			}
+			out.Set(fd, nv)
+		}
+		return true
+	})
+	return out, err
+}
+
+func shallowCopy(m protoreflect.Message) protoreflect.Message {
+	out := m.New()
+	m.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
+		out.Set(fd, v)
+		return true
+	})
+	if u := m.GetUnknown(); len(u) > 0 {
+		out.SetUnknown(u)
+	}
+	return out
+}
+
+func (w *rewriter) field(parent protoreflect.Message, fd protoreflect.FieldDescriptor, v protoreflect.Value) (protoreflect.Value, bool, error) {
+	var one func(protoreflect.Value) (protoreflect.Value, bool, error)
+	switch {
+	case marked(fd):
+		one = func(v protoreflect.Value) (protoreflect.Value, bool, error) {
+			b, changed := w.bytesField(v.Bytes())
+			return protoreflect.ValueOfBytes(b), changed, nil
+		}
+	case valueMessage(fd) != nil && mayCarry(valueMessage(fd)):
+		one = func(v protoreflect.Value) (protoreflect.Value, bool, error) {
+			out, err := w.message(v.Message())
+			if out == nil || err != nil {
+				return v, false, err
+			}
+			return protoreflect.ValueOfMessage(out), true, nil
+		}
+	default:
+		return v, false, nil
+	}
+	switch {
+	case fd.IsList():
+		l := v.List()
+		var nl protoreflect.List
+		for i := 0; i < l.Len(); i++ {
+			e, changed, err := one(l.Get(i))
+			if err != nil {
+				return v, false, err
+			}
+			if changed && nl == nil {
+				nl = parent.New().NewField(fd).List()
+				for j := 0; j < i; j++ {
+					nl.Append(l.Get(j))
+				}
+			}
+			if nl != nil {
+				nl.Append(e)
+			}
+		}
+		if nl == nil {
+			return v, false, nil
+		}
+		return protoreflect.ValueOfList(nl), true, nil
+	case fd.IsMap():
+		mp := v.Map()
+		type kv struct {
+			k protoreflect.MapKey
+			v protoreflect.Value
+		}
+		var changedKVs []kv
+		var err error
+		mp.Range(func(k protoreflect.MapKey, e protoreflect.Value) bool {
+			var ne protoreflect.Value
+			var changed bool
+			ne, changed, err = one(e)
+			if changed {
+				changedKVs = append(changedKVs, kv{k, ne})
+			}
+			return err == nil
+		})
+		if err != nil || len(changedKVs) == 0 {
+			return v, false, err
+		}
+		nm := parent.New().NewField(fd).Map()
+		mp.Range(func(k protoreflect.MapKey, e protoreflect.Value) bool {
+			nm.Set(k, e)
+			return true
+		})
+		for _, c := range changedKVs {
+			nm.Set(c.k, c.v)
+		}
+		return protoreflect.ValueOfMap(nm), true, nil
+	default:
+		return one(v)
+	}
+}
+
+// bytesField returns what a marked bytes field carries on the wire.
+func (w *rewriter) bytesField(b []byte) ([]byte, bool) {
+	if w.outOfBand(len(b)) {
+		d := w.offer(transport.Source{Bytes: b})
+		desc, err := proto.Marshal(descriptorMessage(d))
+		if err != nil {
+			panic("gdrcodec: marshal descriptor: " + err.Error()) // a fixed, valid message
+		}
+		out := make([]byte, 0, len(bytesMagic)+1+len(desc))
+		out = append(append(append(out, bytesMagic...), markDescriptor), desc...)
+		return out, true
+	}
+	if w.oob && bytes.HasPrefix(b, bytesMagic) {
+		out := make([]byte, 0, len(bytesMagic)+1+len(b))
+		return append(append(append(out, bytesMagic...), markEscaped), b...), true
+	}
+	return b, false
+}
+
+// deviceBuffer returns the DeviceBuffer to send for db, or nil to send db as is.
+func (w *rewriter) deviceBuffer(db *gdrv1.DeviceBuffer) (*gdrv1.DeviceBuffer, error) {
+	b, ok := Buffer(db)
+	if !ok {
+		return nil, nil
+	}
+	if w.outOfBand(b.Len()) {
+		return descriptorMessage(w.offer(transport.Source{Buffer: b})), nil
+	}
+	out := &gdrv1.DeviceBuffer{Length: uint64(b.Len()), Kind: kindOf(b.Kind()), Device: int32(b.Device()), DeviceUuid: b.DeviceUUID()}
+	if hb, err := b.HostBytes(); err == nil {
+		out.Inline = hb // marshal copies it out before returning
+		return out, nil
+	}
+	out.Inline = make([]byte, b.Len())
+	dst := devicebuf.HostFromBytes(out.Inline)
+	defer dst.Release()
+	if err := devicebuf.Copy(dst, b); err != nil {
+		return nil, fmt.Errorf("gdrcodec: copy %v payload to host: %w", b.Kind(), err)
+	}
+	return out, nil
+}
+
+func descriptorMessage(d transport.Descriptor) *gdrv1.DeviceBuffer {
+	k := gdrv1.Kind_KIND_HOST
+	if d.Kind == devicebuf.CUDA {
+		k = gdrv1.Kind_KIND_CUDA
+	}
+	return &gdrv1.DeviceBuffer{
+		Length: d.Length, Kind: k,
+		Owner: d.Owner[:], Token: d.Token[:],
+		Device: int32(d.Device), DeviceUuid: d.DeviceUUID, HostId: d.HostID[:],
+	}
+}
+
+// ParseDescriptor reads the out-of-band descriptor of db. It reports false when
+// db carries no descriptor (its payload, if any, is inline).
+func ParseDescriptor(db *gdrv1.DeviceBuffer) (transport.Descriptor, bool, error) {
+	if len(db.GetOwner()) == 0 && len(db.GetToken()) == 0 {
+		return transport.Descriptor{}, false, nil
+	}
+	var d transport.Descriptor
+	if len(db.Owner) != len(d.Owner) || len(db.Token) != len(d.Token) {
+		return d, true, fmt.Errorf("descriptor: owner of %d bytes, token of %d, want %d and %d", len(db.Owner), len(db.Token), len(d.Owner), len(d.Token))
+	}
+	if len(db.HostId) != 0 && len(db.HostId) != len(d.HostID) {
+		return d, true, fmt.Errorf("descriptor: host id of %d bytes", len(db.HostId))
+	}
+	if len(db.Inline) != 0 {
+		return d, true, errors.New("descriptor: both a token and inline bytes")
+	}
+	copy(d.Owner[:], db.Owner)
+	copy(d.Token[:], db.Token)
+	copy(d.HostID[:], db.HostId)
+	d.Length = db.Length
+	switch db.Kind {
+	case gdrv1.Kind_KIND_HOST:
+		d.Kind = devicebuf.Host
+	case gdrv1.Kind_KIND_CUDA:
+		d.Kind = devicebuf.CUDA
+	default:
+		return d, true, fmt.Errorf("descriptor: unknown kind %d", db.Kind)
+	}
+	d.Device, d.DeviceUUID = int(db.Device), db.DeviceUuid
+	return d, true, d.Validate()
+}
+
+// ---- unmarshal: pulling payloads ---------------------------------------------
+
+// job is one payload to resolve in a received message.
+type job struct {
+	run  func(ctx context.Context) error
+	undo func() // releases what run produced, when another job failed
+}
+
+func resolve(ctx context.Context, m protoreflect.Message, oob bool) error {
+	var jobs []job
+	if err := collect(m, oob, &jobs); err != nil {
+		return err
+	}
+	switch len(jobs) {
+	case 0:
+		return nil
+	case 1:
+		return jobs[0].run(ctx)
+	}
+	errs := make([]error, len(jobs))
+	var wg sync.WaitGroup
+	for i, j := range jobs {
+		wg.Go(func() { errs[i] = j.run(ctx) })
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		for i, j := range jobs {
+			if errs[i] == nil && j.undo != nil {
+				j.undo()
+			}
+		}
+		return firstStatus(errs)
+	}
+	return nil
+}
+
+func firstStatus(errs []error) error {
+	for _, e := range errs {
+		if e != nil {
+			return e
+		}
+	}
+	return nil
+}
+
+func collect(m protoreflect.Message, oob bool, jobs *[]job) error {
+	if db, ok := m.Interface().(*gdrv1.DeviceBuffer); ok {
+		j, err := deviceBufferJob(db)
+		if err != nil {
+			return err
+		}
+		if j.run != nil {
+			*jobs = append(*jobs, j)
+		}
+		return nil
+	}
+	if !mayCarry(m.Descriptor()) {
+		return nil
+	}
+	var err error
+	m.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
+		switch {
+		case marked(fd) && oob:
+			err = bytesJobs(m, fd, v, jobs)
+		case valueMessage(fd) != nil:
+			each(fd, v, func(v protoreflect.Value) {
+				if err == nil {
+					err = collect(v.Message(), oob, jobs)
+				}
+			})
+		}
+		return err == nil
+	})
+	return err
+}
+
+func receiveAllocator() devicebuf.Allocator {
+	if a := opts().alloc; a != nil {
+		return a
+	}
+	if rdma.Available() == nil {
+		if rc, err := rdma.Default(); err == nil {
+			return transport.HostPool(rc)
+		}
+	}
+	return transport.HostPool(nil)
+}
+
+func deviceBufferJob(db *gdrv1.DeviceBuffer) (job, error) {
+	d, oob, err := ParseDescriptor(db)
+	if err != nil {
+		return job{}, codecError(codes.InvalidArgument, "%v", err)
+	}
+	alloc := receiveAllocator()
+	if !oob {
+		if uint64(len(db.Inline)) != db.Length {
+			return job{}, codecError(codes.InvalidArgument, "inline payload of %d bytes, descriptor says %d", len(db.Inline), db.Length)
+		}
+		if db.Length == 0 && db.Kind == gdrv1.Kind_KIND_HOST {
+			return job{}, nil // an empty DeviceBuffer: nothing attached
+		}
+		var b *devicebuf.Buffer
+		if alloc.Kind() == devicebuf.Host {
+			b = devicebuf.HostFromBytes(db.Inline) // the message's own copy: no second one
+		} else {
+			src := devicebuf.HostFromBytes(db.Inline)
+			b, err = alloc.Alloc(len(db.Inline))
+			if err == nil {
+				if err = devicebuf.Copy(b, src); err != nil {
+					b.Release()
+				}
+			}
+			src.Release()
+			if err != nil {
+				return job{}, codecError(codes.ResourceExhausted, "place inline payload: %v", err)
+			}
+		}
+		setAttachment(db, b)
+		db.Inline = nil
+		return job{}, nil
+	}
+	return job{
+		run: func(ctx context.Context) error {
+			dst, err := alloc.Alloc(int(d.Length))
+			if err != nil {
+				return codecError(codes.ResourceExhausted, "no memory for a %d-byte payload: %v", d.Length, err)
+			}
+			if _, err := transport.Fetch(ctx, d, dst); err != nil {
+				dst.Release()
+				return transferStatus(err)
+			}
+			setAttachment(db, dst)
+			db.Owner, db.Token = nil, nil
+			return nil
+		},
+		undo: func() {
+			if b := Detach(db); b != nil {
+				b.Release()
+			}
+		},
+	}, nil
+}
+
+func bytesJobs(m protoreflect.Message, fd protoreflect.FieldDescriptor, v protoreflect.Value, jobs *[]job) error {
+	if fd.IsList() {
+		l := v.List()
+		for i := 0; i < l.Len(); i++ {
+			if err := bytesJob(l.Get(i).Bytes(), func(b []byte) { l.Set(i, protoreflect.ValueOfBytes(b)) }, jobs); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	return bytesJob(v.Bytes(), func(b []byte) { m.Set(fd, protoreflect.ValueOfBytes(b)) }, jobs)
+}
+
+func bytesJob(b []byte, set func([]byte), jobs *[]job) error {
+	if !bytes.HasPrefix(b, bytesMagic) || len(b) == len(bytesMagic) {
+		return nil
+	}
+	rest := b[len(bytesMagic)+1:]
+	switch b[len(bytesMagic)] {
+	case markEscaped:
+		set(rest)
+		return nil
+	case markDescriptor:
+	default:
+		return codecError(codes.InvalidArgument, "marked bytes field with unknown marker %d", b[len(bytesMagic)])
+	}
+	var db gdrv1.DeviceBuffer
+	if err := proto.Unmarshal(rest, &db); err != nil {
+		return codecError(codes.InvalidArgument, "malformed descriptor: %v", err)
+	}
+	d, oob, err := ParseDescriptor(&db)
+	if err == nil && !oob {
+		err = errors.New("descriptor without a token")
+	}
+	if err != nil {
+		return codecError(codes.InvalidArgument, "%v", err)
+	}
+	*jobs = append(*jobs, job{run: func(ctx context.Context) error {
+		if d.Length > uint64(maxBytesField) {
+			return codecError(codes.ResourceExhausted, "a bytes field of %d bytes is over %d", d.Length, maxBytesField)
+		}
+		p := make([]byte, d.Length)
+		if _, err := transport.FetchBytes(ctx, d, p); err != nil {
+			return transferStatus(err)
+		}
+		set(p)
+		return nil
+	}})
+	return nil
+}
+
+// maxBytesField bounds a marked bytes field's payload: it lands in Go memory.
+const maxBytesField = 1 << 34
+
+// transferStatus turns a transfer error into a status. gRPC reports every codec
+// error as codes.Internal; the message carries the real code, which the client
+// interceptors restore.
+func transferStatus(err error) error {
+	code := codes.Internal
+	var te *transport.TransferError
+	if errors.As(err, &te) {
+		switch te.Kind {
+		case transport.TransferUnavailable:
+			code = codes.Unavailable
+		case transport.TransferNotFound:
+			code = codes.NotFound
+		case transport.TransferTimeout:
+			code = codes.DeadlineExceeded
+		case transport.TransferInvalid:
+			code = codes.InvalidArgument
+		}
+	}
+	return codecError(code, "%v", err)
+}
+
+// codecError is a status whose message carries its code for the client
+// interceptors to restore.
+func codecError(code codes.Code, format string, args ...any) error {
+	return status.Errorf(code, "%s%s] %s", codeMarker, code, fmt.Sprintf(format, args...))
+}
+
+const codeMarker = "gdrpc [code="

@@ -1,0 +1,22 @@
+// Package gdrcodec is the gRPC codec that moves payloads out-of-band.
+//
+// A message field of type gdr.v1.DeviceBuffer, or a bytes field marked with the
+// (gdr.v1.device_buffer) option, carries a payload that may be large and may live
+// in GPU memory. With the "gdr" content-subtype (what dialer.DialOptions selects),
+// Marshal puts each payload of at least the eager threshold into this process's
+// outbox and writes only a descriptor into the protobuf body; the receiver's
+// Unmarshal pulls the bytes through a gdrpc session to the owner (RDMA write,
+// CUDA IPC, staged GPU copies, or a bulk stream) into memory it registered, before
+// the message reaches the application. Shorter payloads travel inline.
+//
+// Register also replaces the "proto" codec with one that behaves like gRPC's for
+// every ordinary message and sends attached device buffers inline, so a plain
+// gRPC client in any language still receives correct bytes.
+//
+// Attach a devicebuf.Buffer to an outgoing DeviceBuffer with Attach (or New);
+// read a received one with Buffer, take it over with Detach, and give the memory
+// back early with ReleaseAll.
+//
+// This package knows protobuf and gRPC; it never touches UCX or device memory
+// itself (devicebuf copies, transport moves bytes).
+package gdrcodec

@@ -1,0 +1,178 @@
+package gdrcodec
+
+import (
+	"context"
+	"io"
+	"slices"
+	"strings"
+	"sync"
+
+	"github.com/gdrpc/gdrpc/transport"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/tap"
+)
+
+// A hold keeps the out-of-band payloads of a call's outgoing messages in the
+// outbox until the call ends: gRPC may replay the marshaled bytes of a request
+// to another server (retries, hedging), and each replay is pulled again.
+type hold struct {
+	mu     sync.Mutex
+	tokens []transport.Token
+	done   bool
+}
+
+var holds sync.Map // outgoing message (pointer) -> *hold
+
+func holdOf(v any) *hold {
+	if h, ok := holds.Load(v); ok {
+		return h.(*hold)
+	}
+	return nil
+}
+
+func (h *hold) add(t transport.Token) {
+	h.mu.Lock()
+	done := h.done
+	if !done {
+		h.tokens = append(h.tokens, t)
+	}
+	h.mu.Unlock()
+	if done {
+		transport.Withdraw(t)
+	}
+}
+
+func (h *hold) release() {
+	h.mu.Lock()
+	ts := h.tokens
+	h.tokens, h.done = nil, true
+	h.mu.Unlock()
+	for _, t := range ts {
+		transport.Withdraw(t)
+	}
+}
+
+// UnaryClientInterceptor holds a request's payloads until the call returns and
+// restores the status code of an out-of-band transfer that failed while the
+// response was being decoded.
+func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
+	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		h := &hold{}
+		if _, busy := holds.LoadOrStore(req, h); busy {
+			h = nil // the same message in two calls at once: the first call holds it
+		}
+		err := invoker(ctx, method, req, reply, cc, opts...)
+		if h != nil {
+			holds.Delete(req)
+			h.release()
+		}
+		return restoreCode(err)
+	}
+}
+
+// StreamClientInterceptor holds the payloads of every message a stream sends
+// until the stream ends.
+func StreamClientInterceptor() grpc.StreamClientInterceptor {
+	return func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+		cs, err := streamer(ctx, desc, cc, method, opts...)
+		if err != nil {
+			return nil, restoreCode(err)
+		}
+		s := &heldStream{ClientStream: cs, h: &hold{}}
+		s.stop = context.AfterFunc(cs.Context(), s.h.release)
+		return s, nil
+	}
+}
+
+type heldStream struct {
+	grpc.ClientStream
+	h    *hold
+	stop func() bool
+}
+
+func (s *heldStream) SendMsg(m any) error {
+	_, busy := holds.LoadOrStore(m, s.h)
+	err := s.ClientStream.SendMsg(m)
+	if !busy {
+		holds.Delete(m)
+	}
+	return restoreCode(err)
+}
+
+func (s *heldStream) RecvMsg(m any) error {
+	err := s.ClientStream.RecvMsg(m)
+	if err != nil {
+		// The stream is over: nobody pulls its requests any more.
+		s.stop()
+		s.h.release()
+	}
+	if err == io.EOF {
+		return err
+	}
+	return restoreCode(err)
+}
+
+// restoreCode gives back the code of a status that gRPC turned into Internal
+// because it came out of the codec.
+func restoreCode(err error) error {
+	st, ok := status.FromError(err)
+	if !ok || st.Code() != codes.Internal {
+		return err
+	}
+	msg := st.Message()
+	i := strings.Index(msg, codeMarker)
+	if i < 0 {
+		return err
+	}
+	rest := msg[i+len(codeMarker):]
+	j := strings.IndexByte(rest, ']')
+	if j < 0 {
+		return err
+	}
+	for c := codes.OK; c <= codes.Unauthenticated; c++ {
+		if c.String() == rest[:j] {
+			return status.Error(c, msg)
+		}
+	}
+	return err
+}
+
+// DialOptions returns what a gdrpc client needs on top of its dialer: the gdr
+// content-subtype and the interceptors above. It registers the codecs with
+// default options if Register was not called.
+func DialOptions() []grpc.DialOption {
+	ensureRegistered()
+	return []grpc.DialOption{
+		grpc.WithDefaultCallOptions(grpc.CallContentSubtype(Name)),
+		grpc.WithChainUnaryInterceptor(UnaryClientInterceptor()),
+		grpc.WithChainStreamInterceptor(StreamClientInterceptor()),
+	}
+}
+
+// ServerOptions returns what a gdrpc server needs: a check that refuses gdr
+// calls on connections whose handshake did not negotiate the codec (a plain TCP
+// client naming the gdr subtype gets FailedPrecondition). It registers the
+// codecs with default options if Register was not called.
+func ServerOptions() []grpc.ServerOption {
+	ensureRegistered()
+	return []grpc.ServerOption{grpc.InTapHandle(refuseUnnegotiated)}
+}
+
+func refuseUnnegotiated(ctx context.Context, info *tap.Info) (context.Context, error) {
+	gdr := false
+	for _, ct := range info.Header.Get("content-type") {
+		if strings.HasSuffix(ct, "+"+Name) {
+			gdr = true
+		}
+	}
+	if !gdr {
+		return ctx, nil
+	}
+	s := transport.SessionFromContext(ctx)
+	if s == nil || !slices.Contains(s.Peer().Caps.Codecs, Name) {
+		return ctx, status.Errorf(codes.FailedPrecondition, "gdrpc: the %q codec needs a gdrpc connection; this one did not negotiate it", Name)
+	}
+	return ctx, nil
+}
