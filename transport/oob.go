@@ -25,15 +25,26 @@ const DefaultStagingChunk = 4 << 20
 // Metrics receives out-of-band transfer events. Implementations must be cheap and
 // safe for concurrent use.
 type Metrics interface {
-	// Transfer reports one finished transfer, on the side that moved the bytes.
-	Transfer(path Path, bytes int64, elapsed time.Duration, err error)
+	// Transfer reports one finished transfer, on both sides.
+	Transfer(TransferInfo)
 	// Fallback reports that a better path was not taken, and why.
 	Fallback(wanted, took Path, reason string)
 }
 
+// TransferInfo describes one finished transfer.
+type TransferInfo struct {
+	Path    Path
+	Bytes   int64
+	Elapsed time.Duration
+	Err     error
+	// Pull is true on the receiver's side (the bytes arrived here), false on the
+	// owner's (the bytes left from here).
+	Pull bool
+}
+
 type nopMetrics struct{}
 
-func (nopMetrics) Transfer(Path, int64, time.Duration, error) {}
+func (nopMetrics) Transfer(TransferInfo) {}
 func (nopMetrics) Fallback(Path, Path, string)                {}
 
 // TransferConfig tunes the out-of-band engine of this process.
@@ -178,6 +189,7 @@ func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, erro
 	defer cancel()
 	start := time.Now()
 	path, err := fetchVia(ctx, s, d, dst)
+	c.Metrics.Transfer(TransferInfo{Path: path, Bytes: int64(d.Length), Elapsed: time.Since(start), Err: err, Pull: true})
 	if err != nil {
 		return path, err
 	}
@@ -227,9 +239,9 @@ func fetchLocal(d Descriptor, dst *devicebuf.Buffer) (Path, error) {
 	err = copyFromSource(dst, e.src)
 	box.checkin(d.Token, e, err == nil)
 	if err != nil {
-		return PathNone, &TransferError{Token: d.Token, Err: err}
+		return PathLocal, &TransferError{Token: d.Token, Err: err}
 	}
-	return PathNone, nil
+	return PathLocal, nil
 }
 
 func copyFromSource(dst *devicebuf.Buffer, src Source) error {
@@ -485,7 +497,7 @@ func serveRTR(s *Session, payload []byte) {
 		start := time.Now()
 		f.Path, err = push(ctx, s, m, e.src)
 		box.checkin(m.Token, e, err == nil)
-		c.Metrics.Transfer(f.Path, int64(m.Length), time.Since(start), err)
+		c.Metrics.Transfer(TransferInfo{Path: f.Path, Bytes: int64(m.Length), Elapsed: time.Since(start), Err: err})
 		c.Logger.Debug("out-of-band push", "session", s.ID(), "path", f.Path.String(), "bytes", m.Length, "elapsed", time.Since(start), "err", err)
 		if err != nil {
 			f.Status, f.Msg = finFailed, err.Error()

@@ -65,6 +65,7 @@ const (
 	PathRDMA    Path = 1 << 1 // UCX put into the receiver's registered memory
 	PathStream  Path = 1 << 2 // the session's bulk stream
 	PathStaged  Path = 1 << 3 // GPU source, put through registered host staging (reported, never offered)
+	PathLocal   Path = 1 << 4 // the owner is this process and no session to itself exists: a plain copy
 )
 
 func (p Path) String() string {
@@ -79,6 +80,8 @@ func (p Path) String() string {
 		return "stream"
 	case PathStaged:
 		return "staged"
+	case PathLocal:
+		return "local"
 	}
 	return fmt.Sprintf("paths(%#x)", uint8(p))
 }
