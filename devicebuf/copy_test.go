@@ -1,0 +1,219 @@
+package devicebuf_test
+
+import (
+	"fmt"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
+)
+
+// memKind is one kind of memory a copy test moves bytes between; fill and read move bytes in
+// and out without going through the copy under test where the fake makes that possible.
+type memKind struct {
+	name  string
+	alloc func(tb testing.TB, n int) *devicebuf.Buffer
+}
+
+func hostKinds() []memKind {
+	return []memKind{
+		{"host", func(tb testing.TB, n int) *devicebuf.Buffer {
+			b, err := devicebuf.NewHostAllocator().Alloc(n)
+			require.NoError(tb, err)
+			return b
+		}},
+		{"pinned", func(tb testing.TB, n int) *devicebuf.Buffer {
+			b, err := devicebuf.NewHostAllocator(devicebuf.Pinned()).Alloc(n)
+			require.NoError(tb, err)
+			return b
+		}},
+		{"gomem", func(tb testing.TB, n int) *devicebuf.Buffer {
+			return devicebuf.HostFromBytes(make([]byte, n))
+		}},
+	}
+}
+
+func cudaKind(dev int) memKind {
+	return memKind{fmt.Sprintf("cuda%d", dev), func(tb testing.TB, n int) *devicebuf.Buffer {
+		a, err := devicebuf.NewCUDAAllocator(dev)
+		require.NoError(tb, err)
+		b, err := a.Alloc(n)
+		require.NoError(tb, err)
+		return b
+	}}
+}
+
+// access moves test bytes into and out of a buffer of any kind.
+type access interface {
+	fill(tb testing.TB, b *devicebuf.Buffer, p []byte)
+	read(tb testing.TB, b *devicebuf.Buffer) []byte
+}
+
+// fakeAccess reaches fake device memory through the fake's alias, independent of Copy.
+type fakeAccess struct{ g *devicebuftest.GPU }
+
+func (f fakeAccess) fill(tb testing.TB, b *devicebuf.Buffer, p []byte) {
+	tb.Helper()
+	if b.Kind() == devicebuf.Host {
+		hb, err := b.HostBytes()
+		require.NoError(tb, err)
+		copy(hb, p)
+		return
+	}
+	require.NoError(tb, f.g.Poke(b.Ptr(), p))
+}
+
+func (f fakeAccess) read(tb testing.TB, b *devicebuf.Buffer) []byte {
+	tb.Helper()
+	if b.Kind() == devicebuf.Host {
+		hb, err := b.HostBytes()
+		require.NoError(tb, err)
+		return append([]byte(nil), hb...)
+	}
+	p, err := f.g.Peek(b.Ptr(), b.Len())
+	require.NoError(tb, err)
+	return p
+}
+
+// copyAccess reaches device memory through Copy and a host buffer (for the real GPU).
+type copyAccess struct{}
+
+func (copyAccess) fill(tb testing.TB, b *devicebuf.Buffer, p []byte) {
+	tb.Helper()
+	h := devicebuf.HostFromBytes(p)
+	defer h.Release()
+	require.NoError(tb, devicebuf.Copy(b, h))
+}
+
+func (copyAccess) read(tb testing.TB, b *devicebuf.Buffer) []byte {
+	tb.Helper()
+	p := make([]byte, b.Len())
+	h := devicebuf.HostFromBytes(p)
+	defer h.Release()
+	require.NoError(tb, devicebuf.Copy(h, b))
+	return p
+}
+
+// testCopyPairs copies between every pair of kinds at every size, synchronously and on a
+// stream (the stream on device dev), checking the bytes and that nothing leaks.
+func testCopyPairs(t *testing.T, acc access, kinds []memKind, sizes []int, streamDev int) {
+	base := devicebuf.Live()
+	seed := uint64(10)
+	for _, n := range sizes {
+		for _, sk := range kinds {
+			for _, dk := range kinds {
+				seed++
+				t.Run(fmt.Sprintf("size=%s/%s-to-%s", sizeName(n), sk.name, dk.name), func(t *testing.T) {
+					want := pattern(seed, n)
+					src, dst := sk.alloc(t, n), dk.alloc(t, n)
+					acc.fill(t, src, want)
+					require.NoError(t, devicebuf.Copy(dst, src))
+					requireBytes(t, want, acc.read(t, dst), "sync copy")
+					requireBytes(t, want, acc.read(t, src), "source unchanged")
+
+					// The same on a stream, into a view at an offset of a fresh destination.
+					want2 := pattern(seed+1000, n)
+					acc.fill(t, src, want2)
+					big := dk.alloc(t, n+64)
+					view, err := big.Slice(64, n)
+					require.NoError(t, err)
+					require.NoError(t, big.Release())
+					s, err := devicebuf.NewStream(streamDev)
+					require.NoError(t, err)
+					require.NoError(t, devicebuf.CopyAsync(s, view, src))
+					// The stream holds the buffers until the copy is known complete.
+					require.NoError(t, src.Release())
+					require.NoError(t, s.Synchronize())
+					requireBytes(t, want2, acc.read(t, view), "async copy")
+					require.NoError(t, s.Close())
+					require.NoError(t, s.Close(), "Close is idempotent")
+					require.NoError(t, view.Release())
+					require.NoError(t, dst.Release())
+				})
+			}
+		}
+	}
+	requireLive(t, base)
+}
+
+func TestCopyEveryPairFake(t *testing.T) {
+	g := devicebuftest.Install(t, 2)
+	kinds := append(hostKinds(), cudaKind(0), cudaKind(1))
+	testCopyPairs(t, fakeAccess{g}, kinds, []int{1, 3, 4096, 65537, 1<<20 + 3}, 0)
+	require.Zero(t, g.Allocations())
+	require.Zero(t, g.HostRegistrations())
+}
+
+func TestCopyLargeFake(t *testing.T) {
+	if testing.Short() {
+		t.Skip("large copies skipped in -short")
+	}
+	g := devicebuftest.Install(t, 2)
+	h := hostKinds()
+	testCopyPairs(t, fakeAccess{g}, []memKind{h[0], cudaKind(0)}, []int{64 << 20, 256 << 20}, 0)
+	testCopyPairs(t, fakeAccess{g}, []memKind{h[1], cudaKind(1)}, []int{64 << 20}, 1)
+}
+
+func TestCopyAsyncOrdering(t *testing.T) {
+	g := devicebuftest.Install(t, 1)
+	base := devicebuf.Live()
+	n := 1 << 16
+	host := hostKinds()[0].alloc(t, n)
+	dev := cudaKind(0).alloc(t, n)
+	hb, _ := host.HostBytes()
+	copy(hb, pattern(7, n))
+	s, err := devicebuf.NewStream(0)
+	require.NoError(t, err)
+	require.NoError(t, devicebuf.CopyAsync(s, dev, host))
+	// The fake runs queued copies only at Synchronize: nothing has landed yet.
+	early, err := g.Peek(dev.Ptr(), n)
+	require.NoError(t, err)
+	require.Equal(t, make([]byte, n), early)
+	require.Equal(t, int64(1), devicebuf.Live().Sub(base).Streams)
+	require.NoError(t, s.Synchronize())
+	late, err := g.Peek(dev.Ptr(), n)
+	require.NoError(t, err)
+	requireBytes(t, hb, late, "after Synchronize")
+	require.NoError(t, s.Close())
+	require.ErrorIs(t, s.Synchronize(), errClosed)
+	require.ErrorIs(t, devicebuf.CopyAsync(s, dev, host), errClosed)
+	require.NoError(t, host.Release())
+	require.NoError(t, dev.Release())
+	requireLive(t, base)
+}
+
+func TestCopyErrors(t *testing.T) {
+	devicebuftest.Install(t, 1)
+	base := devicebuf.Live()
+	a := hostKinds()[0].alloc(t, 100)
+	b := hostKinds()[0].alloc(t, 101)
+	d := cudaKind(0).alloc(t, 100)
+	require.ErrorContains(t, devicebuf.Copy(a, b), "sizes must match")
+	require.ErrorContains(t, devicebuf.Copy(d, b), "sizes must match")
+	require.Error(t, devicebuf.Copy(nil, a))
+
+	hs, err := devicebuf.NewStream(-1)
+	require.NoError(t, err)
+	require.Equal(t, -1, hs.Device())
+	require.ErrorContains(t, devicebuf.CopyAsync(hs, d, a), "host-only stream")
+	require.NoError(t, hs.Close())
+	_, err = devicebuf.NewStream(5)
+	require.Error(t, err)
+
+	require.NoError(t, b.Release())
+	require.ErrorIs(t, devicebuf.Copy(a, b), devicebuf.ErrReleased)
+	require.NoError(t, a.Release())
+	require.NoError(t, d.Release())
+	requireLive(t, base)
+}
+
+func TestCopyZeroLength(t *testing.T) {
+	base := devicebuf.Live()
+	a, b := devicebuf.HostFromBytes(nil), devicebuf.HostFromBytes([]byte{})
+	require.NoError(t, devicebuf.Copy(a, b))
+	require.NoError(t, a.Release())
+	require.NoError(t, b.Release())
+	requireLive(t, base)
+}
