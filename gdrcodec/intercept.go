@@ -10,8 +10,10 @@ import (
 	"github.com/gdrpc/gdrpc/transport"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/status"
 	"google.golang.org/grpc/tap"
+	"google.golang.org/protobuf/proto"
 )
 
 // A hold keeps the out-of-band payloads of a call's outgoing messages in the
@@ -157,8 +159,54 @@ func DialOptions() []grpc.DialOption {
 // codecs with default options if Register was not called.
 func ServerOptions() []grpc.ServerOption {
 	ensureRegistered()
-	return []grpc.ServerOption{grpc.InTapHandle(refuseUnnegotiated)}
+	return []grpc.ServerOption{grpc.InTapHandle(refuseUnnegotiated), grpc.StatsHandler(serverStats{})}
 }
+
+// serverStats gives a server call's buffers back when the call no longer needs
+// them: a response's once it was sent (the outbox keeps its own reference until
+// the client pulled it), a request's when the call ends. A handler that keeps a
+// received buffer past its return takes it with Detach.
+type serverStats struct{}
+
+type callMessages struct {
+	mu sync.Mutex
+	in []proto.Message
+}
+
+type callKey struct{}
+
+func (serverStats) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context {
+	return context.WithValue(ctx, callKey{}, &callMessages{})
+}
+
+func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
+	switch s := s.(type) {
+	case *stats.InPayload:
+		c, _ := ctx.Value(callKey{}).(*callMessages)
+		if m := messageV2Of(s.Payload); c != nil && m != nil && mayCarry(m.ProtoReflect().Descriptor()) {
+			c.mu.Lock()
+			c.in = append(c.in, m)
+			c.mu.Unlock()
+		}
+	case *stats.OutPayload:
+		if m := messageV2Of(s.Payload); m != nil {
+			ReleaseAll(m)
+		}
+	case *stats.End:
+		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
+			c.mu.Lock()
+			in := c.in
+			c.in = nil
+			c.mu.Unlock()
+			for _, m := range in {
+				ReleaseAll(m)
+			}
+		}
+	}
+}
+
+func (serverStats) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context { return ctx }
+func (serverStats) HandleConn(context.Context, stats.ConnStats)                       {}
 
 func refuseUnnegotiated(ctx context.Context, info *tap.Info) (context.Context, error) {
 	gdr := false

@@ -1,0 +1,368 @@
+package gdrcodec_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"net"
+	"os"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
+	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/examples/tensor"
+	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
+	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+)
+
+func TestMain(m *testing.M) {
+	gdrcodec.Register()
+	before := runtime.NumGoroutine()
+	code := m.Run()
+	if code == 0 {
+		if err := settled(before); err != nil {
+			fmt.Fprintln(os.Stderr, "leak:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+// settled waits (bounded) for what the tests started to wind down, then reports
+// what is left over.
+func settled(goroutines int) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		runtime.GC()
+		var err error
+		switch {
+		case transport.OutboxLen() != 0:
+			err = fmt.Errorf("%d outbox entries", transport.OutboxLen())
+		case gdrcodec.Attached() != 0:
+			err = fmt.Errorf("%d attached buffers", gdrcodec.Attached())
+		case transport.NumSessions() != 0:
+			err = fmt.Errorf("%d sessions", transport.NumSessions())
+		case runtime.NumGoroutine() > goroutines+4: // the shared rdma context's progress thread and timers
+			buf := make([]byte, 1<<20)
+			err = fmt.Errorf("%d goroutines, %d before:\n%s", runtime.NumGoroutine(), goroutines, buf[:runtime.Stack(buf, true)])
+		}
+		if err == nil || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(20 * time.Millisecond) // polling for shutdown, bounded by the deadline
+	}
+}
+
+func requireUCX(t testing.TB) {
+	t.Helper()
+	if err := rdma.Available(); err != nil {
+		if strings.Contains(os.Getenv("GDRPC_REQUIRE"), "ucx") {
+			t.Fatalf("UCX required: %v", err)
+		}
+		t.Skipf("no UCX: %v", err)
+	}
+}
+
+// pathCounter records the paths transfers took.
+type pathCounter struct {
+	mu    sync.Mutex
+	paths map[string]int
+}
+
+func (p *pathCounter) Transfer(i transport.TransferInfo) {
+	if i.Err != nil || !i.Pull {
+		return
+	}
+	p.mu.Lock()
+	p.paths[i.Path.String()]++
+	p.mu.Unlock()
+}
+
+func (p *pathCounter) Fallback(transport.Path, transport.Path, string) {}
+
+func (p *pathCounter) reset() map[string]int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	m := p.paths
+	p.paths = map[string]int{}
+	return m
+}
+
+type rig struct {
+	client tensorpb.TensorServiceClient
+	paths  *pathCounter
+}
+
+// newRig starts a TensorService on a gdrpc listener in mode and dials it.
+func newRig(t *testing.T, mode transport.Mode, srv *tensor.Server) *rig {
+	t.Helper()
+	if mode == transport.ModeUCX {
+		requireUCX(t)
+	}
+	pc := &pathCounter{paths: map[string]int{}}
+	transport.SetTransferConfig(transport.TransferConfig{Metrics: pc, Timeout: 20 * time.Second})
+	t.Cleanup(func() { transport.SetTransferConfig(transport.TransferConfig{}) })
+
+	lis, err := listener.Listen("127.0.0.1:0", transport.WithMode(mode))
+	require.NoError(t, err)
+	gs := grpc.NewServer(append(listener.ServerOptions(insecure.NewCredentials()), gdrcodec.ServerOptions()...)...)
+	if srv == nil {
+		srv = &tensor.Server{}
+	}
+	tensorpb.RegisterTensorServiceServer(gs, srv)
+	served := make(chan error, 1)
+	go func() { served <- gs.Serve(lis) }()
+
+	d := dialer.New(transport.WithMode(mode))
+	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), append(d.DialOptions(insecure.NewCredentials()), gdrcodec.DialOptions()...)...)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		cc.Close()
+		gs.Stop()
+		require.NoError(t, <-served)
+	})
+	return &rig{client: tensorpb.NewTensorServiceClient(cc), paths: pc}
+}
+
+func pattern(n int, seed uint32) []byte {
+	p := make([]byte, n)
+	tensor.Fill(p, seed)
+	return p
+}
+
+var sizes = []int{0, 1, 64<<10 - 1, 64 << 10, 64<<10 + 1, 1 << 20, 16 << 20}
+
+func TestOutOfBand(t *testing.T) {
+	for _, mode := range []transport.Mode{transport.ModeTCP, transport.ModeUCX} {
+		t.Run("transport="+string(mode), func(t *testing.T) {
+			r := newRig(t, mode, nil)
+			wantPath := "stream"
+			if mode == transport.ModeUCX {
+				wantPath = "rdma"
+			}
+			all := sizes
+			if !testing.Short() {
+				all = append(all, 256<<20)
+			}
+			for _, n := range all {
+				t.Run(fmt.Sprintf("size=%d", n), func(t *testing.T) {
+					ctx := context.Background()
+					want := pattern(n, uint32(n))
+
+					// Request payload out-of-band (client owns, server pulls), in a
+					// DeviceBuffer and a marked bytes field.
+					src := devicebuf.HostFromBytes(want)
+					req := &tensorpb.Tensor{Name: "up", Data: gdrcodec.New(src), Blob: want}
+					src.Release()
+					sum, err := r.client.Digest(ctx, req)
+					require.NoError(t, err)
+					require.Equal(t, uint64(2*n), sum.Bytes)
+					crc := tensor.ChecksumBytes(want)
+					require.Equal(t, crcTwice(want), sum.Crc32C)
+					gdrcodec.ReleaseAll(req)
+
+					// Response payload out-of-band (server owns, client pulls).
+					for _, blob := range []bool{false, true} {
+						got, err := r.client.Make(ctx, &tensorpb.Sized{Size: uint64(n), Seed: uint32(n), Blob: blob})
+						require.NoError(t, err)
+						if blob {
+							require.Equal(t, len(want), len(got.Blob))
+							require.True(t, bytes.Equal(want, got.Blob))
+						} else {
+							b, err := tensor.Bytes(got.Data)
+							require.NoError(t, err)
+							require.Equal(t, crc, tensor.ChecksumBytes(b))
+							require.Equal(t, len(want), len(b))
+							require.True(t, bytes.Equal(want, b))
+						}
+						gdrcodec.ReleaseAll(got)
+					}
+					paths := r.paths.reset()
+					if n >= gdrcodec.DefaultEagerThreshold {
+						require.Equal(t, map[string]int{wantPath: 4}, paths, "client and server pulls")
+					} else {
+						require.Empty(t, paths, "below the eager threshold payloads travel inline")
+					}
+				})
+			}
+		})
+	}
+}
+
+func crcTwice(p []byte) uint32 {
+	s := tensor.ChecksumBytes(p)
+	return crc32Update(s, p)
+}
+
+func TestEchoAndStreams(t *testing.T) {
+	r := newRig(t, transport.ModeAuto, nil)
+	ctx := context.Background()
+	parts := make([]*gdrv1.DeviceBuffer, 3)
+	var all []byte
+	for i := range parts {
+		p := pattern(200<<10+i, uint32(i))
+		all = append(all, p...)
+		b := devicebuf.HostFromBytes(p)
+		parts[i] = gdrcodec.New(b)
+		b.Release()
+	}
+	in := &tensorpb.Tensor{Name: "echo", Parts: parts, Shape: []int64{1, 2, 3}}
+	out, err := r.client.Echo(ctx, in)
+	require.NoError(t, err)
+	require.True(t, proto.Equal(&tensorpb.Tensor{Name: "echo", Shape: []int64{1, 2, 3}}, &tensorpb.Tensor{Name: out.Name, Shape: out.Shape}))
+	require.Len(t, out.Parts, 3)
+	var got []byte
+	for _, db := range out.Parts {
+		p, err := tensor.Bytes(db)
+		require.NoError(t, err)
+		got = append(got, p...)
+	}
+	require.Equal(t, all, got)
+	gdrcodec.ReleaseAll(in)
+	gdrcodec.ReleaseAll(out)
+
+	// Client streaming: every message's payload pulled by the server.
+	up, err := r.client.Upload(ctx)
+	require.NoError(t, err)
+	var crc uint32
+	var n uint64
+	for i := range 5 {
+		p := pattern(100<<10*(i+1), uint32(i))
+		crc = crc32Update(crc, p)
+		n += uint64(len(p))
+		require.NoError(t, up.Send(&tensorpb.Tensor{Blob: p}))
+	}
+	sum, err := up.CloseAndRecv()
+	require.NoError(t, err)
+	require.Equal(t, n, sum.Bytes)
+	require.Equal(t, crc, sum.Crc32C)
+
+	// Server streaming.
+	down, err := r.client.Download(ctx, &tensorpb.Sized{Size: 300 << 10, Seed: 9})
+	require.NoError(t, err)
+	for i := range uint32(4) {
+		tn, err := down.Recv()
+		require.NoError(t, err)
+		p, err := tensor.Bytes(tn.Data)
+		require.NoError(t, err)
+		require.Equal(t, pattern(300<<10, 9+i), p)
+		gdrcodec.ReleaseAll(tn)
+	}
+	_, err = down.Recv()
+	require.Equal(t, io.EOF, err)
+}
+
+// A payload that happens to begin with the marker of an out-of-band bytes field
+// still arrives as itself.
+func TestBytesFieldLookingLikeADescriptor(t *testing.T) {
+	r := newRig(t, transport.ModeAuto, nil)
+	p := append([]byte("\x00\xffgdrpc\x00\x01"), "not a descriptor"...)
+	out, err := r.client.Echo(context.Background(), &tensorpb.Tensor{Blob: p})
+	require.NoError(t, err)
+	require.Equal(t, p, out.Blob)
+}
+
+// Device memory from the fake GPU (which faults on any CPU touch) goes out and
+// comes back byte-exact, landing in fake GPU memory on the receiver.
+func TestFakeGPU(t *testing.T) {
+	devicebuftest.Install(t, 1)
+	gpu, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	for _, mode := range []transport.Mode{transport.ModeTCP, transport.ModeUCX} {
+		t.Run("transport="+string(mode), func(t *testing.T) {
+			r := newRig(t, mode, &tensor.Server{Alloc: gpu})
+			gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
+			t.Cleanup(func() { gdrcodec.Register() })
+			for _, n := range []int{1, 64 << 10, 5<<20 + 3} {
+				want := pattern(n, 3)
+				got, err := r.client.Make(context.Background(), &tensorpb.Sized{Size: uint64(n), Seed: 3})
+				require.NoError(t, err)
+				b, ok := gdrcodec.Buffer(got.Data)
+				require.True(t, ok)
+				require.Equal(t, devicebuf.CUDA, b.Kind(), "received into GPU memory")
+				p, err := tensor.Bytes(got.Data)
+				require.NoError(t, err)
+				require.Equal(t, want, p)
+
+				sum, err := r.client.Digest(context.Background(), got)
+				require.NoError(t, err)
+				require.Equal(t, tensor.ChecksumBytes(want), sum.Crc32C)
+				gdrcodec.ReleaseAll(got)
+			}
+		})
+	}
+}
+
+// A descriptor naming a token nobody holds fails the call with NotFound.
+func TestUnknownToken(t *testing.T) {
+	r := newRig(t, transport.ModeAuto, nil)
+	// Forge a descriptor naming the server's process (our own, in this test) with a
+	// token that was never offered, by withdrawing a real one before the call.
+	b := devicebuf.HostFromBytes(pattern(1<<20, 1))
+	db := gdrcodec.New(b)
+	b.Release()
+	body, err := gdrcodec.MarshalForTest(&tensorpb.Tensor{Data: db})
+	require.NoError(t, err)
+	var forged tensorpb.Tensor
+	require.NoError(t, proto.Unmarshal(body, &forged))
+	d, oob, err := gdrcodec.ParseDescriptor(forged.Data)
+	require.NoError(t, err)
+	require.True(t, oob)
+	transport.Withdraw(d.Token)
+	gdrcodec.ReleaseAll(&forged)
+	gdrcodec.Detach(db).Release()
+
+	_, err = r.client.Digest(context.Background(), &forged)
+	require.Equal(t, codes.NotFound, status.Code(err), "%v", err)
+}
+
+// A plain gRPC client (standard TCP dial, default proto codec) gets the payload
+// inline from a gdrpc server.
+func TestPlainClient(t *testing.T) {
+	lis, err := listener.Listen("127.0.0.1:0")
+	require.NoError(t, err)
+	gs := grpc.NewServer(append(listener.ServerOptions(insecure.NewCredentials()), gdrcodec.ServerOptions()...)...)
+	tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
+	go gs.Serve(lis)
+	defer gs.Stop()
+
+	cc, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {
+			return (&net.Dialer{}).DialContext(ctx, "tcp", addr)
+		}))
+	require.NoError(t, err)
+	defer cc.Close()
+	c := tensorpb.NewTensorServiceClient(cc)
+	n := 3 << 20
+	got, err := c.Make(context.Background(), &tensorpb.Sized{Size: uint64(n), Seed: 5})
+	require.NoError(t, err)
+	p, err := tensor.Bytes(got.Data)
+	require.NoError(t, err)
+	require.Equal(t, pattern(n, 5), p)
+	gdrcodec.ReleaseAll(got)
+
+	// And a plain client that names the gdr subtype is refused clearly.
+	_, err = c.Make(context.Background(), &tensorpb.Sized{Size: 1}, grpc.CallContentSubtype(gdrcodec.Name))
+	require.Equal(t, codes.FailedPrecondition, status.Code(err), "%v", err)
+}
+
+func crc32Update(crc uint32, p []byte) uint32 {
+	return crc32.Update(crc, crc32.MakeTable(crc32.Castagnoli), p)
+}

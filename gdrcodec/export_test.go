@@ -1,0 +1,13 @@
+package gdrcodec
+
+import "google.golang.org/protobuf/proto"
+
+// MarshalForTest marshals m with the gdr codec, as a client would.
+func MarshalForTest(m proto.Message) ([]byte, error) {
+	data, err := (&codec{name: Name, oob: true}).Marshal(m)
+	if err != nil {
+		return nil, err
+	}
+	defer data.Free()
+	return data.Materialize(), nil
+}
