@@ -113,6 +113,11 @@ func (c *streamConn) Write(b []byte) (int, error) {
 // mapErr turns a yamux error into ours.
 func (c *streamConn) mapErr(op string, err error) error {
 	if err == io.EOF {
+		// yamux reports a dying session as EOF; only a peer that ended the
+		// session cleanly gives a clean EOF.
+		if serr := c.sess.Err(); serr != nil && serr != ErrPeerGone && !c.closed.Load() {
+			return c.opErr(op, c.sess.closedErr())
+		}
 		return err
 	}
 	if c.closed.Load() {
@@ -135,7 +140,8 @@ func (c *streamConn) opErr(op string, err error) error {
 	return &net.OpError{Op: op, Net: c.local.Network(), Source: c.local, Addr: c.peer, Err: err}
 }
 
-// Close closes the stream. Closing the gRPC stream closes its session too.
+// Close closes the stream. Closing the gRPC stream closes its session too,
+// after the peer got what was written (see Session.closeGracefully).
 func (c *streamConn) Close() error {
 	c.closeOnce.Do(func() {
 		c.closed.Store(true)
@@ -144,7 +150,7 @@ func (c *streamConn) Close() error {
 		_ = c.st.SetReadDeadline(time.Unix(1, 0))
 		_ = c.st.Close()
 		if c.role == roleGRPC {
-			c.sess.closeWith(nil)
+			c.sess.closeGracefully()
 		}
 	})
 	return nil

@@ -230,6 +230,27 @@ func (s *Session) Close() error {
 	return nil
 }
 
+// gracefulCloseBound bounds how long closeGracefully waits for the peer.
+const gracefulCloseBound = 2 * time.Second
+
+// closeGracefully closes the session once the peer has received everything
+// queued so far (the FIN of the gRPC stream above all): a ping is answered
+// only after everything sent before it was read. It does not wait; the
+// session closes within gracefulCloseBound whatever the peer does.
+func (s *Session) closeGracefully() {
+	select {
+	case <-s.done:
+		return
+	default:
+	}
+	go func() {
+		t := time.AfterFunc(gracefulCloseBound, func() { s.closeWith(nil) })
+		_, _ = s.mux.Ping()
+		t.Stop()
+		s.closeWith(nil)
+	}()
+}
+
 // closeWith closes the session with a cause (nil: closed locally). It does not
 // wait, so it may run on the session's own goroutines.
 func (s *Session) closeWith(cause error) {
@@ -498,7 +519,11 @@ func (s *Session) readControl(c *streamConn) {
 			select {
 			case <-s.done:
 			default:
-				s.closeWith(fmt.Errorf("%w: control stream ended: %w", ErrPeerGone, err))
+				if errors.Is(err, io.EOF) {
+					s.closeWith(ErrPeerGone) // the peer ended the session
+				} else {
+					s.closeWith(fmt.Errorf("%w: control stream ended: %w", ErrPeerGone, err))
+				}
 			}
 			return
 		}

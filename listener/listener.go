@@ -1,0 +1,35 @@
+package listener
+
+import (
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// Buffer and window sizes the options set; see package dialer.
+const (
+	WriteBufferSize = 256 << 10
+	ReadBufferSize  = 256 << 10
+	WindowSize      = transport.DefaultWindow
+)
+
+// Listen listens for gdrpc sessions on addr (host:port). Hand the listener to
+// grpc.Server.Serve; Close (or the server's Stop) makes Serve return.
+func Listen(addr string, opts ...transport.Option) (*transport.Listener, error) {
+	return transport.Listen(addr, opts...)
+}
+
+// ServerOptions returns the options a gRPC server needs to serve gdrpc
+// sessions: transport credentials (creds wrapped by transport.NewCredentials;
+// nil creds means no security), buffer sizes and HTTP/2 windows suited to a
+// message transport.
+func ServerOptions(creds credentials.TransportCredentials) []grpc.ServerOption {
+	return []grpc.ServerOption{
+		grpc.Creds(transport.NewCredentials(creds)),
+		grpc.WriteBufferSize(WriteBufferSize),
+		grpc.ReadBufferSize(ReadBufferSize),
+		grpc.InitialWindowSize(WindowSize),
+		grpc.InitialConnWindowSize(WindowSize),
+	}
+}

@@ -1,0 +1,6 @@
+package transport
+
+// LeakChecks run after all tests of this package (TestMain in
+// session_main_test.go); each returns an error describing a leak. Tests of
+// other files of this package may append to it from init.
+var LeakChecks []func() error

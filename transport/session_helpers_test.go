@@ -1,0 +1,192 @@
+package transport_test
+
+import (
+	"context"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+const testTimeout = 20 * time.Second
+
+// Transport families for UCX contexts.
+const (
+	ucxShm = "posix,sysv,cma,self"
+	ucxTCP = "tcp"
+)
+
+// required reports whether GDRPC_REQUIRE names what.
+func required(what string) bool {
+	for _, w := range strings.Split(os.Getenv("GDRPC_REQUIRE"), ",") {
+		if strings.TrimSpace(w) == what {
+			return true
+		}
+	}
+	return false
+}
+
+// requireUCX skips the test when UCX is unusable, or fails it when
+// GDRPC_REQUIRE contains ucx.
+func requireUCX(tb testing.TB) {
+	tb.Helper()
+	if err := rdma.Available(); err != nil {
+		if required("ucx") {
+			tb.Fatalf("UCX required (GDRPC_REQUIRE) but unavailable: %v", err)
+		}
+		tb.Skipf("UCX unavailable: %v", err)
+	}
+}
+
+var ucxContexts sync.Map // UCX_TLS -> *rdma.Context, kept for the process life
+
+// ucxContext returns a UCX context restricted to the transports tls.
+func ucxContext(tb testing.TB, tls string) *rdma.Context {
+	tb.Helper()
+	requireUCX(tb)
+	if c, ok := ucxContexts.Load(tls); ok {
+		return c.(*rdma.Context)
+	}
+	c, err := rdma.NewContext(rdma.WithTransports(tls))
+	if err != nil {
+		if required("ucx") {
+			tb.Fatalf("UCX context (%s): %v", tls, err)
+		}
+		tb.Skipf("UCX context (%s): %v", tls, err)
+	}
+	actual, loaded := ucxContexts.LoadOrStore(tls, c)
+	if loaded {
+		_ = c.Close()
+	}
+	return actual.(*rdma.Context)
+}
+
+// transportCase is one way of running a session.
+type transportCase struct {
+	name string
+	ucx  string // UCX_TLS, "" for TCP
+}
+
+var transportCases = []transportCase{
+	{name: "tcp"},
+	{name: "ucx-shm", ucx: ucxShm},
+	{name: "ucx-tcp", ucx: ucxTCP},
+}
+
+// options returns the options of the case, skipping the test when UCX is
+// needed and absent.
+func (tc transportCase) options(tb testing.TB, extra ...transport.Option) []transport.Option {
+	tb.Helper()
+	opts := []transport.Option{transport.WithMode(transport.ModeTCP)}
+	if tc.ucx != "" {
+		opts = []transport.Option{transport.WithMode(transport.ModeUCX), transport.WithRDMAContext(ucxContext(tb, tc.ucx))}
+	}
+	return append(opts, extra...)
+}
+
+func (tc transportCase) want() string {
+	if tc.ucx != "" {
+		return "ucx"
+	}
+	return "tcp"
+}
+
+// setup is a listener with one session dialed to it.
+type setup struct {
+	l          *transport.Listener
+	client     *transport.Session
+	server     *transport.Session
+	cc, sc     net.Conn // the gRPC stream conns
+	serverOpts []transport.Option
+}
+
+// dialPair listens, dials one session and returns both ends with their gRPC
+// stream conns. Everything is closed when the test ends.
+func dialPair(tb testing.TB, opts []transport.Option) *setup {
+	tb.Helper()
+	l, err := transport.Listen("127.0.0.1:0", opts...)
+	require.NoError(tb, err)
+	tb.Cleanup(func() { _ = l.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	type res struct {
+		c   net.Conn
+		err error
+	}
+	ch := make(chan res, 1)
+	go func() {
+		c, err := l.Accept()
+		ch <- res{c, err}
+	}()
+	cs, err := transport.Dial(ctx, l.Addr().String(), opts...)
+	require.NoError(tb, err)
+	tb.Cleanup(func() { _ = cs.Close() })
+	cc, err := cs.Conn(ctx)
+	require.NoError(tb, err)
+	var r res
+	select {
+	case r = <-ch:
+	case <-ctx.Done():
+		tb.Fatal("accept timed out")
+	}
+	require.NoError(tb, r.err)
+	ss := transport.SessionOf(r.c)
+	require.NotNil(tb, ss)
+	tb.Cleanup(func() { _ = ss.Close() })
+	return &setup{l: l, client: cs, server: ss, cc: cc, sc: r.c}
+}
+
+// makePipe is a nettest.MakePipe over a dialed session pair.
+func makePipe(tb testing.TB, opts []transport.Option) func() (net.Conn, net.Conn, func(), error) {
+	return func() (net.Conn, net.Conn, func(), error) {
+		l, err := transport.Listen("127.0.0.1:0", opts...)
+		if err != nil {
+			return nil, nil, nil, err
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+		defer cancel()
+		type res struct {
+			c   net.Conn
+			err error
+		}
+		ch := make(chan res, 1)
+		go func() {
+			c, err := l.Accept()
+			ch <- res{c, err}
+		}()
+		cs, err := transport.Dial(ctx, l.Addr().String(), opts...)
+		if err != nil {
+			_ = l.Close()
+			return nil, nil, nil, err
+		}
+		cc, err := cs.Conn(ctx)
+		if err != nil {
+			_ = cs.Close()
+			_ = l.Close()
+			return nil, nil, nil, err
+		}
+		r := <-ch
+		if r.err != nil {
+			_ = cs.Close()
+			_ = l.Close()
+			return nil, nil, nil, r.err
+		}
+		stop := func() {
+			_ = cc.Close()
+			_ = r.c.Close()
+			_ = cs.Close()
+			if s := transport.SessionOf(r.c); s != nil {
+				_ = s.Close()
+			}
+			_ = l.Close()
+		}
+		return cc, r.c, stop, nil
+	}
+}
