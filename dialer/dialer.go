@@ -59,4 +59,3 @@ func (d *Dialer) DialOptions(creds credentials.TransportCredentials) []grpc.Dial
 		grpc.WithInitialConnWindowSize(WindowSize),
 	}
 }
-
