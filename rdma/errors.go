@@ -14,14 +14,14 @@ var ErrNotSupported = errors.New("rdma: not supported")
 
 // UCX status codes this package looks at (values from ucs/type/status.h).
 const (
-	statusOK            = 0
-	statusInProgress    = 1
-	statusNoMessage     = -2
-	statusUnsupported   = -22
-	statusCanceled      = -16
-	statusTimedOut      = -20
-	statusConnReset     = -25
-	statusEndpointTimed = -80
+	statusOK          = 0
+	statusInProgress  = 1
+	statusNoMemory    = -4
+	statusInvalid     = -5
+	statusBusy        = -15
+	statusCanceled    = -16
+	statusUnsupported = -22
+	statusConnReset   = -25
 )
 
 // StatusError is a UCX status other than success, with the operation that

@@ -90,3 +90,12 @@ func (k *packedKey) contains(addr uint64, n int) bool {
 	off := addr - k.base
 	return off <= k.length && uint64(n) <= k.length-off
 }
+
+// validateRkey checks what can be checked of UCX's packed rkey before UCX
+// parses it (ucp_ep_rkey_unpack takes no length and trusts the buffer).
+func validateRkey(b []byte) error {
+	if len(b) == 0 {
+		return fmt.Errorf("%w: empty rkey", ErrBadKey)
+	}
+	return nil
+}

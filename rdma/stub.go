@@ -56,6 +56,7 @@ func (e *Endpoint) Write(p []byte) (int, error)        { return 0, errBuild }
 func (e *Endpoint) SetDeadline(t time.Time) error      { return errBuild }
 func (e *Endpoint) SetReadDeadline(t time.Time) error  { return errBuild }
 func (e *Endpoint) SetWriteDeadline(t time.Time) error { return errBuild }
+func (e *Endpoint) TransportInfo() string              { return "" }
 func (e *Endpoint) LocalAddr() net.Addr                { return &Addr{} }
 func (e *Endpoint) RemoteAddr() net.Addr               { return &Addr{} }
 func (e *Endpoint) Close() error                       { return nil }

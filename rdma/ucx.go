@@ -2,100 +2,426 @@
 
 package rdma
 
-// #cgo pkg-config: ucx
-// #include <ucp/api/ucp.h>
+/*
+#cgo LDFLAGS: -ldl
+#include <stdlib.h>
+#include "ucx.h"
+*/
 import "C"
 
 import (
-	"context"
+	"errors"
 	"fmt"
-	"net"
-	"time"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"unsafe"
 )
 
-var errBuild = fmt.Errorf("%w: UCX binding not implemented yet", ErrNotSupported)
+var loader struct {
+	once sync.Once
+	err  error
+}
 
-// Available reports why UCX cannot be used: this build has no UCX.
-func Available() error { return errBuild }
+// load opens libucp.so.0 once. UCX reads UCX_ERROR_SIGNALS when libucs loads,
+// so the default (no UCX signal handlers: Go keeps its crash reports) is put
+// in the environment just for the dlopen, unless the user set it.
+func load() error {
+	loader.once.Do(func() {
+		if _, ok := os.LookupEnv("UCX_ERROR_SIGNALS"); !ok {
+			os.Setenv("UCX_ERROR_SIGNALS", "")
+			defer os.Unsetenv("UCX_ERROR_SIGNALS")
+		}
+		C.rdma_cloexec_init()
+		var buf [512]C.char
+		if C.rdma_load(&buf[0], C.size_t(len(buf))) != 0 {
+			loader.err = fmt.Errorf("%w: %s", ErrNotSupported, C.GoString(&buf[0]))
+			return
+		}
+		C.rdma_cloexec_scan()
+	})
+	return loader.err
+}
 
-// Context is a UCX context. In this build it cannot be created.
-type Context struct{}
+func envSet(name string) bool {
+	_, ok := os.LookupEnv(name)
+	return ok
+}
 
-// NewContext reports ErrNotSupported in this build.
-func NewContext(opts ...Option) (*Context, error) { return nil, errBuild }
+func statusString(st int) string { return C.GoString(C.rdma_status_string(C.int(st))) }
 
-// Default reports ErrNotSupported in this build.
-func Default() (*Context, error) { return nil, errBuild }
+// statusError returns nil for UCS_OK, else a *StatusError.
+func statusError(op string, st C.int) error {
+	if st == statusOK {
+		return nil
+	}
+	return &StatusError{Op: op, Status: int(st), Msg: statusString(int(st))}
+}
 
-func (c *Context) Info() Info                                    { return Info{} }
-func (c *Context) Worker() *Worker                               { return nil }
-func (c *Context) NewWorker() (*Worker, error)                   { return nil, errBuild }
-func (c *Context) Alloc(n int) (*Memory, error)                  { return nil, errBuild }
-func (c *Context) Map(uintptr, int, MemoryType) (*Memory, error) { return nil, errBuild }
-func (c *Context) Close() error                                  { return nil }
+var def struct {
+	once sync.Once
+	ctx  *Context
+	err  error
+}
 
-// Worker is a UCX worker. In this build it cannot be created.
-type Worker struct{}
+// Available reports whether UCX can be used in this process: nil, or an error
+// wrapping ErrNotSupported with the reason (the loader's message, or the UCX
+// call that failed when the Default context was created).
+func Available() error {
+	if err := load(); err != nil {
+		return err
+	}
+	_, err := Default()
+	return err
+}
 
-func (w *Worker) Listen(addr string) (*Listener, error)                    { return nil, errBuild }
-func (w *Worker) Dial(ctx context.Context, addr string) (*Endpoint, error) { return nil, errBuild }
-func (w *Worker) Flush(ctx context.Context) error                          { return errBuild }
-func (w *Worker) Close() error                                             { return nil }
+// Default returns the process-wide shared context, created on first use from
+// UCX's environment alone. It is never closed (Close on it does nothing), and
+// it and its default worker are not counted by Stats.
+func Default() (*Context, error) {
+	def.once.Do(func() {
+		def.ctx, def.err = newContext(nil, true)
+		if def.err != nil && !errors.Is(def.err, ErrNotSupported) {
+			def.err = fmt.Errorf("%w: %w", ErrNotSupported, def.err)
+		}
+	})
+	return def.ctx, def.err
+}
 
-// Listener accepts UCX connection requests. In this build it cannot be created.
-type Listener struct{}
+// Context is a UCX context (ucp_context_h) with its default worker. Memory is
+// registered on a context; endpoints live on its workers.
+type Context struct {
+	h         C.ucp_context_h
+	info      Info
+	opts      *options
+	isDefault bool
+	def       *Worker
 
-func (l *Listener) Addr() net.Addr                                { return &Addr{} }
-func (l *Listener) Accept(ctx context.Context) (*Endpoint, error) { return nil, errBuild }
-func (l *Listener) SetFilter(func(remote net.Addr) bool)          {}
-func (l *Listener) Close() error                                  { return nil }
+	mu      sync.Mutex
+	closed  bool
+	workers map[*Worker]struct{}
+	mems    map[*Memory]struct{}
+}
 
-// Endpoint is a connection to a peer worker. In this build it cannot be created.
-type Endpoint struct{}
+// UCX configuration this package sets unless the environment sets it (or one
+// of the listed variables): peer error handling must not silently drop the
+// shared-memory transports. MM_ERROR_HANDLING is the key both posix and sysv
+// read their ERROR_HANDLING from when it comes through ucp_config_modify (UCX
+// 1.13 ignores POSIX_ERROR_HANDLING there).
+var defaultConfig = []struct {
+	key, value string
+	unlessEnv  []string
+}{
+	{"MM_ERROR_HANDLING", "y", []string{"UCX_POSIX_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING", "UCX_MM_ERROR_HANDLING"}},
+}
 
-var _ net.Conn = (*Endpoint)(nil)
+// NewContext creates a UCX context with the features STREAM, RMA, AM and
+// WAKEUP, and its default worker. Options set UCX configuration keys unless the
+// environment (UCX_<KEY>) already sets them.
+func NewContext(opts ...Option) (*Context, error) {
+	return newContext(opts, false)
+}
 
-func (e *Endpoint) Read(p []byte) (int, error)         { return 0, errBuild }
-func (e *Endpoint) Write(p []byte) (int, error)        { return 0, errBuild }
-func (e *Endpoint) SetDeadline(t time.Time) error      { return errBuild }
-func (e *Endpoint) SetReadDeadline(t time.Time) error  { return errBuild }
-func (e *Endpoint) SetWriteDeadline(t time.Time) error { return errBuild }
-func (e *Endpoint) LocalAddr() net.Addr                { return &Addr{} }
-func (e *Endpoint) RemoteAddr() net.Addr               { return &Addr{} }
-func (e *Endpoint) Close() error                       { return nil }
-func (e *Endpoint) Done() <-chan struct{}              { return closedChan }
-func (e *Endpoint) Err() error                         { return errBuild }
-func (e *Endpoint) OnError(func(error))                {}
-func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
-	if _, err := decodeKey(packed); err != nil {
+func newContext(opts []Option, isDefault bool) (*Context, error) {
+	if err := load(); err != nil {
 		return nil, err
 	}
-	return nil, errBuild
+	o := buildOptions(opts)
+	cfg := &options{}
+	for _, d := range defaultConfig {
+		if !slices.ContainsFunc(d.unlessEnv, envSet) {
+			cfg.set(d.key, d.value)
+		}
+	}
+	for _, k := range o.order {
+		cfg.set(k, o.config[k])
+	}
+	var keys, vals []*C.char
+	for _, k := range cfg.order {
+		if envSet("UCX_" + k) {
+			continue
+		}
+		keys = append(keys, C.CString(k))
+		vals = append(vals, C.CString(cfg.config[k]))
+	}
+	defer func() {
+		for i := range keys {
+			C.free(unsafe.Pointer(keys[i]))
+			C.free(unsafe.Pointer(vals[i]))
+		}
+	}()
+	var kp, vp **C.char
+	if len(keys) > 0 {
+		// C arrays: a Go slice of C pointers may be passed for the call.
+		kp, vp = &keys[0], &vals[0]
+	}
+	c := &Context{opts: o, isDefault: isDefault, workers: map[*Worker]struct{}{}, mems: map[*Memory]struct{}{}}
+	var ebuf [256]C.char
+	st := C.rdma_context_create(kp, vp, C.int(len(keys)), &c.h, &ebuf[0], C.size_t(len(ebuf)))
+	C.rdma_cloexec_scan()
+	if st != statusOK {
+		return nil, statusError(C.GoString(&ebuf[0]), st)
+	}
+	c.info = c.query()
+	w, err := c.newWorker(isDefault)
+	if err != nil {
+		C.rdma_context_destroy(c.h)
+		return nil, err
+	}
+	c.def = w
+	if !isDefault {
+		live.contexts.Add(1)
+	}
+	o.logger.Debug("rdma context created", "version", c.info.Version, "transports", c.info.Transports, "memory_types", c.info.MemoryTypes)
+	return c, nil
 }
-func (e *Endpoint) Put(ctx context.Context, src *Memory, srcOff, n int, remote uint64, key *RemoteKey) error {
-	return errBuild
+
+func (c *Context) query() Info {
+	info := Info{Version: C.GoString(C.rdma_version())}
+	mt := uint64(C.rdma_context_memtypes(c.h))
+	if mt&(1<<C.UCS_MEMORY_TYPE_HOST) != 0 {
+		info.MemoryTypes = append(info.MemoryTypes, MemoryHost)
+	}
+	if mt&(1<<C.UCS_MEMORY_TYPE_CUDA) != 0 {
+		info.MemoryTypes = append(info.MemoryTypes, MemoryCUDA)
+	}
+	var n C.size_t
+	if p := C.rdma_context_info(c.h, &n); p != nil {
+		info.Transports = parseTransports(C.GoStringN(p, C.int(n)))
+		C.free(unsafe.Pointer(p))
+	}
+	return info
 }
-func (e *Endpoint) PutBytes(ctx context.Context, p []byte, remote uint64, key *RemoteKey) error {
-	return errBuild
+
+// parseTransports takes "tl/device" names out of ucp_context_print_info's
+// resource lines ("#   resource 3  :  md 2  dev 1  flags -- tcp/lo").
+func parseTransports(s string) []string {
+	var out []string
+	for line := range strings.Lines(s) {
+		if !strings.Contains(line, "resource") || !strings.Contains(line, "flags") {
+			continue
+		}
+		f := strings.Fields(line)
+		if len(f) == 0 {
+			continue
+		}
+		t := f[len(f)-1]
+		if strings.Contains(t, "/") && !slices.Contains(out, t) {
+			out = append(out, t)
+		}
+	}
+	return out
 }
-func (e *Endpoint) Get(ctx context.Context, dst *Memory, dstOff, n int, remote uint64, key *RemoteKey) error {
-	return errBuild
+
+// Info reports the UCX version, the transports this context can use and the
+// memory types it can register.
+func (c *Context) Info() Info {
+	i := c.info
+	i.Transports = slices.Clone(i.Transports)
+	i.MemoryTypes = slices.Clone(i.MemoryTypes)
+	return i
 }
-func (e *Endpoint) Flush(ctx context.Context) error { return errBuild }
 
-// Memory is a registered memory region. In this build it cannot be created.
-type Memory struct{}
+// Worker returns the context's default worker. Closing it does nothing: it is
+// closed with the context.
+func (c *Context) Worker() *Worker { return c.def }
 
-func (m *Memory) Addr() uintptr            { return 0 }
-func (m *Memory) Len() int                 { return 0 }
-func (m *Memory) Type() MemoryType         { return MemoryHost }
-func (m *Memory) Bytes() []byte            { return nil }
-func (m *Memory) PackKey() ([]byte, error) { return nil, errBuild }
-func (m *Memory) Close() error             { return nil }
+// NewWorker creates an extra worker with its own owner goroutine.
+func (c *Context) NewWorker() (*Worker, error) {
+	return c.newWorker(false)
+}
 
-// RemoteKey is a peer's unpacked remote key. In this build it cannot be created.
-type RemoteKey struct{}
+// Close closes the context's workers (and so their endpoints and listeners),
+// unmaps memory still mapped and releases the context. It is idempotent. On
+// the Default context it does nothing.
+func (c *Context) Close() error {
+	if c.isDefault {
+		return nil
+	}
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil
+	}
+	c.closed = true
+	workers := make([]*Worker, 0, len(c.workers))
+	for w := range c.workers {
+		workers = append(workers, w)
+	}
+	c.mu.Unlock()
+	var errs []error
+	for _, w := range workers {
+		errs = append(errs, w.close())
+	}
+	c.mu.Lock()
+	mems := make([]*Memory, 0, len(c.mems))
+	for m := range c.mems {
+		mems = append(mems, m)
+	}
+	c.mu.Unlock()
+	for _, m := range mems {
+		m.unmap()
+	}
+	C.rdma_context_destroy(c.h)
+	live.contexts.Add(-1)
+	return errors.Join(errs...)
+}
 
-func (k *RemoteKey) Close() error { return nil }
+// Alloc lets UCX allocate n bytes of host memory (UCP_MEM_MAP_ALLOCATE: on
+// shared memory transports this is the fast placement) and registers it.
+func (c *Context) Alloc(n int) (*Memory, error) {
+	if n <= 0 {
+		return nil, fmt.Errorf("rdma: alloc %d bytes: invalid length", n)
+	}
+	return c.mapMem(0, n, MemoryHost, true)
+}
 
-var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+// Map registers existing memory [addr, addr+n) of type mt. MemoryCUDA fails
+// with ErrNotSupported unless Info().MemoryTypes has it: a UCX without CUDA
+// support would treat a device pointer as host memory.
+func (c *Context) Map(addr uintptr, n int, mt MemoryType) (*Memory, error) {
+	if addr == 0 || n <= 0 {
+		return nil, fmt.Errorf("rdma: map %#x+%d: invalid region", addr, n)
+	}
+	if mt != MemoryHost && mt != MemoryCUDA {
+		return nil, fmt.Errorf("rdma: map: unknown memory type %d", mt)
+	}
+	if !c.info.HasMemoryType(mt) {
+		return nil, fmt.Errorf("%w: UCX %s cannot register %s memory", ErrNotSupported, c.info.Version, mt)
+	}
+	return c.mapMem(addr, n, mt, false)
+}
+
+func (c *Context) mapMem(addr uintptr, n int, mt MemoryType, alloc bool) (*Memory, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return nil, closedError("context")
+	}
+	var h C.ucp_mem_h
+	var oaddr unsafe.Pointer
+	var olen C.size_t
+	cuda, al := C.int(0), C.int(0)
+	if mt == MemoryCUDA {
+		cuda = 1
+	}
+	if alloc {
+		al = 1
+	}
+	st := C.rdma_mem_map(c.h, C.uintptr_t(addr), C.size_t(n), cuda, al, &h, &oaddr, &olen)
+	if st != statusOK {
+		return nil, fmt.Errorf("rdma: register memory: %w", statusError("ucp_mem_map", st))
+	}
+	m := &Memory{ctx: c, h: h, p: oaddr, addr: uintptr(oaddr), n: n, mt: mt}
+	c.mems[m] = struct{}{}
+	live.memories.Add(1)
+	return m, nil
+}
+
+// Memory is a registered memory region. Remote peers reach it through the key
+// PackKey returns.
+type Memory struct {
+	ctx  *Context
+	h    C.ucp_mem_h
+	p    unsafe.Pointer // C or device memory: never Go memory
+	addr uintptr
+	n    int
+	mt   MemoryType
+
+	mu       sync.Mutex
+	refs     int // operations in flight
+	closed   bool
+	unmapped bool
+}
+
+// Addr returns the region's address.
+func (m *Memory) Addr() uintptr { return m.addr }
+
+// Len returns the region's length.
+func (m *Memory) Len() int { return m.n }
+
+// Type returns the region's memory type.
+func (m *Memory) Type() MemoryType { return m.mt }
+
+// Bytes returns host memory as a slice over the region (C memory: it must not
+// be used after Close), nil for CUDA memory.
+func (m *Memory) Bytes() []byte {
+	if m.mt != MemoryHost {
+		return nil
+	}
+	return unsafe.Slice((*byte)(m.p), m.n)
+}
+
+// PackKey returns the region's remote key in this package's framing, for a
+// peer's Endpoint.UnpackKey.
+func (m *Memory) PackKey() ([]byte, error) {
+	if err := m.acquire(); err != nil {
+		return nil, err
+	}
+	defer m.release()
+	var buf unsafe.Pointer
+	var n C.size_t
+	st := C.rdma_rkey_pack(m.ctx.h, m.h, &buf, &n)
+	if st != statusOK {
+		return nil, fmt.Errorf("rdma: pack key: %w", statusError("ucp_rkey_pack", st))
+	}
+	rk := C.GoBytes(buf, C.int(n))
+	C.rdma_rkey_buffer_release(buf)
+	return encodeKey(packedKey{memType: m.mt, base: uint64(m.addr), length: uint64(m.n), rkey: rk}), nil
+}
+
+func (m *Memory) acquire() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closed {
+		return closedError("memory")
+	}
+	m.refs++
+	return nil
+}
+
+func (m *Memory) release() {
+	m.mu.Lock()
+	m.refs--
+	last := m.closed && m.refs == 0
+	m.mu.Unlock()
+	if last {
+		m.unmap()
+	}
+}
+
+// Close unregisters the region (and frees it when UCX allocated it) once the
+// operations using it completed. It is idempotent.
+func (m *Memory) Close() error {
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return nil
+	}
+	m.closed = true
+	now := m.refs == 0
+	m.mu.Unlock()
+	if now {
+		return m.unmap()
+	}
+	return nil
+}
+
+func (m *Memory) unmap() error {
+	m.mu.Lock()
+	if m.unmapped {
+		m.mu.Unlock()
+		return nil
+	}
+	m.unmapped = true
+	m.closed = true
+	m.mu.Unlock()
+	c := m.ctx
+	c.mu.Lock()
+	delete(c.mems, m)
+	st := C.rdma_mem_unmap(c.h, m.h)
+	c.mu.Unlock()
+	live.memories.Add(-1)
+	return statusError("ucp_mem_unmap", st)
+}

@@ -1,0 +1,890 @@
+//go:build cgo && !nordma
+
+package rdma
+
+/*
+#include <stdlib.h>
+#include "ucx.h"
+*/
+import "C"
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"runtime"
+	"slices"
+	"sync"
+	"time"
+	"unsafe"
+)
+
+const (
+	ringInitial = 64 << 10 // first inbound buffer of an endpoint
+	ringMax     = 4 << 20  // inbound buffer above which draining UCX stops until Read catches up
+	smallWrite  = 64 << 10 // writes up to this size are copied and sent without waiting
+	maxInflight = 4 << 20  // copied bytes in flight per endpoint before Write waits
+)
+
+var errPeerClosed = fmt.Errorf("rdma: peer closed the endpoint: %w", io.EOF)
+
+// Endpoint is a connection to a peer worker: a net.Conn over the UCX byte
+// stream, and the origin of one-sided puts and gets into the peer's memory.
+type Endpoint struct {
+	w            *Worker
+	id           uint64
+	laddr, raddr *Addr
+
+	// owner-only
+	ce        *C.rdma_ep_t // nil once released
+	closing   bool         // graceful close started
+	ucpClosed bool         // force close issued
+	rkeys     map[*RemoteKey]struct{}
+
+	mu       sync.Mutex
+	in       []byte // inbound ring
+	head, n  int
+	stalled  bool // draining stopped: the ring is full
+	drainReq bool // a drain is queued
+	term     error
+	eof      bool // term: the peer closed; Read returns io.EOF
+	local    bool // Close was called
+	peerErr  error
+	inflight int
+	onErr    func(error)
+	errFired bool
+
+	done      chan struct{}
+	closeDone chan struct{} // the UCX endpoint is released
+	rnotify   chan struct{}
+	wnotify   chan struct{}
+	rmu, wmu  sync.Mutex
+	rdl, wdl  deadline
+	closeOnce sync.Once
+}
+
+var _ net.Conn = (*Endpoint)(nil)
+
+// newEndpoint runs on the owner goroutine.
+func newEndpoint(w *Worker) *Endpoint {
+	e := &Endpoint{
+		w:         w,
+		id:        w.newID(),
+		rkeys:     map[*RemoteKey]struct{}{},
+		done:      make(chan struct{}),
+		closeDone: make(chan struct{}),
+		rnotify:   make(chan struct{}, 1),
+		wnotify:   make(chan struct{}, 1),
+	}
+	e.rdl.cancel = make(chan struct{})
+	e.wdl.cancel = make(chan struct{})
+	return e
+}
+
+// attach runs on the owner goroutine.
+func (e *Endpoint) attach(ce *C.rdma_ep_t) {
+	e.ce = ce
+	e.w.eps[e.id] = e
+	e.w.epByH[uintptr(unsafe.Pointer(ce.ep))] = e
+	live.endpoints.Add(1)
+	e.queryAddrs()
+}
+
+func (e *Endpoint) queryAddrs() {
+	var lip, rip [16]byte
+	var ln, lp, rn, rp C.int
+	if C.rdma_ep_addrs(e.ce, (*C.uint8_t)(unsafe.Pointer(&lip[0])), &ln, &lp, (*C.uint8_t)(unsafe.Pointer(&rip[0])), &rn, &rp) != statusOK {
+		return
+	}
+	if a := addrFrom(lip[:], ln, lp); a != nil && a.Port != 0 {
+		e.laddr = a
+	}
+	if a := addrFrom(rip[:], rn, rp); a != nil && a.Port != 0 {
+		e.raddr = a
+	}
+}
+
+// issue starts a request on this endpoint (owner goroutine); once the UCX
+// endpoint is gone, done gets UCS_ERR_CANCELED.
+func (e *Endpoint) issue(call func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int, done func(int)) {
+	if e.ce == nil || e.ucpClosed {
+		done(statusCanceled)
+		return
+	}
+	ce := e.ce
+	e.w.issue(func(id C.uint64_t, req *unsafe.Pointer) C.int { return call(ce, id, req) }, done)
+}
+
+// Dial connects to a listener at addr ("ip:port") with peer error handling.
+// It returns when the connection is established, fails promptly when nobody
+// listens, and is bounded by ctx.
+func (w *Worker) Dial(ctx context.Context, addr string) (*Endpoint, error) {
+	ap, err := resolve(ctx, addr)
+	if err != nil {
+		return nil, fmt.Errorf("rdma: dial %s: %w", addr, err)
+	}
+	type result struct {
+		e   *Endpoint
+		err error
+	}
+	res := make(chan result, 1)
+	var e *Endpoint // owner-only
+	err = w.submit(func() {
+		e = newEndpoint(w)
+		ip := ap.Addr().AsSlice()
+		var ce *C.rdma_ep_t
+		st := C.rdma_ep_connect(w.cw, C.uint64_t(e.id), (*C.uint8_t)(unsafe.Pointer(&ip[0])), C.int(len(ip)), C.int(ap.Port()), &ce)
+		C.rdma_cloexec_scan()
+		if st != statusOK {
+			res <- result{nil, statusError("ucp_ep_create", st)}
+			return
+		}
+		e.attach(ce)
+		if e.raddr == nil {
+			e.raddr = &Addr{IP: net.IP(ip), Port: int(ap.Port())}
+		}
+		e.issue(func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
+			return C.rdma_ep_flush(w.cw, ce, id, req)
+		}, func(st int) {
+			if err := e.opError("ucp_ep_flush_nbx", st); err != nil {
+				e.fail(err, false)
+				e.forceClose()
+				res <- result{e, err}
+				return
+			}
+			e.queryAddrs()
+			C.rdma_cloexec_scan()
+			res <- result{e, nil}
+		})
+	})
+	if err != nil {
+		return nil, fmt.Errorf("rdma: dial %s: %w", addr, err)
+	}
+	select {
+	case r := <-res:
+		if r.err != nil {
+			if r.e != nil {
+				r.e.waitReleased()
+			}
+			return nil, fmt.Errorf("rdma: dial %s: %w", addr, r.err)
+		}
+		if r.e.laddr == nil {
+			r.e.laddr = &Addr{}
+		}
+		return r.e, nil
+	case <-ctx.Done():
+		cerr := fmt.Errorf("rdma: dial %s: %w", addr, ctx.Err())
+		rel := make(chan *Endpoint, 1)
+		if w.submit(func() {
+			if e != nil {
+				e.fail(cerr, false)
+				e.forceClose()
+			}
+			rel <- e
+		}) == nil {
+			select {
+			case x := <-rel:
+				if x != nil {
+					x.waitReleased()
+				}
+			case <-w.exited:
+			}
+		}
+		return nil, cerr
+	}
+}
+
+func (e *Endpoint) waitReleased() {
+	t := time.NewTimer(forceTimeout)
+	defer t.Stop()
+	select {
+	case <-e.closeDone:
+	case <-e.w.exited:
+	case <-t.C:
+	}
+}
+
+// setTerm records why the endpoint ended (first reason wins), closes Done and,
+// for reasons that come from the peer, fires OnError.
+func (e *Endpoint) fail(err error, fromPeer bool) {
+	e.setTerm(err, false, fromPeer)
+}
+
+func (e *Endpoint) setTerm(err error, eof, fromPeer bool) {
+	e.mu.Lock()
+	if e.term != nil {
+		e.mu.Unlock()
+		return
+	}
+	e.term, e.eof = err, eof
+	var f func(error)
+	if fromPeer {
+		e.peerErr = err
+		if e.onErr != nil && !e.errFired {
+			e.errFired = true
+			f = e.onErr
+		}
+	}
+	close(e.done)
+	e.mu.Unlock()
+	notify(e.rnotify)
+	notify(e.wnotify)
+	if f != nil {
+		go f(err)
+	}
+}
+
+// peerFailed runs on the owner goroutine when UCX reports the endpoint failed.
+func (e *Endpoint) peerFailed(status int) {
+	e.drain(true)
+	e.setTerm(newEndpointError("endpoint", status, statusString(status)), false, true)
+	e.forceClose()
+}
+
+// peerFinished runs on the owner goroutine when the peer announced its close;
+// everything it sent before is in UCX's queue by now.
+func (e *Endpoint) peerFinished() {
+	e.drain(true)
+	e.setTerm(errPeerClosed, true, true)
+}
+
+// drain moves received stream data from UCX into the inbound ring (owner
+// goroutine). Unless all is set it stops when the ring reaches ringMax.
+func (e *Endpoint) drain(all bool) {
+	if e.ce == nil || e.ucpClosed {
+		return
+	}
+	for {
+		e.mu.Lock()
+		e.drainReq = false
+		if e.local {
+			e.mu.Unlock()
+			return
+		}
+		if e.n == len(e.in) {
+			size := max(2*len(e.in), ringInitial)
+			if size > ringMax && !all {
+				e.stalled = true
+				e.mu.Unlock()
+				return
+			}
+			e.grow(size)
+		}
+		var buf []byte
+		if end := e.head + e.n; end < len(e.in) {
+			buf = e.in[end:]
+		} else {
+			buf = e.in[end-len(e.in) : e.head]
+		}
+		e.mu.Unlock()
+		// C writes only the free part of the ring; Read copies out only the
+		// filled part, under mu, after n says it is filled.
+		var more C.int
+		k := int(C.rdma_stream_read(e.ce, unsafe.Pointer(&buf[0]), C.size_t(len(buf)), &more))
+		e.mu.Lock()
+		e.n += k
+		e.stalled = false
+		e.mu.Unlock()
+		if k > 0 {
+			notify(e.rnotify)
+		}
+		if more == 0 {
+			return
+		}
+	}
+}
+
+// grow runs with mu held.
+func (e *Endpoint) grow(size int) {
+	b := make([]byte, size)
+	k := e.copyOut(b)
+	e.in, e.head, e.n = b, 0, k
+}
+
+// copyOut runs with mu held.
+func (e *Endpoint) copyOut(p []byte) int {
+	k := 0
+	for k < len(p) && e.n > 0 {
+		end := min(e.head+e.n, len(e.in))
+		c := copy(p[k:], e.in[e.head:end])
+		k += c
+		e.head += c
+		e.n -= c
+		if e.head == len(e.in) {
+			e.head = 0
+		}
+	}
+	if e.n == 0 {
+		e.head = 0
+	}
+	return k
+}
+
+// Read reads stream data. It honours the read deadline; it never posts a
+// receive to UCX, so a deadline strands nothing. After the peer closed it
+// returns what arrived and then io.EOF; after a failure, what arrived and then
+// the *EndpointError.
+func (e *Endpoint) Read(p []byte) (int, error) {
+	e.rmu.Lock()
+	defer e.rmu.Unlock()
+	for {
+		e.mu.Lock()
+		if e.local {
+			e.mu.Unlock()
+			return 0, closedError("read")
+		}
+		if e.n > 0 && len(p) > 0 {
+			k := e.copyOut(p)
+			kick := e.stalled && !e.drainReq
+			if kick {
+				e.drainReq = true
+			}
+			e.mu.Unlock()
+			if kick {
+				e.w.submit(func() { e.drain(false) })
+			}
+			return k, nil
+		}
+		term, eof := e.term, e.eof
+		e.mu.Unlock()
+		if term != nil {
+			if eof {
+				return 0, io.EOF
+			}
+			return 0, term
+		}
+		if len(p) == 0 {
+			return 0, nil
+		}
+		dl := e.rdl.wait()
+		if isClosed(dl) {
+			return 0, &timeoutError{op: "read"}
+		}
+		select {
+		case <-e.rnotify:
+		case <-dl:
+		case <-e.done:
+		}
+	}
+}
+
+func (e *Endpoint) termErr() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.local {
+		return closedError("endpoint")
+	}
+	return e.term
+}
+
+// opError turns the final status of a request into the error a caller sees.
+func (e *Endpoint) opError(op string, st int) error {
+	if st == statusOK {
+		return nil
+	}
+	if err := e.termErr(); err != nil {
+		return err
+	}
+	return statusError(op, C.int(st))
+}
+
+// Write sends all of p on the stream or returns an error. It honours the
+// write deadline. Up to 64 KiB are copied and sent without waiting (at most
+// 4 MiB in flight); larger writes are pinned and wait for UCX to complete. A
+// larger write that times out may still be sent: p stays pinned until then.
+func (e *Endpoint) Write(p []byte) (int, error) {
+	e.wmu.Lock()
+	defer e.wmu.Unlock()
+	if err := e.termErr(); err != nil {
+		return 0, err
+	}
+	dl := e.wdl.wait()
+	if isClosed(dl) {
+		return 0, &timeoutError{op: "write"}
+	}
+	if len(p) == 0 {
+		return 0, nil
+	}
+	if len(p) <= smallWrite {
+		return e.writeCopy(p, dl)
+	}
+	var pin runtime.Pinner
+	pin.Pin(&p[0])
+	buf, n := uintptr(unsafe.Pointer(&p[0])), len(p)
+	res := make(chan error, 1)
+	err := e.w.submit(func() {
+		e.issue(func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
+			return C.rdma_stream_send(e.w.cw, ce, C.uintptr_t(buf), C.size_t(n), id, req)
+		}, func(st int) {
+			pin.Unpin()
+			err := e.opError("ucp_stream_send_nbx", st)
+			if err != nil {
+				e.sendFailed(err)
+			}
+			res <- err
+		})
+	})
+	if err != nil {
+		pin.Unpin()
+		return 0, err
+	}
+	select {
+	case err := <-res:
+		if err != nil {
+			return 0, err
+		}
+		return len(p), nil
+	case <-dl:
+		return 0, &timeoutError{op: "write"}
+	case <-e.done:
+		return 0, e.termErr()
+	}
+}
+
+func (e *Endpoint) writeCopy(p []byte, dl chan struct{}) (int, error) {
+	for {
+		e.mu.Lock()
+		if e.term != nil || e.local {
+			e.mu.Unlock()
+			return 0, e.termErr()
+		}
+		if e.inflight == 0 || e.inflight+len(p) <= maxInflight {
+			e.inflight += len(p)
+			e.mu.Unlock()
+			break
+		}
+		e.mu.Unlock()
+		select {
+		case <-e.wnotify:
+		case <-dl:
+			return 0, &timeoutError{op: "write"}
+		case <-e.done:
+		}
+	}
+	n := len(p)
+	cbuf := C.malloc(C.size_t(n))
+	copy(unsafe.Slice((*byte)(cbuf), n), p)
+	err := e.w.submit(func() {
+		e.issue(func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
+			return C.rdma_stream_send(e.w.cw, ce, C.uintptr_t(uintptr(cbuf)), C.size_t(n), id, req)
+		}, func(st int) {
+			C.free(cbuf)
+			e.mu.Lock()
+			e.inflight -= n
+			e.mu.Unlock()
+			notify(e.wnotify)
+			if err := e.opError("ucp_stream_send_nbx", st); err != nil {
+				e.sendFailed(err)
+			}
+		})
+	})
+	if err != nil {
+		C.free(cbuf)
+		e.mu.Lock()
+		e.inflight -= n
+		e.mu.Unlock()
+		return 0, err
+	}
+	return n, nil
+}
+
+// sendFailed: a stream send failed without the endpoint failing first; the
+// stream has lost bytes, so the endpoint is over (owner goroutine).
+func (e *Endpoint) sendFailed(err error) {
+	var se *StatusError
+	if errors.As(err, &se) {
+		e.fail(newEndpointError(se.Op, se.Status, se.Msg), false)
+	}
+	e.forceClose()
+}
+
+// SetDeadline sets the read and write deadlines.
+func (e *Endpoint) SetDeadline(t time.Time) error {
+	if err := e.SetReadDeadline(t); err != nil {
+		return err
+	}
+	return e.SetWriteDeadline(t)
+}
+
+// SetReadDeadline sets the deadline for pending and future Reads.
+func (e *Endpoint) SetReadDeadline(t time.Time) error {
+	if e.isLocalClosed() {
+		return closedError("set deadline")
+	}
+	e.rdl.set(t)
+	return nil
+}
+
+// SetWriteDeadline sets the deadline for pending and future Writes.
+func (e *Endpoint) SetWriteDeadline(t time.Time) error {
+	if e.isLocalClosed() {
+		return closedError("set deadline")
+	}
+	e.wdl.set(t)
+	return nil
+}
+
+func (e *Endpoint) isLocalClosed() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.local
+}
+
+// TransportInfo describes the UCX lanes and transports the endpoint uses (the
+// text of ucp_ep_print_info), for diagnostics; "" once closed.
+func (e *Endpoint) TransportInfo() string {
+	var s string
+	e.w.call(func() {
+		if e.ce == nil || e.ucpClosed {
+			return
+		}
+		var n C.size_t
+		if p := C.rdma_ep_info(e.ce, &n); p != nil {
+			s = C.GoStringN(p, C.int(n))
+			C.free(unsafe.Pointer(p))
+		}
+	})
+	return s
+}
+
+// LocalAddr returns the local address (Network() is "ucx").
+func (e *Endpoint) LocalAddr() net.Addr { return e.laddr }
+
+// RemoteAddr returns the peer's address (Network() is "ucx").
+func (e *Endpoint) RemoteAddr() net.Addr { return e.raddr }
+
+// Done is closed when the endpoint failed, the peer closed it, or it was
+// closed.
+func (e *Endpoint) Done() <-chan struct{} { return e.done }
+
+// Err says why Done is closed: an *EndpointError when the peer failed, an
+// error wrapping io.EOF when the peer closed, one wrapping net.ErrClosed after
+// Close; nil while alive.
+func (e *Endpoint) Err() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.term
+}
+
+// OnError sets a function called once, from its own goroutine, when the peer
+// fails (an *EndpointError) or closes (an error wrapping io.EOF); at once if
+// that already happened. Close does not call it.
+func (e *Endpoint) OnError(f func(error)) {
+	e.mu.Lock()
+	e.onErr = f
+	var err error
+	if f != nil && e.peerErr != nil && !e.errFired {
+		e.errFired = true
+		err = e.peerErr
+	}
+	e.mu.Unlock()
+	if err != nil {
+		go f(err)
+	}
+}
+
+// Close closes the endpoint: it wakes every waiter, sends what was written and
+// tells the peer (its Reads then return io.EOF) for at most 2 s, then
+// releases the UCX endpoint (force close). It is idempotent; later calls
+// return errors wrapping net.ErrClosed.
+func (e *Endpoint) Close() error {
+	e.closeOnce.Do(func() {
+		e.mu.Lock()
+		graceful := e.term == nil
+		e.local = true
+		e.mu.Unlock()
+		e.setTerm(closedError("endpoint"), false, false)
+		if e.w.submit(func() { e.closeUCP(graceful) }) != nil {
+			return // the worker closed: its teardown released the endpoint
+		}
+		t := time.NewTimer(lingerTimeout)
+		defer t.Stop()
+		select {
+		case <-e.closeDone:
+			return
+		case <-e.w.exited:
+			return
+		case <-t.C:
+		}
+		if e.w.submit(e.forceClose) == nil {
+			e.waitReleased()
+		}
+	})
+	return nil
+}
+
+// closeUCP runs on the owner goroutine: flush, FIN, flush, force close.
+func (e *Endpoint) closeUCP(graceful bool) {
+	if e.ce == nil || e.closing || e.ucpClosed {
+		return
+	}
+	if !graceful {
+		e.forceClose()
+		return
+	}
+	e.closing = true
+	w := e.w
+	flush := func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
+		return C.rdma_ep_flush(w.cw, ce, id, req)
+	}
+	fin := func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
+		return C.rdma_ep_fin(w.cw, ce, id, req)
+	}
+	then := func(next func()) func(int) {
+		return func(st int) {
+			if st != statusOK {
+				e.forceClose()
+				return
+			}
+			next()
+		}
+	}
+	e.issue(flush, then(func() {
+		e.issue(fin, then(func() {
+			e.issue(flush, func(int) { e.forceClose() })
+		}))
+	}))
+}
+
+// forceClose releases the UCX endpoint (owner goroutine); UCX completes its
+// pending requests with an error.
+func (e *Endpoint) forceClose() {
+	if e.ce == nil || e.ucpClosed {
+		return
+	}
+	e.ucpClosed = true
+	ce := e.ce
+	w := e.w
+	w.issue(func(id C.uint64_t, req *unsafe.Pointer) C.int {
+		return C.rdma_ep_close(w.cw, ce, id, req)
+	}, func(int) {
+		for k := range e.rkeys {
+			k.destroy()
+		}
+		delete(w.eps, e.id)
+		delete(w.epByH, uintptr(unsafe.Pointer(ce.ep)))
+		C.rdma_ep_free(ce)
+		e.ce = nil
+		live.endpoints.Add(-1)
+		close(e.closeDone)
+	})
+}
+
+// RemoteKey is a peer's memory key unpacked on an endpoint.
+type RemoteKey struct {
+	e        *Endpoint
+	h        C.ucp_rkey_h // owner-only; nil once destroyed
+	region   packedKey
+	once     sync.Once
+	closeErr error
+}
+
+// UnpackKey unpacks a key made by the peer's Memory.PackKey. The framing is
+// validated; the key is valid on this endpoint only.
+func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
+	pk, err := decodeKey(packed)
+	if err != nil {
+		return nil, err
+	}
+	if err := validateRkey(pk.rkey); err != nil {
+		return nil, err
+	}
+	pk.rkey = slices.Clone(pk.rkey)
+	k := &RemoteKey{e: e, region: pk}
+	var uerr error
+	err = e.w.call(func() {
+		if e.ce == nil || e.ucpClosed {
+			uerr = e.opError("ucp_ep_rkey_unpack", statusCanceled)
+			return
+		}
+		st := C.rdma_rkey_unpack(e.ce, unsafe.Pointer(&pk.rkey[0]), &k.h)
+		if st != statusOK {
+			uerr = statusError("ucp_ep_rkey_unpack", st)
+			return
+		}
+		e.rkeys[k] = struct{}{}
+		live.rkeys.Add(1)
+	})
+	if err == nil {
+		err = uerr
+	}
+	if err != nil {
+		return nil, fmt.Errorf("rdma: unpack key: %w", err)
+	}
+	return k, nil
+}
+
+// Close releases the key. It is idempotent; closing the endpoint releases
+// its keys too.
+func (k *RemoteKey) Close() error {
+	k.once.Do(func() {
+		if err := k.e.w.call(k.destroy); err != nil && !errors.Is(err, net.ErrClosed) {
+			k.closeErr = err
+		}
+	})
+	return k.closeErr
+}
+
+// destroy runs on the owner goroutine.
+func (k *RemoteKey) destroy() {
+	if k.h == nil {
+		return
+	}
+	C.rdma_rkey_destroy(k.h)
+	k.h = nil
+	delete(k.e.rkeys, k)
+	live.rkeys.Add(-1)
+}
+
+func (e *Endpoint) checkRMA(key *RemoteKey, remote uint64, n int) error {
+	if key == nil {
+		return errors.New("rdma: nil remote key")
+	}
+	if key.e != e {
+		return errors.New("rdma: remote key was unpacked on another endpoint")
+	}
+	if n < 0 || !key.region.contains(remote, n) {
+		return fmt.Errorf("rdma: remote range %#x+%d outside the key's region %#x+%d", remote, n, key.region.base, key.region.length)
+	}
+	return nil
+}
+
+func checkLocal(m *Memory, off, n int) error {
+	if m == nil {
+		return errors.New("rdma: nil memory")
+	}
+	if off < 0 || n < 0 || off > m.n-n {
+		return fmt.Errorf("rdma: local range %d+%d outside memory of %d bytes", off, n, m.n)
+	}
+	return nil
+}
+
+// Put writes n bytes at src[srcOff:] into the peer's memory at remote. It
+// returns when the source may be reused (local completion); Flush gives
+// remote completion. ctx bounds the wait; a cancelled put may still complete
+// (UCX cannot cancel it) and keeps src referenced until then.
+func (e *Endpoint) Put(ctx context.Context, src *Memory, srcOff, n int, remote uint64, key *RemoteKey) error {
+	if err := checkLocal(src, srcOff, n); err != nil {
+		return err
+	}
+	if err := e.checkRMA(key, remote, n); err != nil {
+		return err
+	}
+	if n == 0 {
+		return e.termErr()
+	}
+	if err := src.acquire(); err != nil {
+		return err
+	}
+	return e.rma(ctx, false, src.addr+uintptr(srcOff), n, remote, key, src.release)
+}
+
+// PutBytes writes p (Go memory, pinned for the operation) into the peer's
+// memory at remote.
+func (e *Endpoint) PutBytes(ctx context.Context, p []byte, remote uint64, key *RemoteKey) error {
+	if err := e.checkRMA(key, remote, len(p)); err != nil {
+		return err
+	}
+	if len(p) == 0 {
+		return e.termErr()
+	}
+	pin := new(runtime.Pinner)
+	pin.Pin(&p[0])
+	return e.rma(ctx, false, uintptr(unsafe.Pointer(&p[0])), len(p), remote, key, pin.Unpin)
+}
+
+// Get reads n bytes at the peer's remote into dst[dstOff:].
+func (e *Endpoint) Get(ctx context.Context, dst *Memory, dstOff, n int, remote uint64, key *RemoteKey) error {
+	if err := checkLocal(dst, dstOff, n); err != nil {
+		return err
+	}
+	if err := e.checkRMA(key, remote, n); err != nil {
+		return err
+	}
+	if n == 0 {
+		return e.termErr()
+	}
+	if err := dst.acquire(); err != nil {
+		return err
+	}
+	return e.rma(ctx, true, dst.addr+uintptr(dstOff), n, remote, key, dst.release)
+}
+
+func (e *Endpoint) rma(ctx context.Context, get bool, local uintptr, n int, remote uint64, key *RemoteKey, release func()) error {
+	name := "ucp_put_nbx"
+	if get {
+		name = "ucp_get_nbx"
+	}
+	if err := e.termErr(); err != nil {
+		release()
+		return err
+	}
+	res := make(chan error, 1)
+	w := e.w
+	err := w.submit(func() {
+		if key.h == nil {
+			release()
+			res <- closedError("remote key")
+			return
+		}
+		e.issue(func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
+			if get {
+				return C.rdma_get(w.cw, ce, C.uintptr_t(local), C.size_t(n), C.uint64_t(remote), key.h, id, req)
+			}
+			return C.rdma_put(w.cw, ce, C.uintptr_t(local), C.size_t(n), C.uint64_t(remote), key.h, id, req)
+		}, func(st int) {
+			release()
+			res <- e.opError(name, st)
+		})
+	})
+	if err != nil {
+		release()
+		return err
+	}
+	select {
+	case err := <-res:
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("rdma: %s: %w", name, ctx.Err())
+	case <-e.done:
+		select {
+		case err := <-res:
+			return err
+		default:
+		}
+		return e.termErr()
+	}
+}
+
+// Flush waits until every put issued on the endpoint so far completed at the
+// peer.
+func (e *Endpoint) Flush(ctx context.Context) error {
+	if err := e.termErr(); err != nil {
+		return err
+	}
+	res := make(chan error, 1)
+	w := e.w
+	err := w.submit(func() {
+		e.issue(func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
+			return C.rdma_ep_flush(w.cw, ce, id, req)
+		}, func(st int) { res <- e.opError("ucp_ep_flush_nbx", st) })
+	})
+	if err != nil {
+		return err
+	}
+	select {
+	case err := <-res:
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("rdma: flush: %w", ctx.Err())
+	case <-e.done:
+		select {
+		case err := <-res:
+			return err
+		default:
+		}
+		return e.termErr()
+	}
+}

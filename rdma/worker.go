@@ -1,0 +1,514 @@
+//go:build cgo && !nordma
+
+package rdma
+
+/*
+#include "ucx.h"
+*/
+import "C"
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+)
+
+const (
+	spinRounds    = 64              // idle progress rounds before sleeping on the event fd
+	sleepTimeout  = 250             // ms: longest sleep on the event fd
+	drainTimeout  = 5 * time.Second // how long a closing worker waits for UCX to complete its requests
+	acceptBacklog = 128             // connection requests waiting for Accept
+	eventBatch    = 64              // events taken from the ring at once
+	progressBatch = 32              // ucp_worker_progress calls per round
+	lingerTimeout = 2 * time.Second // Close: flush pending writes and tell the peer, at most this long
+	forceTimeout  = 5 * time.Second // Close: wait for the force close, at most this long
+)
+
+// Worker is a UCX worker driven by one owner goroutine locked to its OS
+// thread. Every UCX call for the worker, its endpoints and listeners is made
+// there; other goroutines enqueue operations and wait for results.
+type Worker struct {
+	ctx       *Context
+	cw        *C.rdma_worker_t
+	isDefault bool
+
+	qmu      sync.Mutex
+	queue    []func()
+	closed   bool // no more operations accepted
+	sleeping atomic.Bool
+	exited   chan struct{} // owner goroutine returned
+	closeMu  sync.Mutex
+
+	// owner-only state
+	nextID    uint64
+	pending   map[uint64]*op
+	eps       map[uint64]*Endpoint
+	epByH     map[uintptr]*Endpoint
+	listeners map[uint64]*Listener
+	stopping  bool
+	stopAt    time.Time
+}
+
+// op is a UCX request in flight.
+type op struct {
+	req  unsafe.Pointer
+	done func(status int)
+}
+
+func (c *Context) newWorker(isDefault bool) (*Worker, error) {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil, closedError("context")
+	}
+	c.mu.Unlock()
+	w := &Worker{
+		ctx:       c,
+		isDefault: isDefault,
+		exited:    make(chan struct{}),
+		pending:   map[uint64]*op{},
+		eps:       map[uint64]*Endpoint{},
+		epByH:     map[uintptr]*Endpoint{},
+		listeners: map[uint64]*Listener{},
+	}
+	ready := make(chan error, 1)
+	go w.run(ready)
+	if err := <-ready; err != nil {
+		return nil, err
+	}
+	c.mu.Lock()
+	c.workers[w] = struct{}{}
+	c.mu.Unlock()
+	if !isDefault {
+		live.workers.Add(1)
+	}
+	return w, nil
+}
+
+// run is the owner goroutine.
+func (w *Worker) run(ready chan<- error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	defer close(w.exited)
+	st := C.rdma_worker_create(w.ctx.h, &w.cw)
+	C.rdma_cloexec_scan()
+	if st != statusOK {
+		ready <- fmt.Errorf("rdma: create worker: %w", statusError("ucp_worker_create", st))
+		return
+	}
+	ready <- nil
+	evs := make([]C.rdma_event_t, eventBatch)
+	idle := 0
+	for {
+		busy := false
+		for _, f := range w.take() {
+			f()
+			busy = true
+		}
+		if C.rdma_worker_progress(w.cw, progressBatch) > 0 {
+			busy = true
+		}
+		for {
+			n := int(C.rdma_worker_events(w.cw, &evs[0], C.int(len(evs))))
+			for i := range n {
+				w.handle(&evs[i])
+			}
+			if n == 0 {
+				break
+			}
+			busy = true
+		}
+		if w.stopping && (len(w.pending) == 0 || time.Now().After(w.stopAt)) {
+			w.qmu.Lock()
+			rest := len(w.queue)
+			w.qmu.Unlock()
+			if rest == 0 {
+				C.rdma_worker_destroy(w.cw)
+				w.cw = nil
+				return
+			}
+		}
+		if busy {
+			idle = 0
+			continue
+		}
+		if idle++; idle < spinRounds {
+			continue
+		}
+		w.sleep()
+		idle = spinRounds / 2
+	}
+}
+
+// sleep arms the worker and waits on its event fd until UCX has an event or a
+// submitter signals.
+func (w *Worker) sleep() {
+	w.sleeping.Store(true)
+	defer w.sleeping.Store(false)
+	if w.queued() {
+		return
+	}
+	if st := C.rdma_worker_arm(w.cw); st != statusOK {
+		return // UCS_ERR_BUSY: events to progress
+	}
+	if w.queued() {
+		return
+	}
+	timeout := C.int(sleepTimeout)
+	if w.stopping {
+		timeout = 10
+	}
+	C.rdma_worker_wait(w.cw, timeout)
+}
+
+func (w *Worker) queued() bool {
+	w.qmu.Lock()
+	defer w.qmu.Unlock()
+	return len(w.queue) > 0
+}
+
+func (w *Worker) take() []func() {
+	w.qmu.Lock()
+	defer w.qmu.Unlock()
+	q := w.queue
+	w.queue = nil
+	return q
+}
+
+// submit runs f on the owner goroutine. It fails once the worker closes.
+func (w *Worker) submit(f func()) error {
+	w.qmu.Lock()
+	defer w.qmu.Unlock()
+	if w.closed {
+		return closedError("worker")
+	}
+	w.queue = append(w.queue, f)
+	if w.sleeping.Load() {
+		// Under qmu: the owner destroys the worker only after closed is set.
+		C.rdma_worker_signal(w.cw)
+	}
+	return nil
+}
+
+// call runs f on the owner goroutine and waits for it.
+func (w *Worker) call(f func()) error {
+	done := make(chan struct{})
+	if err := w.submit(func() { f(); close(done) }); err != nil {
+		return err
+	}
+	select {
+	case <-done:
+		return nil
+	case <-w.exited:
+		select {
+		case <-done:
+			return nil
+		default:
+		}
+		return closedError("worker")
+	}
+}
+
+// issue starts a UCX request on the owner goroutine: call gets the request id
+// and returns a status, with *req set when in progress. done runs on the owner
+// goroutine with the final status.
+func (w *Worker) issue(call func(id C.uint64_t, req *unsafe.Pointer) C.int, done func(status int)) {
+	w.nextID++
+	id := w.nextID
+	var req unsafe.Pointer
+	st := call(C.uint64_t(id), &req)
+	if st == statusInProgress {
+		w.pending[id] = &op{req: req, done: done}
+		return
+	}
+	done(int(st))
+}
+
+func (w *Worker) newID() uint64 {
+	w.nextID++
+	return w.nextID
+}
+
+func (w *Worker) handle(ev *C.rdma_event_t) {
+	switch ev.kind {
+	case C.RDMA_EV_REQ:
+		o := w.pending[uint64(ev.id)]
+		if o == nil {
+			return
+		}
+		delete(w.pending, uint64(ev.id))
+		C.rdma_request_free(o.req)
+		o.done(int(ev.status))
+	case C.RDMA_EV_STREAM:
+		if e := w.eps[uint64(ev.id)]; e != nil {
+			e.drain(false)
+		}
+	case C.RDMA_EV_FIN:
+		if e := w.epByH[uintptr(ev.ptr)]; e != nil {
+			e.peerFinished()
+		}
+	case C.RDMA_EV_EP_ERR:
+		if e := w.eps[uint64(ev.id)]; e != nil {
+			e.peerFailed(int(ev.status))
+		}
+	case C.RDMA_EV_CONN:
+		l := w.listeners[uint64(ev.id)]
+		if l == nil {
+			return
+		}
+		l.connRequest(uintptr(ev.ptr))
+	}
+}
+
+// Flush waits until every put issued on the worker so far completed at its
+// target.
+func (w *Worker) Flush(ctx context.Context) error {
+	res := make(chan error, 1)
+	err := w.submit(func() {
+		w.issue(func(id C.uint64_t, req *unsafe.Pointer) C.int {
+			return C.rdma_worker_flush(w.cw, id, req)
+		}, func(st int) { res <- statusError("ucp_worker_flush_nbx", C.int(st)) })
+	})
+	if err != nil {
+		return err
+	}
+	select {
+	case err := <-res:
+		if err != nil {
+			return fmt.Errorf("rdma: flush: %w", err)
+		}
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("rdma: flush: %w", ctx.Err())
+	case <-w.exited:
+		return closedError("worker")
+	}
+}
+
+// Close closes the worker's listeners and endpoints (force close) and the
+// worker. It is idempotent. On a context's default worker it does nothing:
+// Context.Close closes that one.
+func (w *Worker) Close() error {
+	if w == w.ctx.def {
+		return nil
+	}
+	return w.close()
+}
+
+func (w *Worker) close() error {
+	w.closeMu.Lock()
+	defer w.closeMu.Unlock()
+	w.qmu.Lock()
+	if w.closed {
+		w.qmu.Unlock()
+		<-w.exited
+		return nil
+	}
+	w.queue = append(w.queue, w.teardown)
+	w.closed = true
+	if w.sleeping.Load() {
+		C.rdma_worker_signal(w.cw)
+	}
+	w.qmu.Unlock()
+	<-w.exited // bounded: the owner gives UCX drainTimeout to complete requests
+	c := w.ctx
+	c.mu.Lock()
+	delete(c.workers, w)
+	c.mu.Unlock()
+	if !w.isDefault {
+		live.workers.Add(-1)
+	}
+	return nil
+}
+
+// teardown runs on the owner goroutine as its last queued operation.
+func (w *Worker) teardown() {
+	for _, l := range w.listeners {
+		l.markClosed()
+		l.destroy()
+	}
+	for _, e := range w.eps {
+		e.fail(closedError("worker"), false)
+		e.forceClose()
+	}
+	w.stopping = true
+	w.stopAt = time.Now().Add(drainTimeout)
+}
+
+// Listen listens for connection requests on addr ("ip:port"; port 0 picks
+// one). Addr reports the bound port.
+func (w *Worker) Listen(addr string) (*Listener, error) {
+	ap, err := resolve(context.Background(), addr)
+	if err != nil {
+		return nil, fmt.Errorf("rdma: listen %s: %w", addr, err)
+	}
+	l := &Listener{w: w, accq: make(chan *Endpoint, acceptBacklog), closedCh: make(chan struct{})}
+	var lerr error
+	err = w.call(func() {
+		l.id = w.newID()
+		ip := ap.Addr().AsSlice()
+		st := C.rdma_listener_create(w.cw, C.uint64_t(l.id), (*C.uint8_t)(unsafe.Pointer(&ip[0])), C.int(len(ip)), C.int(ap.Port()), &l.cl)
+		C.rdma_cloexec_scan()
+		if st != statusOK {
+			lerr = statusError("ucp_listener_create", st)
+			return
+		}
+		port := int(C.rdma_listener_port(l.cl))
+		if port <= 0 {
+			port = int(ap.Port())
+		}
+		l.addr = &Addr{IP: net.IP(ap.Addr().AsSlice()), Port: port, Zone: ap.Addr().Zone()}
+		w.listeners[l.id] = l
+		live.listeners.Add(1)
+	})
+	if err == nil {
+		err = lerr
+	}
+	if err != nil {
+		return nil, fmt.Errorf("rdma: listen %s: %w", addr, err)
+	}
+	return l, nil
+}
+
+func resolve(ctx context.Context, addr string) (netip.AddrPort, error) {
+	if ap, err := netip.ParseAddrPort(addr); err == nil {
+		return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), nil
+	}
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	pn, err := net.DefaultResolver.LookupPort(ctx, "tcp", port)
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	if host == "" {
+		return netip.AddrPortFrom(netip.IPv4Unspecified(), uint16(pn)), nil
+	}
+	ips, err := net.DefaultResolver.LookupNetIP(ctx, "ip", host)
+	if err != nil {
+		return netip.AddrPort{}, err
+	}
+	if len(ips) == 0 {
+		return netip.AddrPort{}, fmt.Errorf("no address for %s", host)
+	}
+	return netip.AddrPortFrom(ips[0].Unmap(), uint16(pn)), nil
+}
+
+func addrFrom(ip []byte, n C.int, port C.int) *Addr {
+	if n != 4 && n != 16 {
+		return nil
+	}
+	return &Addr{IP: net.IP(append([]byte(nil), ip[:n]...)), Port: int(port)}
+}
+
+// Listener accepts connection requests on a worker.
+type Listener struct {
+	w        *Worker
+	id       uint64
+	cl       *C.rdma_listener_t // owner-only
+	addr     *Addr
+	accq     chan *Endpoint
+	filter   atomic.Pointer[func(net.Addr) bool]
+	once     sync.Once
+	closedCh chan struct{}
+}
+
+// Addr returns the listening address with the bound port.
+func (l *Listener) Addr() net.Addr { return l.addr }
+
+// SetFilter sets a function that decides, for each connection request, whether
+// to accept it (true) or reject it (false). If nil, all are accepted.
+func (l *Listener) SetFilter(f func(remote net.Addr) bool) {
+	if f == nil {
+		l.filter.Store(nil)
+		return
+	}
+	l.filter.Store(&f)
+}
+
+// connRequest runs on the owner goroutine.
+func (l *Listener) connRequest(req uintptr) {
+	var ip [16]byte
+	var n, port C.int
+	var remote *Addr
+	if C.rdma_conn_request_addr(C.uintptr_t(req), (*C.uint8_t)(unsafe.Pointer(&ip[0])), &n, &port) == statusOK {
+		remote = addrFrom(ip[:], n, port)
+	}
+	if f := l.filter.Load(); f != nil && !(*f)(remote) {
+		C.rdma_listener_reject(l.cl, C.uintptr_t(req))
+		return
+	}
+	if len(l.accq) == cap(l.accq) {
+		C.rdma_listener_reject(l.cl, C.uintptr_t(req))
+		return
+	}
+	e := newEndpoint(l.w)
+	var ce *C.rdma_ep_t
+	st := C.rdma_ep_accept(l.w.cw, C.uint64_t(e.id), C.uintptr_t(req), &ce)
+	C.rdma_cloexec_scan()
+	if st != statusOK {
+		return
+	}
+	e.attach(ce)
+	if e.raddr == nil {
+		e.raddr = remote
+	}
+	if e.laddr == nil {
+		e.laddr = l.addr
+	}
+	l.accq <- e
+}
+
+// Accept waits for and returns the next connection.
+func (l *Listener) Accept(ctx context.Context) (*Endpoint, error) {
+	select {
+	case <-l.closedCh:
+		return nil, closedError("listener")
+	default:
+	}
+	select {
+	case e := <-l.accq:
+		return e, nil
+	case <-l.closedCh:
+		return nil, closedError("listener")
+	case <-ctx.Done():
+		return nil, fmt.Errorf("rdma: accept: %w", ctx.Err())
+	}
+}
+
+// Close stops listening and closes connections not yet accepted. It is
+// idempotent; Accept then returns an error wrapping net.ErrClosed.
+func (l *Listener) Close() error {
+	l.markClosed()
+	l.w.call(l.destroy)
+	return nil
+}
+
+func (l *Listener) markClosed() { l.once.Do(func() { close(l.closedCh) }) }
+
+// destroy runs on the owner goroutine.
+func (l *Listener) destroy() {
+	if l.cl == nil {
+		return
+	}
+	C.rdma_listener_destroy(l.cl)
+	l.cl = nil
+	delete(l.w.listeners, l.id)
+	live.listeners.Add(-1)
+	for {
+		select {
+		case e := <-l.accq:
+			e.fail(closedError("listener"), false)
+			e.forceClose()
+		default:
+			return
+		}
+	}
+}
