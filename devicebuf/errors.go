@@ -18,3 +18,7 @@ var (
 	// ErrReleased reports use of a Buffer after its last Release.
 	ErrReleased = errors.New("devicebuf: buffer released")
 )
+
+// CUDAError is an error the CUDA driver returned: the call, the CUresult code, and the
+// driver's name and description of it.
+type CUDAError = driver.Error

@@ -213,6 +213,14 @@ func (g *GPU) Peek(p uintptr, n int) ([]byte, error) {
 	return slices.Clone(b), nil
 }
 
+// View returns fake device memory [p, p+n) as the fake's read-write alias sees it, without
+// copying (for test assertions; valid until the memory is freed).
+func (g *GPU) View(p uintptr, n int) ([]byte, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.deviceRangeLocked(-1, p, n)
+}
+
 // Poke writes b into fake device memory at device pointer p (for test set-up).
 func (g *GPU) Poke(p uintptr, b []byte) error {
 	g.mu.Lock()

@@ -1,0 +1,222 @@
+package devicebuf_test
+
+import (
+	"errors"
+	"os"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
+)
+
+func TestFakeDevices(t *testing.T) {
+	g := devicebuftest.Install(t, 2)
+	require.NoError(t, devicebuf.CUDAAvailable())
+	n, err := devicebuf.DeviceCount()
+	require.NoError(t, err)
+	require.Equal(t, 2, n)
+	v, err := devicebuf.DriverVersion()
+	require.NoError(t, err)
+	require.Positive(t, v)
+	u, err := devicebuf.DeviceUUIDOf(1)
+	require.NoError(t, err)
+	require.Equal(t, g.UUID(1), u)
+	require.Regexp(t, `^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$`, u)
+	require.NotEqual(t, g.UUID(0), g.UUID(1))
+
+	_, err = devicebuf.NewCUDAAllocator(2)
+	require.ErrorContains(t, err, "out of range")
+	_, err = devicebuf.NewCUDAAllocator(-1)
+	require.Error(t, err)
+	_, err = devicebuf.Attributes(7)
+	require.Error(t, err)
+
+	a, err := devicebuf.NewCUDAAllocator(1)
+	require.NoError(t, err)
+	require.Equal(t, devicebuf.CUDA, a.Kind())
+	require.Equal(t, 1, a.Device())
+	_, err = a.Alloc(0)
+	require.Error(t, err)
+	g.SetMemory(1, 1<<20)
+	_, err = a.Alloc(2 << 20)
+	require.ErrorContains(t, err, "CUDA_ERROR_OUT_OF_MEMORY")
+}
+
+func TestAttributesAndFlush(t *testing.T) {
+	g := devicebuftest.Install(t, 2)
+	at, err := devicebuf.Attributes(0)
+	require.NoError(t, err)
+	require.Equal(t, devicebuf.DeviceAttrs{GPUDirectRDMASupported: true, FlushWritesOptions: devicebuf.FlushWritesOptionHost,
+		WritesOrdering: devicebuf.WritesOrderingOwner}, at)
+
+	// Writes ordered for the owner: no flush call.
+	need, err := devicebuf.NeedsRDMAFlush(0)
+	require.NoError(t, err)
+	require.False(t, need)
+	require.NoError(t, devicebuf.FlushRDMAWrites(0))
+	require.Zero(t, g.Flushes(0))
+
+	// Pre-Hopper style: no ordering, host flush offered: the flush is called.
+	g.SetAttrs(1, devicebuf.DeviceAttrs{GPUDirectRDMASupported: true, FlushWritesOptions: devicebuf.FlushWritesOptionHost})
+	need, err = devicebuf.NeedsRDMAFlush(1)
+	require.NoError(t, err)
+	require.True(t, need)
+	require.NoError(t, devicebuf.FlushRDMAWrites(1))
+	require.NoError(t, devicebuf.FlushRDMAWrites(1))
+	require.Equal(t, 2, g.Flushes(1))
+	require.Zero(t, g.Flushes(0))
+}
+
+func TestFlushWithoutOption(t *testing.T) {
+	g := devicebuftest.Install(t, 1)
+	g.SetAttrs(0, devicebuf.DeviceAttrs{})
+	err := devicebuf.FlushRDMAWrites(0)
+	require.ErrorIs(t, err, devicebuf.ErrNotSupported)
+	require.Zero(t, g.Flushes(0))
+}
+
+func TestIPCInProcessFake(t *testing.T) {
+	g := devicebuftest.Install(t, 1)
+	base := devicebuf.Live()
+	a, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	alloc, err := a.Alloc(3 << 20)
+	require.NoError(t, err)
+	b, err := alloc.Slice(1<<20, 1<<20)
+	require.NoError(t, err)
+	h, off, err := devicebuf.ExportIPC(b)
+	require.NoError(t, err)
+	require.Equal(t, 1<<20, off)
+
+	m1, err := devicebuf.OpenIPC(h, 0)
+	require.NoError(t, err)
+	m2, err := devicebuf.OpenIPC(h, 0)
+	require.NoError(t, err)
+	require.Equal(t, m1.Ptr(), m2.Ptr(), "one mapping per allocation")
+	require.NotEqual(t, alloc.Ptr(), m1.Ptr())
+	require.Equal(t, 3<<20, m1.Len())
+	require.Equal(t, int64(1), devicebuf.Live().Sub(base).IPCMappings)
+
+	// Bytes written through the mapping appear in the exporter's memory.
+	v, err := m1.Slice(off, 1<<20)
+	require.NoError(t, err)
+	want := pattern(9, 1<<20)
+	src := devicebuf.HostFromBytes(want)
+	require.NoError(t, devicebuf.Copy(v, src))
+	got, err := g.View(b.Ptr(), b.Len())
+	require.NoError(t, err)
+	requireBytes(t, want, got, "through the IPC mapping")
+
+	require.NoError(t, m1.Release())
+	require.NoError(t, v.Release())
+	require.Equal(t, int64(1), devicebuf.Live().Sub(base).IPCMappings, "m2 still uses it")
+	require.NoError(t, m2.Release())
+	require.Zero(t, devicebuf.Live().Sub(base).IPCMappings)
+	require.Equal(t, 1, g.Allocations(), "only the exporter's allocation is left")
+
+	host, err := devicebuf.NewHostAllocator().Alloc(10)
+	require.NoError(t, err)
+	_, _, err = devicebuf.ExportIPC(host)
+	require.ErrorIs(t, err, devicebuf.ErrNotSupported)
+	var bad devicebuf.IPCHandle
+	_, err = devicebuf.OpenIPC(bad, 0)
+	require.Error(t, err)
+
+	require.NoError(t, host.Release())
+	require.NoError(t, src.Release())
+	require.NoError(t, b.Release())
+	require.NoError(t, alloc.Release())
+	requireLive(t, base)
+}
+
+func TestIPCAcrossProcessesFake(t *testing.T) {
+	devicebuftest.Install(t, 1)
+	testIPCAcrossProcesses(t, "fake", 1<<20+5)
+}
+
+func TestPinnedHostFake(t *testing.T) {
+	g := devicebuftest.Install(t, 1)
+	base := devicebuf.Live()
+	b, err := devicebuf.NewHostAllocator(devicebuf.Pinned()).Alloc(5000)
+	require.NoError(t, err)
+	require.Equal(t, 1, g.HostRegistrations())
+	require.Equal(t, int64(1), devicebuf.Live().Sub(base).PinnedRegions)
+	require.NoError(t, b.Release())
+	require.Zero(t, g.HostRegistrations())
+	requireLive(t, base)
+}
+
+func TestInventoryFake(t *testing.T) {
+	g := devicebuftest.Install(t, 3)
+	gpus, err := devicebuf.Inventory()
+	require.NoError(t, err)
+	require.Len(t, gpus, 3)
+	for i, gpu := range gpus {
+		require.Equal(t, i, gpu.Index)
+		require.Equal(t, g.UUID(i), gpu.UUID)
+		require.NotEmpty(t, gpu.Name)
+		require.NotEmpty(t, gpu.PCIBusID)
+		require.Equal(t, uint64(devicebuftest.DefaultMemory), gpu.MemoryBytes)
+	}
+}
+
+func TestNotSupportedFake(t *testing.T) {
+	devicebuftest.InstallAbsent(t, "no libcuda.so.1 here")
+	err := devicebuf.CUDAAvailable()
+	require.ErrorIs(t, err, devicebuf.ErrNotSupported)
+	require.ErrorContains(t, err, "no libcuda.so.1 here")
+	_, err = devicebuf.DeviceCount()
+	require.ErrorIs(t, err, devicebuf.ErrNotSupported)
+	_, err = devicebuf.NewCUDAAllocator(0)
+	require.ErrorIs(t, err, devicebuf.ErrNotSupported)
+	_, err = devicebuf.NewStream(0)
+	require.ErrorIs(t, err, devicebuf.ErrNotSupported)
+	_, err = devicebuf.Attributes(0)
+	require.ErrorIs(t, err, devicebuf.ErrNotSupported)
+	require.ErrorIs(t, devicebuf.FlushRDMAWrites(0), devicebuf.ErrNotSupported)
+	_, err = devicebuf.OpenIPC(devicebuf.IPCHandle{}, 0)
+	require.ErrorIs(t, err, devicebuf.ErrNotSupported)
+	_, err = devicebuf.Inventory()
+	require.ErrorIs(t, err, devicebuf.ErrNotSupported)
+
+	// Host memory still works; Pinned quietly does nothing without a driver.
+	base := devicebuf.Live()
+	b, err := devicebuf.NewHostAllocator(devicebuf.Pinned()).Alloc(100)
+	require.NoError(t, err)
+	require.Zero(t, devicebuf.Live().Sub(base).PinnedRegions)
+	s, err := devicebuf.NewStream(-1)
+	require.NoError(t, err)
+	c := devicebuf.HostFromBytes(make([]byte, 100))
+	require.NoError(t, devicebuf.CopyAsync(s, c, b))
+	require.NoError(t, s.Close())
+	require.NoError(t, b.Release())
+	require.NoError(t, c.Release())
+	requireLive(t, base)
+}
+
+// TestRealDriverAbsent checks the real loader's answer on a host without a GPU driver: an
+// error wrapping ErrNotSupported that carries the loader's message.
+func TestRealDriverAbsent(t *testing.T) {
+	err := devicebuf.CUDAAvailable()
+	if err == nil {
+		t.Skip("a CUDA driver is present")
+	}
+	if requireEnv("cuda") {
+		t.Fatalf("GDRPC_REQUIRE=cuda but CUDA is not available: %v", err)
+	}
+	require.ErrorIs(t, err, devicebuf.ErrNotSupported)
+	if _, statErr := os.Stat("/dev/nvidiactl"); statErr != nil {
+		require.Regexp(t, `libcuda\.so\.1|without cgo`, err.Error())
+	}
+	_, err = devicebuf.NewCUDAAllocator(0)
+	require.ErrorIs(t, err, devicebuf.ErrNotSupported)
+	_, err = devicebuf.Inventory()
+	if err != nil {
+		require.ErrorIs(t, err, devicebuf.ErrNotSupported)
+		require.Regexp(t, `libnvidia-ml\.so\.1|NVML`, err.Error())
+	}
+	var ce *devicebuf.CUDAError
+	require.False(t, errors.As(err, &ce))
+}
