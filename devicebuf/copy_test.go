@@ -147,26 +147,33 @@ func TestCopyEveryPairFake(t *testing.T) {
 	require.Zero(t, g.HostRegistrations())
 }
 
-// TestCopyLargeFake moves 64 MiB and 256 MiB through every direction once: host to device,
-// device to device on one device and across devices, device to pinned host.
+// TestCopyLargeFake moves 64 MiB and 256 MiB through every direction once.
 func TestCopyLargeFake(t *testing.T) {
 	if testing.Short() {
 		t.Skip("large copies skipped in -short")
 	}
 	g := devicebuftest.Install(t, 2)
+	testCopyLarge(t, fakeAccess{g}, 1, []int{64 << 20, 256 << 20})
+}
+
+// testCopyLarge moves each size through every direction once: host to device, device to
+// device on one device and to the last device, device to pinned host.
+func testCopyLarge(t *testing.T, acc access, lastDev int, sizes []int) {
 	base := devicebuf.Live()
-	acc := fakeAccess{g}
-	for _, n := range []int{64 << 20, 256 << 20} {
+	for _, n := range sizes {
 		t.Run("size="+sizeName(n), func(t *testing.T) {
 			want := pattern(uint64(n), n)
 			h := hostKinds()[0].alloc(t, n)
 			acc.fill(t, h, want)
-			d0, d0b, d1 := cudaKind(0).alloc(t, n), cudaKind(0).alloc(t, n), cudaKind(1).alloc(t, n)
+			d0, d0b, d1 := cudaKind(0).alloc(t, n), cudaKind(0).alloc(t, n), cudaKind(lastDev).alloc(t, n)
 			back := hostKinds()[1].alloc(t, n)
 			steps := []struct {
 				name     string
 				dst, src *devicebuf.Buffer
-			}{{"host-to-cuda0", d0, h}, {"cuda0-to-cuda0", d0b, d0}, {"cuda0-to-cuda1", d1, d0b}, {"cuda1-to-pinned", back, d1}}
+			}{
+				{"host-to-cuda0", d0, h}, {"cuda0-to-cuda0", d0b, d0},
+				{fmt.Sprintf("cuda0-to-cuda%d", lastDev), d1, d0b}, {fmt.Sprintf("cuda%d-to-pinned", lastDev), back, d1},
+			}
 			for _, st := range steps {
 				require.NoError(t, devicebuf.Copy(st.dst, st.src), st.name)
 				requireBytes(t, want, acc.read(t, st.dst), st.name)

@@ -248,3 +248,50 @@ func (c *cudaAllocator) Alloc(n int) (*Buffer, error) {
 	a.drv = d
 	return a.newRoot(p, n), nil
 }
+
+// DeviceInfo describes one CUDA device as the CUDA driver sees it.
+type DeviceInfo struct {
+	Index             int // CUDA ordinal
+	UUID              string
+	Name              string
+	PCIBusID          string // as the driver prints it, "0000:3B:00.0"
+	MemoryBytes       uint64
+	ComputeCapability string // "9.0"
+	Attrs             DeviceAttrs
+}
+
+// Describe returns what the CUDA driver reports about device dev.
+func Describe(device int) (DeviceInfo, error) {
+	d, err := checkDevice(device)
+	if err != nil {
+		return DeviceInfo{}, err
+	}
+	info := DeviceInfo{Index: device}
+	u, err := d.DeviceUUID(device)
+	if err != nil {
+		return info, err
+	}
+	info.UUID = FormatUUID(u)
+	if info.Name, err = d.DeviceName(device); err != nil {
+		return info, err
+	}
+	if info.PCIBusID, err = d.DevicePCIBusID(device); err != nil {
+		return info, err
+	}
+	if info.MemoryBytes, err = d.DeviceTotalMem(device); err != nil {
+		return info, err
+	}
+	major, err := d.DeviceAttribute(device, driver.AttrComputeCapabilityMajor)
+	if err != nil {
+		return info, err
+	}
+	minor, err := d.DeviceAttribute(device, driver.AttrComputeCapabilityMinor)
+	if err != nil {
+		return info, err
+	}
+	info.ComputeCapability = fmt.Sprintf("%d.%d", major, minor)
+	if info.Attrs, err = readAttrs(d, device); err != nil {
+		return info, err
+	}
+	return info, nil
+}

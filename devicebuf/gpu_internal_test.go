@@ -1,0 +1,30 @@
+package devicebuf
+
+import (
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/gdrpc/gdrpc/devicebuf/internal/driver"
+)
+
+// TestGPUFlushCall calls cuFlushGPUDirectRDMAWrites itself on a device that offers the host
+// flush (FlushRDMAWrites skips the call where the device orders writes).
+func TestGPUFlushCall(t *testing.T) {
+	if err := CUDAAvailable(); err != nil {
+		if strings.Contains(os.Getenv("GDRPC_REQUIRE"), "cuda") {
+			t.Fatal(err)
+		}
+		t.Skip(err)
+	}
+	a, err := Attributes(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a.FlushWritesOptions&FlushWritesOptionHost == 0 {
+		t.Skip("device 0 offers no host flush")
+	}
+	if err := driver.Current().FlushRDMAWrites(0); err != nil {
+		t.Fatalf("cuFlushGPUDirectRDMAWrites: %v", err)
+	}
+}

@@ -1,0 +1,180 @@
+package devicebuf_test
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+)
+
+// Tests on a real GPU: they skip without a CUDA driver unless GDRPC_REQUIRE contains cuda.
+
+func requireCUDA(tb testing.TB) int {
+	tb.Helper()
+	err := devicebuf.CUDAAvailable()
+	if err != nil {
+		if requireEnv("cuda") {
+			tb.Fatalf("GDRPC_REQUIRE=cuda: %v", err)
+		}
+		tb.Skipf("no CUDA: %v", err)
+	}
+	n, err := devicebuf.DeviceCount()
+	require.NoError(tb, err)
+	require.Positive(tb, n, "CUDA without devices")
+	return n
+}
+
+func gpuKinds(n int) []memKind {
+	k := append(hostKinds(), cudaKind(0))
+	if n > 1 {
+		k = append(k, cudaKind(n-1))
+	}
+	return k
+}
+
+func TestGPUCopyEveryPair(t *testing.T) {
+	n := requireCUDA(t)
+	testCopyPairs(t, copyAccess{}, gpuKinds(n), []int{1, 3, 4096, 65537, 1<<20 + 3}, 0)
+}
+
+func TestGPUCopyLarge(t *testing.T) {
+	n := requireCUDA(t)
+	sizes := []int{64 << 20}
+	if !testing.Short() {
+		sizes = append(sizes, 256<<20)
+	}
+	testCopyLarge(t, copyAccess{}, n-1, sizes)
+}
+
+func TestGPUAttributes(t *testing.T) {
+	n := requireCUDA(t)
+	v, err := devicebuf.DriverVersion()
+	require.NoError(t, err)
+	t.Logf("CUDA driver version %d.%d", v/1000, v%1000/10)
+	for dev := 0; dev < n; dev++ {
+		info, err := devicebuf.Describe(dev)
+		require.NoError(t, err)
+		t.Logf("device %d: %+v", dev, info)
+		require.Regexp(t, `^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$`, info.UUID)
+		require.NotEmpty(t, info.Name)
+		require.Positive(t, info.MemoryBytes)
+		a, err := devicebuf.Attributes(dev)
+		require.NoError(t, err)
+		require.Equal(t, info.Attrs, a)
+		require.Contains(t, []int{devicebuf.WritesOrderingNone, devicebuf.WritesOrderingOwner, devicebuf.WritesOrderingAllDevices}, a.WritesOrdering)
+		require.Zero(t, a.FlushWritesOptions&^3, "only the host and memops bits are defined")
+		need, err := devicebuf.NeedsRDMAFlush(dev)
+		require.NoError(t, err)
+		require.Equal(t, a.WritesOrdering < devicebuf.WritesOrderingOwner, need)
+		if err := devicebuf.FlushRDMAWrites(dev); err != nil {
+			require.ErrorIs(t, err, devicebuf.ErrNotSupported)
+			require.True(t, need)
+			require.Zero(t, a.FlushWritesOptions&devicebuf.FlushWritesOptionHost)
+		}
+	}
+}
+
+func TestGPUInventoryAgrees(t *testing.T) {
+	n := requireCUDA(t)
+	gpus, err := devicebuf.Inventory()
+	if err != nil && !requireEnv("cuda") {
+		t.Skipf("no NVML: %v", err)
+	}
+	require.NoError(t, err)
+	t.Logf("NVML: %+v", gpus)
+	require.GreaterOrEqual(t, len(gpus), n)
+	for dev := 0; dev < n; dev++ {
+		info, err := devicebuf.Describe(dev)
+		require.NoError(t, err)
+		g := gpus[dev]
+		require.Equal(t, dev, g.Index, "CUDA devices come first, in ordinal order")
+		require.Equal(t, info.UUID, g.UUID)
+		require.Equal(t, info.Name, g.Name)
+		require.True(t, strings.EqualFold(info.PCIBusID, g.PCIBusID), "PCI bus id: CUDA %s, NVML %s", info.PCIBusID, g.PCIBusID)
+		require.Equal(t, info.MemoryBytes, g.MemoryBytes)
+	}
+	for _, g := range gpus[n:] {
+		require.Equal(t, -1, g.Index)
+	}
+}
+
+func TestGPUIPCAcrossProcesses(t *testing.T) {
+	requireCUDA(t)
+	testIPCAcrossProcesses(t, "cuda", 4<<20+5)
+}
+
+func TestGPUPoolReuse(t *testing.T) {
+	n := requireCUDA(t)
+	base := devicebuf.Live()
+	a, err := devicebuf.NewCUDAAllocator(n - 1)
+	require.NoError(t, err)
+	reg := newRegistrar()
+	p, err := devicebuf.NewPool(devicebuf.PoolConfig{Backing: a, Registrar: reg, MaxBytes: 256 << 20})
+	require.NoError(t, err)
+	var ptr uintptr
+	for i := 0; i < 50; i++ {
+		b, err := p.Alloc(1 << 20)
+		require.NoError(t, err)
+		require.Equal(t, devicebuf.CUDA, b.Kind())
+		if i == 0 {
+			ptr = b.Ptr()
+		}
+		require.Equal(t, ptr, b.Ptr(), "the block is reused")
+		want := pattern(uint64(i), 1<<20)
+		copyAccess{}.fill(t, b, want)
+		requireBytes(t, want, copyAccess{}.read(t, b), fmt.Sprintf("round %d", i))
+		require.NoError(t, b.Release())
+	}
+	st := p.Stats()
+	require.Equal(t, int64(1), st.Registrations, "registered once")
+	require.Equal(t, int64(49), st.Hits)
+	require.Equal(t, []devicebuf.Kind{devicebuf.CUDA}, reg.kinds)
+	require.NoError(t, p.Close())
+	live, made := reg.counts()
+	require.Zero(t, live)
+	require.Equal(t, 1, made)
+	requireLive(t, base)
+}
+
+// BenchmarkCopy measures copy bandwidth on the GPU: host to device and device to host from
+// pinned and pageable memory, and device to device.
+func BenchmarkCopy(b *testing.B) {
+	requireCUDA(b)
+	pageable := devicebuf.NewHostAllocator()
+	pinned := devicebuf.NewHostAllocator(devicebuf.Pinned())
+	dev, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(b, err)
+	cases := []struct {
+		name     string
+		dst, src devicebuf.Allocator
+	}{
+		{"dir=H2D/mem=pinned", dev, pinned},
+		{"dir=H2D/mem=pageable", dev, pageable},
+		{"dir=D2H/mem=pinned", pinned, dev},
+		{"dir=D2H/mem=pageable", pageable, dev},
+		{"dir=D2D/mem=device", dev, dev},
+	}
+	for _, c := range cases {
+		for _, n := range []int{1 << 20, 16 << 20, 256 << 20, 1 << 30} {
+			b.Run(c.name+"/size="+sizeName(n), func(b *testing.B) {
+				dst, err := c.dst.Alloc(n)
+				require.NoError(b, err)
+				defer dst.Release()
+				src, err := c.src.Alloc(n)
+				require.NoError(b, err)
+				defer src.Release()
+				require.NoError(b, devicebuf.Copy(dst, src)) // warm up: page in, map
+				b.SetBytes(int64(n))
+				b.ReportAllocs()
+				for b.Loop() {
+					if err := devicebuf.Copy(dst, src); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
+	}
+}
