@@ -1,0 +1,164 @@
+package transport
+
+import (
+	"bytes"
+	"testing"
+	"time"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/stretchr/testify/require"
+)
+
+func TestRTRRoundTrip(t *testing.T) {
+	tests := []struct {
+		name string
+		m    rtr
+	}{
+		{name: "stream", m: rtr{Req: 1, Token: Token{1, 2}, Length: 7, Offers: PathStream}},
+		{name: "rdma", m: rtr{Req: 2, Token: Token{3}, Length: 1 << 30, Offers: PathStream | PathRDMA, RAddr: 0xdeadbeef000, RKey: []byte("key"), RMemory: 1}},
+		{name: "ipc", m: rtr{Req: 3, Token: Token{4}, Length: 9, Offers: PathStream | PathCUDAIPC, IPC: devicebuf.IPCHandle{9, 8}, IPCOffset: 4096, IPCDevice: "GPU-1234"}},
+		{name: "all", m: rtr{Req: 4, Token: Token{5}, Length: 1, Offers: PathStream | PathCUDAIPC | PathRDMA, RKey: []byte{}, IPCDevice: "GPU-x"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := parseRTR(tt.m.marshal())
+			require.NoError(t, err)
+			if tt.m.RKey == nil && got.RKey != nil && len(got.RKey) == 0 {
+				got.RKey = nil
+			}
+			if len(tt.m.RKey) == 0 {
+				got.RKey, tt.m.RKey = nil, nil
+			}
+			require.Equal(t, tt.m, *got)
+		})
+	}
+}
+
+func TestRTRMalformed(t *testing.T) {
+	good := (&rtr{Req: 2, Token: Token{3}, Length: 5, Offers: PathStream | PathRDMA, RKey: []byte("key")}).marshal()
+	for n := range len(good) {
+		_, err := parseRTR(good[:n])
+		require.Error(t, err, "truncated to %d bytes", n)
+	}
+	_, err := parseRTR(append(bytes.Clone(good), 0))
+	require.ErrorContains(t, err, "trailing")
+	bad := bytes.Clone(good)
+	bad[0] = 9
+	_, err = parseRTR(bad)
+	require.ErrorContains(t, err, "version")
+	bad = bytes.Clone(good)
+	bad[1+8+16+8] = 0x80
+	_, err = parseRTR(bad)
+	require.ErrorContains(t, err, "unknown paths")
+}
+
+func TestFINRoundTrip(t *testing.T) {
+	m := fin{Req: 77, Status: finUnknownToken, Path: PathRDMA, Msg: "unknown or expired token"}
+	got, err := parseFIN(m.marshal())
+	require.NoError(t, err)
+	require.Equal(t, m, *got)
+	long := fin{Msg: string(make([]byte, 5000))}
+	got, err = parseFIN(long.marshal())
+	require.NoError(t, err)
+	require.Len(t, got.Msg, maxFinMsg)
+	b := m.marshal()
+	b[9] = 200
+	_, err = parseFIN(b)
+	require.ErrorContains(t, err, "status")
+}
+
+func TestDescriptorValidate(t *testing.T) {
+	good := Descriptor{Owner: ID{1}, Token: Token{2}, Length: 10, Kind: devicebuf.Host, Device: -1}
+	require.NoError(t, good.Validate())
+	for name, mutate := range map[string]func(*Descriptor){
+		"no owner":  func(d *Descriptor) { d.Owner = ID{} },
+		"no token":  func(d *Descriptor) { d.Token = Token{} },
+		"too long":  func(d *Descriptor) { d.Length = MaxPayload + 1 },
+		"bad kind":  func(d *Descriptor) { d.Kind = 7 },
+		"long uuid": func(d *Descriptor) { d.DeviceUUID = string(make([]byte, 65)) },
+	} {
+		d := good
+		mutate(&d)
+		require.Error(t, d.Validate(), name)
+	}
+}
+
+func FuzzParseRTR(f *testing.F) {
+	f.Add((&rtr{Req: 1, Token: Token{1}, Length: 3, Offers: PathStream}).marshal())
+	f.Add((&rtr{Req: 2, Token: Token{3}, Length: 5, Offers: PathStream | PathRDMA | PathCUDAIPC, RKey: []byte("key"), IPCDevice: "GPU-1"}).marshal())
+	f.Fuzz(func(t *testing.T, b []byte) {
+		m, err := parseRTR(b)
+		if err != nil {
+			return
+		}
+		// What parses re-encodes to the same bytes.
+		require.Equal(t, b, m.marshal())
+	})
+}
+
+func FuzzParseFIN(f *testing.F) {
+	f.Add((&fin{Req: 1, Status: finFailed, Path: PathStream, Msg: "boom"}).marshal())
+	f.Fuzz(func(t *testing.T, b []byte) {
+		m, err := parseFIN(b)
+		if err != nil {
+			return
+		}
+		require.Equal(t, b, m.marshal())
+	})
+}
+
+func FuzzParseBulkHeader(f *testing.F) {
+	f.Add(bulkHeader(5, 1<<20))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		req, n, err := parseBulkHeader(b)
+		if err != nil {
+			return
+		}
+		require.Equal(t, b, bulkHeader(req, n))
+	})
+}
+
+func TestOutboxLifetime(t *testing.T) {
+	before := devicebuf.Live()
+	b, err := devicebuf.NewHostAllocator().Alloc(100)
+	require.NoError(t, err)
+
+	// Not held: gone after the first completed pull; the outbox's reference goes with it.
+	d := Offer(Source{Buffer: b}, OfferOptions{})
+	_, st, err := box.checkout(d.Token, 99)
+	require.Error(t, err)
+	require.Equal(t, finBadLength, st)
+	e, _, err := box.checkout(d.Token, 100)
+	require.NoError(t, err)
+	box.checkin(d.Token, e, true)
+	_, st, _ = box.checkout(d.Token, 100)
+	require.Equal(t, finUnknownToken, st)
+
+	// Held: pulled any number of times until withdrawn; a withdraw during a pull
+	// frees the source only when the pull ends.
+	d = Offer(Source{Buffer: b}, OfferOptions{Held: true})
+	for range 3 {
+		e, _, err := box.checkout(d.Token, 100)
+		require.NoError(t, err)
+		box.checkin(d.Token, e, true)
+	}
+	e, _, err = box.checkout(d.Token, 100)
+	require.NoError(t, err)
+	Withdraw(d.Token)
+	require.False(t, b.Released())
+	box.checkin(d.Token, e, true)
+	Withdraw(d.Token) // twice: nothing
+
+	// The lease is the backstop.
+	d = Offer(Source{Bytes: []byte("x")}, OfferOptions{Held: true, Lease: time.Millisecond})
+	require.Eventually(t, func() bool {
+		box.mu.Lock()
+		defer box.mu.Unlock()
+		_, ok := box.entries[d.Token]
+		return !ok
+	}, 5*time.Second, time.Millisecond)
+
+	require.NoError(t, b.Release())
+	require.Equal(t, 0, OutboxLen())
+	require.Equal(t, before, devicebuf.Live())
+}
