@@ -94,7 +94,8 @@ func TestGPUInventoryAgrees(t *testing.T) {
 		require.Equal(t, info.UUID, g.UUID)
 		require.Equal(t, info.Name, g.Name)
 		require.True(t, strings.EqualFold(info.PCIBusID, g.PCIBusID), "PCI bus id: CUDA %s, NVML %s", info.PCIBusID, g.PCIBusID)
-		require.Equal(t, info.MemoryBytes, g.MemoryBytes)
+		// NVML counts memory the driver reserves for itself; CUDA does not (0.4% on an H200).
+		require.InEpsilon(t, float64(info.MemoryBytes), float64(g.MemoryBytes), 0.02)
 	}
 	for _, g := range gpus[n:] {
 		require.Equal(t, -1, g.Index)
