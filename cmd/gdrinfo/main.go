@@ -1,0 +1,256 @@
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"text/tabwriter"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/rdma"
+)
+
+// Report is everything gdrinfo prints.
+type Report struct {
+	GPUs      []devicebuf.GPU `json:"gpus"`
+	NVMLError string          `json:"nvml_error,omitempty"`
+	CUDA      CUDAReport      `json:"cuda"`
+	UCX       UCXReport       `json:"ucx"`
+	Paths     []Path          `json:"paths"`
+}
+
+// CUDAReport is what the CUDA driver says.
+type CUDAReport struct {
+	Available     bool                   `json:"available"`
+	Error         string                 `json:"error,omitempty"`
+	DriverVersion string                 `json:"driver_version,omitempty"`
+	Devices       []devicebuf.DeviceInfo `json:"devices,omitempty"`
+}
+
+// UCXReport is what the loaded UCX says.
+type UCXReport struct {
+	Available   bool     `json:"available"`
+	Error       string   `json:"error,omitempty"`
+	Version     string   `json:"version,omitempty"`
+	Transports  []string `json:"transports,omitempty"`
+	MemoryTypes []string `json:"memory_types,omitempty"`
+}
+
+// Path is one gdrpc transfer path and whether this host can use it.
+type Path struct {
+	Name      string `json:"name"`
+	Available bool   `json:"available"`
+	// Reason says why the path is unavailable, or what limits it.
+	Reason string `json:"reason,omitempty"`
+}
+
+func main() {
+	jsonOut := flag.Bool("json", false, "print one JSON object instead of text")
+	flag.Parse()
+	r := collect()
+	var err error
+	if *jsonOut {
+		err = writeJSON(os.Stdout, r)
+	} else {
+		err = writeText(os.Stdout, r)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "gdrinfo:", err)
+		os.Exit(1)
+	}
+}
+
+// collect gathers the report.
+func collect() Report {
+	var r Report
+	gpus, err := devicebuf.Inventory()
+	if err != nil {
+		r.NVMLError = err.Error()
+	}
+	r.GPUs = gpus
+
+	cudaErr := devicebuf.CUDAAvailable()
+	var cudaDevices int
+	if cudaErr == nil {
+		if v, err := devicebuf.DriverVersion(); err == nil {
+			r.CUDA.DriverVersion = fmt.Sprintf("%d.%d", v/1000, v%1000/10)
+		}
+		n, err := devicebuf.DeviceCount()
+		if err != nil {
+			cudaErr = err
+		}
+		cudaDevices = n
+		for i := 0; i < n; i++ {
+			info, err := devicebuf.Describe(i)
+			if err != nil {
+				cudaErr = fmt.Errorf("device %d: %w", i, err)
+				break
+			}
+			r.CUDA.Devices = append(r.CUDA.Devices, info)
+		}
+		if cudaErr == nil && n == 0 {
+			cudaErr = errors.New("the CUDA driver sees no device")
+		}
+	}
+	r.CUDA.Available = cudaErr == nil
+	if cudaErr != nil {
+		r.CUDA.Error = cudaErr.Error()
+	}
+
+	var info rdma.Info
+	ucxErr := rdma.Available()
+	if ucxErr == nil {
+		ctx, err := rdma.Default()
+		if err != nil {
+			ucxErr = err
+		} else {
+			info = ctx.Info()
+		}
+	}
+	r.UCX.Available = ucxErr == nil
+	if ucxErr != nil {
+		r.UCX.Error = ucxErr.Error()
+	} else {
+		r.UCX.Version = info.Version
+		r.UCX.Transports = info.Transports
+		for _, m := range info.MemoryTypes {
+			r.UCX.MemoryTypes = append(r.UCX.MemoryTypes, m.String())
+		}
+	}
+	r.Paths = paths(cudaErr, cudaDevices, ucxErr, info.HasMemoryType(rdma.MemoryCUDA))
+	return r
+}
+
+// paths decides which transfer paths this host offers, best first.
+func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA bool) []Path {
+	var ps []Path
+	// cuda-ipc: both ends on this host with CUDA.
+	if cudaErr == nil {
+		ps = append(ps, Path{Name: "cuda-ipc", Available: true,
+			Reason: fmt.Sprintf("between processes on this host, %d CUDA device(s)", cudaDevices)})
+	} else {
+		ps = append(ps, Path{Name: "cuda-ipc", Reason: "no CUDA: " + cudaErr.Error()})
+	}
+	// rdma: UCX present; device memory takes part only if UCX can register it.
+	switch {
+	case ucxErr != nil:
+		ps = append(ps, Path{Name: "rdma", Reason: "no UCX: " + ucxErr.Error()})
+	case ucxCUDA:
+		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host and GPU memory (UCX registers CUDA memory: GPUDirect RDMA)"})
+	default:
+		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host memory only: this UCX cannot register CUDA memory"})
+	}
+	// staged: UCX and CUDA, device memory through pinned host bounce buffers.
+	var missing []string
+	if ucxErr != nil {
+		missing = append(missing, "no UCX: "+ucxErr.Error())
+	}
+	if cudaErr != nil {
+		missing = append(missing, "no CUDA: "+cudaErr.Error())
+	}
+	if len(missing) == 0 {
+		ps = append(ps, Path{Name: "staged", Available: true, Reason: "GPU memory through pinned host buffers over UCX"})
+	} else {
+		ps = append(ps, Path{Name: "staged", Reason: strings.Join(missing, "; ")})
+	}
+	ps = append(ps, Path{Name: "stream", Available: true, Reason: "bytes over the session's stream (always)"})
+	return ps
+}
+
+func writeJSON(w io.Writer, r Report) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(r)
+}
+
+func yesNo(b bool) string {
+	if b {
+		return "yes"
+	}
+	return "no"
+}
+
+func orderingName(v int) string {
+	switch v {
+	case devicebuf.WritesOrderingNone:
+		return "none (flush needed)"
+	case devicebuf.WritesOrderingOwner:
+		return "owner"
+	case devicebuf.WritesOrderingAllDevices:
+		return "all devices"
+	}
+	return fmt.Sprint(v)
+}
+
+func flushName(v int) string {
+	var parts []string
+	if v&devicebuf.FlushWritesOptionHost != 0 {
+		parts = append(parts, "host")
+	}
+	if v&devicebuf.FlushWritesOptionMemOps != 0 {
+		parts = append(parts, "memops")
+	}
+	if len(parts) == 0 {
+		return "none"
+	}
+	return strings.Join(parts, ",")
+}
+
+func writeText(out io.Writer, r Report) error {
+	w := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	p := func(format string, a ...any) { fmt.Fprintf(w, format, a...) }
+
+	p("GPUs (NVML)\n")
+	if r.NVMLError != "" {
+		p("  unavailable: %s\n", r.NVMLError)
+	} else if len(r.GPUs) == 0 {
+		p("  none\n")
+	}
+	for _, g := range r.GPUs {
+		idx := "-"
+		if g.Index >= 0 {
+			idx = fmt.Sprint(g.Index)
+		}
+		numa := "?"
+		if g.NUMANode >= 0 {
+			numa = fmt.Sprint(g.NUMANode)
+		}
+		p("  cuda %s\t%s\t%s\tpci %s\t%.1f GiB\tnuma %s\tcpus %s\n", idx, g.Name, g.UUID, g.PCIBusID,
+			float64(g.MemoryBytes)/(1<<30), numa, g.CPUAffinity)
+	}
+
+	p("\nCUDA\n")
+	if !r.CUDA.Available {
+		p("  unavailable: %s\n", r.CUDA.Error)
+	} else {
+		p("  driver\t%s\n", r.CUDA.DriverVersion)
+		for _, d := range r.CUDA.Devices {
+			p("  device %d\t%s\t%s\tcc %s\tpci %s\n", d.Index, d.Name, d.UUID, d.ComputeCapability, d.PCIBusID)
+			p("    \tGPUDirect RDMA %s\tflush options %s\twrites ordering %s\n",
+				yesNo(d.Attrs.GPUDirectRDMASupported), flushName(d.Attrs.FlushWritesOptions), orderingName(d.Attrs.WritesOrdering))
+		}
+	}
+
+	p("\nUCX\n")
+	if !r.UCX.Available {
+		p("  unavailable: %s\n", r.UCX.Error)
+	} else {
+		p("  version\t%s\n", r.UCX.Version)
+		p("  transports\t%s\n", strings.Join(r.UCX.Transports, " "))
+		p("  memory types\t%s\n", strings.Join(r.UCX.MemoryTypes, " "))
+	}
+
+	p("\nTransfer paths (best first)\n")
+	for _, path := range r.Paths {
+		state := "available"
+		if !path.Available {
+			state = "unavailable"
+		}
+		p("  %s\t%s\t%s\n", path.Name, state, path.Reason)
+	}
+	return w.Flush()
+}

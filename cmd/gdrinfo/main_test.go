@@ -1,0 +1,115 @@
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
+	"github.com/gdrpc/gdrpc/rdma"
+)
+
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if code == 0 {
+		if err := devicebuftest.LeakCheck(); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+func pathsByName(ps []Path) map[string]Path {
+	m := map[string]Path{}
+	for _, p := range ps {
+		m[p.Name] = p
+	}
+	return m
+}
+
+func TestReportFakeGPU(t *testing.T) {
+	g := devicebuftest.Install(t, 2)
+	g.SetAttrs(1, devicebuf.DeviceAttrs{GPUDirectRDMASupported: true, FlushWritesOptions: devicebuf.FlushWritesOptionHost})
+	r := collect()
+	require.Empty(t, r.NVMLError)
+	require.Len(t, r.GPUs, 2)
+	require.True(t, r.CUDA.Available)
+	require.Len(t, r.CUDA.Devices, 2)
+	require.Equal(t, g.UUID(1), r.CUDA.Devices[1].UUID)
+	require.Equal(t, devicebuf.WritesOrderingNone, r.CUDA.Devices[1].Attrs.WritesOrdering)
+	require.Equal(t, devicebuf.WritesOrderingOwner, r.CUDA.Devices[0].Attrs.WritesOrdering)
+
+	ps := pathsByName(r.Paths)
+	require.Len(t, ps, 4)
+	require.True(t, ps["cuda-ipc"].Available)
+	require.True(t, ps["stream"].Available)
+	ucxErr := rdma.Available()
+	require.Equal(t, ucxErr == nil, r.UCX.Available)
+	require.Equal(t, ucxErr == nil, ps["rdma"].Available)
+	require.Equal(t, ucxErr == nil, ps["staged"].Available)
+	if ucxErr == nil {
+		require.NotEmpty(t, r.UCX.Version)
+		require.Contains(t, r.UCX.MemoryTypes, "host")
+	}
+
+	var text bytes.Buffer
+	require.NoError(t, writeText(&text, r))
+	require.Contains(t, text.String(), g.UUID(0))
+	require.Contains(t, text.String(), "writes ordering none (flush needed)")
+	require.Contains(t, text.String(), "cuda-ipc  available")
+
+	var js bytes.Buffer
+	require.NoError(t, writeJSON(&js, r))
+	var back Report
+	require.NoError(t, json.Unmarshal(js.Bytes(), &back))
+	require.Equal(t, r.Paths, back.Paths)
+	require.Equal(t, r.CUDA.Devices, back.CUDA.Devices)
+}
+
+func TestReportNoGPU(t *testing.T) {
+	devicebuftest.InstallAbsent(t, "no libcuda.so.1")
+	r := collect()
+	require.False(t, r.CUDA.Available)
+	require.Contains(t, r.CUDA.Error, "no libcuda.so.1")
+	require.Contains(t, r.NVMLError, "not supported")
+	ps := pathsByName(r.Paths)
+	require.False(t, ps["cuda-ipc"].Available)
+	require.Contains(t, ps["cuda-ipc"].Reason, "no CUDA")
+	require.False(t, ps["staged"].Available)
+	require.Contains(t, ps["staged"].Reason, "no CUDA")
+	require.True(t, ps["stream"].Available)
+}
+
+func TestPaths(t *testing.T) {
+	noUCX := fmt.Errorf("libucp.so.0 missing: %w", rdma.ErrNotSupported)
+	noCUDA := errors.New("no driver")
+	for _, c := range []struct {
+		name                string
+		cudaErr, ucxErr     error
+		ucxCUDA             bool
+		ipc, rdmaOK, staged bool
+		rdmaReason          string
+	}{
+		{"nothing", noCUDA, noUCX, false, false, false, false, "no UCX"},
+		{"ucx host only", noCUDA, nil, false, false, true, false, "host memory only"},
+		{"cuda only", nil, noUCX, false, true, false, false, "no UCX"},
+		{"both, ucx without cuda", nil, nil, false, true, true, true, "host memory only"},
+		{"both, gpudirect", nil, nil, true, true, true, true, "GPUDirect RDMA"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			ps := pathsByName(paths(c.cudaErr, 1, c.ucxErr, c.ucxCUDA))
+			require.Equal(t, c.ipc, ps["cuda-ipc"].Available)
+			require.Equal(t, c.rdmaOK, ps["rdma"].Available)
+			require.Contains(t, ps["rdma"].Reason, c.rdmaReason)
+			require.Equal(t, c.staged, ps["staged"].Available)
+			require.True(t, ps["stream"].Available)
+		})
+	}
+}
