@@ -244,10 +244,15 @@ func (e *Endpoint) peerFailed(status int) {
 }
 
 // peerFinished runs on the owner goroutine when the peer announced its close;
-// everything it sent before is in UCX's queue by now.
+// everything it sent before is in UCX's queue by now. The FIN-ACK tells the
+// peer it may release its endpoint.
 func (e *Endpoint) peerFinished() {
 	e.drain(true)
 	e.setTerm(errPeerClosed, true, true)
+	w := e.w
+	e.issue(func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
+		return C.rdma_ep_fin(w.cw, ce, 1, id, req)
+	}, func(int) {})
 }
 
 // drain moves received stream data from UCX into the inbound ring (owner
@@ -316,9 +321,8 @@ func (e *Endpoint) copyOut(p []byte) int {
 			e.head = 0
 		}
 	}
-	if e.n == 0 {
-		e.head = 0
-	}
+	// head is not reset when the ring empties: the owner may be filling the
+	// free part at head+n outside mu.
 	return k
 }
 
@@ -615,7 +619,9 @@ func (e *Endpoint) Close() error {
 	return nil
 }
 
-// closeUCP runs on the owner goroutine: flush, FIN, flush, force close.
+// closeUCP runs on the owner goroutine: flush, FIN; the peer's FIN-ACK (or
+// Close's linger timeout) then triggers the force close. Releasing the
+// endpoint right after the FIN could let the disconnect overtake it.
 func (e *Endpoint) closeUCP(graceful bool) {
 	if e.ce == nil || e.closing || e.ucpClosed {
 		return
@@ -630,7 +636,7 @@ func (e *Endpoint) closeUCP(graceful bool) {
 		return C.rdma_ep_flush(w.cw, ce, id, req)
 	}
 	fin := func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
-		return C.rdma_ep_fin(w.cw, ce, id, req)
+		return C.rdma_ep_fin(w.cw, ce, 0, id, req)
 	}
 	then := func(next func()) func(int) {
 		return func(st int) {
@@ -642,9 +648,7 @@ func (e *Endpoint) closeUCP(graceful bool) {
 		}
 	}
 	e.issue(flush, then(func() {
-		e.issue(fin, then(func() {
-			e.issue(flush, func(int) { e.forceClose() })
-		}))
+		e.issue(fin, then(func() {}))
 	}))
 }
 

@@ -236,7 +236,10 @@ char *rdma_context_info(ucp_context_h ctx, size_t *len)
 
 // ---- worker and its event ring ----------------------------------------------
 
-#define RDMA_FIN_AM_ID 0x6764 // "gd"
+// Active message ids: FIN (the peer closes: everything it sent precedes this)
+// and FIN-ACK (the FIN was processed: the closer may release the endpoint).
+#define RDMA_FIN_AM_ID 0x6764
+#define RDMA_FINACK_AM_ID 0x6765
 
 struct rdma_worker {
 	ucp_worker_h w;
@@ -270,9 +273,17 @@ static void push_event(rdma_worker_t *w, int kind, int status, uint64_t id, uint
 static ucs_status_t fin_cb(void *arg, const void *header, size_t header_length, void *data,
                            size_t length, const ucp_am_recv_param_t *param)
 {
-	rdma_worker_t *w = arg;
 	if (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) {
-		push_event(w, RDMA_EV_FIN, 0, 0, (uintptr_t)param->reply_ep);
+		push_event(arg, RDMA_EV_FIN, 0, 0, (uintptr_t)param->reply_ep);
+	}
+	return UCS_OK;
+}
+
+static ucs_status_t finack_cb(void *arg, const void *header, size_t header_length, void *data,
+                              size_t length, const ucp_am_recv_param_t *param)
+{
+	if (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) {
+		push_event(arg, RDMA_EV_FINACK, 0, 0, (uintptr_t)param->reply_ep);
 	}
 	return UCS_OK;
 }
@@ -303,6 +314,11 @@ int rdma_worker_create(ucp_context_h ctx, rdma_worker_t **out)
 		ap.cb = fin_cb;
 		ap.arg = w;
 		st = p_ucp_worker_set_am_recv_handler(w->w, &ap);
+		if (st == UCS_OK) {
+			ap.id = RDMA_FINACK_AM_ID;
+			ap.cb = finack_cb;
+			st = p_ucp_worker_set_am_recv_handler(w->w, &ap);
+		}
 	}
 	if (st != UCS_OK) {
 		p_ucp_worker_destroy(w->w);
@@ -635,13 +651,13 @@ int rdma_ep_flush(rdma_worker_t *w, rdma_ep_t *e, uint64_t id, void **req)
 	return ret_req(p_ucp_ep_flush_nbx(e->ep, &rp), id, req);
 }
 
-int rdma_ep_fin(rdma_worker_t *w, rdma_ep_t *e, uint64_t id, void **req)
+int rdma_ep_fin(rdma_worker_t *w, rdma_ep_t *e, int ack, uint64_t id, void **req)
 {
 	ucp_request_param_t rp;
 	op_param(&rp, w);
 	rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
 	rp.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-	return ret_req(p_ucp_am_send_nbx(e->ep, RDMA_FIN_AM_ID, NULL, 0, NULL, 0, &rp), id, req);
+	return ret_req(p_ucp_am_send_nbx(e->ep, ack ? RDMA_FINACK_AM_ID : RDMA_FIN_AM_ID, NULL, 0, NULL, 0, &rp), id, req);
 }
 
 int rdma_stream_send(rdma_worker_t *w, rdma_ep_t *e, uintptr_t buf, size_t n, uint64_t id, void **req)

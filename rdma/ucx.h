@@ -15,6 +15,7 @@ enum {
 	RDMA_EV_CONN = 3,   // listener id got conn request ptr
 	RDMA_EV_FIN = 4,    // peer endpoint ptr (reply ep) sent FIN
 	RDMA_EV_STREAM = 5, // endpoint id has stream data
+	RDMA_EV_FINACK = 6, // peer endpoint ptr (reply ep) processed our FIN
 };
 
 typedef struct {
@@ -78,7 +79,7 @@ int rdma_ep_close(rdma_worker_t *w, rdma_ep_t *e, uint64_t id, void **req); // f
 void rdma_ep_free(rdma_ep_t *e);
 char *rdma_ep_info(rdma_ep_t *e, size_t *len); // free()
 int rdma_ep_flush(rdma_worker_t *w, rdma_ep_t *e, uint64_t id, void **req);
-int rdma_ep_fin(rdma_worker_t *w, rdma_ep_t *e, uint64_t id, void **req);
+int rdma_ep_fin(rdma_worker_t *w, rdma_ep_t *e, int ack, uint64_t id, void **req);
 int rdma_stream_send(rdma_worker_t *w, rdma_ep_t *e, uintptr_t buf, size_t n, uint64_t id, void **req);
 // copy up to cap bytes of received stream data into dst; *more=1 when data is known to remain.
 size_t rdma_stream_read(rdma_ep_t *e, void *dst, size_t cap, int *more);

@@ -253,6 +253,10 @@ func (w *Worker) handle(ev *C.rdma_event_t) {
 		if e := w.epByH[uintptr(ev.ptr)]; e != nil {
 			e.peerFinished()
 		}
+	case C.RDMA_EV_FINACK:
+		if e := w.epByH[uintptr(ev.ptr)]; e != nil && e.closing {
+			e.forceClose()
+		}
 	case C.RDMA_EV_EP_ERR:
 		if e := w.eps[uint64(ev.id)]; e != nil {
 			e.peerFailed(int(ev.status))
