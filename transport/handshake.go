@@ -369,6 +369,9 @@ func (r *reader) list(what string) []string {
 func (r *reader) caps() Caps {
 	var c Caps
 	f := r.u8("caps flags")
+	if r.err == nil && f&^1 != 0 {
+		r.err = malformed("caps flags %#x: unknown bits", f)
+	}
 	c.UCX = f&1 != 0
 	c.UCXVersion = r.str("UCX version")
 	c.MemoryTypes = r.list("memory types")
@@ -556,6 +559,9 @@ func parseWelcome(version uint16, body []byte) (welcome, error) {
 		m.Transport = "tcp"
 	default:
 		return welcome{}, malformed("unknown transport %d", tc)
+	}
+	if f&^welcomeFallbackOK != 0 {
+		return welcome{}, malformed("welcome flags %#x: unknown bits", f)
 	}
 	m.FallbackOK = f&welcomeFallbackOK != 0
 	return m, nil

@@ -1,0 +1,253 @@
+package transport
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+func sampleCaps() Caps {
+	return Caps{
+		UCX:           true,
+		UCXVersion:    "1.13.1",
+		MemoryTypes:   []string{"host", "cuda"},
+		UCXTransports: []string{"posix/memory", "tcp/lo"},
+		CUDADevices:   []string{"GPU-0a1b"},
+		Codecs:        []string{"gdr"},
+	}
+}
+
+func TestHandshakeRoundTrip(t *testing.T) {
+	h := hello{ID: newToken(), HostID: newToken(), Mode: ModeUCX, Caps: sampleCaps()}
+	v, body, err := readFrame(bytes.NewReader(encodeHello(h)), false)
+	require.NoError(t, err)
+	got, err := parseHello(v, body)
+	require.NoError(t, err)
+	require.Equal(t, h, got)
+
+	w := welcome{ID: newToken(), HostID: newToken(), Caps: Caps{Codecs: []string{"gdr"}}, Transport: "ucx", FallbackOK: true, UCXPort: 4242, Token: newToken()}
+	v, body, err = readFrame(bytes.NewReader(encodeWelcome(w)), false)
+	require.NoError(t, err)
+	gotW, err := parseWelcome(v, body)
+	require.NoError(t, err)
+	require.Equal(t, w, gotW)
+}
+
+// frameWith builds a frame with any version and body.
+func frameWith(version uint16, body []byte) []byte {
+	b := append([]byte(magic), 0, 0, 0, 0, 0, 0)
+	binary.BigEndian.PutUint16(b[len(magic):], version)
+	binary.BigEndian.PutUint32(b[len(magic)+2:], uint32(len(body)))
+	return append(b, body...)
+}
+
+func TestHandshakeParseErrors(t *testing.T) {
+	good := encodeHello(hello{ID: newToken(), Caps: sampleCaps()})
+	tests := []struct {
+		name  string
+		input []byte
+		want  error
+		msg   string
+	}{
+		{name: "empty", input: nil, want: io.EOF},
+		{name: "http1", input: []byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n"), want: ErrNotGDRPC, msg: "bad magic"},
+		{name: "short magic", input: []byte("GDR"), want: ErrNotGDRPC},
+		{name: "zero length", input: frameWith(1, nil), want: ErrMalformed, msg: "body length 0"},
+		{name: "huge length", input: frameWith(1, nil)[:frameHeaderLen-4], want: io.ErrUnexpectedEOF},
+		{name: "truncated body", input: good[:len(good)-3], want: ErrMalformed, msg: "truncated"},
+		{name: "trailing", input: frameWith(1, append(append([]byte{}, good[frameHeaderLen:]...), 9)), want: ErrMalformed, msg: "trailing"},
+		{name: "version 2", input: frameWith(2, good[frameHeaderLen:]), want: ErrVersion, msg: "we speak 1, the peer speaks 2"},
+		{name: "wrong kind", input: frameWith(1, []byte{kindWelcome, 1, 2}), want: ErrMalformed, msg: "expected hello"},
+		{name: "bad mode", input: func() []byte {
+			b := append([]byte{}, good...)
+			b[frameHeaderLen+1+32] = 9
+			return b
+		}(), want: ErrMalformed, msg: "unknown mode"},
+		{name: "long list", input: frameWith(1, append([]byte{kindHello}, append(make([]byte, 33), 0, 0, 0, 0, 0xff, 0xff)...)), want: ErrMalformed, msg: "list of 255 items"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			v, body, err := readFrame(bytes.NewReader(tc.input), false)
+			if err == nil {
+				_, err = parseHello(v, body)
+			}
+			require.ErrorIs(t, err, tc.want)
+			if tc.msg != "" {
+				require.Contains(t, err.Error(), tc.msg)
+			}
+		})
+	}
+	// A frame header claiming more than the maximum body is refused before
+	// reading (no allocation driven by the peer).
+	b := frameWith(1, nil)
+	binary.BigEndian.PutUint32(b[len(magic)+2:], maxBodyLen+1)
+	_, _, err := readFrame(bytes.NewReader(b), false)
+	require.ErrorIs(t, err, ErrMalformed)
+}
+
+func TestRejectOfAnyVersion(t *testing.T) {
+	// A reject is understood whatever version the frame says.
+	b := encodeReject(rejectVersion, "server speaks 7")
+	binary.BigEndian.PutUint16(b[len(magic):], 7)
+	v, body, err := readFrame(bytes.NewReader(b), false)
+	require.NoError(t, err)
+	_, err = parseWelcome(v, body)
+	var re *RejectError
+	require.ErrorAs(t, err, &re)
+	require.ErrorIs(t, err, ErrRejected)
+	require.ErrorIs(t, err, ErrVersion)
+	require.Contains(t, err.Error(), "server speaks 7")
+	// A welcome of another version is a version error.
+	w := encodeWelcome(welcome{Transport: "tcp"})
+	binary.BigEndian.PutUint16(w[len(magic):], 3)
+	v, body, err = readFrame(bytes.NewReader(w), false)
+	require.NoError(t, err)
+	_, err = parseWelcome(v, body)
+	require.ErrorIs(t, err, ErrVersion)
+}
+
+// TestServerRejectsVersion: a client speaking version 2 gets a reject that
+// says why, and the server reports a version error.
+func TestServerRejectsVersion(t *testing.T) {
+	c1, c2 := net.Pipe()
+	defer c1.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	srvErr := make(chan error, 1)
+	go func() {
+		s, err := NewServerSession(ctx, c2)
+		if s != nil {
+			_ = s.Close()
+		}
+		srvErr <- err
+	}()
+	good := encodeHello(hello{ID: newToken(), Caps: sampleCaps()})
+	_, err := c1.Write(frameWith(2, good[frameHeaderLen:]))
+	require.NoError(t, err)
+	v, body, err := readFrame(c1, false)
+	require.NoError(t, err)
+	_, err = parseWelcome(v, body)
+	require.ErrorIs(t, err, ErrVersion)
+	require.Contains(t, err.Error(), "server speaks gdrpc protocol version 1, client 2")
+	require.ErrorIs(t, <-srvErr, ErrVersion)
+}
+
+// TestClientGarbage: a server that answers garbage gives the client a clear
+// error, not a hang.
+func TestClientGarbage(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		answer []byte
+		want   error
+	}{
+		{"http", []byte("HTTP/1.1 400 Bad Request\r\n\r\n"), ErrNotGDRPC},
+		{"welcome v9", func() []byte {
+			b := encodeWelcome(welcome{Transport: "tcp"})
+			binary.BigEndian.PutUint16(b[len(magic):], 9)
+			return b
+		}(), ErrVersion},
+		{"bad transport", frameWith(1, append([]byte{kindWelcome}, make([]byte, 32+1+10+1+1+2+16)...)), ErrMalformed},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c1, c2 := net.Pipe()
+			defer c2.Close()
+			go func() {
+				_, _, _ = readFrame(c2, false)
+				_, _ = c2.Write(tc.answer)
+			}()
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			_, err := NewClientSession(ctx, c1)
+			require.ErrorIs(t, err, tc.want)
+		})
+	}
+}
+
+// TestHandshakeTimeout: a silent peer fails the handshake within the bound.
+func TestHandshakeTimeout(t *testing.T) {
+	c1, c2 := net.Pipe()
+	defer c2.Close()
+	go func() { _, _ = io.Copy(io.Discard, c2) }()
+	start := time.Now()
+	_, err := NewClientSession(context.Background(), c1, WithHandshakeTimeout(100*time.Millisecond))
+	require.Error(t, err)
+	var ne net.Error
+	require.True(t, errors.As(err, &ne) && ne.Timeout(), "%v", err)
+	require.Less(t, time.Since(start), 5*time.Second)
+}
+
+func FuzzParseHello(f *testing.F) {
+	f.Add(encodeHello(hello{ID: newToken(), Caps: sampleCaps()}))
+	f.Add(encodeHello(hello{}))
+	f.Add(frameWith(2, []byte{1}))
+	f.Add([]byte("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		v, body, err := readFrame(bytes.NewReader(b), false)
+		if err != nil {
+			return
+		}
+		h, err := parseHello(v, body)
+		if err != nil {
+			if !errors.Is(err, ErrMalformed) && !errors.Is(err, ErrVersion) {
+				t.Fatalf("unexpected error class: %v", err)
+			}
+			return
+		}
+		// What parses re-encodes to the same body (canonical encoding).
+		re := encodeHello(h)
+		if !bytes.Equal(re[frameHeaderLen:], body) {
+			t.Fatalf("re-encoding differs:\n%x\n%x", re[frameHeaderLen:], body)
+		}
+	})
+}
+
+func FuzzParseWelcome(f *testing.F) {
+	f.Add(encodeWelcome(welcome{Transport: "ucx", UCXPort: 1, Caps: sampleCaps()}))
+	f.Add(encodeReject(rejectMode, "no"))
+	f.Add(frameWith(5, []byte{kindReject, 1, 0, 1, 'x'}))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		v, body, err := readFrame(bytes.NewReader(b), false)
+		if err != nil {
+			return
+		}
+		w, err := parseWelcome(v, body)
+		if err != nil {
+			if !errors.Is(err, ErrMalformed) && !errors.Is(err, ErrVersion) && !errors.Is(err, ErrRejected) {
+				t.Fatalf("unexpected error class: %v", err)
+			}
+			return
+		}
+		re := encodeWelcome(w)
+		if !bytes.Equal(re[frameHeaderLen:], body) {
+			t.Fatalf("re-encoding differs")
+		}
+	})
+}
+
+// FuzzServerHandshake feeds arbitrary bytes to a server handshake: it must
+// end (error or session) without hanging or panicking.
+func FuzzServerHandshake(f *testing.F) {
+	f.Add(encodeHello(hello{ID: newToken(), Caps: sampleCaps()}))
+	f.Add(encodeHello(hello{Mode: ModeUCX}))
+	f.Add([]byte(strings.Repeat("GDRPC\x00", 3)))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		c1, c2 := net.Pipe()
+		defer c1.Close()
+		go func() {
+			_, _ = c1.Write(b)
+			_, _ = io.Copy(io.Discard, c1)
+		}()
+		s, err := NewServerSession(context.Background(), c2, WithHandshakeTimeout(200*time.Millisecond), WithKeepAlive(-1, 0))
+		if err == nil {
+			_ = s.Close()
+		}
+	})
+}
