@@ -1,0 +1,504 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"maps"
+	"net"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/examples/tensor"
+	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// collector is the transport metrics hook: it keeps the transfers of the
+// call in flight (gdrperf makes one call at a time).
+type collector struct {
+	mu        sync.Mutex
+	events    []transport.TransferInfo
+	fallbacks []string
+}
+
+func (c *collector) Transfer(i transport.TransferInfo) {
+	c.mu.Lock()
+	c.events = append(c.events, i)
+	c.mu.Unlock()
+}
+
+func (c *collector) Fallback(wanted, took transport.Path, reason string) {
+	c.mu.Lock()
+	c.fallbacks = append(c.fallbacks, fmt.Sprintf("%s -> %s: %s", wanted, took, reason))
+	c.mu.Unlock()
+}
+
+func (c *collector) take() ([]transport.TransferInfo, []string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e, f := c.events, c.fallbacks
+	c.events, c.fallbacks = nil, nil
+	return e, f
+}
+
+// result is one size's row; its JSON form is what -format=json prints.
+type result struct {
+	SizeBytes       int      `json:"size_bytes"`
+	Size            string   `json:"size"`
+	Op              string   `json:"op"`
+	Mem             string   `json:"mem"`
+	Transport       string   `json:"transport"` // what the gdrpc session runs over: ucx or tcp
+	Path            string   `json:"path"`      // out-of-band path(s) the payloads took
+	Iters           int      `json:"iters"`
+	GDRPCMiBs       float64  `json:"gdrpc_mib_s"`    // median over calls of size / call time
+	TransferMiBs    float64  `json:"transfer_mib_s"` // median of the out-of-band transfer alone (metrics hook)
+	GRPCTCPMiBs     *float64 `json:"grpc_tcp_mib_s"`
+	VsGRPCTCP       *float64 `json:"gdrpc_vs_grpc_tcp"`
+	UCXPerftestMiBs *float64 `json:"ucx_perftest_mib_s"`
+	VsUCXPerftest   *float64 `json:"gdrpc_vs_ucx_perftest"`
+	UCXTLS          string   `json:"ucx_perftest_tls,omitempty"`
+	DtoDMiBs        *float64 `json:"dtod_mib_s,omitempty"`
+	VsDtoD          *float64 `json:"gdrpc_vs_dtod,omitempty"`
+	NaiveMiBs       *float64 `json:"naive_mib_s,omitempty"`
+	VsNaive         *float64 `json:"gdrpc_vs_naive,omitempty"`
+	Fallbacks       []string `json:"fallbacks,omitempty"`
+	Notes           []string `json:"notes,omitempty"`
+}
+
+func ratio(a float64, b *float64) *float64 {
+	if b == nil || *b <= 0 || a <= 0 {
+		return nil
+	}
+	r := a / *b
+	return &r
+}
+
+// bench is the client side of a run.
+type bench struct {
+	o       *options
+	metrics *collector
+	alloc   devicebuf.Allocator // where pushed payloads live
+	cuda    devicebuf.Allocator // nil for -mem host
+
+	gdrpc    tensorpb.TensorServiceClient
+	plain    *grpc.ClientConn
+	host     string // the server's host, for ucx_perftest
+	info     readyInfo
+	perfBin  string
+	perfNote string
+
+	logf func(string, ...any)
+
+	transport string // of the gdrpc session, once known
+	lanes     string // UCX transports of the session's endpoint, once known
+}
+
+func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(string, ...any)) error {
+	alloc, cuda, err := o.allocators()
+	if err != nil {
+		return err
+	}
+	if err := registerCodec(cuda); err != nil {
+		return err
+	}
+	m := &collector{}
+	transport.SetTransferConfig(transport.TransferConfig{Metrics: m, Timeout: o.callLimit})
+	defer transport.SetTransferConfig(transport.TransferConfig{})
+
+	b := &bench{o: o, metrics: m, alloc: alloc, cuda: cuda, logf: logf}
+	if o.connect == "" {
+		ch, info, err := startChild(ctx, o, logf)
+		if err != nil {
+			return err
+		}
+		defer func() {
+			if err := ch.stop(); err != nil {
+				logf("server: %v", err)
+			}
+		}()
+		b.info, b.host = info, "127.0.0.1"
+	} else {
+		host, ps, err := net.SplitHostPort(o.connect)
+		if err != nil {
+			return fmt.Errorf("-connect %q: %w", o.connect, err)
+		}
+		port, err := strconv.Atoi(ps)
+		if err != nil || port <= 0 || port > 65533 {
+			return fmt.Errorf("-connect %q: want a port from 1 to 65533", o.connect)
+		}
+		b.info = readyInfo{GDRPC: o.connect, GRPC: net.JoinHostPort(host, strconv.Itoa(port+1)), PerftestPort: port + 2}
+		b.host = host
+	}
+	b.perfBin, b.perfNote = perftestBinary(o.perftest)
+	if b.info.PerftestPort == 0 && b.perfNote == "" {
+		b.perfNote = "the server runs no ucx_perftest: " + b.info.PerftestNote
+	}
+
+	limits := grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMsg), grpc.MaxCallSendMsgSize(maxMsg))
+	d := dialer.New(transport.WithMode(transport.Mode(o.transport)))
+	gopts := append(d.DialOptions(insecure.NewCredentials()), gdrcodec.DialOptions()...)
+	cc, err := grpc.NewClient("passthrough:///"+b.info.GDRPC, append(gopts, limits)...)
+	if err != nil {
+		return err
+	}
+	defer cc.Close()
+	b.gdrpc = tensorpb.NewTensorServiceClient(cc)
+	// The baseline: an ordinary gRPC client over TCP, default codec and
+	// windows, message size limits raised.
+	b.plain, err = grpc.NewClient("passthrough:///"+b.info.GRPC, grpc.WithTransportCredentials(insecure.NewCredentials()), limits)
+	if err != nil {
+		return err
+	}
+	defer b.plain.Close()
+
+	out := newReporter(stdout, o)
+	for i, size := range o.sizes {
+		r := b.measure(ctx, size)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if i == 0 {
+			out.header(b)
+		}
+		out.row(r)
+	}
+	return out.flush()
+}
+
+// callCtx bounds one call; verified calls ask the server to checksum.
+func (b *bench) callCtx(ctx context.Context, verify bool) (context.Context, context.CancelFunc) {
+	if verify {
+		ctx = metadata.AppendToOutgoingContext(ctx, verifyHeader, "1")
+	}
+	return context.WithTimeout(ctx, b.o.callLimit)
+}
+
+// measure runs every method for one size.
+func (b *bench) measure(ctx context.Context, size int) *result {
+	r := &result{SizeBytes: size, Size: formatSize(size), Op: b.o.op, Mem: b.o.mem, Iters: b.o.iters}
+	note := func(what string, err error) { r.Notes = append(r.Notes, what+": "+err.Error()) }
+	pat := pattern(size)
+
+	if err := b.measureGDRPC(ctx, size, pat, r); err != nil {
+		note("gdrpc", err)
+	}
+	r.Transport = b.transport
+	if v, err := b.measurePlain(ctx, size, pat); err != nil {
+		note("grpc-tcp", err)
+	} else {
+		r.GRPCTCPMiBs = &v
+	}
+	switch {
+	case b.perfBin == "" || b.info.PerftestPort == 0:
+		r.Notes = append(r.Notes, b.perfNote)
+	default:
+		r.UCXTLS = perftestTLS(b.o.transport)
+		pctx, cancel := context.WithTimeout(ctx, b.o.callLimit)
+		pr, err := runPerftest(pctx, b.perfBin, b.host, b.info.PerftestPort, size, b.o.iters, max(b.o.warmup, 1), b.o.transport)
+		cancel()
+		if err != nil {
+			note("ucx_perftest", err)
+		} else {
+			r.UCXPerftestMiBs = &pr.MiBs
+		}
+	}
+	if b.cuda != nil {
+		if v, err := b.measureDtoD(size); err != nil {
+			note("dtod", err)
+		} else {
+			r.DtoDMiBs = &v
+		}
+		if v, err := b.measureNaive(ctx, size, pat); err != nil {
+			note("naive", err)
+		} else {
+			r.NaiveMiBs = &v
+		}
+	}
+	r.VsGRPCTCP = ratio(r.GDRPCMiBs, r.GRPCTCPMiBs)
+	r.VsUCXPerftest = ratio(r.GDRPCMiBs, r.UCXPerftestMiBs)
+	r.VsDtoD = ratio(r.GDRPCMiBs, r.DtoDMiBs)
+	r.VsNaive = ratio(r.GDRPCMiBs, r.NaiveMiBs)
+	return r
+}
+
+// measureGDRPC times unary calls whose payload moves out-of-band and reads
+// the path from the metrics hook.
+func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *result) error {
+	var src *devicebuf.Buffer
+	if b.o.op == "push" {
+		var err error
+		if src, err = filled(b.alloc, size); err != nil {
+			return err
+		}
+		defer src.Release()
+	}
+	crc := tensor.ChecksumBytes(pat)
+	b.metrics.take()
+	var calls, xfers []time.Duration
+	paths := map[string]bool{}
+	for i := range b.o.warmup + b.o.iters {
+		first := i == 0
+		cctx, cancel := b.callCtx(ctx, first)
+		var p peer.Peer
+		start := time.Now()
+		var err error
+		if b.o.op == "pull" {
+			var t *tensorpb.Tensor
+			t, err = b.gdrpc.Make(cctx, &tensorpb.Sized{Size: uint64(size), Seed: seedFor(size)}, grpc.Peer(&p))
+			elapsed := time.Since(start)
+			if err == nil && first {
+				err = checkTensor(t, pat)
+			}
+			gdrcodec.ReleaseAll(t)
+			calls = append(calls, elapsed)
+		} else {
+			req := &tensorpb.Tensor{Name: "gdrperf", Shape: []int64{int64(size)}, Data: gdrcodec.New(src)}
+			var sum *tensorpb.Summary
+			sum, err = b.gdrpc.Digest(cctx, req, grpc.Peer(&p))
+			elapsed := time.Since(start)
+			gdrcodec.ReleaseAll(req)
+			switch {
+			case err != nil:
+			case sum.GetBytes() != uint64(size):
+				err = fmt.Errorf("the server received %d bytes, want %d", sum.GetBytes(), size)
+			case first && sum.GetCrc32C() != crc:
+				err = fmt.Errorf("the server's CRC-32C is %#x, want %#x", sum.GetCrc32C(), crc)
+			}
+			calls = append(calls, elapsed)
+		}
+		cancel()
+		if err != nil {
+			return fmt.Errorf("call %d: %w", i, err)
+		}
+		if first {
+			b.noteSession(&p)
+		}
+		events, fallbacks := b.metrics.take()
+		for _, f := range fallbacks {
+			if !slices.Contains(r.Fallbacks, f) {
+				r.Fallbacks = append(r.Fallbacks, f)
+			}
+		}
+		if i < b.o.warmup {
+			calls = calls[:0]
+			continue
+		}
+		seen := false
+		for _, e := range events {
+			// pull: the client received (Pull); push: the client's side of the
+			// server's pull (the owner wrote).
+			if e.Pull != (b.o.op == "pull") || e.Err != nil {
+				continue
+			}
+			paths[e.Path.String()] = true
+			xfers = append(xfers, e.Elapsed)
+			seen = true
+		}
+		if !seen {
+			paths["inline"] = true
+		}
+	}
+	r.Path = strings.Join(slices.Sorted(maps.Keys(paths)), "+")
+	r.GDRPCMiBs = medianRate(size, calls)
+	r.TransferMiBs = medianRate(size, xfers)
+	return nil
+}
+
+// noteSession records what the gdrpc connection runs over.
+func (b *bench) noteSession(p *peer.Peer) {
+	ai, ok := p.AuthInfo.(transport.AuthInfo)
+	if !ok {
+		b.transport = "not gdrpc"
+		return
+	}
+	b.transport = ai.Transport
+	if s := ai.Session(); s != nil {
+		if ep := s.Endpoint(); ep != nil {
+			raw := ep.TransportInfo()
+			b.lanes = ucxLanes(raw)
+			if b.o.verbose {
+				b.logf("UCX endpoint of the gdrpc session:\n%s", raw)
+			}
+		}
+	}
+}
+
+// ucxLanes summarises ucp_ep_print_info's lane lines ("lane[0]:  8:posix/memory.0
+// md[4] -> md[4]/posix/sysdev[255] rma_bw#0 am am_bw#0") as
+// "posix/memory(rma_bw,am,am_bw) cma/memory(rma_bw)".
+func ucxLanes(info string) string {
+	var out []string
+	for line := range strings.Lines(info) {
+		if !strings.Contains(line, "lane[") {
+			continue
+		}
+		tl := ""
+		var roles []string
+		for f := range strings.FieldsSeq(line) {
+			if m := laneTL.FindStringSubmatch(f); m != nil && tl == "" {
+				tl = m[1]
+				continue
+			}
+			if m := laneRole.FindStringSubmatch(f); m != nil && tl != "" && !slices.Contains(roles, m[1]) {
+				roles = append(roles, m[1])
+			}
+		}
+		if tl != "" {
+			out = append(out, tl+"("+strings.Join(roles, ",")+")")
+		}
+	}
+	return strings.Join(out, " ")
+}
+
+var (
+	laneTL   = regexp.MustCompile(`^\d+:([A-Za-z0-9_]+/[A-Za-z0-9_:\-]+?)(?:\.\d+)?$`)
+	laneRole = regexp.MustCompile(`^(rma_bw|rma|amo|am_bw|am|tag|stream|ka|wireup|rkey_ptr)(?:#\d+)?$`)
+)
+
+// checkTensor compares a received payload with the pattern (device payloads
+// are copied to the host for it).
+func checkTensor(t *tensorpb.Tensor, pat []byte) error {
+	got, err := tensor.Bytes(t.GetData())
+	if err != nil {
+		return err
+	}
+	if !bytes.Equal(got, pat) {
+		return fmt.Errorf("received payload of %d bytes differs from the %d bytes sent", len(got), len(pat))
+	}
+	return nil
+}
+
+// measurePlain times the same call over plain gRPC on TCP.
+func (b *bench) measurePlain(ctx context.Context, size int, pat []byte) (float64, error) {
+	crc := uint64(tensor.ChecksumBytes(pat))
+	var calls []time.Duration
+	for i := range b.o.warmup + b.o.iters {
+		first := i == 0
+		cctx, cancel := b.callCtx(ctx, first)
+		start := time.Now()
+		var err error
+		if b.o.op == "pull" {
+			out := new(wrapperspb.BytesValue)
+			err = b.plain.Invoke(cctx, methodMake, wrapperspb.UInt64(uint64(size)), out)
+			if err == nil && first && !bytes.Equal(out.GetValue(), pat) {
+				err = errors.New("received payload differs from the one sent")
+			}
+		} else {
+			out := new(wrapperspb.UInt64Value)
+			err = b.plain.Invoke(cctx, methodPush, wrapperspb.Bytes(pat), out)
+			if err == nil && first && out.GetValue() != crc {
+				err = fmt.Errorf("the server's CRC-32C is %#x, want %#x", out.GetValue(), crc)
+			}
+		}
+		elapsed := time.Since(start)
+		cancel()
+		if err != nil {
+			return 0, fmt.Errorf("call %d: %w", i, err)
+		}
+		if i >= b.o.warmup {
+			calls = append(calls, elapsed)
+		}
+	}
+	return medianRate(size, calls), nil
+}
+
+// measureDtoD times an in-process device-to-device copy of size bytes.
+func (b *bench) measureDtoD(size int) (float64, error) {
+	src, err := filled(b.cuda, size)
+	if err != nil {
+		return 0, err
+	}
+	defer src.Release()
+	dst, err := b.cuda.Alloc(size)
+	if err != nil {
+		return 0, err
+	}
+	defer dst.Release()
+	var ds []time.Duration
+	for i := range b.o.warmup + b.o.iters {
+		start := time.Now()
+		if err := devicebuf.Copy(dst, src); err != nil {
+			return 0, err
+		}
+		if i >= b.o.warmup {
+			ds = append(ds, time.Since(start))
+		}
+	}
+	return medianRate(size, ds), nil
+}
+
+// measureNaive times what a user does today with a GPU payload: device to
+// host, plain gRPC bytes over TCP, host to device.
+func (b *bench) measureNaive(ctx context.Context, size int, pat []byte) (float64, error) {
+	dev, err := filled(b.cuda, size) // push: the source; pull: the destination
+	if err != nil {
+		return 0, err
+	}
+	defer dev.Release()
+	crc := uint64(tensor.ChecksumBytes(pat))
+	var calls []time.Duration
+	for i := range b.o.warmup + b.o.iters {
+		first := i == 0
+		cctx, cancel := b.callCtx(ctx, first)
+		start := time.Now()
+		if b.o.op == "pull" {
+			out := new(wrapperspb.BytesValue)
+			err = b.plain.Invoke(cctx, methodMakeNaive, wrapperspb.UInt64(uint64(size)), out)
+			if err == nil {
+				err = copyIn(dev, out.GetValue())
+			}
+		} else {
+			host := make([]byte, size)
+			if err = copyOut(host, dev); err == nil {
+				out := new(wrapperspb.UInt64Value)
+				err = b.plain.Invoke(cctx, methodPushNaive, wrapperspb.Bytes(host), out)
+				if err == nil && first && out.GetValue() != crc {
+					err = fmt.Errorf("the server's CRC-32C is %#x, want %#x", out.GetValue(), crc)
+				}
+			}
+		}
+		elapsed := time.Since(start)
+		cancel()
+		if err == nil && first && b.o.op == "pull" {
+			back := make([]byte, size)
+			if err = copyOut(back, dev); err == nil && !bytes.Equal(back, pat) {
+				err = errors.New("received payload differs from the one sent")
+			}
+		}
+		if err != nil {
+			return 0, fmt.Errorf("call %d: %w", i, err)
+		}
+		if i >= b.o.warmup {
+			calls = append(calls, elapsed)
+		}
+	}
+	return medianRate(size, calls), nil
+}
+
+func copyIn(dst *devicebuf.Buffer, p []byte) error {
+	src := devicebuf.HostFromBytes(p)
+	defer src.Release()
+	return devicebuf.Copy(dst, src)
+}
+
+func copyOut(p []byte, src *devicebuf.Buffer) error {
+	dst := devicebuf.HostFromBytes(p)
+	defer dst.Release()
+	return devicebuf.Copy(dst, src)
+}

@@ -1,0 +1,36 @@
+// Command gdrperf measures gdrpc's out-of-band throughput against the
+// baselines a user would compare it with, all in the same run, like
+// ucx_perftest or nccl-tests do for their libraries.
+//
+// For each payload size it runs a unary gRPC call whose payload moves
+// out-of-band (op pull: the client calls Make and pulls the server's buffer;
+// op push: the client calls Digest with its buffer attached and the server
+// pulls it) and reports the median throughput, the path the bytes took
+// (rdma, stream, cuda-ipc, staged; from the transport's metrics hook), and
+// beside it, with ratios:
+//
+//   - plain gRPC over TCP with a bytes field (a second, ordinary gRPC server
+//     in the server process: default proto codec, no gdrpc dialer, message
+//     size limits raised);
+//   - ucx_perftest ucp_put_bw on the same UCX transports (skipped with a note
+//     when ucx_perftest is not installed);
+//   - with -mem cuda: an in-process device-to-device copy of the same size,
+//     and the naive way (device to host, plain gRPC bytes, host to device).
+//
+// Same host (the default): the tool re-executes itself as the server, so the
+// client and the server are separate processes. Across hosts: run
+// "gdrperf -server HOST:PORT" on one (plain gRPC then listens on PORT+1 and
+// ucx_perftest on PORT+2) and "gdrperf -connect HOST:PORT" on the other, with
+// the same -transport and -mem on both.
+//
+// Usage:
+//
+//	gdrperf [-sizes 1MiB,16MiB,64MiB] [-iters 10] [-warmup 2] [-op pull|push]
+//	        [-transport auto|ucx|tcp] [-mem host|cuda] [-device 0]
+//	        [-format table|json] [-server ADDR | -connect ADDR]
+//
+// What it owns: the benchmark's processes, its baseline service and the
+// report. What it must never do: change the library's behaviour to look
+// faster (it uses only the public API a user has), or hang: every call,
+// child process and spawned ucx_perftest is bounded by a timeout.
+package main

@@ -1,0 +1,309 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"os/signal"
+	"runtime/pprof"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// options are gdrperf's flags.
+type options struct {
+	sizes     []int
+	iters     int
+	warmup    int
+	transport string // auto, ucx, tcp
+	mem       string // host, cuda
+	op        string // pull, push
+	format    string // table, json
+	device    int
+	server    string // run only the server, listening here
+	connect   string // run only the client, against this server
+	perftest  string // ucx_perftest binary; "" looks it up, "none" skips
+	callLimit time.Duration
+	verbose   bool
+	child     bool // the server half of a same-host run (stdin EOF ends it)
+
+	cpuprofile       string
+	serverCPUProfile string
+}
+
+const readyPrefix = "gdrperf-ready "
+
+func parseFlags(args []string, stderr io.Writer) (*options, error) {
+	o := &options{}
+	fs := flag.NewFlagSet("gdrperf", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	sizes := fs.String("sizes", "1MiB,16MiB,64MiB", "payload sizes, comma-separated (B, KiB, MiB, GiB)")
+	fs.IntVar(&o.iters, "iters", 10, "measured calls per size and method (the median is reported)")
+	fs.IntVar(&o.warmup, "warmup", 2, "calls per size and method before measuring (the first one is verified)")
+	fs.StringVar(&o.transport, "transport", "auto", "gdrpc transport: auto, ucx or tcp")
+	fs.StringVar(&o.mem, "mem", "host", "payload memory: host, or cuda (GPU -device, on both ends)")
+	fs.StringVar(&o.op, "op", "pull", "pull: the client calls Make and pulls the server's payload; push: the client calls Digest and the server pulls the client's")
+	fs.StringVar(&o.format, "format", "table", "output: table, or json (one object per size)")
+	fs.IntVar(&o.device, "device", 0, "CUDA device ordinal for -mem cuda")
+	fs.StringVar(&o.server, "server", "", "run only the server, listening on HOST:PORT (plain gRPC on PORT+1, ucx_perftest on PORT+2)")
+	fs.StringVar(&o.connect, "connect", "", "run only the client, against a gdrperf -server at HOST:PORT")
+	fs.StringVar(&o.perftest, "perftest", "", `ucx_perftest binary ("" looks it up in PATH, "none" skips the column)`)
+	fs.DurationVar(&o.callLimit, "call-timeout", time.Minute, "bound of each measured call")
+	fs.BoolVar(&o.verbose, "v", false, "log the UCX lanes of the gdrpc session")
+	fs.BoolVar(&o.child, "child", false, "internal: server half of a same-host run")
+	fs.StringVar(&o.cpuprofile, "cpuprofile", "", "write this process's CPU profile to the file")
+	fs.StringVar(&o.serverCPUProfile, "server-cpuprofile", "", "write the re-executed server's CPU profile to the file")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	var err error
+	if o.sizes, err = parseSizes(*sizes); err != nil {
+		return nil, err
+	}
+	check := func(name, v string, allowed ...string) error {
+		for _, a := range allowed {
+			if v == a {
+				return nil
+			}
+		}
+		return fmt.Errorf("-%s %q: want one of %s", name, v, strings.Join(allowed, ", "))
+	}
+	for _, c := range []error{
+		check("transport", o.transport, "auto", "ucx", "tcp"),
+		check("mem", o.mem, "host", "cuda"),
+		check("op", o.op, "pull", "push"),
+		check("format", o.format, "table", "json"),
+	} {
+		if c != nil {
+			return nil, c
+		}
+	}
+	switch {
+	case o.iters < 1:
+		return nil, fmt.Errorf("-iters %d: want at least 1", o.iters)
+	case o.warmup < 0:
+		return nil, fmt.Errorf("-warmup %d: want 0 or more", o.warmup)
+	case o.server != "" && o.connect != "":
+		return nil, errors.New("-server and -connect exclude each other")
+	case o.callLimit <= 0:
+		return nil, fmt.Errorf("-call-timeout %v: want a positive duration", o.callLimit)
+	}
+	return o, nil
+}
+
+// allocators returns where this process's payloads live and, for -mem cuda,
+// the GPU allocator (nil for host).
+func (o *options) allocators() (payload, cuda devicebuf.Allocator, err error) {
+	if o.mem == "cuda" {
+		a, err := devicebuf.NewCUDAAllocator(o.device)
+		if err != nil {
+			return nil, nil, fmt.Errorf("-mem cuda: GPU %d is not usable: %w", o.device, err)
+		}
+		return a, a, nil
+	}
+	if o.transport != "tcp" && rdma.Available() == nil {
+		if rc, err := rdma.Default(); err == nil {
+			// UCX-allocated, registered once: what a gdrpc user sends from.
+			return transport.HostPool(rc), nil, nil
+		}
+	}
+	return transport.HostPool(nil), nil, nil
+}
+
+// registerCodec registers the gdr codec; with a GPU, received payloads land
+// in a pool of GPU memory (blocks are reused, so the sender's CUDA IPC
+// mapping of them can be too).
+func registerCodec(cuda devicebuf.Allocator) error {
+	if cuda == nil {
+		gdrcodec.Register()
+		return nil
+	}
+	var classes []int
+	for s := 64 << 10; s <= 8<<30; s <<= 1 {
+		classes = append(classes, s)
+	}
+	pool, err := devicebuf.NewPool(devicebuf.PoolConfig{Backing: cuda, Classes: classes, MaxBytes: 32 << 30, Oversize: true})
+	if err != nil {
+		return err
+	}
+	gdrcodec.Register(gdrcodec.WithReceiveAllocator(pool))
+	return nil
+}
+
+func main() {
+	os.Exit(realMain(os.Args[1:], os.Stdin, os.Stdout, os.Stderr))
+}
+
+// realMain runs gdrperf and returns its exit status.
+func realMain(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
+	o, err := parseFlags(args, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "gdrperf:", err)
+		return 2
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if o.cpuprofile != "" {
+		f, err := os.Create(o.cpuprofile)
+		if err != nil {
+			fmt.Fprintln(stderr, "gdrperf:", err)
+			return 1
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			fmt.Fprintln(stderr, "gdrperf:", err)
+			return 1
+		}
+		defer func() {
+			pprof.StopCPUProfile()
+			f.Close()
+		}()
+	}
+	logf := func(format string, a ...any) { fmt.Fprintf(stderr, "gdrperf: "+format+"\n", a...) }
+	if o.server != "" {
+		err = runServer(ctx, o, stdin, stdout, logf)
+	} else {
+		err = runClient(ctx, o, stdout, logf)
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "gdrperf:", err)
+		return 1
+	}
+	return 0
+}
+
+// runServer serves until ctx ends or, for a child, until its stdin closes
+// (the parent exited or is done).
+func runServer(ctx context.Context, o *options, stdin io.Reader, stdout io.Writer, logf func(string, ...any)) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	if o.child {
+		go func() {
+			_, _ = io.Copy(io.Discard, stdin)
+			cancel()
+		}()
+	}
+	return serve(ctx, o, func(info readyInfo) {
+		if o.child {
+			b, _ := json.Marshal(info)
+			fmt.Fprintf(stdout, "%s%s\n", readyPrefix, b)
+			return
+		}
+		fmt.Fprintf(stdout, "gdrperf server: gdrpc on %s, plain gRPC on %s", info.GDRPC, info.GRPC)
+		if info.PerftestPort != 0 {
+			fmt.Fprintf(stdout, ", ucx_perftest on port %d", info.PerftestPort)
+		}
+		if info.PerftestNote != "" {
+			fmt.Fprintf(stdout, " (%s)", info.PerftestNote)
+		}
+		fmt.Fprintln(stdout)
+	}, logf)
+}
+
+// childEnv is set in the environment of the re-executed server, so a test
+// binary can tell that it is the child.
+const childEnv = "GDRPERF_CHILD"
+
+// child is the re-executed server process.
+type child struct {
+	cmd   *exec.Cmd
+	stdin io.WriteCloser
+	done  chan error
+}
+
+// startChild re-executes this program as the server on 127.0.0.1 and waits
+// (bounded) for it to announce its addresses.
+func startChild(ctx context.Context, o *options, logf func(string, ...any)) (*child, readyInfo, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, readyInfo{}, fmt.Errorf("find this program to run the server: %w", err)
+	}
+	args := []string{"-child", "-server", "127.0.0.1:0", "-transport", o.transport, "-mem", o.mem,
+		"-device", strconv.Itoa(o.device), "-perftest", o.perftest}
+	if o.serverCPUProfile != "" {
+		args = append(args, "-cpuprofile", o.serverCPUProfile)
+	}
+	cmd := exec.Command(exe, args...)
+	cmd.Env = append(os.Environ(), childEnv+"=1")
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, readyInfo{}, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, readyInfo{}, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, readyInfo{}, fmt.Errorf("start the server: %w", err)
+	}
+	c := &child{cmd: cmd, stdin: stdin, done: make(chan error, 1)}
+	lines := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		ready := false
+		for sc.Scan() {
+			if !ready && strings.HasPrefix(sc.Text(), readyPrefix) {
+				ready = true
+				lines <- strings.TrimPrefix(sc.Text(), readyPrefix)
+				continue
+			}
+			logf("server: %s", sc.Text())
+		}
+		close(lines)
+		c.done <- cmd.Wait()
+	}()
+	t := time.NewTimer(30 * time.Second)
+	defer t.Stop()
+	var info readyInfo
+	select {
+	case l, ok := <-lines:
+		if !ok {
+			err = errors.New("the server exited before it was ready")
+		} else {
+			err = json.Unmarshal([]byte(l), &info)
+		}
+	case <-t.C:
+		err = errors.New("the server did not get ready within 30s")
+	case <-ctx.Done():
+		err = ctx.Err()
+	}
+	if err != nil {
+		c.stop()
+		return nil, readyInfo{}, err
+	}
+	return c, info, nil
+}
+
+// stop asks the server to exit (closing its stdin), waits up to 10 s, then
+// kills it.
+func (c *child) stop() error {
+	c.stdin.Close()
+	t := time.NewTimer(10 * time.Second)
+	defer t.Stop()
+	select {
+	case err := <-c.done:
+		return err
+	case <-t.C:
+		_ = c.cmd.Process.Kill()
+		return fmt.Errorf("the server did not exit within 10s; killed: %v", <-c.done)
+	}
+}

@@ -1,0 +1,154 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// ucx_perftest prints bandwidth in MB/s where 1 MB is 2^20 bytes (UCS_MBYTE):
+// the same unit as gdrperf's MiB/s.
+
+// perftestEnv is the environment ucx_perftest runs with: this process's, so
+// that UCX_TLS and friends are the ones gdrpc sees, and UCX_TLS=tcp when the
+// gdrpc session itself runs over TCP and the user did not choose.
+func perftestEnv(mode string) []string {
+	env := os.Environ()
+	if mode == "tcp" {
+		if _, ok := os.LookupEnv("UCX_TLS"); !ok {
+			env = append(env, "UCX_TLS=tcp")
+		}
+	}
+	return env
+}
+
+// perftestTLS describes the UCX transports ucx_perftest is told to use.
+func perftestTLS(mode string) string {
+	if v, ok := os.LookupEnv("UCX_TLS"); ok {
+		return v
+	}
+	if mode == "tcp" {
+		return "tcp"
+	}
+	return "UCX default"
+}
+
+// freePort returns a TCP port that was free a moment ago on host.
+func freePort(host string) (int, error) {
+	l, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// servePerftest keeps a ucx_perftest server listening on port until ctx ends:
+// each server process serves one test and exits, so it is started again.
+// Failures back off (bounded) and are reported through logf.
+func servePerftest(ctx context.Context, bin string, port int, env []string, logf func(string, ...any)) {
+	backoff := 100 * time.Millisecond
+	for ctx.Err() == nil {
+		cmd := exec.CommandContext(ctx, bin, "-p", strconv.Itoa(port))
+		cmd.Env = env
+		var out bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &out
+		cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+		cmd.WaitDelay = 2 * time.Second
+		err := cmd.Run()
+		if ctx.Err() != nil {
+			return
+		}
+		if err == nil {
+			backoff = 100 * time.Millisecond
+			continue
+		}
+		logf("ucx_perftest server on port %d: %v: %s", port, err, lastLines(out.String(), 3))
+		t := time.NewTimer(backoff)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		backoff = min(2*backoff, 5*time.Second)
+	}
+}
+
+// perftestResult is what one ucx_perftest client run measured.
+type perftestResult struct {
+	MiBs float64 // overall bandwidth
+}
+
+// runPerftest runs a ucx_perftest ucp_put_bw client of size-byte puts against
+// the server at host:port and returns its overall bandwidth. A refused
+// connection (the server between two tests) is retried until ctx ends.
+func runPerftest(ctx context.Context, bin, host string, port, size, iters, warmup int, mode string) (perftestResult, error) {
+	args := []string{host, "-p", strconv.Itoa(port), "-t", "ucp_put_bw",
+		"-s", strconv.Itoa(size), "-n", strconv.Itoa(iters), "-w", strconv.Itoa(warmup)}
+	if perftestTLS(mode) == "tcp" {
+		args = append(args, "-O", "1") // puts over UCX tcp need the target to progress between them
+	}
+	var last error
+	for attempt := 0; ; attempt++ {
+		cmd := exec.CommandContext(ctx, bin, args...)
+		cmd.Env = perftestEnv(mode)
+		var out bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &out
+		cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+		cmd.WaitDelay = 2 * time.Second
+		err := cmd.Run()
+		if err == nil {
+			return parsePerftest(out.String())
+		}
+		last = fmt.Errorf("%s %s: %v: %s", bin, strings.Join(args, " "), err, lastLines(out.String(), 3))
+		if ctx.Err() != nil || attempt >= 20 || !refused(out.String()) {
+			return perftestResult{}, last
+		}
+		t := time.NewTimer(200 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return perftestResult{}, last
+		case <-t.C:
+		}
+	}
+}
+
+func refused(out string) bool {
+	return strings.Contains(out, "refused") || strings.Contains(out, "connect(")
+}
+
+// parsePerftest reads the "Final:" line of ucx_perftest's table: iterations,
+// latency 50%ile/average/overall, bandwidth average/overall, message rate
+// average/overall.
+func parsePerftest(out string) (perftestResult, error) {
+	for line := range strings.Lines(out) {
+		f := strings.Fields(line)
+		if len(f) < 9 || f[0] != "Final:" {
+			continue
+		}
+		bw, err := strconv.ParseFloat(f[6], 64)
+		if err != nil {
+			return perftestResult{}, fmt.Errorf("ucx_perftest: bandwidth %q: %w", f[6], err)
+		}
+		return perftestResult{MiBs: bw}, nil
+	}
+	return perftestResult{}, errors.New("ucx_perftest printed no Final: line: " + lastLines(out, 3))
+}
+
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, " | ")
+}

@@ -1,0 +1,136 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+)
+
+// reporter prints results as a table or as JSON lines.
+type reporter struct {
+	o   *options
+	w   io.Writer
+	tw  *tabwriter.Writer
+	enc *json.Encoder
+
+	notes []string // printed under the table
+}
+
+func newReporter(w io.Writer, o *options) *reporter {
+	r := &reporter{o: o, w: w}
+	if o.format == "json" {
+		r.enc = json.NewEncoder(w)
+	} else {
+		r.tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	}
+	return r
+}
+
+func (r *reporter) header(b *bench) {
+	if r.enc != nil {
+		return
+	}
+	o := r.o
+	session := b.transport
+	if b.lanes != "" {
+		session += " (" + b.lanes + ")"
+	}
+	fmt.Fprintf(r.w, "# gdrperf op=%s mem=%s transport=%s iters=%d warmup=%d; gdrpc session over %s\n",
+		o.op, o.mem, o.transport, o.iters, o.warmup, session)
+	what := "client calls Make, pulls the server's payload"
+	if o.op == "push" {
+		what = "client calls Digest, the server pulls the client's payload"
+	}
+	fmt.Fprintf(r.w, "# gdrpc: unary call, payload out-of-band (%s); MiB/s = size / call time, median; xfer = the out-of-band transfer alone\n", what)
+	fmt.Fprintf(r.w, "# grpc-tcp: plain gRPC-Go over TCP, bytes field, default codec and windows, message limits raised; same call\n")
+	if b.perfBin != "" && b.info.PerftestPort != 0 {
+		fmt.Fprintf(r.w, "# ucx_perftest: ucp_put_bw, UCX_TLS=%s, overall bandwidth of -n %d\n", perftestTLS(o.transport), o.iters)
+	} else {
+		fmt.Fprintf(r.w, "# ucx_perftest: %s\n", b.perfNote)
+	}
+	cols := []string{"size", "path", "gdrpc MiB/s", "xfer MiB/s", "grpc-tcp MiB/s", "x grpc", "ucx_perftest MiB/s", "x perftest"}
+	if o.mem == "cuda" {
+		fmt.Fprintf(r.w, "# dtod: in-process device-to-device copy; naive: device to host, plain gRPC bytes over TCP, host to device\n")
+		cols = append(cols, "dtod MiB/s", "x dtod", "naive MiB/s", "x naive")
+	}
+	fmt.Fprintln(r.tw, strings.Join(cols, "\t")+"\t")
+}
+
+func num(v *float64) string {
+	if v == nil {
+		return "-"
+	}
+	return commas(*v)
+}
+
+func rat(v *float64) string {
+	if v == nil {
+		return "-"
+	}
+	if *v >= 10 {
+		return fmt.Sprintf("%.0fx", *v)
+	}
+	return fmt.Sprintf("%.2fx", *v)
+}
+
+// commas prints v rounded, with thousands separators.
+func commas(v float64) string {
+	s := fmt.Sprintf("%.0f", v)
+	neg := strings.HasPrefix(s, "-")
+	s = strings.TrimPrefix(s, "-")
+	var b strings.Builder
+	for i, c := range s {
+		if i > 0 && (len(s)-i)%3 == 0 {
+			b.WriteByte(',')
+		}
+		b.WriteRune(c)
+	}
+	if neg {
+		return "-" + b.String()
+	}
+	return b.String()
+}
+
+func (r *reporter) row(res *result) {
+	if r.enc != nil {
+		_ = r.enc.Encode(res)
+		return
+	}
+	path := res.Path
+	if path == "" {
+		path = "-"
+	}
+	g, x := &res.GDRPCMiBs, &res.TransferMiBs
+	if res.GDRPCMiBs == 0 {
+		g = nil
+	}
+	if res.TransferMiBs == 0 {
+		x = nil
+	}
+	cols := []string{res.Size, path, num(g), num(x), num(res.GRPCTCPMiBs), rat(res.VsGRPCTCP), num(res.UCXPerftestMiBs), rat(res.VsUCXPerftest)}
+	if r.o.mem == "cuda" {
+		cols = append(cols, num(res.DtoDMiBs), rat(res.VsDtoD), num(res.NaiveMiBs), rat(res.VsNaive))
+	}
+	fmt.Fprintln(r.tw, strings.Join(cols, "\t")+"\t")
+	for _, n := range res.Notes {
+		r.notes = append(r.notes, res.Size+": "+n)
+	}
+	for _, f := range res.Fallbacks {
+		r.notes = append(r.notes, res.Size+": fallback "+f)
+	}
+}
+
+func (r *reporter) flush() error {
+	if r.tw == nil {
+		return nil
+	}
+	if err := r.tw.Flush(); err != nil {
+		return err
+	}
+	for _, n := range r.notes {
+		fmt.Fprintln(r.w, "# note:", n)
+	}
+	return nil
+}
