@@ -2,7 +2,6 @@ package devicebuf
 
 import (
 	"fmt"
-	"sync"
 
 	"github.com/gdrpc/gdrpc/devicebuf/internal/cuda"
 	"github.com/gdrpc/gdrpc/devicebuf/internal/driver"
@@ -143,26 +142,6 @@ func readAttrs(d driver.Driver, dev int) (DeviceAttrs, error) {
 	return a, nil
 }
 
-type attrKey struct {
-	d   driver.Driver
-	dev int
-}
-
-var attrCache sync.Map // attrKey -> DeviceAttrs
-
-func cachedAttrs(d driver.Driver, dev int) (DeviceAttrs, error) {
-	k := attrKey{d, dev}
-	if v, ok := attrCache.Load(k); ok {
-		return v.(DeviceAttrs), nil
-	}
-	a, err := readAttrs(d, dev)
-	if err != nil {
-		return a, err
-	}
-	attrCache.Store(k, a)
-	return a, nil
-}
-
 // NeedsRDMAFlush reports whether data that an RDMA NIC wrote into device memory of dev must
 // be flushed (FlushRDMAWrites) before a consumer on dev may read it: true where the device
 // does not order GPUDirect RDMA writes for its own context (WritesOrdering below Owner).
@@ -171,7 +150,7 @@ func NeedsRDMAFlush(device int) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	a, err := cachedAttrs(d, device)
+	a, err := readAttrs(d, device)
 	if err != nil {
 		return false, err
 	}
@@ -189,7 +168,7 @@ func FlushRDMAWrites(device int) error {
 	if err != nil {
 		return err
 	}
-	a, err := cachedAttrs(d, device)
+	a, err := readAttrs(d, device)
 	if err != nil {
 		return err
 	}

@@ -58,7 +58,11 @@ func TestAttributesAndFlush(t *testing.T) {
 	require.NoError(t, devicebuf.FlushRDMAWrites(0))
 	require.Zero(t, g.Flushes(0))
 
-	// Pre-Hopper style: no ordering, host flush offered: the flush is called.
+	// Pre-Hopper style: no ordering, host flush offered: the flush is called (and a change
+	// of the fake's attributes after a first read is seen).
+	need, err = devicebuf.NeedsRDMAFlush(1)
+	require.NoError(t, err)
+	require.False(t, need)
 	g.SetAttrs(1, devicebuf.DeviceAttrs{GPUDirectRDMASupported: true, FlushWritesOptions: devicebuf.FlushWritesOptionHost})
 	need, err = devicebuf.NeedsRDMAFlush(1)
 	require.NoError(t, err)

@@ -300,6 +300,18 @@ type real struct {
 	ctxs map[int]C.CUcontext
 
 	streams sync.Map // driver.Stream -> int (device)
+
+	// What never changes after cuInit is read once.
+	countOnce sync.Once
+	count     int
+	countErr  error
+	uuids     sync.Map // int -> [16]byte
+	attrs     sync.Map // attrKey -> int
+}
+
+type attrKey struct {
+	dev  int
+	attr driver.Attribute
 }
 
 var theDriver = &real{ctxs: map[int]C.CUcontext{}}
@@ -352,11 +364,26 @@ func (d *real) DriverVersion() (int, error) {
 }
 
 func (d *real) DeviceCount() (int, error) {
-	var n C.int
-	return int(n), cuErr("cuDeviceGetCount", C.gdr_cu_device_count(&n))
+	d.countOnce.Do(func() {
+		var n C.int
+		d.countErr = cuErr("cuDeviceGetCount", C.gdr_cu_device_count(&n))
+		d.count = int(n)
+	})
+	return d.count, d.countErr
 }
 
 func (d *real) DeviceUUID(dev int) ([16]byte, error) {
+	if u, ok := d.uuids.Load(dev); ok {
+		return u.([16]byte), nil
+	}
+	u, err := d.deviceUUID(dev)
+	if err == nil {
+		d.uuids.Store(dev, u)
+	}
+	return u, err
+}
+
+func (d *real) deviceUUID(dev int) ([16]byte, error) {
 	var u [16]byte
 	var buf [16]C.char
 	if err := cuErr("cuDeviceGetUuid", C.gdr_cu_device_uuid(C.int(dev), &buf[0])); err != nil {
@@ -389,9 +416,19 @@ func (d *real) DeviceTotalMem(dev int) (uint64, error) {
 	return uint64(n), cuErr("cuDeviceTotalMem", C.gdr_cu_device_mem(C.int(dev), &n))
 }
 
+// DeviceAttribute reads an attribute; the values devicebuf reads are fixed for the life of
+// the process, so each is read from the driver once.
 func (d *real) DeviceAttribute(dev int, attr driver.Attribute) (int, error) {
+	k := attrKey{dev, attr}
+	if v, ok := d.attrs.Load(k); ok {
+		return v.(int), nil
+	}
 	var v C.int
-	return int(v), cuErr("cuDeviceGetAttribute", C.gdr_cu_device_attr(C.int(dev), C.int(attr), &v))
+	if err := cuErr("cuDeviceGetAttribute", C.gdr_cu_device_attr(C.int(dev), C.int(attr), &v)); err != nil {
+		return 0, err
+	}
+	d.attrs.Store(k, int(v))
+	return int(v), nil
 }
 
 // ctx returns dev's primary context, retained on first use and kept for the process's life.
