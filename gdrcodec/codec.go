@@ -574,6 +574,9 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer) (job, error) {
 	}
 	return job{
 		run: func(ctx context.Context) error {
+			if err := transport.Reachable(d.Owner); err != nil {
+				return transferStatus(err)
+			}
 			dst, err := alloc.Alloc(int(d.Length))
 			if err != nil {
 				return codecError(codes.ResourceExhausted, "no memory for a %d-byte payload: %v", d.Length, err)
@@ -632,6 +635,9 @@ func bytesJob(b []byte, set func([]byte), jobs *[]job) error {
 		return codecError(codes.InvalidArgument, "%v", err)
 	}
 	*jobs = append(*jobs, job{run: func(ctx context.Context) error {
+		if err := transport.Reachable(d.Owner); err != nil {
+			return transferStatus(err)
+		}
 		if d.Length > uint64(maxBytesField) {
 			return codecError(codes.ResourceExhausted, "a bytes field of %d bytes is over %d", d.Length, maxBytesField)
 		}

@@ -1,6 +1,9 @@
 package gdrcodec
 
-import "google.golang.org/protobuf/proto"
+import (
+	"google.golang.org/grpc/mem"
+	"google.golang.org/protobuf/proto"
+)
 
 // MarshalForTest marshals m with the gdr codec, as a client would.
 func MarshalForTest(m proto.Message) ([]byte, error) {
@@ -10,4 +13,9 @@ func MarshalForTest(m proto.Message) ([]byte, error) {
 	}
 	defer data.Free()
 	return data.Materialize(), nil
+}
+
+// UnmarshalForTest decodes b with the gdr codec, as a server would.
+func UnmarshalForTest(b []byte, m proto.Message) error {
+	return (&codec{name: Name, oob: true}).Unmarshal(mem.BufferSlice{mem.SliceBuffer(b)}, m)
 }

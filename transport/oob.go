@@ -211,6 +211,16 @@ func FetchBytes(ctx context.Context, d Descriptor, p []byte) (Path, error) {
 	return Fetch(ctx, d, dst)
 }
 
+// Reachable reports whether a payload owned by owner can be pulled now: a live
+// session to it exists, or it is this process. Receivers ask before they
+// allocate a destination for a descriptor.
+func Reachable(owner ID) error {
+	if owner == LocalID() || pickSession(owner) != nil {
+		return nil
+	}
+	return &TransferError{Kind: TransferUnavailable, Err: fmt.Errorf("no live session to owner %v", owner)}
+}
+
 func pickSession(owner ID) *Session {
 	var best *Session
 	for _, s := range SessionsTo(owner) {

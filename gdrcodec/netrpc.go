@@ -1,0 +1,248 @@
+package gdrcodec
+
+import (
+	"bufio"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net/rpc"
+	"sync"
+
+	"google.golang.org/protobuf/proto"
+)
+
+// net/rpc codecs: requests and replies are protobuf messages whose payloads move
+// out-of-band exactly as with gRPC. On the wire each message is
+//
+//	uvarint(len(header)) header uvarint(len(body)) body
+//
+// with header = uvarint(seq) uvarint(len(method)) method uvarint(len(error)) error.
+
+// maxNetRPCFrame bounds a header or body on the wire (payloads travel
+// out-of-band; only descriptors and small fields are here).
+const maxNetRPCFrame = 64 << 20
+
+type netrpcConn struct {
+	rwc io.ReadWriteCloser
+	r   *bufio.Reader
+	w   *bufio.Writer
+	wmu sync.Mutex
+	c   codec
+}
+
+func newNetRPCConn(rwc io.ReadWriteCloser) netrpcConn {
+	ensureRegistered()
+	return netrpcConn{rwc: rwc, r: bufio.NewReader(rwc), w: bufio.NewWriter(rwc), c: codec{name: Name, oob: true}}
+}
+
+func (c *netrpcConn) write(seq uint64, method, errMsg string, body any) error {
+	var msg []byte
+	if body != nil {
+		m := messageV2Of(body)
+		if m == nil {
+			return fmt.Errorf("gdrcodec: net/rpc body %T is not a proto.Message", body)
+		}
+		data, err := c.c.Marshal(m)
+		if err != nil {
+			return err
+		}
+		msg = data.Materialize()
+		data.Free()
+	}
+	hdr := binary.AppendUvarint(nil, seq)
+	hdr = binary.AppendUvarint(hdr, uint64(len(method)))
+	hdr = append(hdr, method...)
+	hdr = binary.AppendUvarint(hdr, uint64(len(errMsg)))
+	hdr = append(hdr, errMsg...)
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	for _, p := range [][]byte{hdr, msg} {
+		if _, err := c.w.Write(binary.AppendUvarint(nil, uint64(len(p)))); err != nil {
+			return err
+		}
+		if _, err := c.w.Write(p); err != nil {
+			return err
+		}
+	}
+	return c.w.Flush()
+}
+
+func (c *netrpcConn) readFrame() ([]byte, error) {
+	n, err := binary.ReadUvarint(c.r)
+	if err != nil {
+		return nil, err
+	}
+	if n > maxNetRPCFrame {
+		return nil, fmt.Errorf("gdrcodec: net/rpc frame of %d bytes", n)
+	}
+	p := make([]byte, n)
+	_, err = io.ReadFull(c.r, p)
+	if err == io.EOF {
+		err = io.ErrUnexpectedEOF
+	}
+	return p, err
+}
+
+func (c *netrpcConn) readHeader() (seq uint64, method, errMsg string, err error) {
+	p, err := c.readFrame()
+	if err != nil {
+		return 0, "", "", err
+	}
+	str := func() string {
+		n, k := binary.Uvarint(p)
+		if k <= 0 || n > uint64(len(p)-k) {
+			err = errors.New("gdrcodec: malformed net/rpc header")
+			p = nil
+			return ""
+		}
+		s := string(p[k : k+int(n)])
+		p = p[k+int(n):]
+		return s
+	}
+	seq, k := binary.Uvarint(p)
+	if k <= 0 {
+		return 0, "", "", errors.New("gdrcodec: malformed net/rpc header")
+	}
+	p = p[k:]
+	method = str()
+	errMsg = str()
+	if err == nil && len(p) != 0 {
+		err = errors.New("gdrcodec: malformed net/rpc header: trailing bytes")
+	}
+	return seq, method, errMsg, err
+}
+
+// readBody decodes the next body into v (nil: discard), pulling its payloads.
+func (c *netrpcConn) readBody(v any) error {
+	p, err := c.readFrame()
+	if err != nil || v == nil {
+		return err
+	}
+	m := messageV2Of(v)
+	if m == nil {
+		return fmt.Errorf("gdrcodec: net/rpc body %T is not a proto.Message", v)
+	}
+	if err := proto.Unmarshal(p, m); err != nil {
+		return err
+	}
+	if !mayCarry(m.ProtoReflect().Descriptor()) {
+		return nil
+	}
+	return resolve(context.Background(), m.ProtoReflect(), true)
+}
+
+// NewClientCodec returns a net/rpc client codec over rwc (a gdrpc conn from
+// dialer.Dialer.DialContext): rpc.NewClientWithCodec(gdrcodec.NewClientCodec(conn)).
+// A request's payloads stay available to the server until its reply arrives.
+func NewClientCodec(rwc io.ReadWriteCloser) rpc.ClientCodec {
+	return &clientCodec{netrpcConn: newNetRPCConn(rwc), held: map[uint64]*hold{}}
+}
+
+type clientCodec struct {
+	netrpcConn
+	mu   sync.Mutex
+	held map[uint64]*hold
+}
+
+func (c *clientCodec) WriteRequest(r *rpc.Request, body any) error {
+	h := &hold{}
+	holds.Store(body, h)
+	err := c.write(r.Seq, r.ServiceMethod, "", body)
+	holds.Delete(body)
+	if err != nil {
+		h.release()
+		return err
+	}
+	c.mu.Lock()
+	c.held[r.Seq] = h
+	c.mu.Unlock()
+	return nil
+}
+
+func (c *clientCodec) ReadResponseHeader(r *rpc.Response) error {
+	seq, method, errMsg, err := c.readHeader()
+	if err != nil {
+		return err
+	}
+	r.Seq, r.ServiceMethod, r.Error = seq, method, errMsg
+	c.mu.Lock()
+	h := c.held[seq]
+	delete(c.held, seq)
+	c.mu.Unlock()
+	if h != nil {
+		h.release()
+	}
+	return nil
+}
+
+func (c *clientCodec) ReadResponseBody(body any) error { return c.readBody(body) }
+
+func (c *clientCodec) Close() error {
+	c.mu.Lock()
+	held := c.held
+	c.held = map[uint64]*hold{}
+	c.mu.Unlock()
+	for _, h := range held {
+		h.release()
+	}
+	return c.rwc.Close()
+}
+
+// NewServerCodec returns a net/rpc server codec over rwc (a conn accepted from
+// a gdrpc listener): rpc.ServeCodec(gdrcodec.NewServerCodec(conn)). A request's
+// buffers are released once its reply is written, the reply's once sent (the
+// outbox keeps its own reference until the client pulled it); a method that
+// keeps a received buffer takes it with Detach.
+func NewServerCodec(rwc io.ReadWriteCloser) rpc.ServerCodec {
+	return &serverCodec{netrpcConn: newNetRPCConn(rwc), args: map[uint64]any{}}
+}
+
+type serverCodec struct {
+	netrpcConn
+	mu   sync.Mutex
+	seq  uint64 // of the request whose body is next
+	args map[uint64]any
+}
+
+func (c *serverCodec) ReadRequestHeader(r *rpc.Request) error {
+	seq, method, _, err := c.readHeader()
+	if err != nil {
+		return err
+	}
+	r.Seq, r.ServiceMethod = seq, method
+	c.seq = seq
+	return nil
+}
+
+func (c *serverCodec) ReadRequestBody(body any) error {
+	if err := c.readBody(body); err != nil {
+		return err
+	}
+	if m := messageV2Of(body); m != nil {
+		c.mu.Lock()
+		c.args[c.seq] = m
+		c.mu.Unlock()
+	}
+	return nil
+}
+
+func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
+	if r.Error != "" {
+		body = nil
+	}
+	err := c.write(r.Seq, r.ServiceMethod, r.Error, body)
+	c.mu.Lock()
+	args := c.args[r.Seq]
+	delete(c.args, r.Seq)
+	c.mu.Unlock()
+	for _, v := range []any{args, body} {
+		if m := messageV2Of(v); m != nil {
+			ReleaseAll(m)
+		}
+	}
+	return err
+}
+
+func (c *serverCodec) Close() error { return c.rwc.Close() }

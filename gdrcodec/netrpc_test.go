@@ -1,0 +1,92 @@
+package gdrcodec_test
+
+import (
+	"context"
+	"errors"
+	"net"
+	"net/rpc"
+	"testing"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/examples/tensor"
+	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/transport"
+	"github.com/stretchr/testify/require"
+)
+
+// Tensors is a net/rpc service over the example payloads.
+type Tensors struct{}
+
+func (Tensors) Digest(t *tensorpb.Tensor, s *tensorpb.Summary) error {
+	sum, n, err := tensor.Checksum(t, 0)
+	s.Bytes, s.Crc32C = n, sum
+	return err
+}
+
+func (Tensors) Make(r *tensorpb.Sized, t *tensorpb.Tensor) error {
+	m, err := tensor.Make(nil, r)
+	if err == nil {
+		*t = tensorpb.Tensor{Name: m.Name, Data: m.Data, Blob: m.Blob}
+	}
+	return err
+}
+
+func (Tensors) Fail(r *tensorpb.Sized, t *tensorpb.Summary) error { return errors.New("asked to fail") }
+
+func TestNetRPC(t *testing.T) {
+	for _, mode := range []transport.Mode{transport.ModeTCP, transport.ModeUCX} {
+		t.Run("transport="+string(mode), func(t *testing.T) {
+			if mode == transport.ModeUCX {
+				requireUCX(t)
+			}
+			srv := rpc.NewServer()
+			require.NoError(t, srv.Register(Tensors{}))
+			lis, err := listener.Listen("127.0.0.1:0", transport.WithMode(mode))
+			require.NoError(t, err)
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				for {
+					c, err := lis.Accept()
+					if err != nil {
+						require.ErrorIs(t, err, net.ErrClosed)
+						return
+					}
+					go srv.ServeCodec(gdrcodec.NewServerCodec(c))
+				}
+			}()
+			conn, err := dialer.New(transport.WithMode(mode)).DialContext(context.Background(), lis.Addr().String())
+			require.NoError(t, err)
+			client := rpc.NewClientWithCodec(gdrcodec.NewClientCodec(conn))
+			defer func() {
+				require.NoError(t, client.Close())
+				require.NoError(t, lis.Close())
+				<-done
+			}()
+
+			for _, n := range []int{10, 1 << 20, 9<<20 + 1} {
+				want := pattern(n, 4)
+				b := devicebuf.HostFromBytes(want)
+				req := &tensorpb.Tensor{Data: gdrcodec.New(b), Blob: want}
+				b.Release()
+				var sum tensorpb.Summary
+				require.NoError(t, client.Call("Tensors.Digest", req, &sum))
+				require.Equal(t, uint64(2*n), sum.Bytes)
+				require.Equal(t, crcTwice(want), sum.Crc32C)
+				gdrcodec.ReleaseAll(req)
+
+				var got tensorpb.Tensor
+				require.NoError(t, client.Call("Tensors.Make", &tensorpb.Sized{Size: uint64(n), Seed: 4}, &got))
+				p, err := tensor.Bytes(got.Data)
+				require.NoError(t, err)
+				require.Equal(t, want, p)
+				gdrcodec.ReleaseAll(&got)
+			}
+			err = client.Call("Tensors.Fail", &tensorpb.Sized{}, &tensorpb.Summary{})
+			require.EqualError(t, err, "asked to fail")
+		})
+	}
+}
