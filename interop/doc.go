@@ -1,0 +1,11 @@
+// Package interop holds the tests that prove gdrpc is still gRPC: the gRPC
+// interop test cases shipped with gRPC-Go run over every gdrpc transport (UCX
+// shared memory, UCX tcp, the TCP fallback) with and without TLS; plain gRPC
+// peers (a standard gRPC-Go client, a Python grpcio client) call a gdrpc
+// server; a server and a client in two network namespaces talk over UCX tcp;
+// peers die mid-call; a retry policy replays an out-of-band request.
+//
+// It contains tests only. It must never be imported, and never reaches into
+// the internals of other packages: everything it does goes through their
+// public API, as a user's program would.
+package interop

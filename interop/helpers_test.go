@@ -1,0 +1,311 @@
+package interop_test
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"fmt"
+	"math/big"
+	"net"
+	"os"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// testTimeout bounds every call and wait of a test.
+const testTimeout = 30 * time.Second
+
+// UCX transport families (UCX_TLS) of the UCX cases.
+const (
+	ucxShm = "posix,sysv,cma,tcp"
+	ucxTCP = "tcp"
+)
+
+// required reports whether GDRPC_REQUIRE names what (ucx, python, netns...):
+// then a missing prerequisite fails the test instead of skipping it.
+func required(what string) bool {
+	for _, w := range strings.Split(os.Getenv("GDRPC_REQUIRE"), ",") {
+		if strings.TrimSpace(w) == what {
+			return true
+		}
+	}
+	return false
+}
+
+// skipUnless skips the test with reason, or fails it when GDRPC_REQUIRE names
+// what.
+func skipUnless(tb testing.TB, what, reason string, args ...any) {
+	tb.Helper()
+	if required(what) {
+		tb.Fatalf("%s required (GDRPC_REQUIRE) but: "+reason, append([]any{what}, args...)...)
+	}
+	tb.Skipf(reason, args...)
+}
+
+// requireUCX skips the test when UCX is unusable (fails it under
+// GDRPC_REQUIRE=ucx).
+func requireUCX(tb testing.TB) {
+	tb.Helper()
+	if err := rdma.Available(); err != nil {
+		skipUnless(tb, "ucx", "UCX unavailable: %v", err)
+	}
+}
+
+var ucxContexts sync.Map // UCX_TLS -> *rdma.Context, closed at the end of TestMain
+
+// ucxContext returns a UCX context restricted to the transports tls.
+func ucxContext(tb testing.TB, tls string) *rdma.Context {
+	tb.Helper()
+	requireUCX(tb)
+	if c, ok := ucxContexts.Load(tls); ok {
+		return c.(*rdma.Context)
+	}
+	c, err := rdma.NewContext(rdma.WithTransports(tls))
+	if err != nil {
+		skipUnless(tb, "ucx", "UCX context (UCX_TLS=%s): %v", tls, err)
+	}
+	actual, loaded := ucxContexts.LoadOrStore(tls, c)
+	if loaded {
+		_ = c.Close()
+	}
+	return actual.(*rdma.Context)
+}
+
+func closeContexts() {
+	ucxContexts.Range(func(k, v any) bool {
+		_ = v.(*rdma.Context).Close()
+		ucxContexts.Delete(k)
+		return true
+	})
+}
+
+// transportCase is one way of running gdrpc under gRPC.
+type transportCase struct {
+	name string
+	ucx  string // UCX_TLS of the session's UCX context; "" for the TCP fallback
+	tls  bool   // TLS on top of the gdrpc conn
+}
+
+var transportCases = []transportCase{
+	{name: "tcp"},
+	{name: "ucx-shm", ucx: ucxShm},
+	{name: "ucx-tcp", ucx: ucxTCP},
+	{name: "tcp+tls", tls: true},
+	{name: "ucx-shm+tls", ucx: ucxShm, tls: true},
+	{name: "ucx-tcp+tls", ucx: ucxTCP, tls: true},
+}
+
+// options returns the transport options of the case (both sides), skipping
+// the test when the case needs UCX and it is absent.
+func (tc transportCase) options(tb testing.TB, extra ...transport.Option) []transport.Option {
+	tb.Helper()
+	opts := []transport.Option{transport.WithMode(transport.ModeTCP)}
+	if tc.ucx != "" {
+		opts = []transport.Option{transport.WithMode(transport.ModeUCX), transport.WithRDMAContext(ucxContext(tb, tc.ucx))}
+	}
+	return append(opts, extra...)
+}
+
+// want is the session transport the case must end up on.
+func (tc transportCase) want() string {
+	if tc.ucx != "" {
+		return "ucx"
+	}
+	return "tcp"
+}
+
+// creds returns the inner credentials of both sides: TLS or none.
+func (tc transportCase) creds(tb testing.TB) (server, client credentials.TransportCredentials) {
+	tb.Helper()
+	if !tc.tls {
+		return insecure.NewCredentials(), insecure.NewCredentials()
+	}
+	p, err := testTLS()
+	require.NoError(tb, err)
+	return p.server, p.client
+}
+
+// tlsServerName is the name in the test certificate (with 127.0.0.1).
+const tlsServerName = "gdrpc.test"
+
+type tlsPair struct {
+	server, client credentials.TransportCredentials
+}
+
+// testTLS makes a self-signed ECDSA certificate once per process.
+var testTLS = sync.OnceValues(func() (*tlsPair, error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, err
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          big.NewInt(1),
+		Subject:               pkix.Name{CommonName: tlsServerName},
+		DNSNames:              []string{tlsServerName},
+		IPAddresses:           []net.IP{net.IPv4(127, 0, 0, 1)},
+		NotBefore:             time.Now().Add(-time.Hour),
+		NotAfter:              time.Now().Add(24 * time.Hour),
+		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
+		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+		BasicConstraintsValid: true,
+		IsCA:                  true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		return nil, err
+	}
+	leaf, err := x509.ParseCertificate(der)
+	if err != nil {
+		return nil, err
+	}
+	pool := x509.NewCertPool()
+	pool.AddCert(leaf)
+	cert := tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: leaf}
+	return &tlsPair{
+		server: credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS13}),
+		client: credentials.NewTLS(&tls.Config{RootCAs: pool, ServerName: tlsServerName, MinVersion: tls.VersionTLS13}),
+	}, nil
+})
+
+// server is a gRPC server on a gdrpc listener.
+type server struct {
+	lis  *transport.Listener
+	gs   *grpc.Server
+	addr string
+}
+
+// startServer serves the services register adds on a gdrpc listener on
+// 127.0.0.1 with the gdrpc server options; it stops when the test ends.
+func startServer(tb testing.TB, opts []transport.Option, creds credentials.TransportCredentials, register func(*grpc.Server), extra ...grpc.ServerOption) *server {
+	tb.Helper()
+	lis, err := listener.Listen("127.0.0.1:0", opts...)
+	require.NoError(tb, err)
+	sopts := append(listener.ServerOptions(creds), gdrcodec.ServerOptions()...)
+	gs := grpc.NewServer(append(sopts, extra...)...)
+	register(gs)
+	served := make(chan error, 1)
+	go func() { served <- gs.Serve(lis) }()
+	tb.Cleanup(func() {
+		gs.Stop()
+		select {
+		case err := <-served:
+			require.NoError(tb, err)
+		case <-time.After(testTimeout):
+			tb.Error("Serve did not return after Stop")
+		}
+	})
+	return &server{lis: lis, gs: gs, addr: lis.Addr().String()}
+}
+
+// dialClient returns a gRPC client of addr over gdrpc with the gdrpc dial
+// options (gdr codec, interceptors); it is closed when the test ends.
+func dialClient(tb testing.TB, addr string, opts []transport.Option, creds credentials.TransportCredentials, extra ...grpc.DialOption) *grpc.ClientConn {
+	tb.Helper()
+	d := dialer.New(opts...)
+	dopts := append(d.DialOptions(creds), gdrcodec.DialOptions()...)
+	cc, err := grpc.NewClient("passthrough:///"+addr, append(dopts, extra...)...)
+	require.NoError(tb, err)
+	tb.Cleanup(func() { _ = cc.Close() })
+	return cc
+}
+
+// plainClient returns a standard gRPC client of addr: plain TCP dial, no
+// gdrpc options, the default codec.
+func plainClient(tb testing.TB, addr string) *grpc.ClientConn {
+	tb.Helper()
+	cc, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {
+			return (&net.Dialer{}).DialContext(ctx, "tcp", addr)
+		}))
+	require.NoError(tb, err)
+	tb.Cleanup(func() { _ = cc.Close() })
+	return cc
+}
+
+// callCtx is a context bounded by testTimeout that ends with the test.
+func callCtx(tb testing.TB) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	tb.Cleanup(cancel)
+	return ctx
+}
+
+// fatalLogger is gRPC's logger in this test binary. The interop cases of
+// google.golang.org/grpc/interop report a failure with grpclog's Fatal, which
+// would exit the process; here Fatal fails the test bound to the logger and
+// ends the calling goroutine (the test's own: what t.FatalNow does). Errors and
+// warnings go to that test's log.
+type fatalLogger struct {
+	mu sync.Mutex
+	tb testing.TB
+}
+
+var glog = &fatalLogger{}
+
+// bind makes tb the test that gRPC's Fatal fails, until tb ends.
+func (l *fatalLogger) bind(tb testing.TB) {
+	l.mu.Lock()
+	l.tb = tb
+	l.mu.Unlock()
+	tb.Cleanup(func() {
+		l.mu.Lock()
+		if l.tb == tb {
+			l.tb = nil
+		}
+		l.mu.Unlock()
+	})
+}
+
+func (l *fatalLogger) log(sev, msg string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.tb != nil {
+		l.tb.Logf("grpc %s: %s", sev, msg)
+	}
+}
+
+func (l *fatalLogger) fatal(msg string) {
+	l.mu.Lock()
+	tb := l.tb
+	if tb != nil {
+		tb.Errorf("grpc FATAL: %s", msg)
+	}
+	l.mu.Unlock()
+	if tb == nil {
+		fmt.Fprintln(os.Stderr, "grpc FATAL outside a test:", msg)
+		os.Exit(1)
+	}
+	tb.FailNow() // ends the calling goroutine, as t.Fatal does
+	runtime.Goexit()
+}
+
+func (l *fatalLogger) Info(...any)                 {}
+func (l *fatalLogger) Infoln(...any)               {}
+func (l *fatalLogger) Infof(string, ...any)        {}
+func (l *fatalLogger) Warning(a ...any)            { l.log("WARNING", fmt.Sprint(a...)) }
+func (l *fatalLogger) Warningln(a ...any)          { l.log("WARNING", fmt.Sprintln(a...)) }
+func (l *fatalLogger) Warningf(f string, a ...any) { l.log("WARNING", fmt.Sprintf(f, a...)) }
+func (l *fatalLogger) Error(a ...any)              { l.log("ERROR", fmt.Sprint(a...)) }
+func (l *fatalLogger) Errorln(a ...any)            { l.log("ERROR", fmt.Sprintln(a...)) }
+func (l *fatalLogger) Errorf(f string, a ...any)   { l.log("ERROR", fmt.Sprintf(f, a...)) }
+func (l *fatalLogger) Fatal(a ...any)              { l.fatal(fmt.Sprint(a...)) }
+func (l *fatalLogger) Fatalln(a ...any)            { l.fatal(fmt.Sprintln(a...)) }
+func (l *fatalLogger) Fatalf(f string, a ...any)   { l.fatal(fmt.Sprintf(f, a...)) }
+func (l *fatalLogger) V(int) bool                  { return false }

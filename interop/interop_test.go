@@ -1,0 +1,218 @@
+package interop_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	grpcinterop "google.golang.org/grpc/interop"
+	testgrpc "google.golang.org/grpc/interop/grpc_testing"
+	"google.golang.org/grpc/peer"
+
+	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// interopCase is one of the gRPC interop test cases shipped with gRPC-Go.
+type interopCase struct {
+	name string
+	run  func(ctx context.Context, tc testgrpc.TestServiceClient, cc *grpc.ClientConn)
+}
+
+var interopCases = []interopCase{
+	{"empty_unary", func(ctx context.Context, tc testgrpc.TestServiceClient, _ *grpc.ClientConn) {
+		grpcinterop.DoEmptyUnaryCall(ctx, tc)
+	}},
+	{"large_unary", func(ctx context.Context, tc testgrpc.TestServiceClient, _ *grpc.ClientConn) {
+		grpcinterop.DoLargeUnaryCall(ctx, tc)
+	}},
+	{"client_streaming", func(ctx context.Context, tc testgrpc.TestServiceClient, _ *grpc.ClientConn) {
+		grpcinterop.DoClientStreaming(ctx, tc)
+	}},
+	{"server_streaming", func(ctx context.Context, tc testgrpc.TestServiceClient, _ *grpc.ClientConn) {
+		grpcinterop.DoServerStreaming(ctx, tc)
+	}},
+	{"ping_pong", func(ctx context.Context, tc testgrpc.TestServiceClient, _ *grpc.ClientConn) {
+		grpcinterop.DoPingPong(ctx, tc)
+	}},
+	{"empty_stream", func(ctx context.Context, tc testgrpc.TestServiceClient, _ *grpc.ClientConn) {
+		grpcinterop.DoEmptyStream(ctx, tc)
+	}},
+	{"cancel_after_begin", func(ctx context.Context, tc testgrpc.TestServiceClient, _ *grpc.ClientConn) {
+		grpcinterop.DoCancelAfterBegin(ctx, tc)
+	}},
+	{"cancel_after_first_response", func(ctx context.Context, tc testgrpc.TestServiceClient, _ *grpc.ClientConn) {
+		grpcinterop.DoCancelAfterFirstResponse(ctx, tc)
+	}},
+	{"timeout_on_sleeping_server", func(ctx context.Context, tc testgrpc.TestServiceClient, _ *grpc.ClientConn) {
+		grpcinterop.DoTimeoutOnSleepingServer(ctx, tc)
+	}},
+	{"custom_metadata", func(ctx context.Context, tc testgrpc.TestServiceClient, _ *grpc.ClientConn) {
+		grpcinterop.DoCustomMetadata(ctx, tc)
+	}},
+	{"status_code_and_message", func(ctx context.Context, tc testgrpc.TestServiceClient, _ *grpc.ClientConn) {
+		grpcinterop.DoStatusCodeAndMessage(ctx, tc)
+	}},
+	{"unimplemented_method", func(ctx context.Context, _ testgrpc.TestServiceClient, cc *grpc.ClientConn) {
+		grpcinterop.DoUnimplementedMethod(ctx, cc)
+	}},
+}
+
+// TestInterop runs the gRPC interop cases over gdrpc on every transport, with
+// and without TLS, and checks that the calls really took that transport.
+func TestInterop(t *testing.T) {
+	for _, tc := range transportCases {
+		t.Run("transport="+tc.name, func(t *testing.T) {
+			opts := tc.options(t)
+			screds, ccreds := tc.creds(t)
+			srv := startServer(t, opts, screds, func(s *grpc.Server) {
+				testgrpc.RegisterTestServiceServer(s, grpcinterop.NewTestServer())
+			})
+			rec := &dialRecorder{d: dialer.New(opts...).DialContext}
+			cc := dialClient(t, srv.addr, opts, ccreds, grpc.WithContextDialer(rec.DialContext))
+			client := testgrpc.NewTestServiceClient(cc)
+
+			for _, c := range interopCases {
+				t.Run(c.name, func(t *testing.T) {
+					glog.bind(t)
+					c.run(callCtx(t), client, cc)
+				})
+			}
+
+			// Every call went over one gdrpc session on the transport of the
+			// case, under TLS when the case asks for it.
+			var p peer.Peer
+			_, err := client.EmptyCall(callCtx(t), nil, grpc.Peer(&p))
+			require.NoError(t, err)
+			ai, ok := p.AuthInfo.(transport.AuthInfo)
+			require.True(t, ok, "AuthInfo is %T", p.AuthInfo)
+			require.Equal(t, tc.want(), ai.Transport)
+			require.Equal(t, "gdrpc+"+tc.want(), p.Addr.Network())
+			if tc.tls {
+				require.Equal(t, "gdrpc+tls", ai.AuthType())
+				ti, ok := ai.Inner.(credentials.TLSInfo)
+				require.True(t, ok, "inner AuthInfo is %T", ai.Inner)
+				require.True(t, ti.State.HandshakeComplete)
+				require.Equal(t, credentials.PrivacyAndIntegrity, ai.SecurityLevel)
+			} else {
+				require.Equal(t, "gdrpc+insecure", ai.AuthType())
+				require.Equal(t, credentials.NoSecurity, ai.SecurityLevel)
+			}
+			sessions := rec.all()
+			require.Len(t, sessions, 1, "one session for the whole run")
+			require.Same(t, sessions[0], ai.Session())
+			if tc.ucx != "" {
+				ep := ai.Session().Endpoint()
+				require.NotNil(t, ep)
+				info := ep.TransportInfo()
+				t.Logf("UCX endpoint:\n%s", info)
+				requireUCXLanes(t, tc.ucx, info)
+			}
+		})
+	}
+}
+
+// requireUCXLanes checks that the lane carrying the UCX endpoint's byte
+// stream (the active-message lane, marked "am" in UCX's description) uses the
+// transport family tls: shared memory (posix, sysv, cma) or tcp. UCX needs tcp
+// for the wireup of a client-server endpoint, so the shm family includes it.
+func requireUCXLanes(t *testing.T, tls, info string) {
+	t.Helper()
+	var am string
+	for _, line := range strings.Split(info, "\n") {
+		if strings.Contains(line, "lane[") && slices.Contains(strings.Fields(line), "am") {
+			am = line
+		}
+	}
+	require.NotEmpty(t, am, "no active-message lane in:\n%s", info)
+	if tls == ucxTCP {
+		require.Contains(t, am, "tcp/", "stream over UCX tcp")
+		return
+	}
+	require.True(t, strings.Contains(am, "posix/") || strings.Contains(am, "sysv/") || strings.Contains(am, "cma/"),
+		"stream over UCX shared memory, got lane %q", am)
+}
+
+// dialRecorder wraps a dial function and records the sessions it made.
+type dialRecorder struct {
+	d        func(context.Context, string) (net.Conn, error)
+	mu       sync.Mutex
+	sessions []*transport.Session
+}
+
+func (r *dialRecorder) DialContext(ctx context.Context, addr string) (net.Conn, error) {
+	c, err := r.d(ctx, addr)
+	if err != nil {
+		return nil, err
+	}
+	s := transport.SessionOf(c)
+	if s == nil {
+		_ = c.Close()
+		return nil, fmt.Errorf("dialed conn %T has no gdrpc session", c)
+	}
+	r.mu.Lock()
+	r.sessions = append(r.sessions, s)
+	r.mu.Unlock()
+	return c, nil
+}
+
+func (r *dialRecorder) all() []*transport.Session {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]*transport.Session(nil), r.sessions...)
+}
+
+// TestFatalFailsTheTest checks the logger the interop cases rely on: an
+// interop case that fails (here, an empty call to a server that is gone)
+// fails the bound test and ends only the calling goroutine, instead of
+// exiting the process.
+func TestFatalFailsTheTest(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := l.Addr().String()
+	require.NoError(t, l.Close()) // nobody listens there any more
+	cc := dialClient(t, addr, transportCases[0].options(t), nil)
+	rec := &recordingTB{TB: t}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		glog.bind(rec)
+		grpcinterop.DoEmptyUnaryCall(callCtx(t), testgrpc.NewTestServiceClient(cc), grpc.WaitForReady(false))
+		rec.mu.Lock()
+		rec.returned = true
+		rec.mu.Unlock()
+	}()
+	<-done
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	require.False(t, rec.returned, "the case went on after its failure")
+	require.Len(t, rec.errors, 1)
+	require.Contains(t, rec.errors[0], "EmptyCall RPC failed")
+}
+
+// recordingTB records Errorf instead of failing the test.
+type recordingTB struct {
+	testing.TB
+	mu       sync.Mutex
+	errors   []string
+	returned bool
+}
+
+func (r *recordingTB) Errorf(format string, args ...any) {
+	r.mu.Lock()
+	r.errors = append(r.errors, fmt.Sprintf(format, args...))
+	r.mu.Unlock()
+}
+
+func (r *recordingTB) Logf(string, ...any) {}
+
+// FailNow ends the calling goroutine without failing the real test.
+func (r *recordingTB) FailNow() { runtime.Goexit() }

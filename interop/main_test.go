@@ -1,0 +1,111 @@
+package interop_test
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/grpclog"
+
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// childEnv makes the test binary, re-executed, play a role (a server to kill,
+// a side of the two-host test) instead of running tests.
+const childEnv = "GDRPC_INTEROP_CHILD"
+
+func TestMain(m *testing.M) {
+	gdrcodec.Register()
+	if role := os.Getenv(childEnv); role != "" {
+		os.Exit(runChild(role))
+	}
+	// The interop cases report failures through grpclog's Fatal, which would
+	// end the process: the logger turns it into a failure of the running test.
+	grpclog.SetLoggerV2(glog)
+	// The Default UCX context (created on first use) keeps its progress
+	// goroutine for the life of the process: count it in the baseline.
+	if rdma.Available() == nil {
+		_, _ = rdma.Default()
+	}
+	base := runtime.NumGoroutine()
+	code := m.Run()
+	closeContexts()
+	if code == 0 {
+		if err := checkLeaks(base); err != nil {
+			fmt.Fprintln(os.Stderr, "leak check:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+// checkLeaks waits (bounded) for what the tests started to wind down, then
+// reports what is left: goroutines of gdrpc, yamux or gRPC, sessions in the
+// registry, outbox entries, attached buffers, live UCX endpoints, listeners
+// and remote keys.
+func checkLeaks(base int) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		runtime.GC() // attachments of collected messages leave on GC
+		err := leaks(base)
+		if err == nil || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(20 * time.Millisecond) // polling for shutdown, bounded by the deadline
+	}
+}
+
+func leaks(base int) error {
+	var errs []error
+	if g := leakedGoroutines(); len(g) > 0 {
+		errs = append(errs, fmt.Errorf("%d goroutines leaked:\n%s", len(g), strings.Join(g, "\n\n")))
+	} else if n := runtime.NumGoroutine(); n > base {
+		errs = append(errs, fmt.Errorf("%d goroutines, %d before the tests:\n%s", n, base, allStacks()))
+	}
+	if n := transport.NumSessions(); n != 0 {
+		errs = append(errs, fmt.Errorf("%d sessions still registered", n))
+	}
+	if n := transport.OutboxLen(); n != 0 {
+		errs = append(errs, fmt.Errorf("%d outbox entries", n))
+	}
+	if n := gdrcodec.Attached(); n != 0 {
+		errs = append(errs, fmt.Errorf("%d attached buffers", n))
+	}
+	if st := rdma.Stats(); st.Endpoints != 0 || st.Listeners != 0 || st.RemoteKeys != 0 || st.Contexts != 0 {
+		errs = append(errs, fmt.Errorf("UCX objects alive: %+v", st))
+	}
+	return errors.Join(errs...)
+}
+
+func allStacks() string {
+	buf := make([]byte, 1<<20)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) {
+			return string(buf[:n])
+		}
+		buf = make([]byte, 2*len(buf))
+	}
+}
+
+// leakedGoroutines returns the stacks of goroutines that belong to gdrpc
+// sessions, yamux or gRPC.
+func leakedGoroutines() []string {
+	var out []string
+	for _, g := range strings.Split(allStacks(), "\n\n") {
+		if strings.Contains(g, "leakedGoroutines") || strings.Contains(g, "allStacks") {
+			continue
+		}
+		if strings.Contains(g, "gdrpc/gdrpc/transport") || strings.Contains(g, "gdrpc/gdrpc/gdrcodec") ||
+			strings.Contains(g, "hashicorp/yamux") || strings.Contains(g, "google.golang.org/grpc") {
+			out = append(out, g)
+		}
+	}
+	return out
+}
