@@ -1,11 +1,324 @@
 package rdma_test
 
 import (
+	"bufio"
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
 	"fmt"
+	"io"
 	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/stretchr/testify/require"
 )
 
+// Commands the parent sends to a "server" child over the stream: one byte and
+// two little-endian uint64 arguments.
+const (
+	cmdEcho   = 'E' // read a bytes, write them back
+	cmdSum    = 'S' // reply sha256 of the child's memory [a, a+b)
+	cmdStream = 'W' // write a bytes of pattern(a, b) ... until killed
+	cmdQuit   = 'Q'
+)
+
+const childMemSize = 64<<20 + 4096
+
 func runChild(role string) int {
+	switch role {
+	case "server":
+		if err := childServer(os.Getenv("GDRPC_RDMA_TEST_TLS")); err != nil {
+			fmt.Fprintln(os.Stderr, "child:", err)
+			return 1
+		}
+		return 0
+	case "fds":
+		ents, err := os.ReadDir("/proc/self/fd")
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "child:", err)
+			return 1
+		}
+		var names []string
+		for _, e := range ents {
+			names = append(names, e.Name())
+		}
+		fmt.Println(strings.Join(names, " "))
+		return 0
+	}
 	fmt.Fprintln(os.Stderr, "unknown child role", role)
 	return 2
+}
+
+func childServer(tls string) error {
+	c, err := rdma.NewContext(rdma.WithTransports(tls))
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	mem, err := c.Alloc(childMemSize)
+	if err != nil {
+		return err
+	}
+	defer mem.Close()
+	key, err := mem.PackKey()
+	if err != nil {
+		return err
+	}
+	l, err := c.Worker().Listen("127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	defer l.Close()
+	fmt.Printf("addr %s base %d key %s\n", l.Addr(), mem.Addr(), hex.EncodeToString(key))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	e, err := l.Accept(ctx)
+	if err != nil {
+		return err
+	}
+	defer e.Close()
+	hdr := make([]byte, 17)
+	for {
+		if _, err := io.ReadFull(e, hdr); err != nil {
+			return fmt.Errorf("read command: %w", err)
+		}
+		a, b := binary.LittleEndian.Uint64(hdr[1:]), binary.LittleEndian.Uint64(hdr[9:])
+		switch hdr[0] {
+		case cmdEcho:
+			buf := make([]byte, a)
+			if _, err := io.ReadFull(e, buf); err != nil {
+				return err
+			}
+			if _, err := e.Write(buf); err != nil {
+				return err
+			}
+		case cmdSum:
+			s := sha256.Sum256(mem.Bytes()[a : a+b])
+			if _, err := e.Write(s[:]); err != nil {
+				return err
+			}
+		case cmdStream:
+			p := pattern(int(a), b)
+			for {
+				if _, err := e.Write(p); err != nil {
+					return err
+				}
+			}
+		case cmdQuit:
+			return nil
+		default:
+			return fmt.Errorf("bad command %q", hdr[0])
+		}
+	}
+}
+
+// child is a running "server" child process and the parent's side of it.
+type child struct {
+	cmd  *exec.Cmd
+	ctx  *rdma.Context
+	ep   *rdma.Endpoint
+	base uint64
+	key  *rdma.RemoteKey
+}
+
+func startChild(t *testing.T, tls string) *child {
+	t.Helper()
+	requireUCX(t)
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), childEnv+"=server", "GDRPC_RDMA_TEST_TLS="+tls)
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	ch := &child{cmd: cmd}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	})
+	line, err := bufio.NewReader(out).ReadString('\n')
+	require.NoError(t, err, "child did not report its address")
+	f := strings.Fields(line)
+	require.Len(t, f, 6, line)
+	ch.base, err = strconv.ParseUint(f[3], 10, 64)
+	require.NoError(t, err)
+	packed, err := hex.DecodeString(f[5])
+	require.NoError(t, err)
+
+	ch.ctx = newContext(t, tls)
+	ch.ep, err = ch.ctx.Worker().Dial(testCtx(t), f[1])
+	require.NoError(t, err)
+	t.Cleanup(func() { ch.ep.Close() })
+	ch.key, err = ch.ep.UnpackKey(packed)
+	require.NoError(t, err)
+	t.Cleanup(func() { ch.key.Close() })
+	return ch
+}
+
+func (ch *child) command(t testing.TB, cmd byte, a, b uint64) {
+	t.Helper()
+	hdr := make([]byte, 17)
+	hdr[0] = cmd
+	binary.LittleEndian.PutUint64(hdr[1:], a)
+	binary.LittleEndian.PutUint64(hdr[9:], b)
+	_, err := ch.ep.Write(hdr)
+	require.NoError(t, err)
+}
+
+func TestTwoProcesses(t *testing.T) {
+	forEachTransport(t, func(t *testing.T, tls string) {
+		ch := startChild(t, tls)
+		ctx := testCtx(t)
+		src, err := ch.ctx.Alloc(childMemSize)
+		require.NoError(t, err)
+		defer src.Close()
+		for i, n := range sizes(t) {
+			t.Run(sizeName(n), func(t *testing.T) {
+				want := pattern(n, uint64(200+i))
+
+				// stream: echo
+				ch.command(t, cmdEcho, uint64(n), 0)
+				errc := make(chan error, 1)
+				go func() {
+					_, err := ch.ep.Write(want)
+					errc <- err
+				}()
+				got := make([]byte, n)
+				_, err := io.ReadFull(ch.ep, got)
+				require.NoError(t, err)
+				require.NoError(t, <-errc)
+				require.Equal(t, sha256.Sum256(want), sha256.Sum256(got), "echoed stream differs")
+
+				// put at an unaligned offset; the child hashes its memory
+				off := 4096 - 7
+				copy(src.Bytes()[5:], want)
+				require.NoError(t, ch.ep.Put(ctx, src, 5, n, ch.base+uint64(off), ch.key))
+				require.NoError(t, ch.ep.Flush(ctx))
+				ch.command(t, cmdSum, uint64(off), uint64(n))
+				sum := make([]byte, 32)
+				_, err = io.ReadFull(ch.ep, sum)
+				require.NoError(t, err)
+				ws := sha256.Sum256(want)
+				require.Equal(t, ws[:], sum, "child memory differs after put")
+
+				// get it back
+				clear(src.Bytes()[:n+9])
+				require.NoError(t, ch.ep.Get(ctx, src, 9, n, ch.base+uint64(off), ch.key))
+				require.Equal(t, ws, sha256.Sum256(src.Bytes()[9:9+n]), "get differs")
+			})
+		}
+		ch.command(t, cmdQuit, 0, 0)
+		_, err = ch.ep.Read(make([]byte, 1))
+		require.ErrorIs(t, err, io.EOF)
+		require.NoError(t, ch.cmd.Wait())
+	})
+}
+
+// deathBound is how long an operation may take to fail after the peer died.
+const deathBound = 15 * time.Second
+
+func TestPeerDeathMidStream(t *testing.T) {
+	forEachTransport(t, func(t *testing.T, tls string) {
+		ch := startChild(t, tls)
+		onErr := make(chan error, 1)
+		ch.ep.OnError(func(err error) { onErr <- err })
+		ch.command(t, cmdStream, 1<<20, 1)
+		buf := make([]byte, 1<<20)
+		_, err := io.ReadFull(ch.ep, buf) // the stream is flowing
+		require.NoError(t, err)
+		require.Equal(t, pattern(1<<20, 1), buf)
+		require.NoError(t, ch.cmd.Process.Kill())
+		start := time.Now()
+		for err == nil {
+			require.Less(t, time.Since(start), deathBound, "Read did not fail after the peer died")
+			_, err = ch.ep.Read(buf)
+		}
+		t.Logf("read failed after %v: %v", time.Since(start), err)
+		var ee *rdma.EndpointError
+		require.ErrorAs(t, err, &ee)
+		var se *rdma.StatusError
+		require.ErrorAs(t, err, &se)
+		select {
+		case <-ch.ep.Done():
+		case <-time.After(deathBound):
+			t.Fatal("Done not closed")
+		}
+		select {
+		case err := <-onErr:
+			require.ErrorAs(t, err, &ee)
+		case <-time.After(deathBound):
+			t.Fatal("OnError not called")
+		}
+		_, err = ch.ep.Write([]byte("x"))
+		require.ErrorAs(t, err, &ee)
+		require.NoError(t, ch.ep.Close())
+		require.NoError(t, ch.key.Close())
+		require.NoError(t, ch.ctx.Close())
+		require.True(t, rdma.Stats().Zero(), "%+v", rdma.Stats())
+	})
+}
+
+func TestPeerDeathMidPut(t *testing.T) {
+	forEachTransport(t, func(t *testing.T, tls string) {
+		ch := startChild(t, tls)
+		src, err := ch.ctx.Alloc(4 << 20)
+		require.NoError(t, err)
+		defer src.Close()
+		ctx := context.Background() // the endpoint's life must bound the puts
+		puts := make(chan error, 1)
+		started := make(chan struct{})
+		go func() {
+			var err error
+			for i := 0; err == nil; i++ {
+				err = ch.ep.Put(ctx, src, 0, src.Len(), ch.base+uint64(i%8)*1024, ch.key)
+				if i == 3 {
+					close(started)
+				}
+				if err == nil && i%4 == 0 {
+					err = ch.ep.Flush(ctx)
+				}
+			}
+			puts <- err
+		}()
+		<-started
+		require.NoError(t, ch.cmd.Process.Kill())
+		start := time.Now()
+		select {
+		case err := <-puts:
+			t.Logf("put failed after %v: %v", time.Since(start), err)
+			var ee *rdma.EndpointError
+			require.ErrorAs(t, err, &ee)
+		case <-time.After(deathBound):
+			t.Fatal("puts did not fail after the peer died")
+		}
+		require.Error(t, ch.ep.Flush(ctx))
+		require.NoError(t, ch.ep.Close())
+		require.NoError(t, src.Close())
+		require.NoError(t, ch.ctx.Close())
+		require.True(t, rdma.Stats().Zero(), "%+v", rdma.Stats())
+	})
+}
+
+// UCX's descriptors must not leak into child processes.
+func TestCloexec(t *testing.T) {
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), childEnv+"=fds")
+	out, err := cmd.Output()
+	require.NoError(t, err)
+	before := strings.TrimSpace(string(out))
+
+	c := newContext(t, "posix,sysv,cma,tcp")
+	client, _ := pair(t, c)
+	_, err = client.Write([]byte("x"))
+	require.NoError(t, err)
+	cmd = exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), childEnv+"=fds")
+	out, err = cmd.Output()
+	require.NoError(t, err)
+	require.Equal(t, before, strings.TrimSpace(string(out)), "descriptors inherited by a child")
 }

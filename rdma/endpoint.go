@@ -383,7 +383,9 @@ func (e *Endpoint) termErr() error {
 	return e.term
 }
 
-// opError turns the final status of a request into the error a caller sees.
+// opError turns the final status of a request into the error a caller sees
+// (owner goroutine). A request may report the peer's failure before UCX calls
+// the endpoint's error handler: the endpoint fails then.
 func (e *Endpoint) opError(op string, st int) error {
 	if st == statusOK {
 		return nil
@@ -391,7 +393,22 @@ func (e *Endpoint) opError(op string, st int) error {
 	if err := e.termErr(); err != nil {
 		return err
 	}
+	if isPeerFailure(st) {
+		e.peerFailed(st)
+		return e.termErr()
+	}
 	return statusError(op, C.int(st))
+}
+
+// isPeerFailure reports statuses that mean the connection is gone.
+func isPeerFailure(st int) bool {
+	switch {
+	case st <= statusFirstLinkFailure && st >= statusLastEndpointFailure:
+		return true
+	case st == statusConnReset, st == statusNotConnected, st == statusUnreachable, st == statusIOError:
+		return true
+	}
+	return false
 }
 
 // Write sends all of p on the stream or returns an error. It honours the

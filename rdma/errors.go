@@ -14,14 +14,19 @@ var ErrNotSupported = errors.New("rdma: not supported")
 
 // UCX status codes this package looks at (values from ucs/type/status.h).
 const (
-	statusOK          = 0
-	statusInProgress  = 1
-	statusNoMemory    = -4
-	statusInvalid     = -5
-	statusBusy        = -15
-	statusCanceled    = -16
-	statusUnsupported = -22
-	statusConnReset   = -25
+	statusOK                  = 0
+	statusInProgress          = 1
+	statusNoMemory            = -4
+	statusInvalid             = -5
+	statusBusy                = -15
+	statusCanceled            = -16
+	statusUnsupported         = -22
+	statusConnReset           = -25
+	statusIOError             = -3
+	statusUnreachable         = -6
+	statusNotConnected        = -24
+	statusFirstLinkFailure    = -40
+	statusLastEndpointFailure = -89
 )
 
 // StatusError is a UCX status other than success, with the operation that
