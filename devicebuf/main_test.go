@@ -2,6 +2,7 @@ package devicebuf_test
 
 import (
 	"bytes"
+	"encoding/binary"
 	"fmt"
 	"math/rand/v2"
 	"net"
@@ -30,12 +31,20 @@ func requireEnv(what string) bool {
 	return false
 }
 
-// pattern returns n pseudo-random bytes determined by seed.
+// pattern returns n pseudo-random bytes determined by seed. Above 64 KiB a random 64 KiB
+// block repeats, each 4 KiB page stamped with its index, so that misplaced pages still show.
 func pattern(seed uint64, n int) []byte {
 	var key [32]byte
-	key[0], key[1] = byte(seed), byte(seed>>8)
+	key[0], key[1], key[2] = byte(seed), byte(seed>>8), byte(seed>>16)
 	b := make([]byte, n)
-	_, _ = rand.NewChaCha8(key).Read(b)
+	const block = 64 << 10
+	_, _ = rand.NewChaCha8(key).Read(b[:min(n, block)])
+	for off := block; off < n; off += block {
+		copy(b[off:], b[:block])
+	}
+	for page := 1; page*4096+8 <= n; page++ {
+		binary.LittleEndian.PutUint64(b[page*4096:], uint64(page)^seed<<32)
+	}
 	return b
 }
 
