@@ -1,0 +1,333 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"os"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+func TestMain(m *testing.M) {
+	if os.Getenv(childEnv) == "1" {
+		// This test binary was re-executed as the server of a same-host run.
+		os.Exit(realMain(os.Args[1:], os.Stdin, os.Stdout, os.Stderr))
+	}
+	before := runtime.NumGoroutine()
+	code := m.Run()
+	if code == 0 {
+		if err := settled(before); err != nil {
+			fmt.Fprintln(os.Stderr, "leak:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+// settled waits (bounded) for what the tests started to wind down and reports
+// what is left: sessions, outbox entries, attached buffers, goroutines.
+func settled(goroutines int) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		runtime.GC()
+		var err error
+		switch {
+		case transport.NumSessions() != 0:
+			err = fmt.Errorf("%d sessions", transport.NumSessions())
+		case transport.OutboxLen() != 0:
+			err = fmt.Errorf("%d outbox entries", transport.OutboxLen())
+		case gdrcodec.Attached() != 0:
+			err = fmt.Errorf("%d attached buffers", gdrcodec.Attached())
+		case runtime.NumGoroutine() > goroutines+4: // the shared UCX context's progress thread, timers
+			buf := make([]byte, 1<<20)
+			err = fmt.Errorf("%d goroutines, %d before:\n%s", runtime.NumGoroutine(), goroutines, buf[:runtime.Stack(buf, true)])
+		}
+		if err == nil || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(20 * time.Millisecond) // polling for shutdown, bounded by the deadline
+	}
+}
+
+func required(what string) bool {
+	for w := range strings.SplitSeq(os.Getenv("GDRPC_REQUIRE"), ",") {
+		if strings.TrimSpace(w) == what {
+			return true
+		}
+	}
+	return false
+}
+
+func requireUCX(t *testing.T) {
+	t.Helper()
+	if err := rdma.Available(); err != nil {
+		if required("ucx") {
+			t.Fatalf("UCX required: %v", err)
+		}
+		t.Skipf("no UCX: %v", err)
+	}
+}
+
+// gdrperf runs the tool in this process (the server re-executes this test
+// binary) and returns its JSON results.
+func gdrperf(t *testing.T, args ...string) []result {
+	t.Helper()
+	var out, errb bytes.Buffer
+	code := realMain(append([]string{"-format", "json"}, args...), strings.NewReader(""), &out, &errb)
+	require.Equal(t, 0, code, "gdrperf %s\nstdout:\n%s\nstderr:\n%s", strings.Join(args, " "), out.String(), errb.String())
+	var rs []result
+	sc := bufio.NewScanner(&out)
+	for sc.Scan() {
+		var r result
+		require.NoError(t, json.Unmarshal(sc.Bytes(), &r), "line %q", sc.Text())
+		rs = append(rs, r)
+	}
+	// The keys the report promises, present even when a baseline is missing.
+	for line := range strings.Lines(out.String()) {
+		var m map[string]any
+		require.NoError(t, json.Unmarshal([]byte(line), &m))
+		for _, k := range []string{"size_bytes", "path", "gdrpc_mib_s", "grpc_tcp_mib_s", "ucx_perftest_mib_s", "gdrpc_vs_grpc_tcp", "gdrpc_vs_ucx_perftest"} {
+			require.Contains(t, m, k)
+		}
+	}
+	return rs
+}
+
+// poolsInUse counts the buffers handed out by the host pools the tool uses.
+func poolsInUse() [2]int {
+	n := [2]int{transport.HostPool(nil).Stats().InUse}
+	if rdma.Available() == nil {
+		if rc, err := rdma.Default(); err == nil {
+			n[1] = transport.HostPool(rc).Stats().InUse
+		}
+	}
+	return n
+}
+
+func TestEndToEnd(t *testing.T) {
+	tests := []struct {
+		name      string
+		transport string
+		op        string
+		path      string // of the out-of-band size
+		perftest  bool
+	}{
+		{name: "tcp/pull", transport: "tcp", op: "pull", path: "stream"},
+		{name: "tcp/push", transport: "tcp", op: "push", path: "stream"},
+		{name: "ucx/pull", transport: "ucx", op: "pull", path: "rdma", perftest: true},
+		{name: "ucx/push", transport: "ucx", op: "push", path: "rdma"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.transport == "ucx" {
+				requireUCX(t)
+			}
+			perftest := "none"
+			if tc.perftest {
+				perftest = ""
+			}
+			base := poolsInUse()
+			rs := gdrperf(t, "-sizes", "4KiB,1MiB", "-iters", "2", "-warmup", "1",
+				"-transport", tc.transport, "-op", tc.op, "-perftest", perftest)
+			require.Len(t, rs, 2)
+			for i, want := range []struct {
+				size int
+				path string
+			}{{4 << 10, "inline"}, {1 << 20, tc.path}} {
+				r := rs[i]
+				require.Equal(t, want.size, r.SizeBytes)
+				require.Equal(t, want.path, r.Path, "notes: %v", r.Notes)
+				require.Equal(t, tc.transport, r.Transport)
+				require.Equal(t, tc.op, r.Op)
+				require.Positive(t, r.GDRPCMiBs, "notes: %v", r.Notes)
+				require.NotNil(t, r.GRPCTCPMiBs, "notes: %v", r.Notes)
+				require.Positive(t, *r.GRPCTCPMiBs)
+				require.NotNil(t, r.VsGRPCTCP)
+				require.InDelta(t, r.GDRPCMiBs / *r.GRPCTCPMiBs, *r.VsGRPCTCP, 1e-9)
+				if want.path != "inline" {
+					require.Positive(t, r.TransferMiBs)
+				}
+				require.Nil(t, r.DtoDMiBs)
+				require.Nil(t, r.NaiveMiBs)
+				if !tc.perftest {
+					require.Nil(t, r.UCXPerftestMiBs)
+					require.Contains(t, strings.Join(r.Notes, "\n"), "ucx_perftest skipped")
+					continue
+				}
+				if _, note := perftestBinary(""); note != "" {
+					require.Nil(t, r.UCXPerftestMiBs)
+					require.Contains(t, strings.Join(r.Notes, "\n"), "not found")
+					continue
+				}
+				require.NotNil(t, r.UCXPerftestMiBs, "notes: %v", r.Notes)
+				require.Positive(t, *r.UCXPerftestMiBs)
+				require.InDelta(t, r.GDRPCMiBs / *r.UCXPerftestMiBs, *r.VsUCXPerftest, 1e-9)
+			}
+			require.Equal(t, base, poolsInUse(), "buffers not given back to the host pools")
+		})
+	}
+}
+
+func TestTable(t *testing.T) {
+	var out, errb bytes.Buffer
+	code := realMain([]string{"-sizes", "256KiB", "-iters", "1", "-warmup", "0", "-transport", "tcp", "-perftest", "none"},
+		strings.NewReader(""), &out, &errb)
+	require.Equal(t, 0, code, errb.String())
+	s := out.String()
+	require.Contains(t, s, "gdrpc session over tcp")
+	require.Regexp(t, `(?m)^\s*size\s+path\s+gdrpc MiB/s\s+xfer MiB/s\s+grpc-tcp MiB/s\s+x grpc\s+ucx_perftest MiB/s\s+x perftest\s*$`, s)
+	require.Regexp(t, `(?m)^\s*256KiB\s+stream\s+[0-9,]+\s+[0-9,]+\s+[0-9,]+\s+[0-9.]+x\s+-\s+-\s*$`, s)
+	require.Contains(t, s, "# note: 256KiB: ucx_perftest skipped")
+}
+
+func TestCUDA(t *testing.T) {
+	var out, errb bytes.Buffer
+	args := []string{"-sizes", "1MiB", "-iters", "2", "-warmup", "1", "-mem", "cuda", "-perftest", "none"}
+	if err := devicebuf.CUDAAvailable(); err != nil {
+		if required("cuda") {
+			t.Fatalf("CUDA required: %v", err)
+		}
+		// Without a GPU the tool says so and fails before it starts a server.
+		code := realMain(args, strings.NewReader(""), &out, &errb)
+		require.Equal(t, 1, code)
+		require.Contains(t, errb.String(), "-mem cuda: GPU 0 is not usable")
+		require.Empty(t, out.String())
+		return
+	}
+	rs := gdrperf(t, args[:len(args)]...)
+	require.Len(t, rs, 1)
+	r := rs[0]
+	require.Positive(t, r.GDRPCMiBs, "notes: %v", r.Notes)
+	require.NotNil(t, r.DtoDMiBs, "notes: %v", r.Notes)
+	require.NotNil(t, r.NaiveMiBs, "notes: %v", r.Notes)
+	require.NotNil(t, r.VsDtoD)
+	require.NotNil(t, r.VsNaive)
+	require.Contains(t, []string{"cuda-ipc", "staged", "stream", "rdma"}, r.Path)
+}
+
+func TestFlags(t *testing.T) {
+	tests := []struct {
+		name string
+		args []string
+		err  string
+	}{
+		{name: "sizes", args: []string{"-sizes", "1MiB,0"}, err: "positive"},
+		{name: "transport", args: []string{"-transport", "rdma"}, err: "-transport"},
+		{name: "mem", args: []string{"-mem", "gpu"}, err: "-mem"},
+		{name: "op", args: []string{"-op", "get"}, err: "-op"},
+		{name: "format", args: []string{"-format", "csv"}, err: "-format"},
+		{name: "iters", args: []string{"-iters", "0"}, err: "-iters"},
+		{name: "both ends", args: []string{"-server", ":1", "-connect", "h:1"}, err: "exclude"},
+		{name: "extra", args: []string{"x"}, err: "unexpected"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var errb bytes.Buffer
+			_, err := parseFlags(tc.args, &errb)
+			require.ErrorContains(t, err, tc.err)
+		})
+	}
+	o, err := parseFlags(nil, &bytes.Buffer{})
+	require.NoError(t, err)
+	require.Equal(t, []int{1 << 20, 16 << 20, 64 << 20}, o.sizes)
+	require.Equal(t, "pull", o.op)
+}
+
+func TestSizes(t *testing.T) {
+	tests := []struct {
+		in   string
+		want int
+		err  bool
+	}{
+		{in: "4096", want: 4096},
+		{in: "1KiB", want: 1 << 10},
+		{in: "64MiB", want: 64 << 20},
+		{in: "64mib", want: 64 << 20},
+		{in: "2G", want: 2 << 30},
+		{in: "17B", want: 17},
+		{in: " 3 MiB", want: 3 << 20},
+		{in: "0", err: true},
+		{in: "-1MiB", err: true},
+		{in: "1.5MiB", err: true},
+		{in: "MiB", err: true},
+		{in: "65GiB", err: true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.in, func(t *testing.T) {
+			n, err := parseSize(tc.in)
+			if tc.err {
+				require.Error(t, err)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.want, n)
+		})
+	}
+	got, err := parseSizes("1MiB, 16MiB,,64MiB")
+	require.NoError(t, err)
+	require.Equal(t, []int{1 << 20, 16 << 20, 64 << 20}, got)
+	_, err = parseSizes(",")
+	require.Error(t, err)
+	for _, n := range []int{17, 4 << 10, 64 << 20, 1 << 30, 1<<20 + 1} {
+		back, err := parseSize(formatSize(n))
+		require.NoError(t, err)
+		require.Equal(t, n, back)
+	}
+}
+
+func TestMedian(t *testing.T) {
+	require.Equal(t, 0.0, median(nil))
+	require.Equal(t, 3.0, median([]float64{5, 3, 1}))
+	require.Equal(t, 2.5, median([]float64{4, 1, 3, 2}))
+	require.InDelta(t, 64.0, medianRate(64<<20, []time.Duration{time.Second, 2 * time.Second, 500 * time.Millisecond}), 1e-9)
+	require.Equal(t, "1,234,568", commas(1234567.8))
+	require.Equal(t, "999", commas(999))
+}
+
+// Output of ucx_perftest 1.13 (ucp_put_bw, 64 MiB, 20 iterations).
+const perftestOutput = `+--------------+--------------+------------------------------+---------------------+-----------------------+
+|              |              |       overhead (usec)        |   bandwidth (MB/s)  |  message rate (msg/s) |
++--------------+--------------+----------+---------+---------+----------+----------+-----------+-----------+
+|    Stage     | # iterations | 50.0%ile | average | overall |  average |  overall |  average  |  overall  |
++--------------+--------------+----------+---------+---------+----------+----------+-----------+-----------+
+Final:                    20  25903.885 28879.249 28879.249     2216.12    2216.12          35          35
+`
+
+func TestParsePerftest(t *testing.T) {
+	r, err := parsePerftest(perftestOutput)
+	require.NoError(t, err)
+	require.Equal(t, 2216.12, r.MiBs)
+	_, err = parsePerftest("Waiting for connection...\n")
+	require.ErrorContains(t, err, "no Final")
+	_, err = parsePerftest("Final: 20 1 2 3 4 x 6 7\n")
+	require.Error(t, err)
+}
+
+// ucp_ep_print_info of a gdrpc session's endpoint (UCX 1.13, loopback).
+const epInfo = `#
+# UCP endpoint
+#
+#               peer: <no debug data>
+#                 lane[0]: cm rdmacm
+#                 lane[1]:  3:sysv/memory.0 md[2]           -> md[2]/sysv/sysdev[255] am am_bw#0 keepalive
+#                 lane[2]:  4:posix/memory.0 md[3]          -> md[3]/posix/sysdev[255]
+#                 lane[3]:  2:tcp/lo.0 md[1]                -> md[1]/tcp/sysdev[255] rma_bw#0 wireup
+#
+#             stream_send: 0..<egr/short>..93..<egr/bcopy>..(inf)
+`
+
+func TestUCXLanes(t *testing.T) {
+	require.Equal(t, "sysv/memory(am,am_bw) posix/memory() tcp/lo(rma_bw,wireup)", ucxLanes(epInfo))
+	require.Equal(t, "", ucxLanes(""))
+}
