@@ -24,6 +24,10 @@
 // Memory that C, a NIC or the GPU can see is freed explicitly when the last reference is
 // released; finalizers are not the mechanism.
 //
+// Builds: without cgo, or with the nocuda build tag, the CUDA driver and NVML are never
+// loaded and every CUDA or inventory call returns an error wrapping ErrNotSupported; host
+// memory, pools and host copies work in every build.
+//
 // CUDA calls: every call that needs a context makes the device's primary context (retained
 // once per device for the life of the process) current and performs the operation within
 // one C call, so the context is current on exactly the OS thread that runs the operation.

@@ -1,7 +1,5 @@
 //go:build cgo && !nocuda
 
-// Package nvmlinv lists GPUs through NVML (github.com/NVIDIA/go-nvml, which loads
-// libnvidia-ml.so.1 at run time). It only reads; it never changes device state.
 package nvmlinv
 
 import (
