@@ -50,6 +50,12 @@ func TestConnTransfer(t *testing.T) {
 				require.NotNil(t, p.client.Endpoint())
 				require.NotNil(t, p.server.Endpoint())
 				require.NotNil(t, p.client.RDMA())
+				info := p.client.Endpoint().TransportInfo()
+				found := false
+				for _, l := range tc.lanes {
+					found = found || strings.Contains(info, l)
+				}
+				require.True(t, found, "lanes %v not in:\n%s", tc.lanes, info)
 			} else {
 				require.Nil(t, p.client.Endpoint())
 				require.Nil(t, p.client.RDMA())

@@ -69,6 +69,7 @@ type Session struct {
 	rtt atomic.Int64
 
 	done      chan struct{}
+	muxClosed chan struct{} // closed once the multiplexer and the connection are closed
 	closeOnce sync.Once
 	errMu     sync.Mutex
 	err       error
@@ -110,6 +111,7 @@ func newSession(st sessionSetup) (*Session, error) {
 		ctrlReady: make(chan struct{}),
 		ctrlSem:   make(chan struct{}, 1),
 		done:      make(chan struct{}),
+		muxClosed: make(chan struct{}),
 	}
 	role := "server"
 	if s.client {
@@ -223,11 +225,48 @@ func (s *Session) closedErr() error {
 
 // Close closes the session and everything on it: its streams, the underlying
 // connection, its registry entry. It is idempotent and waits for the
-// session's own goroutines.
+// session's own goroutines and for the underlying connection to be released
+// (a UCX endpoint whose peer does not answer lingers for up to 2 s).
 func (s *Session) Close() error {
 	s.closeWith(nil)
+	<-s.muxClosed
 	s.wg.Wait()
 	return nil
+}
+
+// closeWith closes the session with a cause (nil: closed locally). It does not
+// wait, so it may run on the session's own goroutines: the session leaves the
+// registry and Done is closed at once; the multiplexer and the underlying
+// connection close on their own goroutine (closing a UCX endpoint may take a
+// while when the peer is gone).
+func (s *Session) closeWith(cause error) {
+	first := false
+	s.closeOnce.Do(func() {
+		first = true
+		if cause == nil {
+			cause = ErrSessionClosed
+		}
+		s.errMu.Lock()
+		s.err = cause
+		s.errMu.Unlock()
+		registryRemove(s)
+		close(s.done)
+		go func() {
+			_ = s.mux.Close() // wakes every stream, then closes the underlying connection
+			close(s.muxClosed)
+		}()
+	})
+	if !first {
+		return
+	}
+	if errors.Is(cause, net.ErrClosed) {
+		s.log.Debug("session closed")
+	} else {
+		s.log.Info("session lost", "err", cause)
+	}
+	for _, fn := range onSessionClosed {
+		fn(s)
+	}
 }
 
 // gracefulCloseBound bounds how long closeGracefully waits for the peer.
@@ -249,34 +288,6 @@ func (s *Session) closeGracefully() {
 		t.Stop()
 		s.closeWith(nil)
 	}()
-}
-
-// closeWith closes the session with a cause (nil: closed locally). It does not
-// wait, so it may run on the session's own goroutines.
-func (s *Session) closeWith(cause error) {
-	first := false
-	s.closeOnce.Do(func() {
-		first = true
-		if cause == nil {
-			cause = ErrSessionClosed
-		}
-		s.errMu.Lock()
-		s.err = cause
-		s.errMu.Unlock()
-		_ = s.mux.Close() // closes every stream and the underlying connection
-		registryRemove(s)
-		close(s.done)
-		if errors.Is(cause, net.ErrClosed) {
-			s.log.Debug("session closed")
-		} else {
-			s.log.Info("session lost", "err", cause)
-		}
-	})
-	if first {
-		for _, fn := range onSessionClosed {
-			fn(s)
-		}
-	}
 }
 
 // monitor closes the session when the multiplexer dies (peer closed, I/O

@@ -17,9 +17,11 @@ import (
 
 const testTimeout = 20 * time.Second
 
-// Transport families for UCX contexts.
+// Transport families for UCX contexts. Client-server connection setup needs
+// UCX's tcp connection manager, so the shm family keeps tcp in the list; the
+// stream then runs over shared memory (TestConnTransfer checks the lanes).
 const (
-	ucxShm = "posix,sysv,cma,self"
+	ucxShm = "posix,sysv,cma,tcp"
 	ucxTCP = "tcp"
 )
 
@@ -70,14 +72,15 @@ func ucxContext(tb testing.TB, tls string) *rdma.Context {
 
 // transportCase is one way of running a session.
 type transportCase struct {
-	name string
-	ucx  string // UCX_TLS, "" for TCP
+	name  string
+	ucx   string   // UCX_TLS, "" for TCP
+	lanes []string // one of these must show in the endpoint's transport info
 }
 
 var transportCases = []transportCase{
 	{name: "tcp"},
-	{name: "ucx-shm", ucx: ucxShm},
-	{name: "ucx-tcp", ucx: ucxTCP},
+	{name: "ucx-shm", ucx: ucxShm, lanes: []string{"sysv/memory", "posix/memory"}},
+	{name: "ucx-tcp", ucx: ucxTCP, lanes: []string{"tcp/"}},
 }
 
 // options returns the options of the case, skipping the test when UCX is

@@ -1,0 +1,260 @@
+package transport
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// Control message types the tests use, away from the engine's.
+const (
+	testCtlEcho  = 0xE1
+	testCtlCount = 0xE2
+	testCtlNone  = 0xEF // no handler
+)
+
+var testControl = struct {
+	once sync.Once
+	mu   sync.Mutex
+	ch   map[*Session]chan []byte
+}{ch: map[*Session]chan []byte{}}
+
+// controlInbox registers the test handlers once and returns the channel that
+// receives the payloads of testCtlEcho messages arriving on s.
+func controlInbox(s *Session) chan []byte {
+	testControl.once.Do(func() {
+		registerControlHandler(testCtlEcho, func(s *Session, p []byte) {
+			testControl.mu.Lock()
+			ch := testControl.ch[s]
+			testControl.mu.Unlock()
+			if ch != nil {
+				ch <- p
+			}
+		})
+	})
+	ch := make(chan []byte, 1024)
+	testControl.mu.Lock()
+	testControl.ch[s] = ch
+	testControl.mu.Unlock()
+	return ch
+}
+
+// pipePair is a session pair over net.Pipe with distinct process ids.
+func pipePair(t *testing.T, opts ...Option) (client, server *Session) {
+	t.Helper()
+	c1, c2 := net.Pipe()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	ch := make(chan *Session, 1)
+	errCh := make(chan error, 1)
+	go func() {
+		s, err := NewServerSession(ctx, c2, append([]Option{WithLocalID(newToken())}, opts...)...)
+		ch <- s
+		errCh <- err
+	}()
+	client, err := NewClientSession(ctx, c1, append([]Option{WithLocalID(newToken())}, opts...)...)
+	server = <-ch
+	require.NoError(t, <-errCh)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = client.Close()
+		_ = server.Close()
+	})
+	return client, server
+}
+
+func recvPayload(t *testing.T, ch chan []byte) []byte {
+	t.Helper()
+	select {
+	case p := <-ch:
+		return p
+	case <-time.After(10 * time.Second):
+		t.Fatal("control message did not arrive")
+	}
+	return nil
+}
+
+func TestControlMessages(t *testing.T) {
+	c, s := pipePair(t)
+	cin, sin := controlInbox(c), controlInbox(s)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+
+	for _, n := range []int{0, 1, 1000, MaxControlPayload} {
+		p := bytes.Repeat([]byte{byte(n)}, n)
+		require.NoError(t, c.SendControl(ctx, testCtlEcho, p))
+		require.Equal(t, p, recvPayload(t, sin))
+		require.NoError(t, s.SendControl(ctx, testCtlEcho, p))
+		require.Equal(t, p, recvPayload(t, cin))
+	}
+	err := c.SendControl(ctx, testCtlEcho, make([]byte, MaxControlPayload+1))
+	require.ErrorContains(t, err, "max")
+
+	// A message of a type without handler is dropped; the stream goes on.
+	require.NoError(t, c.SendControl(ctx, testCtlNone, []byte("nobody")))
+	require.NoError(t, c.SendControl(ctx, testCtlEcho, []byte("after")))
+	require.Equal(t, "after", string(recvPayload(t, sin)))
+
+	// Concurrent writers never interleave: every payload arrives whole.
+	const writers, each = 8, 25
+	var wg sync.WaitGroup
+	for w := range writers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range each {
+				body := bytes.Repeat([]byte{byte(w)}, 100+w*1000+i)
+				sum := sha256.Sum256(body)
+				p := append(sum[:], body...)
+				if err := c.SendControl(ctx, testCtlEcho, p); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	seen := map[string]int{}
+	for range writers * each {
+		p := recvPayload(t, sin)
+		require.GreaterOrEqual(t, len(p), 32)
+		sum := sha256.Sum256(p[32:])
+		require.Equal(t, sum[:], p[:32], "a payload arrived corrupted")
+		seen[fmt.Sprint(p[32], len(p))]++
+	}
+	wg.Wait()
+	require.Len(t, seen, writers*each)
+
+	// ctx and session life bound SendControl.
+	cctx, ccancel := context.WithCancel(context.Background())
+	ccancel()
+	require.ErrorIs(t, c.SendControl(cctx, testCtlEcho, nil), context.Canceled)
+	require.NoError(t, c.Close())
+	require.ErrorIs(t, c.SendControl(ctx, testCtlEcho, nil), net.ErrClosed)
+}
+
+// TestControlFrameTooLarge: a peer announcing a control message above the
+// maximum gets its session closed.
+func TestControlFrameTooLarge(t *testing.T) {
+	c, s := pipePair(t)
+	var hdr [controlHeaderLen]byte
+	hdr[0] = testCtlEcho
+	binary.BigEndian.PutUint32(hdr[1:], MaxControlPayload+1)
+	_, err := c.ctrl.Write(hdr[:])
+	require.NoError(t, err)
+	select {
+	case <-s.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("session not closed")
+	}
+	require.ErrorContains(t, s.Err(), "control message of")
+}
+
+func TestBulkStreams(t *testing.T) {
+	old := bulkHandler
+	t.Cleanup(func() { bulkHandler = old })
+	var handled sync.WaitGroup
+	bulkHandler = func(s *Session, c net.Conn) { // echo
+		defer handled.Done()
+		defer c.Close()
+		_, _ = io.Copy(c, c)
+	}
+	c, s := pipePair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for _, from := range []*Session{c, s, c} {
+		handled.Add(1)
+		b, err := from.OpenBulk(ctx)
+		require.NoError(t, err)
+		want := bytes.Repeat([]byte("bulk"), 100000)
+		go func() {
+			_, _ = b.Write(want)
+		}()
+		got := make([]byte, len(want))
+		_, err = io.ReadFull(b, got)
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+		require.NoError(t, b.Close())
+	}
+	handled.Wait()
+
+	// Without a handler the peer closes bulk streams at once.
+	bulkHandler = nil
+	b, err := c.OpenBulk(ctx)
+	require.NoError(t, err)
+	require.NoError(t, b.SetReadDeadline(time.Now().Add(10*time.Second)))
+	_, err = b.Read(make([]byte, 1))
+	require.ErrorIs(t, err, io.EOF)
+	require.NoError(t, b.Close())
+}
+
+func TestRegistryAndCloseHook(t *testing.T) {
+	var mu sync.Mutex
+	var closed []*Session
+	hooks := onSessionClosed
+	t.Cleanup(func() { onSessionClosed = hooks })
+	onSessionClosed = append(onSessionClosed[:len(onSessionClosed):len(onSessionClosed)], func(s *Session) {
+		select {
+		case <-s.Done():
+		default:
+			t.Error("hook ran before Done was closed")
+		}
+		for _, x := range SessionsTo(s.Peer().ID) {
+			if x == s {
+				t.Error("hook ran before the session left the registry")
+			}
+		}
+		mu.Lock()
+		closed = append(closed, s)
+		mu.Unlock()
+	})
+
+	c, s := pipePair(t)
+	require.Equal(t, []*Session{s}, SessionsTo(c.cfg.localID)) // s's peer is c's process
+	require.Equal(t, []*Session{c}, SessionsTo(s.cfg.localID))
+	require.Equal(t, s.cfg.localID, c.Peer().ID)
+	require.True(t, c.Peer().SameHost)
+	require.Equal(t, "tcp", c.Transport())
+	require.NoError(t, c.Close())
+	require.NoError(t, c.Close()) // idempotent
+	require.ErrorIs(t, c.Err(), ErrSessionClosed)
+	select {
+	case <-s.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("peer session still open")
+	}
+	require.ErrorIs(t, s.Err(), ErrPeerGone)
+	require.Empty(t, SessionsTo(s.cfg.localID))
+	require.Empty(t, SessionsTo(c.cfg.localID))
+	_ = s.Close()
+	mu.Lock()
+	defer mu.Unlock()
+	require.ElementsMatch(t, []*Session{c, s}, closed)
+}
+
+func TestConnOnce(t *testing.T) {
+	c, s := pipePair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	cc, err := c.Conn(ctx)
+	require.NoError(t, err)
+	_, err = c.Conn(ctx)
+	require.ErrorIs(t, err, ErrConnTaken)
+	sc, err := s.Conn(ctx)
+	require.NoError(t, err)
+	require.Same(t, s, SessionOf(sc))
+	require.Same(t, c, SessionOf(cc))
+	// The server waits for a gRPC stream bounded by ctx.
+	sctx, scancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer scancel()
+	_, err = s.Conn(sctx)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+}
