@@ -227,11 +227,14 @@ func dialClient(tb testing.TB, addr string, opts []transport.Option, creds crede
 	return cc
 }
 
-// plainClient returns a standard gRPC client of addr: plain TCP dial, no
-// gdrpc options, the default codec.
-func plainClient(tb testing.TB, addr string) *grpc.ClientConn {
+// plainClient returns a standard gRPC client of addr: plain TCP dial, the
+// given credentials (insecure when nil), no gdrpc options, the default codec.
+func plainClient(tb testing.TB, addr string, creds credentials.TransportCredentials) *grpc.ClientConn {
 	tb.Helper()
-	cc, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+	if creds == nil {
+		creds = insecure.NewCredentials()
+	}
+	cc, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(creds),
 		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {
 			return (&net.Dialer{}).DialContext(ctx, "tcp", addr)
 		}))
@@ -309,3 +312,50 @@ func (l *fatalLogger) Fatal(a ...any)              { l.fatal(fmt.Sprint(a...)) }
 func (l *fatalLogger) Fatalln(a ...any)            { l.fatal(fmt.Sprintln(a...)) }
 func (l *fatalLogger) Fatalf(f string, a ...any)   { l.fatal(fmt.Sprintf(f, a...)) }
 func (l *fatalLogger) V(int) bool                  { return false }
+
+// pathCounter counts the out-of-band pulls of this process by path.
+type pathCounter struct {
+	mu    sync.Mutex
+	paths map[string]int
+	errs  []error
+}
+
+// countPaths installs a pathCounter as the transfer metrics hook until the
+// test ends, with a transfer timeout of testTimeout.
+func countPaths(tb testing.TB) *pathCounter {
+	pc := &pathCounter{paths: map[string]int{}}
+	transport.SetTransferConfig(transport.TransferConfig{Metrics: pc, Timeout: testTimeout})
+	tb.Cleanup(func() { transport.SetTransferConfig(transport.TransferConfig{}) })
+	return pc
+}
+
+func (p *pathCounter) Transfer(i transport.TransferInfo) {
+	if !i.Pull {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if i.Err != nil {
+		p.errs = append(p.errs, i.Err)
+		return
+	}
+	p.paths[i.Path.String()]++
+}
+
+func (p *pathCounter) Fallback(transport.Path, transport.Path, string) {}
+
+// reset returns the pulls counted since the last reset.
+func (p *pathCounter) reset() map[string]int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	m := p.paths
+	p.paths = map[string]int{}
+	return m
+}
+
+// failures returns the failed pulls counted so far.
+func (p *pathCounter) failures() []error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return append([]error(nil), p.errs...)
+}
