@@ -178,23 +178,11 @@ func (p *Pool) Alloc(n int) (*Buffer, error) {
 	}
 	rs := p.regionSize(p.classes[ci].size)
 	if p.total+int64(rs) <= p.cfg.MaxBytes {
-		p.total += int64(rs)
-		p.stats.Misses++
-		p.mu.Unlock()
-		r, err := p.newRegion(rs)
-		p.mu.Lock()
+		r, err := p.growLocked(rs)
 		if err != nil {
-			p.total -= int64(rs)
 			p.mu.Unlock()
 			return nil, err
 		}
-		if p.closed {
-			p.total -= int64(rs)
-			p.mu.Unlock()
-			p.freeRegion(r)
-			return nil, fmt.Errorf("devicebuf: pool: %w", net.ErrClosed)
-		}
-		p.regions[r] = struct{}{}
 		cs := p.classes[ci].size
 		c := &p.classes[ci]
 		for off := rs - cs; off > 0; off -= cs {
@@ -263,24 +251,34 @@ func (p *Pool) allocOversize(n int) (*Buffer, error) {
 		p.mu.Unlock()
 		return nil, err
 	}
-	p.total += int64(rs)
-	p.stats.Misses++
-	p.mu.Unlock()
-	r, err := p.newRegion(rs)
-	p.mu.Lock()
+	r, err := p.growLocked(rs)
 	if err != nil {
-		p.total -= int64(rs)
 		p.mu.Unlock()
 		return nil, err
 	}
-	if p.closed {
-		p.total -= int64(rs)
-		p.mu.Unlock()
-		p.freeRegion(r)
-		return nil, fmt.Errorf("devicebuf: pool: %w", net.ErrClosed)
-	}
-	p.regions[r] = struct{}{}
 	return p.handOutLocked(poolBlock{r: r, ptr: r.buf.ptr, ci: -1}, n), nil
+}
+
+// growLocked makes a region of n bytes (the caller checked MaxBytes). It is called with p.mu
+// held, drops it while the region is made and registered, and returns with it held.
+func (p *Pool) growLocked(n int) (*poolRegion, error) {
+	p.total += int64(n) // reserved while p.mu is dropped
+	p.mu.Unlock()
+	r, err := p.newRegion(n)
+	p.mu.Lock()
+	if err == nil && p.closed {
+		p.mu.Unlock()
+		_ = p.freeRegion(r)
+		p.mu.Lock()
+		err = fmt.Errorf("devicebuf: pool: %w", net.ErrClosed)
+	}
+	if err != nil {
+		p.total -= int64(n)
+		return nil, err
+	}
+	p.stats.Misses++
+	p.regions[r] = struct{}{}
+	return r, nil
 }
 
 // newRegion makes and registers a region of n bytes (without p.mu held).
@@ -372,7 +370,9 @@ func (p *Pool) takeRegionsLocked() []*poolRegion {
 	for i := range p.classes {
 		p.classes[i].free = nil
 	}
-	p.total = 0
+	for _, r := range rs {
+		p.total -= int64(r.size) // a region being grown keeps its reservation until it is dropped
+	}
 	return rs
 }
 
