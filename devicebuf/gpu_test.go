@@ -141,7 +141,8 @@ func TestGPUPoolReuse(t *testing.T) {
 }
 
 // BenchmarkCopy measures copy bandwidth on the GPU: host to device and device to host from
-// pinned and pageable memory, and device to device.
+// pinned and pageable memory, and device to device, at 1 MiB to 1 GiB; with -short, the
+// latency of 4 KiB and 64 KiB copies instead.
 func BenchmarkCopy(b *testing.B) {
 	requireCUDA(b)
 	pageable := devicebuf.NewHostAllocator()
@@ -158,8 +159,12 @@ func BenchmarkCopy(b *testing.B) {
 		{"dir=D2H/mem=pageable", pageable, dev},
 		{"dir=D2D/mem=device", dev, dev},
 	}
+	sizes := []int{1 << 20, 16 << 20, 256 << 20, 1 << 30}
+	if testing.Short() {
+		sizes = []int{4 << 10, 64 << 10} // latency of the small copies eager transfers make
+	}
 	for _, c := range cases {
-		for _, n := range []int{1 << 20, 16 << 20, 256 << 20, 1 << 30} {
+		for _, n := range sizes {
 			b.Run(c.name+"/size="+sizeName(n), func(b *testing.B) {
 				dst, err := c.dst.Alloc(n)
 				require.NoError(b, err)

@@ -339,3 +339,23 @@ func TestPoolConcurrent(t *testing.T) {
 	require.NoError(t, p.Close())
 	requireLive(t, base)
 }
+
+// BenchmarkPoolAllocRelease measures the cost of taking a block from a warm pool and giving
+// it back (the per-message cost of a registered destination).
+func BenchmarkPoolAllocRelease(b *testing.B) {
+	p, err := devicebuf.NewPool(devicebuf.PoolConfig{Registrar: newRegistrar()})
+	require.NoError(b, err)
+	defer p.Close()
+	for _, n := range []int{4 << 10, 1 << 20} {
+		b.Run("size="+sizeName(n), func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				buf, err := p.Alloc(n)
+				if err != nil {
+					b.Fatal(err)
+				}
+				_ = buf.Release()
+			}
+		})
+	}
+}
