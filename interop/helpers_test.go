@@ -9,6 +9,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"fmt"
+	"hash/crc32"
 	"math/big"
 	"net"
 	"os"
@@ -359,3 +360,8 @@ func (p *pathCounter) failures() []error {
 	defer p.mu.Unlock()
 	return append([]error(nil), p.errs...)
 }
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// crc32cUpdate extends a CRC-32C (the checksum TensorService computes).
+func crc32cUpdate(crc uint32, p []byte) uint32 { return crc32.Update(crc, castagnoli, p) }
