@@ -1,0 +1,350 @@
+package dialer_test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+	testpb "google.golang.org/grpc/interop/grpc_testing"
+	"google.golang.org/grpc/status"
+
+	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+type netConn = net.Conn
+
+func insecureCreds() credentials.TransportCredentials { return insecure.NewCredentials() }
+
+const testTimeout = 30 * time.Second
+
+// testService echoes.
+type testService struct {
+	testpb.UnimplementedTestServiceServer
+}
+
+func (testService) EmptyCall(context.Context, *testpb.Empty) (*testpb.Empty, error) {
+	return &testpb.Empty{}, nil
+}
+
+func (testService) UnaryCall(_ context.Context, req *testpb.SimpleRequest) (*testpb.SimpleResponse, error) {
+	return &testpb.SimpleResponse{Payload: req.GetPayload()}, nil
+}
+
+func (testService) StreamingInputCall(st testpb.TestService_StreamingInputCallServer) error {
+	n := 0
+	for {
+		m, err := st.Recv()
+		if err == io.EOF {
+			return st.SendAndClose(&testpb.StreamingInputCallResponse{AggregatedPayloadSize: int32(n)})
+		}
+		if err != nil {
+			return err
+		}
+		n += len(m.GetPayload().GetBody())
+	}
+}
+
+func (testService) FullDuplexCall(st testpb.TestService_FullDuplexCallServer) error {
+	for {
+		m, err := st.Recv()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		if err := st.Send(&testpb.StreamingOutputCallResponse{Payload: m.GetPayload()}); err != nil {
+			return err
+		}
+	}
+}
+
+func pattern(n int) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(i*7 + i>>8)
+	}
+	return b
+}
+
+func required(what string) bool {
+	for _, w := range strings.Split(os.Getenv("GDRPC_REQUIRE"), ",") {
+		if strings.TrimSpace(w) == what {
+			return true
+		}
+	}
+	return false
+}
+
+var ucxContexts sync.Map
+
+func ucxContext(tb testing.TB, tls string) *rdma.Context {
+	tb.Helper()
+	if err := rdma.Available(); err != nil {
+		if required("ucx") {
+			tb.Fatalf("UCX required (GDRPC_REQUIRE) but unavailable: %v", err)
+		}
+		tb.Skipf("UCX unavailable: %v", err)
+	}
+	if c, ok := ucxContexts.Load(tls); ok {
+		return c.(*rdma.Context)
+	}
+	c, err := rdma.NewContext(rdma.WithTransports(tls))
+	require.NoError(tb, err)
+	actual, loaded := ucxContexts.LoadOrStore(tls, c)
+	if loaded {
+		_ = c.Close()
+	}
+	return actual.(*rdma.Context)
+}
+
+// A transport a test or benchmark runs over. plain is gRPC over TCP without
+// gdrpc, the baseline.
+type transportCase struct {
+	name  string
+	ucx   string
+	plain bool
+}
+
+// The UCX shm family keeps tcp for UCX's connection manager.
+var transportCases = []transportCase{
+	{name: "ucx-shm", ucx: "posix,sysv,cma,tcp"},
+	{name: "ucx-tcp", ucx: "tcp"},
+	{name: "tcp"},
+}
+
+var plainCase = transportCase{name: "grpc-tcp", plain: true}
+
+func (tc transportCase) options(tb testing.TB) []transport.Option {
+	if tc.ucx == "" {
+		return []transport.Option{transport.WithMode(transport.ModeTCP)}
+	}
+	return []transport.Option{transport.WithMode(transport.ModeUCX), transport.WithRDMAContext(ucxContext(tb, tc.ucx))}
+}
+
+func (tc transportCase) want() string {
+	if tc.ucx != "" {
+		return "ucx"
+	}
+	return "tcp"
+}
+
+// serve starts the test service over tc and returns a client connection to it.
+func serve(tb testing.TB, tc transportCase) *grpc.ClientConn {
+	tb.Helper()
+	var l net.Listener
+	var srv *grpc.Server
+	var dopts []grpc.DialOption
+	if tc.plain {
+		var err error
+		l, err = net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(tb, err)
+		srv = grpc.NewServer()
+		dopts = []grpc.DialOption{grpc.WithTransportCredentials(insecureCreds())}
+	} else {
+		opts := tc.options(tb)
+		var err error
+		l, err = listener.Listen("127.0.0.1:0", opts...)
+		require.NoError(tb, err)
+		srv = grpc.NewServer(listener.ServerOptions(nil)...)
+		dopts = dialer.New(opts...).DialOptions(nil)
+	}
+	testpb.RegisterTestServiceServer(srv, testService{})
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		_ = srv.Serve(l)
+	}()
+	cc, err := grpc.NewClient("passthrough:///"+l.Addr().String(), dopts...)
+	require.NoError(tb, err)
+	tb.Cleanup(func() {
+		_ = cc.Close()
+		srv.Stop()
+		<-served
+	})
+	return cc
+}
+
+// TestGRPC runs unary and streaming calls over every transport and checks
+// the bytes and the transport the session chose.
+func TestGRPC(t *testing.T) {
+	for _, tc := range transportCases {
+		t.Run(tc.name, func(t *testing.T) {
+			cc := serve(t, tc)
+			c := testpb.NewTestServiceClient(cc)
+			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			defer cancel()
+			_, err := c.EmptyCall(ctx, &testpb.Empty{})
+			require.NoError(t, err)
+			for _, n := range []int{0, 1024, 1 << 20, 4<<20 - 64} {
+				body := pattern(n)
+				resp, err := c.UnaryCall(ctx, &testpb.SimpleRequest{Payload: &testpb.Payload{Body: body}})
+				require.NoError(t, err)
+				require.True(t, bytes.Equal(body, resp.GetPayload().GetBody()), "size %d: payload differs", n)
+			}
+			st, err := c.FullDuplexCall(ctx)
+			require.NoError(t, err)
+			for i := range 20 {
+				body := pattern(1000 * i)
+				require.NoError(t, st.Send(&testpb.StreamingOutputCallRequest{Payload: &testpb.Payload{Body: body}}))
+				m, err := st.Recv()
+				require.NoError(t, err)
+				require.True(t, bytes.Equal(body, m.GetPayload().GetBody()), "message %d differs", i)
+			}
+			require.NoError(t, st.CloseSend())
+			_, err = st.Recv()
+			require.ErrorIs(t, err, io.EOF)
+
+			in, err := c.StreamingInputCall(ctx)
+			require.NoError(t, err)
+			for range 8 {
+				require.NoError(t, in.Send(&testpb.StreamingInputCallRequest{Payload: &testpb.Payload{Body: pattern(1 << 20)}}))
+			}
+			r, err := in.CloseAndRecv()
+			require.NoError(t, err)
+			require.Equal(t, int32(8<<20), r.GetAggregatedPayloadSize())
+		})
+	}
+}
+
+// TestDialContextTransport: the conn DialContext returns belongs to a session
+// over the transport asked for, and closing it closes the session.
+func TestDialContextTransport(t *testing.T) {
+	for _, tc := range transportCases {
+		t.Run(tc.name, func(t *testing.T) {
+			opts := tc.options(t)
+			l, err := listener.Listen("127.0.0.1:0", opts...)
+			require.NoError(t, err)
+			defer l.Close()
+			accepted := make(chan net.Conn, 1)
+			go func() {
+				c, err := l.Accept()
+				if err == nil {
+					accepted <- c
+				}
+			}()
+			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			defer cancel()
+			c, err := dialer.New(opts...).DialContext(ctx, l.Addr().String())
+			require.NoError(t, err)
+			s := transport.SessionOf(c)
+			require.NotNil(t, s)
+			require.Equal(t, tc.want(), s.Transport())
+			require.Equal(t, "gdrpc+"+tc.want(), c.RemoteAddr().Network())
+			var sc net.Conn
+			select {
+			case sc = <-accepted:
+			case <-ctx.Done():
+				t.Fatal("no accept")
+			}
+			require.NoError(t, c.Close())
+			select {
+			case <-s.Done():
+			case <-ctx.Done():
+				t.Fatal("session not closed with its conn")
+			}
+			ss := transport.SessionOf(sc)
+			select {
+			case <-ss.Done():
+			case <-ctx.Done():
+				t.Fatal("server session not closed")
+			}
+			require.NoError(t, sc.Close())
+		})
+	}
+}
+
+// startChild re-executes the test binary in a role (prefix: a command to run
+// it under, e.g. ip netns exec), and returns the process and its first line.
+func startChild(t *testing.T, prefix []string, role string, env ...string) (*exec.Cmd, string) {
+	t.Helper()
+	args := append(append([]string{}, prefix...), os.Args[0], "-test.run=^$")
+	cmd := exec.Command(args[0], args[1:]...)
+	cmd.Env = append(append(os.Environ(), childEnv+"="+role), env...)
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	require.NoError(t, err)
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	waited := make(chan struct{})
+	go func() {
+		_ = cmd.Wait()
+		close(waited)
+	}()
+	t.Cleanup(func() {
+		_ = stdin.Close()
+		_ = cmd.Process.Kill()
+		<-waited
+	})
+	line := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		if sc.Scan() {
+			line <- sc.Text()
+		} else {
+			line <- "EOF"
+		}
+		_, _ = io.Copy(io.Discard, stdout)
+	}()
+	select {
+	case l := <-line:
+		return cmd, l
+	case <-time.After(testTimeout):
+		t.Fatal("child did not answer")
+	}
+	return nil, ""
+}
+
+// TestPeerKilledMidStream: the server process dies during a stream; the RPC
+// fails with codes.Unavailable promptly, and the session leaves the registry.
+func TestPeerKilledMidStream(t *testing.T) {
+	for _, tc := range transportCases {
+		t.Run(tc.name, func(t *testing.T) {
+			opts := tc.options(t)
+			cmd, line := startChild(t, nil, "grpc-server", "GDRPC_TEST_LISTEN=127.0.0.1:0", "GDRPC_TEST_UCX="+tc.ucx)
+			addr, ok := strings.CutPrefix(line, "ADDR ")
+			require.True(t, ok, line)
+			d := dialer.New(opts...)
+			cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(nil)...)
+			require.NoError(t, err)
+			defer cc.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			defer cancel()
+			st, err := testpb.NewTestServiceClient(cc).FullDuplexCall(ctx)
+			require.NoError(t, err)
+			require.NoError(t, st.Send(&testpb.StreamingOutputCallRequest{Payload: &testpb.Payload{Body: []byte("ping")}}))
+			_, err = st.Recv()
+			require.NoError(t, err)
+			require.Equal(t, 1, transport.NumSessions())
+
+			require.NoError(t, cmd.Process.Kill())
+			start := time.Now()
+			_, err = st.Recv()
+			require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+			require.Less(t, time.Since(start), 10*time.Second)
+			t.Logf("stream failed %v after the kill: %v", time.Since(start), err)
+			deadline := time.Now().Add(testTimeout)
+			for transport.NumSessions() != 0 && time.Now().Before(deadline) {
+				time.Sleep(10 * time.Millisecond) // polling an observable, bounded
+			}
+			require.Zero(t, transport.NumSessions())
+		})
+	}
+}

@@ -1,0 +1,157 @@
+package dialer_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	testpb "google.golang.org/grpc/interop/grpc_testing"
+
+	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+const childEnv = "GDRPC_TEST_CHILD"
+
+func TestMain(m *testing.M) {
+	if role := os.Getenv(childEnv); role != "" {
+		os.Exit(runChild(role))
+	}
+	code := m.Run()
+	if code == 0 {
+		if err := checkLeaks(); err != nil {
+			fmt.Fprintln(os.Stderr, "leak check:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+func checkLeaks() error {
+	deadline := time.Now().Add(5 * time.Second)
+	var leaked []string
+	for {
+		leaked = leakedGoroutines()
+		if len(leaked) == 0 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond) // polling for exit, bounded by deadline
+	}
+	var errs []error
+	if len(leaked) > 0 {
+		errs = append(errs, fmt.Errorf("%d goroutines leaked:\n%s", len(leaked), strings.Join(leaked, "\n\n")))
+	}
+	if n := transport.NumSessions(); n != 0 {
+		errs = append(errs, fmt.Errorf("%d sessions still registered", n))
+	}
+	if st := rdma.Stats(); st.Endpoints != 0 || st.Listeners != 0 {
+		errs = append(errs, fmt.Errorf("rdma objects alive: %+v", st))
+	}
+	return errors.Join(errs...)
+}
+
+func leakedGoroutines() []string {
+	buf := make([]byte, 1<<20)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) {
+			buf = buf[:n]
+			break
+		}
+		buf = make([]byte, 2*len(buf))
+	}
+	var out []string
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		if strings.Contains(g, "leakedGoroutines") {
+			continue
+		}
+		if strings.Contains(g, "gdrpc/gdrpc/transport") || strings.Contains(g, "hashicorp/yamux") ||
+			strings.Contains(g, "google.golang.org/grpc") {
+			out = append(out, g)
+		}
+	}
+	return out
+}
+
+// childOptions reads the transport of a child from GDRPC_TEST_UCX ("" for
+// TCP, else UCX_TLS).
+func childOptions() ([]transport.Option, error) {
+	tls := os.Getenv("GDRPC_TEST_UCX")
+	if tls == "" {
+		return []transport.Option{transport.WithMode(transport.ModeTCP)}, nil
+	}
+	rc, err := rdma.NewContext(rdma.WithTransports(tls))
+	if err != nil {
+		return nil, err
+	}
+	return []transport.Option{transport.WithMode(transport.ModeUCX), transport.WithRDMAContext(rc)}, nil
+}
+
+// runChild plays a role in a child process:
+//   - "grpc-server": serves the test service on GDRPC_TEST_LISTEN, prints
+//     "ADDR <addr>", exits when stdin closes;
+//   - "grpc-client": calls the test service at GDRPC_TEST_ADDR with 1 MiB,
+//     checks the echo and prints "OK transport=<t> samehost=<bool>".
+func runChild(role string) int {
+	opts, err := childOptions()
+	if err != nil {
+		fmt.Println("ERR", err)
+		return 1
+	}
+	switch role {
+	case "grpc-server":
+		l, err := listener.Listen(os.Getenv("GDRPC_TEST_LISTEN"), opts...)
+		if err != nil {
+			fmt.Println("ERR", err)
+			return 1
+		}
+		srv := grpc.NewServer(listener.ServerOptions(nil)...)
+		testpb.RegisterTestServiceServer(srv, testService{})
+		go func() { _ = srv.Serve(l) }()
+		fmt.Println("ADDR", l.Addr().String())
+		_, _ = io.Copy(io.Discard, os.Stdin)
+		srv.Stop()
+		return 0
+	case "grpc-client":
+		d := dialer.New(opts...)
+		var sess *transport.Session
+		dial := func(ctx context.Context, addr string) (netConn, error) {
+			c, err := d.DialContext(ctx, addr)
+			if err == nil {
+				sess = transport.SessionOf(c)
+			}
+			return c, err
+		}
+		cc, err := grpc.NewClient("passthrough:///"+os.Getenv("GDRPC_TEST_ADDR"), append(d.DialOptions(nil), grpc.WithContextDialer(dial))...)
+		if err != nil {
+			fmt.Println("ERR", err)
+			return 1
+		}
+		defer cc.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		body := pattern(1 << 20)
+		resp, err := testpb.NewTestServiceClient(cc).UnaryCall(ctx, &testpb.SimpleRequest{Payload: &testpb.Payload{Body: body}})
+		if err != nil {
+			fmt.Println("ERR", err)
+			return 1
+		}
+		if string(resp.GetPayload().GetBody()) != string(body) {
+			fmt.Println("ERR payload differs")
+			return 1
+		}
+		fmt.Printf("OK transport=%s samehost=%v\n", sess.Transport(), sess.Peer().SameHost)
+		return 0
+	}
+	fmt.Fprintln(os.Stderr, "unknown child role", role)
+	return 2
+}
