@@ -56,7 +56,7 @@ func main() {
 		serve()
 		return
 	}
-	if err := run(); err != nil {
+	if err := run(os.Stdout); err != nil {
 		log.Fatal(err)
 	}
 }
@@ -139,7 +139,8 @@ func (p *paths) Fallback(wanted, took transport.Path, reason string) {
 	log.Printf("fallback from %s to %s: %s", wanted, took, reason)
 }
 
-func run() error {
+// run measures both clients and prints the comparison to w.
+func run(w io.Writer) error {
 	addr, stop, err := startServer()
 	if err != nil {
 		return err
@@ -188,11 +189,11 @@ func run() error {
 	pathLog.mu.Lock()
 	took := pathLog.seen
 	pathLog.mu.Unlock()
-	fmt.Printf("A %d MiB payload from a gRPC server in another process (median of %d calls, checksums verified):\n", size>>20, calls)
+	fmt.Fprintf(w, "A %d MiB payload from a gRPC server in another process (median of %d calls, checksums verified):\n", size>>20, calls)
 	gdrpcLabel := fmt.Sprintf("gdrpc, out-of-band (path %s, session over %s):", strings.Join(took, "+"), over)
-	fmt.Printf("  %-52s %8.1f ms %8.0f MiB/s\n", gdrpcLabel, ms(gdrpcTime), mibs(gdrpcTime))
-	fmt.Printf("  %-52s %8.1f ms %8.0f MiB/s\n", "plain gRPC over TCP, inline:", ms(plainTime), mibs(plainTime))
-	fmt.Printf("  gdrpc is %.1fx plain gRPC\n", plainTime.Seconds()/gdrpcTime.Seconds())
+	fmt.Fprintf(w, "  %-52s %8.1f ms %8.0f MiB/s\n", gdrpcLabel, ms(gdrpcTime), mibs(gdrpcTime))
+	fmt.Fprintf(w, "  %-52s %8.1f ms %8.0f MiB/s\n", "plain gRPC over TCP, inline:", ms(plainTime), mibs(plainTime))
+	fmt.Fprintf(w, "  gdrpc is %.1fx plain gRPC\n", plainTime.Seconds()/gdrpcTime.Seconds())
 	return nil
 }
 

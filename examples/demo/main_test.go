@@ -1,0 +1,51 @@
+package main
+
+import (
+	"bytes"
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+func TestMain(m *testing.M) {
+	if len(os.Args) > 1 && os.Args[1] == "-serve" {
+		main() // this test binary was started again as the demo's server
+		os.Exit(0)
+	}
+	code := m.Run()
+	if code == 0 && (transport.NumSessions() != 0 || transport.OutboxLen() != 0 || gdrcodec.Attached() != 0) {
+		os.Stderr.WriteString("leak: sessions, outbox entries or attached buffers left\n")
+		code = 1
+	}
+	os.Exit(code)
+}
+
+// TestDemo runs what "make demo" runs: the default transport (UCX where it
+// is usable, else TCP).
+func TestDemo(t *testing.T) {
+	if testing.Short() || raceEnabled {
+		t.Skip("moves 64 MiB a dozen times: not under -short or -race")
+	}
+	want := "(path rdma, session over ucx)"
+	if err := rdma.Available(); err != nil {
+		if strings.Contains(os.Getenv("GDRPC_REQUIRE"), "ucx") {
+			t.Fatalf("UCX required: %v", err)
+		}
+		want = "(path stream, session over tcp)"
+	}
+	t.Setenv(transport.EnvTransport, "auto") // the server inherits it
+	gdrcodec.Register()
+	var out bytes.Buffer
+	require.NoError(t, run(&out))
+	s := out.String()
+	require.Contains(t, s, "A 64 MiB payload from a gRPC server in another process (median of 5 calls, checksums verified)")
+	require.Contains(t, s, want)
+	require.Regexp(t, `plain gRPC over TCP, inline:\s+[0-9.]+ ms\s+[0-9]+ MiB/s`, s)
+	require.Regexp(t, `gdrpc is [0-9.]+x plain gRPC`, s)
+}
