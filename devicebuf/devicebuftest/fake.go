@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"unsafe"
@@ -80,12 +81,39 @@ func Install(tb testing.TB, devices int) *GPU {
 		tb.Fatalf("devicebuftest: %d devices", devices)
 	}
 	g := newGPU(tb, devices)
+	install(tb, g)
+	tb.Cleanup(g.checkLeaks)
+	return g
+}
+
+// installed is the stack of fakes installed by live tests.
+var installed struct {
+	sync.Mutex
+	by []testing.TB
+}
+
+// install makes g current for the rest of tb. A fake installed by another test that is still
+// running (parallel tests) would see its driver swapped underneath it: that fails tb. Nested
+// installs by the same test or its subtests are fine.
+func install(tb testing.TB, g *GPU) {
+	tb.Helper()
+	installed.Lock()
+	if n := len(installed.by); n > 0 {
+		top := installed.by[n-1]
+		if top != tb && !strings.HasPrefix(tb.Name(), top.Name()+"/") {
+			installed.Unlock()
+			tb.Fatalf("devicebuftest: %s installs a fake GPU while %s has one installed; tests that Install must not run in parallel", tb.Name(), top.Name())
+		}
+	}
+	installed.by = append(installed.by, tb)
+	installed.Unlock()
 	restore := driver.Install(g, g)
 	tb.Cleanup(func() {
 		restore()
-		g.checkLeaks()
+		installed.Lock()
+		installed.by = installed.by[:len(installed.by)-1]
+		installed.Unlock()
 	})
-	return g
 }
 
 // InstallAbsent installs a driver and inventory that report ErrNotSupported with reason, as
@@ -94,8 +122,7 @@ func InstallAbsent(tb testing.TB, reason string) {
 	tb.Helper()
 	g := newGPU(tb, 0)
 	g.absent = fmt.Errorf("devicebuftest: %s: %w", reason, driver.ErrNotSupported)
-	restore := driver.Install(g, g)
-	tb.Cleanup(restore)
+	install(tb, g)
 }
 
 func newGPU(tb testing.TB, devices int) *GPU {
