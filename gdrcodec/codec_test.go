@@ -137,6 +137,8 @@ func newRig(t *testing.T, mode transport.Mode, srv *tensor.Server) *rig {
 		cc.Close()
 		gs.Stop()
 		require.NoError(t, <-served)
+		// The next test starts with no session of this one left.
+		require.Eventually(t, func() bool { return transport.NumSessions() == 0 }, 10*time.Second, 5*time.Millisecond)
 	})
 	return &rig{client: tensorpb.NewTensorServiceClient(cc), paths: pc}
 }
@@ -183,14 +185,12 @@ func TestOutOfBand(t *testing.T) {
 						got, err := r.client.Make(ctx, &tensorpb.Sized{Size: uint64(n), Seed: uint32(n), Blob: blob})
 						require.NoError(t, err)
 						if blob {
-							require.Equal(t, len(want), len(got.Blob))
-							require.True(t, bytes.Equal(want, got.Blob))
+							requireBytes(t, want, got.Blob)
 						} else {
 							b, err := tensor.Bytes(got.Data)
 							require.NoError(t, err)
 							require.Equal(t, crc, tensor.ChecksumBytes(b))
-							require.Equal(t, len(want), len(b))
-							require.True(t, bytes.Equal(want, b))
+							requireBytes(t, want, b)
 						}
 						gdrcodec.ReleaseAll(got)
 					}
@@ -234,7 +234,7 @@ func TestEchoAndStreams(t *testing.T) {
 		require.NoError(t, err)
 		got = append(got, p...)
 	}
-	require.Equal(t, all, got)
+	requireBytes(t, all, got)
 	gdrcodec.ReleaseAll(in)
 	gdrcodec.ReleaseAll(out)
 
@@ -262,7 +262,7 @@ func TestEchoAndStreams(t *testing.T) {
 		require.NoError(t, err)
 		p, err := tensor.Bytes(tn.Data)
 		require.NoError(t, err)
-		require.Equal(t, pattern(300<<10, 9+i), p)
+		requireBytes(t, pattern(300<<10, 9+i), p)
 		gdrcodec.ReleaseAll(tn)
 	}
 	_, err = down.Recv()
@@ -280,14 +280,27 @@ func TestBytesFieldLookingLikeADescriptor(t *testing.T) {
 }
 
 // Device memory from the fake GPU (which faults on any CPU touch) goes out and
-// comes back byte-exact, landing in fake GPU memory on the receiver.
+// comes back byte-exact, landing in fake GPU memory on the receiver, over every
+// path: CUDA IPC, staged through registered host memory over UCX, the stream.
 func TestFakeGPU(t *testing.T) {
 	devicebuftest.Install(t, 1)
 	gpu, err := devicebuf.NewCUDAAllocator(0)
 	require.NoError(t, err)
-	for _, mode := range []transport.Mode{transport.ModeTCP, transport.ModeUCX} {
-		t.Run("transport="+string(mode), func(t *testing.T) {
-			r := newRig(t, mode, &tensor.Server{Alloc: gpu})
+	tests := []struct {
+		name  string
+		mode  transport.Mode
+		paths transport.Path
+		want  string
+	}{
+		{name: "cuda-ipc", mode: transport.ModeTCP, paths: transport.PathCUDAIPC, want: "cuda-ipc"},
+		{name: "staged-ucx", mode: transport.ModeUCX, paths: transport.PathRDMA, want: "staged"},
+		{name: "stream", mode: transport.ModeTCP, paths: transport.PathStream, want: "stream"},
+		{name: "stream-ucx", mode: transport.ModeUCX, paths: transport.PathStream, want: "stream"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := newRig(t, tt.mode, &tensor.Server{Alloc: gpu})
+			transport.SetTransferConfig(transport.TransferConfig{Metrics: r.paths, Paths: tt.paths, StagingChunk: 1 << 20})
 			gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
 			t.Cleanup(func() { gdrcodec.Register() })
 			for _, n := range []int{1, 64 << 10, 5<<20 + 3} {
@@ -299,12 +312,16 @@ func TestFakeGPU(t *testing.T) {
 				require.Equal(t, devicebuf.CUDA, b.Kind(), "received into GPU memory")
 				p, err := tensor.Bytes(got.Data)
 				require.NoError(t, err)
-				require.Equal(t, want, p)
+				requireBytes(t, want, p)
 
 				sum, err := r.client.Digest(context.Background(), got)
 				require.NoError(t, err)
 				require.Equal(t, tensor.ChecksumBytes(want), sum.Crc32C)
 				gdrcodec.ReleaseAll(got)
+				paths := r.paths.reset()
+				if n >= gdrcodec.DefaultEagerThreshold {
+					require.Equal(t, map[string]int{tt.want: 2}, paths)
+				}
 			}
 		})
 	}
@@ -355,7 +372,7 @@ func TestPlainClient(t *testing.T) {
 	require.NoError(t, err)
 	p, err := tensor.Bytes(got.Data)
 	require.NoError(t, err)
-	require.Equal(t, pattern(n, 5), p)
+	requireBytes(t, pattern(n, 5), p)
 	gdrcodec.ReleaseAll(got)
 
 	// And a plain client that names the gdr subtype is refused clearly.
@@ -365,4 +382,17 @@ func TestPlainClient(t *testing.T) {
 
 func crc32Update(crc uint32, p []byte) uint32 {
 	return crc32.Update(crc, crc32.MakeTable(crc32.Castagnoli), p)
+}
+
+// requireBytes compares payloads without printing megabytes on a mismatch.
+func requireBytes(t testing.TB, want, got []byte) {
+	t.Helper()
+	if bytes.Equal(want, got) {
+		return
+	}
+	i := 0
+	for i < len(want) && i < len(got) && want[i] == got[i] {
+		i++
+	}
+	t.Fatalf("payload differs: want %d bytes, got %d; first difference at byte %d", len(want), len(got), i)
 }

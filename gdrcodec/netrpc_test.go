@@ -82,7 +82,7 @@ func TestNetRPC(t *testing.T) {
 				require.NoError(t, client.Call("Tensors.Make", &tensorpb.Sized{Size: uint64(n), Seed: 4}, &got))
 				p, err := tensor.Bytes(got.Data)
 				require.NoError(t, err)
-				require.Equal(t, want, p)
+				requireBytes(t, want, p)
 				gdrcodec.ReleaseAll(&got)
 			}
 			err = client.Call("Tensors.Fail", &tensorpb.Sized{}, &tensorpb.Summary{})

@@ -44,8 +44,8 @@ type TransferInfo struct {
 
 type nopMetrics struct{}
 
-func (nopMetrics) Transfer(TransferInfo) {}
-func (nopMetrics) Fallback(Path, Path, string)                {}
+func (nopMetrics) Transfer(TransferInfo)       {}
+func (nopMetrics) Fallback(Path, Path, string) {}
 
 // TransferConfig tunes the out-of-band engine of this process.
 type TransferConfig struct {
@@ -57,6 +57,10 @@ type TransferConfig struct {
 	// PoolBytes bounds the registered host memory the engine keeps for
 	// destinations and staging. If zero, 2 GiB.
 	PoolBytes int64
+	// Paths limits the paths transfers may take (PathCUDAIPC|PathRDMA; the
+	// stream path is always allowed, and PathRDMA covers staged GPU transfers).
+	// If zero, all.
+	Paths Path
 	// Logger receives one debug record per transfer (path and reason). If nil,
 	// nothing is logged.
 	Logger *slog.Logger
@@ -85,6 +89,10 @@ func SetTransferConfig(c TransferConfig) {
 	if c.PoolBytes <= 0 {
 		c.PoolBytes = 2 << 30
 	}
+	if c.Paths == 0 {
+		c.Paths = PathCUDAIPC | PathRDMA
+	}
+	c.Paths |= PathStream
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -127,6 +135,9 @@ func (e *TransferError) Unwrap() error { return e.Err }
 func (e *TransferError) Timeout() bool { return e.Kind == TransferTimeout }
 
 // ---- receiver side -------------------------------------------------------------
+
+// errRTRNotSent marks a pull whose session closed before its RTR was sent.
+var errRTRNotSent = errors.New("RTR not sent")
 
 type pull struct {
 	req  uint64
@@ -176,8 +187,8 @@ func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, erro
 		return PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid,
 			Err: fmt.Errorf("destination of %d bytes for a payload of %d", dst.Len(), d.Length)}
 	}
-	s := pickSession(d.Owner)
-	if s == nil {
+	sessions := liveSessions(d.Owner)
+	if len(sessions) == 0 {
 		if d.Owner == LocalID() {
 			return fetchLocal(d, dst)
 		}
@@ -188,7 +199,16 @@ func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, erro
 	ctx, cancel := context.WithTimeout(ctx, c.Timeout)
 	defer cancel()
 	start := time.Now()
-	path, err := fetchVia(ctx, s, d, dst)
+	var s *Session
+	var path Path
+	var err error
+	for _, s = range sessions {
+		// A session that closes before the RTR left it never reached the owner:
+		// the next one may.
+		if path, err = fetchVia(ctx, s, d, dst); !errors.Is(err, errRTRNotSent) {
+			break
+		}
+	}
 	c.Metrics.Transfer(TransferInfo{Path: path, Bytes: int64(d.Length), Elapsed: time.Since(start), Err: err, Pull: true})
 	if err != nil {
 		return path, err
@@ -215,14 +235,15 @@ func FetchBytes(ctx context.Context, d Descriptor, p []byte) (Path, error) {
 // session to it exists, or it is this process. Receivers ask before they
 // allocate a destination for a descriptor.
 func Reachable(owner ID) error {
-	if owner == LocalID() || pickSession(owner) != nil {
+	if owner == LocalID() || len(liveSessions(owner)) > 0 {
 		return nil
 	}
 	return &TransferError{Kind: TransferUnavailable, Err: fmt.Errorf("no live session to owner %v", owner)}
 }
 
-func pickSession(owner ID) *Session {
-	var best *Session
+// liveSessions returns the live sessions to owner, those over UCX first.
+func liveSessions(owner ID) []*Session {
+	var ucx, other []*Session
 	for _, s := range SessionsTo(owner) {
 		select {
 		case <-s.Done():
@@ -230,13 +251,12 @@ func pickSession(owner ID) *Session {
 		default:
 		}
 		if s.Endpoint() != nil {
-			return s
-		}
-		if best == nil {
-			best = s
+			ucx = append(ucx, s)
+		} else {
+			other = append(other, s)
 		}
 	}
-	return best
+	return append(ucx, other...)
 }
 
 // fetchLocal serves a payload this process owns itself, with no session to
@@ -280,6 +300,13 @@ func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buff
 
 	if err := s.SendControl(ctx, ctlRTR, m.marshal()); err != nil {
 		p.settled()
+		if ctx.Err() == nil {
+			select {
+			case <-s.Done():
+				return PathNone, fmt.Errorf("%w: %w", errRTRNotSent, sessionError(d.Token, s, ctx, err))
+			default:
+			}
+		}
 		return PathNone, sessionError(d.Token, s, ctx, err)
 	}
 	var f *fin
@@ -311,7 +338,8 @@ func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buff
 			return f.Path, &TransferError{Token: d.Token, Err: fmt.Errorf("bulk stream: %w", err)}
 		}
 	}
-	if staging != nil {
+	if staging != nil && (f.Path == PathRDMA || f.Path == PathStaged) {
+		// The owner wrote into host staging: move it to the GPU destination.
 		if err := devicebuf.Copy(dst, staging); err != nil {
 			p.settled()
 			return f.Path, &TransferError{Token: d.Token, Err: fmt.Errorf("copy from staging: %w", err)}
@@ -335,8 +363,8 @@ func (p *pull) settleLater() {
 // It returns a host staging buffer when the bytes land there first (GPU
 // destinations that UCX cannot write into).
 func offerDestination(s *Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buffer, error) {
-	peer := s.Peer()
-	if dst := p.dst; dst.Kind() == devicebuf.CUDA && peer.SameHost && d.HostID == LocalHostID() && d.Kind == devicebuf.CUDA {
+	peer, allowed := s.Peer(), cfg().Paths
+	if dst := p.dst; allowed&PathCUDAIPC != 0 && dst.Kind() == devicebuf.CUDA && peer.SameHost && d.HostID == LocalHostID() && d.Kind == devicebuf.CUDA {
 		h, off, err := devicebuf.ExportIPC(dst)
 		if err == nil {
 			m.Offers |= PathCUDAIPC
@@ -346,7 +374,7 @@ func offerDestination(s *Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buf
 		}
 	}
 	ep, rc := s.Endpoint(), s.RDMA()
-	if ep == nil || rc == nil || d.Length == 0 {
+	if ep == nil || rc == nil || d.Length == 0 || allowed&PathRDMA == 0 {
 		return nil, nil
 	}
 	target := p.dst
@@ -523,14 +551,15 @@ func push(ctx context.Context, s *Session, m *rtr, src Source) (Path, error) {
 	if m.Length == 0 {
 		return PathNone, nil
 	}
-	if m.Offers&PathCUDAIPC != 0 {
+	allowed := cfg().Paths
+	if m.Offers&allowed&PathCUDAIPC != 0 {
 		err := pushIPC(m, src)
 		if err == nil {
 			return PathCUDAIPC, nil
 		}
 		cfg().Metrics.Fallback(PathCUDAIPC, PathRDMA, err.Error())
 	}
-	if m.Offers&PathRDMA != 0 {
+	if m.Offers&allowed&PathRDMA != 0 {
 		if ep := s.Endpoint(); ep != nil {
 			path, err := pushRDMA(ctx, s, ep, m, src)
 			if err == nil || ctx.Err() != nil {

@@ -90,8 +90,11 @@ func (regionRegistrar) Register(ptr uintptr, n int, kind devicebuf.Kind, device 
 // pool's where b comes from a registered pool of rc, else a registration made
 // for this one transfer (Go memory stays pinned until release).
 func registered(rc *rdma.Context, b *devicebuf.Buffer) (*rdma.Memory, int, func(), error) {
-	root, off := b.Root()
-	if r, ok := root.Registration().(*registration); ok && r.ctx == rc {
+	if r, ok := b.Registration().(*registration); ok && r.ctx == rc {
+		root, off := b.Root()
+		if root.Ptr() != r.mem.Addr() {
+			return nil, 0, nil, fmt.Errorf("region at %#x registered at %#x", root.Ptr(), r.mem.Addr())
+		}
 		return r.mem, off, func() {}, nil
 	}
 	mt := rdma.MemoryHost
