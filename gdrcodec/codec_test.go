@@ -33,6 +33,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	gpuServerChild() // returns unless this process is a test's server child
 	gdrcodec.Register()
 	before := runtime.NumGoroutine()
 	code := m.Run()

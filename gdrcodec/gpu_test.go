@@ -1,0 +1,184 @@
+package gdrcodec_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/examples/tensor"
+	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/transport"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+)
+
+// The GPU service test: two processes on one GPU, a TensorService whose
+// request and response payloads live in GPU memory on both sides, over every
+// path, byte-exact. The server is this test binary re-executed.
+
+const (
+	envGPUChild = "GDRPC_TEST_GPU_SERVER" // set in the child: the transport mode
+	envPaths    = "GDRPC_TEST_PATHS"      // the allowed path mask, both processes
+)
+
+func requireCUDA(t testing.TB) {
+	t.Helper()
+	if err := devicebuf.CUDAAvailable(); err != nil {
+		if strings.Contains(os.Getenv("GDRPC_REQUIRE"), "cuda") {
+			t.Fatalf("CUDA required: %v", err)
+		}
+		t.Skipf("no CUDA: %v", err)
+	}
+}
+
+// gpuServerChild runs the server side when this binary was started as the
+// child; it reports its address on stdout and serves until stdin closes.
+func gpuServerChild() {
+	mode := os.Getenv(envGPUChild)
+	if mode == "" {
+		return
+	}
+	fail := func(err error) {
+		fmt.Fprintln(os.Stderr, "gpu server:", err)
+		os.Exit(2)
+	}
+	paths, _ := strconv.Atoi(os.Getenv(envPaths))
+	transport.SetTransferConfig(transport.TransferConfig{Paths: transport.Path(paths)})
+	gpu, err := devicebuf.NewCUDAAllocator(0)
+	if err != nil {
+		fail(err)
+	}
+	gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
+	lis, err := listener.Listen("127.0.0.1:0", transport.WithMode(transport.Mode(mode)))
+	if err != nil {
+		fail(err)
+	}
+	gs := grpc.NewServer(append(listener.ServerOptions(insecure.NewCredentials()), gdrcodec.ServerOptions()...)...)
+	tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{Alloc: gpu})
+	go gs.Serve(lis)
+	fmt.Println(lis.Addr().String())
+	io.Copy(io.Discard, os.Stdin)
+	gs.Stop()
+	os.Exit(0)
+}
+
+// startGPUServer starts the child server and returns its address.
+func startGPUServer(t *testing.T, mode transport.Mode, paths transport.Path) string {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), envGPUChild+"="+string(mode), fmt.Sprintf("%s=%d", envPaths, paths))
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	require.NoError(t, err)
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() {
+		stdin.Close()
+		done := make(chan error, 1)
+		go func() { done <- cmd.Wait() }()
+		select {
+		case err := <-done:
+			require.NoError(t, err, "server child")
+		case <-time.After(30 * time.Second):
+			cmd.Process.Kill()
+			t.Error("server child did not stop")
+		}
+	})
+	addr := make(chan string, 1)
+	go func() {
+		line, _ := bufio.NewReader(stdout).ReadString('\n')
+		addr <- strings.TrimSpace(line)
+	}()
+	select {
+	case a := <-addr:
+		require.NotEmpty(t, a, "server child exited before listening")
+		return a
+	case <-time.After(60 * time.Second):
+		t.Fatal("server child did not start")
+	}
+	return ""
+}
+
+func TestGPUService(t *testing.T) {
+	requireCUDA(t)
+	gpu, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	sizes := []int{1, 64<<10 - 1, 64 << 10, 64<<10 + 1, 1 << 20, 256 << 20}
+	if !testing.Short() {
+		sizes = append(sizes, 1<<30)
+	}
+	tests := []struct {
+		name  string
+		mode  transport.Mode
+		paths transport.Path
+		want  string
+	}{
+		{name: "cuda-ipc", mode: transport.ModeTCP, paths: transport.PathCUDAIPC, want: "cuda-ipc"},
+		{name: "staged", mode: transport.ModeUCX, paths: transport.PathRDMA, want: "staged"},
+		{name: "stream", mode: transport.ModeTCP, paths: transport.PathStream, want: "stream"},
+	}
+	for _, tt := range tests {
+		t.Run("path="+tt.name, func(t *testing.T) {
+			if tt.mode == transport.ModeUCX {
+				requireUCX(t)
+			}
+			addr := startGPUServer(t, tt.mode, tt.paths)
+			pc := &pathCounter{paths: map[string]int{}}
+			transport.SetTransferConfig(transport.TransferConfig{Paths: tt.paths, Metrics: pc})
+			gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
+			t.Cleanup(func() {
+				transport.SetTransferConfig(transport.TransferConfig{})
+				gdrcodec.Register()
+			})
+			d := dialer.New(transport.WithMode(tt.mode))
+			cc, err := grpc.NewClient("passthrough:///"+addr, append(d.DialOptions(insecure.NewCredentials()), gdrcodec.DialOptions()...)...)
+			require.NoError(t, err)
+			defer cc.Close()
+			c := tensorpb.NewTensorServiceClient(cc)
+			for _, n := range sizes {
+				t.Run(fmt.Sprintf("size=%d", n), func(t *testing.T) {
+					ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+					defer cancel()
+					want := pattern(n, uint32(n))
+					start := time.Now()
+					// Response: the server's GPU payload lands in this process's GPU memory.
+					got, err := c.Make(ctx, &tensorpb.Sized{Size: uint64(n), Seed: uint32(n)})
+					require.NoError(t, err)
+					elapsed := time.Since(start)
+					b, ok := gdrcodec.Buffer(got.Data)
+					require.True(t, ok)
+					require.Equal(t, devicebuf.CUDA, b.Kind())
+					p, err := tensor.Bytes(got.Data) // copies back from the GPU
+					require.NoError(t, err)
+					requireBytes(t, want, p)
+
+					// Request: this process's GPU payload lands in the server's GPU memory;
+					// the server checksums what arrived.
+					sum, err := c.Digest(ctx, got)
+					require.NoError(t, err)
+					require.Equal(t, uint64(n), sum.Bytes)
+					require.Equal(t, tensor.ChecksumBytes(want), sum.Crc32C)
+					gdrcodec.ReleaseAll(got)
+					paths := pc.reset()
+					if n >= gdrcodec.DefaultEagerThreshold {
+						require.Equal(t, map[string]int{tt.want: 1}, paths, "the client's pull")
+					}
+					t.Logf("path=%s size=%d make=%v (%.0f MiB/s incl. server fill)", tt.want, n, elapsed, float64(n)/(1<<20)/elapsed.Seconds())
+				})
+			}
+		})
+	}
+}
