@@ -91,11 +91,36 @@ func (k *packedKey) contains(addr uint64, n int) bool {
 	return off <= k.length && uint64(n) <= k.length-off
 }
 
-// validateRkey checks what can be checked of UCX's packed rkey before UCX
-// parses it (ucp_ep_rkey_unpack takes no length and trusts the buffer).
+// validateRkey checks the structure of UCX's packed rkey before UCX parses
+// it: ucp_ep_rkey_unpack takes no length and trusts the buffer. The layout
+// (UCX 1.13 to 1.16): a little-endian uint64 bitmap of memory domains, one
+// byte of memory type, then for each bit set one byte of length and that many
+// bytes of the transport's key; a short trailer (system device information)
+// may follow.
 func validateRkey(b []byte) error {
-	if len(b) == 0 {
-		return fmt.Errorf("%w: empty rkey", ErrBadKey)
+	const maxTrailer = 64
+	if len(b) < 9 {
+		return fmt.Errorf("%w: rkey of %d bytes", ErrBadKey, len(b))
+	}
+	mdMap := binary.LittleEndian.Uint64(b)
+	if mdMap == 0 {
+		return fmt.Errorf("%w: rkey names no memory domain", ErrBadKey)
+	}
+	if b[8] >= 32 {
+		return fmt.Errorf("%w: rkey memory type %d", ErrBadKey, b[8])
+	}
+	p := 9
+	for ; mdMap != 0; mdMap &= mdMap - 1 {
+		if p >= len(b) {
+			return fmt.Errorf("%w: rkey truncated", ErrBadKey)
+		}
+		p += 1 + int(b[p])
+		if p > len(b) {
+			return fmt.Errorf("%w: rkey truncated", ErrBadKey)
+		}
+	}
+	if len(b)-p > maxTrailer {
+		return fmt.Errorf("%w: %d unexpected bytes after the rkey", ErrBadKey, len(b)-p)
 	}
 	return nil
 }

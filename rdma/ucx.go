@@ -44,6 +44,22 @@ func load() error {
 	return loader.err
 }
 
+// mayUseMM reports whether a UCX_TLS value may select the mm transports
+// (posix, sysv); UCX warns about configuration no transport used.
+func mayUseMM(tls string) bool {
+	tls = strings.TrimSpace(strings.ToLower(tls))
+	if tls == "" || strings.HasPrefix(tls, "^") {
+		return true
+	}
+	for t := range strings.SplitSeq(tls, ",") {
+		switch strings.TrimSpace(t) {
+		case "all", "sm", "shm", "mm", "posix", "sysv":
+			return true
+		}
+	}
+	return false
+}
+
 func envSet(name string) bool {
 	_, ok := os.LookupEnv(name)
 	return ok
@@ -129,8 +145,12 @@ func newContext(opts []Option, isDefault bool) (*Context, error) {
 	}
 	o := buildOptions(opts)
 	cfg := &options{}
+	tls, ok := os.LookupEnv("UCX_TLS")
+	if !ok {
+		tls = o.config["TLS"]
+	}
 	for _, d := range defaultConfig {
-		if !slices.ContainsFunc(d.unlessEnv, envSet) {
+		if !slices.ContainsFunc(d.unlessEnv, envSet) && mayUseMM(tls) {
 			cfg.set(d.key, d.value)
 		}
 	}

@@ -20,14 +20,15 @@ import (
 )
 
 const (
-	spinRounds    = 64              // idle progress rounds before sleeping on the event fd
-	sleepTimeout  = 250             // ms: longest sleep on the event fd
-	drainTimeout  = 5 * time.Second // how long a closing worker waits for UCX to complete its requests
-	acceptBacklog = 128             // connection requests waiting for Accept
-	eventBatch    = 64              // events taken from the ring at once
-	progressBatch = 32              // ucp_worker_progress calls per round
-	lingerTimeout = 2 * time.Second // Close: flush pending writes and tell the peer, at most this long
-	forceTimeout  = 5 * time.Second // Close: wait for the force close, at most this long
+	spinRounds    = 64                    // idle progress rounds before sleeping on the event fd
+	sleepTimeout  = 250                   // ms: longest sleep on the event fd
+	drainTimeout  = 5 * time.Second       // how long a closing worker waits for UCX to complete its requests
+	acceptBacklog = 128                   // connection requests waiting for Accept
+	eventBatch    = 64                    // events taken from the ring at once
+	progressBatch = 32                    // ucp_worker_progress calls per round
+	lingerTimeout = 2 * time.Second       // Close: flush pending writes and tell the peer, at most this long
+	forceTimeout  = 5 * time.Second       // Close: wait for the force close, at most this long
+	scanInterval  = 10 * time.Millisecond // least time between two FD_CLOEXEC scans
 )
 
 // Worker is a UCX worker driven by one owner goroutine locked to its OS
@@ -105,6 +106,7 @@ func (w *Worker) run(ready chan<- error) {
 	ready <- nil
 	evs := make([]C.rdma_event_t, eventBatch)
 	idle := 0
+	var lastScan time.Time
 	for {
 		busy := false
 		for _, f := range w.take() {
@@ -140,6 +142,12 @@ func (w *Worker) run(ready chan<- error) {
 		}
 		if idle++; idle < spinRounds {
 			continue
+		}
+		// UCX opens descriptors lazily (connections of lanes, from its async
+		// thread too): mark them close-on-exec before going idle.
+		if now := time.Now(); now.Sub(lastScan) > scanInterval {
+			C.rdma_cloexec_scan()
+			lastScan = now
 		}
 		w.sleep()
 		idle = spinRounds / 2

@@ -1,0 +1,102 @@
+package rdma
+
+import (
+	"bytes"
+	"encoding/hex"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// Packed rkeys as UCX 1.13 made them here: shm (tcp, sysv, posix domains) for
+// UCX-allocated memory, and tcp.
+var sampleRkeys = []string{
+	"0b0000000000000000000c2500080000c035a3407f00000000",
+	"0900000000000000000000",
+	"01000000000000000000",
+}
+
+func sampleKeys(t testing.TB) [][]byte {
+	var out [][]byte
+	for _, s := range sampleRkeys {
+		rk, err := hex.DecodeString(s)
+		require.NoError(t, err)
+		out = append(out, encodeKey(packedKey{memType: MemoryHost, base: 0x7f0000001000, length: 4096, rkey: rk}))
+	}
+	return out
+}
+
+func TestKeyFraming(t *testing.T) {
+	for _, k := range sampleKeys(t) {
+		pk, err := decodeKey(k)
+		require.NoError(t, err)
+		require.NoError(t, validateRkey(pk.rkey))
+		require.Equal(t, k, encodeKey(pk))
+		require.True(t, pk.contains(0x7f0000001000, 4096))
+		require.True(t, pk.contains(0x7f0000002000, 0))
+		require.False(t, pk.contains(0x7f0000001001, 4096))
+		require.False(t, pk.contains(0x7f0000000fff, 1))
+		require.False(t, pk.contains(^uint64(0), 2))
+	}
+	good := sampleKeys(t)[0]
+	tests := []struct {
+		name string
+		mut  func([]byte) []byte
+	}{
+		{"empty", func([]byte) []byte { return nil }},
+		{"truncated header", func(b []byte) []byte { return b[:27] }},
+		{"truncated rkey", func(b []byte) []byte { return b[:len(b)-1] }},
+		{"trailing byte", func(b []byte) []byte { return append(b, 0) }},
+		{"bad magic", func(b []byte) []byte { b[0] = 'X'; return b }},
+		{"version 2", func(b []byte) []byte { b[4] = 2; return b }},
+		{"memory type 7", func(b []byte) []byte { b[5] = 7; return b }},
+		{"reserved", func(b []byte) []byte { b[7] = 1; return b }},
+		{"zero length region", func(b []byte) []byte { clear(b[16:24]); return b }},
+		{"wrapping region", func(b []byte) []byte { copy(b[8:16], bytes.Repeat([]byte{0xff}, 8)); return b }},
+		{"rkey length zero", func(b []byte) []byte { clear(b[24:28]); return b[:28] }},
+		{"rkey length huge", func(b []byte) []byte { b[24] = 0xff; return b }},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := decodeKey(tt.mut(bytes.Clone(good)))
+			require.ErrorIs(t, err, ErrBadKey)
+		})
+	}
+	rkeyTests := []struct {
+		name string
+		rkey string
+	}{
+		{"short", "0b00000000"},
+		{"no domain", "000000000000000000"},
+		{"memory type", "01000000000000004000"},
+		{"domain length past end", "01000000000000000005aabb"},
+		{"missing domain", "03000000000000000000"},
+		{"long trailer", "01000000000000000000" + hex.EncodeToString(make([]byte, 65))},
+	}
+	for _, tt := range rkeyTests {
+		t.Run("rkey "+tt.name, func(t *testing.T) {
+			b, err := hex.DecodeString(tt.rkey)
+			require.NoError(t, err)
+			require.ErrorIs(t, validateRkey(b), ErrBadKey)
+		})
+	}
+}
+
+// FuzzKeyFraming: the parser of our framing and the rkey walk return an
+// error or a key, never crash, and a parsed key re-encodes to its input.
+func FuzzKeyFraming(f *testing.F) {
+	for _, k := range sampleKeys(f) {
+		f.Add(k)
+	}
+	f.Add([]byte("GDRK"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		pk, err := decodeKey(b)
+		if err != nil {
+			return
+		}
+		if !bytes.Equal(encodeKey(pk), b) {
+			t.Fatalf("re-encoding differs")
+		}
+		_ = validateRkey(pk.rkey)
+	})
+}
