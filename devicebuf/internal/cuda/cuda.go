@@ -306,7 +306,9 @@ type attrKey struct {
 	attr driver.Attribute
 }
 
-var theDriver = &real{ctxs: map[int]C.CUcontext{}}
+var theDriver = newReal()
+
+func newReal() *real { return &real{ctxs: map[int]C.CUcontext{}} }
 
 // Default returns the process's CUDA driver (loaded on first Init).
 func Default() driver.Driver { return theDriver }
@@ -351,11 +353,17 @@ func (d *real) Init() error {
 }
 
 func (d *real) DriverVersion() (int, error) {
+	if err := d.Init(); err != nil {
+		return 0, err
+	}
 	var v C.int
 	return int(v), cuErr("cuDriverGetVersion", C.gdr_cu_driver_version(&v))
 }
 
 func (d *real) DeviceCount() (int, error) {
+	if err := d.Init(); err != nil {
+		return 0, err
+	}
 	d.countOnce.Do(func() {
 		var n C.int
 		d.countErr = cuErr("cuDeviceGetCount", C.gdr_cu_device_count(&n))
@@ -377,6 +385,9 @@ func (d *real) DeviceUUID(dev int) ([16]byte, error) {
 
 func (d *real) deviceUUID(dev int) ([16]byte, error) {
 	var u [16]byte
+	if err := d.Init(); err != nil {
+		return u, err
+	}
 	var buf [16]C.char
 	if err := cuErr("cuDeviceGetUuid", C.gdr_cu_device_uuid(C.int(dev), &buf[0])); err != nil {
 		return u, err
@@ -388,6 +399,9 @@ func (d *real) deviceUUID(dev int) ([16]byte, error) {
 }
 
 func (d *real) DeviceName(dev int) (string, error) {
+	if err := d.Init(); err != nil {
+		return "", err
+	}
 	var buf [256]C.char
 	if err := cuErr("cuDeviceGetName", C.gdr_cu_device_name(C.int(dev), &buf[0], C.int(len(buf)))); err != nil {
 		return "", err
@@ -396,6 +410,9 @@ func (d *real) DeviceName(dev int) (string, error) {
 }
 
 func (d *real) DevicePCIBusID(dev int) (string, error) {
+	if err := d.Init(); err != nil {
+		return "", err
+	}
 	var buf [64]C.char
 	if err := cuErr("cuDeviceGetPCIBusId", C.gdr_cu_device_busid(C.int(dev), &buf[0], C.int(len(buf)))); err != nil {
 		return "", err
@@ -404,6 +421,9 @@ func (d *real) DevicePCIBusID(dev int) (string, error) {
 }
 
 func (d *real) DeviceTotalMem(dev int) (uint64, error) {
+	if err := d.Init(); err != nil {
+		return 0, err
+	}
 	var n C.size_t
 	return uint64(n), cuErr("cuDeviceTotalMem", C.gdr_cu_device_mem(C.int(dev), &n))
 }
@@ -415,6 +435,9 @@ func (d *real) DeviceAttribute(dev int, attr driver.Attribute) (int, error) {
 	if v, ok := d.attrs.Load(k); ok {
 		return v.(int), nil
 	}
+	if err := d.Init(); err != nil {
+		return 0, err
+	}
 	var v C.int
 	if err := cuErr("cuDeviceGetAttribute", C.gdr_cu_device_attr(C.int(dev), C.int(attr), &v)); err != nil {
 		return 0, err
@@ -425,6 +448,9 @@ func (d *real) DeviceAttribute(dev int, attr driver.Attribute) (int, error) {
 
 // ctx returns dev's primary context, retained on first use and kept for the process's life.
 func (d *real) ctx(dev int) (C.CUcontext, error) {
+	if err := d.Init(); err != nil {
+		return nil, err
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if c, ok := d.ctxs[dev]; ok {
