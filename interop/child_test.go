@@ -1,15 +1,318 @@
 package interop_test
 
 import (
+	"bufio"
+	"bytes"
+	"context"
 	"fmt"
+	"io"
 	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/peer"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/examples/tensor"
+	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
 )
 
+// Environment of the child roles.
+const (
+	envUCX    = "GDRPC_INTEROP_UCX"    // UCX_TLS of the child's sessions; "" for the TCP fallback
+	envListen = "GDRPC_INTEROP_LISTEN" // address the server role listens on (127.0.0.1:0 if unset)
+	envAddr   = "GDRPC_INTEROP_ADDR"   // address a client role dials
+	envSize   = "GDRPC_INTEROP_SIZE"   // payload size of a client role
+	// envDie set to "after-push" makes the child SIGKILL itself once it wrote
+	// an out-of-band payload it owns into a receiver, before it answers FIN
+	// (the owner reports the push to the metrics hook before sending FIN).
+	envDie = "GDRPC_INTEROP_DIE"
+)
+
+// childMetrics counts the child's pulls and, with GDRPC_INTEROP_DIE=after-push,
+// kills the child after its first successful push.
+type childMetrics struct {
+	*pathCounter
+	dieAfterPush bool
+}
+
+func (m childMetrics) Transfer(i transport.TransferInfo) {
+	if !i.Pull && i.Err == nil && m.dieAfterPush {
+		fmt.Println("DYING after push")
+		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		select {} // SIGKILL cannot be caught: the process ends here
+	}
+	m.pathCounter.Transfer(i)
+}
+
 // runChild plays a role in a re-executed test binary and returns its exit
-// code.
+// code. Every role ends when its stdin closes (the parent went away), or
+// sooner when its work is done.
+//
+//   - server: serves the interop TestService and the TensorService on a
+//     gdrpc listener, prints "ADDR host:port".
+//   - digest-client: sends a Tensor with an out-of-band payload of
+//     GDRPC_INTEROP_SIZE bytes to Digest at GDRPC_INTEROP_ADDR, prints the
+//     outcome.
+//   - make-client: calls Make for GDRPC_INTEROP_SIZE bytes at
+//     GDRPC_INTEROP_ADDR, checks the payload byte by byte and prints
+//     "OK transport=... path=... same_host=..." or "FAIL ...".
 func runChild(role string) int {
+	opts, err := childOptions()
+	if err != nil {
+		fmt.Println("FAIL", err)
+		return 1
+	}
+	metrics := childMetrics{pathCounter: newPathCounter(), dieAfterPush: os.Getenv(envDie) == "after-push"}
+	transport.SetTransferConfig(transport.TransferConfig{Metrics: metrics, Timeout: testTimeout})
 	switch role {
+	case "server":
+		return childServer(opts)
+	case "digest-client", "make-client":
+		return childClient(role, opts, metrics.pathCounter)
 	}
 	fmt.Fprintln(os.Stderr, "unknown child role", role)
 	return 2
+}
+
+func childOptions() ([]transport.Option, error) {
+	tls := os.Getenv(envUCX)
+	if tls == "" {
+		return []transport.Option{transport.WithMode(transport.ModeTCP)}, nil
+	}
+	rc, err := rdma.NewContext(rdma.WithTransports(tls))
+	if err != nil {
+		return nil, fmt.Errorf("UCX context (UCX_TLS=%s): %w", tls, err)
+	}
+	return []transport.Option{transport.WithMode(transport.ModeUCX), transport.WithRDMAContext(rc)}, nil
+}
+
+func childServer(opts []transport.Option) int {
+	addr := os.Getenv(envListen)
+	if addr == "" {
+		addr = "127.0.0.1:0"
+	}
+	lis, err := listener.Listen(addr, opts...)
+	if err != nil {
+		fmt.Println("FAIL", err)
+		return 1
+	}
+	gs := grpc.NewServer(append(listener.ServerOptions(nil), gdrcodec.ServerOptions()...)...)
+	bothServices(gs)
+	go func() { _ = gs.Serve(lis) }()
+	fmt.Println("ADDR", lis.Addr().String())
+	_, _ = io.Copy(io.Discard, os.Stdin) // until the parent goes away
+	gs.Stop()
+	return 0
+}
+
+func childClient(role string, opts []transport.Option, paths *pathCounter) int {
+	var n int
+	if _, err := fmt.Sscan(os.Getenv(envSize), &n); err != nil {
+		fmt.Println("FAIL size:", err)
+		return 1
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	d := dialer.New(opts...)
+	cc, err := grpc.NewClient("passthrough:///"+os.Getenv(envAddr), append(d.DialOptions(nil), gdrcodec.DialOptions()...)...)
+	if err != nil {
+		fmt.Println("FAIL", err)
+		return 1
+	}
+	defer cc.Close()
+	client := tensorpb.NewTensorServiceClient(cc)
+	switch role {
+	case "digest-client":
+		src := devicebuf.HostFromBytes(pattern(n, 3))
+		req := &tensorpb.Tensor{Name: "from-child", Data: gdrcodec.New(src)}
+		src.Release()
+		fmt.Println("SENDING")
+		sum, err := client.Digest(ctx, req)
+		gdrcodec.ReleaseAll(req)
+		if err != nil {
+			fmt.Println("FAIL", err)
+			return 1
+		}
+		fmt.Printf("OK bytes=%d crc=%08x\n", sum.Bytes, sum.Crc32C)
+	case "make-client":
+		var pr peer.Peer
+		got, err := client.Make(ctx, &tensorpb.Sized{Size: uint64(n), Seed: 5}, grpc.Peer(&pr))
+		if err != nil {
+			fmt.Println("FAIL", err)
+			return 1
+		}
+		ai, _ := pr.AuthInfo.(transport.AuthInfo)
+		defer gdrcodec.ReleaseAll(got)
+		p, err := tensor.Bytes(got.Data)
+		if err != nil {
+			fmt.Println("FAIL", err)
+			return 1
+		}
+		if want := pattern(n, 5); !bytes.Equal(p, want) {
+			fmt.Printf("FAIL %d bytes arrived, want %d, equal prefix %d\n", len(p), len(want), commonPrefix(p, want))
+			return 1
+		}
+		fmt.Printf("OK transport=%s paths=%v same_host=%v crc=%08x\n", ai.Transport, paths.reset(), ai.Peer.SameHost, tensor.ChecksumBytes(p))
+	}
+	return 0
+}
+
+func commonPrefix(a, b []byte) int {
+	i := 0
+	for i < len(a) && i < len(b) && a[i] == b[i] {
+		i++
+	}
+	return i
+}
+
+// child is the test binary re-executed in a role.
+type child struct {
+	t      testing.TB
+	cmd    *exec.Cmd
+	stdin  io.WriteCloser
+	out    *lineWriter
+	stderr *lineWriter
+	exited chan struct{}
+	err    error // of Wait, once exited is closed
+}
+
+// startChild runs the test binary in role, under the command prefix wrap
+// (e.g. "ip netns exec NAME") if any, with env added to this environment.
+// The child ends when the test does: its stdin closes, and it is killed if it
+// does not exit within testTimeout.
+func startChild(t testing.TB, role string, wrap []string, env ...string) *child {
+	t.Helper()
+	args := append(append([]string(nil), wrap...), os.Args[0], "-test.run=^$")
+	cmd := exec.Command(args[0], args[1:]...)
+	cmd.Env = append(append(os.Environ(), childEnv+"="+role), env...)
+	c := &child{t: t, cmd: cmd, out: newLineWriter(), stderr: newLineWriter(), exited: make(chan struct{})}
+	cmd.Stdout, cmd.Stderr = c.out, c.stderr
+	stdin, err := cmd.StdinPipe()
+	require.NoError(t, err)
+	c.stdin = stdin
+	require.NoError(t, cmd.Start())
+	go func() {
+		c.err = cmd.Wait()
+		close(c.exited)
+	}()
+	t.Cleanup(func() {
+		_ = c.stdin.Close()
+		select {
+		case <-c.exited:
+		case <-time.After(testTimeout):
+			t.Errorf("child %s did not exit; killing it", role)
+			c.kill()
+		}
+		if t.Failed() {
+			t.Logf("child %s stdout:\n%s\nstderr:\n%s", role, c.out.String(), c.stderr.String())
+		}
+	})
+	return c
+}
+
+// waitLine waits (bounded by testTimeout) for a line of the child's stdout
+// that starts with prefix and returns the rest of it. It fails the test if
+// the child exits or prints "FAIL" first.
+func (c *child) waitLine(prefix string) string {
+	c.t.Helper()
+	timer := time.NewTimer(testTimeout)
+	defer timer.Stop()
+	for {
+		for _, l := range c.out.lines() {
+			if rest, ok := strings.CutPrefix(l, prefix); ok {
+				return strings.TrimSpace(rest)
+			}
+			if strings.HasPrefix(l, "FAIL") {
+				c.t.Fatalf("child: %s\nstderr:\n%s", l, c.stderr.String())
+			}
+		}
+		select {
+		case <-c.out.changed:
+		case <-c.exited:
+			// the last lines may have come with the exit
+			for _, l := range c.out.lines() {
+				if rest, ok := strings.CutPrefix(l, prefix); ok {
+					return strings.TrimSpace(rest)
+				}
+			}
+			c.t.Fatalf("child exited (%v) before printing %q; stdout:\n%s\nstderr:\n%s", c.err, prefix, c.out.String(), c.stderr.String())
+		case <-timer.C:
+			c.t.Fatalf("no %q from the child in %v; stdout:\n%s\nstderr:\n%s", prefix, testTimeout, c.out.String(), c.stderr.String())
+		}
+	}
+}
+
+// kill sends SIGKILL and waits (bounded) until the child is gone.
+func (c *child) kill() {
+	_ = c.cmd.Process.Signal(syscall.SIGKILL)
+	select {
+	case <-c.exited:
+	case <-time.After(testTimeout):
+		c.t.Errorf("child %d did not die after SIGKILL", c.cmd.Process.Pid)
+	}
+}
+
+// wait waits (bounded) for the child to exit and returns Wait's error.
+func (c *child) wait() error {
+	select {
+	case <-c.exited:
+		return c.err
+	case <-time.After(testTimeout):
+		c.t.Fatalf("child %d did not exit", c.cmd.Process.Pid)
+		return nil
+	}
+}
+
+// lineWriter collects a child's output by lines and signals each write.
+type lineWriter struct {
+	mu      sync.Mutex
+	buf     bytes.Buffer
+	changed chan struct{}
+}
+
+func newLineWriter() *lineWriter { return &lineWriter{changed: make(chan struct{}, 1)} }
+
+func (w *lineWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	w.buf.Write(p)
+	w.mu.Unlock()
+	select {
+	case w.changed <- struct{}{}:
+	default:
+	}
+	return len(p), nil
+}
+
+// lines returns the complete lines written so far.
+func (w *lineWriter) lines() []string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var out []string
+	sc := bufio.NewScanner(bytes.NewReader(w.buf.Bytes()))
+	sc.Buffer(nil, 1<<20)
+	for sc.Scan() {
+		out = append(out, sc.Text())
+	}
+	if b := w.buf.Bytes(); len(b) > 0 && b[len(b)-1] != '\n' && len(out) > 0 {
+		out = out[:len(out)-1] // the last line is not complete yet
+	}
+	return out
+}
+
+func (w *lineWriter) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.buf.String()
 }

@@ -1,6 +1,7 @@
 package interop_test
 
 import (
+	"bytes"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -25,6 +26,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/examples/tensor"
+	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/rdma"
@@ -316,15 +319,20 @@ func (l *fatalLogger) V(int) bool                  { return false }
 
 // pathCounter counts the out-of-band pulls of this process by path.
 type pathCounter struct {
-	mu    sync.Mutex
-	paths map[string]int
-	errs  []error
+	mu     sync.Mutex
+	paths  map[string]int
+	errs   []error
+	failed chan struct{} // signalled on each failed pull
+}
+
+func newPathCounter() *pathCounter {
+	return &pathCounter{paths: map[string]int{}, failed: make(chan struct{}, 1)}
 }
 
 // countPaths installs a pathCounter as the transfer metrics hook until the
 // test ends, with a transfer timeout of testTimeout.
 func countPaths(tb testing.TB) *pathCounter {
-	pc := &pathCounter{paths: map[string]int{}}
+	pc := newPathCounter()
 	transport.SetTransferConfig(transport.TransferConfig{Metrics: pc, Timeout: testTimeout})
 	tb.Cleanup(func() { transport.SetTransferConfig(transport.TransferConfig{}) })
 	return pc
@@ -338,6 +346,10 @@ func (p *pathCounter) Transfer(i transport.TransferInfo) {
 	defer p.mu.Unlock()
 	if i.Err != nil {
 		p.errs = append(p.errs, i.Err)
+		select {
+		case p.failed <- struct{}{}:
+		default:
+		}
 		return
 	}
 	p.paths[i.Path.String()]++
@@ -354,6 +366,17 @@ func (p *pathCounter) reset() map[string]int {
 	return m
 }
 
+// waitFailure waits (bounded) until a pull failed.
+func (p *pathCounter) waitFailure(tb testing.TB) {
+	tb.Helper()
+	select {
+	case <-p.failed:
+		p.failed <- struct{}{} // leave it visible to the next caller
+	case <-time.After(testTimeout):
+		tb.Fatal("no pull failed")
+	}
+}
+
 // failures returns the failed pulls counted so far.
 func (p *pathCounter) failures() []error {
 	p.mu.Lock()
@@ -365,3 +388,13 @@ var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 // crc32cUpdate extends a CRC-32C (the checksum TensorService computes).
 func crc32cUpdate(crc uint32, p []byte) uint32 { return crc32.Update(crc, castagnoli, p) }
+
+// requirePayload checks that a Tensor's data payload is the Fill pattern of n
+// bytes with seed.
+func requirePayload(tb testing.TB, got *tensorpb.Tensor, n int, seed uint32) {
+	tb.Helper()
+	p, err := tensor.Bytes(got.GetData())
+	require.NoError(tb, err)
+	require.Equal(tb, n, len(p))
+	require.True(tb, bytes.Equal(pattern(n, seed), p), "payload differs from the pattern")
+}

@@ -1,0 +1,301 @@
+package interop_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os/exec"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	testgrpc "google.golang.org/grpc/interop/grpc_testing"
+	"google.golang.org/grpc/stats"
+	"google.golang.org/grpc/status"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// Dead-peer detection: sessions here ping every 200 ms and give up after 1 s
+// without an answer, so a killed peer must surface within deadBound.
+const (
+	kaInterval = 200 * time.Millisecond
+	kaTimeout  = time.Second
+	deadBound  = 10 * time.Second
+)
+
+// requireSettled checks (bounded) that nothing of gdrpc, yamux or gRPC is
+// left in this process once the test closed its clients and servers: no
+// goroutines, no sessions, no outbox entries, no attached buffers.
+func requireSettled(t *testing.T) {
+	t.Helper()
+	deadline := time.Now().Add(testTimeout)
+	for {
+		err := leaks(-1)
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("leaked: %v", err)
+		}
+		time.Sleep(20 * time.Millisecond) // polling for shutdown, bounded by the deadline
+	}
+}
+
+// waitDone waits (bounded) until the session closed and left the registry.
+func waitDone(t *testing.T, s *transport.Session) {
+	t.Helper()
+	select {
+	case <-s.Done():
+	case <-time.After(testTimeout):
+		t.Fatalf("session %d to the killed peer still open", s.ID())
+	}
+	require.Empty(t, transport.SessionsTo(s.Peer().ID), "the session left the registry")
+}
+
+// TestPeerKilledMidStream: the server process is killed with SIGKILL while a
+// server stream is open; the client's Recv fails with Unavailable within
+// deadBound, the session leaves the registry, and nothing leaks.
+func TestPeerKilledMidStream(t *testing.T) {
+	for _, tc := range transportCases[:3] {
+		t.Run("transport="+tc.name, func(t *testing.T) {
+			opts := tc.options(t, transport.WithKeepAlive(kaInterval, kaTimeout))
+			srv := startChild(t, "server", nil, envUCX+"="+tc.ucx)
+			addr := srv.waitLine("ADDR ")
+			before := transport.NumSessions()
+			rec := &dialRecorder{d: dialer.New(opts...).DialContext}
+			cc := dialClient(t, addr, opts, nil, grpc.WithContextDialer(rec.DialContext))
+			client := testgrpc.NewTestServiceClient(cc)
+
+			// One response now, the next in a minute: the stream stays open.
+			stream, err := client.StreamingOutputCall(callCtx(t), &testgrpc.StreamingOutputCallRequest{
+				ResponseParameters: []*testgrpc.ResponseParameters{
+					{Size: 31415},
+					{Size: 9, IntervalUs: int32(time.Minute / time.Microsecond)},
+				},
+			})
+			require.NoError(t, err)
+			first, err := stream.Recv()
+			require.NoError(t, err)
+			require.Len(t, first.GetPayload().GetBody(), 31415)
+			sessions := rec.all()
+			require.Len(t, sessions, 1)
+			s := sessions[0]
+			require.Equal(t, tc.want(), s.Transport())
+			require.Equal(t, before+1, transport.NumSessions())
+			require.Len(t, transport.SessionsTo(s.Peer().ID), 1)
+
+			srv.kill()
+			killed := time.Now()
+			_, err = stream.Recv()
+			elapsed := time.Since(killed)
+			require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+			require.Less(t, elapsed, deadBound)
+			t.Logf("Recv failed %v after SIGKILL: %v", elapsed.Round(time.Millisecond), err)
+			waitDone(t, s)
+			require.Equal(t, before, transport.NumSessions())
+			require.NoError(t, cc.Close())
+			requireSettled(t)
+		})
+	}
+}
+
+// killingAllocator is a receive allocator that kills a child process when
+// asked for the destination of the payload (size bytes): the descriptor has
+// arrived, the transfer has not started, so the owner dies between
+// descriptor and FIN. Given a nil child, it only records the allocation.
+type killingAllocator struct {
+	devicebuf.Allocator
+	size   int
+	victim chan *child // the child to kill, given once it started
+	once   sync.Once
+	killed chan struct{}
+	at     time.Time
+}
+
+func newKillingAllocator(size int) *killingAllocator {
+	return &killingAllocator{Allocator: devicebuf.NewHostAllocator(), size: size, victim: make(chan *child, 1), killed: make(chan struct{})}
+}
+
+func (a *killingAllocator) Alloc(n int) (*devicebuf.Buffer, error) {
+	if n == a.size {
+		a.once.Do(func() {
+			select {
+			case c := <-a.victim:
+				if c != nil {
+					c.kill()
+				}
+				a.at = time.Now()
+			case <-time.After(testTimeout):
+			}
+			close(a.killed)
+		})
+	}
+	return a.Allocator.Alloc(n)
+}
+
+// use makes a the receive allocator of the gdr codec until the test ends.
+func (a *killingAllocator) use(t *testing.T) {
+	gdrcodec.Register(gdrcodec.WithReceiveAllocator(a))
+	t.Cleanup(func() { gdrcodec.Register() })
+}
+
+// wasAllocated checks that the payload's destination was allocated (and
+// the victim, if any, killed then): the descriptor reached the receiver.
+func (a *killingAllocator) wasAllocated(t *testing.T) {
+	t.Helper()
+	select {
+	case <-a.killed:
+	case <-time.After(testTimeout):
+		t.Fatal("the payload's destination was never allocated: no descriptor arrived")
+	}
+	require.False(t, a.at.IsZero(), "no victim given to the allocator")
+}
+
+// sessionTagger records the gdrpc session of each call a server sees.
+type sessionTagger struct {
+	sessions chan *transport.Session
+}
+
+func (h *sessionTagger) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context {
+	if s := transport.SessionFromContext(ctx); s != nil {
+		select {
+		case h.sessions <- s:
+		default:
+		}
+	}
+	return ctx
+}
+func (h *sessionTagger) HandleRPC(context.Context, stats.RPCStats) {}
+func (h *sessionTagger) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context {
+	return ctx
+}
+func (h *sessionTagger) HandleConn(context.Context, stats.ConnStats) {}
+
+// killedBySIGKILL reports whether a child's Wait error says SIGKILL ended it.
+func killedBySIGKILL(err error) bool {
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) {
+		return false
+	}
+	ws, ok := ee.Sys().(syscall.WaitStatus)
+	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
+}
+
+// TestOwnerKilledBeforeFIN kills the owner of an out-of-band payload after
+// the receiver got its descriptor and before the receiver got FIN, at two
+// moments: before the transfer (the receiver's allocator kills the owner when
+// asked for the destination) and after the owner wrote the bytes (the owner
+// kills itself before it sends FIN). The owner is the server (a response
+// payload: the client's call fails with Unavailable or DeadlineExceeded within
+// deadBound) or the client (a request payload: the server's pull fails and the
+// server stays healthy). The surviving side leaks nothing.
+func TestOwnerKilledBeforeFIN(t *testing.T) {
+	const n = 16 << 20
+	for _, tc := range transportCases[:3] {
+		for _, when := range []string{"before-transfer", "before-fin"} {
+			t.Run("transport="+tc.name+"/owner=server/killed="+when, func(t *testing.T) {
+				opts := tc.options(t, transport.WithKeepAlive(kaInterval, kaTimeout))
+				env := []string{envUCX + "=" + tc.ucx}
+				if when == "before-fin" {
+					env = append(env, envDie+"=after-push")
+				}
+				srv := startChild(t, "server", nil, env...)
+				addr := srv.waitLine("ADDR ")
+				a := newKillingAllocator(n)
+				if when == "before-transfer" {
+					a.victim <- srv
+				} else {
+					a.victim <- nil
+				}
+				a.use(t)
+				rec := &dialRecorder{d: dialer.New(opts...).DialContext}
+				cc := dialClient(t, addr, opts, nil, grpc.WithContextDialer(rec.DialContext))
+
+				start := time.Now()
+				got, err := tensorpb.NewTensorServiceClient(cc).Make(callCtx(t), &tensorpb.Sized{Size: n, Seed: 1})
+				elapsed := time.Since(start)
+				a.wasAllocated(t)
+				require.Nil(t, got)
+				code := status.Code(err)
+				require.True(t, code == codes.Unavailable || code == codes.DeadlineExceeded, "%v", err)
+				require.Less(t, elapsed, deadBound)
+				t.Logf("Make failed %v after it started: %v", elapsed.Round(time.Millisecond), err)
+				require.True(t, killedBySIGKILL(srv.wait()), "the server was killed with SIGKILL")
+				if when == "before-fin" {
+					require.Contains(t, srv.out.String(), "DYING after push")
+				}
+				sessions := rec.all()
+				require.Len(t, sessions, 1)
+				waitDone(t, sessions[0])
+				require.NoError(t, cc.Close())
+				requireSettled(t)
+			})
+
+			t.Run("transport="+tc.name+"/owner=client/killed="+when, func(t *testing.T) {
+				opts := tc.options(t, transport.WithKeepAlive(kaInterval, kaTimeout))
+				paths := countPaths(t)
+				a := newKillingAllocator(n)
+				a.use(t)
+				tagger := &sessionTagger{sessions: make(chan *transport.Session, 1)}
+				srv := startServer(t, opts, nil, bothServices, grpc.StatsHandler(tagger))
+				env := []string{envUCX + "=" + tc.ucx, envAddr + "=" + srv.addr, fmt.Sprintf("%s=%d", envSize, n)}
+				if when == "before-fin" {
+					env = append(env, envDie+"=after-push")
+				}
+				cl := startChild(t, "digest-client", nil, env...)
+				if when == "before-transfer" {
+					a.victim <- cl
+				} else {
+					a.victim <- nil
+				}
+				a.wasAllocated(t)
+				require.True(t, killedBySIGKILL(cl.wait()), "the client was killed with SIGKILL")
+				died := time.Now()
+				require.NotContains(t, cl.out.String(), "OK", "the call cannot have succeeded")
+				if when == "before-fin" {
+					require.Contains(t, cl.out.String(), "DYING after push")
+				}
+
+				var s *transport.Session
+				select {
+				case s = <-tagger.sessions:
+				case <-time.After(testTimeout):
+					t.Fatal("the server saw no gdrpc call")
+				}
+				waitDone(t, s)
+				t.Logf("the server's session to the killed client closed %v after it died", time.Since(died).Round(time.Millisecond))
+				require.Less(t, time.Since(died), deadBound)
+				if when == "before-fin" {
+					// The owner wrote the bytes: the server's pull was under way
+					// and must fail for want of FIN.
+					paths.waitFailure(t)
+				}
+				for _, err := range paths.failures() {
+					t.Logf("failed pull: %v", err)
+				}
+				// The pull fails, or never starts when the session is gone already.
+				require.Empty(t, paths.reset(), "no pull succeeded")
+
+				// The server is still healthy.
+				gdrcodec.Register()
+				cc := dialClient(t, srv.addr, opts, nil)
+				got, err := tensorpb.NewTensorServiceClient(cc).Make(callCtx(t), &tensorpb.Sized{Size: 1 << 20, Seed: 4})
+				require.NoError(t, err)
+				requirePayload(t, got, 1<<20, 4)
+				gdrcodec.ReleaseAll(got)
+				require.NoError(t, cc.Close())
+				srv.gs.Stop()
+				requireSettled(t)
+			})
+		}
+	}
+}
