@@ -1,6 +1,8 @@
 package devicebuf_test
 
 import (
+	"bytes"
+	"errors"
 	"fmt"
 	"testing"
 
@@ -246,4 +248,69 @@ func TestCopyZeroLength(t *testing.T) {
 	require.NoError(t, a.Release())
 	require.NoError(t, b.Release())
 	requireLive(t, base)
+}
+
+// testConcurrentCopies runs round trips host -> device -> device -> host from several
+// goroutines at once, each on its own buffers, half of them on streams: the CUDA context
+// must be current on whatever thread runs each call.
+func testConcurrentCopies(t *testing.T, dev int) {
+	base := devicebuf.Live()
+	const workers, rounds, n = 8, 20, 256<<10 + 7
+	errs := make(chan error, workers)
+	for w := 0; w < workers; w++ {
+		go func() {
+			errs <- func() error {
+				a, err := devicebuf.NewCUDAAllocator(dev)
+				if err != nil {
+					return err
+				}
+				d1, err := a.Alloc(n)
+				if err != nil {
+					return err
+				}
+				defer d1.Release()
+				d2, err := a.Alloc(n)
+				if err != nil {
+					return err
+				}
+				defer d2.Release()
+				var s *devicebuf.Stream
+				if w%2 == 1 {
+					if s, err = devicebuf.NewStream(dev); err != nil {
+						return err
+					}
+					defer s.Close()
+				}
+				for r := 0; r < rounds; r++ {
+					want := pattern(uint64(w*1000+r), n)
+					in, out := devicebuf.HostFromBytes(want), devicebuf.HostFromBytes(make([]byte, n))
+					if s == nil {
+						err = errors.Join(devicebuf.Copy(d1, in), devicebuf.Copy(d2, d1), devicebuf.Copy(out, d2))
+					} else {
+						err = errors.Join(devicebuf.CopyAsync(s, d1, in), devicebuf.CopyAsync(s, d2, d1),
+							devicebuf.CopyAsync(s, out, d2), s.Synchronize())
+					}
+					got, _ := out.HostBytes()
+					if err == nil && !bytes.Equal(want, got) {
+						err = fmt.Errorf("worker %d round %d: bytes differ", w, r)
+					}
+					in.Release()
+					out.Release()
+					if err != nil {
+						return err
+					}
+				}
+				return nil
+			}()
+		}()
+	}
+	for w := 0; w < workers; w++ {
+		require.NoError(t, <-errs)
+	}
+	requireLive(t, base)
+}
+
+func TestConcurrentCopiesFake(t *testing.T) {
+	devicebuftest.Install(t, 1)
+	testConcurrentCopies(t, 0)
 }

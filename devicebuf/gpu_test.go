@@ -184,3 +184,8 @@ func BenchmarkCopy(b *testing.B) {
 		}
 	}
 }
+
+func TestGPUConcurrentCopies(t *testing.T) {
+	n := requireCUDA(t)
+	testConcurrentCopies(t, n-1)
+}
