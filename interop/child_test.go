@@ -66,8 +66,9 @@ func (m childMetrics) Transfer(i transport.TransferInfo) {
 //     GDRPC_INTEROP_SIZE bytes to Digest at GDRPC_INTEROP_ADDR, prints the
 //     outcome.
 //   - make-client: calls Make for GDRPC_INTEROP_SIZE bytes at
-//     GDRPC_INTEROP_ADDR, checks the payload byte by byte and prints
-//     "OK transport=... path=... same_host=..." or "FAIL ...".
+//     GDRPC_INTEROP_ADDR and checks the payload byte by byte, then sends as
+//     much to Digest and checks the checksum; prints
+//     "OK transport=... pulls=map[path:count] same_host=... ..." or "FAIL ...".
 func runChild(role string) int {
 	opts, err := childOptions()
 	if err != nil {
@@ -164,7 +165,22 @@ func childClient(role string, opts []transport.Option, paths *pathCounter) int {
 			fmt.Printf("FAIL %d bytes arrived, want %d, equal prefix %d\n", len(p), len(want), commonPrefix(p, want))
 			return 1
 		}
-		fmt.Printf("OK transport=%s paths=%v same_host=%v crc=%08x\n", ai.Transport, paths.reset(), ai.Peer.SameHost, tensor.ChecksumBytes(p))
+		// And the other way: a request payload the server pulls.
+		src := devicebuf.HostFromBytes(pattern(n, 6))
+		req := &tensorpb.Tensor{Name: "up", Data: gdrcodec.New(src)}
+		src.Release()
+		sum, err := client.Digest(ctx, req)
+		gdrcodec.ReleaseAll(req)
+		if err != nil {
+			fmt.Println("FAIL digest:", err)
+			return 1
+		}
+		if want := tensor.ChecksumBytes(pattern(n, 6)); sum.Crc32C != want || sum.Bytes != uint64(n) {
+			fmt.Printf("FAIL digest: server saw %d bytes crc %08x, want %d crc %08x\n", sum.Bytes, sum.Crc32C, n, want)
+			return 1
+		}
+		fmt.Printf("OK transport=%s pulls=%v same_host=%v make_crc=%08x digest_crc=%08x\n",
+			ai.Transport, paths.reset(), ai.Peer.SameHost, tensor.ChecksumBytes(p), sum.Crc32C)
 	}
 	return 0
 }
