@@ -62,7 +62,8 @@ type result struct {
 	SizeBytes       int      `json:"size_bytes"`
 	Size            string   `json:"size"`
 	Op              string   `json:"op"`
-	Mem             string   `json:"mem"`
+	Mem             string   `json:"mem"`       // where the sender's payload lives
+	Recv            string   `json:"recv"`      // where the receiver's payload lands
 	Transport       string   `json:"transport"` // what the gdrpc session runs over: ucx or tcp
 	Path            string   `json:"path"`      // out-of-band path(s) the payloads took
 	Iters           int      `json:"iters"`
@@ -77,6 +78,8 @@ type result struct {
 	VsDtoD          *float64 `json:"gdrpc_vs_dtod,omitempty"`
 	NaiveMiBs       *float64 `json:"naive_mib_s,omitempty"`
 	VsNaive         *float64 `json:"gdrpc_vs_naive,omitempty"`
+	D2HMiBs         *float64 `json:"d2h_mib_s,omitempty"`            // -mem cuda -recv host: device-to-host copy into registered host memory
+	VsD2HPut        *float64 `json:"gdrpc_vs_min_d2h_put,omitempty"` // against min(d2h, ucx_perftest): the staged path's ceiling
 	Fallbacks       []string `json:"fallbacks,omitempty"`
 	Notes           []string `json:"notes,omitempty"`
 }
@@ -114,7 +117,7 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 	if err != nil {
 		return err
 	}
-	if err := registerCodec(cuda); err != nil {
+	if err := registerCodec(o, cuda); err != nil {
 		return err
 	}
 	m := &collector{}
@@ -191,7 +194,7 @@ func (b *bench) callCtx(ctx context.Context, verify bool) (context.Context, cont
 
 // measure runs every method for one size.
 func (b *bench) measure(ctx context.Context, size int) *result {
-	r := &result{SizeBytes: size, Size: formatSize(size), Op: b.o.op, Mem: b.o.mem, Iters: b.o.iters}
+	r := &result{SizeBytes: size, Size: formatSize(size), Op: b.o.op, Mem: b.o.mem, Recv: b.o.recv, Iters: b.o.iters}
 	note := func(what string, err error) { r.Notes = append(r.Notes, what+": "+err.Error()) }
 	pat := pattern(size)
 
@@ -199,6 +202,28 @@ func (b *bench) measure(ctx context.Context, size int) *result {
 		note("gdrpc", err)
 	}
 	r.Transport = b.transport
+	if !b.o.baselines {
+		r.Notes = append(r.Notes, "baselines not measured (-baselines=false)")
+	} else {
+		b.measureBaselines(ctx, size, pat, r)
+	}
+	r.VsGRPCTCP = ratio(r.GDRPCMiBs, r.GRPCTCPMiBs)
+	r.VsUCXPerftest = ratio(r.GDRPCMiBs, r.UCXPerftestMiBs)
+	r.VsDtoD = ratio(r.GDRPCMiBs, r.DtoDMiBs)
+	r.VsNaive = ratio(r.GDRPCMiBs, r.NaiveMiBs)
+	if r.D2HMiBs != nil {
+		ceiling := r.D2HMiBs
+		if r.UCXPerftestMiBs != nil && *r.UCXPerftestMiBs < *ceiling {
+			ceiling = r.UCXPerftestMiBs
+		}
+		r.VsD2HPut = ratio(r.GDRPCMiBs, ceiling)
+	}
+	return r
+}
+
+// measureBaselines fills in the baseline columns of r.
+func (b *bench) measureBaselines(ctx context.Context, size int, pat []byte, r *result) {
+	note := func(what string, err error) { r.Notes = append(r.Notes, what+": "+err.Error()) }
 	if v, err := b.measurePlain(ctx, size, pat); err != nil {
 		note("grpc-tcp", err)
 	} else {
@@ -218,7 +243,14 @@ func (b *bench) measure(ctx context.Context, size int) *result {
 			r.UCXPerftestMiBs = &pr.MiBs
 		}
 	}
-	if b.cuda != nil {
+	if b.o.mem == "cuda" && b.o.recv == "host" {
+		if v, err := b.measureD2H(size); err != nil {
+			note("d2h", err)
+		} else {
+			r.D2HMiBs = &v
+		}
+	}
+	if b.o.mem == "cuda" && b.o.recv == "cuda" {
 		if v, err := b.measureDtoD(size); err != nil {
 			note("dtod", err)
 		} else {
@@ -230,11 +262,6 @@ func (b *bench) measure(ctx context.Context, size int) *result {
 			r.NaiveMiBs = &v
 		}
 	}
-	r.VsGRPCTCP = ratio(r.GDRPCMiBs, r.GRPCTCPMiBs)
-	r.VsUCXPerftest = ratio(r.GDRPCMiBs, r.UCXPerftestMiBs)
-	r.VsDtoD = ratio(r.GDRPCMiBs, r.DtoDMiBs)
-	r.VsNaive = ratio(r.GDRPCMiBs, r.NaiveMiBs)
-	return r
 }
 
 // measureGDRPC times unary calls whose payload moves out-of-band and reads
@@ -286,7 +313,7 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 		if err != nil {
 			return fmt.Errorf("call %d: %w", i, err)
 		}
-		if first {
+		if first && b.transport == "" {
 			b.noteSession(&p)
 		}
 		events, fallbacks := b.metrics.take()
@@ -416,6 +443,36 @@ func (b *bench) measurePlain(ctx context.Context, size int, pat []byte) (float64
 		}
 	}
 	return medianRate(size, calls), nil
+}
+
+// measureD2H times an in-process copy of size bytes from the GPU into
+// registered host memory: the first half of the staged path.
+func (b *bench) measureD2H(size int) (float64, error) {
+	src, err := filled(b.cuda, size)
+	if err != nil {
+		return 0, err
+	}
+	defer src.Release()
+	host, err := b.o.hostAllocator()
+	if err != nil {
+		return 0, err
+	}
+	dst, err := host.Alloc(size)
+	if err != nil {
+		return 0, err
+	}
+	defer dst.Release()
+	var ds []time.Duration
+	for i := range b.o.warmup + b.o.iters {
+		start := time.Now()
+		if err := devicebuf.Copy(dst, src); err != nil {
+			return 0, err
+		}
+		if i >= b.o.warmup {
+			ds = append(ds, time.Since(start))
+		}
+	}
+	return medianRate(size, ds), nil
 }
 
 // measureDtoD times an in-process device-to-device copy of size bytes.

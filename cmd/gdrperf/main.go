@@ -29,7 +29,8 @@ type options struct {
 	iters     int
 	warmup    int
 	transport string // auto, ucx, tcp
-	mem       string // host, cuda
+	mem       string // host, cuda: where the sender's payload lives
+	recv      string // host, cuda: where the receiver's payload lands ("" at parse: as mem)
 	op        string // pull, push
 	format    string // table, json
 	device    int
@@ -38,6 +39,7 @@ type options struct {
 	perftest  string // ucx_perftest binary; "" looks it up, "none" skips
 	callLimit time.Duration
 	verbose   bool
+	baselines bool // measure the baselines too (off: gdrpc alone, for profiling)
 	child     bool // the server half of a same-host run (stdin EOF ends it)
 
 	cpuprofile       string
@@ -54,7 +56,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.iters, "iters", 10, "measured calls per size and method (the median is reported)")
 	fs.IntVar(&o.warmup, "warmup", 2, "calls per size and method before measuring (the first one is verified)")
 	fs.StringVar(&o.transport, "transport", "auto", "gdrpc transport: auto, ucx or tcp")
-	fs.StringVar(&o.mem, "mem", "host", "payload memory: host, or cuda (GPU -device, on both ends)")
+	fs.StringVar(&o.mem, "mem", "host", "where the sender's payload lives: host, or cuda (GPU -device); give the same on both ends")
+	fs.StringVar(&o.recv, "recv", "", "where received payloads land: host or cuda; if empty, as -mem (-mem cuda -recv host measures the staged path)")
 	fs.StringVar(&o.op, "op", "pull", "pull: the client calls Make and pulls the server's payload; push: the client calls Digest and the server pulls the client's")
 	fs.StringVar(&o.format, "format", "table", "output: table, or json (one object per size)")
 	fs.IntVar(&o.device, "device", 0, "CUDA device ordinal for -mem cuda")
@@ -62,6 +65,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.connect, "connect", "", "run only the client, against a gdrperf -server at HOST:PORT")
 	fs.StringVar(&o.perftest, "perftest", "", `ucx_perftest binary ("" looks it up in PATH, "none" skips the column)`)
 	fs.DurationVar(&o.callLimit, "call-timeout", time.Minute, "bound of each measured call")
+	fs.BoolVar(&o.baselines, "baselines", true, "measure the baselines (plain gRPC, ucx_perftest, dtod, naive); false measures gdrpc alone, e.g. for -cpuprofile")
 	fs.BoolVar(&o.verbose, "v", false, "log the UCX lanes of the gdrpc session")
 	fs.BoolVar(&o.child, "child", false, "internal: server half of a same-host run")
 	fs.StringVar(&o.cpuprofile, "cpuprofile", "", "write this process's CPU profile to the file")
@@ -71,6 +75,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	}
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	if o.recv == "" {
+		o.recv = o.mem
 	}
 	var err error
 	if o.sizes, err = parseSizes(*sizes); err != nil {
@@ -87,6 +94,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	for _, c := range []error{
 		check("transport", o.transport, "auto", "ucx", "tcp"),
 		check("mem", o.mem, "host", "cuda"),
+		check("recv", o.recv, "", "host", "cuda"),
 		check("op", o.op, "pull", "push"),
 		check("format", o.format, "table", "json"),
 	} {
@@ -107,30 +115,37 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	return o, nil
 }
 
-// allocators returns where this process's payloads live and, for -mem cuda,
-// the GPU allocator (nil for host).
+// allocators returns where this process's payloads live and, when -mem or
+// -recv is cuda, the GPU allocator (nil otherwise).
 func (o *options) allocators() (payload, cuda devicebuf.Allocator, err error) {
+	if o.mem == "cuda" || o.recv == "cuda" {
+		if cuda, err = devicebuf.NewCUDAAllocator(o.device); err != nil {
+			return nil, nil, fmt.Errorf("-mem/-recv cuda: GPU %d is not usable: %w", o.device, err)
+		}
+	}
 	if o.mem == "cuda" {
-		a, err := devicebuf.NewCUDAAllocator(o.device)
-		if err != nil {
-			return nil, nil, fmt.Errorf("-mem cuda: GPU %d is not usable: %w", o.device, err)
-		}
-		return a, a, nil
+		return cuda, cuda, nil
 	}
-	if o.transport != "tcp" && rdma.Available() == nil {
-		if rc, err := rdma.Default(); err == nil {
-			// UCX-allocated, registered once: what a gdrpc user sends from.
-			return transport.HostPool(rc), nil, nil
-		}
-	}
-	return transport.HostPool(nil), nil, nil
+	payload, err = o.hostAllocator()
+	return payload, cuda, err
 }
 
-// registerCodec registers the gdr codec; with a GPU, received payloads land
-// in a pool of GPU memory (blocks are reused, so the sender's CUDA IPC
-// mapping of them can be too).
-func registerCodec(cuda devicebuf.Allocator) error {
-	if cuda == nil {
+// hostAllocator is the host memory a gdrpc user sends from: the pool of
+// UCX-allocated memory, registered once (plain host memory without UCX).
+func (o *options) hostAllocator() (devicebuf.Allocator, error) {
+	if o.transport != "tcp" && rdma.Available() == nil {
+		if rc, err := rdma.Default(); err == nil {
+			return transport.HostPool(rc), nil
+		}
+	}
+	return transport.HostPool(nil), nil
+}
+
+// registerCodec registers the gdr codec. With -recv cuda received payloads
+// land in a pool of GPU memory (blocks are reused, so the sender's CUDA IPC
+// mapping of them can be too); else in gdrpc's registered host pool.
+func registerCodec(o *options, cuda devicebuf.Allocator) error {
+	if o.recv != "cuda" {
 		gdrcodec.Register()
 		return nil
 	}
@@ -236,7 +251,7 @@ func startChild(ctx context.Context, o *options, logf func(string, ...any)) (*ch
 	if err != nil {
 		return nil, readyInfo{}, fmt.Errorf("find this program to run the server: %w", err)
 	}
-	args := []string{"-child", "-server", "127.0.0.1:0", "-transport", o.transport, "-mem", o.mem,
+	args := []string{"-child", "-server", "127.0.0.1:0", "-transport", o.transport, "-mem", o.mem, "-recv", o.recv,
 		"-device", strconv.Itoa(o.device), "-perftest", o.perftest}
 	if o.serverCPUProfile != "" {
 		args = append(args, "-cpuprofile", o.serverCPUProfile)

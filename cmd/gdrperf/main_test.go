@@ -158,7 +158,9 @@ func TestEndToEnd(t *testing.T) {
 				if want.path != "inline" {
 					require.Positive(t, r.TransferMiBs)
 				}
+				require.Equal(t, "host", r.Recv)
 				require.Nil(t, r.DtoDMiBs)
+				require.Nil(t, r.D2HMiBs)
 				require.Nil(t, r.NaiveMiBs)
 				if !tc.perftest {
 					require.Nil(t, r.UCXPerftestMiBs)
@@ -201,19 +203,39 @@ func TestCUDA(t *testing.T) {
 		// Without a GPU the tool says so and fails before it starts a server.
 		code := realMain(args, strings.NewReader(""), &out, &errb)
 		require.Equal(t, 1, code)
-		require.Contains(t, errb.String(), "-mem cuda: GPU 0 is not usable")
+		require.Contains(t, errb.String(), "-mem/-recv cuda: GPU 0 is not usable")
 		require.Empty(t, out.String())
 		return
 	}
-	rs := gdrperf(t, args[:len(args)]...)
+	// GPU to GPU on one host: CUDA IPC, with the device-to-device copy and the
+	// naive way beside it.
+	rs := gdrperf(t, args...)
 	require.Len(t, rs, 1)
 	r := rs[0]
-	require.Positive(t, r.GDRPCMiBs, "notes: %v", r.Notes)
+	require.Equal(t, "cuda-ipc", r.Path, "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
+	require.Positive(t, r.GDRPCMiBs)
 	require.NotNil(t, r.DtoDMiBs, "notes: %v", r.Notes)
 	require.NotNil(t, r.NaiveMiBs, "notes: %v", r.Notes)
 	require.NotNil(t, r.VsDtoD)
 	require.NotNil(t, r.VsNaive)
-	require.Contains(t, []string{"cuda-ipc", "staged", "stream", "rdma"}, r.Path)
+	require.Nil(t, r.D2HMiBs)
+
+	// GPU to host memory: the staged path where UCX cannot register GPU
+	// memory, pushed and pulled.
+	requireUCX(t)
+	rc, err := rdma.Default()
+	require.NoError(t, err)
+	for _, op := range []string{"pull", "push"} {
+		rs = gdrperf(t, append(args, "-recv", "host", "-transport", "ucx", "-op", op)...)
+		require.Len(t, rs, 1)
+		r = rs[0]
+		if !rc.Info().HasMemoryType(rdma.MemoryCUDA) {
+			require.Equal(t, "staged", r.Path, "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
+		}
+		require.NotNil(t, r.D2HMiBs, "notes: %v", r.Notes)
+		require.NotNil(t, r.VsD2HPut)
+		require.Nil(t, r.DtoDMiBs)
+	}
 }
 
 func TestFlags(t *testing.T) {
@@ -226,6 +248,7 @@ func TestFlags(t *testing.T) {
 		{name: "transport", args: []string{"-transport", "rdma"}, err: "-transport"},
 		{name: "mem", args: []string{"-mem", "gpu"}, err: "-mem"},
 		{name: "op", args: []string{"-op", "get"}, err: "-op"},
+		{name: "recv", args: []string{"-recv", "gpu"}, err: "-recv"},
 		{name: "format", args: []string{"-format", "csv"}, err: "-format"},
 		{name: "iters", args: []string{"-iters", "0"}, err: "-iters"},
 		{name: "both ends", args: []string{"-server", ":1", "-connect", "h:1"}, err: "exclude"},
@@ -242,6 +265,10 @@ func TestFlags(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []int{1 << 20, 16 << 20, 64 << 20}, o.sizes)
 	require.Equal(t, "pull", o.op)
+	require.Equal(t, "host", o.recv, "-recv follows -mem")
+	o, err = parseFlags([]string{"-mem", "cuda"}, &bytes.Buffer{})
+	require.NoError(t, err)
+	require.Equal(t, "cuda", o.recv)
 }
 
 func TestSizes(t *testing.T) {

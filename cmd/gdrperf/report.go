@@ -37,8 +37,8 @@ func (r *reporter) header(b *bench) {
 	if b.lanes != "" {
 		session += " (" + b.lanes + ")"
 	}
-	fmt.Fprintf(r.w, "# gdrperf op=%s mem=%s transport=%s iters=%d warmup=%d; gdrpc session over %s\n",
-		o.op, o.mem, o.transport, o.iters, o.warmup, session)
+	fmt.Fprintf(r.w, "# gdrperf op=%s mem=%s recv=%s transport=%s iters=%d warmup=%d; gdrpc session over %s\n",
+		o.op, o.mem, o.recv, o.transport, o.iters, o.warmup, session)
 	what := "client calls Make, pulls the server's payload"
 	if o.op == "push" {
 		what = "client calls Digest, the server pulls the client's payload"
@@ -51,7 +51,11 @@ func (r *reporter) header(b *bench) {
 		fmt.Fprintf(r.w, "# ucx_perftest: %s\n", b.perfNote)
 	}
 	cols := []string{"size", "path", "gdrpc MiB/s", "xfer MiB/s", "grpc-tcp MiB/s", "x grpc", "ucx_perftest MiB/s", "x perftest"}
-	if o.mem == "cuda" {
+	if o.mem == "cuda" && o.recv == "host" {
+		fmt.Fprintf(r.w, "# d2h: in-process GPU to registered host memory copy; x min: gdrpc / min(d2h, ucx_perftest), the staged path's ceiling\n")
+		cols = append(cols, "d2h MiB/s", "x min(d2h,put)")
+	}
+	if o.mem == "cuda" && o.recv == "cuda" {
 		fmt.Fprintf(r.w, "# dtod: in-process device-to-device copy; naive: device to host, plain gRPC bytes over TCP, host to device\n")
 		cols = append(cols, "dtod MiB/s", "x dtod", "naive MiB/s", "x naive")
 	}
@@ -110,7 +114,10 @@ func (r *reporter) row(res *result) {
 		x = nil
 	}
 	cols := []string{res.Size, path, num(g), num(x), num(res.GRPCTCPMiBs), rat(res.VsGRPCTCP), num(res.UCXPerftestMiBs), rat(res.VsUCXPerftest)}
-	if r.o.mem == "cuda" {
+	if r.o.mem == "cuda" && r.o.recv == "host" {
+		cols = append(cols, num(res.D2HMiBs), rat(res.VsD2HPut))
+	}
+	if r.o.mem == "cuda" && r.o.recv == "cuda" {
 		cols = append(cols, num(res.DtoDMiBs), rat(res.VsDtoD), num(res.NaiveMiBs), rat(res.VsNaive))
 	}
 	fmt.Fprintln(r.tw, strings.Join(cols, "\t")+"\t")

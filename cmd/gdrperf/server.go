@@ -251,7 +251,7 @@ func serve(ctx context.Context, o *options, ready func(readyInfo), logf func(str
 	if err != nil {
 		return err
 	}
-	if err := registerCodec(cuda); err != nil {
+	if err := registerCodec(o, cuda); err != nil {
 		return err
 	}
 	p := newPayloads(alloc, cuda)
