@@ -72,7 +72,7 @@ func (a *allocation) newHandle(ptr uintptr, n int) *Buffer {
 	b := &Buffer{ptr: ptr, n: n, a: a}
 	b.refs.Store(1)
 	a.handles.Add(1)
-	live.buffers[a.kind&1].Add(1)
+	live.buffers[a.kind].Add(1)
 	return b
 }
 
@@ -86,7 +86,7 @@ func (a *allocation) newRoot(ptr uintptr, n int) *Buffer {
 }
 
 func (a *allocation) dropHandle() {
-	live.buffers[a.kind&1].Add(-1)
+	live.buffers[a.kind].Add(-1)
 	if a.handles.Add(-1) == 0 && a.free != nil {
 		a.free()
 	}
@@ -196,8 +196,12 @@ func (b *Buffer) String() string {
 // Wrap makes a Buffer of foreign memory: n bytes at ptr, of the given kind (device is the
 // CUDA ordinal; ignored for Host). release, if not nil, runs once when the last reference
 // goes. For Host memory the caller guarantees that ptr..ptr+n is mapped CPU memory for the
-// Buffer's life; it must not be Go memory (use HostFromBytes for that).
+// Buffer's life; it must not be Go memory (use HostFromBytes for that). An unknown kind or a
+// negative length is a bug and panics.
 func Wrap(ptr uintptr, n int, kind Kind, device int, release func()) *Buffer {
+	if kind != Host && kind != CUDA || n < 0 {
+		panic(fmt.Sprintf("devicebuf: Wrap of %d bytes of %s memory", n, kind))
+	}
 	a := newAllocation(kind, device, release)
 	if kind == Host {
 		a.base = ptr

@@ -138,6 +138,8 @@ func TestWrap(t *testing.T) {
 	require.ErrorIs(t, err, devicebuf.ErrNotHost)
 	require.NoError(t, d.Release())
 	require.NoError(t, host.Release())
+	require.Panics(t, func() { devicebuf.Wrap(0x1000, 1, devicebuf.Kind(9), 0, nil) })
+	require.Panics(t, func() { devicebuf.Wrap(0x1000, -1, devicebuf.Host, 0, nil) })
 	requireLive(t, base)
 }
 
