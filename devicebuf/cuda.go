@@ -99,13 +99,13 @@ func deviceUUID(d driver.Driver, dev int) string {
 // DeviceAttrs are the device attributes the transfer paths depend on.
 type DeviceAttrs struct {
 	// GPUDirectRDMASupported: CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED.
-	GPUDirectRDMASupported bool
+	GPUDirectRDMASupported bool `json:"gpudirect_rdma_supported"`
 	// FlushWritesOptions: CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS, a mask of
 	// FlushWritesOptionHost and FlushWritesOptionMemOps.
-	FlushWritesOptions int
+	FlushWritesOptions int `json:"flush_writes_options"`
 	// WritesOrdering: CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING, one of
 	// WritesOrderingNone, WritesOrderingOwner, WritesOrderingAllDevices.
-	WritesOrdering int
+	WritesOrdering int `json:"writes_ordering"`
 }
 
 // Values of DeviceAttrs.FlushWritesOptions and DeviceAttrs.WritesOrdering.
@@ -230,13 +230,13 @@ func (c *cudaAllocator) Alloc(n int) (*Buffer, error) {
 
 // DeviceInfo describes one CUDA device as the CUDA driver sees it.
 type DeviceInfo struct {
-	Index             int // CUDA ordinal
-	UUID              string
-	Name              string
-	PCIBusID          string // as the driver prints it, "0000:3B:00.0"
-	MemoryBytes       uint64
-	ComputeCapability string // "9.0"
-	Attrs             DeviceAttrs
+	Index             int         `json:"index"` // CUDA ordinal
+	UUID              string      `json:"uuid"`
+	Name              string      `json:"name"`
+	PCIBusID          string      `json:"pci_bus_id"` // as the driver prints it, "0000:3B:00.0"
+	MemoryBytes       uint64      `json:"memory_bytes"`
+	ComputeCapability string      `json:"compute_capability"` // "9.0"
+	Attrs             DeviceAttrs `json:"attrs"`
 }
 
 // Describe returns what the CUDA driver reports about device dev.

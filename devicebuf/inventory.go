@@ -10,13 +10,13 @@ import (
 type GPU struct {
 	// Index is the CUDA ordinal of the GPU (matched on UUID), or -1 where CUDA does not see
 	// it (CUDA_VISIBLE_DEVICES, or no CUDA driver).
-	Index       int
-	UUID        string // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
-	Name        string
-	PCIBusID    string // "0000:3b:00.0"
-	MemoryBytes uint64
-	NUMANode    int    // -1 if unknown
-	CPUAffinity string // CPU list ("0-15,32-47"), "" if unknown
+	Index       int    `json:"index"`
+	UUID        string `json:"uuid"` // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
+	Name        string `json:"name"`
+	PCIBusID    string `json:"pci_bus_id"` // "0000:3b:00.0"
+	MemoryBytes uint64 `json:"memory_bytes"`
+	NUMANode    int    `json:"numa_node"`    // -1 if unknown
+	CPUAffinity string `json:"cpu_affinity"` // CPU list ("0-15,32-47"), "" if unknown
 }
 
 // Inventory lists the GPUs through NVML (libnvidia-ml.so.1, loaded at run time): first those
