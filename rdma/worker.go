@@ -20,7 +20,7 @@ import (
 )
 
 const (
-	spinRounds    = 64                    // idle progress rounds before sleeping on the event fd
+	spinTime      = 50 * time.Microsecond // progress this long after the last work before sleeping on the event fd
 	sleepTimeout  = 250                   // ms: longest sleep on the event fd
 	drainTimeout  = 5 * time.Second       // how long a closing worker waits for UCX to complete its requests
 	acceptBacklog = 128                   // connection requests waiting for Accept
@@ -105,7 +105,7 @@ func (w *Worker) run(ready chan<- error) {
 	}
 	ready <- nil
 	evs := make([]C.rdma_event_t, eventBatch)
-	idle := 0
+	lastBusy := time.Now()
 	var lastScan time.Time
 	for {
 		busy := false
@@ -137,20 +137,26 @@ func (w *Worker) run(ready chan<- error) {
 			}
 		}
 		if busy {
-			idle = 0
+			lastBusy = time.Time{}
 			continue
 		}
-		if idle++; idle < spinRounds {
+		// Spin briefly: a reply often follows soon, and waking from the event
+		// fd costs a thread wake-up on each side.
+		now := time.Now()
+		if lastBusy.IsZero() {
+			lastBusy = now
+		}
+		if now.Sub(lastBusy) < spinTime {
 			continue
 		}
 		// UCX opens descriptors lazily (connections of lanes, from its async
 		// thread too): mark them close-on-exec before going idle.
-		if now := time.Now(); now.Sub(lastScan) > scanInterval {
+		if now.Sub(lastScan) > scanInterval {
 			C.rdma_cloexec_scan()
 			lastScan = now
 		}
 		w.sleep()
-		idle = spinRounds / 2
+		lastBusy = time.Time{}
 	}
 }
 
