@@ -72,6 +72,9 @@ func collect() Report {
 		r.NVMLError = err.Error()
 	}
 	r.GPUs = gpus
+	if r.GPUs == nil {
+		r.GPUs = []devicebuf.GPU{}
+	}
 
 	cudaErr := devicebuf.CUDAAvailable()
 	var cudaDevices int

@@ -337,15 +337,15 @@ func (d *real) Init() error {
 		cname := C.CString(LibraryName)
 		defer C.free(unsafe.Pointer(cname))
 		if msg := C.gdr_cu_load(cname); msg != nil {
-			d.initErr = fmt.Errorf("CUDA driver: %s: %w", C.GoString(msg), driver.ErrNotSupported)
+			d.initErr = fmt.Errorf("devicebuf: CUDA driver: %s: %w", C.GoString(msg), driver.ErrNotSupported)
 			return
 		}
 		if r := C.gdr_cu_init(); r != 0 {
 			err := cuErr("cuInit", r)
 			if r == cudaErrorNoDevice {
-				d.initErr = fmt.Errorf("CUDA driver: no CUDA device: %v: %w", err, driver.ErrNotSupported)
+				d.initErr = fmt.Errorf("devicebuf: CUDA driver: no CUDA device: %v: %w", err, driver.ErrNotSupported)
 			} else {
-				d.initErr = fmt.Errorf("CUDA driver: %v: %w", err, driver.ErrNotSupported)
+				d.initErr = fmt.Errorf("devicebuf: CUDA driver: %v: %w", err, driver.ErrNotSupported)
 			}
 		}
 	})

@@ -12,7 +12,7 @@ import (
 // none, and every call reports ErrNotSupported.
 func Default() driver.Driver { return absent{} }
 
-var errAbsent = fmt.Errorf("CUDA driver: built without cgo or with the nocuda tag: %w", driver.ErrNotSupported)
+var errAbsent = fmt.Errorf("devicebuf: CUDA driver: built without cgo or with the nocuda tag: %w", driver.ErrNotSupported)
 
 type absent struct{}
 
