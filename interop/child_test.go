@@ -228,8 +228,13 @@ func startChild(t testing.TB, role string, wrap []string, env ...string) *child 
 		select {
 		case <-c.exited:
 		case <-time.After(testTimeout):
-			t.Errorf("child %s did not exit; killing it", role)
-			c.kill()
+			t.Errorf("child %s did not exit; SIGQUIT for its goroutines, then SIGKILL", role)
+			_ = c.cmd.Process.Signal(syscall.SIGQUIT)
+			select {
+			case <-c.exited:
+			case <-time.After(5 * time.Second):
+				c.kill()
+			}
 		}
 		if t.Failed() {
 			t.Logf("child %s stdout:\n%s\nstderr:\n%s", role, c.out.String(), c.stderr.String())
