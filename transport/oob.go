@@ -74,6 +74,7 @@ func init() {
 	SetTransferConfig(TransferConfig{})
 	registerControlHandler(ctlRTR, serveRTR)
 	registerControlHandler(ctlFIN, handleFIN)
+	registerControlHandler(ctlChunk, handleChunk)
 	bulkHandler = serveBulk
 }
 
@@ -140,11 +141,14 @@ func (e *TransferError) Timeout() bool { return e.Kind == TransferTimeout }
 var errRTRNotSent = errors.New("RTR not sent")
 
 type pull struct {
-	req  uint64
-	s    *Session
-	dst  *devicebuf.Buffer // retained until settled
-	fin  chan *fin         // FIN from the owner (buffered 1)
-	bulk chan error        // the bulk stream's outcome (buffered 1)
+	req uint64
+	s   *Session
+	dst *devicebuf.Buffer // retained until settled
+	fin chan *fin         // FIN from the owner (buffered 1)
+	// chunks receives staged-chunk notices [off, off+n) when the destination is
+	// GPU memory behind host staging; nil otherwise.
+	chunks chan [2]uint64
+	bulk   chan error // the bulk stream's outcome (buffered 1)
 
 	settle   sync.Once
 	after    []func()      // run once the owner can no longer write into dst
@@ -291,6 +295,12 @@ func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buff
 		p.settled()
 		return PathNone, &TransferError{Token: d.Token, Err: err}
 	}
+	var staged *stagedCopier
+	if staging != nil && m.Offers&PathRDMA != 0 {
+		m.Offers |= PathStaged
+		staged = newStagedCopier(dst, staging, p)
+		defer staged.stop()
+	}
 	pulls.Lock()
 	pulls.next++
 	p.req = pulls.next
@@ -338,8 +348,18 @@ func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buff
 			return f.Path, &TransferError{Token: d.Token, Err: fmt.Errorf("bulk stream: %w", err)}
 		}
 	}
-	if staging != nil && (f.Path == PathRDMA || f.Path == PathStaged) {
-		// The owner wrote into host staging: move it to the GPU destination.
+	if staged != nil && f.Path == PathStaged {
+		// The chunks' copies to the GPU started as they landed; wait for the last.
+		if err := staged.wait(ctx, s); err != nil {
+			if ctx.Err() != nil {
+				go p.settleLater()
+			} else {
+				p.settled()
+			}
+			return f.Path, &TransferError{Token: d.Token, Err: fmt.Errorf("copy from staging: %w", err)}
+		}
+	} else if staging != nil && (f.Path == PathRDMA || f.Path == PathStaged) {
+		// The owner wrote into host staging in one piece: move it to the GPU.
 		if err := devicebuf.Copy(dst, staging); err != nil {
 			p.settled()
 			return f.Path, &TransferError{Token: d.Token, Err: fmt.Errorf("copy from staging: %w", err)}
@@ -459,6 +479,73 @@ func handleFIN(s *Session, payload []byte) {
 	default:
 	}
 }
+
+func handleChunk(s *Session, payload []byte) {
+	req, off, n, err := parseChunkNotice(payload)
+	if err != nil {
+		cfg().Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		return
+	}
+	pulls.Lock()
+	p := pulls.m[req]
+	pulls.Unlock()
+	if p == nil || p.s != s || p.chunks == nil {
+		return
+	}
+	select {
+	case p.chunks <- [2]uint64{off, n}:
+	case <-s.Done():
+	}
+}
+
+// stagedCopier copies staged chunks to their GPU destination as their notices
+// arrive, overlapping the owner's next puts.
+type stagedCopier struct {
+	done chan error // the copier's outcome once every byte was copied
+	quit chan struct{}
+}
+
+func newStagedCopier(dst, staging *devicebuf.Buffer, p *pull) *stagedCopier {
+	c := &stagedCopier{done: make(chan error, 1), quit: make(chan struct{})}
+	p.chunks = make(chan [2]uint64, 64)
+	total := uint64(dst.Len())
+	go func() {
+		var copied uint64
+		for copied < total {
+			var ch [2]uint64
+			select {
+			case ch = <-p.chunks:
+			case <-c.quit:
+				return
+			}
+			off, n := ch[0], ch[1]
+			if off > total || n > total-off {
+				c.done <- fmt.Errorf("chunk [%d, +%d) outside a %d-byte destination", off, n, total)
+				return
+			}
+			if err := copyRange(dst, int(off), staging, int(off), int(n)); err != nil {
+				c.done <- err
+				return
+			}
+			copied += n
+		}
+		c.done <- nil
+	}()
+	return c
+}
+
+func (c *stagedCopier) wait(ctx context.Context, s *Session) error {
+	select {
+	case err := <-c.done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-s.Done():
+		return s.Err()
+	}
+}
+
+func (c *stagedCopier) stop() { close(c.quit) }
 
 // serveBulk receives a stream-path payload on a bulk stream the owner opened.
 func serveBulk(s *Session, c net.Conn) {
@@ -693,6 +780,15 @@ func pushStaged(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src 
 			return err
 		}
 		free <- f.slot
+		if m.Offers&PathStaged != 0 {
+			// The receiver copies each chunk on to its GPU as soon as it landed.
+			if err := ep.Flush(ctx); err != nil {
+				return fmt.Errorf("flush: %w", err)
+			}
+			if err := s.SendControl(ctx, ctlChunk, chunkNotice(m.Req, uint64(f.off), uint64(f.n))); err != nil {
+				return err
+			}
+		}
 	}
 	return nil
 }

@@ -13,6 +13,9 @@ import (
 const (
 	ctlRTR byte = 0x10 // receiver -> owner: ready to receive token into a destination
 	ctlFIN byte = 0x11 // owner -> receiver: the transfer of a request finished (status)
+	// owner -> receiver: a staged chunk is in the receiver's host staging (remote
+	// completion done), so its copy to the GPU can start before FIN.
+	ctlChunk byte = 0x12
 )
 
 const wireVersion = 1
@@ -64,7 +67,7 @@ const (
 	PathCUDAIPC Path = 1 << 0 // same host, destination in CUDA memory: device-to-device copy through a CUDA IPC handle
 	PathRDMA    Path = 1 << 1 // UCX put into the receiver's registered memory
 	PathStream  Path = 1 << 2 // the session's bulk stream
-	PathStaged  Path = 1 << 3 // GPU source, put through registered host staging (reported, never offered)
+	PathStaged  Path = 1 << 3 // GPU data through registered host staging; offered with PathRDMA: send chunk notices
 	PathLocal   Path = 1 << 4 // the owner is this process and no session to itself exists: a plain copy
 )
 
@@ -156,7 +159,7 @@ func parseRTR(b []byte) (*rtr, error) {
 	copy(m.Token[:], r.take(len(m.Token), "bytes"))
 	m.Length = readU64(r, "u64")
 	m.Offers = Path(r.u8("u8"))
-	if m.Offers&^(PathCUDAIPC|PathRDMA|PathStream) != 0 {
+	if m.Offers&^(PathCUDAIPC|PathRDMA|PathStream|PathStaged) != 0 {
 		return nil, fmt.Errorf("malformed RTR: unknown paths %#x", uint8(m.Offers))
 	}
 	if m.Offers&PathRDMA != 0 {
@@ -255,4 +258,22 @@ func parseBulkHeader(b []byte) (req, n uint64, err error) {
 	}
 	req, n = readU64(r, "u64"), readU64(r, "u64")
 	return req, n, finish(r, "bulk header")
+}
+
+// chunk notice: request id, offset and length of a chunk now in staging.
+func chunkNotice(req, off, n uint64) []byte {
+	b := make([]byte, 0, 1+24)
+	b = append(b, wireVersion)
+	b = binary.BigEndian.AppendUint64(b, req)
+	b = binary.BigEndian.AppendUint64(b, off)
+	return binary.BigEndian.AppendUint64(b, n)
+}
+
+func parseChunkNotice(b []byte) (req, off, n uint64, err error) {
+	r := &reader{b: b}
+	if v := r.u8("version"); r.err == nil && v != wireVersion {
+		return 0, 0, 0, fmt.Errorf("malformed chunk notice: version %d", v)
+	}
+	req, off, n = readU64(r, "req"), readU64(r, "offset"), readU64(r, "length")
+	return req, off, n, finish(r, "chunk notice")
 }

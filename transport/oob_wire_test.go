@@ -162,3 +162,14 @@ func TestOutboxLifetime(t *testing.T) {
 	require.Equal(t, 0, OutboxLen())
 	require.Equal(t, before, devicebuf.Live())
 }
+
+func FuzzParseChunkNotice(f *testing.F) {
+	f.Add(chunkNotice(3, 4<<20, 4<<20))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		req, off, n, err := parseChunkNotice(b)
+		if err != nil {
+			return
+		}
+		require.Equal(t, b, chunkNotice(req, off, n))
+	})
+}
