@@ -494,6 +494,9 @@ func (s *Session) SendControl(ctx context.Context, typ byte, payload []byte) err
 	if len(payload) > MaxControlPayload {
 		return fmt.Errorf("gdrpc: control payload of %d bytes (max %d)", len(payload), MaxControlPayload)
 	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
 	select {
 	case <-s.ctrlReady:
 	case <-s.done:
