@@ -58,6 +58,8 @@ type allocation struct {
 	reg     any
 	handles atomic.Int64
 	free    func()
+	export  atomic.Pointer[exportEntry] // the IPC handle exported for this allocation
+	freed   bool                        // set under exports' lock once export was set and the memory went
 }
 
 func newAllocation(kind Kind, dev int, free func()) *allocation {
@@ -76,6 +78,23 @@ func (a *allocation) newHandle(ptr uintptr, n int) *Buffer {
 	return b
 }
 
+// tryNewHandle is newHandle for an allocation that may be going: it fails (nil) once the
+// last handle is gone.
+func (a *allocation) tryNewHandle(ptr uintptr, n int) *Buffer {
+	for {
+		h := a.handles.Load()
+		if h <= 0 {
+			return nil
+		}
+		if a.handles.CompareAndSwap(h, h+1) {
+			b := &Buffer{ptr: ptr, n: n, a: a}
+			b.refs.Store(1)
+			live.buffers[a.kind].Add(1)
+			return b
+		}
+	}
+}
+
 // newRoot makes the first handle of a and makes it a's region.
 func (a *allocation) newRoot(ptr uintptr, n int) *Buffer {
 	b := a.newHandle(ptr, n)
@@ -87,7 +106,13 @@ func (a *allocation) newRoot(ptr uintptr, n int) *Buffer {
 
 func (a *allocation) dropHandle() {
 	live.buffers[a.kind].Add(-1)
-	if a.handles.Add(-1) == 0 && a.free != nil {
+	if a.handles.Add(-1) != 0 {
+		return
+	}
+	if a.export.Load() != nil {
+		unexport(a)
+	}
+	if a.free != nil {
 		a.free()
 	}
 }

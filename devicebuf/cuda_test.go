@@ -83,6 +83,48 @@ func TestFlushWithoutOption(t *testing.T) {
 
 func TestIPCInProcessFake(t *testing.T) {
 	g := devicebuftest.Install(t, 1)
+	testIPCInProcess(t, fakeAccess{g})
+	require.Zero(t, g.Allocations())
+
+	// A pool block exports its region's handle and its offset in the region.
+	a, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	p, err := devicebuf.NewPool(devicebuf.PoolConfig{Backing: a, Classes: []int{4096}, RegionBytes: 64 << 10})
+	require.NoError(t, err)
+	b1, err := p.Alloc(100)
+	require.NoError(t, err)
+	b2, err := p.Alloc(100)
+	require.NoError(t, err)
+	h1, off1, err := devicebuf.ExportIPC(b1)
+	require.NoError(t, err)
+	h2, off2, err := devicebuf.ExportIPC(b2)
+	require.NoError(t, err)
+	require.Equal(t, h1, h2, "one handle per region")
+	root, off := b2.Root()
+	require.Equal(t, off, off2)
+	require.NotEqual(t, off1, off2)
+	m, err := devicebuf.OpenIPC(h2, 0)
+	require.NoError(t, err)
+	require.Equal(t, root.Ptr(), m.Ptr())
+	require.NoError(t, m.Release())
+	require.NoError(t, b1.Release())
+	require.NoError(t, b2.Release())
+	require.NoError(t, p.Close())
+	require.Zero(t, g.Allocations())
+
+	host, err := devicebuf.NewHostAllocator().Alloc(10)
+	require.NoError(t, err)
+	_, _, err = devicebuf.ExportIPC(host)
+	require.ErrorIs(t, err, devicebuf.ErrNotSupported)
+	require.NoError(t, host.Release())
+	var bad devicebuf.IPCHandle
+	_, err = devicebuf.OpenIPC(bad, 0)
+	require.Error(t, err)
+}
+
+// testIPCInProcess opens a handle this process exported: OpenIPC gives the exporting
+// allocation itself (the CUDA driver refuses a process's own handles), which it keeps alive.
+func testIPCInProcess(t *testing.T, acc access) {
 	base := devicebuf.Live()
 	a, err := devicebuf.NewCUDAAllocator(0)
 	require.NoError(t, err)
@@ -93,46 +135,46 @@ func TestIPCInProcessFake(t *testing.T) {
 	h, off, err := devicebuf.ExportIPC(b)
 	require.NoError(t, err)
 	require.Equal(t, 1<<20, off)
+	h2, off2, err := devicebuf.ExportIPC(alloc)
+	require.NoError(t, err)
+	require.Equal(t, h, h2, "one handle per allocation")
+	require.Zero(t, off2)
 
 	m1, err := devicebuf.OpenIPC(h, 0)
 	require.NoError(t, err)
 	m2, err := devicebuf.OpenIPC(h, 0)
 	require.NoError(t, err)
-	require.Equal(t, m1.Ptr(), m2.Ptr(), "one mapping per allocation")
-	require.NotEqual(t, alloc.Ptr(), m1.Ptr())
+	require.Equal(t, alloc.Ptr(), m1.Ptr(), "the exporter's own memory")
+	require.Equal(t, alloc.Ptr(), m2.Ptr())
 	require.Equal(t, 3<<20, m1.Len())
-	require.Equal(t, int64(1), devicebuf.Live().Sub(base).IPCMappings)
+	require.Equal(t, 0, m1.Device())
+	require.Zero(t, devicebuf.Live().Sub(base).IPCMappings, "no driver mapping")
 
-	// Bytes written through the mapping appear in the exporter's memory.
+	// Bytes written through the opened buffer land in the exporter's allocation, also after
+	// the exporter released it.
 	v, err := m1.Slice(off, 1<<20)
 	require.NoError(t, err)
 	want := pattern(9, 1<<20)
 	src := devicebuf.HostFromBytes(want)
 	require.NoError(t, devicebuf.Copy(v, src))
-	got, err := g.View(b.Ptr(), b.Len())
-	require.NoError(t, err)
-	requireBytes(t, want, got, "through the IPC mapping")
+	requireBytes(t, want, acc.read(t, b), "through the opened handle")
+	require.NoError(t, b.Release())
+	require.NoError(t, alloc.Release())
+	want2 := pattern(10, 1<<20)
+	acc.fill(t, src, want2)
+	require.NoError(t, devicebuf.Copy(v, src))
+	requireBytes(t, want2, acc.read(t, v), "after the exporter let go")
 
 	require.NoError(t, m1.Release())
 	require.NoError(t, v.Release())
-	require.Equal(t, int64(1), devicebuf.Live().Sub(base).IPCMappings, "m2 still uses it")
 	require.NoError(t, m2.Release())
-	require.Zero(t, devicebuf.Live().Sub(base).IPCMappings)
-	require.Equal(t, 1, g.Allocations(), "only the exporter's allocation is left")
-
-	host, err := devicebuf.NewHostAllocator().Alloc(10)
-	require.NoError(t, err)
-	_, _, err = devicebuf.ExportIPC(host)
-	require.ErrorIs(t, err, devicebuf.ErrNotSupported)
-	var bad devicebuf.IPCHandle
-	_, err = devicebuf.OpenIPC(bad, 0)
-	require.Error(t, err)
-
-	require.NoError(t, host.Release())
 	require.NoError(t, src.Release())
-	require.NoError(t, b.Release())
-	require.NoError(t, alloc.Release())
 	requireLive(t, base)
+
+	// Once the memory is gone the handle is no longer this process's: the driver is asked,
+	// and refuses.
+	_, err = devicebuf.OpenIPC(h, 0)
+	require.Error(t, err)
 }
 
 func TestIPCAcrossProcessesFake(t *testing.T) {
@@ -223,4 +265,45 @@ func TestRealDriverAbsent(t *testing.T) {
 	}
 	var ce *devicebuf.CUDAError
 	require.False(t, errors.As(err, &ce))
+}
+
+// TestIPCOpenOwnRacesRelease opens a process's own handle from several goroutines while the
+// exporter releases the allocation: each open either gets a live buffer (that keeps the
+// memory) or, once the memory is gone, an error; nothing is freed twice or leaked.
+func TestIPCOpenOwnRacesRelease(t *testing.T) {
+	devicebuftest.Install(t, 1)
+	base := devicebuf.Live()
+	a, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	for round := 0; round < 20; round++ {
+		alloc, err := a.Alloc(4096)
+		require.NoError(t, err)
+		h, _, err := devicebuf.ExportIPC(alloc)
+		require.NoError(t, err)
+		errs := make(chan error, 4)
+		for w := 0; w < 4; w++ {
+			go func() {
+				for i := 0; i < 50; i++ {
+					m, err := devicebuf.OpenIPC(h, 0)
+					if err != nil {
+						break // the memory went
+					}
+					if m.Len() != 4096 {
+						errs <- errors.New("opened another allocation")
+						return
+					}
+					if err := m.Release(); err != nil {
+						errs <- err
+						return
+					}
+				}
+				errs <- nil
+			}()
+		}
+		require.NoError(t, alloc.Release())
+		for w := 0; w < 4; w++ {
+			require.NoError(t, <-errs)
+		}
+	}
+	requireLive(t, base)
 }

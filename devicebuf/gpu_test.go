@@ -107,6 +107,11 @@ func TestGPUIPCAcrossProcesses(t *testing.T) {
 	testIPCAcrossProcesses(t, "cuda", 4<<20+5)
 }
 
+func TestGPUIPCInProcess(t *testing.T) {
+	requireCUDA(t)
+	testIPCInProcess(t, copyAccess{})
+}
+
 func TestGPUPoolReuse(t *testing.T) {
 	n := requireCUDA(t)
 	base := devicebuf.Live()

@@ -12,7 +12,8 @@ import (
 type IPCHandle [driver.IPCHandleSize]byte
 
 // ExportIPC returns an IPC handle for the device allocation b lies in, and b's offset
-// within that allocation. The allocation must stay alive while peers use the handle.
+// within that allocation. The allocation must stay alive while peers use the handle. The
+// handle of an allocation is made once and remembered while the allocation lives.
 func ExportIPC(b *Buffer) (IPCHandle, int, error) {
 	if b.Kind() != CUDA {
 		return IPCHandle{}, 0, fmt.Errorf("devicebuf: IPC export of %s memory: %w", b.Kind(), ErrNotSupported)
@@ -20,11 +21,15 @@ func ExportIPC(b *Buffer) (IPCHandle, int, error) {
 	if b.Released() {
 		return IPCHandle{}, 0, ErrReleased
 	}
-	d, err := checkDevice(b.Device())
+	owner := b.a.region.a // the allocation whose memory b lies in (a pool region, for a block)
+	if e := owner.export.Load(); e != nil && b.ptr >= e.base {
+		return e.h, int(b.ptr - e.base), nil
+	}
+	d, err := driverOf(b)
 	if err != nil {
 		return IPCHandle{}, 0, err
 	}
-	base, _, err := d.MemAddressRange(b.Device(), b.Ptr())
+	base, size, err := d.MemAddressRange(b.Device(), b.Ptr())
 	if err != nil {
 		return IPCHandle{}, 0, fmt.Errorf("devicebuf: address range of %s: %w", b, err)
 	}
@@ -32,12 +37,71 @@ func ExportIPC(b *Buffer) (IPCHandle, int, error) {
 	if err != nil {
 		return IPCHandle{}, 0, fmt.Errorf("devicebuf: cuIpcGetMemHandle: %w", err)
 	}
-	return IPCHandle(h), int(b.Ptr() - base), nil
+	e := &exportEntry{h: IPCHandle(h), base: base, d: d, owner: owner}
+	// An allocation that starts where the driver's allocation starts can be opened in this
+	// process without the driver (which refuses a process's own handles).
+	if r := owner.region; r.ptr == base && r.n <= size {
+		exports.Lock()
+		if !owner.freed {
+			exports.m[ipcKey{d: d, h: e.h}] = e
+			owner.export.Store(e)
+		}
+		exports.Unlock()
+	}
+	return e.h, int(b.Ptr() - base), nil
+}
+
+// driverOf returns the initialised driver that made or maps CUDA buffer b.
+func driverOf(b *Buffer) (driver.Driver, error) {
+	if d := b.a.drv; d != nil {
+		if err := d.Init(); err != nil {
+			return nil, err
+		}
+		return d, nil
+	}
+	return checkDevice(b.Device())
+}
+
+// exportEntry is an IPC handle this process exported for an allocation it owns.
+type exportEntry struct {
+	h     IPCHandle
+	base  uintptr
+	d     driver.Driver
+	owner *allocation
+}
+
+// exports maps the handles this process exported (for allocations still alive) to their
+// allocations, so that OpenIPC of a handle of this process returns the memory itself.
+var exports = struct {
+	sync.Mutex
+	m map[ipcKey]*exportEntry
+}{m: map[ipcKey]*exportEntry{}}
+
+// unexport forgets a's handle; called when a's memory is freed.
+func unexport(a *allocation) {
+	exports.Lock()
+	defer exports.Unlock()
+	a.freed = true
+	if e := a.export.Load(); e != nil {
+		delete(exports.m, ipcKey{d: e.d, h: e.h})
+	}
+}
+
+// openOwn returns a new handle onto an allocation of this process that exported h, or nil.
+func openOwn(d driver.Driver, h IPCHandle) *Buffer {
+	exports.Lock()
+	defer exports.Unlock()
+	e := exports.m[ipcKey{d: d, h: h}]
+	if e == nil || e.owner.freed {
+		return nil
+	}
+	r := e.owner.region
+	return e.owner.tryNewHandle(r.ptr, r.n)
 }
 
 type ipcKey struct {
 	d   driver.Driver
-	dev int
+	dev int // the device mapped on (0 in exports)
 	h   IPCHandle
 }
 
@@ -56,10 +120,17 @@ var ipcCache = struct {
 // the whole allocation (Slice it at the offset ExportIPC returned). Mappings are cached per
 // allocation: opening the same handle again shares the mapping, and it is closed when the
 // last Buffer returned for it is released.
+//
+// A handle this process exported (the CUDA driver refuses to open those) gives a Buffer onto
+// the exporting allocation itself, on the exporter's device, which keeps the allocation
+// alive until released.
 func OpenIPC(h IPCHandle, device int) (*Buffer, error) {
 	d, err := checkDevice(device)
 	if err != nil {
 		return nil, err
+	}
+	if b := openOwn(d, h); b != nil {
+		return b, nil
 	}
 	k := ipcKey{d, device, h}
 	ipcCache.Lock()
