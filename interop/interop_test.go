@@ -9,10 +9,12 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/encoding/gzip"
 	grpcinterop "google.golang.org/grpc/interop"
 	testgrpc "google.golang.org/grpc/interop/grpc_testing"
 	"google.golang.org/grpc/peer"
@@ -60,6 +62,13 @@ var interopCases = []interopCase{
 	}},
 	{"status_code_and_message", func(ctx context.Context, tc testgrpc.TestServiceClient, _ *grpc.ClientConn) {
 		grpcinterop.DoStatusCodeAndMessage(ctx, tc)
+	}},
+	// The same with gzip-compressed messages.
+	{"large_unary_gzip", func(ctx context.Context, tc testgrpc.TestServiceClient, _ *grpc.ClientConn) {
+		grpcinterop.DoLargeUnaryCall(ctx, tc, grpc.UseCompressor(gzip.Name))
+	}},
+	{"ping_pong_gzip", func(ctx context.Context, tc testgrpc.TestServiceClient, _ *grpc.ClientConn) {
+		grpcinterop.DoPingPong(ctx, tc, grpc.UseCompressor(gzip.Name))
 	}},
 	{"unimplemented_method", func(ctx context.Context, _ testgrpc.TestServiceClient, cc *grpc.ClientConn) {
 		grpcinterop.DoUnimplementedMethod(ctx, cc)
@@ -115,6 +124,24 @@ func TestInterop(t *testing.T) {
 				info := ep.TransportInfo()
 				t.Logf("UCX endpoint:\n%s", info)
 				requireUCXLanes(t, tc.ucx, info)
+			}
+
+			// GracefulStop sends GOAWAY over the session and returns once the
+			// client has closed its connection.
+			stopped := make(chan struct{})
+			go func() {
+				srv.gs.GracefulStop()
+				close(stopped)
+			}()
+			select {
+			case <-stopped:
+			case <-time.After(testTimeout):
+				t.Fatal("GracefulStop did not return")
+			}
+			select {
+			case <-ai.Session().Done():
+			case <-time.After(testTimeout):
+				t.Fatal("the client session outlived the server's GracefulStop")
 			}
 		})
 	}
