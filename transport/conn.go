@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -224,33 +225,95 @@ func (c *replayConn) Read(b []byte) (int, error) {
 	return c.Conn.Read(b)
 }
 
-// errConn records the first error of the underlying connection, the cause a
-// session reports when it dies.
-type errConn struct {
+// underConn is the session's byte stream as yamux sees it. It records the
+// first error of the underlying connection (the cause a session reports when
+// it dies), and it coalesces each yamux data frame: yamux writes a frame's
+// 12-byte header and its body in two Write calls, which over UCX would be two
+// sends per message. Only yamux's send loop writes to it, one frame at a
+// time, and a data header announcing n bytes is always followed by a Write of
+// exactly those n bytes.
+type underConn struct {
 	net.Conn
 	once sync.Once
 	err  atomic.Pointer[error]
+
+	hdr     [yamuxHeaderLen]byte
+	pending bool   // hdr holds a data header whose body comes next
+	scratch []byte // header+body of small frames
+	tcp     bool   // the conn does vectored writes (net.Buffers)
 }
 
-func (c *errConn) record(err error) {
+const (
+	yamuxHeaderLen = 12
+	// coalesceMax is the largest body copied next to its header; larger
+	// bodies go out with a vectored write (TCP) or as a second send (UCX),
+	// where the copy would cost more than the extra send.
+	coalesceMax = 64 << 10
+)
+
+func newUnderConn(c net.Conn) *underConn {
+	_, tcp := c.(*net.TCPConn)
+	return &underConn{Conn: c, tcp: tcp}
+}
+
+func (c *underConn) record(err error) {
 	if err != nil {
 		c.once.Do(func() { c.err.Store(&err) })
 	}
 }
 
-func (c *errConn) Read(b []byte) (int, error) {
+func (c *underConn) Read(b []byte) (int, error) {
 	n, err := c.Conn.Read(b)
 	c.record(err)
 	return n, err
 }
 
-func (c *errConn) Write(b []byte) (int, error) {
-	n, err := c.Conn.Write(b)
-	c.record(err)
-	return n, err
+func (c *underConn) Write(b []byte) (int, error) {
+	// A yamux data header (version 0, type 0) with a non-empty body: keep it
+	// for the body's Write.
+	if !c.pending && len(b) == yamuxHeaderLen && b[0] == 0 && b[1] == 0 && binary.BigEndian.Uint32(b[8:]) > 0 {
+		copy(c.hdr[:], b)
+		c.pending = true
+		return len(b), nil
+	}
+	if !c.pending {
+		n, err := c.Conn.Write(b)
+		c.record(err)
+		return n, err
+	}
+	c.pending = false
+	if uint32(len(b)) != binary.BigEndian.Uint32(c.hdr[8:]) {
+		// Not the body announced: never expected, but stay correct.
+		if _, err := c.Conn.Write(c.hdr[:]); err != nil {
+			c.record(err)
+			return 0, err
+		}
+		n, err := c.Conn.Write(b)
+		c.record(err)
+		return n, err
+	}
+	var err error
+	switch {
+	case len(b) <= coalesceMax:
+		buf := append(append(c.scratch[:0], c.hdr[:]...), b...)
+		c.scratch = buf
+		_, err = c.Conn.Write(buf)
+	case c.tcp:
+		bufs := net.Buffers{c.hdr[:], b}
+		_, err = bufs.WriteTo(c.Conn)
+	default:
+		if _, err = c.Conn.Write(c.hdr[:]); err == nil {
+			_, err = c.Conn.Write(b)
+		}
+	}
+	if err != nil {
+		c.record(err)
+		return 0, err
+	}
+	return len(b), nil
 }
 
-func (c *errConn) firstErr() error {
+func (c *underConn) firstErr() error {
 	if p := c.err.Load(); p != nil {
 		return *p
 	}

@@ -52,7 +52,7 @@ type Session struct {
 	peer      Peer
 	token     ID
 	transport string // "ucx" or "tcp"
-	under     *errConn
+	under     *underConn
 	ep        *rdma.Endpoint
 	rctx      *rdma.Context
 	mux       *yamux.Session
@@ -104,7 +104,7 @@ func newSession(st sessionSetup) (*Session, error) {
 		peer:      st.peer,
 		token:     st.token,
 		transport: st.transport,
-		under:     &errConn{Conn: st.conn},
+		under:     newUnderConn(st.conn),
 		ep:        st.ep,
 		rctx:      st.rctx,
 		grpcCh:    make(chan *streamConn, 1),
