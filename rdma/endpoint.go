@@ -239,7 +239,11 @@ func (e *Endpoint) setTerm(err error, eof, fromPeer bool) {
 // peerFailed runs on the owner goroutine when UCX reports the endpoint failed.
 func (e *Endpoint) peerFailed(status int) {
 	e.drain(true)
-	e.setTerm(newEndpointError("endpoint", status, statusString(status)), false, true)
+	msg := statusString(status)
+	if status == statusCanceled {
+		msg = "connection lost: UCX cancelled the pending requests"
+	}
+	e.setTerm(newEndpointError("endpoint", status, msg), false, true)
 	e.forceClose()
 }
 
@@ -393,7 +397,10 @@ func (e *Endpoint) opError(op string, st int) error {
 	if err := e.termErr(); err != nil {
 		return err
 	}
-	if isPeerFailure(st) {
+	if isPeerFailure(st) || (st == statusCanceled && !e.ucpClosed) {
+		// We cancel nothing ourselves except by closing the endpoint (which
+		// sets term first): UCX cancelled the request because the
+		// endpoint failed (UCX 1.16 does so before the error callback).
 		e.peerFailed(st)
 		return e.termErr()
 	}
