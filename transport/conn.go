@@ -127,7 +127,12 @@ func (c *streamConn) mapErr(op string, err error) error {
 	switch {
 	case errors.Is(err, yamux.ErrTimeout):
 		return c.opErr(op, &TimeoutError{Op: op})
-	case errors.Is(err, yamux.ErrSessionShutdown), errors.Is(err, yamux.ErrConnectionWriteTimeout):
+	case errors.Is(err, yamux.ErrSessionShutdown):
+		return c.opErr(op, c.sess.closedErr())
+	case errors.Is(err, yamux.ErrConnectionWriteTimeout):
+		// The connection took no data for the keepalive timeout: the peer is
+		// as good as dead, and the keepalive could not get a ping out either.
+		c.sess.closeWith(fmt.Errorf("%w: writes to the connection blocked for %v", ErrPeerGone, c.sess.cfg.kaTimeout))
 		return c.opErr(op, c.sess.closedErr())
 	case errors.Is(err, yamux.ErrConnectionReset):
 		return c.opErr(op, ErrStreamReset)
