@@ -36,22 +36,33 @@ const (
 	envSize   = "GDRPC_INTEROP_SIZE"   // payload size of a client role
 	// envDie set to "after-push" makes the child SIGKILL itself once it wrote
 	// an out-of-band payload it owns into a receiver, before it answers FIN
-	// (the owner reports the push to the metrics hook before sending FIN).
+	// (the owner reports the push to the metrics hook before sending FIN);
+	// "stall-after-push" makes it stop there, alive, until its stdin closes:
+	// the receiver never gets FIN from a live owner.
 	envDie = "GDRPC_INTEROP_DIE"
 )
+
+// parentGone is closed when the child's stdin closes.
+var parentGone = make(chan struct{})
 
 // childMetrics counts the child's pulls and, with GDRPC_INTEROP_DIE=after-push,
 // kills the child after its first successful push.
 type childMetrics struct {
 	*pathCounter
-	dieAfterPush bool
+	afterPush string // the value of GDRPC_INTEROP_DIE
 }
 
 func (m childMetrics) Transfer(i transport.TransferInfo) {
-	if !i.Pull && i.Err == nil && m.dieAfterPush {
-		fmt.Println("DYING after push")
-		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
-		select {} // SIGKILL cannot be caught: the process ends here
+	if !i.Pull && i.Err == nil {
+		switch m.afterPush {
+		case "after-push":
+			fmt.Println("DYING after push")
+			_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+			select {} // SIGKILL cannot be caught: the process ends here
+		case "stall-after-push":
+			fmt.Println("STALLING after push")
+			<-parentGone
+		}
 	}
 	m.pathCounter.Transfer(i)
 }
@@ -75,7 +86,11 @@ func runChild(role string) int {
 		fmt.Println("FAIL", err)
 		return 1
 	}
-	metrics := childMetrics{pathCounter: newPathCounter(), dieAfterPush: os.Getenv(envDie) == "after-push"}
+	metrics := childMetrics{pathCounter: newPathCounter(), afterPush: os.Getenv(envDie)}
+	go func() {
+		_, _ = io.Copy(io.Discard, os.Stdin)
+		close(parentGone)
+	}()
 	transport.SetTransferConfig(transport.TransferConfig{Metrics: metrics, Timeout: testTimeout})
 	switch role {
 	case "server":
@@ -113,7 +128,7 @@ func childServer(opts []transport.Option) int {
 	bothServices(gs)
 	go func() { _ = gs.Serve(lis) }()
 	fmt.Println("ADDR", lis.Addr().String())
-	_, _ = io.Copy(io.Discard, os.Stdin) // until the parent goes away
+	<-parentGone
 	gs.Stop()
 	return 0
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os/exec"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -296,6 +297,81 @@ func TestOwnerKilledBeforeFIN(t *testing.T) {
 				gdrcodec.ReleaseAll(got)
 				require.NoError(t, cc.Close())
 				srv.gs.Stop()
+				requireSettled(t)
+			})
+		}
+	}
+}
+
+// TestOwnerStallsBeforeFIN: the owner of a response payload is alive but
+// never answers FIN (it stops after writing the bytes). The client's call must
+// end at its own deadline (DeadlineExceeded) or when it is cancelled
+// (Canceled), as any gRPC call does, or, with neither, at the transfer timeout
+// (DeadlineExceeded); the client leaks nothing.
+func TestOwnerStallsBeforeFIN(t *testing.T) {
+	const (
+		n = 1 << 20
+		// The call's deadline, or the transfer timeout when the call has none.
+		limit = 2 * time.Second
+		// The transfer timeout when the call has a deadline: the call must end
+		// at its deadline, long before this.
+		longTransfer = 8 * time.Second
+		// Slack for a loaded machine.
+		slack = 3 * time.Second
+	)
+	for _, tc := range transportCases[:3] {
+		for _, bound := range []string{"call-deadline", "call-cancel", "transfer-timeout"} {
+			t.Run("transport="+tc.name+"/bound="+bound, func(t *testing.T) {
+				opts := tc.options(t)
+				srv := startChild(t, "server", nil, envUCX+"="+tc.ucx, envDie+"=stall-after-push")
+				addr := srv.waitLine("ADDR ")
+				paths := countPaths(t)
+				ctx := callCtx(t)
+				wantCode := codes.DeadlineExceeded
+				var cancelled chan time.Time // when the call was cancelled
+				switch bound {
+				case "call-deadline":
+					var cancel context.CancelFunc
+					ctx, cancel = context.WithTimeout(ctx, limit)
+					defer cancel()
+					transport.SetTransferConfig(transport.TransferConfig{Metrics: paths, Timeout: longTransfer})
+				case "call-cancel":
+					wantCode = codes.Canceled
+					var cancel context.CancelFunc
+					ctx, cancel = context.WithCancel(ctx)
+					defer cancel()
+					transport.SetTransferConfig(transport.TransferConfig{Metrics: paths, Timeout: longTransfer})
+					cancelled = make(chan time.Time, 1)
+					go func() { // cancel once the owner stalls: the pull is under way
+						for !strings.Contains(srv.out.String(), "STALLING") {
+							select {
+							case <-srv.out.changed:
+							case <-ctx.Done():
+								return
+							}
+						}
+						cancelled <- time.Now()
+						cancel()
+					}()
+				default:
+					transport.SetTransferConfig(transport.TransferConfig{Metrics: paths, Timeout: limit})
+				}
+				cc := dialClient(t, addr, opts, nil)
+				start := time.Now()
+				got, err := tensorpb.NewTensorServiceClient(cc).Make(ctx, &tensorpb.Sized{Size: n, Seed: 1})
+				elapsed := time.Since(start)
+				t.Logf("Make failed after %v: %v", elapsed.Round(time.Millisecond), err)
+				require.Nil(t, got)
+				require.Equal(t, wantCode, status.Code(err), "%v", err)
+				require.Contains(t, srv.out.String(), "STALLING after push", "the owner wrote the bytes")
+				if cancelled != nil {
+					at := <-cancelled
+					require.Less(t, time.Since(at), slack, "the call outlived its cancellation")
+				} else {
+					require.GreaterOrEqual(t, elapsed, limit-50*time.Millisecond)
+					require.Less(t, elapsed, limit+slack, "the call outlived its bound of %v", limit)
+				}
+				require.NoError(t, cc.Close())
 				requireSettled(t)
 			})
 		}
