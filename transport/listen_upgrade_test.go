@@ -1,0 +1,109 @@
+package transport
+
+import (
+	"context"
+	"io"
+	"net"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/rdma"
+)
+
+// internalUCX returns a UCX context over tcp, skipping (or failing under
+// GDRPC_REQUIRE=ucx) when UCX is absent.
+func internalUCX(t *testing.T) *rdma.Context {
+	t.Helper()
+	if err := rdma.Available(); err != nil {
+		if strings.Contains(os.Getenv("GDRPC_REQUIRE"), "ucx") {
+			t.Fatalf("UCX required but unavailable: %v", err)
+		}
+		t.Skipf("UCX unavailable: %v", err)
+	}
+	rc, err := rdma.NewContext(rdma.WithTransports("tcp"))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = rc.Close() })
+	return rc
+}
+
+// TestUpgradeFallback: the server offers UCX but the client cannot reach its
+// UCX listener. In auto mode the session stays on TCP; when either side
+// requires UCX the dial fails with a clear error.
+func TestUpgradeFallback(t *testing.T) {
+	rc := internalUCX(t)
+	l, err := Listen("127.0.0.1:0", WithRDMAContext(rc))
+	require.NoError(t, err)
+	defer l.Close()
+	require.NotNil(t, l.ucx)
+	require.NoError(t, l.ucx.Close()) // UCX dials to it now fail
+
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := l.Accept()
+		if err == nil {
+			accepted <- c
+		}
+	}()
+	s, err := Dial(ctx, l.Addr().String(), WithRDMAContext(rc))
+	require.NoError(t, err)
+	defer s.Close()
+	require.Equal(t, "tcp", s.Transport())
+	c, err := s.Conn(ctx)
+	require.NoError(t, err)
+	var sc net.Conn
+	select {
+	case sc = <-accepted:
+	case <-ctx.Done():
+		t.Fatal("no session accepted")
+	}
+	require.Equal(t, "tcp", SessionOf(sc).Transport())
+	_, err = c.Write([]byte("x"))
+	require.NoError(t, err)
+	b := make([]byte, 1)
+	_, err = io.ReadFull(sc, b)
+	require.NoError(t, err)
+	require.Equal(t, "x", string(b))
+
+	_, err = Dial(ctx, l.Addr().String(), WithRDMAContext(rc), WithMode(ModeUCX))
+	require.ErrorContains(t, err, "UCX upgrade")
+}
+
+// TestUpgradeWrongToken: a UCX endpoint that does not present a pending
+// session's token is refused and closed.
+func TestUpgradeWrongToken(t *testing.T) {
+	rc := internalUCX(t)
+	l, err := Listen("127.0.0.1:0", WithRDMAContext(rc), WithMode(ModeUCX))
+	require.NoError(t, err)
+	defer l.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	ep, err := rc.Worker().Dial(ctx, l.UCXAddr().String())
+	require.NoError(t, err)
+	defer ep.Close()
+	tok := newToken()
+	_, err = ep.Write(append([]byte(upgradeMagic), tok[:]...))
+	require.NoError(t, err)
+	require.NoError(t, ep.SetReadDeadline(time.Now().Add(20*time.Second)))
+	b, err := io.ReadAll(ep)
+	require.Equal(t, []byte{0}, b, "a refusal, then the end")
+	if err != nil {
+		require.NotErrorIs(t, err, os.ErrDeadlineExceeded)
+	}
+}
+
+func TestRegisterControlHandlerTwice(t *testing.T) {
+	const typ = 0xE9
+	registerControlHandler(typ, func(*Session, []byte) {})
+	defer func() {
+		controlMu.Lock()
+		delete(controlHandlers, typ)
+		controlMu.Unlock()
+	}()
+	require.Panics(t, func() { registerControlHandler(typ, func(*Session, []byte) {}) })
+}
