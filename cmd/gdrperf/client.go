@@ -65,6 +65,7 @@ type result struct {
 	Mem             string   `json:"mem"`       // where the sender's payload lives
 	Recv            string   `json:"recv"`      // where the receiver's payload lands
 	Transport       string   `json:"transport"` // what the gdrpc session runs over: ucx or tcp
+	UCXLanes        string   `json:"ucx_lanes,omitempty"` // the session endpoint's UCX lanes and their roles
 	Path            string   `json:"path"`      // out-of-band path(s) the payloads took
 	Iters           int      `json:"iters"`
 	GDRPCMiBs       float64  `json:"gdrpc_mib_s"`    // median over calls of size / call time
@@ -201,7 +202,10 @@ func (b *bench) measure(ctx context.Context, size int) *result {
 	if err := b.measureGDRPC(ctx, size, pat, r); err != nil {
 		note("gdrpc", err)
 	}
-	r.Transport = b.transport
+	r.Transport, r.UCXLanes = b.transport, b.lanes
+	if tcpRMA(b.lanes) {
+		r.Notes = append(r.Notes, "the session's UCX lanes for RMA (rma_bw) are TCP only: the rdma path runs over UCX's TCP transport here, not shared memory or an RDMA NIC")
+	}
 	if !b.o.baselines {
 		r.Notes = append(r.Notes, "baselines not measured (-baselines=false)")
 	} else {
@@ -391,6 +395,23 @@ func ucxLanes(info string) string {
 		}
 	}
 	return strings.Join(out, " ")
+}
+
+// tcpRMA reports whether every rma_bw lane of a ucxLanes summary is a TCP
+// device (and there is one).
+func tcpRMA(lanes string) bool {
+	any := false
+	for l := range strings.FieldsSeq(lanes) {
+		i := strings.IndexByte(l, '(')
+		if i < 0 || !strings.Contains(l[i:], "rma_bw") {
+			continue
+		}
+		if !strings.HasPrefix(l, "tcp/") {
+			return false
+		}
+		any = true
+	}
+	return any
 }
 
 var (

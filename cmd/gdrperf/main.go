@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"runtime/pprof"
+	"runtime/trace"
 	"strconv"
 	"strings"
 	"syscall"
@@ -44,6 +45,8 @@ type options struct {
 
 	cpuprofile       string
 	serverCPUProfile string
+	trace            string
+	serverTrace      string
 }
 
 const readyPrefix = "gdrperf-ready "
@@ -70,6 +73,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.BoolVar(&o.child, "child", false, "internal: server half of a same-host run")
 	fs.StringVar(&o.cpuprofile, "cpuprofile", "", "write this process's CPU profile to the file")
 	fs.StringVar(&o.serverCPUProfile, "server-cpuprofile", "", "write the re-executed server's CPU profile to the file")
+	fs.StringVar(&o.trace, "trace", "", "write this process's execution trace to the file (go tool trace: where calls wait)")
+	fs.StringVar(&o.serverTrace, "server-trace", "", "write the re-executed server's execution trace to the file")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -192,6 +197,21 @@ func realMain(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 			f.Close()
 		}()
 	}
+	if o.trace != "" {
+		f, err := os.Create(o.trace)
+		if err != nil {
+			fmt.Fprintln(stderr, "gdrperf:", err)
+			return 1
+		}
+		if err := trace.Start(f); err != nil {
+			fmt.Fprintln(stderr, "gdrperf:", err)
+			return 1
+		}
+		defer func() {
+			trace.Stop()
+			f.Close()
+		}()
+	}
 	logf := func(format string, a ...any) { fmt.Fprintf(stderr, "gdrperf: "+format+"\n", a...) }
 	if o.server != "" {
 		err = runServer(ctx, o, stdin, stdout, logf)
@@ -255,6 +275,9 @@ func startChild(ctx context.Context, o *options, logf func(string, ...any)) (*ch
 		"-device", strconv.Itoa(o.device), "-perftest", o.perftest}
 	if o.serverCPUProfile != "" {
 		args = append(args, "-cpuprofile", o.serverCPUProfile)
+	}
+	if o.serverTrace != "" {
+		args = append(args, "-trace", o.serverTrace)
 	}
 	cmd := exec.Command(exe, args...)
 	cmd.Env = append(os.Environ(), childEnv+"=1")
