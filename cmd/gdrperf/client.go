@@ -62,11 +62,11 @@ type result struct {
 	SizeBytes       int      `json:"size_bytes"`
 	Size            string   `json:"size"`
 	Op              string   `json:"op"`
-	Mem             string   `json:"mem"`       // where the sender's payload lives
-	Recv            string   `json:"recv"`      // where the receiver's payload lands
-	Transport       string   `json:"transport"` // what the gdrpc session runs over: ucx or tcp
+	Mem             string   `json:"mem"`                 // where the sender's payload lives
+	Recv            string   `json:"recv"`                // where the receiver's payload lands
+	Transport       string   `json:"transport"`           // what the gdrpc session runs over: ucx or tcp
 	UCXLanes        string   `json:"ucx_lanes,omitempty"` // the session endpoint's UCX lanes and their roles
-	Path            string   `json:"path"`      // out-of-band path(s) the payloads took
+	Path            string   `json:"path"`                // out-of-band path(s) the payloads took
 	Iters           int      `json:"iters"`
 	GDRPCMiBs       float64  `json:"gdrpc_mib_s"`    // median over calls of size / call time
 	TransferMiBs    float64  `json:"transfer_mib_s"` // median of the out-of-band transfer alone (metrics hook)
@@ -400,7 +400,7 @@ func ucxLanes(info string) string {
 // tcpRMA reports whether every rma_bw lane of a ucxLanes summary is a TCP
 // device (and there is one).
 func tcpRMA(lanes string) bool {
-	any := false
+	found := false
 	for l := range strings.FieldsSeq(lanes) {
 		i := strings.IndexByte(l, '(')
 		if i < 0 || !strings.Contains(l[i:], "rma_bw") {
@@ -409,9 +409,9 @@ func tcpRMA(lanes string) bool {
 		if !strings.HasPrefix(l, "tcp/") {
 			return false
 		}
-		any = true
+		found = true
 	}
-	return any
+	return found
 }
 
 var (
