@@ -110,8 +110,11 @@ func benchPut(b *testing.B, c *rdma.Context, client *rdma.Endpoint, size int) {
 }
 
 // benchStream writes size bytes per iteration; the reader acknowledges each
-// block with one byte and the writer keeps at most two blocks unacknowledged.
+// block with one byte and the writer keeps at most streamWindow blocks
+// unacknowledged. The timed part ends when the last block was acknowledged
+// (a plain b.N loop: b.Loop would stop the timer before that wait).
 func benchStream(b *testing.B, client, server *rdma.Endpoint, size int) {
+	const streamWindow = 4
 	src := pattern(size, 2)
 	var wg sync.WaitGroup
 	wg.Add(1)
@@ -128,23 +131,25 @@ func benchStream(b *testing.B, client, server *rdma.Endpoint, size int) {
 		}
 	}()
 	one := make([]byte, 1)
-	i := 0
-	for b.Loop() {
+	pending := 0
+	b.ResetTimer()
+	for range b.N {
 		if _, err := client.Write(src); err != nil {
 			b.Fatal(err)
 		}
-		if i++; i > 1 {
+		if pending++; pending == streamWindow {
 			if _, err := io.ReadFull(client, one); err != nil {
 				b.Fatal(err)
 			}
+			pending--
 		}
 	}
-	for ; i > 1; i-- {
+	for ; pending > 0; pending-- {
 		if _, err := io.ReadFull(client, one); err != nil {
 			b.Fatal(err)
 		}
-		break
 	}
+	b.StopTimer()
 	client.Close()
 	wg.Wait()
 }

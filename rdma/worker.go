@@ -3,6 +3,7 @@
 package rdma
 
 /*
+#include <sched.h>
 #include "ucx.h"
 */
 import "C"
@@ -20,15 +21,17 @@ import (
 )
 
 const (
-	spinTime      = 50 * time.Microsecond // progress this long after the last work before sleeping on the event fd
-	sleepTimeout  = 250                   // ms: longest sleep on the event fd
-	drainTimeout  = 5 * time.Second       // how long a closing worker waits for UCX to complete its requests
-	acceptBacklog = 128                   // connection requests waiting for Accept
-	eventBatch    = 64                    // events taken from the ring at once
-	progressBatch = 32                    // ucp_worker_progress calls per round
-	lingerTimeout = 2 * time.Second       // Close: flush pending writes and tell the peer, at most this long
-	forceTimeout  = 5 * time.Second       // Close: wait for the force close, at most this long
-	scanInterval  = 10 * time.Millisecond // least time between two FD_CLOEXEC scans
+	spinTime       = 50 * time.Microsecond // progress this long after the last work before sleeping on the event fd
+	sleepTimeout   = 250                   // ms: longest sleep on the event fd
+	pendingTimeout = 1                     // ms: longest sleep while requests are in flight
+	pendingSpin    = 5 * time.Millisecond  // poll (yielding) this long while requests are in flight
+	drainTimeout   = 5 * time.Second       // how long a closing worker waits for UCX to complete its requests
+	acceptBacklog  = 128                   // connection requests waiting for Accept
+	eventBatch     = 64                    // events taken from the ring at once
+	progressBatch  = 32                    // ucp_worker_progress calls per round
+	lingerTimeout  = 2 * time.Second       // Close: flush pending writes and tell the peer, at most this long
+	forceTimeout   = 5 * time.Second       // Close: wait for the force close, at most this long
+	scanInterval   = 10 * time.Millisecond // least time between two FD_CLOEXEC scans
 )
 
 // Worker is a UCX worker driven by one owner goroutine locked to its OS
@@ -149,14 +152,22 @@ func (w *Worker) run(ready chan<- error) {
 		if now.Sub(lastBusy) < spinTime {
 			continue
 		}
+		if len(w.pending) > 0 && now.Sub(lastBusy) < pendingSpin {
+			// Requests in flight progress only when this side polls (a
+			// full shared-memory FIFO drains without waking us): keep
+			// polling, yielding the CPU to the peer between rounds.
+			C.sched_yield()
+			continue
+		}
 		// UCX opens descriptors lazily (connections of lanes, from its async
 		// thread too): mark them close-on-exec before going idle.
 		if now.Sub(lastScan) > scanInterval {
 			C.rdma_cloexec_scan()
 			lastScan = now
 		}
+		// lastBusy stays: after a timeout with requests in flight the
+		// owner keeps sleeping in short slices instead of spinning again.
 		w.sleep()
-		lastBusy = time.Time{}
 	}
 }
 
@@ -177,6 +188,10 @@ func (w *Worker) sleep() {
 	timeout := C.int(sleepTimeout)
 	if w.stopping {
 		timeout = 10
+	} else if len(w.pending) > 0 {
+		// UCX does not wake the event fd when a full shared-memory FIFO
+		// drains: requests in flight need this side to progress.
+		timeout = pendingTimeout
 	}
 	C.rdma_worker_wait(w.cw, timeout)
 }
