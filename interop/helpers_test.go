@@ -37,7 +37,11 @@ import (
 // testTimeout bounds every call and wait of a test.
 const testTimeout = 30 * time.Second
 
-// UCX transport families (UCX_TLS) of the UCX cases.
+// UCX transport families (UCX_TLS) of the UCX cases. UCX 1.13 cannot wire
+// up a client-server endpoint with shared-memory transports alone
+// ("posix,sysv,cma,self" fails with "Destination is unreachable"): the shm
+// family includes tcp, and the byte stream then runs on a sysv/posix lane
+// (requireUCXLanes checks it).
 const (
 	ucxShm = "posix,sysv,cma,tcp"
 	ucxTCP = "tcp"
@@ -332,6 +336,7 @@ func newPathCounter() *pathCounter {
 // countPaths installs a pathCounter as the transfer metrics hook until the
 // test ends, with a transfer timeout of testTimeout.
 func countPaths(tb testing.TB) *pathCounter {
+	tb.Helper()
 	pc := newPathCounter()
 	transport.SetTransferConfig(transport.TransferConfig{Metrics: pc, Timeout: testTimeout})
 	tb.Cleanup(func() { transport.SetTransferConfig(transport.TransferConfig{}) })

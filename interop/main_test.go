@@ -21,13 +21,15 @@ import (
 const childEnv = "GDRPC_INTEROP_CHILD"
 
 func TestMain(m *testing.M) {
-	gdrcodec.Register()
 	if role := os.Getenv(childEnv); role != "" {
+		gdrcodec.Register()
 		os.Exit(runChild(role))
 	}
 	// The interop cases report failures through grpclog's Fatal, which would
 	// end the process: the logger turns it into a failure of the running test.
+	// It is set before any other use of gRPC.
 	grpclog.SetLoggerV2(glog)
+	gdrcodec.Register()
 	// The Default UCX context (created on first use) keeps its progress
 	// goroutine for the life of the process: count it in the baseline.
 	if rdma.Available() == nil {
