@@ -118,9 +118,11 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 	if err != nil {
 		return err
 	}
-	if err := registerCodec(o, cuda); err != nil {
+	unregister, err := registerCodec(o, cuda)
+	if err != nil {
 		return err
 	}
+	defer unregister() // after the connections close (deferred below)
 	m := &collector{}
 	transport.SetTransferConfig(transport.TransferConfig{Metrics: m, Timeout: o.callLimit})
 	defer transport.SetTransferConfig(transport.TransferConfig{})
@@ -172,6 +174,7 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 	defer b.plain.Close()
 
 	out := newReporter(stdout, o)
+	var failed []string
 	for i, size := range o.sizes {
 		r := b.measure(ctx, size)
 		if ctx.Err() != nil {
@@ -181,8 +184,17 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 			out.header(b)
 		}
 		out.row(r)
+		if r.GDRPCMiBs == 0 {
+			failed = append(failed, r.Size)
+		}
 	}
-	return out.flush()
+	if err := out.flush(); err != nil {
+		return err
+	}
+	if len(failed) > 0 {
+		return fmt.Errorf("gdrpc not measured for %s (see the notes)", strings.Join(failed, ", "))
+	}
+	return nil
 }
 
 // callCtx bounds one call; verified calls ask the server to checksum.

@@ -148,11 +148,13 @@ func (o *options) hostAllocator() (devicebuf.Allocator, error) {
 
 // registerCodec registers the gdr codec. With -recv cuda received payloads
 // land in a pool of GPU memory (blocks are reused, so the sender's CUDA IPC
-// mapping of them can be too); else in gdrpc's registered host pool.
-func registerCodec(o *options, cuda devicebuf.Allocator) error {
+// mapping of them can be too); else in gdrpc's registered host pool. The
+// returned function, called once every received payload was released, frees
+// the pool and restores the default allocator.
+func registerCodec(o *options, cuda devicebuf.Allocator) (func(), error) {
 	if o.recv != "cuda" {
 		gdrcodec.Register()
-		return nil
+		return func() {}, nil
 	}
 	var classes []int
 	for s := 64 << 10; s <= 8<<30; s <<= 1 {
@@ -160,10 +162,13 @@ func registerCodec(o *options, cuda devicebuf.Allocator) error {
 	}
 	pool, err := devicebuf.NewPool(devicebuf.PoolConfig{Backing: cuda, Classes: classes, MaxBytes: 32 << 30, Oversize: true})
 	if err != nil {
-		return err
+		return nil, err
 	}
 	gdrcodec.Register(gdrcodec.WithReceiveAllocator(pool))
-	return nil
+	return func() {
+		gdrcodec.Register()
+		pool.Close()
+	}, nil
 }
 
 func main() {

@@ -362,3 +362,15 @@ func TestUCXLanes(t *testing.T) {
 	require.False(t, tcpRMA("sysv/memory(am,am_bw)"))
 	require.False(t, tcpRMA(""))
 }
+
+func TestNoServer(t *testing.T) {
+	port, err := freePort("127.0.0.1") // nothing listens there
+	require.NoError(t, err)
+	var out, errb bytes.Buffer
+	code := realMain([]string{"-connect", fmt.Sprintf("127.0.0.1:%d", port), "-sizes", "1MiB", "-iters", "1", "-warmup", "0",
+		"-transport", "tcp", "-perftest", "none", "-call-timeout", "5s"}, strings.NewReader(""), &out, &errb)
+	require.Equal(t, 1, code, "stdout:\n%s", out.String())
+	require.Contains(t, errb.String(), "gdrpc not measured for 1MiB")
+	require.Contains(t, out.String(), "# note: 1MiB: gdrpc: call 0:")
+	require.Contains(t, out.String(), "# note: 1MiB: grpc-tcp: call 0:")
+}

@@ -251,9 +251,11 @@ func serve(ctx context.Context, o *options, ready func(readyInfo), logf func(str
 	if err != nil {
 		return err
 	}
-	if err := registerCodec(o, cuda); err != nil {
+	unregister, err := registerCodec(o, cuda)
+	if err != nil {
 		return err
 	}
+	defer unregister()
 	p := newPayloads(alloc, cuda)
 	defer p.Close()
 
