@@ -285,6 +285,8 @@ func TestBytesFieldLookingLikeADescriptor(t *testing.T) {
 // path: CUDA IPC, staged through registered host memory over UCX, the stream.
 func TestFakeGPU(t *testing.T) {
 	devicebuftest.Install(t, 1)
+	// Host pool regions get pinned with the fake driver: give them back before it goes.
+	t.Cleanup(func() { require.NoError(t, transport.CloseHostPools()) })
 	gpu, err := devicebuf.NewCUDAAllocator(0)
 	require.NoError(t, err)
 	tests := []struct {

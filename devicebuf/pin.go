@@ -1,0 +1,26 @@
+package devicebuf
+
+import "fmt"
+
+// PinHost page-locks n bytes of host memory at ptr that this package did not
+// allocate (memory UCX allocated, a user's region) with CUDA, so copies between
+// it and GPU memory run at pinned speed. It returns the function that unpins
+// it; without a CUDA driver it fails with an error wrapping ErrNotSupported.
+// ptr must be C or mmap'ed memory, never the Go heap.
+func PinHost(ptr uintptr, n int) (unpin func() error, err error) {
+	d, err := cudaDriver()
+	if err != nil {
+		return nil, err
+	}
+	if n <= 0 {
+		return nil, fmt.Errorf("devicebuf: pin %d bytes", n)
+	}
+	if err := d.MemHostRegister(ptr, n); err != nil {
+		return nil, fmt.Errorf("devicebuf: cuMemHostRegister %d bytes at %#x: %w", n, ptr, err)
+	}
+	live.pinned.Add(1)
+	return func() error {
+		live.pinned.Add(-1)
+		return d.MemHostUnregister(ptr)
+	}, nil
+}
