@@ -26,6 +26,7 @@ const (
 	ringMax     = 4 << 20  // inbound buffer above which draining UCX stops until Read catches up
 	smallWrite  = 64 << 10 // writes up to this size are copied and sent without waiting
 	maxInflight = 4 << 20  // copied bytes in flight per endpoint before Write waits
+	directRead  = 32 << 10 // Reads from this size wait with their buffer posted for a direct copy
 )
 
 var errPeerClosed = fmt.Errorf("rdma: peer closed the endpoint: %w", io.EOF)
@@ -46,6 +47,10 @@ type Endpoint struct {
 	mu       sync.Mutex
 	in       []byte // inbound ring
 	head, n  int
+	rbuf     []byte // a waiting Read's buffer the owner may fill directly
+	rfill    int    // bytes the owner put in rbuf
+	rbusy    bool   // the owner is copying into rbuf outside mu
+	rcond    sync.Cond
 	stalled  bool // draining stopped: the ring is full
 	drainReq bool // a drain is queued
 	term     error
@@ -78,6 +83,7 @@ func newEndpoint(w *Worker) *Endpoint {
 		rnotify:   make(chan struct{}, 1),
 		wnotify:   make(chan struct{}, 1),
 	}
+	e.rcond.L = &e.mu
 	e.rdl.cancel = make(chan struct{})
 	e.wdl.cancel = make(chan struct{})
 	return e
@@ -272,6 +278,27 @@ func (e *Endpoint) drain(all bool) {
 			e.mu.Unlock()
 			return
 		}
+		if e.n == 0 && e.rfill < len(e.rbuf) {
+			// A Read waits with its own buffer: fill it directly (Go memory
+			// passed for the call; the reader waits for rbusy to clear).
+			buf := e.rbuf[e.rfill:]
+			e.rbusy = true
+			e.mu.Unlock()
+			var more C.int
+			k := int(C.rdma_stream_read(e.ce, unsafe.Pointer(&buf[0]), C.size_t(len(buf)), &more))
+			e.mu.Lock()
+			e.rfill += k
+			e.rbusy = false
+			e.rcond.Broadcast()
+			e.mu.Unlock()
+			if k > 0 {
+				notify(e.rnotify)
+			}
+			if more == 0 {
+				return
+			}
+			continue
+		}
 		if e.n == len(e.in) {
 			size := max(2*len(e.in), ringInitial)
 			if size > ringMax && !all {
@@ -339,6 +366,10 @@ func (e *Endpoint) Read(p []byte) (int, error) {
 	defer e.rmu.Unlock()
 	for {
 		e.mu.Lock()
+		if k := e.retract(); k > 0 {
+			e.mu.Unlock()
+			return k, nil
+		}
 		if e.local {
 			e.mu.Unlock()
 			return 0, closedError("read")
@@ -355,27 +386,48 @@ func (e *Endpoint) Read(p []byte) (int, error) {
 			}
 			return k, nil
 		}
-		term, eof := e.term, e.eof
-		e.mu.Unlock()
-		if term != nil {
+		if e.term != nil {
+			term, eof := e.term, e.eof
+			e.mu.Unlock()
 			if eof {
 				return 0, io.EOF
 			}
 			return 0, term
 		}
 		if len(p) == 0 {
+			e.mu.Unlock()
 			return 0, nil
 		}
 		dl := e.rdl.wait()
 		if isClosed(dl) {
+			e.mu.Unlock()
 			return 0, &timeoutError{op: "read"}
 		}
+		if len(p) >= directRead {
+			// The ring is empty: let the owner copy straight into p.
+			e.rbuf, e.rfill = p, 0
+		}
+		e.mu.Unlock()
 		select {
 		case <-e.rnotify:
 		case <-dl:
 		case <-e.done:
 		}
 	}
+}
+
+// retract takes back the buffer a Read posted (mu held): it waits out a copy
+// in progress and returns how many bytes the owner put there.
+func (e *Endpoint) retract() int {
+	if e.rbuf == nil {
+		return 0
+	}
+	for e.rbusy {
+		e.rcond.Wait()
+	}
+	k := e.rfill
+	e.rbuf, e.rfill = nil, 0
+	return k
 }
 
 func (e *Endpoint) termErr() error {
