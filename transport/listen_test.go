@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -224,4 +225,24 @@ func TestModeMismatch(t *testing.T) {
 	t.Setenv(transport.EnvTransport, "bogus")
 	_, err = transport.Dial(ctx, l3.Addr().String())
 	require.ErrorContains(t, err, "unknown transport mode")
+}
+
+// TestDefaultsUpgrade: with no options at all (auto mode, rdma.Default())
+// two processes on one host end up on UCX over shared memory.
+func TestDefaultsUpgrade(t *testing.T) {
+	requireUCX(t)
+	t.Setenv(transport.EnvTransport, "")
+	p := dialPair(t, nil)
+	require.Equal(t, "ucx", p.client.Transport())
+	require.Equal(t, "ucx", p.server.Transport())
+	require.True(t, p.client.Peer().SameHost)
+	info := p.client.Endpoint().TransportInfo()
+	require.True(t, strings.Contains(info, "sysv/memory") || strings.Contains(info, "posix/memory") || strings.Contains(info, "cma/memory"), info)
+	roundTripPair(t, p)
+}
+
+func roundTripPair(t *testing.T, p *setup) {
+	t.Helper()
+	go func() { _, _ = io.Copy(p.sc, p.sc) }()
+	roundTrip(t, p.cc, "over the default transport")
 }
