@@ -259,9 +259,12 @@ func (s *Session) closeWith(cause error) {
 	if !first {
 		return
 	}
-	if errors.Is(cause, net.ErrClosed) {
+	switch {
+	case errors.Is(cause, net.ErrClosed):
 		s.log.Debug("session closed")
-	} else {
+	case cause == ErrPeerGone:
+		s.log.Debug("session closed by peer")
+	default:
 		s.log.Info("session lost", "err", cause)
 	}
 	for _, fn := range onSessionClosed {
