@@ -44,7 +44,7 @@ func (a *Addr) String() string {
 // Timeout() true and unwraps to os.ErrDeadlineExceeded.
 type TimeoutError struct{ Op string }
 
-func (e *TimeoutError) Error() string   { return "gdrpc: " + e.Op + ": i/o timeout" }
+func (e *TimeoutError) Error() string   { return e.Op + ": i/o timeout" }
 func (e *TimeoutError) Timeout() bool   { return true }
 func (e *TimeoutError) Temporary() bool { return true }
 func (e *TimeoutError) Unwrap() error   { return os.ErrDeadlineExceeded }

@@ -60,7 +60,11 @@ func NewClientSession(ctx context.Context, conn net.Conn, opts ...Option) (*Sess
 		return nil, errors.New("gdrpc: transport ucx needs Dial, not a caller's conn")
 	}
 	cfg.mode = ModeTCP
-	return clientHandshake(ctx, cfg, conn, nil)
+	s, err := clientHandshake(ctx, cfg, conn, nil)
+	if err != nil {
+		return nil, fmt.Errorf("gdrpc: %w", err)
+	}
+	return s, nil
 }
 
 // bindDeadline applies ctx's deadline to conn and makes ctx's end fail its
@@ -80,9 +84,9 @@ func bindDeadline(ctx context.Context, conn interface{ SetDeadline(time.Time) er
 func ctxErr(ctx context.Context, err error) error {
 	if cerr := ctx.Err(); cerr != nil {
 		if errors.Is(cerr, context.DeadlineExceeded) {
-			return fmt.Errorf("gdrpc: handshake: %w (%w)", &TimeoutError{Op: "handshake"}, err)
+			return fmt.Errorf("%w (%w)", &TimeoutError{Op: "handshake"}, err)
 		}
-		return fmt.Errorf("gdrpc: handshake: %w", cerr)
+		return fmt.Errorf("handshake: %w", cerr)
 	}
 	return err
 }
@@ -104,21 +108,21 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 		caps.UCX = false
 	}
 	if _, err := conn.Write(encodeHello(hello{ID: cfg.localID, HostID: LocalHostID(), Mode: cfg.mode, Caps: caps})); err != nil {
-		return nil, fmt.Errorf("gdrpc: handshake: send hello: %w", err)
+		return nil, fmt.Errorf("handshake: send hello: %w", err)
 	}
 	version, body, err := readFrame(conn, false)
 	if err != nil {
 		if errors.Is(err, io.EOF) {
 			err = fmt.Errorf("%w: peer closed the connection during the handshake", ErrPeerGone)
 		}
-		return nil, fmt.Errorf("gdrpc: handshake: %w", err)
+		return nil, fmt.Errorf("handshake: %w", err)
 	}
 	w, err := parseWelcome(version, body)
 	if err != nil {
-		return nil, fmt.Errorf("gdrpc: handshake: %w", err)
+		return nil, fmt.Errorf("handshake: %w", err)
 	}
 	if w.Transport == "tcp" && cfg.mode == ModeUCX {
-		return nil, fmt.Errorf("gdrpc: handshake: transport ucx required but the server did not offer it")
+		return nil, fmt.Errorf("handshake: transport ucx required but the server did not offer it")
 	}
 
 	setup := sessionSetup{
@@ -131,28 +135,28 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 	}
 	if w.Transport == "ucx" {
 		if rctx == nil {
-			return nil, malformed("server offered UCX to a client without it")
+			return nil, fmt.Errorf("handshake: %w", malformed("server offered UCX to a client without it"))
 		}
 		host := ""
 		if ta, ok := conn.RemoteAddr().(*net.TCPAddr); ok {
 			host = ta.IP.String()
 		} else {
-			return nil, fmt.Errorf("gdrpc: handshake: UCX offered over a non-TCP connection")
+			return nil, fmt.Errorf("handshake: UCX offered over a non-TCP connection")
 		}
 		uaddr := net.JoinHostPort(host, strconv.Itoa(int(w.UCXPort)))
 		ep, uerr := upgradeUCX(hctx, rctx, uaddr, w.Token)
 		if uerr != nil {
 			if !w.FallbackOK || cfg.mode == ModeUCX {
-				return nil, fmt.Errorf("gdrpc: handshake: UCX upgrade to %s: %w", uaddr, uerr)
+				return nil, fmt.Errorf("handshake: UCX upgrade to %s: %w", uaddr, uerr)
 			}
 			cfg.logger.Info("UCX upgrade failed, falling back to TCP", "ucx_addr", uaddr, "err", uerr)
 			if _, err := conn.Write([]byte{decisionTCP}); err != nil {
-				return nil, fmt.Errorf("gdrpc: handshake: send decision: %w", err)
+				return nil, fmt.Errorf("handshake: send decision: %w", err)
 			}
 		} else {
 			if _, err := conn.Write([]byte{decisionUCX}); err != nil {
 				_ = ep.Close()
-				return nil, fmt.Errorf("gdrpc: handshake: send decision: %w", err)
+				return nil, fmt.Errorf("handshake: send decision: %w", err)
 			}
 			unbind()
 			_ = conn.Close() // the bootstrap is done; the session runs over UCX
@@ -172,7 +176,7 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 func upgradeUCX(ctx context.Context, rctx *rdma.Context, addr string, token ID) (*rdma.Endpoint, error) {
 	w := rctx.Worker()
 	if w == nil {
-		return nil, fmt.Errorf("gdrpc: UCX context has no worker: %w", rdma.ErrNotSupported)
+		return nil, fmt.Errorf("UCX context has no worker: %w", rdma.ErrNotSupported)
 	}
 	ep, err := w.Dial(ctx, addr)
 	if err != nil {

@@ -201,16 +201,17 @@ const (
 	rejectInternal  = 4
 )
 
-// Handshake errors.
+// Handshake errors. Dial, Listen and the New*Session functions return them
+// wrapped with the operation ("gdrpc: dial host:port: handshake: ...").
 var (
 	// ErrNotGDRPC reports that the peer did not start with the gdrpc magic.
-	ErrNotGDRPC = errors.New("gdrpc: peer is not a gdrpc endpoint (bad magic)")
+	ErrNotGDRPC = errors.New("peer is not a gdrpc endpoint (bad magic)")
 	// ErrVersion reports a protocol version mismatch; the error is a *VersionError.
-	ErrVersion = errors.New("gdrpc: protocol version mismatch")
+	ErrVersion = errors.New("protocol version mismatch")
 	// ErrMalformed reports a handshake message that does not parse.
-	ErrMalformed = errors.New("gdrpc: malformed handshake message")
+	ErrMalformed = errors.New("malformed message")
 	// ErrRejected reports that the peer refused the handshake; the error is a *RejectError.
-	ErrRejected = errors.New("gdrpc: handshake rejected by peer")
+	ErrRejected = errors.New("handshake rejected by peer")
 )
 
 // VersionError reports that the peer speaks another protocol version.
@@ -219,7 +220,7 @@ type VersionError struct {
 }
 
 func (e *VersionError) Error() string {
-	return fmt.Sprintf("gdrpc: protocol version mismatch: we speak %d, the peer speaks %d", e.Local, e.Remote)
+	return fmt.Sprintf("protocol version mismatch: we speak %d, the peer speaks %d", e.Local, e.Remote)
 }
 
 // Is makes errors.Is(err, ErrVersion) true.
@@ -232,7 +233,7 @@ type RejectError struct {
 }
 
 func (e *RejectError) Error() string {
-	return fmt.Sprintf("gdrpc: handshake rejected by peer: %s (code %d)", e.Message, e.Code)
+	return fmt.Sprintf("rejected by peer: %s (code %d)", e.Message, e.Code)
 }
 
 // Is makes errors.Is(err, ErrRejected) true, and errors.Is(err, ErrVersion)

@@ -293,7 +293,7 @@ func NewServerSession(ctx context.Context, conn net.Conn, opts ...Option) (*Sess
 	unbind()
 	if err != nil {
 		_ = conn.Close()
-		return nil, ctxErr(hctx, err)
+		return nil, fmt.Errorf("gdrpc: %w", ctxErr(hctx, err))
 	}
 	return s, nil
 }
@@ -306,7 +306,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		if errors.Is(err, ErrMalformed) {
 			_, _ = conn.Write(encodeReject(rejectMalformed, err.Error()))
 		}
-		return nil, fmt.Errorf("gdrpc: handshake: %w", err)
+		return nil, fmt.Errorf("handshake: %w", err)
 	}
 	h, err := parseHello(version, body)
 	if err != nil {
@@ -316,7 +316,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		} else {
 			_, _ = conn.Write(encodeReject(rejectMalformed, err.Error()))
 		}
-		return nil, fmt.Errorf("gdrpc: handshake: %w", err)
+		return nil, fmt.Errorf("handshake: %w", err)
 	}
 
 	haveUCX := l != nil && l.ucx != nil
@@ -333,7 +333,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 			why = "transport ucx required but the client has no UCX"
 		}
 		_, _ = conn.Write(encodeReject(rejectMode, why))
-		return nil, fmt.Errorf("gdrpc: handshake: %s", why)
+		return nil, fmt.Errorf("handshake: %s", why)
 	}
 
 	caps := cfg.localCaps()
@@ -358,14 +358,14 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		}
 		if port <= 0 || port > 65535 {
 			_, _ = conn.Write(encodeReject(rejectInternal, "server UCX listener has no port"))
-			return nil, fmt.Errorf("gdrpc: handshake: UCX listener address %v has no port", l.ucx.Addr())
+			return nil, fmt.Errorf("handshake: UCX listener address %v has no port", l.ucx.Addr())
 		}
 		w.Transport, w.UCXPort = "ucx", uint16(port)
 		pu = l.expect(w.Token)
 		defer l.abandon(w.Token, pu)
 	}
 	if _, err := conn.Write(encodeWelcome(w)); err != nil {
-		return nil, fmt.Errorf("gdrpc: handshake: send welcome: %w", err)
+		return nil, fmt.Errorf("handshake: send welcome: %w", err)
 	}
 
 	setup := sessionSetup{
@@ -378,31 +378,31 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 	if canUCX {
 		var d [1]byte
 		if _, err := io.ReadFull(conn, d[:]); err != nil {
-			return nil, fmt.Errorf("gdrpc: handshake: read decision: %w", err)
+			return nil, fmt.Errorf("handshake: read decision: %w", err)
 		}
 		switch d[0] {
 		case decisionUCX:
 			select {
 			case <-pu.ready:
 			case <-ctx.Done():
-				return nil, fmt.Errorf("gdrpc: handshake: client chose UCX but its endpoint did not arrive: %w", ctx.Err())
+				return nil, fmt.Errorf("handshake: client chose UCX but its endpoint did not arrive: %w", ctx.Err())
 			}
 			pu.mu.Lock()
 			ep := pu.ep
 			pu.ep = nil
 			pu.mu.Unlock()
 			if ep == nil {
-				return nil, errors.New("gdrpc: handshake: UCX endpoint lost")
+				return nil, errors.New("handshake: UCX endpoint lost")
 			}
 			_ = conn.Close() // the bootstrap is done
 			setup.transport, setup.conn, setup.ep, setup.rctx = "ucx", ep, ep, l.rctx
 		case decisionTCP:
 			if needUCX {
-				return nil, errors.New("gdrpc: handshake: client fell back to TCP but transport ucx is required")
+				return nil, errors.New("handshake: client fell back to TCP but transport ucx is required")
 			}
 			cfg.logger.Info("client could not upgrade to UCX; session stays on TCP", "remote", conn.RemoteAddr().String())
 		default:
-			return nil, malformed("unknown decision byte %d", d[0])
+			return nil, fmt.Errorf("handshake: %w", malformed("unknown decision byte %d", d[0]))
 		}
 	}
 	if err := ctx.Err(); err != nil {
