@@ -95,10 +95,7 @@ func TestMixedPeers(t *testing.T) {
 				t.Run("client="+c.name, func(t *testing.T) {
 					client := testgrpc.NewTestServiceClient(c.cc)
 					for _, ic := range interopCases {
-						t.Run(ic.name, func(t *testing.T) {
-							glog.bind(t)
-							ic.run(callCtx(t), client, c.cc)
-						})
+						t.Run(ic.name, func(t *testing.T) { runCase(t, ic, client, c.cc) })
 					}
 					var p peer.Peer
 					_, err := client.EmptyCall(callCtx(t), nil, grpc.Peer(&p))
