@@ -150,6 +150,7 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 				return nil, fmt.Errorf("handshake: UCX upgrade to %s: %w", uaddr, uerr)
 			}
 			cfg.logger.Info("UCX upgrade failed, falling back to TCP", "ucx_addr", uaddr, "err", uerr)
+			cfg.metrics.Fallback("UCX upgrade failed: " + uerr.Error())
 			if _, err := conn.Write([]byte{decisionTCP}); err != nil {
 				return nil, fmt.Errorf("handshake: send decision: %w", err)
 			}

@@ -401,6 +401,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 				return nil, errors.New("handshake: client fell back to TCP but transport ucx is required")
 			}
 			cfg.logger.Info("client could not upgrade to UCX; session stays on TCP", "remote", conn.RemoteAddr().String())
+			cfg.metrics.Fallback("client could not upgrade to UCX")
 		default:
 			return nil, fmt.Errorf("handshake: %w", malformed("unknown decision byte %d", d[0]))
 		}

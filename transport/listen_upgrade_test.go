@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -50,10 +51,21 @@ func TestUpgradeFallback(t *testing.T) {
 			accepted <- c
 		}
 	}()
-	s, err := Dial(ctx, l.Addr().String(), WithRDMAContext(rc))
+	m := &countMetrics{}
+	s, err := Dial(ctx, l.Addr().String(), WithRDMAContext(rc), WithMetrics(m))
 	require.NoError(t, err)
-	defer s.Close()
 	require.Equal(t, "tcp", s.Transport())
+	m.mu.Lock()
+	require.Equal(t, 1, m.up["tcp"])
+	require.Len(t, m.fallbacks, 1)
+	require.Contains(t, m.fallbacks[0], "UCX upgrade failed")
+	m.mu.Unlock()
+	defer func() {
+		require.NoError(t, s.Close())
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		require.Equal(t, 1, m.down["tcp"])
+	}()
 	c, err := s.Conn(ctx)
 	require.NoError(t, err)
 	var sc net.Conn
@@ -106,4 +118,34 @@ func TestRegisterControlHandlerTwice(t *testing.T) {
 		controlMu.Unlock()
 	}()
 	require.Panics(t, func() { registerControlHandler(typ, func(*Session, []byte) {}) })
+}
+
+type countMetrics struct {
+	mu        sync.Mutex
+	up, down  map[string]int
+	fallbacks []string
+}
+
+func (m *countMetrics) SessionUp(tr string, _ bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.up == nil {
+		m.up = map[string]int{}
+	}
+	m.up[tr]++
+}
+
+func (m *countMetrics) SessionDown(tr string, _ bool, _ error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.down == nil {
+		m.down = map[string]int{}
+	}
+	m.down[tr]++
+}
+
+func (m *countMetrics) Fallback(reason string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.fallbacks = append(m.fallbacks, reason)
 }

@@ -152,6 +152,7 @@ func newSession(st sessionSetup) (*Session, error) {
 	}
 
 	registryAdd(s)
+	s.cfg.metrics.SessionUp(s.transport, s.client)
 	s.wg.Add(3)
 	go s.monitor()
 	go s.acceptLoop()
@@ -259,6 +260,7 @@ func (s *Session) closeWith(cause error) {
 	if !first {
 		return
 	}
+	s.cfg.metrics.SessionDown(s.transport, s.client, cause)
 	switch {
 	case errors.Is(cause, net.ErrClosed):
 		s.log.Debug("session closed")

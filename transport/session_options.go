@@ -48,6 +48,31 @@ type config struct {
 	localID          ID
 	localIDSet       bool
 	window           uint32
+	metrics          SessionMetrics
+}
+
+// SessionMetrics receives session events. Implementations must be cheap and
+// safe for concurrent use.
+type SessionMetrics interface {
+	// SessionUp reports a new session and the transport it runs over.
+	SessionUp(transport string, client bool)
+	// SessionDown reports a closed session and why (see Session.Err).
+	SessionDown(transport string, client bool, err error)
+	// Fallback reports a session that stayed on TCP although the server
+	// offered UCX, and why (on the side that knows the reason).
+	Fallback(reason string)
+}
+
+type nopSessionMetrics struct{}
+
+func (nopSessionMetrics) SessionUp(string, bool)          {}
+func (nopSessionMetrics) SessionDown(string, bool, error) {}
+func (nopSessionMetrics) Fallback(string)                 {}
+
+// WithMetrics sets the receiver of session events. If nil or not given,
+// events are dropped.
+func WithMetrics(m SessionMetrics) Option {
+	return func(c *config) { c.metrics = m }
 }
 
 // WithMode sets the transport mode. If not given, the environment variable
@@ -120,6 +145,9 @@ func newConfig(opts []Option) (*config, error) {
 	}
 	if c.logger == nil {
 		c.logger = slog.New(slog.DiscardHandler)
+	}
+	if c.metrics == nil {
+		c.metrics = nopSessionMetrics{}
 	}
 	if c.kaInterval == 0 {
 		c.kaInterval = DefaultKeepAliveInterval
