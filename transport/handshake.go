@@ -75,7 +75,7 @@ type Caps struct {
 	Codecs        []string // codecs this process speaks, e.g. "gdr"
 }
 
-// Has reports whether the codec is among c.Codecs.
+// HasCodec reports whether the codec is among c.Codecs.
 func (c Caps) HasCodec(name string) bool {
 	for _, n := range c.Codecs {
 		if n == name {
