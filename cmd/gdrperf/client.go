@@ -129,7 +129,7 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 
 	b := &bench{o: o, metrics: m, alloc: alloc, cuda: cuda, logf: logf}
 	if o.connect == "" {
-		ch, info, err := startChild(ctx, o, logf)
+		ch, info, err := startChild(ctx, o)
 		if err != nil {
 			return err
 		}
@@ -215,9 +215,6 @@ func (b *bench) measure(ctx context.Context, size int) *result {
 		note("gdrpc", err)
 	}
 	r.Transport, r.UCXLanes = b.transport, b.lanes
-	if tcpRMA(b.lanes) {
-		r.Notes = append(r.Notes, "the session's UCX lanes for RMA (rma_bw) are TCP only: the rdma path runs over UCX's TCP transport here, not shared memory or an RDMA NIC")
-	}
 	if !b.o.baselines {
 		r.Notes = append(r.Notes, "baselines not measured (-baselines=false)")
 	} else {
@@ -407,23 +404,6 @@ func ucxLanes(info string) string {
 		}
 	}
 	return strings.Join(out, " ")
-}
-
-// tcpRMA reports whether every rma_bw lane of a ucxLanes summary is a TCP
-// device (and there is one).
-func tcpRMA(lanes string) bool {
-	found := false
-	for l := range strings.FieldsSeq(lanes) {
-		i := strings.IndexByte(l, '(')
-		if i < 0 || !strings.Contains(l[i:], "rma_bw") {
-			continue
-		}
-		if !strings.HasPrefix(l, "tcp/") {
-			return false
-		}
-		found = true
-	}
-	return found
 }
 
 var (

@@ -49,7 +49,9 @@ type options struct {
 	serverTrace      string
 }
 
-const readyPrefix = "gdrperf-ready "
+// readyFD is the descriptor on which a child server announces its addresses
+// (one JSON line): its stdout may carry UCX's log lines.
+const readyFD = 3
 
 func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	o := &options{}
@@ -243,8 +245,10 @@ func runServer(ctx context.Context, o *options, stdin io.Reader, stdout io.Write
 	}
 	return serve(ctx, o, func(info readyInfo) {
 		if o.child {
+			f := os.NewFile(readyFD, "ready")
 			b, _ := json.Marshal(info)
-			fmt.Fprintf(stdout, "%s%s\n", readyPrefix, b)
+			_, _ = f.Write(append(b, '\n'))
+			f.Close() // not inherited by the ucx_perftest servers started later
 			return
 		}
 		fmt.Fprintf(stdout, "gdrperf server: gdrpc on %s, plain gRPC on %s", info.GDRPC, info.GRPC)
@@ -271,7 +275,7 @@ type child struct {
 
 // startChild re-executes this program as the server on 127.0.0.1 and waits
 // (bounded) for it to announce its addresses.
-func startChild(ctx context.Context, o *options, logf func(string, ...any)) (*child, readyInfo, error) {
+func startChild(ctx context.Context, o *options) (*child, readyInfo, error) {
 	exe, err := os.Executable()
 	if err != nil {
 		return nil, readyInfo{}, fmt.Errorf("find this program to run the server: %w", err)
@@ -286,40 +290,36 @@ func startChild(ctx context.Context, o *options, logf func(string, ...any)) (*ch
 	}
 	cmd := exec.Command(exe, args...)
 	cmd.Env = append(os.Environ(), childEnv+"=1")
-	cmd.Stderr = os.Stderr
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr // the server's (and UCX's) messages
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		return nil, readyInfo{}, err
 	}
-	stdout, err := cmd.StdoutPipe()
+	rr, rw, err := os.Pipe()
 	if err != nil {
 		return nil, readyInfo{}, err
 	}
-	if err := cmd.Start(); err != nil {
+	defer rr.Close()
+	cmd.ExtraFiles = []*os.File{rw} // readyFD in the child
+	err = cmd.Start()
+	rw.Close()
+	if err != nil {
 		return nil, readyInfo{}, fmt.Errorf("start the server: %w", err)
 	}
 	c := &child{cmd: cmd, stdin: stdin, done: make(chan error, 1)}
+	go func() { c.done <- cmd.Wait() }()
 	lines := make(chan string, 1)
 	go func() {
-		sc := bufio.NewScanner(stdout)
-		ready := false
-		for sc.Scan() {
-			if !ready && strings.HasPrefix(sc.Text(), readyPrefix) {
-				ready = true
-				lines <- strings.TrimPrefix(sc.Text(), readyPrefix)
-				continue
-			}
-			logf("server: %s", sc.Text())
-		}
-		close(lines)
-		c.done <- cmd.Wait()
+		// Ends at the server's first line, or when it exits or rr is closed.
+		l, _ := bufio.NewReader(rr).ReadString('\n')
+		lines <- l
 	}()
 	t := time.NewTimer(30 * time.Second)
 	defer t.Stop()
 	var info readyInfo
 	select {
-	case l, ok := <-lines:
-		if !ok {
+	case l := <-lines:
+		if l == "" {
 			err = errors.New("the server exited before it was ready")
 		} else {
 			err = json.Unmarshal([]byte(l), &info)

@@ -357,10 +357,6 @@ const epInfo = `#
 func TestUCXLanes(t *testing.T) {
 	require.Equal(t, "sysv/memory(am,am_bw) posix/memory() tcp/lo(rma_bw,wireup)", ucxLanes(epInfo))
 	require.Equal(t, "", ucxLanes(""))
-	require.True(t, tcpRMA(ucxLanes(epInfo)))
-	require.False(t, tcpRMA("sysv/memory(am,am_bw) cma/memory(rma_bw) tcp/lo(rma_bw,wireup)"))
-	require.False(t, tcpRMA("sysv/memory(am,am_bw)"))
-	require.False(t, tcpRMA(""))
 }
 
 func TestNoServer(t *testing.T) {
