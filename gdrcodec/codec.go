@@ -141,7 +141,7 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	if !mayCarry(m.Descriptor()) {
 		return nil
 	}
-	return resolve(context.Background(), m, c.oob)
+	return resolve(recvContext(v), m, c.oob)
 }
 
 func messageV2Of(v any) proto.Message {
@@ -670,6 +670,8 @@ func transferStatus(err error) error {
 			code = codes.DeadlineExceeded
 		case transport.TransferInvalid:
 			code = codes.InvalidArgument
+		case transport.TransferCanceled:
+			code = codes.Canceled
 		}
 	}
 	return codecError(code, "%v", err)

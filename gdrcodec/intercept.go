@@ -27,6 +27,19 @@ type hold struct {
 
 var holds sync.Map // outgoing message (pointer) -> *hold
 
+// recvContexts gives Unmarshal the context of the call a message is received
+// for (gRPC hands a codec none), so pulls end with the call's deadline or
+// cancellation. Without one (a server decoding a request), pulls are bounded
+// by the transfer timeout and the session's life.
+var recvContexts sync.Map // incoming message (pointer) -> context.Context
+
+func recvContext(v any) context.Context {
+	if ctx, ok := recvContexts.Load(v); ok {
+		return ctx.(context.Context)
+	}
+	return context.Background()
+}
+
 func holdOf(v any) *hold {
 	if h, ok := holds.Load(v); ok {
 		return h.(*hold)
@@ -65,7 +78,9 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 		if _, busy := holds.LoadOrStore(req, h); busy {
 			h = nil // the same message in two calls at once: the first call holds it
 		}
+		recvContexts.Store(reply, ctx)
 		err := invoker(ctx, method, req, reply, cc, opts...)
+		recvContexts.Delete(reply)
 		if h != nil {
 			holds.Delete(req)
 			h.release()
@@ -104,7 +119,9 @@ func (s *heldStream) SendMsg(m any) error {
 }
 
 func (s *heldStream) RecvMsg(m any) error {
+	recvContexts.Store(m, s.Context())
 	err := s.ClientStream.RecvMsg(m)
+	recvContexts.Delete(m)
 	if err != nil {
 		// The stream is over: nobody pulls its requests any more.
 		s.stop()

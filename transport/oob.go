@@ -124,6 +124,7 @@ const (
 	TransferNotFound
 	TransferTimeout
 	TransferInvalid
+	TransferCanceled
 )
 
 func (e *TransferError) Error() string {
@@ -443,7 +444,7 @@ func sessionError(t Token, s *Session, ctx context.Context, err error) error {
 	case ctx.Err() != nil && errors.Is(ctx.Err(), context.DeadlineExceeded):
 		return &TransferError{Token: t, Kind: TransferTimeout, Err: fmt.Errorf("no answer from the owner in time: %w", ctx.Err())}
 	case ctx.Err() != nil:
-		return &TransferError{Token: t, Kind: TransferFailed, Err: ctx.Err()}
+		return &TransferError{Token: t, Kind: TransferCanceled, Err: ctx.Err()}
 	}
 	if se := s.Err(); se != nil {
 		err = se
