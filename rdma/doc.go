@@ -5,18 +5,59 @@
 // It owns every call into UCX and is the only package of gdrpc that imports "C"
 // for UCX. Above it everything is plain Go.
 //
-// Each Worker has one owner goroutine locked to its OS thread; every UCX call for
-// that worker is made there. Other goroutines submit operations through a queue
-// and wake the owner with ucp_worker_signal; completions come back on channels.
-// When idle the owner arms the worker and sleeps on its event fd, so an idle
-// worker burns no CPU. UCX callbacks carry integer ids, never Go pointers.
+// # Loading and defaults
+//
+// libucp.so.0 is opened at run time (dlopen): a process without UCX gets
+// ErrNotSupported carrying the loader's message from Available, not a failure
+// to start. The build needs the UCX headers only. A build without cgo, or with
+// the build tag nordma, compiles the same API and every call reports
+// ErrNotSupported.
+//
+// Unless the environment sets them, a context sets UCX_ERROR_SIGNALS to empty
+// (for the dlopen: UCX's signal handlers would hide Go's crash reports) and
+// MM_ERROR_HANDLING=y through ucp_config_modify (peer error handling would
+// otherwise drop the posix/sysv shared-memory transports). UCX's descriptors
+// are marked close-on-exec after each call that opens them and, for those
+// UCX opens lazily, whenever a worker goes idle (at most every 10 ms).
+//
+// # Workers
+//
+// Each Worker has one owner goroutine locked to its OS thread; every UCX call
+// for that worker is made there (UCS_THREAD_MODE_SINGLE). Other goroutines
+// submit operations through a queue and wake the owner with ucp_worker_signal;
+// completions come back on channels. UCX callbacks carry integer ids or C
+// pointers, never Go pointers. After work the owner polls for 50 µs, keeps
+// polling (yielding the CPU) while requests are in flight, and otherwise arms
+// the worker and sleeps on its event fd: an idle worker burns no CPU.
+//
+// # Endpoints
+//
+// The byte stream uses UCX's stream API. Received data is taken from UCX when
+// it arrives (ucp_stream_recv_data_nb) into a per-endpoint buffer, or straight
+// into a waiting Read's buffer, so no receive is ever posted and a Read
+// deadline strands nothing. Close flushes, sends a FIN (an active message) and
+// waits (at most 2 s) for the peer's FIN-ACK before the force close: the peer
+// reads everything that was written, then io.EOF. A failed peer ends every
+// pending and later operation with an *EndpointError.
+//
+// # Known UCX limitations
+//
+//   - UCX 1.13 crashes (SIGSEGV in ucp_rkey_destroy on the error path of
+//     ucp_ep_rkey_unpack) when a shared-memory transport fails to unpack its
+//     part of a remote key, e.g. a sysv key whose segment was already removed.
+//     Unpack a key only while its owner keeps the memory registered, and only
+//     from peers you trust: the key names segments this process attaches.
+//     UnpackKey checks our framing and the structure of UCX's buffer, not the
+//     segments it names.
+//   - UCX 1.16 (Ubuntu 24.04 build) can fail an assertion in its async event
+//     dispatch when two workers of one process churn connections and a
+//     descriptor number moves from one worker to the other. One worker per
+//     process (the Default context) does not meet it.
 //
 // What this package must never do: hand a Go pointer to UCX past the call that
 // uses it (bytes are copied into C memory or pinned for exactly one operation),
 // register Go heap memory for longer than one operation, touch memory of type
 // MemoryCUDA from the CPU, or hand CUDA memory to a UCX that cannot register it.
-// It knows nothing about peers, sessions or protocols: that is the transport's job.
-//
-// A build without cgo, or with the build tag nordma, compiles the same API and
-// every call reports ErrNotSupported.
+// It knows nothing about peers, sessions or protocols: that is the transport's
+// job.
 package rdma

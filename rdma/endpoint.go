@@ -144,6 +144,7 @@ func (w *Worker) Dial(ctx context.Context, addr string) (*Endpoint, error) {
 		st := C.rdma_ep_connect(w.cw, C.uint64_t(e.id), (*C.uint8_t)(unsafe.Pointer(&ip[0])), C.int(len(ip)), C.int(ap.Port()), &ce)
 		C.rdma_cloexec_scan()
 		if st != statusOK {
+			e = nil
 			res <- result{nil, statusError("ucp_ep_create", st)}
 			return
 		}
@@ -212,12 +213,13 @@ func (e *Endpoint) waitReleased() {
 	}
 }
 
-// setTerm records why the endpoint ended (first reason wins), closes Done and,
-// for reasons that come from the peer, fires OnError.
+// fail ends the endpoint with err unless it already ended.
 func (e *Endpoint) fail(err error, fromPeer bool) {
 	e.setTerm(err, false, fromPeer)
 }
 
+// setTerm records why the endpoint ended (first reason wins), closes Done and,
+// for reasons that come from the peer, fires OnError.
 func (e *Endpoint) setTerm(err error, eof, fromPeer bool) {
 	e.mu.Lock()
 	if e.term != nil {
