@@ -29,8 +29,6 @@ const (
 	directRead  = 32 << 10 // Reads from this size wait with their buffer posted for a direct copy
 )
 
-var errPeerClosed = fmt.Errorf("rdma: peer closed the endpoint: %w", io.EOF)
-
 // Endpoint is a connection to a peer worker: a net.Conn over the UCX byte
 // stream, and the origin of one-sided puts and gets into the peer's memory.
 type Endpoint struct {
@@ -252,6 +250,7 @@ func (e *Endpoint) peerFailed(status int) {
 		msg = "connection lost: UCX cancelled the pending requests"
 	}
 	e.setTerm(newEndpointError("endpoint", status, msg), false, true)
+	e.w.ctx.opts.logger.Debug("rdma endpoint failed", "remote", e.raddr, "status", status, "reason", msg)
 	e.forceClose()
 }
 

@@ -3,6 +3,7 @@ package rdma
 import (
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 )
@@ -75,6 +76,9 @@ func (e *timeoutError) Temporary() bool { return true }
 func (e *timeoutError) Unwrap() error   { return os.ErrDeadlineExceeded }
 
 var _ net.Error = (*timeoutError)(nil)
+
+// errPeerClosed ends an endpoint whose peer closed it: Read returns io.EOF.
+var errPeerClosed = fmt.Errorf("rdma: peer closed the endpoint: %w", io.EOF)
 
 // closedError wraps net.ErrClosed with what was closed.
 func closedError(what string) error {

@@ -3,8 +3,11 @@ package rdma_test
 import (
 	"bytes"
 	"io"
+	"net"
+	"os"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -75,5 +78,42 @@ func TestStreamCloseDeliversThenEOF(t *testing.T) {
 		require.ErrorIs(t, server.Err(), io.EOF)
 		_, err = server.Write([]byte("x"))
 		require.ErrorIs(t, err, io.EOF)
+	})
+}
+
+// Reads with large buffers (the owner copies straight into them) and short
+// deadlines racing the data: no byte lost or repeated.
+func TestStreamDirectReadDeadlines(t *testing.T) {
+	forEachTransport(t, func(t *testing.T, tls string) {
+		c := newContext(t, tls)
+		client, server := pair(t, c)
+		want := pattern(8<<20+5, 77)
+		errc := make(chan error, 1)
+		go func() {
+			var err error
+			for off := 0; off < len(want) && err == nil; off += 200000 {
+				_, err = client.Write(want[off:min(off+200000, len(want))])
+			}
+			errc <- err
+		}()
+		got := make([]byte, 0, len(want))
+		buf := make([]byte, 256<<10)
+		timeouts := 0
+		for i := 0; len(got) < len(want); i++ {
+			require.NoError(t, server.SetReadDeadline(time.Now().Add(time.Duration(i%7)*30*time.Microsecond)))
+			n, err := server.Read(buf)
+			got = append(got, buf[:n]...)
+			if err != nil {
+				var ne net.Error
+				require.ErrorAs(t, err, &ne)
+				require.True(t, ne.Timeout())
+				require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+				require.Zero(t, n)
+				timeouts++
+			}
+		}
+		require.NoError(t, <-errc)
+		require.True(t, bytes.Equal(want, got), "stream bytes differ")
+		t.Logf("%d timeouts", timeouts)
 	})
 }

@@ -4,6 +4,7 @@ import (
 	"log/slog"
 	"net"
 	"strconv"
+	"strings"
 	"sync/atomic"
 )
 
@@ -141,4 +142,20 @@ func (a *Addr) String() string {
 		return "<nil>"
 	}
 	return (&net.TCPAddr{IP: a.IP, Port: a.Port, Zone: a.Zone}).String()
+}
+
+// mayUseMM reports whether a UCX_TLS value may select the mm transports
+// (posix, sysv); UCX warns about configuration no transport used.
+func mayUseMM(tls string) bool {
+	tls = strings.TrimSpace(strings.ToLower(tls))
+	if tls == "" || strings.HasPrefix(tls, "^") {
+		return true
+	}
+	for t := range strings.SplitSeq(tls, ",") {
+		switch strings.TrimSpace(t) {
+		case "all", "sm", "shm", "mm", "posix", "sysv":
+			return true
+		}
+	}
+	return false
 }

@@ -44,22 +44,6 @@ func load() error {
 	return loader.err
 }
 
-// mayUseMM reports whether a UCX_TLS value may select the mm transports
-// (posix, sysv); UCX warns about configuration no transport used.
-func mayUseMM(tls string) bool {
-	tls = strings.TrimSpace(strings.ToLower(tls))
-	if tls == "" || strings.HasPrefix(tls, "^") {
-		return true
-	}
-	for t := range strings.SplitSeq(tls, ",") {
-		switch strings.TrimSpace(t) {
-		case "all", "sm", "shm", "mm", "posix", "sysv":
-			return true
-		}
-	}
-	return false
-}
-
 func envSet(name string) bool {
 	_, ok := os.LookupEnv(name)
 	return ok

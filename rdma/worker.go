@@ -476,10 +476,12 @@ func (l *Listener) connRequest(req uintptr) {
 	}
 	if f := l.filter.Load(); f != nil && !(*f)(remote) {
 		C.rdma_listener_reject(l.cl, C.uintptr_t(req))
+		l.w.ctx.opts.logger.Debug("rdma connection request rejected by the filter", "remote", remote)
 		return
 	}
 	if len(l.accq) == cap(l.accq) {
 		C.rdma_listener_reject(l.cl, C.uintptr_t(req))
+		l.w.ctx.opts.logger.Warn("rdma connection request rejected: accept backlog full", "remote", remote, "backlog", cap(l.accq))
 		return
 	}
 	e := newEndpoint(l.w)
