@@ -15,7 +15,16 @@
 //   - ucx_perftest ucp_put_bw on the same UCX transports (skipped with a note
 //     when ucx_perftest is not installed);
 //   - with -mem cuda: an in-process device-to-device copy of the same size,
-//     and the naive way (device to host, plain gRPC bytes, host to device).
+//     and the naive way (device to host, plain gRPC bytes, host to device);
+//   - with -mem cuda -recv host (GPU payload, host destination: the staged
+//     path where UCX cannot register GPU memory): an in-process device-to-host
+//     copy, and the ratio to min(that copy, ucx_perftest).
+//
+// Every size is verified once (the first call checks the received bytes or
+// the server's CRC-32C) before the timed calls. gdrpc MiB/s is size / call
+// time (median); xfer is the out-of-band transfer alone as the transport's
+// metrics hook timed it (the receiver's pull for -op pull, the owner's write
+// for -op push).
 //
 // Same host (the default): the tool re-executes itself as the server, so the
 // client and the server are separate processes. Across hosts: run
@@ -26,8 +35,12 @@
 // Usage:
 //
 //	gdrperf [-sizes 1MiB,16MiB,64MiB] [-iters 10] [-warmup 2] [-op pull|push]
-//	        [-transport auto|ucx|tcp] [-mem host|cuda] [-device 0]
-//	        [-format table|json] [-server ADDR | -connect ADDR]
+//	        [-transport auto|ucx|tcp] [-mem host|cuda] [-recv host|cuda] [-device 0]
+//	        [-format table|json] [-server ADDR | -connect ADDR] [-perftest PATH|none]
+//	        [-baselines=false] [-cpuprofile F] [-server-cpuprofile F] [-trace F] [-server-trace F] [-v]
+//
+// The exit status is 1 when gdrpc could not be measured for some size (the
+// notes say why); a missing baseline is only a note.
 //
 // What it owns: the benchmark's processes, its baseline service and the
 // report. What it must never do: change the library's behaviour to look
