@@ -42,6 +42,10 @@ import (
 	"github.com/gdrpc/gdrpc/transport"
 )
 
+// listeningOn starts the line on which the server announces its address (its
+// stdout may carry other lines, UCX's log for one).
+const listeningOn = "demo server listening on "
+
 const (
 	size  = 64 << 20 // the payload
 	seed  = 42       // byte i of the payload is (seed + 7*i) mod 251
@@ -100,7 +104,7 @@ func serve() {
 		io.Copy(io.Discard, os.Stdin) // the parent is done (or gone)
 		gs.Stop()
 	}()
-	fmt.Println(lis.Addr().String())
+	fmt.Println(listeningOn + lis.Addr().String()) // what the parent waits for
 	if err := gs.Serve(lis); err != nil {
 		log.Fatal(err)
 	}
@@ -249,30 +253,36 @@ func startServer() (string, func(), error) {
 	if err := cmd.Start(); err != nil {
 		return "", nil, err
 	}
+	// The server's stdout: find its address, pass everything else on.
+	addr := make(chan string, 1)
+	drained := make(chan struct{})
+	go func() {
+		defer close(drained)
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			if _, a, ok := strings.Cut(sc.Text(), listeningOn); ok {
+				addr <- a
+				continue
+			}
+			fmt.Fprintln(os.Stderr, sc.Text())
+		}
+	}()
 	stop := func() {
 		stdin.Close() // the server stops when its stdin closes
-		done := make(chan struct{})
-		go func() { cmd.Wait(); close(done) }()
 		select {
-		case <-done:
+		case <-drained: // it exited: its stdout closed
 		case <-time.After(10 * time.Second):
 			cmd.Process.Kill()
-			<-done
+			<-drained
 		}
+		cmd.Wait()
 	}
-	addr := make(chan string, 1)
-	go func() {
-		line, _ := bufio.NewReader(stdout).ReadString('\n')
-		addr <- line
-		io.Copy(io.Discard, stdout)
-	}()
 	select {
 	case a := <-addr:
-		if len(a) < 2 {
-			stop()
-			return "", nil, fmt.Errorf("the server exited before it listened")
-		}
-		return a[:len(a)-1], stop, nil
+		return a, stop, nil
+	case <-drained:
+		stop()
+		return "", nil, fmt.Errorf("the server exited before it listened")
 	case <-time.After(30 * time.Second):
 		stop()
 		return "", nil, fmt.Errorf("the server did not start within 30s")
