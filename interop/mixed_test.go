@@ -70,17 +70,20 @@ func (k *peerKinds) last(tb testing.TB) string {
 	return kind
 }
 
-// TestMixedPeers serves one gdrpc listener to a gdrpc client and to a
-// standard gRPC-Go client (plain TCP dial, default codec, with and without
-// TLS): both pass the interop cases, and the plain client receives the
-// device-buffer payloads inline, byte-exact, while the gdrpc client gets them
-// out-of-band.
+// TestMixedPeers serves one gdrpc listener (mode auto, and each transport
+// case) to a gdrpc client and to a standard gRPC-Go client (plain TCP dial,
+// default codec, TLS when the case has it): both pass the interop cases, and
+// the plain client receives the device-buffer payloads inline, byte-exact,
+// while the gdrpc client gets them out-of-band.
 func TestMixedPeers(t *testing.T) {
-	for _, tc := range []transportCase{transportCases[0], transportCases[3]} { // tcp, tcp+tls
-		t.Run("tls="+fmt.Sprint(tc.tls), func(t *testing.T) {
-			mode := transportCase{name: "auto", tls: tc.tls}
+	auto := []transportCase{{name: "auto"}, {name: "auto+tls", tls: true}}
+	for _, tc := range append(auto, transportCases...) {
+		t.Run("listener="+tc.name, func(t *testing.T) {
 			opts := []transport.Option{transport.WithMode(transport.ModeAuto)}
-			screds, ccreds := mode.creds(t)
+			if tc.name != "auto" && tc.name != "auto+tls" {
+				opts = tc.options(t)
+			}
+			screds, ccreds := tc.creds(t)
 			kinds := &peerKinds{}
 			paths := countPaths(t)
 			srv := startServer(t, opts, screds, bothServices, grpc.ChainUnaryInterceptor(kinds.interceptor))
