@@ -76,6 +76,7 @@ func init() {
 	registerControlHandler(ctlFIN, handleFIN)
 	registerControlHandler(ctlChunk, handleChunk)
 	bulkHandler = serveBulk
+	onSessionClosed = append(onSessionClosed, dropIPCMappings)
 }
 
 // SetTransferConfig replaces the engine's configuration for transfers that start
@@ -641,7 +642,7 @@ func push(ctx context.Context, s *Session, m *rtr, src Source) (Path, error) {
 	}
 	allowed := cfg().Paths
 	if m.Offers&allowed&PathCUDAIPC != 0 {
-		err := pushIPC(m, src)
+		err := pushIPC(s, m, src)
 		if err == nil {
 			return PathCUDAIPC, nil
 		}
@@ -659,12 +660,8 @@ func push(ctx context.Context, s *Session, m *rtr, src Source) (Path, error) {
 	return PathStream, pushStream(ctx, s, m, src)
 }
 
-func pushIPC(m *rtr, src Source) error {
-	dev, err := deviceOrdinal(m.IPCDevice)
-	if err != nil {
-		return err
-	}
-	remote, err := devicebuf.OpenIPC(m.IPC, dev)
+func pushIPC(s *Session, m *rtr, src Source) error {
+	remote, err := openIPC(s, m)
 	if err != nil {
 		return err
 	}
@@ -678,6 +675,85 @@ func pushIPC(m *rtr, src Source) error {
 	}
 	defer dst.Release()
 	return copyFromSource(dst, src)
+}
+
+// Opened CUDA IPC mappings of a receiver's destinations, kept per session:
+// opening a handle maps the whole allocation (costly for large ones), and
+// receivers reuse their pool blocks, so the next transfer finds it open. The
+// mappings go when the session closes, or the oldest when there are too many.
+const maxIPCMappings = 64
+
+type ipcMappings struct {
+	order []devicebuf.IPCHandle
+	bufs  map[devicebuf.IPCHandle]*devicebuf.Buffer
+}
+
+var ipcBySession = struct {
+	sync.Mutex
+	m map[*Session]*ipcMappings
+}{m: map[*Session]*ipcMappings{}}
+
+// openIPC returns the receiver's allocation named by m's handle, with a
+// reference for the caller.
+func openIPC(s *Session, m *rtr) (*devicebuf.Buffer, error) {
+	ipcBySession.Lock()
+	if c := ipcBySession.m[s]; c != nil {
+		if b := c.bufs[m.IPC]; b != nil {
+			b.Retain()
+			ipcBySession.Unlock()
+			return b, nil
+		}
+	}
+	ipcBySession.Unlock()
+	dev, err := deviceOrdinal(m.IPCDevice)
+	if err != nil {
+		return nil, err
+	}
+	b, err := devicebuf.OpenIPC(m.IPC, dev)
+	if err != nil {
+		return nil, err
+	}
+	var evict *devicebuf.Buffer
+	ipcBySession.Lock()
+	select {
+	case <-s.Done(): // too late to cache: the close hook ran or is running
+		ipcBySession.Unlock()
+		return b, nil
+	default:
+	}
+	c := ipcBySession.m[s]
+	if c == nil {
+		c = &ipcMappings{bufs: map[devicebuf.IPCHandle]*devicebuf.Buffer{}}
+		ipcBySession.m[s] = c
+	}
+	if old := c.bufs[m.IPC]; old != nil { // opened twice concurrently: keep one
+		ipcBySession.Unlock()
+		return b, nil
+	}
+	c.bufs[m.IPC] = b.Retain()
+	c.order = append(c.order, m.IPC)
+	if len(c.order) > maxIPCMappings {
+		evict = c.bufs[c.order[0]]
+		delete(c.bufs, c.order[0])
+		c.order = c.order[1:]
+	}
+	ipcBySession.Unlock()
+	if evict != nil {
+		evict.Release()
+	}
+	return b, nil
+}
+
+func dropIPCMappings(s *Session) {
+	ipcBySession.Lock()
+	c := ipcBySession.m[s]
+	delete(ipcBySession.m, s)
+	ipcBySession.Unlock()
+	if c != nil {
+		for _, b := range c.bufs {
+			b.Release()
+		}
+	}
 }
 
 func pushRDMA(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src Source) (Path, error) {
