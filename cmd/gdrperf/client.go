@@ -156,19 +156,13 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 		b.perfNote = "the server runs no ucx_perftest: " + b.info.PerftestNote
 	}
 
-	limits := grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMsg), grpc.MaxCallSendMsgSize(maxMsg))
-	d := dialer.New(transport.WithMode(transport.Mode(o.transport)))
-	gopts := append(d.DialOptions(insecure.NewCredentials()), gdrcodec.DialOptions()...)
-	cc, err := grpc.NewClient("passthrough:///"+b.info.GDRPC, append(gopts, limits)...)
+	cc, err := dialGDRPC(o, b.info.GDRPC)
 	if err != nil {
 		return err
 	}
 	defer cc.Close()
 	b.gdrpc = tensorpb.NewTensorServiceClient(cc)
-	// The baseline: an ordinary gRPC client over TCP, default codec and
-	// windows, message size limits raised.
-	b.plain, err = grpc.NewClient("passthrough:///"+b.info.GRPC, grpc.WithTransportCredentials(insecure.NewCredentials()), limits)
-	if err != nil {
+	if b.plain, err = dialPlain(b.info.GRPC); err != nil {
 		return err
 	}
 	defer b.plain.Close()
@@ -195,6 +189,23 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 		return fmt.Errorf("gdrpc not measured for %s (see the notes)", strings.Join(failed, ", "))
 	}
 	return nil
+}
+
+// limits raises gRPC's message size limits on both clients.
+var limits = grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMsg), grpc.MaxCallSendMsgSize(maxMsg))
+
+// dialGDRPC makes the gdrpc client: the gdrpc dialer in o's transport mode
+// and the gdr codec's options.
+func dialGDRPC(o *options, addr string) (*grpc.ClientConn, error) {
+	d := dialer.New(transport.WithMode(transport.Mode(o.transport)))
+	opts := append(d.DialOptions(insecure.NewCredentials()), gdrcodec.DialOptions()...)
+	return grpc.NewClient("passthrough:///"+addr, append(opts, limits)...)
+}
+
+// dialPlain makes the baseline client: ordinary gRPC over TCP, default codec
+// and windows, message size limits raised.
+func dialPlain(addr string) (*grpc.ClientConn, error) {
+	return grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(insecure.NewCredentials()), limits)
 }
 
 // callCtx bounds one call; verified calls ask the server to checksum.
