@@ -124,7 +124,7 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 	}
 	defer unregister() // after the connections close (deferred below)
 	m := &collector{}
-	transport.SetTransferConfig(transport.TransferConfig{Metrics: m, Timeout: o.callLimit})
+	transport.SetTransferConfig(o.transferConfig(m))
 	defer transport.SetTransferConfig(transport.TransferConfig{})
 
 	b := &bench{o: o, metrics: m, alloc: alloc, cuda: cuda, logf: logf}

@@ -38,6 +38,8 @@ type options struct {
 	server    string // run only the server, listening here
 	connect   string // run only the client, against this server
 	perftest  string // ucx_perftest binary; "" looks it up, "none" skips
+	paths     string // the -paths flag, as given (passed to the child)
+	pathMask  transport.Path
 	callLimit time.Duration
 	verbose   bool
 	baselines bool // measure the baselines too (off: gdrpc alone, for profiling)
@@ -69,6 +71,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.server, "server", "", "run only the server, listening on HOST:PORT (plain gRPC on PORT+1, ucx_perftest on PORT+2)")
 	fs.StringVar(&o.connect, "connect", "", "run only the client, against a gdrperf -server at HOST:PORT")
 	fs.StringVar(&o.perftest, "perftest", "", `ucx_perftest binary ("" looks it up in PATH, "none" skips the column)`)
+	fs.StringVar(&o.paths, "paths", "all", "out-of-band paths transfers may take: all, or a comma list of cuda-ipc, rdma (covers staged), stream (always allowed); give the same on both ends")
 	fs.DurationVar(&o.callLimit, "call-timeout", time.Minute, "bound of each measured call")
 	fs.BoolVar(&o.baselines, "baselines", true, "measure the baselines (plain gRPC, ucx_perftest, dtod, naive); false measures gdrpc alone, e.g. for -cpuprofile")
 	fs.BoolVar(&o.verbose, "v", false, "log the UCX lanes of the gdrpc session")
@@ -87,6 +90,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		o.recv = o.mem
 	}
 	var err error
+	if o.pathMask, err = parsePaths(o.paths); err != nil {
+		return nil, err
+	}
 	if o.sizes, err = parseSizes(*sizes); err != nil {
 		return nil, err
 	}
@@ -120,6 +126,33 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, fmt.Errorf("-call-timeout %v: want a positive duration", o.callLimit)
 	}
 	return o, nil
+}
+
+// parsePaths reads -paths: "all" (or "") allows every path (the mask is
+// zero: the transport's default); else the named paths, the stream path
+// always among them.
+func parsePaths(s string) (transport.Path, error) {
+	if s == "" || s == "all" {
+		return 0, nil
+	}
+	mask := transport.PathStream
+	for f := range strings.SplitSeq(s, ",") {
+		switch strings.TrimSpace(f) {
+		case "cuda-ipc":
+			mask |= transport.PathCUDAIPC
+		case "rdma":
+			mask |= transport.PathRDMA
+		case "stream":
+		default:
+			return 0, fmt.Errorf("-paths %q: want all, or a comma list of cuda-ipc, rdma, stream", s)
+		}
+	}
+	return mask, nil
+}
+
+// transferConfig is the out-of-band engine's configuration for this run.
+func (o *options) transferConfig(m transport.Metrics) transport.TransferConfig {
+	return transport.TransferConfig{Metrics: m, Timeout: o.callLimit, Paths: o.pathMask}
 }
 
 // allocators returns where this process's payloads live and, when -mem or
@@ -281,7 +314,8 @@ func startChild(ctx context.Context, o *options) (*child, readyInfo, error) {
 		return nil, readyInfo{}, fmt.Errorf("find this program to run the server: %w", err)
 	}
 	args := []string{"-child", "-server", "127.0.0.1:0", "-transport", o.transport, "-mem", o.mem, "-recv", o.recv,
-		"-device", strconv.Itoa(o.device), "-perftest", o.perftest}
+		"-device", strconv.Itoa(o.device), "-perftest", o.perftest, "-paths", o.paths,
+		"-call-timeout", o.callLimit.String()}
 	if o.serverCPUProfile != "" {
 		args = append(args, "-cpuprofile", o.serverCPUProfile)
 	}

@@ -122,11 +122,13 @@ func TestEndToEnd(t *testing.T) {
 		op        string
 		path      string // of the out-of-band size
 		perftest  bool
+		args      []string
 	}{
 		{name: "tcp/pull", transport: "tcp", op: "pull", path: "stream"},
 		{name: "tcp/push", transport: "tcp", op: "push", path: "stream"},
 		{name: "ucx/pull", transport: "ucx", op: "pull", path: "rdma", perftest: true},
 		{name: "ucx/push", transport: "ucx", op: "push", path: "rdma"},
+		{name: "ucx/stream only", transport: "ucx", op: "pull", path: "stream", args: []string{"-paths", "stream"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -138,8 +140,9 @@ func TestEndToEnd(t *testing.T) {
 				perftest = ""
 			}
 			base := poolsInUse()
-			rs := gdrperf(t, "-sizes", "4KiB,1MiB", "-iters", "2", "-warmup", "1",
-				"-transport", tc.transport, "-op", tc.op, "-perftest", perftest)
+			args := append([]string{"-sizes", "4KiB,1MiB", "-iters", "2", "-warmup", "1",
+				"-transport", tc.transport, "-op", tc.op, "-perftest", perftest}, tc.args...)
+			rs := gdrperf(t, args...)
 			require.Len(t, rs, 2)
 			for i, want := range []struct {
 				size int
@@ -249,6 +252,7 @@ func TestFlags(t *testing.T) {
 		{name: "mem", args: []string{"-mem", "gpu"}, err: "-mem"},
 		{name: "op", args: []string{"-op", "get"}, err: "-op"},
 		{name: "recv", args: []string{"-recv", "gpu"}, err: "-recv"},
+		{name: "paths", args: []string{"-paths", "rdma,ipc"}, err: "-paths"},
 		{name: "format", args: []string{"-format", "csv"}, err: "-format"},
 		{name: "iters", args: []string{"-iters", "0"}, err: "-iters"},
 		{name: "both ends", args: []string{"-server", ":1", "-connect", "h:1"}, err: "exclude"},
@@ -266,6 +270,10 @@ func TestFlags(t *testing.T) {
 	require.Equal(t, []int{1 << 20, 16 << 20, 64 << 20}, o.sizes)
 	require.Equal(t, "pull", o.op)
 	require.Equal(t, "host", o.recv, "-recv follows -mem")
+	require.Zero(t, o.pathMask, "every path")
+	o, err = parseFlags([]string{"-paths", "rdma"}, &bytes.Buffer{})
+	require.NoError(t, err)
+	require.Equal(t, transport.PathRDMA|transport.PathStream, o.pathMask)
 	o, err = parseFlags([]string{"-mem", "cuda"}, &bytes.Buffer{})
 	require.NoError(t, err)
 	require.Equal(t, "cuda", o.recv)

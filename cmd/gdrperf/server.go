@@ -256,6 +256,8 @@ func serve(ctx context.Context, o *options, ready func(readyInfo), logf func(str
 		return err
 	}
 	defer unregister()
+	transport.SetTransferConfig(o.transferConfig(nil))
+	defer transport.SetTransferConfig(transport.TransferConfig{})
 	p := newPayloads(alloc, cuda)
 	defer p.Close()
 
