@@ -36,7 +36,8 @@
 //
 //	gdrperf [-sizes 1MiB,16MiB,64MiB] [-iters 10] [-warmup 2] [-op pull|push]
 //	        [-transport auto|ucx|tcp] [-mem host|cuda] [-recv host|cuda] [-device 0]
-//	        [-format table|json] [-server ADDR | -connect ADDR] [-perftest PATH|none]
+//	        [-paths all|cuda-ipc,rdma,stream] [-format table|json] [-server ADDR | -connect ADDR]
+//	        [-perftest PATH|none] [-call-timeout 1m]
 //	        [-baselines=false] [-cpuprofile F] [-server-cpuprofile F] [-trace F] [-server-trace F] [-v]
 //
 // The exit status is 1 when gdrpc could not be measured for some size (the
