@@ -6,6 +6,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"testing"
@@ -377,4 +379,37 @@ func TestNoServer(t *testing.T) {
 	require.Contains(t, errb.String(), "gdrpc not measured for 1MiB")
 	require.Contains(t, out.String(), "# note: 1MiB: gdrpc: call 0:")
 	require.Contains(t, out.String(), "# note: 1MiB: grpc-tcp: call 0:")
+}
+
+// fakePerftest is a stand-in for ucx_perftest: as a server ("-p PORT") it
+// listens on PORT until a client connects; as a client it connects, and
+// prints a Final line whose bandwidth encodes the message size it was given.
+const fakePerftest = `#!/usr/bin/env python3
+import socket, sys
+args = sys.argv[1:]
+port = int(args[args.index("-p") + 1])
+if args[0] == "-p":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port)); s.listen(1); c, _ = s.accept(); c.recv(1); sys.exit(0)
+assert args[args.index("-t") + 1] == "ucp_put_bw", args
+size, iters = int(args[args.index("-s") + 1]), int(args[args.index("-n") + 1])
+c = socket.create_connection((args[0], port)); c.send(b"x")
+print("Final: %d 1.0 2.0 3.0 %.2f %.2f 7 8" % (iters, size / 1024.0, size / 1024.0))
+`
+
+func TestPerftestColumn(t *testing.T) {
+	if _, err := exec.LookPath("python3"); err != nil {
+		t.Skipf("no python3 for the fake ucx_perftest: %v", err)
+	}
+	bin := filepath.Join(t.TempDir(), "ucx_perftest")
+	require.NoError(t, os.WriteFile(bin, []byte(fakePerftest), 0o755))
+	rs := gdrperf(t, "-sizes", "1MiB,2MiB", "-iters", "3", "-warmup", "0", "-transport", "tcp", "-perftest", bin)
+	require.Len(t, rs, 2)
+	for i, size := range []int{1 << 20, 2 << 20} {
+		r := rs[i]
+		require.NotNil(t, r.UCXPerftestMiBs, "notes: %v", r.Notes)
+		require.Equal(t, float64(size)/1024, *r.UCXPerftestMiBs, "the size reached ucx_perftest")
+		require.Equal(t, perftestTLS("tcp"), r.UCXTLS, "gdrpc over TCP: ucx_perftest over UCX's tcp unless UCX_TLS says otherwise")
+		require.InDelta(t, r.GDRPCMiBs/(float64(size)/1024), *r.VsUCXPerftest, 1e-9)
+	}
 }
