@@ -117,7 +117,11 @@ func TestMixedPeers(t *testing.T) {
 					}
 
 					tensors := tensorpb.NewTensorServiceClient(c.cc)
-					for _, n := range payloadSizes {
+					sizes := payloadSizes
+					if !strings.HasPrefix(tc.name, "auto") {
+						sizes = sizes[:len(sizes)-1] // 16 MiB on the auto listeners only: CI time
+					}
+					for _, n := range sizes {
 						for _, blob := range []bool{false, true} {
 							t.Run(fmt.Sprintf("make/size=%d/blob=%v", n, blob), func(t *testing.T) {
 								got, err := tensors.Make(callCtx(t), &tensorpb.Sized{Size: uint64(n), Seed: uint32(n), Blob: blob},
