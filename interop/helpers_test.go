@@ -227,8 +227,17 @@ func startServer(tb testing.TB, opts []transport.Option, creds credentials.Trans
 // options (gdr codec, interceptors); it is closed when the test ends.
 func dialClient(tb testing.TB, addr string, opts []transport.Option, creds credentials.TransportCredentials, extra ...grpc.DialOption) *grpc.ClientConn {
 	tb.Helper()
+	return dialClientWith(tb, addr, opts, creds, true, extra...)
+}
+
+// dialClientWith is dialClient, with the gdr codec's options only if gdr.
+func dialClientWith(tb testing.TB, addr string, opts []transport.Option, creds credentials.TransportCredentials, gdr bool, extra ...grpc.DialOption) *grpc.ClientConn {
+	tb.Helper()
 	d := dialer.New(opts...)
-	dopts := append(d.DialOptions(creds), gdrcodec.DialOptions()...)
+	dopts := d.DialOptions(creds)
+	if gdr {
+		dopts = append(dopts, gdrcodec.DialOptions()...)
+	}
 	cc, err := grpc.NewClient("passthrough:///"+addr, append(dopts, extra...)...)
 	require.NoError(tb, err)
 	tb.Cleanup(func() { _ = cc.Close() })

@@ -89,12 +89,19 @@ func TestMixedPeers(t *testing.T) {
 			srv := startServer(t, opts, screds, bothServices, grpc.ChainUnaryInterceptor(kinds.interceptor))
 
 			gdr := dialClient(t, srv.addr, opts, ccreds)
+			// A gdrpc session with the default codec: payloads inline.
+			gdrProto := dialClientWith(t, srv.addr, opts, ccreds, false)
 			plain := plainClient(t, srv.addr, ccreds)
 			for _, c := range []struct {
 				name string
 				cc   *grpc.ClientConn
-				kind string
-			}{{"gdrpc", gdr, "gdrpc"}, {"plain", plain, "plain"}} {
+				kind string // what the server sees: "gdrpc" session or "plain" conn
+				oob  bool   // payloads travel out-of-band (the gdr codec)
+			}{
+				{"gdrpc", gdr, "gdrpc", true},
+				{"gdrpc-proto", gdrProto, "gdrpc", false},
+				{"plain", plain, "plain", false},
+			} {
 				t.Run("client="+c.name, func(t *testing.T) {
 					client := testgrpc.NewTestServiceClient(c.cc)
 					for _, ic := range interopCases {
@@ -133,7 +140,7 @@ func TestMixedPeers(t *testing.T) {
 								if blob {
 									p = got.Blob
 								} else {
-									if c.kind == "plain" {
+									if c.name == "plain" {
 										// A plain client sees the DeviceBuffer as an
 										// ordinary message: the bytes inline, no descriptor.
 										require.Empty(t, got.GetData().GetOwner(), "descriptor sent to a plain client")
@@ -146,7 +153,7 @@ func TestMixedPeers(t *testing.T) {
 								require.Equal(t, n, len(p))
 								require.True(t, bytes.Equal(pattern(n, uint32(n)), p), "payload differs")
 								pulls := paths.reset()
-								if c.kind == "gdrpc" && n >= gdrcodec.DefaultEagerThreshold {
+								if c.oob && n >= gdrcodec.DefaultEagerThreshold {
 									require.Equal(t, map[string]int{wantPath: 1}, pulls, "the gdrpc client pulls out-of-band")
 								} else {
 									require.Empty(t, pulls, "inline")
@@ -165,7 +172,7 @@ func TestMixedPeers(t *testing.T) {
 					require.Equal(t, c.kind, kinds.last(t))
 					require.Equal(t, uint64(len(want)), sum.Bytes)
 					require.Equal(t, tensor.ChecksumBytes(want), sum.Crc32C)
-					if c.kind == "gdrpc" {
+					if c.oob {
 						require.Equal(t, map[string]int{wantPath: 1}, paths.reset(), "the server pulled the request")
 					} else {
 						require.Empty(t, paths.reset(), "inline")
