@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"runtime"
 	"strings"
 	"sync"
 	"syscall"
@@ -16,6 +17,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/grpclog"
+	testgrpc "google.golang.org/grpc/interop/grpc_testing"
 	"google.golang.org/grpc/peer"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
@@ -76,6 +79,8 @@ func (m childMetrics) Transfer(i transport.TransferInfo) {
 //   - digest-client: sends a Tensor with an out-of-band payload of
 //     GDRPC_INTEROP_SIZE bytes to Digest at GDRPC_INTEROP_ADDR, prints the
 //     outcome.
+//   - interop-client: runs the gRPC interop cases against GDRPC_INTEROP_ADDR,
+//     prints "OK <case>" for each, or "FAIL <case>: ..." and exits 1.
 //   - make-client: calls Make for GDRPC_INTEROP_SIZE bytes at
 //     GDRPC_INTEROP_ADDR and checks the payload byte by byte, then sends as
 //     much to Digest and checks the checksum; prints
@@ -97,6 +102,8 @@ func runChild(role string) int {
 		return childServer(opts)
 	case "digest-client", "make-client":
 		return childClient(role, opts, metrics.pathCounter)
+	case "interop-client":
+		return childInterop(opts)
 	}
 	fmt.Fprintln(os.Stderr, "unknown child role", role)
 	return 2
@@ -196,6 +203,73 @@ func childClient(role string, opts []transport.Option, paths *pathCounter) int {
 		}
 		fmt.Printf("OK transport=%s pulls=%v same_host=%v make_crc=%08x digest_crc=%08x\n",
 			ai.Transport, paths.reset(), ai.Peer.SameHost, tensor.ChecksumBytes(p), sum.Crc32C)
+	}
+	return 0
+}
+
+// childFatal is gRPC's logger in the interop-client role: Fatal records the
+// message and ends the calling goroutine (the case's).
+type childFatal struct {
+	fatalLogger
+	mu  sync.Mutex
+	msg string
+}
+
+func (l *childFatal) fatal(msg string) {
+	l.mu.Lock()
+	l.msg = msg
+	l.mu.Unlock()
+	runtime.Goexit()
+}
+
+func (l *childFatal) Fatal(a ...any)            { l.fatal(fmt.Sprint(a...)) }
+func (l *childFatal) Fatalln(a ...any)          { l.fatal(fmt.Sprintln(a...)) }
+func (l *childFatal) Fatalf(f string, a ...any) { l.fatal(fmt.Sprintf(f, a...)) }
+
+// take returns and clears the message of the last Fatal.
+func (l *childFatal) take() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	m := l.msg
+	l.msg = ""
+	return m
+}
+
+func childInterop(opts []transport.Option) int {
+	l := &childFatal{}
+	grpclog.SetLoggerV2(l)
+	d := dialer.New(opts...)
+	cc, err := grpc.NewClient("passthrough:///"+os.Getenv(envAddr), append(d.DialOptions(nil), gdrcodec.DialOptions()...)...)
+	if err != nil {
+		fmt.Println("FAIL", err)
+		return 1
+	}
+	defer cc.Close()
+	client := testgrpc.NewTestServiceClient(cc)
+	for _, c := range interopCases {
+		attempts := 1
+		if c.racy {
+			attempts = racyAttempts
+		}
+		var msg string
+		for range attempts {
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+				defer cancel()
+				c.run(ctx, client, cc)
+			}()
+			<-done // the case ends within its context's bound
+			if msg = l.take(); msg == "" {
+				break
+			}
+		}
+		if msg != "" {
+			fmt.Printf("FAIL %s: %s\n", c.name, msg)
+			return 1
+		}
+		fmt.Println("OK", c.name)
 	}
 	return 0
 }

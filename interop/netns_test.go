@@ -75,10 +75,11 @@ func newNetnsPair(t *testing.T) *netnsPair {
 // exec returns the command prefix that runs a program in namespace i.
 func (p *netnsPair) exec(i int) []string { return []string{"ip", "netns", "exec", p.ns[i]} }
 
-// TestTwoHosts runs a TensorService server in one network namespace and a
-// client in another, joined by a veth pair, over UCX tcp, each side with its
-// own GDRPC_HOST_ID: a 16 MiB response and a 16 MiB request travel
-// out-of-band (UCX put: the "rdma" path) and arrive byte-exact.
+// TestTwoHosts runs a gRPC server in one network namespace and clients in
+// another, joined by a veth pair, over UCX tcp, each side with its own
+// GDRPC_HOST_ID: a 16 MiB TensorService response and a 16 MiB request travel
+// out-of-band (UCX put: the "rdma" path) and arrive byte-exact, and the gRPC
+// interop cases pass.
 func TestTwoHosts(t *testing.T) {
 	requireUCX(t)
 	p := newNetnsPair(t)
@@ -96,4 +97,11 @@ func TestTwoHosts(t *testing.T) {
 	require.Contains(t, res, "same_host=false", "the peers have different host ids")
 	want := fmt.Sprintf("make_crc=%08x digest_crc=%08x", crc32cUpdate(0, pattern(n, 5)), crc32cUpdate(0, pattern(n, 6)))
 	require.Contains(t, res, want)
+
+	// The gRPC interop cases, from one host to the other.
+	ic := startChild(t, "interop-client", p.exec(1), envUCX+"="+ucxTCP, envAddr+"="+addr, "GDRPC_HOST_ID=gdrpc-test-host-b")
+	for _, c := range interopCases {
+		ic.waitLine("OK " + c.name)
+	}
+	require.NoError(t, ic.wait())
 }
