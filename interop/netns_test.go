@@ -79,29 +79,36 @@ func (p *netnsPair) exec(i int) []string { return []string{"ip", "netns", "exec"
 // another, joined by a veth pair, over UCX tcp, each side with its own
 // GDRPC_HOST_ID: a 16 MiB TensorService response and a 16 MiB request travel
 // out-of-band (UCX put: the "rdma" path) and arrive byte-exact, and the gRPC
-// interop cases pass.
+// interop cases pass. The same over the TCP fallback (the "stream" path).
 func TestTwoHosts(t *testing.T) {
-	requireUCX(t)
 	p := newNetnsPair(t)
 	const n = 16 << 20
-	srv := startChild(t, "server", p.exec(0), envUCX+"="+ucxTCP, envListen+"="+p.addr[0]+":0", "GDRPC_HOST_ID=gdrpc-test-host-a")
-	addr := srv.waitLine("ADDR ")
-	require.True(t, strings.HasPrefix(addr, p.addr[0]+":"), "the server listens on its veth address, got %s", addr)
-	cl := startChild(t, "make-client", p.exec(1), envUCX+"="+ucxTCP, envAddr+"="+addr,
-		fmt.Sprintf("%s=%d", envSize, n), "GDRPC_HOST_ID=gdrpc-test-host-b")
-	res := cl.waitLine("OK ")
-	require.NoError(t, cl.wait())
-	t.Logf("client in %s: %s", p.ns[1], res)
-	require.Contains(t, res, "transport=ucx")
-	require.Contains(t, res, "pulls=map[rdma:1]", "the response payload came by UCX put")
-	require.Contains(t, res, "same_host=false", "the peers have different host ids")
-	want := fmt.Sprintf("make_crc=%08x digest_crc=%08x", crc32cUpdate(0, pattern(n, 5)), crc32cUpdate(0, pattern(n, 6)))
-	require.Contains(t, res, want)
+	for _, tc := range []transportCase{transportCases[2], transportCases[0]} { // ucx-tcp, tcp
+		t.Run("transport="+tc.name, func(t *testing.T) {
+			if tc.ucx != "" {
+				requireUCX(t)
+			}
+			wantPath := map[string]string{"ucx": "rdma", "tcp": "stream"}[tc.want()]
+			srv := startChild(t, "server", p.exec(0), envUCX+"="+tc.ucx, envListen+"="+p.addr[0]+":0", "GDRPC_HOST_ID=gdrpc-test-host-a")
+			addr := srv.waitLine("ADDR ")
+			require.True(t, strings.HasPrefix(addr, p.addr[0]+":"), "the server listens on its veth address, got %s", addr)
+			cl := startChild(t, "make-client", p.exec(1), envUCX+"="+tc.ucx, envAddr+"="+addr,
+				fmt.Sprintf("%s=%d", envSize, n), "GDRPC_HOST_ID=gdrpc-test-host-b")
+			res := cl.waitLine("OK ")
+			require.NoError(t, cl.wait())
+			t.Logf("client in %s: %s", p.ns[1], res)
+			require.Contains(t, res, "transport="+tc.want())
+			require.Contains(t, res, "pulls=map["+wantPath+":1]", "the response payload came out-of-band")
+			require.Contains(t, res, "same_host=false", "the peers have different host ids")
+			want := fmt.Sprintf("make_crc=%08x digest_crc=%08x", crc32cUpdate(0, pattern(n, 5)), crc32cUpdate(0, pattern(n, 6)))
+			require.Contains(t, res, want)
 
-	// The gRPC interop cases, from one host to the other.
-	ic := startChild(t, "interop-client", p.exec(1), envUCX+"="+ucxTCP, envAddr+"="+addr, "GDRPC_HOST_ID=gdrpc-test-host-b")
-	for _, c := range interopCases {
-		ic.waitLine("OK " + c.name)
+			// The gRPC interop cases, from one host to the other.
+			ic := startChild(t, "interop-client", p.exec(1), envUCX+"="+tc.ucx, envAddr+"="+addr, "GDRPC_HOST_ID=gdrpc-test-host-b")
+			for _, c := range interopCases {
+				ic.waitLine("OK " + c.name)
+			}
+			require.NoError(t, ic.wait())
+		})
 	}
-	require.NoError(t, ic.wait())
 }
