@@ -81,6 +81,8 @@ func (m childMetrics) Transfer(i transport.TransferInfo) {
 //     outcome.
 //   - interop-client: runs the gRPC interop cases against GDRPC_INTEROP_ADDR,
 //     prints "OK <case>" for each, or "FAIL <case>: ..." and exits 1.
+//   - stream-client: opens a FullDuplexCall at GDRPC_INTEROP_ADDR, gets one
+//     response, prints "STREAMING" and waits with the stream open.
 //   - make-client: calls Make for GDRPC_INTEROP_SIZE bytes at
 //     GDRPC_INTEROP_ADDR and checks the payload byte by byte, then sends as
 //     much to Digest and checks the checksum; prints
@@ -104,6 +106,8 @@ func runChild(role string) int {
 		return childClient(role, opts, metrics.pathCounter)
 	case "interop-client":
 		return childInterop(opts)
+	case "stream-client":
+		return childStream(opts)
 	}
 	fmt.Fprintln(os.Stderr, "unknown child role", role)
 	return 2
@@ -270,6 +274,35 @@ func childInterop(opts []transport.Option) int {
 			return 1
 		}
 		fmt.Println("OK", c.name)
+	}
+	return 0
+}
+
+func childStream(opts []transport.Option) int {
+	d := dialer.New(opts...)
+	cc, err := grpc.NewClient("passthrough:///"+os.Getenv(envAddr), append(d.DialOptions(nil), gdrcodec.DialOptions()...)...)
+	if err != nil {
+		fmt.Println("FAIL", err)
+		return 1
+	}
+	defer cc.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	st, err := testgrpc.NewTestServiceClient(cc).FullDuplexCall(ctx)
+	if err == nil {
+		err = st.Send(&testgrpc.StreamingOutputCallRequest{ResponseParameters: []*testgrpc.ResponseParameters{{Size: 1000}}})
+	}
+	if err == nil {
+		_, err = st.Recv()
+	}
+	if err != nil {
+		fmt.Println("FAIL", err)
+		return 1
+	}
+	fmt.Println("STREAMING")
+	select {
+	case <-parentGone:
+	case <-ctx.Done():
 	}
 	return 0
 }

@@ -111,6 +111,57 @@ func TestPeerKilledMidStream(t *testing.T) {
 	}
 }
 
+// handlerEnds reports the error each stream handler returned.
+type handlerEnds struct {
+	ends chan error
+}
+
+func (h *handlerEnds) intercept(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+	err := handler(srv, ss)
+	h.ends <- err
+	return err
+}
+
+// TestClientKilledMidStream: the client process is killed with SIGKILL while
+// a bidirectional stream is open; the server's handler ends with an error
+// within deadBound, the server's session leaves the registry, and the server
+// leaks nothing.
+func TestClientKilledMidStream(t *testing.T) {
+	for _, tc := range transportCases[:3] {
+		t.Run("transport="+tc.name, func(t *testing.T) {
+			opts := tc.options(t, transport.WithKeepAlive(kaInterval, kaTimeout))
+			ends := &handlerEnds{ends: make(chan error, 1)}
+			tagger := &sessionTagger{sessions: make(chan *transport.Session, 1)}
+			srv := startServer(t, opts, nil, bothServices, grpc.ChainStreamInterceptor(ends.intercept), grpc.StatsHandler(tagger))
+			cl := startChild(t, "stream-client", nil, envUCX+"="+tc.ucx, envAddr+"="+srv.addr)
+			cl.waitLine("STREAMING")
+			var s *transport.Session
+			select {
+			case s = <-tagger.sessions:
+			default:
+				t.Fatal("the server saw no gdrpc call")
+			}
+			require.Equal(t, tc.want(), s.Transport())
+
+			cl.kill()
+			killed := time.Now()
+			select {
+			case err := <-ends.ends:
+				require.Error(t, err)
+				code := status.Code(err)
+				require.True(t, code == codes.Canceled || code == codes.Unavailable, "%v", err)
+				t.Logf("the handler ended %v after SIGKILL: %v", time.Since(killed).Round(time.Millisecond), err)
+			case <-time.After(deadBound):
+				t.Fatalf("the handler still runs %v after the client was killed", deadBound)
+			}
+			waitDone(t, s)
+			require.Less(t, time.Since(killed), deadBound)
+			srv.gs.Stop()
+			requireSettled(t)
+		})
+	}
+}
+
 // killingAllocator is a receive allocator that kills a child process when
 // asked for the destination of the payload (size bytes): the descriptor has
 // arrived, the transfer has not started, so the owner dies between
