@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -76,7 +77,7 @@ func init() {
 	registerControlHandler(ctlFIN, handleFIN)
 	registerControlHandler(ctlChunk, handleChunk)
 	bulkHandler = serveBulk
-	onSessionClosed = append(onSessionClosed, dropIPCMappings)
+	onSessionClosed = append(onSessionClosed, dropIPCMappings, dropRemoteKeys)
 }
 
 // SetTransferConfig replaces the engine's configuration for transfers that start
@@ -399,6 +400,12 @@ func offerDestination(s *Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buf
 	if ep == nil || rc == nil || d.Length == 0 || allowed&PathRDMA == 0 {
 		return nil, nil
 	}
+	if m.Offers&PathCUDAIPC != 0 && !canRegister(rc, rdma.MemoryCUDA) {
+		// Host staging for a GPU destination costs a full-size registered buffer;
+		// with CUDA IPC on offer the owner will not need it (and falls back to the
+		// stream if IPC fails).
+		return nil, nil
+	}
 	target := p.dst
 	var staging *devicebuf.Buffer
 	if target.Kind() == devicebuf.CUDA && !canRegister(rc, rdma.MemoryCUDA) {
@@ -677,6 +684,106 @@ func pushIPC(s *Session, m *rtr, src Source) error {
 	return copyFromSource(dst, src)
 }
 
+// Unpacked keys of a receiver's registered regions, kept per session: unpacking
+// attaches the receiver's memory (shared-memory segments on one host) and the
+// first put into it faults every page in, so doing it per transfer cost about
+// 10x at 64 MiB. Receivers reuse their registered pool regions and send the
+// same packed key again. The keys go when the session closes, the least
+// recently used when there are too many, each once no push uses it.
+const maxRemoteKeys = 256
+
+type cachedKey struct {
+	packed string
+	k      *rdma.RemoteKey
+	refs   int  // pushes using it; guarded by keysBySession
+	dead   bool // evicted: close at refs == 0
+}
+
+type remoteKeys struct {
+	lru  []*cachedKey // least recently used first
+	keys map[string]*cachedKey
+}
+
+var keysBySession = struct {
+	sync.Mutex
+	m map[*Session]*remoteKeys
+}{m: map[*Session]*remoteKeys{}}
+
+// remoteKey returns the unpacked key for packed and the function that ends its
+// use by the caller.
+func remoteKey(s *Session, ep *rdma.Endpoint, packed []byte) (*rdma.RemoteKey, func(), error) {
+	keysBySession.Lock()
+	defer keysBySession.Unlock()
+	c := keysBySession.m[s]
+	ck := c.lookup(packed)
+	if ck == nil {
+		select {
+		case <-s.Done():
+			return nil, nil, s.closedErr()
+		default:
+		}
+		k, err := ep.UnpackKey(packed)
+		if err != nil {
+			return nil, nil, err
+		}
+		if c == nil {
+			c = &remoteKeys{keys: map[string]*cachedKey{}}
+			keysBySession.m[s] = c
+		}
+		ck = &cachedKey{packed: string(packed), k: k}
+		c.keys[ck.packed] = ck
+		c.lru = append(c.lru, ck)
+		if len(c.lru) > maxRemoteKeys {
+			old := c.lru[0]
+			c.lru = c.lru[1:]
+			delete(c.keys, old.packed)
+			old.dead = true
+			if old.refs == 0 {
+				old.k.Close()
+			}
+		}
+	}
+	ck.refs++
+	return ck.k, func() {
+		keysBySession.Lock()
+		ck.refs--
+		if ck.dead && ck.refs == 0 {
+			ck.k.Close()
+		}
+		keysBySession.Unlock()
+	}, nil
+}
+
+// lookup finds packed and marks it most recently used.
+func (c *remoteKeys) lookup(packed []byte) *cachedKey {
+	if c == nil {
+		return nil
+	}
+	ck := c.keys[string(packed)]
+	if ck != nil {
+		if i := slices.Index(c.lru, ck); i >= 0 && i != len(c.lru)-1 {
+			c.lru = append(append(c.lru[:i:i], c.lru[i+1:]...), ck)
+		}
+	}
+	return ck
+}
+
+func dropRemoteKeys(s *Session) {
+	keysBySession.Lock()
+	defer keysBySession.Unlock()
+	c := keysBySession.m[s]
+	delete(keysBySession.m, s)
+	if c == nil {
+		return
+	}
+	for _, ck := range c.lru {
+		ck.dead = true
+		if ck.refs == 0 {
+			ck.k.Close()
+		}
+	}
+}
+
 // Opened CUDA IPC mappings of a receiver's destinations, kept per session:
 // opening a handle maps the whole allocation (costly for large ones), and
 // receivers reuse their pool blocks, so the next transfer finds it open. The
@@ -757,11 +864,11 @@ func dropIPCMappings(s *Session) {
 }
 
 func pushRDMA(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src Source) (Path, error) {
-	key, err := ep.UnpackKey(m.RKey)
+	key, done, err := remoteKey(s, ep, m.RKey)
 	if err != nil {
 		return PathRDMA, fmt.Errorf("unpack the receiver's key: %w", err)
 	}
-	defer key.Close()
+	defer done()
 	path := PathRDMA
 	switch b := src.Buffer; {
 	case b == nil:

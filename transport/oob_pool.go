@@ -11,6 +11,14 @@ import (
 	"github.com/gdrpc/gdrpc/rdma"
 )
 
+var hostPoolClasses = func() []int {
+	var c []int
+	for s := 4 << 10; s <= 1<<30; s <<= 1 {
+		c = append(c, s)
+	}
+	return c
+}()
+
 // registration is what a host pool's regions carry: UCX-allocated memory,
 // registered once with one rdma.Context and kept registered.
 type registration struct {
@@ -71,8 +79,12 @@ func HostPool(rc *rdma.Context) *devicebuf.Pool {
 			}), nil
 		},
 		Registrar: regionRegistrar{},
-		MaxBytes:  cfg().PoolBytes,
-		Oversize:  true,
+		// Classes up to 1 GiB so that large destinations and staging buffers are
+		// reused too: a new region means a UCX allocation, a registration and,
+		// with a GPU, pinning.
+		Classes:  hostPoolClasses,
+		MaxBytes: cfg().PoolBytes,
+		Oversize: true,
 	})
 	hostPools[rc] = p
 	return p
