@@ -428,3 +428,45 @@ func TestOwnerStallsBeforeFIN(t *testing.T) {
 		}
 	}
 }
+
+// TestReconnectAfterServerRestart: the server process dies and a new one
+// listens on the same address; the gRPC client reconnects through a new
+// gdrpc session (to a new owner process) and calls work again, out-of-band
+// payloads included.
+func TestReconnectAfterServerRestart(t *testing.T) {
+	for _, tc := range transportCases[:3] {
+		t.Run("transport="+tc.name, func(t *testing.T) {
+			opts := tc.options(t, transport.WithKeepAlive(kaInterval, kaTimeout))
+			paths := countPaths(t)
+			first := startChild(t, "server", nil, envUCX+"="+tc.ucx)
+			addr := first.waitLine("ADDR ")
+			rec := &dialRecorder{d: dialer.New(opts...).DialContext}
+			cc := dialClient(t, addr, opts, nil, grpc.WithContextDialer(rec.DialContext))
+			client := tensorpb.NewTensorServiceClient(cc)
+			got, err := client.Make(callCtx(t), &tensorpb.Sized{Size: 1 << 20, Seed: 8})
+			require.NoError(t, err)
+			requirePayload(t, got, 1<<20, 8)
+			gdrcodec.ReleaseAll(got)
+			s1 := rec.all()[0]
+
+			first.kill()
+			waitDone(t, s1)
+			second := startChild(t, "server", nil, envUCX+"="+tc.ucx, envListen+"="+addr)
+			require.Equal(t, addr, second.waitLine("ADDR "))
+
+			got, err = client.Make(callCtx(t), &tensorpb.Sized{Size: 1 << 20, Seed: 9}, grpc.WaitForReady(true))
+			require.NoError(t, err)
+			requirePayload(t, got, 1<<20, 9)
+			gdrcodec.ReleaseAll(got)
+			sessions := rec.all()
+			require.GreaterOrEqual(t, len(sessions), 2)
+			s2 := sessions[len(sessions)-1]
+			require.NotEqual(t, s1.Peer().ID, s2.Peer().ID, "a new server process")
+			require.Equal(t, tc.want(), s2.Transport())
+			require.Equal(t, 1, transport.NumSessions())
+			require.Equal(t, map[string]int{map[string]string{"ucx": "rdma", "tcp": "stream"}[tc.want()]: 2}, paths.reset())
+			require.NoError(t, cc.Close())
+			requireSettled(t)
+		})
+	}
+}
