@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/peer"
 
 	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -142,6 +143,15 @@ func TestInterop(t *testing.T) {
 			require.True(t, ok, "AuthInfo is %T", p.AuthInfo)
 			require.Equal(t, tc.want(), ai.Transport)
 			require.Equal(t, "gdrpc+"+tc.want(), p.Addr.Network())
+			// The AuthInfo names the peer process (the server: this process)
+			// and its capabilities.
+			require.Equal(t, transport.LocalID(), ai.Peer.ID)
+			require.Equal(t, transport.LocalHostID(), ai.Peer.HostID)
+			require.True(t, ai.Peer.SameHost)
+			require.True(t, ai.Peer.Caps.HasCodec(gdrcodec.Name), "codecs %v", ai.Peer.Caps.Codecs)
+			if tc.ucx != "" {
+				require.True(t, ai.Peer.Caps.UCX)
+			}
 			if tc.tls {
 				require.Equal(t, "gdrpc+tls", ai.AuthType())
 				ti, ok := ai.Inner.(credentials.TLSInfo)
