@@ -322,7 +322,7 @@ func TestCloexec(t *testing.T) {
 	require.NoError(t, err)
 	_, err = server.Read(make([]byte, 1))
 	require.NoError(t, err)
-	deadline := time.Now().Add(3 * time.Second)
+	deadline := time.Now().Add(10 * time.Second)
 	for {
 		got := childFDs()
 		if got == before {

@@ -114,7 +114,7 @@ func TestListenerCloseAndReject(t *testing.T) {
 	start := time.Now()
 	_, err = c.Worker().Dial(ctx, l.Addr().String())
 	require.Error(t, err)
-	require.Less(t, time.Since(start), 5*time.Second)
+	require.Less(t, time.Since(start), promptBound)
 	require.NotNil(t, seen)
 	l.SetFilter(nil)
 
@@ -154,7 +154,7 @@ func TestDialNobodyListening(t *testing.T) {
 		_, err = c.Worker().Dial(ctx, addr)
 		require.Error(t, err)
 		require.False(t, errors.Is(err, context.DeadlineExceeded), "dial waited for the context: %v", err)
-		require.Less(t, time.Since(start), 5*time.Second)
+		require.Less(t, time.Since(start), promptBound)
 		require.Zero(t, rdma.Stats().Endpoints)
 	})
 }
@@ -167,7 +167,7 @@ func TestDialContextBounds(t *testing.T) {
 	start := time.Now()
 	_, err := c.Worker().Dial(ctx, "192.0.2.123:9")
 	require.Error(t, err)
-	require.Less(t, time.Since(start), 6*time.Second)
+	require.Less(t, time.Since(start), promptBound)
 	require.Zero(t, rdma.Stats().Endpoints)
 }
 
@@ -241,3 +241,7 @@ func TestDefaultContext(t *testing.T) {
 	_, err = server.Read(buf)
 	require.NoError(t, err)
 }
+
+// promptBound is how long a failing Dial may take: well under the contexts
+// the tests give it, with room for a loaded CI machine.
+const promptBound = 12 * time.Second

@@ -34,7 +34,7 @@ func TestMain(m *testing.M) {
 
 // checkLeaks waits (bounded) for goroutines and live UCX objects to go away.
 func checkLeaks(base int) error {
-	deadline := time.Now().Add(5 * time.Second)
+	deadline := time.Now().Add(10 * time.Second)
 	for {
 		g := goroutines()
 		st := rdma.Stats()
