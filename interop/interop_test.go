@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"os"
 	"runtime"
 	"slices"
 	"strings"
@@ -200,6 +201,10 @@ func TestInterop(t *testing.T) {
 // for the wireup of a client-server endpoint, so the shm family includes it.
 func requireUCXLanes(t *testing.T, tls, info string) {
 	t.Helper()
+	if env, ok := os.LookupEnv("UCX_TLS"); ok && env != tls {
+		t.Logf("UCX_TLS=%s in the environment overrides the case's %s: lanes not checked", env, tls)
+		return
+	}
 	var am string
 	for _, line := range strings.Split(info, "\n") {
 		if strings.Contains(line, "lane[") && slices.Contains(strings.Fields(line), "am") {
