@@ -75,20 +75,7 @@ func benchPut(b *testing.B, c *rdma.Context, client *rdma.Endpoint, size int) {
 		b.Fatal(err)
 	}
 	defer src.Close()
-	dst, err := c.Alloc(size)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer dst.Close()
-	packed, err := dst.PackKey()
-	if err != nil {
-		b.Fatal(err)
-	}
-	rk, err := client.UnpackKey(packed)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer rk.Close()
+	dst, _, rk := exposed(b, c, client, size)
 	copy(src.Bytes(), pattern(size, 1))
 	i := 0
 	for b.Loop() {

@@ -16,13 +16,7 @@ func TestEndpointCloseTwiceAndUseAfterClose(t *testing.T) {
 	c := newContext(t, "tcp")
 	client, server := pair(t, c)
 	ctx := testCtx(t)
-	dst, err := c.Alloc(4096)
-	require.NoError(t, err)
-	defer dst.Close()
-	packed, err := dst.PackKey()
-	require.NoError(t, err)
-	rk, err := client.UnpackKey(packed)
-	require.NoError(t, err)
+	dst, packed, rk := exposed(t, c, client, 4096)
 	require.Equal(t, int64(1), rdma.Stats().RemoteKeys)
 
 	require.NoError(t, client.Close())
@@ -30,7 +24,7 @@ func TestEndpointCloseTwiceAndUseAfterClose(t *testing.T) {
 	<-client.Done()
 	requireClosedErr(t, client.Err())
 
-	_, err = client.Read(make([]byte, 1))
+	_, err := client.Read(make([]byte, 1))
 	requireClosedErr(t, err)
 	_, err = client.Write([]byte("x"))
 	requireClosedErr(t, err)

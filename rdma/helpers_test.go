@@ -143,3 +143,18 @@ func requireClosedErr(t testing.TB, err error) {
 	require.Error(t, err)
 	require.ErrorIs(t, err, net.ErrClosed)
 }
+
+// exposed allocates n bytes with c and unpacks their key on ep: the memory a
+// peer exposes and the key that reaches it. Both are closed at cleanup.
+func exposed(t testing.TB, c *rdma.Context, ep *rdma.Endpoint, n int) (*rdma.Memory, []byte, *rdma.RemoteKey) {
+	t.Helper()
+	m, err := c.Alloc(n)
+	require.NoError(t, err)
+	t.Cleanup(func() { m.Close() })
+	packed, err := m.PackKey()
+	require.NoError(t, err)
+	rk, err := ep.UnpackKey(packed)
+	require.NoError(t, err)
+	t.Cleanup(func() { rk.Close() })
+	return m, packed, rk
+}

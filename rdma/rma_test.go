@@ -32,14 +32,7 @@ func TestPutGetSizes(t *testing.T) {
 		const off = 13 // unaligned offsets on both sides
 
 		// target: UCX-allocated on the server side
-		dst, err := c.Alloc(max + 2*off)
-		require.NoError(t, err)
-		defer dst.Close()
-		packed, err := dst.PackKey()
-		require.NoError(t, err)
-		rk, err := client.UnpackKey(packed)
-		require.NoError(t, err)
-		defer rk.Close()
+		dst, _, rk := exposed(t, c, client, max+2*off)
 
 		// sources: UCX-allocated and mmapped (Map) memory, and Go memory
 		srcA, err := c.Alloc(max + 2*off)
@@ -92,14 +85,7 @@ func TestRMABounds(t *testing.T) {
 	c := newContext(t, "tcp")
 	client, server := pair(t, c)
 	ctx := testCtx(t)
-	dst, err := c.Alloc(4096)
-	require.NoError(t, err)
-	defer dst.Close()
-	packed, err := dst.PackKey()
-	require.NoError(t, err)
-	rk, err := client.UnpackKey(packed)
-	require.NoError(t, err)
-	defer rk.Close()
+	dst, packed, rk := exposed(t, c, client, 4096)
 	src, err := c.Alloc(100)
 	require.NoError(t, err)
 	defer src.Close()
@@ -147,17 +133,10 @@ func TestMapCUDANotSupported(t *testing.T) {
 func TestPutContextCanceled(t *testing.T) {
 	c := newContext(t, "tcp")
 	client, _ := pair(t, c)
-	dst, err := c.Alloc(1 << 20)
-	require.NoError(t, err)
-	defer dst.Close()
-	packed, err := dst.PackKey()
-	require.NoError(t, err)
-	rk, err := client.UnpackKey(packed)
-	require.NoError(t, err)
-	defer rk.Close()
+	dst, _, rk := exposed(t, c, client, 1<<20)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	err = client.PutBytes(ctx, make([]byte, 1<<20), uint64(dst.Addr()), rk)
+	err := client.PutBytes(ctx, make([]byte, 1<<20), uint64(dst.Addr()), rk)
 	// UCX cannot cancel a put: it either finished first or the wait was cut short
 	if err != nil {
 		require.ErrorIs(t, err, context.Canceled)
