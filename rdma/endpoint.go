@@ -847,19 +847,7 @@ func checkLocal(m *Memory, off, n int) error {
 // remote completion. ctx bounds the wait; a cancelled put may still complete
 // (UCX cannot cancel it) and keeps src referenced until then.
 func (e *Endpoint) Put(ctx context.Context, src *Memory, srcOff, n int, remote uint64, key *RemoteKey) error {
-	if err := checkLocal(src, srcOff, n); err != nil {
-		return err
-	}
-	if err := e.checkRMA(key, remote, n); err != nil {
-		return err
-	}
-	if n == 0 {
-		return e.termErr()
-	}
-	if err := src.acquire(); err != nil {
-		return err
-	}
-	return e.rma(ctx, false, src.addr+uintptr(srcOff), n, remote, key, src.release)
+	return e.memRMA(ctx, false, src, srcOff, n, remote, key)
 }
 
 // PutBytes writes p (Go memory, pinned for the operation) into the peer's
@@ -878,7 +866,13 @@ func (e *Endpoint) PutBytes(ctx context.Context, p []byte, remote uint64, key *R
 
 // Get reads n bytes at the peer's remote into dst[dstOff:].
 func (e *Endpoint) Get(ctx context.Context, dst *Memory, dstOff, n int, remote uint64, key *RemoteKey) error {
-	if err := checkLocal(dst, dstOff, n); err != nil {
+	return e.memRMA(ctx, true, dst, dstOff, n, remote, key)
+}
+
+// memRMA checks the ranges and runs a put from, or a get into, m[off:off+n],
+// holding a reference on m until UCX completes.
+func (e *Endpoint) memRMA(ctx context.Context, get bool, m *Memory, off, n int, remote uint64, key *RemoteKey) error {
+	if err := checkLocal(m, off, n); err != nil {
 		return err
 	}
 	if err := e.checkRMA(key, remote, n); err != nil {
@@ -887,10 +881,10 @@ func (e *Endpoint) Get(ctx context.Context, dst *Memory, dstOff, n int, remote u
 	if n == 0 {
 		return e.termErr()
 	}
-	if err := dst.acquire(); err != nil {
+	if err := m.acquire(); err != nil {
 		return err
 	}
-	return e.rma(ctx, true, dst.addr+uintptr(dstOff), n, remote, key, dst.release)
+	return e.rma(ctx, get, m.addr+uintptr(off), n, remote, key, m.release)
 }
 
 func (e *Endpoint) rma(ctx context.Context, get bool, local uintptr, n int, remote uint64, key *RemoteKey, release func()) error {
