@@ -334,3 +334,35 @@ func TestCloexec(t *testing.T) {
 		time.Sleep(50 * time.Millisecond)
 	}
 }
+
+// After a failure: data that arrived first is still read, then the error;
+// OnError set late fires at once.
+func TestPeerDeathLateObservers(t *testing.T) {
+	ch := startChild(t, "tcp")
+	ch.command(t, cmdStream, 4096, 3)
+	// wait until data is buffered, then kill the child
+	buf := make([]byte, 1)
+	_, err := io.ReadFull(ch.ep, buf)
+	require.NoError(t, err)
+	require.NoError(t, ch.cmd.Process.Kill())
+	select {
+	case <-ch.ep.Done():
+	case <-time.After(deathBound):
+		t.Fatal("Done not closed after the peer died")
+	}
+	var ee *rdma.EndpointError
+	require.ErrorAs(t, ch.ep.Err(), &ee)
+	fired := make(chan error, 1)
+	ch.ep.OnError(func(err error) { fired <- err })
+	select {
+	case err := <-fired:
+		require.ErrorAs(t, err, &ee)
+	case <-time.After(deathBound):
+		t.Fatal("OnError set after the failure did not fire")
+	}
+	// whatever was buffered comes out, then the failure
+	for err == nil {
+		_, err = ch.ep.Read(make([]byte, 1<<16))
+	}
+	require.ErrorAs(t, err, &ee)
+}

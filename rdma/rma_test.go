@@ -146,3 +146,36 @@ func TestPutContextCanceled(t *testing.T) {
 	require.NoError(t, client.Flush(fctx))
 	require.False(t, errors.Is(client.Err(), context.Canceled))
 }
+
+// Closing memory while puts from it run: the unmap waits for them, later
+// puts fail with net.ErrClosed, nothing leaks.
+func TestMemoryCloseDuringPuts(t *testing.T) {
+	c := newContext(t, "posix,sysv,cma,tcp")
+	client, _ := pair(t, c)
+	dst, _, rk := exposed(t, c, client, 1<<20)
+	src, err := c.Alloc(1 << 20)
+	require.NoError(t, err)
+	ctx := testCtx(t)
+	errc := make(chan error, 1)
+	started := make(chan struct{})
+	go func() {
+		var err error
+		for i := 0; err == nil; i++ {
+			err = client.Put(ctx, src, 0, src.Len(), uint64(dst.Addr()), rk)
+			if i == 2 {
+				close(started)
+			}
+		}
+		errc <- err
+	}()
+	<-started
+	require.NoError(t, src.Close())
+	select {
+	case err := <-errc:
+		requireClosedErr(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("puts did not stop after the memory closed")
+	}
+	require.NoError(t, client.Flush(ctx))
+	require.Equal(t, int64(1), rdma.Stats().Memories) // dst only
+}
