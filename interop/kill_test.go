@@ -368,7 +368,7 @@ func TestOwnerStallsBeforeFIN(t *testing.T) {
 		// at its deadline, long before this.
 		longTransfer = 8 * time.Second
 		// Slack for a loaded machine.
-		slack = 3 * time.Second
+		slack = 5 * time.Second
 	)
 	for _, tc := range transportCases[:3] {
 		for _, bound := range []string{"call-deadline", "call-cancel", "transfer-timeout"} {

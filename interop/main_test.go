@@ -11,10 +11,14 @@ import (
 
 	"google.golang.org/grpc/grpclog"
 
+	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
 )
+
+// bufs are the devicebuf counters before the tests.
+var bufs devicebuf.Counters
 
 // childEnv makes the test binary, re-executed, play a role (a server to kill,
 // a side of the two-host test) instead of running tests.
@@ -36,6 +40,7 @@ func TestMain(m *testing.M) {
 		_, _ = rdma.Default()
 	}
 	base := runtime.NumGoroutine()
+	bufs = devicebuf.Live()
 	code := m.Run()
 	closeContexts()
 	if code == 0 {
@@ -62,8 +67,8 @@ func checkLeaks(base int) error {
 }
 
 // leaks reports goroutines of gdrpc, yamux or gRPC, sessions in the
-// registry, outbox entries, attached buffers, live UCX endpoints, listeners
-// and remote keys. With base >= 0 (the end of the run) it also reports more
+// registry, outbox entries, attached buffers, live devicebuf buffer handles
+// beyond pool regions, live UCX endpoints, listeners and remote keys. With base >= 0 (the end of the run) it also reports more
 // goroutines than base and UCX contexts still open.
 func leaks(base int) error {
 	var errs []error
@@ -80,6 +85,11 @@ func leaks(base int) error {
 	}
 	if n := gdrcodec.Attached(); n != 0 {
 		errs = append(errs, fmt.Errorf("%d attached buffers", n))
+	}
+	// Pools keep their regions (each one a buffer handle) for the life of the
+	// process: buffers beyond those are leaked references.
+	if d := devicebuf.Live().Sub(bufs); d.HostBuffers+d.CUDABuffers != d.Regions || d.IPCMappings != 0 || d.Streams != 0 {
+		errs = append(errs, fmt.Errorf("device buffers alive (against the start, pool regions apart): %+v", d))
 	}
 	if st := rdma.Stats(); st.Endpoints != 0 || st.Listeners != 0 || st.RemoteKeys != 0 || base >= 0 && st.Contexts != 0 {
 		errs = append(errs, fmt.Errorf("UCX objects alive: %+v", st))
