@@ -77,7 +77,8 @@ func init() {
 	registerControlHandler(ctlFIN, handleFIN)
 	registerControlHandler(ctlChunk, handleChunk)
 	bulkHandler = serveBulk
-	onSessionClosed = append(onSessionClosed, dropIPCMappings, dropRemoteKeys)
+	onSessionClosed = append(onSessionClosed, dropIPCMappings, dropRemoteKeys, dropActivity)
+	beforeGracefulClose = lingerForTransfers
 }
 
 // SetTransferConfig replaces the engine's configuration for transfers that start
@@ -137,6 +138,72 @@ func (e *TransferError) Unwrap() error { return e.Err }
 
 // Timeout reports whether the transfer ran out of time.
 func (e *TransferError) Timeout() bool { return e.Kind == TransferTimeout }
+
+// ---- lingering ------------------------------------------------------------------
+
+// LingerIdle is how long a session between two gdrpc processes stays up after
+// its gRPC conn closed once no out-of-band transfer used it: gRPC closes a
+// connection as soon as its last stream ended (GOAWAY, MaxConnectionAge,
+// idleness), which can be before the application decoded the last response
+// and pulled its payloads through the session.
+const LingerIdle = 500 * time.Millisecond
+
+// activity is a session's out-of-band use.
+type activity struct {
+	inflight atomic.Int64 // pulls and pushes under way
+	last     atomic.Int64 // unix nanos of the last start or end of one
+}
+
+var activities sync.Map // *Session -> *activity
+
+func activityOf(s *Session) *activity {
+	if a, ok := activities.Load(s); ok {
+		return a.(*activity)
+	}
+	a, _ := activities.LoadOrStore(s, &activity{})
+	return a.(*activity)
+}
+
+// busy marks a transfer on s under way until the returned function runs.
+func busy(s *Session) func() {
+	a := activityOf(s)
+	a.inflight.Add(1)
+	a.last.Store(time.Now().UnixNano())
+	return func() {
+		a.last.Store(time.Now().UnixNano())
+		a.inflight.Add(-1)
+	}
+}
+
+func dropActivity(s *Session) { activities.Delete(s) }
+
+// lingerForTransfers returns once s saw no out-of-band transfer for
+// LingerIdle (from now at the earliest), or when s dies, or after the
+// transfer timeout. Sessions whose peer does not speak the gdr codec close at
+// once.
+func lingerForTransfers(s *Session) {
+	if !slices.Contains(s.Peer().Caps.Codecs, "gdr") {
+		return
+	}
+	a := activityOf(s)
+	a.last.Store(max(a.last.Load(), time.Now().UnixNano()))
+	deadline := time.Now().Add(cfg().Timeout)
+	t := time.NewTimer(LingerIdle)
+	defer t.Stop()
+	for {
+		select {
+		case <-s.Done():
+			return
+		case <-t.C:
+		}
+		now := time.Now()
+		idle := now.Sub(time.Unix(0, a.last.Load()))
+		if (a.inflight.Load() == 0 && idle >= LingerIdle) || now.After(deadline) {
+			return
+		}
+		t.Reset(max(LingerIdle-idle, 10*time.Millisecond))
+	}
+}
 
 // ---- receiver side -------------------------------------------------------------
 
@@ -291,6 +358,7 @@ func copyFromSource(dst *devicebuf.Buffer, src Source) error {
 }
 
 func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buffer) (Path, error) {
+	defer busy(s)()
 	p := &pull{s: s, dst: dst.Retain(), fin: make(chan *fin, 1), bulk: make(chan error, 1)}
 	m := &rtr{Token: d.Token, Length: d.Length, Offers: PathStream}
 	staging, err := offerDestination(s, d, p, m)
@@ -613,6 +681,7 @@ func serveRTR(s *Session, payload []byte) {
 		cfg().Logger.Warn("dropping control message", "session", s.ID(), "err", err)
 		return
 	}
+	defer busy(s)()
 	c := cfg()
 	ctx, cancel := context.WithTimeout(context.Background(), c.Timeout)
 	defer cancel()

@@ -288,12 +288,20 @@ func (s *Session) closeGracefully() {
 	default:
 	}
 	go func() {
+		if h := beforeGracefulClose; h != nil {
+			h(s) // bounded: out-of-band transfers still using the session finish
+		}
 		t := time.AfterFunc(gracefulCloseBound, func() { s.closeWith(nil) })
 		_, _ = s.mux.Ping()
 		t.Stop()
 		s.closeWith(nil)
 	}()
 }
+
+// beforeGracefulClose, if set, runs before a session whose gRPC conn was
+// closed goes away; it returns when the session may close. Set by the
+// out-of-band engine.
+var beforeGracefulClose func(s *Session)
 
 // monitor closes the session when the multiplexer dies (peer closed, I/O
 // error, write timeout) or the UCX endpoint fails.
