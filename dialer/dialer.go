@@ -7,6 +7,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 
+	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -48,14 +49,17 @@ func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error)
 // DialOptions returns the options a gRPC client needs to run over gdrpc: the
 // dialer, transport credentials (creds wrapped by transport.NewCredentials;
 // nil creds means no security), buffer sizes and HTTP/2 windows suited to a
-// message transport.
+// message transport, and the out-of-band codec (gdrcodec.DialOptions: the
+// "gdr" content-subtype and the interceptors that keep request payloads
+// available until the call ends; it registers the codecs with default options
+// if gdrcodec.Register was not called).
 func (d *Dialer) DialOptions(creds credentials.TransportCredentials) []grpc.DialOption {
-	return []grpc.DialOption{
+	return append([]grpc.DialOption{
 		grpc.WithContextDialer(d.DialContext),
 		grpc.WithTransportCredentials(transport.NewCredentials(creds)),
 		grpc.WithWriteBufferSize(WriteBufferSize),
 		grpc.WithReadBufferSize(ReadBufferSize),
 		grpc.WithInitialWindowSize(WindowSize),
 		grpc.WithInitialConnWindowSize(WindowSize),
-	}
+	}, gdrcodec.DialOptions()...)
 }

@@ -132,7 +132,7 @@ func newRig(t *testing.T, mode transport.Mode, srv *tensor.Server) *rig {
 	go func() { served <- gs.Serve(lis) }()
 
 	d := dialer.New(transport.WithMode(mode))
-	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), append(d.DialOptions(insecure.NewCredentials()), gdrcodec.DialOptions()...)...)
+	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), d.DialOptions(insecure.NewCredentials())...)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		cc.Close()

@@ -144,7 +144,7 @@ func TestGPUService(t *testing.T) {
 				gdrcodec.Register()
 			})
 			d := dialer.New(transport.WithMode(tt.mode))
-			cc, err := grpc.NewClient("passthrough:///"+addr, append(d.DialOptions(insecure.NewCredentials()), gdrcodec.DialOptions()...)...)
+			cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(insecure.NewCredentials())...)
 			require.NoError(t, err)
 			defer cc.Close()
 			c := tensorpb.NewTensorServiceClient(cc)

@@ -198,7 +198,7 @@ var limits = grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMsg), grpc.M
 // and the gdr codec's options.
 func dialGDRPC(o *options, addr string) (*grpc.ClientConn, error) {
 	d := dialer.New(transport.WithMode(transport.Mode(o.transport)))
-	opts := append(d.DialOptions(insecure.NewCredentials()), gdrcodec.DialOptions()...)
+	opts := d.DialOptions(insecure.NewCredentials())
 	return grpc.NewClient("passthrough:///"+addr, append(opts, limits)...)
 }
 

@@ -156,10 +156,10 @@ func run(w io.Writer) error {
 	wantSum := tensor.ChecksumBytes(want)
 	req := &tensorpb.Sized{Size: size, Seed: seed}
 
-	// gdrpc: the gdrpc dialer, and the gdr codec with its interceptors.
+	// gdrpc: the gdrpc dialer; its options bring the gdr codec and its interceptors.
 	pathLog := &paths{}
 	transport.SetTransferConfig(transport.TransferConfig{Metrics: pathLog})
-	opts := append(dialer.New().DialOptions(insecure.NewCredentials()), gdrcodec.DialOptions()...)
+	opts := dialer.New().DialOptions(insecure.NewCredentials())
 	gc, err := grpc.NewClient("passthrough:///"+addr, opts...)
 	if err != nil {
 		return err
