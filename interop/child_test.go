@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/grpclog"
 	testgrpc "google.golang.org/grpc/interop/grpc_testing"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/peer"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
@@ -43,6 +44,9 @@ const (
 	// "stall-after-push" makes it stop there, alive, until its stdin closes:
 	// the receiver never gets FIN from a live owner.
 	envDie = "GDRPC_INTEROP_DIE"
+	// envMaxAge sets the server role's MaxConnectionAge (a time.Duration);
+	// the grace period is 10 s.
+	envMaxAge = "GDRPC_INTEROP_MAX_AGE"
 )
 
 // parentGone is closed when the child's stdin closes.
@@ -135,7 +139,16 @@ func childServer(opts []transport.Option) int {
 		fmt.Println("FAIL", err)
 		return 1
 	}
-	gs := grpc.NewServer(append(listener.ServerOptions(nil), gdrcodec.ServerOptions()...)...)
+	sopts := append(listener.ServerOptions(nil), gdrcodec.ServerOptions()...)
+	if v := os.Getenv(envMaxAge); v != "" {
+		age, err := time.ParseDuration(v)
+		if err != nil {
+			fmt.Println("FAIL", envMaxAge, err)
+			return 1
+		}
+		sopts = append(sopts, grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionAge: age, MaxConnectionAgeGrace: 10 * time.Second}))
+	}
+	gs := grpc.NewServer(sopts...)
 	bothServices(gs)
 	go func() { _ = gs.Serve(lis) }()
 	fmt.Println("ADDR", lis.Addr().String())
