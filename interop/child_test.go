@@ -166,7 +166,7 @@ func childClient(role string, opts []transport.Option, paths *pathCounter) int {
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 	d := dialer.New(opts...)
-	cc, err := grpc.NewClient("passthrough:///"+os.Getenv(envAddr), append(d.DialOptions(nil), gdrcodec.DialOptions()...)...)
+	cc, err := grpc.NewClient("passthrough:///"+os.Getenv(envAddr), d.DialOptions(nil)...)
 	if err != nil {
 		fmt.Println("FAIL", err)
 		return 1
@@ -256,7 +256,7 @@ func childInterop(opts []transport.Option) int {
 	l := &childFatal{}
 	grpclog.SetLoggerV2(l)
 	d := dialer.New(opts...)
-	cc, err := grpc.NewClient("passthrough:///"+os.Getenv(envAddr), append(d.DialOptions(nil), gdrcodec.DialOptions()...)...)
+	cc, err := grpc.NewClient("passthrough:///"+os.Getenv(envAddr), d.DialOptions(nil)...)
 	if err != nil {
 		fmt.Println("FAIL", err)
 		return 1
@@ -293,7 +293,7 @@ func childInterop(opts []transport.Option) int {
 
 func childStream(opts []transport.Option) int {
 	d := dialer.New(opts...)
-	cc, err := grpc.NewClient("passthrough:///"+os.Getenv(envAddr), append(d.DialOptions(nil), gdrcodec.DialOptions()...)...)
+	cc, err := grpc.NewClient("passthrough:///"+os.Getenv(envAddr), d.DialOptions(nil)...)
 	if err != nil {
 		fmt.Println("FAIL", err)
 		return 1

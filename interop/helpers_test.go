@@ -204,6 +204,7 @@ type server struct {
 // 127.0.0.1 with the gdrpc server options; it stops when the test ends.
 func startServer(tb testing.TB, opts []transport.Option, creds credentials.TransportCredentials, register func(*grpc.Server), extra ...grpc.ServerOption) *server {
 	tb.Helper()
+	noSessions(tb)
 	lis, err := listener.Listen("127.0.0.1:0", opts...)
 	require.NoError(tb, err)
 	sopts := append(listener.ServerOptions(creds), gdrcodec.ServerOptions()...)
@@ -223,20 +224,40 @@ func startServer(tb testing.TB, opts []transport.Option, creds credentials.Trans
 	return &server{lis: lis, gs: gs, addr: lis.Addr().String()}
 }
 
-// dialClient returns a gRPC client of addr over gdrpc with the gdrpc dial
-// options (gdr codec, interceptors); it is closed when the test ends.
+// noSessions waits (bounded) until the sessions of earlier tests are gone.
+// Client and server of a test share this process's id, which every
+// descriptor names as the owner, and a pull may take any live session to the
+// owner: a session of an earlier test lingering after its conn closed (until
+// its transfers have been idle a moment) would carry it, on its own transport.
+func noSessions(tb testing.TB) {
+	tb.Helper()
+	deadline := time.Now().Add(testTimeout)
+	for transport.NumSessions() != 0 {
+		if time.Now().After(deadline) {
+			tb.Fatalf("%d sessions of earlier tests still registered", transport.NumSessions())
+		}
+		time.Sleep(10 * time.Millisecond) // polling for earlier sessions to close, bounded by the deadline
+	}
+}
+
+// dialClient returns a gRPC client of addr over gdrpc with the dialer's
+// options (which bring the gdr codec's); it is closed when the test ends.
 func dialClient(tb testing.TB, addr string, opts []transport.Option, creds credentials.TransportCredentials, extra ...grpc.DialOption) *grpc.ClientConn {
 	tb.Helper()
 	return dialClientWith(tb, addr, opts, creds, true, extra...)
 }
 
-// dialClientWith is dialClient, with the gdr codec's options only if gdr.
+// dialClientWith is dialClient; without gdr, the client uses only the gdrpc
+// dial function and credentials, and so gRPC's default (proto) codec.
 func dialClientWith(tb testing.TB, addr string, opts []transport.Option, creds credentials.TransportCredentials, gdr bool, extra ...grpc.DialOption) *grpc.ClientConn {
 	tb.Helper()
 	d := dialer.New(opts...)
 	dopts := d.DialOptions(creds)
-	if gdr {
-		dopts = append(dopts, gdrcodec.DialOptions()...)
+	if !gdr {
+		dopts = []grpc.DialOption{
+			grpc.WithContextDialer(d.DialContext),
+			grpc.WithTransportCredentials(transport.NewCredentials(creds)),
+		}
 	}
 	cc, err := grpc.NewClient("passthrough:///"+addr, append(dopts, extra...)...)
 	require.NoError(tb, err)
