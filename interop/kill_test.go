@@ -70,6 +70,7 @@ func waitDone(t *testing.T, s *transport.Session) {
 func TestPeerKilledMidStream(t *testing.T) {
 	for _, tc := range transportCases[:3] {
 		t.Run("transport="+tc.name, func(t *testing.T) {
+			noSessions(t)
 			opts := tc.options(t, transport.WithKeepAlive(kaInterval, kaTimeout))
 			srv := startChild(t, "server", nil, envUCX+"="+tc.ucx)
 			addr := srv.waitLine("ADDR ")
@@ -129,6 +130,7 @@ func (h *handlerEnds) intercept(srv any, ss grpc.ServerStream, _ *grpc.StreamSer
 func TestClientKilledMidStream(t *testing.T) {
 	for _, tc := range transportCases[:3] {
 		t.Run("transport="+tc.name, func(t *testing.T) {
+			noSessions(t)
 			opts := tc.options(t, transport.WithKeepAlive(kaInterval, kaTimeout))
 			ends := &handlerEnds{ends: make(chan error, 1)}
 			tagger := &sessionTagger{sessions: make(chan *transport.Session, 1)}
@@ -257,6 +259,7 @@ func TestOwnerKilledBeforeFIN(t *testing.T) {
 	for _, tc := range transportCases[:3] {
 		for _, when := range []string{"before-transfer", "before-fin"} {
 			t.Run("transport="+tc.name+"/owner=server/killed="+when, func(t *testing.T) {
+				noSessions(t)
 				opts := tc.options(t, transport.WithKeepAlive(kaInterval, kaTimeout))
 				env := []string{envUCX + "=" + tc.ucx}
 				if when == "before-fin" {
@@ -295,6 +298,7 @@ func TestOwnerKilledBeforeFIN(t *testing.T) {
 			})
 
 			t.Run("transport="+tc.name+"/owner=client/killed="+when, func(t *testing.T) {
+				noSessions(t)
 				opts := tc.options(t, transport.WithKeepAlive(kaInterval, kaTimeout))
 				paths := countPaths(t)
 				a := newKillingAllocator(n)
@@ -373,6 +377,7 @@ func TestOwnerStallsBeforeFIN(t *testing.T) {
 	for _, tc := range transportCases[:3] {
 		for _, bound := range []string{"call-deadline", "call-cancel", "transfer-timeout"} {
 			t.Run("transport="+tc.name+"/bound="+bound, func(t *testing.T) {
+				noSessions(t)
 				opts := tc.options(t)
 				srv := startChild(t, "server", nil, envUCX+"="+tc.ucx, envDie+"=stall-after-push")
 				addr := srv.waitLine("ADDR ")
@@ -436,6 +441,7 @@ func TestOwnerStallsBeforeFIN(t *testing.T) {
 func TestReconnectAfterServerRestart(t *testing.T) {
 	for _, tc := range transportCases[:3] {
 		t.Run("transport="+tc.name, func(t *testing.T) {
+			noSessions(t)
 			opts := tc.options(t, transport.WithKeepAlive(kaInterval, kaTimeout))
 			paths := countPaths(t)
 			first := startChild(t, "server", nil, envUCX+"="+tc.ucx)

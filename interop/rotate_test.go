@@ -22,6 +22,7 @@ import (
 func TestConnectionRotation(t *testing.T) {
 	for _, tc := range transportCases[:3] {
 		t.Run("transport="+tc.name, func(t *testing.T) {
+			noSessions(t)
 			opts := tc.options(t)
 			paths := countPaths(t)
 			// The server runs in another process: in this one, a pull with no
