@@ -123,7 +123,7 @@ func newRig(t *testing.T, mode transport.Mode, srv *tensor.Server) *rig {
 
 	lis, err := listener.Listen("127.0.0.1:0", transport.WithMode(mode))
 	require.NoError(t, err)
-	gs := grpc.NewServer(append(listener.ServerOptions(insecure.NewCredentials()), gdrcodec.ServerOptions()...)...)
+	gs := grpc.NewServer(listener.ServerOptions(insecure.NewCredentials())...)
 	if srv == nil {
 		srv = &tensor.Server{}
 	}
@@ -358,7 +358,7 @@ func TestUnknownToken(t *testing.T) {
 func TestPlainClient(t *testing.T) {
 	lis, err := listener.Listen("127.0.0.1:0")
 	require.NoError(t, err)
-	gs := grpc.NewServer(append(listener.ServerOptions(insecure.NewCredentials()), gdrcodec.ServerOptions()...)...)
+	gs := grpc.NewServer(listener.ServerOptions(insecure.NewCredentials())...)
 	tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
 	go gs.Serve(lis)
 	defer gs.Stop()

@@ -65,7 +65,7 @@ func gpuServerChild() {
 	if err != nil {
 		fail(err)
 	}
-	gs := grpc.NewServer(append(listener.ServerOptions(insecure.NewCredentials()), gdrcodec.ServerOptions()...)...)
+	gs := grpc.NewServer(listener.ServerOptions(insecure.NewCredentials())...)
 	tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{Alloc: gpu})
 	go gs.Serve(lis)
 	fmt.Println(lis.Addr().String())

@@ -139,7 +139,7 @@ func childServer(opts []transport.Option) int {
 		fmt.Println("FAIL", err)
 		return 1
 	}
-	sopts := append(listener.ServerOptions(nil), gdrcodec.ServerOptions()...)
+	sopts := listener.ServerOptions(nil)
 	if v := os.Getenv(envMaxAge); v != "" {
 		age, err := time.ParseDuration(v)
 		if err != nil {

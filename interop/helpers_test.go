@@ -28,7 +28,6 @@ import (
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
-	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
@@ -207,7 +206,7 @@ func startServer(tb testing.TB, opts []transport.Option, creds credentials.Trans
 	noSessions(tb)
 	lis, err := listener.Listen("127.0.0.1:0", opts...)
 	require.NoError(tb, err)
-	sopts := append(listener.ServerOptions(creds), gdrcodec.ServerOptions()...)
+	sopts := listener.ServerOptions(creds)
 	gs := grpc.NewServer(append(sopts, extra...)...)
 	register(gs)
 	served := make(chan error, 1)

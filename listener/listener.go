@@ -4,6 +4,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 
+	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -23,13 +24,17 @@ func Listen(addr string, opts ...transport.Option) (*transport.Listener, error) 
 // ServerOptions returns the options a gRPC server needs to serve gdrpc
 // sessions: transport credentials (creds wrapped by transport.NewCredentials;
 // nil creds means no security), buffer sizes and HTTP/2 windows suited to a
-// message transport.
+// message transport, and the out-of-band codec's (gdrcodec.ServerOptions: a
+// tap handle that refuses the gdr codec on connections that did not negotiate
+// it, and a stats handler that gives a call's buffers back; it registers the
+// codecs with default options if gdrcodec.Register was not called). gRPC
+// takes one tap handle per server: do not add another grpc.InTapHandle.
 func ServerOptions(creds credentials.TransportCredentials) []grpc.ServerOption {
-	return []grpc.ServerOption{
+	return append([]grpc.ServerOption{
 		grpc.Creds(transport.NewCredentials(creds)),
 		grpc.WriteBufferSize(WriteBufferSize),
 		grpc.ReadBufferSize(ReadBufferSize),
 		grpc.InitialWindowSize(WindowSize),
 		grpc.InitialConnWindowSize(WindowSize),
-	}
+	}, gdrcodec.ServerOptions()...)
 }

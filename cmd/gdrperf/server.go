@@ -280,7 +280,7 @@ func serve(ctx context.Context, o *options, ready func(readyInfo), logf func(str
 	if err != nil {
 		return fmt.Errorf("gdrpc listener: %w", err)
 	}
-	gopts := append(listener.ServerOptions(insecure.NewCredentials()), gdrcodec.ServerOptions()...)
+	gopts := listener.ServerOptions(insecure.NewCredentials())
 	gopts = append(gopts, grpc.MaxRecvMsgSize(maxMsg), grpc.MaxSendMsgSize(maxMsg))
 	gs := grpc.NewServer(gopts...)
 	tensorpb.RegisterTensorServiceServer(gs, &perfServer{p: p})

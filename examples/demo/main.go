@@ -97,7 +97,7 @@ func serve() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	opts := append(listener.ServerOptions(insecure.NewCredentials()), gdrcodec.ServerOptions()...)
+	opts := listener.ServerOptions(insecure.NewCredentials())
 	gs := grpc.NewServer(opts...)
 	tensorpb.RegisterTensorServiceServer(gs, &server{payload: payload})
 	go func() {
