@@ -58,7 +58,8 @@ func buildOptions(opts []Option) *options {
 	return o
 }
 
-// WithTransports sets UCX_TLS (for example "tcp" or "posix,sysv,cma,self")
+// WithTransports sets UCX_TLS (for example "tcp", or "posix,sysv,cma,tcp" for
+// shared memory: connection setup through a listener needs tcp in the list)
 // unless the environment already sets UCX_TLS. If not given, UCX picks.
 func WithTransports(tls string) Option {
 	return func(o *options) { o.set("TLS", tls) }
