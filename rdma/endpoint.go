@@ -900,8 +900,13 @@ func (e *Endpoint) rma(ctx context.Context, get bool, local uintptr, n int, remo
 	w := e.w
 	err := w.submit(func() {
 		if key.h == nil {
+			// Keys go with their endpoint: when it failed, say why.
 			release()
-			res <- closedError("remote key")
+			if err := e.termErr(); err != nil {
+				res <- err
+			} else {
+				res <- closedError("remote key")
+			}
 			return
 		}
 		e.issue(func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
