@@ -486,6 +486,12 @@ func (b *bench) measureD2H(size int) (float64, error) {
 		return 0, err
 	}
 	defer dst.Release()
+	return b.timeCopies(dst, src)
+}
+
+// timeCopies returns the median rate of devicebuf.Copy(dst, src) over the
+// measured iterations, after the warm-up ones.
+func (b *bench) timeCopies(dst, src *devicebuf.Buffer) (float64, error) {
 	var ds []time.Duration
 	for i := range b.o.warmup + b.o.iters {
 		start := time.Now()
@@ -496,7 +502,7 @@ func (b *bench) measureD2H(size int) (float64, error) {
 			ds = append(ds, time.Since(start))
 		}
 	}
-	return medianRate(size, ds), nil
+	return medianRate(dst.Len(), ds), nil
 }
 
 // measureDtoD times an in-process device-to-device copy of size bytes.
@@ -511,17 +517,7 @@ func (b *bench) measureDtoD(size int) (float64, error) {
 		return 0, err
 	}
 	defer dst.Release()
-	var ds []time.Duration
-	for i := range b.o.warmup + b.o.iters {
-		start := time.Now()
-		if err := devicebuf.Copy(dst, src); err != nil {
-			return 0, err
-		}
-		if i >= b.o.warmup {
-			ds = append(ds, time.Since(start))
-		}
-	}
-	return medianRate(size, ds), nil
+	return b.timeCopies(dst, src)
 }
 
 // measureNaive times what a user does today with a GPU payload: device to
