@@ -21,6 +21,7 @@ import (
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
+	"github.com/gdrpc/gdrpc/internal/leaktest/oobleak"
 	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
@@ -38,37 +39,12 @@ func TestMain(m *testing.M) {
 	before := runtime.NumGoroutine()
 	code := m.Run()
 	if code == 0 {
-		if err := settled(before); err != nil {
+		if err := oobleak.Settled(before); err != nil {
 			fmt.Fprintln(os.Stderr, "leak:", err)
 			code = 1
 		}
 	}
 	os.Exit(code)
-}
-
-// settled waits (bounded) for what the tests started to wind down, then reports
-// what is left over.
-func settled(goroutines int) error {
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		runtime.GC()
-		var err error
-		switch {
-		case transport.OutboxLen() != 0:
-			err = fmt.Errorf("%d outbox entries", transport.OutboxLen())
-		case gdrcodec.Attached() != 0:
-			err = fmt.Errorf("%d attached buffers", gdrcodec.Attached())
-		case transport.NumSessions() != 0:
-			err = fmt.Errorf("%d sessions", transport.NumSessions())
-		case runtime.NumGoroutine() > goroutines+4: // the shared rdma context's progress thread and timers
-			buf := make([]byte, 1<<20)
-			err = fmt.Errorf("%d goroutines, %d before:\n%s", runtime.NumGoroutine(), goroutines, buf[:runtime.Stack(buf, true)])
-		}
-		if err == nil || time.Now().After(deadline) {
-			return err
-		}
-		time.Sleep(20 * time.Millisecond) // polling for shutdown, bounded by the deadline
-	}
 }
 
 func requireUCX(t testing.TB) {

@@ -4,11 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/gdrpc/gdrpc/internal/leaktest"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -31,15 +31,13 @@ func TestMain(m *testing.M) {
 // and gRPC to end, then checks the registry, the rdma objects and the checks
 // other test files added.
 func checkLeaks() error {
-	deadline := time.Now().Add(5 * time.Second)
 	var leaked []string
-	for {
-		leaked = leakedGoroutines()
-		if len(leaked) == 0 || time.Now().After(deadline) {
-			break
+	leaktest.Poll(5*time.Second, func() error {
+		if leaked = leakedGoroutines(); len(leaked) > 0 {
+			return errors.New("goroutines alive")
 		}
-		time.Sleep(20 * time.Millisecond) // polling for exit, bounded by deadline
-	}
+		return nil
+	})
 	var errs []error
 	if len(leaked) > 0 {
 		errs = append(errs, fmt.Errorf("%d goroutines leaked:\n%s", len(leaked), strings.Join(leaked, "\n\n")))
@@ -58,25 +56,7 @@ func checkLeaks() error {
 	return errors.Join(errs...)
 }
 
+// leakedGoroutines returns the goroutines of sessions, yamux and gRPC still alive.
 func leakedGoroutines() []string {
-	buf := make([]byte, 1<<20)
-	for {
-		n := runtime.Stack(buf, true)
-		if n < len(buf) {
-			buf = buf[:n]
-			break
-		}
-		buf = make([]byte, 2*len(buf))
-	}
-	var out []string
-	for _, g := range strings.Split(string(buf), "\n\n") {
-		if strings.Contains(g, "leakedGoroutines") {
-			continue
-		}
-		if strings.Contains(g, "gdrpc/gdrpc/transport") || strings.Contains(g, "hashicorp/yamux") ||
-			strings.Contains(g, "google.golang.org/grpc") {
-			out = append(out, g)
-		}
-	}
-	return out
+	return leaktest.Goroutines("gdrpc/gdrpc/transport", "hashicorp/yamux", "google.golang.org/grpc")
 }

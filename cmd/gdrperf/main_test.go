@@ -16,7 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
-	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/internal/leaktest/oobleak"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -29,37 +29,12 @@ func TestMain(m *testing.M) {
 	before := runtime.NumGoroutine()
 	code := m.Run()
 	if code == 0 {
-		if err := settled(before); err != nil {
+		if err := oobleak.Settled(before); err != nil {
 			fmt.Fprintln(os.Stderr, "leak:", err)
 			code = 1
 		}
 	}
 	os.Exit(code)
-}
-
-// settled waits (bounded) for what the tests started to wind down and reports
-// what is left: sessions, outbox entries, attached buffers, goroutines.
-func settled(goroutines int) error {
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		runtime.GC()
-		var err error
-		switch {
-		case transport.NumSessions() != 0:
-			err = fmt.Errorf("%d sessions", transport.NumSessions())
-		case transport.OutboxLen() != 0:
-			err = fmt.Errorf("%d outbox entries", transport.OutboxLen())
-		case gdrcodec.Attached() != 0:
-			err = fmt.Errorf("%d attached buffers", gdrcodec.Attached())
-		case runtime.NumGoroutine() > goroutines+4: // the shared UCX context's progress thread, timers
-			buf := make([]byte, 1<<20)
-			err = fmt.Errorf("%d goroutines, %d before:\n%s", runtime.NumGoroutine(), goroutines, buf[:runtime.Stack(buf, true)])
-		}
-		if err == nil || time.Now().After(deadline) {
-			return err
-		}
-		time.Sleep(20 * time.Millisecond) // polling for shutdown, bounded by the deadline
-	}
 }
 
 func required(what string) bool {
