@@ -22,13 +22,19 @@
 //
 // # Workers
 //
-// Each Worker has one owner goroutine locked to its OS thread; every UCX call
-// for that worker is made there (UCS_THREAD_MODE_SINGLE). Other goroutines
-// submit operations through a queue and wake the owner with ucp_worker_signal;
+// A Worker runs in UCS_THREAD_MODE_SERIALIZED behind a mutex: whichever
+// goroutine holds it makes the UCX calls. A goroutine that writes, puts or
+// flushes runs the operation itself when the lock is free, and otherwise
+// leaves it in a queue that the holder serves before releasing the lock;
 // completions come back on channels. UCX callbacks carry integer ids or C
-// pointers, never Go pointers. After work the owner polls for 50 µs, keeps
-// polling (yielding the CPU) while requests are in flight, and otherwise arms
-// the worker and sleeps on its event fd: an idle worker burns no CPU.
+// pointers, never Go pointers. A driver goroutine per worker keeps progress
+// going: it polls for 50 µs after the last work (its own or another
+// goroutine's), keeps polling (yielding) while requests are in flight, and
+// otherwise arms the worker and sleeps on its event fd, so an idle worker burns
+// no CPU. Work done outside the driver wakes a sleeping driver, to catch the
+// reply that often follows a send. Hand-offs between OS threads cost tens of
+// microseconds each on small virtual machines; this keeps them off the path of
+// a write and a reply.
 //
 // # Endpoints
 //

@@ -36,7 +36,7 @@ type Endpoint struct {
 	id           uint64
 	laddr, raddr *Addr
 
-	// owner-only
+	// lock-only: the worker's lock guards it
 	ce        *C.rdma_ep_t // nil once released
 	closing   bool         // graceful close started
 	ucpClosed bool         // force close issued
@@ -45,9 +45,9 @@ type Endpoint struct {
 	mu       sync.Mutex
 	in       []byte // inbound ring
 	head, n  int
-	rbuf     []byte // a waiting Read's buffer the owner may fill directly
-	rfill    int    // bytes the owner put in rbuf
-	rbusy    bool   // the owner is copying into rbuf outside mu
+	rbuf     []byte // a waiting Read's buffer the worker may fill directly
+	rfill    int    // bytes the worker put in rbuf
+	rbusy    bool   // the worker is copying into rbuf outside mu
 	rcond    sync.Cond
 	stalled  bool // draining stopped: the ring is full
 	drainReq bool // a drain is queued
@@ -70,7 +70,7 @@ type Endpoint struct {
 
 var _ net.Conn = (*Endpoint)(nil)
 
-// newEndpoint runs on the owner goroutine.
+// newEndpoint runs with the worker's lock held.
 func newEndpoint(w *Worker) *Endpoint {
 	e := &Endpoint{
 		w:         w,
@@ -87,7 +87,7 @@ func newEndpoint(w *Worker) *Endpoint {
 	return e
 }
 
-// attach runs on the owner goroutine.
+// attach runs with the worker's lock held.
 func (e *Endpoint) attach(ce *C.rdma_ep_t) {
 	e.ce = ce
 	e.w.eps[e.id] = e
@@ -110,7 +110,7 @@ func (e *Endpoint) queryAddrs() {
 	}
 }
 
-// issue starts a request on this endpoint (owner goroutine); once the UCX
+// issue starts a request on this endpoint (worker lock held); once the UCX
 // endpoint is gone, done gets UCS_ERR_CANCELED.
 func (e *Endpoint) issue(call func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int, done func(int)) {
 	if e.ce == nil || e.ucpClosed {
@@ -134,7 +134,7 @@ func (w *Worker) Dial(ctx context.Context, addr string) (*Endpoint, error) {
 		err error
 	}
 	res := make(chan result, 1)
-	var e *Endpoint // owner-only
+	var e *Endpoint // lock-only: the worker's lock guards it
 	err = w.submit(func() {
 		e = newEndpoint(w)
 		ip := ap.Addr().AsSlice()
@@ -242,7 +242,7 @@ func (e *Endpoint) setTerm(err error, eof, fromPeer bool) {
 	}
 }
 
-// peerFailed runs on the owner goroutine when UCX reports the endpoint failed.
+// peerFailed runs with the worker's lock held when UCX reports the endpoint failed.
 func (e *Endpoint) peerFailed(status int) {
 	e.drain(true)
 	msg := statusString(status)
@@ -254,7 +254,7 @@ func (e *Endpoint) peerFailed(status int) {
 	e.forceClose()
 }
 
-// peerFinished runs on the owner goroutine when the peer announced its close;
+// peerFinished runs with the worker's lock held when the peer announced its close;
 // everything it sent before is in UCX's queue by now. The FIN-ACK tells the
 // peer it may release its endpoint.
 func (e *Endpoint) peerFinished() {
@@ -266,8 +266,8 @@ func (e *Endpoint) peerFinished() {
 	}, func(int) {})
 }
 
-// drain moves received stream data from UCX into the inbound ring (owner
-// goroutine). Unless all is set it stops when the ring reaches ringMax.
+// drain moves received stream data from UCX into the inbound ring (worker
+// lock held). Unless all is set it stops when the ring reaches ringMax.
 func (e *Endpoint) drain(all bool) {
 	if e.ce == nil || e.ucpClosed {
 		return
@@ -353,7 +353,7 @@ func (e *Endpoint) copyOut(p []byte) int {
 			e.head = 0
 		}
 	}
-	// head is not reset when the ring empties: the owner may be filling the
+	// head is not reset when the ring empties: the worker may be filling the
 	// free part at head+n outside mu.
 	return k
 }
@@ -405,7 +405,7 @@ func (e *Endpoint) Read(p []byte) (int, error) {
 			return 0, &timeoutError{op: "read"}
 		}
 		if len(p) >= directRead {
-			// The ring is empty: let the owner copy straight into p.
+			// The ring is empty: let the worker copy straight into p.
 			e.rbuf, e.rfill = p, 0
 		}
 		e.mu.Unlock()
@@ -418,7 +418,7 @@ func (e *Endpoint) Read(p []byte) (int, error) {
 }
 
 // retract takes back the buffer a Read posted (mu held): it waits out a copy
-// in progress and returns how many bytes the owner put there.
+// in progress and returns how many bytes the worker put there.
 func (e *Endpoint) retract() int {
 	if e.rbuf == nil {
 		return 0
@@ -441,7 +441,7 @@ func (e *Endpoint) termErr() error {
 }
 
 // opError turns the final status of a request into the error a caller sees
-// (owner goroutine). A request may report the peer's failure before UCX calls
+// (worker lock held). A request may report the peer's failure before UCX calls
 // the endpoint's error handler: the endpoint fails then.
 func (e *Endpoint) opError(op string, st int) error {
 	if st == statusOK {
@@ -572,7 +572,7 @@ func (e *Endpoint) writeCopy(p []byte, dl chan struct{}) (int, error) {
 }
 
 // sendFailed: a stream send failed without the endpoint failing first; the
-// stream has lost bytes, so the endpoint is over (owner goroutine).
+// stream has lost bytes, so the endpoint is over (worker lock held).
 func (e *Endpoint) sendFailed(err error) {
 	var se *StatusError
 	if errors.As(err, &se) {
@@ -696,7 +696,7 @@ func (e *Endpoint) Close() error {
 	return nil
 }
 
-// closeUCP runs on the owner goroutine: flush, FIN; the peer's FIN-ACK (or
+// closeUCP runs with the worker's lock held: flush, FIN; the peer's FIN-ACK (or
 // Close's linger timeout) then triggers the force close. Releasing the
 // endpoint right after the FIN could let the disconnect overtake it.
 func (e *Endpoint) closeUCP(graceful bool) {
@@ -729,7 +729,7 @@ func (e *Endpoint) closeUCP(graceful bool) {
 	}))
 }
 
-// forceClose releases the UCX endpoint (owner goroutine); UCX completes its
+// forceClose releases the UCX endpoint (worker lock held); UCX completes its
 // pending requests with an error.
 func (e *Endpoint) forceClose() {
 	if e.ce == nil || e.ucpClosed {
@@ -756,7 +756,7 @@ func (e *Endpoint) forceClose() {
 // RemoteKey is a peer's memory key unpacked on an endpoint.
 type RemoteKey struct {
 	e        *Endpoint
-	h        C.ucp_rkey_h // owner-only; nil once destroyed
+	h        C.ucp_rkey_h // lock-only: the worker's lock guards it; nil once destroyed
 	region   packedKey
 	once     sync.Once
 	closeErr error
@@ -808,7 +808,7 @@ func (k *RemoteKey) Close() error {
 	return k.closeErr
 }
 
-// destroy runs on the owner goroutine.
+// destroy runs with the worker's lock held.
 func (k *RemoteKey) destroy() {
 	if k.h == nil {
 		return

@@ -298,7 +298,7 @@ int rdma_worker_create(ucp_context_h ctx, rdma_worker_t **out)
 	ucp_worker_params_t wp;
 	memset(&wp, 0, sizeof(wp));
 	wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-	wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+	wp.thread_mode = UCS_THREAD_MODE_SERIALIZED; // any goroutine holding the worker's lock calls in
 	ucs_status_t st = p_ucp_worker_create(ctx, &wp, &w->w);
 	if (st != UCS_OK) {
 		free(w);

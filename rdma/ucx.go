@@ -231,7 +231,7 @@ func (c *Context) Info() Info {
 // closed with the context.
 func (c *Context) Worker() *Worker { return c.def }
 
-// NewWorker creates an extra worker with its own owner goroutine.
+// NewWorker creates an extra worker with its own driver goroutine.
 func (c *Context) NewWorker() (*Worker, error) {
 	return c.newWorker(false)
 }

@@ -3,7 +3,6 @@
 package rdma
 
 /*
-#include <sched.h>
 #include "ucx.h"
 */
 import "C"
@@ -21,35 +20,42 @@ import (
 )
 
 const (
-	spinTime       = 50 * time.Microsecond // progress this long after the last work before sleeping on the event fd
-	sleepTimeout   = 250                   // ms: longest sleep on the event fd
-	pendingTimeout = 1                     // ms: longest sleep while requests are in flight
-	pendingSpin    = 5 * time.Millisecond  // poll (yielding) this long while requests are in flight
-	drainTimeout   = 5 * time.Second       // how long a closing worker waits for UCX to complete its requests
-	acceptBacklog  = 128                   // connection requests waiting for Accept
-	eventBatch     = 64                    // events taken from the ring at once
-	progressBatch  = 32                    // ucp_worker_progress calls per round
-	lingerTimeout  = 2 * time.Second       // Close: flush pending writes and tell the peer, at most this long
-	forceTimeout   = 5 * time.Second       // Close: wait for the force close, at most this long
-	scanInterval   = 10 * time.Millisecond // least time between two FD_CLOEXEC scans
+	spinTime       = 50 * time.Microsecond  // the driver polls this long after the last work before parking
+	sleepTimeout   = 250 * time.Millisecond // longest park
+	pendingTimeout = time.Millisecond       // longest park while requests are in flight
+	pendingSpin    = 5 * time.Millisecond   // poll (yielding) this long while requests are in flight
+	drainTimeout   = 5 * time.Second        // how long a closing worker waits for UCX to complete its requests
+	acceptBacklog  = 128                    // connection requests waiting for Accept
+	eventBatch     = 64                     // events taken from the ring at once
+	progressBatch  = 32                     // ucp_worker_progress calls per round
+	lingerTimeout  = 2 * time.Second        // Close: flush pending writes and tell the peer, at most this long
+	forceTimeout   = 5 * time.Second        // Close: wait for the force close, at most this long
+	scanInterval   = 10 * time.Millisecond  // least time between two FD_CLOEXEC scans
 )
 
-// Worker is a UCX worker driven by one owner goroutine locked to its OS
-// thread. Every UCX call for the worker, its endpoints and listeners is made
-// there; other goroutines enqueue operations and wait for results.
+// Worker is a UCX worker in UCS_THREAD_MODE_SERIALIZED: every UCX call for the
+// worker, its endpoints and listeners, and the state marked "lock-only", is
+// made by the goroutine holding mu. A goroutine submitting an operation runs it
+// itself when mu is free, so a write on an idle worker involves no hand-off;
+// otherwise the operation waits in the queue for the holder, which serves the
+// queue before releasing mu. The driver goroutine keeps UCX progressing: it
+// polls briefly after work and while requests are in flight, and otherwise arms
+// the worker and parks on its event fd through Go's network poller, so a
+// message arriving wakes a goroutine, not a dedicated OS thread.
 type Worker struct {
 	ctx       *Context
-	cw        *C.rdma_worker_t
+	cw        *C.rdma_worker_t // lock-only; nil once destroyed
 	isDefault bool
 
-	qmu      sync.Mutex
-	queue    []func()
-	closed   bool // no more operations accepted
-	sleeping atomic.Bool
-	exited   chan struct{} // owner goroutine returned
-	closeMu  sync.Mutex
+	mu      sync.Mutex // the worker's lock
+	qmu     sync.Mutex
+	queue   []func()
+	closed  bool          // no more operations accepted
+	parked  atomic.Bool   // the driver waits on the event fd
+	exited  chan struct{} // the driver returned: the worker is destroyed
+	closeMu sync.Mutex
 
-	// owner-only state
+	// lock-only state
 	nextID    uint64
 	pending   map[uint64]*op
 	eps       map[uint64]*Endpoint
@@ -57,6 +63,8 @@ type Worker struct {
 	listeners map[uint64]*Listener
 	stopping  bool
 	stopAt    time.Time
+	lastWork  time.Time // the last serve that found something to do
+	lastScan  time.Time
 }
 
 // op is a UCX request in flight.
@@ -81,11 +89,12 @@ func (c *Context) newWorker(isDefault bool) (*Worker, error) {
 		epByH:     map[uintptr]*Endpoint{},
 		listeners: map[uint64]*Listener{},
 	}
-	ready := make(chan error, 1)
-	go w.run(ready)
-	if err := <-ready; err != nil {
-		return nil, err
+	if st := C.rdma_worker_create(w.ctx.h, &w.cw); st != statusOK {
+		C.rdma_cloexec_scan()
+		return nil, fmt.Errorf("rdma: create worker: %w", statusError("ucp_worker_create", st))
 	}
+	C.rdma_cloexec_scan()
+	go w.run()
 	c.mu.Lock()
 	c.workers[w] = struct{}{}
 	c.mu.Unlock()
@@ -95,105 +104,116 @@ func (c *Context) newWorker(isDefault bool) (*Worker, error) {
 	return w, nil
 }
 
-// run is the owner goroutine.
-func (w *Worker) run(ready chan<- error) {
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
+// run is the driver goroutine.
+func (w *Worker) run() {
 	defer close(w.exited)
-	st := C.rdma_worker_create(w.ctx.h, &w.cw)
-	C.rdma_cloexec_scan()
-	if st != statusOK {
-		ready <- fmt.Errorf("rdma: create worker: %w", statusError("ucp_worker_create", st))
-		return
-	}
-	ready <- nil
-	evs := make([]C.rdma_event_t, eventBatch)
-	lastBusy := time.Now()
-	var lastScan time.Time
 	for {
-		busy := false
-		for _, f := range w.take() {
-			f()
-			busy = true
-		}
-		if C.rdma_worker_progress(w.cw, progressBatch) > 0 {
-			busy = true
-		}
-		for {
-			n := int(C.rdma_worker_events(w.cw, &evs[0], C.int(len(evs))))
-			for i := range n {
-				w.handle(&evs[i])
-			}
-			if n == 0 {
-				break
-			}
-			busy = true
-		}
-		if w.stopping && (len(w.pending) == 0 || time.Now().After(w.stopAt)) {
-			w.qmu.Lock()
-			rest := len(w.queue)
-			w.qmu.Unlock()
-			if rest == 0 {
-				C.rdma_worker_destroy(w.cw)
-				w.cw = nil
-				return
-			}
+		w.mu.Lock()
+		busy := w.serve()
+		if w.stopping && (len(w.pending) == 0 || time.Now().After(w.stopAt)) && !w.queued() {
+			C.rdma_worker_destroy(w.cw)
+			w.cw = nil
+			w.mu.Unlock()
+			return
 		}
 		if busy {
-			lastBusy = time.Time{}
+			w.release(false)
 			continue
 		}
-		// Spin briefly: a reply often follows soon, and waking from the event
-		// fd costs a thread wake-up on each side.
+		// Poll for a while after the last work, by anyone: a reply often
+		// follows soon, and a park costs a wake-up on the way back. Requests
+		// in flight progress only when this side polls (a full shared-memory
+		// FIFO drains without waking us): keep polling then, yielding to other
+		// goroutines between rounds.
 		now := time.Now()
-		if lastBusy.IsZero() {
-			lastBusy = now
-		}
-		if now.Sub(lastBusy) < spinTime {
-			continue
-		}
-		if len(w.pending) > 0 && now.Sub(lastBusy) < pendingSpin {
-			// Requests in flight progress only when this side polls (a
-			// full shared-memory FIFO drains without waking us): keep
-			// polling, yielding the CPU to the peer between rounds.
-			C.sched_yield()
+		idle := now.Sub(w.lastWork)
+		if idle < spinTime || (len(w.pending) > 0 && idle < pendingSpin) {
+			w.release(false)
+			runtime.Gosched()
 			continue
 		}
 		// UCX opens descriptors lazily (connections of lanes, from its async
 		// thread too): mark them close-on-exec before going idle.
-		if now.Sub(lastScan) > scanInterval {
+		if now.Sub(w.lastScan) > scanInterval {
 			C.rdma_cloexec_scan()
-			lastScan = now
+			w.lastScan = now
 		}
-		// lastBusy stays: after a timeout with requests in flight the
-		// owner keeps sleeping in short slices instead of spinning again.
-		w.sleep()
+		if w.queued() || C.rdma_worker_arm(w.cw) != statusOK { // UCS_ERR_BUSY: events to progress
+			w.release(false)
+			continue
+		}
+		timeout := sleepTimeout
+		switch {
+		case w.stopping:
+			timeout = 10 * time.Millisecond
+		case len(w.pending) > 0:
+			// UCX does not wake the event fd when a full shared-memory FIFO
+			// drains: requests in flight need this side to progress. After a
+			// timeout the driver keeps parking in these short slices.
+			timeout = pendingTimeout
+		}
+		w.parked.Store(true)
+		cw := w.cw
+		w.release(false)
+		// Only the driver destroys the worker: cw stays valid.
+		C.rdma_worker_wait(cw, C.int(timeout/time.Millisecond))
+		w.parked.Store(false)
 	}
 }
 
-// sleep arms the worker and waits on its event fd until UCX has an event or a
-// submitter signals.
-func (w *Worker) sleep() {
-	w.sleeping.Store(true)
-	defer w.sleeping.Store(false)
-	if w.queued() {
-		return
+// serve runs queued operations, progresses UCX and handles its events (mu
+// held). It reports whether anything happened.
+func (w *Worker) serve() bool {
+	if w.cw == nil {
+		return false
 	}
-	if st := C.rdma_worker_arm(w.cw); st != statusOK {
-		return // UCS_ERR_BUSY: events to progress
+	busy := false
+	for {
+		q := w.take()
+		if len(q) == 0 {
+			break
+		}
+		for _, f := range q {
+			f()
+		}
+		busy = true
 	}
-	if w.queued() {
-		return
+	if C.rdma_worker_progress(w.cw, progressBatch) > 0 {
+		busy = true
 	}
-	timeout := C.int(sleepTimeout)
-	if w.stopping {
-		timeout = 10
-	} else if len(w.pending) > 0 {
-		// UCX does not wake the event fd when a full shared-memory FIFO
-		// drains: requests in flight need this side to progress.
-		timeout = pendingTimeout
+	var evs [eventBatch]C.rdma_event_t
+	for {
+		n := int(C.rdma_worker_events(w.cw, &evs[0], C.int(len(evs))))
+		for i := range n {
+			w.handle(&evs[i])
+		}
+		if n == 0 {
+			break
+		}
+		busy = true
 	}
-	C.rdma_worker_wait(w.cw, timeout)
+	if busy {
+		w.lastWork = time.Now()
+	}
+	return busy
+}
+
+// release unlocks mu, leaving nothing behind: operations queued while mu was
+// held are served by this goroutine or by whichever holds mu next (every
+// holder checks the queue after unlocking). After work done outside the
+// driver (woke), a parked driver is woken to poll: for the requests in flight,
+// and for the reply that often follows a send.
+func (w *Worker) release(woke bool) {
+	for {
+		if woke && w.cw != nil && w.parked.Load() {
+			C.rdma_worker_signal(w.cw)
+		}
+		w.mu.Unlock()
+		if !w.queued() || !w.mu.TryLock() {
+			return
+		}
+		woke = w.serve()
+	}
 }
 
 func (w *Worker) queued() bool {
@@ -210,22 +230,25 @@ func (w *Worker) take() []func() {
 	return q
 }
 
-// submit runs f on the owner goroutine. It fails once the worker closes.
+// submit runs f with the worker's lock held: at once on this goroutine when
+// the lock is free, else on the goroutine holding it, before it releases the
+// lock. Operations run in the order submitted. It fails once the worker
+// closes.
 func (w *Worker) submit(f func()) error {
 	w.qmu.Lock()
-	defer w.qmu.Unlock()
 	if w.closed {
+		w.qmu.Unlock()
 		return closedError("worker")
 	}
 	w.queue = append(w.queue, f)
-	if w.sleeping.Load() {
-		// Under qmu: the owner destroys the worker only after closed is set.
-		C.rdma_worker_signal(w.cw)
+	w.qmu.Unlock()
+	if w.mu.TryLock() {
+		w.release(w.serve())
 	}
 	return nil
 }
 
-// call runs f on the owner goroutine and waits for it.
+// call runs f with the worker's lock held and waits for it.
 func (w *Worker) call(f func()) error {
 	done := make(chan struct{})
 	if err := w.submit(func() { f(); close(done) }); err != nil {
@@ -244,9 +267,9 @@ func (w *Worker) call(f func()) error {
 	}
 }
 
-// issue starts a UCX request on the owner goroutine: call gets the request id
-// and returns a status, with *req set when in progress. done runs on the owner
-// goroutine with the final status.
+// issue starts a UCX request (worker lock held): call gets the request id
+// and returns a status, with *req set when in progress. done gets the final
+// status, with the lock held.
 func (w *Worker) issue(call func(id C.uint64_t, req *unsafe.Pointer) C.int, done func(status int)) {
 	w.nextID++
 	id := w.nextID
@@ -345,11 +368,11 @@ func (w *Worker) close() error {
 	}
 	w.queue = append(w.queue, w.teardown)
 	w.closed = true
-	if w.sleeping.Load() {
-		C.rdma_worker_signal(w.cw)
-	}
 	w.qmu.Unlock()
-	<-w.exited // bounded: the owner gives UCX drainTimeout to complete requests
+	w.mu.Lock()
+	w.serve()
+	w.release(true) // the driver may be parked for long
+	<-w.exited      // bounded: the driver gives UCX drainTimeout to complete requests
 	c := w.ctx
 	c.mu.Lock()
 	delete(c.workers, w)
@@ -360,7 +383,7 @@ func (w *Worker) close() error {
 	return nil
 }
 
-// teardown runs on the owner goroutine as its last queued operation.
+// teardown is the worker's last queued operation.
 func (w *Worker) teardown() {
 	for _, l := range w.listeners {
 		l.markClosed()
@@ -445,7 +468,7 @@ func addrFrom(ip []byte, n C.int, port C.int) *Addr {
 type Listener struct {
 	w        *Worker
 	id       uint64
-	cl       *C.rdma_listener_t // owner-only
+	cl       *C.rdma_listener_t // lock-only: the worker's lock guards it
 	addr     *Addr
 	accq     chan *Endpoint
 	filter   atomic.Pointer[func(net.Addr) bool]
@@ -466,7 +489,7 @@ func (l *Listener) SetFilter(f func(remote net.Addr) bool) {
 	l.filter.Store(&f)
 }
 
-// connRequest runs on the owner goroutine.
+// connRequest runs with the worker's lock held.
 func (l *Listener) connRequest(req uintptr) {
 	var ip [16]byte
 	var n, port C.int
@@ -528,7 +551,7 @@ func (l *Listener) Close() error {
 
 func (l *Listener) markClosed() { l.once.Do(func() { close(l.closedCh) }) }
 
-// destroy runs on the owner goroutine.
+// destroy runs with the worker's lock held.
 func (l *Listener) destroy() {
 	if l.cl == nil {
 		return
