@@ -2,11 +2,9 @@ package dialer_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"os"
-	"strings"
 	"testing"
 	"time"
 
@@ -14,7 +12,7 @@ import (
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 
 	"github.com/gdrpc/gdrpc/dialer"
-	"github.com/gdrpc/gdrpc/internal/leaktest"
+	"github.com/gdrpc/gdrpc/internal/leaktest/sessionleak"
 	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
@@ -28,38 +26,12 @@ func TestMain(m *testing.M) {
 	}
 	code := m.Run()
 	if code == 0 {
-		if err := checkLeaks(); err != nil {
+		if err := sessionleak.Check(); err != nil {
 			fmt.Fprintln(os.Stderr, "leak check:", err)
 			code = 1
 		}
 	}
 	os.Exit(code)
-}
-
-func checkLeaks() error {
-	var leaked []string
-	leaktest.Poll(5*time.Second, func() error {
-		if leaked = leakedGoroutines(); len(leaked) > 0 {
-			return errors.New("goroutines alive")
-		}
-		return nil
-	})
-	var errs []error
-	if len(leaked) > 0 {
-		errs = append(errs, fmt.Errorf("%d goroutines leaked:\n%s", len(leaked), strings.Join(leaked, "\n\n")))
-	}
-	if n := transport.NumSessions(); n != 0 {
-		errs = append(errs, fmt.Errorf("%d sessions still registered", n))
-	}
-	if st := rdma.Stats(); st.Endpoints != 0 || st.Listeners != 0 {
-		errs = append(errs, fmt.Errorf("rdma objects alive: %+v", st))
-	}
-	return errors.Join(errs...)
-}
-
-// leakedGoroutines returns the goroutines of sessions, yamux and gRPC still alive.
-func leakedGoroutines() []string {
-	return leaktest.Goroutines("gdrpc/gdrpc/transport", "hashicorp/yamux", "google.golang.org/grpc")
 }
 
 // childOptions reads the transport of a child from GDRPC_TEST_UCX ("" for
