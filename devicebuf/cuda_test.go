@@ -9,6 +9,7 @@ import (
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
+	"github.com/gdrpc/gdrpc/internal/testenv"
 )
 
 func TestFakeDevices(t *testing.T) {
@@ -249,7 +250,7 @@ func TestRealDriverAbsent(t *testing.T) {
 	if err == nil {
 		t.Skip("a CUDA driver is present")
 	}
-	if requireEnv("cuda") {
+	if testenv.Required("cuda") {
 		t.Fatalf("GDRPC_REQUIRE=cuda but CUDA is not available: %v", err)
 	}
 	require.ErrorIs(t, err, devicebuf.ErrNotSupported)

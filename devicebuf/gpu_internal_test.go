@@ -1,18 +1,17 @@
 package devicebuf
 
 import (
-	"os"
-	"strings"
 	"testing"
 
 	"github.com/gdrpc/gdrpc/devicebuf/internal/driver"
+	"github.com/gdrpc/gdrpc/internal/testenv"
 )
 
 // TestGPUFlushCall calls cuFlushGPUDirectRDMAWrites itself on a device that offers the host
 // flush (FlushRDMAWrites skips the call where the device orders writes).
 func TestGPUFlushCall(t *testing.T) {
 	if err := CUDAAvailable(); err != nil {
-		if strings.Contains(os.Getenv("GDRPC_REQUIRE"), "cuda") {
+		if testenv.Required("cuda") {
 			t.Fatal(err)
 		}
 		t.Skip(err)

@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/internal/testenv"
 )
 
 // Tests on a real GPU: they skip without a CUDA driver unless GDRPC_REQUIRE contains cuda.
@@ -16,7 +17,7 @@ func requireCUDA(tb testing.TB) int {
 	tb.Helper()
 	err := devicebuf.CUDAAvailable()
 	if err != nil {
-		if requireEnv("cuda") {
+		if testenv.Required("cuda") {
 			tb.Fatalf("GDRPC_REQUIRE=cuda: %v", err)
 		}
 		tb.Skipf("no CUDA: %v", err)
@@ -80,7 +81,7 @@ func TestGPUAttributes(t *testing.T) {
 func TestGPUInventoryAgrees(t *testing.T) {
 	n := requireCUDA(t)
 	gpus, err := devicebuf.Inventory()
-	if err != nil && !requireEnv("cuda") {
+	if err != nil && !testenv.Required("cuda") {
 		t.Skipf("no NVML: %v", err)
 	}
 	require.NoError(t, err)

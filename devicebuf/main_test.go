@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
-	"os"
-	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -18,17 +16,6 @@ import (
 
 func TestMain(m *testing.M) {
 	devicebuftest.Main(m)
-}
-
-// requireEnv reports whether GDRPC_REQUIRE names what (then absence fails instead of
-// skipping).
-func requireEnv(what string) bool {
-	for _, w := range strings.Split(os.Getenv("GDRPC_REQUIRE"), ",") {
-		if strings.TrimSpace(w) == what {
-			return true
-		}
-	}
-	return false
 }
 
 // pattern returns n pseudo-random bytes determined by seed. Above 64 KiB a random 64 KiB

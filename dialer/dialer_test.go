@@ -1,12 +1,10 @@
 package dialer_test
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"io"
 	"net"
-	"os"
 	"os/exec"
 	"strings"
 	"sync"
@@ -22,6 +20,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
@@ -83,21 +82,12 @@ func pattern(n int) []byte {
 	return b
 }
 
-func required(what string) bool {
-	for _, w := range strings.Split(os.Getenv("GDRPC_REQUIRE"), ",") {
-		if strings.TrimSpace(w) == what {
-			return true
-		}
-	}
-	return false
-}
-
 var ucxContexts sync.Map
 
 func ucxContext(tb testing.TB, tls string) *rdma.Context {
 	tb.Helper()
 	if err := rdma.Available(); err != nil {
-		if required("ucx") {
+		if testenv.Required("ucx") {
 			tb.Fatalf("UCX required (GDRPC_REQUIRE) but unavailable: %v", err)
 		}
 		tb.Skipf("UCX unavailable: %v", err)
@@ -274,42 +264,7 @@ func TestDialContextTransport(t *testing.T) {
 // it under, e.g. ip netns exec), and returns the process and its first line.
 func startChild(t *testing.T, prefix []string, role string, env ...string) (*exec.Cmd, string) {
 	t.Helper()
-	args := append(append([]string{}, prefix...), os.Args[0], "-test.run=^$")
-	cmd := exec.Command(args[0], args[1:]...)
-	cmd.Env = append(append(os.Environ(), childEnv+"="+role), env...)
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
-	require.NoError(t, err)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
-	waited := make(chan struct{})
-	go func() {
-		_ = cmd.Wait()
-		close(waited)
-	}()
-	t.Cleanup(func() {
-		_ = stdin.Close()
-		_ = cmd.Process.Kill()
-		<-waited
-	})
-	line := make(chan string, 1)
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		if sc.Scan() {
-			line <- sc.Text()
-		} else {
-			line <- "EOF"
-		}
-		_, _ = io.Copy(io.Discard, stdout)
-	}()
-	select {
-	case l := <-line:
-		return cmd, l
-	case <-time.After(testTimeout):
-		t.Fatal("child did not answer")
-	}
-	return nil, ""
+	return testenv.StartChild(t, testTimeout, prefix, append([]string{childEnv + "=" + role}, env...)...)
 }
 
 // TestPeerKilledMidStream: the server process dies during a stream; the RPC

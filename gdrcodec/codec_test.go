@@ -9,7 +9,6 @@ import (
 	"net"
 	"os"
 	"runtime"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -22,6 +21,7 @@ import (
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
 	"github.com/gdrpc/gdrpc/internal/leaktest/oobleak"
+	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
@@ -50,7 +50,7 @@ func TestMain(m *testing.M) {
 func requireUCX(t testing.TB) {
 	t.Helper()
 	if err := rdma.Available(); err != nil {
-		if strings.Contains(os.Getenv("GDRPC_REQUIRE"), "ucx") {
+		if testenv.Required("ucx") {
 			t.Fatalf("UCX required: %v", err)
 		}
 		t.Skipf("no UCX: %v", err)

@@ -17,6 +17,7 @@ import (
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/transport"
 	"github.com/stretchr/testify/require"
@@ -36,7 +37,7 @@ const (
 func requireCUDA(t testing.TB) {
 	t.Helper()
 	if err := devicebuf.CUDAAvailable(); err != nil {
-		if strings.Contains(os.Getenv("GDRPC_REQUIRE"), "cuda") {
+		if testenv.Required("cuda") {
 			t.Fatalf("CUDA required: %v", err)
 		}
 		t.Skipf("no CUDA: %v", err)

@@ -15,7 +15,6 @@ import (
 	"net"
 	"os"
 	"runtime"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -28,6 +27,7 @@ import (
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
+	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
@@ -46,22 +46,11 @@ const (
 	ucxTCP = "tcp"
 )
 
-// required reports whether GDRPC_REQUIRE names what (ucx, python, netns...):
-// then a missing prerequisite fails the test instead of skipping it.
-func required(what string) bool {
-	for _, w := range strings.Split(os.Getenv("GDRPC_REQUIRE"), ",") {
-		if strings.TrimSpace(w) == what {
-			return true
-		}
-	}
-	return false
-}
-
 // skipUnless skips the test with reason, or fails it when GDRPC_REQUIRE names
 // what.
 func skipUnless(tb testing.TB, what, reason string, args ...any) {
 	tb.Helper()
-	if required(what) {
+	if testenv.Required(what) {
 		tb.Fatalf("%s required (GDRPC_REQUIRE) but: "+reason, append([]any{what}, args...)...)
 	}
 	tb.Skipf(reason, args...)

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/rdma"
 )
 
@@ -68,7 +69,7 @@ func goroutines() []string {
 func requireUCX(t testing.TB) {
 	t.Helper()
 	if err := rdma.Available(); err != nil {
-		if strings.Contains(os.Getenv("GDRPC_REQUIRE"), "ucx") {
+		if testenv.Required("ucx") {
 			t.Fatalf("UCX required (GDRPC_REQUIRE): %v", err)
 		}
 		t.Skipf("UCX not available: %v", err)

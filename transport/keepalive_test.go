@@ -1,7 +1,6 @@
 package transport_test
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"io"
@@ -15,6 +14,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -73,44 +73,10 @@ func runChild(role string) int {
 // and the address it printed. The child is killed when the test ends.
 func startChild(t *testing.T, role string, env ...string) (*exec.Cmd, string) {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(append(os.Environ(), childEnv+"="+role), env...)
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
-	require.NoError(t, err)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
-	waited := make(chan struct{})
-	go func() {
-		_ = cmd.Wait()
-		close(waited)
-	}()
-	t.Cleanup(func() {
-		_ = stdin.Close()
-		_ = cmd.Process.Signal(syscall.SIGCONT)
-		_ = cmd.Process.Kill()
-		<-waited
-	})
-	line := make(chan string, 1)
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		if sc.Scan() {
-			line <- sc.Text()
-		} else {
-			line <- "EOF"
-		}
-		_, _ = io.Copy(io.Discard, stdout)
-	}()
-	select {
-	case l := <-line:
-		addr, ok := strings.CutPrefix(l, "ADDR ")
-		require.True(t, ok, "child said %q", l)
-		return cmd, addr
-	case <-time.After(testTimeout):
-		t.Fatal("child did not start")
-	}
-	return nil, ""
+	cmd, l := testenv.StartChild(t, testTimeout, nil, append([]string{childEnv + "=" + role}, env...)...)
+	addr, ok := strings.CutPrefix(l, "ADDR ")
+	require.True(t, ok, "child said %q", l)
+	return cmd, addr
 }
 
 func roundTrip(t *testing.T, c net.Conn, msg string) {

@@ -5,13 +5,13 @@ import (
 	"io"
 	"net"
 	"os"
-	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/rdma"
 )
 
@@ -20,7 +20,7 @@ import (
 func internalUCX(t *testing.T) *rdma.Context {
 	t.Helper()
 	if err := rdma.Available(); err != nil {
-		if strings.Contains(os.Getenv("GDRPC_REQUIRE"), "ucx") {
+		if testenv.Required("ucx") {
 			t.Fatalf("UCX required but unavailable: %v", err)
 		}
 		t.Skipf("UCX unavailable: %v", err)

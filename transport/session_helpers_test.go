@@ -3,14 +3,13 @@ package transport_test
 import (
 	"context"
 	"net"
-	"os"
-	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -25,22 +24,12 @@ const (
 	ucxTCP = "tcp"
 )
 
-// required reports whether GDRPC_REQUIRE names what.
-func required(what string) bool {
-	for _, w := range strings.Split(os.Getenv("GDRPC_REQUIRE"), ",") {
-		if strings.TrimSpace(w) == what {
-			return true
-		}
-	}
-	return false
-}
-
 // requireUCX skips the test when UCX is unusable, or fails it when
 // GDRPC_REQUIRE contains ucx.
 func requireUCX(tb testing.TB) {
 	tb.Helper()
 	if err := rdma.Available(); err != nil {
-		if required("ucx") {
+		if testenv.Required("ucx") {
 			tb.Fatalf("UCX required (GDRPC_REQUIRE) but unavailable: %v", err)
 		}
 		tb.Skipf("UCX unavailable: %v", err)
@@ -58,7 +47,7 @@ func ucxContext(tb testing.TB, tls string) *rdma.Context {
 	}
 	c, err := rdma.NewContext(rdma.WithTransports(tls))
 	if err != nil {
-		if required("ucx") {
+		if testenv.Required("ucx") {
 			tb.Fatalf("UCX context (%s): %v", tls, err)
 		}
 		tb.Skipf("UCX context (%s): %v", tls, err)

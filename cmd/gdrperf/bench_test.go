@@ -11,6 +11,7 @@ import (
 
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/rdma"
 )
 
@@ -24,7 +25,7 @@ func BenchmarkPull(b *testing.B) {
 			b.Run(fmt.Sprintf("transport=%s/size=%s", tr, formatSize(size)), func(b *testing.B) {
 				if tr == "ucx" {
 					if err := rdma.Available(); err != nil {
-						if required("ucx") {
+						if testenv.Required("ucx") {
 							b.Fatalf("UCX required: %v", err)
 						}
 						b.Skipf("no UCX: %v", err)

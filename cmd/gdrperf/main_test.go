@@ -17,6 +17,7 @@ import (
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/internal/leaktest/oobleak"
+	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -37,19 +38,10 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-func required(what string) bool {
-	for w := range strings.SplitSeq(os.Getenv("GDRPC_REQUIRE"), ",") {
-		if strings.TrimSpace(w) == what {
-			return true
-		}
-	}
-	return false
-}
-
 func requireUCX(t *testing.T) {
 	t.Helper()
 	if err := rdma.Available(); err != nil {
-		if required("ucx") {
+		if testenv.Required("ucx") {
 			t.Fatalf("UCX required: %v", err)
 		}
 		t.Skipf("no UCX: %v", err)
@@ -177,7 +169,7 @@ func TestCUDA(t *testing.T) {
 	var out, errb bytes.Buffer
 	args := []string{"-sizes", "1MiB", "-iters", "2", "-warmup", "1", "-mem", "cuda", "-perftest", "none"}
 	if err := devicebuf.CUDAAvailable(); err != nil {
-		if required("cuda") {
+		if testenv.Required("cuda") {
 			t.Fatalf("CUDA required: %v", err)
 		}
 		// Without a GPU the tool says so and fails before it starts a server.

@@ -4,13 +4,13 @@ import (
 	"bytes"
 	"os"
 	"runtime"
-	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/internal/leaktest/oobleak"
+	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -38,7 +38,7 @@ func TestDemo(t *testing.T) {
 	}
 	want := "(path rdma, session over ucx)"
 	if err := rdma.Available(); err != nil {
-		if strings.Contains(os.Getenv("GDRPC_REQUIRE"), "ucx") {
+		if testenv.Required("ucx") {
 			t.Fatalf("UCX required: %v", err)
 		}
 		want = "(path stream, session over tcp)"

@@ -4,11 +4,11 @@ package cuda
 
 import (
 	"errors"
-	"os"
 	"strings"
 	"testing"
 
 	"github.com/gdrpc/gdrpc/devicebuf/internal/driver"
+	"github.com/gdrpc/gdrpc/internal/testenv"
 )
 
 // TestUseBeforeInit calls the driver without Init: each entry point loads the library first
@@ -17,7 +17,7 @@ func TestUseBeforeInit(t *testing.T) {
 	d := newReal()
 	n, err := d.DeviceCount()
 	if err != nil {
-		if strings.Contains(os.Getenv("GDRPC_REQUIRE"), "cuda") {
+		if testenv.Required("cuda") {
 			t.Fatalf("GDRPC_REQUIRE=cuda: %v", err)
 		}
 		if !errors.Is(err, driver.ErrNotSupported) {

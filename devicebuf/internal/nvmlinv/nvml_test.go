@@ -4,13 +4,12 @@ package nvmlinv
 
 import (
 	"errors"
-	"os"
-	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/gdrpc/gdrpc/devicebuf/internal/driver"
+	"github.com/gdrpc/gdrpc/internal/testenv"
 )
 
 func TestCPUList(t *testing.T) {
@@ -44,7 +43,7 @@ func TestGPUsWithoutNVML(t *testing.T) {
 		t.Logf("NVML present: %+v", gpus)
 		return
 	}
-	if strings.Contains(os.Getenv("GDRPC_REQUIRE"), "cuda") {
+	if testenv.Required("cuda") {
 		t.Fatalf("GDRPC_REQUIRE=cuda: %v", err)
 	}
 	require.True(t, errors.Is(err, driver.ErrNotSupported), "%v", err)

@@ -1,0 +1,79 @@
+// Package testenv holds what the test packages of gdrpc share about their
+// environment: which prerequisites GDRPC_REQUIRE demands, and child
+// processes that re-execute the test binary in a role.
+package testenv
+
+import (
+	"bufio"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// Required reports whether GDRPC_REQUIRE (comma-separated) names what (ucx,
+// cuda, python, netns...): a missing prerequisite then fails the test instead
+// of skipping it.
+func Required(what string) bool {
+	for w := range strings.SplitSeq(os.Getenv("GDRPC_REQUIRE"), ",") {
+		if strings.TrimSpace(w) == what {
+			return true
+		}
+	}
+	return false
+}
+
+// StartChild re-executes the test binary (under the command prefix, e.g. ip
+// netns exec NAME, if any) with env added to this environment, and returns the
+// process and the first line it printed, waiting at most timeout. The child
+// ends with the test: its stdin closes, and it is resumed (were it stopped) and
+// killed.
+func StartChild(tb testing.TB, timeout time.Duration, prefix []string, env ...string) (*exec.Cmd, string) {
+	tb.Helper()
+	args := append(append([]string{}, prefix...), os.Args[0], "-test.run=^$")
+	cmd := exec.Command(args[0], args[1:]...)
+	cmd.Env = append(os.Environ(), env...)
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		tb.Fatal(err)
+	}
+	waited := make(chan struct{})
+	go func() {
+		_ = cmd.Wait()
+		close(waited)
+	}()
+	tb.Cleanup(func() {
+		_ = stdin.Close()
+		_ = cmd.Process.Signal(syscall.SIGCONT)
+		_ = cmd.Process.Kill()
+		<-waited
+	})
+	line := make(chan string, 1)
+	go func() {
+		sc := bufio.NewScanner(stdout)
+		if sc.Scan() {
+			line <- sc.Text()
+		} else {
+			line <- "EOF"
+		}
+		_, _ = io.Copy(io.Discard, stdout)
+	}()
+	select {
+	case l := <-line:
+		return cmd, l
+	case <-time.After(timeout):
+		tb.Fatal("child did not answer")
+	}
+	return nil, ""
+}
