@@ -10,12 +10,7 @@ import (
 // TestGPUFlushCall calls cuFlushGPUDirectRDMAWrites itself on a device that offers the host
 // flush (FlushRDMAWrites skips the call where the device orders writes).
 func TestGPUFlushCall(t *testing.T) {
-	if err := CUDAAvailable(); err != nil {
-		if testenv.Required("cuda") {
-			t.Fatal(err)
-		}
-		t.Skip(err)
-	}
+	testenv.Need(t, "cuda", CUDAAvailable())
 	a, err := Attributes(0)
 	if err != nil {
 		t.Fatal(err)

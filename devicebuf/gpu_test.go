@@ -15,13 +15,7 @@ import (
 
 func requireCUDA(tb testing.TB) int {
 	tb.Helper()
-	err := devicebuf.CUDAAvailable()
-	if err != nil {
-		if testenv.Required("cuda") {
-			tb.Fatalf("GDRPC_REQUIRE=cuda: %v", err)
-		}
-		tb.Skipf("no CUDA: %v", err)
-	}
+	testenv.Need(tb, "cuda", devicebuf.CUDAAvailable())
 	n, err := devicebuf.DeviceCount()
 	require.NoError(tb, err)
 	require.Positive(tb, n, "CUDA without devices")

@@ -86,12 +86,7 @@ var ucxContexts sync.Map
 
 func ucxContext(tb testing.TB, tls string) *rdma.Context {
 	tb.Helper()
-	if err := rdma.Available(); err != nil {
-		if testenv.Required("ucx") {
-			tb.Fatalf("UCX required (GDRPC_REQUIRE) but unavailable: %v", err)
-		}
-		tb.Skipf("UCX unavailable: %v", err)
-	}
+	testenv.Need(tb, "ucx", rdma.Available())
 	if c, ok := ucxContexts.Load(tls); ok {
 		return c.(*rdma.Context)
 	}

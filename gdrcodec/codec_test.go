@@ -49,12 +49,7 @@ func TestMain(m *testing.M) {
 
 func requireUCX(t testing.TB) {
 	t.Helper()
-	if err := rdma.Available(); err != nil {
-		if testenv.Required("ucx") {
-			t.Fatalf("UCX required: %v", err)
-		}
-		t.Skipf("no UCX: %v", err)
-	}
+	testenv.Need(t, "ucx", rdma.Available())
 }
 
 // pathCounter records the paths transfers took.

@@ -36,12 +36,7 @@ const (
 
 func requireCUDA(t testing.TB) {
 	t.Helper()
-	if err := devicebuf.CUDAAvailable(); err != nil {
-		if testenv.Required("cuda") {
-			t.Fatalf("CUDA required: %v", err)
-		}
-		t.Skipf("no CUDA: %v", err)
-	}
+	testenv.Need(t, "cuda", devicebuf.CUDAAvailable())
 }
 
 // gpuServerChild runs the server side when this binary was started as the

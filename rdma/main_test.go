@@ -68,10 +68,5 @@ func goroutines() []string {
 // contains "ucx".
 func requireUCX(t testing.TB) {
 	t.Helper()
-	if err := rdma.Available(); err != nil {
-		if testenv.Required("ucx") {
-			t.Fatalf("UCX required (GDRPC_REQUIRE): %v", err)
-		}
-		t.Skipf("UCX not available: %v", err)
-	}
+	testenv.Need(t, "ucx", rdma.Available())
 }

@@ -19,12 +19,7 @@ import (
 // GDRPC_REQUIRE=ucx) when UCX is absent.
 func internalUCX(t *testing.T) *rdma.Context {
 	t.Helper()
-	if err := rdma.Available(); err != nil {
-		if testenv.Required("ucx") {
-			t.Fatalf("UCX required but unavailable: %v", err)
-		}
-		t.Skipf("UCX unavailable: %v", err)
-	}
+	testenv.Need(t, "ucx", rdma.Available())
 	rc, err := rdma.NewContext(rdma.WithTransports("tcp"))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = rc.Close() })

@@ -28,12 +28,7 @@ const (
 // GDRPC_REQUIRE contains ucx.
 func requireUCX(tb testing.TB) {
 	tb.Helper()
-	if err := rdma.Available(); err != nil {
-		if testenv.Required("ucx") {
-			tb.Fatalf("UCX required (GDRPC_REQUIRE) but unavailable: %v", err)
-		}
-		tb.Skipf("UCX unavailable: %v", err)
-	}
+	testenv.Need(tb, "ucx", rdma.Available())
 }
 
 var ucxContexts sync.Map // UCX_TLS -> *rdma.Context, kept for the process life

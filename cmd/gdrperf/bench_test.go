@@ -24,12 +24,7 @@ func BenchmarkPull(b *testing.B) {
 		for _, size := range []int{1 << 20, 64 << 20} {
 			b.Run(fmt.Sprintf("transport=%s/size=%s", tr, formatSize(size)), func(b *testing.B) {
 				if tr == "ucx" {
-					if err := rdma.Available(); err != nil {
-						if testenv.Required("ucx") {
-							b.Fatalf("UCX required: %v", err)
-						}
-						b.Skipf("no UCX: %v", err)
-					}
+					testenv.Need(b, "ucx", rdma.Available())
 				}
 				mode := tr
 				if tr == "plain" {

@@ -40,12 +40,7 @@ func TestMain(m *testing.M) {
 
 func requireUCX(t *testing.T) {
 	t.Helper()
-	if err := rdma.Available(); err != nil {
-		if testenv.Required("ucx") {
-			t.Fatalf("UCX required: %v", err)
-		}
-		t.Skipf("no UCX: %v", err)
-	}
+	testenv.Need(t, "ucx", rdma.Available())
 }
 
 // gdrperf runs the tool in this process (the server re-executes this test

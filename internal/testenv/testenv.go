@@ -77,3 +77,16 @@ func StartChild(tb testing.TB, timeout time.Duration, prefix []string, env ...st
 	}
 	return nil, ""
 }
+
+// Need skips tb when err says a prerequisite is missing, or fails it when
+// GDRPC_REQUIRE names what.
+func Need(tb testing.TB, what string, err error) {
+	tb.Helper()
+	if err == nil {
+		return
+	}
+	if Required(what) {
+		tb.Fatalf("%s required (GDRPC_REQUIRE) but unavailable: %v", what, err)
+	}
+	tb.Skipf("%s unavailable: %v", what, err)
+}
