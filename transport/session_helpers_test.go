@@ -2,6 +2,8 @@ package transport_test
 
 import (
 	"context"
+	"errors"
+	"io"
 	"net"
 	"sync"
 	"testing"
@@ -94,13 +96,13 @@ type setup struct {
 	serverOpts []transport.Option
 }
 
-// dialPair listens, dials one session and returns both ends with their gRPC
-// stream conns. Everything is closed when the test ends.
-func dialPair(tb testing.TB, opts []transport.Option) *setup {
-	tb.Helper()
+// listenDial listens, dials one session and returns both ends with their gRPC
+// stream conns. On an error it closes what it opened.
+func listenDial(opts []transport.Option) (*setup, error) {
 	l, err := transport.Listen("127.0.0.1:0", opts...)
-	require.NoError(tb, err)
-	tb.Cleanup(func() { _ = l.Close() })
+	if err != nil {
+		return nil, err
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 	type res struct {
@@ -112,68 +114,64 @@ func dialPair(tb testing.TB, opts []transport.Option) *setup {
 		c, err := l.Accept()
 		ch <- res{c, err}
 	}()
+	fail := func(err error, closers ...io.Closer) (*setup, error) {
+		for _, c := range closers {
+			_ = c.Close()
+		}
+		_ = l.Close() // ends a pending Accept
+		return nil, err
+	}
 	cs, err := transport.Dial(ctx, l.Addr().String(), opts...)
-	require.NoError(tb, err)
-	tb.Cleanup(func() { _ = cs.Close() })
+	if err != nil {
+		return fail(err)
+	}
 	cc, err := cs.Conn(ctx)
-	require.NoError(tb, err)
+	if err != nil {
+		return fail(err, cs)
+	}
 	var r res
 	select {
 	case r = <-ch:
 	case <-ctx.Done():
-		tb.Fatal("accept timed out")
+		return fail(errors.New("accept timed out"), cc, cs)
 	}
-	require.NoError(tb, r.err)
+	if r.err != nil {
+		return fail(r.err, cc, cs)
+	}
 	ss := transport.SessionOf(r.c)
-	require.NotNil(tb, ss)
-	tb.Cleanup(func() { _ = ss.Close() })
-	return &setup{l: l, client: cs, server: ss, cc: cc, sc: r.c}
+	if ss == nil {
+		return fail(errors.New("accepted conn has no session"), r.c, cc, cs)
+	}
+	return &setup{l: l, client: cs, server: ss, cc: cc, sc: r.c}, nil
+}
+
+// dialPair is listenDial that closes everything when the test ends.
+func dialPair(tb testing.TB, opts []transport.Option) *setup {
+	tb.Helper()
+	st, err := listenDial(opts)
+	require.NoError(tb, err)
+	tb.Cleanup(func() {
+		_ = st.server.Close()
+		_ = st.client.Close()
+		_ = st.l.Close()
+	})
+	return st
 }
 
 // makePipe is a nettest.MakePipe over a dialed session pair.
 func makePipe(tb testing.TB, opts []transport.Option) func() (net.Conn, net.Conn, func(), error) {
 	return func() (net.Conn, net.Conn, func(), error) {
-		l, err := transport.Listen("127.0.0.1:0", opts...)
+		st, err := listenDial(opts)
 		if err != nil {
 			return nil, nil, nil, err
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
-		defer cancel()
-		type res struct {
-			c   net.Conn
-			err error
-		}
-		ch := make(chan res, 1)
-		go func() {
-			c, err := l.Accept()
-			ch <- res{c, err}
-		}()
-		cs, err := transport.Dial(ctx, l.Addr().String(), opts...)
-		if err != nil {
-			_ = l.Close()
-			return nil, nil, nil, err
-		}
-		cc, err := cs.Conn(ctx)
-		if err != nil {
-			_ = cs.Close()
-			_ = l.Close()
-			return nil, nil, nil, err
-		}
-		r := <-ch
-		if r.err != nil {
-			_ = cs.Close()
-			_ = l.Close()
-			return nil, nil, nil, r.err
 		}
 		stop := func() {
-			_ = cc.Close()
-			_ = r.c.Close()
-			_ = cs.Close()
-			if s := transport.SessionOf(r.c); s != nil {
-				_ = s.Close()
-			}
-			_ = l.Close()
+			_ = st.cc.Close()
+			_ = st.sc.Close()
+			_ = st.client.Close()
+			_ = st.server.Close()
+			_ = st.l.Close()
 		}
-		return cc, r.c, stop, nil
+		return st.cc, st.sc, stop, nil
 	}
 }
