@@ -161,6 +161,13 @@ func (l *Listener) closedErr() error {
 // already accepted stay up. It is idempotent and waits for the listener's
 // goroutines.
 func (l *Listener) Close() error {
+	l.shut()
+	l.wg.Wait()
+	return nil
+}
+
+// shut stops accepting and closes the TCP and UCX listeners, once.
+func (l *Listener) shut() {
 	l.closeOnce.Do(func() {
 		close(l.done)
 		l.cancel()
@@ -169,8 +176,6 @@ func (l *Listener) Close() error {
 			_ = l.ucx.Close()
 		}
 	})
-	l.wg.Wait()
-	return nil
 }
 
 func (l *Listener) fail(err error) {
@@ -179,14 +184,7 @@ func (l *Listener) fail(err error) {
 		l.fatalErr = err
 	}
 	l.errMu.Unlock()
-	l.closeOnce.Do(func() {
-		close(l.done)
-		l.cancel()
-		_ = l.tcp.Close()
-		if l.ucx != nil {
-			_ = l.ucx.Close()
-		}
-	})
+	l.shut()
 }
 
 func (l *Listener) acceptTCP() {

@@ -438,27 +438,38 @@ func checkTensor(t *tensorpb.Tensor, pat []byte) error {
 // measurePlain times the same call over plain gRPC on TCP.
 func (b *bench) measurePlain(ctx context.Context, size int, pat []byte) (float64, error) {
 	crc := uint64(tensor.ChecksumBytes(pat))
-	var calls []time.Duration
-	for i := range b.o.warmup + b.o.iters {
-		first := i == 0
-		cctx, cancel := b.callCtx(ctx, first)
-		start := time.Now()
-		var err error
+	return b.timeCalls(ctx, size, func(cctx context.Context, first bool) (func() error, error) {
 		if b.o.op == "pull" {
 			out := new(wrapperspb.BytesValue)
-			err = b.plain.Invoke(cctx, methodMake, wrapperspb.UInt64(uint64(size)), out)
+			err := b.plain.Invoke(cctx, methodMake, wrapperspb.UInt64(uint64(size)), out)
 			if err == nil && first && !bytes.Equal(out.GetValue(), pat) {
 				err = errors.New("received payload differs from the one sent")
 			}
-		} else {
-			out := new(wrapperspb.UInt64Value)
-			err = b.plain.Invoke(cctx, methodPush, wrapperspb.Bytes(pat), out)
-			if err == nil && first && out.GetValue() != crc {
-				err = fmt.Errorf("the server's CRC-32C is %#x, want %#x", out.GetValue(), crc)
-			}
+			return nil, err
 		}
+		out := new(wrapperspb.UInt64Value)
+		err := b.plain.Invoke(cctx, methodPush, wrapperspb.Bytes(pat), out)
+		if err == nil && first && out.GetValue() != crc {
+			err = fmt.Errorf("the server's CRC-32C is %#x, want %#x", out.GetValue(), crc)
+		}
+		return nil, err
+	})
+}
+
+// timeCalls makes warmup+iters calls, each bounded by callCtx, and returns the
+// median rate of size bytes per measured call. A call may return a check to
+// run once its clock stopped.
+func (b *bench) timeCalls(ctx context.Context, size int, call func(ctx context.Context, first bool) (check func() error, err error)) (float64, error) {
+	var calls []time.Duration
+	for i := range b.o.warmup + b.o.iters {
+		cctx, cancel := b.callCtx(ctx, i == 0)
+		start := time.Now()
+		check, err := call(cctx, i == 0)
 		elapsed := time.Since(start)
 		cancel()
+		if err == nil && check != nil {
+			err = check()
+		}
 		if err != nil {
 			return 0, fmt.Errorf("call %d: %w", i, err)
 		}
@@ -529,43 +540,37 @@ func (b *bench) measureNaive(ctx context.Context, size int, pat []byte) (float64
 	}
 	defer dev.Release()
 	crc := uint64(tensor.ChecksumBytes(pat))
-	var calls []time.Duration
-	for i := range b.o.warmup + b.o.iters {
-		first := i == 0
-		cctx, cancel := b.callCtx(ctx, first)
-		start := time.Now()
+	return b.timeCalls(ctx, size, func(cctx context.Context, first bool) (func() error, error) {
 		if b.o.op == "pull" {
 			out := new(wrapperspb.BytesValue)
-			err = b.plain.Invoke(cctx, methodMakeNaive, wrapperspb.UInt64(uint64(size)), out)
-			if err == nil {
-				err = copyIn(dev, out.GetValue())
+			if err := b.plain.Invoke(cctx, methodMakeNaive, wrapperspb.UInt64(uint64(size)), out); err != nil {
+				return nil, err
 			}
-		} else {
-			host := make([]byte, size)
-			if err = copyOut(host, dev); err == nil {
-				out := new(wrapperspb.UInt64Value)
-				err = b.plain.Invoke(cctx, methodPushNaive, wrapperspb.Bytes(host), out)
-				if err == nil && first && out.GetValue() != crc {
-					err = fmt.Errorf("the server's CRC-32C is %#x, want %#x", out.GetValue(), crc)
+			if err := copyIn(dev, out.GetValue()); err != nil || !first {
+				return nil, err
+			}
+			return func() error {
+				back := make([]byte, size)
+				if err := copyOut(back, dev); err != nil {
+					return err
 				}
-			}
+				if !bytes.Equal(back, pat) {
+					return errors.New("received payload differs from the one sent")
+				}
+				return nil
+			}, nil
 		}
-		elapsed := time.Since(start)
-		cancel()
-		if err == nil && first && b.o.op == "pull" {
-			back := make([]byte, size)
-			if err = copyOut(back, dev); err == nil && !bytes.Equal(back, pat) {
-				err = errors.New("received payload differs from the one sent")
-			}
+		host := make([]byte, size)
+		if err := copyOut(host, dev); err != nil {
+			return nil, err
 		}
-		if err != nil {
-			return 0, fmt.Errorf("call %d: %w", i, err)
+		out := new(wrapperspb.UInt64Value)
+		err := b.plain.Invoke(cctx, methodPushNaive, wrapperspb.Bytes(host), out)
+		if err == nil && first && out.GetValue() != crc {
+			err = fmt.Errorf("the server's CRC-32C is %#x, want %#x", out.GetValue(), crc)
 		}
-		if i >= b.o.warmup {
-			calls = append(calls, elapsed)
-		}
-	}
-	return medianRate(size, calls), nil
+		return nil, err
+	})
 }
 
 func copyIn(dst *devicebuf.Buffer, p []byte) error {
