@@ -39,9 +39,8 @@ const (
 // itself when mu is free, so a write on an idle worker involves no hand-off;
 // otherwise the operation waits in the queue for the holder, which serves the
 // queue before releasing mu. The driver goroutine keeps UCX progressing: it
-// polls briefly after work and while requests are in flight, and otherwise arms
-// the worker and parks on its event fd through Go's network poller, so a
-// message arriving wakes a goroutine, not a dedicated OS thread.
+// polls briefly after work (anyone's) and while requests are in flight, and
+// otherwise arms the worker and sleeps on its event fd.
 type Worker struct {
 	ctx       *Context
 	cw        *C.rdma_worker_t // lock-only; nil once destroyed
@@ -65,6 +64,7 @@ type Worker struct {
 	stopAt    time.Time
 	lastWork  time.Time // the last serve that found something to do
 	lastScan  time.Time
+	evs       []C.rdma_event_t // events taken from the ring
 }
 
 // op is a UCX request in flight.
@@ -88,12 +88,13 @@ func (c *Context) newWorker(isDefault bool) (*Worker, error) {
 		eps:       map[uint64]*Endpoint{},
 		epByH:     map[uintptr]*Endpoint{},
 		listeners: map[uint64]*Listener{},
+		evs:       make([]C.rdma_event_t, eventBatch),
 	}
-	if st := C.rdma_worker_create(w.ctx.h, &w.cw); st != statusOK {
-		C.rdma_cloexec_scan()
+	st := C.rdma_worker_create(w.ctx.h, &w.cw)
+	C.rdma_cloexec_scan()
+	if st != statusOK {
 		return nil, fmt.Errorf("rdma: create worker: %w", statusError("ucp_worker_create", st))
 	}
-	C.rdma_cloexec_scan()
 	go w.run()
 	c.mu.Lock()
 	c.workers[w] = struct{}{}
@@ -181,11 +182,10 @@ func (w *Worker) serve() bool {
 	if C.rdma_worker_progress(w.cw, progressBatch) > 0 {
 		busy = true
 	}
-	var evs [eventBatch]C.rdma_event_t
 	for {
-		n := int(C.rdma_worker_events(w.cw, &evs[0], C.int(len(evs))))
+		n := int(C.rdma_worker_events(w.cw, &w.evs[0], C.int(len(w.evs))))
 		for i := range n {
-			w.handle(&evs[i])
+			w.handle(&w.evs[i])
 		}
 		if n == 0 {
 			break
