@@ -12,6 +12,7 @@ import (
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 
 	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/internal/leaktest"
 	"github.com/gdrpc/gdrpc/internal/leaktest/sessionleak"
 	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/rdma"
@@ -24,14 +25,7 @@ func TestMain(m *testing.M) {
 	if role := os.Getenv(childEnv); role != "" {
 		os.Exit(runChild(role))
 	}
-	code := m.Run()
-	if code == 0 {
-		if err := sessionleak.Check(); err != nil {
-			fmt.Fprintln(os.Stderr, "leak check:", err)
-			code = 1
-		}
-	}
-	os.Exit(code)
+	os.Exit(leaktest.Run(m, func() error { return sessionleak.Check() }))
 }
 
 // childOptions reads the transport of a child from GDRPC_TEST_UCX ("" for

@@ -20,6 +20,7 @@ import (
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
+	"github.com/gdrpc/gdrpc/internal/leaktest"
 	"github.com/gdrpc/gdrpc/internal/leaktest/oobleak"
 	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/listener"
@@ -37,14 +38,7 @@ func TestMain(m *testing.M) {
 	gpuServerChild() // returns unless this process is a test's server child
 	gdrcodec.Register()
 	before := runtime.NumGoroutine()
-	code := m.Run()
-	if code == 0 {
-		if err := oobleak.Settled(before); err != nil {
-			fmt.Fprintln(os.Stderr, "leak:", err)
-			code = 1
-		}
-	}
-	os.Exit(code)
+	os.Exit(leaktest.Run(m, func() error { return oobleak.Settled(before) }))
 }
 
 func requireUCX(t testing.TB) {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/internal/leaktest"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -41,15 +42,10 @@ func TestMain(m *testing.M) {
 	}
 	base := runtime.NumGoroutine()
 	bufs = devicebuf.Live()
-	code := m.Run()
-	closeContexts()
-	if code == 0 {
-		if err := checkLeaks(base); err != nil {
-			fmt.Fprintln(os.Stderr, "leak check:", err)
-			code = 1
-		}
-	}
-	os.Exit(code)
+	os.Exit(leaktest.Run(m, func() error {
+		closeContexts()
+		return checkLeaks(base)
+	}))
 }
 
 // checkLeaks waits (bounded) for what the tests started to wind down, then

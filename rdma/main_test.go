@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gdrpc/gdrpc/internal/leaktest"
 	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/rdma"
 )
@@ -23,14 +24,7 @@ func TestMain(m *testing.M) {
 	// goroutine for the life of the process: count it in the baseline.
 	_ = rdma.Available()
 	base := len(goroutines())
-	code := m.Run()
-	if code == 0 {
-		if err := checkLeaks(base); err != nil {
-			fmt.Fprintln(os.Stderr, "leak check:", err)
-			code = 1
-		}
-	}
-	os.Exit(code)
+	os.Exit(leaktest.Run(m, func() error { return checkLeaks(base) }))
 }
 
 // checkLeaks waits (bounded) for goroutines and live UCX objects to go away.

@@ -1,10 +1,10 @@
 package transport_test
 
 import (
-	"fmt"
 	"os"
 	"testing"
 
+	"github.com/gdrpc/gdrpc/internal/leaktest"
 	"github.com/gdrpc/gdrpc/internal/leaktest/sessionleak"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -13,12 +13,5 @@ func TestMain(m *testing.M) {
 	if role := os.Getenv(childEnv); role != "" {
 		os.Exit(runChild(role))
 	}
-	code := m.Run()
-	if code == 0 {
-		if err := sessionleak.Check(transport.LeakChecks...); err != nil {
-			fmt.Fprintln(os.Stderr, "leak check:", err)
-			code = 1
-		}
-	}
-	os.Exit(code)
+	os.Exit(leaktest.Run(m, func() error { return sessionleak.Check(transport.LeakChecks...) }))
 }

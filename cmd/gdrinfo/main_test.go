@@ -12,18 +12,12 @@ import (
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
+	"github.com/gdrpc/gdrpc/internal/leaktest"
 	"github.com/gdrpc/gdrpc/rdma"
 )
 
 func TestMain(m *testing.M) {
-	code := m.Run()
-	if code == 0 {
-		if err := devicebuftest.LeakCheck(); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			code = 1
-		}
-	}
-	os.Exit(code)
+	os.Exit(leaktest.Run(m, devicebuftest.LeakCheck))
 }
 
 func pathsByName(ps []Path) map[string]Path {

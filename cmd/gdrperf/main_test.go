@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/internal/leaktest"
 	"github.com/gdrpc/gdrpc/internal/leaktest/oobleak"
 	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/rdma"
@@ -28,14 +29,7 @@ func TestMain(m *testing.M) {
 		os.Exit(realMain(os.Args[1:], os.Stdin, os.Stdout, os.Stderr))
 	}
 	before := runtime.NumGoroutine()
-	code := m.Run()
-	if code == 0 {
-		if err := oobleak.Settled(before); err != nil {
-			fmt.Fprintln(os.Stderr, "leak:", err)
-			code = 1
-		}
-	}
-	os.Exit(code)
+	os.Exit(leaktest.Run(m, func() error { return oobleak.Settled(before) }))
 }
 
 func requireUCX(t *testing.T) {

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/internal/leaktest"
 	"github.com/gdrpc/gdrpc/internal/leaktest/oobleak"
 	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/rdma"
@@ -21,13 +22,8 @@ func TestMain(m *testing.M) {
 		os.Exit(0)
 	}
 	before := runtime.NumGoroutine()
-	code := m.Run()
-	// Sessions linger briefly after their connection closed: wait, bounded.
-	if err := oobleak.Settled(before); code == 0 && err != nil {
-		os.Stderr.WriteString("leak: " + err.Error() + "\n")
-		code = 1
-	}
-	os.Exit(code)
+	// Sessions linger briefly after their connection closed: Settled waits, bounded.
+	os.Exit(leaktest.Run(m, func() error { return oobleak.Settled(before) }))
 }
 
 // TestDemo runs what "make demo" runs: the default transport (UCX where it

@@ -1,11 +1,15 @@
 // Package leaktest holds the leak checks the test mains of gdrpc share: the
 // stacks of goroutines still alive, and a bounded poll for things to wind
-// down. It imports nothing of gdrpc, so every package's tests can use it.
+// down, and the step that runs them after the tests. It imports nothing of
+// gdrpc, so every package's tests can use it.
 package leaktest
 
 import (
+	"fmt"
+	"os"
 	"runtime"
 	"strings"
+	"testing"
 	"time"
 )
 
@@ -51,4 +55,17 @@ func Poll(bound time.Duration, check func() error) error {
 		}
 		time.Sleep(20 * time.Millisecond) // polling for shutdown, bounded by the deadline
 	}
+}
+
+// Run runs the tests and, when they passed, check; it returns the exit code
+// for os.Exit, 1 when check reports a leak.
+func Run(m *testing.M, check func() error) int {
+	code := m.Run()
+	if code == 0 {
+		if err := check(); err != nil {
+			fmt.Fprintln(os.Stderr, "leak check:", err)
+			return 1
+		}
+	}
+	return code
 }
