@@ -11,12 +11,11 @@ import (
 	"github.com/gdrpc/gdrpc/transport"
 )
 
-// Buffer and window sizes the options set. A gdrpc conn carries whole
-// messages per write (a yamux frame, a UCX stream send), so larger buffers
-// mean fewer, larger writes; the HTTP/2 windows match the multiplexer's.
+// Buffer and window sizes the options set (see transport.GRPCBufferSize); the
+// HTTP/2 windows match the multiplexer's.
 const (
-	WriteBufferSize = 256 << 10
-	ReadBufferSize  = 256 << 10
+	WriteBufferSize = transport.GRPCBufferSize
+	ReadBufferSize  = transport.GRPCBufferSize
 	WindowSize      = transport.DefaultWindow
 )
 

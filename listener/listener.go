@@ -10,8 +10,8 @@ import (
 
 // Buffer and window sizes the options set; see package dialer.
 const (
-	WriteBufferSize = 256 << 10
-	ReadBufferSize  = 256 << 10
+	WriteBufferSize = transport.GRPCBufferSize
+	ReadBufferSize  = transport.GRPCBufferSize
 	WindowSize      = transport.DefaultWindow
 )
 

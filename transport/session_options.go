@@ -32,6 +32,10 @@ const (
 	DefaultHandshakeTimeout  = 10 * time.Second
 	// DefaultWindow is the yamux per-stream receive window.
 	DefaultWindow = 16 << 20
+	// GRPCBufferSize is the gRPC read and write buffer size that suits a
+	// gdrpc conn: it carries whole messages per write (a yamux frame, a UCX
+	// stream send), so larger buffers mean fewer, larger writes.
+	GRPCBufferSize = 256 << 10
 )
 
 // Option configures Dial, Listen and the sessions they make.
