@@ -285,17 +285,12 @@ func (e *Endpoint) drain(all bool) {
 			buf := e.rbuf[e.rfill:]
 			e.rbusy = true
 			e.mu.Unlock()
-			var more C.int
-			k := int(C.rdma_stream_read(e.ce, unsafe.Pointer(&buf[0]), C.size_t(len(buf)), &more))
-			e.mu.Lock()
-			e.rfill += k
-			e.rbusy = false
-			e.rcond.Broadcast()
-			e.mu.Unlock()
-			if k > 0 {
-				notify(e.rnotify)
-			}
-			if more == 0 {
+			more := e.streamRead(buf, func(k int) {
+				e.rfill += k
+				e.rbusy = false
+				e.rcond.Broadcast()
+			})
+			if !more {
 				return
 			}
 			continue
@@ -318,19 +313,29 @@ func (e *Endpoint) drain(all bool) {
 		e.mu.Unlock()
 		// C writes only the free part of the ring; Read copies out only the
 		// filled part, under mu, after n says it is filled.
-		var more C.int
-		k := int(C.rdma_stream_read(e.ce, unsafe.Pointer(&buf[0]), C.size_t(len(buf)), &more))
-		e.mu.Lock()
-		e.n += k
-		e.stalled = false
-		e.mu.Unlock()
-		if k > 0 {
-			notify(e.rnotify)
-		}
-		if more == 0 {
+		more := e.streamRead(buf, func(k int) {
+			e.n += k
+			e.stalled = false
+		})
+		if !more {
 			return
 		}
 	}
+}
+
+// streamRead copies received stream data into buf (mu not held), records the
+// k bytes copied with mu held, wakes a Read if any came, and reports whether
+// UCX has more.
+func (e *Endpoint) streamRead(buf []byte, record func(k int)) bool {
+	var more C.int
+	k := int(C.rdma_stream_read(e.ce, unsafe.Pointer(&buf[0]), C.size_t(len(buf)), &more))
+	e.mu.Lock()
+	record(k)
+	e.mu.Unlock()
+	if k > 0 {
+		notify(e.rnotify)
+	}
+	return more != 0
 }
 
 // grow runs with mu held.
