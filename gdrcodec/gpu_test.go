@@ -32,6 +32,7 @@ import (
 const (
 	envGPUChild = "GDRPC_TEST_GPU_SERVER" // set in the child: the transport mode
 	envPaths    = "GDRPC_TEST_PATHS"      // the allowed path mask, both processes
+	envGPU      = "GDRPC_TEST_GPU"        // the child's CUDA ordinal
 )
 
 func requireCUDA(t testing.TB) {
@@ -52,7 +53,8 @@ func gpuServerChild() {
 	}
 	paths, _ := strconv.Atoi(os.Getenv(envPaths))
 	transport.SetTransferConfig(transport.TransferConfig{Paths: transport.Path(paths)})
-	gpu, err := devicebuf.NewCUDAAllocator(0)
+	dev, _ := strconv.Atoi(os.Getenv(envGPU))
+	gpu, err := devicebuf.NewCUDAAllocator(dev)
 	if err != nil {
 		fail(err)
 	}
@@ -70,11 +72,11 @@ func gpuServerChild() {
 	os.Exit(0)
 }
 
-// startGPUServer starts the child server and returns its address.
-func startGPUServer(t *testing.T, mode transport.Mode, paths transport.Path) string {
+// startGPUServer starts the child server on GPU dev and returns its address.
+func startGPUServer(t *testing.T, mode transport.Mode, paths transport.Path, dev int) string {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), envGPUChild+"="+string(mode), fmt.Sprintf("%s=%d", envPaths, paths))
+	cmd.Env = append(os.Environ(), envGPUChild+"="+string(mode), fmt.Sprintf("%s=%d", envPaths, paths), fmt.Sprintf("%s=%d", envGPU, dev))
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
 	require.NoError(t, err)
@@ -108,9 +110,24 @@ func startGPUServer(t *testing.T, mode transport.Mode, paths transport.Path) str
 	return ""
 }
 
+// TestGPUService runs the service with both processes on GPU 0 and, where
+// the host has two GPUs, with the server on GPU 0 and the client on GPU 1
+// (cuda-ipc then copies between devices).
 func TestGPUService(t *testing.T) {
 	requireCUDA(t)
-	gpu, err := devicebuf.NewCUDAAllocator(0)
+	n, err := devicebuf.DeviceCount()
+	require.NoError(t, err)
+	pairs := [][2]int{{0, 0}} // server, client
+	if n >= 2 {
+		pairs = append(pairs, [2]int{0, 1})
+	}
+	for _, p := range pairs {
+		t.Run(fmt.Sprintf("gpus=%d,%d", p[0], p[1]), func(t *testing.T) { testGPUService(t, p[0], p[1]) })
+	}
+}
+
+func testGPUService(t *testing.T, serverGPU, clientGPU int) {
+	gpu, err := devicebuf.NewCUDAAllocator(clientGPU)
 	require.NoError(t, err)
 	sizes := []int{1, 64<<10 - 1, 64 << 10, 64<<10 + 1, 1 << 20, 256 << 20}
 	if !testing.Short() {
@@ -131,7 +148,7 @@ func TestGPUService(t *testing.T) {
 			if tt.mode == transport.ModeUCX {
 				requireUCX(t)
 			}
-			addr := startGPUServer(t, tt.mode, tt.paths)
+			addr := startGPUServer(t, tt.mode, tt.paths, serverGPU)
 			pc := &pathCounter{paths: map[string]int{}}
 			transport.SetTransferConfig(transport.TransferConfig{Paths: tt.paths, Metrics: pc})
 			gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
@@ -157,6 +174,7 @@ func TestGPUService(t *testing.T) {
 					b, ok := gdrcodec.Buffer(got.Data)
 					require.True(t, ok)
 					require.Equal(t, devicebuf.CUDA, b.Kind())
+					require.Equal(t, clientGPU, b.Device())
 					p, err := tensor.Bytes(got.Data) // copies back from the GPU
 					require.NoError(t, err)
 					requireBytes(t, want, p)

@@ -75,7 +75,7 @@ type result struct {
 	UCXPerftestMiBs *float64 `json:"ucx_perftest_mib_s"`
 	VsUCXPerftest   *float64 `json:"gdrpc_vs_ucx_perftest"`
 	UCXTLS          string   `json:"ucx_perftest_tls,omitempty"`
-	DtoDMiBs        *float64 `json:"dtod_mib_s,omitempty"`
+	DtoDMiBs        *float64 `json:"dtod_mib_s,omitempty"` // with -server-device another GPU: the peer copy between the two
 	VsDtoD          *float64 `json:"gdrpc_vs_dtod,omitempty"`
 	NaiveMiBs       *float64 `json:"naive_mib_s,omitempty"`
 	VsNaive         *float64 `json:"gdrpc_vs_naive,omitempty"`
@@ -516,14 +516,26 @@ func (b *bench) timeCopies(dst, src *devicebuf.Buffer) (float64, error) {
 	return medianRate(dst.Len(), ds), nil
 }
 
-// measureDtoD times an in-process device-to-device copy of size bytes.
+// measureDtoD times an in-process device-to-device copy of size bytes: on
+// one GPU, or with -server-device another, a peer copy in the direction the
+// payload moves (pull: server's GPU to client's; push: the reverse).
 func (b *bench) measureDtoD(size int) (float64, error) {
-	src, err := filled(b.cuda, size)
+	srcAlloc, dstAlloc := b.cuda, b.cuda
+	if b.o.srvDevice != b.o.device {
+		peer, err := devicebuf.NewCUDAAllocator(b.o.srvDevice)
+		if err != nil {
+			return 0, fmt.Errorf("-server-device %d: %w", b.o.srvDevice, err)
+		}
+		if srcAlloc = peer; b.o.op == "push" {
+			srcAlloc, dstAlloc = b.cuda, peer
+		}
+	}
+	src, err := filled(srcAlloc, size)
 	if err != nil {
 		return 0, err
 	}
 	defer src.Release()
-	dst, err := b.cuda.Alloc(size)
+	dst, err := dstAlloc.Alloc(size)
 	if err != nil {
 		return 0, err
 	}

@@ -14,8 +14,10 @@
 //     size limits raised);
 //   - ucx_perftest ucp_put_bw on the same UCX transports (skipped with a note
 //     when ucx_perftest is not installed);
-//   - with -mem cuda: an in-process device-to-device copy of the same size,
-//     and the naive way (device to host, plain gRPC bytes, host to device);
+//   - with -mem cuda: an in-process device-to-device copy of the same size
+//     (with -server-device naming another GPU than -device: a peer copy
+//     between the two, in the direction the payload moves), and the naive
+//     way (device to host, plain gRPC bytes, host to device);
 //   - with -mem cuda -recv host (GPU payload, host destination: the staged
 //     path where UCX cannot register GPU memory): an in-process device-to-host
 //     copy, and the ratio to min(that copy, ucx_perftest).
@@ -35,7 +37,7 @@
 // Usage:
 //
 //	gdrperf [-sizes 1MiB,16MiB,64MiB] [-iters 10] [-warmup 2] [-op pull|push]
-//	        [-transport auto|ucx|tcp] [-mem host|cuda] [-recv host|cuda] [-device 0]
+//	        [-transport auto|ucx|tcp] [-mem host|cuda] [-recv host|cuda] [-device 0] [-server-device N]
 //	        [-paths all|cuda-ipc,rdma,stream] [-format table|json] [-server ADDR | -connect ADDR]
 //	        [-perftest PATH|none] [-call-timeout 1m]
 //	        [-baselines=false] [-cpuprofile F] [-server-cpuprofile F] [-trace F] [-server-trace F] [-v]

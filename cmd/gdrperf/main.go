@@ -35,6 +35,7 @@ type options struct {
 	op        string // pull, push
 	format    string // table, json
 	device    int
+	srvDevice int    // the server's CUDA ordinal (-server-device; -1 at parse: as device)
 	server    string // run only the server, listening here
 	connect   string // run only the client, against this server
 	perftest  string // ucx_perftest binary; "" looks it up, "none" skips
@@ -68,6 +69,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.op, "op", "pull", "pull: the client calls Make and pulls the server's payload; push: the client calls Digest and the server pulls the client's")
 	fs.StringVar(&o.format, "format", "table", "output: table, or json (one object per size)")
 	fs.IntVar(&o.device, "device", 0, "CUDA device ordinal for -mem cuda")
+	fs.IntVar(&o.srvDevice, "server-device", -1, "CUDA device ordinal of the re-executed server (-1: as -device); another GPU than -device measures cuda-ipc between GPUs against an in-process peer copy")
 	fs.StringVar(&o.server, "server", "", "run only the server, listening on HOST:PORT (plain gRPC on PORT+1, ucx_perftest on PORT+2)")
 	fs.StringVar(&o.connect, "connect", "", "run only the client, against a gdrperf -server at HOST:PORT")
 	fs.StringVar(&o.perftest, "perftest", "", `ucx_perftest binary ("" looks it up in PATH, "none" skips the column)`)
@@ -88,6 +90,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	}
 	if o.recv == "" {
 		o.recv = o.mem
+	}
+	if o.srvDevice < 0 {
+		o.srvDevice = o.device
 	}
 	var err error
 	if o.pathMask, err = parsePaths(o.paths); err != nil {
@@ -314,7 +319,7 @@ func startChild(ctx context.Context, o *options) (*child, readyInfo, error) {
 		return nil, readyInfo{}, fmt.Errorf("find this program to run the server: %w", err)
 	}
 	args := []string{"-child", "-server", "127.0.0.1:0", "-transport", o.transport, "-mem", o.mem, "-recv", o.recv,
-		"-device", strconv.Itoa(o.device), "-perftest", o.perftest, "-paths", o.paths,
+		"-device", strconv.Itoa(o.srvDevice), "-perftest", o.perftest, "-paths", o.paths,
 		"-call-timeout", o.callLimit.String()}
 	if o.serverCPUProfile != "" {
 		args = append(args, "-cpuprofile", o.serverCPUProfile)

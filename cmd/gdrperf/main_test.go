@@ -181,6 +181,21 @@ func TestCUDA(t *testing.T) {
 	require.NotNil(t, r.VsNaive)
 	require.Nil(t, r.D2HMiBs)
 
+	// Between two GPUs of one host: the server on GPU 1, cuda-ipc across
+	// devices against an in-process peer copy, pulled and pushed.
+	if n, err := devicebuf.DeviceCount(); err == nil && n >= 2 {
+		for _, op := range []string{"pull", "push"} {
+			rs = gdrperf(t, append(args, "-server-device", "1", "-op", op)...)
+			require.Len(t, rs, 1)
+			r = rs[0]
+			require.Equal(t, "cuda-ipc", r.Path, "op %s notes: %v, fallbacks: %v", op, r.Notes, r.Fallbacks)
+			require.NotNil(t, r.DtoDMiBs, "op %s notes: %v", op, r.Notes)
+			require.NotNil(t, r.VsDtoD)
+		}
+	} else {
+		t.Log("one GPU: the cross-device run is skipped")
+	}
+
 	// GPU to host memory: the staged path where UCX cannot register GPU
 	// memory, pushed and pulled.
 	requireUCX(t)

@@ -56,8 +56,14 @@ func (r *reporter) header(b *bench) {
 		cols = append(cols, "d2h MiB/s", "x min(d2h,put)")
 	}
 	if o.mem == "cuda" && o.recv == "cuda" {
-		fmt.Fprintf(r.w, "# dtod: in-process device-to-device copy; naive: device to host, plain gRPC bytes over TCP, host to device\n")
-		cols = append(cols, "dtod MiB/s", "x dtod", "naive MiB/s", "x naive")
+		if o.srvDevice != o.device {
+			fmt.Fprintf(r.w, "# server on GPU %d, client on GPU %d; peer: in-process copy between them (cuMemcpyPeer) in the payload's direction\n", o.srvDevice, o.device)
+			fmt.Fprintf(r.w, "# naive: device to host, plain gRPC bytes over TCP, host to device\n")
+			cols = append(cols, "peer MiB/s", "x peer", "naive MiB/s", "x naive")
+		} else {
+			fmt.Fprintf(r.w, "# dtod: in-process device-to-device copy; naive: device to host, plain gRPC bytes over TCP, host to device\n")
+			cols = append(cols, "dtod MiB/s", "x dtod", "naive MiB/s", "x naive")
+		}
 	}
 	fmt.Fprintln(r.tw, strings.Join(cols, "\t")+"\t")
 }

@@ -32,6 +32,8 @@ static struct {
 	CUresult (*cuDeviceGetAttribute)(int *, int, CUdevice);
 	CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
 	CUresult (*cuCtxSetCurrent)(CUcontext);
+	CUresult (*cuDeviceCanAccessPeer)(int *, CUdevice, CUdevice);
+	CUresult (*cuCtxEnablePeerAccess)(CUcontext, unsigned int);
 	CUresult (*cuMemAlloc)(CUdeviceptr *, size_t);
 	CUresult (*cuMemFree)(CUdeviceptr);
 	CUresult (*cuPointerSetAttribute)(const void *, int, CUdeviceptr);
@@ -81,6 +83,8 @@ static const char *gdr_cu_load(const char *name) {
 	SYM(cuDeviceGetAttribute, "cuDeviceGetAttribute");
 	SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
 	SYM(cuCtxSetCurrent, "cuCtxSetCurrent");
+	SYM(cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer");
+	SYM(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess");
 	SYM(cuMemAlloc, "cuMemAlloc_v2");
 	SYM(cuMemFree, "cuMemFree_v2");
 	SYM(cuPointerSetAttribute, "cuPointerSetAttribute");
@@ -155,6 +159,28 @@ static CUresult gdr_cu_ctx_retain(int ord, CUcontext *out) {
 	CUresult r = gdr_cu.cuDeviceGet(&d, ord);
 	if (r) return r;
 	return gdr_cu.cuDevicePrimaryCtxRetain(out, d);
+}
+
+// gdr_cu_enable_peer lets the primary contexts a (device da) and b (device db) map each
+// other's memory where the devices allow it (NVLink or PCIe peer to peer), so that copies
+// between them run device to device; without it the driver stages them through host memory.
+// *can is set when both directions are possible. Access enabled before (by us or by the
+// application) is not an error.
+static CUresult gdr_cu_enable_peer(CUcontext a, int da, CUcontext b, int db, int *can) {
+	CUdevice x, y;
+	int ab = 0, ba = 0;
+	CUresult r = gdr_cu.cuDeviceGet(&x, da);
+	if (!r) r = gdr_cu.cuDeviceGet(&y, db);
+	if (!r) r = gdr_cu.cuDeviceCanAccessPeer(&ab, x, y);
+	if (!r) r = gdr_cu.cuDeviceCanAccessPeer(&ba, y, x);
+	*can = ab && ba;
+	if (r || !*can) return r;
+	if ((r = gdr_cu.cuCtxSetCurrent(a)) != 0) return r;
+	r = gdr_cu.cuCtxEnablePeerAccess(b, 0);
+	if (r && r != 704) return r; // 704: CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+	if ((r = gdr_cu.cuCtxSetCurrent(b)) != 0) return r;
+	r = gdr_cu.cuCtxEnablePeerAccess(a, 0);
+	return r == 704 ? 0 : r;
 }
 
 static CUresult gdr_cu_mem_alloc(CUcontext c, size_t n, CUdeviceptr *out) {
@@ -299,6 +325,14 @@ type real struct {
 	countErr  error
 	uuids     sync.Map // int -> [16]byte
 	attrs     sync.Map // attrKey -> int
+	peers     sync.Map // [2]int{low, high} device pair -> *peerAccess
+}
+
+// peerAccess is the outcome of enabling peer access between two devices,
+// tried once per pair.
+type peerAccess struct {
+	once sync.Once
+	err  error
 }
 
 type attrKey struct {
@@ -464,6 +498,21 @@ func (d *real) ctx(dev int) (C.CUcontext, error) {
 	return c, nil
 }
 
+// enablePeer enables peer access between two devices' primary contexts once
+// per pair, so peer copies between them take NVLink or PCIe directly. Devices
+// that cannot reach each other are not an error: the driver then stages the
+// copy through host memory.
+func (d *real) enablePeer(da int, a C.CUcontext, db int, b C.CUcontext) error {
+	k := [2]int{min(da, db), max(da, db)}
+	v, _ := d.peers.LoadOrStore(k, &peerAccess{})
+	pa := v.(*peerAccess)
+	pa.once.Do(func() {
+		var can C.int
+		pa.err = cuErr("cuCtxEnablePeerAccess", C.gdr_cu_enable_peer(a, C.int(da), b, C.int(db), &can))
+	})
+	return pa.err
+}
+
 func (d *real) MemAlloc(dev int, n int) (uintptr, error) {
 	c, err := d.ctx(dev)
 	if err != nil {
@@ -557,6 +606,9 @@ func (d *real) Memcpy(dir driver.Dir, dstDev int, dst uintptr, srcDev int, src u
 			return err
 		}
 		if srcc, err = d.ctx(srcDev); err != nil {
+			return err
+		}
+		if err := d.enablePeer(dstDev, dstc, srcDev, srcc); err != nil {
 			return err
 		}
 	}
