@@ -105,7 +105,7 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 
 	caps := cfg.localCaps()
 	if rctx == nil && cfg.mode != ModeTCP {
-		caps.UCX = false
+		caps.UCX, caps.GRPCLane = false, false
 	}
 	if _, err := conn.Write(encodeHello(hello{ID: cfg.localID, HostID: LocalHostID(), Mode: cfg.mode, Caps: caps})); err != nil {
 		return nil, fmt.Errorf("handshake: send hello: %w", err)
@@ -162,6 +162,7 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 			unbind()
 			_ = conn.Close() // the bootstrap is done; the session runs over UCX
 			setup.transport, setup.conn, setup.ep, setup.rctx = "ucx", ep, ep, rctx
+			setup.ucxAddr = uaddr
 			return newSession(setup)
 		}
 	}

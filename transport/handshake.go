@@ -73,6 +73,10 @@ type Caps struct {
 	UCXTransports []string // UCX transports/devices ("tl/device"), best effort
 	CUDADevices   []string // UUIDs of the CUDA devices present
 	Codecs        []string // codecs this process speaks, e.g. "gdr"
+	// GRPCLane: on a UCX session, this process accepts (server) or opens
+	// (client) the gRPC stream on a UCX endpoint of its own instead of a
+	// multiplexed stream. Both ends must announce it.
+	GRPCLane bool
 }
 
 // HasCodec reports whether the codec is among c.Codecs.
@@ -150,7 +154,7 @@ func defaultLocalCaps() Caps {
 //
 //	offset size
 //	0      6    magic "GDRPC\x00"
-//	6      2    protocol version (1)
+//	6      2    protocol version (2)
 //	8      4    body length n (at most 64 KiB)
 //	12     n    body; its first byte is the kind (hello, welcome, reject)
 //
@@ -158,7 +162,8 @@ func defaultLocalCaps() Caps {
 // mode u8, caps. welcome (server to client): kind, process id, host id, caps,
 // transport u8, flags u8 (bit 0: the client may fall back to TCP if the UCX
 // upgrade fails), UCX port u16, session token [16]. reject: kind, code u8,
-// message string. caps: flags u8 (bit 0: UCX), UCX version string, then four
+// message string. caps: flags u8 (bit 0: UCX; bit 1: the gRPC stream may run
+// on a UCX endpoint of its own), UCX version string, then four
 // string lists (memory types, UCX transports, CUDA devices, codecs). A string
 // is a u16 length and bytes (at most 1 KiB); a list a u16 count (at most 64)
 // and strings. Nothing may follow the last field. The reject body is the same
@@ -169,10 +174,17 @@ func defaultLocalCaps() Caps {
 // "GDRPCU" and the token on the UCX stream and waits for one ack byte; then it
 // sends one decision byte over TCP: 'U' (the session runs over UCX, the TCP
 // connection is closed by both) or 'T' (UCX failed, the session stays on TCP).
+//
+// On a UCX session whose two ends announced the gRPC lane, the client runs the
+// gRPC stream on a second UCX endpoint instead of a multiplexed stream: it
+// dials the same UCX listener, sends "GDRPCL", the session token and the role
+// byte 'G', and waits for one ack byte. The multiplexer keeps the control and
+// bulk streams and the keepalive. Version 1 had no lane.
 const (
 	magic           = "GDRPC\x00"
 	upgradeMagic    = "GDRPCU"
-	protocolVersion = 1
+	laneMagic       = "GDRPCL"
+	protocolVersion = 2
 	frameHeaderLen  = len(magic) + 2 + 4
 	maxBodyLen      = 64 << 10
 	maxStringLen    = 1 << 10
@@ -191,6 +203,9 @@ const (
 	decisionTCP = 'T'
 
 	upgradeAckOK = 1
+
+	capUCX      = 1 << 0
+	capGRPCLane = 1 << 1
 )
 
 // Reject codes.
@@ -288,7 +303,10 @@ func (w *writer) list(l []string) {
 func (w *writer) caps(c Caps) {
 	var f uint8
 	if c.UCX {
-		f |= 1
+		f |= capUCX
+	}
+	if c.GRPCLane {
+		f |= capGRPCLane
 	}
 	w.u8(f)
 	w.str(c.UCXVersion)
@@ -370,10 +388,11 @@ func (r *reader) list(what string) []string {
 func (r *reader) caps() Caps {
 	var c Caps
 	f := r.u8("caps flags")
-	if r.err == nil && f&^1 != 0 {
+	if r.err == nil && f&^(capUCX|capGRPCLane) != 0 {
 		r.err = malformed("caps flags %#x: unknown bits", f)
 	}
-	c.UCX = f&1 != 0
+	c.UCX = f&capUCX != 0
+	c.GRPCLane = f&capGRPCLane != 0
 	c.UCXVersion = r.str("UCX version")
 	c.MemoryTypes = r.list("memory types")
 	c.UCXTransports = r.list("UCX transports")

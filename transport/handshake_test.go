@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"strings"
@@ -60,18 +61,19 @@ func TestHandshakeParseErrors(t *testing.T) {
 		{name: "empty", input: nil, want: io.EOF},
 		{name: "http1", input: []byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n"), want: ErrNotGDRPC, msg: "bad magic"},
 		{name: "short magic", input: []byte("GDR"), want: ErrNotGDRPC},
-		{name: "zero length", input: frameWith(1, nil), want: ErrMalformed, msg: "body length 0"},
-		{name: "huge length", input: frameWith(1, nil)[:frameHeaderLen-4], want: io.ErrUnexpectedEOF},
+		{name: "zero length", input: frameWith(protocolVersion, nil), want: ErrMalformed, msg: "body length 0"},
+		{name: "huge length", input: frameWith(protocolVersion, nil)[:frameHeaderLen-4], want: io.ErrUnexpectedEOF},
 		{name: "truncated body", input: good[:len(good)-3], want: ErrMalformed, msg: "truncated"},
-		{name: "trailing", input: frameWith(1, append(append([]byte{}, good[frameHeaderLen:]...), 9)), want: ErrMalformed, msg: "trailing"},
-		{name: "version 2", input: frameWith(2, good[frameHeaderLen:]), want: ErrVersion, msg: "we speak 1, the peer speaks 2"},
-		{name: "wrong kind", input: frameWith(1, []byte{kindWelcome, 1, 2}), want: ErrMalformed, msg: "expected hello"},
+		{name: "trailing", input: frameWith(protocolVersion, append(append([]byte{}, good[frameHeaderLen:]...), 9)), want: ErrMalformed, msg: "trailing"},
+		{name: "next version", input: frameWith(protocolVersion+1, good[frameHeaderLen:]), want: ErrVersion,
+			msg: fmt.Sprintf("we speak %d, the peer speaks %d", protocolVersion, protocolVersion+1)},
+		{name: "wrong kind", input: frameWith(protocolVersion, []byte{kindWelcome, 1, 2}), want: ErrMalformed, msg: "expected hello"},
 		{name: "bad mode", input: func() []byte {
 			b := append([]byte{}, good...)
 			b[frameHeaderLen+1+32] = 9
 			return b
 		}(), want: ErrMalformed, msg: "unknown mode"},
-		{name: "long list", input: frameWith(1, append([]byte{kindHello}, append(make([]byte, 33), 0, 0, 0, 0, 0xff, 0xff)...)), want: ErrMalformed, msg: "list of 255 items"},
+		{name: "long list", input: frameWith(protocolVersion, append([]byte{kindHello}, append(make([]byte, 33), 0, 0, 0, 0, 0xff, 0xff)...)), want: ErrMalformed, msg: "list of 255 items"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -87,7 +89,7 @@ func TestHandshakeParseErrors(t *testing.T) {
 	}
 	// A frame header claiming more than the maximum body is refused before
 	// reading (no allocation driven by the peer).
-	b := frameWith(1, nil)
+	b := frameWith(protocolVersion, nil)
 	binary.BigEndian.PutUint32(b[len(magic)+2:], maxBodyLen+1)
 	_, _, err := readFrame(bytes.NewReader(b), false)
 	require.ErrorIs(t, err, ErrMalformed)
@@ -114,7 +116,7 @@ func TestRejectOfAnyVersion(t *testing.T) {
 	require.ErrorIs(t, err, ErrVersion)
 }
 
-// TestServerRejectsVersion: a client speaking version 2 gets a reject that
+// TestServerRejectsVersion: a client speaking the next version gets a reject that
 // says why, and the server reports a version error.
 func TestServerRejectsVersion(t *testing.T) {
 	c1, c2 := net.Pipe()
@@ -130,13 +132,13 @@ func TestServerRejectsVersion(t *testing.T) {
 		srvErr <- err
 	}()
 	good := encodeHello(hello{ID: newToken(), Caps: sampleCaps()})
-	_, err := c1.Write(frameWith(2, good[frameHeaderLen:]))
+	_, err := c1.Write(frameWith(protocolVersion+1, good[frameHeaderLen:]))
 	require.NoError(t, err)
 	v, body, err := readFrame(c1, false)
 	require.NoError(t, err)
 	_, err = parseWelcome(v, body)
 	require.ErrorIs(t, err, ErrVersion)
-	require.Contains(t, err.Error(), "server speaks gdrpc protocol version 1, client 2")
+	require.Contains(t, err.Error(), fmt.Sprintf("server speaks gdrpc protocol version %d, client %d", protocolVersion, protocolVersion+1))
 	require.ErrorIs(t, <-srvErr, ErrVersion)
 }
 
@@ -154,7 +156,7 @@ func TestClientGarbage(t *testing.T) {
 			binary.BigEndian.PutUint16(b[len(magic):], 9)
 			return b
 		}(), ErrVersion},
-		{"bad transport", frameWith(1, append([]byte{kindWelcome}, make([]byte, 32+1+10+1+1+2+16)...)), ErrMalformed},
+		{"bad transport", frameWith(protocolVersion, append([]byte{kindWelcome}, make([]byte, 32+1+10+1+1+2+16)...)), ErrMalformed},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c1, c2 := net.Pipe()

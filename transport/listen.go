@@ -336,7 +336,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 
 	caps := cfg.localCaps()
 	if l != nil && !haveUCX && cfg.mode != ModeTCP {
-		caps.UCX = false
+		caps.UCX, caps.GRPCLane = false, false
 	}
 	w := welcome{
 		ID:         cfg.localID,
@@ -347,6 +347,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		Token:      newToken(),
 	}
 	var pu *pendingUpgrade
+	var slot *laneSlot
 	if canUCX {
 		port := 0
 		if ua, ok := l.ucx.Addr().(*rdma.Addr); ok {
@@ -361,6 +362,12 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		w.Transport, w.UCXPort = "ucx", uint16(port)
 		pu = l.expect(w.Token)
 		defer l.abandon(w.Token, pu)
+		if caps.GRPCLane && h.Caps.GRPCLane {
+			// The client may dial the lane as soon as its session is up,
+			// before this side's is: the lane waits for it in this slot.
+			slot = expectLane(w.Token)
+			defer slot.fill(nil) // no-op once newSession filled it
+		}
 	}
 	if _, err := conn.Write(encodeWelcome(w)); err != nil {
 		return nil, fmt.Errorf("handshake: send welcome: %w", err)
@@ -372,6 +379,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		token:     w.Token,
 		transport: "tcp",
 		conn:      conn,
+		laneSlot:  slot,
 	}
 	if canUCX {
 		var d [1]byte
@@ -486,6 +494,20 @@ func (l *Listener) serveUCX(ep *rdma.Endpoint) {
 	}
 	var token ID
 	copy(token[:], msg[len(upgradeMagic):])
+	if string(msg[:len(laneMagic)]) == laneMagic {
+		var role [1]byte
+		_, err := io.ReadFull(ep, role[:])
+		unbind()
+		if err == nil {
+			err = serveLane(ep, token, role[0], l.cfg.handshakeTimeout)
+		} else {
+			_ = ep.Close()
+		}
+		if err != nil {
+			l.log.Warn("gRPC lane refused", "remote", ep.RemoteAddr().String(), "err", err)
+		}
+		return
+	}
 	l.pendMu.Lock()
 	pu := l.pending[token]
 	delete(l.pending, token) // a token is good for one endpoint

@@ -58,9 +58,15 @@ type Session struct {
 	mux       *yamux.Session
 
 	localAddr, remoteAddr net.Addr
+	ucxAddr               string // client: the server's UCX listener, for the gRPC lane
+
+	laneMu   sync.Mutex
+	lane     *rdma.Endpoint // the gRPC lane, if the gRPC stream runs on one (lane.go)
+	laneDone bool           // the session closed: no lane any more
+	laneSlot *laneSlot      // server: the slot the lane finds the session by
 
 	grpcTaken atomic.Bool
-	grpcCh    chan *streamConn // server: the gRPC stream once the client opened it
+	grpcCh    chan net.Conn // server: the gRPC stream once the client opened it
 
 	ctrl      *streamConn
 	ctrlReady chan struct{} // closed when ctrl is set
@@ -86,6 +92,8 @@ type sessionSetup struct {
 	conn      net.Conn // TCP conn, pipe or UCX endpoint
 	ep        *rdma.Endpoint
 	rctx      *rdma.Context
+	ucxAddr   string    // client, UCX: the server's UCX listener address
+	laneSlot  *laneSlot // server, UCX: where the gRPC lane finds the session
 }
 
 // yamuxLogger sends yamux's log lines to slog at debug level.
@@ -107,11 +115,12 @@ func newSession(st sessionSetup) (*Session, error) {
 		under:     newUnderConn(st.conn),
 		ep:        st.ep,
 		rctx:      st.rctx,
-		grpcCh:    make(chan *streamConn, 1),
+		grpcCh:    make(chan net.Conn, 1),
 		ctrlReady: make(chan struct{}),
 		ctrlSem:   make(chan struct{}, 1),
 		done:      make(chan struct{}),
 		muxClosed: make(chan struct{}),
+		ucxAddr:   st.ucxAddr,
 	}
 	role := "server"
 	if s.client {
@@ -151,6 +160,14 @@ func newSession(st sessionSetup) (*Session, error) {
 		s.setControl(c)
 	}
 
+	if st.laneSlot != nil {
+		if s.useLane() {
+			s.laneSlot = st.laneSlot
+			st.laneSlot.fill(s)
+		} else {
+			st.laneSlot.fill(nil)
+		}
+	}
 	registryAdd(s)
 	s.cfg.metrics.SessionUp(s.transport, s.client)
 	s.wg.Add(3)
@@ -251,8 +268,12 @@ func (s *Session) closeWith(cause error) {
 		s.err = cause
 		s.errMu.Unlock()
 		registryRemove(s)
+		if s.laneSlot != nil {
+			forgetLane(s.token, s.laneSlot)
+		}
 		close(s.done)
 		go func() {
+			s.closeLane()
 			_ = s.mux.Close() // wakes every stream, then closes the underlying connection
 			close(s.muxClosed)
 		}()
@@ -428,6 +449,9 @@ func (s *Session) Conn(ctx context.Context) (net.Conn, error) {
 	if s.client {
 		if !s.grpcTaken.CompareAndSwap(false, true) {
 			return nil, ErrConnTaken
+		}
+		if s.useLane() {
+			return s.openLane(ctx)
 		}
 		c, err := s.open(ctx, roleGRPC)
 		if err != nil {

@@ -53,6 +53,7 @@ type config struct {
 	localIDSet       bool
 	window           uint32
 	metrics          SessionMetrics
+	noLane           bool
 }
 
 // SessionMetrics receives session events. Implementations must be cheap and
@@ -129,6 +130,15 @@ func WithWindow(n int) Option {
 	}
 }
 
+// WithGRPCLane sets whether a UCX session runs the gRPC stream on a UCX
+// endpoint of its own (on: the default) or on a stream of the session's
+// multiplexer. The lane spares every gRPC message the multiplexer's
+// goroutine hand-offs; it is used only when both ends allow it, and never on
+// TCP sessions.
+func WithGRPCLane(on bool) Option {
+	return func(c *config) { c.noLane = !on }
+}
+
 func newConfig(opts []Option) (*config, error) {
 	c := &config{}
 	for _, o := range opts {
@@ -191,5 +201,6 @@ func (c *config) localCaps() Caps {
 		u := ucxCaps(c.rdmaCtx)
 		caps.UCX, caps.UCXVersion, caps.MemoryTypes, caps.UCXTransports = u.UCX, u.UCXVersion, u.MemoryTypes, u.UCXTransports
 	}
+	caps.GRPCLane = caps.UCX && !c.noLane
 	return caps
 }

@@ -1,0 +1,287 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/gdrpc/gdrpc/rdma"
+)
+
+// The gRPC lane: on a UCX session whose two ends allow it, the gRPC stream
+// runs on a UCX endpoint of its own rather than on a stream of the
+// multiplexer. A multiplexed stream costs every message two goroutine
+// hand-offs on the way out (yamux's Write waits for its send loop) and one on
+// the way in (its receive loop feeds the stream); on the lane, gRPC's reader
+// and writer use the endpoint directly. The control and bulk streams and the
+// keepalive stay on the multiplexer, so the session's liveness and the
+// out-of-band engine do not depend on the lane.
+
+// useLane reports whether the session's gRPC stream runs on a lane.
+func (s *Session) useLane() bool {
+	return s.transport == "ucx" && s.rctx != nil && !s.cfg.noLane && s.peer.Caps.GRPCLane
+}
+
+// openLane dials the server's UCX listener for the gRPC lane and proves the
+// session with its token (client).
+func (s *Session) openLane(ctx context.Context) (net.Conn, error) {
+	w := s.rctx.Worker()
+	if w == nil {
+		return nil, fmt.Errorf("gdrpc: open gRPC lane: UCX context has no worker: %w", rdma.ErrNotSupported)
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.handshakeTimeout)
+	defer cancel()
+	ep, err := w.Dial(ctx, s.ucxAddr)
+	if err != nil {
+		return nil, fmt.Errorf("gdrpc: open gRPC lane to %s: %w", s.ucxAddr, ctxErr(ctx, err))
+	}
+	unbind := bindDeadline(ctx, ep)
+	msg := append(append([]byte(laneMagic), s.token[:]...), roleGRPC)
+	var ack [1]byte
+	if _, err = ep.Write(msg); err == nil {
+		_, err = io.ReadFull(ep, ack[:])
+	}
+	unbind()
+	switch {
+	case err != nil:
+		_ = ep.Close()
+		return nil, fmt.Errorf("gdrpc: open gRPC lane: %w", ctxErr(ctx, err))
+	case ack[0] != upgradeAckOK:
+		_ = ep.Close()
+		return nil, errors.New("gdrpc: open gRPC lane: the server refused it")
+	}
+	return s.attachLane(ep)
+}
+
+// attachLane makes ep the session's gRPC lane and returns its conn. It fails,
+// closing ep, when the session is closed or already has one.
+func (s *Session) attachLane(ep *rdma.Endpoint) (*laneConn, error) {
+	s.laneMu.Lock()
+	if s.laneDone || s.lane != nil {
+		closed := s.laneDone
+		s.laneMu.Unlock()
+		_ = ep.Close()
+		if closed {
+			return nil, s.closedErr()
+		}
+		return nil, ErrConnTaken
+	}
+	s.lane = ep
+	s.laneMu.Unlock()
+	return &laneConn{
+		ep:    ep,
+		sess:  s,
+		local: &Addr{Transport: s.transport, Addr: s.localAddr, session: s},
+		peer:  &Addr{Transport: s.transport, Addr: s.remoteAddr, session: s},
+	}, nil
+}
+
+// closeLane closes the lane, if any, and refuses later ones (the session is
+// closing).
+func (s *Session) closeLane() {
+	s.laneMu.Lock()
+	ep := s.lane
+	s.laneDone = true
+	s.laneMu.Unlock()
+	if ep != nil {
+		_ = ep.Close()
+	}
+}
+
+// serveLane takes a lane a client dialed: the token names the session
+// (server side), the role what runs on it. It answers with the ack byte. The
+// lane may arrive before the handshake made the session; it waits for it for
+// at most wait.
+func serveLane(ep *rdma.Endpoint, token ID, role byte, wait time.Duration) error {
+	s, err := takeLaneSession(token, wait)
+	var c *laneConn
+	switch {
+	case err != nil:
+	case role != roleGRPC:
+		err = fmt.Errorf("unknown lane role %#x", role)
+	case !s.grpcTaken.CompareAndSwap(false, true):
+		err = errors.New("the session's gRPC stream is already open")
+	default:
+		c, err = s.attachLane(ep)
+	}
+	if err != nil {
+		_, _ = ep.Write([]byte{0})
+		_ = ep.Close()
+		return err
+	}
+	if _, err := ep.Write([]byte{upgradeAckOK}); err != nil {
+		_ = c.Close()
+		return err
+	}
+	s.grpcCh <- c // buffered 1, sent at most once (grpcTaken)
+	return nil
+}
+
+// laneSlot is where a server session that may get a gRPC lane is found by
+// its token: made when the welcome offers UCX, filled when the session is up
+// (with nil when the handshake fails or the session runs without a lane).
+type laneSlot struct {
+	token ID
+	once  sync.Once
+	ready chan struct{}
+	s     *Session
+}
+
+var laneWaiting = struct {
+	sync.Mutex
+	m map[ID]*laneSlot
+}{m: map[ID]*laneSlot{}}
+
+func expectLane(token ID) *laneSlot {
+	slot := &laneSlot{token: token, ready: make(chan struct{})}
+	laneWaiting.Lock()
+	laneWaiting.m[token] = slot
+	laneWaiting.Unlock()
+	return slot
+}
+
+// fill hands the slot its session, or nil: no lane for this token. The first
+// call counts; a nil fill also forgets the slot.
+func (slot *laneSlot) fill(s *Session) {
+	slot.once.Do(func() {
+		slot.s = s
+		close(slot.ready)
+		if s == nil {
+			forgetLane(slot.token, slot)
+		}
+	})
+}
+
+// takeLaneSession returns the session waiting for the lane with this token and
+// forgets it: a token opens one lane.
+func takeLaneSession(token ID, wait time.Duration) (*Session, error) {
+	laneWaiting.Lock()
+	slot := laneWaiting.m[token]
+	delete(laneWaiting.m, token)
+	laneWaiting.Unlock()
+	if slot == nil {
+		return nil, errors.New("no session waits for a lane with this token")
+	}
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case <-slot.ready:
+	case <-t.C:
+		return nil, errors.New("the session of this token did not come up")
+	}
+	if slot.s == nil {
+		return nil, errors.New("the session of this token runs without a lane")
+	}
+	return slot.s, nil
+}
+
+// forgetLane removes the slot of token if it is still slot.
+func forgetLane(token ID, slot *laneSlot) {
+	laneWaiting.Lock()
+	if laneWaiting.m[token] == slot {
+		delete(laneWaiting.m, token)
+	}
+	laneWaiting.Unlock()
+}
+
+// laneConn is the gRPC lane with gdrpc's error semantics (those of
+// streamConn): timeouts are *TimeoutError, a failed peer is ErrPeerGone, and
+// after Close every call fails with an error wrapping net.ErrClosed.
+type laneConn struct {
+	ep          *rdma.Endpoint
+	sess        *Session
+	local, peer net.Addr
+	closed      atomic.Bool
+	closeOnce   sync.Once
+}
+
+var _ net.Conn = (*laneConn)(nil)
+
+func (c *laneConn) Read(b []byte) (int, error) {
+	if c.closed.Load() {
+		return 0, c.opErr("read", net.ErrClosed)
+	}
+	n, err := c.ep.Read(b)
+	if err != nil {
+		err = c.mapErr("read", err)
+	}
+	return n, err
+}
+
+func (c *laneConn) Write(b []byte) (int, error) {
+	if c.closed.Load() {
+		return 0, c.opErr("write", net.ErrClosed)
+	}
+	n, err := c.ep.Write(b)
+	if err != nil {
+		err = c.mapErr("write", err)
+	}
+	return n, err
+}
+
+func (c *laneConn) mapErr(op string, err error) error {
+	if err == io.EOF {
+		return err
+	}
+	var ee *rdma.EndpointError
+	switch {
+	case c.closed.Load():
+		return c.opErr(op, net.ErrClosed)
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		return c.opErr(op, &TimeoutError{Op: op})
+	case errors.As(err, &ee):
+		return c.opErr(op, fmt.Errorf("%w: %w", ErrPeerGone, err))
+	case errors.Is(err, net.ErrClosed):
+		// The session closed the lane under us.
+		return c.opErr(op, c.sess.closedErr())
+	}
+	return c.opErr(op, err)
+}
+
+func (c *laneConn) opErr(op string, err error) error {
+	return &net.OpError{Op: op, Net: c.local.Network(), Source: c.local, Addr: c.peer, Err: err}
+}
+
+// Close closes the lane (the peer reads what was written, then io.EOF) and
+// then the session, once the peer got everything (Session.closeGracefully).
+func (c *laneConn) Close() error {
+	c.closeOnce.Do(func() {
+		c.closed.Store(true)
+		_ = c.ep.Close()
+		c.sess.closeGracefully()
+	})
+	return nil
+}
+
+func (c *laneConn) LocalAddr() net.Addr  { return c.local }
+func (c *laneConn) RemoteAddr() net.Addr { return c.peer }
+
+func (c *laneConn) SetDeadline(t time.Time) error {
+	if err := c.SetReadDeadline(t); err != nil {
+		return err
+	}
+	return c.SetWriteDeadline(t)
+}
+
+func (c *laneConn) SetReadDeadline(t time.Time) error {
+	if c.closed.Load() {
+		return c.opErr("set deadline", net.ErrClosed)
+	}
+	return c.ep.SetReadDeadline(t)
+}
+
+func (c *laneConn) SetWriteDeadline(t time.Time) error {
+	if c.closed.Load() {
+		return c.opErr("set deadline", net.ErrClosed)
+	}
+	return c.ep.SetWriteDeadline(t)
+}
+
+// Session returns the session the conn belongs to.
+func (c *laneConn) Session() *Session { return c.sess }

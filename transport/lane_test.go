@@ -1,0 +1,148 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+func init() {
+	LeakChecks = append(LeakChecks, func() error {
+		laneWaiting.Lock()
+		defer laneWaiting.Unlock()
+		if n := len(laneWaiting.m); n > 0 {
+			return errors.New("gRPC lane slots left after their sessions closed")
+		}
+		return nil
+	})
+}
+
+// lanePair dials one session with the given options on each side and returns
+// both sessions and their gRPC conns.
+func lanePair(t *testing.T, serverOpts, clientOpts []Option) (l *Listener, cs, ss *Session, cc, sc net.Conn) {
+	t.Helper()
+	l, err := Listen("127.0.0.1:0", serverOpts...)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		if c, err := l.Accept(); err == nil {
+			accepted <- c
+		}
+	}()
+	cs, err = Dial(ctx, l.Addr().String(), clientOpts...)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = cs.Close() })
+	require.Equal(t, "ucx", cs.Transport())
+	cc, err = cs.Conn(ctx)
+	require.NoError(t, err)
+	select {
+	case sc = <-accepted:
+	case <-ctx.Done():
+		t.Fatal("no conn accepted")
+	}
+	ss = SessionOf(sc)
+	require.NotNil(t, ss)
+	t.Cleanup(func() { _ = ss.Close() })
+	return l, cs, ss, cc, sc
+}
+
+// TestGRPCLane: the gRPC conn of a UCX session runs on a lane when both ends
+// allow it and on a multiplexed stream when either does not; bytes cross
+// either way, and closing the client's conn ends both sessions.
+func TestGRPCLane(t *testing.T) {
+	rc := internalUCX(t)
+	base := []Option{WithRDMAContext(rc), WithMode(ModeUCX)}
+	off := append(append([]Option{}, base...), WithGRPCLane(false))
+	for _, tc := range []struct {
+		name           string
+		server, client []Option
+		lane           bool
+	}{
+		{"both", base, base, true},
+		{"server-off", off, base, false},
+		{"client-off", base, off, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, cs, ss, cc, sc := lanePair(t, tc.server, tc.client)
+			_, clientLane := cc.(*laneConn)
+			_, serverLane := sc.(*laneConn)
+			require.Equal(t, tc.lane, clientLane, "client conn %T", cc)
+			require.Equal(t, tc.lane, serverLane, "server conn %T", sc)
+			require.Equal(t, "gdrpc+ucx", cc.LocalAddr().Network())
+
+			msg := []byte("over the lane")
+			_, err := cc.Write(msg)
+			require.NoError(t, err)
+			got := make([]byte, len(msg))
+			require.NoError(t, sc.SetReadDeadline(time.Now().Add(10*time.Second)))
+			_, err = io.ReadFull(sc, got)
+			require.NoError(t, err)
+			require.Equal(t, msg, got)
+
+			// A second Conn on the client is refused either way.
+			_, err = cs.Conn(context.Background())
+			require.ErrorIs(t, err, ErrConnTaken)
+
+			// Closing the client's conn: the server reads the end, and both
+			// sessions close.
+			require.NoError(t, cc.Close())
+			_, err = sc.Read(got)
+			require.ErrorIs(t, err, io.EOF)
+			for _, s := range []*Session{cs, ss} {
+				select {
+				case <-s.Done():
+				case <-time.After(10 * time.Second):
+					t.Fatal("session still up after its gRPC conn closed")
+				}
+			}
+			_, err = cc.Write(msg)
+			require.ErrorIs(t, err, net.ErrClosed)
+		})
+	}
+}
+
+// TestGRPCLaneRefused: a lane that names no session, or a session whose lane
+// is already open, is refused with a zero ack and closed; the session itself
+// is unharmed.
+func TestGRPCLaneRefused(t *testing.T) {
+	rc := internalUCX(t)
+	opts := []Option{WithRDMAContext(rc), WithMode(ModeUCX)}
+	l, _, ss, cc, sc := lanePair(t, opts, opts)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	refused := func(token ID, role byte) {
+		t.Helper()
+		ep, err := rc.Worker().Dial(ctx, l.UCXAddr().String())
+		require.NoError(t, err)
+		defer ep.Close()
+		_, err = ep.Write(append(append([]byte(laneMagic), token[:]...), role))
+		require.NoError(t, err)
+		require.NoError(t, ep.SetReadDeadline(time.Now().Add(20*time.Second)))
+		b, err := io.ReadAll(ep)
+		require.Equal(t, []byte{0}, b, "a refusal, then the end")
+		if err != nil {
+			require.NotErrorIs(t, err, os.ErrDeadlineExceeded)
+		}
+	}
+	refused(newToken(), roleGRPC)  // no such session
+	refused(ss.token, roleGRPC)    // its lane was taken already: the token is spent
+	refused(ss.token, roleControl) // no lane of that role either
+
+	_, err := cc.Write([]byte("still"))
+	require.NoError(t, err)
+	b := make([]byte, 5)
+	require.NoError(t, sc.SetReadDeadline(time.Now().Add(10*time.Second)))
+	_, err = io.ReadFull(sc, b)
+	require.NoError(t, err)
+	require.Equal(t, "still", string(b))
+}
