@@ -105,7 +105,7 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 
 	caps := cfg.localCaps()
 	if rctx == nil && cfg.mode != ModeTCP {
-		caps.UCX, caps.GRPCLane = false, false
+		caps.UCX, caps.Lanes = false, false
 	}
 	if _, err := conn.Write(encodeHello(hello{ID: cfg.localID, HostID: LocalHostID(), Mode: cfg.mode, Caps: caps})); err != nil {
 		return nil, fmt.Errorf("handshake: send hello: %w", err)

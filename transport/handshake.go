@@ -73,10 +73,10 @@ type Caps struct {
 	UCXTransports []string // UCX transports/devices ("tl/device"), best effort
 	CUDADevices   []string // UUIDs of the CUDA devices present
 	Codecs        []string // codecs this process speaks, e.g. "gdr"
-	// GRPCLane: on a UCX session, this process accepts (server) or opens
-	// (client) the gRPC stream on a UCX endpoint of its own instead of a
-	// multiplexed stream. Both ends must announce it.
-	GRPCLane bool
+	// Lanes: on a UCX session, this process accepts (server) or opens
+	// (client) the gRPC stream and the control stream on UCX endpoints of
+	// their own instead of multiplexed streams. Both ends must announce it.
+	Lanes bool
 }
 
 // HasCodec reports whether the codec is among c.Codecs.
@@ -175,11 +175,12 @@ func defaultLocalCaps() Caps {
 // sends one decision byte over TCP: 'U' (the session runs over UCX, the TCP
 // connection is closed by both) or 'T' (UCX failed, the session stays on TCP).
 //
-// On a UCX session whose two ends announced the gRPC lane, the client runs the
-// gRPC stream on a second UCX endpoint instead of a multiplexed stream: it
-// dials the same UCX listener, sends "GDRPCL", the session token and the role
-// byte 'G', and waits for one ack byte. The multiplexer keeps the control and
-// bulk streams and the keepalive. Version 1 had no lane.
+// On a UCX session whose two ends announced lanes, the client runs the control
+// stream and the gRPC stream each on a UCX endpoint of its own instead of a
+// multiplexed stream: for each it dials the same UCX listener, sends "GDRPCL",
+// the session token and the role byte ('C', 'G'), and waits for one ack byte.
+// The multiplexer keeps the bulk streams and the keepalive. Version 1 had no
+// lanes.
 const (
 	magic           = "GDRPC\x00"
 	upgradeMagic    = "GDRPCU"
@@ -204,8 +205,8 @@ const (
 
 	upgradeAckOK = 1
 
-	capUCX      = 1 << 0
-	capGRPCLane = 1 << 1
+	capUCX   = 1 << 0
+	capLanes = 1 << 1
 )
 
 // Reject codes.
@@ -305,8 +306,8 @@ func (w *writer) caps(c Caps) {
 	if c.UCX {
 		f |= capUCX
 	}
-	if c.GRPCLane {
-		f |= capGRPCLane
+	if c.Lanes {
+		f |= capLanes
 	}
 	w.u8(f)
 	w.str(c.UCXVersion)
@@ -388,11 +389,11 @@ func (r *reader) list(what string) []string {
 func (r *reader) caps() Caps {
 	var c Caps
 	f := r.u8("caps flags")
-	if r.err == nil && f&^(capUCX|capGRPCLane) != 0 {
+	if r.err == nil && f&^(capUCX|capLanes) != 0 {
 		r.err = malformed("caps flags %#x: unknown bits", f)
 	}
 	c.UCX = f&capUCX != 0
-	c.GRPCLane = f&capGRPCLane != 0
+	c.Lanes = f&capLanes != 0
 	c.UCXVersion = r.str("UCX version")
 	c.MemoryTypes = r.list("memory types")
 	c.UCXTransports = r.list("UCX transports")

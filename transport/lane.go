@@ -14,35 +14,40 @@ import (
 	"github.com/gdrpc/gdrpc/rdma"
 )
 
-// The gRPC lane: on a UCX session whose two ends allow it, the gRPC stream
-// runs on a UCX endpoint of its own rather than on a stream of the
-// multiplexer. A multiplexed stream costs every message two goroutine
-// hand-offs on the way out (yamux's Write waits for its send loop) and one on
-// the way in (its receive loop feeds the stream); on the lane, gRPC's reader
-// and writer use the endpoint directly. The control and bulk streams and the
-// keepalive stay on the multiplexer, so the session's liveness and the
-// out-of-band engine do not depend on the lane.
+// Lanes: on a UCX session whose two ends allow it, the gRPC stream and the
+// control stream each run on a UCX endpoint of their own rather than on a
+// stream of the multiplexer. A multiplexed stream costs every message two
+// goroutine hand-offs on the way out (yamux's Write waits for its send loop)
+// and one on the way in (its receive loop feeds the stream); on a lane, the
+// reader and the writer use the endpoint directly. The bulk streams and the
+// keepalive stay on the multiplexer.
 
-// useLane reports whether the session's gRPC stream runs on a lane.
+// laneRoles are the roles a lane may have, each opened at most once.
+var laneRoles = map[byte]uint8{roleGRPC: 1, roleControl: 2}
+
+const allLaneRoles = 1 | 2
+
+// useLane reports whether the session's gRPC and control streams run on
+// lanes.
 func (s *Session) useLane() bool {
-	return s.transport == "ucx" && s.rctx != nil && !s.cfg.noLane && s.peer.Caps.GRPCLane
+	return s.transport == "ucx" && s.rctx != nil && !s.cfg.noLane && s.peer.Caps.Lanes
 }
 
-// openLane dials the server's UCX listener for the gRPC lane and proves the
-// session with its token (client).
-func (s *Session) openLane(ctx context.Context) (net.Conn, error) {
+// openLane dials the server's UCX listener for a lane of the role and proves
+// the session with its token (client).
+func (s *Session) openLane(ctx context.Context, role byte) (*laneConn, error) {
 	w := s.rctx.Worker()
 	if w == nil {
-		return nil, fmt.Errorf("gdrpc: open gRPC lane: UCX context has no worker: %w", rdma.ErrNotSupported)
+		return nil, fmt.Errorf("gdrpc: open lane: UCX context has no worker: %w", rdma.ErrNotSupported)
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.handshakeTimeout)
 	defer cancel()
 	ep, err := w.Dial(ctx, s.ucxAddr)
 	if err != nil {
-		return nil, fmt.Errorf("gdrpc: open gRPC lane to %s: %w", s.ucxAddr, ctxErr(ctx, err))
+		return nil, fmt.Errorf("gdrpc: open lane to %s: %w", s.ucxAddr, ctxErr(ctx, err))
 	}
 	unbind := bindDeadline(ctx, ep)
-	msg := append(append([]byte(laneMagic), s.token[:]...), roleGRPC)
+	msg := append(append([]byte(laneMagic), s.token[:]...), role)
 	var ack [1]byte
 	if _, err = ep.Write(msg); err == nil {
 		_, err = io.ReadFull(ep, ack[:])
@@ -51,45 +56,42 @@ func (s *Session) openLane(ctx context.Context) (net.Conn, error) {
 	switch {
 	case err != nil:
 		_ = ep.Close()
-		return nil, fmt.Errorf("gdrpc: open gRPC lane: %w", ctxErr(ctx, err))
+		return nil, fmt.Errorf("gdrpc: open lane: %w", ctxErr(ctx, err))
 	case ack[0] != upgradeAckOK:
 		_ = ep.Close()
-		return nil, errors.New("gdrpc: open gRPC lane: the server refused it")
+		return nil, errors.New("gdrpc: open lane: the server refused it")
 	}
-	return s.attachLane(ep)
+	return s.attachLane(ep, role)
 }
 
-// attachLane makes ep the session's gRPC lane and returns its conn. It fails,
-// closing ep, when the session is closed or already has one.
-func (s *Session) attachLane(ep *rdma.Endpoint) (*laneConn, error) {
+// attachLane adds ep to the session's lanes and returns its conn. It fails,
+// closing ep, when the session is closed.
+func (s *Session) attachLane(ep *rdma.Endpoint, role byte) (*laneConn, error) {
 	s.laneMu.Lock()
-	if s.laneDone || s.lane != nil {
-		closed := s.laneDone
+	if s.laneDone {
 		s.laneMu.Unlock()
 		_ = ep.Close()
-		if closed {
-			return nil, s.closedErr()
-		}
-		return nil, ErrConnTaken
+		return nil, s.closedErr()
 	}
-	s.lane = ep
+	s.lanes = append(s.lanes, ep)
 	s.laneMu.Unlock()
 	return &laneConn{
 		ep:    ep,
 		sess:  s,
+		role:  role,
 		local: &Addr{Transport: s.transport, Addr: s.localAddr, session: s},
 		peer:  &Addr{Transport: s.transport, Addr: s.remoteAddr, session: s},
 	}, nil
 }
 
-// closeLane closes the lane, if any, and refuses later ones (the session is
-// closing).
-func (s *Session) closeLane() {
+// closeLanes closes the session's lanes and refuses later ones (the session
+// is closing).
+func (s *Session) closeLanes() {
 	s.laneMu.Lock()
-	ep := s.lane
-	s.laneDone = true
+	lanes := s.lanes
+	s.lanes, s.laneDone = nil, true
 	s.laneMu.Unlock()
-	if ep != nil {
+	for _, ep := range lanes {
 		_ = ep.Close()
 	}
 }
@@ -99,16 +101,18 @@ func (s *Session) closeLane() {
 // lane may arrive before the handshake made the session; it waits for it for
 // at most wait.
 func serveLane(ep *rdma.Endpoint, token ID, role byte, wait time.Duration) error {
-	s, err := takeLaneSession(token, wait)
+	s, err := takeLaneSession(token, role, wait)
 	var c *laneConn
 	switch {
 	case err != nil:
-	case role != roleGRPC:
-		err = fmt.Errorf("unknown lane role %#x", role)
-	case !s.grpcTaken.CompareAndSwap(false, true):
+	case role == roleGRPC && !s.grpcTaken.CompareAndSwap(false, true):
 		err = errors.New("the session's gRPC stream is already open")
 	default:
-		c, err = s.attachLane(ep)
+		c, err = s.attachLane(ep, role)
+	}
+	if err == nil && role == roleControl && !s.setControl(c) {
+		_ = c.Close()
+		return errors.New("the session's control stream is already open")
 	}
 	if err != nil {
 		_, _ = ep.Write([]byte{0})
@@ -119,18 +123,21 @@ func serveLane(ep *rdma.Endpoint, token ID, role byte, wait time.Duration) error
 		_ = c.Close()
 		return err
 	}
-	s.grpcCh <- c // buffered 1, sent at most once (grpcTaken)
+	if role == roleGRPC {
+		s.grpcCh <- c // buffered 1, sent at most once (grpcTaken)
+	}
 	return nil
 }
 
-// laneSlot is where a server session that may get a gRPC lane is found by
-// its token: made when the welcome offers UCX, filled when the session is up
-// (with nil when the handshake fails or the session runs without a lane).
+// laneSlot is where a server session that may get lanes is found by its
+// token: made when the welcome offers UCX, filled when the session is up
+// (with nil when the handshake fails or the session runs without lanes).
 type laneSlot struct {
 	token ID
 	once  sync.Once
 	ready chan struct{}
 	s     *Session
+	taken uint8 // laneRoles opened; guarded by laneWaiting
 }
 
 var laneWaiting = struct {
@@ -158,12 +165,16 @@ func (slot *laneSlot) fill(s *Session) {
 	})
 }
 
-// takeLaneSession returns the session waiting for the lane with this token and
-// forgets it: a token opens one lane.
-func takeLaneSession(token ID, wait time.Duration) (*Session, error) {
+// takeLaneSession returns the session waiting for a lane of the role with
+// this token. A token opens one lane of each role; once all are open it is
+// forgotten.
+func takeLaneSession(token ID, role byte, wait time.Duration) (*Session, error) {
+	bit, ok := laneRoles[role]
+	if !ok {
+		return nil, fmt.Errorf("unknown lane role %#x", role)
+	}
 	laneWaiting.Lock()
 	slot := laneWaiting.m[token]
-	delete(laneWaiting.m, token)
 	laneWaiting.Unlock()
 	if slot == nil {
 		return nil, errors.New("no session waits for a lane with this token")
@@ -176,7 +187,16 @@ func takeLaneSession(token ID, wait time.Duration) (*Session, error) {
 		return nil, errors.New("the session of this token did not come up")
 	}
 	if slot.s == nil {
-		return nil, errors.New("the session of this token runs without a lane")
+		return nil, errors.New("the session of this token runs without lanes")
+	}
+	laneWaiting.Lock()
+	defer laneWaiting.Unlock()
+	if slot.taken&bit != 0 {
+		return nil, fmt.Errorf("the session's %q lane is already open", role)
+	}
+	slot.taken |= bit
+	if slot.taken == allLaneRoles && laneWaiting.m[token] == slot {
+		delete(laneWaiting.m, token)
 	}
 	return slot.s, nil
 }
@@ -190,12 +210,13 @@ func forgetLane(token ID, slot *laneSlot) {
 	laneWaiting.Unlock()
 }
 
-// laneConn is the gRPC lane with gdrpc's error semantics (those of
-// streamConn): timeouts are *TimeoutError, a failed peer is ErrPeerGone, and
-// after Close every call fails with an error wrapping net.ErrClosed.
+// laneConn is a lane with gdrpc's error semantics (those of streamConn):
+// timeouts are *TimeoutError, a failed peer is ErrPeerGone, and after Close
+// every call fails with an error wrapping net.ErrClosed.
 type laneConn struct {
 	ep          *rdma.Endpoint
 	sess        *Session
+	role        byte
 	local, peer net.Addr
 	closed      atomic.Bool
 	closeOnce   sync.Once
@@ -248,13 +269,16 @@ func (c *laneConn) opErr(op string, err error) error {
 	return &net.OpError{Op: op, Net: c.local.Network(), Source: c.local, Addr: c.peer, Err: err}
 }
 
-// Close closes the lane (the peer reads what was written, then io.EOF) and
-// then the session, once the peer got everything (Session.closeGracefully).
+// Close closes the lane (the peer reads what was written, then io.EOF).
+// Closing the gRPC lane closes the session too, once the peer got everything
+// (Session.closeGracefully).
 func (c *laneConn) Close() error {
 	c.closeOnce.Do(func() {
 		c.closed.Store(true)
 		_ = c.ep.Close()
-		c.sess.closeGracefully()
+		if c.role == roleGRPC {
+			c.sess.closeGracefully()
+		}
 	})
 	return nil
 }

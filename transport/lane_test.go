@@ -55,13 +55,14 @@ func lanePair(t *testing.T, serverOpts, clientOpts []Option) (l *Listener, cs, s
 	return l, cs, ss, cc, sc
 }
 
-// TestGRPCLane: the gRPC conn of a UCX session runs on a lane when both ends
-// allow it and on a multiplexed stream when either does not; bytes cross
-// either way, and closing the client's conn ends both sessions.
-func TestGRPCLane(t *testing.T) {
+// TestLanes: the gRPC and control streams of a UCX session run on lanes when
+// both ends allow it and on multiplexed streams when either does not; bytes
+// and control messages cross either way, and closing the client's gRPC conn
+// ends both sessions.
+func TestLanes(t *testing.T) {
 	rc := internalUCX(t)
 	base := []Option{WithRDMAContext(rc), WithMode(ModeUCX)}
-	off := append(append([]Option{}, base...), WithGRPCLane(false))
+	off := append(append([]Option{}, base...), WithLanes(false))
 	for _, tc := range []struct {
 		name           string
 		server, client []Option
@@ -77,16 +78,32 @@ func TestGRPCLane(t *testing.T) {
 			_, serverLane := sc.(*laneConn)
 			require.Equal(t, tc.lane, clientLane, "client conn %T", cc)
 			require.Equal(t, tc.lane, serverLane, "server conn %T", sc)
+			for _, s := range []*Session{cs, ss} {
+				<-s.ctrlReady
+				_, ctrlLane := s.ctrl.(*laneConn)
+				require.Equal(t, tc.lane, ctrlLane, "control conn %T", s.ctrl)
+			}
+			// A control message crosses each way.
+			for _, d := range [][2]*Session{{cs, ss}, {ss, cs}} {
+				inbox := controlInbox(d[1])
+				require.NoError(t, d[0].SendControl(context.Background(), testCtlEcho, []byte("rtr")))
+				select {
+				case p := <-inbox:
+					require.Equal(t, "rtr", string(p))
+				case <-time.After(10 * time.Second):
+					t.Fatal("control message lost")
+				}
+			}
 			require.Equal(t, "gdrpc+ucx", cc.LocalAddr().Network())
 
 			msg := []byte("over the lane")
 			_, err := cc.Write(msg)
 			require.NoError(t, err)
-			got := make([]byte, len(msg))
+			buf := make([]byte, len(msg))
 			require.NoError(t, sc.SetReadDeadline(time.Now().Add(10*time.Second)))
-			_, err = io.ReadFull(sc, got)
+			_, err = io.ReadFull(sc, buf)
 			require.NoError(t, err)
-			require.Equal(t, msg, got)
+			require.Equal(t, msg, buf)
 
 			// A second Conn on the client is refused either way.
 			_, err = cs.Conn(context.Background())
@@ -95,7 +112,7 @@ func TestGRPCLane(t *testing.T) {
 			// Closing the client's conn: the server reads the end, and both
 			// sessions close.
 			require.NoError(t, cc.Close())
-			_, err = sc.Read(got)
+			_, err = sc.Read(buf)
 			require.ErrorIs(t, err, io.EOF)
 			for _, s := range []*Session{cs, ss} {
 				select {
@@ -110,10 +127,10 @@ func TestGRPCLane(t *testing.T) {
 	}
 }
 
-// TestGRPCLaneRefused: a lane that names no session, or a session whose lane
-// is already open, is refused with a zero ack and closed; the session itself
-// is unharmed.
-func TestGRPCLaneRefused(t *testing.T) {
+// TestLanesRefused: a lane that names no session, repeats a role already
+// open, or has an unknown role is refused with a zero ack and closed; the
+// session itself is unharmed.
+func TestLanesRefused(t *testing.T) {
 	rc := internalUCX(t)
 	opts := []Option{WithRDMAContext(rc), WithMode(ModeUCX)}
 	l, _, ss, cc, sc := lanePair(t, opts, opts)
@@ -135,8 +152,9 @@ func TestGRPCLaneRefused(t *testing.T) {
 		}
 	}
 	refused(newToken(), roleGRPC)  // no such session
-	refused(ss.token, roleGRPC)    // its lane was taken already: the token is spent
-	refused(ss.token, roleControl) // no lane of that role either
+	refused(ss.token, roleGRPC)    // its lanes are open already: the token is spent
+	refused(ss.token, roleControl) // (the control lane too)
+	refused(ss.token, 'X')         // no lane of that role
 
 	_, err := cc.Write([]byte("still"))
 	require.NoError(t, err)

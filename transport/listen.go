@@ -336,7 +336,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 
 	caps := cfg.localCaps()
 	if l != nil && !haveUCX && cfg.mode != ModeTCP {
-		caps.UCX, caps.GRPCLane = false, false
+		caps.UCX, caps.Lanes = false, false
 	}
 	w := welcome{
 		ID:         cfg.localID,
@@ -362,7 +362,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		w.Transport, w.UCXPort = "ucx", uint16(port)
 		pu = l.expect(w.Token)
 		defer l.abandon(w.Token, pu)
-		if caps.GRPCLane && h.Caps.GRPCLane {
+		if caps.Lanes && h.Caps.Lanes {
 			// The client may dial the lane as soon as its session is up,
 			// before this side's is: the lane waits for it in this slot.
 			slot = expectLane(w.Token)

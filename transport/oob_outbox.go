@@ -67,11 +67,13 @@ func Offer(src Source, opt OfferOptions) Descriptor {
 		lease = DefaultLease
 	}
 	e := &outboxEntry{src: src, held: opt.Held}
+	tok := d.Token
 	box.mu.Lock()
 	box.entries[d.Token] = e
-	box.mu.Unlock()
-	tok := d.Token
+	// Set under the lock: a short lease may fire before Offer returns, and
+	// Withdraw reads the timer once it holds the lock.
 	e.timer = time.AfterFunc(lease, func() { Withdraw(tok) })
+	box.mu.Unlock()
 	return d
 }
 

@@ -61,14 +61,15 @@ type Session struct {
 	ucxAddr               string // client: the server's UCX listener, for the gRPC lane
 
 	laneMu   sync.Mutex
-	lane     *rdma.Endpoint // the gRPC lane, if the gRPC stream runs on one (lane.go)
-	laneDone bool           // the session closed: no lane any more
-	laneSlot *laneSlot      // server: the slot the lane finds the session by
+	lanes    []*rdma.Endpoint // the gRPC and control lanes, where they run on lanes (lane.go)
+	laneDone bool             // the session closed: no lane any more
+	laneSlot *laneSlot        // server: the slot lanes find the session by
 
 	grpcTaken atomic.Bool
 	grpcCh    chan net.Conn // server: the gRPC stream once the client opened it
 
-	ctrl      *streamConn
+	ctrl      net.Conn
+	ctrlMu    sync.Mutex
 	ctrlReady chan struct{} // closed when ctrl is set
 	ctrlSem   chan struct{} // one writer at a time on the control stream
 
@@ -151,7 +152,12 @@ func newSession(st sessionSetup) (*Session, error) {
 
 	if s.client {
 		ctx, cancel := context.WithTimeout(context.Background(), st.cfg.handshakeTimeout)
-		c, err := s.open(ctx, roleControl)
+		var c net.Conn
+		if s.useLane() {
+			c, err = s.openLane(ctx, roleControl)
+		} else {
+			c, err = s.open(ctx, roleControl)
+		}
 		cancel()
 		if err != nil {
 			_ = s.mux.Close()
@@ -170,10 +176,11 @@ func newSession(st sessionSetup) (*Session, error) {
 	}
 	registryAdd(s)
 	s.cfg.metrics.SessionUp(s.transport, s.client)
-	s.wg.Add(3)
+	s.wg.Add(4)
 	go s.monitor()
 	go s.acceptLoop()
 	go s.keepalive()
+	go s.controlReader()
 	s.log.Debug("session up", "role", role, "transport", s.transport,
 		"peer", s.peer.ID.String(), "same_host", s.peer.SameHost,
 		"local", s.localAddr.String(), "remote", s.remoteAddr.String())
@@ -273,7 +280,7 @@ func (s *Session) closeWith(cause error) {
 		}
 		close(s.done)
 		go func() {
-			s.closeLane()
+			s.closeLanes()
 			_ = s.mux.Close() // wakes every stream, then closes the underlying connection
 			close(s.muxClosed)
 		}()
@@ -428,7 +435,6 @@ func (s *Session) serveStream(st *yamux.Stream) {
 			_ = st.Close()
 			return
 		}
-		s.readControl(c)
 	case roleBulk:
 		h := bulkHandler
 		if h == nil {
@@ -451,7 +457,7 @@ func (s *Session) Conn(ctx context.Context) (net.Conn, error) {
 			return nil, ErrConnTaken
 		}
 		if s.useLane() {
-			return s.openLane(ctx)
+			return s.openLane(ctx, roleGRPC)
 		}
 		c, err := s.open(ctx, roleGRPC)
 		if err != nil {
@@ -504,7 +510,11 @@ func registerControlHandler(typ byte, fn func(s *Session, payload []byte)) {
 	controlHandlers[typ] = fn
 }
 
-func (s *Session) setControl(c *streamConn) bool {
+// setControl makes c the session's control stream, once; the control reader
+// (controlReader) then reads it.
+func (s *Session) setControl(c net.Conn) bool {
+	s.ctrlMu.Lock()
+	defer s.ctrlMu.Unlock()
 	select {
 	case <-s.ctrlReady:
 		return false
@@ -512,14 +522,18 @@ func (s *Session) setControl(c *streamConn) bool {
 	}
 	s.ctrl = c
 	close(s.ctrlReady)
-	if s.client {
-		s.wg.Add(1)
-		go func() {
-			defer s.wg.Done()
-			s.readControl(c)
-		}()
-	}
 	return true
+}
+
+// controlReader reads the control stream once there is one (the client opens
+// it in newSession; the server gets it as a stream or a lane).
+func (s *Session) controlReader() {
+	defer s.wg.Done()
+	select {
+	case <-s.ctrlReady:
+		s.readControl(s.ctrl)
+	case <-s.done:
+	}
 }
 
 // SendControl sends one control message: [type u8][length u32 BE][payload] on
@@ -563,7 +577,7 @@ func (s *Session) SendControl(ctx context.Context, typ byte, payload []byte) err
 
 // readControl reads control messages until the stream ends; a malformed frame
 // closes the session.
-func (s *Session) readControl(c *streamConn) {
+func (s *Session) readControl(c net.Conn) {
 	var hdr [controlHeaderLen]byte
 	for {
 		if _, err := io.ReadFull(c, hdr[:]); err != nil {

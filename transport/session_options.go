@@ -130,12 +130,12 @@ func WithWindow(n int) Option {
 	}
 }
 
-// WithGRPCLane sets whether a UCX session runs the gRPC stream on a UCX
-// endpoint of its own (on: the default) or on a stream of the session's
-// multiplexer. The lane spares every gRPC message the multiplexer's
-// goroutine hand-offs; it is used only when both ends allow it, and never on
-// TCP sessions.
-func WithGRPCLane(on bool) Option {
+// WithLanes sets whether a UCX session runs its gRPC stream and its control
+// stream on UCX endpoints of their own, lanes (on: the default), or on
+// streams of the session's multiplexer. A lane spares every message the
+// multiplexer's goroutine hand-offs; lanes are used only when both ends allow
+// them, and never on TCP sessions.
+func WithLanes(on bool) Option {
 	return func(c *config) { c.noLane = !on }
 }
 
@@ -201,6 +201,6 @@ func (c *config) localCaps() Caps {
 		u := ucxCaps(c.rdmaCtx)
 		caps.UCX, caps.UCXVersion, caps.MemoryTypes, caps.UCXTransports = u.UCX, u.UCXVersion, u.MemoryTypes, u.UCXTransports
 	}
-	caps.GRPCLane = caps.UCX && !c.noLane
+	caps.Lanes = caps.UCX && !c.noLane
 	return caps
 }
