@@ -23,6 +23,7 @@ func sampleCaps() Caps {
 		UCXTransports: []string{"posix/memory", "tcp/lo"},
 		CUDADevices:   []string{"GPU-0a1b"},
 		Codecs:        []string{"gdr"},
+		Lanes:         true,
 	}
 }
 
