@@ -10,9 +10,12 @@ import (
 )
 
 // benchCases: gdrpc over each transport, and plain gRPC over TCP (the
-// baseline) in the same run.
+// baseline) in the same run; and UCX shm with the gRPC stream multiplexed by
+// yamux instead of on a lane, to show what the lanes save.
 func benchCases() []transportCase {
-	return append([]transportCase{plainCase}, transportCases...)
+	shm := transportCases[0]
+	shm.name, shm.noLanes = shm.name+"-yamux", true
+	return append(append([]transportCase{plainCase}, transportCases...), shm)
 }
 
 // reportLatency reports the median and 99th percentile of the samples.

@@ -102,9 +102,10 @@ func ucxContext(tb testing.TB, tls string) *rdma.Context {
 // A transport a test or benchmark runs over. plain is gRPC over TCP without
 // gdrpc, the baseline.
 type transportCase struct {
-	name  string
-	ucx   string
-	plain bool
+	name    string
+	ucx     string
+	plain   bool
+	noLanes bool // UCX sessions multiplex the gRPC stream with yamux (transport.WithLanes(false))
 }
 
 // The UCX shm family keeps tcp for UCX's connection manager.
@@ -120,7 +121,8 @@ func (tc transportCase) options(tb testing.TB) []transport.Option {
 	if tc.ucx == "" {
 		return []transport.Option{transport.WithMode(transport.ModeTCP)}
 	}
-	return []transport.Option{transport.WithMode(transport.ModeUCX), transport.WithRDMAContext(ucxContext(tb, tc.ucx))}
+	return []transport.Option{transport.WithMode(transport.ModeUCX), transport.WithRDMAContext(ucxContext(tb, tc.ucx)),
+		transport.WithLanes(!tc.noLanes)}
 }
 
 func (tc transportCase) want() string {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
 )
 
 func reportLatency(b *testing.B, lat []time.Duration) {
@@ -96,6 +97,13 @@ func benchConns() []benchConn {
 			return p.cc, p.sc
 		}})
 	}
+	// The same session over UCX shm with its gRPC stream multiplexed by
+	// yamux rather than on a lane: what the lanes save.
+	shm := transportCases[1]
+	out = append(out, benchConn{name: "gdrpc-" + shm.name + "-yamux", make: func(b *testing.B) (net.Conn, net.Conn) {
+		p := dialPair(b, shm.options(b, transport.WithLanes(false)))
+		return p.cc, p.sc
+	}})
 	for _, tc := range transportCases[1:] {
 		out = append(out, benchConn{name: "raw-" + tc.name, make: func(b *testing.B) (net.Conn, net.Conn) {
 			return endpointPair(b, tc.ucx)
