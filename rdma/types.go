@@ -3,9 +3,11 @@ package rdma
 import (
 	"log/slog"
 	"net"
+	"os"
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"time"
 )
 
 // MemoryType says where memory lives.
@@ -32,9 +34,11 @@ func (t MemoryType) String() string {
 type Option func(*options)
 
 type options struct {
-	config map[string]string // UCX config keys without the UCX_ prefix
-	order  []string
-	logger *slog.Logger
+	config   map[string]string // UCX config keys without the UCX_ prefix
+	order    []string
+	logger   *slog.Logger
+	pollTime time.Duration
+	pollSet  bool
 }
 
 func (o *options) set(key, value string) {
@@ -55,7 +59,39 @@ func buildOptions(opts []Option) *options {
 	if o.logger == nil {
 		o.logger = slog.New(slog.DiscardHandler)
 	}
+	if !o.pollSet {
+		o.pollTime = DefaultPollTime
+		if v, ok := os.LookupEnv(PollEnv); ok {
+			if d, err := time.ParseDuration(v); err == nil && d >= 0 {
+				o.pollTime = d
+			} else {
+				o.logger.Warn("ignoring a bad "+PollEnv, "value", v, "default", DefaultPollTime)
+			}
+		}
+	}
 	return o
+}
+
+// PollEnv names the environment variable that sets the poll time of contexts
+// made without WithPollTime (a Go duration; 0 parks at once).
+const PollEnv = "GDRPC_RDMA_POLL"
+
+// DefaultPollTime is how long a worker's driver polls after the last work,
+// whoever did it, before it parks on the worker's event fd. Waking a parked
+// driver costs an OS thread wake-up (50-300 µs on virtual machines), and so
+// does every goroutine hand-off after it while the process is idle; a reply
+// that arrives while the driver polls reaches its reader on the driver's P,
+// without any. Replies to an RPC, an out-of-band request or a transfer often
+// come a few hundred microseconds after the last message: polling for 1 ms
+// catches them, at the cost of one core busy (yielding to other goroutines)
+// for at most that long after traffic stops.
+const DefaultPollTime = time.Millisecond
+
+// WithPollTime sets how long the context's workers poll after the last work
+// before they park (see DefaultPollTime); 0 or less parks at once. If not
+// given, the environment variable GDRPC_RDMA_POLL, or DefaultPollTime.
+func WithPollTime(d time.Duration) Option {
+	return func(o *options) { o.pollTime, o.pollSet = max(d, 0), true }
 }
 
 // WithTransports sets UCX_TLS (for example "tcp", or "posix,sysv,cma,tcp" for

@@ -10,10 +10,8 @@ import "C"
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"net"
 	"net/netip"
-	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -33,33 +31,6 @@ const (
 	forceTimeout   = 5 * time.Second        // Close: wait for the force close, at most this long
 	scanInterval   = 10 * time.Millisecond  // least time between two FD_CLOEXEC scans
 )
-
-// PollEnv names the environment variable that sets how long a worker's driver
-// keeps polling after the last work before it parks (a Go duration; 0 parks at
-// once). Default: DefaultPollTime.
-const PollEnv = "GDRPC_RDMA_POLL"
-
-// DefaultPollTime is how long a worker's driver polls after the last work,
-// whoever did it, before it parks on the worker's event fd. Waking a parked
-// driver costs an OS thread wake-up (50-300 µs on virtual machines), and so
-// does every goroutine hand-off after it while the process is idle; a reply
-// that arrives while the driver polls reaches its reader on the driver's P,
-// without any. Replies to an RPC, an out-of-band request or a transfer often
-// come a few hundred microseconds after the last message: polling for 1 ms
-// catches them, at the cost of one core busy (yielding to other goroutines)
-// for at most that long after traffic stops.
-const DefaultPollTime = time.Millisecond
-
-var pollTime = sync.OnceValue(func() time.Duration {
-	if v, ok := os.LookupEnv(PollEnv); ok {
-		d, err := time.ParseDuration(v)
-		if err == nil && d >= 0 {
-			return d
-		}
-		slog.Warn("gdrpc/rdma: ignoring a bad "+PollEnv, "value", v, "default", DefaultPollTime)
-	}
-	return DefaultPollTime
-})
 
 // Worker is a UCX worker in UCS_THREAD_MODE_SERIALIZED: every UCX call for the
 // worker, its endpoints and listeners, and the state marked "lock-only", is
@@ -156,7 +127,7 @@ func (w *Worker) run() {
 		// goroutines between rounds.
 		now := time.Now()
 		idle := now.Sub(w.lastWork)
-		if idle < pollTime() || (len(w.pending) > 0 && idle < pendingSpin) {
+		if idle < w.ctx.opts.pollTime || (len(w.pending) > 0 && idle < pendingSpin) {
 			w.release(false)
 			runtime.Gosched()
 			continue
