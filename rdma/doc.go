@@ -29,15 +29,15 @@
 // completions come back on channels. UCX callbacks carry integer ids or C
 // pointers, never Go pointers. A driver goroutine per worker keeps progress
 // going: it polls, yielding to other goroutines, for 1 ms after the last work
-// (its own or another goroutine's; WithPollTime or GDRPC_RDMA_POLL changes it), keeps polling
-// while requests are in flight, and otherwise arms the worker and sleeps on its
-// event fd, so an idle worker burns no CPU. A reply that comes while the
-// driver polls is handed to its reader on the driver's P, without waking a
-// thread; replies to RPCs and rendezvous messages typically come within a few
-// hundred microseconds. Work done outside the driver wakes a sleeping driver, to catch the
-// reply that often follows a send. Hand-offs between OS threads cost tens of
-// microseconds each on small virtual machines; this keeps them off the path of
-// a write and a reply.
+// (its own or another goroutine's; WithPollTime or GDRPC_RDMA_POLL changes
+// it), keeps polling while requests are in flight, and otherwise arms the
+// worker and sleeps on its event fd, so an idle worker burns no CPU. A reply
+// that comes while the driver polls is handed to its reader on the driver's
+// P, without waking a thread; replies to RPCs and rendezvous messages
+// typically come within a few hundred microseconds. Work done outside the
+// driver wakes a sleeping driver, to catch the reply that often follows a
+// send. Hand-offs between OS threads cost tens of microseconds each on small
+// virtual machines; this keeps them off the path of a write and a reply.
 //
 // # Endpoints
 //
