@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 )
@@ -68,9 +69,15 @@ func (r *reporter) header(b *bench) {
 	fmt.Fprintln(r.tw, strings.Join(cols, "\t")+"\t")
 }
 
+// num prints a rate: whole numbers with thousands separators, and three
+// significant digits below 100 (small payloads, where the rate stands for the
+// call's latency).
 func num(v *float64) string {
-	if v == nil {
+	switch {
+	case v == nil:
 		return "-"
+	case *v < 100:
+		return strconv.FormatFloat(*v, 'g', 3, 64)
 	}
 	return commas(*v)
 }
