@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
+
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -127,6 +129,58 @@ func BenchmarkConnPingPong(b *testing.B) {
 					b.Fatal(err)
 				}
 				if _, err := io.ReadFull(c1, buf); err != nil {
+					b.Fatal(err)
+				}
+				lat = append(lat, time.Since(start))
+			}
+			reportLatency(b, lat)
+		})
+	}
+}
+
+// BenchmarkConnPingPongProcesses: BenchmarkConnPingPong with the echoing end
+// in another process, as in a deployment: raw TCP, and gdrpc sessions over
+// each transport (a gRPC stream conn).
+func BenchmarkConnPingPongProcesses(b *testing.B) {
+	type pcase struct {
+		name string
+		dial func(b *testing.B) net.Conn
+	}
+	cases := []pcase{{name: "raw-tcp", dial: func(b *testing.B) net.Conn {
+		_, addr := startChild(b, "tcp-echo-server")
+		c, err := net.Dial("tcp", addr)
+		require.NoError(b, err)
+		b.Cleanup(func() { _ = c.Close() })
+		return c
+	}}}
+	for _, tc := range transportCases {
+		cases = append(cases, pcase{name: "gdrpc-" + tc.name, dial: func(b *testing.B) net.Conn {
+			if tc.ucx != "" {
+				requireUCX(b)
+			}
+			_, addr := startChild(b, "echo-server", childEnvFor(tc)...)
+			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			defer cancel()
+			s, err := transport.Dial(ctx, addr, tc.options(b)...)
+			require.NoError(b, err)
+			b.Cleanup(func() { _ = s.Close() })
+			c, err := s.Conn(ctx)
+			require.NoError(b, err)
+			return c
+		}})
+	}
+	for _, pc := range cases {
+		b.Run("transport="+pc.name+"/size=64B", func(b *testing.B) {
+			c := pc.dial(b)
+			buf := make([]byte, 64)
+			lat := make([]time.Duration, 0, 4096)
+			b.ReportAllocs()
+			for b.Loop() {
+				start := time.Now()
+				if _, err := c.Write(buf); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := io.ReadFull(c, buf); err != nil {
 					b.Fatal(err)
 				}
 				lat = append(lat, time.Since(start))

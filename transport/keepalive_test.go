@@ -26,9 +26,21 @@ const childEnv = "GDRPC_TEST_CHILD"
 // runChild plays a role in a child process: "echo-server" listens (address
 // from GDRPC_TEST_LISTEN, transport from GDRPC_TEST_UCX: "" for TCP, else
 // UCX_TLS), prints "ADDR <addr>", echoes every gRPC stream conn, and exits
-// when its stdin closes.
+// when its stdin closes. "tcp-echo-server" does the same on a plain TCP
+// listener (the baseline of the benchmarks).
 func runChild(role string) int {
 	switch role {
+	case "tcp-echo-server":
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			fmt.Println("ERR", err)
+			return 1
+		}
+		go echoAll(l)
+		fmt.Println("ADDR", l.Addr().String())
+		_, _ = io.Copy(io.Discard, os.Stdin)
+		_ = l.Close()
+		return 0
 	case "echo-server":
 		opts := []transport.Option{transport.WithMode(transport.ModeTCP)}
 		if tls := os.Getenv("GDRPC_TEST_UCX"); tls != "" {
@@ -48,18 +60,7 @@ func runChild(role string) int {
 			fmt.Println("ERR", err)
 			return 1
 		}
-		go func() {
-			for {
-				c, err := l.Accept()
-				if err != nil {
-					return
-				}
-				go func() {
-					defer c.Close()
-					_, _ = io.Copy(c, c)
-				}()
-			}
-		}()
+		go echoAll(l)
 		fmt.Println("ADDR", l.Addr().String())
 		_, _ = io.Copy(io.Discard, os.Stdin) // until the parent goes away
 		_ = l.Close()
@@ -69,13 +70,27 @@ func runChild(role string) int {
 	return 2
 }
 
+// echoAll echoes every conn l accepts, until l closes.
+func echoAll(l net.Listener) {
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			_, _ = io.Copy(c, c)
+		}()
+	}
+}
+
 // startChild re-executes the test binary in a role and returns the process
 // and the address it printed. The child is killed when the test ends.
-func startChild(t *testing.T, role string, env ...string) (*exec.Cmd, string) {
-	t.Helper()
-	cmd, l := testenv.StartChild(t, testTimeout, nil, append([]string{childEnv + "=" + role}, env...)...)
+func startChild(tb testing.TB, role string, env ...string) (*exec.Cmd, string) {
+	tb.Helper()
+	cmd, l := testenv.StartChild(tb, testTimeout, nil, append([]string{childEnv + "=" + role}, env...)...)
 	addr, ok := strings.CutPrefix(l, "ADDR ")
-	require.True(t, ok, "child said %q", l)
+	require.True(tb, ok, "child said %q", l)
 	return cmd, addr
 }
 
