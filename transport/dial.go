@@ -38,7 +38,7 @@ func Dial(ctx context.Context, addr string, opts ...Option) (*Session, error) {
 	if err != nil {
 		return nil, fmt.Errorf("gdrpc: dial %s: %w", addr, err)
 	}
-	s, err := clientHandshake(ctx, cfg, tc, rctx)
+	s, err := clientHandshake(ctx, cfg, tc, rctx, true)
 	if err != nil {
 		return nil, fmt.Errorf("gdrpc: dial %s: %w", addr, err)
 	}
@@ -60,7 +60,7 @@ func NewClientSession(ctx context.Context, conn net.Conn, opts ...Option) (*Sess
 		return nil, errors.New("gdrpc: transport ucx needs Dial, not a caller's conn")
 	}
 	cfg.mode = ModeTCP
-	s, err := clientHandshake(ctx, cfg, conn, nil)
+	s, err := clientHandshake(ctx, cfg, conn, nil, false)
 	if err != nil {
 		return nil, fmt.Errorf("gdrpc: %w", err)
 	}
@@ -91,7 +91,10 @@ func ctxErr(ctx context.Context, err error) error {
 	return err
 }
 
-func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma.Context) (s *Session, err error) {
+// clientHandshake runs the client's side of the handshake over conn. With
+// lanes, the session may dial the server again for its lanes (Dial: conn is a
+// TCP connection to the server's listener).
+func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma.Context, lanes bool) (s *Session, err error) {
 	hctx, cancel := context.WithTimeout(ctx, cfg.handshakeTimeout)
 	defer cancel()
 	unbind := bindDeadline(hctx, conn)
@@ -105,7 +108,10 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 
 	caps := cfg.localCaps()
 	if rctx == nil && cfg.mode != ModeTCP {
-		caps.UCX, caps.Lanes = false, false
+		caps.UCX = false
+	}
+	if !lanes {
+		caps.Lanes = false
 	}
 	if _, err := conn.Write(encodeHello(hello{ID: cfg.localID, HostID: LocalHostID(), Mode: cfg.mode, Caps: caps})); err != nil {
 		return nil, fmt.Errorf("handshake: send hello: %w", err)
@@ -132,6 +138,9 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 		token:     w.Token,
 		transport: "tcp",
 		conn:      conn,
+	}
+	if caps.Lanes {
+		setup.laneAddr = conn.RemoteAddr().String() // the address dialed, resolved
 	}
 	if w.Transport == "ucx" {
 		if rctx == nil {
@@ -162,7 +171,9 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 			unbind()
 			_ = conn.Close() // the bootstrap is done; the session runs over UCX
 			setup.transport, setup.conn, setup.ep, setup.rctx = "ucx", ep, ep, rctx
-			setup.ucxAddr = uaddr
+			if caps.Lanes {
+				setup.laneAddr = uaddr
+			}
 			return newSession(setup)
 		}
 	}

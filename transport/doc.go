@@ -1,9 +1,9 @@
 // Package transport owns everything that knows about a peer: the session (one
 // per underlying connection), its handshake and capability negotiation, the
 // multiplexing of the session's byte stream (yamux: one gRPC stream, one
-// control stream, bulk streams; on UCX the gRPC and control streams run on
-// UCX endpoints of their own, lanes, when both ends allow it), the net.Conn
-// and net.Listener gRPC runs on,
+// control stream, bulk streams; the gRPC and control streams run on
+// connections of their own, lanes, when both ends allow it), the net.Conn and
+// net.Listener gRPC runs on,
 // keepalive and dead-peer detection, the process-wide registry of live
 // sessions by peer process id, gRPC transport credentials that expose the
 // session to handlers, and the out-of-band transfer engine built on sessions.

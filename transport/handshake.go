@@ -73,9 +73,10 @@ type Caps struct {
 	UCXTransports []string // UCX transports/devices ("tl/device"), best effort
 	CUDADevices   []string // UUIDs of the CUDA devices present
 	Codecs        []string // codecs this process speaks, e.g. "gdr"
-	// Lanes: on a UCX session, this process accepts (server) or opens
-	// (client) the gRPC stream and the control stream on UCX endpoints of
-	// their own instead of multiplexed streams. Both ends must announce it.
+	// Lanes: this process accepts (server) or opens (client) the gRPC
+	// stream and the control stream on connections of their own (UCX
+	// endpoints or TCP connections, as the session) instead of multiplexed
+	// streams. Both ends must announce it.
 	Lanes bool
 }
 
@@ -175,12 +176,13 @@ func defaultLocalCaps() Caps {
 // sends one decision byte over TCP: 'U' (the session runs over UCX, the TCP
 // connection is closed by both) or 'T' (UCX failed, the session stays on TCP).
 //
-// On a UCX session whose two ends announced lanes, the client runs the control
-// stream and the gRPC stream each on a UCX endpoint of its own instead of a
-// multiplexed stream: for each it dials the same UCX listener, sends "GDRPCL",
-// the session token and the role byte ('C', 'G'), and waits for one ack byte.
-// The multiplexer keeps the bulk streams and the keepalive. Version 1 had no
-// lanes.
+// On a session whose two ends announced lanes, the client runs the control
+// stream and the gRPC stream each on a connection of its own instead of a
+// multiplexed stream: for each it dials the listener the session runs on (the
+// UCX listener, or the TCP one for a TCP session), sends "GDRPCL" (as long as
+// the magic, which it replaces on TCP), the session token and the role byte
+// ('C', 'G'), and waits for one ack byte (1: accepted). The multiplexer keeps
+// the bulk streams and the keepalive. Version 1 had no lanes.
 const (
 	magic           = "GDRPC\x00"
 	upgradeMagic    = "GDRPCU"

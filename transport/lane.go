@@ -14,13 +14,14 @@ import (
 	"github.com/gdrpc/gdrpc/rdma"
 )
 
-// Lanes: on a UCX session whose two ends allow it, the gRPC stream and the
-// control stream each run on a UCX endpoint of their own rather than on a
+// Lanes: on a session whose two ends allow it, the gRPC stream and the
+// control stream each run on a connection of their own, a lane (a UCX
+// endpoint on a UCX session, a TCP connection on a TCP one), rather than on a
 // stream of the multiplexer. A multiplexed stream costs every message two
 // goroutine hand-offs on the way out (yamux's Write waits for its send loop)
 // and one on the way in (its receive loop feeds the stream); on a lane, the
-// reader and the writer use the endpoint directly. The bulk streams and the
-// keepalive stay on the multiplexer.
+// reader and the writer use the connection directly. The bulk streams and
+// the keepalive stay on the multiplexer.
 
 // laneRoles are the roles a lane may have, each opened at most once.
 var laneRoles = map[byte]uint8{roleGRPC: 1, roleControl: 2}
@@ -28,23 +29,37 @@ var laneRoles = map[byte]uint8{roleGRPC: 1, roleControl: 2}
 const allLaneRoles = 1 | 2
 
 // useLane reports whether the session's gRPC and control streams run on
-// lanes.
+// lanes: both ends allow them and, on the client, the session knows where to
+// dial them.
 func (s *Session) useLane() bool {
-	return s.transport == "ucx" && s.rctx != nil && !s.cfg.noLane && s.peer.Caps.Lanes
+	if s.cfg.noLane || !s.peer.Caps.Lanes {
+		return false
+	}
+	if !s.client {
+		return true
+	}
+	return s.laneAddr != "" && (s.transport != "ucx" || s.rctx != nil)
 }
 
-// openLane dials the server's UCX listener for a lane of the role and proves
-// the session with its token (client).
+// openLane dials the server's listener (UCX or TCP, as the session runs) for
+// a lane of the role and proves the session with its token (client).
 func (s *Session) openLane(ctx context.Context, role byte) (*laneConn, error) {
-	w := s.rctx.Worker()
-	if w == nil {
-		return nil, fmt.Errorf("gdrpc: open lane: UCX context has no worker: %w", rdma.ErrNotSupported)
-	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.handshakeTimeout)
 	defer cancel()
-	ep, err := w.Dial(ctx, s.ucxAddr)
+	var ep net.Conn
+	var err error
+	if s.transport == "ucx" {
+		w := s.rctx.Worker()
+		if w == nil {
+			return nil, fmt.Errorf("gdrpc: open lane: UCX context has no worker: %w", rdma.ErrNotSupported)
+		}
+		ep, err = w.Dial(ctx, s.laneAddr)
+	} else {
+		var d net.Dialer
+		ep, err = d.DialContext(ctx, "tcp", s.laneAddr)
+	}
 	if err != nil {
-		return nil, fmt.Errorf("gdrpc: open lane to %s: %w", s.ucxAddr, ctxErr(ctx, err))
+		return nil, fmt.Errorf("gdrpc: open lane to %s: %w", s.laneAddr, ctxErr(ctx, err))
 	}
 	unbind := bindDeadline(ctx, ep)
 	msg := append(append([]byte(laneMagic), s.token[:]...), role)
@@ -66,7 +81,7 @@ func (s *Session) openLane(ctx context.Context, role byte) (*laneConn, error) {
 
 // attachLane adds ep to the session's lanes and returns its conn. It fails,
 // closing ep, when the session is closed.
-func (s *Session) attachLane(ep *rdma.Endpoint, role byte) (*laneConn, error) {
+func (s *Session) attachLane(ep net.Conn, role byte) (*laneConn, error) {
 	s.laneMu.Lock()
 	if s.laneDone {
 		s.laneMu.Unlock()
@@ -100,7 +115,7 @@ func (s *Session) closeLanes() {
 // (server side), the role what runs on it. It answers with the ack byte. The
 // lane may arrive before the handshake made the session; it waits for it for
 // at most wait.
-func serveLane(ep *rdma.Endpoint, token ID, role byte, wait time.Duration) error {
+func serveLane(ep net.Conn, token ID, role byte, wait time.Duration) error {
 	s, err := takeLaneSession(token, role, wait)
 	var c *laneConn
 	switch {
@@ -214,7 +229,7 @@ func forgetLane(token ID, slot *laneSlot) {
 // timeouts are *TimeoutError, a failed peer is ErrPeerGone, and after Close
 // every call fails with an error wrapping net.ErrClosed.
 type laneConn struct {
-	ep          *rdma.Endpoint
+	ep          net.Conn // *rdma.Endpoint or a TCP conn
 	sess        *Session
 	role        byte
 	local, peer net.Addr
@@ -250,19 +265,17 @@ func (c *laneConn) mapErr(op string, err error) error {
 	if err == io.EOF {
 		return err
 	}
-	var ee *rdma.EndpointError
 	switch {
 	case c.closed.Load():
 		return c.opErr(op, net.ErrClosed)
 	case errors.Is(err, os.ErrDeadlineExceeded):
 		return c.opErr(op, &TimeoutError{Op: op})
-	case errors.As(err, &ee):
-		return c.opErr(op, fmt.Errorf("%w: %w", ErrPeerGone, err))
 	case errors.Is(err, net.ErrClosed):
 		// The session closed the lane under us.
 		return c.opErr(op, c.sess.closedErr())
 	}
-	return c.opErr(op, err)
+	// The connection broke (*rdma.EndpointError, a reset TCP connection).
+	return c.opErr(op, fmt.Errorf("%w: %w", ErrPeerGone, err))
 }
 
 func (c *laneConn) opErr(op string, err error) error {

@@ -41,7 +41,6 @@ func lanePair(t *testing.T, serverOpts, clientOpts []Option) (l *Listener, cs, s
 	cs, err = Dial(ctx, l.Addr().String(), clientOpts...)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = cs.Close() })
-	require.Equal(t, "ucx", cs.Transport())
 	cc, err = cs.Conn(ctx)
 	require.NoError(t, err)
 	select {
@@ -60,20 +59,29 @@ func lanePair(t *testing.T, serverOpts, clientOpts []Option) (l *Listener, cs, s
 // and control messages cross either way, and closing the client's gRPC conn
 // ends both sessions.
 func TestLanes(t *testing.T) {
-	rc := internalUCX(t)
-	base := []Option{WithRDMAContext(rc), WithMode(ModeUCX)}
-	off := append(append([]Option{}, base...), WithLanes(false))
+	ucx := func(t *testing.T) []Option {
+		return []Option{WithRDMAContext(internalUCX(t)), WithMode(ModeUCX)}
+	}
+	tcp := func(*testing.T) []Option { return []Option{WithMode(ModeTCP)} }
+	off := func(base func(*testing.T) []Option) func(*testing.T) []Option {
+		return func(t *testing.T) []Option { return append(base(t), WithLanes(false)) }
+	}
 	for _, tc := range []struct {
 		name           string
-		server, client []Option
+		server, client func(*testing.T) []Option
+		transport      string
 		lane           bool
 	}{
-		{"both", base, base, true},
-		{"server-off", off, base, false},
-		{"client-off", base, off, false},
+		{"ucx/both", ucx, ucx, "ucx", true},
+		{"ucx/server-off", off(ucx), ucx, "ucx", false},
+		{"ucx/client-off", ucx, off(ucx), "ucx", false},
+		{"tcp/both", tcp, tcp, "tcp", true},
+		{"tcp/server-off", off(tcp), tcp, "tcp", false},
+		{"tcp/client-off", tcp, off(tcp), "tcp", false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			_, cs, ss, cc, sc := lanePair(t, tc.server, tc.client)
+			_, cs, ss, cc, sc := lanePair(t, tc.server(t), tc.client(t))
+			require.Equal(t, tc.transport, cs.Transport())
 			_, clientLane := cc.(*laneConn)
 			_, serverLane := sc.(*laneConn)
 			require.Equal(t, tc.lane, clientLane, "client conn %T", cc)
@@ -94,7 +102,7 @@ func TestLanes(t *testing.T) {
 					t.Fatal("control message lost")
 				}
 			}
-			require.Equal(t, "gdrpc+ucx", cc.LocalAddr().Network())
+			require.Equal(t, "gdrpc+"+tc.transport, cc.LocalAddr().Network())
 
 			msg := []byte("over the lane")
 			_, err := cc.Write(msg)
@@ -131,21 +139,33 @@ func TestLanes(t *testing.T) {
 // open, or has an unknown role is refused with a zero ack and closed; the
 // session itself is unharmed.
 func TestLanesRefused(t *testing.T) {
-	rc := internalUCX(t)
-	opts := []Option{WithRDMAContext(rc), WithMode(ModeUCX)}
-	l, _, ss, cc, sc := lanePair(t, opts, opts)
+	t.Run("ucx", func(t *testing.T) {
+		rc := internalUCX(t)
+		testLanesRefused(t, []Option{WithRDMAContext(rc), WithMode(ModeUCX)}, func(ctx context.Context, l *Listener) (net.Conn, error) {
+			return rc.Worker().Dial(ctx, l.UCXAddr().String())
+		})
+	})
+	t.Run("tcp", func(t *testing.T) {
+		testLanesRefused(t, []Option{WithMode(ModeTCP)}, func(ctx context.Context, l *Listener) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "tcp", l.Addr().String())
+		})
+	})
+}
 
+func testLanesRefused(t *testing.T, opts []Option, dial func(context.Context, *Listener) (net.Conn, error)) {
+	l, _, ss, cc, sc := lanePair(t, opts, opts)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	refused := func(token ID, role byte) {
 		t.Helper()
-		ep, err := rc.Worker().Dial(ctx, l.UCXAddr().String())
+		c, err := dial(ctx, l)
 		require.NoError(t, err)
-		defer ep.Close()
-		_, err = ep.Write(append(append([]byte(laneMagic), token[:]...), role))
+		defer c.Close()
+		_, err = c.Write(append(append([]byte(laneMagic), token[:]...), role))
 		require.NoError(t, err)
-		require.NoError(t, ep.SetReadDeadline(time.Now().Add(20*time.Second)))
-		b, err := io.ReadAll(ep)
+		require.NoError(t, c.SetReadDeadline(time.Now().Add(20*time.Second)))
+		b, err := io.ReadAll(c)
 		require.Equal(t, []byte{0}, b, "a refusal, then the end")
 		if err != nil {
 			require.NotErrorIs(t, err, os.ErrDeadlineExceeded)

@@ -249,6 +249,22 @@ func (l *Listener) serveTCP(c net.Conn) {
 		l.log.Debug("connection closed before the handshake", "remote", c.RemoteAddr().String(), "err", err)
 		return
 	}
+	if string(first[:]) == laneMagic {
+		var rest [len(ID{}) + 1]byte
+		_, err := io.ReadFull(c, rest[:])
+		unbind()
+		if err == nil {
+			var token ID
+			copy(token[:], rest[:])
+			err = serveLane(c, token, rest[len(token)], l.cfg.handshakeTimeout)
+		} else {
+			_ = c.Close()
+		}
+		if err != nil {
+			l.log.Warn("lane refused", "remote", c.RemoteAddr().String(), "err", err)
+		}
+		return
+	}
 	if string(first[:]) != magic {
 		if isHTTP2Preface(first[:]) || isTLSHello(first[:]) {
 			unbind()
@@ -336,7 +352,10 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 
 	caps := cfg.localCaps()
 	if l != nil && !haveUCX && cfg.mode != ModeTCP {
-		caps.UCX, caps.Lanes = false, false
+		caps.UCX = false
+	}
+	if l == nil {
+		caps.Lanes = false // no listener for the client to dial lanes to
 	}
 	w := welcome{
 		ID:         cfg.localID,
@@ -362,12 +381,12 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		w.Transport, w.UCXPort = "ucx", uint16(port)
 		pu = l.expect(w.Token)
 		defer l.abandon(w.Token, pu)
-		if caps.Lanes && h.Caps.Lanes {
-			// The client may dial the lane as soon as its session is up,
-			// before this side's is: the lane waits for it in this slot.
-			slot = expectLane(w.Token)
-			defer slot.fill(nil) // no-op once newSession filled it
-		}
+	}
+	if caps.Lanes && h.Caps.Lanes {
+		// The client may dial a lane as soon as its session is up, before
+		// this side's is: the lane waits for it in this slot.
+		slot = expectLane(w.Token)
+		defer slot.fill(nil) // no-op once newSession filled it
 	}
 	if _, err := conn.Write(encodeWelcome(w)); err != nil {
 		return nil, fmt.Errorf("handshake: send welcome: %w", err)
@@ -504,7 +523,7 @@ func (l *Listener) serveUCX(ep *rdma.Endpoint) {
 			_ = ep.Close()
 		}
 		if err != nil {
-			l.log.Warn("gRPC lane refused", "remote", ep.RemoteAddr().String(), "err", err)
+			l.log.Warn("lane refused", "remote", ep.RemoteAddr().String(), "err", err)
 		}
 		return
 	}

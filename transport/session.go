@@ -58,12 +58,12 @@ type Session struct {
 	mux       *yamux.Session
 
 	localAddr, remoteAddr net.Addr
-	ucxAddr               string // client: the server's UCX listener, for the gRPC lane
+	laneAddr              string // client: where to dial the lanes ("" for none)
 
 	laneMu   sync.Mutex
-	lanes    []*rdma.Endpoint // the gRPC and control lanes, where they run on lanes (lane.go)
-	laneDone bool             // the session closed: no lane any more
-	laneSlot *laneSlot        // server: the slot lanes find the session by
+	lanes    []net.Conn // the gRPC and control lanes, where they run on lanes (lane.go)
+	laneDone bool       // the session closed: no lane any more
+	laneSlot *laneSlot  // server: the slot lanes find the session by
 
 	grpcTaken atomic.Bool
 	grpcCh    chan net.Conn // server: the gRPC stream once the client opened it
@@ -93,7 +93,7 @@ type sessionSetup struct {
 	conn      net.Conn // TCP conn, pipe or UCX endpoint
 	ep        *rdma.Endpoint
 	rctx      *rdma.Context
-	ucxAddr   string    // client, UCX: the server's UCX listener address
+	laneAddr  string    // client: where to dial lanes (the UCX or TCP listener); "" for none
 	laneSlot  *laneSlot // server, UCX: where the gRPC lane finds the session
 }
 
@@ -121,7 +121,7 @@ func newSession(st sessionSetup) (*Session, error) {
 		ctrlSem:   make(chan struct{}, 1),
 		done:      make(chan struct{}),
 		muxClosed: make(chan struct{}),
-		ucxAddr:   st.ucxAddr,
+		laneAddr:  st.laneAddr,
 	}
 	role := "server"
 	if s.client {

@@ -130,11 +130,12 @@ func WithWindow(n int) Option {
 	}
 }
 
-// WithLanes sets whether a UCX session runs its gRPC stream and its control
-// stream on UCX endpoints of their own, lanes (on: the default), or on
-// streams of the session's multiplexer. A lane spares every message the
-// multiplexer's goroutine hand-offs; lanes are used only when both ends allow
-// them, and never on TCP sessions.
+// WithLanes sets whether a session runs its gRPC stream and its control
+// stream on connections of their own, lanes (on: the default; UCX endpoints
+// on a UCX session, TCP connections on a TCP one), or on streams of the
+// session's multiplexer. A lane spares every message the multiplexer's
+// goroutine hand-offs. Lanes are used only when both ends allow them and the
+// session was made by Dial and a Listener (not over a caller's conn).
 func WithLanes(on bool) Option {
 	return func(c *config) { c.noLane = !on }
 }
@@ -201,6 +202,6 @@ func (c *config) localCaps() Caps {
 		u := ucxCaps(c.rdmaCtx)
 		caps.UCX, caps.UCXVersion, caps.MemoryTypes, caps.UCXTransports = u.UCX, u.UCXVersion, u.MemoryTypes, u.UCXTransports
 	}
-	caps.Lanes = caps.UCX && !c.noLane
+	caps.Lanes = !c.noLane
 	return caps
 }
