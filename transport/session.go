@@ -94,7 +94,7 @@ type sessionSetup struct {
 	ep        *rdma.Endpoint
 	rctx      *rdma.Context
 	laneAddr  string    // client: where to dial lanes (the UCX or TCP listener); "" for none
-	laneSlot  *laneSlot // server, UCX: where the gRPC lane finds the session
+	laneSlot  *laneSlot // server: where the lanes find the session
 }
 
 // yamuxLogger sends yamux's log lines to slog at debug level.
