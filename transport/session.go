@@ -42,8 +42,10 @@ var sessionIDs atomic.Uint64
 
 // Session is one connection to a peer process: a handshake, then a
 // multiplexer (yamux) over the session's byte stream (a UCX endpoint or the
-// TCP connection) carrying the gRPC stream, a control stream and any number of
-// bulk streams. Closing the gRPC stream conn closes the session.
+// TCP connection) carrying the keepalive and any number of bulk streams, and
+// the gRPC stream and the control stream, each on a lane of its own (lane.go)
+// or, where either end has no lanes, on the multiplexer. Closing the gRPC
+// stream conn closes the session.
 type Session struct {
 	id        uint64
 	client    bool
@@ -448,9 +450,10 @@ func (s *Session) serveStream(st *yamux.Stream) {
 	}
 }
 
-// Conn returns the stream gRPC runs on. On the client it opens it (once); on
-// the server it waits, bounded by ctx and the session's life, for the client
-// to open it (once). Closing the conn closes the session.
+// Conn returns the stream gRPC runs on (a lane or a multiplexed stream). On
+// the client it opens it (once); on the server it waits, bounded by ctx and
+// the session's life, for the client to open it (once). Closing the conn
+// closes the session.
 func (s *Session) Conn(ctx context.Context) (net.Conn, error) {
 	if s.client {
 		if !s.grpcTaken.CompareAndSwap(false, true) {
