@@ -74,9 +74,9 @@ type Caps struct {
 	CUDADevices   []string // UUIDs of the CUDA devices present
 	Codecs        []string // codecs this process speaks, e.g. "gdr"
 	// Lanes: this process accepts (server) or opens (client) the gRPC
-	// stream and the control stream on connections of their own (UCX
-	// endpoints or TCP connections, as the session) instead of multiplexed
-	// streams. Both ends must announce it.
+	// stream, the control stream and a bulk lane on connections of their own
+	// (UCX endpoints or TCP connections, as the session) instead of
+	// multiplexed streams. Both ends must announce it.
 	Lanes bool
 }
 
@@ -177,12 +177,13 @@ func defaultLocalCaps() Caps {
 // connection is closed by both) or 'T' (UCX failed, the session stays on TCP).
 //
 // On a session whose two ends announced lanes, the client runs the control
-// stream and the gRPC stream each on a connection of its own instead of a
-// multiplexed stream: for each it dials the listener the session runs on (the
-// UCX listener, or the TCP one for a TCP session), sends "GDRPCL" (as long as
-// the magic, which it replaces on TCP), the session token and the role byte
-// ('C', 'G'), and waits for one ack byte (1: accepted). The multiplexer keeps
-// the bulk streams and the keepalive. Version 1 had no lanes.
+// stream, the bulk frames of the stream path and the gRPC stream each on a
+// connection of its own instead of multiplexed streams: for each it dials the
+// listener the session runs on (the UCX listener, or the TCP one for a TCP
+// session), sends "GDRPCL" (as long as the magic, which it replaces on TCP),
+// the session token and the role byte ('C', 'B', 'G'), and waits for one ack
+// byte (1: accepted). The multiplexer keeps the keepalive. Version 1 had no
+// lanes.
 const (
 	magic           = "GDRPC\x00"
 	upgradeMagic    = "GDRPCU"

@@ -14,19 +14,84 @@ import (
 	"github.com/gdrpc/gdrpc/rdma"
 )
 
-// Lanes: on a session whose two ends allow it, the gRPC stream and the
-// control stream each run on a connection of their own, a lane (a UCX
-// endpoint on a UCX session, a TCP connection on a TCP one), rather than on a
-// stream of the multiplexer. A multiplexed stream costs every message two
+// Lanes: on a session whose two ends allow it, the gRPC stream, the control
+// stream and the stream path's payloads each run on a connection of their
+// own, a lane (a UCX endpoint on a UCX session, a TCP connection on a TCP
+// one), rather than on a stream of the multiplexer. A multiplexed stream costs every message two
 // goroutine hand-offs on the way out (yamux's Write waits for its send loop)
-// and one on the way in (its receive loop feeds the stream); on a lane, the
-// reader and the writer use the connection directly. The bulk streams and
-// the keepalive stay on the multiplexer.
+// and one on the way in (its receive loop feeds the stream), and its 256 KiB
+// initial window costs a bulk payload a round trip; on a lane, the reader and
+// the writer use the connection directly. The keepalive stays on the
+// multiplexer, and so do bulk streams where there is no bulk lane.
+//
+// The bulk lane carries frames both ways: a bulk header (request id, length)
+// and that many bytes. One writer at a time per side; the reader puts each
+// frame into the destination of the pull it names, or discards it when that
+// pull is gone, so one transfer given up never desynchronises the next.
+
+// setBulkLane makes c the session's bulk lane, once.
+func (s *Session) setBulkLane(c net.Conn) bool {
+	s.laneMu.Lock()
+	defer s.laneMu.Unlock()
+	select {
+	case <-s.bulkReady:
+		return false
+	default:
+	}
+	s.bulk = c
+	close(s.bulkReady)
+	return true
+}
+
+// bulkLane returns the bulk lane with the turn to write on it, and the
+// function that gives the turn back; ok is false when the session has no bulk
+// lane (yet). The wait for the turn is bounded by ctx and the session's life.
+func (s *Session) bulkLane(ctx context.Context) (c net.Conn, release func(), ok bool, err error) {
+	select {
+	case <-s.bulkReady:
+	default:
+		return nil, nil, false, nil
+	}
+	select {
+	case s.bulkSem <- struct{}{}:
+	case <-s.done:
+		return nil, nil, true, s.closedErr()
+	case <-ctx.Done():
+		return nil, nil, true, ctx.Err()
+	}
+	return s.bulk, func() { <-s.bulkSem }, true, nil
+}
+
+// bulkLaneReader runs the bulk lane's reader (set by the out-of-band engine)
+// once the lane is there; a reader that stops on an error ends the session.
+func (s *Session) bulkLaneReader() {
+	defer s.wg.Done()
+	select {
+	case <-s.bulkReady:
+	case <-s.done:
+		return
+	}
+	h := bulkLaneHandler
+	if h == nil {
+		return
+	}
+	if err := h(s, s.bulk); err != nil {
+		select {
+		case <-s.done:
+		default:
+			s.closeWith(fmt.Errorf("%w: bulk lane: %w", ErrPeerGone, err))
+		}
+	}
+}
+
+// bulkLaneHandler reads frames from a session's bulk lane until it fails.
+// Set by the out-of-band engine.
+var bulkLaneHandler func(s *Session, c net.Conn) error
 
 // laneRoles are the roles a lane may have, each opened at most once.
-var laneRoles = map[byte]uint8{roleGRPC: 1, roleControl: 2}
+var laneRoles = map[byte]uint8{roleGRPC: 1, roleControl: 2, roleBulk: 4}
 
-const allLaneRoles = 1 | 2
+const allLaneRoles = 1 | 2 | 4
 
 // useLane reports whether the session's gRPC and control streams run on
 // lanes: both ends allow them and, on the client, the session knows where to
@@ -128,6 +193,10 @@ func serveLane(ep net.Conn, token ID, role byte, wait time.Duration) error {
 	if err == nil && role == roleControl && !s.setControl(c) {
 		_ = c.Close()
 		return errors.New("the session's control stream is already open")
+	}
+	if err == nil && role == roleBulk && !s.setBulkLane(c) {
+		_ = c.Close()
+		return errors.New("the session's bulk lane is already open")
 	}
 	if err != nil {
 		_, _ = ep.Write([]byte{0})

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
 )
 
 func init() {
@@ -90,6 +92,19 @@ func TestLanes(t *testing.T) {
 				<-s.ctrlReady
 				_, ctrlLane := s.ctrl.(*laneConn)
 				require.Equal(t, tc.lane, ctrlLane, "control conn %T", s.ctrl)
+				if tc.lane {
+					select {
+					case <-s.bulkReady: // the server's may come after the gRPC lane
+					case <-time.After(10 * time.Second):
+						t.Fatal("no bulk lane")
+					}
+				} else {
+					select {
+					case <-s.bulkReady:
+						t.Fatal("a bulk lane without lanes")
+					default:
+					}
+				}
 			}
 			// A control message crosses each way.
 			for _, d := range [][2]*Session{{cs, ss}, {ss, cs}} {
@@ -183,4 +198,66 @@ func testLanesRefused(t *testing.T, opts []Option, dial func(context.Context, *L
 	_, err = io.ReadFull(sc, b)
 	require.NoError(t, err)
 	require.Equal(t, "still", string(b))
+}
+
+// TestBulkLaneFrames: frames on the bulk lane land in the destination of the
+// pull they name; a frame for no pull, for a pull already served, or of the
+// wrong length is dropped (the last one failing its pull), and the frames
+// after it still arrive whole.
+func TestBulkLaneFrames(t *testing.T) {
+	opts := []Option{WithMode(ModeTCP)}
+	_, cs, ss, _, _ := lanePair(t, opts, opts)
+	<-ss.bulkReady
+	newPull := func(n int) *pull {
+		dst, err := devicebuf.NewHostAllocator().Alloc(n)
+		require.NoError(t, err)
+		p := &pull{s: ss, dst: dst, fin: make(chan *fin, 1), bulk: make(chan error, 1)}
+		pulls.Lock()
+		pulls.next++
+		p.req = pulls.next
+		pulls.m[p.req] = p
+		pulls.Unlock()
+		t.Cleanup(p.settled)
+		return p
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	lane, release, ok, err := cs.bulkLane(ctx)
+	require.NoError(t, err)
+	require.True(t, ok, "the client has a bulk lane")
+	frame := func(req uint64, body string) {
+		t.Helper()
+		_, err := lane.Write(append(bulkHeader(req, uint64(len(body))), body...))
+		require.NoError(t, err)
+	}
+	result := func(p *pull) error {
+		t.Helper()
+		select {
+		case err := <-p.bulk:
+			return err
+		case <-ctx.Done():
+			t.Fatal("no frame for the pull")
+		}
+		return nil
+	}
+	p1, p2, p3 := newPull(5), newPull(4), newPull(3)
+	frame(1<<62, "nobody's")  // no such pull
+	frame(p1.req, "hello")    // delivered
+	frame(p1.req, "again")    // served already: dropped
+	frame(p2.req, "too long") // wrong length: p2 fails
+	frame(p3.req, "end")      // delivered
+	release()
+	require.NoError(t, result(p1))
+	require.ErrorContains(t, result(p2), "announces 8 bytes, destination holds 4")
+	require.NoError(t, result(p3))
+	for p, want := range map[*pull]string{p1: "hello", p3: "end"} {
+		b, err := p.dst.HostBytes()
+		require.NoError(t, err)
+		require.Equal(t, want, string(b))
+	}
+	select {
+	case <-ss.Done():
+		t.Fatal("the session closed")
+	default:
+	}
 }

@@ -77,6 +77,7 @@ func init() {
 	registerControlHandler(ctlFIN, handleFIN)
 	registerControlHandler(ctlChunk, handleChunk)
 	bulkHandler = serveBulk
+	bulkLaneHandler = serveBulkLane
 	onSessionClosed = append(onSessionClosed, dropIPCMappings, dropRemoteKeys, dropActivity)
 	beforeGracefulClose = lingerForTransfers
 }
@@ -636,21 +637,71 @@ func serveBulk(s *Session, c net.Conn) {
 	if err != nil {
 		return
 	}
-	pulls.Lock()
-	p := pulls.m[req]
-	if p == nil || p.s != s || p.detached || p.reading != nil {
-		pulls.Unlock()
+	p := claimBulk(s, req)
+	if p == nil {
 		return
 	}
-	done := make(chan struct{})
-	p.reading = done
-	pulls.Unlock()
-	defer close(done)
+	defer close(p.reading)
 	if uint64(p.dst.Len()) != n {
 		p.bulk <- fmt.Errorf("bulk stream announces %d bytes, destination holds %d", n, p.dst.Len())
 		return
 	}
 	p.bulk <- readInto(c, p.dst)
+}
+
+// claimBulk returns the pull req names, marked as being read into (close
+// p.reading when done), or nil when no live pull of s may be read into.
+func claimBulk(s *Session, req uint64) *pull {
+	pulls.Lock()
+	defer pulls.Unlock()
+	p := pulls.m[req]
+	if p == nil || p.s != s || p.detached || p.reading != nil {
+		return nil
+	}
+	p.reading = make(chan struct{})
+	return p
+}
+
+// serveBulkLane reads the frames of a session's bulk lane until it fails:
+// each into the destination of the pull it names, or, when that pull is gone
+// or the frame does not fit it, into nothing. It returns the error that broke
+// the lane (nil when the session closed it).
+func serveBulkLane(s *Session, c net.Conn) error {
+	hdr := make([]byte, bulkHeaderLen)
+	for {
+		_ = c.SetReadDeadline(time.Time{}) // an idle lane waits for the next frame as long as the session lives
+		if _, err := io.ReadFull(c, hdr); err != nil {
+			select {
+			case <-s.Done():
+				return nil
+			default:
+				return err
+			}
+		}
+		req, n, err := parseBulkHeader(hdr)
+		if err != nil {
+			return err
+		}
+		// A frame, once begun, comes whole unless the owner stalls.
+		_ = c.SetReadDeadline(time.Now().Add(cfg().Timeout))
+		body := &io.LimitedReader{R: c, N: int64(n)}
+		if p := claimBulk(s, req); p != nil {
+			if uint64(p.dst.Len()) != n {
+				p.bulk <- fmt.Errorf("bulk frame announces %d bytes, destination holds %d", n, p.dst.Len())
+			} else {
+				p.bulk <- readInto(body, p.dst)
+			}
+			close(p.reading)
+		}
+		// What the destination did not take (a failed copy, a mismatch, a pull
+		// given up) is read and dropped: the next frame starts after it.
+		if _, err := io.Copy(io.Discard, body); err != nil {
+			return err
+		}
+		if body.N > 0 {
+			return io.ErrUnexpectedEOF
+		}
+	}
 }
 
 // readInto fills dst from r; device memory goes through a host bounce buffer.
@@ -1047,6 +1098,21 @@ func pushStaged(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src 
 }
 
 func pushStream(ctx context.Context, s *Session, m *rtr, src Source) error {
+	lane, release, ok, err := s.bulkLane(ctx)
+	if err != nil {
+		return err
+	}
+	if ok {
+		// A frame begun must be finished, or the lane's frames lose their
+		// bounds: no deadline on it. The receiver reads (or discards) every
+		// frame, so the write ends with the data or with the session.
+		defer release()
+		if err := writeBulk(lane, m, src); err != nil {
+			s.closeWith(fmt.Errorf("%w: bulk lane write: %w", ErrPeerGone, err))
+			return s.closedErr()
+		}
+		return nil
+	}
 	c, err := s.OpenBulk(ctx)
 	if err != nil {
 		return fmt.Errorf("open bulk stream: %w", err)
@@ -1057,7 +1123,13 @@ func pushStream(ctx context.Context, s *Session, m *rtr, src Source) error {
 	}
 	stop := context.AfterFunc(ctx, func() { c.SetWriteDeadline(time.Now()) })
 	defer stop()
-	if _, err := c.Write(bulkHeader(m.Req, m.Length)); err != nil {
+	return writeBulk(c, m, src)
+}
+
+// writeBulk writes the bulk header of m and then src's bytes to c.
+func writeBulk(c net.Conn, m *rtr, src Source) error {
+	var err error
+	if _, err = c.Write(bulkHeader(m.Req, m.Length)); err != nil {
 		return err
 	}
 	switch b := src.Buffer; {

@@ -42,8 +42,8 @@ var sessionIDs atomic.Uint64
 
 // Session is one connection to a peer process: a handshake, then a
 // multiplexer (yamux) over the session's byte stream (a UCX endpoint or the
-// TCP connection) carrying the keepalive and any number of bulk streams, and
-// the gRPC stream and the control stream, each on a lane of its own (lane.go)
+// TCP connection) carrying the keepalive, and the gRPC stream, the control
+// stream and the stream path's bulk data, each on a lane of its own (lane.go)
 // or, where either end has no lanes, on the multiplexer. Closing the gRPC
 // stream conn closes the session.
 type Session struct {
@@ -66,6 +66,10 @@ type Session struct {
 	lanes    []net.Conn // the gRPC and control lanes, where they run on lanes (lane.go)
 	laneDone bool       // the session closed: no lane any more
 	laneSlot *laneSlot  // server: the slot lanes find the session by
+
+	bulk      net.Conn      // the bulk lane, once bulkReady is closed
+	bulkReady chan struct{} // closed when bulk is set
+	bulkSem   chan struct{} // one writer at a time on the bulk lane
 
 	grpcTaken atomic.Bool
 	grpcCh    chan net.Conn // server: the gRPC stream once the client opened it
@@ -124,6 +128,8 @@ func newSession(st sessionSetup) (*Session, error) {
 		done:      make(chan struct{}),
 		muxClosed: make(chan struct{}),
 		laneAddr:  st.laneAddr,
+		bulkReady: make(chan struct{}),
+		bulkSem:   make(chan struct{}, 1),
 	}
 	role := "server"
 	if s.client {
@@ -154,9 +160,13 @@ func newSession(st sessionSetup) (*Session, error) {
 
 	if s.client {
 		ctx, cancel := context.WithTimeout(context.Background(), st.cfg.handshakeTimeout)
-		var c net.Conn
+		var c, b net.Conn
 		if s.useLane() {
-			c, err = s.openLane(ctx, roleControl)
+			if c, err = s.openLane(ctx, roleControl); err == nil {
+				if b, err = s.openLane(ctx, roleBulk); err != nil {
+					s.closeLanes()
+				}
+			}
 		} else {
 			c, err = s.open(ctx, roleControl)
 		}
@@ -166,6 +176,9 @@ func newSession(st sessionSetup) (*Session, error) {
 			return nil, fmt.Errorf("gdrpc: open control stream: %w", err)
 		}
 		s.setControl(c)
+		if b != nil {
+			s.setBulkLane(b)
+		}
 	}
 
 	if st.laneSlot != nil {
@@ -178,11 +191,12 @@ func newSession(st sessionSetup) (*Session, error) {
 	}
 	registryAdd(s)
 	s.cfg.metrics.SessionUp(s.transport, s.client)
-	s.wg.Add(4)
+	s.wg.Add(5)
 	go s.monitor()
 	go s.acceptLoop()
 	go s.keepalive()
 	go s.controlReader()
+	go s.bulkLaneReader()
 	s.log.Debug("session up", "role", role, "transport", s.transport,
 		"peer", s.peer.ID.String(), "same_host", s.peer.SameHost,
 		"local", s.localAddr.String(), "remote", s.remoteAddr.String())
