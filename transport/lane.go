@@ -45,21 +45,20 @@ func (s *Session) setBulkLane(c net.Conn) bool {
 
 // bulkLane returns the bulk lane with the turn to write on it, and the
 // function that gives the turn back; ok is false when the session has no bulk
-// lane (yet). The wait for the turn is bounded by ctx and the session's life.
-func (s *Session) bulkLane(ctx context.Context) (c net.Conn, release func(), ok bool, err error) {
+// lane (yet) or another transfer is writing on it: the caller then opens a
+// multiplexed bulk stream, so transfers never queue behind each other.
+func (s *Session) bulkLane() (c net.Conn, release func(), ok bool) {
 	select {
 	case <-s.bulkReady:
 	default:
-		return nil, nil, false, nil
+		return nil, nil, false
 	}
 	select {
 	case s.bulkSem <- struct{}{}:
-	case <-s.done:
-		return nil, nil, true, s.closedErr()
-	case <-ctx.Done():
-		return nil, nil, true, ctx.Err()
+		return s.bulk, func() { <-s.bulkSem }, true
+	default:
+		return nil, nil, false
 	}
-	return s.bulk, func() { <-s.bulkSem }, true, nil
 }
 
 // bulkLaneReader runs the bulk lane's reader (set by the out-of-band engine)

@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -222,9 +223,10 @@ func TestBulkLaneFrames(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	lane, release, ok, err := cs.bulkLane(ctx)
-	require.NoError(t, err)
+	lane, release, ok := cs.bulkLane()
 	require.True(t, ok, "the client has a bulk lane")
+	_, _, busy := cs.bulkLane()
+	require.False(t, busy, "one writer at a time: a second transfer goes elsewhere")
 	frame := func(req uint64, body string) {
 		t.Helper()
 		_, err := lane.Write(append(bulkHeader(req, uint64(len(body))), body...))
@@ -260,4 +262,21 @@ func TestBulkLaneFrames(t *testing.T) {
 		t.Fatal("the session closed")
 	default:
 	}
+}
+
+// TestBulkFramePadding: a frame whose source failed part way is finished with
+// zeros to the length its header announced.
+func TestBulkFramePadding(t *testing.T) {
+	var out bytes.Buffer
+	w := &countingWriter{w: &out}
+	_, err := w.Write(bulkHeader(7, 100<<10))
+	require.NoError(t, err)
+	_, err = w.Write([]byte("partial"))
+	require.NoError(t, err)
+	w.pad(int64(bulkHeaderLen) + 100<<10)
+	require.NoError(t, w.err)
+	require.Equal(t, bulkHeaderLen+100<<10, out.Len())
+	body := out.Bytes()[bulkHeaderLen:]
+	require.Equal(t, "partial", string(body[:7]))
+	require.Equal(t, make([]byte, len(body)-7), body[7:])
 }

@@ -1098,20 +1098,24 @@ func pushStaged(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src 
 }
 
 func pushStream(ctx context.Context, s *Session, m *rtr, src Source) error {
-	lane, release, ok, err := s.bulkLane(ctx)
-	if err != nil {
-		return err
-	}
-	if ok {
+	if lane, release, ok := s.bulkLane(); ok {
 		// A frame begun must be finished, or the lane's frames lose their
 		// bounds: no deadline on it. The receiver reads (or discards) every
 		// frame, so the write ends with the data or with the session.
 		defer release()
-		if err := writeBulk(lane, m, src); err != nil {
-			s.closeWith(fmt.Errorf("%w: bulk lane write: %w", ErrPeerGone, err))
+		w := &countingWriter{w: lane}
+		err := writeBulk(w, m, src)
+		if err != nil && w.err == nil {
+			// The source failed (a device copy), not the lane: finish the
+			// frame with zeros. The FIN reports the failure, so the receiver
+			// never keeps them.
+			w.pad(int64(bulkHeaderLen) + int64(m.Length))
+		}
+		if w.err != nil {
+			s.closeWith(fmt.Errorf("%w: bulk lane write: %w", ErrPeerGone, w.err))
 			return s.closedErr()
 		}
-		return nil
+		return err
 	}
 	c, err := s.OpenBulk(ctx)
 	if err != nil {
@@ -1126,8 +1130,36 @@ func pushStream(ctx context.Context, s *Session, m *rtr, src Source) error {
 	return writeBulk(c, m, src)
 }
 
+// countingWriter counts what reached w and keeps w's first error.
+type countingWriter struct {
+	w   io.Writer
+	n   int64
+	err error
+}
+
+func (c *countingWriter) Write(p []byte) (int, error) {
+	n, err := c.w.Write(p)
+	c.n += int64(n)
+	if err != nil && c.err == nil {
+		c.err = err
+	}
+	return n, err
+}
+
+// pad writes zeros until total bytes went through c.
+func (c *countingWriter) pad(total int64) {
+	_, _ = io.CopyN(c, zeroReader{}, total-c.n)
+}
+
+type zeroReader struct{}
+
+func (zeroReader) Read(p []byte) (int, error) {
+	clear(p)
+	return len(p), nil
+}
+
 // writeBulk writes the bulk header of m and then src's bytes to c.
-func writeBulk(c net.Conn, m *rtr, src Source) error {
+func writeBulk(c io.Writer, m *rtr, src Source) error {
 	var err error
 	if _, err = c.Write(bulkHeader(m.Req, m.Length)); err != nil {
 		return err
