@@ -54,26 +54,19 @@ var _ net.Error = (*TimeoutError)(nil)
 // ErrStreamReset reports that the peer reset a stream.
 var ErrStreamReset = errors.New("gdrpc: stream reset by peer")
 
-// streamConn is a yamux stream with gdrpc's error semantics: deadlines in the
-// past fail at once, timeouts are *TimeoutError, and after Close every call
-// fails with an error wrapping net.ErrClosed.
-type streamConn struct {
-	st    *yamux.Stream
-	sess  *Session
-	role  byte
-	local net.Addr
-	peer  net.Addr
-
-	closed    atomic.Bool
-	closeOnce sync.Once
-	rdl, wdl  atomic.Int64 // deadlines in UnixNano, 0 for none
+// connCommon is what the conns a session hands out (streamConn, laneConn)
+// share: their session, role and addresses, and the closed state after which
+// every call fails with an error wrapping net.ErrClosed.
+type connCommon struct {
+	sess        *Session
+	role        byte
+	local, peer net.Addr
+	closed      atomic.Bool
+	closeOnce   sync.Once
 }
 
-var _ net.Conn = (*streamConn)(nil)
-
-func newStreamConn(s *Session, st *yamux.Stream, role byte) *streamConn {
-	return &streamConn{
-		st:    st,
+func newConnCommon(s *Session, role byte) connCommon {
+	return connCommon{
 		sess:  s,
 		role:  role,
 		local: &Addr{Transport: s.transport, Addr: s.localAddr, session: s},
@@ -81,11 +74,57 @@ func newStreamConn(s *Session, st *yamux.Stream, role byte) *streamConn {
 	}
 }
 
+func (c *connCommon) opErr(op string, err error) error {
+	return &net.OpError{Op: op, Net: c.local.Network(), Source: c.local, Addr: c.peer, Err: err}
+}
+
+// closeOnceWith marks the conn closed and runs closeConn, once; closing the
+// gRPC stream then closes the session too, after the peer got what was
+// written (see Session.closeGracefully).
+func (c *connCommon) closeOnceWith(closeConn func()) {
+	c.closeOnce.Do(func() {
+		c.closed.Store(true)
+		closeConn()
+		if c.role == roleGRPC {
+			c.sess.closeGracefully()
+		}
+	})
+}
+
+// open reports the error a call on a closed conn returns, or nil.
+func (c *connCommon) open(op string) error {
+	if c.closed.Load() {
+		return c.opErr(op, net.ErrClosed)
+	}
+	return nil
+}
+
+func (c *connCommon) LocalAddr() net.Addr  { return c.local }
+func (c *connCommon) RemoteAddr() net.Addr { return c.peer }
+
+// Session returns the session the conn belongs to.
+func (c *connCommon) Session() *Session { return c.sess }
+
+// streamConn is a yamux stream with gdrpc's error semantics: deadlines in the
+// past fail at once, timeouts are *TimeoutError, and after Close every call
+// fails with an error wrapping net.ErrClosed.
+type streamConn struct {
+	connCommon
+	st       *yamux.Stream
+	rdl, wdl atomic.Int64 // deadlines in UnixNano, 0 for none
+}
+
+var _ net.Conn = (*streamConn)(nil)
+
+func newStreamConn(s *Session, st *yamux.Stream, role byte) *streamConn {
+	return &streamConn{connCommon: newConnCommon(s, role), st: st}
+}
+
 func past(dl int64) bool { return dl != 0 && time.Now().UnixNano() >= dl }
 
 func (c *streamConn) Read(b []byte) (int, error) {
-	if c.closed.Load() {
-		return 0, c.opErr("read", net.ErrClosed)
+	if err := c.open("read"); err != nil {
+		return 0, err
 	}
 	if past(c.rdl.Load()) {
 		return 0, c.opErr("read", &TimeoutError{Op: "read"})
@@ -98,8 +137,8 @@ func (c *streamConn) Read(b []byte) (int, error) {
 }
 
 func (c *streamConn) Write(b []byte) (int, error) {
-	if c.closed.Load() {
-		return 0, c.opErr("write", net.ErrClosed)
+	if err := c.open("write"); err != nil {
+		return 0, err
 	}
 	if past(c.wdl.Load()) {
 		return 0, c.opErr("write", &TimeoutError{Op: "write"})
@@ -142,28 +181,17 @@ func (c *streamConn) mapErr(op string, err error) error {
 	return c.opErr(op, err)
 }
 
-func (c *streamConn) opErr(op string, err error) error {
-	return &net.OpError{Op: op, Net: c.local.Network(), Source: c.local, Addr: c.peer, Err: err}
-}
-
 // Close closes the stream. Closing the gRPC stream closes its session too,
 // after the peer got what was written (see Session.closeGracefully).
 func (c *streamConn) Close() error {
-	c.closeOnce.Do(func() {
-		c.closed.Store(true)
+	c.closeOnceWith(func() {
 		// Wake a blocked Read: yamux's Close only half-closes, and its Read
 		// keeps waiting for data.
 		_ = c.st.SetReadDeadline(time.Unix(1, 0))
 		_ = c.st.Close()
-		if c.role == roleGRPC {
-			c.sess.closeGracefully()
-		}
 	})
 	return nil
 }
-
-func (c *streamConn) LocalAddr() net.Addr  { return c.local }
-func (c *streamConn) RemoteAddr() net.Addr { return c.peer }
 
 func (c *streamConn) SetDeadline(t time.Time) error {
 	if err := c.SetReadDeadline(t); err != nil {
@@ -180,31 +208,25 @@ func nanos(t time.Time) int64 {
 }
 
 func (c *streamConn) SetReadDeadline(t time.Time) error {
-	if c.closed.Load() {
-		return c.opErr("set deadline", net.ErrClosed)
+	if err := c.open("set deadline"); err != nil {
+		return err
 	}
 	c.rdl.Store(nanos(t))
 	return c.st.SetReadDeadline(t)
 }
 
 func (c *streamConn) SetWriteDeadline(t time.Time) error {
-	if c.closed.Load() {
-		return c.opErr("set deadline", net.ErrClosed)
+	if err := c.open("set deadline"); err != nil {
+		return err
 	}
 	c.wdl.Store(nanos(t))
 	return c.st.SetWriteDeadline(t)
 }
 
-// Session returns the session the conn belongs to.
-func (c *streamConn) Session() *Session { return c.sess }
-
 // SessionOf returns the session a conn handed out by this package belongs to,
 // or nil (a raw plain HTTP/2 conn, or any other conn).
 func SessionOf(c net.Conn) *Session {
-	switch c := c.(type) {
-	case *streamConn:
-		return c.sess
-	case interface{ Session() *Session }:
+	if c, ok := c.(interface{ Session() *Session }); ok {
 		return c.Session()
 	}
 	return nil

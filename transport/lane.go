@@ -8,7 +8,6 @@ import (
 	"net"
 	"os"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/gdrpc/gdrpc/rdma"
@@ -87,10 +86,17 @@ func (s *Session) bulkLaneReader() {
 // Set by the out-of-band engine.
 var bulkLaneHandler func(s *Session, c net.Conn) error
 
-// laneRoles are the roles a lane may have, each opened at most once.
-var laneRoles = map[byte]uint8{roleGRPC: 1, roleControl: 2, roleBulk: 4}
+// laneRoles are the roles a lane may have, each opened at most once (a bit
+// each in laneSlot.taken).
+var laneRoles = map[byte]uint8{roleGRPC: 1 << 0, roleControl: 1 << 1, roleBulk: 1 << 2}
 
-const allLaneRoles = 1 | 2 | 4
+// allLaneRoles is every bit of laneRoles: a slot whose lanes are all open.
+var allLaneRoles = func() (all uint8) {
+	for _, bit := range laneRoles {
+		all |= bit
+	}
+	return all
+}()
 
 // useLane reports whether the session's gRPC and control streams run on
 // lanes: both ends allow them and, on the client, the session knows where to
@@ -154,13 +160,7 @@ func (s *Session) attachLane(ep net.Conn, role byte) (*laneConn, error) {
 	}
 	s.lanes = append(s.lanes, ep)
 	s.laneMu.Unlock()
-	return &laneConn{
-		ep:    ep,
-		sess:  s,
-		role:  role,
-		local: &Addr{Transport: s.transport, Addr: s.localAddr, session: s},
-		peer:  &Addr{Transport: s.transport, Addr: s.remoteAddr, session: s},
-	}, nil
+	return &laneConn{connCommon: newConnCommon(s, role), ep: ep}, nil
 }
 
 // closeLanes closes the session's lanes and refuses later ones (the session
@@ -297,19 +297,15 @@ func forgetLane(token ID, slot *laneSlot) {
 // timeouts are *TimeoutError, a failed peer is ErrPeerGone, and after Close
 // every call fails with an error wrapping net.ErrClosed.
 type laneConn struct {
-	ep          net.Conn // *rdma.Endpoint or a TCP conn
-	sess        *Session
-	role        byte
-	local, peer net.Addr
-	closed      atomic.Bool
-	closeOnce   sync.Once
+	connCommon
+	ep net.Conn // *rdma.Endpoint or a TCP conn
 }
 
 var _ net.Conn = (*laneConn)(nil)
 
 func (c *laneConn) Read(b []byte) (int, error) {
-	if c.closed.Load() {
-		return 0, c.opErr("read", net.ErrClosed)
+	if err := c.open("read"); err != nil {
+		return 0, err
 	}
 	n, err := c.ep.Read(b)
 	if err != nil {
@@ -319,8 +315,8 @@ func (c *laneConn) Read(b []byte) (int, error) {
 }
 
 func (c *laneConn) Write(b []byte) (int, error) {
-	if c.closed.Load() {
-		return 0, c.opErr("write", net.ErrClosed)
+	if err := c.open("write"); err != nil {
+		return 0, err
 	}
 	n, err := c.ep.Write(b)
 	if err != nil {
@@ -346,26 +342,13 @@ func (c *laneConn) mapErr(op string, err error) error {
 	return c.opErr(op, fmt.Errorf("%w: %w", ErrPeerGone, err))
 }
 
-func (c *laneConn) opErr(op string, err error) error {
-	return &net.OpError{Op: op, Net: c.local.Network(), Source: c.local, Addr: c.peer, Err: err}
-}
-
 // Close closes the lane (the peer reads what was written, then io.EOF).
 // Closing the gRPC lane closes the session too, once the peer got everything
 // (Session.closeGracefully).
 func (c *laneConn) Close() error {
-	c.closeOnce.Do(func() {
-		c.closed.Store(true)
-		_ = c.ep.Close()
-		if c.role == roleGRPC {
-			c.sess.closeGracefully()
-		}
-	})
+	c.closeOnceWith(func() { _ = c.ep.Close() })
 	return nil
 }
-
-func (c *laneConn) LocalAddr() net.Addr  { return c.local }
-func (c *laneConn) RemoteAddr() net.Addr { return c.peer }
 
 func (c *laneConn) SetDeadline(t time.Time) error {
 	if err := c.SetReadDeadline(t); err != nil {
@@ -375,18 +358,15 @@ func (c *laneConn) SetDeadline(t time.Time) error {
 }
 
 func (c *laneConn) SetReadDeadline(t time.Time) error {
-	if c.closed.Load() {
-		return c.opErr("set deadline", net.ErrClosed)
+	if err := c.open("set deadline"); err != nil {
+		return err
 	}
 	return c.ep.SetReadDeadline(t)
 }
 
 func (c *laneConn) SetWriteDeadline(t time.Time) error {
-	if c.closed.Load() {
-		return c.opErr("set deadline", net.ErrClosed)
+	if err := c.open("set deadline"); err != nil {
+		return err
 	}
 	return c.ep.SetWriteDeadline(t)
 }
-
-// Session returns the session the conn belongs to.
-func (c *laneConn) Session() *Session { return c.sess }

@@ -629,24 +629,34 @@ func (c *stagedCopier) stop() { close(c.quit) }
 func serveBulk(s *Session, c net.Conn) {
 	defer c.Close()
 	c.SetReadDeadline(time.Now().Add(cfg().Timeout))
-	hdr := make([]byte, bulkHeaderLen)
-	if _, err := io.ReadFull(c, hdr); err != nil {
-		return
+	if req, n, err := readBulkHeader(c); err == nil {
+		receiveBulk(s, req, n, c)
 	}
-	req, n, err := parseBulkHeader(hdr)
-	if err != nil {
-		return
+}
+
+func readBulkHeader(r io.Reader) (req, n uint64, err error) {
+	var hdr [bulkHeaderLen]byte
+	if _, err := io.ReadFull(r, hdr[:]); err != nil {
+		return 0, 0, err
 	}
+	return parseBulkHeader(hdr[:])
+}
+
+// receiveBulk reads the n bytes of request req from r into the destination of
+// that pull of s and hands the pull the outcome, when the pull is live and its
+// destination holds n bytes (else it fails the pull, or leaves r unread when
+// there is no pull to fail).
+func receiveBulk(s *Session, req, n uint64, r io.Reader) {
 	p := claimBulk(s, req)
 	if p == nil {
 		return
 	}
 	defer close(p.reading)
 	if uint64(p.dst.Len()) != n {
-		p.bulk <- fmt.Errorf("bulk stream announces %d bytes, destination holds %d", n, p.dst.Len())
+		p.bulk <- fmt.Errorf("bulk data announces %d bytes, destination holds %d", n, p.dst.Len())
 		return
 	}
-	p.bulk <- readInto(c, p.dst)
+	p.bulk <- readInto(r, p.dst)
 }
 
 // claimBulk returns the pull req names, marked as being read into (close
@@ -667,10 +677,10 @@ func claimBulk(s *Session, req uint64) *pull {
 // or the frame does not fit it, into nothing. It returns the error that broke
 // the lane (nil when the session closed it).
 func serveBulkLane(s *Session, c net.Conn) error {
-	hdr := make([]byte, bulkHeaderLen)
 	for {
 		_ = c.SetReadDeadline(time.Time{}) // an idle lane waits for the next frame as long as the session lives
-		if _, err := io.ReadFull(c, hdr); err != nil {
+		req, n, err := readBulkHeader(c)
+		if err != nil {
 			select {
 			case <-s.Done():
 				return nil
@@ -678,21 +688,10 @@ func serveBulkLane(s *Session, c net.Conn) error {
 				return err
 			}
 		}
-		req, n, err := parseBulkHeader(hdr)
-		if err != nil {
-			return err
-		}
 		// A frame, once begun, comes whole unless the owner stalls.
 		_ = c.SetReadDeadline(time.Now().Add(cfg().Timeout))
 		body := &io.LimitedReader{R: c, N: int64(n)}
-		if p := claimBulk(s, req); p != nil {
-			if uint64(p.dst.Len()) != n {
-				p.bulk <- fmt.Errorf("bulk frame announces %d bytes, destination holds %d", n, p.dst.Len())
-			} else {
-				p.bulk <- readInto(body, p.dst)
-			}
-			close(p.reading)
-		}
+		receiveBulk(s, req, n, body)
 		// What the destination did not take (a failed copy, a mismatch, a pull
 		// given up) is read and dropped: the next frame starts after it.
 		if _, err := io.Copy(io.Discard, body); err != nil {
