@@ -114,26 +114,32 @@ func benchConns() []benchConn {
 	return out
 }
 
+// pingPong sends 64 bytes on c and reads them back, b.N times, and reports
+// the latencies (the far end echoes).
+func pingPong(b *testing.B, c net.Conn) {
+	buf := make([]byte, 64)
+	lat := make([]time.Duration, 0, 4096)
+	b.ReportAllocs()
+	for b.Loop() {
+		start := time.Now()
+		if _, err := c.Write(buf); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := io.ReadFull(c, buf); err != nil {
+			b.Fatal(err)
+		}
+		lat = append(lat, time.Since(start))
+	}
+	reportLatency(b, lat)
+}
+
 // BenchmarkConnPingPong: a 64-byte message there and back on one conn.
 func BenchmarkConnPingPong(b *testing.B) {
 	for _, bc := range benchConns() {
 		b.Run("transport="+bc.name+"/size=64B", func(b *testing.B) {
 			c1, c2 := bc.make(b)
 			go func() { _, _ = io.Copy(c2, c2) }()
-			buf := make([]byte, 64)
-			lat := make([]time.Duration, 0, 4096)
-			b.ReportAllocs()
-			for b.Loop() {
-				start := time.Now()
-				if _, err := c1.Write(buf); err != nil {
-					b.Fatal(err)
-				}
-				if _, err := io.ReadFull(c1, buf); err != nil {
-					b.Fatal(err)
-				}
-				lat = append(lat, time.Since(start))
-			}
-			reportLatency(b, lat)
+			pingPong(b, c1)
 		})
 	}
 }
@@ -172,20 +178,7 @@ func BenchmarkConnPingPongProcesses(b *testing.B) {
 	for _, pc := range cases {
 		b.Run("transport="+pc.name+"/size=64B", func(b *testing.B) {
 			c := pc.dial(b)
-			buf := make([]byte, 64)
-			lat := make([]time.Duration, 0, 4096)
-			b.ReportAllocs()
-			for b.Loop() {
-				start := time.Now()
-				if _, err := c.Write(buf); err != nil {
-					b.Fatal(err)
-				}
-				if _, err := io.ReadFull(c, buf); err != nil {
-					b.Fatal(err)
-				}
-				lat = append(lat, time.Since(start))
-			}
-			reportLatency(b, lat)
+			pingPong(b, c)
 		})
 	}
 }

@@ -447,13 +447,19 @@ func (b *bench) measurePlain(ctx context.Context, size int, pat []byte) (float64
 			}
 			return nil, err
 		}
-		out := new(wrapperspb.UInt64Value)
-		err := b.plain.Invoke(cctx, methodPush, wrapperspb.Bytes(pat), out)
-		if err == nil && first && out.GetValue() != crc {
-			err = fmt.Errorf("the server's CRC-32C is %#x, want %#x", out.GetValue(), crc)
-		}
-		return nil, err
+		return nil, b.pushPlain(cctx, methodPush, pat, first, crc)
 	})
+}
+
+// pushPlain sends p in a plain gRPC bytes field to method and, on the first
+// call, checks the server's CRC-32C of what arrived.
+func (b *bench) pushPlain(ctx context.Context, method string, p []byte, first bool, crc uint64) error {
+	out := new(wrapperspb.UInt64Value)
+	err := b.plain.Invoke(ctx, method, wrapperspb.Bytes(p), out)
+	if err == nil && first && out.GetValue() != crc {
+		err = fmt.Errorf("the server's CRC-32C is %#x, want %#x", out.GetValue(), crc)
+	}
+	return err
 }
 
 // timeCalls makes warmup+iters calls, each bounded by callCtx, and returns the
@@ -576,12 +582,7 @@ func (b *bench) measureNaive(ctx context.Context, size int, pat []byte) (float64
 		if err := copyOut(host, dev); err != nil {
 			return nil, err
 		}
-		out := new(wrapperspb.UInt64Value)
-		err := b.plain.Invoke(cctx, methodPushNaive, wrapperspb.Bytes(host), out)
-		if err == nil && first && out.GetValue() != crc {
-			err = fmt.Errorf("the server's CRC-32C is %#x, want %#x", out.GetValue(), crc)
-		}
-		return nil, err
+		return nil, b.pushPlain(cctx, methodPushNaive, host, first, crc)
 	})
 }
 
