@@ -250,19 +250,7 @@ func (l *Listener) serveTCP(c net.Conn) {
 		return
 	}
 	if string(first[:]) == laneMagic {
-		var rest [len(ID{}) + 1]byte
-		_, err := io.ReadFull(c, rest[:])
-		unbind()
-		if err == nil {
-			var token ID
-			copy(token[:], rest[:])
-			err = serveLane(c, token, rest[len(token)], l.cfg.handshakeTimeout)
-		} else {
-			_ = c.Close()
-		}
-		if err != nil {
-			l.log.Warn("lane refused", "remote", c.RemoteAddr().String(), "err", err)
-		}
+		l.acceptLane(c, nil, unbind)
 		return
 	}
 	if string(first[:]) != magic {
@@ -289,6 +277,26 @@ func (l *Listener) serveTCP(c net.Conn) {
 		return
 	}
 	l.deliver(gc)
+}
+
+// acceptLane serves a lane (TCP or UCX) whose magic was read, given what was
+// read after it (got): it reads the rest of the token and the role byte, ends
+// the handshake deadline (unbind) and hands the lane to its session.
+func (l *Listener) acceptLane(c net.Conn, got []byte, unbind func()) {
+	var rest [len(ID{}) + 1]byte // token, role
+	n := copy(rest[:], got)
+	_, err := io.ReadFull(c, rest[n:])
+	unbind()
+	if err == nil {
+		var token ID
+		copy(token[:], rest[:])
+		err = serveLane(c, token, rest[len(token)], l.cfg.handshakeTimeout)
+	} else {
+		_ = c.Close()
+	}
+	if err != nil {
+		l.log.Warn("lane refused", "remote", c.RemoteAddr().String(), "err", err)
+	}
 }
 
 // NewServerSession runs the server side of the handshake over conn (the
@@ -514,17 +522,7 @@ func (l *Listener) serveUCX(ep *rdma.Endpoint) {
 	var token ID
 	copy(token[:], msg[len(upgradeMagic):])
 	if string(msg[:len(laneMagic)]) == laneMagic {
-		var role [1]byte
-		_, err := io.ReadFull(ep, role[:])
-		unbind()
-		if err == nil {
-			err = serveLane(ep, token, role[0], l.cfg.handshakeTimeout)
-		} else {
-			_ = ep.Close()
-		}
-		if err != nil {
-			l.log.Warn("lane refused", "remote", ep.RemoteAddr().String(), "err", err)
-		}
+		l.acceptLane(ep, msg[len(laneMagic):], unbind)
 		return
 	}
 	l.pendMu.Lock()
