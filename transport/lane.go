@@ -28,33 +28,19 @@ import (
 // frame into the destination of the pull it names, or discards it when that
 // pull is gone, so one transfer given up never desynchronises the next.
 
-// setBulkLane makes c the session's bulk lane, once.
-func (s *Session) setBulkLane(c net.Conn) bool {
-	s.laneMu.Lock()
-	defer s.laneMu.Unlock()
-	select {
-	case <-s.bulkReady:
-		return false
-	default:
-	}
-	s.bulk = c
-	close(s.bulkReady)
-	return true
-}
-
 // bulkLane returns the bulk lane with the turn to write on it, and the
 // function that gives the turn back; ok is false when the session has no bulk
 // lane (yet) or another transfer is writing on it: the caller then opens a
 // multiplexed bulk stream, so transfers never queue behind each other.
 func (s *Session) bulkLane() (c net.Conn, release func(), ok bool) {
 	select {
-	case <-s.bulkReady:
+	case <-s.bulk.ready:
 	default:
 		return nil, nil, false
 	}
 	select {
 	case s.bulkSem <- struct{}{}:
-		return s.bulk, func() { <-s.bulkSem }, true
+		return s.bulk.c, func() { <-s.bulkSem }, true
 	default:
 		return nil, nil, false
 	}
@@ -65,7 +51,7 @@ func (s *Session) bulkLane() (c net.Conn, release func(), ok bool) {
 func (s *Session) bulkLaneReader() {
 	defer s.wg.Done()
 	select {
-	case <-s.bulkReady:
+	case <-s.bulk.ready:
 	case <-s.done:
 		return
 	}
@@ -73,7 +59,7 @@ func (s *Session) bulkLaneReader() {
 	if h == nil {
 		return
 	}
-	if err := h(s, s.bulk); err != nil {
+	if err := h(s, s.bulk.c); err != nil {
 		select {
 		case <-s.done:
 		default:
@@ -189,11 +175,11 @@ func serveLane(ep net.Conn, token ID, role byte, wait time.Duration) error {
 	default:
 		c, err = s.attachLane(ep, role)
 	}
-	if err == nil && role == roleControl && !s.setControl(c) {
+	if err == nil && role == roleControl && !s.ctrl.set(c) {
 		_ = c.Close()
 		return errors.New("the session's control stream is already open")
 	}
-	if err == nil && role == roleBulk && !s.setBulkLane(c) {
+	if err == nil && role == roleBulk && !s.bulk.set(c) {
 		_ = c.Close()
 		return errors.New("the session's bulk lane is already open")
 	}

@@ -90,18 +90,18 @@ func TestLanes(t *testing.T) {
 			require.Equal(t, tc.lane, clientLane, "client conn %T", cc)
 			require.Equal(t, tc.lane, serverLane, "server conn %T", sc)
 			for _, s := range []*Session{cs, ss} {
-				<-s.ctrlReady
-				_, ctrlLane := s.ctrl.(*laneConn)
-				require.Equal(t, tc.lane, ctrlLane, "control conn %T", s.ctrl)
+				<-s.ctrl.ready
+				_, ctrlLane := s.ctrl.c.(*laneConn)
+				require.Equal(t, tc.lane, ctrlLane, "control conn %T", s.ctrl.c)
 				if tc.lane {
 					select {
-					case <-s.bulkReady: // the server's may come after the gRPC lane
+					case <-s.bulk.ready: // the server's may come after the gRPC lane
 					case <-time.After(10 * time.Second):
 						t.Fatal("no bulk lane")
 					}
 				} else {
 					select {
-					case <-s.bulkReady:
+					case <-s.bulk.ready:
 						t.Fatal("a bulk lane without lanes")
 					default:
 					}
@@ -208,7 +208,7 @@ func testLanesRefused(t *testing.T, opts []Option, dial func(context.Context, *L
 func TestBulkLaneFrames(t *testing.T) {
 	opts := []Option{WithMode(ModeTCP)}
 	_, cs, ss, _, _ := lanePair(t, opts, opts)
-	<-ss.bulkReady
+	<-ss.bulk.ready
 	newPull := func(n int) *pull {
 		dst, err := devicebuf.NewHostAllocator().Alloc(n)
 		require.NoError(t, err)

@@ -67,17 +67,14 @@ type Session struct {
 	laneDone bool       // the session closed: no lane any more
 	laneSlot *laneSlot  // server: the slot lanes find the session by
 
-	bulk      net.Conn      // the bulk lane, once bulkReady is closed
-	bulkReady chan struct{} // closed when bulk is set
-	bulkSem   chan struct{} // one writer at a time on the bulk lane
+	bulk    onceConn      // the bulk lane (lane.go)
+	bulkSem chan struct{} // one writer at a time on the bulk lane
 
 	grpcTaken atomic.Bool
 	grpcCh    chan net.Conn // server: the gRPC stream once the client opened it
 
-	ctrl      net.Conn
-	ctrlMu    sync.Mutex
-	ctrlReady chan struct{} // closed when ctrl is set
-	ctrlSem   chan struct{} // one writer at a time on the control stream
+	ctrl    onceConn      // the control stream (a multiplexed stream or a lane)
+	ctrlSem chan struct{} // one writer at a time on the control stream
 
 	rtt atomic.Int64
 
@@ -123,12 +120,12 @@ func newSession(st sessionSetup) (*Session, error) {
 		ep:        st.ep,
 		rctx:      st.rctx,
 		grpcCh:    make(chan net.Conn, 1),
-		ctrlReady: make(chan struct{}),
+		ctrl:      onceConn{ready: make(chan struct{})},
 		ctrlSem:   make(chan struct{}, 1),
 		done:      make(chan struct{}),
 		muxClosed: make(chan struct{}),
 		laneAddr:  st.laneAddr,
-		bulkReady: make(chan struct{}),
+		bulk:      onceConn{ready: make(chan struct{})},
 		bulkSem:   make(chan struct{}, 1),
 	}
 	role := "server"
@@ -175,9 +172,9 @@ func newSession(st sessionSetup) (*Session, error) {
 			_ = s.mux.Close()
 			return nil, fmt.Errorf("gdrpc: open control stream: %w", err)
 		}
-		s.setControl(c)
+		s.ctrl.set(c)
 		if b != nil {
-			s.setBulkLane(b)
+			s.bulk.set(b)
 		}
 	}
 
@@ -446,7 +443,7 @@ func (s *Session) serveStream(st *yamux.Stream) {
 			_ = st.Close()
 			return
 		}
-		if !s.setControl(c) {
+		if !s.ctrl.set(c) {
 			s.log.Warn("second control stream from peer; closing it")
 			_ = st.Close()
 			return
@@ -527,18 +524,25 @@ func registerControlHandler(typ byte, fn func(s *Session, payload []byte)) {
 	controlHandlers[typ] = fn
 }
 
-// setControl makes c the session's control stream, once; the control reader
-// (controlReader) then reads it.
-func (s *Session) setControl(c net.Conn) bool {
-	s.ctrlMu.Lock()
-	defer s.ctrlMu.Unlock()
+// onceConn is a conn a session gets once (its control stream, its bulk
+// lane); ready is closed when it is there.
+type onceConn struct {
+	mu    sync.Mutex
+	c     net.Conn
+	ready chan struct{}
+}
+
+// set makes c the conn, unless there is one already.
+func (o *onceConn) set(c net.Conn) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
 	select {
-	case <-s.ctrlReady:
+	case <-o.ready:
 		return false
 	default:
 	}
-	s.ctrl = c
-	close(s.ctrlReady)
+	o.c = c
+	close(o.ready)
 	return true
 }
 
@@ -547,8 +551,8 @@ func (s *Session) setControl(c net.Conn) bool {
 func (s *Session) controlReader() {
 	defer s.wg.Done()
 	select {
-	case <-s.ctrlReady:
-		s.readControl(s.ctrl)
+	case <-s.ctrl.ready:
+		s.readControl(s.ctrl.c)
 	case <-s.done:
 	}
 }
@@ -566,7 +570,7 @@ func (s *Session) SendControl(ctx context.Context, typ byte, payload []byte) err
 		return err
 	}
 	select {
-	case <-s.ctrlReady:
+	case <-s.ctrl.ready:
 	case <-s.done:
 		return s.closedErr()
 	case <-ctx.Done():
@@ -584,7 +588,7 @@ func (s *Session) SendControl(ctx context.Context, typ byte, payload []byte) err
 	buf[0] = typ
 	binary.BigEndian.PutUint32(buf[1:], uint32(len(payload)))
 	copy(buf[controlHeaderLen:], payload)
-	if _, err := s.ctrl.Write(buf); err != nil {
+	if _, err := s.ctrl.c.Write(buf); err != nil {
 		// A partial message would corrupt the stream: the session is done.
 		s.closeWith(fmt.Errorf("%w: control write: %w", ErrPeerGone, err))
 		return s.closedErr()

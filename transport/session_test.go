@@ -150,7 +150,7 @@ func TestControlFrameTooLarge(t *testing.T) {
 	binary.BigEndian.PutUint32(hdr[1:], MaxControlPayload+1)
 	// The write may itself see the session close: the peer can read the header
 	// and close before the write is confirmed.
-	if _, err := c.ctrl.Write(hdr[:]); err != nil {
+	if _, err := c.ctrl.c.Write(hdr[:]); err != nil {
 		require.ErrorIs(t, err, net.ErrClosed)
 	}
 	select {
