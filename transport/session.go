@@ -63,7 +63,7 @@ type Session struct {
 	laneAddr              string // client: where to dial the lanes ("" for none)
 
 	laneMu   sync.Mutex
-	lanes    []net.Conn // the gRPC and control lanes, where they run on lanes (lane.go)
+	lanes    []net.Conn // the lanes opened so far, closed with the session (lane.go)
 	laneDone bool       // the session closed: no lane any more
 	laneSlot *laneSlot  // server: the slot lanes find the session by
 
