@@ -29,8 +29,8 @@ import (
 	"github.com/gdrpc/gdrpc/transport"
 )
 
-// collector is the transport metrics hook: it keeps the transfers of the
-// call in flight (gdrperf makes one call at a time).
+// collector is the transport metrics hook: it keeps the transfers and
+// fallbacks since it was last taken.
 type collector struct {
 	mu        sync.Mutex
 	events    []transport.TransferInfo
@@ -68,6 +68,7 @@ type result struct {
 	UCXLanes        string   `json:"ucx_lanes,omitempty"` // the session endpoint's UCX lanes and their roles
 	Path            string   `json:"path"`                // out-of-band path(s) the payloads took
 	Iters           int      `json:"iters"`
+	Inflight        int      `json:"inflight"`       // calls in flight at once; above 1 the rates are aggregate
 	GDRPCMiBs       float64  `json:"gdrpc_mib_s"`    // median over calls of size / call time
 	TransferMiBs    float64  `json:"transfer_mib_s"` // median of the out-of-band transfer alone (metrics hook)
 	GRPCTCPMiBs     *float64 `json:"grpc_tcp_mib_s"`
@@ -218,7 +219,7 @@ func (b *bench) callCtx(ctx context.Context, verify bool) (context.Context, cont
 
 // measure runs every method for one size.
 func (b *bench) measure(ctx context.Context, size int) *result {
-	r := &result{SizeBytes: size, Size: formatSize(size), Op: b.o.op, Mem: b.o.mem, Recv: b.o.recv, Iters: b.o.iters}
+	r := &result{SizeBytes: size, Size: formatSize(size), Op: b.o.op, Mem: b.o.mem, Recv: b.o.recv, Iters: b.o.iters, Inflight: b.o.inflight}
 	note := func(what string, err error) { r.Notes = append(r.Notes, what+": "+err.Error()) }
 	pat := pattern(size)
 
@@ -289,7 +290,7 @@ func (b *bench) measureBaselines(ctx context.Context, size int, pat []byte, r *r
 }
 
 // measureGDRPC times unary calls whose payload moves out-of-band and reads
-// the path from the metrics hook.
+// the paths and the transfer times from the metrics hook.
 func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *result) error {
 	var src *devicebuf.Buffer
 	if b.o.op == "push" {
@@ -301,28 +302,20 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 	}
 	crc := tensor.ChecksumBytes(pat)
 	b.metrics.take()
-	var calls, xfers []time.Duration
-	paths := map[string]bool{}
-	for i := range b.o.warmup + b.o.iters {
-		first := i == 0
-		cctx, cancel := b.callCtx(ctx, first)
+	call := func(cctx context.Context, _ int, first bool) (func() error, error) {
 		var p peer.Peer
-		start := time.Now()
 		var err error
 		if b.o.op == "pull" {
 			var t *tensorpb.Tensor
 			t, err = b.gdrpc.Make(cctx, &tensorpb.Sized{Size: uint64(size), Seed: seedFor(size)}, grpc.Peer(&p))
-			elapsed := time.Since(start)
 			if err == nil && first {
 				err = checkTensor(t, pat)
 			}
 			gdrcodec.ReleaseAll(t)
-			calls = append(calls, elapsed)
 		} else {
 			req := &tensorpb.Tensor{Name: "gdrperf", Shape: []int64{int64(size)}, Data: gdrcodec.New(src)}
 			var sum *tensorpb.Summary
 			sum, err = b.gdrpc.Digest(cctx, req, grpc.Peer(&p))
-			elapsed := time.Since(start)
 			gdrcodec.ReleaseAll(req)
 			switch {
 			case err != nil:
@@ -331,42 +324,43 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 			case first && sum.GetCrc32C() != crc:
 				err = fmt.Errorf("the server's CRC-32C is %#x, want %#x", sum.GetCrc32C(), crc)
 			}
-			calls = append(calls, elapsed)
 		}
-		cancel()
-		if err != nil {
-			return fmt.Errorf("call %d: %w", i, err)
-		}
-		if first && b.transport == "" {
+		if err == nil && first && b.transport == "" {
 			b.noteSession(&p)
 		}
+		return nil, err
+	}
+	// The warm-up's transfers are not counted; every fallback is reported.
+	take := func() []transport.TransferInfo {
 		events, fallbacks := b.metrics.take()
 		for _, f := range fallbacks {
 			if !slices.Contains(r.Fallbacks, f) {
 				r.Fallbacks = append(r.Fallbacks, f)
 			}
 		}
-		if i < b.o.warmup {
-			calls = calls[:0]
+		return events
+	}
+	rate, err := b.timeCalls(ctx, size, call, func() { take() })
+	if err != nil {
+		return err
+	}
+	events := take()
+	var xfers []time.Duration
+	paths := map[string]bool{}
+	for _, e := range events {
+		// pull: the client received (Pull); push: the client's side of the
+		// server's pull (the owner wrote).
+		if e.Pull != (b.o.op == "pull") || e.Err != nil {
 			continue
 		}
-		seen := false
-		for _, e := range events {
-			// pull: the client received (Pull); push: the client's side of the
-			// server's pull (the owner wrote).
-			if e.Pull != (b.o.op == "pull") || e.Err != nil {
-				continue
-			}
-			paths[e.Path.String()] = true
-			xfers = append(xfers, e.Elapsed)
-			seen = true
-		}
-		if !seen {
-			paths["inline"] = true
-		}
+		paths[e.Path.String()] = true
+		xfers = append(xfers, e.Elapsed)
+	}
+	if len(xfers) < b.o.iters*b.o.inflight {
+		paths["inline"] = true
 	}
 	r.Path = strings.Join(slices.Sorted(maps.Keys(paths)), "+")
-	r.GDRPCMiBs = medianRate(size, calls)
+	r.GDRPCMiBs = rate
 	r.TransferMiBs = medianRate(size, xfers)
 	return nil
 }
@@ -438,7 +432,7 @@ func checkTensor(t *tensorpb.Tensor, pat []byte) error {
 // measurePlain times the same call over plain gRPC on TCP.
 func (b *bench) measurePlain(ctx context.Context, size int, pat []byte) (float64, error) {
 	crc := uint64(tensor.ChecksumBytes(pat))
-	return b.timeCalls(ctx, size, func(cctx context.Context, first bool) (func() error, error) {
+	return b.timeCalls(ctx, size, func(cctx context.Context, _ int, first bool) (func() error, error) {
 		if b.o.op == "pull" {
 			out := new(wrapperspb.BytesValue)
 			err := b.plain.Invoke(cctx, methodMake, wrapperspb.UInt64(uint64(size)), out)
@@ -448,7 +442,7 @@ func (b *bench) measurePlain(ctx context.Context, size int, pat []byte) (float64
 			return nil, err
 		}
 		return nil, b.pushPlain(cctx, methodPush, pat, first, crc)
-	})
+	}, nil)
 }
 
 // pushPlain sends p in a plain gRPC bytes field to method and, on the first
@@ -462,28 +456,75 @@ func (b *bench) pushPlain(ctx context.Context, method string, p []byte, first bo
 	return err
 }
 
-// timeCalls makes warmup+iters calls, each bounded by callCtx, and returns the
-// median rate of size bytes per measured call. A call may return a check to
-// run once its clock stopped.
-func (b *bench) timeCalls(ctx context.Context, size int, call func(ctx context.Context, first bool) (check func() error, err error)) (float64, error) {
-	var calls []time.Duration
-	for i := range b.o.warmup + b.o.iters {
-		cctx, cancel := b.callCtx(ctx, i == 0)
-		start := time.Now()
-		check, err := call(cctx, i == 0)
-		elapsed := time.Since(start)
-		cancel()
-		if err == nil && check != nil {
-			err = check()
+// callFunc makes one call on worker w (0 ≤ w < -inflight). It may return a
+// check to run once the call's clock stopped.
+type callFunc func(ctx context.Context, w int, first bool) (check func() error, err error)
+
+// timeCalls makes the warm-up calls, then the measured ones, each bounded by
+// callCtx. The first call runs alone and is verified; the rest of the warm-up
+// runs as the measured calls do, so that every goroutine's destinations are
+// warm. With -inflight 1 the measured phase is iters calls one after another,
+// and the rate is the median of size / call time. With -inflight N, N
+// goroutines make iters calls each, back to back, and the rate is all their
+// bytes over the wall time from the first start to the last end. measuring,
+// if not nil, runs between the two phases.
+func (b *bench) timeCalls(ctx context.Context, size int, call callFunc, measuring func()) (float64, error) {
+	verified := b.o.warmup == 0
+	if !verified {
+		if _, _, err := b.batch(ctx, call, 1, 1, true); err != nil {
+			return 0, err
 		}
-		if err != nil {
-			return 0, fmt.Errorf("call %d: %w", i, err)
-		}
-		if i >= b.o.warmup {
-			calls = append(calls, elapsed)
+		if _, _, err := b.batch(ctx, call, b.o.inflight, b.o.warmup-1, false); err != nil {
+			return 0, err
 		}
 	}
-	return medianRate(size, calls), nil
+	if measuring != nil {
+		measuring()
+	}
+	calls, wall, err := b.batch(ctx, call, b.o.inflight, b.o.iters, verified)
+	if err != nil {
+		return 0, err
+	}
+	if b.o.inflight == 1 {
+		return medianRate(size, calls), nil
+	}
+	return mibPerSec(size*len(calls), wall), nil
+}
+
+// batch runs n calls on each of workers goroutines and returns each call's
+// time and the wall time of the whole. With verify, worker 0's first call
+// is verified.
+func (b *bench) batch(ctx context.Context, call callFunc, workers, n int, verify bool) ([]time.Duration, time.Duration, error) {
+	times := make([][]time.Duration, workers)
+	errs := make([]error, workers)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for w := range workers {
+		wg.Go(func() {
+			for i := range n {
+				first := verify && w == 0 && i == 0
+				cctx, cancel := b.callCtx(ctx, first)
+				t0 := time.Now()
+				check, err := call(cctx, w, first)
+				d := time.Since(t0)
+				cancel()
+				if err == nil && check != nil {
+					err = check()
+				}
+				if err != nil {
+					errs[w] = fmt.Errorf("call %d: %w", i, err)
+					if workers > 1 {
+						errs[w] = fmt.Errorf("goroutine %d, %w", w, errs[w])
+					}
+					return
+				}
+				times[w] = append(times[w], d)
+			}
+		})
+	}
+	wg.Wait()
+	wall := time.Since(start)
+	return slices.Concat(times...), wall, errors.Join(errs...)
 }
 
 // measureD2H times an in-process copy of size bytes from the GPU into
@@ -552,13 +593,23 @@ func (b *bench) measureDtoD(size int) (float64, error) {
 // measureNaive times what a user does today with a GPU payload: device to
 // host, plain gRPC bytes over TCP, host to device.
 func (b *bench) measureNaive(ctx context.Context, size int, pat []byte) (float64, error) {
-	dev, err := filled(b.cuda, size) // push: the source; pull: the destination
-	if err != nil {
-		return 0, err
+	devs := make([]*devicebuf.Buffer, b.o.inflight) // per worker; push: the source, pull: the destination
+	defer func() {
+		for _, d := range devs {
+			if d != nil {
+				d.Release()
+			}
+		}
+	}()
+	for w := range devs {
+		var err error
+		if devs[w], err = filled(b.cuda, size); err != nil {
+			return 0, err
+		}
 	}
-	defer dev.Release()
 	crc := uint64(tensor.ChecksumBytes(pat))
-	return b.timeCalls(ctx, size, func(cctx context.Context, first bool) (func() error, error) {
+	return b.timeCalls(ctx, size, func(cctx context.Context, w int, first bool) (func() error, error) {
+		dev := devs[w]
 		if b.o.op == "pull" {
 			out := new(wrapperspb.BytesValue)
 			if err := b.plain.Invoke(cctx, methodMakeNaive, wrapperspb.UInt64(uint64(size)), out); err != nil {
@@ -583,7 +634,7 @@ func (b *bench) measureNaive(ctx context.Context, size int, pat []byte) (float64
 			return nil, err
 		}
 		return nil, b.pushPlain(cctx, methodPushNaive, host, first, crc)
-	})
+	}, nil)
 }
 
 func copyIn(dst *devicebuf.Buffer, p []byte) error {

@@ -29,6 +29,7 @@ type options struct {
 	sizes     []int
 	iters     int
 	warmup    int
+	inflight  int    // calls in flight at once in the measured phase
 	transport string // auto, ucx, tcp
 	mem       string // host, cuda: where the sender's payload lives
 	recv      string // host, cuda: where the receiver's payload lands ("" at parse: as mem)
@@ -63,6 +64,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	sizes := fs.String("sizes", "1MiB,16MiB,64MiB", "payload sizes, comma-separated (B, KiB, MiB, GiB)")
 	fs.IntVar(&o.iters, "iters", 10, "measured calls per size and method (the median is reported)")
 	fs.IntVar(&o.warmup, "warmup", 2, "calls per size and method before measuring (the first one is verified)")
+	fs.IntVar(&o.inflight, "inflight", 1, "calls in flight at once: above 1, that many goroutines make -iters calls each and the rates are aggregate throughput (bytes over wall time) instead of medians per call")
 	fs.StringVar(&o.transport, "transport", "auto", "gdrpc transport: auto, ucx or tcp")
 	fs.StringVar(&o.mem, "mem", "host", "where the sender's payload lives: host, or cuda (GPU -device); give the same on both ends")
 	fs.StringVar(&o.recv, "recv", "", "where received payloads land: host or cuda; if empty, as -mem (-mem cuda -recv host measures the staged path)")
@@ -125,6 +127,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, fmt.Errorf("-iters %d: want at least 1", o.iters)
 	case o.warmup < 0:
 		return nil, fmt.Errorf("-warmup %d: want 0 or more", o.warmup)
+	case o.inflight < 1:
+		return nil, fmt.Errorf("-inflight %d: want at least 1", o.inflight)
 	case o.server != "" && o.connect != "":
 		return nil, errors.New("-server and -connect exclude each other")
 	case o.callLimit <= 0:

@@ -9,6 +9,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -87,6 +89,8 @@ func TestEndToEnd(t *testing.T) {
 		{name: "ucx/pull", transport: "ucx", op: "pull", path: "rdma", perftest: true},
 		{name: "ucx/push", transport: "ucx", op: "push", path: "rdma"},
 		{name: "ucx/stream only", transport: "ucx", op: "pull", path: "stream", args: []string{"-paths", "stream"}},
+		{name: "tcp/push inflight", transport: "tcp", op: "push", path: "stream", args: []string{"-inflight", "3"}},
+		{name: "ucx/pull inflight", transport: "ucx", op: "pull", path: "rdma", args: []string{"-inflight", "3"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -111,6 +115,7 @@ func TestEndToEnd(t *testing.T) {
 				require.Equal(t, want.path, r.Path, "notes: %v", r.Notes)
 				require.Equal(t, tc.transport, r.Transport)
 				require.Equal(t, tc.op, r.Op)
+				require.Equal(t, inflight(tc.args), r.Inflight)
 				require.Positive(t, r.GDRPCMiBs, "notes: %v", r.Notes)
 				require.NotNil(t, r.GRPCTCPMiBs, "notes: %v", r.Notes)
 				require.Positive(t, *r.GRPCTCPMiBs)
@@ -140,6 +145,15 @@ func TestEndToEnd(t *testing.T) {
 			require.Equal(t, base, poolsInUse(), "buffers not given back to the host pools")
 		})
 	}
+}
+
+// inflight is the -inflight value in args (1 if absent).
+func inflight(args []string) int {
+	if i := slices.Index(args, "-inflight"); i >= 0 {
+		n, _ := strconv.Atoi(args[i+1])
+		return n
+	}
+	return 1
 }
 
 func TestTable(t *testing.T) {
@@ -180,6 +194,16 @@ func TestCUDA(t *testing.T) {
 	require.NotNil(t, r.VsDtoD)
 	require.NotNil(t, r.VsNaive)
 	require.Nil(t, r.D2HMiBs)
+
+	// Several calls in flight: each goroutine's destinations, one copy engine.
+	rs = gdrperf(t, append(args, "-inflight", "3")...)
+	require.Len(t, rs, 1)
+	r = rs[0]
+	require.Equal(t, 3, r.Inflight)
+	require.Equal(t, "cuda-ipc", r.Path, "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
+	require.Positive(t, r.GDRPCMiBs)
+	require.NotNil(t, r.VsDtoD, "notes: %v", r.Notes)
+	require.NotNil(t, r.VsNaive, "notes: %v", r.Notes)
 
 	// Between two GPUs of one host: the server on GPU 1, cuda-ipc across
 	// devices against an in-process peer copy, pulled and pushed.
@@ -228,6 +252,7 @@ func TestFlags(t *testing.T) {
 		{name: "paths", args: []string{"-paths", "rdma,ipc"}, err: "-paths"},
 		{name: "format", args: []string{"-format", "csv"}, err: "-format"},
 		{name: "iters", args: []string{"-iters", "0"}, err: "-iters"},
+		{name: "inflight", args: []string{"-inflight", "0"}, err: "-inflight"},
 		{name: "both ends", args: []string{"-server", ":1", "-connect", "h:1"}, err: "exclude"},
 		{name: "extra", args: []string{"x"}, err: "unexpected"},
 	}

@@ -38,14 +38,18 @@ func (r *reporter) header(b *bench) {
 	if b.lanes != "" {
 		session += " (" + b.lanes + ")"
 	}
-	fmt.Fprintf(r.w, "# gdrperf op=%s mem=%s recv=%s transport=%s paths=%s iters=%d warmup=%d; gdrpc session over %s\n",
-		o.op, o.mem, o.recv, o.transport, o.paths, o.iters, o.warmup, session)
+	fmt.Fprintf(r.w, "# gdrperf op=%s mem=%s recv=%s transport=%s paths=%s iters=%d warmup=%d inflight=%d; gdrpc session over %s\n",
+		o.op, o.mem, o.recv, o.transport, o.paths, o.iters, o.warmup, o.inflight, session)
 	what := "client calls Make, pulls the server's payload"
 	if o.op == "push" {
 		what = "client calls Digest, the server pulls the client's payload"
 	}
-	fmt.Fprintf(r.w, "# gdrpc: unary call, payload out-of-band (%s); MiB/s = size / call time, median; xfer = the out-of-band transfer alone\n", what)
-	fmt.Fprintf(r.w, "# grpc-tcp: plain gRPC-Go over TCP, bytes field, default codec and windows, message limits raised; same call\n")
+	rate := "size / call time, median"
+	if o.inflight > 1 {
+		rate = fmt.Sprintf("aggregate: %d goroutines make %d calls each, all bytes / wall time", o.inflight, o.iters)
+	}
+	fmt.Fprintf(r.w, "# gdrpc: unary call, payload out-of-band (%s); MiB/s = %s; xfer = the out-of-band transfer alone, median\n", what, rate)
+	fmt.Fprintf(r.w, "# grpc-tcp: plain gRPC-Go over TCP, bytes field, default codec and windows, message limits raised; same calls\n")
 	if b.perfBin != "" && b.info.PerftestPort != 0 {
 		fmt.Fprintf(r.w, "# ucx_perftest: ucp_put_bw, UCX_TLS=%s, overall bandwidth of -n %d\n", perftestTLS(o.transport), o.iters)
 	} else {
@@ -62,7 +66,7 @@ func (r *reporter) header(b *bench) {
 			fmt.Fprintf(r.w, "# naive: device to host, plain gRPC bytes over TCP, host to device\n")
 			cols = append(cols, "peer MiB/s", "x peer", "naive MiB/s", "x naive")
 		} else {
-			fmt.Fprintf(r.w, "# dtod: in-process device-to-device copy; naive: device to host, plain gRPC bytes over TCP, host to device\n")
+			fmt.Fprintf(r.w, "# dtod: in-process device-to-device copy, one after another; naive: device to host, plain gRPC bytes over TCP, host to device, same calls\n")
 			cols = append(cols, "dtod MiB/s", "x dtod", "naive MiB/s", "x naive")
 		}
 	}
