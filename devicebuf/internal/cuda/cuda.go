@@ -220,8 +220,8 @@ static CUresult gdr_cu_host_unregister(CUcontext c, uintptr_t p) {
 	return gdr_cu.cuMemHostUnregister((void *)p);
 }
 
-// dir: 1 HtoD, 2 DtoH, 3 DtoD (same context), 4 peer. With sync set, the copy is queued on s
-// (0: the legacy default stream) and waited for before returning.
+// dir: 1 HtoD, 2 DtoH, 3 DtoD (same context), 4 peer. The copy is queued on s; with sync
+// set, it is waited for before returning.
 static CUresult gdr_cu_memcpy(CUcontext c, int dir, CUcontext dstc, uintptr_t dst, CUcontext srcc,
 		uintptr_t src, size_t n, uintptr_t st, int sync) {
 	CUstream s = (CUstream)st;
@@ -238,10 +238,11 @@ static CUresult gdr_cu_memcpy(CUcontext c, int dir, CUcontext dstc, uintptr_t ds
 	return gdr_cu.cuStreamSynchronize(s);
 }
 
-static CUresult gdr_cu_stream_create(CUcontext c, CUstream *out) {
+// flags: 0 CU_STREAM_DEFAULT (ordered with the legacy default stream), 1 CU_STREAM_NON_BLOCKING.
+static CUresult gdr_cu_stream_create(CUcontext c, unsigned int flags, CUstream *out) {
 	CUresult r = gdr_cu.cuCtxSetCurrent(c);
 	if (r) return r;
-	return gdr_cu.cuStreamCreate(out, 1); // CU_STREAM_NON_BLOCKING
+	return gdr_cu.cuStreamCreate(out, flags);
 }
 
 static CUresult gdr_cu_stream_sync(CUcontext c, uintptr_t s) {
@@ -319,6 +320,14 @@ type real struct {
 
 	streams sync.Map // driver.Stream -> int (device)
 
+	// syncStreams keeps, per device, idle streams for Memcpy without a stream.
+	// They are blocking streams, so a copy on one is still ordered after work
+	// on the legacy default stream, as a copy on that stream would be. But
+	// each waits for its own copy alone: concurrent copies (transfers of
+	// several calls at once) neither queue behind one another on the legacy
+	// stream nor wait for one another to finish.
+	syncStreams sync.Map // int (device) -> *streamList
+
 	// What never changes after cuInit is read once.
 	countOnce sync.Once
 	count     int
@@ -326,6 +335,39 @@ type real struct {
 	uuids     sync.Map // int -> [16]byte
 	attrs     sync.Map // attrKey -> int
 	peers     sync.Map // [2]int{low, high} device pair -> *peerAccess
+}
+
+type streamList struct {
+	mu   sync.Mutex
+	free []C.CUstream
+}
+
+// syncStream returns an idle stream of device dev (context c), made if none is idle; give it
+// back with putSyncStream.
+func (d *real) syncStream(dev int, c C.CUcontext) (C.CUstream, error) {
+	v, _ := d.syncStreams.LoadOrStore(dev, &streamList{})
+	l := v.(*streamList)
+	l.mu.Lock()
+	if n := len(l.free); n > 0 {
+		s := l.free[n-1]
+		l.free = l.free[:n-1]
+		l.mu.Unlock()
+		return s, nil
+	}
+	l.mu.Unlock()
+	var s C.CUstream
+	if err := cuErr("cuStreamCreate", C.gdr_cu_stream_create(c, 0, &s)); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+func (d *real) putSyncStream(dev int, s C.CUstream) {
+	v, _ := d.syncStreams.Load(dev)
+	l := v.(*streamList)
+	l.mu.Lock()
+	l.free = append(l.free, s)
+	l.mu.Unlock()
 }
 
 // peerAccess is the outcome of enabling peer access between two devices,
@@ -612,12 +654,15 @@ func (d *real) Memcpy(dir driver.Dir, dstDev int, dst uintptr, srcDev int, src u
 			return err
 		}
 	}
-	var sync C.int
-	if s == 0 {
-		sync = 1
+	if s != 0 {
+		return cuErr("cuMemcpyAsync", C.gdr_cu_memcpy(c, cdir, dstc, C.uintptr_t(dst), srcc, C.uintptr_t(src), C.size_t(n), C.uintptr_t(s), 0))
 	}
-	r := C.gdr_cu_memcpy(c, cdir, dstc, C.uintptr_t(dst), srcc, C.uintptr_t(src), C.size_t(n), C.uintptr_t(s), sync)
-	return cuErr("cuMemcpyAsync", r)
+	st, err := d.syncStream(ctxDev, c)
+	if err != nil {
+		return err
+	}
+	defer d.putSyncStream(ctxDev, st)
+	return cuErr("cuMemcpyAsync", C.gdr_cu_memcpy(c, cdir, dstc, C.uintptr_t(dst), srcc, C.uintptr_t(src), C.size_t(n), C.uintptr_t(uintptr(unsafe.Pointer(st))), 1))
 }
 
 func (d *real) StreamCreate(dev int) (driver.Stream, error) {
@@ -626,7 +671,7 @@ func (d *real) StreamCreate(dev int) (driver.Stream, error) {
 		return 0, err
 	}
 	var s C.CUstream
-	if err := cuErr("cuStreamCreate", C.gdr_cu_stream_create(c, &s)); err != nil {
+	if err := cuErr("cuStreamCreate", C.gdr_cu_stream_create(c, 1, &s)); err != nil {
 		return 0, err
 	}
 	h := driver.Stream(uintptr(unsafe.Pointer(s)))
