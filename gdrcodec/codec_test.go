@@ -258,17 +258,19 @@ func TestFakeGPU(t *testing.T) {
 		name  string
 		mode  transport.Mode
 		paths transport.Path
+		chunk int // staging chunk: the stream path's bounce buffers
 		want  string
 	}{
-		{name: "cuda-ipc", mode: transport.ModeTCP, paths: transport.PathCUDAIPC, want: "cuda-ipc"},
-		{name: "staged-ucx", mode: transport.ModeUCX, paths: transport.PathRDMA, want: "staged"},
-		{name: "stream", mode: transport.ModeTCP, paths: transport.PathStream, want: "stream"},
-		{name: "stream-ucx", mode: transport.ModeUCX, paths: transport.PathStream, want: "stream"},
+		{name: "cuda-ipc", mode: transport.ModeTCP, paths: transport.PathCUDAIPC, chunk: 1 << 20, want: "cuda-ipc"},
+		{name: "staged-ucx", mode: transport.ModeUCX, paths: transport.PathRDMA, chunk: 1 << 20, want: "staged"},
+		// Bounce buffers that do not line up with the bulk lane's pieces.
+		{name: "stream", mode: transport.ModeTCP, paths: transport.PathStream, chunk: 300<<10 + 1, want: "stream"},
+		{name: "stream-ucx", mode: transport.ModeUCX, paths: transport.PathStream, chunk: 1 << 20, want: "stream"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			r := newRig(t, tt.mode, &tensor.Server{Alloc: gpu})
-			transport.SetTransferConfig(transport.TransferConfig{Metrics: r.paths, Paths: tt.paths, StagingChunk: 1 << 20})
+			transport.SetTransferConfig(transport.TransferConfig{Metrics: r.paths, Paths: tt.paths, StagingChunk: tt.chunk})
 			gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
 			t.Cleanup(func() { gdrcodec.Register() })
 			for _, n := range []int{1, 64 << 10, 5<<20 + 3} {

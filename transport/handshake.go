@@ -155,7 +155,7 @@ func defaultLocalCaps() Caps {
 //
 //	offset size
 //	0      6    magic "GDRPC\x00"
-//	6      2    protocol version (2)
+//	6      2    protocol version (3)
 //	8      4    body length n (at most 64 KiB)
 //	12     n    body; its first byte is the kind (hello, welcome, reject)
 //
@@ -183,12 +183,13 @@ func defaultLocalCaps() Caps {
 // session), sends "GDRPCL" (as long as the magic, which it replaces on TCP),
 // the session token and the role byte ('C', 'B', 'G'), and waits for one ack
 // byte (1: accepted). The multiplexer keeps the keepalive. Version 1 had no
-// lanes.
+// lanes; version 2 sent each transfer on the bulk lane as one frame, where
+// version 3 interleaves transfers in pieces (lane.go).
 const (
 	magic           = "GDRPC\x00"
 	upgradeMagic    = "GDRPCU"
 	laneMagic       = "GDRPCL"
-	protocolVersion = 2
+	protocolVersion = 3
 	frameHeaderLen  = len(magic) + 2 + 4
 	maxBodyLen      = 64 << 10
 	maxStringLen    = 1 << 10

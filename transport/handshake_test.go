@@ -110,7 +110,7 @@ func TestRejectOfAnyVersion(t *testing.T) {
 	require.Contains(t, err.Error(), "server speaks 7")
 	// A welcome of another version is a version error.
 	w := encodeWelcome(welcome{Transport: "tcp"})
-	binary.BigEndian.PutUint16(w[len(magic):], 3)
+	binary.BigEndian.PutUint16(w[len(magic):], protocolVersion+1)
 	v, body, err = readFrame(bytes.NewReader(w), false)
 	require.NoError(t, err)
 	_, err = parseWelcome(v, body)

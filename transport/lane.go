@@ -23,27 +23,34 @@ import (
 // the writer use the connection directly. The keepalive stays on the
 // multiplexer, and so do bulk streams where there is no bulk lane.
 //
-// The bulk lane carries frames both ways: a bulk header (request id, length)
-// and that many bytes. One writer at a time per side; the reader puts each
-// frame into the destination of the pull it names, or discards it when that
-// pull is gone, so one transfer given up never desynchronises the next.
+// The bulk lane carries frames both ways. A frame is a piece of one
+// transfer (at most laneFrameMax bytes) behind a header naming the transfer's
+// request, its total length and the piece's offset, or a transfer's abort.
+// Writers take turns frame by frame, so transfers in flight together share the
+// lane instead of queueing behind one another; each transfer's frames come in
+// order. The reader puts each piece into the destination of the pull it
+// names, or discards the transfer's pieces when that pull is gone or does not
+// fit, so one transfer given up never desynchronises the others.
 
-// bulkLane returns the bulk lane with the turn to write on it, and the
-// function that gives the turn back; ok is false when the session has no bulk
-// lane (yet) or another transfer is writing on it: the caller then opens a
-// multiplexed bulk stream, so transfers never queue behind each other.
-func (s *Session) bulkLane() (c net.Conn, release func(), ok bool) {
+// bulkLane returns the session's bulk lane, or nil while it has none (yet):
+// the caller then opens a multiplexed bulk stream.
+func (s *Session) bulkLane() net.Conn {
 	select {
 	case <-s.bulk.ready:
+		return s.bulk.c
 	default:
-		return nil, nil, false
+		return nil
 	}
-	select {
-	case s.bulkSem <- struct{}{}:
-		return s.bulk.c, func() { <-s.bulkSem }, true
-	default:
-		return nil, nil, false
-	}
+}
+
+// writeLaneFrame writes bufs on the bulk lane as one frame, whole, between
+// the frames of other transfers.
+func (s *Session) writeLaneFrame(bufs ...[]byte) error {
+	s.bulkMu.Lock()
+	defer s.bulkMu.Unlock()
+	nb := net.Buffers(bufs)
+	_, err := nb.WriteTo(s.bulk.c)
+	return err
 }
 
 // bulkLaneReader runs the bulk lane's reader (set by the out-of-band engine)

@@ -1,7 +1,6 @@
 package transport
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -201,57 +200,36 @@ func testLanesRefused(t *testing.T, opts []Option, dial func(context.Context, *L
 	require.Equal(t, "still", string(b))
 }
 
-// TestBulkLaneFrames: frames on the bulk lane land in the destination of the
-// pull they name; a frame for no pull, for a pull already served, or of the
-// wrong length is dropped (the last one failing its pull), and the frames
-// after it still arrive whole.
+// TestBulkLaneFrames: pieces on the bulk lane land in the destination of the
+// pull their transfer names, interleaved with other transfers' pieces. A
+// transfer for no pull, or too long for its pull's destination (which fails),
+// is dropped; an aborted transfer fails its pull. The session lives on.
 func TestBulkLaneFrames(t *testing.T) {
-	opts := []Option{WithMode(ModeTCP)}
-	_, cs, ss, _, _ := lanePair(t, opts, opts)
-	<-ss.bulk.ready
-	newPull := func(n int) *pull {
-		dst, err := devicebuf.NewHostAllocator().Alloc(n)
-		require.NoError(t, err)
-		p := &pull{s: ss, dst: dst, fin: make(chan *fin, 1), bulk: make(chan error, 1)}
-		pulls.Lock()
-		pulls.next++
-		p.req = pulls.next
-		pulls.m[p.req] = p
-		pulls.Unlock()
-		t.Cleanup(p.settled)
-		return p
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	lane, release, ok := cs.bulkLane()
-	require.True(t, ok, "the client has a bulk lane")
-	_, _, busy := cs.bulkLane()
-	require.False(t, busy, "one writer at a time: a second transfer goes elsewhere")
-	frame := func(req uint64, body string) {
+	ss, cs, newPull := bulkLanePair(t)
+	piece := func(p *pull, req uint64, total int, off int, body string) {
 		t.Helper()
-		_, err := lane.Write(append(bulkHeader(req, uint64(len(body))), body...))
-		require.NoError(t, err)
-	}
-	result := func(p *pull) error {
-		t.Helper()
-		select {
-		case err := <-p.bulk:
-			return err
-		case <-ctx.Done():
-			t.Fatal("no frame for the pull")
+		if p != nil {
+			req = p.req
 		}
-		return nil
+		f := laneFrame{kind: laneData, req: req, total: uint64(total), off: uint64(off), n: uint64(len(body))}
+		require.NoError(t, cs.writeLaneFrame(f.marshal(), []byte(body)))
 	}
-	p1, p2, p3 := newPull(5), newPull(4), newPull(3)
-	frame(1<<62, "nobody's")  // no such pull
-	frame(p1.req, "hello")    // delivered
-	frame(p1.req, "again")    // served already: dropped
-	frame(p2.req, "too long") // wrong length: p2 fails
-	frame(p3.req, "end")      // delivered
-	release()
-	require.NoError(t, result(p1))
-	require.ErrorContains(t, result(p2), "announces 8 bytes, destination holds 4")
-	require.NoError(t, result(p3))
+	p1, p2, p3, p4 := newPull(5), newPull(4), newPull(3), newPull(6)
+	piece(nil, 1<<62, 8, 0, "nobo") // no such pull: dropped
+	piece(p1, 0, 5, 0, "he")        // p1 begins
+	piece(p3, 0, 3, 0, "e")         // p3 begins between p1's pieces
+	piece(p2, 0, 8, 0, "too ")      // longer than p2's destination: p2 fails
+	piece(nil, 1<<62, 8, 4, "dy's") // the rest of the dropped transfer
+	piece(p1, 0, 5, 2, "llo")       // p1 done
+	piece(p4, 0, 6, 0, "abc")       // p4 begins...
+	piece(p2, 0, 8, 4, "long")      // dropped
+	f := laneFrame{kind: laneAbort, req: p4.req, total: 6, off: 3}
+	require.NoError(t, cs.writeLaneFrame(f.marshal())) // ...and is given up
+	piece(p3, 0, 3, 1, "nd")                           // p3 done
+	require.NoError(t, bulkResult(t, p1))
+	require.ErrorContains(t, bulkResult(t, p2), "announces 8 bytes, destination holds 4")
+	require.NoError(t, bulkResult(t, p3))
+	require.ErrorContains(t, bulkResult(t, p4), "gave the transfer up")
 	for p, want := range map[*pull]string{p1: "hello", p3: "end"} {
 		b, err := p.dst.HostBytes()
 		require.NoError(t, err)
@@ -264,19 +242,54 @@ func TestBulkLaneFrames(t *testing.T) {
 	}
 }
 
-// TestBulkFramePadding: a frame whose source failed part way is finished with
-// zeros to the length its header announced.
-func TestBulkFramePadding(t *testing.T) {
-	var out bytes.Buffer
-	w := &countingWriter{w: &out}
-	_, err := w.Write(bulkHeader(7, 100<<10))
-	require.NoError(t, err)
-	_, err = w.Write([]byte("partial"))
-	require.NoError(t, err)
-	w.pad(int64(bulkHeaderLen) + 100<<10)
-	require.NoError(t, w.err)
-	require.Equal(t, bulkHeaderLen+100<<10, out.Len())
-	body := out.Bytes()[bulkHeaderLen:]
-	require.Equal(t, "partial", string(body[:7]))
-	require.Equal(t, make([]byte, len(body)-7), body[7:])
+// TestBulkLaneBroken: a piece that does not continue its transfer breaks the
+// lane; the transfers under way fail and the session ends.
+func TestBulkLaneBroken(t *testing.T) {
+	ss, cs, newPull := bulkLanePair(t)
+	p := newPull(8)
+	f := laneFrame{kind: laneData, req: p.req, total: 8, n: 4}
+	require.NoError(t, cs.writeLaneFrame(f.marshal(), []byte("1234")))
+	f.off = 6 // a gap
+	f.n = 2
+	require.NoError(t, cs.writeLaneFrame(f.marshal(), []byte("78")))
+	require.ErrorContains(t, bulkResult(t, p), "bulk lane closed mid-transfer")
+	select {
+	case <-ss.Done():
+	case <-time.After(20 * time.Second):
+		t.Fatal("the session outlived its broken bulk lane")
+	}
+	require.ErrorContains(t, ss.Err(), "which is at 4 of 8")
+}
+
+// bulkLanePair returns the two sessions of a TCP session with lanes, once
+// the server has its bulk lane, and a function making pulls on the server.
+func bulkLanePair(t *testing.T) (ss, cs *Session, newPull func(n int) *pull) {
+	opts := []Option{WithMode(ModeTCP)}
+	_, cs, ss, _, _ = lanePair(t, opts, opts)
+	<-ss.bulk.ready
+	require.NotNil(t, cs.bulkLane(), "the client has a bulk lane")
+	return ss, cs, func(n int) *pull {
+		dst, err := devicebuf.NewHostAllocator().Alloc(n)
+		require.NoError(t, err)
+		p := &pull{s: ss, dst: dst, fin: make(chan *fin, 1), bulk: make(chan error, 1)}
+		pulls.Lock()
+		pulls.next++
+		p.req = pulls.next
+		pulls.m[p.req] = p
+		pulls.Unlock()
+		t.Cleanup(p.settled)
+		return p
+	}
+}
+
+// bulkResult waits for the outcome of p's bulk transfer.
+func bulkResult(t *testing.T, p *pull) error {
+	t.Helper()
+	select {
+	case err := <-p.bulk:
+		return err
+	case <-time.After(20 * time.Second):
+		t.Fatal("no outcome for the pull")
+	}
+	return nil
 }

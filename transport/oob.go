@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -672,15 +673,21 @@ func claimBulk(s *Session, req uint64) *pull {
 	return p
 }
 
-// serveBulkLane reads the frames of a session's bulk lane until it fails:
-// each into the destination of the pull it names, or, when that pull is gone
-// or the frame does not fit it, into nothing. It returns the error that broke
-// the lane (nil when the session closed it).
-func serveBulkLane(s *Session, c net.Conn) error {
+// serveBulkLane reads the frames of a session's bulk lane until it fails,
+// putting each piece into the destination of the pull it names. It returns
+// the error that broke the lane (nil when the session closed it); transfers
+// still open then fail.
+func serveBulkLane(s *Session, c net.Conn) (err error) {
+	open := map[uint64]*laneXfer{}
+	defer func() {
+		for _, x := range open {
+			x.fail(fmt.Errorf("bulk lane closed mid-transfer: %w", cmp.Or(err, net.ErrClosed)))
+		}
+	}()
+	hdr := make([]byte, laneFrameLen)
 	for {
 		_ = c.SetReadDeadline(time.Time{}) // an idle lane waits for the next frame as long as the session lives
-		req, n, err := readBulkHeader(c)
-		if err != nil {
+		if _, err := io.ReadFull(c, hdr); err != nil {
 			select {
 			case <-s.Done():
 				return nil
@@ -688,18 +695,130 @@ func serveBulkLane(s *Session, c net.Conn) error {
 				return err
 			}
 		}
-		// A frame, once begun, comes whole unless the owner stalls.
-		_ = c.SetReadDeadline(time.Now().Add(cfg().Timeout))
-		body := &io.LimitedReader{R: c, N: int64(n)}
-		receiveBulk(s, req, n, body)
-		// What the destination did not take (a failed copy, a mismatch, a pull
-		// given up) is read and dropped: the next frame starts after it.
-		if _, err := io.Copy(io.Discard, body); err != nil {
+		f, err := parseLaneFrame(hdr)
+		if err != nil {
 			return err
 		}
-		if body.N > 0 {
-			return io.ErrUnexpectedEOF
+		x := open[f.req]
+		switch {
+		case x == nil && f.off != 0:
+			return fmt.Errorf("bulk lane: piece at %d of transfer %d, which has not begun", f.off, f.req)
+		case x == nil:
+			x = newLaneXfer(s, f)
+			open[f.req] = x
+		case f.total != x.total || f.off != x.got:
+			return fmt.Errorf("bulk lane: piece [%d, +%d) of %d bytes for transfer %d, which is at %d of %d",
+				f.off, f.n, f.total, f.req, x.got, x.total)
 		}
+		if f.kind == laneAbort {
+			x.fail(errors.New("the owner gave the transfer up"))
+			delete(open, f.req)
+			continue
+		}
+		// A frame, once begun, comes whole unless the owner stalls.
+		_ = c.SetReadDeadline(time.Now().Add(cfg().Timeout))
+		if err := x.read(c, int(f.n)); err != nil {
+			return err
+		}
+		if x.got == x.total {
+			x.done()
+			delete(open, f.req)
+		}
+	}
+}
+
+// laneXfer is a transfer under way on a bulk lane, on the reader's side.
+type laneXfer struct {
+	p     *pull // nil: the transfer's pieces are read and dropped
+	total uint64
+	got   uint64
+	// GPU destinations: pieces gather in a host bounce buffer, copied on to
+	// the GPU when full and at the end. held bytes of it wait, from got-held.
+	bounce *devicebuf.Buffer
+	held   int
+}
+
+// newLaneXfer starts the transfer f begins: into the pull it names when that
+// pull is live and its destination holds f.total bytes (else it fails the
+// pull), or into nothing when there is no pull.
+func newLaneXfer(s *Session, f laneFrame) *laneXfer {
+	x := &laneXfer{total: f.total, p: claimBulk(s, f.req)}
+	if x.p != nil && uint64(x.p.dst.Len()) != f.total {
+		x.fail(fmt.Errorf("bulk data announces %d bytes, destination holds %d", f.total, x.p.dst.Len()))
+	}
+	return x
+}
+
+// read takes the next n bytes of the transfer from r. Only an error of r is
+// returned; a failed copy to the GPU fails the pull and drops the rest.
+func (x *laneXfer) read(r io.Reader, n int) error {
+	off := x.got
+	x.got += uint64(n)
+	if x.p == nil {
+		_, err := io.CopyN(io.Discard, r, int64(n))
+		return err
+	}
+	dst := x.p.dst
+	if dst.Kind() == devicebuf.Host {
+		b, err := dst.HostBytes()
+		if err != nil {
+			x.fail(err)
+			_, err = io.CopyN(io.Discard, r, int64(n))
+			return err
+		}
+		_, err = io.ReadFull(r, b[off:x.got])
+		return err
+	}
+	if x.bounce == nil {
+		var err error
+		if x.bounce, err = devicebuf.NewHostAllocator().Alloc(int(min(uint64(cfg().StagingChunk), x.total))); err != nil {
+			x.fail(err)
+			_, err = io.CopyN(io.Discard, r, int64(n))
+			return err
+		}
+	}
+	hb, _ := x.bounce.HostBytes()
+	for n > 0 {
+		k := min(n, len(hb)-x.held)
+		if _, err := io.ReadFull(r, hb[x.held:x.held+k]); err != nil {
+			return err
+		}
+		x.held += k
+		n -= k
+		if x.held == len(hb) || (n == 0 && x.got == x.total) {
+			if err := copyRange(dst, int(x.got)-n-x.held, x.bounce, 0, x.held); err != nil {
+				x.fail(fmt.Errorf("copy to the GPU: %w", err))
+				_, err = io.CopyN(io.Discard, r, int64(n))
+				return err
+			}
+			x.held = 0
+		}
+	}
+	return nil
+}
+
+// done hands the pull its bytes.
+func (x *laneXfer) done() {
+	if x.p != nil {
+		x.p.bulk <- nil
+		x.finish()
+	}
+}
+
+// fail hands the pull err; the transfer's remaining pieces are dropped.
+func (x *laneXfer) fail(err error) {
+	if x.p != nil {
+		x.p.bulk <- err
+		x.finish()
+	}
+}
+
+func (x *laneXfer) finish() {
+	close(x.p.reading)
+	x.p = nil
+	if x.bounce != nil {
+		x.bounce.Release()
+		x.bounce = nil
 	}
 }
 
@@ -1097,24 +1216,8 @@ func pushStaged(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src 
 }
 
 func pushStream(ctx context.Context, s *Session, m *rtr, src Source) error {
-	if lane, release, ok := s.bulkLane(); ok {
-		// A frame begun must be finished, or the lane's frames lose their
-		// bounds: no deadline on it. The receiver reads (or discards) every
-		// frame, so the write ends with the data or with the session.
-		defer release()
-		w := &countingWriter{w: lane}
-		err := writeBulk(w, m, src)
-		if err != nil && w.err == nil {
-			// The source failed (a device copy), not the lane: finish the
-			// frame with zeros. The FIN reports the failure, so the receiver
-			// never keeps them.
-			w.pad(int64(bulkHeaderLen) + int64(m.Length))
-		}
-		if w.err != nil {
-			s.closeWith(fmt.Errorf("%w: bulk lane write: %w", ErrPeerGone, w.err))
-			return s.closedErr()
-		}
-		return err
+	if lane := s.bulkLane(); lane != nil {
+		return pushLane(ctx, s, m, src)
 	}
 	c, err := s.OpenBulk(ctx)
 	if err != nil {
@@ -1126,62 +1229,89 @@ func pushStream(ctx context.Context, s *Session, m *rtr, src Source) error {
 	}
 	stop := context.AfterFunc(ctx, func() { c.SetWriteDeadline(time.Now()) })
 	defer stop()
-	return writeBulk(c, m, src)
-}
-
-// countingWriter counts what reached w and keeps w's first error.
-type countingWriter struct {
-	w   io.Writer
-	n   int64
-	err error
-}
-
-func (c *countingWriter) Write(p []byte) (int, error) {
-	n, err := c.w.Write(p)
-	c.n += int64(n)
-	if err != nil && c.err == nil {
-		c.err = err
-	}
-	return n, err
-}
-
-// pad writes zeros until total bytes went through c.
-func (c *countingWriter) pad(total int64) {
-	_, _ = io.CopyN(c, zeroReader{}, total-c.n)
-}
-
-type zeroReader struct{}
-
-func (zeroReader) Read(p []byte) (int, error) {
-	clear(p)
-	return len(p), nil
-}
-
-// writeBulk writes the bulk header of m and then src's bytes to c.
-func writeBulk(c io.Writer, m *rtr, src Source) error {
-	var err error
-	if _, err = c.Write(bulkHeader(m.Req, m.Length)); err != nil {
+	if _, err := c.Write(bulkHeader(m.Req, m.Length)); err != nil {
 		return err
 	}
+	return eachPiece(src, func(p []byte) error {
+		_, err := c.Write(p)
+		return err
+	})
+}
+
+// laneFrameMax bounds the pieces of a transfer on the bulk lane: transfers in
+// flight together take turns at this grain.
+const laneFrameMax = 256 << 10
+
+// pushLane writes src to the receiver as frames on the session's bulk lane.
+// A source that fails (a device copy) or a ctx that ends stops the transfer
+// with an abort frame; a lane that fails ends the session.
+func pushLane(ctx context.Context, s *Session, m *rtr, src Source) error {
+	f := laneFrame{kind: laneData, req: m.Req, total: m.Length}
+	write := func(body []byte) error {
+		if err := s.writeLaneFrame(f.marshal(), body); err != nil {
+			s.closeWith(fmt.Errorf("%w: bulk lane write: %w", ErrPeerGone, err))
+			return errLaneBroken
+		}
+		f.off += f.n
+		return nil
+	}
+	err := eachPiece(src, func(p []byte) error {
+		for len(p) > 0 {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			f.n = uint64(min(len(p), laneFrameMax))
+			if err := write(p[:f.n]); err != nil {
+				return err
+			}
+			p = p[f.n:]
+		}
+		return nil
+	})
+	switch {
+	case errors.Is(err, errLaneBroken):
+		return s.closedErr()
+	case err == nil && f.off != f.total:
+		err = fmt.Errorf("the source holds %d bytes, the transfer %d", f.off, f.total)
+	case err == nil && f.total == 0:
+		f.n = 0
+		if write(nil) != nil {
+			return s.closedErr()
+		}
+		return nil
+	case err == nil:
+		return nil
+	}
+	f.kind, f.n = laneAbort, 0
+	if write(nil) != nil {
+		return s.closedErr()
+	}
+	return err
+}
+
+var errLaneBroken = errors.New("bulk lane broken")
+
+// eachPiece hands fn src's bytes in order: host memory in one piece, GPU
+// memory through a host bounce buffer, a staging chunk at a time.
+func eachPiece(src Source, fn func([]byte) error) error {
 	switch b := src.Buffer; {
 	case b == nil:
-		_, err = c.Write(src.Bytes)
+		return fn(src.Bytes)
 	case b.Kind() == devicebuf.Host:
-		var hb []byte
-		if hb, err = b.HostBytes(); err == nil {
-			_, err = c.Write(hb)
+		hb, err := b.HostBytes()
+		if err != nil {
+			return err
 		}
+		return fn(hb)
 	default:
-		err = chunked(b.Len(), func(bounce *devicebuf.Buffer, off, n int) error {
+		return chunked(b.Len(), func(bounce *devicebuf.Buffer, off, n int) error {
 			if err := copyRange(bounce, 0, b, off, n); err != nil {
 				return err
 			}
 			hb, _ := bounce.HostBytes()
-			_, err := c.Write(hb[:n])
-			return err
+			return fn(hb[:n])
 		})
 	}
-	return err
 }
 
 // chunked runs fn over [0, n) in staging-chunk pieces with one host bounce buffer.

@@ -260,6 +260,57 @@ func parseBulkHeader(b []byte) (req, n uint64, err error) {
 	return req, n, finish(r, "bulk header")
 }
 
+// bulk lane frame header: a piece of one transfer on the bulk lane (lane.go),
+// or that transfer's abort.
+const laneFrameLen = 1 + 1 + 4*8
+
+const (
+	laneData  = 0 // n bytes of the transfer, at off, follow
+	laneAbort = 1 // the owner gave the transfer up: no more frames for it
+)
+
+type laneFrame struct {
+	kind   uint8
+	req    uint64 // the pull's request id
+	total  uint64 // the transfer's length
+	off, n uint64 // where the piece goes, and its length
+}
+
+func (f laneFrame) marshal() []byte {
+	b := make([]byte, 0, laneFrameLen)
+	b = append(b, wireVersion, f.kind)
+	for _, v := range [...]uint64{f.req, f.total, f.off, f.n} {
+		b = binary.BigEndian.AppendUint64(b, v)
+	}
+	return b
+}
+
+func parseLaneFrame(b []byte) (laneFrame, error) {
+	r := &reader{b: b}
+	var f laneFrame
+	if v := r.u8("version"); r.err == nil && v != wireVersion {
+		return f, fmt.Errorf("malformed bulk lane frame: version %d", v)
+	}
+	f.kind = r.u8("kind")
+	f.req, f.total, f.off, f.n = readU64(r, "req"), readU64(r, "total"), readU64(r, "offset"), readU64(r, "length")
+	if err := finish(r, "bulk lane frame"); err != nil {
+		return f, err
+	}
+	switch {
+	case f.kind > laneAbort:
+		return f, fmt.Errorf("malformed bulk lane frame: kind %d", f.kind)
+	case f.total > MaxPayload:
+		return f, fmt.Errorf("malformed bulk lane frame: length %d exceeds %d", f.total, uint64(MaxPayload))
+	case f.off > f.total || f.n > f.total-f.off:
+		return f, fmt.Errorf("malformed bulk lane frame: piece [%d, +%d) of a %d-byte transfer", f.off, f.n, f.total)
+	case f.kind == laneAbort && f.n != 0:
+		return f, fmt.Errorf("malformed bulk lane frame: abort with %d bytes", f.n)
+	case f.n > laneFrameMax:
+		return f, fmt.Errorf("malformed bulk lane frame: piece of %d bytes exceeds %d", f.n, laneFrameMax)
+	}
+	return f, nil
+}
+
 // chunk notice: request id, offset and length of a chunk now in staging.
 func chunkNotice(req, off, n uint64) []byte {
 	b := make([]byte, 0, 1+24)

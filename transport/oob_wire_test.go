@@ -118,6 +118,41 @@ func FuzzParseBulkHeader(f *testing.F) {
 	})
 }
 
+func TestLaneFrameMalformed(t *testing.T) {
+	good := laneFrame{kind: laneData, req: 3, total: 10, off: 4, n: 6}
+	f, err := parseLaneFrame(good.marshal())
+	require.NoError(t, err)
+	require.Equal(t, good, f)
+	for name, tc := range map[string]struct {
+		b   []byte
+		msg string
+	}{
+		"short":      {good.marshal()[:laneFrameLen-1], "bulk lane frame"},
+		"trailing":   {append(good.marshal(), 0), "trailing"},
+		"version":    {append([]byte{wireVersion + 1}, good.marshal()[1:]...), "version"},
+		"kind":       {laneFrame{kind: 2, total: 1, n: 1}.marshal(), "kind 2"},
+		"past end":   {laneFrame{total: 10, off: 4, n: 7}.marshal(), "piece [4, +7) of a 10-byte transfer"},
+		"offset":     {laneFrame{total: 10, off: 11}.marshal(), "piece [11, +0)"},
+		"abort body": {laneFrame{kind: laneAbort, total: 10, n: 1}.marshal(), "abort with 1 bytes"},
+		"too big":    {laneFrame{total: 1 << 30, n: laneFrameMax + 1}.marshal(), "exceeds"},
+		"huge":       {laneFrame{total: MaxPayload + 1}.marshal(), "exceeds"},
+	} {
+		_, err := parseLaneFrame(tc.b)
+		require.ErrorContains(t, err, tc.msg, name)
+	}
+}
+
+func FuzzParseLaneFrame(f *testing.F) {
+	f.Add(laneFrame{kind: laneData, req: 3, total: 10, off: 4, n: 6}.marshal())
+	f.Fuzz(func(t *testing.T, b []byte) {
+		m, err := parseLaneFrame(b)
+		if err != nil {
+			return
+		}
+		require.Equal(t, b, m.marshal())
+	})
+}
+
 func TestOutboxLifetime(t *testing.T) {
 	before := devicebuf.Live()
 	b, err := devicebuf.NewHostAllocator().Alloc(100)
