@@ -32,6 +32,13 @@
 // metrics hook timed it (the receiver's pull for -op pull, the owner's write
 // for -op push).
 //
+// With -inflight N, N goroutines make the calls (the warm-up's too, after the
+// verified first call), -iters each, and gdrpc, plain gRPC and the naive way
+// report aggregate throughput: all the bytes over the wall time of the
+// measured calls. That is what a service moving many payloads at once gets:
+// one call's RPC and rendezvous overlap the others' copies. The in-process
+// copies stay one after another (the device's bandwidth).
+//
 // Same host (the default): the tool re-executes itself as the server, so the
 // client and the server are separate processes. Across hosts: run
 // "gdrperf -server HOST:PORT" on one (plain gRPC then listens on PORT+1 and
@@ -40,7 +47,7 @@
 //
 // Usage:
 //
-//	gdrperf [-sizes 1MiB,16MiB,64MiB] [-iters 10] [-warmup 2] [-op pull|push]
+//	gdrperf [-sizes 1MiB,16MiB,64MiB] [-iters 10] [-warmup 2] [-inflight 1] [-op pull|push]
 //	        [-transport auto|ucx|tcp] [-mem host|cuda] [-recv host|cuda] [-device 0] [-server-device N]
 //	        [-paths all|cuda-ipc,rdma,stream] [-format table|json] [-server ADDR | -connect ADDR]
 //	        [-perftest PATH|none] [-call-timeout 1m]

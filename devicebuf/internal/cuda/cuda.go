@@ -166,15 +166,14 @@ static CUresult gdr_cu_ctx_retain(int ord, CUcontext *out) {
 // between them run device to device; without it the driver stages them through host memory.
 // *can is set when both directions are possible. Access enabled before (by us or by the
 // application) is not an error.
-static CUresult gdr_cu_enable_peer(CUcontext a, int da, CUcontext b, int db, int *can) {
+static CUresult gdr_cu_enable_peer(CUcontext a, int da, CUcontext b, int db) {
 	CUdevice x, y;
 	int ab = 0, ba = 0;
 	CUresult r = gdr_cu.cuDeviceGet(&x, da);
 	if (!r) r = gdr_cu.cuDeviceGet(&y, db);
 	if (!r) r = gdr_cu.cuDeviceCanAccessPeer(&ab, x, y);
 	if (!r) r = gdr_cu.cuDeviceCanAccessPeer(&ba, y, x);
-	*can = ab && ba;
-	if (r || !*can) return r;
+	if (r || !(ab && ba)) return r;
 	if ((r = gdr_cu.cuCtxSetCurrent(a)) != 0) return r;
 	r = gdr_cu.cuCtxEnablePeerAccess(b, 0);
 	if (r && r != 704) return r; // 704: CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
@@ -549,8 +548,7 @@ func (d *real) enablePeer(da int, a C.CUcontext, db int, b C.CUcontext) error {
 	v, _ := d.peers.LoadOrStore(k, &peerAccess{})
 	pa := v.(*peerAccess)
 	pa.once.Do(func() {
-		var can C.int
-		pa.err = cuErr("cuCtxEnablePeerAccess", C.gdr_cu_enable_peer(a, C.int(da), b, C.int(db), &can))
+		pa.err = cuErr("cuCtxEnablePeerAccess", C.gdr_cu_enable_peer(a, C.int(da), b, C.int(db)))
 	})
 	return pa.err
 }
