@@ -62,6 +62,7 @@ type Worker struct {
 	stopping  bool
 	stopAt    time.Time
 	lastWork  time.Time // the last serve that found something to do
+	handled   bool      // the driver's last serve handled events
 	lastScan  time.Time
 	evs       []C.rdma_event_t // events taken from the ring
 }
@@ -109,7 +110,9 @@ func (w *Worker) run() {
 	defer close(w.exited)
 	for {
 		w.mu.Lock()
+		w.handled = false
 		busy := w.serve()
+		handled := w.handled
 		if w.stopping && (len(w.pending) == 0 || time.Now().After(w.stopAt)) && !w.queued() {
 			C.rdma_worker_destroy(w.cw)
 			w.cw = nil
@@ -118,6 +121,13 @@ func (w *Worker) run() {
 		}
 		if busy {
 			w.release(false)
+			if handled {
+				// The events handled here often readied a goroutine (a
+				// reader handed its bytes, a writer its completion): let it
+				// run on this P now, not after another round or once another
+				// P steals it after the runtime's delay.
+				runtime.Gosched()
+			}
 			continue
 		}
 		// Poll for a while after the last work, by anyone: a reply often
@@ -186,6 +196,7 @@ func (w *Worker) serve() bool {
 		for i := range n {
 			w.handle(&w.evs[i])
 		}
+		w.handled = w.handled || n > 0
 		if n == 0 {
 			break
 		}
