@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -259,6 +260,44 @@ func TestBulkLaneBroken(t *testing.T) {
 		t.Fatal("the session outlived its broken bulk lane")
 	}
 	require.ErrorContains(t, ss.Err(), "which is at 4 of 8")
+}
+
+// TestPushLane: a transfer longer than a frame arrives whole in pieces; a
+// source shorter or longer than the transfer, or a context that ended, stops
+// it with an abort that fails the receiver's pull, and the lane carries on.
+func TestPushLane(t *testing.T) {
+	ss, cs, newPull := bulkLanePair(t)
+	ctx := context.Background()
+	want := bytes.Repeat([]byte("0123456789abcdef"), (2*laneFrameMax+100)/16)
+	p := newPull(len(want))
+	require.NoError(t, pushLane(ctx, cs, &rtr{Req: p.req, Length: uint64(len(want))}, Source{Bytes: want}))
+	require.NoError(t, bulkResult(t, p))
+	got, err := p.dst.HostBytes()
+	require.NoError(t, err)
+	require.Equal(t, want, got)
+
+	canceled, cancel := context.WithCancel(ctx)
+	cancel()
+	for _, tc := range []struct {
+		name string
+		ctx  context.Context
+		src  string
+		err  string
+	}{
+		{"short source", ctx, "abc", "the source holds 3 bytes, the transfer 5"},
+		{"long source", ctx, "abcdefg", "holds more than the transfer's 5 bytes"},
+		{"context ended", canceled, "abcde", context.Canceled.Error()},
+	} {
+		p := newPull(5)
+		err := pushLane(tc.ctx, cs, &rtr{Req: p.req, Length: 5}, Source{Bytes: []byte(tc.src)})
+		require.ErrorContains(t, err, tc.err, tc.name)
+		require.ErrorContains(t, bulkResult(t, p), "gave the transfer up", tc.name)
+	}
+	select {
+	case <-ss.Done():
+		t.Fatal("the session closed")
+	default:
+	}
 }
 
 // bulkLanePair returns the two sessions of a TCP session with lanes, once

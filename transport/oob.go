@@ -1261,6 +1261,9 @@ func pushLane(ctx context.Context, s *Session, m *rtr, src Source) error {
 				return err
 			}
 			f.n = uint64(min(len(p), laneFrameMax))
+			if f.n > f.total-f.off {
+				return fmt.Errorf("the source holds more than the transfer's %d bytes", f.total)
+			}
 			if err := write(p[:f.n]); err != nil {
 				return err
 			}
