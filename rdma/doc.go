@@ -33,7 +33,8 @@
 // it), keeps polling while requests are in flight, and otherwise arms the
 // worker and sleeps on its event fd, so an idle worker burns no CPU. A reply
 // that comes while the driver polls is handed to its reader on the driver's
-// P, without waking a thread; replies to RPCs and rendezvous messages
+// P, without waking a thread: after a round that handled events the driver
+// yields, so the goroutine it readied runs at once; replies to RPCs and rendezvous messages
 // typically come within a few hundred microseconds. Work done outside the
 // driver wakes a sleeping driver, to catch the reply that often follows a
 // send. Hand-offs between OS threads cost tens of microseconds each on small

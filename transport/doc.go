@@ -1,8 +1,9 @@
 // Package transport owns everything that knows about a peer: the session (one
 // per underlying connection), its handshake and capability negotiation, the
 // multiplexing of the session's byte stream (yamux: one gRPC stream, one
-// control stream, bulk streams; the gRPC and control streams run on
-// connections of their own, lanes, when both ends allow it), the net.Conn and
+// control stream, bulk streams; the gRPC and control streams and the bulk
+// frames run on connections of their own, lanes, when both ends allow it;
+// transfers in flight together share the bulk lane in pieces), the net.Conn and
 // net.Listener gRPC runs on,
 // keepalive and dead-peer detection, the process-wide registry of live
 // sessions by peer process id, gRPC transport credentials that expose the
