@@ -252,7 +252,9 @@ func TestBulkLaneBroken(t *testing.T) {
 	require.NoError(t, cs.writeLaneFrame(f.marshal(), []byte("1234")))
 	f.off = 6 // a gap
 	f.n = 2
-	require.NoError(t, cs.writeLaneFrame(f.marshal(), []byte("78")))
+	// The server drops the lane on reading the header, so the body's write
+	// may fail or not.
+	_ = cs.writeLaneFrame(f.marshal(), []byte("78"))
 	require.ErrorContains(t, bulkResult(t, p), "bulk lane closed mid-transfer")
 	select {
 	case <-ss.Done():
