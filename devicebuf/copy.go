@@ -60,7 +60,9 @@ func hostCopy(dst, src *Buffer) error {
 }
 
 // Copy copies src into dst (any two kinds; lengths must match) and returns when the bytes
-// are in place.
+// are in place. A device copy is ordered after work queued on the legacy default stream;
+// work on other streams that writes src or reads dst must be complete first (synchronize
+// those streams, as before handing a buffer to gdrpc).
 func Copy(dst, src *Buffer) error {
 	p, err := plan(dst, src)
 	if err != nil || dst.n == 0 {

@@ -44,14 +44,32 @@ func (s *Session) bulkLane() net.Conn {
 }
 
 // writeLaneFrame writes bufs on the bulk lane as one frame, whole, between
-// the frames of other transfers.
-func (s *Session) writeLaneFrame(bufs ...[]byte) error {
-	s.bulkMu.Lock()
-	defer s.bulkMu.Unlock()
+// the frames of other transfers, by ctx's deadline. An error wrapping
+// errNoTurn means nothing was written (ctx ended, or the session, while
+// waiting for the turn); any other error may leave a frame cut short.
+func (s *Session) writeLaneFrame(ctx context.Context, bufs ...[]byte) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("%w: %w", errNoTurn, err)
+	}
+	select {
+	case s.bulkTurn <- struct{}{}:
+	case <-ctx.Done():
+		return fmt.Errorf("%w: %w", errNoTurn, ctx.Err())
+	case <-s.done:
+		return fmt.Errorf("%w: %w", errNoTurn, s.closedErr())
+	}
+	defer func() { <-s.bulkTurn }()
+	c := s.bulk.c
+	if dl, ok := ctx.Deadline(); ok {
+		_ = c.SetWriteDeadline(dl)
+		defer c.SetWriteDeadline(time.Time{})
+	}
 	nb := net.Buffers(bufs)
-	_, err := nb.WriteTo(s.bulk.c)
+	_, err := nb.WriteTo(c)
 	return err
 }
+
+var errNoTurn = errors.New("no turn on the bulk lane")
 
 // bulkLaneReader runs the bulk lane's reader (set by the out-of-band engine)
 // once the lane is there; a reader that stops on an error ends the session.

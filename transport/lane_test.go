@@ -213,7 +213,7 @@ func TestBulkLaneFrames(t *testing.T) {
 			req = p.req
 		}
 		f := laneFrame{kind: laneData, req: req, total: uint64(total), off: uint64(off), n: uint64(len(body))}
-		require.NoError(t, cs.writeLaneFrame(f.marshal(), []byte(body)))
+		require.NoError(t, cs.writeLaneFrame(context.Background(), f.marshal(), []byte(body)))
 	}
 	p1, p2, p3, p4 := newPull(5), newPull(4), newPull(3), newPull(6)
 	piece(nil, 1<<62, 8, 0, "nobo") // no such pull: dropped
@@ -225,8 +225,8 @@ func TestBulkLaneFrames(t *testing.T) {
 	piece(p4, 0, 6, 0, "abc")       // p4 begins...
 	piece(p2, 0, 8, 4, "long")      // dropped
 	f := laneFrame{kind: laneAbort, req: p4.req, total: 6, off: 3}
-	require.NoError(t, cs.writeLaneFrame(f.marshal())) // ...and is given up
-	piece(p3, 0, 3, 1, "nd")                           // p3 done
+	require.NoError(t, cs.writeLaneFrame(context.Background(), f.marshal())) // ...and is given up
+	piece(p3, 0, 3, 1, "nd")                                                 // p3 done
 	require.NoError(t, bulkResult(t, p1))
 	require.ErrorContains(t, bulkResult(t, p2), "announces 8 bytes, destination holds 4")
 	require.NoError(t, bulkResult(t, p3))
@@ -249,12 +249,12 @@ func TestBulkLaneBroken(t *testing.T) {
 	ss, cs, newPull := bulkLanePair(t)
 	p := newPull(8)
 	f := laneFrame{kind: laneData, req: p.req, total: 8, n: 4}
-	require.NoError(t, cs.writeLaneFrame(f.marshal(), []byte("1234")))
+	require.NoError(t, cs.writeLaneFrame(context.Background(), f.marshal(), []byte("1234")))
 	f.off = 6 // a gap
 	f.n = 2
 	// The server drops the lane on reading the header, so the body's write
 	// may fail or not.
-	_ = cs.writeLaneFrame(f.marshal(), []byte("78"))
+	_ = cs.writeLaneFrame(context.Background(), f.marshal(), []byte("78"))
 	require.ErrorContains(t, bulkResult(t, p), "bulk lane closed mid-transfer")
 	select {
 	case <-ss.Done():
@@ -262,6 +262,66 @@ func TestBulkLaneBroken(t *testing.T) {
 		t.Fatal("the session outlived its broken bulk lane")
 	}
 	require.ErrorContains(t, ss.Err(), "which is at 4 of 8")
+}
+
+// TestBulkLaneSettleBetweenFrames: a pull given up between two frames of
+// its transfer settles at once (the reader holds the destination only while
+// it reads a frame); the transfer's later frames are dropped, and the lane
+// carries on.
+func TestBulkLaneSettleBetweenFrames(t *testing.T) {
+	ss, cs, newPull := bulkLanePair(t)
+	ctx := context.Background()
+	p := newPull(8)
+	f := laneFrame{kind: laneData, req: p.req, total: 8, n: 4}
+	require.NoError(t, cs.writeLaneFrame(ctx, f.marshal(), []byte("1234")))
+	settled := make(chan struct{})
+	go func() {
+		p.settled()
+		close(settled)
+	}()
+	select {
+	case <-settled:
+	case <-time.After(20 * time.Second):
+		t.Fatal("settling waits for the rest of the transfer")
+	}
+	f.off = 4
+	require.NoError(t, cs.writeLaneFrame(ctx, f.marshal(), []byte("5678")))
+	next := newPull(3)
+	g := laneFrame{kind: laneData, req: next.req, total: 3, n: 3}
+	require.NoError(t, cs.writeLaneFrame(ctx, g.marshal(), []byte("end")))
+	require.NoError(t, bulkResult(t, next))
+	b, err := next.dst.HostBytes()
+	require.NoError(t, err)
+	require.Equal(t, "end", string(b))
+	select {
+	case err := <-p.bulk:
+		t.Fatalf("a settled pull got an outcome: %v", err)
+	default:
+	}
+	select {
+	case <-ss.Done():
+		t.Fatal("the session closed")
+	default:
+	}
+}
+
+// TestBulkLaneTooManyOpen: a peer that opens more transfers than the reader
+// keeps breaks the lane and ends the session.
+func TestBulkLaneTooManyOpen(t *testing.T) {
+	ss, cs, _ := bulkLanePair(t)
+	ctx := context.Background()
+	for i := range maxLaneTransfers + 1 {
+		f := laneFrame{kind: laneData, req: 1<<40 + uint64(i), total: 2, n: 1}
+		if cs.writeLaneFrame(ctx, f.marshal(), []byte("x")) != nil {
+			break // the server dropped the lane already
+		}
+	}
+	select {
+	case <-ss.Done():
+	case <-time.After(20 * time.Second):
+		t.Fatal("the session outlived the flood")
+	}
+	require.ErrorContains(t, ss.Err(), "more than 4096 transfers open")
 }
 
 // TestPushLane: a transfer longer than a frame arrives whole in pieces; a
@@ -287,7 +347,7 @@ func TestPushLane(t *testing.T) {
 		err  string
 	}{
 		{"short source", ctx, "abc", "the source holds 3 bytes, the transfer 5"},
-		{"long source", ctx, "abcdefg", "holds more than the transfer's 5 bytes"},
+		{"long source", ctx, "abcdefg", "the source holds 7 bytes, the transfer 5"},
 		{"context ended", canceled, "abcde", context.Canceled.Error()},
 	} {
 		p := newPull(5)

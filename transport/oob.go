@@ -224,8 +224,9 @@ type pull struct {
 
 	settle   sync.Once
 	after    []func()      // run once the owner can no longer write into dst
-	reading  chan struct{} // closed when a bulk reader that claimed dst is done; guarded by pulls
-	detached bool          // settled: no bulk reader may claim dst; guarded by pulls
+	claimed  bool          // a bulk reader took the pull; guarded by pulls
+	reading  chan struct{} // while a bulk reader writes into dst: closed when it stops; guarded by pulls
+	detached bool          // settled: no bulk reader may write into dst; guarded by pulls
 }
 
 var pulls = struct {
@@ -242,7 +243,7 @@ func (p *pull) settled() {
 		reading := p.reading
 		pulls.Unlock()
 		if reading != nil {
-			<-reading // bounded: the reader has a deadline and dies with the session
+			<-reading // bounded: a read into dst has a deadline and dies with the session
 		}
 		for i := len(p.after) - 1; i >= 0; i-- {
 			p.after[i]()
@@ -652,7 +653,7 @@ func receiveBulk(s *Session, req, n uint64, r io.Reader) {
 	if p == nil {
 		return
 	}
-	defer close(p.reading)
+	defer endRead(p)
 	if uint64(p.dst.Len()) != n {
 		p.bulk <- fmt.Errorf("bulk data announces %d bytes, destination holds %d", n, p.dst.Len())
 		return
@@ -660,17 +661,43 @@ func receiveBulk(s *Session, req, n uint64, r io.Reader) {
 	p.bulk <- readInto(r, p.dst)
 }
 
-// claimBulk returns the pull req names, marked as being read into (close
-// p.reading when done), or nil when no live pull of s may be read into.
+// claimBulk returns the pull req names, claimed by the caller and marked as
+// being read into (endRead when done), or nil when no live pull of s may be
+// read into.
 func claimBulk(s *Session, req uint64) *pull {
 	pulls.Lock()
 	defer pulls.Unlock()
 	p := pulls.m[req]
-	if p == nil || p.s != s || p.detached || p.reading != nil {
+	if p == nil || p.s != s || p.detached || p.claimed {
 		return nil
 	}
+	p.claimed = true
 	p.reading = make(chan struct{})
 	return p
+}
+
+// beginRead marks the claimed pull p as being read into again (endRead when
+// done); false when p was settled meanwhile: dst is no longer the reader's.
+func beginRead(p *pull) bool {
+	pulls.Lock()
+	defer pulls.Unlock()
+	if p.detached {
+		return false
+	}
+	if p.reading == nil {
+		p.reading = make(chan struct{})
+	}
+	return true
+}
+
+// endRead ends a read into p's destination (no-op when none is under way).
+func endRead(p *pull) {
+	pulls.Lock()
+	defer pulls.Unlock()
+	if p.reading != nil {
+		close(p.reading)
+		p.reading = nil
+	}
 }
 
 // serveBulkLane reads the frames of a session's bulk lane until it fails,
@@ -703,6 +730,8 @@ func serveBulkLane(s *Session, c net.Conn) (err error) {
 		switch {
 		case x == nil && f.off != 0:
 			return fmt.Errorf("bulk lane: piece at %d of transfer %d, which has not begun", f.off, f.req)
+		case x == nil && len(open) == maxLaneTransfers:
+			return fmt.Errorf("bulk lane: more than %d transfers open", maxLaneTransfers)
 		case x == nil:
 			x = newLaneXfer(s, f)
 			open[f.req] = x
@@ -717,7 +746,7 @@ func serveBulkLane(s *Session, c net.Conn) (err error) {
 		}
 		// A frame, once begun, comes whole unless the owner stalls.
 		_ = c.SetReadDeadline(time.Now().Add(cfg().Timeout))
-		if err := x.read(c, int(f.n)); err != nil {
+		if err := x.frame(c, int(f.n)); err != nil {
 			return err
 		}
 		if x.got == x.total {
@@ -727,7 +756,14 @@ func serveBulkLane(s *Session, c net.Conn) (err error) {
 	}
 }
 
-// laneXfer is a transfer under way on a bulk lane, on the reader's side.
+// maxLaneTransfers bounds the transfers open at once on a bulk lane's reader:
+// a peer that opens more breaks the lane.
+const maxLaneTransfers = 4096
+
+// laneXfer is a transfer under way on a bulk lane, on the reader's side. The
+// reader holds the pull's destination only while it reads a frame into it
+// (beginRead, endRead): a pull settled between two frames waits for nothing,
+// and the transfer's later frames are dropped.
 type laneXfer struct {
 	p     *pull // nil: the transfer's pieces are read and dropped
 	total uint64
@@ -747,6 +783,18 @@ func newLaneXfer(s *Session, f laneFrame) *laneXfer {
 		x.fail(fmt.Errorf("bulk data announces %d bytes, destination holds %d", f.total, x.p.dst.Len()))
 	}
 	return x
+}
+
+// frame reads the next n bytes of the transfer from r.
+func (x *laneXfer) frame(r io.Reader, n int) error {
+	if x.p != nil && !beginRead(x.p) {
+		x.release() // given up: the puller has gone
+	}
+	err := x.read(r, n)
+	if x.p != nil {
+		endRead(x.p)
+	}
+	return err
 }
 
 // read takes the next n bytes of the transfer from r. Only an error of r is
@@ -801,7 +849,7 @@ func (x *laneXfer) read(r io.Reader, n int) error {
 func (x *laneXfer) done() {
 	if x.p != nil {
 		x.p.bulk <- nil
-		x.finish()
+		x.release()
 	}
 }
 
@@ -809,12 +857,13 @@ func (x *laneXfer) done() {
 func (x *laneXfer) fail(err error) {
 	if x.p != nil {
 		x.p.bulk <- err
-		x.finish()
+		x.release()
 	}
 }
 
-func (x *laneXfer) finish() {
-	close(x.p.reading)
+// release lets go of the pull: the transfer's remaining pieces are dropped.
+func (x *laneXfer) release() {
+	endRead(x.p)
 	x.p = nil
 	if x.bounce != nil {
 		x.bounce.Release()
@@ -1243,50 +1292,57 @@ func pushStream(ctx context.Context, s *Session, m *rtr, src Source) error {
 const laneFrameMax = 256 << 10
 
 // pushLane writes src to the receiver as frames on the session's bulk lane.
-// A source that fails (a device copy) or a ctx that ends stops the transfer
-// with an abort frame; a lane that fails ends the session.
+// A source that fails (a device copy) or does not hold the transfer's length,
+// or a ctx that ends, stops the transfer with an abort frame; a lane cut mid
+// frame ends the session.
 func pushLane(ctx context.Context, s *Session, m *rtr, src Source) error {
 	f := laneFrame{kind: laneData, req: m.Req, total: m.Length}
-	write := func(body []byte) error {
-		if err := s.writeLaneFrame(f.marshal(), body); err != nil {
-			s.closeWith(fmt.Errorf("%w: bulk lane write: %w", ErrPeerGone, err))
-			return errLaneBroken
+	write := func(ctx context.Context, body []byte) error {
+		err := s.writeLaneFrame(ctx, f.marshal(), body)
+		switch {
+		case err == nil:
+			f.off += f.n
+			return nil
+		case errors.Is(err, errNoTurn):
+			return err // nothing written: the lane is intact
 		}
-		f.off += f.n
-		return nil
+		s.closeWith(fmt.Errorf("%w: bulk lane write: %w", ErrPeerGone, err))
+		return errLaneBroken
 	}
-	err := eachPiece(src, func(p []byte) error {
-		for len(p) > 0 {
-			if err := ctx.Err(); err != nil {
-				return err
+	var err error
+	if uint64(src.Len()) != f.total {
+		err = fmt.Errorf("the source holds %d bytes, the transfer %d", src.Len(), f.total)
+	} else if f.total == 0 {
+		err = write(ctx, nil)
+	} else {
+		err = eachPiece(src, func(p []byte) error {
+			for len(p) > 0 {
+				f.n = uint64(min(len(p), laneFrameMax))
+				if f.n > f.total-f.off {
+					return fmt.Errorf("the source holds more than the transfer's %d bytes", f.total)
+				}
+				if err := write(ctx, p[:f.n]); err != nil {
+					return err
+				}
+				p = p[f.n:]
 			}
-			f.n = uint64(min(len(p), laneFrameMax))
-			if f.n > f.total-f.off {
-				return fmt.Errorf("the source holds more than the transfer's %d bytes", f.total)
-			}
-			if err := write(p[:f.n]); err != nil {
-				return err
-			}
-			p = p[f.n:]
+			return nil
+		})
+		if err == nil && f.off != f.total {
+			err = fmt.Errorf("the source gave %d bytes, the transfer has %d", f.off, f.total)
 		}
-		return nil
-	})
+	}
 	switch {
-	case errors.Is(err, errLaneBroken):
-		return s.closedErr()
-	case err == nil && f.off != f.total:
-		err = fmt.Errorf("the source holds %d bytes, the transfer %d", f.off, f.total)
-	case err == nil && f.total == 0:
-		f.n = 0
-		if write(nil) != nil {
-			return s.closedErr()
-		}
-		return nil
 	case err == nil:
 		return nil
+	case errors.Is(err, errLaneBroken):
+		return s.closedErr()
 	}
+	// Tell the receiver, even when ctx ended: the abort is one small frame.
+	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cfg().Timeout)
+	defer cancel()
 	f.kind, f.n = laneAbort, 0
-	if write(nil) != nil {
+	if werr := write(actx, nil); errors.Is(werr, errLaneBroken) {
 		return s.closedErr()
 	}
 	return err

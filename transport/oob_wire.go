@@ -305,6 +305,8 @@ func parseLaneFrame(b []byte) (laneFrame, error) {
 		return f, fmt.Errorf("malformed bulk lane frame: piece [%d, +%d) of a %d-byte transfer", f.off, f.n, f.total)
 	case f.kind == laneAbort && f.n != 0:
 		return f, fmt.Errorf("malformed bulk lane frame: abort with %d bytes", f.n)
+	case f.kind == laneData && f.n == 0 && f.total != 0:
+		return f, fmt.Errorf("malformed bulk lane frame: empty piece of a %d-byte transfer", f.total)
 	case f.n > laneFrameMax:
 		return f, fmt.Errorf("malformed bulk lane frame: piece of %d bytes exceeds %d", f.n, laneFrameMax)
 	}

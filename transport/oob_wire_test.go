@@ -127,15 +127,16 @@ func TestLaneFrameMalformed(t *testing.T) {
 		b   []byte
 		msg string
 	}{
-		"short":      {good.marshal()[:laneFrameLen-1], "bulk lane frame"},
-		"trailing":   {append(good.marshal(), 0), "trailing"},
-		"version":    {append([]byte{wireVersion + 1}, good.marshal()[1:]...), "version"},
-		"kind":       {laneFrame{kind: 2, total: 1, n: 1}.marshal(), "kind 2"},
-		"past end":   {laneFrame{total: 10, off: 4, n: 7}.marshal(), "piece [4, +7) of a 10-byte transfer"},
-		"offset":     {laneFrame{total: 10, off: 11}.marshal(), "piece [11, +0)"},
-		"abort body": {laneFrame{kind: laneAbort, total: 10, n: 1}.marshal(), "abort with 1 bytes"},
-		"too big":    {laneFrame{total: 1 << 30, n: laneFrameMax + 1}.marshal(), "exceeds"},
-		"huge":       {laneFrame{total: MaxPayload + 1}.marshal(), "exceeds"},
+		"short":       {good.marshal()[:laneFrameLen-1], "bulk lane frame"},
+		"trailing":    {append(good.marshal(), 0), "trailing"},
+		"version":     {append([]byte{wireVersion + 1}, good.marshal()[1:]...), "version"},
+		"kind":        {laneFrame{kind: 2, total: 1, n: 1}.marshal(), "kind 2"},
+		"past end":    {laneFrame{total: 10, off: 4, n: 7}.marshal(), "piece [4, +7) of a 10-byte transfer"},
+		"offset":      {laneFrame{total: 10, off: 11}.marshal(), "piece [11, +0)"},
+		"abort body":  {laneFrame{kind: laneAbort, total: 10, n: 1}.marshal(), "abort with 1 bytes"},
+		"empty piece": {laneFrame{total: 10, off: 3}.marshal(), "empty piece of a 10-byte transfer"},
+		"too big":     {laneFrame{total: 1 << 30, n: laneFrameMax + 1}.marshal(), "exceeds"},
+		"huge":        {laneFrame{total: MaxPayload + 1}.marshal(), "exceeds"},
 	} {
 		_, err := parseLaneFrame(tc.b)
 		require.ErrorContains(t, err, tc.msg, name)

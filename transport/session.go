@@ -67,8 +67,8 @@ type Session struct {
 	laneDone bool       // the session closed: no lane any more
 	laneSlot *laneSlot  // server: the slot lanes find the session by
 
-	bulk   onceConn   // the bulk lane (lane.go)
-	bulkMu sync.Mutex // one frame at a time on the bulk lane
+	bulk     onceConn      // the bulk lane (lane.go)
+	bulkTurn chan struct{} // one frame at a time on the bulk lane (buffered 1)
 
 	grpcTaken atomic.Bool
 	grpcCh    chan net.Conn // server: the gRPC stream once the client opened it
@@ -126,6 +126,7 @@ func newSession(st sessionSetup) (*Session, error) {
 		muxClosed: make(chan struct{}),
 		laneAddr:  st.laneAddr,
 		bulk:      onceConn{ready: make(chan struct{})},
+		bulkTurn:  make(chan struct{}, 1),
 	}
 	role := "server"
 	if s.client {

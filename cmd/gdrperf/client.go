@@ -347,16 +347,21 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 	events := take()
 	var xfers []time.Duration
 	paths := map[string]bool{}
+	seen := 0
 	for _, e := range events {
 		// pull: the client received (Pull); push: the client's side of the
 		// server's pull (the owner wrote).
-		if e.Pull != (b.o.op == "pull") || e.Err != nil {
+		if e.Pull != (b.o.op == "pull") {
+			continue
+		}
+		seen++
+		if e.Err != nil {
 			continue
 		}
 		paths[e.Path.String()] = true
 		xfers = append(xfers, e.Elapsed)
 	}
-	if len(xfers) < b.o.iters*b.o.inflight {
+	if seen < b.o.iters*b.o.inflight {
 		paths["inline"] = true
 	}
 	r.Path = strings.Join(slices.Sorted(maps.Keys(paths)), "+")
@@ -461,9 +466,9 @@ func (b *bench) pushPlain(ctx context.Context, method string, p []byte, first bo
 type callFunc func(ctx context.Context, w int, first bool) (check func() error, err error)
 
 // timeCalls makes the warm-up calls, then the measured ones, each bounded by
-// callCtx. The first call runs alone and is verified; the rest of the warm-up
-// runs as the measured calls do, so that every goroutine's destinations are
-// warm. With -inflight 1 the measured phase is iters calls one after another,
+// callCtx. The first call runs alone and is verified; then, with -inflight 1,
+// the rest of the warm-up, and with -inflight N, warmup calls on each of the N
+// goroutines, so that every goroutine's destinations are warm. With -inflight 1 the measured phase is iters calls one after another,
 // and the rate is the median of size / call time. With -inflight N, N
 // goroutines make iters calls each, back to back, and the rate is all their
 // bytes over the wall time from the first start to the last end. measuring,
@@ -474,7 +479,11 @@ func (b *bench) timeCalls(ctx context.Context, size int, call callFunc, measurin
 		if _, _, err := b.batch(ctx, call, 1, 1, true); err != nil {
 			return 0, err
 		}
-		if _, _, err := b.batch(ctx, call, b.o.inflight, b.o.warmup-1, false); err != nil {
+		rest := b.o.warmup - 1
+		if b.o.inflight > 1 {
+			rest = b.o.warmup
+		}
+		if _, _, err := b.batch(ctx, call, b.o.inflight, rest, false); err != nil {
 			return 0, err
 		}
 	}
@@ -493,29 +502,36 @@ func (b *bench) timeCalls(ctx context.Context, size int, call callFunc, measurin
 
 // batch runs n calls on each of workers goroutines and returns each call's
 // time and the wall time of the whole. With verify, worker 0's first call
-// is verified.
+// is verified. The first failure stops the other goroutines' calls and is
+// the error returned.
 func (b *bench) batch(ctx context.Context, call callFunc, workers, n int, verify bool) ([]time.Duration, time.Duration, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	times := make([][]time.Duration, workers)
-	errs := make([]error, workers)
+	var first error
+	var fail sync.Once
 	var wg sync.WaitGroup
 	start := time.Now()
 	for w := range workers {
 		wg.Go(func() {
 			for i := range n {
-				first := verify && w == 0 && i == 0
-				cctx, cancel := b.callCtx(ctx, first)
+				verified := verify && w == 0 && i == 0
+				cctx, ccancel := b.callCtx(ctx, verified)
 				t0 := time.Now()
-				check, err := call(cctx, w, first)
+				check, err := call(cctx, w, verified)
 				d := time.Since(t0)
-				cancel()
+				ccancel()
 				if err == nil && check != nil {
 					err = check()
 				}
 				if err != nil {
-					errs[w] = fmt.Errorf("call %d: %w", i, err)
-					if workers > 1 {
-						errs[w] = fmt.Errorf("goroutine %d, %w", w, errs[w])
-					}
+					fail.Do(func() {
+						first = fmt.Errorf("call %d: %w", i, err)
+						if workers > 1 {
+							first = fmt.Errorf("goroutine %d, %w", w, first)
+						}
+						cancel()
+					})
 					return
 				}
 				times[w] = append(times[w], d)
@@ -524,7 +540,7 @@ func (b *bench) batch(ctx context.Context, call callFunc, workers, n int, verify
 	}
 	wg.Wait()
 	wall := time.Since(start)
-	return slices.Concat(times...), wall, errors.Join(errs...)
+	return slices.Concat(times...), wall, first
 }
 
 // measureD2H times an in-process copy of size bytes from the GPU into

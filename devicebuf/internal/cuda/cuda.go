@@ -321,8 +321,11 @@ type real struct {
 
 	// syncStreams keeps, per device, idle streams for Memcpy without a stream.
 	// They are blocking streams, so a copy on one is still ordered after work
-	// on the legacy default stream, as a copy on that stream would be. But
-	// each waits for its own copy alone: concurrent copies (transfers of
+	// on the legacy default stream. Unlike a copy on the legacy stream, it is
+	// not ordered after work on the application's other blocking streams:
+	// work that fills a buffer there must be complete before the buffer is
+	// copied (as work on non-blocking streams always had to be). In return
+	// each copy waits for itself alone: concurrent copies (transfers of
 	// several calls at once) neither queue behind one another on the legacy
 	// stream nor wait for one another to finish.
 	syncStreams sync.Map // int (device) -> *streamList
