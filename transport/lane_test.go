@@ -236,11 +236,7 @@ func TestBulkLaneFrames(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, want, string(b))
 	}
-	select {
-	case <-ss.Done():
-		t.Fatal("the session closed")
-	default:
-	}
+	requireLive(t, ss)
 }
 
 // TestBulkLaneBroken: a piece that does not continue its transfer breaks the
@@ -256,12 +252,7 @@ func TestBulkLaneBroken(t *testing.T) {
 	// may fail or not.
 	_ = cs.writeLaneFrame(context.Background(), f.marshal(), []byte("78"))
 	require.ErrorContains(t, bulkResult(t, p), "bulk lane closed mid-transfer")
-	select {
-	case <-ss.Done():
-	case <-time.After(20 * time.Second):
-		t.Fatal("the session outlived its broken bulk lane")
-	}
-	require.ErrorContains(t, ss.Err(), "which is at 4 of 8")
+	requireEnds(t, ss, "which is at 4 of 8")
 }
 
 // TestBulkLaneSettleBetweenFrames: a pull given up between two frames of
@@ -298,11 +289,7 @@ func TestBulkLaneSettleBetweenFrames(t *testing.T) {
 		t.Fatalf("a settled pull got an outcome: %v", err)
 	default:
 	}
-	select {
-	case <-ss.Done():
-		t.Fatal("the session closed")
-	default:
-	}
+	requireLive(t, ss)
 }
 
 // TestBulkLaneTooManyOpen: a peer that opens more transfers than the reader
@@ -316,12 +303,7 @@ func TestBulkLaneTooManyOpen(t *testing.T) {
 			break // the server dropped the lane already
 		}
 	}
-	select {
-	case <-ss.Done():
-	case <-time.After(20 * time.Second):
-		t.Fatal("the session outlived the flood")
-	}
-	require.ErrorContains(t, ss.Err(), "more than 4096 transfers open")
+	requireEnds(t, ss, "more than 4096 transfers open")
 }
 
 // TestPushLane: a transfer longer than a frame arrives whole in pieces; a
@@ -355,9 +337,26 @@ func TestPushLane(t *testing.T) {
 		require.ErrorContains(t, err, tc.err, tc.name)
 		require.ErrorContains(t, bulkResult(t, p), "gave the transfer up", tc.name)
 	}
+	requireLive(t, ss)
+}
+
+// requireEnds waits for s to close and checks why.
+func requireEnds(t *testing.T, s *Session, why string) {
+	t.Helper()
 	select {
-	case <-ss.Done():
-		t.Fatal("the session closed")
+	case <-s.Done():
+	case <-time.After(20 * time.Second):
+		t.Fatal("the session did not close")
+	}
+	require.ErrorContains(t, s.Err(), why)
+}
+
+// requireLive checks that s has not closed.
+func requireLive(t *testing.T, s *Session) {
+	t.Helper()
+	select {
+	case <-s.Done():
+		t.Fatalf("the session closed: %v", s.Err())
 	default:
 	}
 }

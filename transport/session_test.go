@@ -153,12 +153,7 @@ func TestControlFrameTooLarge(t *testing.T) {
 	if _, err := c.ctrl.c.Write(hdr[:]); err != nil {
 		require.ErrorIs(t, err, net.ErrClosed)
 	}
-	select {
-	case <-s.Done():
-	case <-time.After(10 * time.Second):
-		t.Fatal("session not closed")
-	}
-	require.ErrorContains(t, s.Err(), "control message of")
+	requireEnds(t, s, "control message of")
 }
 
 func TestBulkStreams(t *testing.T) {
