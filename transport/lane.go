@@ -314,24 +314,17 @@ type laneConn struct {
 
 var _ net.Conn = (*laneConn)(nil)
 
-func (c *laneConn) Read(b []byte) (int, error) {
-	if err := c.open("read"); err != nil {
-		return 0, err
-	}
-	n, err := c.ep.Read(b)
-	if err != nil {
-		err = c.mapErr("read", err)
-	}
-	return n, err
-}
+func (c *laneConn) Read(b []byte) (int, error)  { return c.do("read", c.ep.Read, b) }
+func (c *laneConn) Write(b []byte) (int, error) { return c.do("write", c.ep.Write, b) }
 
-func (c *laneConn) Write(b []byte) (int, error) {
-	if err := c.open("write"); err != nil {
+// do runs a read or a write of the lane, its error in the conn's terms.
+func (c *laneConn) do(op string, f func([]byte) (int, error), b []byte) (int, error) {
+	if err := c.open(op); err != nil {
 		return 0, err
 	}
-	n, err := c.ep.Write(b)
+	n, err := f(b)
 	if err != nil {
-		err = c.mapErr("write", err)
+		err = c.mapErr(op, err)
 	}
 	return n, err
 }

@@ -627,38 +627,36 @@ func (c *stagedCopier) wait(ctx context.Context, s *Session) error {
 
 func (c *stagedCopier) stop() { close(c.quit) }
 
-// serveBulk receives a stream-path payload on a bulk stream the owner opened.
+// serveBulk receives a stream-path payload on a bulk stream the owner opened:
+// a bulk header (request id, length) and the bytes.
 func serveBulk(s *Session, c net.Conn) {
 	defer c.Close()
 	c.SetReadDeadline(time.Now().Add(cfg().Timeout))
-	if req, n, err := readBulkHeader(c); err == nil {
-		receiveBulk(s, req, n, c)
-	}
-}
-
-func readBulkHeader(r io.Reader) (req, n uint64, err error) {
 	var hdr [bulkHeaderLen]byte
-	if _, err := io.ReadFull(r, hdr[:]); err != nil {
-		return 0, 0, err
+	if _, err := io.ReadFull(c, hdr[:]); err != nil {
+		return
 	}
-	return parseBulkHeader(hdr[:])
+	req, n, err := parseBulkHeader(hdr[:])
+	if err != nil {
+		return
+	}
+	if p := claimFor(s, req, n); p != nil {
+		p.bulk <- readInto(c, p.dst)
+		endRead(p)
+	}
 }
 
-// receiveBulk reads the n bytes of request req from r into the destination of
-// that pull of s and hands the pull the outcome, when the pull is live and its
-// destination holds n bytes (else it fails the pull, or leaves r unread when
-// there is no pull to fail).
-func receiveBulk(s *Session, req, n uint64, r io.Reader) {
+// claimFor claims the pull req names for n bytes (claimBulk): nil when there
+// is no live pull, or when its destination does not hold n bytes, which fails
+// the pull.
+func claimFor(s *Session, req, n uint64) *pull {
 	p := claimBulk(s, req)
-	if p == nil {
-		return
-	}
-	defer endRead(p)
-	if uint64(p.dst.Len()) != n {
+	if p != nil && uint64(p.dst.Len()) != n {
 		p.bulk <- fmt.Errorf("bulk data announces %d bytes, destination holds %d", n, p.dst.Len())
-		return
+		endRead(p)
+		return nil
 	}
-	p.bulk <- readInto(r, p.dst)
+	return p
 }
 
 // claimBulk returns the pull req names, claimed by the caller and marked as
@@ -774,15 +772,10 @@ type laneXfer struct {
 	held   int
 }
 
-// newLaneXfer starts the transfer f begins: into the pull it names when that
-// pull is live and its destination holds f.total bytes (else it fails the
-// pull), or into nothing when there is no pull.
+// newLaneXfer starts the transfer f begins: into the pull it names (claimFor),
+// or into nothing.
 func newLaneXfer(s *Session, f laneFrame) *laneXfer {
-	x := &laneXfer{total: f.total, p: claimBulk(s, f.req)}
-	if x.p != nil && uint64(x.p.dst.Len()) != f.total {
-		x.fail(fmt.Errorf("bulk data announces %d bytes, destination holds %d", f.total, x.p.dst.Len()))
-	}
-	return x
+	return &laneXfer{total: f.total, p: claimFor(s, f.req, f.total)}
 }
 
 // frame reads the next n bytes of the transfer from r.
@@ -802,17 +795,20 @@ func (x *laneXfer) frame(r io.Reader, n int) error {
 func (x *laneXfer) read(r io.Reader, n int) error {
 	off := x.got
 	x.got += uint64(n)
-	if x.p == nil {
-		_, err := io.CopyN(io.Discard, r, int64(n))
+	// drop fails the pull with err and reads the rest of the frame into nothing.
+	drop := func(err error) error {
+		x.fail(err)
+		_, err = io.CopyN(io.Discard, r, int64(n))
 		return err
+	}
+	if x.p == nil {
+		return drop(nil)
 	}
 	dst := x.p.dst
 	if dst.Kind() == devicebuf.Host {
 		b, err := dst.HostBytes()
 		if err != nil {
-			x.fail(err)
-			_, err = io.CopyN(io.Discard, r, int64(n))
-			return err
+			return drop(err)
 		}
 		_, err = io.ReadFull(r, b[off:x.got])
 		return err
@@ -820,9 +816,7 @@ func (x *laneXfer) read(r io.Reader, n int) error {
 	if x.bounce == nil {
 		var err error
 		if x.bounce, err = devicebuf.NewHostAllocator().Alloc(int(min(uint64(cfg().StagingChunk), x.total))); err != nil {
-			x.fail(err)
-			_, err = io.CopyN(io.Discard, r, int64(n))
-			return err
+			return drop(err)
 		}
 	}
 	hb, _ := x.bounce.HostBytes()
@@ -835,9 +829,7 @@ func (x *laneXfer) read(r io.Reader, n int) error {
 		n -= k
 		if x.held == len(hb) || (n == 0 && x.got == x.total) {
 			if err := copyRange(dst, int(x.got)-n-x.held, x.bounce, 0, x.held); err != nil {
-				x.fail(fmt.Errorf("copy to the GPU: %w", err))
-				_, err = io.CopyN(io.Discard, r, int64(n))
-				return err
+				return drop(fmt.Errorf("copy to the GPU: %w", err))
 			}
 			x.held = 0
 		}
