@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/stretchr/testify/require"
 )
 
@@ -20,12 +21,17 @@ func TestTransportsInUse(t *testing.T) {
 			info := client.TransportInfo()
 			require.Contains(t, info, tr.lane, "lanes:\n%s", info)
 			require.True(t, strings.Contains(server.TransportInfo(), tr.lane))
+			// One rendezvous rail (defaultConfig): no second rma_bw lane on
+			// another device, which every progress call would poll.
+			if _, set := os.LookupEnv("UCX_MAX_RNDV_RAILS"); !set {
+				require.NotContains(t, info, "rma_bw#1", "lanes:\n%s", info)
+			}
 		})
 	}
 }
 
 func TestStreamSizes(t *testing.T) {
-	forEachTransport(t, func(t *testing.T, tls string) {
+	forEachPairing(t, func(t *testing.T, tls string, pair func(testing.TB, *rdma.Context) (client, server *rdma.Endpoint)) {
 		c := newContext(t, tls)
 		client, server := pair(t, c)
 		for i, n := range sizes(t) {
@@ -62,7 +68,7 @@ func TestStreamSizes(t *testing.T) {
 
 // A peer Close delivers everything written before it, then io.EOF.
 func TestStreamCloseDeliversThenEOF(t *testing.T) {
-	forEachTransport(t, func(t *testing.T, tls string) {
+	forEachPairing(t, func(t *testing.T, tls string, pair func(testing.TB, *rdma.Context) (client, server *rdma.Endpoint)) {
 		c := newContext(t, tls)
 		client, server := pair(t, c)
 		src := pattern(3<<20+11, 9)

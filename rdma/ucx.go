@@ -105,15 +105,25 @@ type Context struct {
 }
 
 // UCX configuration this package sets unless the environment sets it (or one
-// of the listed variables): peer error handling must not silently drop the
-// shared-memory transports. MM_ERROR_HANDLING is the key both posix and sysv
-// read their ERROR_HANDLING from when it comes through ucp_config_modify (UCX
-// 1.13 ignores POSIX_ERROR_HANDLING there).
+// of the listed variables):
+//   - Peer error handling must not silently drop the shared-memory transports.
+//     MM_ERROR_HANDLING is the key both posix and sysv read their
+//     ERROR_HANDLING from when it comes through ucp_config_modify (UCX 1.13
+//     ignores POSIX_ERROR_HANDLING there); it matters only where UCX_TLS may
+//     select them.
+//   - One rendezvous rail. This package never uses rendezvous (the stream API
+//     is eager-only; puts and gets take one lane), but UCX gives each endpoint
+//     a second rail on another device when there is one, and every interface
+//     a lane uses is polled by every progress call: a tcp interface costs an
+//     epoll_wait system call each time (about 1.5 µs on a virtual machine),
+//     which the driver pays on every poll round and a sender after every send.
 var defaultConfig = []struct {
 	key, value string
 	unlessEnv  []string
+	mmOnly     bool
 }{
-	{"MM_ERROR_HANDLING", "y", []string{"UCX_POSIX_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING", "UCX_MM_ERROR_HANDLING"}},
+	{"MM_ERROR_HANDLING", "y", []string{"UCX_POSIX_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING", "UCX_MM_ERROR_HANDLING"}, true},
+	{"MAX_RNDV_RAILS", "1", []string{"UCX_MAX_RNDV_RAILS"}, false},
 }
 
 // NewContext creates a UCX context with the features STREAM, RMA, AM and
@@ -134,7 +144,7 @@ func newContext(opts []Option, isDefault bool) (*Context, error) {
 		tls = o.config["TLS"]
 	}
 	for _, d := range defaultConfig {
-		if !slices.ContainsFunc(d.unlessEnv, envSet) && mayUseMM(tls) {
+		if !slices.ContainsFunc(d.unlessEnv, envSet) && (!d.mmOnly || mayUseMM(tls)) {
 			cfg.set(d.key, d.value)
 		}
 	}
