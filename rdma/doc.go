@@ -40,6 +40,21 @@
 // send. Hand-offs between OS threads cost tens of microseconds each on small
 // virtual machines; this keeps them off the path of a write and a reply.
 //
+// When both ends of every connection of a worker are on that worker (client
+// and server in one process, on one context), a sender's own progress call
+// hands its bytes to the reader, and a polling driver would only take a
+// processor from the goroutines doing the work. The driver then rests instead:
+// it neither polls nor arms the worker (so a send raises no event), looks
+// around every millisecond for what only it would see (connection requests),
+// and sleeps on the event fd after 100 ms without work. It wakes as soon as a
+// request is in flight or an endpoint to another worker appears.
+//
+// Every progress call polls every transport interface a lane uses; a tcp
+// interface costs a system call each time. Contexts therefore default to one
+// rendezvous rail (UCX_MAX_RNDV_RAILS=1): this package never uses rendezvous,
+// and a second rail on another network device doubled the cost of every
+// progress call and of every poll round.
+//
 // # Endpoints
 //
 // The byte stream uses UCX's stream API. Received data is taken from UCX when

@@ -41,6 +41,8 @@ type Endpoint struct {
 	closing   bool         // graceful close started
 	ucpClosed bool         // force close issued
 	rkeys     map[*RemoteKey]struct{}
+	key       string    // pairKey it is listed under in the worker's ends
+	pair      *Endpoint // the peer's endpoint when it is on this worker
 
 	mu       sync.Mutex
 	in       []byte // inbound ring
@@ -93,7 +95,48 @@ func (e *Endpoint) attach(ce *C.rdma_ep_t) {
 	e.w.eps[e.id] = e
 	e.w.epByH[uintptr(unsafe.Pointer(ce.ep))] = e
 	live.endpoints.Add(1)
+	e.w.unpaired++
 	e.queryAddrs()
+	e.pairUp()
+}
+
+// pairKey names a connection by its addresses as one end sees them.
+func pairKey(local, remote *Addr) string { return local.String() + ">" + remote.String() }
+
+// pairUp lists the endpoint under its addresses once both are known, and
+// pairs it with the endpoint that has them the other way round: the two ends
+// of one connection, both on this worker (worker lock held).
+func (e *Endpoint) pairUp() {
+	if e.key != "" || e.laddr == nil || e.raddr == nil || e.laddr.Port == 0 || e.raddr.Port == 0 {
+		return
+	}
+	w := e.w
+	key := pairKey(e.laddr, e.raddr)
+	if _, taken := w.ends[key]; taken {
+		return
+	}
+	e.key = key
+	w.ends[key] = e
+	if m := w.ends[pairKey(e.raddr, e.laddr)]; m != nil && m.pair == nil {
+		e.pair, m.pair = m, e
+		w.unpaired -= 2
+	}
+}
+
+// unpair takes a released endpoint off the worker's lists (worker lock held);
+// its peer's endpoint, if here, is left without a pair.
+func (e *Endpoint) unpair() {
+	w := e.w
+	if e.key != "" {
+		delete(w.ends, e.key)
+		e.key = ""
+	}
+	if m := e.pair; m != nil {
+		m.pair, e.pair = nil, nil
+		w.unpaired++
+		return
+	}
+	w.unpaired--
 }
 
 func (e *Endpoint) queryAddrs() {
@@ -160,6 +203,7 @@ func (w *Worker) Dial(ctx context.Context, addr string) (*Endpoint, error) {
 				return
 			}
 			e.queryAddrs()
+			e.pairUp()
 			C.rdma_cloexec_scan()
 			res <- result{e, nil}
 		})
@@ -751,6 +795,7 @@ func (e *Endpoint) forceClose() {
 		}
 		delete(w.eps, e.id)
 		delete(w.epByH, uintptr(unsafe.Pointer(ce.ep)))
+		e.unpair()
 		C.rdma_ep_free(ce)
 		e.ce = nil
 		live.endpoints.Add(-1)

@@ -49,16 +49,54 @@ func testCtx(t testing.TB) context.Context {
 // worker of c (server): two workers in one process.
 func pair(t testing.TB, c *rdma.Context) (client, server *rdma.Endpoint) {
 	t.Helper()
-	w2, err := c.NewWorker()
-	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, w2.Close()) })
-	client, server, err = connect(testCtx(t), c.Worker(), w2)
+	client, server, err := connect(testCtx(t), c.Worker(), newWorker(t, c))
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		client.Close()
 		server.Close()
 	})
 	return client, server
+}
+
+func newWorker(t testing.TB, c *rdma.Context) *rdma.Worker {
+	t.Helper()
+	w, err := c.NewWorker()
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, w.Close()) })
+	return w
+}
+
+// samePair connects worker w to a listener on w itself: both ends on one
+// worker, whose driver then rests (the sender hands the bytes over).
+func samePair(t testing.TB, w *rdma.Worker) (client, server *rdma.Endpoint) {
+	t.Helper()
+	client, server, err := connect(testCtx(t), w, w)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		client.Close()
+		server.Close()
+	})
+	return client, server
+}
+
+// pairings: the ends on two workers of one process (the client on the
+// context's default worker), and both on the default worker.
+var pairings = []struct {
+	name string
+	pair func(testing.TB, *rdma.Context) (client, server *rdma.Endpoint)
+}{
+	{"workers=2", pair},
+	{"workers=1", func(t testing.TB, c *rdma.Context) (*rdma.Endpoint, *rdma.Endpoint) {
+		return samePair(t, c.Worker())
+	}},
+}
+
+func forEachPairing(t *testing.T, f func(t *testing.T, tls string, pair func(testing.TB, *rdma.Context) (client, server *rdma.Endpoint))) {
+	forEachTransport(t, func(t *testing.T, tls string) {
+		for _, p := range pairings {
+			t.Run(p.name, func(t *testing.T) { f(t, tls, p.pair) })
+		}
+	})
 }
 
 func connect(ctx context.Context, cw, sw *rdma.Worker) (client, server *rdma.Endpoint, err error) {

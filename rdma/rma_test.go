@@ -24,7 +24,7 @@ func mmapped(t testing.TB, n int) ([]byte, uintptr) {
 }
 
 func TestPutGetSizes(t *testing.T) {
-	forEachTransport(t, func(t *testing.T, tls string) {
+	forEachPairing(t, func(t *testing.T, tls string, pair func(testing.TB, *rdma.Context) (client, server *rdma.Endpoint)) {
 		c := newContext(t, tls)
 		client, server := pair(t, c)
 		ctx := testCtx(t)

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/stretchr/testify/require"
 )
 
@@ -16,7 +17,7 @@ import (
 // whichever the lock allows. Every endpoint's bytes must arrive complete and in
 // the order written, small copied writes and large pinned ones interleaved.
 func TestConcurrentSubmitters(t *testing.T) {
-	forEachTransport(t, func(t *testing.T, tls string) {
+	forEachPairing(t, func(t *testing.T, tls string, pair func(testing.TB, *rdma.Context) (client, server *rdma.Endpoint)) {
 		c := newContext(t, tls)
 		const pairs, msgs = 3, 600
 		ctx := testCtx(t)

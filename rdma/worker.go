@@ -30,6 +30,8 @@ const (
 	lingerTimeout  = 2 * time.Second        // Close: flush pending writes and tell the peer, at most this long
 	forceTimeout   = 5 * time.Second        // Close: wait for the force close, at most this long
 	scanInterval   = 10 * time.Millisecond  // least time between two FD_CLOEXEC scans
+	quietTick      = time.Millisecond       // a resting driver looks around this often
+	quietIdle      = 100 * time.Millisecond // and parks on the event fd after this long without work
 )
 
 // Worker is a UCX worker in UCS_THREAD_MODE_SERIALIZED: every UCX call for the
@@ -40,6 +42,13 @@ const (
 // queue before releasing mu. The driver goroutine keeps UCX progressing: it
 // polls briefly after work (anyone's) and while requests are in flight, and
 // otherwise arms the worker and sleeps on its event fd.
+//
+// When both ends of every connection are on this worker (client and server in
+// one process), the sender's own serve hands the bytes to the reader: the
+// driver then rests instead of polling, so it takes no processor from the
+// goroutines doing the work, and does not arm the worker, so a send raises no
+// event. It looks around every quietTick for what only it would see
+// (connection requests), and parks as usual after quietIdle without work.
 type Worker struct {
 	ctx       *Context
 	cw        *C.rdma_worker_t // lock-only; nil once destroyed
@@ -50,6 +59,9 @@ type Worker struct {
 	queue   []func()
 	closed  bool          // no more operations accepted
 	parked  atomic.Bool   // the driver waits on the event fd
+	resting atomic.Bool   // the driver waits on wake or its tick (quiet)
+	wake    chan struct{} // wakes a resting driver
+	tick    *time.Timer   // a resting driver's tick
 	exited  chan struct{} // the driver returned: the worker is destroyed
 	closeMu sync.Mutex
 
@@ -58,6 +70,8 @@ type Worker struct {
 	pending   map[uint64]*op
 	eps       map[uint64]*Endpoint
 	epByH     map[uintptr]*Endpoint
+	ends      map[string]*Endpoint // endpoints by their addresses (pairKey)
+	unpaired  int                  // endpoints in eps whose peer is not on this worker
 	listeners map[uint64]*Listener
 	stopping  bool
 	stopAt    time.Time
@@ -84,9 +98,12 @@ func (c *Context) newWorker(isDefault bool) (*Worker, error) {
 		ctx:       c,
 		isDefault: isDefault,
 		exited:    make(chan struct{}),
+		wake:      make(chan struct{}, 1),
+		tick:      time.NewTimer(quietTick),
 		pending:   map[uint64]*op{},
 		eps:       map[uint64]*Endpoint{},
 		epByH:     map[uintptr]*Endpoint{},
+		ends:      map[string]*Endpoint{},
 		listeners: map[uint64]*Listener{},
 		evs:       make([]C.rdma_event_t, eventBatch),
 	}
@@ -137,6 +154,10 @@ func (w *Worker) run() {
 		// goroutines between rounds.
 		now := time.Now()
 		idle := now.Sub(w.lastWork)
+		if w.quiet() && idle < quietIdle {
+			w.rest()
+			continue
+		}
 		if idle < w.ctx.opts.pollTime || (len(w.pending) > 0 && idle < pendingSpin) {
 			w.release(false)
 			runtime.Gosched()
@@ -169,6 +190,25 @@ func (w *Worker) run() {
 		C.rdma_worker_wait(cw, C.int(timeout/time.Millisecond))
 		w.parked.Store(false)
 	}
+}
+
+// quiet reports whether the driver may rest (mu held): every endpoint has its
+// peer on this worker, so whoever sends progresses the worker and hands the
+// bytes over (submit serves), and no request waits for progress.
+func (w *Worker) quiet() bool {
+	return len(w.eps) > 0 && w.unpaired == 0 && len(w.pending) == 0 && !w.stopping
+}
+
+// rest releases mu and waits for a wake or the next tick (driver only).
+func (w *Worker) rest() {
+	w.resting.Store(true)
+	w.release(false)
+	w.tick.Reset(quietTick)
+	select {
+	case <-w.wake:
+	case <-w.tick.C:
+	}
+	w.resting.Store(false)
 }
 
 // serve runs queued operations, progresses UCX and handles its events (mu
@@ -212,11 +252,16 @@ func (w *Worker) serve() bool {
 // held are served by this goroutine or by whichever holds mu next (every
 // holder checks the queue after unlocking). After work done outside the
 // driver (woke), a parked driver is woken to poll: for the requests in flight,
-// and for the reply that often follows a send.
+// and for the reply that often follows a send; a resting one, once the worker
+// is no longer quiet.
 func (w *Worker) release(woke bool) {
 	for {
-		if woke && w.cw != nil && w.parked.Load() {
+		switch {
+		case !woke || w.cw == nil:
+		case w.parked.Load():
 			C.rdma_worker_signal(w.cw)
+		case w.resting.Load() && !w.quiet():
+			notify(w.wake)
 		}
 		w.mu.Unlock()
 		if !w.queued() || !w.mu.TryLock() {
