@@ -3,10 +3,15 @@ package dialer_test
 import (
 	"context"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
 	testpb "google.golang.org/grpc/interop/grpc_testing"
+
+	"github.com/gdrpc/gdrpc/dialer"
 )
 
 // benchCases: gdrpc over each transport, and plain gRPC over TCP (the
@@ -31,27 +36,49 @@ func reportLatency(b *testing.B, lat []time.Duration) {
 // BenchmarkUnary: one unary call with a 1 KiB request and response.
 func BenchmarkUnary(b *testing.B) {
 	for _, tc := range benchCases() {
+		b.Run("transport="+tc.name+"/size=1KiB", func(b *testing.B) { benchUnary(b, serve(b, tc)) })
+	}
+}
+
+// BenchmarkUnaryProcesses: BenchmarkUnary with the server in another
+// process, as in a deployment.
+func BenchmarkUnaryProcesses(b *testing.B) {
+	for _, tc := range append([]transportCase{plainCase}, transportCases...) {
 		b.Run("transport="+tc.name+"/size=1KiB", func(b *testing.B) {
-			c := testpb.NewTestServiceClient(serve(b, tc))
-			ctx := context.Background()
-			req := &testpb.SimpleRequest{Payload: &testpb.Payload{Body: pattern(1024)}}
-			if _, err := c.UnaryCall(ctx, req); err != nil { // connect outside the timing
-				b.Fatal(err)
+			role, dopts := "plain-grpc-server", []grpc.DialOption{grpc.WithTransportCredentials(insecureCreds())}
+			if !tc.plain {
+				role, dopts = "grpc-server", dialer.New(tc.options(b)...).DialOptions(nil)
 			}
-			b.SetBytes(1024)
-			b.ReportAllocs()
-			lat := make([]time.Duration, 0, 1024)
-			for b.Loop() {
-				start := time.Now()
-				resp, err := c.UnaryCall(ctx, req)
-				lat = append(lat, time.Since(start))
-				if err != nil || len(resp.GetPayload().GetBody()) != 1024 {
-					b.Fatal(err)
-				}
-			}
-			reportLatency(b, lat)
+			_, line := startChild(b, nil, role, "GDRPC_TEST_LISTEN=127.0.0.1:0", "GDRPC_TEST_UCX="+tc.ucx)
+			addr, ok := strings.CutPrefix(line, "ADDR ")
+			require.True(b, ok, line)
+			cc, err := grpc.NewClient("passthrough:///"+addr, dopts...)
+			require.NoError(b, err)
+			b.Cleanup(func() { _ = cc.Close() })
+			benchUnary(b, cc)
 		})
 	}
+}
+
+func benchUnary(b *testing.B, cc *grpc.ClientConn) {
+	c := testpb.NewTestServiceClient(cc)
+	ctx := context.Background()
+	req := &testpb.SimpleRequest{Payload: &testpb.Payload{Body: pattern(1024)}}
+	if _, err := c.UnaryCall(ctx, req); err != nil { // connect outside the timing
+		b.Fatal(err)
+	}
+	b.SetBytes(1024)
+	b.ReportAllocs()
+	lat := make([]time.Duration, 0, 1024)
+	for b.Loop() {
+		start := time.Now()
+		resp, err := c.UnaryCall(ctx, req)
+		lat = append(lat, time.Since(start))
+		if err != nil || len(resp.GetPayload().GetBody()) != 1024 {
+			b.Fatal(err)
+		}
+	}
+	reportLatency(b, lat)
 }
 
 // BenchmarkStream: client streaming of 1 MiB messages (throughput).

@@ -259,9 +259,9 @@ func TestDialContextTransport(t *testing.T) {
 
 // startChild re-executes the test binary in a role (prefix: a command to run
 // it under, e.g. ip netns exec), and returns the process and its first line.
-func startChild(t *testing.T, prefix []string, role string, env ...string) (*exec.Cmd, string) {
-	t.Helper()
-	return testenv.StartChild(t, testTimeout, prefix, append([]string{childEnv + "=" + role}, env...)...)
+func startChild(tb testing.TB, prefix []string, role string, env ...string) (*exec.Cmd, string) {
+	tb.Helper()
+	return testenv.StartChild(tb, testTimeout, prefix, append([]string{childEnv + "=" + role}, env...)...)
 }
 
 // TestPeerKilledMidStream: the server process dies during a stream; the RPC

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"testing"
 	"time"
@@ -45,6 +46,7 @@ func childOptions() ([]transport.Option, error) {
 // runChild plays a role in a child process:
 //   - "grpc-server": serves the test service on GDRPC_TEST_LISTEN, prints
 //     "ADDR <addr>", exits when stdin closes;
+//   - "plain-grpc-server": the same with plain gRPC over TCP;
 //   - "grpc-client": calls the test service at GDRPC_TEST_ADDR with 1 MiB,
 //     checks the echo and prints "OK transport=<t> samehost=<bool>".
 func runChild(role string) int {
@@ -54,13 +56,20 @@ func runChild(role string) int {
 		return 1
 	}
 	switch role {
-	case "grpc-server":
-		l, err := listener.Listen(os.Getenv("GDRPC_TEST_LISTEN"), opts...)
+	case "grpc-server", "plain-grpc-server":
+		var l net.Listener
+		var sopts []grpc.ServerOption
+		if role == "grpc-server" {
+			l, err = listener.Listen(os.Getenv("GDRPC_TEST_LISTEN"), opts...)
+			sopts = listener.ServerOptions(nil)
+		} else {
+			l, err = net.Listen("tcp", os.Getenv("GDRPC_TEST_LISTEN"))
+		}
 		if err != nil {
 			fmt.Println("ERR", err)
 			return 1
 		}
-		srv := grpc.NewServer(listener.ServerOptions(nil)...)
+		srv := grpc.NewServer(sopts...)
 		testpb.RegisterTestServiceServer(srv, testService{})
 		go func() { _ = srv.Serve(l) }()
 		fmt.Println("ADDR", l.Addr().String())
