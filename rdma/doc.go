@@ -14,9 +14,10 @@
 // ErrNotSupported.
 //
 // Unless the environment sets them, a context sets UCX_ERROR_SIGNALS to empty
-// (for the dlopen: UCX's signal handlers would hide Go's crash reports) and
-// MM_ERROR_HANDLING=y through ucp_config_modify (peer error handling would
-// otherwise drop the posix/sysv shared-memory transports). UCX's descriptors
+// (for the dlopen: UCX's signal handlers would hide Go's crash reports), and
+// through ucp_config_modify MAX_RNDV_RAILS=1 (see Workers) and, where UCX_TLS
+// may select the posix/sysv shared-memory transports, MM_ERROR_HANDLING=y
+// (peer error handling would otherwise drop them). UCX's descriptors
 // are marked close-on-exec after each call that opens them and, for those
 // UCX opens lazily, whenever a worker goes idle (at most every 10 ms).
 //
@@ -45,9 +46,10 @@
 // hands its bytes to the reader, and a polling driver would only take a
 // processor from the goroutines doing the work. The driver then rests instead:
 // it neither polls nor arms the worker (so a send raises no event), looks
-// around every millisecond for what only it would see (connection requests),
-// and sleeps on the event fd after 100 ms without work. It wakes as soon as a
-// request is in flight or an endpoint to another worker appears.
+// around every millisecond for what only it would see (connection requests,
+// failures UCX's async thread detects), and sleeps on the event fd after
+// 100 ms without work, whatever the poll time. It wakes as soon as a request
+// is in flight or an endpoint to another worker appears.
 //
 // Every progress call polls every transport interface a lane uses; a tcp
 // interface costs a system call each time. Contexts therefore default to one

@@ -117,20 +117,29 @@ func (e *Endpoint) pairUp() {
 	}
 	e.key = key
 	w.ends[key] = e
-	if m := w.ends[pairKey(e.raddr, e.laddr)]; m != nil && m.pair == nil {
+	if m := w.ends[pairKey(e.raddr, e.laddr)]; m != nil && m != e && m.pair == nil {
 		e.pair, m.pair = m, e
 		w.unpaired -= 2
 	}
 }
 
+// unlist takes an ending endpoint out of the worker's ends (worker lock
+// held): a new connection with the same addresses must not pair with it.
+func (e *Endpoint) unlist() {
+	if e.key != "" && e.key != unlisted {
+		delete(e.w.ends, e.key)
+	}
+	e.key = unlisted
+}
+
+// unlisted is the key of an endpoint that ended: pairUp lists it no more.
+const unlisted = "-"
+
 // unpair takes a released endpoint off the worker's lists (worker lock held);
 // its peer's endpoint, if here, is left without a pair.
 func (e *Endpoint) unpair() {
 	w := e.w
-	if e.key != "" {
-		delete(w.ends, e.key)
-		e.key = ""
-	}
+	e.unlist()
 	if m := e.pair; m != nil {
 		m.pair, e.pair = nil, nil
 		w.unpaired++
@@ -288,6 +297,7 @@ func (e *Endpoint) setTerm(err error, eof, fromPeer bool) {
 
 // peerFailed runs with the worker's lock held when UCX reports the endpoint failed.
 func (e *Endpoint) peerFailed(status int) {
+	e.unlist()
 	e.drain(true)
 	msg := statusString(status)
 	if status == statusCanceled {
@@ -302,6 +312,7 @@ func (e *Endpoint) peerFailed(status int) {
 // everything it sent before is in UCX's queue by now. The FIN-ACK tells the
 // peer it may release its endpoint.
 func (e *Endpoint) peerFinished() {
+	e.unlist()
 	e.drain(true)
 	e.setTerm(errPeerClosed, true, true)
 	w := e.w
@@ -749,6 +760,7 @@ func (e *Endpoint) Close() error {
 // Close's linger timeout) then triggers the force close. Releasing the
 // endpoint right after the FIN could let the disconnect overtake it.
 func (e *Endpoint) closeUCP(graceful bool) {
+	e.unlist()
 	if e.ce == nil || e.closing || e.ucpClosed {
 		return
 	}

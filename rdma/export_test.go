@@ -2,6 +2,8 @@
 
 package rdma
 
+import "time"
+
 // Paired reports whether the endpoint's peer endpoint is on its worker.
 func (e *Endpoint) Paired() (p bool) {
 	e.w.call(func() { p = e.pair != nil })
@@ -12,4 +14,14 @@ func (e *Endpoint) Paired() (p bool) {
 func (w *Worker) Quiet() (q bool) {
 	w.call(func() { q = w.quiet() })
 	return q
+}
+
+// Resting reports whether the worker's driver rests now.
+func (w *Worker) Resting() bool { return w.resting.Load() }
+
+// SetQuietTick sets how often the worker's resting driver looks around; a
+// long tick leaves everything but the wake-ups to the code under test.
+func (w *Worker) SetQuietTick(d time.Duration) {
+	w.call(func() { w.tickEvery = d })
+	notify(w.wake) // the next rest takes it
 }

@@ -4,9 +4,12 @@ package rdma_test
 
 import (
 	"bytes"
+	"context"
 	"io"
 	"testing"
+	"time"
 
+	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/stretchr/testify/require"
 )
 
@@ -37,30 +40,99 @@ func TestPairing(t *testing.T) {
 
 // A quiet worker still serves what only its driver sees: a connection request
 // from another worker while a pair on it is idle, and that connection's bytes.
+// Once that connection and a failed dial are gone, the worker is quiet again.
 func TestQuietWorkerAccepts(t *testing.T) {
 	forEachTransport(t, func(t *testing.T, tls string) {
 		c := newContext(t, tls)
 		w := newWorker(t, c)
 		client, server := samePair(t, w)
 		require.True(t, w.Quiet())
+		msg := pattern(1000, 7)
+		exchange(t, client, server, msg) // the idle, quiet pair works
 
 		remote, accepted, err := connect(testCtx(t), c.Worker(), w)
 		require.NoError(t, err)
-		defer remote.Close()
-		defer accepted.Close()
-		msg := pattern(1000, 7)
-		_, err = remote.Write(msg)
-		require.NoError(t, err)
-		got := make([]byte, len(msg))
-		_, err = io.ReadFull(accepted, got)
-		require.NoError(t, err)
-		require.True(t, bytes.Equal(msg, got))
+		require.False(t, w.Quiet())
+		exchange(t, remote, accepted, msg)
+		require.NoError(t, remote.Close())
+		require.NoError(t, accepted.Close())
+		require.True(t, w.Quiet())
 
-		// the idle pair still works
-		_, err = client.Write(msg)
-		require.NoError(t, err)
-		_, err = io.ReadFull(server, got)
-		require.NoError(t, err)
-		require.True(t, bytes.Equal(msg, got))
+		ctx, cancel := context.WithTimeout(testCtx(t), 10*time.Second)
+		defer cancel()
+		_, err = w.Dial(ctx, "127.0.0.1:1") // nobody listens
+		require.Error(t, err)
+		require.True(t, w.Quiet())
+		exchange(t, client, server, msg)
 	})
+}
+
+// A resting driver is woken whenever the worker stops being quiet: with its
+// tick an hour long, writes that leave requests in flight, flushes, puts and a
+// graceful close must complete through the wake-ups alone (the close within
+// its linger time: the FIN-ACK must not wait for the driver).
+func TestQuietWorkerWakes(t *testing.T) {
+	forEachTransport(t, func(t *testing.T, tls string) {
+		c := newContext(t, tls)
+		w := newWorker(t, c)
+		client, server := samePair(t, w)
+		w.SetQuietTick(time.Hour)
+		// Before the endpoints close: a lost wake-up fails the test, not
+		// its cleanup.
+		t.Cleanup(func() { w.SetQuietTick(time.Millisecond) })
+		resting := func() {
+			t.Helper()
+			require.Eventually(t, w.Resting, 10*time.Second, time.Millisecond, "the driver rests")
+		}
+		resting()
+
+		// 8 MiB pinned writes (requests in flight) against a reader that
+		// lets the ring fill, in both directions.
+		for i, pr := range [][2]*rdma.Endpoint{{client, server}, {server, client}} {
+			big := pattern(8<<20, uint64(i))
+			require.NoError(t, pr[0].SetWriteDeadline(time.Now().Add(10*time.Second)))
+			errc := make(chan error, 1)
+			go func() {
+				_, err := pr[0].Write(big)
+				errc <- err
+			}()
+			got := make([]byte, len(big))
+			require.NoError(t, pr[1].SetReadDeadline(time.Now().Add(10*time.Second)))
+			_, err := io.ReadFull(pr[1], got)
+			require.NoError(t, err)
+			require.NoError(t, <-errc)
+			require.True(t, bytes.Equal(big, got))
+			require.NoError(t, pr[1].SetReadDeadline(time.Time{}))
+			require.NoError(t, pr[0].SetWriteDeadline(time.Time{}))
+			resting()
+		}
+
+		ctx, cancel := context.WithTimeout(testCtx(t), 10*time.Second)
+		defer cancel()
+		dst, _, rk := exposed(t, c, client, 1<<20)
+		want := pattern(1<<20, 9)
+		require.NoError(t, client.PutBytes(ctx, want, uint64(dst.Addr()), rk))
+		require.NoError(t, client.Flush(ctx))
+		require.True(t, bytes.Equal(want, dst.Bytes()))
+		resting()
+
+		start := time.Now()
+		require.NoError(t, client.Close())
+		require.Less(t, time.Since(start), time.Second, "Close waited for its linger time")
+		_, err := server.Read(make([]byte, 1))
+		require.ErrorIs(t, err, io.EOF)
+	})
+}
+
+// exchange writes msg on a and reads it whole on b, with a deadline.
+func exchange(t *testing.T, a, b *rdma.Endpoint, msg []byte) {
+	t.Helper()
+	_, err := a.Write(msg)
+	require.NoError(t, err)
+	got := make([]byte, len(msg))
+	require.NoError(t, b.SetReadDeadline(time.Now().Add(10*time.Second)))
+	_, err = io.ReadFull(b, got)
+	require.NoError(t, err)
+	require.NoError(t, b.SetReadDeadline(time.Time{}))
+	require.True(t, bytes.Equal(msg, got))
 }

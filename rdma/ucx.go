@@ -123,7 +123,7 @@ var defaultConfig = []struct {
 	mmOnly     bool
 }{
 	{"MM_ERROR_HANDLING", "y", []string{"UCX_POSIX_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING", "UCX_MM_ERROR_HANDLING"}, true},
-	{"MAX_RNDV_RAILS", "1", []string{"UCX_MAX_RNDV_RAILS"}, false},
+	{"MAX_RNDV_RAILS", "1", []string{"UCX_MAX_RNDV_RAILS", "UCX_MAX_RNDV_LANES"}, false},
 }
 
 // NewContext creates a UCX context with the features STREAM, RMA, AM and

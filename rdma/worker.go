@@ -30,8 +30,9 @@ const (
 	lingerTimeout  = 2 * time.Second        // Close: flush pending writes and tell the peer, at most this long
 	forceTimeout   = 5 * time.Second        // Close: wait for the force close, at most this long
 	scanInterval   = 10 * time.Millisecond  // least time between two FD_CLOEXEC scans
-	quietTick      = time.Millisecond       // a resting driver looks around this often
-	quietIdle      = 100 * time.Millisecond // and parks on the event fd after this long without work
+	quietIdle      = 100 * time.Millisecond // a resting driver parks on the event fd after this long without work
+	serveRounds    = 4                      // progress rounds of one serve while handled events issue requests
+	quietTick      = time.Millisecond       // how often a resting driver looks around
 )
 
 // Worker is a UCX worker in UCS_THREAD_MODE_SERIALIZED: every UCX call for the
@@ -48,7 +49,9 @@ const (
 // driver then rests instead of polling, so it takes no processor from the
 // goroutines doing the work, and does not arm the worker, so a send raises no
 // event. It looks around every quietTick for what only it would see
-// (connection requests), and parks as usual after quietIdle without work.
+// (connection requests, failures UCX's async thread detects, tcp bytes one
+// serve left behind), and parks as usual after quietIdle without work. This
+// overrides the poll time.
 type Worker struct {
 	ctx       *Context
 	cw        *C.rdma_worker_t // lock-only; nil once destroyed
@@ -70,8 +73,10 @@ type Worker struct {
 	pending   map[uint64]*op
 	eps       map[uint64]*Endpoint
 	epByH     map[uintptr]*Endpoint
-	ends      map[string]*Endpoint // endpoints by their addresses (pairKey)
-	unpaired  int                  // endpoints in eps whose peer is not on this worker
+	ends      map[string]*Endpoint // live endpoints by their addresses (pairKey)
+	unpaired  int                  // endpoints in eps without a pair (peer elsewhere, or not identified)
+	issued    bool                 // serve: a handled event issued a request
+	tickEvery time.Duration        // a resting driver's tick: quietTick (tests change it)
 	listeners map[uint64]*Listener
 	stopping  bool
 	stopAt    time.Time
@@ -104,6 +109,7 @@ func (c *Context) newWorker(isDefault bool) (*Worker, error) {
 		eps:       map[uint64]*Endpoint{},
 		epByH:     map[uintptr]*Endpoint{},
 		ends:      map[string]*Endpoint{},
+		tickEvery: quietTick,
 		listeners: map[uint64]*Listener{},
 		evs:       make([]C.rdma_event_t, eventBatch),
 	}
@@ -202,8 +208,9 @@ func (w *Worker) quiet() bool {
 // rest releases mu and waits for a wake or the next tick (driver only).
 func (w *Worker) rest() {
 	w.resting.Store(true)
+	every := w.tickEvery
 	w.release(false)
-	w.tick.Reset(quietTick)
+	w.tick.Reset(every)
 	select {
 	case <-w.wake:
 	case <-w.tick.C:
@@ -228,19 +235,28 @@ func (w *Worker) serve() bool {
 		}
 		busy = true
 	}
-	if C.rdma_worker_progress(w.cw, progressBatch) > 0 {
-		busy = true
-	}
-	for {
-		n := int(C.rdma_worker_events(w.cw, &w.evs[0], C.int(len(w.evs))))
-		for i := range n {
-			w.handle(&w.evs[i])
+	// A handled event may issue a request (a FIN-ACK, the FIN after a
+	// flush) whose peer endpoint is on this worker: progress again, so it is
+	// delivered now, not when the driver next looks (it may be resting).
+	for range serveRounds {
+		w.issued = false
+		if C.rdma_worker_progress(w.cw, progressBatch) > 0 {
+			busy = true
 		}
-		w.handled = w.handled || n > 0
-		if n == 0 {
+		for {
+			n := int(C.rdma_worker_events(w.cw, &w.evs[0], C.int(len(w.evs))))
+			for i := range n {
+				w.handle(&w.evs[i])
+			}
+			w.handled = w.handled || n > 0
+			if n == 0 {
+				break
+			}
+			busy = true
+		}
+		if !w.issued {
 			break
 		}
-		busy = true
 	}
 	if busy {
 		w.lastWork = time.Now()
@@ -326,6 +342,7 @@ func (w *Worker) call(f func()) error {
 // and returns a status, with *req set when in progress. done gets the final
 // status, with the lock held.
 func (w *Worker) issue(call func(id C.uint64_t, req *unsafe.Pointer) C.int, done func(status int)) {
+	w.issued = true
 	w.nextID++
 	id := w.nextID
 	var req unsafe.Pointer
@@ -576,6 +593,7 @@ func (l *Listener) connRequest(req uintptr) {
 	if e.laddr == nil {
 		e.laddr = l.addr
 	}
+	e.pairUp()
 	l.accq <- e
 }
 
