@@ -15,11 +15,12 @@
 //
 // Unless the environment sets them, a context sets UCX_ERROR_SIGNALS to empty
 // (for the dlopen: UCX's signal handlers would hide Go's crash reports), and
-// through ucp_config_modify MAX_RNDV_RAILS=1 (see Workers) and, where UCX_TLS
-// may select the posix/sysv shared-memory transports, MM_ERROR_HANDLING=y
-// (peer error handling would otherwise drop them). UCX's descriptors
-// are marked close-on-exec after each call that opens them and, for those
-// UCX opens lazily, whenever a worker goes idle (at most every 10 ms).
+// through ucp_config_modify MAX_RNDV_RAILS=1 and PROTO_ENABLE=n (see
+// Workers) and, where UCX_TLS may select the posix/sysv shared-memory
+// transports, MM_ERROR_HANDLING=y (peer error handling would otherwise drop
+// them). UCX's descriptors are marked close-on-exec after each call that
+// opens them and, for those UCX opens lazily, whenever a worker goes idle (at
+// most every 10 ms).
 //
 // # Workers
 //
@@ -53,9 +54,12 @@
 //
 // Every progress call polls every transport interface a lane uses; a tcp
 // interface costs a system call each time. Contexts therefore default to one
-// rendezvous rail (UCX_MAX_RNDV_RAILS=1): this package never uses rendezvous,
-// and a second rail on another network device doubled the cost of every
-// progress call and of every poll round.
+// rma_bw lane: this package never uses rendezvous and a put takes one lane,
+// and a second lane on another network device doubled the cost of every
+// progress call and of every poll round. UCX_MAX_RNDV_RAILS=1 limits it under
+// UCX's first protocol selection, the default of UCX 1.13; the newer one
+// (the default of 1.16) adds the lane whatever the rail settings, so contexts
+// ask for the first (UCX_PROTO_ENABLE=n).
 //
 // # Endpoints
 //
