@@ -49,7 +49,14 @@ func testCtx(t testing.TB) context.Context {
 // worker of c (server): two workers in one process.
 func pair(t testing.TB, c *rdma.Context) (client, server *rdma.Endpoint) {
 	t.Helper()
-	client, server, err := connect(testCtx(t), c.Worker(), newWorker(t, c))
+	return pairOn(t, c.Worker(), newWorker(t, c))
+}
+
+// pairOn connects worker cw (client) to a listener on worker sw (server); the
+// test's end closes both endpoints.
+func pairOn(t testing.TB, cw, sw *rdma.Worker) (client, server *rdma.Endpoint) {
+	t.Helper()
+	client, server, err := connect(testCtx(t), cw, sw)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		client.Close()
@@ -70,13 +77,7 @@ func newWorker(t testing.TB, c *rdma.Context) *rdma.Worker {
 // worker, whose driver then rests (the sender hands the bytes over).
 func samePair(t testing.TB, w *rdma.Worker) (client, server *rdma.Endpoint) {
 	t.Helper()
-	client, server, err := connect(testCtx(t), w, w)
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		client.Close()
-		server.Close()
-	})
-	return client, server
+	return pairOn(t, w, w)
 }
 
 // pairings: the ends on two workers of one process (the client on the

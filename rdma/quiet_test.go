@@ -86,26 +86,11 @@ func TestQuietWorkerWakes(t *testing.T) {
 		}
 		resting()
 
-		// 8 MiB pinned writes (requests in flight) against a reader that
-		// lets the ring fill, in both directions.
-		for i, pr := range [][2]*rdma.Endpoint{{client, server}, {server, client}} {
-			big := pattern(8<<20, uint64(i))
-			require.NoError(t, pr[0].SetWriteDeadline(time.Now().Add(10*time.Second)))
-			errc := make(chan error, 1)
-			go func() {
-				_, err := pr[0].Write(big)
-				errc <- err
-			}()
-			got := make([]byte, len(big))
-			require.NoError(t, pr[1].SetReadDeadline(time.Now().Add(10*time.Second)))
-			_, err := io.ReadFull(pr[1], got)
-			require.NoError(t, err)
-			require.NoError(t, <-errc)
-			require.True(t, bytes.Equal(big, got))
-			require.NoError(t, pr[1].SetReadDeadline(time.Time{}))
-			require.NoError(t, pr[0].SetWriteDeadline(time.Time{}))
-			resting()
-		}
+		// 8 MiB pinned writes (requests in flight), in both directions.
+		exchange(t, client, server, pattern(8<<20, 0))
+		resting()
+		exchange(t, server, client, pattern(8<<20, 1))
+		resting()
 
 		ctx, cancel := context.WithTimeout(testCtx(t), 10*time.Second)
 		defer cancel()
@@ -124,15 +109,24 @@ func TestQuietWorkerWakes(t *testing.T) {
 	})
 }
 
-// exchange writes msg on a and reads it whole on b, with a deadline.
+// exchange writes msg on a and reads it whole on b, both under a deadline.
+// The write runs in its own goroutine: one above the copied-write limit waits
+// for the reader.
 func exchange(t *testing.T, a, b *rdma.Endpoint, msg []byte) {
 	t.Helper()
-	_, err := a.Write(msg)
-	require.NoError(t, err)
+	dl := time.Now().Add(10 * time.Second)
+	require.NoError(t, a.SetWriteDeadline(dl))
+	require.NoError(t, b.SetReadDeadline(dl))
+	errc := make(chan error, 1)
+	go func() {
+		_, err := a.Write(msg)
+		errc <- err
+	}()
 	got := make([]byte, len(msg))
-	require.NoError(t, b.SetReadDeadline(time.Now().Add(10*time.Second)))
-	_, err = io.ReadFull(b, got)
+	_, err := io.ReadFull(b, got)
 	require.NoError(t, err)
-	require.NoError(t, b.SetReadDeadline(time.Time{}))
+	require.NoError(t, <-errc)
 	require.True(t, bytes.Equal(msg, got))
+	require.NoError(t, a.SetWriteDeadline(time.Time{}))
+	require.NoError(t, b.SetReadDeadline(time.Time{}))
 }

@@ -347,7 +347,10 @@ type streamList struct {
 // syncStream returns an idle stream of device dev (context c), made if none is idle; give it
 // back with putSyncStream.
 func (d *real) syncStream(dev int, c C.CUcontext) (C.CUstream, error) {
-	v, _ := d.syncStreams.LoadOrStore(dev, &streamList{})
+	v, ok := d.syncStreams.Load(dev)
+	if !ok {
+		v, _ = d.syncStreams.LoadOrStore(dev, &streamList{})
+	}
 	l := v.(*streamList)
 	l.mu.Lock()
 	if n := len(l.free); n > 0 {
