@@ -46,19 +46,37 @@ func requireUCX(t testing.TB) {
 	testenv.Need(t, "ucx", rdma.Available())
 }
 
-// pathCounter records the paths transfers took.
+// pathCounter records the routes transfers took: pulls (this process received)
+// in paths, pushes (this process sent) in pushes.
 type pathCounter struct {
-	mu    sync.Mutex
-	paths map[string]int
+	mu     sync.Mutex
+	paths  map[string]int
+	pushes map[string]int
 }
 
 func (p *pathCounter) Transfer(i transport.TransferInfo) {
-	if i.Err != nil || !i.Pull {
+	if i.Err != nil {
 		return
 	}
 	p.mu.Lock()
-	p.paths[i.Path.String()]++
+	if i.Pull {
+		p.paths[i.Route()]++
+	} else {
+		if p.pushes == nil {
+			p.pushes = map[string]int{}
+		}
+		p.pushes[i.Route()]++
+	}
 	p.mu.Unlock()
+}
+
+// takePushes returns the pushes since the last call.
+func (p *pathCounter) takePushes() map[string]int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	m := p.pushes
+	p.pushes = nil
+	return m
 }
 
 func (p *pathCounter) Fallback(transport.Path, transport.Path, string) {}

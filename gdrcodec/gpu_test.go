@@ -19,6 +19,7 @@ import (
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
@@ -33,6 +34,7 @@ const (
 	envGPUChild = "GDRPC_TEST_GPU_SERVER" // set in the child: the transport mode
 	envPaths    = "GDRPC_TEST_PATHS"      // the allowed path mask, both processes
 	envGPU      = "GDRPC_TEST_GPU"        // the child's CUDA ordinal
+	envHostMem  = "GDRPC_TEST_HOST_MEM"   // set: the child's payloads live in host memory
 )
 
 func requireCUDA(t testing.TB) {
@@ -58,7 +60,12 @@ func gpuServerChild() {
 	if err != nil {
 		fail(err)
 	}
-	gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
+	if os.Getenv(envHostMem) != "" {
+		gpu = nil // Make builds in Go memory; requests land in the registered host pool
+		gdrcodec.Register()
+	} else {
+		gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
+	}
 	lis, err := listener.Listen("127.0.0.1:0", transport.WithMode(transport.Mode(mode)))
 	if err != nil {
 		fail(err)
@@ -72,11 +79,15 @@ func gpuServerChild() {
 	os.Exit(0)
 }
 
-// startGPUServer starts the child server on GPU dev and returns its address.
-func startGPUServer(t *testing.T, mode transport.Mode, paths transport.Path, dev int) string {
+// startGPUServer starts the child server on GPU dev (its payloads in host
+// memory with hostMem) and returns its address.
+func startGPUServer(t *testing.T, mode transport.Mode, paths transport.Path, dev int, hostMem bool) string {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), envGPUChild+"="+string(mode), fmt.Sprintf("%s=%d", envPaths, paths), fmt.Sprintf("%s=%d", envGPU, dev))
+	if hostMem {
+		cmd.Env = append(cmd.Env, envHostMem+"=1")
+	}
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
 	require.NoError(t, err)
@@ -126,6 +137,17 @@ func TestGPUService(t *testing.T) {
 	}
 }
 
+// ucxMovesCUDA reports whether the loaded UCX registers and moves CUDA memory
+// itself (a CUDA-enabled build): the rdma path then reads and writes GPU
+// memory directly instead of staging it through host memory.
+func ucxMovesCUDA(t *testing.T) bool {
+	t.Helper()
+	requireUCX(t)
+	rc, err := rdma.Default()
+	require.NoError(t, err)
+	return rc.Info().HasMemoryType(rdma.MemoryCUDA)
+}
+
 func testGPUService(t *testing.T, serverGPU, clientGPU int) {
 	gpu, err := devicebuf.NewCUDAAllocator(clientGPU)
 	require.NoError(t, err)
@@ -133,25 +155,38 @@ func testGPUService(t *testing.T, serverGPU, clientGPU int) {
 	if !testing.Short() {
 		sizes = append(sizes, 1<<30)
 	}
+	// want names the route of the client's pull of the response (server
+	// memory to client memory), wantBack the route of the client's push of
+	// the request back to the server (named for the client's memory), with a
+	// CUDA-enabled UCX; plain and back without one.
 	tests := []struct {
-		name  string
-		mode  transport.Mode
-		paths transport.Path
-		want  string
+		name           string
+		mode           transport.Mode
+		paths          transport.Path
+		serverHost     bool // the server's payloads live in host memory
+		clientHost     bool // the client's received payloads land in host memory
+		want, wantBack string
+		plain, back    string // without CUDA in UCX
 	}{
-		{name: "cuda-ipc", mode: transport.ModeTCP, paths: transport.PathCUDAIPC, want: "cuda-ipc"},
-		{name: "staged", mode: transport.ModeUCX, paths: transport.PathRDMA, want: "staged"},
-		{name: "stream", mode: transport.ModeTCP, paths: transport.PathStream, want: "stream"},
+		{name: "cuda-ipc", mode: transport.ModeTCP, paths: transport.PathCUDAIPC, want: "cuda-ipc", wantBack: "cuda-ipc", plain: "cuda-ipc", back: "cuda-ipc"},
+		{name: "rdma", mode: transport.ModeUCX, paths: transport.PathRDMA, want: "rdma/cuda", wantBack: "rdma/cuda", plain: "staged", back: "staged"},
+		{name: "rdma-gpu-to-host", mode: transport.ModeUCX, paths: transport.PathRDMA, clientHost: true, want: "rdma", wantBack: "rdma", plain: "staged", back: "rdma"},
+		{name: "rdma-host-to-gpu", mode: transport.ModeUCX, paths: transport.PathRDMA, serverHost: true, want: "rdma/cuda", wantBack: "rdma/cuda", plain: "staged", back: "staged"},
+		{name: "stream", mode: transport.ModeTCP, paths: transport.PathStream, want: "stream", wantBack: "stream", plain: "stream", back: "stream"},
 	}
 	for _, tt := range tests {
 		t.Run("path="+tt.name, func(t *testing.T) {
-			if tt.mode == transport.ModeUCX {
-				requireUCX(t)
+			if tt.mode == transport.ModeUCX && !ucxMovesCUDA(t) {
+				tt.want, tt.wantBack = tt.plain, tt.back
 			}
-			addr := startGPUServer(t, tt.mode, tt.paths, serverGPU)
+			addr := startGPUServer(t, tt.mode, tt.paths, serverGPU, tt.serverHost)
 			pc := &pathCounter{paths: map[string]int{}}
 			transport.SetTransferConfig(transport.TransferConfig{Paths: tt.paths, Metrics: pc})
-			gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
+			if tt.clientHost {
+				gdrcodec.Register()
+			} else {
+				gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
+			}
 			t.Cleanup(func() {
 				transport.SetTransferConfig(transport.TransferConfig{})
 				gdrcodec.Register()
@@ -167,29 +202,37 @@ func testGPUService(t *testing.T, serverGPU, clientGPU int) {
 					defer cancel()
 					want := pattern(n, uint32(n))
 					start := time.Now()
-					// Response: the server's GPU payload lands in this process's GPU memory.
+					// Response: the server's payload lands in this process's memory.
 					got, err := c.Make(ctx, &tensorpb.Sized{Size: uint64(n), Seed: uint32(n)})
 					require.NoError(t, err)
 					elapsed := time.Since(start)
 					b, ok := gdrcodec.Buffer(got.Data)
 					require.True(t, ok)
-					require.Equal(t, devicebuf.CUDA, b.Kind())
-					require.Equal(t, clientGPU, b.Device())
+					if tt.clientHost {
+						require.Equal(t, devicebuf.Host, b.Kind())
+					} else {
+						require.Equal(t, devicebuf.CUDA, b.Kind())
+						require.Equal(t, clientGPU, b.Device())
+					}
 					p, err := tensor.Bytes(got.Data) // copies back from the GPU
 					require.NoError(t, err)
 					requireBytes(t, want, p)
+					paths := pc.reset()
+					pc.takePushes()
+					if n >= gdrcodec.DefaultEagerThreshold {
+						require.Equal(t, map[string]int{tt.want: 1}, paths, "the client's pull")
+					}
 
-					// Request: this process's GPU payload lands in the server's GPU memory;
-					// the server checksums what arrived.
+					// Request: this process's payload lands in the server's memory;
+					// the server checksums what arrived and reports the path.
 					sum, err := c.Digest(ctx, got)
 					require.NoError(t, err)
 					require.Equal(t, uint64(n), sum.Bytes)
 					require.Equal(t, tensor.ChecksumBytes(want), sum.Crc32C)
-					gdrcodec.ReleaseAll(got)
-					paths := pc.reset()
 					if n >= gdrcodec.DefaultEagerThreshold {
-						require.Equal(t, map[string]int{tt.want: 1}, paths, "the client's pull")
+						require.Equal(t, map[string]int{tt.wantBack: 1}, pc.takePushes(), "the client's push")
 					}
+					gdrcodec.ReleaseAll(got)
 					t.Logf("path=%s size=%d make=%v (%.0f MiB/s incl. server fill)", tt.want, n, elapsed, float64(n)/(1<<20)/elapsed.Seconds())
 				})
 			}

@@ -875,7 +875,7 @@ func (k *RemoteKey) destroy() {
 	if k.h == nil {
 		return
 	}
-	C.rdma_rkey_destroy(k.h)
+	C.rdma_rkey_destroy(k.e.w.cw, k.h)
 	k.h = nil
 	delete(k.e.rkeys, k)
 	live.rkeys.Add(-1)
@@ -923,7 +923,7 @@ func (e *Endpoint) PutBytes(ctx context.Context, p []byte, remote uint64, key *R
 	}
 	pin := new(runtime.Pinner)
 	pin.Pin(&p[0])
-	return e.rma(ctx, false, uintptr(unsafe.Pointer(&p[0])), len(p), remote, key, pin.Unpin)
+	return e.rma(ctx, false, uintptr(unsafe.Pointer(&p[0])), len(p), nil, remote, key, pin.Unpin)
 }
 
 // Get reads n bytes at the peer's remote into dst[dstOff:].
@@ -946,10 +946,12 @@ func (e *Endpoint) memRMA(ctx context.Context, get bool, m *Memory, off, n int, 
 	if err := m.acquire(); err != nil {
 		return err
 	}
-	return e.rma(ctx, get, m.addr+uintptr(off), n, remote, key, m.release)
+	return e.rma(ctx, get, m.addr+uintptr(off), n, m, remote, key, m.release)
 }
 
-func (e *Endpoint) rma(ctx context.Context, get bool, local uintptr, n int, remote uint64, key *RemoteKey, release func()) error {
+// rma runs a put from, or a get into, local[:n]; m is local's registration (nil
+// for pinned Go memory), which tells UCX its memory type and handle.
+func (e *Endpoint) rma(ctx context.Context, get bool, local uintptr, n int, m *Memory, remote uint64, key *RemoteKey, release func()) error {
 	name := "ucp_put_nbx"
 	if get {
 		name = "ucp_get_nbx"
@@ -971,11 +973,18 @@ func (e *Endpoint) rma(ctx context.Context, get bool, local uintptr, n int, remo
 			}
 			return
 		}
+		cuda, memh := C.int(0), C.ucp_mem_h(nil)
+		if m != nil {
+			memh = m.h
+			if m.mt == MemoryCUDA {
+				cuda = 1
+			}
+		}
 		e.issue(func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
 			if get {
-				return C.rdma_get(w.cw, ce, C.uintptr_t(local), C.size_t(n), C.uint64_t(remote), key.h, id, req)
+				return C.rdma_get(w.cw, ce, C.uintptr_t(local), C.size_t(n), cuda, memh, C.uint64_t(remote), key.h, id, req)
 			}
-			return C.rdma_put(w.cw, ce, C.uintptr_t(local), C.size_t(n), C.uint64_t(remote), key.h, id, req)
+			return C.rdma_put(w.cw, ce, C.uintptr_t(local), C.size_t(n), cuda, memh, C.uint64_t(remote), key.h, id, req)
 		}, func(st int) {
 			release()
 			res <- e.opError(name, st)

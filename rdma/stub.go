@@ -28,6 +28,9 @@ func (c *Context) Worker() *Worker                               { return nil }
 func (c *Context) NewWorker() (*Worker, error)                   { return nil, errBuild }
 func (c *Context) Alloc(n int) (*Memory, error)                  { return nil, errBuild }
 func (c *Context) Map(uintptr, int, MemoryType) (*Memory, error) { return nil, errBuild }
+func (c *Context) MapCUDA(uintptr, int, int) (*Memory, error)    { return nil, errBuild }
+func (c *Context) UseCUDA(CUDA, int) error                       { return errBuild }
+func (c *Context) CanMap(MemoryType) bool                        { return false }
 func (c *Context) Close() error                                  { return nil }
 
 // Worker is a UCX worker. In this build it cannot be created.

@@ -4,6 +4,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -49,6 +50,11 @@ func (o *options) set(key, value string) {
 		o.order = append(o.order, key)
 	}
 	o.config[key] = value
+}
+
+func (o *options) unset(key string) {
+	delete(o.config, key)
+	o.order = slices.DeleteFunc(o.order, func(k string) bool { return k == key })
 }
 
 func buildOptions(opts []Option) *options {
@@ -114,6 +120,17 @@ func WithLogger(l *slog.Logger) Option {
 			o.logger = l
 		}
 	}
+}
+
+// CUDA makes a device's CUDA context current around the UCX calls that may
+// touch CUDA memory: UCX needs one on the calling thread, and without it takes
+// a device pointer for host memory. devicebuf.CUDAThreadContexts implements it.
+type CUDA interface {
+	// ThreadContext returns device dev's context (a CUcontext) and two C
+	// function pointers: push, `int push(void *ctx)`, makes ctx current on
+	// the calling thread, keeping the context it replaces, and returns 0 on
+	// success; pop, `void pop(void)`, restores that context.
+	ThreadContext(dev int) (ctx, push, pop uintptr, err error)
 }
 
 // Info is what a Context can do.

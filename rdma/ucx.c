@@ -243,11 +243,37 @@ char *rdma_context_info(ucp_context_h ctx, size_t *len)
 
 struct rdma_worker {
 	ucp_worker_h w;
+	rdma_cuda_t cu; // set by the worker's lock holder only
 	int efd;
 	pthread_mutex_t mu; // guards the ring: callbacks may run on UCX's async thread
 	rdma_event_t *ev;
 	int nev, cap;
 };
+
+void rdma_cuda_init(rdma_cuda_t *cu, uintptr_t push, uintptr_t pop, uintptr_t ctx)
+{
+	cu->push = (int (*)(void *))push;
+	cu->pop = (void (*)(void))pop;
+	cu->ctx = (void *)ctx;
+}
+
+// cuda_enter makes cu's context current on this thread; it returns 1 when cuda_leave must
+// restore the previous one, 0 when there are no hooks, -1 when the context could not be made
+// current.
+static int cuda_enter(const rdma_cuda_t *cu)
+{
+	if (cu == NULL || cu->push == NULL) {
+		return 0;
+	}
+	return cu->push(cu->ctx) == 0 ? 1 : -1;
+}
+
+static void cuda_leave(const rdma_cuda_t *cu, int entered)
+{
+	if (entered == 1) {
+		cu->pop();
+	}
+}
 
 static void push_event(rdma_worker_t *w, int kind, int status, uint64_t id, uintptr_t ptr)
 {
@@ -331,7 +357,9 @@ int rdma_worker_create(ucp_context_h ctx, rdma_worker_t **out)
 
 void rdma_worker_destroy(rdma_worker_t *w)
 {
+	int in = cuda_enter(&w->cu);
 	p_ucp_worker_destroy(w->w);
+	cuda_leave(&w->cu, in);
 	pthread_mutex_destroy(&w->mu);
 	free(w->ev);
 	free(w);
@@ -339,9 +367,12 @@ void rdma_worker_destroy(rdma_worker_t *w)
 
 int rdma_worker_signal(rdma_worker_t *w) { return p_ucp_worker_signal(w->w); }
 
+void rdma_worker_set_cuda(rdma_worker_t *w, const rdma_cuda_t *cu) { w->cu = *cu; }
+
 unsigned rdma_worker_progress(rdma_worker_t *w, int max)
 {
 	unsigned total = 0;
+	int in = cuda_enter(&w->cu);
 	for (int i = 0; i < max; i++) {
 		unsigned n = p_ucp_worker_progress(w->w);
 		total += n;
@@ -349,6 +380,7 @@ unsigned rdma_worker_progress(rdma_worker_t *w, int max)
 			break;
 		}
 	}
+	cuda_leave(&w->cu, in);
 	ucp_stream_poll_ep_t eps[16];
 	for (;;) {
 		ssize_t n = p_ucp_stream_worker_poll(w->w, eps, 16, 0);
@@ -424,7 +456,10 @@ int rdma_worker_flush(rdma_worker_t *w, uint64_t id, void **req)
 {
 	ucp_request_param_t rp;
 	op_param(&rp, w);
-	return ret_req(p_ucp_worker_flush_nbx(w->w, &rp), id, req);
+	int in = cuda_enter(&w->cu);
+	int st = ret_req(p_ucp_worker_flush_nbx(w->w, &rp), id, req);
+	cuda_leave(&w->cu, in);
+	return st;
 }
 
 // ---- addresses ---------------------------------------------------------------
@@ -627,7 +662,10 @@ int rdma_ep_close(rdma_worker_t *w, rdma_ep_t *e, uint64_t id, void **req)
 	rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
 	rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
 	rdma_stream_release(e);
-	return ret_req(p_ucp_ep_close_nbx(e->ep, &rp), id, req);
+	int in = cuda_enter(&w->cu);
+	int st = ret_req(p_ucp_ep_close_nbx(e->ep, &rp), id, req);
+	cuda_leave(&w->cu, in);
+	return st;
 }
 
 void rdma_ep_free(rdma_ep_t *e) { free(e); }
@@ -648,7 +686,10 @@ int rdma_ep_flush(rdma_worker_t *w, rdma_ep_t *e, uint64_t id, void **req)
 {
 	ucp_request_param_t rp;
 	op_param(&rp, w);
-	return ret_req(p_ucp_ep_flush_nbx(e->ep, &rp), id, req);
+	int in = cuda_enter(&w->cu);
+	int st = ret_req(p_ucp_ep_flush_nbx(e->ep, &rp), id, req);
+	cuda_leave(&w->cu, in);
+	return st;
 }
 
 int rdma_ep_fin(rdma_worker_t *w, rdma_ep_t *e, int ack, uint64_t id, void **req)
@@ -706,18 +747,44 @@ void rdma_stream_release(rdma_ep_t *e)
 	}
 }
 
-int rdma_put(rdma_worker_t *w, rdma_ep_t *e, uintptr_t buf, size_t n, uint64_t remote, ucp_rkey_h rkey, uint64_t id, void **req)
+// rma_param adds what gdrpc knows of the local buffer, so UCX neither detects its memory
+// type nor looks its registration up.
+static void rma_param(ucp_request_param_t *rp, rdma_worker_t *w, int cuda, ucp_mem_h memh)
 {
-	ucp_request_param_t rp;
-	op_param(&rp, w);
-	return ret_req(p_ucp_put_nbx(e->ep, (void *)buf, n, remote, rkey, &rp), id, req);
+	op_param(rp, w);
+	rp->op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+	rp->memory_type = cuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+	if (memh != NULL) {
+		rp->op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+		rp->memh = memh;
+	}
 }
 
-int rdma_get(rdma_worker_t *w, rdma_ep_t *e, uintptr_t buf, size_t n, uint64_t remote, ucp_rkey_h rkey, uint64_t id, void **req)
+// rma runs a put or a get. A CUDA buffer needs the worker's context current: without it
+// UCX would take the device pointer for host memory.
+static int rma(int get, rdma_worker_t *w, rdma_ep_t *e, uintptr_t buf, size_t n, int cuda, ucp_mem_h memh, uint64_t remote, ucp_rkey_h rkey, uint64_t id, void **req)
 {
 	ucp_request_param_t rp;
-	op_param(&rp, w);
-	return ret_req(p_ucp_get_nbx(e->ep, (void *)buf, n, remote, rkey, &rp), id, req);
+	rma_param(&rp, w, cuda, memh);
+	int in = cuda_enter(&w->cu);
+	if (cuda && in != 1) {
+		cuda_leave(&w->cu, in);
+		return UCS_ERR_UNSUPPORTED;
+	}
+	ucs_status_ptr_t sp = get ? p_ucp_get_nbx(e->ep, (void *)buf, n, remote, rkey, &rp)
+	                          : p_ucp_put_nbx(e->ep, (void *)buf, n, remote, rkey, &rp);
+	cuda_leave(&w->cu, in);
+	return ret_req(sp, id, req);
+}
+
+int rdma_put(rdma_worker_t *w, rdma_ep_t *e, uintptr_t buf, size_t n, int cuda, ucp_mem_h memh, uint64_t remote, ucp_rkey_h rkey, uint64_t id, void **req)
+{
+	return rma(0, w, e, buf, n, cuda, memh, remote, rkey, id, req);
+}
+
+int rdma_get(rdma_worker_t *w, rdma_ep_t *e, uintptr_t buf, size_t n, int cuda, ucp_mem_h memh, uint64_t remote, ucp_rkey_h rkey, uint64_t id, void **req)
+{
+	return rma(1, w, e, buf, n, cuda, memh, remote, rkey, id, req);
 }
 
 void rdma_request_free(void *req) { p_ucp_request_free(req); }
@@ -729,7 +796,7 @@ void rdma_request_cancel(rdma_worker_t *w, void *req)
 
 // ---- memory --------------------------------------------------------------------
 
-int rdma_mem_map(ucp_context_h ctx, uintptr_t addr, size_t n, int cuda, int alloc, ucp_mem_h *out, void **oaddr, size_t *olen)
+int rdma_mem_map(ucp_context_h ctx, const rdma_cuda_t *cu, uintptr_t addr, size_t n, int cuda, int alloc, ucp_mem_h *out, void **oaddr, size_t *olen)
 {
 	ucp_mem_map_params_t mp;
 	memset(&mp, 0, sizeof(mp));
@@ -739,35 +806,57 @@ int rdma_mem_map(ucp_context_h ctx, uintptr_t addr, size_t n, int cuda, int allo
 	mp.length = n;
 	mp.flags = alloc ? UCP_MEM_MAP_ALLOCATE : 0;
 	mp.memory_type = cuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+	int in = cuda_enter(cu);
+	if (cuda && in != 1) {
+		cuda_leave(cu, in);
+		return UCS_ERR_UNSUPPORTED;
+	}
 	ucs_status_t st = p_ucp_mem_map(ctx, &mp, out);
-	if (st != UCS_OK) {
-		return st;
+	if (st == UCS_OK) {
+		ucp_mem_attr_t a;
+		memset(&a, 0, sizeof(a));
+		a.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+		st = p_ucp_mem_query(*out, &a);
+		if (st != UCS_OK) {
+			p_ucp_mem_unmap(ctx, *out);
+		} else {
+			*oaddr = a.address;
+			*olen = a.length;
+		}
 	}
-	ucp_mem_attr_t a;
-	memset(&a, 0, sizeof(a));
-	a.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
-	st = p_ucp_mem_query(*out, &a);
-	if (st != UCS_OK) {
-		p_ucp_mem_unmap(ctx, *out);
-		return st;
-	}
-	*oaddr = a.address;
-	*olen = a.length;
-	return UCS_OK;
+	cuda_leave(cu, in);
+	return st;
 }
 
-int rdma_mem_unmap(ucp_context_h ctx, ucp_mem_h m) { return p_ucp_mem_unmap(ctx, m); }
-
-int rdma_rkey_pack(ucp_context_h ctx, ucp_mem_h m, void **buf, size_t *len)
+int rdma_mem_unmap(ucp_context_h ctx, const rdma_cuda_t *cu, ucp_mem_h m)
 {
-	return p_ucp_rkey_pack(ctx, m, buf, len);
+	int in = cuda_enter(cu);
+	int st = p_ucp_mem_unmap(ctx, m);
+	cuda_leave(cu, in);
+	return st;
+}
+
+int rdma_rkey_pack(ucp_context_h ctx, const rdma_cuda_t *cu, ucp_mem_h m, void **buf, size_t *len)
+{
+	int in = cuda_enter(cu);
+	int st = p_ucp_rkey_pack(ctx, m, buf, len);
+	cuda_leave(cu, in);
+	return st;
 }
 
 void rdma_rkey_buffer_release(void *buf) { p_ucp_rkey_buffer_release(buf); }
 
 int rdma_rkey_unpack(rdma_ep_t *e, const void *buf, ucp_rkey_h *out)
 {
-	return p_ucp_ep_rkey_unpack(e->ep, buf, out);
+	int in = cuda_enter(&e->w->cu);
+	int st = p_ucp_ep_rkey_unpack(e->ep, buf, out);
+	cuda_leave(&e->w->cu, in);
+	return st;
 }
 
-void rdma_rkey_destroy(ucp_rkey_h k) { p_ucp_rkey_destroy(k); }
+void rdma_rkey_destroy(rdma_worker_t *w, ucp_rkey_h k)
+{
+	int in = cuda_enter(&w->cu);
+	p_ucp_rkey_destroy(k);
+	cuda_leave(&w->cu, in);
+}

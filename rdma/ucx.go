@@ -16,6 +16,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 )
 
@@ -97,6 +98,8 @@ type Context struct {
 	opts      *options
 	isDefault bool
 	def       *Worker
+	cuda      atomic.Pointer[cudaHooks] // set by UseCUDA
+	protoV1   bool                      // UCX's first protocol selection is in use: no CUDA memory
 
 	mu      sync.Mutex
 	closed  bool
@@ -120,9 +123,9 @@ type Context struct {
 //     every send. UCX's first protocol selection (the default in UCX 1.13)
 //     honours MAX_RNDV_RAILS=1. The newer one (the default in 1.16) adds the
 //     lane whatever the rail settings, so contexts also ask for the first
-//     (PROTO_ENABLE=n): it is also the one the tests run on 1.13. On one H200
-//     with UCX 1.16 the conn round trip between processes went from 12.9-14.6
-//     to 9.9-11.9 µs with it.
+//     (PROTO_ENABLE=n): it is also the one the tests run on 1.13. A UCX that
+//     registers CUDA memory keeps the newer one: the first copies small puts
+//     of CUDA memory with the CPU.
 var defaultConfig = []struct {
 	key, value string
 	unlessEnv  []string
@@ -158,6 +161,53 @@ func newContext(opts []Option, isDefault bool) (*Context, error) {
 	for _, k := range o.order {
 		cfg.set(k, o.config[k])
 	}
+	c := &Context{opts: o, isDefault: isDefault, workers: map[*Worker]struct{}{}, mems: map[*Memory]struct{}{}}
+	if err := c.create(cfg); err != nil {
+		return nil, err
+	}
+	c.info = c.query()
+	if c.info.HasMemoryType(MemoryCUDA) && cfg.config["PROTO_ENABLE"] == "n" && !envSet("UCX_PROTO_ENABLE") && !slices.Contains(o.order, "PROTO_ENABLE") {
+		// UCX's first protocol selection copies small puts of CUDA memory with
+		// the CPU: a CUDA-enabled UCX keeps its own (newer) selection.
+		C.rdma_context_destroy(c.h)
+		cfg.unset("PROTO_ENABLE")
+		if err := c.create(cfg); err != nil {
+			return nil, err
+		}
+		c.info = c.query()
+	}
+	c.protoV1 = protoV1(cfg)
+	w, err := c.newWorker(isDefault)
+	if err != nil {
+		C.rdma_context_destroy(c.h)
+		return nil, err
+	}
+	c.def = w
+	if !isDefault {
+		live.contexts.Add(1)
+	}
+	o.logger.Debug("rdma context created", "version", c.info.Version, "transports", c.info.Transports, "memory_types", c.info.MemoryTypes)
+	return c, nil
+}
+
+// protoV1 reports whether the context runs UCX's first protocol selection
+// (PROTO_ENABLE off, by the environment or cfg), which copies small puts of
+// CUDA memory with the CPU.
+func protoV1(cfg *options) bool {
+	v, ok := os.LookupEnv("UCX_PROTO_ENABLE")
+	if !ok {
+		v, ok = cfg.config["PROTO_ENABLE"]
+	}
+	switch strings.ToLower(v) {
+	case "n", "no", "0", "off", "false":
+		return ok
+	}
+	return false
+}
+
+// create makes the UCX context with cfg's keys, except those the environment
+// sets (UCX reads UCX_<KEY> itself).
+func (c *Context) create(cfg *options) error {
 	var keys, vals []*C.char
 	for _, k := range cfg.order {
 		if envSet("UCX_" + k) {
@@ -177,25 +227,13 @@ func newContext(opts []Option, isDefault bool) (*Context, error) {
 		// C arrays: a Go slice of C pointers may be passed for the call.
 		kp, vp = &keys[0], &vals[0]
 	}
-	c := &Context{opts: o, isDefault: isDefault, workers: map[*Worker]struct{}{}, mems: map[*Memory]struct{}{}}
 	var ebuf [256]C.char
 	st := C.rdma_context_create(kp, vp, C.int(len(keys)), &c.h, &ebuf[0], C.size_t(len(ebuf)))
 	C.rdma_cloexec_scan()
 	if st != statusOK {
-		return nil, statusError(C.GoString(&ebuf[0]), st)
+		return statusError(C.GoString(&ebuf[0]), st)
 	}
-	c.info = c.query()
-	w, err := c.newWorker(isDefault)
-	if err != nil {
-		C.rdma_context_destroy(c.h)
-		return nil, err
-	}
-	c.def = w
-	if !isDefault {
-		live.contexts.Add(1)
-	}
-	o.logger.Debug("rdma context created", "version", c.info.Version, "transports", c.info.Transports, "memory_types", c.info.MemoryTypes)
-	return c, nil
+	return nil
 }
 
 func (c *Context) query() Info {
@@ -285,8 +323,109 @@ func (c *Context) Close() error {
 		m.unmap()
 	}
 	C.rdma_context_destroy(c.h)
+	if h := c.cuda.Load(); h != nil {
+		h.free()
+	}
 	live.contexts.Add(-1)
 	return errors.Join(errs...)
+}
+
+// cudaHooks is what UseCUDA installed: CUDA memory of device d is used with
+// contexts[d] current; the workers use device dev's.
+type cudaHooks struct {
+	src CUDA
+	dev int
+
+	mu       sync.Mutex
+	contexts map[int]*C.rdma_cuda_t // C memory: UCX calls get a pointer to it
+}
+
+// context returns the hooks for CUDA memory of device dev.
+func (h *cudaHooks) context(dev int) (*C.rdma_cuda_t, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.contexts == nil {
+		return nil, closedError("context")
+	}
+	if cu, ok := h.contexts[dev]; ok {
+		return cu, nil
+	}
+	ctx, push, pop, err := h.src.ThreadContext(dev)
+	if err != nil {
+		return nil, fmt.Errorf("rdma: CUDA context of device %d: %w", dev, err)
+	}
+	if ctx == 0 || push == 0 || pop == 0 {
+		return nil, fmt.Errorf("rdma: CUDA context of device %d: no context or hooks", dev)
+	}
+	cu := (*C.rdma_cuda_t)(C.calloc(1, C.size_t(unsafe.Sizeof(C.rdma_cuda_t{}))))
+	C.rdma_cuda_init(cu, C.uintptr_t(push), C.uintptr_t(pop), C.uintptr_t(ctx))
+	h.contexts[dev] = cu
+	return cu, nil
+}
+
+// free releases the C copies of the hooks, once nothing can call UCX with them.
+func (h *cudaHooks) free() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, cu := range h.contexts {
+		C.free(unsafe.Pointer(cu))
+	}
+	h.contexts = nil
+}
+
+// UseCUDA lets the context register and move CUDA memory: every UCX call that
+// may touch it (maps, key packing, puts and gets, progress) then runs with a
+// CUDA context current on the calling thread, and the thread's own context is
+// restored after. The workers use device dev's context; memory mapped with
+// MapCUDA uses its own device's. Without UseCUDA, MapCUDA fails even where UCX
+// supports CUDA memory. It fails with ErrNotSupported where this UCX cannot
+// register CUDA memory. Calling it again does nothing: the first call's hooks
+// stay, as the workers and UCX's CUDA transports keep the contexts they saw.
+func (c *Context) UseCUDA(src CUDA, dev int) error {
+	if !c.info.HasMemoryType(MemoryCUDA) {
+		return fmt.Errorf("%w: UCX %s cannot register CUDA memory", ErrNotSupported, c.info.Version)
+	}
+	if c.protoV1 {
+		return fmt.Errorf("%w: UCX's first protocol selection (UCX_PROTO_ENABLE=n) copies CUDA memory with the CPU", ErrNotSupported)
+	}
+	if c.cuda.Load() != nil {
+		return nil
+	}
+	h := &cudaHooks{src: src, dev: dev, contexts: map[int]*C.rdma_cuda_t{}}
+	cu, err := h.context(dev)
+	if err != nil {
+		return err
+	}
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return closedError("context")
+	}
+	if !c.cuda.CompareAndSwap(nil, h) {
+		c.mu.Unlock()
+		return nil // a concurrent call won; its hooks are the ones in use
+	}
+	workers := make([]*Worker, 0, len(c.workers))
+	for w := range c.workers {
+		workers = append(workers, w)
+	}
+	c.mu.Unlock()
+	for _, w := range workers {
+		w.useCUDA(cu)
+	}
+	return nil
+}
+
+// CanMap reports whether memory of type mt can be registered now: host memory
+// always, CUDA memory where UCX supports it and UseCUDA was called.
+func (c *Context) CanMap(mt MemoryType) bool {
+	switch mt {
+	case MemoryHost:
+		return true
+	case MemoryCUDA:
+		return c.info.HasMemoryType(MemoryCUDA) && !c.protoV1 && c.cuda.Load() != nil
+	}
+	return false
 }
 
 // Alloc lets UCX allocate n bytes of host memory (UCP_MEM_MAP_ALLOCATE: on
@@ -295,26 +434,51 @@ func (c *Context) Alloc(n int) (*Memory, error) {
 	if n <= 0 {
 		return nil, fmt.Errorf("rdma: alloc %d bytes: invalid length", n)
 	}
-	return c.mapMem(0, n, MemoryHost, true)
+	return c.mapMem(0, n, MemoryHost, true, nil)
 }
 
-// Map registers existing memory [addr, addr+n) of type mt. MemoryCUDA fails
-// with ErrNotSupported unless Info().MemoryTypes has it: a UCX without CUDA
-// support would treat a device pointer as host memory.
+// Map registers existing host memory [addr, addr+n), or CUDA memory of the
+// device UseCUDA named (see MapCUDA).
 func (c *Context) Map(addr uintptr, n int, mt MemoryType) (*Memory, error) {
+	switch mt {
+	case MemoryHost:
+		if addr == 0 || n <= 0 {
+			return nil, fmt.Errorf("rdma: map %#x+%d: invalid region", addr, n)
+		}
+		return c.mapMem(addr, n, mt, false, nil)
+	case MemoryCUDA:
+		h := c.cuda.Load()
+		if h == nil {
+			return c.MapCUDA(addr, n, 0)
+		}
+		return c.MapCUDA(addr, n, h.dev)
+	}
+	return nil, fmt.Errorf("rdma: map: unknown memory type %d", mt)
+}
+
+// MapCUDA registers CUDA memory [addr, addr+n) of device dev. It fails with
+// ErrNotSupported unless UCX supports CUDA memory and UseCUDA was called: a
+// UCX without CUDA support, or one called on a thread without a CUDA context,
+// takes a device pointer for host memory.
+func (c *Context) MapCUDA(addr uintptr, n int, dev int) (*Memory, error) {
 	if addr == 0 || n <= 0 {
 		return nil, fmt.Errorf("rdma: map %#x+%d: invalid region", addr, n)
 	}
-	if mt != MemoryHost && mt != MemoryCUDA {
-		return nil, fmt.Errorf("rdma: map: unknown memory type %d", mt)
+	if !c.info.HasMemoryType(MemoryCUDA) {
+		return nil, fmt.Errorf("%w: UCX %s cannot register %s memory", ErrNotSupported, c.info.Version, MemoryCUDA)
 	}
-	if !c.info.HasMemoryType(mt) {
-		return nil, fmt.Errorf("%w: UCX %s cannot register %s memory", ErrNotSupported, c.info.Version, mt)
+	h := c.cuda.Load()
+	if h == nil {
+		return nil, fmt.Errorf("%w: no CUDA contexts for UCX (Context.UseCUDA)", ErrNotSupported)
 	}
-	return c.mapMem(addr, n, mt, false)
+	cu, err := h.context(dev)
+	if err != nil {
+		return nil, err
+	}
+	return c.mapMem(addr, n, MemoryCUDA, false, cu)
 }
 
-func (c *Context) mapMem(addr uintptr, n int, mt MemoryType, alloc bool) (*Memory, error) {
+func (c *Context) mapMem(addr uintptr, n int, mt MemoryType, alloc bool, cu *C.rdma_cuda_t) (*Memory, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.closed {
@@ -330,11 +494,11 @@ func (c *Context) mapMem(addr uintptr, n int, mt MemoryType, alloc bool) (*Memor
 	if alloc {
 		al = 1
 	}
-	st := C.rdma_mem_map(c.h, C.uintptr_t(addr), C.size_t(n), cuda, al, &h, &oaddr, &olen)
+	st := C.rdma_mem_map(c.h, cu, C.uintptr_t(addr), C.size_t(n), cuda, al, &h, &oaddr, &olen)
 	if st != statusOK {
 		return nil, fmt.Errorf("rdma: register memory: %w", statusError("ucp_mem_map", st))
 	}
-	m := &Memory{ctx: c, h: h, p: oaddr, addr: uintptr(oaddr), n: n, mt: mt}
+	m := &Memory{ctx: c, h: h, cu: cu, p: oaddr, addr: uintptr(oaddr), n: n, mt: mt}
 	c.mems[m] = struct{}{}
 	live.memories.Add(1)
 	return m, nil
@@ -345,6 +509,7 @@ func (c *Context) mapMem(addr uintptr, n int, mt MemoryType, alloc bool) (*Memor
 type Memory struct {
 	ctx  *Context
 	h    C.ucp_mem_h
+	cu   *C.rdma_cuda_t // the CUDA context of CUDA memory; nil for host memory
 	p    unsafe.Pointer // C or device memory: never Go memory
 	addr uintptr
 	n    int
@@ -383,7 +548,7 @@ func (m *Memory) PackKey() ([]byte, error) {
 	defer m.release()
 	var buf unsafe.Pointer
 	var n C.size_t
-	st := C.rdma_rkey_pack(m.ctx.h, m.h, &buf, &n)
+	st := C.rdma_rkey_pack(m.ctx.h, m.cu, m.h, &buf, &n)
 	if st != statusOK {
 		return nil, fmt.Errorf("rdma: pack key: %w", statusError("ucp_rkey_pack", st))
 	}
@@ -441,7 +606,7 @@ func (m *Memory) unmap() error {
 	c := m.ctx
 	c.mu.Lock()
 	delete(c.mems, m)
-	st := C.rdma_mem_unmap(c.h, m.h)
+	st := C.rdma_mem_unmap(c.h, m.cu, m.h)
 	c.mu.Unlock()
 	live.memories.Add(-1)
 	return statusError("ucp_mem_unmap", st)

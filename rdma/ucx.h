@@ -25,6 +25,15 @@ typedef struct {
 	uintptr_t ptr;
 } rdma_event_t;
 
+// CUDA context hooks (from package devicebuf): UCX calls that may touch CUDA memory run
+// with ctx current on the calling thread, the thread's previous context restored after.
+// push returns 0 (CUDA_SUCCESS) when ctx became current. A zero value means no hooks.
+typedef struct {
+	int (*push)(void *ctx);
+	void (*pop)(void);
+	void *ctx;
+} rdma_cuda_t;
+
 typedef struct rdma_worker rdma_worker_t;
 
 typedef struct rdma_listener rdma_listener_t;
@@ -54,6 +63,9 @@ char *rdma_context_info(ucp_context_h ctx, size_t *len); // free()
 int rdma_worker_create(ucp_context_h ctx, rdma_worker_t **out);
 void rdma_worker_destroy(rdma_worker_t *w);
 int rdma_worker_signal(rdma_worker_t *w);
+// set the hooks every later call on w runs under (push/pop are C function pointers)
+void rdma_worker_set_cuda(rdma_worker_t *w, const rdma_cuda_t *cu);
+void rdma_cuda_init(rdma_cuda_t *cu, uintptr_t push, uintptr_t pop, uintptr_t ctx);
 // progress: loops ucp_worker_progress (at most max rounds), polls streams; returns work done.
 unsigned rdma_worker_progress(rdma_worker_t *w, int max);
 // take events out of the ring; returns number copied.
@@ -84,17 +96,19 @@ int rdma_stream_send(rdma_worker_t *w, rdma_ep_t *e, uintptr_t buf, size_t n, ui
 // copy up to cap bytes of received stream data into dst; *more=1 when data is known to remain.
 size_t rdma_stream_read(rdma_ep_t *e, void *dst, size_t cap, int *more);
 void rdma_stream_release(rdma_ep_t *e);
-int rdma_put(rdma_worker_t *w, rdma_ep_t *e, uintptr_t buf, size_t n, uint64_t remote, ucp_rkey_h rkey, uint64_t id, void **req);
-int rdma_get(rdma_worker_t *w, rdma_ep_t *e, uintptr_t buf, size_t n, uint64_t remote, ucp_rkey_h rkey, uint64_t id, void **req);
+// put/get: cuda says the local buffer is CUDA memory; memh is its registration (NULL: none).
+int rdma_put(rdma_worker_t *w, rdma_ep_t *e, uintptr_t buf, size_t n, int cuda, ucp_mem_h memh, uint64_t remote, ucp_rkey_h rkey, uint64_t id, void **req);
+int rdma_get(rdma_worker_t *w, rdma_ep_t *e, uintptr_t buf, size_t n, int cuda, ucp_mem_h memh, uint64_t remote, ucp_rkey_h rkey, uint64_t id, void **req);
 void rdma_request_free(void *req);
 void rdma_request_cancel(rdma_worker_t *w, void *req);
 
 // memory
-int rdma_mem_map(ucp_context_h ctx, uintptr_t addr, size_t n, int cuda, int alloc, ucp_mem_h *out, void **oaddr, size_t *olen);
-int rdma_mem_unmap(ucp_context_h ctx, ucp_mem_h m);
-int rdma_rkey_pack(ucp_context_h ctx, ucp_mem_h m, void **buf, size_t *len);
+// memory: cu (NULL for host memory) is made current around calls on CUDA memory
+int rdma_mem_map(ucp_context_h ctx, const rdma_cuda_t *cu, uintptr_t addr, size_t n, int cuda, int alloc, ucp_mem_h *out, void **oaddr, size_t *olen);
+int rdma_mem_unmap(ucp_context_h ctx, const rdma_cuda_t *cu, ucp_mem_h m);
+int rdma_rkey_pack(ucp_context_h ctx, const rdma_cuda_t *cu, ucp_mem_h m, void **buf, size_t *len);
 void rdma_rkey_buffer_release(void *buf);
 int rdma_rkey_unpack(rdma_ep_t *e, const void *buf, ucp_rkey_h *out);
-void rdma_rkey_destroy(ucp_rkey_h k);
+void rdma_rkey_destroy(rdma_worker_t *w, ucp_rkey_h k);
 
 #endif

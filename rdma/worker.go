@@ -118,14 +118,31 @@ func (c *Context) newWorker(isDefault bool) (*Worker, error) {
 	if st != statusOK {
 		return nil, fmt.Errorf("rdma: create worker: %w", statusError("ucp_worker_create", st))
 	}
-	go w.run()
+	w.mu.Lock()
 	c.mu.Lock()
 	c.workers[w] = struct{}{}
+	hooks := c.cuda.Load()
 	c.mu.Unlock()
+	if hooks != nil {
+		if cu, err := hooks.context(hooks.dev); err == nil {
+			C.rdma_worker_set_cuda(w.cw, cu)
+		}
+	}
+	w.mu.Unlock()
+	go w.run()
 	if !isDefault {
 		live.workers.Add(1)
 	}
 	return w, nil
+}
+
+// useCUDA makes the worker's later UCX calls run with cu's context current.
+func (w *Worker) useCUDA(cu *C.rdma_cuda_t) {
+	w.call(func() {
+		if w.cw != nil {
+			C.rdma_worker_set_cuda(w.cw, cu)
+		}
+	})
 }
 
 // run is the driver goroutine.

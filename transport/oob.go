@@ -42,6 +42,19 @@ type TransferInfo struct {
 	// Pull is true on the receiver's side (the bytes arrived here), false on the
 	// owner's (the bytes left from here).
 	Pull bool
+	// Memory is the kind of this side's buffer: the destination on the
+	// receiver's side, the source on the owner's.
+	Memory devicebuf.Kind
+}
+
+// Route names the path with what it means for this side's memory: "rdma/cuda"
+// is an RDMA transfer straight from or into GPU memory (GPUDirect RDMA, or
+// UCX's own CUDA transports), "rdma" one from or into host memory.
+func (i TransferInfo) Route() string {
+	if i.Path == PathRDMA && i.Memory == devicebuf.CUDA {
+		return "rdma/cuda"
+	}
+	return i.Path.String()
 }
 
 type nopMetrics struct{}
@@ -286,7 +299,7 @@ func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, erro
 			break
 		}
 	}
-	c.Metrics.Transfer(TransferInfo{Path: path, Bytes: int64(d.Length), Elapsed: time.Since(start), Err: err, Pull: true})
+	c.Metrics.Transfer(TransferInfo{Path: path, Bytes: int64(d.Length), Elapsed: time.Since(start), Err: err, Pull: true, Memory: dst.Kind()})
 	if err != nil {
 		return path, err
 	}
@@ -438,6 +451,8 @@ func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buff
 			p.settled()
 			return f.Path, &TransferError{Token: d.Token, Err: fmt.Errorf("copy from staging: %w", err)}
 		}
+		p.settled()
+		return PathStaged, nil // staged on this side, whatever the owner's source was
 	}
 	p.settled()
 	return f.Path, nil
@@ -507,15 +522,6 @@ func offerDestination(s *Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buf
 		m.RMemory = 1
 	}
 	return staging, nil
-}
-
-func canRegister(rc *rdma.Context, mt rdma.MemoryType) bool {
-	for _, t := range rc.Info().MemoryTypes {
-		if t == mt {
-			return true
-		}
-	}
-	return false
 }
 
 func sessionError(t Token, s *Session, ctx context.Context, err error) error {
@@ -910,7 +916,7 @@ func serveRTR(s *Session, payload []byte) {
 		start := time.Now()
 		f.Path, err = push(ctx, s, m, e.src)
 		box.checkin(m.Token, e, err == nil)
-		c.Metrics.Transfer(TransferInfo{Path: f.Path, Bytes: int64(m.Length), Elapsed: time.Since(start), Err: err})
+		c.Metrics.Transfer(TransferInfo{Path: f.Path, Bytes: int64(m.Length), Elapsed: time.Since(start), Err: err, Memory: e.src.kind()})
 		c.Logger.Debug("out-of-band push", "session", s.ID(), "path", f.Path.String(), "bytes", m.Length, "elapsed", time.Since(start), "err", err)
 		if err != nil {
 			f.Status, f.Msg = finFailed, err.Error()

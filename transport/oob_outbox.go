@@ -27,6 +27,14 @@ func (s Source) Len() int {
 	return len(s.Bytes)
 }
 
+// kind returns the kind of memory the source is in.
+func (s Source) kind() devicebuf.Kind {
+	if s.Buffer != nil {
+		return s.Buffer.Kind()
+	}
+	return devicebuf.Host
+}
+
 // OfferOptions say how long an outbox entry lives.
 type OfferOptions struct {
 	// Held entries stay until Withdraw (or the lease) however many receivers pulled

@@ -156,7 +156,13 @@ func registered(rc *rdma.Context, b *devicebuf.Buffer) (*rdma.Memory, int, func(
 			pin.Pin(unsafe.SliceData(hb))
 		}
 	}
-	mem, err := rc.Map(b.Ptr(), b.Len(), mt)
+	var mem *rdma.Memory
+	var err error
+	if mt == rdma.MemoryCUDA {
+		mem, err = rc.MapCUDA(b.Ptr(), b.Len(), b.Device())
+	} else {
+		mem, err = rc.Map(b.Ptr(), b.Len(), mt)
+	}
 	if err != nil {
 		pin.Unpin()
 		return nil, 0, nil, fmt.Errorf("register %d bytes: %w", b.Len(), err)

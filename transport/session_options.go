@@ -186,12 +186,15 @@ func newConfig(opts []Option) (*config, error) {
 // rdmaContext returns the configured UCX context, or rdma.Default().
 func (c *config) rdmaContext() (*rdma.Context, error) {
 	if c.rdmaCtx != nil {
+		useCUDA(c.rdmaCtx)
 		return c.rdmaCtx, nil
 	}
 	if err := rdma.Available(); err != nil {
 		return nil, err
 	}
-	return rdma.Default()
+	rc, err := rdma.Default()
+	useCUDA(rc)
+	return rc, err
 }
 
 // localCaps returns the caps to announce: LocalCaps(), with the UCX fields

@@ -260,7 +260,7 @@ func (b *bench) measureBaselines(ctx context.Context, size int, pat []byte, r *r
 	default:
 		r.UCXTLS = perftestTLS(b.o.transport)
 		pctx, cancel := context.WithTimeout(ctx, b.o.callLimit)
-		pr, err := runPerftest(pctx, b.perfBin, b.host, b.info.PerftestPort, size, b.o.iters, max(b.o.warmup, 1), b.o.transport)
+		pr, err := runPerftest(pctx, b.perfBin, b.host, b.info.PerftestPort, size, b.o.iters, max(b.o.warmup, 1), b.o.transport, b.o.perftestMem())
 		cancel()
 		if err != nil {
 			note("ucx_perftest", err)
@@ -358,7 +358,7 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 		if e.Err != nil {
 			continue
 		}
-		paths[e.Path.String()] = true
+		paths[e.Route()] = true
 		xfers = append(xfers, e.Elapsed)
 	}
 	if seen < b.o.iters*b.o.inflight {

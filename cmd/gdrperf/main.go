@@ -160,6 +160,15 @@ func parsePaths(s string) (transport.Path, error) {
 }
 
 // transferConfig is the out-of-band engine's configuration for this run.
+// perftestMem is ucx_perftest's -m for this run: the payload's and the
+// destination's memory types, or "" when both are host memory.
+func (o *options) perftestMem() string {
+	if o.mem == "host" && o.recv == "host" {
+		return ""
+	}
+	return o.mem + "," + o.recv
+}
+
 func (o *options) transferConfig(m transport.Metrics) transport.TransferConfig {
 	return transport.TransferConfig{Metrics: m, Timeout: o.callLimit, Paths: o.pathMask}
 }

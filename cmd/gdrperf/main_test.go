@@ -229,9 +229,11 @@ func TestCUDA(t *testing.T) {
 		rs = gdrperf(t, append(args, "-recv", "host", "-transport", "ucx", "-op", op)...)
 		require.Len(t, rs, 1)
 		r = rs[0]
-		if !rc.Info().HasMemoryType(rdma.MemoryCUDA) {
-			require.Equal(t, "staged", r.Path, "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
+		want := "staged"
+		if rc.Info().HasMemoryType(rdma.MemoryCUDA) {
+			want = "rdma" // UCX moves GPU memory itself; this side's memory is host
 		}
+		require.Equal(t, want, r.Path, "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
 		require.NotNil(t, r.D2HMiBs, "notes: %v", r.Notes)
 		require.NotNil(t, r.VsD2HPut)
 		require.Nil(t, r.DtoDMiBs)

@@ -89,11 +89,16 @@ type perftestResult struct {
 }
 
 // runPerftest runs a ucx_perftest ucp_put_bw client of size-byte puts against
-// the server at host:port and returns its overall bandwidth. A refused
-// connection (the server between two tests) is retried until ctx ends.
-func runPerftest(ctx context.Context, bin, host string, port, size, iters, warmup int, mode string) (perftestResult, error) {
+// the server at host:port and returns its overall bandwidth. memTypes is
+// ucx_perftest's -m (source and destination memory, e.g. "cuda,cuda"); empty
+// means host memory. A refused connection (the server between two tests) is
+// retried until ctx ends.
+func runPerftest(ctx context.Context, bin, host string, port, size, iters, warmup int, mode, memTypes string) (perftestResult, error) {
 	args := []string{host, "-p", strconv.Itoa(port), "-t", "ucp_put_bw",
 		"-s", strconv.Itoa(size), "-n", strconv.Itoa(iters), "-w", strconv.Itoa(warmup)}
+	if memTypes != "" {
+		args = append(args, "-m", memTypes)
+	}
 	if perftestTLS(mode) == "tcp" {
 		args = append(args, "-O", "1") // puts over UCX tcp need the target to progress between them
 	}

@@ -51,7 +51,11 @@ func (r *reporter) header(b *bench) {
 	fmt.Fprintf(r.w, "# gdrpc: unary call, payload out-of-band (%s); MiB/s = %s; xfer = the out-of-band transfer alone, median\n", what, rate)
 	fmt.Fprintf(r.w, "# grpc-tcp: plain gRPC-Go over TCP, bytes field, default codec and windows, message limits raised; same calls\n")
 	if b.perfBin != "" && b.info.PerftestPort != 0 {
-		fmt.Fprintf(r.w, "# ucx_perftest: ucp_put_bw, UCX_TLS=%s, overall bandwidth of -n %d\n", perftestTLS(o.transport), o.iters)
+		mem := o.perftestMem()
+		if mem == "" {
+			mem = "host,host"
+		}
+		fmt.Fprintf(r.w, "# ucx_perftest: ucp_put_bw, UCX_TLS=%s, memory %s, overall bandwidth of -n %d\n", perftestTLS(o.transport), mem, o.iters)
 	} else {
 		fmt.Fprintf(r.w, "# ucx_perftest: %s\n", b.perfNote)
 	}

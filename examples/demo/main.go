@@ -132,8 +132,8 @@ type paths struct {
 func (p *paths) Transfer(i transport.TransferInfo) {
 	if i.Pull && i.Err == nil {
 		p.mu.Lock()
-		if !slices.Contains(p.seen, i.Path.String()) {
-			p.seen = append(p.seen, i.Path.String())
+		if !slices.Contains(p.seen, i.Route()) {
+			p.seen = append(p.seen, i.Route())
 		}
 		p.mu.Unlock()
 	}

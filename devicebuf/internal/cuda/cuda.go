@@ -31,7 +31,8 @@ static struct {
 	CUresult (*cuDeviceTotalMem)(size_t *, CUdevice);
 	CUresult (*cuDeviceGetAttribute)(int *, int, CUdevice);
 	CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
-	CUresult (*cuCtxSetCurrent)(CUcontext);
+	CUresult (*cuCtxPushCurrent)(CUcontext);
+	CUresult (*cuCtxPopCurrent)(CUcontext *);
 	CUresult (*cuDeviceCanAccessPeer)(int *, CUdevice, CUdevice);
 	CUresult (*cuCtxEnablePeerAccess)(CUcontext, unsigned int);
 	CUresult (*cuMemAlloc)(CUdeviceptr *, size_t);
@@ -82,7 +83,8 @@ static const char *gdr_cu_load(const char *name) {
 	SYM(cuDeviceTotalMem, "cuDeviceTotalMem_v2");
 	SYM(cuDeviceGetAttribute, "cuDeviceGetAttribute");
 	SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
-	SYM(cuCtxSetCurrent, "cuCtxSetCurrent");
+	SYM2(cuCtxPushCurrent, "cuCtxPushCurrent_v2", "cuCtxPushCurrent");
+	SYM2(cuCtxPopCurrent, "cuCtxPopCurrent_v2", "cuCtxPopCurrent");
 	SYM(cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer");
 	SYM(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess");
 	SYM(cuMemAlloc, "cuMemAlloc_v2");
@@ -161,6 +163,11 @@ static CUresult gdr_cu_ctx_retain(int ord, CUcontext *out) {
 	return gdr_cu.cuDevicePrimaryCtxRetain(out, d);
 }
 
+static void gdr_cu_pop(void) {
+	CUcontext prev;
+	gdr_cu.cuCtxPopCurrent(&prev);
+}
+
 // gdr_cu_enable_peer lets the primary contexts a (device da) and b (device db) map each
 // other's memory where the devices allow it (NVLink or PCIe peer to peer), so that copies
 // between them run device to device; without it the driver stages them through host memory.
@@ -174,58 +181,56 @@ static CUresult gdr_cu_enable_peer(CUcontext a, int da, CUcontext b, int db) {
 	if (!r) r = gdr_cu.cuDeviceCanAccessPeer(&ab, x, y);
 	if (!r) r = gdr_cu.cuDeviceCanAccessPeer(&ba, y, x);
 	if (r || !(ab && ba)) return r;
-	if ((r = gdr_cu.cuCtxSetCurrent(a)) != 0) return r;
+	if ((r = gdr_cu.cuCtxPushCurrent(a)) != 0) return r;
 	r = gdr_cu.cuCtxEnablePeerAccess(b, 0);
+	gdr_cu_pop();
 	if (r && r != 704) return r; // 704: CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
-	if ((r = gdr_cu.cuCtxSetCurrent(b)) != 0) return r;
+	if ((r = gdr_cu.cuCtxPushCurrent(b)) != 0) return r;
 	r = gdr_cu.cuCtxEnablePeerAccess(a, 0);
+	gdr_cu_pop();
 	return r == 704 ? 0 : r;
 }
 
+// Every wrapper below that needs a context pushes it on the calling thread and pops it
+// before returning, so the thread's own current context (the application's, or none) is
+// unchanged after the call.
+#define GDR_IN_CTX(c, call) do { \
+		CUresult r_ = gdr_cu.cuCtxPushCurrent(c); \
+		if (r_) return r_; \
+		r_ = (call); \
+		gdr_cu_pop(); \
+		return r_; \
+	} while (0)
+
 static CUresult gdr_cu_mem_alloc(CUcontext c, size_t n, CUdeviceptr *out) {
-	CUresult r = gdr_cu.cuCtxSetCurrent(c);
-	if (r) return r;
-	return gdr_cu.cuMemAlloc(out, n);
+	GDR_IN_CTX(c, gdr_cu.cuMemAlloc(out, n));
 }
 
 static CUresult gdr_cu_mem_free(CUcontext c, CUdeviceptr p) {
-	CUresult r = gdr_cu.cuCtxSetCurrent(c);
-	if (r) return r;
-	return gdr_cu.cuMemFree(p);
+	GDR_IN_CTX(c, gdr_cu.cuMemFree(p));
 }
 
+static unsigned int gdr_one = 1;
+
 static CUresult gdr_cu_sync_memops(CUcontext c, CUdeviceptr p) {
-	CUresult r = gdr_cu.cuCtxSetCurrent(c);
-	if (r) return r;
-	unsigned int one = 1;
-	return gdr_cu.cuPointerSetAttribute(&one, 6, p); // CU_POINTER_ATTRIBUTE_SYNC_MEMOPS
+	GDR_IN_CTX(c, gdr_cu.cuPointerSetAttribute(&gdr_one, 6, p)); // CU_POINTER_ATTRIBUTE_SYNC_MEMOPS
 }
 
 static CUresult gdr_cu_address_range(CUcontext c, CUdeviceptr p, CUdeviceptr *base, size_t *size) {
-	CUresult r = gdr_cu.cuCtxSetCurrent(c);
-	if (r) return r;
-	return gdr_cu.cuMemGetAddressRange(base, size, p);
+	GDR_IN_CTX(c, gdr_cu.cuMemGetAddressRange(base, size, p));
 }
 
 static CUresult gdr_cu_host_register(CUcontext c, uintptr_t p, size_t n) {
-	CUresult r = gdr_cu.cuCtxSetCurrent(c);
-	if (r) return r;
-	return gdr_cu.cuMemHostRegister((void *)p, n, 1); // CU_MEMHOSTREGISTER_PORTABLE
+	GDR_IN_CTX(c, gdr_cu.cuMemHostRegister((void *)p, n, 1)); // CU_MEMHOSTREGISTER_PORTABLE
 }
 
 static CUresult gdr_cu_host_unregister(CUcontext c, uintptr_t p) {
-	CUresult r = gdr_cu.cuCtxSetCurrent(c);
-	if (r) return r;
-	return gdr_cu.cuMemHostUnregister((void *)p);
+	GDR_IN_CTX(c, gdr_cu.cuMemHostUnregister((void *)p));
 }
 
-// dir: 1 HtoD, 2 DtoH, 3 DtoD (same context), 4 peer. The copy is queued on s; with sync
-// set, it is waited for before returning.
-static CUresult gdr_cu_memcpy(CUcontext c, int dir, CUcontext dstc, uintptr_t dst, CUcontext srcc,
-		uintptr_t src, size_t n, uintptr_t st, int sync) {
-	CUstream s = (CUstream)st;
-	CUresult r = gdr_cu.cuCtxSetCurrent(c);
-	if (r) return r;
+static CUresult gdr_cu_memcpy_in(int dir, CUcontext dstc, uintptr_t dst, CUcontext srcc,
+		uintptr_t src, size_t n, CUstream s, int sync) {
+	CUresult r;
 	switch (dir) {
 	case 1: r = gdr_cu.cuMemcpyHtoDAsync((CUdeviceptr)dst, (const void *)src, n, s); break;
 	case 2: r = gdr_cu.cuMemcpyDtoHAsync((void *)dst, (CUdeviceptr)src, n, s); break;
@@ -237,56 +242,65 @@ static CUresult gdr_cu_memcpy(CUcontext c, int dir, CUcontext dstc, uintptr_t ds
 	return gdr_cu.cuStreamSynchronize(s);
 }
 
+// dir: 1 HtoD, 2 DtoH, 3 DtoD (same context), 4 peer. The copy is queued on s; with sync
+// set, it is waited for before returning.
+static CUresult gdr_cu_memcpy(CUcontext c, int dir, CUcontext dstc, uintptr_t dst, CUcontext srcc,
+		uintptr_t src, size_t n, uintptr_t st, int sync) {
+	GDR_IN_CTX(c, gdr_cu_memcpy_in(dir, dstc, dst, srcc, src, n, (CUstream)st, sync));
+}
+
 // flags: 0 CU_STREAM_DEFAULT (ordered with the legacy default stream), 1 CU_STREAM_NON_BLOCKING.
 static CUresult gdr_cu_stream_create(CUcontext c, unsigned int flags, CUstream *out) {
-	CUresult r = gdr_cu.cuCtxSetCurrent(c);
-	if (r) return r;
-	return gdr_cu.cuStreamCreate(out, flags);
+	GDR_IN_CTX(c, gdr_cu.cuStreamCreate(out, flags));
 }
 
 static CUresult gdr_cu_stream_sync(CUcontext c, uintptr_t s) {
-	CUresult r = gdr_cu.cuCtxSetCurrent(c);
-	if (r) return r;
-	return gdr_cu.cuStreamSynchronize((CUstream)s);
+	GDR_IN_CTX(c, gdr_cu.cuStreamSynchronize((CUstream)s));
 }
 
 static CUresult gdr_cu_stream_destroy(CUcontext c, uintptr_t s) {
-	CUresult r = gdr_cu.cuCtxSetCurrent(c);
-	if (r) return r;
-	return gdr_cu.cuStreamDestroy((CUstream)s);
+	GDR_IN_CTX(c, gdr_cu.cuStreamDestroy((CUstream)s));
 }
 
 static CUresult gdr_cu_flush_rdma(CUcontext c) {
 	if (gdr_cu.cuFlushGPUDirectRDMAWrites == NULL) return GDR_CUDA_ERROR_NOT_FOUND_SYMBOL;
-	CUresult r = gdr_cu.cuCtxSetCurrent(c);
-	if (r) return r;
 	// CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX, CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER
-	return gdr_cu.cuFlushGPUDirectRDMAWrites(0, 100);
+	GDR_IN_CTX(c, gdr_cu.cuFlushGPUDirectRDMAWrites(0, 100));
 }
 
-static CUresult gdr_cu_ipc_get(CUcontext c, CUdeviceptr p, char *out) {
-	CUresult r = gdr_cu.cuCtxSetCurrent(c);
-	if (r) return r;
+static CUresult gdr_cu_ipc_get_in(CUdeviceptr p, char *out) {
 	CUipcMemHandle h;
-	r = gdr_cu.cuIpcGetMemHandle(&h, p);
+	CUresult r = gdr_cu.cuIpcGetMemHandle(&h, p);
 	if (r) return r;
 	memcpy(out, h.reserved, 64);
 	return 0;
 }
 
-static CUresult gdr_cu_ipc_open(CUcontext c, const char *in, CUdeviceptr *out) {
-	CUresult r = gdr_cu.cuCtxSetCurrent(c);
-	if (r) return r;
+static CUresult gdr_cu_ipc_get(CUcontext c, CUdeviceptr p, char *out) {
+	GDR_IN_CTX(c, gdr_cu_ipc_get_in(p, out));
+}
+
+static CUresult gdr_cu_ipc_open_in(const char *in, CUdeviceptr *out) {
 	CUipcMemHandle h;
 	memcpy(h.reserved, in, 64);
 	return gdr_cu.cuIpcOpenMemHandle(out, h, 1); // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 }
 
-static CUresult gdr_cu_ipc_close(CUcontext c, CUdeviceptr p) {
-	CUresult r = gdr_cu.cuCtxSetCurrent(c);
-	if (r) return r;
-	return gdr_cu.cuIpcCloseMemHandle(p);
+static CUresult gdr_cu_ipc_open(CUcontext c, const char *in, CUdeviceptr *out) {
+	GDR_IN_CTX(c, gdr_cu_ipc_open_in(in, out));
 }
+
+static CUresult gdr_cu_ipc_close(CUcontext c, CUdeviceptr p) {
+	GDR_IN_CTX(c, gdr_cu.cuIpcCloseMemHandle(p));
+}
+
+// The context hooks for UCX (package rdma calls them through these pointers, on the thread
+// that then calls UCX): gdr_cu_hook_push makes a context current and keeps the one it
+// replaces; gdr_cu_hook_pop restores it.
+static int gdr_cu_hook_push(void *c) { return gdr_cu.cuCtxPushCurrent((CUcontext)c); }
+static void gdr_cu_hook_pop(void) { gdr_cu_pop(); }
+static uintptr_t gdr_cu_hook_push_fn(void) { return (uintptr_t)&gdr_cu_hook_push; }
+static uintptr_t gdr_cu_hook_pop_fn(void) { return (uintptr_t)&gdr_cu_hook_pop; }
 
 static void gdr_cu_error(CUresult r, const char **name, const char **desc) {
 	*name = NULL;
@@ -715,6 +729,17 @@ func (d *real) FlushRDMAWrites(dev int) error {
 	}
 	return cuErr("cuFlushGPUDirectRDMAWrites", C.gdr_cu_flush_rdma(c))
 }
+
+// ThreadContext implements driver.ThreadContexts.
+func (d *real) ThreadContext(dev int) (ctx, push, pop uintptr, err error) {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	return uintptr(c), uintptr(C.gdr_cu_hook_push_fn()), uintptr(C.gdr_cu_hook_pop_fn()), nil
+}
+
+var _ driver.ThreadContexts = (*real)(nil)
 
 func (d *real) IpcGetMemHandle(dev int, p uintptr) ([driver.IPCHandleSize]byte, error) {
 	var h [driver.IPCHandleSize]byte

@@ -94,6 +94,16 @@ type Driver interface {
 	IpcCloseMemHandle(dev int, p uintptr) error
 }
 
+// ThreadContexts is the optional ability of a driver to make a device's context current on
+// the calling OS thread from C code that is not its own (UCX's, called by package rdma).
+type ThreadContexts interface {
+	// ThreadContext returns dev's primary context (a CUcontext, retained for the process's
+	// life) and two C function pointers: push, `int push(void *ctx)`, makes ctx current on
+	// the calling thread, keeping the context it replaces, and returns a CUresult; pop,
+	// `void pop(void)`, restores the context the matching push replaced.
+	ThreadContext(dev int) (ctx, push, pop uintptr, err error)
+}
+
 // GPU is one device as the management library (NVML) reports it.
 type GPU struct {
 	UUID        string
