@@ -106,12 +106,14 @@ func collect() Report {
 
 	var info rdma.Info
 	ucxErr := rdma.Available()
+	ucxCUDA := errors.New("no UCX")
 	if ucxErr == nil {
 		ctx, err := rdma.Default()
 		if err != nil {
 			ucxErr = err
 		} else {
 			info = ctx.Info()
+			ucxCUDA = cudaThroughUCX(ctx, cudaErr)
 		}
 	}
 	r.UCX.Available = ucxErr == nil
@@ -124,12 +126,33 @@ func collect() Report {
 			r.UCX.MemoryTypes = append(r.UCX.MemoryTypes, m.String())
 		}
 	}
-	r.Paths = paths(cudaErr, cudaDevices, ucxErr, info.HasMemoryType(rdma.MemoryCUDA))
+	r.Paths = paths(cudaErr, cudaDevices, ucxErr, ucxCUDA)
 	return r
 }
 
-// paths decides which transfer paths this host offers, best first.
-func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA bool) []Path {
+// cudaThroughUCX returns nil when ctx registers and moves CUDA memory as
+// gdrpc's sessions would use it (a CUDA-enabled UCX, the CUDA driver's
+// contexts handed to it), else why not.
+func cudaThroughUCX(ctx *rdma.Context, cudaErr error) error {
+	if !ctx.Info().HasMemoryType(rdma.MemoryCUDA) {
+		return fmt.Errorf("UCX %s cannot register CUDA memory", ctx.Info().Version)
+	}
+	if cudaErr != nil {
+		return fmt.Errorf("no CUDA: %w", cudaErr)
+	}
+	t, err := devicebuf.CUDAThreadContexts()
+	if err == nil {
+		err = ctx.UseCUDA(t, 0)
+	}
+	if err != nil {
+		return fmt.Errorf("UCX registers CUDA memory, but not for gdrpc: %w", err)
+	}
+	return nil
+}
+
+// paths decides which transfer paths this host offers, best first. ucxCUDA is
+// nil when UCX moves CUDA memory itself, else why not.
+func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA error) []Path {
 	var ps []Path
 	// cuda-ipc: both ends on this host with CUDA.
 	if cudaErr == nil {
@@ -142,10 +165,11 @@ func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA bool) []Path {
 	switch {
 	case ucxErr != nil:
 		ps = append(ps, Path{Name: "rdma", Reason: "no UCX: " + ucxErr.Error()})
-	case ucxCUDA:
-		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host and GPU memory (UCX registers CUDA memory: GPUDirect RDMA)"})
+	case ucxCUDA == nil:
+		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host and GPU memory: UCX registers CUDA memory and moves it itself " +
+			"(GPUDirect RDMA over an RDMA NIC, its own copies over tcp); GPU to GPU on one host takes cuda-ipc first, which is faster than UCX's cuda_ipc"})
 	default:
-		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host memory only: this UCX cannot register CUDA memory"})
+		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host memory only: " + ucxCUDA.Error()})
 	}
 	// staged: UCX and CUDA, device memory through pinned host bounce buffers.
 	var missing []string
@@ -155,9 +179,12 @@ func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA bool) []Path {
 	if cudaErr != nil {
 		missing = append(missing, "no CUDA: "+cudaErr.Error())
 	}
-	if len(missing) == 0 {
+	switch {
+	case len(missing) == 0 && ucxCUDA == nil:
+		ps = append(ps, Path{Name: "staged", Reason: "not needed: UCX moves GPU memory itself (rdma)"})
+	case len(missing) == 0:
 		ps = append(ps, Path{Name: "staged", Available: true, Reason: "GPU memory through pinned host buffers over UCX"})
-	} else {
+	default:
 		ps = append(ps, Path{Name: "staged", Reason: strings.Join(missing, "; ")})
 	}
 	ps = append(ps, Path{Name: "stream", Available: true, Reason: "bytes over the session's stream (always)"})

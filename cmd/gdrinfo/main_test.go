@@ -87,15 +87,15 @@ func TestPaths(t *testing.T) {
 	for _, c := range []struct {
 		name                string
 		cudaErr, ucxErr     error
-		ucxCUDA             bool
+		ucxCUDA             error
 		ipc, rdmaOK, staged bool
 		rdmaReason          string
 	}{
-		{"nothing", noCUDA, noUCX, false, false, false, false, "no UCX"},
-		{"ucx host only", noCUDA, nil, false, false, true, false, "host memory only"},
-		{"cuda only", nil, noUCX, false, true, false, false, "no UCX"},
-		{"both, ucx without cuda", nil, nil, false, true, true, true, "host memory only"},
-		{"both, gpudirect", nil, nil, true, true, true, true, "GPUDirect RDMA"},
+		{"nothing", noCUDA, noUCX, noUCX, false, false, false, "no UCX"},
+		{"ucx host only", noCUDA, nil, noCUDA, false, true, false, "host memory only"},
+		{"cuda only", nil, noUCX, noUCX, true, false, false, "no UCX"},
+		{"both, ucx without cuda", nil, nil, errors.New("UCX 1.13.1 cannot register CUDA memory"), true, true, true, "host memory only: UCX 1.13.1"},
+		{"both, gpudirect", nil, nil, nil, true, true, false, "GPUDirect RDMA"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			ps := pathsByName(paths(c.cudaErr, 1, c.ucxErr, c.ucxCUDA))
