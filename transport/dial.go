@@ -2,6 +2,7 @@ package transport
 
 import (
 	"context"
+	"crypto/ed25519"
 	"errors"
 	"fmt"
 	"io"
@@ -113,7 +114,9 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 	if !lanes {
 		caps.Lanes = false
 	}
-	if _, err := conn.Write(encodeHello(hello{ID: cfg.localID, HostID: LocalHostID(), Mode: cfg.mode, Caps: caps})); err != nil {
+	self := cfg.identity
+	helloFrame := encodeHello(hello{ID: self.ID(), HostID: LocalHostID(), Mode: cfg.mode, Caps: caps, Key: self.publicKey(), Nonce: newNonce()})
+	if _, err := conn.Write(helloFrame); err != nil {
 		return nil, fmt.Errorf("handshake: send hello: %w", err)
 	}
 	version, body, err := readFrame(conn, false)
@@ -127,6 +130,18 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 	if err != nil {
 		return nil, fmt.Errorf("handshake: %w", err)
 	}
+	helloBody := helloFrame[frameHeaderLen:]
+	err = checkClaim(self, w.ID, w.Key)
+	if err == nil {
+		err = checkSignature(self, w.ID, w.Key, transcript(roleServerLabel, helloBody, unsignedWelcome(body)), w.Signature)
+	}
+	if err != nil {
+		_, _ = conn.Write(encodeReject(rejectIdentity, err.Error()))
+		return nil, fmt.Errorf("handshake: %w", err)
+	}
+	if _, err := conn.Write(encodeProof(proof{Signature: self.signTranscript(transcript(roleClientLabel, helloBody, body))})); err != nil {
+		return nil, fmt.Errorf("handshake: send proof: %w", err)
+	}
 	if w.Transport == "tcp" && cfg.mode == ModeUCX {
 		return nil, fmt.Errorf("handshake: transport ucx required but the server did not offer it")
 	}
@@ -134,7 +149,7 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 	setup := sessionSetup{
 		client:    true,
 		cfg:       cfg,
-		peer:      Peer{ID: w.ID, HostID: w.HostID, Caps: w.Caps, SameHost: w.HostID == LocalHostID()},
+		peer:      Peer{ID: w.ID, PublicKey: append(ed25519.PublicKey(nil), w.Key[:]...), HostID: w.HostID, Caps: w.Caps, SameHost: w.HostID == LocalHostID()},
 		token:     w.Token,
 		transport: "tcp",
 		conn:      conn,

@@ -2,6 +2,7 @@ package transport
 
 import (
 	"context"
+	"crypto/ed25519"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -207,6 +208,7 @@ func (s *Session) ID() uint64 { return s.id }
 func (s *Session) Peer() Peer {
 	p := s.peer
 	p.Caps = p.Caps.clone()
+	p.PublicKey = append(ed25519.PublicKey(nil), p.PublicKey...)
 	return p
 }
 

@@ -49,8 +49,7 @@ type config struct {
 	kaTimeout        time.Duration
 	handshakeTimeout time.Duration
 	rdmaCtx          *rdma.Context
-	localID          ID
-	localIDSet       bool
+	identity         *Identity
 	window           uint32
 	metrics          SessionMetrics
 	noLane           bool
@@ -113,11 +112,15 @@ func WithRDMAContext(rc *rdma.Context) Option {
 	return func(c *config) { c.rdmaCtx = rc }
 }
 
-// WithLocalID overrides the process id a session announces (and the id it
-// rejects as its own). It exists so tests can emulate two processes in one.
-// If not given, LocalID().
-func WithLocalID(id ID) Option {
-	return func(c *config) { c.localID, c.localIDSet = id, true }
+// WithIdentity sets the identity a session proves in its handshake: the
+// process id it announces, and the key it signs the handshake with. It exists
+// so tests can emulate several processes in one (NewIdentity). A peer that
+// announces this identity's id without proving it (with the key) is rejected
+// like any other impersonation; one that proves it holds the key, a session
+// of this process to itself, is accepted. If nil or not given,
+// LocalIdentity().
+func WithIdentity(id *Identity) Option {
+	return func(c *config) { c.identity = id }
 }
 
 // WithWindow sets the per-stream receive window of the multiplexer. If zero,
@@ -173,8 +176,8 @@ func newConfig(opts []Option) (*config, error) {
 	if c.handshakeTimeout <= 0 {
 		c.handshakeTimeout = DefaultHandshakeTimeout
 	}
-	if !c.localIDSet {
-		c.localID = LocalID()
+	if c.identity == nil {
+		c.identity = LocalIdentity()
 	}
 	if c.window == 0 {
 		c.window = DefaultWindow
