@@ -51,17 +51,23 @@ func controlInbox(s *Session) chan []byte {
 // pipePair is a session pair over net.Pipe with distinct process ids.
 func pipePair(t *testing.T, opts ...Option) (client, server *Session) {
 	t.Helper()
+	return pipePairWith(t, opts, opts)
+}
+
+// pipePairWith is pipePair with options per side.
+func pipePairWith(t *testing.T, clientOpts, serverOpts []Option) (client, server *Session) {
+	t.Helper()
 	c1, c2 := net.Pipe()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	ch := make(chan *Session, 1)
 	errCh := make(chan error, 1)
 	go func() {
-		s, err := NewServerSession(ctx, c2, append([]Option{WithIdentity(NewIdentity())}, opts...)...)
+		s, err := NewServerSession(ctx, c2, append([]Option{WithIdentity(NewIdentity())}, serverOpts...)...)
 		ch <- s
 		errCh <- err
 	}()
-	client, err := NewClientSession(ctx, c1, append([]Option{WithIdentity(NewIdentity())}, opts...)...)
+	client, err := NewClientSession(ctx, c1, append([]Option{WithIdentity(NewIdentity())}, clientOpts...)...)
 	server = <-ch
 	require.NoError(t, <-errCh)
 	require.NoError(t, err)
