@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"strconv"
 	"time"
 
@@ -81,15 +82,27 @@ func bindDeadline(ctx context.Context, conn interface{ SetDeadline(time.Time) er
 	}
 }
 
-// ctxErr prefers the context's error to the I/O error it caused.
+// ctxErr prefers the context's error to the I/O error it caused. A handshake
+// that ran out of time returns an error that is a net.Error with Timeout()
+// true and matches both context.DeadlineExceeded and os.ErrDeadlineExceeded.
+// The I/O deadline is the context's, so a deadline error from the conn may
+// come first, before the context's own timer has fired: that is the same
+// timeout.
 func ctxErr(ctx context.Context, err error) error {
-	if cerr := ctx.Err(); cerr != nil {
-		if errors.Is(cerr, context.DeadlineExceeded) {
-			return fmt.Errorf("%w (%w)", &TimeoutError{Op: "handshake"}, err)
+	cerr := ctx.Err()
+	if cerr == nil && errors.Is(err, os.ErrDeadlineExceeded) {
+		if dl, ok := ctx.Deadline(); ok && !time.Now().Before(dl) {
+			cerr = context.DeadlineExceeded
 		}
+	}
+	switch {
+	case cerr == nil:
+		return err
+	case errors.Is(cerr, context.DeadlineExceeded):
+		return fmt.Errorf("%w (%w: %w)", &TimeoutError{Op: "handshake"}, context.DeadlineExceeded, err)
+	default:
 		return fmt.Errorf("handshake: %w", cerr)
 	}
-	return err
 }
 
 // clientHandshake runs the client's side of the handshake over conn. With

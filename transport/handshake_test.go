@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -174,17 +175,91 @@ func TestClientGarbage(t *testing.T) {
 	}
 }
 
-// TestHandshakeTimeout: a silent peer fails the handshake within the bound.
-func TestHandshakeTimeout(t *testing.T) {
-	c1, c2 := net.Pipe()
-	defer c2.Close()
-	go func() { _, _ = io.Copy(io.Discard, c2) }()
-	start := time.Now()
-	_, err := NewClientSession(context.Background(), c1, WithHandshakeTimeout(100*time.Millisecond))
-	require.Error(t, err)
-	var ne net.Error
-	require.True(t, errors.As(err, &ne) && ne.Timeout(), "%v", err)
-	require.Less(t, time.Since(start), 5*time.Second)
+// TestHandshakeDeadline: a handshake that runs out of time, on either side
+// and at any step, fails with an error that matches
+// context.DeadlineExceeded and os.ErrDeadlineExceeded and is a net.Error
+// with Timeout() true.
+func TestHandshakeDeadline(t *testing.T) {
+	const bound = 50 * time.Millisecond
+	// Each case plays the peer by hand and stops at some step; the session
+	// under test waits for the next message.
+	silent := func(net.Conn) {}
+	helloOnly := func(c net.Conn) {
+		self := NewIdentity()
+		_, _ = c.Write(encodeHello(handHello(self.ID(), self.publicKey())))
+		_, _, _ = readFrame(c, false) // the welcome; the proof never comes
+	}
+	readHello := func(c net.Conn) { _, _, _ = readFrame(c, false) } // no welcome
+	tests := []struct {
+		name   string
+		server bool // the server side is under test
+		ctx    bool // bounded by the caller's context, not WithHandshakeTimeout
+		peer   func(net.Conn)
+	}{
+		{name: "client, no welcome", peer: readHello},
+		{name: "client, no welcome, context", ctx: true, peer: readHello},
+		{name: "server, no hello", server: true, peer: silent},
+		{name: "server, no proof", server: true, peer: helloOnly},
+		{name: "server, no proof, context", server: true, ctx: true, peer: helloOnly},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			mine, theirs := net.Pipe()
+			peerDone := make(chan struct{})
+			go func() {
+				defer close(peerDone)
+				tc.peer(theirs)
+				_, _ = io.Copy(io.Discard, theirs) // until the side under test closes
+			}()
+			t.Cleanup(func() {
+				_ = theirs.Close()
+				<-peerDone
+			})
+			ctx := context.Background()
+			opts := []Option{WithHandshakeTimeout(bound)}
+			if tc.ctx {
+				var cancel context.CancelFunc
+				ctx, cancel = context.WithTimeout(ctx, bound)
+				defer cancel()
+				opts = nil
+			}
+			start := time.Now()
+			var s *Session
+			var err error
+			if tc.server {
+				s, err = NewServerSession(ctx, mine, opts...)
+			} else {
+				s, err = NewClientSession(ctx, mine, opts...)
+			}
+			require.Nil(t, s)
+			require.ErrorIs(t, err, context.DeadlineExceeded)
+			require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+			var ne net.Error
+			require.ErrorAs(t, err, &ne)
+			require.True(t, ne.Timeout(), "%v", err)
+			require.GreaterOrEqual(t, time.Since(start), bound)
+		})
+	}
+}
+
+// deadlineOnlyCtx has a deadline in the past but reports no error yet: the
+// moment between a conn's deadline firing and the context's timer.
+type deadlineOnlyCtx struct{ context.Context }
+
+func (deadlineOnlyCtx) Deadline() (time.Time, bool) { return time.Unix(1, 0), true }
+
+// TestCtxErrDeadlineFirst: an I/O deadline error seen before the context's
+// own timer fired is the handshake's timeout all the same.
+func TestCtxErrDeadlineFirst(t *testing.T) {
+	ioErr := &net.OpError{Op: "read", Net: "pipe", Err: os.ErrDeadlineExceeded}
+	err := ctxErr(deadlineOnlyCtx{context.Background()}, ioErr)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	var te *TimeoutError
+	require.ErrorAs(t, err, &te)
+	require.Equal(t, "handshake", te.Op)
+	// Another error is returned as it is.
+	other := errors.New("other")
+	require.Same(t, other, ctxErr(deadlineOnlyCtx{context.Background()}, other))
 }
 
 func FuzzParseHello(f *testing.F) {
