@@ -30,6 +30,9 @@ var (
 	// ErrKeepAlive is the cause of a session whose peer stopped answering
 	// keepalive pings; the error is a *KeepAliveError.
 	ErrKeepAlive = errors.New("gdrpc: peer did not answer keepalive")
+	// ErrIdle is the cause of a session closed because it carried nothing for
+	// its idle timeout (WithIdleTimeout).
+	ErrIdle = errors.New("gdrpc: session idle")
 	// ErrConnTaken reports a second Conn call on a session.
 	ErrConnTaken = errors.New("gdrpc: the gRPC stream of this session was already taken")
 )
@@ -78,6 +81,12 @@ type Session struct {
 	ctrlSem chan struct{} // one writer at a time on the control stream
 
 	rtt atomic.Int64
+
+	// What keeps the session from being idle (watchIdle): inUse counts what
+	// holds it open (the gRPC stream once taken), traffic what it carried
+	// (control messages, streams opened).
+	inUse   atomic.Int32
+	traffic atomic.Uint64
 
 	done      chan struct{}
 	muxClosed chan struct{} // closed once the multiplexer and the connection are closed
@@ -189,6 +198,10 @@ func newSession(st sessionSetup) (*Session, error) {
 	}
 	registryAdd(s)
 	s.cfg.metrics.SessionUp(s.transport, s.client)
+	if s.cfg.idleTimeout > 0 {
+		s.wg.Add(1)
+		go s.watchIdle()
+	}
 	s.wg.Add(5)
 	go s.monitor()
 	go s.acceptLoop()
@@ -309,6 +322,8 @@ func (s *Session) closeWith(cause error) {
 		s.log.Debug("session closed")
 	case cause == ErrPeerGone:
 		s.log.Debug("session closed by peer")
+	case errors.Is(cause, ErrIdle):
+		s.log.Debug("session closed: idle", "idle_timeout", s.cfg.idleTimeout)
 	default:
 		s.log.Info("session lost", "err", cause)
 	}
@@ -371,6 +386,35 @@ func (s *Session) monitor() {
 	s.closeWith(fmt.Errorf("%w: %w", ErrPeerGone, cause))
 }
 
+// watchIdle closes the session once it has been idle for the idle timeout:
+// nothing holds it open and it carried nothing. It looks four times per
+// timeout.
+func (s *Session) watchIdle() {
+	defer s.wg.Done()
+	d := s.cfg.idleTimeout
+	tick := time.NewTicker(max(d/4, time.Millisecond))
+	defer tick.Stop()
+	idleSince, seen := time.Now(), s.traffic.Load()
+	for {
+		select {
+		case <-s.done:
+			return
+		case now := <-tick.C:
+			busy := s.inUse.Load() > 0
+			if n := s.traffic.Load(); busy || n != seen {
+				idleSince, seen = now, n
+			}
+			if check := s.cfg.idleCheck; check != nil {
+				check(s, busy)
+			}
+			if !busy && now.Sub(idleSince) >= d {
+				s.closeWith(fmt.Errorf("%w for %v", ErrIdle, d))
+				return
+			}
+		}
+	}
+}
+
 // open opens a stream with a role.
 func (s *Session) open(ctx context.Context, role byte) (*streamConn, error) {
 	select {
@@ -388,6 +432,7 @@ func (s *Session) open(ctx context.Context, role byte) (*streamConn, error) {
 		}
 		return nil, fmt.Errorf("gdrpc: open stream: %w", err)
 	}
+	s.traffic.Add(1)
 	c := newStreamConn(s, st, role)
 	if dl, ok := ctx.Deadline(); ok {
 		_ = st.SetWriteDeadline(dl)
@@ -430,6 +475,7 @@ func (s *Session) serveStream(st *yamux.Stream) {
 		return
 	}
 	_ = st.SetReadDeadline(time.Time{})
+	s.traffic.Add(1)
 	c := newStreamConn(s, st, role[0])
 	switch role[0] {
 	case roleGRPC:
@@ -472,17 +518,22 @@ func (s *Session) Conn(ctx context.Context) (net.Conn, error) {
 		if !s.grpcTaken.CompareAndSwap(false, true) {
 			return nil, ErrConnTaken
 		}
+		var c net.Conn
+		var err error
 		if s.useLane() {
-			return s.openLane(ctx, roleGRPC)
+			c, err = s.openLane(ctx, roleGRPC)
+		} else {
+			c, err = s.open(ctx, roleGRPC)
 		}
-		c, err := s.open(ctx, roleGRPC)
 		if err != nil {
 			return nil, err
 		}
+		s.inUse.Add(1) // until the session closes: closing c closes it
 		return c, nil
 	}
 	select {
 	case c := <-s.grpcCh:
+		s.inUse.Add(1)
 		return c, nil
 	case <-s.done:
 		return nil, s.closedErr()
@@ -586,6 +637,7 @@ func (s *Session) SendControl(ctx context.Context, typ byte, payload []byte) err
 		return ctx.Err()
 	}
 	defer func() { <-s.ctrlSem }()
+	s.traffic.Add(1)
 	buf := make([]byte, controlHeaderLen+len(payload))
 	buf[0] = typ
 	binary.BigEndian.PutUint32(buf[1:], uint32(len(payload)))
@@ -625,6 +677,7 @@ func (s *Session) readControl(c net.Conn) {
 			s.closeWith(fmt.Errorf("%w: control stream ended: %w", ErrPeerGone, err))
 			return
 		}
+		s.traffic.Add(1)
 		controlMu.RLock()
 		fn := controlHandlers[hdr[0]]
 		controlMu.RUnlock()

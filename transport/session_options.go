@@ -30,6 +30,7 @@ const (
 	DefaultKeepAliveInterval = 10 * time.Second
 	DefaultKeepAliveTimeout  = 10 * time.Second
 	DefaultHandshakeTimeout  = 10 * time.Second
+	DefaultIdleTimeout       = 2 * time.Minute
 	// DefaultWindow is the yamux per-stream receive window.
 	DefaultWindow = 16 << 20
 	// GRPCBufferSize is the gRPC read and write buffer size that suits a
@@ -48,6 +49,8 @@ type config struct {
 	kaInterval       time.Duration
 	kaTimeout        time.Duration
 	handshakeTimeout time.Duration
+	idleTimeout      time.Duration
+	idleCheck        func(s *Session, busy bool) // tests: called after each look of the idle watcher
 	rdmaCtx          *rdma.Context
 	identity         *Identity
 	window           uint32
@@ -104,6 +107,17 @@ func WithKeepAlive(interval, timeout time.Duration) Option {
 // the opening of each stream. If zero, 10 s.
 func WithHandshakeTimeout(d time.Duration) Option {
 	return func(c *config) { c.handshakeTimeout = d }
+}
+
+// WithIdleTimeout closes a session that has been idle for d: its gRPC stream
+// was never taken (Conn), and neither side opened a stream or sent a control
+// message. A session whose gRPC stream is taken is never idle here (gRPC's
+// own keepalive and idle settings govern it; closing that stream closes the
+// session). An idle session is closed within d/4 after d with a cause
+// wrapping ErrIdle. If zero, 2 minutes (DefaultIdleTimeout). A negative d
+// disables it.
+func WithIdleTimeout(d time.Duration) Option {
+	return func(c *config) { c.idleTimeout = d }
 }
 
 // WithRDMAContext sets the UCX context sessions use. If nil or not given,
@@ -175,6 +189,9 @@ func newConfig(opts []Option) (*config, error) {
 	}
 	if c.handshakeTimeout <= 0 {
 		c.handshakeTimeout = DefaultHandshakeTimeout
+	}
+	if c.idleTimeout == 0 {
+		c.idleTimeout = DefaultIdleTimeout
 	}
 	if c.identity == nil {
 		c.identity = LocalIdentity()
