@@ -152,7 +152,8 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 		_, _ = conn.Write(encodeReject(rejectIdentity, err.Error()))
 		return nil, fmt.Errorf("handshake: %w", err)
 	}
-	if _, err := conn.Write(encodeProof(proof{Signature: self.signTranscript(transcript(roleClientLabel, helloBody, body))})); err != nil {
+	proofFrame := encodeProof(proof{Signature: self.signTranscript(transcript(roleClientLabel, helloBody, body))})
+	if _, err := conn.Write(proofFrame); err != nil {
 		return nil, fmt.Errorf("handshake: send proof: %w", err)
 	}
 	if w.Transport == "tcp" && cfg.mode == ModeUCX {
@@ -166,6 +167,7 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 		token:     w.Token,
 		transport: "tcp",
 		conn:      conn,
+		handshake: sessionHash(helloBody, body, proofFrame[frameHeaderLen:]),
 	}
 	if caps.Lanes {
 		setup.laneAddr = conn.RemoteAddr().String() // the address dialed, resolved

@@ -105,6 +105,21 @@ func transcript(role string, helloBody, welcomeBody []byte) []byte {
 	return append(b, welcomeBody...)
 }
 
+// sessionHash is the digest of a whole handshake (hello, welcome, proof): it
+// names the session in what is signed after the handshake (the TLS channel
+// binding, creds.go).
+func sessionHash(helloBody, welcomeBody, proofBody []byte) [sha256.Size]byte {
+	h := sha256.New()
+	h.Write([]byte(transcriptLabel))
+	for _, b := range [][]byte{helloBody, welcomeBody, proofBody} {
+		h.Write(binary.BigEndian.AppendUint32(nil, uint32(len(b))))
+		h.Write(b)
+	}
+	var sum [sha256.Size]byte
+	h.Sum(sum[:0])
+	return sum
+}
+
 // checkClaim checks that the id a peer announced is the one its public key
 // gives. self is the local identity: a peer may announce this process's own
 // id only by proving it (a session to this very process), never by copying

@@ -435,6 +435,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		transport: "tcp",
 		conn:      conn,
 		laneSlot:  slot,
+		handshake: sessionHash(body, welcomeBody, proofBody),
 	}
 	if canUCX {
 		var d [1]byte

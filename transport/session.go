@@ -3,6 +3,7 @@ package transport
 import (
 	"context"
 	"crypto/ed25519"
+	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -57,7 +58,8 @@ type Session struct {
 	log       *slog.Logger
 	peer      Peer
 	token     ID
-	transport string // "ucx" or "tcp"
+	handshake [sha256.Size]byte // sessionHash of the handshake
+	transport string            // "ucx" or "tcp"
 	under     *underConn
 	ep        *rdma.Endpoint
 	rctx      *rdma.Context
@@ -102,6 +104,7 @@ type sessionSetup struct {
 	cfg       *config
 	peer      Peer
 	token     ID
+	handshake [sha256.Size]byte // sessionHash of the handshake
 	transport string
 	conn      net.Conn // TCP conn, pipe or UCX endpoint
 	ep        *rdma.Endpoint
@@ -125,6 +128,7 @@ func newSession(st sessionSetup) (*Session, error) {
 		cfg:       st.cfg,
 		peer:      st.peer,
 		token:     st.token,
+		handshake: st.handshake,
 		transport: st.transport,
 		under:     newUnderConn(st.conn),
 		ep:        st.ep,
