@@ -175,7 +175,11 @@ func defaultLocalCaps() Caps {
 // signatures of the handshake transcript (identity.go). The client checks the
 // welcome before it answers with its proof; the server checks the proof
 // before the session exists. A peer that fails either check never gets a
-// session, so it never enters the registry.
+// session, so it never enters the registry. The proof covers the handshake,
+// not what follows: the session's streams are neither signed nor encrypted,
+// so a relay on the path that forwards the handshake unchanged can read and
+// inject on the control and bulk streams afterwards (the gRPC stream is as
+// safe as the credentials run inside it, NewCredentials).
 //
 // When the welcome offers UCX, the client (after its proof) dials the
 // server's UCX listener (the IP it reached over TCP, the port in the
