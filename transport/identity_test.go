@@ -4,11 +4,14 @@ import (
 	"context"
 	"io"
 	"net"
+	"os"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/rdma"
 )
 
 // handTimeout bounds the handshakes of the hand-played peers below.
@@ -347,4 +350,99 @@ func TestLocalIdentityOnce(t *testing.T) {
 	cfg, err := newConfig(nil)
 	require.NoError(t, err)
 	require.Same(t, got[0], cfg.identity)
+}
+
+// TestIdentityListenerRejectsImpersonation: through a Listener, a client
+// that announces another live process's id and cannot prove it gets no
+// session, and the token of the welcome it got opens nothing: no UCX
+// upgrade, no lane.
+func TestIdentityListenerRejectsImpersonation(t *testing.T) {
+	t.Run("tcp", func(t *testing.T) {
+		testListenerImpersonation(t, []Option{WithMode(ModeTCP)}, nil)
+	})
+	t.Run("ucx", func(t *testing.T) {
+		rc := internalUCX(t)
+		testListenerImpersonation(t, []Option{WithRDMAContext(rc), WithMode(ModeUCX)}, rc)
+	})
+}
+
+func testListenerImpersonation(t *testing.T, opts []Option, rc *rdma.Context) {
+	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+	defer cancel()
+	other, attacker := NewIdentity(), NewIdentity()
+	l, err := Listen("127.0.0.1:0", opts...)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+
+	// other is a live process with a session to the listener.
+	legit, err := Dial(ctx, l.Addr().String(), append(opts, WithIdentity(other))...)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = legit.Close() })
+	_, err = legit.Conn(ctx)
+	require.NoError(t, err)
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, _ := l.Accept()
+		accepted <- c
+	}()
+	select {
+	case c := <-accepted: // the server's session is up
+		require.NotNil(t, c)
+	case <-ctx.Done():
+		t.Fatal("the legitimate session was not accepted")
+	}
+	otherSessions := SessionsTo(other.ID())
+	require.Len(t, otherSessions, 1)
+	registered := NumSessions()
+
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "tcp", l.Addr().String())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+	require.NoError(t, c.SetDeadline(time.Now().Add(handTimeout)))
+	h := handHello(other.ID(), other.publicKey())
+	h.Caps.Lanes = true
+	if rc != nil {
+		h.Mode, h.Caps.UCX = ModeUCX, true
+	}
+	helloFrame := encodeHello(h)
+	_, err = c.Write(helloFrame)
+	require.NoError(t, err)
+	v, body := readHandFrame(t, c)
+	w, err := parseWelcome(v, body)
+	require.NoError(t, err)
+	if rc != nil {
+		require.Equal(t, "ucx", w.Transport)
+	}
+	sig := attacker.signTranscript(transcript(roleClientLabel, helloFrame[frameHeaderLen:], body))
+	_, err = c.Write(encodeProof(proof{Signature: sig}))
+	require.NoError(t, err)
+	requireClosedSilently(t, c)
+
+	// refused dials the address, sends msg and expects a zero ack, then the end.
+	refused := func(dial func() (net.Conn, error), msg []byte) {
+		t.Helper()
+		c, err := dial()
+		require.NoError(t, err)
+		defer c.Close()
+		require.NoError(t, c.SetDeadline(time.Now().Add(handTimeout)))
+		_, err = c.Write(msg)
+		require.NoError(t, err)
+		b, err := io.ReadAll(c)
+		require.Equal(t, []byte{0}, b, "a refusal, then the end")
+		if err != nil {
+			require.NotErrorIs(t, err, os.ErrDeadlineExceeded)
+		}
+	}
+	lane := append(append([]byte(laneMagic), w.Token[:]...), roleControl)
+	refused(func() (net.Conn, error) { return d.DialContext(ctx, "tcp", l.Addr().String()) }, lane)
+	if rc != nil {
+		dialUCX := func() (net.Conn, error) { return rc.Worker().Dial(ctx, l.UCXAddr().String()) }
+		refused(dialUCX, append([]byte(upgradeMagic), w.Token[:]...))
+		refused(dialUCX, lane)
+	}
+
+	require.Equal(t, otherSessions, SessionsTo(other.ID()))
+	require.Empty(t, SessionsTo(attacker.ID()))
+	require.Equal(t, registered, NumSessions())
 }
