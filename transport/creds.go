@@ -2,6 +2,10 @@ package transport
 
 import (
 	"context"
+	"crypto/ed25519"
+	"crypto/tls"
+	"fmt"
+	"io"
 	"net"
 
 	"google.golang.org/grpc/credentials"
@@ -16,7 +20,11 @@ type AuthInfo struct {
 	Peer      Peer
 	Transport string // "ucx" or "tcp"
 	Inner     credentials.AuthInfo
-	session   *Session
+	// TLSBound reports that Inner is TLS and its connection is bound to the
+	// session: the TLS peer proved, with its session key, that it is the
+	// process Peer describes (bindTLS).
+	TLSBound bool
+	session  *Session
 }
 
 // AuthType returns "gdrpc", or "gdrpc+" and the inner credentials' type.
@@ -50,13 +58,20 @@ type creds struct {
 // its capabilities (SessionFromContext finds the session); a plain
 // connection gets the inner AuthInfo, or a PlainAuthInfo.
 //
+// When inner is TLS, each end then binds the TLS connection to its session:
+// it signs the TLS exporter value (RFC 5705) and the session's handshake
+// with the key that proved its process id, and checks the other end's
+// signature with the key the session proved, so a TLS connection relayed
+// between two different sessions fails. Both ends of a gdrpc session must
+// therefore use NewCredentials (the dialer and listener packages do).
+//
 // The gRPC stream is protected by inner; bytes moved out of band (RDMA, bulk
 // streams) are not encrypted.
 func NewCredentials(inner credentials.TransportCredentials) credentials.TransportCredentials {
 	return &creds{inner: inner}
 }
 
-func (c *creds) wrap(conn net.Conn, s *Session, innerConn net.Conn, innerAI credentials.AuthInfo) (net.Conn, credentials.AuthInfo) {
+func (c *creds) wrap(conn net.Conn, s *Session, innerConn net.Conn, innerAI credentials.AuthInfo, tlsBound bool) (net.Conn, credentials.AuthInfo) {
 	if s == nil {
 		if innerAI != nil {
 			return innerConn, innerAI
@@ -68,6 +83,7 @@ func (c *creds) wrap(conn net.Conn, s *Session, innerConn net.Conn, innerAI cred
 		Peer:           s.Peer(),
 		Transport:      s.Transport(),
 		Inner:          innerAI,
+		TLSBound:       tlsBound,
 		session:        s,
 	}
 	if innerAI != nil {
@@ -98,30 +114,97 @@ func (c *creds) ClientHandshake(ctx context.Context, authority string, conn net.
 	s := SessionOf(conn)
 	out := conn
 	var innerAI credentials.AuthInfo
+	bound := false
 	if c.inner != nil {
 		var err error
 		out, innerAI, err = c.inner.ClientHandshake(ctx, authority, conn)
 		if err != nil {
 			return nil, nil, err
 		}
+		if ti, ok := innerAI.(credentials.TLSInfo); ok && s != nil {
+			unbind := bindDeadline(ctx, out)
+			err := bindTLS(s, out, ti.State)
+			unbind()
+			if err != nil {
+				_ = out.Close()
+				return nil, nil, ctxErr(ctx, err)
+			}
+			bound = true
+		}
 	}
-	out, ai := c.wrap(conn, s, out, innerAI)
+	out, ai := c.wrap(conn, s, out, innerAI, bound)
 	return out, ai, nil
 }
 
+// ServerHandshake runs under the deadline gRPC sets on conn for it.
 func (c *creds) ServerHandshake(conn net.Conn) (net.Conn, credentials.AuthInfo, error) {
 	s := SessionOf(conn)
 	out := conn
 	var innerAI credentials.AuthInfo
+	bound := false
 	if c.inner != nil {
 		var err error
 		out, innerAI, err = c.inner.ServerHandshake(conn)
 		if err != nil {
 			return nil, nil, err
 		}
+		if ti, ok := innerAI.(credentials.TLSInfo); ok && s != nil {
+			if err := bindTLS(s, out, ti.State); err != nil {
+				_ = out.Close()
+				return nil, nil, err
+			}
+			bound = true
+		}
 	}
-	out, ai := c.wrap(conn, s, out, innerAI)
+	out, ai := c.wrap(conn, s, out, innerAI, bound)
 	return out, ai, nil
+}
+
+// TLS channel binding: the exporter label (RFC 5705) and the label of what
+// each end signs.
+const (
+	tlsExporterLabel = "EXPORTER-gdrpc-session-binding"
+	tlsBindingLabel  = "gdrpc tls binding v1\x00"
+)
+
+// tlsBinding returns what the end of the given role signs: the label, the
+// role, the session's handshake digest and the TLS exporter value.
+func tlsBinding(role string, s *Session, ekm []byte) []byte {
+	b := make([]byte, 0, len(tlsBindingLabel)+len(role)+len(s.handshake)+len(ekm))
+	b = append(b, tlsBindingLabel...)
+	b = append(b, role...)
+	b = append(b, s.handshake[:]...)
+	return append(b, ekm...)
+}
+
+// bindTLS proves over c, a TLS connection on the session's gRPC stream, that
+// both ends of the TLS connection are the ends of the session s: each end
+// sends its signature (64 bytes) of the TLS exporter value and the session's
+// handshake digest, made with the key its process id was proven with, and
+// checks the other's with the key the session proved. A TLS connection
+// relayed between two sessions has one exporter value but two handshakes, so
+// neither end's signature verifies at the other.
+func bindTLS(s *Session, c net.Conn, state tls.ConnectionState) error {
+	ekm, err := state.ExportKeyingMaterial(tlsExporterLabel, s.handshake[:], 32)
+	if err != nil {
+		return fmt.Errorf("gdrpc: TLS channel binding: %w", err)
+	}
+	mine, theirs := roleServerLabel, roleClientLabel
+	if s.client {
+		mine, theirs = theirs, mine
+	}
+	sig := s.cfg.identity.signTranscript(tlsBinding(mine, s, ekm))
+	if _, err := c.Write(sig[:]); err != nil {
+		return fmt.Errorf("gdrpc: TLS channel binding: send: %w", err)
+	}
+	var peerSig signature
+	if _, err := io.ReadFull(c, peerSig[:]); err != nil {
+		return fmt.Errorf("gdrpc: TLS channel binding: read: %w", err)
+	}
+	if !ed25519.Verify(s.peer.PublicKey, tlsBinding(theirs, s, ekm), peerSig[:]) {
+		return &IdentityError{Claimed: s.peer.ID, Reason: "the TLS channel binding does not verify: the TLS peer is not the session's peer"}
+	}
+	return nil
 }
 
 func (c *creds) Info() credentials.ProtocolInfo {

@@ -2,17 +2,9 @@ package transport_test
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"math/big"
 	"net"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
@@ -28,26 +20,7 @@ import (
 // certificate of "gdrpc.test".
 func testTLS(t *testing.T) (server, client credentials.TransportCredentials) {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	require.NoError(t, err)
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1),
-		Subject:      pkix.Name{CommonName: "gdrpc.test"},
-		DNSNames:     []string{"gdrpc.test"},
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(time.Hour),
-		KeyUsage:     x509.KeyUsageDigitalSignature,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	require.NoError(t, err)
-	cert, err := x509.ParseCertificate(der)
-	require.NoError(t, err)
-	pool := x509.NewCertPool()
-	pool.AddCert(cert)
-	server = credentials.NewTLS(&tls.Config{Certificates: []tls.Certificate{{Certificate: [][]byte{der}, PrivateKey: key}}})
-	client = credentials.NewTLS(&tls.Config{RootCAs: pool, ServerName: "gdrpc.test"})
-	return server, client
+	return transport.TLSCredsForTest(t)
 }
 
 // seen records what the server's interceptor saw of each call.
@@ -114,6 +87,7 @@ func TestCredentialsTLS(t *testing.T) {
 			require.Equal(t, transport.LocalID(), gai.Peer.ID)
 			require.Equal(t, tc.want(), gai.Transport)
 			require.Equal(t, "gdrpc+tls", gai.AuthType())
+			require.True(t, gai.TLSBound)
 			require.Equal(t, credentials.PrivacyAndIntegrity, gai.SecurityLevel)
 			_, isTLS := gai.Inner.(credentials.TLSInfo)
 			require.True(t, isTLS)
@@ -123,6 +97,7 @@ func TestCredentialsTLS(t *testing.T) {
 			cai, ok := clientAuth.(transport.AuthInfo)
 			require.True(t, ok, "client AuthInfo is %T", clientAuth)
 			require.NotNil(t, cai.Session())
+			require.True(t, cai.TLSBound)
 			require.Equal(t, tc.want(), cai.Session().Transport())
 
 			// A plain TLS gRPC client on the same port.

@@ -2,10 +2,12 @@ package transport
 
 import (
 	"context"
+	"crypto/ed25519"
 	"errors"
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"strconv"
 	"time"
 
@@ -80,15 +82,27 @@ func bindDeadline(ctx context.Context, conn interface{ SetDeadline(time.Time) er
 	}
 }
 
-// ctxErr prefers the context's error to the I/O error it caused.
+// ctxErr prefers the context's error to the I/O error it caused. A handshake
+// that ran out of time returns an error that is a net.Error with Timeout()
+// true and matches both context.DeadlineExceeded and os.ErrDeadlineExceeded.
+// The I/O deadline is the context's, so a deadline error from the conn may
+// come first, before the context's own timer has fired: that is the same
+// timeout.
 func ctxErr(ctx context.Context, err error) error {
-	if cerr := ctx.Err(); cerr != nil {
-		if errors.Is(cerr, context.DeadlineExceeded) {
-			return fmt.Errorf("%w (%w)", &TimeoutError{Op: "handshake"}, err)
+	cerr := ctx.Err()
+	if cerr == nil && errors.Is(err, os.ErrDeadlineExceeded) {
+		if dl, ok := ctx.Deadline(); ok && !time.Now().Before(dl) {
+			cerr = context.DeadlineExceeded
 		}
+	}
+	switch {
+	case cerr == nil:
+		return err
+	case errors.Is(cerr, context.DeadlineExceeded):
+		return fmt.Errorf("%w (%w: %w)", &TimeoutError{Op: "handshake"}, context.DeadlineExceeded, err)
+	default:
 		return fmt.Errorf("handshake: %w", cerr)
 	}
-	return err
 }
 
 // clientHandshake runs the client's side of the handshake over conn. With
@@ -113,7 +127,9 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 	if !lanes {
 		caps.Lanes = false
 	}
-	if _, err := conn.Write(encodeHello(hello{ID: cfg.localID, HostID: LocalHostID(), Mode: cfg.mode, Caps: caps})); err != nil {
+	self := cfg.identity
+	helloFrame := encodeHello(hello{ID: self.ID(), HostID: LocalHostID(), Mode: cfg.mode, Caps: caps, Key: self.publicKey(), Nonce: newNonce()})
+	if _, err := conn.Write(helloFrame); err != nil {
 		return nil, fmt.Errorf("handshake: send hello: %w", err)
 	}
 	version, body, err := readFrame(conn, false)
@@ -127,6 +143,19 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 	if err != nil {
 		return nil, fmt.Errorf("handshake: %w", err)
 	}
+	helloBody := helloFrame[frameHeaderLen:]
+	err = checkClaim(self, w.ID, w.Key)
+	if err == nil {
+		err = checkSignature(self, w.ID, w.Key, transcript(roleServerLabel, helloBody, unsignedWelcome(body)), w.Signature)
+	}
+	if err != nil {
+		_, _ = conn.Write(encodeReject(rejectIdentity, err.Error()))
+		return nil, fmt.Errorf("handshake: %w", err)
+	}
+	proofFrame := encodeProof(proof{Signature: self.signTranscript(transcript(roleClientLabel, helloBody, body))})
+	if _, err := conn.Write(proofFrame); err != nil {
+		return nil, fmt.Errorf("handshake: send proof: %w", err)
+	}
 	if w.Transport == "tcp" && cfg.mode == ModeUCX {
 		return nil, fmt.Errorf("handshake: transport ucx required but the server did not offer it")
 	}
@@ -134,10 +163,11 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 	setup := sessionSetup{
 		client:    true,
 		cfg:       cfg,
-		peer:      Peer{ID: w.ID, HostID: w.HostID, Caps: w.Caps, SameHost: w.HostID == LocalHostID()},
+		peer:      Peer{ID: w.ID, PublicKey: append(ed25519.PublicKey(nil), w.Key[:]...), HostID: w.HostID, Caps: w.Caps, SameHost: w.HostID == LocalHostID()},
 		token:     w.Token,
 		transport: "tcp",
 		conn:      conn,
+		handshake: sessionHash(helloBody, body, proofFrame[frameHeaderLen:]),
 	}
 	if caps.Lanes {
 		setup.laneAddr = conn.RemoteAddr().String() // the address dialed, resolved

@@ -2,6 +2,7 @@ package transport
 
 import (
 	"bytes"
+	"crypto/ed25519"
 	"crypto/rand"
 	"crypto/sha256"
 	"encoding/binary"
@@ -25,17 +26,10 @@ func (id ID) String() string { return hex.EncodeToString(id[:]) }
 // IsZero reports whether the id is all zeros.
 func (id ID) IsZero() bool { return id == ID{} }
 
-var localID = sync.OnceValue(func() ID {
-	var id ID
-	if _, err := rand.Read(id[:]); err != nil {
-		panic("gdrpc: crypto/rand failed: " + err.Error())
-	}
-	return id
-})
-
-// LocalID returns the random id of this process. It is fixed for the life of
-// the process and sent to every peer in the handshake.
-func LocalID() ID { return localID() }
+// LocalID returns the id of this process: the id of LocalIdentity. It is
+// fixed for the life of the process and proven to every peer in the
+// handshake.
+func LocalID() ID { return LocalIdentity().ID() }
 
 var localHostID = sync.OnceValue(func() ID { return hostIDFrom(os.Getenv("GDRPC_HOST_ID")) })
 
@@ -108,12 +102,15 @@ func (c Caps) clone() Caps {
 	return c
 }
 
-// Peer is the other end of a session as its handshake described it.
+// Peer is the other end of a session as its handshake described it. ID is
+// proven (the peer signed the handshake with the key it is derived from);
+// the rest is what the peer says of itself.
 type Peer struct {
-	ID       ID   // the peer's process id (its LocalID)
-	HostID   ID   // the peer's host id (its LocalHostID)
-	Caps     Caps // what the peer can do
-	SameHost bool // HostID equals LocalHostID()
+	ID        ID                // the peer's process id (its LocalID)
+	PublicKey ed25519.PublicKey // the key ID is derived from (IDOf)
+	HostID    ID                // the peer's host id (its LocalHostID)
+	Caps      Caps              // what the peer can do
+	SameHost  bool              // HostID equals LocalHostID()
 }
 
 // LocalCaps returns the capabilities this process announces in every
@@ -158,26 +155,41 @@ func defaultLocalCaps() Caps {
 //
 //	offset size
 //	0      6    magic "GDRPC\x00"
-//	6      2    protocol version (3)
+//	6      2    protocol version (4)
 //	8      4    body length n (at most 64 KiB)
-//	12     n    body; its first byte is the kind (hello, welcome, reject)
+//	12     n    body; its first byte is the kind (hello, welcome, proof, reject)
 //
 // hello (client to server): kind, process id [16], host id [16], requested
-// mode u8, caps. welcome (server to client): kind, process id, host id, caps,
-// transport u8, flags u8 (bit 0: the client may fall back to TCP if the UCX
-// upgrade fails), UCX port u16, session token [16]. reject: kind, code u8,
-// message string. caps: flags u8 (bit 0: UCX; bit 1: the gRPC stream may run
-// on a UCX endpoint of its own), UCX version string, then four
-// string lists (memory types, UCX transports, CUDA devices, codecs). A string
-// is a u16 length and bytes (at most 1 KiB); a list a u16 count (at most 64)
-// and strings. Nothing may follow the last field. The reject body is the same
-// in every version, so a peer speaking another version can still say why.
+// mode u8, caps, public key [32], nonce [32]. welcome (server to client):
+// kind, process id, host id, caps, transport u8, flags u8 (bit 0: the client
+// may fall back to TCP if the UCX upgrade fails), UCX port u16, session token
+// [16], public key [32], nonce [32], signature [64]. proof (client to
+// server): kind, signature [64]. reject: kind, code u8, message string. caps:
+// flags u8 (bit 0: UCX; bit 1: the gRPC stream may run on a UCX endpoint of
+// its own), UCX version string, then four string lists (memory types, UCX
+// transports, CUDA devices, codecs). A string is a u16 length and bytes (at
+// most 1 KiB); a list a u16 count (at most 64) and strings. Nothing may follow
+// the last field. The reject body is the same in every version, so a peer
+// speaking another version can still say why.
 //
-// When the welcome offers UCX, the client dials the server's UCX listener (the
-// IP it reached over TCP, the port in the welcome), sends the upgrade magic
-// "GDRPCU" and the token on the UCX stream and waits for one ack byte; then it
-// sends one decision byte over TCP: 'U' (the session runs over UCX, the TCP
-// connection is closed by both) or 'T' (UCX failed, the session stays on TCP).
+// A process id is proven, not claimed: it is derived from the sender's
+// ed25519 public key (IDOf), the nonces are fresh random bytes, and the
+// welcome's signature and the proof's are the server's and the client's
+// signatures of the handshake transcript (identity.go). The client checks the
+// welcome before it answers with its proof; the server checks the proof
+// before the session exists. A peer that fails either check never gets a
+// session, so it never enters the registry. The proof covers the handshake,
+// not what follows: the session's streams are neither signed nor encrypted,
+// so a relay on the path that forwards the handshake unchanged can read and
+// inject on the control and bulk streams afterwards (the gRPC stream is as
+// safe as the credentials run inside it, NewCredentials).
+//
+// When the welcome offers UCX, the client (after its proof) dials the
+// server's UCX listener (the IP it reached over TCP, the port in the
+// welcome), sends the upgrade magic "GDRPCU" and the token on the UCX stream
+// and waits for one ack byte; then it sends one decision byte over TCP: 'U'
+// (the session runs over UCX, the TCP connection is closed by both) or 'T'
+// (UCX failed, the session stays on TCP).
 //
 // On a session whose two ends announced lanes, the client runs the control
 // stream, the bulk frames of the stream path and the gRPC stream each on a
@@ -187,20 +199,25 @@ func defaultLocalCaps() Caps {
 // the session token and the role byte ('C', 'B', 'G'), and waits for one ack
 // byte (1: accepted). The multiplexer keeps the keepalive. Version 1 had no
 // lanes; version 2 sent each transfer on the bulk lane as one frame, where
-// version 3 interleaves transfers in pieces (lane.go).
+// version 3 interleaves transfers in pieces (lane.go); version 4 proves
+// process ids.
 const (
 	magic           = "GDRPC\x00"
 	upgradeMagic    = "GDRPCU"
 	laneMagic       = "GDRPCL"
-	protocolVersion = 3
+	protocolVersion = 4
 	frameHeaderLen  = len(magic) + 2 + 4
 	maxBodyLen      = 64 << 10
 	maxStringLen    = 1 << 10
 	maxListLen      = 64
+	keyLen          = ed25519.PublicKeySize
+	nonceLen        = 32
+	signatureLen    = ed25519.SignatureSize
 
 	kindHello   = 1
 	kindWelcome = 2
 	kindReject  = 3
+	kindProof   = 4
 
 	transportCodeUCX = 1
 	transportCodeTCP = 2
@@ -222,6 +239,7 @@ const (
 	rejectMalformed = 2 // the hello did not parse
 	rejectMode      = 3 // the requested transport cannot be provided
 	rejectInternal  = 4
+	rejectIdentity  = 5 // the peer did not prove its process id
 )
 
 // Handshake errors. Dial, Listen and the New*Session functions return them
@@ -269,11 +287,19 @@ func malformed(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrMalformed, fmt.Sprintf(format, args...))
 }
 
+type (
+	publicKey [keyLen]byte
+	nonce     [nonceLen]byte
+	signature [signatureLen]byte
+)
+
 type hello struct {
 	ID     ID
 	HostID ID
 	Mode   Mode
 	Caps   Caps
+	Key    publicKey
+	Nonce  nonce
 }
 
 type welcome struct {
@@ -284,6 +310,14 @@ type welcome struct {
 	FallbackOK bool
 	UCXPort    uint16
 	Token      ID
+	Key        publicKey
+	Nonce      nonce
+	Signature  signature // the server's, of the transcript up to this field
+}
+
+// proof is the client's signature of the transcript.
+type proof struct {
+	Signature signature
 }
 
 // writer builds a body.
@@ -292,6 +326,7 @@ type writer struct{ b []byte }
 func (w *writer) u8(v uint8)   { w.b = append(w.b, v) }
 func (w *writer) u16(v uint16) { w.b = binary.BigEndian.AppendUint16(w.b, v) }
 func (w *writer) id(v ID)      { w.b = append(w.b, v[:]...) }
+func (w *writer) raw(v []byte) { w.b = append(w.b, v...) }
 func (w *writer) str(s string) {
 	if len(s) > maxStringLen {
 		s = s[:maxStringLen]
@@ -363,6 +398,11 @@ func (r *reader) id(what string) ID {
 	var id ID
 	copy(id[:], r.take(16, what))
 	return id
+}
+
+// raw fills dst with the next len(dst) bytes.
+func (r *reader) raw(dst []byte, what string) {
+	copy(dst, r.take(len(dst), what))
 }
 
 func (r *reader) str(what string) string {
@@ -454,6 +494,8 @@ func encodeHello(h hello) []byte {
 	w.id(h.HostID)
 	w.u8(modeCode(h.Mode))
 	w.caps(h.Caps)
+	w.raw(h.Key[:])
+	w.raw(h.Nonce[:])
 	return frame(w.b)
 }
 
@@ -475,6 +517,20 @@ func encodeWelcome(m welcome) []byte {
 	w.u8(f)
 	w.u16(m.UCXPort)
 	w.id(m.Token)
+	w.raw(m.Key[:])
+	w.raw(m.Nonce[:])
+	w.raw(m.Signature[:])
+	return frame(w.b)
+}
+
+// unsignedWelcome returns the part of a welcome body the server signs: all of
+// it but the trailing signature.
+func unsignedWelcome(body []byte) []byte { return body[:len(body)-signatureLen] }
+
+func encodeProof(p proof) []byte {
+	w := &writer{}
+	w.u8(kindProof)
+	w.raw(p.Signature[:])
 	return frame(w.b)
 }
 
@@ -542,6 +598,8 @@ func parseHello(version uint16, body []byte) (hello, error) {
 	h.HostID = r.id("host id")
 	mc := r.u8("mode")
 	h.Caps = r.caps()
+	r.raw(h.Key[:], "public key")
+	r.raw(h.Nonce[:], "nonce")
 	if err := r.end(); err != nil {
 		return hello{}, err
 	}
@@ -574,6 +632,9 @@ func parseWelcome(version uint16, body []byte) (welcome, error) {
 	f := r.u8("flags")
 	m.UCXPort = r.u16("UCX port")
 	m.Token = r.id("token")
+	r.raw(m.Key[:], "public key")
+	r.raw(m.Nonce[:], "nonce")
+	r.raw(m.Signature[:], "signature")
 	if err := r.end(); err != nil {
 		return welcome{}, err
 	}
@@ -595,6 +656,27 @@ func parseWelcome(version uint16, body []byte) (welcome, error) {
 	return m, nil
 }
 
+// parseProof parses the client's proof, or a reject (returned as a
+// *RejectError): a client may give up after the welcome.
+func parseProof(version uint16, body []byte) (proof, error) {
+	if len(body) > 0 && body[0] == kindReject {
+		return proof{}, parseReject(body)
+	}
+	if version != protocolVersion {
+		return proof{}, &VersionError{Local: protocolVersion, Remote: version}
+	}
+	r := &reader{b: body}
+	if k := r.u8("kind"); r.err == nil && k != kindProof {
+		return proof{}, malformed("expected proof (kind %d), got kind %d", kindProof, k)
+	}
+	var p proof
+	r.raw(p.Signature[:], "signature")
+	if err := r.end(); err != nil {
+		return proof{}, err
+	}
+	return p, nil
+}
+
 // isHTTP2Preface reports whether b (the first bytes a client sent) starts an
 // HTTP/2 client preface; isTLSHello whether it starts a TLS handshake record.
 func isHTTP2Preface(b []byte) bool {
@@ -603,6 +685,14 @@ func isHTTP2Preface(b []byte) bool {
 
 func isTLSHello(b []byte) bool {
 	return len(b) >= 3 && b[0] == 0x16 && b[1] == 0x03 && b[2] <= 0x04
+}
+
+func newNonce() nonce {
+	var n nonce
+	if _, err := rand.Read(n[:]); err != nil {
+		panic("gdrpc: crypto/rand failed: " + err.Error())
+	}
+	return n
 }
 
 func newToken() ID {

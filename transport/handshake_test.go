@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -27,20 +28,62 @@ func sampleCaps() Caps {
 	}
 }
 
+// sampleKey is a public key, a nonce and a signature filled with bytes that
+// are not zero, to see every field of the wire format travel.
+func sampleKey() (publicKey, nonce, signature) {
+	self := NewIdentity()
+	return self.publicKey(), newNonce(), self.signTranscript([]byte("sample"))
+}
+
 func TestHandshakeRoundTrip(t *testing.T) {
-	h := hello{ID: newToken(), HostID: newToken(), Mode: ModeUCX, Caps: sampleCaps()}
+	key, n, sig := sampleKey()
+	h := hello{ID: newToken(), HostID: newToken(), Mode: ModeUCX, Caps: sampleCaps(), Key: key, Nonce: n}
 	v, body, err := readFrame(bytes.NewReader(encodeHello(h)), false)
 	require.NoError(t, err)
 	got, err := parseHello(v, body)
 	require.NoError(t, err)
 	require.Equal(t, h, got)
 
-	w := welcome{ID: newToken(), HostID: newToken(), Caps: Caps{Codecs: []string{"gdr"}}, Transport: "ucx", FallbackOK: true, UCXPort: 4242, Token: newToken()}
+	w := welcome{ID: newToken(), HostID: newToken(), Caps: Caps{Codecs: []string{"gdr"}}, Transport: "ucx", FallbackOK: true, UCXPort: 4242, Token: newToken(),
+		Key: key, Nonce: newNonce(), Signature: sig}
 	v, body, err = readFrame(bytes.NewReader(encodeWelcome(w)), false)
 	require.NoError(t, err)
 	gotW, err := parseWelcome(v, body)
 	require.NoError(t, err)
 	require.Equal(t, w, gotW)
+	require.Equal(t, body[len(body)-signatureLen:], sig[:])
+	require.Equal(t, body[:len(body)-signatureLen], unsignedWelcome(body))
+
+	p := proof{Signature: sig}
+	v, body, err = readFrame(bytes.NewReader(encodeProof(p)), false)
+	require.NoError(t, err)
+	gotP, err := parseProof(v, body)
+	require.NoError(t, err)
+	require.Equal(t, p, gotP)
+}
+
+func TestParseProofErrors(t *testing.T) {
+	good := encodeProof(proof{})[frameHeaderLen:]
+	tests := []struct {
+		name    string
+		version uint16
+		body    []byte
+		want    error
+		msg     string
+	}{
+		{name: "short signature", version: protocolVersion, body: good[:len(good)-1], want: ErrMalformed, msg: "signature: need 64 bytes, have 63"},
+		{name: "trailing", version: protocolVersion, body: append(append([]byte{}, good...), 0), want: ErrMalformed, msg: "1 trailing bytes"},
+		{name: "wrong kind", version: protocolVersion, body: append([]byte{kindHello}, good[1:]...), want: ErrMalformed, msg: "expected proof"},
+		{name: "other version", version: protocolVersion + 1, body: good, want: ErrVersion},
+		{name: "reject", version: protocolVersion - 1, body: encodeReject(rejectIdentity, "no")[frameHeaderLen:], want: ErrRejected, msg: "rejected by peer: no (code 5)"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := parseProof(tc.version, tc.body)
+			require.ErrorIs(t, err, tc.want)
+			require.ErrorContains(t, err, tc.msg)
+		})
+	}
 }
 
 // frameWith builds a frame with any version and body.
@@ -157,7 +200,7 @@ func TestClientGarbage(t *testing.T) {
 			binary.BigEndian.PutUint16(b[len(magic):], 9)
 			return b
 		}(), ErrVersion},
-		{"bad transport", frameWith(protocolVersion, append([]byte{kindWelcome}, make([]byte, 32+1+10+1+1+2+16)...)), ErrMalformed},
+		{"bad transport", frameWith(protocolVersion, append([]byte{kindWelcome}, make([]byte, 32+1+10+1+1+2+16+keyLen+nonceLen+signatureLen)...)), ErrMalformed},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c1, c2 := net.Pipe()
@@ -174,20 +217,96 @@ func TestClientGarbage(t *testing.T) {
 	}
 }
 
-// TestHandshakeTimeout: a silent peer fails the handshake within the bound.
-func TestHandshakeTimeout(t *testing.T) {
-	c1, c2 := net.Pipe()
-	defer c2.Close()
-	go func() { _, _ = io.Copy(io.Discard, c2) }()
-	start := time.Now()
-	_, err := NewClientSession(context.Background(), c1, WithHandshakeTimeout(100*time.Millisecond))
-	require.Error(t, err)
-	var ne net.Error
-	require.True(t, errors.As(err, &ne) && ne.Timeout(), "%v", err)
-	require.Less(t, time.Since(start), 5*time.Second)
+// TestHandshakeDeadline: a handshake that runs out of time, on either side
+// and at any step, fails with an error that matches
+// context.DeadlineExceeded and os.ErrDeadlineExceeded and is a net.Error
+// with Timeout() true.
+func TestHandshakeDeadline(t *testing.T) {
+	const bound = 50 * time.Millisecond
+	// Each case plays the peer by hand and stops at some step; the session
+	// under test waits for the next message.
+	silent := func(net.Conn) {}
+	helloOnly := func(c net.Conn) {
+		self := NewIdentity()
+		_, _ = c.Write(encodeHello(handHello(self.ID(), self.publicKey())))
+		_, _, _ = readFrame(c, false) // the welcome; the proof never comes
+	}
+	readHello := func(c net.Conn) { _, _, _ = readFrame(c, false) } // no welcome
+	tests := []struct {
+		name   string
+		server bool // the server side is under test
+		ctx    bool // bounded by the caller's context, not WithHandshakeTimeout
+		peer   func(net.Conn)
+	}{
+		{name: "client, no welcome", peer: readHello},
+		{name: "client, no welcome, context", ctx: true, peer: readHello},
+		{name: "server, no hello", server: true, peer: silent},
+		{name: "server, no proof", server: true, peer: helloOnly},
+		{name: "server, no proof, context", server: true, ctx: true, peer: helloOnly},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			mine, theirs := net.Pipe()
+			peerDone := make(chan struct{})
+			go func() {
+				defer close(peerDone)
+				tc.peer(theirs)
+				_, _ = io.Copy(io.Discard, theirs) // until the side under test closes
+			}()
+			t.Cleanup(func() {
+				_ = theirs.Close()
+				<-peerDone
+			})
+			ctx := context.Background()
+			opts := []Option{WithHandshakeTimeout(bound)}
+			if tc.ctx {
+				var cancel context.CancelFunc
+				ctx, cancel = context.WithTimeout(ctx, bound)
+				defer cancel()
+				opts = nil
+			}
+			start := time.Now()
+			var s *Session
+			var err error
+			if tc.server {
+				s, err = NewServerSession(ctx, mine, opts...)
+			} else {
+				s, err = NewClientSession(ctx, mine, opts...)
+			}
+			require.Nil(t, s)
+			require.ErrorIs(t, err, context.DeadlineExceeded)
+			require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+			var ne net.Error
+			require.ErrorAs(t, err, &ne)
+			require.True(t, ne.Timeout(), "%v", err)
+			require.GreaterOrEqual(t, time.Since(start), bound)
+		})
+	}
+}
+
+// deadlineOnlyCtx has a deadline in the past but reports no error yet: the
+// moment between a conn's deadline firing and the context's timer.
+type deadlineOnlyCtx struct{ context.Context }
+
+func (deadlineOnlyCtx) Deadline() (time.Time, bool) { return time.Unix(1, 0), true }
+
+// TestCtxErrDeadlineFirst: an I/O deadline error seen before the context's
+// own timer fired is the handshake's timeout all the same.
+func TestCtxErrDeadlineFirst(t *testing.T) {
+	ioErr := &net.OpError{Op: "read", Net: "pipe", Err: os.ErrDeadlineExceeded}
+	err := ctxErr(deadlineOnlyCtx{context.Background()}, ioErr)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	var te *TimeoutError
+	require.ErrorAs(t, err, &te)
+	require.Equal(t, "handshake", te.Op)
+	// Another error is returned as it is.
+	other := errors.New("other")
+	require.Same(t, other, ctxErr(deadlineOnlyCtx{context.Background()}, other))
 }
 
 func FuzzParseHello(f *testing.F) {
+	key, n, _ := sampleKey()
+	f.Add(encodeHello(hello{ID: IDOf(key[:]), Caps: sampleCaps(), Key: key, Nonce: n}))
 	f.Add(encodeHello(hello{ID: newToken(), Caps: sampleCaps()}))
 	f.Add(encodeHello(hello{}))
 	f.Add(frameWith(2, []byte{1}))
@@ -213,6 +332,8 @@ func FuzzParseHello(f *testing.F) {
 }
 
 func FuzzParseWelcome(f *testing.F) {
+	key, n, sig := sampleKey()
+	f.Add(encodeWelcome(welcome{Transport: "ucx", UCXPort: 1, Caps: sampleCaps(), Key: key, Nonce: n, Signature: sig}))
 	f.Add(encodeWelcome(welcome{Transport: "ucx", UCXPort: 1, Caps: sampleCaps()}))
 	f.Add(encodeReject(rejectMode, "no"))
 	f.Add(frameWith(5, []byte{kindReject, 1, 0, 1, 'x'}))
@@ -235,9 +356,38 @@ func FuzzParseWelcome(f *testing.F) {
 	})
 }
 
+func FuzzParseProof(f *testing.F) {
+	_, _, sig := sampleKey()
+	f.Add(encodeProof(proof{Signature: sig}))
+	f.Add(encodeReject(rejectIdentity, "no"))
+	f.Add(frameWith(protocolVersion, []byte{kindProof, 1}))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		v, body, err := readFrame(bytes.NewReader(b), false)
+		if err != nil {
+			return
+		}
+		p, err := parseProof(v, body)
+		if err != nil {
+			if !errors.Is(err, ErrMalformed) && !errors.Is(err, ErrVersion) && !errors.Is(err, ErrRejected) {
+				t.Fatalf("unexpected error class: %v", err)
+			}
+			return
+		}
+		re := encodeProof(p)
+		if !bytes.Equal(re[frameHeaderLen:], body) {
+			t.Fatalf("re-encoding differs")
+		}
+	})
+}
+
 // FuzzServerHandshake feeds arbitrary bytes to a server handshake: it must
 // end (error or session) without hanging or panicking.
 func FuzzServerHandshake(f *testing.F) {
+	self := NewIdentity()
+	proven := encodeHello(hello{ID: self.ID(), Caps: sampleCaps(), Key: self.publicKey(), Nonce: newNonce()})
+	_, _, sig := sampleKey()
+	f.Add(proven)                                                                     // reaches the proof
+	f.Add(append(append([]byte{}, proven...), encodeProof(proof{Signature: sig})...)) // a proof that does not verify
 	f.Add(encodeHello(hello{ID: newToken(), Caps: sampleCaps()}))
 	f.Add(encodeHello(hello{Mode: ModeUCX}))
 	f.Add([]byte(strings.Repeat("GDRPC\x00", 3)))
@@ -251,6 +401,30 @@ func FuzzServerHandshake(f *testing.F) {
 		s, err := NewServerSession(context.Background(), c2, WithHandshakeTimeout(200*time.Millisecond), WithKeepAlive(-1, 0))
 		if err == nil {
 			_ = s.Close()
+		}
+	})
+}
+
+// FuzzClientHandshake answers a client's hello with arbitrary bytes: the
+// client must end (error or session) without hanging or panicking, and a
+// session comes only from a welcome signed by the key of the id it names.
+func FuzzClientHandshake(f *testing.F) {
+	key, n, sig := sampleKey()
+	f.Add(encodeWelcome(welcome{ID: IDOf(key[:]), Transport: "tcp", Caps: sampleCaps(), Key: key, Nonce: n, Signature: sig}))
+	f.Add(encodeWelcome(welcome{Transport: "ucx", UCXPort: 1}))
+	f.Add(encodeReject(rejectIdentity, "no"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		c1, c2 := net.Pipe()
+		defer c2.Close()
+		go func() {
+			_, _, _ = readFrame(c2, false)
+			_, _ = c2.Write(b)
+			_, _ = io.Copy(io.Discard, c2)
+		}()
+		s, err := NewClientSession(context.Background(), c1, WithHandshakeTimeout(200*time.Millisecond), WithKeepAlive(-1, 0))
+		if err == nil {
+			_ = s.Close()
+			t.Fatalf("a session from a welcome that no key signed for this hello")
 		}
 	})
 }

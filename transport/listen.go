@@ -2,6 +2,7 @@ package transport
 
 import (
 	"context"
+	"crypto/ed25519"
 	"errors"
 	"fmt"
 	"io"
@@ -340,6 +341,11 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		}
 		return nil, fmt.Errorf("handshake: %w", err)
 	}
+	self := cfg.identity
+	if err := checkClaim(self, h.ID, h.Key); err != nil {
+		_, _ = conn.Write(encodeReject(rejectIdentity, err.Error()))
+		return nil, fmt.Errorf("handshake: %w", err)
+	}
 
 	haveUCX := l != nil && l.ucx != nil
 	canUCX := haveUCX && h.Caps.UCX && h.Mode != ModeTCP && cfg.mode != ModeTCP
@@ -366,12 +372,14 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		caps.Lanes = false // no listener for the client to dial lanes to
 	}
 	w := welcome{
-		ID:         cfg.localID,
+		ID:         self.ID(),
 		HostID:     LocalHostID(),
 		Caps:       caps,
 		Transport:  "tcp",
 		FallbackOK: !needUCX,
 		Token:      newToken(),
+		Key:        self.publicKey(),
+		Nonce:      newNonce(),
 	}
 	var pu *pendingUpgrade
 	var slot *laneSlot
@@ -396,17 +404,38 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		slot = expectLane(w.Token)
 		defer slot.fill(nil) // no-op once newSession filled it
 	}
-	if _, err := conn.Write(encodeWelcome(w)); err != nil {
+	welcomeFrame := encodeWelcome(w) // its signature is filled in below
+	welcomeBody := welcomeFrame[frameHeaderLen:]
+	sig := self.signTranscript(transcript(roleServerLabel, body, unsignedWelcome(welcomeBody)))
+	copy(welcomeBody[len(welcomeBody)-signatureLen:], sig[:])
+	if _, err := conn.Write(welcomeFrame); err != nil {
 		return nil, fmt.Errorf("handshake: send welcome: %w", err)
+	}
+	// The client proves its id before anything else: no session, no UCX
+	// endpoint, no lane for a peer that does not.
+	version, proofBody, err := readFrame(conn, false)
+	if err != nil {
+		if errors.Is(err, io.EOF) {
+			err = fmt.Errorf("%w: peer closed the connection during the handshake", ErrPeerGone)
+		}
+		return nil, fmt.Errorf("handshake: read proof: %w", err)
+	}
+	p, err := parseProof(version, proofBody)
+	if err == nil {
+		err = checkSignature(self, h.ID, h.Key, transcript(roleClientLabel, body, welcomeBody), p.Signature)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("handshake: %w", err)
 	}
 
 	setup := sessionSetup{
 		cfg:       cfg,
-		peer:      Peer{ID: h.ID, HostID: h.HostID, Caps: h.Caps, SameHost: h.HostID == LocalHostID()},
+		peer:      Peer{ID: h.ID, PublicKey: append(ed25519.PublicKey(nil), h.Key[:]...), HostID: h.HostID, Caps: h.Caps, SameHost: h.HostID == LocalHostID()},
 		token:     w.Token,
 		transport: "tcp",
 		conn:      conn,
 		laneSlot:  slot,
+		handshake: sessionHash(body, welcomeBody, proofBody),
 	}
 	if canUCX {
 		var d [1]byte

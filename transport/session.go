@@ -2,6 +2,8 @@ package transport
 
 import (
 	"context"
+	"crypto/ed25519"
+	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -29,6 +31,9 @@ var (
 	// ErrKeepAlive is the cause of a session whose peer stopped answering
 	// keepalive pings; the error is a *KeepAliveError.
 	ErrKeepAlive = errors.New("gdrpc: peer did not answer keepalive")
+	// ErrIdle is the cause of a session closed because it carried nothing for
+	// its idle timeout (WithIdleTimeout).
+	ErrIdle = errors.New("gdrpc: session idle")
 	// ErrConnTaken reports a second Conn call on a session.
 	ErrConnTaken = errors.New("gdrpc: the gRPC stream of this session was already taken")
 )
@@ -53,7 +58,8 @@ type Session struct {
 	log       *slog.Logger
 	peer      Peer
 	token     ID
-	transport string // "ucx" or "tcp"
+	handshake [sha256.Size]byte // sessionHash of the handshake
+	transport string            // "ucx" or "tcp"
 	under     *underConn
 	ep        *rdma.Endpoint
 	rctx      *rdma.Context
@@ -78,6 +84,12 @@ type Session struct {
 
 	rtt atomic.Int64
 
+	// What keeps the session from being idle (watchIdle): inUse counts what
+	// holds it open (the gRPC stream once taken), traffic what it carried
+	// (control messages, streams opened).
+	inUse   atomic.Int32
+	traffic atomic.Uint64
+
 	done      chan struct{}
 	muxClosed chan struct{} // closed once the multiplexer and the connection are closed
 	closeOnce sync.Once
@@ -92,6 +104,7 @@ type sessionSetup struct {
 	cfg       *config
 	peer      Peer
 	token     ID
+	handshake [sha256.Size]byte // sessionHash of the handshake
 	transport string
 	conn      net.Conn // TCP conn, pipe or UCX endpoint
 	ep        *rdma.Endpoint
@@ -115,6 +128,7 @@ func newSession(st sessionSetup) (*Session, error) {
 		cfg:       st.cfg,
 		peer:      st.peer,
 		token:     st.token,
+		handshake: st.handshake,
 		transport: st.transport,
 		under:     newUnderConn(st.conn),
 		ep:        st.ep,
@@ -188,6 +202,10 @@ func newSession(st sessionSetup) (*Session, error) {
 	}
 	registryAdd(s)
 	s.cfg.metrics.SessionUp(s.transport, s.client)
+	if s.cfg.idleTimeout > 0 {
+		s.wg.Add(1)
+		go s.watchIdle()
+	}
 	s.wg.Add(5)
 	go s.monitor()
 	go s.acceptLoop()
@@ -207,6 +225,7 @@ func (s *Session) ID() uint64 { return s.id }
 func (s *Session) Peer() Peer {
 	p := s.peer
 	p.Caps = p.Caps.clone()
+	p.PublicKey = append(ed25519.PublicKey(nil), p.PublicKey...)
 	return p
 }
 
@@ -307,6 +326,8 @@ func (s *Session) closeWith(cause error) {
 		s.log.Debug("session closed")
 	case cause == ErrPeerGone:
 		s.log.Debug("session closed by peer")
+	case errors.Is(cause, ErrIdle):
+		s.log.Debug("session closed: idle", "idle_timeout", s.cfg.idleTimeout)
 	default:
 		s.log.Info("session lost", "err", cause)
 	}
@@ -369,6 +390,35 @@ func (s *Session) monitor() {
 	s.closeWith(fmt.Errorf("%w: %w", ErrPeerGone, cause))
 }
 
+// watchIdle closes the session once it has been idle for the idle timeout:
+// nothing holds it open and it carried nothing. It looks four times per
+// timeout.
+func (s *Session) watchIdle() {
+	defer s.wg.Done()
+	d := s.cfg.idleTimeout
+	tick := time.NewTicker(max(d/4, time.Millisecond))
+	defer tick.Stop()
+	idleSince, seen := time.Now(), s.traffic.Load()
+	for {
+		select {
+		case <-s.done:
+			return
+		case now := <-tick.C:
+			busy := s.inUse.Load() > 0
+			if n := s.traffic.Load(); busy || n != seen {
+				idleSince, seen = now, n
+			}
+			if check := s.cfg.idleCheck; check != nil {
+				check(s, busy)
+			}
+			if !busy && now.Sub(idleSince) >= d {
+				s.closeWith(fmt.Errorf("%w for %v", ErrIdle, d))
+				return
+			}
+		}
+	}
+}
+
 // open opens a stream with a role.
 func (s *Session) open(ctx context.Context, role byte) (*streamConn, error) {
 	select {
@@ -386,6 +436,7 @@ func (s *Session) open(ctx context.Context, role byte) (*streamConn, error) {
 		}
 		return nil, fmt.Errorf("gdrpc: open stream: %w", err)
 	}
+	s.traffic.Add(1)
 	c := newStreamConn(s, st, role)
 	if dl, ok := ctx.Deadline(); ok {
 		_ = st.SetWriteDeadline(dl)
@@ -428,6 +479,7 @@ func (s *Session) serveStream(st *yamux.Stream) {
 		return
 	}
 	_ = st.SetReadDeadline(time.Time{})
+	s.traffic.Add(1)
 	c := newStreamConn(s, st, role[0])
 	switch role[0] {
 	case roleGRPC:
@@ -470,17 +522,22 @@ func (s *Session) Conn(ctx context.Context) (net.Conn, error) {
 		if !s.grpcTaken.CompareAndSwap(false, true) {
 			return nil, ErrConnTaken
 		}
+		var c net.Conn
+		var err error
 		if s.useLane() {
-			return s.openLane(ctx, roleGRPC)
+			c, err = s.openLane(ctx, roleGRPC)
+		} else {
+			c, err = s.open(ctx, roleGRPC)
 		}
-		c, err := s.open(ctx, roleGRPC)
 		if err != nil {
 			return nil, err
 		}
+		s.inUse.Add(1) // until the session closes: closing c closes it
 		return c, nil
 	}
 	select {
 	case c := <-s.grpcCh:
+		s.inUse.Add(1)
 		return c, nil
 	case <-s.done:
 		return nil, s.closedErr()
@@ -584,6 +641,7 @@ func (s *Session) SendControl(ctx context.Context, typ byte, payload []byte) err
 		return ctx.Err()
 	}
 	defer func() { <-s.ctrlSem }()
+	s.traffic.Add(1)
 	buf := make([]byte, controlHeaderLen+len(payload))
 	buf[0] = typ
 	binary.BigEndian.PutUint32(buf[1:], uint32(len(payload)))
@@ -623,6 +681,7 @@ func (s *Session) readControl(c net.Conn) {
 			s.closeWith(fmt.Errorf("%w: control stream ended: %w", ErrPeerGone, err))
 			return
 		}
+		s.traffic.Add(1)
 		controlMu.RLock()
 		fn := controlHandlers[hdr[0]]
 		controlMu.RUnlock()

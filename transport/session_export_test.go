@@ -4,3 +4,7 @@ package transport
 // session_main_test.go); each returns an error describing a leak. Tests of
 // other files of this package may append to it from init.
 var LeakChecks []func() error
+
+// TLSCredsForTest returns server and client TLS credentials for a
+// self-signed certificate of "gdrpc.test".
+var TLSCredsForTest = tlsCredsForTest

@@ -30,6 +30,7 @@ const (
 	DefaultKeepAliveInterval = 10 * time.Second
 	DefaultKeepAliveTimeout  = 10 * time.Second
 	DefaultHandshakeTimeout  = 10 * time.Second
+	DefaultIdleTimeout       = 2 * time.Minute
 	// DefaultWindow is the yamux per-stream receive window.
 	DefaultWindow = 16 << 20
 	// GRPCBufferSize is the gRPC read and write buffer size that suits a
@@ -48,9 +49,10 @@ type config struct {
 	kaInterval       time.Duration
 	kaTimeout        time.Duration
 	handshakeTimeout time.Duration
+	idleTimeout      time.Duration
+	idleCheck        func(s *Session, busy bool) // tests: called after each look of the idle watcher
 	rdmaCtx          *rdma.Context
-	localID          ID
-	localIDSet       bool
+	identity         *Identity
 	window           uint32
 	metrics          SessionMetrics
 	noLane           bool
@@ -107,17 +109,32 @@ func WithHandshakeTimeout(d time.Duration) Option {
 	return func(c *config) { c.handshakeTimeout = d }
 }
 
+// WithIdleTimeout closes a session that has been idle for d: its gRPC stream
+// was never taken (Conn), and neither side opened a stream or sent a control
+// message. A session whose gRPC stream is taken is never idle here (gRPC's
+// own keepalive and idle settings govern it; closing that stream closes the
+// session). An idle session is closed within d/4 after d with a cause
+// wrapping ErrIdle. If zero, 2 minutes (DefaultIdleTimeout). A negative d
+// disables it.
+func WithIdleTimeout(d time.Duration) Option {
+	return func(c *config) { c.idleTimeout = d }
+}
+
 // WithRDMAContext sets the UCX context sessions use. If nil or not given,
 // rdma.Default().
 func WithRDMAContext(rc *rdma.Context) Option {
 	return func(c *config) { c.rdmaCtx = rc }
 }
 
-// WithLocalID overrides the process id a session announces (and the id it
-// rejects as its own). It exists so tests can emulate two processes in one.
-// If not given, LocalID().
-func WithLocalID(id ID) Option {
-	return func(c *config) { c.localID, c.localIDSet = id, true }
+// WithIdentity sets the identity a session proves in its handshake: the
+// process id it announces, and the key it signs the handshake with. It exists
+// so tests can emulate several processes in one (NewIdentity). A peer that
+// announces this identity's id without proving it (with the key) is rejected
+// like any other impersonation; one that proves it holds the key, a session
+// of this process to itself, is accepted. If nil or not given,
+// LocalIdentity().
+func WithIdentity(id *Identity) Option {
+	return func(c *config) { c.identity = id }
 }
 
 // WithWindow sets the per-stream receive window of the multiplexer. If zero,
@@ -173,8 +190,11 @@ func newConfig(opts []Option) (*config, error) {
 	if c.handshakeTimeout <= 0 {
 		c.handshakeTimeout = DefaultHandshakeTimeout
 	}
-	if !c.localIDSet {
-		c.localID = LocalID()
+	if c.idleTimeout == 0 {
+		c.idleTimeout = DefaultIdleTimeout
+	}
+	if c.identity == nil {
+		c.identity = LocalIdentity()
 	}
 	if c.window == 0 {
 		c.window = DefaultWindow

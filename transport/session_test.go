@@ -51,17 +51,23 @@ func controlInbox(s *Session) chan []byte {
 // pipePair is a session pair over net.Pipe with distinct process ids.
 func pipePair(t *testing.T, opts ...Option) (client, server *Session) {
 	t.Helper()
+	return pipePairWith(t, opts, opts)
+}
+
+// pipePairWith is pipePair with options per side.
+func pipePairWith(t *testing.T, clientOpts, serverOpts []Option) (client, server *Session) {
+	t.Helper()
 	c1, c2 := net.Pipe()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	ch := make(chan *Session, 1)
 	errCh := make(chan error, 1)
 	go func() {
-		s, err := NewServerSession(ctx, c2, append([]Option{WithLocalID(newToken())}, opts...)...)
+		s, err := NewServerSession(ctx, c2, append([]Option{WithIdentity(NewIdentity())}, serverOpts...)...)
 		ch <- s
 		errCh <- err
 	}()
-	client, err := NewClientSession(ctx, c1, append([]Option{WithLocalID(newToken())}, opts...)...)
+	client, err := NewClientSession(ctx, c1, append([]Option{WithIdentity(NewIdentity())}, clientOpts...)...)
 	server = <-ch
 	require.NoError(t, <-errCh)
 	require.NoError(t, err)
@@ -216,9 +222,9 @@ func TestRegistryAndCloseHook(t *testing.T) {
 	})
 
 	c, s := pipePair(t)
-	require.Equal(t, []*Session{s}, SessionsTo(c.cfg.localID)) // s's peer is c's process
-	require.Equal(t, []*Session{c}, SessionsTo(s.cfg.localID))
-	require.Equal(t, s.cfg.localID, c.Peer().ID)
+	require.Equal(t, []*Session{s}, SessionsTo(c.cfg.identity.ID())) // s's peer is c's process
+	require.Equal(t, []*Session{c}, SessionsTo(s.cfg.identity.ID()))
+	require.Equal(t, s.cfg.identity.ID(), c.Peer().ID)
 	require.True(t, c.Peer().SameHost)
 	require.Equal(t, "tcp", c.Transport())
 	require.NoError(t, c.Close())
@@ -230,8 +236,8 @@ func TestRegistryAndCloseHook(t *testing.T) {
 		t.Fatal("peer session still open")
 	}
 	require.ErrorIs(t, s.Err(), ErrPeerGone)
-	require.Empty(t, SessionsTo(s.cfg.localID))
-	require.Empty(t, SessionsTo(c.cfg.localID))
+	require.Empty(t, SessionsTo(s.cfg.identity.ID()))
+	require.Empty(t, SessionsTo(c.cfg.identity.ID()))
 	_ = s.Close()
 	mu.Lock()
 	defer mu.Unlock()

@@ -22,7 +22,7 @@ func Pair(tb testing.TB, opts ...transport.Option) (client, server *transport.Se
 }
 
 // PairWith is Pair with separate options per side; give each side its own
-// transport.WithLocalID to emulate two processes.
+// transport.WithIdentity(transport.NewIdentity()) to emulate two processes.
 func PairWith(tb testing.TB, clientOpts, serverOpts []transport.Option) (client, server *transport.Session) {
 	tb.Helper()
 	c1, c2 := net.Pipe()

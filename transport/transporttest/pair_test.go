@@ -37,8 +37,9 @@ func TestPairs(t *testing.T) {
 }
 
 func TestPairWithIDs(t *testing.T) {
-	a, b := transport.ID{1}, transport.ID{2}
-	c, s := transporttest.PairWith(t, []transport.Option{transport.WithLocalID(a)}, []transport.Option{transport.WithLocalID(b)})
+	ia, ib := transport.NewIdentity(), transport.NewIdentity()
+	a, b := ia.ID(), ib.ID()
+	c, s := transporttest.PairWith(t, []transport.Option{transport.WithIdentity(ia)}, []transport.Option{transport.WithIdentity(ib)})
 	require.Equal(t, b, c.Peer().ID)
 	require.Equal(t, a, s.Peer().ID)
 	require.Equal(t, []*transport.Session{c}, transport.SessionsTo(b))
