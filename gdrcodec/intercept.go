@@ -23,6 +23,10 @@ type hold struct {
 	mu     sync.Mutex
 	tokens []transport.Token
 	done   bool
+	// once: the call cannot replay its messages (replayable), so each payload
+	// leaves the outbox after its first completed pull; the call's end
+	// withdraws those never pulled.
+	once bool
 }
 
 var holds sync.Map // outgoing message (pointer) -> *hold
@@ -97,7 +101,7 @@ func StreamClientInterceptor() grpc.StreamClientInterceptor {
 		if err != nil {
 			return nil, restoreCode(err)
 		}
-		s := &heldStream{ClientStream: cs, h: &hold{}}
+		s := &heldStream{ClientStream: cs, h: &hold{once: !replayable(cc, method)}}
 		s.stop = context.AfterFunc(cs.Context(), s.h.release)
 		return s, nil
 	}
@@ -206,6 +210,7 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			c.mu.Unlock()
 		}
 	case *stats.OutPayload:
+		sentOn(ctx, s.Payload)
 		if m := messageV2Of(s.Payload); m != nil {
 			ReleaseAll(m)
 		}

@@ -84,6 +84,7 @@ type Session struct {
 	errMu     sync.Mutex
 	err       error
 	wg        sync.WaitGroup // internal goroutines
+	bounds    sessionBounds  // the out-of-band engine's share (oob_limits.go)
 }
 
 // sessionSetup is what a handshake produced.
@@ -269,6 +270,7 @@ func (s *Session) Close() error {
 	s.closeWith(nil)
 	<-s.muxClosed
 	s.wg.Wait()
+	s.bounds.join()
 	return nil
 }
 
@@ -454,7 +456,7 @@ func (s *Session) serveStream(st *yamux.Stream) {
 			_ = c.Close()
 			return
 		}
-		go h(s, c)
+		h(s, c) // on this goroutine, which Close joins
 	default:
 		s.log.Warn("stream with unknown role; closing it", "role", role[0])
 		_ = st.Close()
@@ -495,8 +497,10 @@ func (s *Session) OpenBulk(ctx context.Context) (net.Conn, error) {
 	return s.open(ctx, roleBulk)
 }
 
-// bulkHandler is called, on a new goroutine, with each bulk stream the peer
-// opens. If nil, bulk streams are closed at once. Set by the out-of-band engine.
+// bulkHandler is called with each bulk stream the peer opens, on the
+// session's goroutine that accepted it (Close joins it); it must return once
+// the session is done. If nil, bulk streams are closed at once. Set by the
+// out-of-band engine.
 var bulkHandler func(s *Session, c net.Conn)
 
 // onSessionClosed functions run once when a session closes, after it left
@@ -513,8 +517,10 @@ var (
 )
 
 // registerControlHandler sets the function that handles control messages of
-// type typ. Each message is handled on its own goroutine, with a payload the
-// handler owns. It panics if typ already has a handler.
+// type typ. Each message is handled on a goroutine of its own, with a payload
+// the handler owns; at most maxControlHandlers run at once per session, and
+// Close joins them. A handler must return once the session is done. It panics
+// if typ already has a handler.
 func registerControlHandler(typ byte, fn func(s *Session, payload []byte)) {
 	controlMu.Lock()
 	defer controlMu.Unlock()
@@ -599,6 +605,7 @@ func (s *Session) SendControl(ctx context.Context, typ byte, payload []byte) err
 // readControl reads control messages until the stream ends; a malformed frame
 // closes the session.
 func (s *Session) readControl(c net.Conn) {
+	slots := make(chan struct{}, maxControlHandlers)
 	var hdr [controlHeaderLen]byte
 	for {
 		if _, err := io.ReadFull(c, hdr[:]); err != nil {
@@ -630,6 +637,16 @@ func (s *Session) readControl(c net.Conn) {
 			s.log.Debug("control message of unknown type dropped", "type", hdr[0], "len", n)
 			continue
 		}
-		go fn(s, payload)
+		select {
+		case slots <- struct{}{}:
+		case <-s.done:
+			return
+		}
+		s.wg.Add(1) // this goroutine holds one: Close's Wait cannot have begun
+		go func() {
+			defer s.wg.Done()
+			defer func() { <-slots }()
+			fn(s, payload)
+		}()
 	}
 }
