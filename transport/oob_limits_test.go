@@ -308,3 +308,47 @@ func TestZeroLengthPull(t *testing.T) {
 	b.Release()
 	require.Zero(t, OutboxLen(), "the pulled entry left")
 }
+
+// An owner that stays silent on an RTR whose destination it could write by
+// RDMA loses its session once the abandoned bound passes, and the
+// destination is released.
+func TestSilentOwnerOfExposedPull(t *testing.T) {
+	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Limits: Limits{Abandoned: 50 * time.Millisecond}})
+	rc := internalUCX(t)
+	t.Cleanup(func() { require.NoError(t, CloseHostPools()) })
+	var attacker atomic.Pointer[Session]
+	rtrs := make(chan *rtr, 1)
+	interceptControl(t, ctlRTR, func(s *Session, p []byte) bool {
+		if s != attacker.Load() {
+			return false
+		}
+		m, _ := parseRTR(p)
+		rtrs <- m // and no answer
+		return true
+	})
+	ucx := []Option{WithRDMAContext(rc), WithMode(ModeUCX)}
+	_, victim, owner, _, _ := lanePair(t, append(ucx, WithLocalID(newToken())), ucx)
+	attacker.Store(owner)
+
+	dst, err := HostPool(rc).Alloc(1 << 20)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	fetched := make(chan error, 1)
+	go func() {
+		_, err := Fetch(ctx, Descriptor{Owner: victim.Peer().ID, Token: Token(newToken()), Length: 1 << 20, Kind: devicebuf.Host, Device: -1}, dst)
+		dst.Release()
+		fetched <- err
+	}()
+	m := waitFor(t, rtrs, "the RTR at the owner")
+	require.NotZero(t, m.Offers&PathRDMA, "the destination is exposed by RDMA")
+	cancel()
+	var te *TransferError
+	require.ErrorAs(t, waitFor(t, fetched, "the pull's end"), &te)
+	require.Equal(t, TransferCanceled, te.Kind)
+
+	waitFor(t, victim.Done(), "the end of the silent owner's session")
+	require.ErrorIs(t, victim.Err(), errOwnerSilent)
+	require.Eventually(t, func() bool { return numPulls() == 0 && HostPool(rc).Stats().InUse == 0 },
+		5*time.Second, 5*time.Millisecond, "the destination is still held")
+}
