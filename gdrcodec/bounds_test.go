@@ -93,6 +93,7 @@ func TestOversizedClaims(t *testing.T) {
 			runtime.ReadMemStats(&before)
 			err := gdrcodec.UnmarshalForTest(body, &got)
 			runtime.ReadMemStats(&after)
+			t.Log(err)
 			require.Equal(t, tt.want, status.Code(err), "%v", err)
 			require.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(16<<20), "bytes allocated while decoding")
 			gdrcodec.ReleaseAll(&got)

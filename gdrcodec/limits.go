@@ -1,6 +1,8 @@
 package gdrcodec
 
 import (
+	"math"
+
 	"google.golang.org/grpc/codes"
 )
 
@@ -32,10 +34,10 @@ func withinLimit(jobs []job) error {
 	limit := opts().maxReceivePayload()
 	var total uint64
 	for _, j := range jobs {
-		if j.n > limit-total {
-			return codecError(codes.ResourceExhausted, "the message's out-of-band payloads exceed %d bytes (a %d-byte payload after %d)", limit, j.n, total)
-		}
-		total += j.n
+		total += min(j.n, math.MaxUint64-total) // saturating
+	}
+	if total > limit {
+		return codecError(codes.ResourceExhausted, "the message's out-of-band payloads claim %d bytes, over the limit of %d per message (gdrcodec.WithMaxReceivePayload)", total, limit)
 	}
 	return nil
 }

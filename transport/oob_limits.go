@@ -155,9 +155,9 @@ func reservePull(s *Session, t Token, n uint64) (func(), error) {
 	defer b.mu.Unlock()
 	switch {
 	case b.pulls >= lim.Pulls:
-		return nil, exhausted(t, "%d pulls in flight through session %d (limit %d)", b.pulls, s.ID(), lim.Pulls)
+		return nil, exhausted(t, "%d pulls in flight through session %d, its limit (Limits.Pulls)", b.pulls, s.ID())
 	case n > uint64(lim.PullBytes-b.pullBytes):
-		return nil, exhausted(t, "a %d-byte payload with %d bytes in flight through session %d (limit %d)", n, b.pullBytes, s.ID(), lim.PullBytes)
+		return nil, exhausted(t, "a %d-byte payload with %d bytes in flight through session %d, over its limit of %d (Limits.PullBytes)", n, b.pullBytes, s.ID(), lim.PullBytes)
 	}
 	b.pulls++
 	b.pullBytes += int64(n)
