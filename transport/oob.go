@@ -333,7 +333,7 @@ func FetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 	var err error
 	for _, s = range sessions {
 		var release func()
-		if release, err = reservePull(s, d.Token, d.Length); err != nil {
+		if release, err = reservePull(ctx, s, d.Token, d.Length); err != nil {
 			continue // another session to the owner may have room
 		}
 		if err = allocate(); err != nil {

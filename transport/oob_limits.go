@@ -16,13 +16,13 @@ import (
 type Limits struct {
 	// PullBytes bounds the destination bytes reserved at once for pulls
 	// through one session, pulls whose caller gave up included until their
-	// destination is released. A pull that would go over it fails with a
-	// TransferExhausted error before its destination is allocated. If zero,
-	// 4 GiB.
+	// destination is released. A pull waits, before its destination is
+	// allocated, until the session has room for it; it fails with a
+	// TransferExhausted error when it is larger than PullBytes on its own, or
+	// when its context ends first. If zero, 4 GiB.
 	PullBytes int64
 	// Pulls bounds the RTRs in flight on one session (sent and not yet
-	// settled). A pull over it fails with a TransferExhausted error. If zero,
-	// 1024.
+	// settled); further pulls wait as for PullBytes. If zero, 1024.
 	Pulls int
 	// Pushes bounds the pushes one session runs at once; its further RTRs
 	// wait in a queue. If zero, 16.
@@ -78,8 +78,9 @@ const maxControlHandlers = 64
 // Close joins. The zero value is ready to use.
 type sessionBounds struct {
 	mu        sync.Mutex
-	pullBytes int64 // reserved for pulls through the session
-	pulls     int   // pulls through the session not yet settled
+	pullBytes int64         // reserved for pulls through the session
+	pulls     int           // pulls through the session not yet settled
+	room      chan struct{} // closed when a reservation is given back; nil when nobody waits
 	queue     []*rtr
 	pushers   int  // goroutines running pushLoop
 	closing   bool // Close is joining: no goroutine may start
@@ -146,27 +147,47 @@ func exhausted(t Token, format string, args ...any) error {
 	return &TransferError{Token: t, Kind: TransferExhausted, Err: fmt.Errorf(format, args...)}
 }
 
-// reservePull reserves room for one pull of n bytes through s and returns the
-// function that gives it back (once).
-func reservePull(s *Session, t Token, n uint64) (func(), error) {
+// reservePull reserves room for one pull of n bytes through s, waiting for
+// it while ctx and s live, and returns the function that gives it back
+// (once).
+func reservePull(ctx context.Context, s *Session, t Token, n uint64) (func(), error) {
 	lim := cfg().Limits
-	b := &s.bounds
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	switch {
-	case b.pulls >= lim.Pulls:
-		return nil, exhausted(t, "%d pulls in flight through session %d, its limit (Limits.Pulls)", b.pulls, s.ID())
-	case n > uint64(lim.PullBytes-b.pullBytes):
-		return nil, exhausted(t, "a %d-byte payload with %d bytes in flight through session %d, over its limit of %d (Limits.PullBytes)", n, b.pullBytes, s.ID(), lim.PullBytes)
+	if n > uint64(lim.PullBytes) {
+		return nil, exhausted(t, "a %d-byte payload is over the limit of %d bytes in flight per session (Limits.PullBytes)", n, lim.PullBytes)
 	}
-	b.pulls++
-	b.pullBytes += int64(n)
+	b := &s.bounds
+	for {
+		b.mu.Lock()
+		if b.pulls < lim.Pulls && n <= uint64(lim.PullBytes-b.pullBytes) {
+			b.pulls++
+			b.pullBytes += int64(n)
+			b.mu.Unlock()
+			break
+		}
+		if b.room == nil {
+			b.room = make(chan struct{})
+		}
+		room, pulls, inflight := b.room, b.pulls, b.pullBytes
+		b.mu.Unlock()
+		select {
+		case <-room:
+		case <-ctx.Done():
+			return nil, exhausted(t, "no room for a %d-byte payload through session %d: %d pulls of %d bytes in flight (Limits.Pulls %d, Limits.PullBytes %d): %w",
+				n, s.ID(), pulls, inflight, lim.Pulls, lim.PullBytes, ctx.Err())
+		case <-s.Done():
+			return nil, sessionError(t, s, ctx, s.Err())
+		}
+	}
 	var once sync.Once
 	return func() {
 		once.Do(func() {
 			b.mu.Lock()
 			b.pulls--
 			b.pullBytes -= int64(n)
+			if b.room != nil {
+				close(b.room)
+				b.room = nil
+			}
 			b.mu.Unlock()
 		})
 	}, nil

@@ -352,3 +352,60 @@ func TestSilentOwnerOfExposedPull(t *testing.T) {
 	require.Eventually(t, func() bool { return numPulls() == 0 && HostPool(rc).Stats().InUse == 0 },
 		5*time.Second, 5*time.Millisecond, "the destination is still held")
 }
+
+// A pull waits for room under the session's limits, and fails with
+// TransferExhausted when its context ends first.
+func TestPullWaitsForRoom(t *testing.T) {
+	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Limits: Limits{Pulls: 1}})
+	var attacker *Session
+	rtrs := make(chan struct{}, 4)
+	interceptControl(t, ctlRTR, func(s *Session, _ []byte) bool {
+		if s != attacker {
+			return false
+		}
+		rtrs <- struct{}{} // and no answer
+		return true
+	})
+	attacker, victim := pipePair(t)
+	pull := func(ctx context.Context) <-chan error {
+		errc := make(chan error, 1)
+		go func() {
+			d := Descriptor{Owner: victim.Peer().ID, Token: Token(newToken()), Length: 1 << 10, Kind: devicebuf.Host, Device: -1}
+			_, err := FetchBytes(ctx, d, make([]byte, d.Length))
+			errc <- err
+		}()
+		return errc
+	}
+	waiting := func() bool {
+		victim.bounds.mu.Lock()
+		defer victim.bounds.mu.Unlock()
+		return victim.bounds.room != nil
+	}
+	kind := func(err error) TransferErrorKind {
+		var te *TransferError
+		require.ErrorAs(t, err, &te)
+		return te.Kind
+	}
+
+	ctx1, cancel1 := context.WithCancel(context.Background())
+	defer cancel1()
+	first := pull(ctx1)
+	waitFor(t, rtrs, "the first RTR")
+
+	ctx2, cancel2 := context.WithCancel(context.Background())
+	second := pull(ctx2)
+	require.Eventually(t, waiting, testTimeout, time.Millisecond, "the second pull waits")
+	cancel2()
+	err := waitFor(t, second, "the second pull's end")
+	require.Equal(t, TransferExhausted, kind(err), "%v", err)
+
+	ctx3, cancel3 := context.WithCancel(context.Background())
+	defer cancel3()
+	third := pull(ctx3)
+	require.Eventually(t, waiting, testTimeout, time.Millisecond, "the third pull waits")
+	cancel1() // the first gives up: its room goes to the third
+	require.Equal(t, TransferCanceled, kind(waitFor(t, first, "the first pull's end")))
+	waitFor(t, rtrs, "the third RTR")
+	cancel3()
+	require.Equal(t, TransferCanceled, kind(waitFor(t, third, "the third pull's end")))
+}
