@@ -73,6 +73,11 @@ func (l Limits) withDefaults(timeout time.Duration) Limits {
 // RTR is only queued), so the bound is reached only by a peer flooding.
 const maxControlHandlers = 64
 
+// maxStreamHandlers bounds the streams of one session being served at once
+// (a bulk stream is served until its transfer ends). An honest owner opens at
+// most one per push it runs.
+const maxStreamHandlers = 256
+
 // sessionBounds is a session's share of the out-of-band engine: the budget of
 // its pulls, the queue of its pushes and the goroutines serving them, which
 // Close joins. The zero value is ready to use.

@@ -409,3 +409,43 @@ func TestPullWaitsForRoom(t *testing.T) {
 	cancel3()
 	require.Equal(t, TransferCanceled, kind(waitFor(t, third, "the third pull's end")))
 }
+
+// A peer that opens streams and leaves them hanging holds a bounded number of
+// goroutines: further streams wait in the multiplexer's backlog.
+func TestStreamFlood(t *testing.T) {
+	const flood = maxStreamHandlers + 200 // within the backlog beyond the handlers
+	setTransferConfig(t, TransferConfig{Timeout: testTimeout})
+	var victim *Session
+	release := make(chan struct{})
+	defer close(release)
+	streams := stallBulk(t, func() *Session { return victim }, release)
+	attacker, victim := pipePair(t)
+	mark := markInbox(victim)
+	before := runtime.NumGoroutine()
+
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	for range flood {
+		st, err := attacker.mux.OpenStream()
+		require.NoError(t, err)
+		_, err = st.Write([]byte{roleBulk})
+		require.NoError(t, err)
+	}
+	require.NoError(t, attacker.SendControl(ctx, testCtlMark, nil))
+	waitFor(t, mark, "the mark after the flood")
+	for range maxStreamHandlers {
+		waitFor(t, streams, "a stream served")
+	}
+	select {
+	case <-streams:
+		t.Fatalf("more than %d streams served at once", maxStreamHandlers)
+	case <-time.After(100 * time.Millisecond): // one more would come at once
+	}
+	// The attacker's own end waits for the streams left in the backlog to be
+	// accepted, a goroutine each: those are not the victim's.
+	buf := make([]byte, 16<<20)
+	waiting := bytes.Count(buf[:runtime.Stack(buf, true)], []byte("yamux.(*Session).setOpenTimeout("))
+	g := runtime.NumGoroutine() - waiting - before
+	t.Logf("%d goroutines more during the flood, and %d of the attacker's waiting opens", g, waiting)
+	require.Less(t, g, maxStreamHandlers+maxControlHandlers, "goroutines during a flood of %d streams", flood)
+}

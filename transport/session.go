@@ -406,16 +406,28 @@ func (s *Session) open(ctx context.Context, role byte) (*streamConn, error) {
 	return c, nil
 }
 
-// acceptLoop takes the streams the peer opens and hands them on by role.
+// acceptLoop takes the streams the peer opens and hands them on by role, on
+// at most maxStreamHandlers goroutines at once; while they are busy, further
+// streams wait in the multiplexer's backlog, and past it are reset.
 func (s *Session) acceptLoop() {
 	defer s.wg.Done()
+	slots := make(chan struct{}, maxStreamHandlers)
 	for {
 		st, err := s.mux.AcceptStream()
 		if err != nil {
 			return // the session is shutting down; monitor closes it
 		}
+		select {
+		case slots <- struct{}{}:
+		case <-s.done:
+			_ = st.Close()
+			return
+		}
 		s.wg.Add(1)
-		go s.serveStream(st)
+		go func() {
+			defer func() { <-slots }()
+			s.serveStream(st)
+		}()
 	}
 }
 
