@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
@@ -18,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -193,4 +195,37 @@ func TestStreamPayloadLeavesOncePulled(t *testing.T) {
 	}
 	_, err = st.CloseAndRecv()
 	require.NoError(t, err)
+}
+
+// Under a retry policy gRPC may replay a client stream's messages, so their
+// payloads stay in the outbox, pulled or not, until the stream ends.
+func TestStreamPayloadHeldUnderRetryPolicy(t *testing.T) {
+	srv := &uploadWatch{got: make(chan struct{}, 1)}
+	r := newRig(t, transport.ModeTCP, srv)
+	const retry = `{"methodConfig": [{"name": [{"service": "gdrpc.examples.tensor.TensorService"}],
+		"retryPolicy": {"maxAttempts": 2, "initialBackoff": "0.01s", "maxBackoff": "0.01s",
+		"backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"]}}]}`
+	d := dialer.New(transport.WithMode(transport.ModeTCP))
+	cc, err := grpc.NewClient(r.cc.Target(), append(d.DialOptions(insecure.NewCredentials()), grpc.WithDefaultServiceConfig(retry))...)
+	require.NoError(t, err)
+	defer cc.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	st, err := tensorpb.NewTensorServiceClient(cc).Upload(ctx)
+	require.NoError(t, err)
+	src := devicebuf.HostFromBytes(pattern(1<<20, 1))
+	m := &tensorpb.Tensor{Data: gdrcodec.New(src)}
+	src.Release()
+	require.NoError(t, st.Send(m))
+	gdrcodec.ReleaseAll(m)
+	select {
+	case <-srv.got:
+	case <-ctx.Done():
+		t.Fatal("the server did not receive the message")
+	}
+	require.Equal(t, 1, transport.OutboxLen(), "the pulled payload stays for a replay")
+	_, err = st.CloseAndRecv()
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return transport.OutboxLen() == 0 }, 5*time.Second, time.Millisecond,
+		"the stream's end releases its payloads")
 }
