@@ -93,8 +93,9 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 	}
 }
 
-// StreamClientInterceptor holds the payloads of every message a stream sends
-// until the stream ends.
+// StreamClientInterceptor keeps the payloads of the messages a stream sends
+// until the stream ends, or, when gRPC cannot replay them (no retry policy
+// for the method), until the server pulled them once.
 func StreamClientInterceptor() grpc.StreamClientInterceptor {
 	return func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
 		cs, err := streamer(ctx, desc, cc, method, opts...)
