@@ -10,9 +10,9 @@ import (
 
 // Limits bound what one peer's session may hold of this process: the
 // destinations reserved for pulls from it, the pushes it has asked for, and
-// the goroutines serving it. A peer that completed a handshake is not trusted
-// (see the package doc): it must not be able to pin memory or goroutines
-// beyond these, whatever it sends.
+// the goroutines serving it. A peer that completed a handshake is not
+// trusted: it must not be able to pin memory or goroutines beyond these,
+// whatever it sends.
 type Limits struct {
 	// PullBytes bounds the destination bytes reserved at once for pulls
 	// through one session, pulls whose caller gave up included until their
@@ -36,8 +36,9 @@ type Limits struct {
 	// destination only the stream path could reach is released as soon as no
 	// read into it is under way; one the owner could write by RDMA or CUDA IPC
 	// is released when the owner answers or the session ends, and the session
-	// is ended when the owner has not answered within Abandoned. If zero, the
-	// transfer timeout.
+	// is ended when the owner has not answered within Abandoned. An honest
+	// owner answers an RTR within its own transfer timeout, so the default
+	// ends only sessions whose owner does not. If zero, the transfer timeout.
 	Abandoned time.Duration
 }
 
