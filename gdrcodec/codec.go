@@ -32,8 +32,9 @@ const DefaultEagerThreshold = 64 << 10
 type Option func(*options)
 
 type options struct {
-	eager int
-	alloc devicebuf.Allocator
+	eager   int
+	alloc   devicebuf.Allocator
+	maxRecv int64 // WithMaxReceivePayload (limits.go)
 }
 
 // WithEagerThreshold sets the payload size from which the gdr codec moves a
@@ -125,8 +126,12 @@ func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
 	data, err := baseProto.Marshal(out.Interface())
 	if err != nil {
 		w.abort()
+		return nil, err
 	}
-	return data, err
+	if w.hold == nil {
+		noteSent(v, w.offers)
+	}
+	return data, nil
 }
 
 func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
@@ -236,7 +241,7 @@ func (w *rewriter) abort() {
 func (w *rewriter) outOfBand(n int) bool { return w.oob && n >= w.eager }
 
 func (w *rewriter) offer(src transport.Source) transport.Descriptor {
-	d := transport.Offer(src, transport.OfferOptions{Held: w.hold != nil})
+	d := transport.Offer(src, transport.OfferOptions{Held: w.hold != nil && !w.hold.once})
 	w.offers = append(w.offers, d.Token)
 	if w.hold != nil {
 		w.hold.add(d.Token)
@@ -455,6 +460,7 @@ func ParseDescriptor(db *gdrv1.DeviceBuffer) (transport.Descriptor, bool, error)
 
 // job is one payload to resolve in a received message.
 type job struct {
+	n    uint64 // the payload's length: what run allocates
 	run  func(ctx context.Context) error
 	undo func() // releases what run produced, when another job failed
 }
@@ -462,6 +468,9 @@ type job struct {
 func resolve(ctx context.Context, m protoreflect.Message, oob bool) error {
 	var jobs []job
 	if err := collect(m, oob, &jobs); err != nil {
+		return err
+	}
+	if err := withinLimit(jobs); err != nil {
 		return err
 	}
 	switch len(jobs) {
@@ -573,16 +582,12 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer) (job, error) {
 		return job{}, nil
 	}
 	return job{
+		n: d.Length,
 		run: func(ctx context.Context) error {
-			if err := transport.Reachable(d.Owner); err != nil {
-				return transferStatus(err)
-			}
-			dst, err := alloc.Alloc(int(d.Length))
+			// The destination is allocated only once a session to the owner
+			// has room for it.
+			dst, _, err := transport.FetchNew(ctx, d, alloc.Alloc)
 			if err != nil {
-				return codecError(codes.ResourceExhausted, "no memory for a %d-byte payload: %v", d.Length, err)
-			}
-			if _, err := transport.Fetch(ctx, d, dst); err != nil {
-				dst.Release()
 				return transferStatus(err)
 			}
 			setAttachment(db, dst)
@@ -634,25 +639,23 @@ func bytesJob(b []byte, set func([]byte), jobs *[]job) error {
 	if err != nil {
 		return codecError(codes.InvalidArgument, "%v", err)
 	}
-	*jobs = append(*jobs, job{run: func(ctx context.Context) error {
-		if err := transport.Reachable(d.Owner); err != nil {
+	*jobs = append(*jobs, job{n: d.Length, run: func(ctx context.Context) error {
+		// The bytes are allocated only once a session to the owner has room
+		// for them.
+		p := []byte{}
+		dst, _, err := transport.FetchNew(ctx, d, func(n int) (*devicebuf.Buffer, error) {
+			p = make([]byte, n)
+			return devicebuf.HostFromBytes(p), nil
+		})
+		if err != nil {
 			return transferStatus(err)
 		}
-		if d.Length > uint64(maxBytesField) {
-			return codecError(codes.ResourceExhausted, "a bytes field of %d bytes is over %d", d.Length, maxBytesField)
-		}
-		p := make([]byte, d.Length)
-		if _, err := transport.FetchBytes(ctx, d, p); err != nil {
-			return transferStatus(err)
-		}
+		dst.Release()
 		set(p)
 		return nil
 	}})
 	return nil
 }
-
-// maxBytesField bounds a marked bytes field's payload: it lands in Go memory.
-const maxBytesField = 1 << 34
 
 // transferStatus turns a transfer error into a status. gRPC reports every codec
 // error as codes.Internal; the message carries the real code, which the client
@@ -672,6 +675,8 @@ func transferStatus(err error) error {
 			code = codes.InvalidArgument
 		case transport.TransferCanceled:
 			code = codes.Canceled
+		case transport.TransferExhausted:
+			code = codes.ResourceExhausted
 		}
 	}
 	return codecError(code, "%v", err)

@@ -91,11 +91,12 @@ func (p *pathCounter) reset() map[string]int {
 
 type rig struct {
 	client tensorpb.TensorServiceClient
+	cc     *grpc.ClientConn
 	paths  *pathCounter
 }
 
 // newRig starts a TensorService on a gdrpc listener in mode and dials it.
-func newRig(t *testing.T, mode transport.Mode, srv *tensor.Server) *rig {
+func newRig(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer) *rig {
 	t.Helper()
 	if mode == transport.ModeUCX {
 		requireUCX(t)
@@ -124,7 +125,7 @@ func newRig(t *testing.T, mode transport.Mode, srv *tensor.Server) *rig {
 		// The next test starts with no session of this one left.
 		require.Eventually(t, func() bool { return transport.NumSessions() == 0 }, 10*time.Second, 5*time.Millisecond)
 	})
-	return &rig{client: tensorpb.NewTensorServiceClient(cc), paths: pc}
+	return &rig{client: tensorpb.NewTensorServiceClient(cc), cc: cc, paths: pc}
 }
 
 func pattern(n int, seed uint32) []byte {

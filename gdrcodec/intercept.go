@@ -23,6 +23,10 @@ type hold struct {
 	mu     sync.Mutex
 	tokens []transport.Token
 	done   bool
+	// once: the call cannot replay its messages (replayable), so each payload
+	// leaves the outbox after its first completed pull; the call's end
+	// withdraws those never pulled.
+	once bool
 }
 
 var holds sync.Map // outgoing message (pointer) -> *hold
@@ -89,15 +93,16 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 	}
 }
 
-// StreamClientInterceptor holds the payloads of every message a stream sends
-// until the stream ends.
+// StreamClientInterceptor keeps the payloads of the messages a stream sends
+// until the stream ends, or, when gRPC cannot replay them (no retry policy
+// for the method), until the server pulled them once.
 func StreamClientInterceptor() grpc.StreamClientInterceptor {
 	return func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
 		cs, err := streamer(ctx, desc, cc, method, opts...)
 		if err != nil {
 			return nil, restoreCode(err)
 		}
-		s := &heldStream{ClientStream: cs, h: &hold{}}
+		s := &heldStream{ClientStream: cs, h: &hold{once: !replayable(cc, method)}}
 		s.stop = context.AfterFunc(cs.Context(), s.h.release)
 		return s, nil
 	}
@@ -206,6 +211,7 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			c.mu.Unlock()
 		}
 	case *stats.OutPayload:
+		sentOn(ctx, s.Payload)
 		if m := messageV2Of(s.Payload); m != nil {
 			ReleaseAll(m)
 		}

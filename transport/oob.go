@@ -81,18 +81,21 @@ type TransferConfig struct {
 	Logger *slog.Logger
 	// Metrics receives transfer events. If nil, none are reported.
 	Metrics Metrics
+	// Limits bound what one peer's session may hold; their zero fields take
+	// the defaults Limits documents.
+	Limits Limits
 }
 
 var oobConfig atomic.Pointer[TransferConfig]
 
 func init() {
 	SetTransferConfig(TransferConfig{})
-	registerControlHandler(ctlRTR, serveRTR)
+	registerControlHandler(ctlRTR, queueRTR)
 	registerControlHandler(ctlFIN, handleFIN)
 	registerControlHandler(ctlChunk, handleChunk)
 	bulkHandler = serveBulk
 	bulkLaneHandler = serveBulkLane
-	onSessionClosed = append(onSessionClosed, dropIPCMappings, dropRemoteKeys, dropActivity)
+	onSessionClosed = append(onSessionClosed, dropIPCMappings, dropRemoteKeys, dropActivity, endBounds, releaseSentTo)
 	beforeGracefulClose = lingerForTransfers
 }
 
@@ -118,6 +121,7 @@ func SetTransferConfig(c TransferConfig) {
 	if c.Metrics == nil {
 		c.Metrics = nopMetrics{}
 	}
+	c.Limits = c.Limits.withDefaults(c.Timeout)
 	oobConfig.Store(&c)
 }
 
@@ -129,6 +133,7 @@ type TransferError struct {
 	// Unavailable: no live session to the owner, or the session died.
 	// NotFound: the owner does not (or no longer) hold the token.
 	// Timeout: the transfer did not finish in time.
+	// Exhausted: a limit (Limits) refused the transfer.
 	Kind TransferErrorKind
 	Err  error
 }
@@ -143,6 +148,7 @@ const (
 	TransferTimeout
 	TransferInvalid
 	TransferCanceled
+	TransferExhausted
 )
 
 func (e *TransferError) Error() string {
@@ -235,6 +241,7 @@ type pull struct {
 	chunks chan [2]uint64
 	bulk   chan error // the bulk stream's outcome (buffered 1)
 
+	offers   Path // the paths the RTR offered
 	settle   sync.Once
 	after    []func()      // run once the owner can no longer write into dst
 	claimed  bool          // a bulk reader took the pull; guarded by pulls
@@ -270,20 +277,65 @@ func (p *pull) settled() {
 // timeout passes, or the session to the owner dies. On an error the destination
 // stays reserved until the owner can no longer write into it.
 func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, error) {
-	if err := d.Validate(); err != nil {
-		return PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid, Err: err}
-	}
 	if uint64(dst.Len()) != d.Length {
 		return PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid,
 			Err: fmt.Errorf("destination of %d bytes for a payload of %d", dst.Len(), d.Length)}
 	}
+	b, path, err := FetchNew(ctx, d, func(int) (*devicebuf.Buffer, error) { return dst.Retain(), nil })
+	if b != nil {
+		b.Release()
+	}
+	return path, err
+}
+
+// FetchBytes pulls the payload d names into p (Go memory, d.Length bytes).
+func FetchBytes(ctx context.Context, d Descriptor, p []byte) (Path, error) {
+	dst := devicebuf.HostFromBytes(p)
+	defer dst.Release()
+	return Fetch(ctx, d, dst)
+}
+
+// FetchNew pulls the payload d names into a destination that alloc makes, and
+// returns it with the path it took. alloc runs only once the pull may go
+// ahead: a live session to the owner has room for it under Limits (or the
+// owner is this process). A 0-byte payload lands in an empty host buffer
+// without calling alloc. Otherwise as Fetch.
+func FetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.Buffer, error)) (*devicebuf.Buffer, Path, error) {
+	if err := d.Validate(); err != nil {
+		return nil, PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid, Err: err}
+	}
+	var dst *devicebuf.Buffer
+	allocate := func() error {
+		if dst != nil {
+			return nil
+		}
+		var err error
+		if d.Length == 0 {
+			dst = devicebuf.HostFromBytes(nil)
+		} else if dst, err = alloc(int(d.Length)); err != nil {
+			return exhausted(d.Token, "no memory for a %d-byte payload: %w", d.Length, err)
+		}
+		return nil
+	}
+	fail := func(path Path, err error) (*devicebuf.Buffer, Path, error) {
+		if dst != nil {
+			dst.Release()
+		}
+		return nil, path, err
+	}
 	sessions := liveSessions(d.Owner)
 	if len(sessions) == 0 {
-		if d.Owner == LocalID() {
-			return fetchLocal(d, dst)
+		if d.Owner != LocalID() {
+			return nil, PathNone, &TransferError{Token: d.Token, Kind: TransferUnavailable,
+				Err: fmt.Errorf("no live session to owner %v", d.Owner)}
 		}
-		return PathNone, &TransferError{Token: d.Token, Kind: TransferUnavailable,
-			Err: fmt.Errorf("no live session to owner %v", d.Owner)}
+		if err := allocate(); err != nil {
+			return fail(PathNone, err)
+		}
+		if path, err := fetchLocal(d, dst); err != nil {
+			return fail(path, err)
+		}
+		return dst, PathLocal, nil
 	}
 	c := cfg()
 	ctx, cancel := context.WithTimeout(ctx, c.Timeout)
@@ -293,32 +345,33 @@ func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, erro
 	var path Path
 	var err error
 	for _, s = range sessions {
+		var release func()
+		if release, err = reservePull(ctx, s, d.Token, d.Length); err != nil {
+			continue // another session to the owner may have room
+		}
+		if err = allocate(); err != nil {
+			release()
+			break
+		}
 		// A session that closes before the RTR left it never reached the owner:
 		// the next one may.
-		if path, err = fetchVia(ctx, s, d, dst); !errors.Is(err, errRTRNotSent) {
+		if path, err = fetchVia(ctx, s, d, dst, release); !errors.Is(err, errRTRNotSent) {
 			break
 		}
 	}
 	c.Metrics.Transfer(TransferInfo{Path: path, Bytes: int64(d.Length), Elapsed: time.Since(start), Err: err, Pull: true, Memory: dst.Kind()})
 	if err != nil {
-		return path, err
+		return fail(path, err)
 	}
 	if dst.Kind() == devicebuf.CUDA && path == PathRDMA {
 		// An RDMA write straight into GPU memory is visible to the GPU only after a
 		// flush on devices whose ordering attribute requires it.
 		if err := devicebuf.FlushRDMAWrites(dst.Device()); err != nil {
-			return path, &TransferError{Token: d.Token, Err: fmt.Errorf("flush GPUDirect RDMA writes: %w", err)}
+			return fail(path, &TransferError{Token: d.Token, Err: fmt.Errorf("flush GPUDirect RDMA writes: %w", err)})
 		}
 	}
 	c.Logger.Debug("out-of-band pull", "session", s.ID(), "path", path.String(), "bytes", d.Length, "elapsed", time.Since(start))
-	return path, nil
-}
-
-// FetchBytes pulls the payload d names into p (Go memory, d.Length bytes).
-func FetchBytes(ctx context.Context, d Descriptor, p []byte) (Path, error) {
-	dst := devicebuf.HostFromBytes(p)
-	defer dst.Release()
-	return Fetch(ctx, d, dst)
+	return dst, path, nil
 }
 
 // Reachable reports whether a payload owned by owner can be pulled now: a live
@@ -373,9 +426,12 @@ func copyFromSource(dst *devicebuf.Buffer, src Source) error {
 	return devicebuf.Copy(dst, s)
 }
 
-func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buffer) (Path, error) {
+// fetchVia pulls d into dst through s. release gives back the pull's
+// reservation (reservePull) once dst is settled.
+func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buffer, release func()) (Path, error) {
 	defer busy(s)()
 	p := &pull{s: s, dst: dst.Retain(), fin: make(chan *fin, 1), bulk: make(chan error, 1)}
+	p.after = append(p.after, release)
 	m := &rtr{Token: d.Token, Length: d.Length, Offers: PathStream}
 	staging, err := offerDestination(s, d, p, m)
 	if err != nil {
@@ -394,6 +450,7 @@ func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buff
 	pulls.m[p.req] = p
 	pulls.Unlock()
 	m.Req = p.req
+	p.offers = m.Offers
 
 	if err := s.SendControl(ctx, ctlRTR, m.marshal()); err != nil {
 		p.settled()
@@ -410,7 +467,7 @@ func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buff
 	select {
 	case f = <-p.fin:
 	case <-ctx.Done():
-		go p.settleLater()
+		p.abandon()
 		return PathNone, sessionError(d.Token, s, ctx, ctx.Err())
 	case <-s.Done():
 		p.settled()
@@ -424,7 +481,7 @@ func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buff
 		select {
 		case err = <-p.bulk:
 		case <-ctx.Done():
-			go p.settleLater()
+			p.abandon()
 			return f.Path, sessionError(d.Token, s, ctx, ctx.Err())
 		case <-s.Done():
 			p.settled()
@@ -439,7 +496,7 @@ func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buff
 		// The chunks' copies to the GPU started as they landed; wait for the last.
 		if err := staged.wait(ctx, s); err != nil {
 			if ctx.Err() != nil {
-				go p.settleLater()
+				p.abandon()
 			} else {
 				p.settled()
 			}
@@ -456,16 +513,6 @@ func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buff
 	}
 	p.settled()
 	return f.Path, nil
-}
-
-// settleLater keeps a timed-out pull's destination reserved until the owner
-// answers or the session dies: the owner may still be writing into it.
-func (p *pull) settleLater() {
-	select {
-	case <-p.fin:
-	case <-p.s.Done():
-	}
-	p.settled()
 }
 
 // offerDestination fills m with the destinations this receiver accepts for dst.
@@ -544,6 +591,8 @@ func finError(t Token, f *fin) error {
 		k = TransferNotFound
 	case finBadLength:
 		k = TransferInvalid
+	case finBusy:
+		k = TransferExhausted
 	}
 	return &TransferError{Token: t, Kind: k, Err: fmt.Errorf("owner refused: %s", f.Msg)}
 }
@@ -890,24 +939,13 @@ func readInto(r io.Reader, dst *devicebuf.Buffer) error {
 
 // ---- owner side ----------------------------------------------------------------
 
-// serveRTR answers one receiver's request for an outbox entry.
-func serveRTR(s *Session, payload []byte) {
-	m, err := parseRTR(payload)
-	if err != nil {
-		cfg().Logger.Warn("dropping control message", "session", s.ID(), "err", err)
-		return
-	}
+// serveRTR answers one receiver's request for an outbox entry, on one of the
+// session's push goroutines (queueRTR).
+func serveRTR(s *Session, m *rtr) {
 	defer busy(s)()
 	c := cfg()
-	ctx, cancel := context.WithTimeout(context.Background(), c.Timeout)
+	ctx, cancel := context.WithTimeout(s.context(), c.Timeout)
 	defer cancel()
-	go func() {
-		select {
-		case <-s.Done():
-			cancel()
-		case <-ctx.Done():
-		}
-	}()
 	f := &fin{Req: m.Req}
 	e, st, err := box.checkout(m.Token, m.Length)
 	if err != nil {

@@ -52,14 +52,16 @@ type outboxEntry struct {
 	inflight int // pulls under way; release waits for them
 	dead     bool
 	timer    *time.Timer
+	toward   *ID // the process the descriptor was sent to (SentToward), if known
 }
 
 type outbox struct {
 	mu      sync.Mutex
 	entries map[Token]*outboxEntry
+	toward  map[ID]map[Token]struct{} // entries by the process they were sent to
 }
 
-var box = &outbox{entries: make(map[Token]*outboxEntry)}
+var box = &outbox{entries: make(map[Token]*outboxEntry), toward: make(map[ID]map[Token]struct{})}
 
 // Offer puts src in this process's outbox and returns the descriptor that names
 // it. The outbox takes its own reference on a Buffer source and drops it when
@@ -94,8 +96,7 @@ func Withdraw(t Token) {
 		box.mu.Unlock()
 		return
 	}
-	delete(box.entries, t)
-	e.dead = true
+	box.removeLocked(t, e)
 	free := e.inflight == 0
 	box.mu.Unlock()
 	e.timer.Stop()
@@ -136,8 +137,7 @@ func (b *outbox) checkin(t Token, e *outboxEntry, ok bool) {
 	}
 	leave := ok && !e.held && !e.dead
 	if leave {
-		delete(b.entries, t)
-		e.dead = true
+		b.removeLocked(t, e)
 	}
 	free := e.dead && e.inflight == 0
 	b.mu.Unlock()
@@ -155,3 +155,66 @@ func OutboxLen() int {
 	defer box.mu.Unlock()
 	return len(box.entries)
 }
+
+// removeLocked takes e, the entry of t, out of the outbox; its source is
+// freed once no pull uses it.
+func (b *outbox) removeLocked(t Token, e *outboxEntry) {
+	delete(b.entries, t)
+	e.dead = true
+	if e.toward != nil {
+		if m := b.toward[*e.toward]; m != nil {
+			delete(m, t)
+			if len(m) == 0 {
+				delete(b.toward, *e.toward)
+			}
+		}
+	}
+}
+
+// SentToward records that the descriptors naming ts went to the peer of s (a
+// server's response to the client that called). Those still in the outbox
+// when no live session to that process remains leave it then, whatever their
+// lease: nobody else holds their descriptors, and the process that does can
+// no longer pull. Tokens that already left are ignored.
+func SentToward(s *Session, ts []Token) {
+	peer := s.Peer().ID
+	box.mu.Lock()
+	for _, t := range ts {
+		e := box.entries[t]
+		if e == nil || e.toward != nil {
+			continue
+		}
+		e.toward = &peer
+		m := box.toward[peer]
+		if m == nil {
+			m = make(map[Token]struct{})
+			box.toward[peer] = m
+		}
+		m[t] = struct{}{}
+	}
+	box.mu.Unlock()
+	// The last session to the peer may have closed before the entries were
+	// bound to it.
+	releaseOrphans(peer)
+}
+
+// releaseOrphans withdraws the entries sent to peer when no live session to
+// it remains.
+func releaseOrphans(peer ID) {
+	if len(liveSessions(peer)) > 0 {
+		return
+	}
+	box.mu.Lock()
+	ts := make([]Token, 0, len(box.toward[peer]))
+	for t := range box.toward[peer] {
+		ts = append(ts, t)
+	}
+	box.mu.Unlock()
+	for _, t := range ts {
+		Withdraw(t)
+	}
+}
+
+// releaseSentTo runs when s closes: the entries sent to its peer go when s
+// was the last session to it.
+func releaseSentTo(s *Session) { releaseOrphans(s.peer.ID) }

@@ -197,6 +197,7 @@ const (
 	finBadLength
 	finNoPath
 	finFailed
+	finBusy // the owner's queue for the session is full
 )
 
 type fin struct {
@@ -235,7 +236,7 @@ func parseFIN(b []byte) (*fin, error) {
 	if err := finish(r, "FIN"); err != nil {
 		return nil, err
 	}
-	if m.Status > finFailed {
+	if m.Status > finBusy {
 		return nil, fmt.Errorf("malformed FIN: status %d", m.Status)
 	}
 	return m, nil

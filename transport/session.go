@@ -96,6 +96,7 @@ type Session struct {
 	errMu     sync.Mutex
 	err       error
 	wg        sync.WaitGroup // internal goroutines
+	bounds    sessionBounds  // the out-of-band engine's share (oob_limits.go)
 }
 
 // sessionSetup is what a handshake produced.
@@ -288,6 +289,7 @@ func (s *Session) Close() error {
 	s.closeWith(nil)
 	<-s.muxClosed
 	s.wg.Wait()
+	s.bounds.join()
 	return nil
 }
 
@@ -455,16 +457,28 @@ func (s *Session) open(ctx context.Context, role byte) (*streamConn, error) {
 	return c, nil
 }
 
-// acceptLoop takes the streams the peer opens and hands them on by role.
+// acceptLoop takes the streams the peer opens and hands them on by role, on
+// at most maxStreamHandlers goroutines at once; while they are busy, further
+// streams wait in the multiplexer's backlog, and past it are reset.
 func (s *Session) acceptLoop() {
 	defer s.wg.Done()
+	slots := make(chan struct{}, maxStreamHandlers)
 	for {
 		st, err := s.mux.AcceptStream()
 		if err != nil {
 			return // the session is shutting down; monitor closes it
 		}
+		select {
+		case slots <- struct{}{}:
+		case <-s.done:
+			_ = st.Close()
+			return
+		}
 		s.wg.Add(1)
-		go s.serveStream(st)
+		go func() {
+			defer func() { <-slots }()
+			s.serveStream(st)
+		}()
 	}
 }
 
@@ -506,7 +520,7 @@ func (s *Session) serveStream(st *yamux.Stream) {
 			_ = c.Close()
 			return
 		}
-		go h(s, c)
+		h(s, c) // on this goroutine, which Close joins
 	default:
 		s.log.Warn("stream with unknown role; closing it", "role", role[0])
 		_ = st.Close()
@@ -552,8 +566,10 @@ func (s *Session) OpenBulk(ctx context.Context) (net.Conn, error) {
 	return s.open(ctx, roleBulk)
 }
 
-// bulkHandler is called, on a new goroutine, with each bulk stream the peer
-// opens. If nil, bulk streams are closed at once. Set by the out-of-band engine.
+// bulkHandler is called with each bulk stream the peer opens, on the
+// session's goroutine that accepted it (Close joins it); it must return once
+// the session is done. If nil, bulk streams are closed at once. Set by the
+// out-of-band engine.
 var bulkHandler func(s *Session, c net.Conn)
 
 // onSessionClosed functions run once when a session closes, after it left
@@ -570,8 +586,10 @@ var (
 )
 
 // registerControlHandler sets the function that handles control messages of
-// type typ. Each message is handled on its own goroutine, with a payload the
-// handler owns. It panics if typ already has a handler.
+// type typ. Each message is handled on a goroutine of its own, with a payload
+// the handler owns; at most maxControlHandlers run at once per session, and
+// Close joins them. A handler must return once the session is done. It panics
+// if typ already has a handler.
 func registerControlHandler(typ byte, fn func(s *Session, payload []byte)) {
 	controlMu.Lock()
 	defer controlMu.Unlock()
@@ -657,6 +675,7 @@ func (s *Session) SendControl(ctx context.Context, typ byte, payload []byte) err
 // readControl reads control messages until the stream ends; a malformed frame
 // closes the session.
 func (s *Session) readControl(c net.Conn) {
+	slots := make(chan struct{}, maxControlHandlers)
 	var hdr [controlHeaderLen]byte
 	for {
 		if _, err := io.ReadFull(c, hdr[:]); err != nil {
@@ -689,6 +708,16 @@ func (s *Session) readControl(c net.Conn) {
 			s.log.Debug("control message of unknown type dropped", "type", hdr[0], "len", n)
 			continue
 		}
-		go fn(s, payload)
+		select {
+		case slots <- struct{}{}:
+		case <-s.done:
+			return
+		}
+		s.wg.Add(1) // this goroutine holds one: Close's Wait cannot have begun
+		go func() {
+			defer s.wg.Done()
+			defer func() { <-slots }()
+			fn(s, payload)
+		}()
 	}
 }

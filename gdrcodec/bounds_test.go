@@ -1,0 +1,231 @@
+package gdrcodec_test
+
+import (
+	"context"
+	"crypto/rand"
+	"io"
+	"runtime"
+	"testing"
+	"time"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/examples/tensor"
+	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
+	"github.com/gdrpc/gdrpc/transport"
+	"github.com/gdrpc/gdrpc/transport/transporttest"
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+)
+
+// markedPrefix is the length of what precedes a descriptor in a marked bytes
+// field: the magic and the marker byte.
+const markedPrefix = 9
+
+// forgeClaim returns a request body whose payload (a DeviceBuffer, or the
+// marked bytes field when blob) claims length bytes owned by owner, under a
+// token nobody holds.
+func forgeClaim(t *testing.T, owner transport.ID, length uint64, blob bool) []byte {
+	t.Helper()
+	src := devicebuf.HostFromBytes(pattern(64<<10, 1))
+	defer src.Release()
+	real := &tensorpb.Tensor{Data: gdrcodec.New(src)}
+	if blob {
+		real = &tensorpb.Tensor{Blob: pattern(64<<10, 1)}
+	}
+	body, err := gdrcodec.MarshalForTest(real)
+	require.NoError(t, err)
+	gdrcodec.ReleaseAll(real)
+	var m tensorpb.Tensor
+	require.NoError(t, proto.Unmarshal(body, &m))
+	db := m.Data
+	if blob {
+		db = &gdrv1.DeviceBuffer{}
+		require.NoError(t, proto.Unmarshal(m.Blob[markedPrefix:], db))
+	}
+	transport.Withdraw(transport.Token(db.Token))
+	db.Owner, db.Length = owner[:], length
+	if blob {
+		desc, err := proto.Marshal(db)
+		require.NoError(t, err)
+		m.Blob = append(m.Blob[:markedPrefix:markedPrefix], desc...)
+	}
+	body, err = proto.Marshal(&m)
+	require.NoError(t, err)
+	return body
+}
+
+// A descriptor claiming more than the limits allow fails with
+// ResourceExhausted before anything is allocated, even when its owner is
+// connected and would answer.
+func TestOversizedClaims(t *testing.T) {
+	var owner transport.ID
+	rand.Read(owner[:])
+	transporttest.PairWith(t, []transport.Option{transport.WithLocalID(owner)}, nil)
+	var stranger transport.ID
+	rand.Read(stranger[:])
+	tests := []struct {
+		name   string
+		owner  transport.ID
+		length uint64
+		blob   bool
+		limits transport.Limits
+		want   codes.Code
+	}{
+		{name: "bytes field of 16 GiB", owner: owner, length: 16 << 30, blob: true, want: codes.ResourceExhausted},
+		{name: "DeviceBuffer of 16 GiB", owner: owner, length: 16 << 30, want: codes.ResourceExhausted},
+		{name: "bytes field over the session's budget", owner: owner, length: 64 << 20, blob: true,
+			limits: transport.Limits{PullBytes: 1 << 20}, want: codes.ResourceExhausted},
+		{name: "bytes field from nobody connected", owner: stranger, length: 64 << 20, blob: true, want: codes.Unavailable},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			transport.SetTransferConfig(transport.TransferConfig{Limits: tt.limits})
+			t.Cleanup(func() { transport.SetTransferConfig(transport.TransferConfig{}) })
+			body := forgeClaim(t, tt.owner, tt.length, tt.blob)
+			var got tensorpb.Tensor
+			var before, after runtime.MemStats
+			runtime.ReadMemStats(&before)
+			err := gdrcodec.UnmarshalForTest(body, &got)
+			runtime.ReadMemStats(&after)
+			t.Log(err)
+			require.Equal(t, tt.want, status.Code(err), "%v", err)
+			require.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(16<<20), "bytes allocated while decoding")
+			gdrcodec.ReleaseAll(&got)
+		})
+	}
+}
+
+// A 0-byte payload sent out-of-band arrives as an empty buffer.
+func TestZeroLengthPayload(t *testing.T) {
+	r := newRig(t, transport.ModeTCP, nil)
+	gdrcodec.Register(gdrcodec.WithEagerThreshold(-1)) // everything out-of-band
+	t.Cleanup(func() { gdrcodec.Register() })
+	src := devicebuf.HostFromBytes([]byte{})
+	req := &tensorpb.Tensor{Name: "empty", Data: gdrcodec.New(src)}
+	src.Release()
+	defer gdrcodec.ReleaseAll(req)
+	got, err := r.client.Echo(context.Background(), req)
+	require.NoError(t, err)
+	defer gdrcodec.ReleaseAll(got)
+	b, ok := gdrcodec.Buffer(got.Data)
+	require.True(t, ok, "a buffer is attached")
+	require.Zero(t, b.Len())
+}
+
+// rawCodec decodes messages as they are on the wire: a client that takes a
+// response and never pulls its payloads.
+type rawCodec struct{}
+
+func (rawCodec) Name() string { return gdrcodec.Name }
+
+func (rawCodec) Marshal(v any) (mem.BufferSlice, error) {
+	b, err := proto.Marshal(v.(proto.Message))
+	return mem.BufferSlice{mem.SliceBuffer(b)}, err
+}
+
+func (rawCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	return proto.Unmarshal(data.Materialize(), v.(proto.Message))
+}
+
+// Responses a client never pulled leave the server's outbox once the client
+// is gone, not at the end of their lease.
+func TestUnpulledResponsesAfterDisconnect(t *testing.T) {
+	r := newRig(t, transport.ModeTCP, nil)
+	for seed := range uint32(4) {
+		got, err := r.client.Make(context.Background(), &tensorpb.Sized{Size: 1 << 20, Seed: seed}, grpc.ForceCodecV2(rawCodec{}))
+		require.NoError(t, err)
+		require.NotEmpty(t, got.Data.GetToken(), "the response carries a descriptor")
+	}
+	require.Equal(t, 4, transport.OutboxLen(), "the unpulled responses")
+	require.NoError(t, r.cc.Close())
+	require.Eventually(t, func() bool { return transport.OutboxLen() == 0 }, 5*time.Second, 5*time.Millisecond,
+		"%d unpulled responses still held after the client left", transport.OutboxLen())
+}
+
+// uploadWatch is a TensorService whose Upload tells the test of each message
+// it received.
+type uploadWatch struct {
+	tensor.Server
+	got chan struct{}
+}
+
+func (s *uploadWatch) Upload(st tensorpb.TensorService_UploadServer) error {
+	for {
+		m, err := st.Recv()
+		if err == io.EOF {
+			return st.SendAndClose(&tensorpb.Summary{})
+		}
+		if err != nil {
+			return err
+		}
+		gdrcodec.ReleaseAll(m)
+		s.got <- struct{}{}
+	}
+}
+
+// Without a retry policy, a client stream's payload leaves the outbox once
+// the server pulled it, while the stream goes on.
+func TestStreamPayloadLeavesOncePulled(t *testing.T) {
+	srv := &uploadWatch{got: make(chan struct{}, 1)}
+	r := newRig(t, transport.ModeTCP, srv)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	st, err := r.client.Upload(ctx)
+	require.NoError(t, err)
+	for seed := range uint32(3) {
+		src := devicebuf.HostFromBytes(pattern(1<<20, seed))
+		m := &tensorpb.Tensor{Data: gdrcodec.New(src)}
+		src.Release()
+		require.NoError(t, st.Send(m))
+		gdrcodec.ReleaseAll(m)
+		select {
+		case <-srv.got:
+		case <-ctx.Done():
+			t.Fatal("the server did not receive the message")
+		}
+		require.Zero(t, transport.OutboxLen(), "payloads of the stream held after their pull")
+	}
+	_, err = st.CloseAndRecv()
+	require.NoError(t, err)
+}
+
+// Under a retry policy gRPC may replay a client stream's messages, so their
+// payloads stay in the outbox, pulled or not, until the stream ends.
+func TestStreamPayloadHeldUnderRetryPolicy(t *testing.T) {
+	srv := &uploadWatch{got: make(chan struct{}, 1)}
+	r := newRig(t, transport.ModeTCP, srv)
+	const retry = `{"methodConfig": [{"name": [{"service": "gdrpc.examples.tensor.TensorService"}],
+		"retryPolicy": {"maxAttempts": 2, "initialBackoff": "0.01s", "maxBackoff": "0.01s",
+		"backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"]}}]}`
+	d := dialer.New(transport.WithMode(transport.ModeTCP))
+	cc, err := grpc.NewClient(r.cc.Target(), append(d.DialOptions(insecure.NewCredentials()), grpc.WithDefaultServiceConfig(retry))...)
+	require.NoError(t, err)
+	defer cc.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	st, err := tensorpb.NewTensorServiceClient(cc).Upload(ctx)
+	require.NoError(t, err)
+	src := devicebuf.HostFromBytes(pattern(1<<20, 1))
+	m := &tensorpb.Tensor{Data: gdrcodec.New(src)}
+	src.Release()
+	require.NoError(t, st.Send(m))
+	gdrcodec.ReleaseAll(m)
+	select {
+	case <-srv.got:
+	case <-ctx.Done():
+		t.Fatal("the server did not receive the message")
+	}
+	require.Equal(t, 1, transport.OutboxLen(), "the pulled payload stays for a replay")
+	_, err = st.CloseAndRecv()
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return transport.OutboxLen() == 0 }, 5*time.Second, time.Millisecond,
+		"the stream's end releases its payloads")
+}

@@ -1,0 +1,302 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// Limits bound what one peer's session may hold of this process: the
+// destinations reserved for pulls from it, the pushes it has asked for, and
+// the goroutines serving it. A peer that completed a handshake is not
+// trusted: it must not be able to pin memory or goroutines beyond these,
+// whatever it sends.
+type Limits struct {
+	// PullBytes bounds the destination bytes reserved at once for pulls
+	// through one session, pulls whose caller gave up included until their
+	// destination is released. A pull waits, before its destination is
+	// allocated, until the session has room for it; it fails with a
+	// TransferExhausted error when it is larger than PullBytes on its own, or
+	// when its context ends first. If zero, 4 GiB.
+	PullBytes int64
+	// Pulls bounds the RTRs in flight on one session (sent and not yet
+	// settled); further pulls wait as for PullBytes. If zero, 1024.
+	Pulls int
+	// Pushes bounds the pushes one session runs at once; its further RTRs
+	// wait in a queue. If zero, 16.
+	Pushes int
+	// PushQueue bounds the RTRs of one session waiting for a push. An RTR
+	// beyond it is refused at once with a busy FIN (the receiver sees a
+	// TransferExhausted error). If zero, 1024.
+	PushQueue int
+	// Abandoned bounds how long a destination stays reserved after its pull
+	// gave up (the caller's context ended) with no answer from the owner. A
+	// destination only the stream path could reach is released as soon as no
+	// read into it is under way; one the owner could write by RDMA or CUDA IPC
+	// is released when the owner answers or the session ends, and the session
+	// is ended when the owner has not answered within Abandoned. An honest
+	// owner answers an RTR within its own transfer timeout, so the default
+	// ends only sessions whose owner does not. If zero, the transfer timeout.
+	Abandoned time.Duration
+}
+
+// Defaults of Limits.
+const (
+	DefaultPullBytes = 4 << 30
+	DefaultPulls     = 1024
+	DefaultPushes    = 16
+	DefaultPushQueue = 1024
+)
+
+func (l Limits) withDefaults(timeout time.Duration) Limits {
+	if l.PullBytes <= 0 {
+		l.PullBytes = DefaultPullBytes
+	}
+	if l.Pulls <= 0 {
+		l.Pulls = DefaultPulls
+	}
+	if l.Pushes <= 0 {
+		l.Pushes = DefaultPushes
+	}
+	if l.PushQueue <= 0 {
+		l.PushQueue = DefaultPushQueue
+	}
+	if l.Abandoned <= 0 {
+		l.Abandoned = timeout
+	}
+	return l
+}
+
+// maxControlHandlers bounds the control message handlers one session runs at
+// once; the control reader waits for a free one. Handlers return quickly (an
+// RTR is only queued), so the bound is reached only by a peer flooding.
+const maxControlHandlers = 64
+
+// maxStreamHandlers bounds the streams of one session being served at once
+// (a bulk stream is served until its transfer ends). An honest owner opens at
+// most one per push it runs.
+const maxStreamHandlers = 256
+
+// sessionBounds is a session's share of the out-of-band engine: the budget of
+// its pulls, the queue of its pushes and the goroutines serving them, which
+// Close joins. The zero value is ready to use.
+type sessionBounds struct {
+	mu        sync.Mutex
+	pullBytes int64         // reserved for pulls through the session
+	pulls     int           // pulls through the session not yet settled
+	room      chan struct{} // closed when a reservation is given back; nil when nobody waits
+	queue     []*rtr
+	pushers   int  // goroutines running pushLoop
+	closing   bool // Close is joining: no goroutine may start
+	ctx       context.Context
+	cancel    context.CancelFunc
+	wg        sync.WaitGroup
+}
+
+// spawn runs fn on a goroutine that the session's Close joins. It reports
+// false, without running fn, when the session is closing. fn must return once
+// the session is done.
+func (b *sessionBounds) spawn(fn func()) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closing {
+		return false
+	}
+	b.wg.Add(1)
+	go func() {
+		defer b.wg.Done()
+		fn()
+	}()
+	return true
+}
+
+// join waits for the goroutines spawn started; later spawns fail. The session
+// is done by then, so they are returning.
+func (b *sessionBounds) join() {
+	b.mu.Lock()
+	b.closing = true
+	b.mu.Unlock()
+	b.wg.Wait()
+}
+
+// context returns a context that ends with s.
+func (s *Session) context() context.Context {
+	b := &s.bounds
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.ctx == nil {
+		b.ctx, b.cancel = context.WithCancel(context.Background())
+		select {
+		case <-s.done:
+			b.cancel()
+		default:
+		}
+	}
+	return b.ctx
+}
+
+// endBounds runs when s closes: its context ends and its queued RTRs go.
+func endBounds(s *Session) {
+	b := &s.bounds
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.cancel != nil {
+		b.cancel()
+	}
+	b.queue = nil
+}
+
+// exhausted is the error of a pull refused by a limit.
+func exhausted(t Token, format string, args ...any) error {
+	return &TransferError{Token: t, Kind: TransferExhausted, Err: fmt.Errorf(format, args...)}
+}
+
+// reservePull reserves room for one pull of n bytes through s, waiting for
+// it while ctx and s live, and returns the function that gives it back
+// (once).
+func reservePull(ctx context.Context, s *Session, t Token, n uint64) (func(), error) {
+	lim := cfg().Limits
+	if n > uint64(lim.PullBytes) {
+		return nil, exhausted(t, "a %d-byte payload is over the limit of %d bytes in flight per session (Limits.PullBytes)", n, lim.PullBytes)
+	}
+	b := &s.bounds
+	for {
+		b.mu.Lock()
+		if b.pulls < lim.Pulls && n <= uint64(lim.PullBytes-b.pullBytes) {
+			b.pulls++
+			b.pullBytes += int64(n)
+			b.mu.Unlock()
+			break
+		}
+		if b.room == nil {
+			b.room = make(chan struct{})
+		}
+		room, pulls, inflight := b.room, b.pulls, b.pullBytes
+		b.mu.Unlock()
+		select {
+		case <-room:
+		case <-ctx.Done():
+			return nil, exhausted(t, "no room for a %d-byte payload through session %d: %d pulls of %d bytes in flight (Limits.Pulls %d, Limits.PullBytes %d): %w",
+				n, s.ID(), pulls, inflight, lim.Pulls, lim.PullBytes, ctx.Err())
+		case <-s.Done():
+			return nil, sessionError(t, s, ctx, s.Err())
+		}
+	}
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			b.mu.Lock()
+			b.pulls--
+			b.pullBytes -= int64(n)
+			if b.room != nil {
+				close(b.room)
+				b.room = nil
+			}
+			b.mu.Unlock()
+		})
+	}, nil
+}
+
+// ---- receiver: destinations of pulls that gave up ------------------------------
+
+// exposed reports whether the owner may write into p's destination (or its
+// staging) on its own, by RDMA or CUDA IPC, until it answers: then releasing
+// the destination before FIN could let a late write land in memory that went
+// on to someone else. A destination only the stream path reaches is written
+// by this process's own readers, which stop once the pull is settled.
+func (p *pull) exposed() bool {
+	return p.offers&(PathRDMA|PathCUDAIPC|PathStaged) != 0
+}
+
+// errOwnerSilent ends a session whose owner did not answer an abandoned pull
+// in time.
+var errOwnerSilent = errors.New("gdrpc: the owner did not answer a pull it could still write into")
+
+// settleLater settles a pull whose caller gave up. A destination that is not
+// exposed is released as soon as no read into it is under way. An exposed one
+// stays reserved until the owner answers or the session dies; when the owner
+// stays silent past Limits.Abandoned, the session is ended, which stops
+// everything the owner could still do through it.
+func (p *pull) settleLater() {
+	if !p.exposed() {
+		p.settled()
+		return
+	}
+	t := time.NewTimer(cfg().Limits.Abandoned)
+	defer t.Stop()
+	select {
+	case <-p.fin:
+	case <-p.s.Done():
+	case <-t.C:
+		p.s.closeWith(fmt.Errorf("%w: %w", ErrPeerGone, errOwnerSilent))
+	}
+	p.settled()
+}
+
+// abandon hands a pull whose caller gave up to a goroutine of its session.
+func (p *pull) abandon() {
+	if !p.s.bounds.spawn(p.settleLater) {
+		p.settled() // the session is closing: the owner can no longer write
+	}
+}
+
+// ---- owner: the push queue -----------------------------------------------------
+
+// queueRTR takes an RTR off the control stream: it queues it for one of the
+// session's push goroutines, or refuses it when the queue is full.
+func queueRTR(s *Session, payload []byte) {
+	m, err := parseRTR(payload)
+	if err != nil {
+		cfg().Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		return
+	}
+	lim := cfg().Limits
+	b := &s.bounds
+	b.mu.Lock()
+	if len(b.queue) >= lim.PushQueue {
+		b.mu.Unlock()
+		refuseRTR(s, m, fmt.Sprintf("owner busy: %d transfers queued for this session", lim.PushQueue))
+		return
+	}
+	b.queue = append(b.queue, m)
+	start := b.pushers < lim.Pushes
+	if start {
+		b.pushers++
+	}
+	b.mu.Unlock()
+	if start && !b.spawn(func() { pushLoop(s) }) {
+		b.mu.Lock()
+		b.pushers--
+		b.mu.Unlock()
+	}
+}
+
+// pushLoop serves the session's queued RTRs until none is left.
+func pushLoop(s *Session) {
+	b := &s.bounds
+	for {
+		b.mu.Lock()
+		if len(b.queue) == 0 {
+			b.pushers--
+			b.mu.Unlock()
+			return
+		}
+		m := b.queue[0]
+		b.queue[0] = nil
+		b.queue = b.queue[1:]
+		b.mu.Unlock()
+		serveRTR(s, m)
+	}
+}
+
+// refuseRTR answers m with a busy FIN.
+func refuseRTR(s *Session, m *rtr, msg string) {
+	ctx, cancel := context.WithTimeout(s.context(), cfg().Timeout)
+	defer cancel()
+	f := &fin{Req: m.Req, Status: finBusy, Msg: msg}
+	if err := s.SendControl(ctx, ctlFIN, f.marshal()); err != nil {
+		cfg().Logger.Debug("FIN not sent", "session", s.ID(), "err", err)
+	}
+}

@@ -1,0 +1,451 @@
+package transport
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+)
+
+// These tests play a hostile peer by hand: both ends of a session pair live
+// in this process, and the test takes over what one end does with the
+// control messages and bulk streams it receives.
+
+// setTransferConfig sets c for the test and the defaults after it.
+func setTransferConfig(tb testing.TB, c TransferConfig) {
+	tb.Helper()
+	SetTransferConfig(c)
+	tb.Cleanup(func() { SetTransferConfig(TransferConfig{}) })
+}
+
+// interceptControl shows fn the control messages of type typ first; those it
+// reports handled do not reach the engine's handler. Call it before the
+// sessions it concerns exist; it is undone when the test ends.
+func interceptControl(tb testing.TB, typ byte, fn func(s *Session, payload []byte) (handled bool)) {
+	tb.Helper()
+	controlMu.Lock()
+	orig := controlHandlers[typ]
+	controlHandlers[typ] = func(s *Session, p []byte) {
+		if !fn(s, p) && orig != nil {
+			orig(s, p)
+		}
+	}
+	controlMu.Unlock()
+	tb.Cleanup(func() {
+		controlMu.Lock()
+		controlHandlers[typ] = orig
+		controlMu.Unlock()
+	})
+}
+
+// stallBulk makes the bulk streams that reach s wait, unread, until release
+// is closed or s is done; each one that arrives is announced on the returned
+// channel. Call it before the sessions exist; it is undone when the test
+// ends.
+func stallBulk(tb testing.TB, s func() *Session, release <-chan struct{}) <-chan struct{} {
+	tb.Helper()
+	arrived := make(chan struct{}, 4096)
+	orig := bulkHandler
+	bulkHandler = func(bs *Session, c net.Conn) {
+		if bs != s() {
+			orig(bs, c)
+			return
+		}
+		arrived <- struct{}{}
+		select {
+		case <-release:
+		case <-bs.Done():
+		}
+		_ = c.Close()
+	}
+	tb.Cleanup(func() { bulkHandler = orig })
+	return arrived
+}
+
+const testCtlMark = 0xE3
+
+var marks = struct {
+	once sync.Once
+	mu   sync.Mutex
+	ch   map[*Session]chan struct{}
+}{ch: map[*Session]chan struct{}{}}
+
+// markInbox returns the channel that receives a value for each testCtlMark
+// message s reads: the control reader handles messages in order, so the mark
+// arrives once every message sent before it was dispatched.
+func markInbox(s *Session) chan struct{} {
+	marks.once.Do(func() {
+		registerControlHandler(testCtlMark, func(s *Session, _ []byte) {
+			marks.mu.Lock()
+			ch := marks.ch[s]
+			marks.mu.Unlock()
+			if ch != nil {
+				ch <- struct{}{}
+			}
+		})
+	})
+	ch := make(chan struct{}, 16)
+	marks.mu.Lock()
+	marks.ch[s] = ch
+	marks.mu.Unlock()
+	return ch
+}
+
+func waitFor[T any](tb testing.TB, ch <-chan T, what string) T {
+	tb.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(testTimeout):
+		tb.Fatalf("timed out waiting for %s", what)
+	}
+	var zero T
+	return zero
+}
+
+const testTimeout = 20 * time.Second
+
+func numPulls() int {
+	pulls.Lock()
+	defer pulls.Unlock()
+	return len(pulls.m)
+}
+
+// An owner that never answers its RTRs pins nothing once the calls gave up:
+// the destinations go back to the pool, and another peer's call gets one.
+func TestUnansweredRTRs(t *testing.T) {
+	setTransferConfig(t, TransferConfig{PoolBytes: 8 << 20, Timeout: testTimeout})
+	require.NoError(t, CloseHostPools())
+	t.Cleanup(func() { require.NoError(t, CloseHostPools()) })
+
+	var attacker *Session
+	rtrs := make(chan struct{}, 64)
+	interceptControl(t, ctlRTR, func(s *Session, _ []byte) bool {
+		if s != attacker {
+			return false
+		}
+		rtrs <- struct{}{} // and no answer
+		return true
+	})
+	attacker, victim := pipePair(t)
+	pool := HostPool(nil)
+
+	// The attacker's descriptors take every destination the pool can give.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var fetches sync.WaitGroup
+	errs := make(chan error, 64)
+	const n = 1 << 20
+	for range 64 {
+		dst, err := pool.Alloc(n)
+		if err != nil {
+			require.ErrorIs(t, err, devicebuf.ErrExhausted)
+			break
+		}
+		d := Descriptor{Owner: victim.Peer().ID, Token: Token(newToken()), Length: n, Kind: devicebuf.Host, Device: -1}
+		fetches.Go(func() {
+			_, err := Fetch(ctx, d, dst)
+			dst.Release()
+			errs <- err
+		})
+		waitFor(t, rtrs, "the RTR at the attacker")
+	}
+	require.NotZero(t, numPulls())
+	cancel() // the calls give up
+	fetches.Wait()
+	close(errs)
+	for err := range errs {
+		var te *TransferError
+		require.ErrorAs(t, err, &te)
+		require.Equal(t, TransferCanceled, te.Kind, "%v", err)
+	}
+
+	// Released while the attacker stays connected.
+	require.Eventually(t, func() bool { return numPulls() == 0 && pool.Stats().InUse == 0 },
+		5*time.Second, 5*time.Millisecond, "destinations of unanswered RTRs still held: %d pulls, %d buffers", numPulls(), pool.Stats().InUse)
+	select {
+	case <-attacker.Done():
+		t.Fatal("a stream-only pull ended the session")
+	default:
+	}
+
+	// Another peer's call gets its destination and its bytes.
+	_, receiver := pipePair(t)
+	want := bytes.Repeat([]byte("honest"), n/6+1)[:n]
+	d := Offer(Source{Bytes: want}, OfferOptions{})
+	defer Withdraw(d.Token)
+	d.Owner = receiver.Peer().ID
+	require.Equal(t, []*Session{receiver}, liveSessions(d.Owner))
+	dst, err := pool.Alloc(n)
+	require.NoError(t, err, "another peer's destination")
+	defer dst.Release()
+	_, err = Fetch(context.Background(), d, dst)
+	require.NoError(t, err)
+	got, err := dst.HostBytes()
+	require.NoError(t, err)
+	require.True(t, bytes.Equal(want, got), "payload differs")
+}
+
+// A flood of RTRs whose pushes cannot finish runs a bounded number of pushes
+// on a bounded number of goroutines; the rest wait in the session's queue,
+// and RTRs beyond the queue are refused with a busy FIN.
+func TestRTRFlood(t *testing.T) {
+	const pushes, queue, flood = 4, 256, 1000
+	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Limits: Limits{Pushes: pushes, PushQueue: queue}})
+	var attacker *Session
+	release := make(chan struct{})
+	streams := stallBulk(t, func() *Session { return attacker }, release)
+	var busy atomic.Int64
+	interceptControl(t, ctlFIN, func(s *Session, p []byte) bool {
+		if s != attacker {
+			return false
+		}
+		if f, err := parseFIN(p); err == nil && f.Status == finBusy {
+			busy.Add(1)
+		}
+		return true
+	})
+	// A small window: a push of 1 MiB blocks until the attacker reads.
+	attacker, owner := pipePair(t, WithWindow(256<<10))
+	mark := markInbox(owner)
+	d := Offer(Source{Bytes: make([]byte, 1<<20)}, OfferOptions{Held: true})
+	defer Withdraw(d.Token)
+	before := runtime.NumGoroutine()
+
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	for i := range flood {
+		m := &rtr{Req: uint64(i + 1), Token: d.Token, Length: d.Length, Offers: PathStream}
+		require.NoError(t, attacker.SendControl(ctx, ctlRTR, m.marshal()))
+	}
+	require.NoError(t, attacker.SendControl(ctx, testCtlMark, nil))
+	waitFor(t, mark, "the mark after the flood")
+	for range pushes {
+		waitFor(t, streams, "a push")
+	}
+	// Every push runs, stalled; the others wait in the queue or were refused.
+	require.Eventually(t, func() bool { return busy.Load() >= flood-pushes-queue }, testTimeout, time.Millisecond,
+		"%d busy FINs", busy.Load())
+	select {
+	case <-streams:
+		t.Fatalf("more than %d pushes at once", pushes)
+	default:
+	}
+	g := runtime.NumGoroutine() - before
+	t.Logf("%d goroutines more during the flood", g)
+	require.Less(t, g, 3*pushes+maxControlHandlers, "goroutines during a flood of %d RTRs", flood)
+
+	close(release)
+	require.NoError(t, attacker.Close())
+	require.NoError(t, owner.Close())
+}
+
+// pushWatch reports the owner's side of each transfer to done, after waiting
+// (bounded) for returned: a push still running once its session's Close
+// returned sees returned closed.
+type pushWatch struct {
+	returned chan struct{}
+	done     chan bool // whether Close had returned
+}
+
+func (w *pushWatch) Transfer(i TransferInfo) {
+	if i.Pull {
+		return
+	}
+	t := time.NewTimer(time.Second)
+	defer t.Stop()
+	select {
+	case <-w.returned:
+		w.done <- true
+	case <-t.C: // Close is waiting for this push, as it should
+		w.done <- false
+	}
+}
+
+func (w *pushWatch) Fallback(Path, Path, string) {}
+
+// Close returns only once the session's pushes have.
+func TestCloseJoinsPushes(t *testing.T) {
+	w := &pushWatch{returned: make(chan struct{}), done: make(chan bool, 1)}
+	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Metrics: w})
+	var attacker *Session
+	streams := stallBulk(t, func() *Session { return attacker }, nil)
+	attacker, owner := pipePair(t, WithWindow(256<<10))
+	d := Offer(Source{Bytes: make([]byte, 1<<20)}, OfferOptions{Held: true})
+	defer Withdraw(d.Token)
+
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	m := &rtr{Req: 1, Token: d.Token, Length: d.Length, Offers: PathStream}
+	require.NoError(t, attacker.SendControl(ctx, ctlRTR, m.marshal()))
+	waitFor(t, streams, "the push")
+
+	require.NoError(t, owner.Close())
+	close(w.returned)
+	require.False(t, waitFor(t, w.done, "the push's end"), "the push was still running when Close returned")
+}
+
+// A 0-byte payload is pulled like any other, into an empty buffer.
+func TestZeroLengthPull(t *testing.T) {
+	setTransferConfig(t, TransferConfig{Timeout: testTimeout})
+	_, receiver := pipePair(t)
+	d := Offer(Source{Bytes: []byte{}}, OfferOptions{})
+	d.Owner = receiver.Peer().ID
+	b, _, err := FetchNew(context.Background(), d, func(n int) (*devicebuf.Buffer, error) {
+		return nil, errors.New("no allocation for 0 bytes")
+	})
+	require.NoError(t, err)
+	require.Zero(t, b.Len())
+	b.Release()
+	require.Zero(t, OutboxLen(), "the pulled entry left")
+}
+
+// An owner that stays silent on an RTR whose destination it could write by
+// RDMA loses its session once the abandoned bound passes, and the
+// destination is released.
+func TestSilentOwnerOfExposedPull(t *testing.T) {
+	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Limits: Limits{Abandoned: 50 * time.Millisecond}})
+	rc := internalUCX(t)
+	t.Cleanup(func() { require.NoError(t, CloseHostPools()) })
+	var attacker atomic.Pointer[Session]
+	rtrs := make(chan *rtr, 1)
+	interceptControl(t, ctlRTR, func(s *Session, p []byte) bool {
+		if s != attacker.Load() {
+			return false
+		}
+		m, _ := parseRTR(p)
+		rtrs <- m // and no answer
+		return true
+	})
+	ucx := []Option{WithRDMAContext(rc), WithMode(ModeUCX)}
+	_, victim, owner, _, _ := lanePair(t, append(ucx, WithLocalID(newToken())), ucx)
+	attacker.Store(owner)
+
+	dst, err := HostPool(rc).Alloc(1 << 20)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	fetched := make(chan error, 1)
+	go func() {
+		_, err := Fetch(ctx, Descriptor{Owner: victim.Peer().ID, Token: Token(newToken()), Length: 1 << 20, Kind: devicebuf.Host, Device: -1}, dst)
+		dst.Release()
+		fetched <- err
+	}()
+	m := waitFor(t, rtrs, "the RTR at the owner")
+	require.NotZero(t, m.Offers&PathRDMA, "the destination is exposed by RDMA")
+	cancel()
+	var te *TransferError
+	require.ErrorAs(t, waitFor(t, fetched, "the pull's end"), &te)
+	require.Equal(t, TransferCanceled, te.Kind)
+
+	waitFor(t, victim.Done(), "the end of the silent owner's session")
+	require.ErrorIs(t, victim.Err(), errOwnerSilent)
+	require.Eventually(t, func() bool { return numPulls() == 0 && HostPool(rc).Stats().InUse == 0 },
+		5*time.Second, 5*time.Millisecond, "the destination is still held")
+}
+
+// A pull waits for room under the session's limits, and fails with
+// TransferExhausted when its context ends first.
+func TestPullWaitsForRoom(t *testing.T) {
+	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Limits: Limits{Pulls: 1}})
+	var attacker *Session
+	rtrs := make(chan struct{}, 4)
+	interceptControl(t, ctlRTR, func(s *Session, _ []byte) bool {
+		if s != attacker {
+			return false
+		}
+		rtrs <- struct{}{} // and no answer
+		return true
+	})
+	attacker, victim := pipePair(t)
+	pull := func(ctx context.Context) <-chan error {
+		errc := make(chan error, 1)
+		go func() {
+			d := Descriptor{Owner: victim.Peer().ID, Token: Token(newToken()), Length: 1 << 10, Kind: devicebuf.Host, Device: -1}
+			_, err := FetchBytes(ctx, d, make([]byte, d.Length))
+			errc <- err
+		}()
+		return errc
+	}
+	waiting := func() bool {
+		victim.bounds.mu.Lock()
+		defer victim.bounds.mu.Unlock()
+		return victim.bounds.room != nil
+	}
+	kind := func(err error) TransferErrorKind {
+		var te *TransferError
+		require.ErrorAs(t, err, &te)
+		return te.Kind
+	}
+
+	ctx1, cancel1 := context.WithCancel(context.Background())
+	defer cancel1()
+	first := pull(ctx1)
+	waitFor(t, rtrs, "the first RTR")
+
+	ctx2, cancel2 := context.WithCancel(context.Background())
+	second := pull(ctx2)
+	require.Eventually(t, waiting, testTimeout, time.Millisecond, "the second pull waits")
+	cancel2()
+	err := waitFor(t, second, "the second pull's end")
+	require.Equal(t, TransferExhausted, kind(err), "%v", err)
+
+	ctx3, cancel3 := context.WithCancel(context.Background())
+	defer cancel3()
+	third := pull(ctx3)
+	require.Eventually(t, waiting, testTimeout, time.Millisecond, "the third pull waits")
+	cancel1() // the first gives up: its room goes to the third
+	require.Equal(t, TransferCanceled, kind(waitFor(t, first, "the first pull's end")))
+	waitFor(t, rtrs, "the third RTR")
+	cancel3()
+	require.Equal(t, TransferCanceled, kind(waitFor(t, third, "the third pull's end")))
+}
+
+// A peer that opens streams and leaves them hanging holds a bounded number of
+// goroutines: further streams wait in the multiplexer's backlog.
+func TestStreamFlood(t *testing.T) {
+	const flood = maxStreamHandlers + 200 // within the backlog beyond the handlers
+	setTransferConfig(t, TransferConfig{Timeout: testTimeout})
+	var victim *Session
+	release := make(chan struct{})
+	defer close(release)
+	streams := stallBulk(t, func() *Session { return victim }, release)
+	attacker, victim := pipePair(t)
+	mark := markInbox(victim)
+	before := runtime.NumGoroutine()
+
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	for range flood {
+		st, err := attacker.mux.OpenStream()
+		require.NoError(t, err)
+		_, err = st.Write([]byte{roleBulk})
+		require.NoError(t, err)
+	}
+	require.NoError(t, attacker.SendControl(ctx, testCtlMark, nil))
+	waitFor(t, mark, "the mark after the flood")
+	for range maxStreamHandlers {
+		waitFor(t, streams, "a stream served")
+	}
+	select {
+	case <-streams:
+		t.Fatalf("more than %d streams served at once", maxStreamHandlers)
+	case <-time.After(100 * time.Millisecond): // one more would come at once
+	}
+	// The attacker's own end waits for the streams left in the backlog to be
+	// accepted, a goroutine each: those are not the victim's.
+	buf := make([]byte, 16<<20)
+	waiting := bytes.Count(buf[:runtime.Stack(buf, true)], []byte("yamux.(*Session).setOpenTimeout("))
+	g := runtime.NumGoroutine() - waiting - before
+	t.Logf("%d goroutines more during the flood, and %d of the attacker's waiting opens", g, waiting)
+	require.Less(t, g, maxStreamHandlers+maxControlHandlers, "goroutines during a flood of %d streams", flood)
+}
