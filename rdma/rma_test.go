@@ -224,3 +224,21 @@ func TestKeyDomains(t *testing.T) {
 		})
 	}
 }
+
+// TestMapIsExact: a Map of part of memory UCX allocated is a registration of
+// its own: its key names none of the allocation's shared-memory segment.
+func TestMapIsExact(t *testing.T) {
+	c := newContext(t, "posix,sysv,cma,tcp")
+	client, _ := pair(t, c)
+	whole, err := c.Alloc(1 << 20)
+	require.NoError(t, err)
+	defer whole.Close()
+	part, err := c.Map(whole.Addr()+64<<10, 64<<10, rdma.MemoryHost)
+	require.NoError(t, err)
+	packed, err := part.PackKey()
+	require.NoError(t, err)
+	require.NoError(t, part.Close())
+	domains, err := client.KeyDomains(packed)
+	require.NoError(t, err)
+	require.Equal(t, []string{"tcp"}, domains)
+}

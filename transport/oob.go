@@ -620,6 +620,7 @@ func newStagedCopier(dst, staging *devicebuf.Buffer, p *pull) *stagedCopier {
 	go func() {
 		defer close(c.exited)
 		var copied uint64
+		landed := newChunkCoverage(total)
 		for copied < total {
 			var ch [2]uint64
 			select {
@@ -628,9 +629,8 @@ func newStagedCopier(dst, staging *devicebuf.Buffer, p *pull) *stagedCopier {
 				return
 			}
 			off, n := ch[0], ch[1]
-			// In order and without gaps: the bytes counted are the bytes copied.
-			if off != copied || n == 0 || n > total-off {
-				c.done <- fmt.Errorf("chunk [%d, +%d) where [%d, +%d) of a %d-byte destination was due", off, n, copied, min(uint64(cfg().StagingChunk), total-copied), total)
+			if err := landed.add(off, n); err != nil {
+				c.done <- err
 				return
 			}
 			if err := copyRange(dst, int(off), staging, int(off), int(n)); err != nil {
@@ -1250,7 +1250,7 @@ func pushRDMA(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src So
 // to registered host staging while the previous chunk is being put, two
 // staging buffers in flight.
 func pushStaged(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src *devicebuf.Buffer, key *rdma.RemoteKey) error {
-	chunk := min(cfg().StagingChunk, src.Len())
+	chunk := min(roundUp(cfg().StagingChunk, stagedGrain), src.Len())
 	pool := HostPool(s.RDMA())
 	var bufs [2]*devicebuf.Buffer
 	for i := range bufs {

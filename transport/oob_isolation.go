@@ -122,3 +122,38 @@ func settleWrites(s *Session, ep *rdma.Endpoint) {
 		cfg().Logger.Debug("flush after a failed push", "session", s.ID(), "err", err)
 	}
 }
+
+// stagedGrain aligns the chunks of a staged transfer: each starts at a
+// multiple of it, and each but the last is a multiple of it long.
+const stagedGrain = 64 << 10
+
+func roundUp(n, to int) int { return (n + to - 1) / to * to }
+
+// chunkCoverage tracks which grains of a staged destination chunks covered,
+// so that chunks that do not overlap and add up to the destination's length
+// are known to cover all of it.
+type chunkCoverage struct {
+	total uint64
+	grain []uint64 // one bit per stagedGrain
+}
+
+func newChunkCoverage(total uint64) *chunkCoverage {
+	return &chunkCoverage{total: total, grain: make([]uint64, (total/stagedGrain+64)/64)}
+}
+
+// add records the chunk [off, off+n), or reports why it cannot be one.
+func (c *chunkCoverage) add(off, n uint64) error {
+	if off > c.total || n == 0 || n > c.total-off || off%stagedGrain != 0 || (n%stagedGrain != 0 && off+n != c.total) {
+		return fmt.Errorf("chunk [%d, +%d) does not fit a %d-byte destination in %d-byte grains", off, n, c.total, stagedGrain)
+	}
+	first, end := off/stagedGrain, (off+n+stagedGrain-1)/stagedGrain
+	for g := first; g < end; g++ {
+		if c.grain[g/64]&(1<<(g%64)) != 0 {
+			return fmt.Errorf("chunk [%d, +%d) over an earlier one", off, n)
+		}
+	}
+	for g := first; g < end; g++ {
+		c.grain[g/64] |= 1 << (g % 64)
+	}
+	return nil
+}

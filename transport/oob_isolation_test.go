@@ -212,13 +212,24 @@ func TestForgedKeyWritesOwnMemory(t *testing.T) {
 }
 
 // TestDestinationKeyScope: the key a receiver sends covers its destination
-// and nothing else, and its registration ends with the transfer. With
-// TrustPeers it covers the pool region, reused across transfers.
+// and nothing else, names only memory the receiver's side writes into, and
+// its registration ends with the transfer. With TrustPeers it is the pool
+// region's key, reused across transfers (and puts may take shared memory).
 func TestDestinationKeyScope(t *testing.T) {
-	for _, trust := range []bool{false, true} {
-		t.Run(map[bool]string{false: "default", true: "trusted"}[trust], func(t *testing.T) {
-			withConfig(t, TransferConfig{TrustPeers: trust})
-			cs, ss := ucxPair(t, "tcp")
+	for _, tc := range []struct {
+		name    string
+		tls     string
+		trust   bool
+		domains []string
+	}{
+		{"tcp/default", "tcp", false, []string{"tcp"}},
+		{"tcp/trusted", "tcp", true, []string{"tcp"}},
+		{"shm/default", "posix,sysv,cma,tcp", false, []string{"tcp"}},
+		{"shm/trusted", "posix,sysv,cma,tcp", true, []string{"sysv", "tcp"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			withConfig(t, TransferConfig{TrustPeers: tc.trust})
+			cs, ss := ucxPair(t, tc.tls)
 			rtrs := make(chan *rtr, 1)
 			intercept(t, ctlRTR, cs, func(payload []byte) {
 				m, err := parseRTR(payload)
@@ -243,11 +254,14 @@ func TestDestinationKeyScope(t *testing.T) {
 			m := <-rtrs
 			base, length := binary.BigEndian.Uint64(m.RKey[8:]), binary.BigEndian.Uint64(m.RKey[16:])
 			root, _ := dst.Root()
-			if trust {
+			if tc.trust {
 				require.Equal(t, [2]uint64{uint64(root.Ptr()), uint64(root.Len())}, [2]uint64{base, length})
 			} else {
 				require.Equal(t, [2]uint64{uint64(dst.Ptr()), n}, [2]uint64{base, length}, "the key covers more than the destination")
 			}
+			domains, err := cs.Endpoint().KeyDomains(m.RKey)
+			require.NoError(t, err)
+			require.ElementsMatch(t, tc.domains, domains)
 			require.Equal(t, before, rdma.Stats().Memories, "the destination's registration outlived the transfer")
 		})
 	}
@@ -278,5 +292,73 @@ func TestCanceledPushWritesNothingLate(t *testing.T) {
 		require.NoError(t, cs.Endpoint().Flush(testContext(t)))
 		require.True(t, bytes.Equal(marker, b), "the push wrote after it returned")
 		release()
+	}
+}
+
+// TestChunkNoticesAfterCopierStopped: once a staged pull's copier stopped
+// (the pull failed or ended), chunk notices for it no longer wait for it.
+func TestChunkNoticesAfterCopierStopped(t *testing.T) {
+	_, ss := tcpPair(t)
+	const n = 8 << 20
+	alloc := devicebuf.NewHostAllocator()
+	dst, err := alloc.Alloc(n)
+	require.NoError(t, err)
+	staging, err := alloc.Alloc(n)
+	require.NoError(t, err)
+	defer staging.Release()
+	p := &pull{s: ss, dst: dst, fin: make(chan *fin, 1), bulk: make(chan error, 1)}
+	c := newStagedCopier(dst, staging, p)
+	pulls.Lock()
+	pulls.next++
+	p.req = pulls.next
+	pulls.m[p.req] = p
+	pulls.Unlock()
+	defer p.settled()
+	c.stop()
+
+	handled := make(chan struct{})
+	go func() {
+		defer close(handled)
+		for i := range 2 * cap(p.chunks) {
+			handleChunk(ss, chunkNotice(p.req, uint64(i)*stagedGrain, stagedGrain))
+		}
+	}()
+	select {
+	case <-handled:
+	case <-time.After(10 * time.Second):
+		t.Fatal("chunk notices block once the copier stopped")
+	}
+}
+
+func TestChunkCoverage(t *testing.T) {
+	const g = stagedGrain
+	for _, tc := range []struct {
+		name   string
+		total  uint64
+		chunks [][2]uint64
+		err    string // of the last chunk
+	}{
+		{"in order", 3*g + 5, [][2]uint64{{0, g}, {g, 2 * g}, {3 * g, 5}}, ""},
+		{"out of order", 3 * g, [][2]uint64{{2 * g, g}, {0, 2 * g}}, ""},
+		{"again", 3 * g, [][2]uint64{{0, g}, {0, g}}, "over an earlier one"},
+		{"overlapping", 3 * g, [][2]uint64{{g, 2 * g}, {0, 2 * g}}, "over an earlier one"},
+		{"unaligned start", 3 * g, [][2]uint64{{1, g}}, "does not fit"},
+		{"short chunk inside", 3 * g, [][2]uint64{{0, g - 1}}, "does not fit"},
+		{"past the end", 3 * g, [][2]uint64{{2 * g, 2 * g}}, "does not fit"},
+		{"empty", 3 * g, [][2]uint64{{0, 0}}, "does not fit"},
+		{"huge offset", 3 * g, [][2]uint64{{1 << 63, g}}, "does not fit"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := newChunkCoverage(tc.total)
+			var err error
+			for _, ch := range tc.chunks {
+				err = c.add(ch[0], ch[1])
+			}
+			if tc.err == "" {
+				require.NoError(t, err)
+			} else {
+				require.ErrorContains(t, err, tc.err)
+			}
+		})
 	}
 }
