@@ -16,13 +16,14 @@
 // Unless the environment sets them, a context sets UCX_ERROR_SIGNALS to empty
 // (for the dlopen: UCX's signal handlers would hide Go's crash reports), and
 // through ucp_config_modify MAX_RNDV_RAILS=1 and PROTO_ENABLE=n (see
-// Workers), RCACHE_ENABLE=n and IB_RCACHE=n (a key packed from a Map reaches
-// that range only, and only until Close; UCX's registration caches would hand
-// out a covering registration and keep it) and, where UCX_TLS may select the
-// posix/sysv shared-memory transports, MM_ERROR_HANDLING=y (peer error
-// handling would otherwise drop them). UCX's descriptors are marked close-on-exec after each call that
-// opens them and, for those UCX opens lazily, whenever a worker goes idle (at
-// most every 10 ms).
+// Workers); RCACHE_ENABLE=n and, where the host has InfiniBand devices,
+// IB_RCACHE=n (a key packed from a Map then reaches that range only, and only
+// until Close: UCX's registration caches would hand out a covering
+// registration and keep it); and, where UCX_TLS may select the posix/sysv
+// shared-memory transports, MM_ERROR_HANDLING=y (peer error handling would
+// otherwise drop them). UCX's descriptors are marked close-on-exec after each
+// call that opens them and, for those UCX opens lazily, whenever a worker goes
+// idle (at most every 10 ms).
 //
 // # Workers
 //

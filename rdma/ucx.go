@@ -134,13 +134,14 @@ type Context struct {
 var defaultConfig = []struct {
 	key, value string
 	unlessEnv  []string
-	mmOnly     bool
+	when       func(tls string) bool // nil: always
 }{
-	{"MM_ERROR_HANDLING", "y", []string{"UCX_POSIX_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING", "UCX_MM_ERROR_HANDLING"}, true},
-	{"MAX_RNDV_RAILS", "1", []string{"UCX_MAX_RNDV_RAILS", "UCX_MAX_RNDV_LANES"}, false},
-	{"PROTO_ENABLE", "n", []string{"UCX_PROTO_ENABLE"}, false},
-	{"RCACHE_ENABLE", "n", []string{"UCX_RCACHE_ENABLE"}, false},
-	{"IB_RCACHE", "n", []string{"UCX_IB_RCACHE"}, false},
+	{"MM_ERROR_HANDLING", "y", []string{"UCX_POSIX_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING", "UCX_MM_ERROR_HANDLING"}, mayUseMM},
+	{"MAX_RNDV_RAILS", "1", []string{"UCX_MAX_RNDV_RAILS", "UCX_MAX_RNDV_LANES"}, nil},
+	{"PROTO_ENABLE", "n", []string{"UCX_PROTO_ENABLE"}, nil},
+	{"RCACHE_ENABLE", "n", []string{"UCX_RCACHE_ENABLE"}, nil},
+	// UCX warns about a key no loaded memory domain reads.
+	{"IB_RCACHE", "n", []string{"UCX_IB_RCACHE"}, func(string) bool { return hasIBDevices() }},
 }
 
 // NewContext creates a UCX context with the features STREAM, RMA, AM and
@@ -161,7 +162,7 @@ func newContext(opts []Option, isDefault bool) (*Context, error) {
 		tls = o.config["TLS"]
 	}
 	for _, d := range defaultConfig {
-		if !slices.ContainsFunc(d.unlessEnv, envSet) && (!d.mmOnly || mayUseMM(tls)) {
+		if !slices.ContainsFunc(d.unlessEnv, envSet) && (d.when == nil || d.when(tls)) {
 			cfg.set(d.key, d.value)
 		}
 	}

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
 	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/rdma"
 )
@@ -361,4 +362,35 @@ func TestChunkCoverage(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestFINWithoutWriteGPU: the same over CUDA IPC into GPU memory (the fake
+// GPU, which faults on a CPU touch): the destination is cleared by the
+// device's copies.
+func TestFINWithoutWriteGPU(t *testing.T) {
+	devicebuftest.Install(t, 1)
+	t.Cleanup(func() { require.NoError(t, CloseHostPools()) })
+	cs, ss := tcpPair(t)
+	rtrs := answerWith(t, cs, finOK, PathCUDAIPC)
+	const n = 256<<10 + 3
+	gpu, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	dst, err := gpu.Alloc(n)
+	require.NoError(t, err)
+	defer dst.Release()
+	secret := devicebuf.HostFromBytes(bytes.Repeat([]byte{0xEE}, n))
+	defer secret.Release()
+	require.NoError(t, devicebuf.Copy(dst, secret))
+
+	d := descriptorOf(n)
+	d.Kind, d.Device, d.DeviceUUID, d.HostID = devicebuf.CUDA, 0, dst.DeviceUUID(), LocalHostID()
+	path, err := fetchVia(testContext(t), ss, d, dst)
+	require.NoError(t, err)
+	require.Equal(t, PathCUDAIPC, path)
+	require.NotZero(t, (<-rtrs).Offers&PathCUDAIPC, "the receiver offered cuda-ipc")
+	got := make([]byte, n)
+	back := devicebuf.HostFromBytes(got)
+	defer back.Release()
+	require.NoError(t, devicebuf.Copy(back, dst))
+	require.Equal(t, make([]byte, n), got, "the destination reached the caller uncleared")
 }
