@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"fmt"
 	"testing"
 	"time"
 
@@ -22,7 +23,7 @@ import (
 
 // ucxPair returns the client and server sessions of a UCX session on a
 // context of its own restricted to the UCX transports tls.
-func ucxPair(t *testing.T, tls string) (cs, ss *Session) {
+func ucxPair(t testing.TB, tls string) (cs, ss *Session) {
 	t.Helper()
 	testenv.Need(t, "ucx", rdma.Available())
 	rc, err := rdma.NewContext(rdma.WithTransports(tls))
@@ -86,7 +87,7 @@ func answerWith(t *testing.T, s *Session, status finStatus, path Path) <-chan *r
 }
 
 // withConfig sets the engine's configuration until the test ends.
-func withConfig(t *testing.T, c TransferConfig) {
+func withConfig(t testing.TB, c TransferConfig) {
 	t.Helper()
 	old := *cfg()
 	SetTransferConfig(c)
@@ -393,4 +394,77 @@ func TestFINWithoutWriteGPU(t *testing.T) {
 	defer back.Release()
 	require.NoError(t, devicebuf.Copy(back, dst))
 	require.Equal(t, make([]byte, n), got, "the destination reached the caller uncleared")
+}
+
+// BenchmarkDestinationExposure: what a transfer pays for its destination's
+// isolation: clearing it, registering it alone and packing its key
+// (receiver), unpacking and releasing that key (owner); against the pool
+// region's cached key that trusted peers share.
+func BenchmarkDestinationExposure(b *testing.B) {
+	for _, tls := range []string{"tcp", "posix,sysv,cma,tcp"} {
+		for _, n := range []int{64 << 10, 1 << 20, 64 << 20} {
+			for _, op := range []string{"clear", "exact-key", "region-key"} {
+				b.Run(fmt.Sprintf("tls=%s/size=%s/op=%s", tls, sizeName(n), op), func(b *testing.B) {
+					cs, ss := ucxPair(b, tls)
+					dst, err := HostPool(ss.RDMA()).Alloc(n)
+					require.NoError(b, err)
+					defer dst.Release()
+					b.SetBytes(int64(n))
+					for b.Loop() {
+						switch op {
+						case "clear":
+							require.NoError(b, clearDestination(dst))
+						case "exact-key", "region-key":
+							expose := registerExactly
+							if op == "region-key" {
+								expose = registered
+							}
+							mem, _, release, err := expose(ss.RDMA(), dst)
+							require.NoError(b, err)
+							key, err := packedKey(mem)
+							require.NoError(b, err)
+							k, done, err := remoteKey(cs, cs.Endpoint(), key)
+							require.NoError(b, err)
+							_ = k
+							done()
+							release()
+						}
+					}
+				})
+			}
+		}
+	}
+}
+
+// BenchmarkPull: a pull over the rdma path with each destination isolated
+// (the default) and with trusted peers.
+func BenchmarkPull(b *testing.B) {
+	for _, tls := range []string{"tcp", "posix,sysv,cma,tcp"} {
+		for _, n := range []int{1 << 20, 64 << 20} {
+			for _, trust := range []bool{false, true} {
+				b.Run(fmt.Sprintf("tls=%s/size=%s/trusted=%v", tls, sizeName(n), trust), func(b *testing.B) {
+					withConfig(b, TransferConfig{TrustPeers: trust})
+					_, ss := ucxPair(b, tls)
+					d := Offer(Source{Bytes: make([]byte, n)}, OfferOptions{Held: true})
+					defer Withdraw(d.Token)
+					dst, err := HostPool(ss.RDMA()).Alloc(n)
+					require.NoError(b, err)
+					defer dst.Release()
+					b.SetBytes(int64(n))
+					for b.Loop() {
+						path, err := fetchVia(context.Background(), ss, d, dst)
+						require.NoError(b, err)
+						require.Equal(b, PathRDMA, path)
+					}
+				})
+			}
+		}
+	}
+}
+
+func sizeName(n int) string {
+	if n >= 1<<20 {
+		return fmt.Sprintf("%dMiB", n>>20)
+	}
+	return fmt.Sprintf("%dKiB", n>>10)
 }
