@@ -475,10 +475,12 @@ func (p *pull) settleLater() {
 // destinations that UCX cannot write into).
 func offerDestination(s *Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buffer, error) {
 	peer, allowed := s.Peer(), cfg().Paths
+	cleared := false // p.dst
 	if dst := p.dst; allowed&PathCUDAIPC != 0 && dst.Kind() == devicebuf.CUDA && peer.SameHost && d.HostID == LocalHostID() && d.Kind == devicebuf.CUDA {
 		h, off, err := devicebuf.ExportIPC(dst)
 		if err == nil {
 			err = clearDestination(dst)
+			cleared = err == nil
 		}
 		if err == nil {
 			m.Offers |= PathCUDAIPC
@@ -509,9 +511,11 @@ func offerDestination(s *Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buf
 		p.after = append(p.after, func() { b.Release() })
 		target = b
 	}
-	if err := clearDestination(target); err != nil {
-		cfg().Metrics.Fallback(PathRDMA, PathStream, "clear destination: "+err.Error())
-		return staging, nil
+	if target != p.dst || !cleared {
+		if err := clearDestination(target); err != nil {
+			cfg().Metrics.Fallback(PathRDMA, PathStream, "clear destination: "+err.Error())
+			return staging, nil
+		}
 	}
 	mem, off, release, err := exposeDestination(rc, target)
 	if err != nil {
