@@ -76,6 +76,14 @@
 //
 // # Known UCX limitations
 //
+//   - Keys bound nothing against a peer that drives UCX itself. UCX's tcp
+//     transport has no keys and copies a put to whatever address it names,
+//     and a context with RMA (every context of this package) serves emulated
+//     puts and gets, as active messages over any transport, at any address a
+//     peer names with a key that matches none of its lanes' memory domains.
+//     A UCX endpoint gives its peer this process's memory; only the puts of
+//     a peer that plays by the rules are bounded by keys (by the NIC on
+//     verbs).
 //   - UCX 1.13 crashes (SIGSEGV in ucp_rkey_destroy on the error path of
 //     ucp_ep_rkey_unpack) when a shared-memory transport fails to unpack its
 //     part of a remote key, e.g. a sysv key whose segment was already removed.
