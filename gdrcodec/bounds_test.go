@@ -66,9 +66,9 @@ func forgeClaim(t *testing.T, owner transport.ID, length uint64, blob bool) []by
 // ResourceExhausted before anything is allocated, even when its owner is
 // connected and would answer.
 func TestOversizedClaims(t *testing.T) {
-	var owner transport.ID
-	rand.Read(owner[:])
-	transporttest.PairWith(t, []transport.Option{transport.WithLocalID(owner)}, nil)
+	id := transport.NewIdentity()
+	owner := id.ID()
+	transporttest.PairWith(t, []transport.Option{transport.WithIdentity(id)}, nil)
 	var stranger transport.ID
 	rand.Read(stranger[:])
 	tests := []struct {

@@ -16,11 +16,14 @@
 // Unless the environment sets them, a context sets UCX_ERROR_SIGNALS to empty
 // (for the dlopen: UCX's signal handlers would hide Go's crash reports), and
 // through ucp_config_modify MAX_RNDV_RAILS=1 and PROTO_ENABLE=n (see
-// Workers) and, where UCX_TLS may select the posix/sysv shared-memory
-// transports, MM_ERROR_HANDLING=y (peer error handling would otherwise drop
-// them). UCX's descriptors are marked close-on-exec after each call that
-// opens them and, for those UCX opens lazily, whenever a worker goes idle (at
-// most every 10 ms).
+// Workers); RCACHE_ENABLE=n and, where the host has InfiniBand devices,
+// IB_RCACHE=n (a key packed from a Map then reaches that range only, and only
+// until Close: UCX's registration caches would hand out a covering
+// registration and keep it); and, where UCX_TLS may select the posix/sysv
+// shared-memory transports, MM_ERROR_HANDLING=y (peer error handling would
+// otherwise drop them). UCX's descriptors are marked close-on-exec after each
+// call that opens them and, for those UCX opens lazily, whenever a worker goes
+// idle (at most every 10 ms).
 //
 // # Workers
 //
@@ -73,6 +76,14 @@
 //
 // # Known UCX limitations
 //
+//   - Keys bound nothing against a peer that drives UCX itself. UCX's tcp
+//     transport has no keys and copies a put to whatever address it names,
+//     and a context with RMA (every context of this package) serves emulated
+//     puts and gets, as active messages over any transport, at any address a
+//     peer names with a key that matches none of its lanes' memory domains.
+//     A UCX endpoint gives its peer this process's memory; only the puts of
+//     a peer that plays by the rules are bounded by keys (by the NIC on
+//     verbs).
 //   - UCX 1.13 crashes (SIGSEGV in ucp_rkey_destroy on the error path of
 //     ucp_ep_rkey_unpack) when a shared-memory transport fails to unpack its
 //     part of a remote key, e.g. a sysv key whose segment was already removed.

@@ -9,6 +9,7 @@ package rdma
 import "C"
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -16,6 +17,7 @@ import (
 	"net"
 	"runtime"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 	"unsafe"
@@ -60,6 +62,7 @@ type Endpoint struct {
 	inflight int
 	onErr    func(error)
 	errFired bool
+	lanes    string // TransportInfo once it showed lanes to the peer (KeyDomains)
 
 	done      chan struct{}
 	closeDone chan struct{} // the UCX endpoint is released
@@ -824,6 +827,29 @@ type RemoteKey struct {
 	closeErr error
 }
 
+// KeyDomains returns the kinds of the peer's memory domains ("tcp", "ib",
+// "sysv", "posix", "cma", "cuda_ipc", ...) that packed carries and that the
+// endpoint's lanes reach: the transports a put with the key may take. Which
+// of them bound a put by the key depends on the transport: on some (shared
+// memory, CMA, CUDA IPC) this process writes itself wherever the key says.
+// An empty result means UCX would emulate the put with active messages that
+// the peer applies.
+func (e *Endpoint) KeyDomains(packed []byte) ([]string, error) {
+	e.mu.Lock()
+	info := e.lanes
+	e.mu.Unlock()
+	if info == "" {
+		info = e.TransportInfo()
+		if !strings.Contains(info, "->") {
+			return nil, fmt.Errorf("rdma: key domains: %w", cmp.Or(e.termErr(), errors.New("the endpoint shows no lanes")))
+		}
+		e.mu.Lock()
+		e.lanes = info
+		e.mu.Unlock()
+	}
+	return keyDomains(packed, info)
+}
+
 // UnpackKey unpacks a key made by the peer's Memory.PackKey. The framing is
 // validated; the key is valid on this endpoint only.
 func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
@@ -906,8 +932,9 @@ func checkLocal(m *Memory, off, n int) error {
 
 // Put writes n bytes at src[srcOff:] into the peer's memory at remote. It
 // returns when the source may be reused (local completion); Flush gives
-// remote completion. ctx bounds the wait; a cancelled put may still complete
-// (UCX cannot cancel it) and keeps src referenced until then.
+// remote completion. UCX cannot cancel a put once issued: when ctx ends first,
+// Put still waits for the put to complete, or for the endpoint to fail, and
+// then returns ctx's error.
 func (e *Endpoint) Put(ctx context.Context, src *Memory, srcOff, n int, remote uint64, key *RemoteKey) error {
 	return e.memRMA(ctx, false, src, srcOff, n, remote, key)
 }
@@ -994,18 +1021,27 @@ func (e *Endpoint) rma(ctx context.Context, get bool, local uintptr, n int, m *M
 		release()
 		return err
 	}
+	var ctxErr error
 	select {
 	case err := <-res:
 		return err
 	case <-ctx.Done():
-		return fmt.Errorf("rdma: %s: %w", name, ctx.Err())
+		// UCX cannot cancel the operation: until it completes it may still
+		// read the local memory and write the peer's, which the caller would
+		// otherwise reuse, or report failed, at once.
+		ctxErr = fmt.Errorf("rdma: %s: %w", name, ctx.Err())
+	case <-e.done:
+	}
+	select {
+	case err := <-res:
+		return cmp.Or(ctxErr, err)
 	case <-e.done:
 		select {
 		case err := <-res:
-			return err
+			return cmp.Or(ctxErr, err)
 		default:
 		}
-		return e.termErr()
+		return cmp.Or(ctxErr, e.termErr())
 	}
 }
 

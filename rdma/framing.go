@@ -4,6 +4,9 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"regexp"
+	"slices"
+	"strconv"
 )
 
 // Packed remote key framing (all integers big-endian):
@@ -123,4 +126,33 @@ func validateRkey(b []byte) error {
 		return fmt.Errorf("%w: %d unexpected bytes after the rkey", ErrBadKey, len(b)-p)
 	}
 	return nil
+}
+
+// laneDomain matches a lane of ucp_ep_print_info's text and captures the
+// peer's memory domain index and component: "-> md[1]/sysv/sysdev[255]".
+var laneDomain = regexp.MustCompile(`->\s*md\[(\d+)\]/([A-Za-z0-9_]+)/`)
+
+// keyDomains returns the components (UCX memory domain kinds: "tcp", "ib",
+// "sysv", "posix", "cma", "cuda_ipc", ...) of the peer's memory domains that
+// the packed key carries and that a lane in info (ucp_ep_print_info's text)
+// reaches: the transports a put with the key may take. A key carrying none of
+// them makes UCX emulate the put with active messages the peer applies.
+func keyDomains(packed []byte, info string) ([]string, error) {
+	pk, err := decodeKey(packed)
+	if err != nil {
+		return nil, err
+	}
+	if err := validateRkey(pk.rkey); err != nil {
+		return nil, err
+	}
+	mdMap := binary.LittleEndian.Uint64(pk.rkey)
+	var out []string
+	for _, m := range laneDomain.FindAllStringSubmatch(info, -1) {
+		i, err := strconv.Atoi(m[1])
+		if err != nil || i >= 64 || mdMap&(1<<i) == 0 || slices.Contains(out, m[2]) {
+			continue
+		}
+		out = append(out, m[2])
+	}
+	return out, nil
 }

@@ -179,3 +179,66 @@ func TestMemoryCloseDuringPuts(t *testing.T) {
 	require.NoError(t, client.Flush(ctx))
 	require.Equal(t, int64(1), rdma.Stats().Memories) // dst only
 }
+
+// TestPutCanceledCompletes: a put whose context ended before it completed
+// returns only once UCX is done with it: its source is no longer in use (it
+// unmaps at once on Close) and its key may be released.
+func TestPutCanceledCompletes(t *testing.T) {
+	c := newContext(t, "tcp")
+	client, _ := pair(t, c)
+	const n = 8 << 20
+	dst, _, rk := exposed(t, c, client, n)
+	canceled, cancel := context.WithCancel(context.Background())
+	cancel()
+	for range 3 {
+		src, err := c.Alloc(n)
+		require.NoError(t, err)
+		before := rdma.Stats().Memories
+		if err := client.Put(canceled, src, 0, n, uint64(dst.Addr()), rk); err != nil {
+			require.ErrorIs(t, err, context.Canceled)
+		}
+		require.NoError(t, src.Close())
+		require.Equal(t, before-1, rdma.Stats().Memories, "the put still used its source after it returned")
+		require.NoError(t, client.Flush(testCtx(t)))
+	}
+}
+
+// TestKeyDomains: a key names the memory domains a put with it may take.
+func TestKeyDomains(t *testing.T) {
+	for _, tc := range []struct {
+		name, tls string
+		want      []string
+	}{
+		{"tcp", "tcp", []string{"tcp"}},
+		{"shm", "posix,sysv,cma,tcp", []string{"sysv", "tcp"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := newContext(t, tc.tls)
+			client, _ := pair(t, c)
+			_, packed, _ := exposed(t, c, client, 4096)
+			got, err := client.KeyDomains(packed)
+			require.NoError(t, err)
+			require.ElementsMatch(t, tc.want, got)
+			_, err = client.KeyDomains(packed[:10])
+			require.ErrorIs(t, err, rdma.ErrBadKey)
+		})
+	}
+}
+
+// TestMapIsExact: a Map of part of memory UCX allocated is a registration of
+// its own: its key names none of the allocation's shared-memory segment.
+func TestMapIsExact(t *testing.T) {
+	c := newContext(t, "posix,sysv,cma,tcp")
+	client, _ := pair(t, c)
+	whole, err := c.Alloc(1 << 20)
+	require.NoError(t, err)
+	defer whole.Close()
+	part, err := c.Map(whole.Addr()+64<<10, 64<<10, rdma.MemoryHost)
+	require.NoError(t, err)
+	packed, err := part.PackKey()
+	require.NoError(t, err)
+	require.NoError(t, part.Close())
+	domains, err := client.KeyDomains(packed)
+	require.NoError(t, err)
+	require.Equal(t, []string{"tcp"}, domains)
+}

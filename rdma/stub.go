@@ -72,6 +72,12 @@ func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
 	}
 	return nil, errBuild
 }
+func (e *Endpoint) KeyDomains(packed []byte) ([]string, error) {
+	if _, err := decodeKey(packed); err != nil {
+		return nil, err
+	}
+	return nil, errBuild
+}
 func (e *Endpoint) Put(ctx context.Context, src *Memory, srcOff, n int, remote uint64, key *RemoteKey) error {
 	return errBuild
 }

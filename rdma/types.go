@@ -213,3 +213,10 @@ func mayUseMM(tls string) bool {
 	}
 	return false
 }
+
+// hasIBDevices reports whether the host has InfiniBand/RoCE devices, for which
+// UCX loads its InfiniBand memory domain.
+func hasIBDevices() bool {
+	entries, err := os.ReadDir("/sys/class/infiniband")
+	return err == nil && len(entries) > 0
+}

@@ -126,14 +126,25 @@ type Context struct {
 //     (PROTO_ENABLE=n): it is also the one the tests run on 1.13. A UCX that
 //     registers CUDA memory keeps the newer one: the first copies small puts
 //     of CUDA memory with the CPU.
+//   - Exact registrations. With its registration caches on, UCX answers Map
+//     with any cached registration that covers the range (for memory UCX
+//     allocated, the whole allocation, shared-memory segment included),
+//     merges overlapping ones, and keeps them registered after Close. A key
+//     packed from a Map then reaches more than the range, and for longer.
+//     RCACHE_ENABLE=n (UCP's cache) and IB_RCACHE=n (the InfiniBand memory
+//     domain's) make every Map a registration of its own range that ends
+//     with Close; on verbs that is a memory registration per Map.
 var defaultConfig = []struct {
 	key, value string
 	unlessEnv  []string
-	mmOnly     bool
+	when       func(tls string) bool // nil: always
 }{
-	{"MM_ERROR_HANDLING", "y", []string{"UCX_POSIX_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING", "UCX_MM_ERROR_HANDLING"}, true},
-	{"MAX_RNDV_RAILS", "1", []string{"UCX_MAX_RNDV_RAILS", "UCX_MAX_RNDV_LANES"}, false},
-	{"PROTO_ENABLE", "n", []string{"UCX_PROTO_ENABLE"}, false},
+	{"MM_ERROR_HANDLING", "y", []string{"UCX_POSIX_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING", "UCX_MM_ERROR_HANDLING"}, mayUseMM},
+	{"MAX_RNDV_RAILS", "1", []string{"UCX_MAX_RNDV_RAILS", "UCX_MAX_RNDV_LANES"}, nil},
+	{"PROTO_ENABLE", "n", []string{"UCX_PROTO_ENABLE"}, nil},
+	{"RCACHE_ENABLE", "n", []string{"UCX_RCACHE_ENABLE"}, nil},
+	// UCX warns about a key no loaded memory domain reads.
+	{"IB_RCACHE", "n", []string{"UCX_IB_RCACHE"}, func(string) bool { return hasIBDevices() }},
 }
 
 // NewContext creates a UCX context with the features STREAM, RMA, AM and
@@ -154,7 +165,7 @@ func newContext(opts []Option, isDefault bool) (*Context, error) {
 		tls = o.config["TLS"]
 	}
 	for _, d := range defaultConfig {
-		if !slices.ContainsFunc(d.unlessEnv, envSet) && (!d.mmOnly || mayUseMM(tls)) {
+		if !slices.ContainsFunc(d.unlessEnv, envSet) && (d.when == nil || d.when(tls)) {
 			cfg.set(d.key, d.value)
 		}
 	}

@@ -24,7 +24,10 @@
 // "gdrpc+tcp"), in debug logs and in AuthInfo.
 //
 // What this package must never do: call UCX other than through package rdma,
-// touch device memory (package devicebuf owns it), or keep a session alive
-// past its peer: every wait is bounded by a context, a deadline or the
-// session's life, and a peer that stops answering keepalives is dropped.
+// touch device memory (package devicebuf owns it), hand the application a
+// destination whose bytes did not provably arrive and that was not cleared,
+// put through a transport that writes wherever a peer's key says unless
+// TrustPeers is set, or keep a session alive past its peer: every wait is
+// bounded by a context, a deadline or the session's life, and a peer that
+// stops answering keepalives is dropped.
 package transport

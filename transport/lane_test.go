@@ -28,7 +28,7 @@ func init() {
 
 // lanePair dials one session with the given options on each side and returns
 // both sessions and their gRPC conns.
-func lanePair(t *testing.T, serverOpts, clientOpts []Option) (l *Listener, cs, ss *Session, cc, sc net.Conn) {
+func lanePair(t testing.TB, serverOpts, clientOpts []Option) (l *Listener, cs, ss *Session, cc, sc net.Conn) {
 	t.Helper()
 	l, err := Listen("127.0.0.1:0", serverOpts...)
 	require.NoError(t, err)

@@ -84,6 +84,17 @@ type TransferConfig struct {
 	// Limits bound what one peer's session may hold; their zero fields take
 	// the defaults Limits documents.
 	Limits Limits
+	// TrustPeers says the peers of this process's UCX sessions are trusted
+	// (one cluster, one operator). Receivers then expose whole registered
+	// pool regions (keys reused across transfers, shared-memory puts) and
+	// owners put through any transport a key names, including those where
+	// this process writes wherever the key says (UCX shared memory, CMA, CUDA
+	// IPC). If false (the zero value), each destination is registered for its
+	// transfer alone, and owners put only where the receiver's side applies
+	// the write (UCX over TCP, InfiniBand/RoCE verbs) and take the stream path
+	// otherwise. Either way a UCX session exposes more of a process to its
+	// peer than its transfers' memory: see the README's Security section.
+	TrustPeers bool
 }
 
 var oobConfig atomic.Pointer[TransferConfig]
@@ -238,8 +249,9 @@ type pull struct {
 	fin chan *fin         // FIN from the owner (buffered 1)
 	// chunks receives staged-chunk notices [off, off+n) when the destination is
 	// GPU memory behind host staging; nil otherwise.
-	chunks chan [2]uint64
-	bulk   chan error // the bulk stream's outcome (buffered 1)
+	chunks     chan [2]uint64
+	chunksGone chan struct{} // closed when the reader of chunks stopped
+	bulk       chan error    // the bulk stream's outcome (buffered 1)
 
 	offers   Path // the paths the RTR offered
 	settle   sync.Once
@@ -443,6 +455,7 @@ func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buff
 		m.Offers |= PathStaged
 		staged = newStagedCopier(dst, staging, p)
 		defer staged.stop()
+		p.after = append(p.after, staged.stop) // runs before staging goes back
 	}
 	pulls.Lock()
 	pulls.next++
@@ -476,6 +489,10 @@ func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buff
 	if f.Status != finOK {
 		p.settled()
 		return f.Path, finError(d.Token, f)
+	}
+	if err := checkFINPath(m, f.Path); err != nil {
+		p.settled()
+		return f.Path, &TransferError{Token: d.Token, Kind: TransferInvalid, Err: err}
 	}
 	if f.Path == PathStream {
 		select {
@@ -520,8 +537,13 @@ func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buff
 // destinations that UCX cannot write into).
 func offerDestination(s *Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buffer, error) {
 	peer, allowed := s.Peer(), cfg().Paths
+	cleared := false // p.dst
 	if dst := p.dst; allowed&PathCUDAIPC != 0 && dst.Kind() == devicebuf.CUDA && peer.SameHost && d.HostID == LocalHostID() && d.Kind == devicebuf.CUDA {
 		h, off, err := devicebuf.ExportIPC(dst)
+		if err == nil {
+			err = clearDestination(dst)
+			cleared = err == nil
+		}
 		if err == nil {
 			m.Offers |= PathCUDAIPC
 			m.IPC, m.IPCOffset, m.IPCDevice = h, uint64(off), dst.DeviceUUID()
@@ -551,7 +573,13 @@ func offerDestination(s *Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buf
 		p.after = append(p.after, func() { b.Release() })
 		target = b
 	}
-	mem, off, release, err := registered(rc, target)
+	if target != p.dst || !cleared {
+		if err := clearDestination(target); err != nil {
+			cfg().Metrics.Fallback(PathRDMA, PathStream, "clear destination: "+err.Error())
+			return staging, nil
+		}
+	}
+	mem, off, release, err := exposeDestination(rc, target)
 	if err != nil {
 		cfg().Metrics.Fallback(PathRDMA, PathStream, "register destination: "+err.Error())
 		return staging, nil
@@ -629,6 +657,7 @@ func handleChunk(s *Session, payload []byte) {
 	}
 	select {
 	case p.chunks <- [2]uint64{off, n}:
+	case <-p.chunksGone:
 	case <-s.Done():
 	}
 }
@@ -636,16 +665,21 @@ func handleChunk(s *Session, payload []byte) {
 // stagedCopier copies staged chunks to their GPU destination as their notices
 // arrive, overlapping the owner's next puts.
 type stagedCopier struct {
-	done chan error // the copier's outcome once every byte was copied
-	quit chan struct{}
+	done     chan error // the copier's outcome once every byte was copied
+	quit     chan struct{}
+	exited   chan struct{}
+	stopOnce sync.Once
 }
 
 func newStagedCopier(dst, staging *devicebuf.Buffer, p *pull) *stagedCopier {
-	c := &stagedCopier{done: make(chan error, 1), quit: make(chan struct{})}
+	c := &stagedCopier{done: make(chan error, 1), quit: make(chan struct{}), exited: make(chan struct{})}
 	p.chunks = make(chan [2]uint64, 64)
+	p.chunksGone = c.exited
 	total := uint64(dst.Len())
 	go func() {
+		defer close(c.exited)
 		var copied uint64
+		landed := newChunkCoverage(total)
 		for copied < total {
 			var ch [2]uint64
 			select {
@@ -654,8 +688,8 @@ func newStagedCopier(dst, staging *devicebuf.Buffer, p *pull) *stagedCopier {
 				return
 			}
 			off, n := ch[0], ch[1]
-			if off > total || n > total-off {
-				c.done <- fmt.Errorf("chunk [%d, +%d) outside a %d-byte destination", off, n, total)
+			if err := landed.add(off, n); err != nil {
+				c.done <- err
 				return
 			}
 			if err := copyRange(dst, int(off), staging, int(off), int(n)); err != nil {
@@ -680,7 +714,11 @@ func (c *stagedCopier) wait(ctx context.Context, s *Session) error {
 	}
 }
 
-func (c *stagedCopier) stop() { close(c.quit) }
+// stop ends the copier and waits for it: no copy runs afterwards.
+func (c *stagedCopier) stop() {
+	c.stopOnce.Do(func() { close(c.quit) })
+	<-c.exited
+}
 
 // serveBulk receives a stream-path payload on a bulk stream the owner opened:
 // a bulk header (request id, length) and the bytes.
@@ -1007,12 +1045,12 @@ func pushIPC(s *Session, m *rtr, src Source) error {
 	return copyFromSource(dst, src)
 }
 
-// Unpacked keys of a receiver's registered regions, kept per session: unpacking
-// attaches the receiver's memory (shared-memory segments on one host) and the
-// first put into it faults every page in, so doing it per transfer cost about
-// 10x at 64 MiB. Receivers reuse their registered pool regions and send the
-// same packed key again. The keys go when the session closes, the least
-// recently used when there are too many, each once no push uses it.
+// Unpacked keys of a receiver's registered regions, kept per session:
+// unpacking a shared-memory key attaches the receiver's segment, and the
+// first put into it faults every page in. Receivers that trust their peers
+// reuse their registered pool regions and send the same packed key again. The
+// keys go when the session closes, the least recently used when there are too
+// many, each once no push uses it.
 const maxRemoteKeys = 256
 
 type cachedKey struct {
@@ -1033,26 +1071,49 @@ var keysBySession = struct {
 }{m: map[*Session]*remoteKeys{}}
 
 // remoteKey returns the unpacked key for packed and the function that ends its
-// use by the caller.
+// use by the caller. Unpacking is a round trip to the endpoint's worker: it
+// runs outside keysBySession's lock, so that a busy worker stalls only its own
+// pushes.
 func remoteKey(s *Session, ep *rdma.Endpoint, packed []byte) (*rdma.RemoteKey, func(), error) {
 	keysBySession.Lock()
-	defer keysBySession.Unlock()
+	ck := keysBySession.m[s].lookup(packed)
+	if ck != nil {
+		ck.refs++
+		keysBySession.Unlock()
+		return ck.k, ck.done, nil
+	}
+	keysBySession.Unlock()
+	select {
+	case <-s.Done():
+		return nil, nil, s.closedErr()
+	default:
+	}
+	k, err := ep.UnpackKey(packed)
+	if err != nil {
+		return nil, nil, err
+	}
+	var unused *rdma.RemoteKey // closed once the lock is released
+	keysBySession.Lock()
+	defer func() {
+		keysBySession.Unlock()
+		if unused != nil {
+			unused.Close()
+		}
+	}()
+	select {
+	case <-s.Done(): // dropRemoteKeys ran or runs: cache nothing
+		unused = k
+		return nil, nil, s.closedErr()
+	default:
+	}
 	c := keysBySession.m[s]
-	ck := c.lookup(packed)
-	if ck == nil {
-		select {
-		case <-s.Done():
-			return nil, nil, s.closedErr()
-		default:
-		}
-		k, err := ep.UnpackKey(packed)
-		if err != nil {
-			return nil, nil, err
-		}
-		if c == nil {
-			c = &remoteKeys{keys: map[string]*cachedKey{}}
-			keysBySession.m[s] = c
-		}
+	if c == nil {
+		c = &remoteKeys{keys: map[string]*cachedKey{}}
+		keysBySession.m[s] = c
+	}
+	if ck = c.lookup(packed); ck != nil { // unpacked concurrently: keep one
+		unused = k
+	} else {
 		ck = &cachedKey{packed: string(packed), k: k}
 		c.keys[ck.packed] = ck
 		c.lru = append(c.lru, ck)
@@ -1062,19 +1123,23 @@ func remoteKey(s *Session, ep *rdma.Endpoint, packed []byte) (*rdma.RemoteKey, f
 			delete(c.keys, old.packed)
 			old.dead = true
 			if old.refs == 0 {
-				old.k.Close()
+				unused = old.k
 			}
 		}
 	}
 	ck.refs++
-	return ck.k, func() {
-		keysBySession.Lock()
-		ck.refs--
-		if ck.dead && ck.refs == 0 {
-			ck.k.Close()
-		}
-		keysBySession.Unlock()
-	}, nil
+	return ck.k, ck.done, nil
+}
+
+// done ends one caller's use of ck.
+func (ck *cachedKey) done() {
+	keysBySession.Lock()
+	ck.refs--
+	last := ck.dead && ck.refs == 0
+	keysBySession.Unlock()
+	if last {
+		ck.k.Close()
+	}
 }
 
 // lookup finds packed and marks it most recently used.
@@ -1092,18 +1157,20 @@ func (c *remoteKeys) lookup(packed []byte) *cachedKey {
 }
 
 func dropRemoteKeys(s *Session) {
+	var unused []*rdma.RemoteKey
 	keysBySession.Lock()
-	defer keysBySession.Unlock()
-	c := keysBySession.m[s]
-	delete(keysBySession.m, s)
-	if c == nil {
-		return
-	}
-	for _, ck := range c.lru {
-		ck.dead = true
-		if ck.refs == 0 {
-			ck.k.Close()
+	if c := keysBySession.m[s]; c != nil {
+		for _, ck := range c.lru {
+			ck.dead = true
+			if ck.refs == 0 {
+				unused = append(unused, ck.k)
+			}
 		}
+	}
+	delete(keysBySession.m, s)
+	keysBySession.Unlock()
+	for _, k := range unused {
+		k.Close()
 	}
 }
 
@@ -1186,13 +1253,21 @@ func dropIPCMappings(s *Session) {
 	}
 }
 
-func pushRDMA(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src Source) (Path, error) {
+func pushRDMA(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src Source) (path Path, err error) {
+	if err := checkKeyDomains(ep, m.RKey); err != nil {
+		return PathRDMA, err
+	}
 	key, done, err := remoteKey(s, ep, m.RKey)
 	if err != nil {
 		return PathRDMA, fmt.Errorf("unpack the receiver's key: %w", err)
 	}
 	defer done()
-	path := PathRDMA
+	defer func() {
+		if err != nil {
+			settleWrites(s, ep) // before the key goes and before any FIN(failed)
+		}
+	}()
+	path = PathRDMA
 	switch b := src.Buffer; {
 	case b == nil:
 		err = ep.PutBytes(ctx, src.Bytes, m.RAddr, key)
@@ -1223,7 +1298,7 @@ func pushRDMA(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src So
 // to registered host staging while the previous chunk is being put, two
 // staging buffers in flight.
 func pushStaged(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src *devicebuf.Buffer, key *rdma.RemoteKey) error {
-	chunk := min(cfg().StagingChunk, src.Len())
+	chunk := min(roundUp(cfg().StagingChunk, stagedGrain), src.Len())
 	pool := HostPool(s.RDMA())
 	var bufs [2]*devicebuf.Buffer
 	for i := range bufs {

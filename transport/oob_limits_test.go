@@ -327,7 +327,7 @@ func TestSilentOwnerOfExposedPull(t *testing.T) {
 		return true
 	})
 	ucx := []Option{WithRDMAContext(rc), WithMode(ModeUCX)}
-	_, victim, owner, _, _ := lanePair(t, append(ucx, WithLocalID(newToken())), ucx)
+	_, victim, owner, _, _ := lanePair(t, append(ucx, WithIdentity(NewIdentity())), ucx)
 	attacker.Store(owner)
 
 	dst, err := HostPool(rc).Alloc(1 << 20)

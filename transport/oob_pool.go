@@ -139,6 +139,13 @@ func registered(rc *rdma.Context, b *devicebuf.Buffer) (*rdma.Memory, int, func(
 		}
 		return r.mem, off, func() {}, nil
 	}
+	return registerExactly(rc, b)
+}
+
+// registerExactly registers b alone with rc for one transfer (Go memory
+// stays pinned until release): a key packed from it reaches b and nothing
+// else, and only until release.
+func registerExactly(rc *rdma.Context, b *devicebuf.Buffer) (*rdma.Memory, int, func(), error) {
 	mt := rdma.MemoryHost
 	if b.Kind() == devicebuf.CUDA {
 		if !canRegister(rc, rdma.MemoryCUDA) {

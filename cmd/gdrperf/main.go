@@ -41,6 +41,7 @@ type options struct {
 	connect   string // run only the client, against this server
 	perftest  string // ucx_perftest binary; "" looks it up, "none" skips
 	paths     string // the -paths flag, as given (passed to the child)
+	trust     bool   // the -trust-peers flag (passed to the child)
 	pathMask  transport.Path
 	callLimit time.Duration
 	verbose   bool
@@ -77,6 +78,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.perftest, "perftest", "", `ucx_perftest binary ("" looks it up in PATH, "none" skips the column)`)
 	fs.StringVar(&o.paths, "paths", "all", "out-of-band paths transfers may take: all, or a comma list of cuda-ipc, rdma (covers staged), stream (always allowed); give the same on both ends")
 	fs.DurationVar(&o.callLimit, "call-timeout", time.Minute, "bound of each measured call")
+	fs.BoolVar(&o.trust, "trust-peers", false, "set TransferConfig.TrustPeers on both ends: pool-region keys and puts over shared memory; give the same on both ends")
 	fs.BoolVar(&o.baselines, "baselines", true, "measure the baselines (plain gRPC, ucx_perftest, dtod, naive); false measures gdrpc alone, e.g. for -cpuprofile")
 	fs.BoolVar(&o.verbose, "v", false, "log the UCX lanes of the gdrpc session")
 	fs.BoolVar(&o.child, "child", false, "internal: server half of a same-host run")
@@ -170,7 +172,7 @@ func (o *options) perftestMem() string {
 }
 
 func (o *options) transferConfig(m transport.Metrics) transport.TransferConfig {
-	return transport.TransferConfig{Metrics: m, Timeout: o.callLimit, Paths: o.pathMask}
+	return transport.TransferConfig{Metrics: m, Timeout: o.callLimit, Paths: o.pathMask, TrustPeers: o.trust}
 }
 
 // allocators returns where this process's payloads live and, when -mem or
@@ -333,7 +335,7 @@ func startChild(ctx context.Context, o *options) (*child, readyInfo, error) {
 	}
 	args := []string{"-child", "-server", "127.0.0.1:0", "-transport", o.transport, "-mem", o.mem, "-recv", o.recv,
 		"-device", strconv.Itoa(o.srvDevice), "-perftest", o.perftest, "-paths", o.paths,
-		"-call-timeout", o.callLimit.String()}
+		"-call-timeout", o.callLimit.String(), "-trust-peers=" + strconv.FormatBool(o.trust)}
 	if o.serverCPUProfile != "" {
 		args = append(args, "-cpuprofile", o.serverCPUProfile)
 	}
