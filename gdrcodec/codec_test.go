@@ -36,6 +36,7 @@ import (
 
 func TestMain(m *testing.M) {
 	gpuServerChild() // returns unless this process is a test's server child
+	registerChild()  // likewise for TestConcurrentRegister's child
 	gdrcodec.Register()
 	before := runtime.NumGoroutine()
 	os.Exit(leaktest.Run(m, func() error { return oobleak.Settled(before) }))
