@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"sync/atomic"
 
@@ -33,8 +34,9 @@ const DefaultEagerThreshold = 64 << 10
 type Option func(*options)
 
 type options struct {
-	eager int
-	alloc devicebuf.Allocator
+	eager  int
+	alloc  devicebuf.Allocator
+	logger *slog.Logger
 }
 
 // WithEagerThreshold sets the payload size from which the gdr codec moves a
@@ -47,6 +49,11 @@ func WithEagerThreshold(n int) Option { return func(o *options) { o.eager = n } 
 // the registered host pool of the default UCX context (plain host memory where
 // there is no UCX).
 func WithReceiveAllocator(a devicebuf.Allocator) Option { return func(o *options) { o.alloc = a } }
+
+// WithLogger sets where the codecs report what needs a person's attention: a
+// message garbage-collected with a buffer still attached (a leak: see Attach).
+// If nil, nothing is logged.
+func WithLogger(l *slog.Logger) Option { return func(o *options) { o.logger = l } }
 
 var (
 	current    atomic.Pointer[options]
@@ -82,14 +89,7 @@ func grpcProtoCodec() encoding.CodecV2 {
 // Register sets apply to it. Later calls only replace the options, which is safe
 // at any time.
 func Register(opts ...Option) {
-	o := &options{eager: DefaultEagerThreshold}
-	for _, fn := range opts {
-		fn(o)
-	}
-	if o.eager == 0 {
-		o.eager = DefaultEagerThreshold
-	}
-	current.Store(o)
+	current.Store(newOptions(opts))
 	registerMu.Lock()
 	defer registerMu.Unlock()
 	if !registered.Load() {
@@ -99,11 +99,28 @@ func Register(opts ...Option) {
 	}
 }
 
+func newOptions(opts []Option) *options {
+	o := &options{eager: DefaultEagerThreshold}
+	for _, fn := range opts {
+		fn(o)
+	}
+	if o.eager == 0 {
+		o.eager = DefaultEagerThreshold
+	}
+	if o.logger == nil {
+		o.logger = slog.New(slog.DiscardHandler)
+	}
+	return o
+}
+
+// defaultOptions are the options before Register sets any.
+var defaultOptions = newOptions(nil)
+
 func opts() *options {
 	if o := current.Load(); o != nil {
 		return o
 	}
-	return &options{eager: DefaultEagerThreshold}
+	return defaultOptions
 }
 
 // codec is the gdr codec (oob) or the proto replacement (inline only).

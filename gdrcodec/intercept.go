@@ -69,9 +69,10 @@ func (h *hold) release() {
 	}
 }
 
-// UnaryClientInterceptor holds a request's payloads until the call returns and
-// restores the status code of an out-of-band transfer that failed while the
-// response was being decoded.
+// UnaryClientInterceptor holds a request's payloads until the call returns,
+// releases what the response brought when the call fails (the caller never
+// sees it), and restores the status code of an out-of-band transfer that failed
+// while the response was being decoded.
 func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		h := &hold{}
@@ -81,6 +82,9 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 		recvContexts.Store(reply, ctx)
 		err := invoker(ctx, method, req, reply, cc, opts...)
 		recvContexts.Delete(reply)
+		if m := messageV2Of(reply); err != nil && m != nil {
+			ReleaseAll(m)
+		}
 		if h != nil {
 			holds.Delete(req)
 			h.release()

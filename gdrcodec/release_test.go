@@ -2,7 +2,11 @@ package gdrcodec_test
 
 import (
 	"context"
+	"log/slog"
+	"runtime"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
@@ -43,3 +47,59 @@ func TestGPUBuffersFreedOnRelease(t *testing.T) {
 	require.Zero(t, left.CUDABytes, "GPU bytes left: %+v", left)
 	require.Zero(t, left.IPCMappings, "IPC mappings left: %+v", left)
 }
+
+// leaksMade counts the leaks tests make on purpose; TestMain fails on any other.
+var leaksMade atomic.Int64
+
+// A message collected with a buffer attached is reported, and the buffer is not
+// freed behind the owner's back: only releases free it.
+func TestCollectedAttachmentIsReported(t *testing.T) {
+	logs := &recordingHandler{records: make(chan slog.Record, 1)}
+	gdrcodec.Register(gdrcodec.WithLogger(slog.New(logs)))
+	t.Cleanup(func() { gdrcodec.Register() })
+	base := devicebuf.Live()
+	b, err := devicebuf.NewHostAllocator().Alloc(12345)
+	require.NoError(t, err)
+	leaksBefore := gdrcodec.Leaked()
+	func() {
+		msg := &tensorpb.Tensor{Data: gdrcodec.New(b)} // dropped without ReleaseAll
+		require.NotNil(t, msg.Data)
+	}()
+	leaksMade.Add(1)
+	var rec slog.Record
+	require.Eventually(t, func() bool {
+		runtime.GC()
+		select {
+		case rec = <-logs.records:
+			return true
+		default:
+			return false
+		}
+	}, 10*time.Second, time.Millisecond, "the collected message is reported")
+	require.Equal(t, slog.LevelWarn, rec.Level)
+	require.Contains(t, rec.Message, "ReleaseAll")
+	attrs := map[string]string{}
+	rec.Attrs(func(a slog.Attr) bool { attrs[a.Key] = a.Value.String(); return true })
+	require.Equal(t, map[string]string{"bytes": "12345", "kind": devicebuf.Host.String()}, attrs)
+	require.Equal(t, leaksBefore+1, gdrcodec.Leaked())
+
+	// The attachment's reference is still held: the caller's release does not free it.
+	require.NoError(t, b.Release())
+	require.False(t, b.Released())
+	require.Equal(t, int64(1), devicebuf.Live().Sub(base).HostBuffers)
+	require.NoError(t, b.Release()) // the leaked reference, which this test knows of
+	require.Equal(t, devicebuf.Counters{}, devicebuf.Live().Sub(base))
+}
+
+type recordingHandler struct{ records chan slog.Record }
+
+func (h *recordingHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h *recordingHandler) Handle(_ context.Context, r slog.Record) error {
+	select {
+	case h.records <- r.Clone():
+	default:
+	}
+	return nil
+}
+func (h *recordingHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h *recordingHandler) WithGroup(string) slog.Handler      { return h }
