@@ -87,8 +87,7 @@ type PoolStats struct {
 // its blocks, so a burst grows the pool by what it asks for, not by a region per caller.
 // A Pool is an Allocator; it is safe for concurrent use.
 type Pool struct {
-	cfg   PoolConfig
-	clock Clock
+	cfg PoolConfig
 
 	mu          sync.Mutex
 	grown       *sync.Cond // broadcast when a class's growth ends (and at Close)
@@ -167,7 +166,7 @@ func NewPool(cfg PoolConfig) (*Pool, error) {
 	if classes[0] <= 0 {
 		return nil, fmt.Errorf("devicebuf: pool size class %d", classes[0])
 	}
-	p := &Pool{cfg: cfg, clock: cfg.Clock, kind: Host, dev: -1, regions: map[*poolRegion]struct{}{}}
+	p := &Pool{cfg: cfg, kind: Host, dev: -1, regions: map[*poolRegion]struct{}{}}
 	p.grown = sync.NewCond(&p.mu)
 	if cfg.Backing != nil {
 		p.kind, p.dev = cfg.Backing.Kind(), cfg.Backing.Device()
@@ -226,7 +225,8 @@ func (p *Pool) Alloc(n int) (*Buffer, error) {
 		}
 		c := &p.classes[ci]
 		if c.growing {
-			// The region on its way may have a block for this call too.
+			// The region on its way may have a block for this call too. The wait lasts
+			// as long as making one region does.
 			p.stats.Waits++
 			p.grown.Wait()
 			continue
@@ -309,7 +309,7 @@ func (p *Pool) trim() {
 		p.mu.Unlock()
 		return
 	}
-	now := p.clock.Now()
+	now := p.cfg.Clock.Now()
 	var victims []*poolRegion
 	next := time.Duration(-1)
 	for r := range p.regions {
@@ -342,7 +342,7 @@ func (p *Pool) armTrimLocked(d time.Duration) {
 		return
 	}
 	p.trimArmed = true
-	p.stopTrim = p.clock.AfterFunc(d, p.trim)
+	p.stopTrim = p.cfg.Clock.AfterFunc(d, p.trim)
 }
 
 func (p *Pool) popLocked(ci int) (poolBlock, bool) {
@@ -507,7 +507,7 @@ func (p *Pool) put(b poolBlock) {
 		c := &p.classes[b.ci]
 		c.free = append(c.free, b)
 		if b.r.used--; b.r.used == 0 {
-			b.r.idleSince = p.clock.Now()
+			b.r.idleSince = p.cfg.Clock.Now()
 			p.armTrimLocked(p.cfg.IdleTimeout)
 		}
 	}
