@@ -10,67 +10,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
 )
-
-// fakeClock is a devicebuf.Clock that moves only when Advance is called; due functions run
-// in Advance's goroutine.
-type fakeClock struct {
-	mu     sync.Mutex
-	now    time.Time
-	timers []*fakeTimer
-}
-
-type fakeTimer struct {
-	at   time.Time
-	f    func()
-	done bool // ran or stopped
-}
-
-func newFakeClock() *fakeClock { return &fakeClock{now: time.Unix(1_000_000, 0)} }
-
-func (c *fakeClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.now
-}
-
-func (c *fakeClock) AfterFunc(d time.Duration, f func()) func() bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	t := &fakeTimer{at: c.now.Add(d), f: f}
-	c.timers = append(c.timers, t)
-	return func() bool {
-		c.mu.Lock()
-		defer c.mu.Unlock()
-		stopped := !t.done
-		t.done = true
-		return stopped
-	}
-}
-
-// Advance moves the clock on by d and runs the functions that came due, in order.
-func (c *fakeClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	c.now = c.now.Add(d)
-	c.mu.Unlock()
-	for {
-		c.mu.Lock()
-		var due *fakeTimer
-		for _, t := range c.timers {
-			if !t.done && !t.at.After(c.now) && (due == nil || t.at.Before(due.at)) {
-				due = t
-			}
-		}
-		if due != nil {
-			due.done = true
-		}
-		c.mu.Unlock()
-		if due == nil {
-			return
-		}
-		due.f()
-	}
-}
 
 // squat allocates one block of each size and releases it, as a receiver does for transfers
 // that were refused: the regions made for them have no block handed out afterwards.
@@ -88,7 +29,7 @@ func squat(tb testing.TB, p *devicebuf.Pool, sizes ...int) {
 // out stays.
 func TestPoolShrinks(t *testing.T) {
 	base := devicebuf.Live()
-	clock := newFakeClock()
+	clock := devicebuftest.NewClock()
 	reg := newRegistrar()
 	p, err := devicebuf.NewPool(devicebuf.PoolConfig{Registrar: reg, MaxBytes: 64 << 20, IdleTimeout: 30 * time.Second, Clock: clock})
 	require.NoError(t, err)

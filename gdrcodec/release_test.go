@@ -103,3 +103,50 @@ func (h *recordingHandler) Handle(_ context.Context, r slog.Record) error {
 }
 func (h *recordingHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
 func (h *recordingHandler) WithGroup(string) slog.Handler      { return h }
+
+// A receive pool squatted by transfers that never completed serves later calls:
+// the regions they left are freed for a call that needs their room, and all of
+// them once idle.
+func TestSquattedPoolServesLaterCalls(t *testing.T) {
+	clock := devicebuftest.NewClock()
+	pool, err := devicebuf.NewPool(devicebuf.PoolConfig{MaxBytes: 16 << 20, IdleTimeout: 30 * time.Second, Clock: clock})
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, pool.Close()) })
+	r := newRig(t, transport.ModeTCP, nil)
+	gdrcodec.Register(gdrcodec.WithReceiveAllocator(pool))
+	t.Cleanup(func() { gdrcodec.Register() })
+
+	// Destinations of refused transfers, released: regions of 8 + 4 + 4 MiB fill the pool.
+	for _, n := range []int{8 << 20, 4 << 20, 2 << 20} {
+		b, err := pool.Alloc(n)
+		require.NoError(t, err)
+		require.NoError(t, b.Release())
+	}
+	st := pool.Stats()
+	require.Equal(t, 3, st.Regions)
+	require.Equal(t, int64(16<<20), st.RegionBytes)
+
+	// A later call whose payload needs a 16 MiB block.
+	const n = 12 << 20
+	want := pattern(n, 11)
+	src := devicebuf.HostFromBytes(want)
+	req := &tensorpb.Tensor{Data: gdrcodec.New(src)}
+	src.Release()
+	sum, err := r.client.Digest(context.Background(), req)
+	require.NoError(t, err)
+	require.Equal(t, tensor.ChecksumBytes(want), sum.Crc32C)
+	gdrcodec.ReleaseAll(req)
+	// The server gives the request's buffer back when the call ends, just after the
+	// client saw its response.
+	require.Eventually(t, func() bool { return pool.Stats().InUse == 0 }, 10*time.Second, time.Millisecond)
+	st = pool.Stats()
+	require.Equal(t, 1, st.Regions)
+	require.Equal(t, int64(16<<20), st.RegionBytes)
+	require.Equal(t, int64(3), st.Freed)
+	require.Zero(t, st.Exhausted)
+
+	clock.Advance(30 * time.Second)
+	st = pool.Stats()
+	require.Zero(t, st.Regions, "idle regions go back")
+	require.Equal(t, int64(4), st.Freed)
+}
