@@ -85,6 +85,32 @@ func TestPoolShrinks(t *testing.T) {
 	requireLive(t, base)
 }
 
+// Making room for another class frees the regions idle longest, and only as many as needed.
+func TestPoolReclaimsLongestIdleFirst(t *testing.T) {
+	base := devicebuf.Live()
+	clock := devicebuftest.NewClock()
+	p, err := devicebuf.NewPool(devicebuf.PoolConfig{MaxBytes: 12 << 20, Clock: clock})
+	require.NoError(t, err)
+	for _, n := range []int{4 << 20, 2 << 20, 1 << 20} { // a 4 MiB region each, a second apart
+		squat(t, p, n)
+		clock.Advance(time.Second)
+	}
+	b, err := p.Alloc(8 << 20) // needs 8 MiB: the 4 MiB and 2 MiB classes' regions go
+	require.NoError(t, err)
+	st := p.Stats()
+	require.Equal(t, 2, st.Regions)
+	require.Equal(t, int64(12<<20), st.RegionBytes)
+	require.Equal(t, int64(2), st.Freed)
+	c, err := p.Alloc(1 << 20) // the youngest region stayed
+	require.NoError(t, err)
+	require.Equal(t, int64(1), p.Stats().Hits)
+	require.Equal(t, int64(4), p.Stats().Misses)
+	require.NoError(t, c.Release())
+	require.NoError(t, b.Release())
+	require.NoError(t, p.Close())
+	requireLive(t, base)
+}
+
 // A burst of concurrent allocations grows the pool by what it asks for: each class grows one
 // region at a time and the callers waiting for it take its blocks, so none is refused while
 // MaxBytes leaves room, and exactly the calls beyond it are.
