@@ -32,7 +32,7 @@ func ExampleNewPool() {
 	// Output:
 	// reused: true
 	// exhausted: true
-	// {Regions:1 RegionBytes:4194304 Registrations:0 InUse:0 BytesInUse:0 Hits:1 Misses:1 Exhausted:1}
+	// {Regions:1 RegionBytes:4194304 Registrations:0 InUse:0 BytesInUse:0 Hits:1 Misses:1 Exhausted:1 Waits:0 Freed:0}
 }
 
 // Copying to a GPU when there is one, and falling back to host memory when there is not.

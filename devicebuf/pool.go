@@ -6,11 +6,12 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"time"
 )
 
 // Registrar registers memory with the RDMA layer. Register is called once per pool region,
-// when the region is created; the returned release runs when the region is freed (at
-// Close). reg is what Buffer.Registration returns for buffers carved from the region.
+// when the region is created; the returned release runs when the region is freed (idle, or
+// at Close). reg is what Buffer.Registration returns for buffers carved from the region.
 type Registrar interface {
 	Register(ptr uintptr, n int, kind Kind, device int) (reg any, release func() error, err error)
 }
@@ -24,7 +25,7 @@ type PoolConfig struct {
 	// Regions must not return Go memory.
 	Regions func(n int) (*Buffer, error)
 	// Registrar, if not nil, registers each region once when it is created; regions stay
-	// registered until Close.
+	// registered until they are freed (see IdleTimeout) or Close.
 	Registrar Registrar
 	// Classes are the block sizes, ascending. If nil, powers of two from 4 KiB to 64 MiB.
 	Classes []int
@@ -37,7 +38,32 @@ type PoolConfig struct {
 	// MaxBytes, freed when the buffer is released). If false, such allocations fail with an
 	// error wrapping ErrExhausted.
 	Oversize bool
+	// IdleTimeout is how long a region with no block handed out is kept before it is freed
+	// (deregistered and given back to its source), so that memory taken for a burst, or for
+	// transfers that were refused or aborted, does not stay pinned. If zero, 30 s; negative
+	// keeps such regions until Close. Whatever the timeout, regions with no block handed out
+	// are freed at once when an allocation of another class needs their room under MaxBytes.
+	IdleTimeout time.Duration
+	// Clock drives IdleTimeout. If nil, the system clock.
+	Clock Clock
 }
+
+// DefaultPoolIdleTimeout is PoolConfig.IdleTimeout's default.
+const DefaultPoolIdleTimeout = 30 * time.Second
+
+// Clock is the time source of a pool's idle trimming (tests drive a fake one).
+type Clock interface {
+	Now() time.Time
+	// AfterFunc arranges for f to run once d has passed, never from within AfterFunc itself
+	// (the pool calls it with its lock held); stop cancels that and reports whether it did.
+	AfterFunc(d time.Duration, f func()) (stop func() bool)
+}
+
+type systemClock struct{}
+
+func (systemClock) Now() time.Time { return time.Now() }
+
+func (systemClock) AfterFunc(d time.Duration, f func()) func() bool { return time.AfterFunc(d, f).Stop }
 
 // PoolStats are a pool's counters.
 type PoolStats struct {
@@ -49,15 +75,22 @@ type PoolStats struct {
 	Hits          int64 // allocations served from a free block
 	Misses        int64 // allocations that created a region
 	Exhausted     int64 // allocations refused with ErrExhausted
+	Waits         int64 // times an allocation waited for a region of its class being made
+	Freed         int64 // regions freed before Close: idle too long, or room for another class
 }
 
 // Pool hands out buffers carved from large regions in size classes. Regions are created on
-// demand (up to MaxBytes), registered once, and kept until Close; released buffers go back
-// to their class's free list. A Pool is an Allocator; it is safe for concurrent use.
+// demand (up to MaxBytes) and registered once; released buffers go back to their class's
+// free list. A region none of whose blocks is handed out is freed after IdleTimeout, or at
+// once when another class needs its room. A class grows one region at a time: allocations
+// that find no free block while a region of their class is being made wait for it and take
+// its blocks, so a burst grows the pool by what it asks for, not by a region per caller.
+// A Pool is an Allocator; it is safe for concurrent use.
 type Pool struct {
 	cfg PoolConfig
 
 	mu          sync.Mutex
+	grown       *sync.Cond // broadcast when a class's growth ends (and at Close)
 	kind        Kind
 	dev         int
 	classes     []poolClass
@@ -70,18 +103,24 @@ type Pool struct {
 	closed      bool
 	closeFreed  bool
 	regionsMade bool
+	trimArmed   bool        // a call of trim is scheduled
+	stopTrim    func() bool // cancels it
 }
 
 type poolClass struct {
-	size int
-	free []poolBlock
+	size    int
+	free    []poolBlock
+	growing bool // a region of this class is being made
 }
 
 type poolRegion struct {
-	buf     *Buffer
-	size    int
-	reg     any
-	release func() error
+	buf       *Buffer
+	size      int
+	reg       any
+	release   func() error
+	ci        int       // class index; -1 for an oversize region
+	used      int       // blocks handed out
+	idleSince time.Time // when used last dropped to zero
 }
 
 type poolBlock struct {
@@ -107,6 +146,12 @@ func NewPool(cfg PoolConfig) (*Pool, error) {
 	if cfg.RegionBytes < 0 {
 		return nil, fmt.Errorf("devicebuf: pool RegionBytes %d", cfg.RegionBytes)
 	}
+	if cfg.IdleTimeout == 0 {
+		cfg.IdleTimeout = DefaultPoolIdleTimeout
+	}
+	if cfg.Clock == nil {
+		cfg.Clock = systemClock{}
+	}
 	classes := slices.Clone(cfg.Classes)
 	if classes == nil {
 		for s := 4 << 10; s <= 64<<20; s <<= 1 {
@@ -122,6 +167,7 @@ func NewPool(cfg PoolConfig) (*Pool, error) {
 		return nil, fmt.Errorf("devicebuf: pool size class %d", classes[0])
 	}
 	p := &Pool{cfg: cfg, kind: Host, dev: -1, regions: map[*poolRegion]struct{}{}}
+	p.grown = sync.NewCond(&p.mu)
 	if cfg.Backing != nil {
 		p.kind, p.dev = cfg.Backing.Kind(), cfg.Backing.Device()
 	}
@@ -157,50 +203,146 @@ func (p *Pool) regionSize(s int) int {
 
 // Alloc returns a buffer of n bytes from the smallest class that fits (from a larger class's
 // free block if its own has none and the pool may not grow). It fails with an error wrapping
-// ErrExhausted when no block is free and MaxBytes forbids a new region, and with one wrapping
-// net.ErrClosed after Close.
+// ErrExhausted when no block is free and MaxBytes forbids a new region even after freeing
+// the regions with no block handed out, and with one wrapping net.ErrClosed after Close.
 func (p *Pool) Alloc(n int) (*Buffer, error) {
 	if n <= 0 {
 		return nil, fmt.Errorf("devicebuf: alloc of %d bytes", n)
 	}
 	p.mu.Lock()
-	if p.closed {
-		p.mu.Unlock()
-		return nil, fmt.Errorf("devicebuf: pool: %w", net.ErrClosed)
-	}
 	ci, _ := slices.BinarySearch(p.sizes, n)
-	if ci == len(p.classes) {
-		return p.allocOversize(n) // unlocks
-	}
-	if b, ok := p.popLocked(ci); ok {
-		p.stats.Hits++
-		return p.handOutLocked(b, n), nil // unlocks
-	}
-	rs := p.regionSize(p.classes[ci].size)
-	if p.total+int64(rs) <= p.cfg.MaxBytes {
-		r, err := p.growLocked(rs)
+	for {
+		if p.closed {
+			p.mu.Unlock()
+			return nil, fmt.Errorf("devicebuf: pool: %w", net.ErrClosed)
+		}
+		if ci == len(p.classes) {
+			return p.allocOversize(n) // unlocks
+		}
+		if b, ok := p.popLocked(ci); ok {
+			p.stats.Hits++
+			return p.handOutLocked(b, n), nil // unlocks
+		}
+		c := &p.classes[ci]
+		if c.growing {
+			// The region on its way may have a block for this call too. The wait lasts
+			// as long as making one region does.
+			p.stats.Waits++
+			p.grown.Wait()
+			continue
+		}
+		rs := p.regionSize(c.size)
+		var victims []*poolRegion
+		if p.total+int64(rs) > p.cfg.MaxBytes {
+			for j := ci + 1; j < len(p.classes); j++ {
+				if b, ok := p.popLocked(j); ok {
+					p.stats.Hits++
+					return p.handOutLocked(b, n), nil
+				}
+			}
+			victims = p.reclaimLocked(p.total + int64(rs) - p.cfg.MaxBytes)
+			if victims == nil {
+				p.stats.Exhausted++
+				err := fmt.Errorf("devicebuf: pool has no free block of %d bytes (class %d) and %d of %d region bytes are in use: %w",
+					n, c.size, p.total, p.cfg.MaxBytes, ErrExhausted)
+				p.mu.Unlock()
+				return nil, err
+			}
+		}
+		c.growing = true
+		r, err := p.growLocked(rs, ci, victims)
+		c.growing = false
+		p.grown.Broadcast()
 		if err != nil {
 			p.mu.Unlock()
 			return nil, err
 		}
-		cs := p.classes[ci].size
-		c := &p.classes[ci]
+		cs := c.size
 		for off := rs - cs; off > 0; off -= cs {
 			c.free = append(c.free, poolBlock{r: r, ptr: r.buf.ptr + uintptr(off), ci: ci})
 		}
 		return p.handOutLocked(poolBlock{r: r, ptr: r.buf.ptr, ci: ci}, n), nil
 	}
-	for j := ci + 1; j < len(p.classes); j++ {
-		if b, ok := p.popLocked(j); ok {
-			p.stats.Hits++
-			return p.handOutLocked(b, n), nil
+}
+
+// reclaimLocked takes out of the pool, longest idle first, regions with no block handed out
+// that hold at least need bytes between them, and returns them for the caller to free
+// (without p.mu held). It takes none if they hold less.
+func (p *Pool) reclaimLocked(need int64) []*poolRegion {
+	var idle []*poolRegion
+	var have int64
+	for r := range p.regions {
+		if r.ci >= 0 && r.used == 0 {
+			idle = append(idle, r)
+			have += int64(r.size)
 		}
 	}
-	p.stats.Exhausted++
-	err := fmt.Errorf("devicebuf: pool has no free block of %d bytes (class %d) and %d of %d region bytes are in use: %w",
-		n, p.classes[ci].size, p.total, p.cfg.MaxBytes, ErrExhausted)
+	if have < need {
+		return nil
+	}
+	slices.SortFunc(idle, func(a, b *poolRegion) int { return a.idleSince.Compare(b.idleSince) })
+	have = 0
+	for i, r := range idle {
+		p.dropRegionLocked(r)
+		if have += int64(r.size); have >= need {
+			return idle[:i+1]
+		}
+	}
+	return idle
+}
+
+// dropRegionLocked takes r, which has no block handed out, out of the pool.
+func (p *Pool) dropRegionLocked(r *poolRegion) {
+	delete(p.regions, r)
+	p.total -= int64(r.size)
+	p.stats.Freed++
+	c := &p.classes[r.ci]
+	c.free = slices.DeleteFunc(c.free, func(b poolBlock) bool { return b.r == r })
+}
+
+// trim frees the regions that have had no block handed out for IdleTimeout, and schedules
+// itself again for the next region that will have.
+func (p *Pool) trim() {
+	p.mu.Lock()
+	p.trimArmed = false
+	if p.closed {
+		p.mu.Unlock()
+		return
+	}
+	now := p.cfg.Clock.Now()
+	var victims []*poolRegion
+	next := time.Duration(-1)
+	for r := range p.regions {
+		if r.ci < 0 || r.used > 0 {
+			continue
+		}
+		if left := r.idleSince.Add(p.cfg.IdleTimeout).Sub(now); left > 0 {
+			if next < 0 || left < next {
+				next = left
+			}
+			continue
+		}
+		victims = append(victims, r)
+	}
+	for _, r := range victims {
+		p.dropRegionLocked(r)
+	}
+	if next >= 0 {
+		p.armTrimLocked(next)
+	}
 	p.mu.Unlock()
-	return nil, err
+	for _, r := range victims {
+		_ = p.freeRegion(r)
+	}
+}
+
+// armTrimLocked schedules trim in d unless it is scheduled already.
+func (p *Pool) armTrimLocked(d time.Duration) {
+	if p.cfg.IdleTimeout < 0 || p.trimArmed || p.closed {
+		return
+	}
+	p.trimArmed = true
+	p.stopTrim = p.cfg.Clock.AfterFunc(d, p.trim)
 }
 
 func (p *Pool) popLocked(ci int) (poolBlock, bool) {
@@ -222,6 +364,7 @@ func (p *Pool) blockSize(b poolBlock) int {
 
 // handOutLocked makes the buffer for b and unlocks p.mu.
 func (p *Pool) handOutLocked(b poolBlock, n int) *Buffer {
+	b.r.used++
 	p.inUse++
 	p.bytesInUse += int64(p.blockSize(b))
 	p.mu.Unlock()
@@ -244,14 +387,18 @@ func (p *Pool) allocOversize(n int) (*Buffer, error) {
 			n, p.classes[len(p.classes)-1].size, ErrExhausted)
 	}
 	rs := roundPage(n)
+	var victims []*poolRegion
 	if p.total+int64(rs) > p.cfg.MaxBytes {
-		p.stats.Exhausted++
-		err := fmt.Errorf("devicebuf: pool cannot make an oversize region of %d bytes: %d of %d region bytes are in use: %w",
-			rs, p.total, p.cfg.MaxBytes, ErrExhausted)
-		p.mu.Unlock()
-		return nil, err
+		victims = p.reclaimLocked(p.total + int64(rs) - p.cfg.MaxBytes)
+		if victims == nil {
+			p.stats.Exhausted++
+			err := fmt.Errorf("devicebuf: pool cannot make an oversize region of %d bytes: %d of %d region bytes are in use: %w",
+				rs, p.total, p.cfg.MaxBytes, ErrExhausted)
+			p.mu.Unlock()
+			return nil, err
+		}
 	}
-	r, err := p.growLocked(rs)
+	r, err := p.growLocked(rs, -1, victims)
 	if err != nil {
 		p.mu.Unlock()
 		return nil, err
@@ -259,11 +406,16 @@ func (p *Pool) allocOversize(n int) (*Buffer, error) {
 	return p.handOutLocked(poolBlock{r: r, ptr: r.buf.ptr, ci: -1}, n), nil
 }
 
-// growLocked makes a region of n bytes (the caller checked MaxBytes). It is called with p.mu
-// held, drops it while the region is made and registered, and returns with it held.
-func (p *Pool) growLocked(n int) (*poolRegion, error) {
+// growLocked makes a region of n bytes for class ci (-1: oversize) after freeing victims,
+// regions already taken out of the pool to make room (the caller checked MaxBytes). It is
+// called with p.mu held, drops it while regions are freed, made and registered, and returns
+// with it held.
+func (p *Pool) growLocked(n, ci int, victims []*poolRegion) (*poolRegion, error) {
 	p.total += int64(n) // reserved while p.mu is dropped
 	p.mu.Unlock()
+	for _, v := range victims {
+		_ = p.freeRegion(v)
+	}
 	r, err := p.newRegion(n)
 	p.mu.Lock()
 	if err == nil && p.closed {
@@ -277,6 +429,7 @@ func (p *Pool) growLocked(n int) (*poolRegion, error) {
 		return nil, err
 	}
 	p.stats.Misses++
+	r.ci = ci
 	p.regions[r] = struct{}{}
 	return r, nil
 }
@@ -353,6 +506,10 @@ func (p *Pool) put(b poolBlock) {
 	default:
 		c := &p.classes[b.ci]
 		c.free = append(c.free, b)
+		if b.r.used--; b.r.used == 0 {
+			b.r.idleSince = p.cfg.Clock.Now()
+			p.armTrimLocked(p.cfg.IdleTimeout)
+		}
 	}
 	p.mu.Unlock()
 	for _, r := range free {
@@ -398,6 +555,11 @@ func (p *Pool) Close() error {
 		return nil
 	}
 	p.closed = true
+	p.grown.Broadcast()
+	if p.trimArmed {
+		p.stopTrim()
+		p.trimArmed = false
+	}
 	if p.inUse > 0 {
 		n := p.inUse
 		p.mu.Unlock()

@@ -49,9 +49,9 @@ func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error)
 // dialer, transport credentials (creds wrapped by transport.NewCredentials;
 // nil creds means no security), buffer sizes and HTTP/2 windows suited to a
 // message transport, and the out-of-band codec (gdrcodec.DialOptions: the
-// "gdr" content-subtype and the interceptors that keep request payloads
-// available until the call ends; it registers the codecs with default options
-// if gdrcodec.Register was not called).
+// gdr codec for every call of the ClientConn and the interceptors that keep
+// request payloads available until the call ends; it registers nothing with
+// gRPC).
 func (d *Dialer) DialOptions(creds credentials.TransportCredentials) []grpc.DialOption {
 	return append([]grpc.DialOption{
 		grpc.WithContextDialer(d.DialContext),

@@ -13,6 +13,7 @@ import (
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 
 	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/internal/leaktest"
 	"github.com/gdrpc/gdrpc/internal/leaktest/sessionleak"
 	"github.com/gdrpc/gdrpc/listener"
@@ -23,6 +24,7 @@ import (
 const childEnv = "GDRPC_TEST_CHILD"
 
 func TestMain(m *testing.M) {
+	gdrcodec.Register() // servers here and in the children serve gdr calls
 	if role := os.Getenv(childEnv); role != "" {
 		os.Exit(runChild(role))
 	}

@@ -3,6 +3,7 @@ package gdrcodec
 import (
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"weak"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
@@ -12,9 +13,15 @@ import (
 )
 
 // Attachments: a DeviceBuffer message is generated code, so the devicebuf.Buffer
-// it stands for lives in a side table keyed by a weak pointer to the message. A
-// collected message releases its buffer (a backstop: callers release explicitly
-// with Detach or ReleaseAll).
+// it stands for lives in a side table keyed by a weak pointer to the message.
+// Attached buffers are released explicitly, never by the garbage collector:
+// memory a GPU or a NIC can see runs out long before a collection comes. gdrpc
+// releases what a server call received when the call ends and a sent response
+// once it was sent (ServerOptions; the net/rpc server codec likewise), and what a
+// failed client call received; the application releases the rest with
+// ReleaseAll or takes a buffer with Detach. A message collected with a buffer
+// still attached is a leak: it is logged (WithLogger) and the buffer is not
+// freed.
 var attached = struct {
 	sync.Mutex
 	m map[weak.Pointer[gdrv1.DeviceBuffer]]*attachment
@@ -22,13 +29,14 @@ var attached = struct {
 
 type attachment struct {
 	buf     *devicebuf.Buffer
-	cleanup runtime.Cleanup
+	cleanup runtime.Cleanup // reports the message collected with buf attached
 }
 
 // Attach makes b the payload of db: when a message holding db is marshaled, b's
 // bytes travel with it (out-of-band with the gdr codec, inline otherwise).
-// Attach takes its own reference to b; the caller keeps theirs. A buffer
-// attached before is released. db's length and kind are set from b.
+// Attach takes its own reference to b, which db holds until ReleaseAll or
+// Detach; the caller keeps theirs. A buffer attached before is released. db's
+// length and kind are set from b.
 func Attach(db *gdrv1.DeviceBuffer, b *devicebuf.Buffer) {
 	b.Retain()
 	setAttachment(db, b)
@@ -50,7 +58,7 @@ func setAttachment(db *gdrv1.DeviceBuffer, b *devicebuf.Buffer) {
 	attached.Lock()
 	old := attached.m[wp]
 	attached.m[wp] = a
-	a.cleanup = runtime.AddCleanup(db, dropAttachment, wp)
+	a.cleanup = runtime.AddCleanup(db, reportLeak, wp)
 	attached.Unlock()
 	if old != nil {
 		old.cleanup.Stop()
@@ -58,15 +66,23 @@ func setAttachment(db *gdrv1.DeviceBuffer, b *devicebuf.Buffer) {
 	}
 }
 
-func dropAttachment(wp weak.Pointer[gdrv1.DeviceBuffer]) {
+// reportLeak runs once a message is collected with a buffer still attached. It
+// forgets the attachment and logs it; the buffer stays allocated.
+func reportLeak(wp weak.Pointer[gdrv1.DeviceBuffer]) {
 	attached.Lock()
 	a := attached.m[wp]
 	delete(attached.m, wp)
 	attached.Unlock()
-	if a != nil {
-		a.buf.Release()
+	if a == nil {
+		return
 	}
+	leaked.Add(1)
+	opts().logger.Warn("gdrcodec: a DeviceBuffer message was garbage-collected with its payload attached; the payload's memory is not freed: release messages with ReleaseAll, or take their buffers with Detach",
+		"bytes", a.buf.Len(), "kind", a.buf.Kind().String())
 }
+
+// leaked counts the attachments reportLeak reported.
+var leaked atomic.Int64
 
 // Buffer returns the buffer attached to db: the one Attach gave it, or for a
 // received message, the payload that arrived. The buffer stays owned by db: use
@@ -102,9 +118,9 @@ func Detach(db *gdrv1.DeviceBuffer) *devicebuf.Buffer {
 }
 
 // ReleaseAll detaches and releases every buffer attached anywhere in m: call it
-// when done with a received message (or with a sent one whose buffers you
-// no longer need) to return the memory to its pool now rather than at the
-// next garbage collection.
+// when done with a received message a call returned to you (or with a sent one
+// whose buffers you no longer need) to return the memory to its pool. Nothing
+// else frees it.
 func ReleaseAll(m proto.Message) {
 	if m == nil {
 		return
@@ -122,6 +138,10 @@ func Attached() int {
 	defer attached.Unlock()
 	return len(attached.m)
 }
+
+// Leaked returns the number of messages collected with a buffer still attached
+// since the process started (tests check for leaks).
+func Leaked() int64 { return leaked.Load() }
 
 // walkDeviceBuffers calls fn for every DeviceBuffer message set in m.
 func walkDeviceBuffers(m protoreflect.Message, fn func(*gdrv1.DeviceBuffer)) {

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"sync/atomic"
 
@@ -14,6 +15,7 @@ import (
 	"github.com/gdrpc/gdrpc/transport"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/encoding"
+	encproto "google.golang.org/grpc/encoding/proto"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -35,6 +37,7 @@ type options struct {
 	eager   int
 	alloc   devicebuf.Allocator
 	maxRecv int64 // WithMaxReceivePayload (limits.go)
+	logger  *slog.Logger
 }
 
 // WithEagerThreshold sets the payload size from which the gdr codec moves a
@@ -48,18 +51,56 @@ func WithEagerThreshold(n int) Option { return func(o *options) { o.eager = n } 
 // there is no UCX).
 func WithReceiveAllocator(a devicebuf.Allocator) Option { return func(o *options) { o.alloc = a } }
 
+// WithLogger sets where the codecs report what needs a person's attention: a
+// message garbage-collected with a buffer still attached (a leak: see Attach).
+// If nil, nothing is logged.
+func WithLogger(l *slog.Logger) Option { return func(o *options) { o.logger = l } }
+
 var (
-	registerMu sync.Mutex
 	current    atomic.Pointer[options]
-	baseProto  encoding.CodecV2 // grpc's own proto codec, for the message bodies
+	registered atomic.Bool
+	registerMu sync.Mutex
+
+	// baseProto is gRPC's own proto codec, for the message bodies. It is looked up
+	// while this package initialises (gRPC's registry is only read then, and no RPC can
+	// run yet), so no codec of this package ever reads the registry later.
+	baseProto = grpcProtoCodec()
+
+	// gdrCodec is the out-of-band codec: clients name it per ClientConn
+	// (grpc.ForceCodecV2); servers find it by content-subtype once Register ran.
+	gdrCodec = &codec{name: Name, oob: true}
 )
 
-// Register registers the gdr codec and replaces the proto codec with one that
-// behaves exactly like gRPC's for ordinary messages and sends attached device
-// buffers inline, so plain gRPC peers still receive correct data. Call it once,
-// at start-up, before serving or dialing; a later call replaces the options.
-// It is never called from an init function.
+func grpcProtoCodec() encoding.CodecV2 {
+	c := encoding.GetCodecV2(encproto.Name)
+	if c == nil {
+		panic("gdrcodec: gRPC's proto codec is not registered")
+	}
+	return c
+}
+
+// Register registers the gdr codec with gRPC and replaces the proto codec with one
+// that behaves exactly like gRPC's for ordinary messages and sends attached device
+// buffers inline, so plain gRPC peers still receive correct data. gRPC's codec
+// registry must not change while RPCs run, so call Register once, at start-up,
+// before the process creates any gRPC server or client; it is never called from an
+// init function, nor by DialOptions, ServerOptions or the net/rpc codecs. A server
+// needs it: without it, gdr calls fail with FailedPrecondition. A ClientConn made
+// with DialOptions does not (its codec is set per ClientConn), though the options
+// Register sets apply to it. Later calls only replace the options, which is safe
+// at any time.
 func Register(opts ...Option) {
+	current.Store(newOptions(opts))
+	registerMu.Lock()
+	defer registerMu.Unlock()
+	if !registered.Load() {
+		encoding.RegisterCodecV2(gdrCodec)
+		encoding.RegisterCodecV2(&codec{name: encproto.Name})
+		registered.Store(true)
+	}
+}
+
+func newOptions(opts []Option) *options {
 	o := &options{eager: DefaultEagerThreshold}
 	for _, fn := range opts {
 		fn(o)
@@ -67,34 +108,20 @@ func Register(opts ...Option) {
 	if o.eager == 0 {
 		o.eager = DefaultEagerThreshold
 	}
-	registerMu.Lock()
-	defer registerMu.Unlock()
-	current.Store(o)
-	if baseProto == nil {
-		baseProto = encoding.GetCodecV2("proto")
-		if baseProto == nil {
-			panic("gdrcodec: gRPC's proto codec is not registered")
-		}
-		encoding.RegisterCodecV2(&codec{name: Name, oob: true})
-		encoding.RegisterCodecV2(&codec{name: "proto"})
+	if o.logger == nil {
+		o.logger = slog.New(slog.DiscardHandler)
 	}
+	return o
 }
 
-// ensureRegistered registers with default options where nobody did.
-func ensureRegistered() {
-	registerMu.Lock()
-	done := baseProto != nil
-	registerMu.Unlock()
-	if !done {
-		Register()
-	}
-}
+// defaultOptions are the options before Register sets any.
+var defaultOptions = newOptions(nil)
 
 func opts() *options {
 	if o := current.Load(); o != nil {
 		return o
 	}
-	return &options{eager: DefaultEagerThreshold}
+	return defaultOptions
 }
 
 // codec is the gdr codec (oob) or the proto replacement (inline only).

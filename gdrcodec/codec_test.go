@@ -36,9 +36,19 @@ import (
 
 func TestMain(m *testing.M) {
 	gpuServerChild() // returns unless this process is a test's server child
+	registerChild()  // likewise for TestConcurrentRegister's child
 	gdrcodec.Register()
 	before := runtime.NumGoroutine()
-	os.Exit(leaktest.Run(m, func() error { return oobleak.Settled(before) }))
+	os.Exit(leaktest.Run(m, func() error {
+		if err := oobleak.Settled(before); err != nil {
+			return err
+		}
+		// Settled waited for collected messages to be reported.
+		if n := gdrcodec.Leaked() - leaksMade.Load(); n != 0 {
+			return fmt.Errorf("%d messages collected with buffers attached (not released)", n)
+		}
+		return nil
+	}))
 }
 
 func requireUCX(t testing.TB) {

@@ -15,7 +15,10 @@
 //
 // Attach a devicebuf.Buffer to an outgoing DeviceBuffer with Attach (or New);
 // read a received one with Buffer, take it over with Detach, and give the memory
-// back early with ReleaseAll.
+// back with ReleaseAll: the garbage collector never frees it (see Attach).
+//
+// Register is called once, at start-up, before any gRPC server or client of the
+// process exists: it is the only code here that writes gRPC's codec registry.
 //
 // This package knows protobuf and gRPC; it never touches UCX or device memory
 // itself (devicebuf copies, transport moves bytes).

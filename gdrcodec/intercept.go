@@ -73,9 +73,10 @@ func (h *hold) release() {
 	}
 }
 
-// UnaryClientInterceptor holds a request's payloads until the call returns and
-// restores the status code of an out-of-band transfer that failed while the
-// response was being decoded.
+// UnaryClientInterceptor holds a request's payloads until the call returns,
+// releases what the response brought when the call fails (the caller never
+// sees it), and restores the status code of an out-of-band transfer that failed
+// while the response was being decoded.
 func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		h := &hold{}
@@ -85,6 +86,9 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 		recvContexts.Store(reply, ctx)
 		err := invoker(ctx, method, req, reply, cc, opts...)
 		recvContexts.Delete(reply)
+		if m := messageV2Of(reply); err != nil && m != nil {
+			ReleaseAll(m)
+		}
 		if h != nil {
 			holds.Delete(req)
 			h.release()
@@ -164,12 +168,11 @@ func restoreCode(err error) error {
 }
 
 // DialOptions returns what a gdrpc client needs on top of its dialer: the gdr
-// content-subtype and the interceptors above. It registers the codecs with
-// default options if Register was not called.
+// codec, set for every call of the ClientConn (grpc.ForceCodecV2: gRPC's codec
+// registry is not touched, so it needs no Register), and the interceptors above.
 func DialOptions() []grpc.DialOption {
-	ensureRegistered()
 	return []grpc.DialOption{
-		grpc.WithDefaultCallOptions(grpc.CallContentSubtype(Name)),
+		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(gdrCodec)),
 		grpc.WithChainUnaryInterceptor(UnaryClientInterceptor()),
 		grpc.WithChainStreamInterceptor(StreamClientInterceptor()),
 	}
@@ -177,10 +180,11 @@ func DialOptions() []grpc.DialOption {
 
 // ServerOptions returns what a gdrpc server needs: a check that refuses gdr
 // calls on connections whose handshake did not negotiate the codec (a plain TCP
-// client naming the gdr subtype gets FailedPrecondition). It registers the
-// codecs with default options if Register was not called.
+// client naming the gdr subtype gets FailedPrecondition), and the release of a
+// call's buffers below. gRPC finds a server's codecs by content-subtype in its
+// registry, so gdr calls also need Register, called at start-up; without it they
+// are refused with FailedPrecondition. ServerOptions itself registers nothing.
 func ServerOptions() []grpc.ServerOption {
-	ensureRegistered()
 	return []grpc.ServerOption{grpc.InTapHandle(refuseUnnegotiated), grpc.StatsHandler(serverStats{})}
 }
 
@@ -240,6 +244,10 @@ func refuseUnnegotiated(ctx context.Context, info *tap.Info) (context.Context, e
 	}
 	if !gdr {
 		return ctx, nil
+	}
+	if !registered.Load() {
+		// gRPC would decode the call with the plain proto codec.
+		return ctx, status.Errorf(codes.FailedPrecondition, "gdrpc: this server cannot serve %q calls: gdrcodec.Register was not called at start-up", Name)
 	}
 	s := transport.SessionFromContext(ctx)
 	if s == nil || !slices.Contains(s.Peer().Caps.Codecs, Name) {

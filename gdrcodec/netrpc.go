@@ -32,8 +32,8 @@ type netrpcConn struct {
 	c   codec
 }
 
+// newNetRPCConn needs no Register: net/rpc does not use gRPC's codec registry.
 func newNetRPCConn(rwc io.ReadWriteCloser) netrpcConn {
-	ensureRegistered()
 	return netrpcConn{rwc: rwc, r: bufio.NewReader(rwc), w: bufio.NewWriter(rwc), c: codec{name: Name, oob: true}}
 }
 

@@ -26,9 +26,10 @@ func Listen(addr string, opts ...transport.Option) (*transport.Listener, error) 
 // nil creds means no security), buffer sizes and HTTP/2 windows suited to a
 // message transport, and the out-of-band codec's (gdrcodec.ServerOptions: a
 // tap handle that refuses the gdr codec on connections that did not negotiate
-// it, and a stats handler that gives a call's buffers back; it registers the
-// codecs with default options if gdrcodec.Register was not called). gRPC
-// takes one tap handle per server: do not add another grpc.InTapHandle.
+// it, and a stats handler that gives a call's buffers back). gRPC finds a
+// server's codecs in its registry: call gdrcodec.Register at start-up, or gdr
+// calls are refused with FailedPrecondition. gRPC takes one tap handle per
+// server: do not add another grpc.InTapHandle.
 func ServerOptions(creds credentials.TransportCredentials) []grpc.ServerOption {
 	return append([]grpc.ServerOption{
 		grpc.Creds(transport.NewCredentials(creds)),

@@ -1174,84 +1174,24 @@ func dropRemoteKeys(s *Session) {
 	}
 }
 
-// Opened CUDA IPC mappings of a receiver's destinations, kept per session:
-// opening a handle maps the whole allocation (costly for large ones), and
-// receivers reuse their pool blocks, so the next transfer finds it open. The
-// mappings go when the session closes, or the oldest when there are too many.
-const maxIPCMappings = 64
-
-type ipcMappings struct {
-	order []devicebuf.IPCHandle
-	bufs  map[devicebuf.IPCHandle]*devicebuf.Buffer
-}
-
-var ipcBySession = struct {
-	sync.Mutex
-	m map[*Session]*ipcMappings
-}{m: map[*Session]*ipcMappings{}}
-
-// openIPC returns the receiver's allocation named by m's handle, with a
-// reference for the caller.
-func openIPC(s *Session, m *rtr) (*devicebuf.Buffer, error) {
-	ipcBySession.Lock()
-	if c := ipcBySession.m[s]; c != nil {
-		if b := c.bufs[m.IPC]; b != nil {
-			b.Retain()
-			ipcBySession.Unlock()
-			return b, nil
-		}
-	}
-	ipcBySession.Unlock()
+// openIPC maps the receiver's allocation named by m's handle for one transfer and
+// returns it with a reference for the caller, whose release closes the mapping
+// (concurrent transfers into one allocation share it). No mapping outlives its
+// transfer: the receiver frees or recycles the destination once the transfer ends
+// (its pools free idle regions), and CUDA leaves freeing an allocation that another
+// process still has open undefined; in this process, a kept mapping would keep the
+// receiver's allocation itself alive.
+func openIPC(_ *Session, m *rtr) (*devicebuf.Buffer, error) {
 	dev, err := deviceOrdinal(m.IPCDevice)
 	if err != nil {
 		return nil, err
 	}
-	b, err := devicebuf.OpenIPC(m.IPC, dev)
-	if err != nil {
-		return nil, err
-	}
-	var evict *devicebuf.Buffer
-	ipcBySession.Lock()
-	select {
-	case <-s.Done(): // too late to cache: the close hook ran or is running
-		ipcBySession.Unlock()
-		return b, nil
-	default:
-	}
-	c := ipcBySession.m[s]
-	if c == nil {
-		c = &ipcMappings{bufs: map[devicebuf.IPCHandle]*devicebuf.Buffer{}}
-		ipcBySession.m[s] = c
-	}
-	if old := c.bufs[m.IPC]; old != nil { // opened twice concurrently: keep one
-		ipcBySession.Unlock()
-		return b, nil
-	}
-	c.bufs[m.IPC] = b.Retain()
-	c.order = append(c.order, m.IPC)
-	if len(c.order) > maxIPCMappings {
-		evict = c.bufs[c.order[0]]
-		delete(c.bufs, c.order[0])
-		c.order = c.order[1:]
-	}
-	ipcBySession.Unlock()
-	if evict != nil {
-		evict.Release()
-	}
-	return b, nil
+	return devicebuf.OpenIPC(m.IPC, dev)
 }
 
-func dropIPCMappings(s *Session) {
-	ipcBySession.Lock()
-	c := ipcBySession.m[s]
-	delete(ipcBySession.m, s)
-	ipcBySession.Unlock()
-	if c != nil {
-		for _, b := range c.bufs {
-			b.Release()
-		}
-	}
-}
+// dropIPCMappings runs when a session closes. openIPC keeps no mapping past its
+// transfer, so a session has none left to drop.
+func dropIPCMappings(*Session) {}
 
 func pushRDMA(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src Source) (path Path, err error) {
 	if err := checkKeyDomains(ep, m.RKey); err != nil {

@@ -41,7 +41,11 @@ var (
 // HostPool returns the process's pool of registered host memory for rc: regions
 // UCX allocated (puts into them run faster than into other memory), carved
 // into size classes and reused. With rc nil (no UCX), plain page-aligned host
-// memory. Received payloads and staging buffers come from it.
+// memory. Received payloads and staging buffers come from it. Its regions
+// count against TransferConfig.PoolBytes; one with no block out for
+// devicebuf.DefaultPoolIdleTimeout goes back to UCX (deregistered, unpinned),
+// and sooner when a transfer of another size class needs its room, so regions
+// made for refused or aborted transfers do not stay pinned.
 func HostPool(rc *rdma.Context) *devicebuf.Pool {
 	hostPoolsMu.Lock()
 	defer hostPoolsMu.Unlock()

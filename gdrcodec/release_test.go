@@ -1,0 +1,152 @@
+package gdrcodec_test
+
+import (
+	"context"
+	"log/slog"
+	"runtime"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
+	"github.com/gdrpc/gdrpc/examples/tensor"
+	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/transport"
+	"github.com/stretchr/testify/require"
+)
+
+// Payloads received into GPU memory over CUDA IPC are freed when released: the
+// owner's mapping of the receiver's allocation ends with the transfer, so once the
+// calls are over (and the client released what it received) no GPU buffer, byte
+// or IPC mapping is left, while the sessions live on.
+func TestGPUBuffersFreedOnRelease(t *testing.T) {
+	devicebuftest.Install(t, 1)
+	gpu, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	r := newRig(t, transport.ModeTCP, &tensor.Server{Alloc: gpu})
+	transport.SetTransferConfig(transport.TransferConfig{Metrics: r.paths, Paths: transport.PathCUDAIPC})
+	gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
+	t.Cleanup(func() { gdrcodec.Register() })
+
+	const calls, n = 40, 1 << 20
+	want := tensor.ChecksumBytes(pattern(n, 7))
+	base := devicebuf.Live()
+	for range calls {
+		got, err := r.client.Make(context.Background(), &tensorpb.Sized{Size: n, Seed: 7})
+		require.NoError(t, err)
+		sum, err := r.client.Digest(context.Background(), got)
+		require.NoError(t, err)
+		require.Equal(t, want, sum.Crc32C)
+		gdrcodec.ReleaseAll(got)
+	}
+	require.Equal(t, map[string]int{"cuda-ipc": 2 * calls}, r.paths.reset())
+	left := devicebuf.Live().Sub(base)
+	require.Zero(t, left.CUDABuffers, "GPU buffers left: %+v", left)
+	require.Zero(t, left.CUDABytes, "GPU bytes left: %+v", left)
+	require.Zero(t, left.IPCMappings, "IPC mappings left: %+v", left)
+}
+
+// leaksMade counts the leaks tests make on purpose; TestMain fails on any other.
+var leaksMade atomic.Int64
+
+// A message collected with a buffer attached is reported, and the buffer is not
+// freed behind the owner's back: only releases free it.
+func TestCollectedAttachmentIsReported(t *testing.T) {
+	logs := &recordingHandler{records: make(chan slog.Record, 1)}
+	gdrcodec.Register(gdrcodec.WithLogger(slog.New(logs)))
+	t.Cleanup(func() { gdrcodec.Register() })
+	base := devicebuf.Live()
+	b, err := devicebuf.NewHostAllocator().Alloc(12345)
+	require.NoError(t, err)
+	leaksBefore := gdrcodec.Leaked()
+	func() {
+		msg := &tensorpb.Tensor{Data: gdrcodec.New(b)} // dropped without ReleaseAll
+		require.NotNil(t, msg.Data)
+	}()
+	leaksMade.Add(1)
+	var rec slog.Record
+	require.Eventually(t, func() bool {
+		runtime.GC()
+		select {
+		case rec = <-logs.records:
+			return true
+		default:
+			return false
+		}
+	}, 10*time.Second, time.Millisecond, "the collected message is reported")
+	require.Equal(t, slog.LevelWarn, rec.Level)
+	require.Contains(t, rec.Message, "ReleaseAll")
+	attrs := map[string]string{}
+	rec.Attrs(func(a slog.Attr) bool { attrs[a.Key] = a.Value.String(); return true })
+	require.Equal(t, map[string]string{"bytes": "12345", "kind": devicebuf.Host.String()}, attrs)
+	require.Equal(t, leaksBefore+1, gdrcodec.Leaked())
+
+	// The attachment's reference is still held: the caller's release does not free it.
+	require.NoError(t, b.Release())
+	require.False(t, b.Released())
+	require.Equal(t, int64(1), devicebuf.Live().Sub(base).HostBuffers)
+	require.NoError(t, b.Release()) // the leaked reference, which this test knows of
+	require.Equal(t, devicebuf.Counters{}, devicebuf.Live().Sub(base))
+}
+
+type recordingHandler struct{ records chan slog.Record }
+
+func (h *recordingHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h *recordingHandler) Handle(_ context.Context, r slog.Record) error {
+	select {
+	case h.records <- r.Clone():
+	default:
+	}
+	return nil
+}
+func (h *recordingHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h *recordingHandler) WithGroup(string) slog.Handler      { return h }
+
+// A receive pool squatted by transfers that never completed serves later calls:
+// the regions they left are freed for a call that needs their room, and all of
+// them once idle.
+func TestSquattedPoolServesLaterCalls(t *testing.T) {
+	clock := devicebuftest.NewClock()
+	pool, err := devicebuf.NewPool(devicebuf.PoolConfig{MaxBytes: 16 << 20, IdleTimeout: 30 * time.Second, Clock: clock})
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, pool.Close()) })
+	r := newRig(t, transport.ModeTCP, nil)
+	gdrcodec.Register(gdrcodec.WithReceiveAllocator(pool))
+	t.Cleanup(func() { gdrcodec.Register() })
+
+	// Destinations of refused transfers, released: regions of 8 + 4 + 4 MiB fill the pool.
+	for _, n := range []int{8 << 20, 4 << 20, 2 << 20} {
+		b, err := pool.Alloc(n)
+		require.NoError(t, err)
+		require.NoError(t, b.Release())
+	}
+	st := pool.Stats()
+	require.Equal(t, 3, st.Regions)
+	require.Equal(t, int64(16<<20), st.RegionBytes)
+
+	// A later call whose payload needs a 16 MiB block.
+	const n = 12 << 20
+	want := pattern(n, 11)
+	src := devicebuf.HostFromBytes(want)
+	req := &tensorpb.Tensor{Data: gdrcodec.New(src)}
+	src.Release()
+	sum, err := r.client.Digest(context.Background(), req)
+	require.NoError(t, err)
+	require.Equal(t, tensor.ChecksumBytes(want), sum.Crc32C)
+	gdrcodec.ReleaseAll(req)
+	// The server gives the request's buffer back when the call ends, just after the
+	// client saw its response.
+	require.Eventually(t, func() bool { return pool.Stats().InUse == 0 }, 10*time.Second, time.Millisecond)
+	st = pool.Stats()
+	require.Equal(t, 1, st.Regions)
+	require.Equal(t, int64(16<<20), st.RegionBytes)
+	require.Equal(t, int64(3), st.Freed)
+	require.Zero(t, st.Exhausted)
+
+	clock.Advance(30 * time.Second)
+	st = pool.Stats()
+	require.Zero(t, st.Regions, "idle regions go back")
+	require.Equal(t, int64(4), st.Freed)
+}
