@@ -34,11 +34,11 @@ const markedPrefix = 9
 // token nobody holds.
 func forgeClaim(t *testing.T, owner transport.ID, length uint64, blob bool) []byte {
 	t.Helper()
-	src := devicebuf.HostFromBytes(pattern(64<<10, 1))
-	defer src.Release()
-	real := &tensorpb.Tensor{Data: gdrcodec.New(src)}
-	if blob {
-		real = &tensorpb.Tensor{Blob: pattern(64<<10, 1)}
+	real := &tensorpb.Tensor{Blob: pattern(64<<10, 1)}
+	if !blob {
+		src := devicebuf.HostFromBytes(pattern(64<<10, 1))
+		real = &tensorpb.Tensor{Data: gdrcodec.New(src)}
+		src.Release()
 	}
 	body, err := gdrcodec.MarshalForTest(real)
 	require.NoError(t, err)

@@ -35,6 +35,7 @@ const (
 	envPaths    = "GDRPC_TEST_PATHS"      // the allowed path mask, both processes
 	envGPU      = "GDRPC_TEST_GPU"        // the child's CUDA ordinal
 	envHostMem  = "GDRPC_TEST_HOST_MEM"   // set: the child's payloads live in host memory
+	envTrust    = "GDRPC_TEST_TRUST"      // set: TrustPeers in both processes
 )
 
 func requireCUDA(t testing.TB) {
@@ -54,7 +55,7 @@ func gpuServerChild() {
 		os.Exit(2)
 	}
 	paths, _ := strconv.Atoi(os.Getenv(envPaths))
-	transport.SetTransferConfig(transport.TransferConfig{Paths: transport.Path(paths)})
+	transport.SetTransferConfig(transport.TransferConfig{Paths: transport.Path(paths), TrustPeers: os.Getenv(envTrust) != ""})
 	dev, _ := strconv.Atoi(os.Getenv(envGPU))
 	gpu, err := devicebuf.NewCUDAAllocator(dev)
 	if err != nil {
@@ -81,12 +82,15 @@ func gpuServerChild() {
 
 // startGPUServer starts the child server on GPU dev (its payloads in host
 // memory with hostMem) and returns its address.
-func startGPUServer(t *testing.T, mode transport.Mode, paths transport.Path, dev int, hostMem bool) string {
+func startGPUServer(t *testing.T, mode transport.Mode, paths transport.Path, dev int, hostMem, trust bool) string {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), envGPUChild+"="+string(mode), fmt.Sprintf("%s=%d", envPaths, paths), fmt.Sprintf("%s=%d", envGPU, dev))
 	if hostMem {
 		cmd.Env = append(cmd.Env, envHostMem+"=1")
+	}
+	if trust {
+		cmd.Env = append(cmd.Env, envTrust+"=1")
 	}
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
@@ -165,13 +169,17 @@ func testGPUService(t *testing.T, serverGPU, clientGPU int) {
 		paths          transport.Path
 		serverHost     bool // the server's payloads live in host memory
 		clientHost     bool // the client's received payloads land in host memory
+		trust          bool // TrustPeers: owners put through any transport a key names
 		want, wantBack string
 		plain, back    string // without CUDA in UCX
 	}{
 		{name: "cuda-ipc", mode: transport.ModeTCP, paths: transport.PathCUDAIPC, want: "cuda-ipc", wantBack: "cuda-ipc", plain: "cuda-ipc", back: "cuda-ipc"},
-		{name: "rdma", mode: transport.ModeUCX, paths: transport.PathRDMA, want: "rdma/cuda", wantBack: "rdma/cuda", plain: "staged", back: "staged"},
-		{name: "rdma-gpu-to-host", mode: transport.ModeUCX, paths: transport.PathRDMA, clientHost: true, want: "rdma", wantBack: "rdma", plain: "staged", back: "rdma"},
-		{name: "rdma-host-to-gpu", mode: transport.ModeUCX, paths: transport.PathRDMA, serverHost: true, want: "rdma/cuda", wantBack: "rdma/cuda", plain: "staged", back: "staged"},
+		{name: "rdma", mode: transport.ModeUCX, paths: transport.PathRDMA, trust: true, want: "rdma/cuda", wantBack: "rdma/cuda", plain: "staged", back: "staged"},
+		{name: "rdma-gpu-to-host", mode: transport.ModeUCX, paths: transport.PathRDMA, trust: true, clientHost: true, want: "rdma", wantBack: "rdma", plain: "staged", back: "rdma"},
+		{name: "rdma-host-to-gpu", mode: transport.ModeUCX, paths: transport.PathRDMA, trust: true, serverHost: true, want: "rdma/cuda", wantBack: "rdma/cuda", plain: "staged", back: "staged"},
+		// Untrusted peers: a key that names memory the owner would map and
+		// write itself (UCX shared memory, CMA, CUDA IPC) sends it to the stream.
+		{name: "rdma-untrusted", mode: transport.ModeUCX, paths: transport.PathRDMA, want: "stream", wantBack: "stream", plain: "stream", back: "stream"},
 		{name: "stream", mode: transport.ModeTCP, paths: transport.PathStream, want: "stream", wantBack: "stream", plain: "stream", back: "stream"},
 	}
 	for _, tt := range tests {
@@ -179,9 +187,9 @@ func testGPUService(t *testing.T, serverGPU, clientGPU int) {
 			if tt.mode == transport.ModeUCX && !ucxMovesCUDA(t) {
 				tt.want, tt.wantBack = tt.plain, tt.back
 			}
-			addr := startGPUServer(t, tt.mode, tt.paths, serverGPU, tt.serverHost)
+			addr := startGPUServer(t, tt.mode, tt.paths, serverGPU, tt.serverHost, tt.trust)
 			pc := &pathCounter{paths: map[string]int{}}
-			transport.SetTransferConfig(transport.TransferConfig{Paths: tt.paths, Metrics: pc})
+			transport.SetTransferConfig(transport.TransferConfig{Paths: tt.paths, Metrics: pc, TrustPeers: tt.trust})
 			if tt.clientHost {
 				gdrcodec.Register()
 			} else {

@@ -47,6 +47,14 @@ type TransferInfo struct {
 	Memory devicebuf.Kind
 }
 
+// kindOf returns b's kind, Host when there is no buffer (yet).
+func kindOf(b *devicebuf.Buffer) devicebuf.Kind {
+	if b == nil {
+		return devicebuf.Host
+	}
+	return b.Kind()
+}
+
 // Route names the path with what it means for this side's memory: "rdma/cuda"
 // is an RDMA transfer straight from or into GPU memory (GPUDirect RDMA, or
 // UCX's own CUDA transports), "rdma" one from or into host memory.
@@ -371,7 +379,7 @@ func FetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 			break
 		}
 	}
-	c.Metrics.Transfer(TransferInfo{Path: path, Bytes: int64(d.Length), Elapsed: time.Since(start), Err: err, Pull: true, Memory: dst.Kind()})
+	c.Metrics.Transfer(TransferInfo{Path: path, Bytes: int64(d.Length), Elapsed: time.Since(start), Err: err, Pull: true, Memory: kindOf(dst)})
 	if err != nil {
 		return fail(path, err)
 	}
