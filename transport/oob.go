@@ -1006,6 +1006,11 @@ func serveRTR(s *Session, m *rtr) {
 			f.Status, f.Msg = finFailed, err.Error()
 		}
 	}
+	if f.Path == PathStaged && m.Offers&PathStaged == 0 {
+		// The staging was this side's alone: the receiver, which offered no
+		// chunk-by-chunk copy, got puts into its destination.
+		f.Path = PathRDMA
+	}
 	if err := s.SendControl(ctx, ctlFIN, f.marshal()); err != nil {
 		c.Logger.Debug("FIN not sent", "session", s.ID(), "err", err)
 	}
