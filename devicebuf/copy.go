@@ -80,6 +80,32 @@ func Copy(dst, src *Buffer) error {
 	return nil
 }
 
+// Clear sets every byte of b to zero and returns when they are: a memset on the device for
+// CUDA memory (the CPU never touches it), in place for host memory.
+func Clear(b *Buffer) error {
+	if b.n == 0 {
+		return nil
+	}
+	if b.Kind() == Host {
+		hb, err := b.HostBytes()
+		if err != nil {
+			return err
+		}
+		clear(hb)
+		return nil
+	}
+	d, err := checkDevice(b.a.dev)
+	if err != nil {
+		return err
+	}
+	err = d.MemsetZero(b.a.dev, b.ptr, b.n)
+	runtime.KeepAlive(b.a)
+	if err != nil {
+		return fmt.Errorf("devicebuf: clear %s: %w", b, err)
+	}
+	return nil
+}
+
 // Stream is an ordered queue of copies on one CUDA device (a CUDA stream). Copies between
 // two host buffers run inline. A Stream retains the buffers of every copy queued on it until
 // the copy is known complete (Synchronize or Close). Safe for concurrent use.

@@ -314,3 +314,33 @@ func TestConcurrentCopiesFake(t *testing.T) {
 	devicebuftest.Install(t, 1)
 	testConcurrentCopies(t, 0)
 }
+
+// Clear zeroes device memory on the device (the fake GPU's memory faults on a CPU touch)
+// and host memory in place, exactly the buffer's bytes.
+func TestClear(t *testing.T) {
+	g := devicebuftest.Install(t, 1)
+	gpu, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	whole, err := gpu.Alloc(4096)
+	require.NoError(t, err)
+	defer whole.Release()
+	require.NoError(t, g.Poke(whole.Ptr(), bytes.Repeat([]byte{0xab}, 4096)))
+	mid, err := whole.Slice(1000, 2000)
+	require.NoError(t, err)
+	require.NoError(t, devicebuf.Clear(mid))
+	mid.Release()
+	got, err := g.Peek(whole.Ptr(), 4096)
+	require.NoError(t, err)
+	require.Equal(t, bytes.Repeat([]byte{0xab}, 1000), got[:1000])
+	require.Equal(t, make([]byte, 2000), got[1000:3000])
+	require.Equal(t, bytes.Repeat([]byte{0xab}, 1096), got[3000:])
+
+	host, err := devicebuf.NewHostAllocator().Alloc(64)
+	require.NoError(t, err)
+	defer host.Release()
+	hb, err := host.HostBytes()
+	require.NoError(t, err)
+	copy(hb, bytes.Repeat([]byte{1}, 64))
+	require.NoError(t, devicebuf.Clear(host))
+	require.Equal(t, make([]byte, 64), hb)
+}

@@ -835,19 +835,41 @@ type RemoteKey struct {
 // An empty result means UCX would emulate the put with active messages that
 // the peer applies.
 func (e *Endpoint) KeyDomains(packed []byte) ([]string, error) {
+	info, err := e.laneInfo()
+	if err != nil {
+		return nil, fmt.Errorf("rdma: key domains: %w", err)
+	}
+	return keyDomains(packed, info)
+}
+
+// RMADomains returns the components of the peer's memory domains that the
+// endpoint's rma_bw lanes reach ("tcp", "ib", "cuda_ipc", ...): where a put
+// of a large buffer may go.
+func (e *Endpoint) RMADomains() ([]string, error) {
+	info, err := e.laneInfo()
+	if err != nil {
+		return nil, fmt.Errorf("rdma: lanes: %w", err)
+	}
+	return rmaDomains(info), nil
+}
+
+// laneInfo returns ucp_ep_print_info's text for the endpoint, asked once:
+// lanes do not change after wireup.
+func (e *Endpoint) laneInfo() (string, error) {
 	e.mu.Lock()
 	info := e.lanes
 	e.mu.Unlock()
-	if info == "" {
-		info = e.TransportInfo()
-		if !strings.Contains(info, "->") {
-			return nil, fmt.Errorf("rdma: key domains: %w", cmp.Or(e.termErr(), errors.New("the endpoint shows no lanes")))
-		}
-		e.mu.Lock()
-		e.lanes = info
-		e.mu.Unlock()
+	if info != "" {
+		return info, nil
 	}
-	return keyDomains(packed, info)
+	info = e.TransportInfo()
+	if !strings.Contains(info, "->") {
+		return "", cmp.Or(e.termErr(), errors.New("the endpoint shows no lanes"))
+	}
+	e.mu.Lock()
+	e.lanes = info
+	e.mu.Unlock()
+	return info, nil
 }
 
 // UnpackKey unpacks a key made by the peer's Memory.PackKey. The framing is

@@ -156,3 +156,19 @@ func keyDomains(packed []byte, info string) ([]string, error) {
 	}
 	return out, nil
 }
+
+// rmaLane matches a lane of ucp_ep_print_info's text that carries rma_bw and
+// captures the peer's memory domain component.
+var rmaLane = regexp.MustCompile(`->\s*md\[\d+\]/([A-Za-z0-9_]+)/\S*[^\n]*\brma_bw\b`)
+
+// rmaDomains returns the memory domain components the rma_bw lanes in info
+// reach, each once.
+func rmaDomains(info string) []string {
+	var out []string
+	for _, m := range rmaLane.FindAllStringSubmatch(info, -1) {
+		if !slices.Contains(out, m[1]) {
+			out = append(out, m[1])
+		}
+	}
+	return out
+}

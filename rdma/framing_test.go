@@ -100,3 +100,18 @@ func FuzzKeyFraming(f *testing.F) {
 		_ = validateRkey(pk.rkey)
 	})
 }
+
+func TestRMADomains(t *testing.T) {
+	const oneHost = `#                 lane[0]: cm rdmacm
+#                 lane[1]:  3:sysv/memory.0 md[2]           -> md[2]/sysv/sysdev[255] am am_bw#0 keepalive
+#                 lane[2]:  4:posix/memory.0 md[3]          -> md[3]/posix/sysdev[255]
+#                 lane[3]:  2:tcp/lo.0 md[1]                -> md[1]/tcp/sysdev[255] rma_bw#0 wireup
+#                 lane[4]:  6:cuda_ipc/cuda.0 md[5]         -> md[5]/cuda_ipc/sysdev[255] rma_bw#1
+`
+	require.Equal(t, []string{"tcp", "cuda_ipc"}, rmaDomains(oneHost))
+	const nic = `#                 lane[1]:  1:mlx5_0:1/rc_mlx5.0 md[0]      -> md[0]/ib/mlx5_0:1 rma_bw#0 am am_bw#0
+#                 lane[2]:  2:tcp/eth0.0 md[1]               -> md[1]/tcp/sysdev[255] am_bw#1 wireup
+`
+	require.Equal(t, []string{"ib"}, rmaDomains(nic))
+	require.Empty(t, rmaDomains(""))
+}

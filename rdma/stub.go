@@ -78,6 +78,7 @@ func (e *Endpoint) KeyDomains(packed []byte) ([]string, error) {
 	}
 	return nil, errBuild
 }
+func (e *Endpoint) RMADomains() ([]string, error) { return nil, errBuild }
 func (e *Endpoint) Put(ctx context.Context, src *Memory, srcOff, n int, remote uint64, key *RemoteKey) error {
 	return errBuild
 }

@@ -563,15 +563,16 @@ func offerDestination(s *Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buf
 	if ep == nil || rc == nil || d.Length == 0 || allowed&PathRDMA == 0 {
 		return nil, nil
 	}
-	if m.Offers&PathCUDAIPC != 0 && !canRegister(rc, rdma.MemoryCUDA) {
-		// Host staging for a GPU destination costs a full-size registered buffer;
-		// with CUDA IPC on offer the owner will not need it (and falls back to the
-		// stream if IPC fails).
+	if m.Offers&PathCUDAIPC != 0 {
+		// With CUDA IPC on offer the owner will not need a UCX destination: it
+		// copies device to device itself (faster than UCX's cuda_ipc lane), and
+		// falls back to the stream if IPC fails. A registration, or host staging
+		// for a UCX without CUDA, would cost this pull for nothing.
 		return nil, nil
 	}
 	target := p.dst
 	var staging *devicebuf.Buffer
-	if target.Kind() == devicebuf.CUDA && !canRegister(rc, rdma.MemoryCUDA) {
+	if target.Kind() == devicebuf.CUDA && !gpuDirect(rc, ep) {
 		b, err := HostPool(rc).Alloc(int(d.Length))
 		if err != nil {
 			cfg().Metrics.Fallback(PathRDMA, PathStream, "no host staging: "+err.Error())
@@ -1224,7 +1225,7 @@ func pushRDMA(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src So
 	switch b := src.Buffer; {
 	case b == nil:
 		err = ep.PutBytes(ctx, src.Bytes, m.RAddr, key)
-	case b.Kind() == devicebuf.Host || canRegister(s.RDMA(), rdma.MemoryCUDA):
+	case b.Kind() == devicebuf.Host || gpuDirect(s.RDMA(), ep):
 		var mem *rdma.Memory
 		var off int
 		var release func()

@@ -22,5 +22,30 @@ func useCUDA(rc *rdma.Context) {
 	}
 }
 
+// gpuDomains are the memory domains through which UCX moves GPU memory
+// without the CPU: its cuda_ipc on one host, InfiniBand/RoCE verbs with
+// GPUDirect RDMA across hosts.
+var gpuDomains = map[string]bool{"cuda_ipc": true, "ib": true}
+
+// gpuDirect reports whether GPU memory should go through UCX itself on ep: rc
+// registers CUDA memory and a lane for large puts reaches a GPU domain. Over
+// tcp UCX copies GPU memory through host memory piece by piece, slower than
+// the staged path's pipelined copies into registered host buffers.
+func gpuDirect(rc *rdma.Context, ep *rdma.Endpoint) bool {
+	if !canRegister(rc, rdma.MemoryCUDA) {
+		return false
+	}
+	domains, err := ep.RMADomains()
+	if err != nil {
+		return false
+	}
+	for _, d := range domains {
+		if gpuDomains[d] {
+			return true
+		}
+	}
+	return false
+}
+
 // canRegister reports whether rc can register memory of type mt now.
 func canRegister(rc *rdma.Context, mt rdma.MemoryType) bool { return rc.CanMap(mt) }

@@ -57,26 +57,8 @@ func checkKeyDomains(ep *rdma.Endpoint, packed []byte) error {
 // clearDestination zeroes b before it is offered to a path whose arrival the
 // receiver cannot count: a FIN that claims such a path hands over b whatever
 // the owner wrote, and b may hold an earlier transfer's bytes. GPU memory is
-// cleared by copies from a zeroed host buffer; the CPU never touches it.
-func clearDestination(b *devicebuf.Buffer) error {
-	if b.Kind() == devicebuf.Host {
-		hb, err := b.HostBytes()
-		if err != nil {
-			return err
-		}
-		clear(hb)
-		return nil
-	}
-	zeroed := false
-	return chunked(b.Len(), func(bounce *devicebuf.Buffer, off, n int) error {
-		if !zeroed {
-			hb, _ := bounce.HostBytes()
-			clear(hb)
-			zeroed = true
-		}
-		return copyRange(b, off, bounce, 0, n)
-	})
-}
+// cleared by a memset on the device; the CPU never touches it.
+func clearDestination(b *devicebuf.Buffer) error { return devicebuf.Clear(b) }
 
 // checkFINPath reports why a FIN "ok" naming path must be refused for the
 // RTR m: a path it did not offer, or none for a payload that has bytes.

@@ -587,6 +587,23 @@ func (g *GPU) Memcpy(dir driver.Dir, dstDev int, dst uintptr, srcDev int, src ui
 	return nil
 }
 
+func (g *GPU) MemsetZero(dev int, p uintptr, n int) error {
+	if g.absent != nil {
+		return g.absent
+	}
+	if n == 0 {
+		return nil
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	d, err := g.deviceRangeLocked(dev, p, n)
+	if err != nil {
+		return err
+	}
+	clear(d)
+	return nil
+}
+
 func (g *GPU) StreamCreate(dev int) (driver.Stream, error) {
 	if _, err := g.dev("cuStreamCreate", dev); err != nil {
 		return 0, err

@@ -45,6 +45,7 @@ static struct {
 	CUresult (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
 	CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 	CUresult (*cuMemcpyPeerAsync)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t, CUstream);
+	CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
 	CUresult (*cuStreamCreate)(CUstream *, unsigned int);
 	CUresult (*cuStreamSynchronize)(CUstream);
 	CUresult (*cuStreamDestroy)(CUstream);
@@ -97,6 +98,7 @@ static const char *gdr_cu_load(const char *name) {
 	SYM(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
 	SYM(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2");
 	SYM(cuMemcpyPeerAsync, "cuMemcpyPeerAsync");
+	SYM(cuMemsetD8Async, "cuMemsetD8Async");
 	SYM(cuStreamCreate, "cuStreamCreate");
 	SYM(cuStreamSynchronize, "cuStreamSynchronize");
 	SYM2(cuStreamDestroy, "cuStreamDestroy_v2", "cuStreamDestroy");
@@ -247,6 +249,17 @@ static CUresult gdr_cu_memcpy_in(int dir, CUcontext dstc, uintptr_t dst, CUconte
 static CUresult gdr_cu_memcpy(CUcontext c, int dir, CUcontext dstc, uintptr_t dst, CUcontext srcc,
 		uintptr_t src, size_t n, uintptr_t st, int sync) {
 	GDR_IN_CTX(c, gdr_cu_memcpy_in(dir, dstc, dst, srcc, src, n, (CUstream)st, sync));
+}
+
+static CUresult gdr_cu_memset_in(CUdeviceptr p, size_t n, CUstream s) {
+	CUresult r = gdr_cu.cuMemsetD8Async(p, 0, n, s);
+	if (r) return r;
+	return gdr_cu.cuStreamSynchronize(s);
+}
+
+// gdr_cu_memset_zero zeroes n bytes at p on stream st and waits for it.
+static CUresult gdr_cu_memset_zero(CUcontext c, uintptr_t p, size_t n, uintptr_t st) {
+	GDR_IN_CTX(c, gdr_cu_memset_in((CUdeviceptr)p, n, (CUstream)st));
 }
 
 // flags: 0 CU_STREAM_DEFAULT (ordered with the legacy default stream), 1 CU_STREAM_NON_BLOCKING.
@@ -681,6 +694,19 @@ func (d *real) Memcpy(dir driver.Dir, dstDev int, dst uintptr, srcDev int, src u
 	}
 	defer d.putSyncStream(ctxDev, st)
 	return cuErr("cuMemcpyAsync", C.gdr_cu_memcpy(c, cdir, dstc, C.uintptr_t(dst), srcc, C.uintptr_t(src), C.size_t(n), C.uintptr_t(uintptr(unsafe.Pointer(st))), 1))
+}
+
+func (d *real) MemsetZero(dev int, p uintptr, n int) error {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return err
+	}
+	st, err := d.syncStream(dev, c)
+	if err != nil {
+		return err
+	}
+	defer d.putSyncStream(dev, st)
+	return cuErr("cuMemsetD8Async", C.gdr_cu_memset_zero(c, C.uintptr_t(p), C.size_t(n), C.uintptr_t(uintptr(unsafe.Pointer(st)))))
 }
 
 func (d *real) StreamCreate(dev int) (driver.Stream, error) {

@@ -31,6 +31,7 @@ func (absent) MemAddressRange(int, uintptr) (uintptr, int, error) { return 0, 0,
 func (absent) MemHostRegister(uintptr, int) error                 { return errAbsent }
 func (absent) MemHostUnregister(uintptr) error                    { return errAbsent }
 func (absent) StreamCreate(int) (driver.Stream, error)            { return 0, errAbsent }
+func (absent) MemsetZero(int, uintptr, int) error                 { return errAbsent }
 func (absent) StreamSynchronize(driver.Stream) error              { return errAbsent }
 func (absent) StreamDestroy(driver.Stream) error                  { return errAbsent }
 func (absent) FlushRDMAWrites(int) error                          { return errAbsent }

@@ -82,6 +82,9 @@ type Driver interface {
 	// host sides). With s == 0 the copy is complete when Memcpy returns; otherwise it is
 	// ordered on s and complete after StreamSynchronize(s).
 	Memcpy(dir Dir, dstDev int, dst uintptr, srcDev int, src uintptr, n int, s Stream) error
+	// MemsetZero sets n bytes of device memory at p to zero on the device and returns when
+	// they are.
+	MemsetZero(dev int, p uintptr, n int) error
 	StreamCreate(dev int) (Stream, error)
 	StreamSynchronize(s Stream) error
 	StreamDestroy(s Stream) error
