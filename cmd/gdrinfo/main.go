@@ -167,7 +167,8 @@ func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA error) []Path {
 		ps = append(ps, Path{Name: "rdma", Reason: "no UCX: " + ucxErr.Error()})
 	case ucxCUDA == nil:
 		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host and GPU memory: UCX registers CUDA memory and moves it itself " +
-			"(GPUDirect RDMA over an RDMA NIC, its own copies over tcp); GPU to GPU on one host takes cuda-ipc first, which is faster than UCX's cuda_ipc"})
+			"where a session's lane reaches GPU memory without the CPU (GPUDirect RDMA over InfiniBand/RoCE, its cuda_ipc on one host); " +
+			"GPU to GPU on one host takes cuda-ipc first, and sessions over tcp stage GPU memory, both faster there"})
 	default:
 		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host memory only: " + ucxCUDA.Error()})
 	}
@@ -181,7 +182,7 @@ func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA error) []Path {
 	}
 	switch {
 	case len(missing) == 0 && ucxCUDA == nil:
-		ps = append(ps, Path{Name: "staged", Reason: "not needed: UCX moves GPU memory itself (rdma)"})
+		ps = append(ps, Path{Name: "staged", Available: true, Reason: "GPU memory through pinned host buffers, on sessions whose UCX lanes are tcp only"})
 	case len(missing) == 0:
 		ps = append(ps, Path{Name: "staged", Available: true, Reason: "GPU memory through pinned host buffers over UCX"})
 	default:

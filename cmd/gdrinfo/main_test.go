@@ -95,7 +95,7 @@ func TestPaths(t *testing.T) {
 		{"ucx host only", noCUDA, nil, noCUDA, false, true, false, "host memory only"},
 		{"cuda only", nil, noUCX, noUCX, true, false, false, "no UCX"},
 		{"both, ucx without cuda", nil, nil, errors.New("UCX 1.13.1 cannot register CUDA memory"), true, true, true, "host memory only: UCX 1.13.1"},
-		{"both, gpudirect", nil, nil, nil, true, true, false, "GPUDirect RDMA"},
+		{"both, gpudirect", nil, nil, nil, true, true, true, "GPUDirect RDMA"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			ps := pathsByName(paths(c.cudaErr, 1, c.ucxErr, c.ucxCUDA))
