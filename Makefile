@@ -4,7 +4,7 @@ PKGS     ?= ./...
 APT_PKGS := libucx-dev ucx-utils pkg-config protobuf-compiler iproute2 python3-grpcio
 export PATH := $(PATH):$(shell $(GO) env GOPATH)/bin
 
-.PHONY: all deps build test test-nordma bench lint proto demo gdrinfo
+.PHONY: all deps build test test-nordma bench bench-twohosts lint proto demo gdrinfo
 
 all: build
 
@@ -33,6 +33,22 @@ test: deps build
 
 bench: deps
 	$(GO) test -run '^$$' -bench . -benchtime 20x $(PKGS)
+
+# bench-twohosts measures gdrperf between two hosts emulated by two network
+# namespaces joined by a veth pair (root; UCX over tcp, distinct host ids).
+# GDRPERF_ARGS adds client flags, e.g. GDRPERF_ARGS="-sizes 1MiB,64MiB -iters 7".
+GDRPERF_ARGS ?= -sizes 1MiB,64MiB -iters 7
+bench-twohosts: deps
+	$(GO) build -o $(CURDIR)/.gdrperf ./cmd/gdrperf
+	@set -e; a=gdrpc-bench-a; b=gdrpc-bench-b; \
+	cleanup() { ip netns del $$a 2>/dev/null || true; ip netns del $$b 2>/dev/null || true; }; trap cleanup EXIT; cleanup; \
+	ip netns add $$a; ip netns add $$b; ip link add gbva type veth peer name gbvb; \
+	ip link set gbva netns $$a; ip link set gbvb netns $$b; \
+	ip -n $$a addr add 10.99.0.1/24 dev gbva; ip -n $$b addr add 10.99.0.2/24 dev gbvb; \
+	for n in $$a $$b; do ip -n $$n link set lo up; done; ip -n $$a link set gbva up; ip -n $$b link set gbvb up; \
+	ip netns exec $$a env GDRPC_HOST_ID=bench-host-a UCX_TLS=tcp $(CURDIR)/.gdrperf -server 10.99.0.1:7700 & srv=$$!; \
+	ip netns exec $$b env GDRPC_HOST_ID=bench-host-b UCX_TLS=tcp $(CURDIR)/.gdrperf -connect 10.99.0.1:7700 -transport ucx $(GDRPERF_ARGS); \
+	kill $$srv; wait $$srv 2>/dev/null || true
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt:"; echo "$$out"; exit 1; fi

@@ -563,6 +563,12 @@ func offerDestination(s *Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buf
 	if ep == nil || rc == nil || d.Length == 0 || allowed&PathRDMA == 0 {
 		return nil, nil
 	}
+	if p.dst.Kind() == devicebuf.Host && !peer.SameHost && rmaOverTCPOnly(ep) {
+		// Between hosts, puts over UCX's tcp transport are slower than the
+		// stream path; GPU memory still goes staged (the pipelined copies
+		// keep the GPU's part off the stream).
+		return nil, nil
+	}
 	if m.Offers&PathCUDAIPC != 0 {
 		// With CUDA IPC on offer the owner will not need a UCX destination: it
 		// copies device to device itself (faster than UCX's cuda_ipc lane), and
