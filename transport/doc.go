@@ -19,7 +19,9 @@
 // connections to gRPC unchanged.
 //
 // The mode is ModeAuto by default, or set by WithMode or the environment
-// variable GDRPC_TRANSPORT=ucx|tcp. The chosen transport shows in
+// variable GDRPC_TRANSPORT=ucx|tcp. ModeAuto moves onto UCX only when
+// TransferConfig.TrustPeers says the peers are trusted: a UCX connection lets
+// its peer write anywhere in this process. The chosen transport shows in
 // Session.Transport, in the network of the conns' addresses ("gdrpc+ucx",
 // "gdrpc+tcp"), in debug logs and in AuthInfo.
 //

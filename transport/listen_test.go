@@ -207,7 +207,17 @@ func TestModeMismatch(t *testing.T) {
 	_, err = transport.Dial(ctx, l2.Addr().String(), transport.WithMode(transport.ModeTCP))
 	require.ErrorIs(t, err, transport.ErrRejected)
 
-	// Auto on both ends with UCX: the session upgrades.
+	// Auto on both ends with UCX, peers not trusted: the session stays on TCP.
+	lu, err := transport.Listen("127.0.0.1:0", transport.WithRDMAContext(rc))
+	require.NoError(t, err)
+	defer lu.Close()
+	su, err := transport.Dial(ctx, lu.Addr().String(), transport.WithRDMAContext(rc))
+	require.NoError(t, err)
+	defer su.Close()
+	require.Equal(t, "tcp", su.Transport())
+
+	// Auto on both ends with UCX, peers trusted: the session upgrades.
+	trustPeers(t)
 	l3, err := transport.Listen("127.0.0.1:0", transport.WithRDMAContext(rc))
 	require.NoError(t, err)
 	defer l3.Close()
@@ -227,11 +237,12 @@ func TestModeMismatch(t *testing.T) {
 	require.ErrorContains(t, err, "unknown transport mode")
 }
 
-// TestDefaultsUpgrade: with no options at all (auto mode, rdma.Default())
-// two processes on one host end up on UCX over shared memory.
+// TestDefaultsUpgrade: with no options but trusted peers (auto mode,
+// rdma.Default()) two processes on one host end up on UCX over shared memory.
 func TestDefaultsUpgrade(t *testing.T) {
 	requireUCX(t)
 	t.Setenv(transport.EnvTransport, "")
+	trustPeers(t)
 	p := dialPair(t, nil)
 	require.Equal(t, "ucx", p.client.Transport())
 	require.Equal(t, "ucx", p.server.Transport())
@@ -245,4 +256,11 @@ func roundTripPair(t *testing.T, p *setup) {
 	t.Helper()
 	go func() { _, _ = io.Copy(p.sc, p.sc) }()
 	roundTrip(t, p.cc, "over the default transport")
+}
+
+// trustPeers sets TransferConfig.TrustPeers for the test.
+func trustPeers(t *testing.T) {
+	t.Helper()
+	transport.SetTransferConfig(transport.TransferConfig{TrustPeers: true})
+	t.Cleanup(func() { transport.SetTransferConfig(transport.TransferConfig{}) })
 }

@@ -31,6 +31,8 @@ func internalUCX(t *testing.T) *rdma.Context {
 // requires UCX the dial fails with a clear error.
 func TestUpgradeFallback(t *testing.T) {
 	rc := internalUCX(t)
+	SetTransferConfig(TransferConfig{TrustPeers: true}) // auto mode upgrades
+	t.Cleanup(func() { SetTransferConfig(TransferConfig{}) })
 	l, err := Listen("127.0.0.1:0", WithRDMAContext(rc))
 	require.NoError(t, err)
 	defer l.Close()

@@ -92,8 +92,9 @@ type TransferConfig struct {
 	// Limits bound what one peer's session may hold; their zero fields take
 	// the defaults Limits documents.
 	Limits Limits
-	// TrustPeers says the peers of this process's UCX sessions are trusted
-	// (one cluster, one operator). Receivers then expose whole registered
+	// TrustPeers says the peers of this process are trusted (one cluster,
+	// one operator). ModeAuto sessions then move onto UCX, which assumes
+	// trusted peers (see ModeAuto). Receivers expose whole registered
 	// pool regions (keys reused across transfers, shared-memory puts) and
 	// owners put through any transport a key names, including those where
 	// this process writes wherever the key says (UCX shared memory, CMA, CUDA

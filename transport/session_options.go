@@ -13,9 +13,15 @@ import (
 type Mode string
 
 const (
-	// ModeAuto uses UCX when both ends have it and falls back to TCP otherwise.
+	// ModeAuto uses UCX when both ends have it and this process trusts its
+	// peers (TransferConfig.TrustPeers), and TCP otherwise. UCX assumes
+	// trusted peers: its TCP transport writes wherever a peer's put says and
+	// every context with RMA serves emulated puts and gets at any address, so
+	// a peer that drives UCX itself reaches the whole process. Over TCP a
+	// peer reaches only what the out-of-band engine offers it.
 	ModeAuto Mode = "auto"
-	// ModeUCX requires UCX: a session that cannot run over UCX fails.
+	// ModeUCX requires UCX: a session that cannot run over UCX fails. Asking
+	// for it says the peers are trusted (see ModeAuto).
 	ModeUCX Mode = "ucx"
 	// ModeTCP never uses UCX: the session runs over the bootstrap TCP connection.
 	ModeTCP Mode = "tcp"
@@ -174,6 +180,11 @@ func newConfig(opts []Option) (*config, error) {
 	case ModeAuto, ModeUCX, ModeTCP:
 	default:
 		return nil, fmt.Errorf("gdrpc: unknown transport mode %q (want auto, ucx or tcp)", c.mode)
+	}
+	if c.mode == ModeAuto && !cfg().TrustPeers {
+		// A UCX connection lets its peer write anywhere in this process (see
+		// ModeAuto): untrusted peers get TCP sessions.
+		c.mode = ModeTCP
 	}
 	if c.logger == nil {
 		c.logger = slog.New(slog.DiscardHandler)
