@@ -80,8 +80,11 @@ type result struct {
 	VsDtoD          *float64 `json:"gdrpc_vs_dtod,omitempty"`
 	NaiveMiBs       *float64 `json:"naive_mib_s,omitempty"`
 	VsNaive         *float64 `json:"gdrpc_vs_naive,omitempty"`
-	D2HMiBs         *float64 `json:"d2h_mib_s,omitempty"`            // -mem cuda -recv host: device-to-host copy into registered host memory
-	VsD2HPut        *float64 `json:"gdrpc_vs_min_d2h_put,omitempty"` // against min(d2h, ucx_perftest): the staged path's ceiling
+	D2HMiBs         *float64 `json:"d2h_mib_s,omitempty"`             // -mem cuda -recv host: device-to-host copy into registered host memory
+	VsD2HPut        *float64 `json:"gdrpc_vs_min_d2h_put,omitempty"`  // against min(d2h, ucx_perftest): the staged path's ceiling
+	RPCMicros       *float64 `json:"rpc_1kib_us,omitempty"`           // plain gRPC unary call with 1 KiB, median
+	CopyMiBs        *float64 `json:"copy_mib_s,omitempty"`            // in-process copy of the payload, -mem to -recv memory
+	VsRPCCopy       *float64 `json:"call_vs_rpc_plus_copy,omitempty"` // call time / (1 KiB RPC + copy), one call at a time
 	Fallbacks       []string `json:"fallbacks,omitempty"`
 	Notes           []string `json:"notes,omitempty"`
 }
@@ -109,6 +112,8 @@ type bench struct {
 	perfNote string
 
 	logf func(string, ...any)
+
+	rpcFloor time.Duration // a plain 1 KiB unary call, median; measured once
 
 	transport string // of the gdrpc session, once known
 	lanes     string // UCX transports of the session's endpoint, once known
@@ -236,6 +241,7 @@ func (b *bench) measure(ctx context.Context, size int) *result {
 	r.VsUCXPerftest = ratio(r.GDRPCMiBs, r.UCXPerftestMiBs)
 	r.VsDtoD = ratio(r.GDRPCMiBs, r.DtoDMiBs)
 	r.VsNaive = ratio(r.GDRPCMiBs, r.NaiveMiBs)
+	r.VsRPCCopy = callVsRPCCopy(size, r)
 	if r.D2HMiBs != nil {
 		ceiling := r.D2HMiBs
 		if r.UCXPerftestMiBs != nil && *r.UCXPerftestMiBs < *ceiling {
@@ -266,6 +272,26 @@ func (b *bench) measureBaselines(ctx context.Context, size int, pat []byte, r *r
 			note("ucx_perftest", err)
 		} else {
 			r.UCXPerftestMiBs = &pr.MiBs
+		}
+	}
+	if b.o.inflight == 1 {
+		if b.rpcFloor == 0 {
+			if v, err := b.timeCalls(ctx, 1<<10, b.plainMake(1<<10), nil); err != nil {
+				note("rpc 1KiB", err)
+			} else {
+				b.rpcFloor = time.Duration(float64(1<<10) / (v * (1 << 20)) * float64(time.Second))
+			}
+		}
+		if b.rpcFloor > 0 {
+			us := float64(b.rpcFloor) / float64(time.Microsecond)
+			r.RPCMicros = &us
+		}
+		if !(b.o.mem == "cuda" && b.o.recv == "cuda") { // there the dtod column is the copy
+			if v, err := b.measureCopy(size); err != nil {
+				note("copy", err)
+			} else {
+				r.CopyMiBs = &v
+			}
 		}
 	}
 	if b.o.mem == "cuda" && b.o.recv == "host" {
@@ -435,6 +461,60 @@ func checkTensor(t *tensorpb.Tensor, pat []byte) error {
 }
 
 // measurePlain times the same call over plain gRPC on TCP.
+// plainMake is a plain gRPC call of Make for size bytes, unchecked.
+func (b *bench) plainMake(size int) callFunc {
+	return func(cctx context.Context, _ int, _ bool) (func() error, error) {
+		return nil, b.plain.Invoke(cctx, methodMake, wrapperspb.UInt64(uint64(size)), new(wrapperspb.BytesValue))
+	}
+}
+
+// callVsRPCCopy is the call time over the floor one call could reach: a plain
+// 1 KiB unary call plus an in-process copy of the payload (the dtod column's
+// copy for GPU to GPU). Nil when a part is missing or calls overlapped.
+func callVsRPCCopy(size int, r *result) *float64 {
+	copyRate := r.CopyMiBs
+	if copyRate == nil {
+		copyRate = r.DtoDMiBs
+	}
+	if r.RPCMicros == nil || copyRate == nil || *copyRate <= 0 || r.GDRPCMiBs <= 0 || r.Inflight != 1 {
+		return nil
+	}
+	mib := float64(size) / (1 << 20)
+	floor := *r.RPCMicros/1e6 + mib / *copyRate
+	v := mib / r.GDRPCMiBs / floor
+	return &v
+}
+
+// measureCopy times an in-process copy of size bytes from the sender's kind
+// of memory (-mem) into the receiver's (-recv).
+func (b *bench) measureCopy(size int) (float64, error) {
+	allocFor := func(mem string) (devicebuf.Allocator, error) {
+		if mem == "cuda" {
+			return b.cuda, nil
+		}
+		return b.o.hostAllocator()
+	}
+	sa, err := allocFor(b.o.mem)
+	if err != nil {
+		return 0, err
+	}
+	da, err := allocFor(b.o.recv)
+	if err != nil {
+		return 0, err
+	}
+	src, err := filled(sa, size)
+	if err != nil {
+		return 0, err
+	}
+	defer src.Release()
+	dst, err := da.Alloc(size)
+	if err != nil {
+		return 0, err
+	}
+	defer dst.Release()
+	return b.timeCopies(dst, src)
+}
+
 func (b *bench) measurePlain(ctx context.Context, size int, pat []byte) (float64, error) {
 	crc := uint64(tensor.ChecksumBytes(pat))
 	return b.timeCalls(ctx, size, func(cctx context.Context, _ int, first bool) (func() error, error) {

@@ -414,3 +414,18 @@ func TestPerftestColumn(t *testing.T) {
 		require.InDelta(t, r.GDRPCMiBs/(float64(size)/1024), *r.VsUCXPerftest, 1e-9)
 	}
 }
+
+func TestCallVsRPCCopy(t *testing.T) {
+	f := func(v float64) *float64 { return &v }
+	// 64 MiB: a 100 µs RPC and a copy at 64 MiB/ms (1 ms) make a floor of
+	// 1.1 ms; a call at 32 MiB/ms (2 ms) is 1.82x that.
+	r := &result{GDRPCMiBs: 32 * 1000, RPCMicros: f(100), CopyMiBs: f(64 * 1000), Inflight: 1}
+	require.InDelta(t, 2.0/1.1, *callVsRPCCopy(64<<20, r), 1e-9)
+	// GPU to GPU: the dtod copy stands in for the copy.
+	r = &result{GDRPCMiBs: 32 * 1000, RPCMicros: f(100), DtoDMiBs: f(64 * 1000), Inflight: 1}
+	require.InDelta(t, 2.0/1.1, *callVsRPCCopy(64<<20, r), 1e-9)
+	// Overlapping calls, or a missing part: no ratio.
+	r.Inflight = 4
+	require.Nil(t, callVsRPCCopy(64<<20, r))
+	require.Nil(t, callVsRPCCopy(64<<20, &result{GDRPCMiBs: 1, Inflight: 1}))
+}

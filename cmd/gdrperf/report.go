@@ -60,6 +60,10 @@ func (r *reporter) header(b *bench) {
 		fmt.Fprintf(r.w, "# ucx_perftest: %s\n", b.perfNote)
 	}
 	cols := []string{"size", "path", "gdrpc MiB/s", "xfer MiB/s", "grpc-tcp MiB/s", "x grpc", "ucx_perftest MiB/s", "x perftest"}
+	if o.inflight == 1 {
+		fmt.Fprintf(r.w, "# call/(rpc+copy): gdrpc call time / (plain gRPC unary call of 1 KiB + in-process copy of the payload, %s to %s memory; GPU to GPU: the dtod copy): 1.00x is one RPC plus one copy\n", o.mem, o.recv)
+		cols = append(cols, "rpc 1KiB µs", "call/(rpc+copy)")
+	}
 	if o.mem == "cuda" && o.recv == "host" {
 		fmt.Fprintf(r.w, "# d2h: in-process GPU to registered host memory copy; x min: gdrpc / min(d2h, ucx_perftest), the staged path's ceiling\n")
 		cols = append(cols, "d2h MiB/s", "x min(d2h,put)")
@@ -135,6 +139,9 @@ func (r *reporter) row(res *result) {
 		x = nil
 	}
 	cols := []string{res.Size, path, num(g), num(x), num(res.GRPCTCPMiBs), rat(res.VsGRPCTCP), num(res.UCXPerftestMiBs), rat(res.VsUCXPerftest)}
+	if r.o.inflight == 1 {
+		cols = append(cols, num(res.RPCMicros), rat(res.VsRPCCopy))
+	}
 	if r.o.mem == "cuda" && r.o.recv == "host" {
 		cols = append(cols, num(res.D2HMiBs), rat(res.VsD2HPut))
 	}
