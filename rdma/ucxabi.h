@@ -10,8 +10,9 @@
 // recv_attr). So every struct below is the complete 1.13 layout, callers zero it before
 // use, and they set a field only together with its mask bit.
 //
-// Handles stay opaque pointers. Only what ucx.c uses is declared; members ucx.c never sets
-// are declared too where they precede or sit among used ones, to keep the layout.
+// Handles stay opaque pointers. Only what ucx.c uses is declared, plus the members of the
+// structs it uses that it never sets, to keep their layout. Function and callback
+// signatures are listed in ucxabi_funcs.h.
 //
 // testdata/ucxabi checks every size, offset, constant and function signature here against
 // the real headers (TestUCXABI).
@@ -80,6 +81,16 @@ typedef struct ucp_rkey *ucp_rkey_h;
 typedef struct ucp_address ucp_address_t;
 typedef uint64_t ucp_datatype_t;
 
+// ---- callbacks ------------------------------------------------------------------
+
+#include "ucxabi_funcs.h"
+
+typedef struct ucp_am_recv_param ucp_am_recv_param_t;
+
+#define UCXABI_CALLBACK_TYPEDEF(ret, name, args) typedef ret(*name) args;
+UCXABI_CALLBACKS(UCXABI_CALLBACK_TYPEDEF)
+#undef UCXABI_CALLBACK_TYPEDEF
+
 // ---- context ------------------------------------------------------------------
 
 enum {
@@ -95,9 +106,6 @@ enum {
 	UCP_FEATURE_STREAM = 1u << 5,
 	UCP_FEATURE_AM = 1u << 6,
 };
-
-typedef void (*ucp_request_init_callback_t)(void *request);
-typedef void (*ucp_request_cleanup_callback_t)(void *request);
 
 typedef struct ucp_params {
 	uint64_t field_mask;
@@ -163,14 +171,10 @@ enum {
 };
 
 // What UCX tells an active message handler; recv_attr says which fields are valid.
-typedef struct ucp_am_recv_param {
+struct ucp_am_recv_param {
 	uint64_t recv_attr;
 	ucp_ep_h reply_ep;
-} ucp_am_recv_param_t;
-
-typedef ucs_status_t (*ucp_am_recv_callback_t)(void *arg, const void *header, size_t header_length,
-                                               void *data, size_t length,
-                                               const ucp_am_recv_param_t *param);
+};
 
 typedef struct ucp_am_handler_param {
 	uint64_t field_mask;
@@ -189,8 +193,6 @@ enum {
 	UCP_OP_ATTR_FIELD_MEMORY_TYPE = 1u << 6,
 	UCP_OP_ATTR_FIELD_MEMH = 1u << 8,
 };
-
-typedef void (*ucp_send_nbx_callback_t)(void *request, ucs_status_t status, void *user_data);
 
 // Arguments common to the *_nbx calls. Only cb.send of the callbacks is declared: the
 // union's other members are function pointers of the same size.
@@ -234,9 +236,6 @@ enum {
 enum {
 	UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR = 1u << 0,
 };
-
-typedef void (*ucp_listener_accept_callback_t)(ucp_ep_h ep, void *arg);
-typedef void (*ucp_listener_conn_callback_t)(ucp_conn_request_h conn_request, void *arg);
 
 typedef struct ucp_listener_accept_handler {
 	ucp_listener_accept_callback_t cb;
@@ -285,8 +284,6 @@ typedef enum {
 	UCP_ERR_HANDLING_MODE_NONE = 0,
 	UCP_ERR_HANDLING_MODE_PEER = 1,
 } ucp_err_handling_mode_t;
-
-typedef void (*ucp_err_handler_cb_t)(void *arg, ucp_ep_h ep, ucs_status_t status);
 
 typedef struct ucp_err_handler {
 	ucp_err_handler_cb_t cb;
@@ -355,9 +352,5 @@ typedef struct ucp_mem_attr {
 	size_t length;
 	ucs_memory_type_t mem_type;
 } ucp_mem_attr_t;
-
-// ---- functions ----------------------------------------------------------------
-
-#include "ucxabi_funcs.h"
 
 #endif

@@ -1,11 +1,25 @@
-// The UCX functions ucx.c looks up in libucp.so.0, with their signatures as documented in
-// ucp/api/ucp.h (API 1.13). UCXABI_FUNCS(X) calls X(return type, name, parameter list) once
-// per function; ucx.c turns each into a function pointer and a dlsym.
+// The UCX functions ucx.c looks up in libucp.so.0 and the callback types it hands to UCX,
+// with their signatures as documented in ucp/api/ucp.h (API 1.13).
 //
-// This file names types but declares none, so the ABI test can expand the same list under
-// the real UCX headers and compare each signature with the real prototype.
+// UCXABI_FUNCS(X) calls X(return type, name, parameter list) once per function; ucx.c turns
+// each into a function pointer and a dlsym. UCXABI_CALLBACKS(X) does the same per callback
+// type; ucxabi.h turns each into a function pointer typedef.
+//
+// This file names types but declares none, so the ABI test can expand the same lists under
+// the real UCX headers and compare each signature with the real one.
 #ifndef GDRPC_RDMA_UCXABI_FUNCS_H
 #define GDRPC_RDMA_UCXABI_FUNCS_H
+
+#define UCXABI_CALLBACKS(X)                                                                        \
+	X(void, ucp_request_init_callback_t, (void *request))                                          \
+	X(void, ucp_request_cleanup_callback_t, (void *request))                                       \
+	X(ucs_status_t, ucp_am_recv_callback_t,                                                        \
+	  (void *arg, const void *header, size_t header_length, void *data, size_t length,             \
+	   const ucp_am_recv_param_t *param))                                                          \
+	X(void, ucp_send_nbx_callback_t, (void *request, ucs_status_t status, void *user_data))        \
+	X(void, ucp_listener_accept_callback_t, (ucp_ep_h ep, void *arg))                              \
+	X(void, ucp_listener_conn_callback_t, (ucp_conn_request_h conn_request, void *arg))            \
+	X(void, ucp_err_handler_cb_t, (void *arg, ucp_ep_h ep, ucs_status_t status))
 
 #define UCXABI_FUNCS(X)                                                                            \
 	X(ucs_status_t, ucp_config_read,                                                               \
