@@ -4,7 +4,7 @@ PKGS     ?= ./...
 APT_PKGS := libucx-dev ucx-utils pkg-config protobuf-compiler iproute2 python3-grpcio
 export PATH := $(PATH):$(shell $(GO) env GOPATH)/bin
 
-.PHONY: all deps build test test-nordma bench bench-twohosts lint proto demo gdrinfo
+.PHONY: all deps build abi test test-nordma bench bench-twohosts lint proto demo gdrinfo
 
 all: build
 
@@ -24,8 +24,13 @@ build:
 	CGO_ENABLED=0 $(GO) build $(PKGS)
 	$(GO) build -tags nordma $(PKGS)
 
+# abi checks rdma/ucxabi.h, gdrpc's own declarations of the UCX ABI, against the UCX
+# development headers; missing headers fail it.
+abi: deps
+	GDRPC_REQUIRE=ucx $(GO) test -count=1 -run '^TestUCXABI' ./rdma
+
 # test demands UCX: a missing UCX fails instead of skipping.
-test: deps build
+test: deps build abi
 	$(GO) vet $(PKGS)
 	CGO_ENABLED=0 $(GO) vet $(PKGS)
 	GDRPC_REQUIRE=ucx $(GO) test -race -timeout 25m $(PKGS)

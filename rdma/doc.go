@@ -9,9 +9,10 @@
 //
 // libucp.so.0 is opened at run time (dlopen): a process without UCX gets
 // ErrNotSupported carrying the loader's message from Available, not a failure
-// to start. The build needs the UCX headers only. A build without cgo, or with
-// the build tag nordma, compiles the same API and every call reports
-// ErrNotSupported.
+// to start. The build needs no UCX headers either: ucxabi.h declares the part of
+// the UCX ABI the package calls (TestUCXABI checks it against the real headers).
+// A build without cgo, or with the build tag nordma, compiles the same API and
+// every call reports ErrNotSupported.
 //
 // Unless the environment sets them, a context sets UCX_ERROR_SIGNALS to empty
 // (for the dlopen: UCX's signal handlers would hide Go's crash reports), and

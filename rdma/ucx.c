@@ -19,53 +19,9 @@
 
 // ---- run-time loading of libucp -------------------------------------------
 
-#define RDMA_FUNCS(X)                 \
-	X(ucp_config_read)                \
-	X(ucp_config_modify)              \
-	X(ucp_config_release)             \
-	X(ucp_init_version)               \
-	X(ucp_cleanup)                    \
-	X(ucp_context_query)              \
-	X(ucp_context_print_info)         \
-	X(ucp_get_version_string)         \
-	X(ucp_worker_create)              \
-	X(ucp_worker_destroy)             \
-	X(ucp_worker_progress)            \
-	X(ucp_worker_get_efd)             \
-	X(ucp_worker_arm)                 \
-	X(ucp_worker_signal)              \
-	X(ucp_worker_flush_nbx)           \
-	X(ucp_worker_set_am_recv_handler) \
-	X(ucp_listener_create)            \
-	X(ucp_listener_destroy)           \
-	X(ucp_listener_query)             \
-	X(ucp_listener_reject)            \
-	X(ucp_conn_request_query)         \
-	X(ucp_ep_create)                  \
-	X(ucp_ep_close_nbx)               \
-	X(ucp_ep_query)                   \
-	X(ucp_ep_print_info)              \
-	X(ucp_ep_flush_nbx)               \
-	X(ucp_stream_send_nbx)            \
-	X(ucp_stream_worker_poll)         \
-	X(ucp_stream_recv_data_nb)        \
-	X(ucp_stream_data_release)        \
-	X(ucp_am_send_nbx)                \
-	X(ucp_mem_map)                    \
-	X(ucp_mem_unmap)                  \
-	X(ucp_mem_query)                  \
-	X(ucp_rkey_pack)                  \
-	X(ucp_rkey_buffer_release)        \
-	X(ucp_ep_rkey_unpack)             \
-	X(ucp_rkey_destroy)               \
-	X(ucp_put_nbx)                    \
-	X(ucp_get_nbx)                    \
-	X(ucp_request_free)               \
-	X(ucp_request_cancel)             \
-	X(ucs_status_string)
-
-#define DECL(name) static __typeof__(name) *p_##name;
-RDMA_FUNCS(DECL)
+// One pointer per UCX function, typed from its declared signature.
+#define DECL(ret, name, args) static ret(*p_##name) args;
+UCXABI_FUNCS(DECL)
 #undef DECL
 
 static void *ucp_handle;
@@ -80,13 +36,13 @@ int rdma_load(char *err, size_t errlen)
 		snprintf(err, errlen, "%s", dlerror());
 		return -1;
 	}
-#define LOAD(name)                                                      \
-	p_##name = (__typeof__(name) *)dlsym(h, #name);                     \
+#define LOAD(ret, name, args)                                           \
+	p_##name = (ret(*) args)dlsym(h, #name);                            \
 	if (p_##name == NULL) {                                             \
 		snprintf(err, errlen, "libucp.so.0: missing symbol %s", #name); \
 		return -1;                                                      \
 	}
-	RDMA_FUNCS(LOAD)
+	UCXABI_FUNCS(LOAD)
 #undef LOAD
 	ucp_handle = h;
 	return 0;

@@ -6,7 +6,8 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include <ucp/api/ucp.h>
+
+#include "ucxabi.h"
 
 // Event kinds pushed by UCX callbacks into a worker's event ring.
 enum {
