@@ -31,7 +31,7 @@ func Dial(ctx context.Context, addr string, opts ...Option) (*Session, error) {
 			if cfg.mode == ModeUCX {
 				return nil, fmt.Errorf("gdrpc: dial %s: transport ucx required: %w", addr, uerr)
 			}
-			cfg.logger.Debug("UCX unavailable, TCP only", "err", uerr)
+			cfg.noteNoUCX(cfg.logger, uerr)
 			rctx = nil
 		}
 	}

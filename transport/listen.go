@@ -82,7 +82,7 @@ func Listen(addr string, opts ...Option) (*Listener, error) {
 				_ = tl.Close()
 				return nil, fmt.Errorf("gdrpc: listen %s: transport ucx required: %w", addr, uerr)
 			}
-			l.log.Debug("UCX unavailable, TCP only", "err", uerr)
+			cfg.noteNoUCX(l.log, uerr)
 		}
 	}
 	l.wg.Add(1)

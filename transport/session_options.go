@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"sync"
 	"time"
 
 	"github.com/gdrpc/gdrpc/rdma"
@@ -52,6 +53,7 @@ type config struct {
 	mode             Mode
 	modeSet          bool
 	logger           *slog.Logger
+	defaultLogger    bool // no WithLogger: logger discards
 	kaInterval       time.Duration
 	kaTimeout        time.Duration
 	handshakeTimeout time.Duration
@@ -188,6 +190,7 @@ func newConfig(opts []Option) (*config, error) {
 	}
 	if c.logger == nil {
 		c.logger = slog.New(slog.DiscardHandler)
+		c.defaultLogger = true
 	}
 	if c.metrics == nil {
 		c.metrics = nopSessionMetrics{}
@@ -238,4 +241,20 @@ func (c *config) localCaps() Caps {
 	}
 	caps.Lanes = !c.noLane
 	return caps
+}
+
+var ucxFallbackNoted sync.Once
+
+// noteNoUCX reports once per process, at Info (through slog's default logger
+// when no WithLogger was given), that sessions that could have used UCX run
+// over TCP because UCX cannot be used here, and why; each dial or listen also
+// logs it at Debug.
+func (c *config) noteNoUCX(log *slog.Logger, err error) {
+	log.Debug("UCX unavailable, TCP only", "err", err)
+	ucxFallbackNoted.Do(func() {
+		if c.defaultLogger {
+			log = slog.Default()
+		}
+		log.Info("gdrpc: UCX cannot be used in this process; sessions run over TCP", "err", err)
+	})
 }
