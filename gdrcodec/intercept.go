@@ -16,6 +16,8 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/grpc/tap"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/reflect/protoregistry"
 )
 
 // A hold keeps the out-of-band payloads of a call's outgoing messages in the
@@ -52,9 +54,10 @@ type recvCall struct {
 // bounded by the transfer timeout and the session's life.
 var recvCalls sync.Map // incoming message (pointer) -> *recvCall
 
-// expectReceive notes that v is about to be received for the call of ctx.
-func expectReceive(ctx context.Context, v any) *recvCall {
-	c := &recvCall{ctx: ctx}
+// expectReceive notes that v is about to be received for the call of ctx, a
+// server's when server.
+func expectReceive(ctx context.Context, v any, server bool) *recvCall {
+	c := &recvCall{ctx: ctx, server: server}
 	recvCalls.Store(v, c)
 	return c
 }
@@ -102,17 +105,64 @@ func receiveFailed(v any, oob bool, err error) error {
 		}
 		return err
 	}
-	if !oob || serving.Load() == 0 {
+	m := messageV2Of(v)
+	if !oob || m == nil || !decoding.has(m.ProtoReflect().Descriptor().FullName()) {
 		return err
 	}
 	failures.add(v, st)
 	return nil
 }
 
-// serving counts the unary calls of servers with ServerOptions that are
-// decoding their request: while there are none, a decode of a message with no
-// recvCall is a client's, which fails as gRPC reports it.
-var serving atomic.Int64
+// decoding counts, by request type, the unary calls of servers with
+// ServerOptions that are decoding their request: a message with no recvCall
+// decoded while none of its type is, is a client's, whose failure stays as
+// gRPC reports it.
+var decoding = &requestTypes{n: map[protoreflect.FullName]int{}}
+
+type requestTypes struct {
+	mu sync.Mutex
+	n  map[protoreflect.FullName]int // "": a method whose request type is unknown
+}
+
+func (r *requestTypes) add(t protoreflect.FullName, d int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.n[t] += d
+	if r.n[t] == 0 {
+		delete(r.n, t)
+	}
+}
+
+func (r *requestTypes) has(t protoreflect.FullName) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.n[t] > 0 || r.n[""] > 0
+}
+
+var requestTypeCache sync.Map // full method name -> protoreflect.FullName, for known methods
+
+// requestType returns the type of the request of method ("/pkg.Service/Method")
+// as the protobuf registry knows it, or "".
+func requestType(method string) protoreflect.FullName {
+	if t, ok := requestTypeCache.Load(method); ok {
+		return t.(protoreflect.FullName)
+	}
+	var t protoreflect.FullName
+	service, name, ok := strings.Cut(strings.TrimPrefix(method, "/"), "/")
+	if ok {
+		if d, err := protoregistry.GlobalFiles.FindDescriptorByName(protoreflect.FullName(service)); err == nil {
+			if sd, ok := d.(protoreflect.ServiceDescriptor); ok {
+				if md := sd.Methods().ByName(protoreflect.Name(name)); md != nil {
+					t = md.Input().FullName()
+				}
+			}
+		}
+	}
+	if t != "" { // methods nobody registered are not kept: any name can arrive
+		requestTypeCache.Store(method, t)
+	}
+	return t
+}
 
 // failures holds the failed pulls of requests decoded on a server until the
 // server's stats handler, told of each decoded request right after the codec,
@@ -132,8 +182,8 @@ type failedPull struct {
 }
 
 // add notes the failure of v. Entries no server call takes (a message a
-// client without the interceptors decoded while this process served calls)
-// are dropped after a minute.
+// client without the interceptors decoded, taken for a request) are dropped
+// after a minute.
 func (f *failedPulls) add(v any, st *status.Status) {
 	now := time.Now()
 	f.mu.Lock()
@@ -206,7 +256,7 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 		if _, busy := holds.LoadOrStore(req, h); busy {
 			h = nil // the same message in two calls at once: the first call holds it
 		}
-		rc := expectReceive(ctx, reply)
+		rc := expectReceive(ctx, reply, false)
 		err := rc.done(reply, invoker(ctx, method, req, reply, cc, opts...))
 		if m := messageV2Of(reply); err != nil && m != nil {
 			ReleaseAll(m)
@@ -252,7 +302,7 @@ func (s *heldStream) SendMsg(m any) error {
 }
 
 func (s *heldStream) RecvMsg(m any) error {
-	rc := expectReceive(s.Context(), m)
+	rc := expectReceive(s.Context(), m, false)
 	err := rc.done(m, s.ClientStream.RecvMsg(m))
 	if err != nil {
 		// The stream is over: nobody pulls its requests any more.
@@ -287,9 +337,12 @@ func DialOptions() []grpc.DialOption {
 // Register, called at start-up; without it they are refused with
 // FailedPrecondition. ServerOptions itself registers nothing.
 //
-// A process that serves gdr calls makes its own gdr clients with DialOptions:
-// while it serves, the registered gdr codec treats a decode with neither the
-// client interceptors nor a server call around it as a request.
+// A client gets the status of a response payload it could not pull from the
+// interceptors of DialOptions; without them, gRPC reports Internal. A process
+// that serves gdr calls makes its gdr clients with DialOptions: a decode
+// without them, of a message whose type is also a unary request the process is
+// decoding at that moment, is taken for that request, and a failed pull then
+// leaves the message without its payload instead of failing the receive.
 func ServerOptions() []grpc.ServerOption {
 	return []grpc.ServerOption{
 		grpc.ChainUnaryInterceptor(unaryServerInterceptor),
@@ -321,8 +374,7 @@ func streamServerInterceptor(srv any, ss grpc.ServerStream, _ *grpc.StreamServer
 type requestStream struct{ grpc.ServerStream }
 
 func (s *requestStream) RecvMsg(m any) error {
-	rc := expectReceive(s.Context(), m)
-	rc.server = true
+	rc := expectReceive(s.Context(), m, true)
 	return rc.done(m, s.ServerStream.RecvMsg(m))
 }
 
@@ -336,15 +388,16 @@ type serverStats struct{}
 type callMessages struct {
 	mu       sync.Mutex
 	in       []proto.Message
-	decoding bool                   // a unary call, counted in serving until its request is decoded
+	method   string
+	decoding bool                   // a unary call, counted in decoding until its request is decoded
 	failed   map[any]*status.Status // request -> its failed pull
 }
 
-// decoded ends the call's count in serving, if it has one.
+// decoded ends the call's count in decoding, if it has one.
 func (c *callMessages) decoded() {
 	if c.decoding {
 		c.decoding = false
-		serving.Add(-1)
+		decoding.add(requestType(c.method), -1)
 	}
 }
 
@@ -364,8 +417,8 @@ func failedRequest(ctx context.Context, req any) *status.Status {
 	return st
 }
 
-func (serverStats) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context {
-	return context.WithValue(ctx, callKey{}, &callMessages{})
+func (serverStats) TagRPC(ctx context.Context, info *stats.RPCTagInfo) context.Context {
+	return context.WithValue(ctx, callKey{}, &callMessages{method: info.FullMethodName})
 }
 
 func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
@@ -374,7 +427,7 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil && !s.IsClientStream && !s.IsServerStream {
 			c.mu.Lock()
 			c.decoding = true
-			serving.Add(1)
+			decoding.add(requestType(c.method), 1)
 			c.mu.Unlock()
 		}
 	case *stats.InPayload:
