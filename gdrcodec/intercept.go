@@ -183,7 +183,7 @@ type failedPull struct {
 
 // add notes the failure of v. Entries no server call takes (a message a
 // client without the interceptors decoded, taken for a request) are dropped
-// after a minute.
+// by a later add once they are a minute old.
 func (f *failedPulls) add(v any, st *status.Status) {
 	now := time.Now()
 	f.mu.Lock()
