@@ -50,8 +50,10 @@ func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error)
 // nil creds means no security), buffer sizes and HTTP/2 windows suited to a
 // message transport, and the out-of-band codec (gdrcodec.DialOptions: the
 // gdr codec for every call of the ClientConn and the interceptors that keep
-// request payloads available until the call ends; it registers nothing with
-// gRPC).
+// request payloads available until the call ends and return the status code
+// of a response payload that could not be pulled; it registers nothing with
+// gRPC). The AuthInfo of a call's peer (grpc.Peer) is creds' own, and
+// transport.SessionFromPeer finds the session from the peer.
 func (d *Dialer) DialOptions(creds credentials.TransportCredentials) []grpc.DialOption {
 	return append([]grpc.DialOption{
 		grpc.WithContextDialer(d.DialContext),

@@ -173,7 +173,10 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	if !mayCarry(m.Descriptor()) {
 		return nil
 	}
-	return resolve(recvContext(v), m, c.oob)
+	if err := resolve(recvContext(v), m, c.oob); err != nil {
+		return receiveFailed(v, c.oob, err)
+	}
+	return nil
 }
 
 func messageV2Of(v any) proto.Message {
@@ -684,9 +687,9 @@ func bytesJob(b []byte, set func([]byte), jobs *[]job) error {
 	return nil
 }
 
-// transferStatus turns a transfer error into a status. gRPC reports every codec
-// error as codes.Internal; the message carries the real code, which the client
-// interceptors restore.
+// transferStatus turns a transfer error into a status with the code that
+// describes it (receiveFailed takes it past gRPC, which reports codec errors
+// as Internal).
 func transferStatus(err error) error {
 	code := codes.Internal
 	var te *transport.TransferError
@@ -709,10 +712,7 @@ func transferStatus(err error) error {
 	return codecError(code, "%v", err)
 }
 
-// codecError is a status whose message carries its code for the client
-// interceptors to restore.
+// codecError is a status of what went wrong receiving a message's payloads.
 func codecError(code codes.Code, format string, args ...any) error {
-	return status.Errorf(code, "%s%s] %s", codeMarker, code, fmt.Sprintf(format, args...))
+	return status.Errorf(code, "gdrpc: "+format, args...)
 }
-
-const codeMarker = "gdrpc [code="

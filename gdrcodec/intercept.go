@@ -2,18 +2,22 @@ package gdrcodec
 
 import (
 	"context"
-	"io"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"github.com/gdrpc/gdrpc/transport"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/status"
 	"google.golang.org/grpc/tap"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/reflect/protoregistry"
 )
 
 // A hold keeps the out-of-band payloads of a call's outgoing messages in the
@@ -31,17 +35,186 @@ type hold struct {
 
 var holds sync.Map // outgoing message (pointer) -> *hold
 
-// recvContexts gives Unmarshal the context of the call a message is received
-// for (gRPC hands a codec none), so pulls end with the call's deadline or
-// cancellation. Without one (a server decoding a request), pulls are bounded
-// by the transfer timeout and the session's life.
-var recvContexts sync.Map // incoming message (pointer) -> context.Context
+// A recvCall is what Unmarshal learns of the call a message is received for
+// (gRPC hands a codec none): its context, so pulls end with the call's deadline
+// or cancellation, and the status of a failed pull, for the client interceptors
+// to return: gRPC reports any error of a codec as Internal.
+type recvCall struct {
+	ctx context.Context
+	// server: a server stream's. gRPC's server answers a failed decode with
+	// Internal at once, so the decode succeeds without the payloads and done
+	// fails the receive with the status.
+	server bool
+	mu     sync.Mutex
+	st     *status.Status // the failed pull's, or nil
+}
+
+// recvCalls holds the calls of the messages clients and server streams are
+// receiving. Without one (a server decoding a unary request), pulls are
+// bounded by the transfer timeout and the session's life.
+var recvCalls sync.Map // incoming message (pointer) -> *recvCall
+
+// expectReceive notes that v is about to be received for the call of ctx, a
+// server's when server.
+func expectReceive(ctx context.Context, v any, server bool) *recvCall {
+	c := &recvCall{ctx: ctx, server: server}
+	recvCalls.Store(v, c)
+	return c
+}
+
+// done forgets v and returns err, or the status of the failed pull that err
+// reports (or, on a server, that err leaves out).
+func (c *recvCall) done(v any, err error) error {
+	recvCalls.Delete(v)
+	c.mu.Lock()
+	st := c.st
+	c.mu.Unlock()
+	if st != nil && (c.server || status.Code(err) == codes.Internal) {
+		return st.Err()
+	}
+	return err
+}
 
 func recvContext(v any) context.Context {
-	if ctx, ok := recvContexts.Load(v); ok {
-		return ctx.(context.Context)
+	if c, ok := recvCalls.Load(v); ok {
+		return c.(*recvCall).ctx
 	}
 	return context.Background()
+}
+
+// receiveFailed takes err, the status that resolving the payloads of v failed
+// with, and returns what Unmarshal returns. gRPC reports a codec's error as
+// Internal, so the status takes another way to the caller: through the
+// recvCall of v, where the client interceptors or a server stream's
+// interceptor wait for it; for the request of a unary call, which gRPC decodes
+// before any interceptor runs, the decode succeeds without the payloads and
+// the server interceptor fails the call with the status before its handler
+// runs (serverStats moves it to the call; failedRequest returns it).
+func receiveFailed(v any, oob bool, err error) error {
+	st, ok := status.FromError(err)
+	if !ok {
+		return err
+	}
+	if c, ok := recvCalls.Load(v); ok {
+		rc := c.(*recvCall)
+		rc.mu.Lock()
+		rc.st = st
+		rc.mu.Unlock()
+		if rc.server {
+			return nil
+		}
+		return err
+	}
+	m := messageV2Of(v)
+	if !oob || m == nil || !decoding.has(m.ProtoReflect().Descriptor().FullName()) {
+		return err
+	}
+	failures.add(v, st)
+	return nil
+}
+
+// decoding counts, by request type, the unary calls of servers with
+// ServerOptions that are decoding their request: a message with no recvCall
+// decoded while none of its type is, is a client's, whose failure stays as
+// gRPC reports it.
+var decoding = &requestTypes{n: map[protoreflect.FullName]int{}}
+
+type requestTypes struct {
+	mu sync.Mutex
+	n  map[protoreflect.FullName]int // "": a method whose request type is unknown
+}
+
+func (r *requestTypes) add(t protoreflect.FullName, d int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.n[t] += d
+	if r.n[t] == 0 {
+		delete(r.n, t)
+	}
+}
+
+func (r *requestTypes) has(t protoreflect.FullName) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.n[t] > 0 || r.n[""] > 0
+}
+
+var requestTypeCache sync.Map // full method name -> protoreflect.FullName, for known methods
+
+// requestType returns the type of the request of method ("/pkg.Service/Method")
+// as the protobuf registry knows it, or "".
+func requestType(method string) protoreflect.FullName {
+	if t, ok := requestTypeCache.Load(method); ok {
+		return t.(protoreflect.FullName)
+	}
+	var t protoreflect.FullName
+	service, name, ok := strings.Cut(strings.TrimPrefix(method, "/"), "/")
+	if ok {
+		if d, err := protoregistry.GlobalFiles.FindDescriptorByName(protoreflect.FullName(service)); err == nil {
+			if sd, ok := d.(protoreflect.ServiceDescriptor); ok {
+				if md := sd.Methods().ByName(protoreflect.Name(name)); md != nil {
+					t = md.Input().FullName()
+				}
+			}
+		}
+	}
+	if t != "" { // methods nobody registered are not kept: any name can arrive
+		requestTypeCache.Store(method, t)
+	}
+	return t
+}
+
+// failures holds the failed pulls of requests decoded on a server until the
+// server's stats handler, told of each decoded request right after the codec,
+// moves them to their call.
+var failures = &failedPulls{m: map[any]failedPull{}}
+
+type failedPulls struct {
+	n     atomic.Int64 // len(m), read without mu
+	mu    sync.Mutex
+	m     map[any]failedPull
+	swept time.Time
+}
+
+type failedPull struct {
+	st *status.Status
+	at time.Time
+}
+
+// add notes the failure of v. Entries no server call takes (a message a
+// client without the interceptors decoded, taken for a request) are dropped
+// by a later add once they are a minute old.
+func (f *failedPulls) add(v any, st *status.Status) {
+	now := time.Now()
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.m[v] = failedPull{st: st, at: now}
+	defer func() { f.n.Store(int64(len(f.m))) }()
+	if now.Sub(f.swept) < time.Minute {
+		return
+	}
+	f.swept = now
+	for k, e := range f.m {
+		if now.Sub(e.at) > time.Minute {
+			delete(f.m, k)
+		}
+	}
+}
+
+// take removes and returns the failure of v, or nil.
+func (f *failedPulls) take(v any) *status.Status {
+	if f.n.Load() == 0 {
+		return nil
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	e, ok := f.m[v]
+	if !ok {
+		return nil
+	}
+	delete(f.m, v)
+	f.n.Store(int64(len(f.m)))
+	return e.st
 }
 
 func holdOf(v any) *hold {
@@ -75,17 +248,16 @@ func (h *hold) release() {
 
 // UnaryClientInterceptor holds a request's payloads until the call returns,
 // releases what the response brought when the call fails (the caller never
-// sees it), and restores the status code of an out-of-band transfer that failed
-// while the response was being decoded.
+// sees it), and returns the status of an out-of-band transfer that failed
+// while the response was being decoded, where gRPC reports Internal.
 func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		h := &hold{}
 		if _, busy := holds.LoadOrStore(req, h); busy {
 			h = nil // the same message in two calls at once: the first call holds it
 		}
-		recvContexts.Store(reply, ctx)
-		err := invoker(ctx, method, req, reply, cc, opts...)
-		recvContexts.Delete(reply)
+		rc := expectReceive(ctx, reply, false)
+		err := rc.done(reply, invoker(ctx, method, req, reply, cc, opts...))
 		if m := messageV2Of(reply); err != nil && m != nil {
 			ReleaseAll(m)
 		}
@@ -93,18 +265,20 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 			holds.Delete(req)
 			h.release()
 		}
-		return restoreCode(err)
+		return err
 	}
 }
 
 // StreamClientInterceptor keeps the payloads of the messages a stream sends
 // until the stream ends, or, when gRPC cannot replay them (no retry policy
-// for the method), until the server pulled them once.
+// for the method), until the server pulled them once; and it returns the
+// status of an out-of-band transfer that failed while a received message was
+// being decoded.
 func StreamClientInterceptor() grpc.StreamClientInterceptor {
 	return func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
 		cs, err := streamer(ctx, desc, cc, method, opts...)
 		if err != nil {
-			return nil, restoreCode(err)
+			return nil, err
 		}
 		s := &heldStream{ClientStream: cs, h: &hold{once: !replayable(cc, method)}}
 		s.stop = context.AfterFunc(cs.Context(), s.h.release)
@@ -124,45 +298,16 @@ func (s *heldStream) SendMsg(m any) error {
 	if !busy {
 		holds.Delete(m)
 	}
-	return restoreCode(err)
+	return err
 }
 
 func (s *heldStream) RecvMsg(m any) error {
-	recvContexts.Store(m, s.Context())
-	err := s.ClientStream.RecvMsg(m)
-	recvContexts.Delete(m)
+	rc := expectReceive(s.Context(), m, false)
+	err := rc.done(m, s.ClientStream.RecvMsg(m))
 	if err != nil {
 		// The stream is over: nobody pulls its requests any more.
 		s.stop()
 		s.h.release()
-	}
-	if err == io.EOF {
-		return err
-	}
-	return restoreCode(err)
-}
-
-// restoreCode gives back the code of a status that gRPC turned into Internal
-// because it came out of the codec.
-func restoreCode(err error) error {
-	st, ok := status.FromError(err)
-	if !ok || st.Code() != codes.Internal {
-		return err
-	}
-	msg := st.Message()
-	i := strings.Index(msg, codeMarker)
-	if i < 0 {
-		return err
-	}
-	rest := msg[i+len(codeMarker):]
-	j := strings.IndexByte(rest, ']')
-	if j < 0 {
-		return err
-	}
-	for c := codes.OK; c <= codes.Unauthenticated; c++ {
-		if c.String() == rest[:j] {
-			return status.Error(c, msg)
-		}
 	}
 	return err
 }
@@ -178,40 +323,131 @@ func DialOptions() []grpc.DialOption {
 	}
 }
 
-// ServerOptions returns what a gdrpc server needs: a check that refuses gdr
-// calls on connections whose handshake did not negotiate the codec (a plain TCP
-// client naming the gdr subtype gets FailedPrecondition), and the release of a
-// call's buffers below. gRPC finds a server's codecs by content-subtype in its
-// registry, so gdr calls also need Register, called at start-up; without it they
-// are refused with FailedPrecondition. ServerOptions itself registers nothing.
+// ServerOptions returns what a gdrpc server needs: interceptors that refuse
+// gdr calls on connections whose handshake did not negotiate the codec (a plain
+// TCP client naming the gdr subtype gets FailedPrecondition) and fail a call
+// whose request payload could not be pulled with the transfer's status code
+// before its handler runs, and a stats handler that gives a call's buffers back.
+// They are added with grpc.ChainUnaryInterceptor, grpc.ChainStreamInterceptor
+// and grpc.StatsHandler, so a server's own interceptors, stats handlers and tap
+// handle compose with them; interceptors set with grpc.UnaryInterceptor or
+// grpc.StreamInterceptor, and chained ones given earlier, run first and see a
+// request whose payloads could not be pulled without them. gRPC finds a
+// server's codecs by content-subtype in its registry, so gdr calls also need
+// Register, called at start-up; without it they are refused with
+// FailedPrecondition. ServerOptions itself registers nothing.
+//
+// A client gets the status of a response payload it could not pull from the
+// interceptors of DialOptions; without them, gRPC reports Internal. A process
+// that serves gdr calls makes its gdr clients with DialOptions: a decode
+// without them, of a message whose type is also a unary request the process is
+// decoding at that moment, is taken for that request, and a failed pull then
+// leaves the message without its payload instead of failing the receive.
 func ServerOptions() []grpc.ServerOption {
-	return []grpc.ServerOption{grpc.InTapHandle(refuseUnnegotiated), grpc.StatsHandler(serverStats{})}
+	return []grpc.ServerOption{
+		grpc.ChainUnaryInterceptor(unaryServerInterceptor),
+		grpc.ChainStreamInterceptor(streamServerInterceptor),
+		grpc.StatsHandler(serverStats{}),
+	}
+}
+
+func unaryServerInterceptor(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	if err := refusal(ctx); err != nil {
+		return nil, err
+	}
+	if st := failedRequest(ctx, req); st != nil {
+		return nil, st.Err()
+	}
+	return handler(ctx, req)
+}
+
+func streamServerInterceptor(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+	if err := refusal(ss.Context()); err != nil {
+		return err
+	}
+	return handler(srv, &requestStream{ss})
+}
+
+// requestStream pulls the payloads of the messages a server stream receives
+// within the call's life, and fails a message whose payloads could not be
+// pulled with the transfer's status.
+type requestStream struct{ grpc.ServerStream }
+
+func (s *requestStream) RecvMsg(m any) error {
+	rc := expectReceive(s.Context(), m, true)
+	return rc.done(m, s.ServerStream.RecvMsg(m))
 }
 
 // serverStats gives a server call's buffers back when the call no longer needs
 // them: a response's once it was sent (the outbox keeps its own reference until
 // the client pulled it), a request's when the call ends. A handler that keeps a
-// received buffer past its return takes it with Detach.
+// received buffer past its return takes it with Detach. It also moves the
+// failed pull of a request the codec decoded to the request's call.
 type serverStats struct{}
 
 type callMessages struct {
-	mu sync.Mutex
-	in []proto.Message
+	mu       sync.Mutex
+	in       []proto.Message
+	method   string
+	decoding bool                   // a unary call, counted in decoding until its request is decoded
+	failed   map[any]*status.Status // request -> its failed pull
+}
+
+// decoded ends the call's count in decoding, if it has one.
+func (c *callMessages) decoded() {
+	if c.decoding {
+		c.decoding = false
+		decoding.add(requestType(c.method), -1)
+	}
 }
 
 type callKey struct{}
 
-func (serverStats) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context {
-	return context.WithValue(ctx, callKey{}, &callMessages{})
+// failedRequest returns the status of the failed pull of req, a request of
+// the call of ctx, or nil.
+func failedRequest(ctx context.Context, req any) *status.Status {
+	c, _ := ctx.Value(callKey{}).(*callMessages)
+	if c == nil {
+		return nil
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	st := c.failed[req]
+	delete(c.failed, req)
+	return st
+}
+
+func (serverStats) TagRPC(ctx context.Context, info *stats.RPCTagInfo) context.Context {
+	return context.WithValue(ctx, callKey{}, &callMessages{method: info.FullMethodName})
 }
 
 func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 	switch s := s.(type) {
+	case *stats.Begin:
+		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil && !s.IsClientStream && !s.IsServerStream {
+			c.mu.Lock()
+			c.decoding = true
+			decoding.add(requestType(c.method), 1)
+			c.mu.Unlock()
+		}
 	case *stats.InPayload:
 		c, _ := ctx.Value(callKey{}).(*callMessages)
-		if m := messageV2Of(s.Payload); c != nil && m != nil && mayCarry(m.ProtoReflect().Descriptor()) {
+		if c == nil {
+			return
+		}
+		c.mu.Lock()
+		c.decoded()
+		c.mu.Unlock()
+		if m := messageV2Of(s.Payload); m != nil && mayCarry(m.ProtoReflect().Descriptor()) {
+			st := failures.take(s.Payload)
 			c.mu.Lock()
 			c.in = append(c.in, m)
+			if st != nil {
+				if c.failed == nil {
+					c.failed = map[any]*status.Status{}
+				}
+				c.failed[s.Payload] = st
+			}
 			c.mu.Unlock()
 		}
 	case *stats.OutPayload:
@@ -222,8 +458,9 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 	case *stats.End:
 		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
 			c.mu.Lock()
+			c.decoded()
 			in := c.in
-			c.in = nil
+			c.in, c.failed = nil, nil
 			c.mu.Unlock()
 			for _, m := range in {
 				ReleaseAll(m)
@@ -235,23 +472,37 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 func (serverStats) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context { return ctx }
 func (serverStats) HandleConn(context.Context, stats.ConnStats)                       {}
 
-func refuseUnnegotiated(ctx context.Context, info *tap.Info) (context.Context, error) {
+// TapHandle refuses gdr calls on connections whose handshake did not
+// negotiate the codec, as ServerOptions' interceptors do, but before gRPC
+// reads the request: gRPC takes one tap handle per server, so a server that
+// wants this installs it with grpc.InTapHandle, or calls it from its own.
+func TapHandle(ctx context.Context, info *tap.Info) (context.Context, error) {
+	return ctx, refusalOf(ctx, info.Header)
+}
+
+// refusal returns why the call of ctx, a server's, may not run, or nil.
+func refusal(ctx context.Context) error {
+	md, _ := metadata.FromIncomingContext(ctx)
+	return refusalOf(ctx, md)
+}
+
+func refusalOf(ctx context.Context, header metadata.MD) error {
 	gdr := false
-	for _, ct := range info.Header.Get("content-type") {
+	for _, ct := range header.Get("content-type") {
 		if strings.HasSuffix(ct, "+"+Name) {
 			gdr = true
 		}
 	}
 	if !gdr {
-		return ctx, nil
+		return nil
 	}
 	if !registered.Load() {
 		// gRPC would decode the call with the plain proto codec.
-		return ctx, status.Errorf(codes.FailedPrecondition, "gdrpc: this server cannot serve %q calls: gdrcodec.Register was not called at start-up", Name)
+		return status.Errorf(codes.FailedPrecondition, "gdrpc: this server cannot serve %q calls: gdrcodec.Register was not called at start-up", Name)
 	}
 	s := transport.SessionFromContext(ctx)
 	if s == nil || !slices.Contains(s.Peer().Caps.Codecs, Name) {
-		return ctx, status.Errorf(codes.FailedPrecondition, "gdrpc: the %q codec needs a gdrpc connection; this one did not negotiate it", Name)
+		return status.Errorf(codes.FailedPrecondition, "gdrpc: the %q codec needs a gdrpc connection; this one did not negotiate it", Name)
 	}
-	return ctx, nil
+	return nil
 }

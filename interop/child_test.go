@@ -193,7 +193,11 @@ func childClient(role string, opts []transport.Option, paths *pathCounter) int {
 			fmt.Println("FAIL", err)
 			return 1
 		}
-		ai, _ := pr.AuthInfo.(transport.AuthInfo)
+		sess := transport.SessionFromPeer(&pr)
+		if sess == nil {
+			fmt.Println("FAIL the call came over no gdrpc session")
+			return 1
+		}
 		defer gdrcodec.ReleaseAll(got)
 		p, err := tensor.Bytes(got.Data)
 		if err != nil {
@@ -219,7 +223,7 @@ func childClient(role string, opts []transport.Option, paths *pathCounter) int {
 			return 1
 		}
 		fmt.Printf("OK transport=%s pulls=%v same_host=%v make_crc=%08x digest_crc=%08x\n",
-			ai.Transport, paths.reset(), ai.Peer.SameHost, tensor.ChecksumBytes(p), sum.Crc32C)
+			sess.Transport(), paths.reset(), sess.Peer().SameHost, tensor.ChecksumBytes(p), sum.Crc32C)
 	}
 	return 0
 }

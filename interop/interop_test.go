@@ -140,34 +140,34 @@ func TestInterop(t *testing.T) {
 			var p peer.Peer
 			_, err := client.EmptyCall(callCtx(t), nil, grpc.Peer(&p))
 			require.NoError(t, err)
-			ai, ok := p.AuthInfo.(transport.AuthInfo)
-			require.True(t, ok, "AuthInfo is %T", p.AuthInfo)
-			require.Equal(t, tc.want(), ai.Transport)
+			sess := transport.SessionFromPeer(&p)
+			require.NotNil(t, sess, "peer address %T", p.Addr)
+			require.Equal(t, tc.want(), sess.Transport())
 			require.Equal(t, "gdrpc+"+tc.want(), p.Addr.Network())
-			// The AuthInfo names the peer process (the server: this process)
+			// The session names the peer process (the server: this process)
 			// and its capabilities.
-			require.Equal(t, transport.LocalID(), ai.Peer.ID)
-			require.Equal(t, transport.LocalHostID(), ai.Peer.HostID)
-			require.True(t, ai.Peer.SameHost)
-			require.True(t, ai.Peer.Caps.HasCodec(gdrcodec.Name), "codecs %v", ai.Peer.Caps.Codecs)
+			pp := sess.Peer()
+			require.Equal(t, transport.LocalID(), pp.ID)
+			require.Equal(t, transport.LocalHostID(), pp.HostID)
+			require.True(t, pp.SameHost)
+			require.True(t, pp.Caps.HasCodec(gdrcodec.Name), "codecs %v", pp.Caps.Codecs)
 			if tc.ucx != "" {
-				require.True(t, ai.Peer.Caps.UCX)
+				require.True(t, pp.Caps.UCX)
 			}
+			// The AuthInfo is the inner credentials' own.
 			if tc.tls {
-				require.Equal(t, "gdrpc+tls", ai.AuthType())
-				ti, ok := ai.Inner.(credentials.TLSInfo)
-				require.True(t, ok, "inner AuthInfo is %T", ai.Inner)
+				ti, ok := p.AuthInfo.(credentials.TLSInfo)
+				require.True(t, ok, "AuthInfo is %T", p.AuthInfo)
 				require.True(t, ti.State.HandshakeComplete)
-				require.Equal(t, credentials.PrivacyAndIntegrity, ai.SecurityLevel)
+				require.Equal(t, credentials.PrivacyAndIntegrity, ti.SecurityLevel)
 			} else {
-				require.Equal(t, "gdrpc+insecure", ai.AuthType())
-				require.Equal(t, credentials.NoSecurity, ai.SecurityLevel)
+				require.Equal(t, "insecure", p.AuthInfo.AuthType())
 			}
 			sessions := rec.all()
 			require.Len(t, sessions, 1, "one session for the whole run")
-			require.Same(t, sessions[0], ai.Session())
+			require.Same(t, sessions[0], sess)
 			if tc.ucx != "" {
-				ep := ai.Session().Endpoint()
+				ep := sess.Endpoint()
 				require.NotNil(t, ep)
 				info := ep.TransportInfo()
 				t.Logf("UCX endpoint:\n%s", info)
@@ -187,7 +187,7 @@ func TestInterop(t *testing.T) {
 				t.Fatal("GracefulStop did not return")
 			}
 			select {
-			case <-ai.Session().Done():
+			case <-sess.Done():
 			case <-time.After(testTimeout):
 				t.Fatal("the client session outlived the server's GracefulStop")
 			}

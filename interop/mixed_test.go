@@ -112,9 +112,9 @@ func TestMixedPeers(t *testing.T) {
 					require.NoError(t, err)
 					require.Equal(t, c.kind, kinds.last(t))
 					wantPath := "" // the path of out-of-band pulls
-					if ai, ok := p.AuthInfo.(transport.AuthInfo); ok {
-						wantPath = map[string]string{"ucx": "rdma", "tcp": "stream"}[ai.Transport]
-						require.NotEmpty(t, wantPath, "transport %q", ai.Transport)
+					if sess := transport.SessionFromPeer(&p); sess != nil {
+						wantPath = map[string]string{"ucx": "rdma", "tcp": "stream"}[sess.Transport()]
+						require.NotEmpty(t, wantPath, "transport %q", sess.Transport())
 					}
 					if c.kind == "plain" {
 						require.Equal(t, "tcp", p.Addr.Network(), "a plain client dials TCP")

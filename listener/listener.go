@@ -24,12 +24,13 @@ func Listen(addr string, opts ...transport.Option) (*transport.Listener, error) 
 // ServerOptions returns the options a gRPC server needs to serve gdrpc
 // sessions: transport credentials (creds wrapped by transport.NewCredentials;
 // nil creds means no security), buffer sizes and HTTP/2 windows suited to a
-// message transport, and the out-of-band codec's (gdrcodec.ServerOptions: a
-// tap handle that refuses the gdr codec on connections that did not negotiate
-// it, and a stats handler that gives a call's buffers back). gRPC finds a
+// message transport, and the out-of-band codec's (gdrcodec.ServerOptions:
+// chained interceptors that refuse the gdr codec on connections that did not
+// negotiate it and give a failed transfer's status code to the caller, and a
+// stats handler that gives a call's buffers back). The server's own
+// interceptors, stats handlers and tap handle compose with them. gRPC finds a
 // server's codecs in its registry: call gdrcodec.Register at start-up, or gdr
-// calls are refused with FailedPrecondition. gRPC takes one tap handle per
-// server: do not add another grpc.InTapHandle.
+// calls are refused with FailedPrecondition.
 func ServerOptions(creds credentials.TransportCredentials) []grpc.ServerOption {
 	return append([]grpc.ServerOption{
 		grpc.Creds(transport.NewCredentials(creds)),

@@ -12,28 +12,20 @@ import (
 	"google.golang.org/grpc/peer"
 )
 
-// AuthInfo is what gRPC's peer.FromContext carries for a gdrpc session: the
-// peer process as the handshake described it, the transport, and the inner
-// credentials' AuthInfo (TLS, say), or nil when there are none.
+// AuthInfo is what gRPC's peer.FromContext carries for a gdrpc session whose
+// credentials have no inner credentials: the peer process as the handshake
+// described it and the transport. With inner credentials (TLS, say), the
+// peer carries their AuthInfo unchanged, and the session is found from the
+// peer's address (SessionFromContext, SessionFromPeer).
 type AuthInfo struct {
 	credentials.CommonAuthInfo
 	Peer      Peer
 	Transport string // "ucx" or "tcp"
-	Inner     credentials.AuthInfo
-	// TLSBound reports that Inner is TLS and its connection is bound to the
-	// session: the TLS peer proved, with its session key, that it is the
-	// process Peer describes (bindTLS).
-	TLSBound bool
-	session  *Session
+	session   *Session
 }
 
-// AuthType returns "gdrpc", or "gdrpc+" and the inner credentials' type.
-func (a AuthInfo) AuthType() string {
-	if a.Inner != nil {
-		return "gdrpc+" + a.Inner.AuthType()
-	}
-	return "gdrpc"
-}
+// AuthType returns "gdrpc".
+func (a AuthInfo) AuthType() string { return "gdrpc" }
 
 // Session returns the session, or nil.
 func (a AuthInfo) Session() *Session { return a.session }
@@ -53,17 +45,23 @@ type creds struct {
 
 // NewCredentials returns gRPC transport credentials for gdrpc conns. inner
 // may be nil (no security) or any credentials, TLS for instance: its
-// handshake runs over the gdrpc conn exactly as it would over TCP. For a
-// gdrpc conn the AuthInfo is an AuthInfo that carries the peer process and
-// its capabilities (SessionFromContext finds the session); a plain
-// connection gets the inner AuthInfo, or a PlainAuthInfo.
+// handshake runs over the gdrpc conn exactly as it would over TCP, and the
+// AuthInfo gRPC hands to handlers and interceptors (peer.FromContext) is
+// inner's, unchanged, so a check such as AuthInfo.(credentials.TLSInfo) works
+// as it does over TCP. Without inner, a gdrpc conn gets an AuthInfo with the
+// peer process and a plain connection a PlainAuthInfo. Either way the session
+// of a call is found from the peer's address: SessionFromContext in a
+// handler, SessionFromPeer for a client's grpc.Peer.
 //
 // When inner is TLS, each end then binds the TLS connection to its session:
 // it signs the TLS exporter value (RFC 5705) and the session's handshake
 // with the key that proved its process id, and checks the other end's
 // signature with the key the session proved, so a TLS connection relayed
-// between two different sessions fails. Both ends of a gdrpc session must
-// therefore use NewCredentials (the dialer and listener packages do).
+// between two different sessions fails. A call whose session
+// SessionFromContext finds and whose AuthInfo is a credentials.TLSInfo
+// therefore ran over TLS bound to that session: its TLS peer is the session's
+// peer process. Both ends of a gdrpc session must use NewCredentials (the
+// dialer and listener packages do).
 //
 // The gRPC stream is protected by inner; bytes moved out of band (RDMA, bulk
 // streams) are not encrypted.
@@ -71,34 +69,24 @@ func NewCredentials(inner credentials.TransportCredentials) credentials.Transpor
 	return &creds{inner: inner}
 }
 
-func (c *creds) wrap(conn net.Conn, s *Session, innerConn net.Conn, innerAI credentials.AuthInfo, tlsBound bool) (net.Conn, credentials.AuthInfo) {
-	if s == nil {
-		if innerAI != nil {
-			return innerConn, innerAI
-		}
+// wrap returns the conn and AuthInfo of a finished handshake: inner's
+// AuthInfo as it is, else one of this package's.
+func (c *creds) wrap(conn net.Conn, s *Session, innerConn net.Conn, innerAI credentials.AuthInfo) (net.Conn, credentials.AuthInfo) {
+	if s != nil && innerConn != conn {
+		innerConn = &sessionConn{Conn: innerConn, sess: s}
+	}
+	switch {
+	case innerAI != nil:
+		return innerConn, innerAI
+	case s == nil:
 		return innerConn, PlainAuthInfo{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.NoSecurity}}
 	}
-	ai := AuthInfo{
+	return innerConn, AuthInfo{
 		CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: credentials.NoSecurity},
 		Peer:           s.Peer(),
 		Transport:      s.Transport(),
-		Inner:          innerAI,
-		TLSBound:       tlsBound,
 		session:        s,
 	}
-	if innerAI != nil {
-		if ci, ok := innerAI.(interface {
-			GetCommonAuthInfo() credentials.CommonAuthInfo
-		}); ok {
-			ai.CommonAuthInfo = ci.GetCommonAuthInfo()
-		} else {
-			ai.CommonAuthInfo.SecurityLevel = credentials.InvalidSecurityLevel
-		}
-	}
-	if innerConn != conn {
-		innerConn = &sessionConn{Conn: innerConn, sess: s}
-	}
-	return innerConn, ai
 }
 
 // sessionConn keeps SessionOf working through a conn the inner credentials
@@ -114,7 +102,6 @@ func (c *creds) ClientHandshake(ctx context.Context, authority string, conn net.
 	s := SessionOf(conn)
 	out := conn
 	var innerAI credentials.AuthInfo
-	bound := false
 	if c.inner != nil {
 		var err error
 		out, innerAI, err = c.inner.ClientHandshake(ctx, authority, conn)
@@ -129,10 +116,9 @@ func (c *creds) ClientHandshake(ctx context.Context, authority string, conn net.
 				_ = out.Close()
 				return nil, nil, ctxErr(ctx, err)
 			}
-			bound = true
 		}
 	}
-	out, ai := c.wrap(conn, s, out, innerAI, bound)
+	out, ai := c.wrap(conn, s, out, innerAI)
 	return out, ai, nil
 }
 
@@ -141,7 +127,6 @@ func (c *creds) ServerHandshake(conn net.Conn) (net.Conn, credentials.AuthInfo, 
 	s := SessionOf(conn)
 	out := conn
 	var innerAI credentials.AuthInfo
-	bound := false
 	if c.inner != nil {
 		var err error
 		out, innerAI, err = c.inner.ServerHandshake(conn)
@@ -153,10 +138,9 @@ func (c *creds) ServerHandshake(conn net.Conn) (net.Conn, credentials.AuthInfo, 
 				_ = out.Close()
 				return nil, nil, err
 			}
-			bound = true
 		}
 	}
-	out, ai := c.wrap(conn, s, out, innerAI, bound)
+	out, ai := c.wrap(conn, s, out, innerAI)
 	return out, ai, nil
 }
 
@@ -233,18 +217,23 @@ func (c *creds) OverrideServerName(name string) error {
 // server handler's or interceptor's), or nil when the RPC did not come over a
 // gdrpc session.
 func SessionFromContext(ctx context.Context) *Session {
-	p, ok := peer.FromContext(ctx)
-	if !ok || p == nil {
+	p, _ := peer.FromContext(ctx)
+	return SessionFromPeer(p)
+}
+
+// SessionFromPeer returns the session p, the peer of an RPC (from
+// peer.FromContext, or filled by the grpc.Peer call option), came over, or nil
+// when it came over none: gRPC's peer address of a gdrpc conn is an *Addr,
+// whatever credentials run inside.
+func SessionFromPeer(p *peer.Peer) *Session {
+	if p == nil {
 		return nil
 	}
-	switch ai := p.AuthInfo.(type) {
-	case AuthInfo:
-		return ai.session
-	case *AuthInfo:
-		return ai.session
-	}
-	if a, ok := p.Addr.(*Addr); ok {
+	if a, ok := p.Addr.(*Addr); ok && a.session != nil {
 		return a.session
+	}
+	if ai, ok := p.AuthInfo.(AuthInfo); ok {
+		return ai.session
 	}
 	return nil
 }

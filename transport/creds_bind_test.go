@@ -56,14 +56,14 @@ func credsHandshakes(t *testing.T, clientConn, serverConn net.Conn) (clientErr, 
 	srvErr := make(chan error, 1)
 	go func() {
 		_, ai, err := NewCredentials(stls).ServerHandshake(serverConn)
-		if err == nil && !ai.(AuthInfo).TLSBound {
-			t.Error("server: TLS not bound")
+		if _, isTLS := ai.(credentials.TLSInfo); err == nil && !isTLS {
+			t.Errorf("server: AuthInfo %T, want the inner TLSInfo", ai)
 		}
 		srvErr <- err
 	}()
 	_, ai, err := NewCredentials(ctls).ClientHandshake(ctx, "gdrpc.test", clientConn)
 	if err == nil {
-		require.True(t, ai.(AuthInfo).TLSBound)
+		require.IsType(t, credentials.TLSInfo{}, ai, "the inner AuthInfo")
 	}
 	return err, <-srvErr
 }

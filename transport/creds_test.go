@@ -79,26 +79,25 @@ func TestCredentialsTLS(t *testing.T) {
 			require.NoError(t, err)
 			clientAuth = p.AuthInfo
 
+			// The handler sees TLS's own AuthInfo; the session comes from the
+			// peer's address.
 			sess, ai := sn.last()
 			require.NotNil(t, sess)
 			require.Equal(t, tc.want(), sess.Transport())
-			gai, ok := ai.(transport.AuthInfo)
-			require.True(t, ok, "server AuthInfo is %T", ai)
-			require.Equal(t, transport.LocalID(), gai.Peer.ID)
-			require.Equal(t, tc.want(), gai.Transport)
-			require.Equal(t, "gdrpc+tls", gai.AuthType())
-			require.True(t, gai.TLSBound)
-			require.Equal(t, credentials.PrivacyAndIntegrity, gai.SecurityLevel)
-			_, isTLS := gai.Inner.(credentials.TLSInfo)
-			require.True(t, isTLS)
-			require.Contains(t, gai.Peer.Caps.Codecs, "gdr")
+			require.Equal(t, transport.LocalID(), sess.Peer().ID)
+			require.Contains(t, sess.Peer().Caps.Codecs, "gdr")
+			ti, isTLS := ai.(credentials.TLSInfo)
+			require.True(t, isTLS, "server AuthInfo is %T", ai)
+			require.True(t, ti.State.HandshakeComplete)
+			require.Equal(t, "tls", ai.AuthType())
+			require.Equal(t, credentials.PrivacyAndIntegrity, ti.SecurityLevel)
 			require.Equal(t, "gdrpc+"+tc.want(), p.Addr.Network())
 
-			cai, ok := clientAuth.(transport.AuthInfo)
-			require.True(t, ok, "client AuthInfo is %T", clientAuth)
-			require.NotNil(t, cai.Session())
-			require.True(t, cai.TLSBound)
-			require.Equal(t, tc.want(), cai.Session().Transport())
+			_, isTLS = clientAuth.(credentials.TLSInfo)
+			require.True(t, isTLS, "client AuthInfo is %T", clientAuth)
+			cs := transport.SessionFromPeer(&p)
+			require.NotNil(t, cs)
+			require.Equal(t, tc.want(), cs.Transport())
 
 			// A plain TLS gRPC client on the same port.
 			plain, err := grpc.NewClient("passthrough:///"+l.Addr().String(), grpc.WithTransportCredentials(ctls))

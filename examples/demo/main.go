@@ -174,8 +174,8 @@ func run(w io.Writer) error {
 		return fmt.Errorf("gdrpc: %w", err)
 	}
 	over := "?"
-	if ai, ok := session.AuthInfo.(transport.AuthInfo); ok {
-		over = ai.Transport
+	if s := transport.SessionFromPeer(&session); s != nil {
+		over = s.Transport()
 	}
 
 	// Plain gRPC over TCP to the same server: an ordinary client, with the
