@@ -398,19 +398,17 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 
 // noteSession records what the gdrpc connection runs over.
 func (b *bench) noteSession(p *peer.Peer) {
-	ai, ok := p.AuthInfo.(transport.AuthInfo)
-	if !ok {
+	s := transport.SessionFromPeer(p)
+	if s == nil {
 		b.transport = "not gdrpc"
 		return
 	}
-	b.transport = ai.Transport
-	if s := ai.Session(); s != nil {
-		if ep := s.Endpoint(); ep != nil {
-			raw := ep.TransportInfo()
-			b.lanes = ucxLanes(raw)
-			if b.o.verbose {
-				b.logf("UCX endpoint of the gdrpc session:\n%s", raw)
-			}
+	b.transport = s.Transport()
+	if ep := s.Endpoint(); ep != nil {
+		raw := ep.TransportInfo()
+		b.lanes = ucxLanes(raw)
+		if b.o.verbose {
+			b.logf("UCX endpoint of the gdrpc session:\n%s", raw)
 		}
 	}
 }
