@@ -284,18 +284,26 @@ func (w *Worker) serve() bool {
 // cloexec is the state of markCloexec.
 var cloexec struct {
 	mu      sync.Mutex
-	running bool // a goroutine is scanning
-	again   bool // it scans once more: descriptors were opened since it began
+	running bool          // a goroutine is scanning, or resting before it scans again
+	again   bool          // asked since the running scan began: it scans again
+	done    time.Time     // when the last scan ended
+	took    time.Duration // how long it took
 }
+
+// scanRest is how many times as long as a scan took the scanner waits before
+// the next one, so that scanning takes at most a fifth of a processor however
+// many descriptors the process has.
+const scanRest = 4
 
 // markCloexec marks the descriptors UCX opened close-on-exec, so that child
 // processes do not inherit them, on a goroutine of its own. The scan reads
 // every descriptor of the process: done with a worker's lock held, once per
 // connection request of a burst, it would hold the worker (every session's
 // progress, keepalive pings and their answers included) for as many scans in
-// a row. Requests made while a scan runs are served by one more scan after
-// it; with idle (the driver's periodic look) such a request is dropped
-// instead, since the driver asks again when it next goes idle.
+// a row. Requests made while a scan runs share the next one, which comes
+// after a rest (scanRest). With idle (the driver's periodic look) a request is
+// dropped instead while a scan runs or rests: the driver asks again when it
+// next goes idle.
 func markCloexec(idle bool) {
 	cloexec.mu.Lock()
 	defer cloexec.mu.Unlock()
@@ -303,18 +311,27 @@ func markCloexec(idle bool) {
 		cloexec.again = cloexec.again || !idle
 		return
 	}
+	if idle && time.Since(cloexec.done) < max(scanInterval, scanRest*cloexec.took) {
+		return
+	}
 	cloexec.running = true
 	go func() {
 		for {
-			C.rdma_cloexec_scan()
 			cloexec.mu.Lock()
+			cloexec.again = false // what was asked so far, this scan covers
+			cloexec.mu.Unlock()
+			start := time.Now()
+			C.rdma_cloexec_scan()
+			end := time.Now()
+			cloexec.mu.Lock()
+			cloexec.done, cloexec.took = end, end.Sub(start)
 			again := cloexec.again
-			cloexec.again = false
 			cloexec.running = again
 			cloexec.mu.Unlock()
 			if !again {
 				return
 			}
+			time.Sleep(max(scanInterval, scanRest*end.Sub(start)))
 		}
 	}()
 }
