@@ -25,7 +25,8 @@
 // call that opens them and, for those UCX opens lazily, whenever a worker goes
 // idle (at most every 10 ms); the marking scans every descriptor of the
 // process, so it runs on a goroutine of its own, never under a worker's lock,
-// and requests made during a scan share the next one.
+// requests made during a scan share the next one, and scanning takes at most
+// a fifth of a processor.
 //
 // # Workers
 //
