@@ -16,11 +16,12 @@ import (
 
 // A burst of connection requests must not hold the worker that accepts them.
 // The descriptors UCX opens are marked close-on-exec by a scan of every
-// descriptor of the process; run with the worker's lock held, once per
-// request, a burst kept every endpoint of the worker waiting (the session
-// keepalive's pings and answers among them) for as many scans in a row. Here
-// the process holds many descriptors, as a busy server does, and an echo pair
-// on the accepting worker must keep answering while the connections arrive.
+// descriptor of the process; were it run with the worker's lock held, once per
+// request, a burst would keep every endpoint of the worker waiting (a
+// session's keepalive pings and answers among them) for as many scans in a
+// row. Here the process holds many descriptors, as a busy server does, and an
+// echo pair on the accepting worker must keep answering while the connections
+// arrive.
 func TestConnBurstKeepsWorkerResponsive(t *testing.T) {
 	const conns = 128
 	c := newContext(t, "tcp")
@@ -58,6 +59,8 @@ func TestConnBurstKeepsWorkerResponsive(t *testing.T) {
 	var mu sync.Mutex
 	var eps []*rdma.Endpoint
 	t.Cleanup(func() {
+		mu.Lock()
+		defer mu.Unlock()
 		for _, e := range eps {
 			e.Close()
 		}
