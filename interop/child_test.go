@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -11,6 +12,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -47,6 +49,9 @@ const (
 	// envMaxAge sets the server role's MaxConnectionAge (a time.Duration);
 	// the grace period is 10 s.
 	envMaxAge = "GDRPC_INTEROP_MAX_AGE"
+	// envKeepAlive sets the keepalive of a child's sessions as
+	// "interval,timeout" (two time.Durations).
+	envKeepAlive = "GDRPC_INTEROP_KEEPALIVE"
 )
 
 // parentGone is closed when the child's stdin closes.
@@ -91,12 +96,26 @@ func (m childMetrics) Transfer(i transport.TransferInfo) {
 //     GDRPC_INTEROP_ADDR and checks the payload byte by byte, then sends as
 //     much to Digest and checks the checksum; prints
 //     "OK transport=... pulls=map[path:count] same_host=... ..." or "FAIL ...".
+//   - hold-client: sends a Tensor of GDRPC_INTEROP_SIZE bytes to Digest at
+//     GDRPC_INTEROP_ADDR, prints "CALLED" and keeps its session open until
+//     its stdin closes.
+//
+// Every role prints "LOST n" before it returns: how many of its sessions
+// closed because the peer did not answer keepalive.
 func runChild(role string) int {
+	losses := &sessionLosses{}
+	code := runRole(role, losses)
+	fmt.Println("LOST", losses.keepalive.Load())
+	return code
+}
+
+func runRole(role string, losses *sessionLosses) int {
 	opts, err := childOptions()
 	if err != nil {
 		fmt.Println("FAIL", err)
 		return 1
 	}
+	opts = append(opts, transport.WithMetrics(losses))
 	metrics := childMetrics{pathCounter: newPathCounter(), afterPush: os.Getenv(envDie)}
 	go func() {
 		_, _ = io.Copy(io.Discard, os.Stdin)
@@ -106,7 +125,7 @@ func runChild(role string) int {
 	switch role {
 	case "server":
 		return childServer(opts)
-	case "digest-client", "make-client":
+	case "digest-client", "make-client", "hold-client":
 		return childClient(role, opts, metrics.pathCounter)
 	case "interop-client":
 		return childInterop(opts)
@@ -118,16 +137,41 @@ func runChild(role string) int {
 }
 
 func childOptions() ([]transport.Option, error) {
+	var opts []transport.Option
+	if v := os.Getenv(envKeepAlive); v != "" {
+		interval, timeout, _ := strings.Cut(v, ",")
+		i, err := time.ParseDuration(interval)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", envKeepAlive, err)
+		}
+		t, err := time.ParseDuration(timeout)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", envKeepAlive, err)
+		}
+		opts = append(opts, transport.WithKeepAlive(i, t))
+	}
 	tls := os.Getenv(envUCX)
 	if tls == "" {
-		return []transport.Option{transport.WithMode(transport.ModeTCP)}, nil
+		return append(opts, transport.WithMode(transport.ModeTCP)), nil
 	}
 	rc, err := rdma.NewContext(rdma.WithTransports(tls))
 	if err != nil {
 		return nil, fmt.Errorf("UCX context (UCX_TLS=%s): %w", tls, err)
 	}
-	return []transport.Option{transport.WithMode(transport.ModeUCX), transport.WithRDMAContext(rc)}, nil
+	return append(opts, transport.WithMode(transport.ModeUCX), transport.WithRDMAContext(rc)), nil
 }
+
+// sessionLosses counts the sessions that closed because their peer did not
+// answer keepalive.
+type sessionLosses struct{ keepalive atomic.Int64 }
+
+func (l *sessionLosses) SessionUp(string, bool) {}
+func (l *sessionLosses) SessionDown(_ string, _ bool, err error) {
+	if errors.Is(err, transport.ErrKeepAlive) {
+		l.keepalive.Add(1)
+	}
+}
+func (l *sessionLosses) Fallback(string) {}
 
 func childServer(opts []transport.Option) int {
 	addr := os.Getenv(envListen)
@@ -174,7 +218,7 @@ func childClient(role string, opts []transport.Option, paths *pathCounter) int {
 	defer cc.Close()
 	client := tensorpb.NewTensorServiceClient(cc)
 	switch role {
-	case "digest-client":
+	case "digest-client", "hold-client":
 		src := devicebuf.HostFromBytes(pattern(n, 3))
 		req := &tensorpb.Tensor{Name: "from-child", Data: gdrcodec.New(src)}
 		src.Release()
@@ -186,6 +230,10 @@ func childClient(role string, opts []transport.Option, paths *pathCounter) int {
 			return 1
 		}
 		fmt.Printf("OK bytes=%d crc=%08x\n", sum.Bytes, sum.Crc32C)
+		if role == "hold-client" {
+			fmt.Println("CALLED")
+			<-parentGone
+		}
 	case "make-client":
 		var pr peer.Peer
 		got, err := client.Make(ctx, &tensorpb.Sized{Size: uint64(n), Seed: 5}, grpc.Peer(&pr))

@@ -195,7 +195,7 @@ func (w *Worker) Dial(ctx context.Context, addr string) (*Endpoint, error) {
 		ip := ap.Addr().AsSlice()
 		var ce *C.rdma_ep_t
 		st := C.rdma_ep_connect(w.cw, C.uint64_t(e.id), (*C.uint8_t)(unsafe.Pointer(&ip[0])), C.int(len(ip)), C.int(ap.Port()), &ce)
-		C.rdma_cloexec_scan()
+		markCloexec(false)
 		if st != statusOK {
 			e = nil
 			res <- result{nil, statusError("ucp_ep_create", st)}
@@ -216,7 +216,7 @@ func (w *Worker) Dial(ctx context.Context, addr string) (*Endpoint, error) {
 			}
 			e.queryAddrs()
 			e.pairUp()
-			C.rdma_cloexec_scan()
+			markCloexec(false)
 			res <- result{e, nil}
 		})
 	})

@@ -187,9 +187,9 @@ func (w *Worker) run() {
 			continue
 		}
 		// UCX opens descriptors lazily (connections of lanes, from its async
-		// thread too): mark them close-on-exec before going idle.
+		// thread too): mark them close-on-exec when going idle.
 		if now.Sub(w.lastScan) > scanInterval {
-			C.rdma_cloexec_scan()
+			markCloexec(true)
 			w.lastScan = now
 		}
 		if w.queued() || C.rdma_worker_arm(w.cw) != statusOK { // UCS_ERR_BUSY: events to progress
@@ -279,6 +279,61 @@ func (w *Worker) serve() bool {
 		w.lastWork = time.Now()
 	}
 	return busy
+}
+
+// cloexec is the state of markCloexec.
+var cloexec struct {
+	mu      sync.Mutex
+	running bool          // a goroutine is scanning, or resting before it scans again
+	again   bool          // asked since the running scan began: it scans again
+	done    time.Time     // when the last scan ended
+	took    time.Duration // how long it took
+}
+
+// scanRest is how many times as long as a scan took the scanner waits before
+// the next one, so that scanning takes at most a fifth of a processor however
+// many descriptors the process has.
+const scanRest = 4
+
+// markCloexec marks the descriptors UCX opened close-on-exec, so that child
+// processes do not inherit them, on a goroutine of its own. The scan reads
+// every descriptor of the process: done with a worker's lock held, once per
+// connection request of a burst, it would hold the worker (every session's
+// progress, keepalive pings and their answers included) for as many scans in
+// a row. Requests made while a scan runs share the next one, which comes
+// after a rest (scanRest). With idle (the driver's periodic look) a request is
+// dropped instead while a scan runs or rests: the driver asks again when it
+// next goes idle.
+func markCloexec(idle bool) {
+	cloexec.mu.Lock()
+	defer cloexec.mu.Unlock()
+	if cloexec.running {
+		cloexec.again = cloexec.again || !idle
+		return
+	}
+	if idle && time.Since(cloexec.done) < max(scanInterval, scanRest*cloexec.took) {
+		return
+	}
+	cloexec.running = true
+	go func() {
+		for {
+			cloexec.mu.Lock()
+			cloexec.again = false // what was asked so far, this scan covers
+			cloexec.mu.Unlock()
+			start := time.Now()
+			C.rdma_cloexec_scan()
+			end := time.Now()
+			cloexec.mu.Lock()
+			cloexec.done, cloexec.took = end, end.Sub(start)
+			again := cloexec.again
+			cloexec.running = again
+			cloexec.mu.Unlock()
+			if !again {
+				return
+			}
+			time.Sleep(max(scanInterval, scanRest*end.Sub(start)))
+		}
+	}()
 }
 
 // release unlocks mu, leaving nothing behind: operations queued while mu was
@@ -499,7 +554,7 @@ func (w *Worker) Listen(addr string) (*Listener, error) {
 		l.id = w.newID()
 		ip := ap.Addr().AsSlice()
 		st := C.rdma_listener_create(w.cw, C.uint64_t(l.id), (*C.uint8_t)(unsafe.Pointer(&ip[0])), C.int(len(ip)), C.int(ap.Port()), &l.cl)
-		C.rdma_cloexec_scan()
+		markCloexec(false)
 		if st != statusOK {
 			lerr = statusError("ucp_listener_create", st)
 			return
@@ -599,7 +654,7 @@ func (l *Listener) connRequest(req uintptr) {
 	e := newEndpoint(l.w)
 	var ce *C.rdma_ep_t
 	st := C.rdma_ep_accept(l.w.cw, C.uint64_t(e.id), C.uintptr_t(req), &ce)
-	C.rdma_cloexec_scan()
+	markCloexec(false)
 	if st != statusOK {
 		return
 	}

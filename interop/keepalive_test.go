@@ -1,0 +1,130 @@
+package interop_test
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/examples/tensor"
+	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// TestKeepAliveAfterLoad: a server takes 1,000 concurrent calls with
+// out-of-band payloads, then 64 client processes each make a call and keep
+// their sessions open for a keepalive period and timeout. The server holds
+// many descriptors, as a busy one does: whatever the server does per
+// connection in proportion to them must not keep its sessions from answering
+// pings. No session of the server, of the loading client or of the 64
+// clients may close because its peer did not answer keepalive, and every call
+// must complete.
+func TestKeepAliveAfterLoad(t *testing.T) {
+	const (
+		calls    = 1000
+		clients  = 64
+		size     = 64 << 10 // out-of-band (the eager threshold)
+		interval = time.Second
+		timeout  = transport.DefaultKeepAliveTimeout
+		// hold is how long the clients keep their sessions open once all
+		// made their call: a ping sent while they connected is answered or
+		// runs out its timeout meanwhile, and every session pings again.
+		hold = interval + timeout
+	)
+	if testing.Short() {
+		t.Skip("starts 65 processes")
+	}
+	for _, tc := range transportCases[:3] {
+		t.Run("transport="+tc.name, func(t *testing.T) {
+			noSessions(t)
+			ka := envKeepAlive + "=" + interval.String() + "," + timeout.String()
+			losses := &sessionLosses{}
+			opts := tc.options(t, transport.WithKeepAlive(interval, timeout), transport.WithMetrics(losses))
+			openDescriptors(t, 15000)
+			addr := startServer(t, opts, nil, bothServices).addr
+
+			// The load: calls on one session at once.
+			cc := dialClient(t, addr, opts, nil)
+			client := tensorpb.NewTensorServiceClient(cc)
+			ctx := callCtx(t)
+			want := tensor.ChecksumBytes(pattern(size, 7))
+			var done atomic.Int64
+			errs := make(chan error, calls)
+			var wg sync.WaitGroup
+			for range calls {
+				wg.Go(func() {
+					src := devicebuf.HostFromBytes(pattern(size, 7))
+					req := &tensorpb.Tensor{Name: "load", Data: gdrcodec.New(src)}
+					src.Release()
+					sum, err := client.Digest(ctx, req)
+					gdrcodec.ReleaseAll(req)
+					switch {
+					case err != nil:
+						errs <- err
+					case sum.Crc32C != want || sum.Bytes != size:
+						errs <- fmt.Errorf("digest: %d bytes crc %08x, want %d crc %08x", sum.Bytes, sum.Crc32C, size, want)
+					default:
+						done.Add(1)
+					}
+				})
+			}
+			wg.Wait()
+			close(errs)
+			for err := range errs {
+				require.NoError(t, err)
+			}
+			require.EqualValues(t, calls, done.Load(), "calls of the load completed")
+
+			// Right after it, the clients.
+			kids := make([]*child, clients)
+			for i := range kids {
+				kids[i] = startChild(t, "hold-client", nil, envUCX+"="+tc.ucx, ka, envAddr+"="+addr, envSize+"="+strconv.Itoa(size))
+			}
+			for _, k := range kids {
+				k.waitLine("CALLED") // after its call succeeded; fails on its FAIL
+			}
+			time.Sleep(hold) // the span observed: the sessions stay open and ping
+
+			lost := 0
+			for _, k := range kids {
+				require.NoError(t, k.stdin.Close())
+				require.NoError(t, k.wait())
+				n, err := strconv.Atoi(k.waitLine("LOST "))
+				require.NoError(t, err)
+				lost += n
+			}
+			require.Zero(t, lost, "client sessions lost to keepalive")
+			require.Zero(t, losses.keepalive.Load(), "server and loading client sessions lost to keepalive")
+		})
+	}
+}
+
+// openDescriptors opens up to n descriptors (fewer when the process may not
+// have that many) until the test ends.
+func openDescriptors(tb testing.TB, n int) {
+	tb.Helper()
+	var lim unix.Rlimit
+	require.NoError(tb, unix.Getrlimit(unix.RLIMIT_NOFILE, &lim))
+	open, err := os.ReadDir("/proc/self/fd")
+	require.NoError(tb, err)
+	n = min(n, int(lim.Cur)-len(open)-1000)
+	files := make([]*os.File, 0, max(n, 0))
+	tb.Cleanup(func() {
+		for _, f := range files {
+			f.Close()
+		}
+	})
+	for range n {
+		f, err := os.Open(os.DevNull)
+		require.NoError(tb, err)
+		files = append(files, f)
+	}
+}
