@@ -205,6 +205,15 @@ func testGPUService(t *testing.T, serverGPU, clientGPU int) {
 			require.NoError(t, err)
 			defer cc.Close()
 			c := tensorpb.NewTensorServiceClient(cc)
+			// Every GPU buffer and IPC mapping this process made for the calls
+			// is gone once they returned and their messages were released.
+			base := devicebuf.Live()
+			defer func() {
+				left := devicebuf.Live().Sub(base)
+				require.Zero(t, left.CUDABuffers, "GPU buffers left: %+v", left)
+				require.Zero(t, left.CUDABytes, "GPU bytes left: %+v", left)
+				require.Zero(t, left.IPCMappings, "IPC mappings left: %+v", left)
+			}()
 			for _, n := range sizes {
 				t.Run(fmt.Sprintf("size=%d", n), func(t *testing.T) {
 					ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
