@@ -344,3 +344,21 @@ func TestClear(t *testing.T) {
 	require.NoError(t, devicebuf.Clear(host))
 	require.Equal(t, make([]byte, 64), hb)
 }
+
+// OwnIPC tells a handle this process exported (a peer echoing one back) from any other, and
+// forgets it once the allocation is gone.
+func TestOwnIPC(t *testing.T) {
+	devicebuftest.Install(t, 1)
+	gpu, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	b, err := gpu.Alloc(4096)
+	require.NoError(t, err)
+	h, _, err := devicebuf.ExportIPC(b)
+	require.NoError(t, err)
+	require.True(t, devicebuf.OwnIPC(h))
+	var other devicebuf.IPCHandle
+	other[0] = 1
+	require.False(t, devicebuf.OwnIPC(other))
+	require.NoError(t, b.Release())
+	require.False(t, devicebuf.OwnIPC(h), "a freed allocation's handle")
+}

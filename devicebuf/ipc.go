@@ -11,6 +11,18 @@ import (
 // so that another process on the same host can map it.
 type IPCHandle [driver.IPCHandleSize]byte
 
+// OwnIPC reports whether h is a handle this process exported (of an allocation still live).
+func OwnIPC(h IPCHandle) bool {
+	d, err := cudaDriver()
+	if err != nil {
+		return false
+	}
+	exports.Lock()
+	defer exports.Unlock()
+	e := exports.m[ipcKey{d: d, h: h}]
+	return e != nil && !e.owner.freed
+}
+
 // ExportIPC returns an IPC handle for the device allocation b lies in, and b's offset
 // within that allocation. The allocation must stay alive while peers use the handle. The
 // handle of an allocation is made once and remembered while the allocation lives.

@@ -287,10 +287,12 @@ func TestFakeGPU(t *testing.T) {
 		name  string
 		mode  transport.Mode
 		paths transport.Path
-		chunk int // staging chunk: the stream path's bounce buffers
+		chunk int  // staging chunk: the stream path's bounce buffers
+		trust bool // TrustPeers: CUDA IPC needs it
 		want  string
 	}{
-		{name: "cuda-ipc", mode: transport.ModeTCP, paths: transport.PathCUDAIPC, chunk: 1 << 20, want: "cuda-ipc"},
+		{name: "cuda-ipc", mode: transport.ModeTCP, paths: transport.PathCUDAIPC, chunk: 1 << 20, trust: true, want: "cuda-ipc"},
+		{name: "cuda-ipc-untrusted", mode: transport.ModeTCP, paths: transport.PathCUDAIPC, chunk: 1 << 20, want: "stream"},
 		{name: "staged-ucx", mode: transport.ModeUCX, paths: transport.PathRDMA, chunk: 1 << 20, want: "staged"},
 		// Bounce buffers that do not line up with the bulk lane's pieces.
 		{name: "stream", mode: transport.ModeTCP, paths: transport.PathStream, chunk: 300<<10 + 1, want: "stream"},
@@ -299,7 +301,7 @@ func TestFakeGPU(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			r := newRig(t, tt.mode, &tensor.Server{Alloc: gpu})
-			transport.SetTransferConfig(transport.TransferConfig{Metrics: r.paths, Paths: tt.paths, StagingChunk: tt.chunk})
+			transport.SetTransferConfig(transport.TransferConfig{Metrics: r.paths, Paths: tt.paths, StagingChunk: tt.chunk, TrustPeers: tt.trust})
 			gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
 			t.Cleanup(func() { gdrcodec.Register() })
 			for _, n := range []int{1, 64 << 10, 5<<20 + 3} {

@@ -173,7 +173,7 @@ func testGPUService(t *testing.T, serverGPU, clientGPU int) {
 		want, wantBack string
 		plain, back    string // without CUDA in UCX
 	}{
-		{name: "cuda-ipc", mode: transport.ModeTCP, paths: transport.PathCUDAIPC, want: "cuda-ipc", wantBack: "cuda-ipc", plain: "cuda-ipc", back: "cuda-ipc"},
+		{name: "cuda-ipc", mode: transport.ModeTCP, paths: transport.PathCUDAIPC, trust: true, want: "cuda-ipc", wantBack: "cuda-ipc", plain: "cuda-ipc", back: "cuda-ipc"},
 		{name: "rdma", mode: transport.ModeUCX, paths: transport.PathRDMA, trust: true, want: "rdma/cuda", wantBack: "rdma/cuda", plain: "staged", back: "staged"},
 		{name: "rdma-gpu-to-host", mode: transport.ModeUCX, paths: transport.PathRDMA, trust: true, clientHost: true, want: "rdma", wantBack: "rdma", plain: "rdma", back: "rdma"},
 		{name: "rdma-host-to-gpu", mode: transport.ModeUCX, paths: transport.PathRDMA, trust: true, serverHost: true, want: "rdma/cuda", wantBack: "rdma/cuda", plain: "staged", back: "staged"},

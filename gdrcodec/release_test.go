@@ -26,7 +26,7 @@ func TestGPUBuffersFreedOnRelease(t *testing.T) {
 	gpu, err := devicebuf.NewCUDAAllocator(0)
 	require.NoError(t, err)
 	r := newRig(t, transport.ModeTCP, &tensor.Server{Alloc: gpu})
-	transport.SetTransferConfig(transport.TransferConfig{Metrics: r.paths, Paths: transport.PathCUDAIPC})
+	transport.SetTransferConfig(transport.TransferConfig{Metrics: r.paths, Paths: transport.PathCUDAIPC, TrustPeers: true}) // CUDA IPC only with trusted peers
 	gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
 	t.Cleanup(func() { gdrcodec.Register() })
 

@@ -547,7 +547,7 @@ func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buff
 func offerDestination(s *Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buffer, error) {
 	peer, allowed := s.Peer(), cfg().Paths
 	cleared := false // p.dst
-	if dst := p.dst; allowed&PathCUDAIPC != 0 && dst.Kind() == devicebuf.CUDA && peer.SameHost && d.HostID == LocalHostID() && d.Kind == devicebuf.CUDA {
+	if dst := p.dst; ipcAllowed(peer) && allowed&PathCUDAIPC != 0 && dst.Kind() == devicebuf.CUDA && d.HostID == LocalHostID() && d.Kind == devicebuf.CUDA {
 		h, off, err := devicebuf.ExportIPC(dst)
 		if err == nil {
 			err = clearDestination(dst)
@@ -1030,7 +1030,7 @@ func push(ctx context.Context, s *Session, m *rtr, src Source) (Path, error) {
 		return PathNone, nil
 	}
 	allowed := cfg().Paths
-	if m.Offers&allowed&PathCUDAIPC != 0 {
+	if m.Offers&allowed&PathCUDAIPC != 0 && ipcAllowed(s.Peer()) {
 		err := pushIPC(s, m, src)
 		if err == nil {
 			return PathCUDAIPC, nil
@@ -1050,6 +1050,11 @@ func push(ctx context.Context, s *Session, m *rtr, src Source) (Path, error) {
 }
 
 func pushIPC(s *Session, m *rtr, src Source) error {
+	if s.Peer().ID != LocalID() && devicebuf.OwnIPC(m.IPC) {
+		// A peer that echoes a handle this process exported would have the
+		// owner write into its own memory.
+		return errors.New("the receiver's IPC handle names this process's own memory")
+	}
 	remote, err := openIPC(s, m)
 	if err != nil {
 		return err

@@ -36,6 +36,12 @@ func exposeDestination(rc *rdma.Context, target *devicebuf.Buffer) (*rdma.Memory
 	return registerExactly(rc, target)
 }
 
+// ipcAllowed reports whether CUDA IPC may carry transfers with peer: a peer on
+// this host that this process trusts. A CUDA IPC mapping cannot be revoked, so
+// the owner could keep writing into (and reading) the receiver's allocation
+// after the transfer; only trusted peers get one.
+func ipcAllowed(peer Peer) bool { return peer.SameHost && cfg().TrustPeers }
+
 // checkKeyDomains reports why this process must not put with the receiver's
 // packed key: it names memory this process would write into itself.
 func checkKeyDomains(ep *rdma.Endpoint, packed []byte) error {

@@ -370,6 +370,8 @@ func TestChunkCoverage(t *testing.T) {
 // device's copies.
 func TestFINWithoutWriteGPU(t *testing.T) {
 	devicebuftest.Install(t, 1)
+	SetTransferConfig(TransferConfig{TrustPeers: true}) // CUDA IPC only with trusted peers
+	t.Cleanup(func() { SetTransferConfig(TransferConfig{}) })
 	t.Cleanup(func() { require.NoError(t, CloseHostPools()) })
 	cs, ss := tcpPair(t)
 	rtrs := answerWith(t, cs, finOK, PathCUDAIPC)
