@@ -410,10 +410,12 @@ func (c *Context) UseCUDA(src CUDA, dev int) error {
 	c.mu.Lock()
 	if c.closed {
 		c.mu.Unlock()
+		h.free()
 		return closedError("context")
 	}
 	if !c.cuda.CompareAndSwap(nil, h) {
 		c.mu.Unlock()
+		h.free()
 		return nil // a concurrent call won; its hooks are the ones in use
 	}
 	workers := make([]*Worker, 0, len(c.workers))

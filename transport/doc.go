@@ -10,9 +10,12 @@
 // session to handlers, and the out-of-band transfer engine built on sessions.
 //
 // Every session starts on a plain TCP connection. The client sends a
-// versioned handshake (process id, host id, capabilities, requested mode); the
-// server answers with its own and, when both have UCX and the mode allows, the
-// port of its UCX listener and a session token. The client then dials UCX,
+// versioned handshake (process id, its ed25519 public key, a nonce, host id,
+// capabilities, requested mode); the server answers with its own, signed over
+// both messages, and, when both have UCX and the mode allows, the port of its
+// UCX listener and a session token; the client proves its id with a signature
+// over both. A process id is derived from its key, so no peer can claim
+// another's. The client then dials UCX,
 // proves the session with the token, and the session runs over the UCX
 // endpoint; otherwise it runs over the TCP connection. A listener also accepts
 // plain HTTP/2 (and TLS) clients on the same port and hands their raw
@@ -23,7 +26,9 @@
 // TransferConfig.TrustPeers says the peers are trusted: a UCX connection lets
 // its peer write anywhere in this process. The chosen transport shows in
 // Session.Transport, in the network of the conns' addresses ("gdrpc+ucx",
-// "gdrpc+tcp"), in debug logs and in AuthInfo.
+// "gdrpc+tcp") and in debug logs; a handler finds its session from the peer
+// address (SessionFromContext, SessionFromPeer), while the AuthInfo it sees is
+// the inner credentials' own.
 //
 // What this package must never do: call UCX other than through package rdma,
 // touch device memory (package devicebuf owns it), hand the application a

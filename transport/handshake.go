@@ -132,13 +132,10 @@ var defaultUCXCaps = sync.OnceValue(func() Caps {
 })
 
 func ucxCaps(c *rdma.Context) Caps {
-	useCUDA(c)
 	info := c.Info()
 	caps := Caps{UCX: true, UCXVersion: info.Version}
 	for _, m := range info.MemoryTypes {
-		if c.CanMap(m) {
-			caps.MemoryTypes = append(caps.MemoryTypes, m.String())
-		}
+		caps.MemoryTypes = append(caps.MemoryTypes, m.String())
 	}
 	caps.UCXTransports = append(caps.UCXTransports, info.Transports...)
 	return caps

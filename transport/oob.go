@@ -115,7 +115,7 @@ func init() {
 	registerControlHandler(ctlChunk, handleChunk)
 	bulkHandler = serveBulk
 	bulkLaneHandler = serveBulkLane
-	onSessionClosed = append(onSessionClosed, dropIPCMappings, dropRemoteKeys, dropActivity, endBounds, releaseSentTo)
+	onSessionClosed = append(onSessionClosed, dropRemoteKeys, dropActivity, endBounds, releaseSentTo)
 	beforeGracefulClose = lingerForTransfers
 }
 
@@ -1055,7 +1055,7 @@ func pushIPC(s *Session, m *rtr, src Source) error {
 		// owner write into its own memory.
 		return errors.New("the receiver's IPC handle names this process's own memory")
 	}
-	remote, err := openIPC(s, m)
+	remote, err := openIPC(m)
 	if err != nil {
 		return err
 	}
@@ -1207,17 +1207,13 @@ func dropRemoteKeys(s *Session) {
 // (its pools free idle regions), and CUDA leaves freeing an allocation that another
 // process still has open undefined; in this process, a kept mapping would keep the
 // receiver's allocation itself alive.
-func openIPC(_ *Session, m *rtr) (*devicebuf.Buffer, error) {
+func openIPC(m *rtr) (*devicebuf.Buffer, error) {
 	dev, err := deviceOrdinal(m.IPCDevice)
 	if err != nil {
 		return nil, err
 	}
 	return devicebuf.OpenIPC(m.IPC, dev)
 }
-
-// dropIPCMappings runs when a session closes. openIPC keeps no mapping past its
-// transfer, so a session has none left to drop.
-func dropIPCMappings(*Session) {}
 
 func pushRDMA(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src Source) (path Path, err error) {
 	if err := checkKeyDomains(ep, m.RKey); err != nil {

@@ -152,7 +152,7 @@ func registered(rc *rdma.Context, b *devicebuf.Buffer) (*rdma.Memory, int, func(
 func registerExactly(rc *rdma.Context, b *devicebuf.Buffer) (*rdma.Memory, int, func(), error) {
 	mt := rdma.MemoryHost
 	if b.Kind() == devicebuf.CUDA {
-		if !canRegister(rc, rdma.MemoryCUDA) {
+		if !rc.CanMap(rdma.MemoryCUDA) {
 			return nil, 0, nil, fmt.Errorf("UCX cannot register CUDA memory: %w", rdma.ErrNotSupported)
 		}
 		mt = rdma.MemoryCUDA
