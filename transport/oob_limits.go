@@ -21,6 +21,12 @@ type Limits struct {
 	// TransferExhausted error when it is larger than PullBytes on its own, or
 	// when its context ends first. If zero, 4 GiB.
 	PullBytes int64
+	// TotalPullBytes bounds the destination bytes reserved at once for pulls
+	// through all sessions together: a peer can open many sessions, under as
+	// many identities (they cost it nothing), so PullBytes alone does not
+	// bound what peers make this process allocate. Pulls wait and fail as for
+	// PullBytes. If zero, twice PullBytes.
+	TotalPullBytes int64
 	// Pulls bounds the RTRs in flight on one session (sent and not yet
 	// settled); further pulls wait as for PullBytes. If zero, 1024.
 	Pulls int
@@ -53,6 +59,9 @@ const (
 func (l Limits) withDefaults(timeout time.Duration) Limits {
 	if l.PullBytes <= 0 {
 		l.PullBytes = DefaultPullBytes
+	}
+	if l.TotalPullBytes <= 0 {
+		l.TotalPullBytes = 2 * l.PullBytes
 	}
 	if l.Pulls <= 0 {
 		l.Pulls = DefaultPulls
@@ -161,25 +170,37 @@ func reservePull(ctx context.Context, s *Session, t Token, n uint64) (func(), er
 	if n > uint64(lim.PullBytes) {
 		return nil, exhausted(t, "a %d-byte payload is over the limit of %d bytes in flight per session (Limits.PullBytes)", n, lim.PullBytes)
 	}
+	if n > uint64(lim.TotalPullBytes) {
+		return nil, exhausted(t, "a %d-byte payload is over the limit of %d bytes in flight in all (Limits.TotalPullBytes)", n, lim.TotalPullBytes)
+	}
 	b := &s.bounds
 	for {
+		// Lock order: the session's bounds, then the process's.
 		b.mu.Lock()
-		if b.pulls < lim.Pulls && n <= uint64(lim.PullBytes-b.pullBytes) {
+		pullTotal.mu.Lock()
+		if b.pulls < lim.Pulls && n <= uint64(lim.PullBytes-b.pullBytes) && n <= uint64(lim.TotalPullBytes-pullTotal.bytes) {
 			b.pulls++
 			b.pullBytes += int64(n)
+			pullTotal.bytes += int64(n)
+			pullTotal.mu.Unlock()
 			b.mu.Unlock()
 			break
 		}
 		if b.room == nil {
 			b.room = make(chan struct{})
 		}
-		room, pulls, inflight := b.room, b.pulls, b.pullBytes
+		if pullTotal.room == nil {
+			pullTotal.room = make(chan struct{})
+		}
+		room, totalRoom, pulls, inflight, total := b.room, pullTotal.room, b.pulls, b.pullBytes, pullTotal.bytes
+		pullTotal.mu.Unlock()
 		b.mu.Unlock()
 		select {
 		case <-room:
+		case <-totalRoom:
 		case <-ctx.Done():
-			return nil, exhausted(t, "no room for a %d-byte payload through session %d: %d pulls of %d bytes in flight (Limits.Pulls %d, Limits.PullBytes %d): %w",
-				n, s.ID(), pulls, inflight, lim.Pulls, lim.PullBytes, ctx.Err())
+			return nil, exhausted(t, "no room for a %d-byte payload through session %d: %d pulls of %d bytes in flight, %d bytes in all (Limits.Pulls %d, Limits.PullBytes %d, Limits.TotalPullBytes %d): %w",
+				n, s.ID(), pulls, inflight, total, lim.Pulls, lim.PullBytes, lim.TotalPullBytes, ctx.Err())
 		case <-s.Done():
 			return nil, sessionError(t, s, ctx, s.Err())
 		}
@@ -188,15 +209,27 @@ func reservePull(ctx context.Context, s *Session, t Token, n uint64) (func(), er
 	return func() {
 		once.Do(func() {
 			b.mu.Lock()
+			pullTotal.mu.Lock()
 			b.pulls--
 			b.pullBytes -= int64(n)
-			if b.room != nil {
-				close(b.room)
-				b.room = nil
+			pullTotal.bytes -= int64(n)
+			for _, r := range []*chan struct{}{&b.room, &pullTotal.room} {
+				if *r != nil {
+					close(*r)
+					*r = nil
+				}
 			}
+			pullTotal.mu.Unlock()
 			b.mu.Unlock()
 		})
 	}, nil
+}
+
+// pullTotal is what all sessions' pulls reserve together (Limits.TotalPullBytes).
+var pullTotal struct {
+	mu    sync.Mutex
+	bytes int64
+	room  chan struct{} // closed when bytes go back; nil while nobody waits
 }
 
 // ---- receiver: destinations of pulls that gave up ------------------------------

@@ -356,7 +356,30 @@ func TestSilentOwnerOfExposedPull(t *testing.T) {
 // A pull waits for room under the session's limits, and fails with
 // TransferExhausted when its context ends first.
 func TestPullWaitsForRoom(t *testing.T) {
-	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Limits: Limits{Pulls: 1}})
+	for _, tc := range []struct {
+		name    string
+		limits  Limits
+		waiting func(victim *Session) bool
+	}{
+		{"session", Limits{Pulls: 1}, func(victim *Session) bool {
+			victim.bounds.mu.Lock()
+			defer victim.bounds.mu.Unlock()
+			return victim.bounds.room != nil
+		}},
+		// All sessions together: a peer's many sessions do not multiply what it
+		// makes this process allocate.
+		{"total", Limits{TotalPullBytes: 1 << 10}, func(*Session) bool {
+			pullTotal.mu.Lock()
+			defer pullTotal.mu.Unlock()
+			return pullTotal.room != nil
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) { testPullWaitsForRoom(t, tc.limits, tc.waiting) })
+	}
+}
+
+func testPullWaitsForRoom(t *testing.T, limits Limits, waitingOn func(*Session) bool) {
+	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Limits: limits})
 	var attacker *Session
 	rtrs := make(chan struct{}, 4)
 	interceptControl(t, ctlRTR, func(s *Session, _ []byte) bool {
@@ -376,11 +399,7 @@ func TestPullWaitsForRoom(t *testing.T) {
 		}()
 		return errc
 	}
-	waiting := func() bool {
-		victim.bounds.mu.Lock()
-		defer victim.bounds.mu.Unlock()
-		return victim.bounds.room != nil
-	}
+	waiting := func() bool { return waitingOn(victim) }
 	kind := func(err error) TransferErrorKind {
 		var te *TransferError
 		require.ErrorAs(t, err, &te)
