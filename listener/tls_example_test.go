@@ -24,7 +24,9 @@ import (
 )
 
 // tlsHealth answers health checks and says how the caller reached it.
-type tlsHealth struct{ healthpb.UnimplementedHealthServer }
+type tlsHealth struct {
+	healthpb.UnimplementedHealthServer
+}
 
 func (tlsHealth) Check(ctx context.Context, _ *healthpb.HealthCheckRequest) (*healthpb.HealthCheckResponse, error) {
 	// The peer's AuthInfo is the TLS credentials' own, so certificate-based
