@@ -2,6 +2,21 @@
 // grpc.WithContextDialer that makes a gdrpc session per connection, and the
 // grpc.DialOptions a client needs.
 //
+// A client swaps its dialer and nothing else:
+//
+//	d := dialer.New()
+//	cc, err := grpc.NewClient("passthrough:///host:50051", d.DialOptions(nil)...)
+//
+// DialOptions selects the out-of-band codec for every call of the ClientConn,
+// so a client needs no gdrcodec.Register (whose options, such as the receive
+// allocator, apply to it all the same); pass TLS credentials to it instead of
+// nil for TLS. New takes the session options of package transport
+// (keepalive, mode, logger). A call's session is found from its peer
+// (grpc.Peer and transport.SessionFromPeer). Sessions run over TCP unless the
+// peers trust each other (transport.TransferConfig.TrustPeers), then over UCX
+// where both ends have it. The package example runs a client against the
+// example tensor service; package listener's examples show the server and TLS.
+//
 // It is thin: it owns no protocol logic (package transport does) and never
 // touches UCX or device memory.
 package dialer

@@ -16,9 +16,22 @@
 // Attach a devicebuf.Buffer to an outgoing DeviceBuffer with Attach (or New);
 // read a received one with Buffer, take it over with Detach, and give the memory
 // back with ReleaseAll: the garbage collector never frees it (see Attach).
+// Received payloads land where WithReceiveAllocator says (host memory unless
+// told otherwise, a GPU with devicebuf.NewCUDAAllocator). On a server with
+// ServerOptions, a request's buffers are released when the call ends and a
+// response's once it was sent.
 //
 // Register is called once, at start-up, before any gRPC server or client of the
 // process exists: it is the only code here that writes gRPC's codec registry.
+// A server needs it (gRPC finds a server's codecs in its registry); a client
+// made with dialer.DialOptions does not. listener.ServerOptions and
+// dialer.DialOptions bring ServerOptions and DialOptions along.
+//
+// net/rpc works the same way: NewServerCodec over a conn a gdrpc listener
+// accepted, NewClientCodec over one from a gdrpc dialer.
+//
+// The examples attach, receive and release buffers through a gRPC call, keep a
+// received payload with Detach, and serve net/rpc.
 //
 // This package knows protobuf and gRPC; it never touches UCX or device memory
 // itself (devicebuf copies, transport moves bytes).

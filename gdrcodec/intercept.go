@@ -314,7 +314,8 @@ func (s *heldStream) RecvMsg(m any) error {
 
 // DialOptions returns what a gdrpc client needs on top of its dialer: the gdr
 // codec, set for every call of the ClientConn (grpc.ForceCodecV2: gRPC's codec
-// registry is not touched, so it needs no Register), and the interceptors above.
+// registry is not touched, so it needs no Register), and UnaryClientInterceptor
+// and StreamClientInterceptor, chained. dialer.Dialer.DialOptions includes them.
 func DialOptions() []grpc.DialOption {
 	return []grpc.DialOption{
 		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(gdrCodec)),
