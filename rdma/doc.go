@@ -23,11 +23,11 @@
 // registration and keep it); and, where UCX_TLS may select the posix/sysv
 // shared-memory transports, MM_ERROR_HANDLING=y (peer error handling would
 // otherwise drop them). UCX's descriptors are marked close-on-exec after each
-// call that opens them and, for those UCX opens lazily, whenever a worker goes
-// idle (at most every 10 ms); the marking scans every descriptor of the
-// process, so it runs on a goroutine of its own, never under a worker's lock,
-// requests made during a scan share the next one, and scanning takes at most
-// a fifth of a processor.
+// call that opens them (Dial, Listen and Accept return once they are) and,
+// for those UCX opens lazily, whenever a worker goes idle; the marking scans
+// every descriptor of the process, so it runs on a goroutine of its own,
+// never under a worker's lock, requests made during a scan share the next
+// one, and scanning takes at most a fifth of a processor.
 //
 // # Workers
 //

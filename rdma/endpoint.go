@@ -37,6 +37,7 @@ type Endpoint struct {
 	w            *Worker
 	id           uint64
 	laddr, raddr *Addr
+	marked       <-chan struct{} // accepted: closed once its descriptors are close-on-exec
 
 	// lock-only: the worker's lock guards it
 	ce        *C.rdma_ep_t // nil once released
@@ -185,8 +186,9 @@ func (w *Worker) Dial(ctx context.Context, addr string) (*Endpoint, error) {
 		return nil, fmt.Errorf("rdma: dial %s: %w", addr, err)
 	}
 	type result struct {
-		e   *Endpoint
-		err error
+		e      *Endpoint
+		err    error
+		marked <-chan struct{} // the close-on-exec scan covering its descriptors
 	}
 	res := make(chan result, 1)
 	var e *Endpoint // lock-only: the worker's lock guards it
@@ -195,10 +197,9 @@ func (w *Worker) Dial(ctx context.Context, addr string) (*Endpoint, error) {
 		ip := ap.Addr().AsSlice()
 		var ce *C.rdma_ep_t
 		st := C.rdma_ep_connect(w.cw, C.uint64_t(e.id), (*C.uint8_t)(unsafe.Pointer(&ip[0])), C.int(len(ip)), C.int(ap.Port()), &ce)
-		markCloexec(false)
 		if st != statusOK {
 			e = nil
-			res <- result{nil, statusError("ucp_ep_create", st)}
+			res <- result{nil, statusError("ucp_ep_create", st), nil}
 			return
 		}
 		e.attach(ce)
@@ -211,13 +212,12 @@ func (w *Worker) Dial(ctx context.Context, addr string) (*Endpoint, error) {
 			if err := e.opError("ucp_ep_flush_nbx", st); err != nil {
 				e.fail(err, false)
 				e.forceClose()
-				res <- result{e, err}
+				res <- result{e, err, nil}
 				return
 			}
 			e.queryAddrs()
 			e.pairUp()
-			markCloexec(false)
-			res <- result{e, nil}
+			res <- result{e, nil, markCloexec(false)}
 		})
 	})
 	if err != nil {
@@ -234,6 +234,7 @@ func (w *Worker) Dial(ctx context.Context, addr string) (*Endpoint, error) {
 		if r.e.laddr == nil {
 			r.e.laddr = &Addr{}
 		}
+		<-r.marked
 		return r.e, nil
 	case <-ctx.Done():
 		cerr := fmt.Errorf("rdma: dial %s: %w", addr, ctx.Err())

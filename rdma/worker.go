@@ -284,10 +284,11 @@ func (w *Worker) serve() bool {
 // cloexec is the state of markCloexec.
 var cloexec struct {
 	mu      sync.Mutex
-	running bool          // a goroutine is scanning, or resting before it scans again
-	again   bool          // asked since the running scan began: it scans again
-	done    time.Time     // when the last scan ended
-	took    time.Duration // how long it took
+	running bool            // a goroutine is scanning, or resting before it scans again
+	again   bool            // asked since the running scan began: it scans again
+	waiters []chan struct{} // requests the next scan covers, closed when it ends
+	done    time.Time       // when the last scan ended
+	took    time.Duration   // how long it took
 }
 
 // scanRest is how many times as long as a scan took the scanner waits before
@@ -301,28 +302,38 @@ const scanRest = 4
 // connection request of a burst, it would hold the worker (every session's
 // progress, keepalive pings and their answers included) for as many scans in
 // a row. Requests made while a scan runs share the next one, which comes
-// after a rest (scanRest). With idle (the driver's periodic look) a request is
-// dropped instead while a scan runs or rests: the driver asks again when it
+// after a rest (scanRest). It returns a channel closed once a scan that began
+// after the request ended: Dial, Listen and Accept wait on it, off the
+// worker's lock, so that what they return opened no inheritable descriptor.
+// With idle (the driver's periodic look) a request is dropped instead while a
+// scan runs or rests, and the channel is nil: the driver asks again when it
 // next goes idle.
-func markCloexec(idle bool) {
+func markCloexec(idle bool) <-chan struct{} {
 	cloexec.mu.Lock()
 	defer cloexec.mu.Unlock()
-	if cloexec.running {
-		cloexec.again = cloexec.again || !idle
-		return
+	if idle && (cloexec.running || time.Since(cloexec.done) < max(scanInterval, scanRest*cloexec.took)) {
+		return nil
 	}
-	if idle && time.Since(cloexec.done) < max(scanInterval, scanRest*cloexec.took) {
-		return
+	done := make(chan struct{})
+	cloexec.waiters = append(cloexec.waiters, done)
+	if cloexec.running {
+		cloexec.again = true
+		return done
 	}
 	cloexec.running = true
 	go func() {
 		for {
 			cloexec.mu.Lock()
 			cloexec.again = false // what was asked so far, this scan covers
+			covered := cloexec.waiters
+			cloexec.waiters = nil
 			cloexec.mu.Unlock()
 			start := time.Now()
 			C.rdma_cloexec_scan()
 			end := time.Now()
+			for _, c := range covered {
+				close(c)
+			}
 			cloexec.mu.Lock()
 			cloexec.done, cloexec.took = end, end.Sub(start)
 			again := cloexec.again
@@ -334,6 +345,7 @@ func markCloexec(idle bool) {
 			time.Sleep(max(scanInterval, scanRest*end.Sub(start)))
 		}
 	}()
+	return done
 }
 
 // release unlocks mu, leaving nothing behind: operations queued while mu was
@@ -550,11 +562,12 @@ func (w *Worker) Listen(addr string) (*Listener, error) {
 	}
 	l := &Listener{w: w, accq: make(chan *Endpoint, acceptBacklog), closedCh: make(chan struct{})}
 	var lerr error
+	var marked <-chan struct{}
 	err = w.call(func() {
 		l.id = w.newID()
 		ip := ap.Addr().AsSlice()
 		st := C.rdma_listener_create(w.cw, C.uint64_t(l.id), (*C.uint8_t)(unsafe.Pointer(&ip[0])), C.int(len(ip)), C.int(ap.Port()), &l.cl)
-		markCloexec(false)
+		marked = markCloexec(false)
 		if st != statusOK {
 			lerr = statusError("ucp_listener_create", st)
 			return
@@ -569,6 +582,9 @@ func (w *Worker) Listen(addr string) (*Listener, error) {
 	})
 	if err == nil {
 		err = lerr
+	}
+	if marked != nil {
+		<-marked
 	}
 	if err != nil {
 		return nil, fmt.Errorf("rdma: listen %s: %w", addr, err)
@@ -654,7 +670,7 @@ func (l *Listener) connRequest(req uintptr) {
 	e := newEndpoint(l.w)
 	var ce *C.rdma_ep_t
 	st := C.rdma_ep_accept(l.w.cw, C.uint64_t(e.id), C.uintptr_t(req), &ce)
-	markCloexec(false)
+	e.marked = markCloexec(false)
 	if st != statusOK {
 		return
 	}
@@ -678,6 +694,9 @@ func (l *Listener) Accept(ctx context.Context) (*Endpoint, error) {
 	}
 	select {
 	case e := <-l.accq:
+		if e.marked != nil {
+			<-e.marked // the scan covering the endpoint's descriptors
+		}
 		return e, nil
 	case <-l.closedCh:
 		return nil, closedError("listener")
