@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"math"
 	"net"
 	"regexp"
 	"slices"
@@ -93,8 +94,15 @@ func ratio(a float64, b *float64) *float64 {
 	if b == nil || *b <= 0 || a <= 0 {
 		return nil
 	}
-	r := a / *b
-	return &r
+	return finite(a / *b)
+}
+
+// finite returns &v, or nil when v is not a finite number (JSON has none).
+func finite(v float64) *float64 {
+	if math.IsInf(v, 0) || math.IsNaN(v) {
+		return nil
+	}
+	return &v
 }
 
 // bench is the client side of a run.
@@ -479,8 +487,7 @@ func callVsRPCCopy(size int, r *result) *float64 {
 	}
 	mib := float64(size) / (1 << 20)
 	floor := *r.RPCMicros/1e6 + mib / *copyRate
-	v := mib / r.GDRPCMiBs / floor
-	return &v
+	return finite(mib / r.GDRPCMiBs / floor)
 }
 
 // measureCopy times an in-process copy of size bytes from the sender's kind
@@ -642,16 +649,26 @@ func (b *bench) measureD2H(size int) (float64, error) {
 }
 
 // timeCopies returns the median rate of devicebuf.Copy(dst, src) over the
-// measured iterations, after the warm-up ones.
+// measured iterations, after the warm-up ones. A copy shorter than the clock
+// can time well is repeated within its iteration, and the iteration's time
+// divided among them.
 func (b *bench) timeCopies(dst, src *devicebuf.Buffer) (float64, error) {
+	const atLeast = 20 * time.Microsecond
 	var ds []time.Duration
 	for i := range b.o.warmup + b.o.iters {
 		start := time.Now()
-		if err := devicebuf.Copy(dst, src); err != nil {
-			return 0, err
+		reps := 0
+		for {
+			if err := devicebuf.Copy(dst, src); err != nil {
+				return 0, err
+			}
+			reps++
+			if time.Since(start) >= atLeast {
+				break
+			}
 		}
 		if i >= b.o.warmup {
-			ds = append(ds, time.Since(start))
+			ds = append(ds, time.Since(start)/time.Duration(reps))
 		}
 	}
 	return medianRate(dst.Len(), ds), nil

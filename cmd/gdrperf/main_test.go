@@ -47,12 +47,15 @@ func gdrperf(t *testing.T, args ...string) []result {
 	code := realMain(append([]string{"-format", "json"}, args...), strings.NewReader(""), &out, &errb)
 	require.Equal(t, 0, code, "gdrperf %s\nstdout:\n%s\nstderr:\n%s", strings.Join(args, " "), out.String(), errb.String())
 	var rs []result
+	text := out.String()
 	sc := bufio.NewScanner(&out)
+	sc.Buffer(nil, 1<<20)
 	for sc.Scan() {
 		var r result
 		require.NoError(t, json.Unmarshal(sc.Bytes(), &r), "line %q", sc.Text())
 		rs = append(rs, r)
 	}
+	require.NoError(t, sc.Err(), "gdrperf's output:\n%s", text)
 	// The keys the report promises, present even when a baseline is missing.
 	for line := range strings.Lines(out.String()) {
 		var m map[string]any
@@ -350,6 +353,9 @@ func TestParsePerftest(t *testing.T) {
 	require.ErrorContains(t, err, "no Final")
 	_, err = parsePerftest("Final: 20 1 2 3 4 x 6 7\n")
 	require.Error(t, err)
+	// A run too short for ucx_perftest's clock: JSON has no infinity.
+	_, err = parsePerftest("Final: 2 0.0 0.0 0.0 inf inf inf inf\n")
+	require.ErrorContains(t, err, "no finite bandwidth")
 }
 
 // ucp_ep_print_info of a gdrpc session's endpoint (UCX 1.13, loopback).

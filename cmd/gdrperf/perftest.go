@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"os"
 	"os/exec"
@@ -95,7 +96,7 @@ type perftestResult struct {
 // retried until ctx ends.
 func runPerftest(ctx context.Context, bin, host string, port, size, iters, warmup int, mode, memTypes string) (perftestResult, error) {
 	args := []string{host, "-p", strconv.Itoa(port), "-t", "ucp_put_bw",
-		"-s", strconv.Itoa(size), "-n", strconv.Itoa(iters), "-w", strconv.Itoa(warmup)}
+		"-s", strconv.Itoa(size), "-n", strconv.Itoa(perftestIters(size, iters)), "-w", strconv.Itoa(warmup)}
 	if memTypes != "" {
 		args = append(args, "-m", memTypes)
 	}
@@ -128,6 +129,13 @@ func runPerftest(ctx context.Context, bin, host string, port, size, iters, warmu
 	}
 }
 
+// perftestIters is ucx_perftest's -n for size-byte puts: iters, or as many
+// as move 64 MiB in all, whichever is more; fewer small puts take less time
+// than its clock can tell and it reports "inf".
+func perftestIters(size, iters int) int {
+	return max(iters, (64<<20+size-1)/max(size, 1))
+}
+
 func refused(out string) bool {
 	return strings.Contains(out, "refused") || strings.Contains(out, "connect(")
 }
@@ -144,6 +152,10 @@ func parsePerftest(out string) (perftestResult, error) {
 		bw, err := strconv.ParseFloat(f[6], 64)
 		if err != nil {
 			return perftestResult{}, fmt.Errorf("ucx_perftest: bandwidth %q: %w", f[6], err)
+		}
+		if math.IsInf(bw, 0) || math.IsNaN(bw) {
+			// Runs too short for its clock print "inf".
+			return perftestResult{}, fmt.Errorf("ucx_perftest: no finite bandwidth (%q): too few iterations for its clock", f[6])
 		}
 		return perftestResult{MiBs: bw}, nil
 	}

@@ -17,6 +17,7 @@ type reporter struct {
 	enc *json.Encoder
 
 	notes []string // printed under the table
+	err   error    // the first row that could not be written
 }
 
 func newReporter(w io.Writer, o *options) *reporter {
@@ -55,7 +56,7 @@ func (r *reporter) header(b *bench) {
 		if mem == "" {
 			mem = "host,host"
 		}
-		fmt.Fprintf(r.w, "# ucx_perftest: ucp_put_bw, UCX_TLS=%s, memory %s, overall bandwidth of -n %d\n", perftestTLS(o.transport), mem, o.iters)
+		fmt.Fprintf(r.w, "# ucx_perftest: ucp_put_bw, UCX_TLS=%s, memory %s, overall bandwidth of -n %d puts, or as many as move 64 MiB\n", perftestTLS(o.transport), mem, o.iters)
 	} else {
 		fmt.Fprintf(r.w, "# ucx_perftest: %s\n", b.perfNote)
 	}
@@ -124,7 +125,9 @@ func commas(v float64) string {
 
 func (r *reporter) row(res *result) {
 	if r.enc != nil {
-		_ = r.enc.Encode(res)
+		if err := r.enc.Encode(res); err != nil && r.err == nil {
+			r.err = fmt.Errorf("row %s: %w", res.Size, err)
+		}
 		return
 	}
 	path := res.Path
@@ -158,6 +161,9 @@ func (r *reporter) row(res *result) {
 }
 
 func (r *reporter) flush() error {
+	if r.err != nil {
+		return r.err
+	}
 	if r.tw == nil {
 		return nil
 	}
