@@ -2,15 +2,14 @@ package interop_test
 
 import (
 	"fmt"
-	"os"
 	"strconv"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/stretchr/testify/require"
-	"golang.org/x/sys/unix"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/examples/tensor"
@@ -48,7 +47,7 @@ func TestKeepAliveAfterLoad(t *testing.T) {
 			ka := envKeepAlive + "=" + interval.String() + "," + timeout.String()
 			losses := &sessionLosses{}
 			opts := tc.options(t, transport.WithKeepAlive(interval, timeout), transport.WithMetrics(losses))
-			openDescriptors(t, 15000)
+			testenv.OpenDescriptors(t, 15000)
 			addr := startServer(t, opts, nil, bothServices).addr
 
 			// The load: calls on one session at once.
@@ -104,27 +103,5 @@ func TestKeepAliveAfterLoad(t *testing.T) {
 			require.Zero(t, lost, "client sessions lost to keepalive")
 			require.Zero(t, losses.keepalive.Load(), "server and loading client sessions lost to keepalive")
 		})
-	}
-}
-
-// openDescriptors opens up to n descriptors (fewer when the process may not
-// have that many) until the test ends.
-func openDescriptors(tb testing.TB, n int) {
-	tb.Helper()
-	var lim unix.Rlimit
-	require.NoError(tb, unix.Getrlimit(unix.RLIMIT_NOFILE, &lim))
-	open, err := os.ReadDir("/proc/self/fd")
-	require.NoError(tb, err)
-	n = min(n, int(lim.Cur)-len(open)-1000)
-	files := make([]*os.File, 0, max(n, 0))
-	tb.Cleanup(func() {
-		for _, f := range files {
-			f.Close()
-		}
-	})
-	for range n {
-		f, err := os.Open(os.DevNull)
-		require.NoError(tb, err)
-		files = append(files, f)
 	}
 }

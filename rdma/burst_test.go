@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
@@ -27,7 +28,7 @@ func TestConnBurstKeepsWorkerResponsive(t *testing.T) {
 	c := newContext(t, "tcp")
 	sw, dw := newWorker(t, c), newWorker(t, c)
 	client, server := pairOn(t, c.Worker(), sw)
-	openDescriptors(t, 15000)
+	testenv.OpenDescriptors(t, 15000)
 	bound := 250*time.Millisecond + 8*scanCost(t)
 
 	go func() { // echo; ends when the pair closes
@@ -105,28 +106,6 @@ func TestConnBurstKeepsWorkerResponsive(t *testing.T) {
 	}
 	require.NoError(t, <-accepted)
 	require.Less(t, worst, bound, "slowest echo round trip while %d connections arrived", conns)
-}
-
-// openDescriptors opens up to n descriptors (fewer when the process may not
-// have that many) until the test ends.
-func openDescriptors(tb testing.TB, n int) {
-	tb.Helper()
-	var lim unix.Rlimit
-	require.NoError(tb, unix.Getrlimit(unix.RLIMIT_NOFILE, &lim))
-	open, err := os.ReadDir("/proc/self/fd")
-	require.NoError(tb, err)
-	n = min(n, int(lim.Cur)-len(open)-1000)
-	files := make([]*os.File, 0, max(n, 0))
-	tb.Cleanup(func() {
-		for _, f := range files {
-			f.Close()
-		}
-	})
-	for range n {
-		f, err := os.Open(os.DevNull)
-		require.NoError(tb, err)
-		files = append(files, f)
-	}
 }
 
 // scanCost returns what looking at every descriptor of the process once

@@ -90,3 +90,32 @@ func Need(tb testing.TB, what string, err error) {
 	}
 	tb.Skipf("%s unavailable: %v", what, err)
 }
+
+// OpenDescriptors opens up to n descriptors (fewer when the process may not have that
+// many) and keeps them open until the test ends: a process that has built up many, as a
+// long-running server does.
+func OpenDescriptors(tb testing.TB, n int) {
+	tb.Helper()
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		tb.Fatalf("getrlimit: %v", err)
+	}
+	open, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		tb.Fatalf("list descriptors: %v", err)
+	}
+	n = min(n, int(lim.Cur)-len(open)-1000)
+	files := make([]*os.File, 0, max(n, 0))
+	tb.Cleanup(func() {
+		for _, f := range files {
+			f.Close()
+		}
+	})
+	for range n {
+		f, err := os.Open(os.DevNull)
+		if err != nil {
+			tb.Fatalf("open %s: %v", os.DevNull, err)
+		}
+		files = append(files, f)
+	}
+}
