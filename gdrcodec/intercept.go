@@ -5,7 +5,6 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/gdrpc/gdrpc/transport"
@@ -109,7 +108,7 @@ func receiveFailed(v any, oob bool, err error) error {
 	if !oob || m == nil || !decoding.has(m.ProtoReflect().Descriptor().FullName()) {
 		return err
 	}
-	failures.add(v, st)
+	failures.put(v, st)
 	return nil
 }
 
@@ -167,55 +166,7 @@ func requestType(method string) protoreflect.FullName {
 // failures holds the failed pulls of requests decoded on a server until the
 // server's stats handler, told of each decoded request right after the codec,
 // moves them to their call.
-var failures = &failedPulls{m: map[any]failedPull{}}
-
-type failedPulls struct {
-	n     atomic.Int64 // len(m), read without mu
-	mu    sync.Mutex
-	m     map[any]failedPull
-	swept time.Time
-}
-
-type failedPull struct {
-	st *status.Status
-	at time.Time
-}
-
-// add notes the failure of v. Entries no server call takes (a message a
-// client without the interceptors decoded, taken for a request) are dropped
-// by a later add once they are a minute old.
-func (f *failedPulls) add(v any, st *status.Status) {
-	now := time.Now()
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.m[v] = failedPull{st: st, at: now}
-	defer func() { f.n.Store(int64(len(f.m))) }()
-	if now.Sub(f.swept) < time.Minute {
-		return
-	}
-	f.swept = now
-	for k, e := range f.m {
-		if now.Sub(e.at) > time.Minute {
-			delete(f.m, k)
-		}
-	}
-}
-
-// take removes and returns the failure of v, or nil.
-func (f *failedPulls) take(v any) *status.Status {
-	if f.n.Load() == 0 {
-		return nil
-	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	e, ok := f.m[v]
-	if !ok {
-		return nil
-	}
-	delete(f.m, v)
-	f.n.Store(int64(len(f.m)))
-	return e.st
-}
+var failures = newExpiring[*status.Status](time.Minute)
 
 func holdOf(v any) *hold {
 	if h, ok := holds.Load(v); ok {
@@ -440,7 +391,7 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		c.decoded()
 		c.mu.Unlock()
 		if m := messageV2Of(s.Payload); m != nil && mayCarry(m.ProtoReflect().Descriptor()) {
-			st := failures.take(s.Payload)
+			st, _ := failures.take(s.Payload)
 			c.mu.Lock()
 			c.in = append(c.in, m)
 			if st != nil {

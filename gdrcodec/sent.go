@@ -2,8 +2,6 @@ package gdrcodec
 
 import (
 	"context"
-	"sync"
-	"time"
 
 	"github.com/gdrpc/gdrpc/transport"
 	"google.golang.org/grpc"
@@ -14,52 +12,27 @@ import (
 // session to it remains rather than at the end of their lease. Marshal has
 // no connection; the server's stats handler does, and sees the same message
 // once it was sent (sentOn).
-var sent = struct {
-	sync.Mutex
-	m     map[any]sentOffers // outgoing message -> its offers
-	swept time.Time
-}{m: map[any]sentOffers{}}
-
-type sentOffers struct {
-	tokens []transport.Token
-	at     time.Time
-}
+var sent = newExpiring[[]transport.Token](transport.DefaultLease)
 
 // noteSent remembers the payloads v's marshaling offered until v is reported
 // sent. Entries of messages never reported (a send that failed, a codec used
 // without the server's stats handler) are dropped once their lease is over:
 // the outbox has withdrawn their payloads by then.
 func noteSent(v any, tokens []transport.Token) {
-	if len(tokens) == 0 {
-		return
-	}
-	now := time.Now()
-	sent.Lock()
-	defer sent.Unlock()
-	sent.m[v] = sentOffers{tokens: tokens, at: now}
-	if now.Sub(sent.swept) < time.Minute {
-		return
-	}
-	sent.swept = now
-	for k, o := range sent.m {
-		if now.Sub(o.at) > transport.DefaultLease {
-			delete(sent.m, k)
-		}
+	if len(tokens) > 0 {
+		sent.put(v, tokens)
 	}
 }
 
 // sentOn binds the payloads of v, just sent on the call of ctx, to the peer
 // of the call's session.
 func sentOn(ctx context.Context, v any) {
-	sent.Lock()
-	o, ok := sent.m[v]
-	delete(sent.m, v)
-	sent.Unlock()
+	tokens, ok := sent.take(v)
 	if !ok {
 		return
 	}
 	if s := transport.SessionFromContext(ctx); s != nil {
-		transport.SentToward(s, o.tokens)
+		transport.SentToward(s, tokens)
 	}
 }
 

@@ -1,0 +1,63 @@
+package gdrcodec
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// expiring maps messages to what the codec noted about them until a later
+// hook takes it. Entries nobody takes (the hook never ran for that message)
+// are dropped once older than maxAge, by a sweep that a put runs at most once
+// a minute.
+type expiring[V any] struct {
+	maxAge time.Duration
+	n      atomic.Int64 // len(m), read without mu
+	mu     sync.Mutex
+	m      map[any]expiringEntry[V]
+	swept  time.Time
+}
+
+type expiringEntry[V any] struct {
+	v  V
+	at time.Time
+}
+
+func newExpiring[V any](maxAge time.Duration) *expiring[V] {
+	return &expiring[V]{maxAge: maxAge, m: map[any]expiringEntry[V]{}}
+}
+
+// put notes v for k.
+func (e *expiring[V]) put(k any, v V) {
+	now := time.Now()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.m[k] = expiringEntry[V]{v: v, at: now}
+	defer func() { e.n.Store(int64(len(e.m))) }()
+	if now.Sub(e.swept) < time.Minute {
+		return
+	}
+	e.swept = now
+	for key, en := range e.m {
+		if now.Sub(en.at) > e.maxAge {
+			delete(e.m, key)
+		}
+	}
+}
+
+// take removes and returns what was noted for k.
+func (e *expiring[V]) take(k any) (V, bool) {
+	var zero V
+	if e.n.Load() == 0 {
+		return zero, false
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	en, ok := e.m[k]
+	if !ok {
+		return zero, false
+	}
+	delete(e.m, k)
+	e.n.Store(int64(len(e.m)))
+	return en.v, true
+}
