@@ -181,16 +181,7 @@ func TestStreamPayloadLeavesOncePulled(t *testing.T) {
 	st, err := r.client.Upload(ctx)
 	require.NoError(t, err)
 	for seed := range uint32(3) {
-		src := devicebuf.HostFromBytes(pattern(1<<20, seed))
-		m := &tensorpb.Tensor{Data: gdrcodec.New(src)}
-		src.Release()
-		require.NoError(t, st.Send(m))
-		gdrcodec.ReleaseAll(m)
-		select {
-		case <-srv.got:
-		case <-ctx.Done():
-			t.Fatal("the server did not receive the message")
-		}
+		sendAndWait(ctx, t, st, srv, seed)
 		require.Zero(t, transport.OutboxLen(), "payloads of the stream held after their pull")
 	}
 	_, err = st.CloseAndRecv()
@@ -213,7 +204,19 @@ func TestStreamPayloadHeldUnderRetryPolicy(t *testing.T) {
 	defer cancel()
 	st, err := tensorpb.NewTensorServiceClient(cc).Upload(ctx)
 	require.NoError(t, err)
-	src := devicebuf.HostFromBytes(pattern(1<<20, 1))
+	sendAndWait(ctx, t, st, srv, 1)
+	require.Equal(t, 1, transport.OutboxLen(), "the pulled payload stays for a replay")
+	_, err = st.CloseAndRecv()
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return transport.OutboxLen() == 0 }, 5*time.Second, time.Millisecond,
+		"the stream's end releases its payloads")
+}
+
+// sendAndWait sends one message with a 1 MiB out-of-band payload on st and
+// waits until the server received it.
+func sendAndWait(ctx context.Context, t *testing.T, st tensorpb.TensorService_UploadClient, srv *uploadWatch, seed uint32) {
+	t.Helper()
+	src := devicebuf.HostFromBytes(pattern(1<<20, seed))
 	m := &tensorpb.Tensor{Data: gdrcodec.New(src)}
 	src.Release()
 	require.NoError(t, st.Send(m))
@@ -223,9 +226,4 @@ func TestStreamPayloadHeldUnderRetryPolicy(t *testing.T) {
 	case <-ctx.Done():
 		t.Fatal("the server did not receive the message")
 	}
-	require.Equal(t, 1, transport.OutboxLen(), "the pulled payload stays for a replay")
-	_, err = st.CloseAndRecv()
-	require.NoError(t, err)
-	require.Eventually(t, func() bool { return transport.OutboxLen() == 0 }, 5*time.Second, time.Millisecond,
-		"the stream's end releases its payloads")
 }
