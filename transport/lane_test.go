@@ -371,12 +371,8 @@ func bulkLanePair(t *testing.T) (ss, cs *Session, newPull func(n int) *pull) {
 	return ss, cs, func(n int) *pull {
 		dst, err := devicebuf.NewHostAllocator().Alloc(n)
 		require.NoError(t, err)
-		p := &pull{s: ss, dst: dst, fin: make(chan *fin, 1), bulk: make(chan error, 1)}
-		pulls.Lock()
-		pulls.next++
-		p.req = pulls.next
-		pulls.m[p.req] = p
-		pulls.Unlock()
+		p := makePull(ss, dst)
+		p.list()
 		t.Cleanup(p.settled)
 		return p
 	}

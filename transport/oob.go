@@ -276,6 +276,22 @@ var pulls = struct {
 	m    map[uint64]*pull
 }{m: make(map[uint64]*pull)}
 
+// makePull makes the pull of a payload into dst through s; dst is released
+// when the pull settles.
+func makePull(s *Session, dst *devicebuf.Buffer) *pull {
+	return &pull{s: s, dst: dst, fin: make(chan *fin, 1), bulk: make(chan error, 1)}
+}
+
+// list registers p under a fresh request id, for the owner's FIN and bulk
+// frames to find it.
+func (p *pull) list() {
+	pulls.Lock()
+	pulls.next++
+	p.req = pulls.next
+	pulls.m[p.req] = p
+	pulls.Unlock()
+}
+
 func (p *pull) settled() {
 	p.settle.Do(func() {
 		pulls.Lock()
@@ -451,7 +467,7 @@ func copyFromSource(dst *devicebuf.Buffer, src Source) error {
 // reservation (reservePull) once dst is settled.
 func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buffer, release func()) (Path, error) {
 	defer busy(s)()
-	p := &pull{s: s, dst: dst.Retain(), fin: make(chan *fin, 1), bulk: make(chan error, 1)}
+	p := makePull(s, dst.Retain())
 	p.after = append(p.after, release)
 	m := &rtr{Token: d.Token, Length: d.Length, Offers: PathStream}
 	staging, err := offerDestination(s, d, p, m)
@@ -466,11 +482,7 @@ func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buff
 		defer staged.stop()
 		p.after = append(p.after, staged.stop) // runs before staging goes back
 	}
-	pulls.Lock()
-	pulls.next++
-	p.req = pulls.next
-	pulls.m[p.req] = p
-	pulls.Unlock()
+	p.list()
 	m.Req = p.req
 	p.offers = m.Offers
 

@@ -66,17 +66,26 @@ func intercept(t *testing.T, typ byte, s *Session, fn func(payload []byte)) {
 	})
 }
 
-// answerWith makes the owner side of s answer every RTR with a FIN that
-// reports status over path and writes nothing; the RTRs go to rtrs.
-func answerWith(t *testing.T, s *Session, status finStatus, path Path) <-chan *rtr {
+// interceptRTRs hands the RTRs that reach s, parsed, to f instead of the
+// owner's engine.
+func interceptRTRs(t *testing.T, s *Session, f func(*rtr)) {
 	t.Helper()
-	rtrs := make(chan *rtr, 16)
 	intercept(t, ctlRTR, s, func(payload []byte) {
 		m, err := parseRTR(payload)
 		if err != nil {
 			t.Errorf("RTR: %v", err)
 			return
 		}
+		f(m)
+	})
+}
+
+// answerWith makes the owner side of s answer every RTR with a FIN that
+// reports status over path and writes nothing; the RTRs go to rtrs.
+func answerWith(t *testing.T, s *Session, status finStatus, path Path) <-chan *rtr {
+	t.Helper()
+	rtrs := make(chan *rtr, 16)
+	interceptRTRs(t, s, func(m *rtr) {
 		rtrs <- m
 		f := &fin{Req: m.Req, Status: status, Path: path}
 		if err := s.SendControl(context.Background(), ctlFIN, f.marshal()); err != nil {
@@ -187,12 +196,8 @@ func TestForgedKeyWritesOwnMemory(t *testing.T) {
 
 	dst, err := devicebuf.NewHostAllocator().Alloc(n)
 	require.NoError(t, err)
-	p := &pull{s: ss, dst: dst, fin: make(chan *fin, 1), bulk: make(chan error, 1)}
-	pulls.Lock()
-	pulls.next++
-	p.req = pulls.next
-	pulls.m[p.req] = p
-	pulls.Unlock()
+	p := makePull(ss, dst)
+	p.list()
 	defer p.settled()
 	m := &rtr{Req: p.req, Token: d.Token, Length: n, Offers: PathRDMA | PathStream,
 		RAddr: uint64(mem.Addr()) + uint64(off), RKey: key}
@@ -233,12 +238,7 @@ func TestDestinationKeyScope(t *testing.T) {
 			withConfig(t, TransferConfig{TrustPeers: tc.trust})
 			cs, ss := ucxPair(t, tc.tls)
 			rtrs := make(chan *rtr, 1)
-			intercept(t, ctlRTR, cs, func(payload []byte) {
-				m, err := parseRTR(payload)
-				if err != nil {
-					t.Errorf("RTR: %v", err)
-					return
-				}
+			interceptRTRs(t, cs, func(m *rtr) {
 				rtrs <- m
 				serveRTR(cs, m)
 			})
@@ -308,13 +308,9 @@ func TestChunkNoticesAfterCopierStopped(t *testing.T) {
 	staging, err := alloc.Alloc(n)
 	require.NoError(t, err)
 	defer staging.Release()
-	p := &pull{s: ss, dst: dst, fin: make(chan *fin, 1), bulk: make(chan error, 1)}
+	p := makePull(ss, dst)
 	c := newStagedCopier(dst, staging, p)
-	pulls.Lock()
-	pulls.next++
-	p.req = pulls.next
-	pulls.m[p.req] = p
-	pulls.Unlock()
+	p.list()
 	defer p.settled()
 	c.stop()
 
