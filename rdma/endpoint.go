@@ -63,7 +63,8 @@ type Endpoint struct {
 	inflight int
 	onErr    func(error)
 	errFired bool
-	lanes    string // TransportInfo once it showed lanes to the peer (KeyDomains)
+	lanes    string   // TransportInfo once it showed lanes to the peer (KeyDomains)
+	rmaDoms  []string // rmaDomains(lanes), once asked
 
 	done      chan struct{}
 	closeDone chan struct{} // the UCX endpoint is released
@@ -847,11 +848,24 @@ func (e *Endpoint) KeyDomains(packed []byte) ([]string, error) {
 // endpoint's rma_bw lanes reach ("tcp", "ib", "cuda_ipc", ...): where a put
 // of a large buffer may go.
 func (e *Endpoint) RMADomains() ([]string, error) {
+	e.mu.Lock()
+	doms := e.rmaDoms
+	e.mu.Unlock()
+	if doms != nil {
+		return slices.Clone(doms), nil
+	}
 	info, err := e.laneInfo()
 	if err != nil {
 		return nil, fmt.Errorf("rdma: lanes: %w", err)
 	}
-	return rmaDomains(info), nil
+	doms = rmaDomains(info)
+	if doms == nil {
+		doms = []string{}
+	}
+	e.mu.Lock()
+	e.rmaDoms = doms
+	e.mu.Unlock()
+	return slices.Clone(doms), nil
 }
 
 // laneInfo returns ucp_ep_print_info's text for the endpoint, asked once:
