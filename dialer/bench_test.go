@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc"
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/dialer"
 )
 
@@ -47,7 +48,7 @@ func BenchmarkUnaryProcesses(b *testing.B) {
 		b.Run("transport="+tc.name+"/size=1KiB", func(b *testing.B) {
 			role, dopts := "plain-grpc-server", []grpc.DialOption{grpc.WithTransportCredentials(insecureCreds())}
 			if !tc.plain {
-				role, dopts = "grpc-server", dialer.New(tc.options(b)...).DialOptions(nil)
+				role, dopts = "grpc-server", dialer.New(gdrpc.WithSessionOptions(tc.options(b)...)).DialOptions(nil)
 			}
 			_, line := startChild(b, nil, role, "GDRPC_TEST_LISTEN=127.0.0.1:0", "GDRPC_TEST_UCX="+tc.ucx)
 			addr, ok := strings.CutPrefix(line, "ADDR ")

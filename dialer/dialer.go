@@ -7,16 +7,10 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/internal/face"
 	"github.com/gdrpc/gdrpc/transport"
-)
-
-// Buffer and window sizes the options set (see transport.GRPCBufferSize); the
-// HTTP/2 windows match the multiplexer's.
-const (
-	WriteBufferSize = transport.GRPCBufferSize
-	ReadBufferSize  = transport.GRPCBufferSize
-	WindowSize      = transport.DefaultWindow
 )
 
 // Dialer makes gdrpc sessions for gRPC.
@@ -24,9 +18,10 @@ type Dialer struct {
 	opts []transport.Option
 }
 
-// New returns a Dialer whose sessions use opts.
-func New(opts ...transport.Option) *Dialer {
-	return &Dialer{opts: append([]transport.Option(nil), opts...)}
+// New returns a Dialer whose sessions and transfers follow opts (package
+// gdrpc's options: trust, transport, identity, logging, metrics, limits).
+func New(opts ...gdrpc.Option) *Dialer {
+	return &Dialer{opts: face.SessionOptions(opts)}
 }
 
 // DialContext dials a gdrpc session to addr (host:port) and returns the conn
@@ -46,21 +41,20 @@ func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error)
 }
 
 // DialOptions returns the options a gRPC client needs to run over gdrpc: the
-// dialer, transport credentials (creds wrapped by transport.NewCredentials;
-// nil creds means no security), buffer sizes and HTTP/2 windows suited to a
-// message transport, and the out-of-band codec (gdrcodec.DialOptions: the
-// gdr codec for every call of the ClientConn and the interceptors that keep
-// request payloads available until the call ends and return the status code
-// of a response payload that could not be pulled; it registers nothing with
-// gRPC). The AuthInfo of a call's peer (grpc.Peer) is creds' own, and
-// transport.SessionFromPeer finds the session from the peer.
+// dialer; transport credentials (creds wrapped so that handlers find the
+// session; nil creds means no security); buffer sizes and HTTP/2 windows
+// suited to a message transport; and the out-of-band codec
+// (gdrcodec.DialOptions: the gdr codec for every call of the ClientConn and
+// the interceptors that keep request payloads available until the call ends;
+// it registers nothing with gRPC). The AuthInfo of a call's peer
+// (grpc.Peer) is creds' own, and gdrpc.SessionFromPeer finds the session.
 func (d *Dialer) DialOptions(creds credentials.TransportCredentials) []grpc.DialOption {
 	return append([]grpc.DialOption{
 		grpc.WithContextDialer(d.DialContext),
 		grpc.WithTransportCredentials(transport.NewCredentials(creds)),
-		grpc.WithWriteBufferSize(WriteBufferSize),
-		grpc.WithReadBufferSize(ReadBufferSize),
-		grpc.WithInitialWindowSize(WindowSize),
-		grpc.WithInitialConnWindowSize(WindowSize),
+		grpc.WithWriteBufferSize(transport.GRPCBufferSize),
+		grpc.WithReadBufferSize(transport.GRPCBufferSize),
+		grpc.WithInitialWindowSize(transport.DefaultWindow),
+		grpc.WithInitialConnWindowSize(transport.DefaultWindow),
 	}, gdrcodec.DialOptions()...)
 }

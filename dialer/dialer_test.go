@@ -19,6 +19,7 @@ import (
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 	"google.golang.org/grpc/status"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/listener"
@@ -147,10 +148,10 @@ func serve(tb testing.TB, tc transportCase) *grpc.ClientConn {
 	} else {
 		opts := tc.options(tb)
 		var err error
-		l, err = listener.Listen("127.0.0.1:0", opts...)
+		l, err = listener.Listen("127.0.0.1:0", gdrpc.WithSessionOptions(opts...))
 		require.NoError(tb, err)
 		srv = grpc.NewServer(listener.ServerOptions(nil)...)
-		dopts = dialer.New(opts...).DialOptions(nil)
+		dopts = dialer.New(gdrpc.WithSessionOptions(opts...)).DialOptions(nil)
 	}
 	testpb.RegisterTestServiceServer(srv, testService{})
 	served := make(chan struct{})
@@ -216,7 +217,7 @@ func TestDialContextTransport(t *testing.T) {
 	for _, tc := range transportCases {
 		t.Run(tc.name, func(t *testing.T) {
 			opts := tc.options(t)
-			l, err := listener.Listen("127.0.0.1:0", opts...)
+			l, err := listener.Listen("127.0.0.1:0", gdrpc.WithSessionOptions(opts...))
 			require.NoError(t, err)
 			defer l.Close()
 			accepted := make(chan net.Conn, 1)
@@ -228,7 +229,7 @@ func TestDialContextTransport(t *testing.T) {
 			}()
 			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 			defer cancel()
-			c, err := dialer.New(opts...).DialContext(ctx, l.Addr().String())
+			c, err := dialer.New(gdrpc.WithSessionOptions(opts...)).DialContext(ctx, l.Addr().String())
 			require.NoError(t, err)
 			s := transport.SessionOf(c)
 			require.NotNil(t, s)
@@ -273,7 +274,7 @@ func TestPeerKilledMidStream(t *testing.T) {
 			cmd, line := startChild(t, nil, "grpc-server", "GDRPC_TEST_LISTEN=127.0.0.1:0", "GDRPC_TEST_UCX="+tc.ucx)
 			addr, ok := strings.CutPrefix(line, "ADDR ")
 			require.True(t, ok, line)
-			d := dialer.New(opts...)
+			d := dialer.New(gdrpc.WithSessionOptions(opts...))
 			cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(nil)...)
 			require.NoError(t, err)
 			defer cc.Close()

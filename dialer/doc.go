@@ -10,11 +10,11 @@
 // DialOptions selects the out-of-band codec for every call of the ClientConn,
 // so a client needs no gdrcodec.Register (whose options, such as the receive
 // allocator, apply to it all the same); pass TLS credentials to it instead of
-// nil for TLS. New takes the session options of package transport
-// (keepalive, mode, logger). A call's session is found from its peer
-// (grpc.Peer and transport.SessionFromPeer). Sessions run over TCP unless the
-// peers trust each other (transport.TransferConfig.TrustPeers), then over UCX
-// where both ends have it. The package example runs a client against the
+// nil for TLS. New takes package gdrpc's options: gdrpc.WithTrustPeers
+// (sessions run over TCP unless the peers trust each other, then over UCX
+// where both ends have it), the transport, identity, logger, metrics, limits
+// and transfer timeout; they apply to this Dialer's sessions alone. A call's
+// session is found from its peer (grpc.Peer and gdrpc.SessionFromPeer). The package example runs a client against the
 // example tensor service; package listener's examples show the server and TLS.
 //
 // It is thin: it owns no protocol logic (package transport does) and never

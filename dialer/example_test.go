@@ -8,12 +8,12 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/peer"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/listener"
-	"github.com/gdrpc/gdrpc/transport"
 )
 
 // A gRPC client over gdrpc: the Dialer makes a gdrpc session per connection
@@ -33,9 +33,9 @@ func Example() {
 	go func() { _ = srv.Serve(lis) }()
 	defer srv.Stop()
 
-	// dialer.New takes session options (transport.WithKeepAlive, WithMode, ...).
-	// Sessions run over TCP unless the peers trust each other
-	// (transport.TransferConfig.TrustPeers): then over UCX, where both ends have it.
+	// dialer.New takes package gdrpc's options (WithKeepAlive, WithTransport,
+	// WithMetrics, ...). Sessions run over TCP unless the peers trust each
+	// other (gdrpc.WithTrustPeers): then over UCX, where both ends have it.
 	d := dialer.New()
 	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), d.DialOptions(nil)...)
 	if err != nil {
@@ -60,7 +60,7 @@ func Example() {
 	tensor.Fill(want, 1)
 	fmt.Printf("%d bytes in %s memory, crc32c %08x, as made: %v\n", b.Len(), b.Kind(),
 		tensor.ChecksumBytes(got), tensor.ChecksumBytes(got) == tensor.ChecksumBytes(want))
-	fmt.Println("session over", transport.SessionFromPeer(&p).Transport())
+	fmt.Println("session over", gdrpc.SessionFromPeer(&p).Transport())
 	// Output:
 	// 1048576 bytes in host memory, crc32c 6b949523, as made: true
 	// session over tcp

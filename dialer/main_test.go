@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc"
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/internal/leaktest"
@@ -62,7 +63,7 @@ func runChild(role string) int {
 		var l net.Listener
 		var sopts []grpc.ServerOption
 		if role == "grpc-server" {
-			l, err = listener.Listen(os.Getenv("GDRPC_TEST_LISTEN"), opts...)
+			l, err = listener.Listen(os.Getenv("GDRPC_TEST_LISTEN"), gdrpc.WithSessionOptions(opts...))
 			sopts = listener.ServerOptions(nil)
 		} else {
 			l, err = net.Listen("tcp", os.Getenv("GDRPC_TEST_LISTEN"))
@@ -79,7 +80,7 @@ func runChild(role string) int {
 		srv.Stop()
 		return 0
 	case "grpc-client":
-		d := dialer.New(opts...)
+		d := dialer.New(gdrpc.WithSessionOptions(opts...))
 		var sess *transport.Session
 		dial := func(ctx context.Context, addr string) (netConn, error) {
 			c, err := d.DialContext(ctx, addr)

@@ -8,14 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/gdrpc/gdrpc/devicebuf"
-	"github.com/gdrpc/gdrpc/dialer"
-	"github.com/gdrpc/gdrpc/examples/tensor"
-	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
-	"github.com/gdrpc/gdrpc/gdrcodec"
-	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
-	"github.com/gdrpc/gdrpc/transport"
-	"github.com/gdrpc/gdrpc/transport/transporttest"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -23,6 +15,17 @@ import (
 	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/gdrpc/gdrpc"
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/examples/tensor"
+	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
+	"github.com/gdrpc/gdrpc/oob"
+	"github.com/gdrpc/gdrpc/transport"
+	"github.com/gdrpc/gdrpc/transport/transporttest"
 )
 
 // markedPrefix is the length of what precedes a descriptor in a marked bytes
@@ -50,7 +53,7 @@ func forgeClaim(t *testing.T, owner transport.ID, length uint64, blob bool) []by
 		db = &gdrv1.DeviceBuffer{}
 		require.NoError(t, proto.Unmarshal(m.Blob[markedPrefix:], db))
 	}
-	transport.Withdraw(transport.Token(db.Token))
+	oob.Withdraw(oob.Token(db.Token))
 	db.Owner, db.Length = owner[:], length
 	if blob {
 		desc, err := proto.Marshal(db)
@@ -76,19 +79,19 @@ func TestOversizedClaims(t *testing.T) {
 		owner  transport.ID
 		length uint64
 		blob   bool
-		limits transport.Limits
+		limits oob.Limits
 		want   codes.Code
 	}{
 		{name: "bytes field of 16 GiB", owner: owner, length: 16 << 30, blob: true, want: codes.ResourceExhausted},
 		{name: "DeviceBuffer of 16 GiB", owner: owner, length: 16 << 30, want: codes.ResourceExhausted},
 		{name: "bytes field over the session's budget", owner: owner, length: 64 << 20, blob: true,
-			limits: transport.Limits{PullBytes: 1 << 20}, want: codes.ResourceExhausted},
+			limits: oob.Limits{PullBytes: 1 << 20}, want: codes.ResourceExhausted},
 		{name: "bytes field from nobody connected", owner: stranger, length: 64 << 20, blob: true, want: codes.Unavailable},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			transport.SetTransferConfig(transport.TransferConfig{Limits: tt.limits})
-			t.Cleanup(func() { transport.SetTransferConfig(transport.TransferConfig{}) })
+			oob.SetTransferConfig(oob.TransferConfig{Limits: tt.limits})
+			t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
 			body := forgeClaim(t, tt.owner, tt.length, tt.blob)
 			var got tensorpb.Tensor
 			var before, after runtime.MemStats
@@ -144,10 +147,10 @@ func TestUnpulledResponsesAfterDisconnect(t *testing.T) {
 		require.NoError(t, err)
 		require.NotEmpty(t, got.Data.GetToken(), "the response carries a descriptor")
 	}
-	require.Equal(t, 4, transport.OutboxLen(), "the unpulled responses")
+	require.Equal(t, 4, oob.OutboxLen(), "the unpulled responses")
 	require.NoError(t, r.cc.Close())
-	require.Eventually(t, func() bool { return transport.OutboxLen() == 0 }, 5*time.Second, 5*time.Millisecond,
-		"%d unpulled responses still held after the client left", transport.OutboxLen())
+	require.Eventually(t, func() bool { return oob.OutboxLen() == 0 }, 5*time.Second, 5*time.Millisecond,
+		"%d unpulled responses still held after the client left", oob.OutboxLen())
 }
 
 // uploadWatch is a TensorService whose Upload tells the test of each message
@@ -182,7 +185,7 @@ func TestStreamPayloadLeavesOncePulled(t *testing.T) {
 	require.NoError(t, err)
 	for seed := range uint32(3) {
 		sendAndWait(ctx, t, st, srv, seed)
-		require.Zero(t, transport.OutboxLen(), "payloads of the stream held after their pull")
+		require.Zero(t, oob.OutboxLen(), "payloads of the stream held after their pull")
 	}
 	_, err = st.CloseAndRecv()
 	require.NoError(t, err)
@@ -196,7 +199,7 @@ func TestStreamPayloadHeldUnderRetryPolicy(t *testing.T) {
 	const retry = `{"methodConfig": [{"name": [{"service": "gdrpc.examples.tensor.TensorService"}],
 		"retryPolicy": {"maxAttempts": 2, "initialBackoff": "0.01s", "maxBackoff": "0.01s",
 		"backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"]}}]}`
-	d := dialer.New(transport.WithMode(transport.ModeTCP))
+	d := dialer.New(gdrpc.WithTransport(transport.ModeTCP), processEngine)
 	cc, err := grpc.NewClient(r.cc.Target(), append(d.DialOptions(insecure.NewCredentials()), grpc.WithDefaultServiceConfig(retry))...)
 	require.NoError(t, err)
 	defer cc.Close()
@@ -205,10 +208,10 @@ func TestStreamPayloadHeldUnderRetryPolicy(t *testing.T) {
 	st, err := tensorpb.NewTensorServiceClient(cc).Upload(ctx)
 	require.NoError(t, err)
 	sendAndWait(ctx, t, st, srv, 1)
-	require.Equal(t, 1, transport.OutboxLen(), "the pulled payload stays for a replay")
+	require.Equal(t, 1, oob.OutboxLen(), "the pulled payload stays for a replay")
 	_, err = st.CloseAndRecv()
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return transport.OutboxLen() == 0 }, 5*time.Second, time.Millisecond,
+	require.Eventually(t, func() bool { return oob.OutboxLen() == 0 }, 5*time.Second, time.Millisecond,
 		"the stream's end releases its payloads")
 }
 

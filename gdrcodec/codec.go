@@ -9,10 +9,6 @@ import (
 	"sync"
 	"sync/atomic"
 
-	"github.com/gdrpc/gdrpc/devicebuf"
-	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
-	"github.com/gdrpc/gdrpc/rdma"
-	"github.com/gdrpc/gdrpc/transport"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/encoding"
 	encproto "google.golang.org/grpc/encoding/proto"
@@ -21,6 +17,11 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/protoadapt"
 	"google.golang.org/protobuf/reflect/protoreflect"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
+	"github.com/gdrpc/gdrpc/oob"
+	"github.com/gdrpc/gdrpc/rdma"
 )
 
 // Name is the content-subtype of the out-of-band codec: gdrpc clients send
@@ -259,19 +260,19 @@ type rewriter struct {
 	oob    bool
 	eager  int
 	hold   *hold
-	offers []transport.Token
+	offers []oob.Token
 }
 
 func (w *rewriter) abort() {
 	for _, t := range w.offers {
-		transport.Withdraw(t)
+		oob.Withdraw(t)
 	}
 }
 
 func (w *rewriter) outOfBand(n int) bool { return w.oob && n >= w.eager }
 
-func (w *rewriter) offer(src transport.Source) transport.Descriptor {
-	d := transport.Offer(src, transport.OfferOptions{Held: w.hold != nil && !w.hold.once})
+func (w *rewriter) offer(src oob.Source) oob.Descriptor {
+	d := oob.Offer(src, oob.OfferOptions{Held: w.hold != nil && !w.hold.once})
 	w.offers = append(w.offers, d.Token)
 	if w.hold != nil {
 		w.hold.add(d.Token)
@@ -403,7 +404,7 @@ func (w *rewriter) field(parent protoreflect.Message, fd protoreflect.FieldDescr
 // bytesField returns what a marked bytes field carries on the wire.
 func (w *rewriter) bytesField(b []byte) ([]byte, bool) {
 	if w.outOfBand(len(b)) {
-		d := w.offer(transport.Source{Bytes: b})
+		d := w.offer(oob.Source{Bytes: b})
 		desc, err := proto.Marshal(descriptorMessage(d))
 		if err != nil {
 			panic("gdrcodec: marshal descriptor: " + err.Error()) // a fixed, valid message
@@ -426,7 +427,7 @@ func (w *rewriter) deviceBuffer(db *gdrv1.DeviceBuffer) (*gdrv1.DeviceBuffer, er
 		return nil, nil
 	}
 	if w.outOfBand(b.Len()) {
-		return descriptorMessage(w.offer(transport.Source{Buffer: b})), nil
+		return descriptorMessage(w.offer(oob.Source{Buffer: b})), nil
 	}
 	out := &gdrv1.DeviceBuffer{Length: uint64(b.Len()), Kind: kindOf(b.Kind()), Device: int32(b.Device()), DeviceUuid: b.DeviceUUID()}
 	if hb, err := b.HostBytes(); err == nil {
@@ -442,7 +443,7 @@ func (w *rewriter) deviceBuffer(db *gdrv1.DeviceBuffer) (*gdrv1.DeviceBuffer, er
 	return out, nil
 }
 
-func descriptorMessage(d transport.Descriptor) *gdrv1.DeviceBuffer {
+func descriptorMessage(d oob.Descriptor) *gdrv1.DeviceBuffer {
 	k := gdrv1.Kind_KIND_HOST
 	if d.Kind == devicebuf.CUDA {
 		k = gdrv1.Kind_KIND_CUDA
@@ -456,11 +457,11 @@ func descriptorMessage(d transport.Descriptor) *gdrv1.DeviceBuffer {
 
 // ParseDescriptor reads the out-of-band descriptor of db. It reports false when
 // db carries no descriptor (its payload, if any, is inline).
-func ParseDescriptor(db *gdrv1.DeviceBuffer) (transport.Descriptor, bool, error) {
+func ParseDescriptor(db *gdrv1.DeviceBuffer) (oob.Descriptor, bool, error) {
 	if len(db.GetOwner()) == 0 && len(db.GetToken()) == 0 {
-		return transport.Descriptor{}, false, nil
+		return oob.Descriptor{}, false, nil
 	}
-	var d transport.Descriptor
+	var d oob.Descriptor
 	if len(db.Owner) != len(d.Owner) || len(db.Token) != len(d.Token) {
 		return d, true, fmt.Errorf("descriptor: owner of %d bytes, token of %d, want %d and %d", len(db.Owner), len(db.Token), len(d.Owner), len(d.Token))
 	}
@@ -495,9 +496,9 @@ type job struct {
 	undo func() // releases what run produced, when another job failed
 }
 
-func resolve(ctx context.Context, m protoreflect.Message, oob bool) error {
+func resolve(ctx context.Context, m protoreflect.Message, outOfBand bool) error {
 	var jobs []job
-	if err := collect(m, oob, &jobs); err != nil {
+	if err := collect(m, outOfBand, &jobs); err != nil {
 		return err
 	}
 	if err := withinLimit(jobs); err != nil {
@@ -535,7 +536,7 @@ func firstStatus(errs []error) error {
 	return nil
 }
 
-func collect(m protoreflect.Message, oob bool, jobs *[]job) error {
+func collect(m protoreflect.Message, outOfBand bool, jobs *[]job) error {
 	if db, ok := m.Interface().(*gdrv1.DeviceBuffer); ok {
 		j, err := deviceBufferJob(db)
 		if err != nil {
@@ -552,12 +553,12 @@ func collect(m protoreflect.Message, oob bool, jobs *[]job) error {
 	var err error
 	m.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
 		switch {
-		case marked(fd) && oob:
+		case marked(fd) && outOfBand:
 			err = bytesJobs(m, fd, v, jobs)
 		case valueMessage(fd) != nil:
 			each(fd, v, func(v protoreflect.Value) {
 				if err == nil {
-					err = collect(v.Message(), oob, jobs)
+					err = collect(v.Message(), outOfBand, jobs)
 				}
 			})
 		}
@@ -572,19 +573,19 @@ func receiveAllocator() devicebuf.Allocator {
 	}
 	if rdma.Available() == nil {
 		if rc, err := rdma.Default(); err == nil {
-			return transport.HostPool(rc)
+			return oob.HostPool(rc)
 		}
 	}
-	return transport.HostPool(nil)
+	return oob.HostPool(nil)
 }
 
 func deviceBufferJob(db *gdrv1.DeviceBuffer) (job, error) {
-	d, oob, err := ParseDescriptor(db)
+	d, outOfBand, err := ParseDescriptor(db)
 	if err != nil {
 		return job{}, codecError(codes.InvalidArgument, "%v", err)
 	}
 	alloc := receiveAllocator()
-	if !oob {
+	if !outOfBand {
 		if uint64(len(db.Inline)) != db.Length {
 			return job{}, codecError(codes.InvalidArgument, "inline payload of %d bytes, descriptor says %d", len(db.Inline), db.Length)
 		}
@@ -616,7 +617,7 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer) (job, error) {
 		run: func(ctx context.Context) error {
 			// The destination is allocated only once a session to the owner
 			// has room for it.
-			dst, _, err := transport.FetchNew(ctx, d, alloc.Alloc)
+			dst, _, err := oob.FetchNew(ctx, d, alloc.Alloc)
 			if err != nil {
 				return transferStatus(err)
 			}
@@ -662,8 +663,8 @@ func bytesJob(b []byte, set func([]byte), jobs *[]job) error {
 	if err := proto.Unmarshal(rest, &db); err != nil {
 		return codecError(codes.InvalidArgument, "malformed descriptor: %v", err)
 	}
-	d, oob, err := ParseDescriptor(&db)
-	if err == nil && !oob {
+	d, outOfBand, err := ParseDescriptor(&db)
+	if err == nil && !outOfBand {
 		err = errors.New("descriptor without a token")
 	}
 	if err != nil {
@@ -673,7 +674,7 @@ func bytesJob(b []byte, set func([]byte), jobs *[]job) error {
 		// The bytes are allocated only once a session to the owner has room
 		// for them.
 		p := []byte{}
-		dst, _, err := transport.FetchNew(ctx, d, func(n int) (*devicebuf.Buffer, error) {
+		dst, _, err := oob.FetchNew(ctx, d, func(n int) (*devicebuf.Buffer, error) {
 			p = make([]byte, n)
 			return devicebuf.HostFromBytes(p), nil
 		})
@@ -692,20 +693,20 @@ func bytesJob(b []byte, set func([]byte), jobs *[]job) error {
 // as Internal).
 func transferStatus(err error) error {
 	code := codes.Internal
-	var te *transport.TransferError
+	var te *oob.TransferError
 	if errors.As(err, &te) {
 		switch te.Kind {
-		case transport.TransferUnavailable:
+		case oob.TransferUnavailable:
 			code = codes.Unavailable
-		case transport.TransferNotFound:
+		case oob.TransferNotFound:
 			code = codes.NotFound
-		case transport.TransferTimeout:
+		case oob.TransferTimeout:
 			code = codes.DeadlineExceeded
-		case transport.TransferInvalid:
+		case oob.TransferInvalid:
 			code = codes.InvalidArgument
-		case transport.TransferCanceled:
+		case oob.TransferCanceled:
 			code = codes.Canceled
-		case transport.TransferExhausted:
+		case oob.TransferExhausted:
 			code = codes.ResourceExhausted
 		}
 	}

@@ -13,6 +13,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
 	"github.com/gdrpc/gdrpc/dialer"
@@ -24,14 +32,9 @@ import (
 	"github.com/gdrpc/gdrpc/internal/leaktest/oobleak"
 	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
-	"github.com/stretchr/testify/require"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 )
 
 func TestMain(m *testing.M) {
@@ -64,7 +67,7 @@ type pathCounter struct {
 	pushes map[string]int
 }
 
-func (p *pathCounter) Transfer(i transport.TransferInfo) {
+func (p *pathCounter) Transfer(i oob.TransferInfo) {
 	if i.Err != nil {
 		return
 	}
@@ -89,7 +92,7 @@ func (p *pathCounter) takePushes() map[string]int {
 	return m
 }
 
-func (p *pathCounter) Fallback(transport.Path, transport.Path, string) {}
+func (p *pathCounter) Fallback(oob.Path, oob.Path, string) {}
 
 func (p *pathCounter) reset() map[string]int {
 	p.mu.Lock()
@@ -105,17 +108,22 @@ type rig struct {
 	paths  *pathCounter
 }
 
+// processEngine makes a face's sessions use the engine with the process's
+// configuration (oob.SetTransferConfig), which the tests set.
+var processEngine = gdrpc.WithSessionOptions(transport.WithEngine(oob.Engine()))
+
 // newRig starts a TensorService on a gdrpc listener in mode and dials it.
-func newRig(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer) *rig {
+func newRig(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer, opts ...gdrpc.Option) *rig {
 	t.Helper()
 	if mode == transport.ModeUCX {
 		requireUCX(t)
 	}
 	pc := &pathCounter{paths: map[string]int{}}
-	transport.SetTransferConfig(transport.TransferConfig{Metrics: pc, Timeout: 20 * time.Second})
-	t.Cleanup(func() { transport.SetTransferConfig(transport.TransferConfig{}) })
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: pc, Timeout: 20 * time.Second})
+	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
 
-	lis, err := listener.Listen("127.0.0.1:0", transport.WithMode(mode))
+	opts = append([]gdrpc.Option{gdrpc.WithTransport(mode), processEngine}, opts...)
+	lis, err := listener.Listen("127.0.0.1:0", opts...)
 	require.NoError(t, err)
 	gs := grpc.NewServer(listener.ServerOptions(insecure.NewCredentials())...)
 	if srv == nil {
@@ -125,7 +133,7 @@ func newRig(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer)
 	served := make(chan error, 1)
 	go func() { served <- gs.Serve(lis) }()
 
-	d := dialer.New(transport.WithMode(mode))
+	d := dialer.New(opts...)
 	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), d.DialOptions(insecure.NewCredentials())...)
 	require.NoError(t, err)
 	t.Cleanup(func() {
@@ -280,28 +288,32 @@ func TestBytesFieldLookingLikeADescriptor(t *testing.T) {
 func TestFakeGPU(t *testing.T) {
 	devicebuftest.Install(t, 1)
 	// Host pool regions get pinned with the fake driver: give them back before it goes.
-	t.Cleanup(func() { require.NoError(t, transport.CloseHostPools()) })
+	t.Cleanup(func() { require.NoError(t, oob.CloseHostPools()) })
 	gpu, err := devicebuf.NewCUDAAllocator(0)
 	require.NoError(t, err)
 	tests := []struct {
 		name  string
 		mode  transport.Mode
-		paths transport.Path
+		paths oob.Path
 		chunk int  // staging chunk: the stream path's bounce buffers
 		trust bool // TrustPeers: CUDA IPC needs it
 		want  string
 	}{
-		{name: "cuda-ipc", mode: transport.ModeTCP, paths: transport.PathCUDAIPC, chunk: 1 << 20, trust: true, want: "cuda-ipc"},
-		{name: "cuda-ipc-untrusted", mode: transport.ModeTCP, paths: transport.PathCUDAIPC, chunk: 1 << 20, want: "stream"},
-		{name: "staged-ucx", mode: transport.ModeUCX, paths: transport.PathRDMA, chunk: 1 << 20, want: "staged"},
+		{name: "cuda-ipc", mode: transport.ModeTCP, paths: oob.PathCUDAIPC, chunk: 1 << 20, trust: true, want: "cuda-ipc"},
+		{name: "cuda-ipc-untrusted", mode: transport.ModeTCP, paths: oob.PathCUDAIPC, chunk: 1 << 20, want: "stream"},
+		{name: "staged-ucx", mode: transport.ModeUCX, paths: oob.PathRDMA, chunk: 1 << 20, want: "staged"},
 		// Bounce buffers that do not line up with the bulk lane's pieces.
-		{name: "stream", mode: transport.ModeTCP, paths: transport.PathStream, chunk: 300<<10 + 1, want: "stream"},
-		{name: "stream-ucx", mode: transport.ModeUCX, paths: transport.PathStream, chunk: 1 << 20, want: "stream"},
+		{name: "stream", mode: transport.ModeTCP, paths: oob.PathStream, chunk: 300<<10 + 1, want: "stream"},
+		{name: "stream-ucx", mode: transport.ModeUCX, paths: oob.PathStream, chunk: 1 << 20, want: "stream"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			r := newRig(t, tt.mode, &tensor.Server{Alloc: gpu})
-			transport.SetTransferConfig(transport.TransferConfig{Metrics: r.paths, Paths: tt.paths, StagingChunk: tt.chunk, TrustPeers: tt.trust})
+			var trust []gdrpc.Option
+			if tt.trust {
+				trust = append(trust, gdrpc.WithTrustPeers())
+			}
+			r := newRig(t, tt.mode, &tensor.Server{Alloc: gpu}, trust...)
+			oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Paths: tt.paths, StagingChunk: tt.chunk})
 			gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
 			t.Cleanup(func() { gdrcodec.Register() })
 			for _, n := range []int{1, 64 << 10, 5<<20 + 3} {
@@ -340,10 +352,10 @@ func TestUnknownToken(t *testing.T) {
 	require.NoError(t, err)
 	var forged tensorpb.Tensor
 	require.NoError(t, proto.Unmarshal(body, &forged))
-	d, oob, err := gdrcodec.ParseDescriptor(forged.Data)
+	d, outOfBand, err := gdrcodec.ParseDescriptor(forged.Data)
 	require.NoError(t, err)
-	require.True(t, oob)
-	transport.Withdraw(d.Token)
+	require.True(t, outOfBand)
+	oob.Withdraw(d.Token)
 	gdrcodec.ReleaseAll(&forged)
 	gdrcodec.Detach(db).Release()
 

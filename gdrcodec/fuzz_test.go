@@ -3,10 +3,11 @@ package gdrcodec_test
 import (
 	"testing"
 
+	"google.golang.org/protobuf/proto"
+
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
-	"google.golang.org/protobuf/proto"
 )
 
 // FuzzDescriptor feeds arbitrary DeviceBuffer bodies to the descriptor parser:

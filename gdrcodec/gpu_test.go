@@ -12,6 +12,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
@@ -19,11 +24,9 @@ import (
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
-	"github.com/stretchr/testify/require"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 )
 
 // The GPU service test: two processes on one GPU, a TensorService whose
@@ -55,7 +58,7 @@ func gpuServerChild() {
 		os.Exit(2)
 	}
 	paths, _ := strconv.Atoi(os.Getenv(envPaths))
-	transport.SetTransferConfig(transport.TransferConfig{Paths: transport.Path(paths), TrustPeers: os.Getenv(envTrust) != ""})
+	oob.SetTransferConfig(oob.TransferConfig{Paths: oob.Path(paths)})
 	dev, _ := strconv.Atoi(os.Getenv(envGPU))
 	gpu, err := devicebuf.NewCUDAAllocator(dev)
 	if err != nil {
@@ -67,7 +70,11 @@ func gpuServerChild() {
 	} else {
 		gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
 	}
-	lis, err := listener.Listen("127.0.0.1:0", transport.WithMode(transport.Mode(mode)))
+	opts := []gdrpc.Option{gdrpc.WithTransport(transport.Mode(mode)), processEngine}
+	if os.Getenv(envTrust) != "" {
+		opts = append(opts, gdrpc.WithTrustPeers())
+	}
+	lis, err := listener.Listen("127.0.0.1:0", opts...)
 	if err != nil {
 		fail(err)
 	}
@@ -82,7 +89,7 @@ func gpuServerChild() {
 
 // startGPUServer starts the child server on GPU dev (its payloads in host
 // memory with hostMem) and returns its address.
-func startGPUServer(t *testing.T, mode transport.Mode, paths transport.Path, dev int, hostMem, trust bool) string {
+func startGPUServer(t *testing.T, mode transport.Mode, paths oob.Path, dev int, hostMem, trust bool) string {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), envGPUChild+"="+string(mode), fmt.Sprintf("%s=%d", envPaths, paths), fmt.Sprintf("%s=%d", envGPU, dev))
@@ -166,22 +173,22 @@ func testGPUService(t *testing.T, serverGPU, clientGPU int) {
 	tests := []struct {
 		name           string
 		mode           transport.Mode
-		paths          transport.Path
+		paths          oob.Path
 		serverHost     bool // the server's payloads live in host memory
 		clientHost     bool // the client's received payloads land in host memory
 		trust          bool // TrustPeers: owners put through any transport a key names
 		want, wantBack string
 		plain, back    string // without CUDA in UCX
 	}{
-		{name: "cuda-ipc", mode: transport.ModeTCP, paths: transport.PathCUDAIPC, trust: true, want: "cuda-ipc", wantBack: "cuda-ipc", plain: "cuda-ipc", back: "cuda-ipc"},
-		{name: "rdma", mode: transport.ModeUCX, paths: transport.PathRDMA, trust: true, want: "rdma/cuda", wantBack: "rdma/cuda", plain: "staged", back: "staged"},
-		{name: "rdma-gpu-to-host", mode: transport.ModeUCX, paths: transport.PathRDMA, trust: true, clientHost: true, want: "rdma", wantBack: "rdma", plain: "rdma", back: "rdma"},
-		{name: "rdma-host-to-gpu", mode: transport.ModeUCX, paths: transport.PathRDMA, trust: true, serverHost: true, want: "rdma/cuda", wantBack: "rdma/cuda", plain: "staged", back: "staged"},
+		{name: "cuda-ipc", mode: transport.ModeTCP, paths: oob.PathCUDAIPC, trust: true, want: "cuda-ipc", wantBack: "cuda-ipc", plain: "cuda-ipc", back: "cuda-ipc"},
+		{name: "rdma", mode: transport.ModeUCX, paths: oob.PathRDMA, trust: true, want: "rdma/cuda", wantBack: "rdma/cuda", plain: "staged", back: "staged"},
+		{name: "rdma-gpu-to-host", mode: transport.ModeUCX, paths: oob.PathRDMA, trust: true, clientHost: true, want: "rdma", wantBack: "rdma", plain: "rdma", back: "rdma"},
+		{name: "rdma-host-to-gpu", mode: transport.ModeUCX, paths: oob.PathRDMA, trust: true, serverHost: true, want: "rdma/cuda", wantBack: "rdma/cuda", plain: "staged", back: "staged"},
 		// Untrusted peers: a key that names memory the owner would map and
 		// write itself (here UCX's cuda_ipc) sends it to the stream; host
 		// staging registered for the one transfer is reached over tcp.
-		{name: "rdma-untrusted", mode: transport.ModeUCX, paths: transport.PathRDMA, want: "stream", wantBack: "stream", plain: "staged", back: "staged"},
-		{name: "stream", mode: transport.ModeTCP, paths: transport.PathStream, want: "stream", wantBack: "stream", plain: "stream", back: "stream"},
+		{name: "rdma-untrusted", mode: transport.ModeUCX, paths: oob.PathRDMA, want: "stream", wantBack: "stream", plain: "staged", back: "staged"},
+		{name: "stream", mode: transport.ModeTCP, paths: oob.PathStream, want: "stream", wantBack: "stream", plain: "stream", back: "stream"},
 	}
 	for _, tt := range tests {
 		t.Run("path="+tt.name, func(t *testing.T) {
@@ -190,17 +197,21 @@ func testGPUService(t *testing.T, serverGPU, clientGPU int) {
 			}
 			addr := startGPUServer(t, tt.mode, tt.paths, serverGPU, tt.serverHost, tt.trust)
 			pc := &pathCounter{paths: map[string]int{}}
-			transport.SetTransferConfig(transport.TransferConfig{Paths: tt.paths, Metrics: pc, TrustPeers: tt.trust})
+			oob.SetTransferConfig(oob.TransferConfig{Paths: tt.paths, Metrics: pc})
 			if tt.clientHost {
 				gdrcodec.Register()
 			} else {
 				gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
 			}
 			t.Cleanup(func() {
-				transport.SetTransferConfig(transport.TransferConfig{})
+				oob.SetTransferConfig(oob.TransferConfig{})
 				gdrcodec.Register()
 			})
-			d := dialer.New(transport.WithMode(tt.mode))
+			opts := []gdrpc.Option{gdrpc.WithTransport(tt.mode), processEngine}
+			if tt.trust {
+				opts = append(opts, gdrpc.WithTrustPeers())
+			}
+			d := dialer.New(opts...)
 			cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(insecure.NewCredentials())...)
 			require.NoError(t, err)
 			defer cc.Close()

@@ -7,7 +7,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/gdrpc/gdrpc/transport"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -17,6 +16,9 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
+
+	"github.com/gdrpc/gdrpc/oob"
+	"github.com/gdrpc/gdrpc/transport"
 )
 
 // A hold keeps the out-of-band payloads of a call's outgoing messages in the
@@ -24,7 +26,7 @@ import (
 // to another server (retries, hedging), and each replay is pulled again.
 type hold struct {
 	mu     sync.Mutex
-	tokens []transport.Token
+	tokens []oob.Token
 	done   bool
 	// once: the call cannot replay its messages (replayable), so each payload
 	// leaves the outbox after its first completed pull; the call's end
@@ -175,7 +177,7 @@ func holdOf(v any) *hold {
 	return nil
 }
 
-func (h *hold) add(t transport.Token) {
+func (h *hold) add(t oob.Token) {
 	h.mu.Lock()
 	done := h.done
 	if !done {
@@ -183,7 +185,7 @@ func (h *hold) add(t transport.Token) {
 	}
 	h.mu.Unlock()
 	if done {
-		transport.Withdraw(t)
+		oob.Withdraw(t)
 	}
 }
 
@@ -193,7 +195,7 @@ func (h *hold) release() {
 	h.tokens, h.done = nil, true
 	h.mu.Unlock()
 	for _, t := range ts {
-		transport.Withdraw(t)
+		oob.Withdraw(t)
 	}
 }
 

@@ -7,6 +7,9 @@ import (
 	"net/rpc"
 	"testing"
 
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
@@ -14,7 +17,6 @@ import (
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/transport"
-	"github.com/stretchr/testify/require"
 )
 
 // Tensors is a net/rpc service over the example payloads.
@@ -44,7 +46,7 @@ func TestNetRPC(t *testing.T) {
 			}
 			srv := rpc.NewServer()
 			require.NoError(t, srv.Register(Tensors{}))
-			lis, err := listener.Listen("127.0.0.1:0", transport.WithMode(mode))
+			lis, err := listener.Listen("127.0.0.1:0", gdrpc.WithTransport(mode))
 			require.NoError(t, err)
 			done := make(chan struct{})
 			go func() {
@@ -58,7 +60,7 @@ func TestNetRPC(t *testing.T) {
 					go srv.ServeCodec(gdrcodec.NewServerCodec(c))
 				}
 			}()
-			conn, err := dialer.New(transport.WithMode(mode)).DialContext(context.Background(), lis.Addr().String())
+			conn, err := dialer.New(gdrpc.WithTransport(mode)).DialContext(context.Background(), lis.Addr().String())
 			require.NoError(t, err)
 			client := rpc.NewClientWithCodec(gdrcodec.NewClientCodec(conn))
 			defer func() {

@@ -11,6 +11,13 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
@@ -18,11 +25,6 @@ import (
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/transport"
-	"github.com/stretchr/testify/require"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/status"
 )
 
 const envRegisterChild = "GDRPC_TEST_REGISTER_CHILD"
@@ -143,7 +145,7 @@ func registerScenario() error {
 	}
 	awaitCalls(4)
 	// A gdrpc server built before Register, while the calls run.
-	lis, err := listener.Listen("127.0.0.1:0", transport.WithMode(transport.ModeTCP))
+	lis, err := listener.Listen("127.0.0.1:0", gdrpc.WithTransport(transport.ModeTCP))
 	if err != nil {
 		return err
 	}
@@ -161,7 +163,7 @@ func registerScenario() error {
 	}
 	// Lookups after whatever the calls above did, with nothing ordering them.
 	awaitCalls(8)
-	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), dialer.New(transport.WithMode(transport.ModeTCP)).DialOptions(insecure.NewCredentials())...)
+	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), dialer.New(gdrpc.WithTransport(transport.ModeTCP)).DialOptions(insecure.NewCredentials())...)
 	if err != nil {
 		return err
 	}

@@ -8,13 +8,16 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
-	"github.com/stretchr/testify/require"
 )
 
 // Payloads received into GPU memory over CUDA IPC are freed when released: the
@@ -25,8 +28,8 @@ func TestGPUBuffersFreedOnRelease(t *testing.T) {
 	devicebuftest.Install(t, 1)
 	gpu, err := devicebuf.NewCUDAAllocator(0)
 	require.NoError(t, err)
-	r := newRig(t, transport.ModeTCP, &tensor.Server{Alloc: gpu})
-	transport.SetTransferConfig(transport.TransferConfig{Metrics: r.paths, Paths: transport.PathCUDAIPC, TrustPeers: true}) // CUDA IPC only with trusted peers
+	r := newRig(t, transport.ModeTCP, &tensor.Server{Alloc: gpu}, gdrpc.WithTrustPeers()) // CUDA IPC only with trusted peers
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Paths: oob.PathCUDAIPC})
 	gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
 	t.Cleanup(func() { gdrcodec.Register() })
 

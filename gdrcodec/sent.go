@@ -3,8 +3,10 @@ package gdrcodec
 import (
 	"context"
 
-	"github.com/gdrpc/gdrpc/transport"
 	"google.golang.org/grpc"
+
+	"github.com/gdrpc/gdrpc/oob"
+	"github.com/gdrpc/gdrpc/transport"
 )
 
 // Payloads of messages sent without a hold (a server's responses) are bound
@@ -12,13 +14,13 @@ import (
 // session to it remains rather than at the end of their lease. Marshal has
 // no connection; the server's stats handler does, and sees the same message
 // once it was sent (sentOn).
-var sent = newExpiring[[]transport.Token](transport.DefaultLease)
+var sent = newExpiring[[]oob.Token](oob.DefaultLease)
 
 // noteSent remembers the payloads v's marshaling offered until v is reported
 // sent. Entries of messages never reported (a send that failed, a codec used
 // without the server's stats handler) are dropped once their lease is over:
 // the outbox has withdrawn their payloads by then.
-func noteSent(v any, tokens []transport.Token) {
+func noteSent(v any, tokens []oob.Token) {
 	if len(tokens) > 0 {
 		sent.put(v, tokens)
 	}
@@ -32,7 +34,7 @@ func sentOn(ctx context.Context, v any) {
 		return
 	}
 	if s := transport.SessionFromContext(ctx); s != nil {
-		transport.SentToward(s, tokens)
+		oob.SentToward(s, tokens)
 	}
 }
 

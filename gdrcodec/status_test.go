@@ -18,12 +18,14 @@ import (
 	"google.golang.org/grpc/tap"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -47,7 +49,7 @@ func (s *countingServer) Upload(st tensorpb.TensorService_UploadServer) error {
 // extra, and returns the listener's address.
 func serveTensors(t *testing.T, srv tensorpb.TensorServiceServer, extra ...grpc.ServerOption) string {
 	t.Helper()
-	lis, err := listener.Listen("127.0.0.1:0", transport.WithMode(transport.ModeTCP))
+	lis, err := listener.Listen("127.0.0.1:0", gdrpc.WithTransport(transport.ModeTCP), processEngine)
 	require.NoError(t, err)
 	gs := grpc.NewServer(append(listener.ServerOptions(insecure.NewCredentials()), extra...)...)
 	tensorpb.RegisterTensorServiceServer(gs, srv)
@@ -65,7 +67,7 @@ func serveTensors(t *testing.T, srv tensorpb.TensorServiceServer, extra ...grpc.
 // interceptors, no gdrpc credentials, gRPC's own codecs.
 func plainClient(t *testing.T, addr string) *grpc.ClientConn {
 	t.Helper()
-	d := dialer.New(transport.WithMode(transport.ModeTCP))
+	d := dialer.New(gdrpc.WithTransport(transport.ModeTCP), processEngine)
 	cc, err := grpc.NewClient("passthrough:///"+addr,
 		grpc.WithContextDialer(d.DialContext),
 		grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -179,10 +181,10 @@ func TestUserHooksCompose(t *testing.T) {
 	hooks := &userHooks{}
 	addr := serveTensors(t, &tensor.Server{}, grpc.InTapHandle(hooks.tap), grpc.StatsHandler(hooks))
 	pc := &pathCounter{paths: map[string]int{}}
-	transport.SetTransferConfig(transport.TransferConfig{Metrics: pc})
-	t.Cleanup(func() { transport.SetTransferConfig(transport.TransferConfig{}) })
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: pc})
+	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
 
-	d := dialer.New(transport.WithMode(transport.ModeTCP))
+	d := dialer.New(gdrpc.WithTransport(transport.ModeTCP), processEngine)
 	cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(insecure.NewCredentials())...)
 	require.NoError(t, err)
 	defer cc.Close()

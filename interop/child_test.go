@@ -24,12 +24,14 @@ import (
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/peer"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -64,7 +66,7 @@ type childMetrics struct {
 	afterPush string // the value of GDRPC_INTEROP_DIE
 }
 
-func (m childMetrics) Transfer(i transport.TransferInfo) {
+func (m childMetrics) Transfer(i oob.TransferInfo) {
 	if !i.Pull && i.Err == nil {
 		switch m.afterPush {
 		case "after-push":
@@ -121,7 +123,7 @@ func runRole(role string, losses *sessionLosses) int {
 		_, _ = io.Copy(io.Discard, os.Stdin)
 		close(parentGone)
 	}()
-	transport.SetTransferConfig(transport.TransferConfig{Metrics: metrics, Timeout: testTimeout})
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: metrics, Timeout: testTimeout})
 	switch role {
 	case "server":
 		return childServer(opts)
@@ -178,7 +180,7 @@ func childServer(opts []transport.Option) int {
 	if addr == "" {
 		addr = "127.0.0.1:0"
 	}
-	lis, err := listener.Listen(addr, opts...)
+	lis, err := listener.Listen(addr, gdrpc.WithSessionOptions(withEngine(opts)...))
 	if err != nil {
 		fmt.Println("FAIL", err)
 		return 1
@@ -209,7 +211,7 @@ func childClient(role string, opts []transport.Option, paths *pathCounter) int {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
-	d := dialer.New(opts...)
+	d := dialer.New(gdrpc.WithSessionOptions(withEngine(opts)...))
 	cc, err := grpc.NewClient("passthrough:///"+os.Getenv(envAddr), d.DialOptions(nil)...)
 	if err != nil {
 		fmt.Println("FAIL", err)
@@ -307,7 +309,7 @@ func (l *childFatal) take() string {
 func childInterop(opts []transport.Option) int {
 	l := &childFatal{}
 	grpclog.SetLoggerV2(l)
-	d := dialer.New(opts...)
+	d := dialer.New(gdrpc.WithSessionOptions(withEngine(opts)...))
 	cc, err := grpc.NewClient("passthrough:///"+os.Getenv(envAddr), d.DialOptions(nil)...)
 	if err != nil {
 		fmt.Println("FAIL", err)
@@ -344,7 +346,7 @@ func childInterop(opts []transport.Option) int {
 }
 
 func childStream(opts []transport.Option) int {
-	d := dialer.New(opts...)
+	d := dialer.New(gdrpc.WithSessionOptions(withEngine(opts)...))
 	cc, err := grpc.NewClient("passthrough:///"+os.Getenv(envAddr), d.DialOptions(nil)...)
 	if err != nil {
 		fmt.Println("FAIL", err)

@@ -24,11 +24,13 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -183,7 +185,7 @@ var testTLS = sync.OnceValues(func() (*tlsPair, error) {
 
 // server is a gRPC server on a gdrpc listener.
 type server struct {
-	lis  *transport.Listener
+	lis  net.Listener
 	gs   *grpc.Server
 	addr string
 }
@@ -193,7 +195,7 @@ type server struct {
 func startServer(tb testing.TB, opts []transport.Option, creds credentials.TransportCredentials, register func(*grpc.Server), extra ...grpc.ServerOption) *server {
 	tb.Helper()
 	noSessions(tb)
-	lis, err := listener.Listen("127.0.0.1:0", opts...)
+	lis, err := listener.Listen("127.0.0.1:0", gdrpc.WithSessionOptions(withEngine(opts)...))
 	require.NoError(tb, err)
 	sopts := listener.ServerOptions(creds)
 	gs := grpc.NewServer(append(sopts, extra...)...)
@@ -239,7 +241,7 @@ func dialClient(tb testing.TB, addr string, opts []transport.Option, creds crede
 // dial function and credentials, and so gRPC's default (proto) codec.
 func dialClientWith(tb testing.TB, addr string, opts []transport.Option, creds credentials.TransportCredentials, gdr bool, extra ...grpc.DialOption) *grpc.ClientConn {
 	tb.Helper()
-	d := dialer.New(opts...)
+	d := dialer.New(gdrpc.WithSessionOptions(withEngine(opts)...))
 	dopts := d.DialOptions(creds)
 	if !gdr {
 		dopts = []grpc.DialOption{
@@ -356,12 +358,12 @@ func newPathCounter() *pathCounter {
 func countPaths(tb testing.TB) *pathCounter {
 	tb.Helper()
 	pc := newPathCounter()
-	transport.SetTransferConfig(transport.TransferConfig{Metrics: pc, Timeout: testTimeout})
-	tb.Cleanup(func() { transport.SetTransferConfig(transport.TransferConfig{}) })
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: pc, Timeout: testTimeout})
+	tb.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
 	return pc
 }
 
-func (p *pathCounter) Transfer(i transport.TransferInfo) {
+func (p *pathCounter) Transfer(i oob.TransferInfo) {
 	if !i.Pull {
 		return
 	}
@@ -378,7 +380,7 @@ func (p *pathCounter) Transfer(i transport.TransferInfo) {
 	p.paths[i.Path.String()]++
 }
 
-func (p *pathCounter) Fallback(transport.Path, transport.Path, string) {}
+func (p *pathCounter) Fallback(oob.Path, oob.Path, string) {}
 
 // reset returns the pulls counted since the last reset.
 func (p *pathCounter) reset() map[string]int {
@@ -420,4 +422,10 @@ func requirePayload(tb testing.TB, got *tensorpb.Tensor, n int, seed uint32) {
 	require.NoError(tb, err)
 	require.Equal(tb, n, len(p))
 	require.True(tb, bytes.Equal(pattern(n, seed), p), "payload differs from the pattern")
+}
+
+// withEngine puts first in opts the engine with the process's configuration
+// (oob.SetTransferConfig), which the tests set.
+func withEngine(opts []transport.Option) []transport.Option {
+	return append([]transport.Option{transport.WithEngine(oob.Engine())}, opts...)
 }

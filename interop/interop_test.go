@@ -20,6 +20,7 @@ import (
 	testgrpc "google.golang.org/grpc/interop/grpc_testing"
 	"google.golang.org/grpc/peer"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/transport"
@@ -127,7 +128,7 @@ func TestInterop(t *testing.T) {
 			srv := startServer(t, opts, screds, func(s *grpc.Server) {
 				testgrpc.RegisterTestServiceServer(s, grpcinterop.NewTestServer())
 			})
-			rec := &dialRecorder{d: dialer.New(opts...).DialContext}
+			rec := &dialRecorder{d: dialer.New(gdrpc.WithSessionOptions(withEngine(opts)...)).DialContext}
 			cc := dialClient(t, srv.addr, opts, ccreds, grpc.WithContextDialer(rec.DialContext))
 			client := testgrpc.NewTestServiceClient(cc)
 

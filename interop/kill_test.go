@@ -18,10 +18,12 @@ import (
 	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/status"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -75,7 +77,7 @@ func TestPeerKilledMidStream(t *testing.T) {
 			srv := startChild(t, "server", nil, envUCX+"="+tc.ucx)
 			addr := srv.waitLine("ADDR ")
 			before := transport.NumSessions()
-			rec := &dialRecorder{d: dialer.New(opts...).DialContext}
+			rec := &dialRecorder{d: dialer.New(gdrpc.WithSessionOptions(withEngine(opts)...)).DialContext}
 			cc := dialClient(t, addr, opts, nil, grpc.WithContextDialer(rec.DialContext))
 			client := testgrpc.NewTestServiceClient(cc)
 
@@ -274,7 +276,7 @@ func TestOwnerKilledBeforeFIN(t *testing.T) {
 					a.victim <- nil
 				}
 				a.use(t)
-				rec := &dialRecorder{d: dialer.New(opts...).DialContext}
+				rec := &dialRecorder{d: dialer.New(gdrpc.WithSessionOptions(withEngine(opts)...)).DialContext}
 				cc := dialClient(t, addr, opts, nil, grpc.WithContextDialer(rec.DialContext))
 
 				start := time.Now()
@@ -390,13 +392,13 @@ func TestOwnerStallsBeforeFIN(t *testing.T) {
 					var cancel context.CancelFunc
 					ctx, cancel = context.WithTimeout(ctx, limit)
 					defer cancel()
-					transport.SetTransferConfig(transport.TransferConfig{Metrics: paths, Timeout: longTransfer})
+					oob.SetTransferConfig(oob.TransferConfig{Metrics: paths, Timeout: longTransfer})
 				case "call-cancel":
 					wantCode = codes.Canceled
 					var cancel context.CancelFunc
 					ctx, cancel = context.WithCancel(ctx)
 					defer cancel()
-					transport.SetTransferConfig(transport.TransferConfig{Metrics: paths, Timeout: longTransfer})
+					oob.SetTransferConfig(oob.TransferConfig{Metrics: paths, Timeout: longTransfer})
 					cancelled = make(chan time.Time, 1)
 					go func() { // cancel once the owner stalls: the pull is under way
 						for !strings.Contains(srv.out.String(), "STALLING") {
@@ -410,7 +412,7 @@ func TestOwnerStallsBeforeFIN(t *testing.T) {
 						cancel()
 					}()
 				default:
-					transport.SetTransferConfig(transport.TransferConfig{Metrics: paths, Timeout: limit})
+					oob.SetTransferConfig(oob.TransferConfig{Metrics: paths, Timeout: limit})
 				}
 				cc := dialClient(t, addr, opts, nil)
 				start := time.Now()
@@ -446,7 +448,7 @@ func TestReconnectAfterServerRestart(t *testing.T) {
 			paths := countPaths(t)
 			first := startChild(t, "server", nil, envUCX+"="+tc.ucx)
 			addr := first.waitLine("ADDR ")
-			rec := &dialRecorder{d: dialer.New(opts...).DialContext}
+			rec := &dialRecorder{d: dialer.New(gdrpc.WithSessionOptions(withEngine(opts)...)).DialContext}
 			cc := dialClient(t, addr, opts, nil, grpc.WithContextDialer(rec.DialContext))
 			client := tensorpb.NewTensorServiceClient(cc)
 			got, err := client.Make(callCtx(t), &tensorpb.Sized{Size: 1 << 20, Seed: 8})

@@ -14,6 +14,7 @@ import (
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/internal/leaktest"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -76,7 +77,7 @@ func leaks(base int) error {
 	if n := transport.NumSessions(); n != 0 {
 		errs = append(errs, fmt.Errorf("%d sessions still registered", n))
 	}
-	if n := transport.OutboxLen(); n != 0 {
+	if n := oob.OutboxLen(); n != 0 {
 		errs = append(errs, fmt.Errorf("%d outbox entries", n))
 	}
 	if n := gdrcodec.Attached(); n != 0 {

@@ -7,6 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
@@ -29,7 +30,7 @@ func TestConnectionRotation(t *testing.T) {
 			// live session to the owner would be served from the local outbox.
 			srv := startChild(t, "server", nil, envUCX+"="+tc.ucx, envMaxAge+"=200ms")
 			addr := srv.waitLine("ADDR ")
-			rec := &dialRecorder{d: dialer.New(opts...).DialContext}
+			rec := &dialRecorder{d: dialer.New(gdrpc.WithSessionOptions(withEngine(opts)...)).DialContext}
 			cc := dialClient(t, addr, opts, nil, grpc.WithContextDialer(rec.DialContext))
 			client := tensorpb.NewTensorServiceClient(cc)
 			const n = 256 << 10

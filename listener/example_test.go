@@ -7,13 +7,13 @@ import (
 
 	"google.golang.org/grpc"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/listener"
-	"github.com/gdrpc/gdrpc/transport"
 )
 
 // digestServer is the example tensor service with a Digest that also says
@@ -28,8 +28,8 @@ func (s *digestServer) Digest(ctx context.Context, t *tensorpb.Tensor) (*tensorp
 	b, _ := gdrcodec.Buffer(t.GetData())
 	// The session the call came over: TCP here, since ModeAuto moves a
 	// session onto UCX only between peers that trust each other
-	// (transport.TransferConfig.TrustPeers).
-	sess := transport.SessionFromContext(ctx)
+	// (gdrpc.WithTrustPeers on both sides).
+	sess := gdrpc.SessionFromContext(ctx)
 	fmt.Printf("handler: %d bytes in %s memory, session over %s\n", b.Len(), b.Kind(), sess.Transport())
 	return s.Server.Digest(ctx, t)
 }

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/transport"
@@ -21,7 +22,7 @@ import (
 // on one listener, and Serve returns once the listener is closed.
 func TestServe(t *testing.T) {
 	opts := []transport.Option{transport.WithMode(transport.ModeTCP)}
-	l, err := listener.Listen("127.0.0.1:0", opts...)
+	l, err := listener.Listen("127.0.0.1:0", gdrpc.WithSessionOptions(opts...))
 	require.NoError(t, err)
 	srv := grpc.NewServer(listener.ServerOptions(nil)...)
 	defer srv.Stop()
@@ -32,7 +33,7 @@ func TestServe(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	for _, dopts := range [][]grpc.DialOption{
-		dialer.New(opts...).DialOptions(nil),
+		dialer.New(gdrpc.WithSessionOptions(opts...)).DialOptions(nil),
 		{grpc.WithTransportCredentials(insecure.NewCredentials())},
 	} {
 		cc, err := grpc.NewClient("passthrough:///"+l.Addr().String(), dopts...)
@@ -55,6 +56,6 @@ func TestServe(t *testing.T) {
 }
 
 func TestListenBadMode(t *testing.T) {
-	_, err := listener.Listen("127.0.0.1:0", transport.WithMode("rdma-please"))
+	_, err := listener.Listen("127.0.0.1:0", gdrpc.WithTransport("rdma-please"))
 	require.ErrorContains(t, err, "unknown transport mode")
 }

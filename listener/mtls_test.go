@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/transport"
@@ -111,7 +112,7 @@ func TestMutualTLS(t *testing.T) {
 		ClientAuth:   tls.RequireAndVerifyClientCert,
 	})
 	opts := []transport.Option{transport.WithMode(transport.ModeTCP)}
-	l, err := listener.Listen("127.0.0.1:0", opts...)
+	l, err := listener.Listen("127.0.0.1:0", gdrpc.WithSessionOptions(opts...))
 	require.NoError(t, err)
 	srv := grpc.NewServer(listener.ServerOptions(stls)...)
 	defer srv.Stop()
@@ -127,7 +128,7 @@ func TestMutualTLS(t *testing.T) {
 			RootCAs:      pki.pool,
 			ServerName:   "gdrpc.test",
 		})
-		cc, err := grpc.NewClient("passthrough:///"+l.Addr().String(), dialer.New(opts...).DialOptions(ctls)...)
+		cc, err := grpc.NewClient("passthrough:///"+l.Addr().String(), dialer.New(gdrpc.WithSessionOptions(opts...)).DialOptions(ctls)...)
 		require.NoError(t, err)
 		defer cc.Close()
 		var p peer.Peer

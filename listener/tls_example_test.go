@@ -18,9 +18,9 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/peer"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/listener"
-	"github.com/gdrpc/gdrpc/transport"
 )
 
 // tlsHealth answers health checks and says how the caller reached it.
@@ -34,7 +34,7 @@ func (tlsHealth) Check(ctx context.Context, _ *healthpb.HealthCheckRequest) (*he
 	// call's context.
 	p, _ := peer.FromContext(ctx)
 	ti := p.AuthInfo.(credentials.TLSInfo)
-	fmt.Printf("handler: %s, session over %s\n", tls.VersionName(ti.State.Version), transport.SessionFromContext(ctx).Transport())
+	fmt.Printf("handler: %s, session over %s\n", tls.VersionName(ti.State.Version), gdrpc.SessionFromContext(ctx).Transport())
 	return &healthpb.HealthCheckResponse{Status: healthpb.HealthCheckResponse_SERVING}, nil
 }
 
@@ -93,7 +93,7 @@ func ExampleServerOptions_tls() {
 	}
 	ti := p.AuthInfo.(credentials.TLSInfo)
 	fmt.Printf("client: %s, server certificate for %v, session over %s\n",
-		resp.GetStatus(), ti.State.PeerCertificates[0].IPAddresses[0], transport.SessionFromPeer(&p).Transport())
+		resp.GetStatus(), ti.State.PeerCertificates[0].IPAddresses[0], gdrpc.SessionFromPeer(&p).Transport())
 	// Output:
 	// handler: TLS 1.3, session over tcp
 	// client: SERVING, server certificate for 127.0.0.1, session over tcp

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/gdrpc/gdrpc/internal/wire"
 	"github.com/gdrpc/gdrpc/rdma"
 )
 
@@ -174,7 +175,7 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 	}
 	if w.Transport == "ucx" {
 		if rctx == nil {
-			return nil, fmt.Errorf("handshake: %w", malformed("server offered UCX to a client without it"))
+			return nil, fmt.Errorf("handshake: %w", wire.Malformed("server offered UCX to a client without it"))
 		}
 		host := ""
 		if ta, ok := conn.RemoteAddr().(*net.TCPAddr); ok {

@@ -7,7 +7,8 @@
 // net.Listener gRPC runs on,
 // keepalive and dead-peer detection, the process-wide registry of live
 // sessions by peer process id, gRPC transport credentials that expose the
-// session to handlers, and the out-of-band transfer engine built on sessions.
+// session to handlers. The out-of-band transfer engine (package oob) plugs
+// into sessions through Engine (WithEngine).
 //
 // Every session starts on a plain TCP connection. The client sends a
 // versioned handshake (process id, its ed25519 public key, a nonce, host id,
@@ -23,7 +24,7 @@
 //
 // The mode is ModeAuto by default, or set by WithMode or the environment
 // variable GDRPC_TRANSPORT=ucx|tcp. ModeAuto moves onto UCX only when
-// TransferConfig.TrustPeers says the peers are trusted: a UCX connection lets
+// WithTrustPeers says the peers are trusted: a UCX connection lets
 // its peer write anywhere in this process. The chosen transport shows in
 // Session.Transport, in the network of the conns' addresses ("gdrpc+ucx",
 // "gdrpc+tcp") and in debug logs; a handler finds its session from the peer
@@ -31,10 +32,7 @@
 // the inner credentials' own.
 //
 // What this package must never do: call UCX other than through package rdma,
-// touch device memory (package devicebuf owns it), hand the application a
-// destination whose bytes did not provably arrive and that was not cleared,
-// put through a transport that writes wherever a peer's key says unless
-// TrustPeers is set, or keep a session alive past its peer: every wait is
+// touch device memory (package devicebuf owns it), or keep a session alive past its peer: every wait is
 // bounded by a context, a deadline or the session's life, and a peer that
 // stops answering keepalives is dropped.
 package transport

@@ -14,6 +14,7 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/gdrpc/gdrpc/internal/wire"
 	"github.com/gdrpc/gdrpc/rdma"
 )
 
@@ -205,8 +206,6 @@ const (
 	protocolVersion = 4
 	frameHeaderLen  = len(magic) + 2 + 4
 	maxBodyLen      = 64 << 10
-	maxStringLen    = 1 << 10
-	maxListLen      = 64
 	keyLen          = ed25519.PublicKeySize
 	nonceLen        = 32
 	signatureLen    = ed25519.SignatureSize
@@ -247,7 +246,7 @@ var (
 	// ErrVersion reports a protocol version mismatch; the error is a *VersionError.
 	ErrVersion = errors.New("protocol version mismatch")
 	// ErrMalformed reports a handshake message that does not parse.
-	ErrMalformed = errors.New("malformed message")
+	ErrMalformed = wire.ErrMalformed
 	// ErrRejected reports that the peer refused the handshake; the error is a *RejectError.
 	ErrRejected = errors.New("handshake rejected by peer")
 )
@@ -278,10 +277,6 @@ func (e *RejectError) Error() string {
 // true for a version rejection.
 func (e *RejectError) Is(target error) bool {
 	return target == ErrRejected || (target == ErrVersion && e.Code == rejectVersion)
-}
-
-func malformed(format string, args ...any) error {
-	return fmt.Errorf("%w: %s", ErrMalformed, fmt.Sprintf(format, args...))
 }
 
 type (
@@ -325,15 +320,15 @@ func (w *writer) u16(v uint16) { w.b = binary.BigEndian.AppendUint16(w.b, v) }
 func (w *writer) id(v ID)      { w.b = append(w.b, v[:]...) }
 func (w *writer) raw(v []byte) { w.b = append(w.b, v...) }
 func (w *writer) str(s string) {
-	if len(s) > maxStringLen {
-		s = s[:maxStringLen]
+	if len(s) > wire.MaxStringLen {
+		s = s[:wire.MaxStringLen]
 	}
 	w.u16(uint16(len(s)))
 	w.b = append(w.b, s...)
 }
 func (w *writer) list(l []string) {
-	if len(l) > maxListLen {
-		l = l[:maxListLen]
+	if len(l) > wire.MaxListLen {
+		l = l[:wire.MaxListLen]
 	}
 	w.u16(uint16(len(l)))
 	for _, s := range l {
@@ -356,101 +351,36 @@ func (w *writer) caps(c Caps) {
 	w.list(c.Codecs)
 }
 
-// reader parses a body; the first error sticks.
-type reader struct {
-	b   []byte
-	err error
-}
-
-func (r *reader) take(n int, what string) []byte {
-	if r.err != nil {
-		return nil
-	}
-	if len(r.b) < n {
-		r.err = malformed("%s: need %d bytes, have %d", what, n, len(r.b))
-		return nil
-	}
-	v := r.b[:n]
-	r.b = r.b[n:]
-	return v
-}
-
-func (r *reader) u8(what string) uint8 {
-	v := r.take(1, what)
-	if v == nil {
-		return 0
-	}
-	return v[0]
-}
-
-func (r *reader) u16(what string) uint16 {
-	v := r.take(2, what)
-	if v == nil {
-		return 0
-	}
-	return binary.BigEndian.Uint16(v)
-}
+// reader parses a handshake body; the first error sticks.
+type reader struct{ wire.Reader }
 
 func (r *reader) id(what string) ID {
 	var id ID
-	copy(id[:], r.take(16, what))
+	copy(id[:], r.Take(16, what))
 	return id
-}
-
-// raw fills dst with the next len(dst) bytes.
-func (r *reader) raw(dst []byte, what string) {
-	copy(dst, r.take(len(dst), what))
-}
-
-func (r *reader) str(what string) string {
-	n := int(r.u16(what))
-	if r.err == nil && n > maxStringLen {
-		r.err = malformed("%s: string of %d bytes (max %d)", what, n, maxStringLen)
-	}
-	return string(r.take(n, what))
-}
-
-func (r *reader) list(what string) []string {
-	n := int(r.u16(what))
-	if r.err != nil {
-		return nil
-	}
-	if n > maxListLen {
-		r.err = malformed("%s: list of %d items (max %d)", what, n, maxListLen)
-		return nil
-	}
-	var l []string
-	for range n {
-		s := r.str(what)
-		if r.err != nil {
-			return nil
-		}
-		l = append(l, s)
-	}
-	return l
 }
 
 func (r *reader) caps() Caps {
 	var c Caps
-	f := r.u8("caps flags")
-	if r.err == nil && f&^(capUCX|capLanes) != 0 {
-		r.err = malformed("caps flags %#x: unknown bits", f)
+	f := r.U8("caps flags")
+	if r.Err == nil && f&^(capUCX|capLanes) != 0 {
+		r.Err = wire.Malformed("caps flags %#x: unknown bits", f)
 	}
 	c.UCX = f&capUCX != 0
 	c.Lanes = f&capLanes != 0
-	c.UCXVersion = r.str("UCX version")
-	c.MemoryTypes = r.list("memory types")
-	c.UCXTransports = r.list("UCX transports")
-	c.CUDADevices = r.list("CUDA devices")
-	c.Codecs = r.list("codecs")
+	c.UCXVersion = r.Str("UCX version")
+	c.MemoryTypes = r.List("memory types")
+	c.UCXTransports = r.List("UCX transports")
+	c.CUDADevices = r.List("CUDA devices")
+	c.Codecs = r.List("codecs")
 	return c
 }
 
 func (r *reader) end() error {
-	if r.err == nil && len(r.b) != 0 {
-		r.err = malformed("%d trailing bytes", len(r.b))
+	if r.Err == nil && len(r.B) != 0 {
+		r.Err = wire.Malformed("%d trailing bytes", len(r.B))
 	}
-	return r.err
+	return r.Err
 }
 
 func modeCode(m Mode) uint8 {
@@ -561,7 +491,7 @@ func readFrame(r io.Reader, magicRead bool) (uint16, []byte, error) {
 	version := binary.BigEndian.Uint16(hdr[len(magic):])
 	n := binary.BigEndian.Uint32(hdr[len(magic)+2:])
 	if n == 0 || n > maxBodyLen {
-		return version, nil, malformed("body length %d (max %d)", n, maxBodyLen)
+		return version, nil, wire.Malformed("body length %d (max %d)", n, maxBodyLen)
 	}
 	body := make([]byte, n)
 	if _, err := io.ReadFull(r, body); err != nil {
@@ -572,9 +502,9 @@ func readFrame(r io.Reader, magicRead bool) (uint16, []byte, error) {
 
 // parseReject parses a reject body (kind byte included).
 func parseReject(body []byte) error {
-	r := &reader{b: body[1:]}
-	code := r.u8("reject code")
-	msg := r.str("reject message")
+	r := &reader{wire.Reader{B: body[1:]}}
+	code := r.U8("reject code")
+	msg := r.Str("reject message")
 	if err := r.end(); err != nil {
 		return err
 	}
@@ -586,23 +516,23 @@ func parseHello(version uint16, body []byte) (hello, error) {
 	if version != protocolVersion {
 		return hello{}, &VersionError{Local: protocolVersion, Remote: version}
 	}
-	r := &reader{b: body}
-	if k := r.u8("kind"); r.err == nil && k != kindHello {
-		return hello{}, malformed("expected hello (kind %d), got kind %d", kindHello, k)
+	r := &reader{wire.Reader{B: body}}
+	if k := r.U8("kind"); r.Err == nil && k != kindHello {
+		return hello{}, wire.Malformed("expected hello (kind %d), got kind %d", kindHello, k)
 	}
 	var h hello
 	h.ID = r.id("process id")
 	h.HostID = r.id("host id")
-	mc := r.u8("mode")
+	mc := r.U8("mode")
 	h.Caps = r.caps()
-	r.raw(h.Key[:], "public key")
-	r.raw(h.Nonce[:], "nonce")
+	r.Raw(h.Key[:], "public key")
+	r.Raw(h.Nonce[:], "nonce")
 	if err := r.end(); err != nil {
 		return hello{}, err
 	}
 	m, ok := modeFromCode(mc)
 	if !ok {
-		return hello{}, malformed("unknown mode %d", mc)
+		return hello{}, wire.Malformed("unknown mode %d", mc)
 	}
 	h.Mode = m
 	return h, nil
@@ -617,21 +547,21 @@ func parseWelcome(version uint16, body []byte) (welcome, error) {
 	if version != protocolVersion {
 		return welcome{}, &VersionError{Local: protocolVersion, Remote: version}
 	}
-	r := &reader{b: body}
-	if k := r.u8("kind"); r.err == nil && k != kindWelcome {
-		return welcome{}, malformed("expected welcome (kind %d), got kind %d", kindWelcome, k)
+	r := &reader{wire.Reader{B: body}}
+	if k := r.U8("kind"); r.Err == nil && k != kindWelcome {
+		return welcome{}, wire.Malformed("expected welcome (kind %d), got kind %d", kindWelcome, k)
 	}
 	var m welcome
 	m.ID = r.id("process id")
 	m.HostID = r.id("host id")
 	m.Caps = r.caps()
-	tc := r.u8("transport")
-	f := r.u8("flags")
-	m.UCXPort = r.u16("UCX port")
+	tc := r.U8("transport")
+	f := r.U8("flags")
+	m.UCXPort = r.U16("UCX port")
 	m.Token = r.id("token")
-	r.raw(m.Key[:], "public key")
-	r.raw(m.Nonce[:], "nonce")
-	r.raw(m.Signature[:], "signature")
+	r.Raw(m.Key[:], "public key")
+	r.Raw(m.Nonce[:], "nonce")
+	r.Raw(m.Signature[:], "signature")
 	if err := r.end(); err != nil {
 		return welcome{}, err
 	}
@@ -639,15 +569,15 @@ func parseWelcome(version uint16, body []byte) (welcome, error) {
 	case transportCodeUCX:
 		m.Transport = "ucx"
 		if m.UCXPort == 0 {
-			return welcome{}, malformed("UCX offered without a port")
+			return welcome{}, wire.Malformed("UCX offered without a port")
 		}
 	case transportCodeTCP:
 		m.Transport = "tcp"
 	default:
-		return welcome{}, malformed("unknown transport %d", tc)
+		return welcome{}, wire.Malformed("unknown transport %d", tc)
 	}
 	if f&^welcomeFallbackOK != 0 {
-		return welcome{}, malformed("welcome flags %#x: unknown bits", f)
+		return welcome{}, wire.Malformed("welcome flags %#x: unknown bits", f)
 	}
 	m.FallbackOK = f&welcomeFallbackOK != 0
 	return m, nil
@@ -662,12 +592,12 @@ func parseProof(version uint16, body []byte) (proof, error) {
 	if version != protocolVersion {
 		return proof{}, &VersionError{Local: protocolVersion, Remote: version}
 	}
-	r := &reader{b: body}
-	if k := r.u8("kind"); r.err == nil && k != kindProof {
-		return proof{}, malformed("expected proof (kind %d), got kind %d", kindProof, k)
+	r := &reader{wire.Reader{B: body}}
+	if k := r.U8("kind"); r.Err == nil && k != kindProof {
+		return proof{}, wire.Malformed("expected proof (kind %d), got kind %d", kindProof, k)
 	}
 	var p proof
-	r.raw(p.Signature[:], "signature")
+	r.Raw(p.Signature[:], "signature")
 	if err := r.end(); err != nil {
 		return proof{}, err
 	}

@@ -45,18 +45,18 @@ func (s *Session) bulkLane() net.Conn {
 
 // writeLaneFrame writes bufs on the bulk lane as one frame, whole, between
 // the frames of other transfers, by ctx's deadline. An error wrapping
-// errNoTurn means nothing was written (ctx ended, or the session, while
+// ErrNoLaneTurn means nothing was written (ctx ended, or the session, while
 // waiting for the turn); any other error may leave a frame cut short.
 func (s *Session) writeLaneFrame(ctx context.Context, bufs ...[]byte) error {
 	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("%w: %w", errNoTurn, err)
+		return fmt.Errorf("%w: %w", ErrNoLaneTurn, err)
 	}
 	select {
 	case s.bulkTurn <- struct{}{}:
 	case <-ctx.Done():
-		return fmt.Errorf("%w: %w", errNoTurn, ctx.Err())
+		return fmt.Errorf("%w: %w", ErrNoLaneTurn, ctx.Err())
 	case <-s.done:
-		return fmt.Errorf("%w: %w", errNoTurn, s.closedErr())
+		return fmt.Errorf("%w: %w", ErrNoLaneTurn, s.closedErr())
 	}
 	defer func() { <-s.bulkTurn }()
 	c := s.bulk.c
@@ -69,8 +69,6 @@ func (s *Session) writeLaneFrame(ctx context.Context, bufs ...[]byte) error {
 	return err
 }
 
-var errNoTurn = errors.New("no turn on the bulk lane")
-
 // bulkLaneReader runs the bulk lane's reader (set by the out-of-band engine)
 // once the lane is there; a reader that stops on an error ends the session.
 func (s *Session) bulkLaneReader() {
@@ -80,11 +78,7 @@ func (s *Session) bulkLaneReader() {
 	case <-s.done:
 		return
 	}
-	h := bulkLaneHandler
-	if h == nil {
-		return
-	}
-	if err := h(s, s.bulk.c); err != nil {
+	if err := s.handler.Lane(s.bulk.c); err != nil {
 		select {
 		case <-s.done:
 		default:
@@ -92,10 +86,6 @@ func (s *Session) bulkLaneReader() {
 		}
 	}
 }
-
-// bulkLaneHandler reads frames from a session's bulk lane until it fails.
-// Set by the out-of-band engine.
-var bulkLaneHandler func(s *Session, c net.Conn) error
 
 // laneRoles are the roles a lane may have, each opened at most once (a bit
 // each in laneSlot.taken).

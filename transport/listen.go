@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/gdrpc/gdrpc/internal/wire"
 	"github.com/gdrpc/gdrpc/rdma"
 )
 
@@ -465,7 +466,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 			cfg.logger.Info("client could not upgrade to UCX; session stays on TCP", "remote", conn.RemoteAddr().String())
 			cfg.metrics.Fallback("client could not upgrade to UCX")
 		default:
-			return nil, fmt.Errorf("handshake: %w", malformed("unknown decision byte %d", d[0]))
+			return nil, fmt.Errorf("handshake: %w", wire.Malformed("unknown decision byte %d", d[0]))
 		}
 	}
 	if err := ctx.Err(); err != nil {

@@ -217,18 +217,18 @@ func TestModeMismatch(t *testing.T) {
 	require.Equal(t, "tcp", su.Transport())
 
 	// Auto on both ends with UCX, peers trusted: the session upgrades.
-	trustPeers(t)
-	l3, err := transport.Listen("127.0.0.1:0", transport.WithRDMAContext(rc))
+	trust := transport.WithTrustPeers(true)
+	l3, err := transport.Listen("127.0.0.1:0", transport.WithRDMAContext(rc), trust)
 	require.NoError(t, err)
 	defer l3.Close()
-	s, err := transport.Dial(ctx, l3.Addr().String(), transport.WithRDMAContext(rc))
+	s, err := transport.Dial(ctx, l3.Addr().String(), transport.WithRDMAContext(rc), trust)
 	require.NoError(t, err)
 	defer s.Close()
 	require.Equal(t, "ucx", s.Transport())
 
 	// The environment forces TCP when no option says otherwise.
 	t.Setenv(transport.EnvTransport, "tcp")
-	s2, err := transport.Dial(ctx, l3.Addr().String(), transport.WithRDMAContext(rc))
+	s2, err := transport.Dial(ctx, l3.Addr().String(), transport.WithRDMAContext(rc), trust)
 	require.NoError(t, err)
 	defer s2.Close()
 	require.Equal(t, "tcp", s2.Transport())
@@ -242,8 +242,7 @@ func TestModeMismatch(t *testing.T) {
 func TestDefaultsUpgrade(t *testing.T) {
 	requireUCX(t)
 	t.Setenv(transport.EnvTransport, "")
-	trustPeers(t)
-	p := dialPair(t, nil)
+	p := dialPair(t, []transport.Option{transport.WithTrustPeers(true)})
 	require.Equal(t, "ucx", p.client.Transport())
 	require.Equal(t, "ucx", p.server.Transport())
 	require.True(t, p.client.Peer().SameHost)
@@ -256,11 +255,4 @@ func roundTripPair(t *testing.T, p *setup) {
 	t.Helper()
 	go func() { _, _ = io.Copy(p.sc, p.sc) }()
 	roundTrip(t, p.cc, "over the default transport")
-}
-
-// trustPeers sets TransferConfig.TrustPeers for the test.
-func trustPeers(t *testing.T) {
-	t.Helper()
-	transport.SetTransferConfig(transport.TransferConfig{TrustPeers: true})
-	t.Cleanup(func() { transport.SetTransferConfig(transport.TransferConfig{}) })
 }

@@ -31,9 +31,7 @@ func internalUCX(t *testing.T) *rdma.Context {
 // requires UCX the dial fails with a clear error.
 func TestUpgradeFallback(t *testing.T) {
 	rc := internalUCX(t)
-	SetTransferConfig(TransferConfig{TrustPeers: true}) // auto mode upgrades
-	t.Cleanup(func() { SetTransferConfig(TransferConfig{}) })
-	l, err := Listen("127.0.0.1:0", WithRDMAContext(rc))
+	l, err := Listen("127.0.0.1:0", WithRDMAContext(rc), WithTrustPeers(true)) // auto mode upgrades
 	require.NoError(t, err)
 	defer l.Close()
 	require.NotNil(t, l.ucx)
@@ -49,7 +47,7 @@ func TestUpgradeFallback(t *testing.T) {
 		}
 	}()
 	m := &countMetrics{}
-	s, err := Dial(ctx, l.Addr().String(), WithRDMAContext(rc), WithMetrics(m))
+	s, err := Dial(ctx, l.Addr().String(), WithRDMAContext(rc), WithMetrics(m), WithTrustPeers(true))
 	require.NoError(t, err)
 	require.Equal(t, "tcp", s.Transport())
 	m.mu.Lock()
@@ -104,17 +102,6 @@ func TestUpgradeWrongToken(t *testing.T) {
 	if err != nil {
 		require.NotErrorIs(t, err, os.ErrDeadlineExceeded)
 	}
-}
-
-func TestRegisterControlHandlerTwice(t *testing.T) {
-	const typ = 0xE9
-	registerControlHandler(typ, func(*Session, []byte) {})
-	defer func() {
-		controlMu.Lock()
-		delete(controlHandlers, typ)
-		controlMu.Unlock()
-	}()
-	require.Panics(t, func() { registerControlHandler(typ, func(*Session, []byte) {}) })
 }
 
 type countMetrics struct {

@@ -96,7 +96,9 @@ type Session struct {
 	errMu     sync.Mutex
 	err       error
 	wg        sync.WaitGroup // internal goroutines
-	bounds    sessionBounds  // the out-of-band engine's share (oob_limits.go)
+
+	link    *Link   // what the engine holds of the session
+	handler Handler // the engine's side of the session (never nil)
 }
 
 // sessionSetup is what a handshake produced.
@@ -193,6 +195,12 @@ func newSession(st sessionSetup) (*Session, error) {
 		}
 	}
 
+	s.link = &Link{s: s}
+	if e := st.cfg.engine; e != nil {
+		s.handler = e.Attach(s, s.link)
+	} else {
+		s.handler = noHandler{s}
+	}
 	if st.laneSlot != nil {
 		if s.useLane() {
 			s.laneSlot = st.laneSlot
@@ -218,6 +226,9 @@ func newSession(st sessionSetup) (*Session, error) {
 		"local", s.localAddr.String(), "remote", s.remoteAddr.String())
 	return s, nil
 }
+
+// TrustsPeer reports whether the session's peer is trusted (WithTrustPeers).
+func (s *Session) TrustsPeer() bool { return s.cfg.trustPeers }
 
 // ID returns a number that identifies the session in this process's logs.
 func (s *Session) ID() uint64 { return s.id }
@@ -289,7 +300,7 @@ func (s *Session) Close() error {
 	s.closeWith(nil)
 	<-s.muxClosed
 	s.wg.Wait()
-	s.bounds.join()
+	s.handler.Join()
 	return nil
 }
 
@@ -333,9 +344,8 @@ func (s *Session) closeWith(cause error) {
 	default:
 		s.log.Info("session lost", "err", cause)
 	}
-	for _, fn := range onSessionClosed {
-		fn(s)
-	}
+	s.link.end()
+	s.handler.Closed()
 }
 
 // gracefulCloseBound bounds how long closeGracefully waits for the peer.
@@ -352,20 +362,13 @@ func (s *Session) closeGracefully() {
 	default:
 	}
 	go func() {
-		if h := beforeGracefulClose; h != nil {
-			h(s) // bounded: out-of-band transfers still using the session finish
-		}
+		s.handler.Linger() // bounded: out-of-band transfers still using the session finish
 		t := time.AfterFunc(gracefulCloseBound, func() { s.closeWith(nil) })
 		_, _ = s.mux.Ping()
 		t.Stop()
 		s.closeWith(nil)
 	}()
 }
-
-// beforeGracefulClose, if set, runs before a session whose gRPC conn was
-// closed goes away; it returns when the session may close. Set by the
-// out-of-band engine.
-var beforeGracefulClose func(s *Session)
 
 // monitor closes the session when the multiplexer dies (peer closed, I/O
 // error, write timeout) or the UCX endpoint fails.
@@ -458,11 +461,11 @@ func (s *Session) open(ctx context.Context, role byte) (*streamConn, error) {
 }
 
 // acceptLoop takes the streams the peer opens and hands them on by role, on
-// at most maxStreamHandlers goroutines at once; while they are busy, further
+// at most MaxStreamHandlers goroutines at once; while they are busy, further
 // streams wait in the multiplexer's backlog, and past it are reset.
 func (s *Session) acceptLoop() {
 	defer s.wg.Done()
-	slots := make(chan struct{}, maxStreamHandlers)
+	slots := make(chan struct{}, MaxStreamHandlers)
 	for {
 		st, err := s.mux.AcceptStream()
 		if err != nil {
@@ -515,12 +518,7 @@ func (s *Session) serveStream(st *yamux.Stream) {
 			return
 		}
 	case roleBulk:
-		h := bulkHandler
-		if h == nil {
-			_ = c.Close()
-			return
-		}
-		h(s, c) // on this goroutine, which Close joins
+		s.handler.Bulk(c) // on this goroutine, which Close joins
 	default:
 		s.log.Warn("stream with unknown role; closing it", "role", role[0])
 		_ = st.Close()
@@ -560,45 +558,6 @@ func (s *Session) Conn(ctx context.Context) (net.Conn, error) {
 	}
 }
 
-// OpenBulk opens a new bulk stream to the peer, whose bulk handler gets the
-// other end.
-func (s *Session) OpenBulk(ctx context.Context) (net.Conn, error) {
-	return s.open(ctx, roleBulk)
-}
-
-// bulkHandler is called with each bulk stream the peer opens, on the
-// session's goroutine that accepted it (Close joins it); it must return once
-// the session is done. If nil, bulk streams are closed at once. Set by the
-// out-of-band engine.
-var bulkHandler func(s *Session, c net.Conn)
-
-// onSessionClosed functions run once when a session closes, after it left
-// the registry and Done was closed, on the goroutine that closed it (which may
-// be one of the session's own: they must not call Close, which waits for
-// those). Appended to by the out-of-band engine's init.
-var onSessionClosed []func(s *Session)
-
-// Control messages.
-
-var (
-	controlMu       sync.RWMutex
-	controlHandlers = map[byte]func(s *Session, payload []byte){}
-)
-
-// registerControlHandler sets the function that handles control messages of
-// type typ. Each message is handled on a goroutine of its own, with a payload
-// the handler owns; at most maxControlHandlers run at once per session, and
-// Close joins them. A handler must return once the session is done. It panics
-// if typ already has a handler.
-func registerControlHandler(typ byte, fn func(s *Session, payload []byte)) {
-	controlMu.Lock()
-	defer controlMu.Unlock()
-	if _, ok := controlHandlers[typ]; ok {
-		panic(fmt.Sprintf("gdrpc: control handler %d registered twice", typ))
-	}
-	controlHandlers[typ] = fn
-}
-
 // onceConn is a conn a session gets once (its control stream, its bulk
 // lane); ready is closed when it is there.
 type onceConn struct {
@@ -632,12 +591,12 @@ func (s *Session) controlReader() {
 	}
 }
 
-// SendControl sends one control message: [type u8][length u32 BE][payload] on
+// sendControl sends one control message: [type u8][length u32 BE][payload] on
 // the control stream. Writers are serialised; a message is never interleaved
 // with another. ctx bounds the wait for the stream and for the turn to write;
 // once a message starts going out it is sent whole (bounded by the session's
 // life and the keepalive).
-func (s *Session) SendControl(ctx context.Context, typ byte, payload []byte) error {
+func (s *Session) sendControl(ctx context.Context, typ byte, payload []byte) error {
 	if len(payload) > MaxControlPayload {
 		return fmt.Errorf("gdrpc: control payload of %d bytes (max %d)", len(payload), MaxControlPayload)
 	}
@@ -675,7 +634,7 @@ func (s *Session) SendControl(ctx context.Context, typ byte, payload []byte) err
 // readControl reads control messages until the stream ends; a malformed frame
 // closes the session.
 func (s *Session) readControl(c net.Conn) {
-	slots := make(chan struct{}, maxControlHandlers)
+	slots := make(chan struct{}, MaxControlHandlers)
 	var hdr [controlHeaderLen]byte
 	for {
 		if _, err := io.ReadFull(c, hdr[:]); err != nil {
@@ -701,13 +660,7 @@ func (s *Session) readControl(c net.Conn) {
 			return
 		}
 		s.traffic.Add(1)
-		controlMu.RLock()
-		fn := controlHandlers[hdr[0]]
-		controlMu.RUnlock()
-		if fn == nil {
-			s.log.Debug("control message of unknown type dropped", "type", hdr[0], "len", n)
-			continue
-		}
+		typ := hdr[0]
 		select {
 		case slots <- struct{}{}:
 		case <-s.done:
@@ -717,7 +670,17 @@ func (s *Session) readControl(c net.Conn) {
 		go func() {
 			defer s.wg.Done()
 			defer func() { <-slots }()
-			fn(s, payload)
+			s.handler.Control(typ, payload)
 		}()
 	}
 }
+
+// MaxControlHandlers bounds the control messages one session has handled at
+// once; the control reader waits for a free slot. Handlers return quickly (an
+// RTR is only queued), so the bound is reached only by a peer flooding.
+const MaxControlHandlers = 64
+
+// MaxStreamHandlers bounds the streams of one session being served at once
+// (a bulk stream is served until its transfer ends). An honest owner opens at
+// most one per push it runs.
+const MaxStreamHandlers = 256

@@ -82,7 +82,7 @@ func TestIdleTimeoutSparesUsedSessions(t *testing.T) {
 		checks := make(chan bool, 1)
 		// Before each look the session sends a message, as a peer busy
 		// with transfers would.
-		send := func(s *Session, _ bool) { _ = s.SendControl(ctx, testCtlNone, []byte("busy")) }
+		send := func(s *Session, _ bool) { _ = s.link.SendControl(ctx, testCtlNone, []byte("busy")) }
 		c, _ := pipePairWith(t, []Option{WithIdleTimeout(idle), idleChecks(checks, send)}, []Option{WithIdleTimeout(-1)})
 		for range looks {
 			select {
@@ -102,7 +102,7 @@ func TestIdleTimeoutSparesUsedSessions(t *testing.T) {
 		// nothing but the stream does.
 		sendUntilBusy := func(s *Session, busy bool) {
 			if !busy {
-				_ = s.SendControl(ctx, testCtlNone, []byte("busy"))
+				_ = s.link.SendControl(ctx, testCtlNone, []byte("busy"))
 			}
 		}
 		c, s := pipePairWith(t, []Option{WithIdleTimeout(idle), idleChecks(checks, sendUntilBusy)}, []Option{WithIdleTimeout(-1)})

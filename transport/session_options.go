@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/rdma"
 )
 
@@ -15,7 +16,7 @@ type Mode string
 
 const (
 	// ModeAuto uses UCX when both ends have it and this process trusts its
-	// peers (TransferConfig.TrustPeers), and TCP otherwise. UCX assumes
+	// peers (WithTrustPeers), and TCP otherwise. UCX assumes
 	// trusted peers: its TCP transport writes wherever a peer's put says and
 	// every context with RMA serves emulated puts and gets at any address, so
 	// a peer that drives UCX itself reaches the whole process. Over TCP a
@@ -64,6 +65,8 @@ type config struct {
 	window           uint32
 	metrics          SessionMetrics
 	noLane           bool
+	engine           Engine
+	trustPeers       bool
 }
 
 // SessionMetrics receives session events. Implementations must be cheap and
@@ -183,7 +186,7 @@ func newConfig(opts []Option) (*config, error) {
 	default:
 		return nil, fmt.Errorf("gdrpc: unknown transport mode %q (want auto, ucx or tcp)", c.mode)
 	}
-	if c.mode == ModeAuto && !cfg().TrustPeers {
+	if c.mode == ModeAuto && !c.trustPeers {
 		// A UCX connection lets its peer write anywhere in this process (see
 		// ModeAuto): untrusted peers get TCP sessions.
 		c.mode = ModeTCP
@@ -220,14 +223,14 @@ func newConfig(opts []Option) (*config, error) {
 // rdmaContext returns the configured UCX context, or rdma.Default().
 func (c *config) rdmaContext() (*rdma.Context, error) {
 	if c.rdmaCtx != nil {
-		useCUDA(c.rdmaCtx)
+		useCUDA(c.rdmaCtx, c.logger)
 		return c.rdmaCtx, nil
 	}
 	if err := rdma.Available(); err != nil {
 		return nil, err
 	}
 	rc, err := rdma.Default()
-	useCUDA(rc)
+	useCUDA(rc, c.logger)
 	return rc, err
 }
 
@@ -257,4 +260,39 @@ func (c *config) noteNoUCX(log *slog.Logger, err error) {
 		}
 		log.Info("gdrpc: UCX cannot be used in this process; sessions run over TCP", "err", err)
 	})
+}
+
+// WithEngine sets the engine that serves the sessions' out-of-band traffic
+// (package oob's oob.Engine). Without one, a session carries the gRPC stream
+// alone.
+func WithEngine(e Engine) Option {
+	return func(c *config) { c.engine = e }
+}
+
+// WithTrustPeers says whether the peers of these sessions are trusted (one
+// cluster, one operator). Trusted peers get UCX sessions in ModeAuto, and the
+// out-of-band engine lets them write wherever their keys say (UCX shared
+// memory, CMA, CUDA IPC). Untrusted peers (the default) get TCP sessions in
+// ModeAuto, and each destination is registered for its transfer alone. Either
+// way a UCX session exposes more of a process to its peer than its transfers'
+// memory: see the README's Security section.
+func WithTrustPeers(on bool) Option {
+	return func(c *config) { c.trustPeers = on }
+}
+
+// useCUDA lets rc register and move CUDA memory where both the loaded UCX and
+// the CUDA driver can: UCX calls that may touch CUDA memory then run with a
+// CUDA context current on the calling thread. Elsewhere rc keeps refusing CUDA
+// memory, and GPU payloads take another path (cuda-ipc, staged, stream).
+func useCUDA(rc *rdma.Context, log *slog.Logger) {
+	if rc == nil || rc.CanMap(rdma.MemoryCUDA) || !rc.Info().HasMemoryType(rdma.MemoryCUDA) {
+		return
+	}
+	t, err := devicebuf.CUDAThreadContexts()
+	if err != nil {
+		return
+	}
+	if err := rc.UseCUDA(t, 0); err != nil {
+		log.Warn("UCX supports CUDA memory but cannot use this process's CUDA contexts", "err", err)
+	}
 }

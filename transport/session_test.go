@@ -8,7 +8,9 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"runtime"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -32,14 +34,19 @@ var testControl = struct {
 // receives the payloads of testCtlEcho messages arriving on s.
 func controlInbox(s *Session) chan []byte {
 	testControl.once.Do(func() {
-		registerControlHandler(testCtlEcho, func(s *Session, p []byte) {
+		testHooks.mu.Lock()
+		testHooks.control = func(s *Session, typ byte, p []byte) {
+			if typ != testCtlEcho {
+				return
+			}
 			testControl.mu.Lock()
 			ch := testControl.ch[s]
 			testControl.mu.Unlock()
 			if ch != nil {
 				ch <- p
 			}
-		})
+		}
+		testHooks.mu.Unlock()
 	})
 	ch := make(chan []byte, 1024)
 	testControl.mu.Lock()
@@ -63,11 +70,11 @@ func pipePairWith(t *testing.T, clientOpts, serverOpts []Option) (client, server
 	ch := make(chan *Session, 1)
 	errCh := make(chan error, 1)
 	go func() {
-		s, err := NewServerSession(ctx, c2, append([]Option{WithIdentity(NewIdentity())}, serverOpts...)...)
+		s, err := NewServerSession(ctx, c2, append([]Option{WithIdentity(NewIdentity()), WithEngine(testEngine{})}, serverOpts...)...)
 		ch <- s
 		errCh <- err
 	}()
-	client, err := NewClientSession(ctx, c1, append([]Option{WithIdentity(NewIdentity())}, clientOpts...)...)
+	client, err := NewClientSession(ctx, c1, append([]Option{WithIdentity(NewIdentity()), WithEngine(testEngine{})}, clientOpts...)...)
 	server = <-ch
 	require.NoError(t, <-errCh)
 	require.NoError(t, err)
@@ -97,17 +104,17 @@ func TestControlMessages(t *testing.T) {
 
 	for _, n := range []int{0, 1, 1000, MaxControlPayload} {
 		p := bytes.Repeat([]byte{byte(n)}, n)
-		require.NoError(t, c.SendControl(ctx, testCtlEcho, p))
+		require.NoError(t, c.link.SendControl(ctx, testCtlEcho, p))
 		require.Equal(t, p, recvPayload(t, sin))
-		require.NoError(t, s.SendControl(ctx, testCtlEcho, p))
+		require.NoError(t, s.link.SendControl(ctx, testCtlEcho, p))
 		require.Equal(t, p, recvPayload(t, cin))
 	}
-	err := c.SendControl(ctx, testCtlEcho, make([]byte, MaxControlPayload+1))
+	err := c.link.SendControl(ctx, testCtlEcho, make([]byte, MaxControlPayload+1))
 	require.ErrorContains(t, err, "max")
 
 	// A message of a type without handler is dropped; the stream goes on.
-	require.NoError(t, c.SendControl(ctx, testCtlNone, []byte("nobody")))
-	require.NoError(t, c.SendControl(ctx, testCtlEcho, []byte("after")))
+	require.NoError(t, c.link.SendControl(ctx, testCtlNone, []byte("nobody")))
+	require.NoError(t, c.link.SendControl(ctx, testCtlEcho, []byte("after")))
 	require.Equal(t, "after", string(recvPayload(t, sin)))
 
 	// Concurrent writers never interleave: every payload arrives whole.
@@ -121,7 +128,7 @@ func TestControlMessages(t *testing.T) {
 				body := bytes.Repeat([]byte{byte(w)}, 100+w*1000+i)
 				sum := sha256.Sum256(body)
 				p := append(sum[:], body...)
-				if err := c.SendControl(ctx, testCtlEcho, p); err != nil {
+				if err := c.link.SendControl(ctx, testCtlEcho, p); err != nil {
 					t.Error(err)
 					return
 				}
@@ -142,9 +149,9 @@ func TestControlMessages(t *testing.T) {
 	// ctx and session life bound SendControl.
 	cctx, ccancel := context.WithCancel(context.Background())
 	ccancel()
-	require.ErrorIs(t, c.SendControl(cctx, testCtlEcho, nil), context.Canceled)
+	require.ErrorIs(t, c.link.SendControl(cctx, testCtlEcho, nil), context.Canceled)
 	require.NoError(t, c.Close())
-	require.ErrorIs(t, c.SendControl(ctx, testCtlEcho, nil), net.ErrClosed)
+	require.ErrorIs(t, c.link.SendControl(ctx, testCtlEcho, nil), net.ErrClosed)
 }
 
 // TestControlFrameTooLarge: a peer announcing a control message above the
@@ -163,20 +170,18 @@ func TestControlFrameTooLarge(t *testing.T) {
 }
 
 func TestBulkStreams(t *testing.T) {
-	old := bulkHandler
-	t.Cleanup(func() { bulkHandler = old })
 	var handled sync.WaitGroup
-	bulkHandler = func(s *Session, c net.Conn) { // echo
+	setHook(t, &testHooks.bulk, func(s *Session, c net.Conn) { // echo
 		defer handled.Done()
 		defer c.Close()
 		_, _ = io.Copy(c, c)
-	}
+	})
 	c, s := pipePair(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	for _, from := range []*Session{c, s, c} {
 		handled.Add(1)
-		b, err := from.OpenBulk(ctx)
+		b, err := from.link.OpenBulk(ctx)
 		require.NoError(t, err)
 		want := bytes.Repeat([]byte("bulk"), 100000)
 		go func() {
@@ -191,8 +196,8 @@ func TestBulkStreams(t *testing.T) {
 	handled.Wait()
 
 	// Without a handler the peer closes bulk streams at once.
-	bulkHandler = nil
-	b, err := c.OpenBulk(ctx)
+	setHook(t, &testHooks.bulk, nil)
+	b, err := c.link.OpenBulk(ctx)
 	require.NoError(t, err)
 	require.NoError(t, b.SetReadDeadline(time.Now().Add(10*time.Second)))
 	_, err = b.Read(make([]byte, 1))
@@ -203,9 +208,7 @@ func TestBulkStreams(t *testing.T) {
 func TestRegistryAndCloseHook(t *testing.T) {
 	var mu sync.Mutex
 	var closed []*Session
-	hooks := onSessionClosed
-	t.Cleanup(func() { onSessionClosed = hooks })
-	onSessionClosed = append(onSessionClosed[:len(onSessionClosed):len(onSessionClosed)], func(s *Session) {
+	setHook(t, &testHooks.closed, func(s *Session) {
 		select {
 		case <-s.Done():
 		default:
@@ -261,4 +264,59 @@ func TestConnOnce(t *testing.T) {
 	defer scancel()
 	_, err = s.Conn(sctx)
 	require.ErrorIs(t, err, context.DeadlineExceeded)
+}
+
+// A peer that opens streams and leaves them hanging holds a bounded number of
+// goroutines: further streams wait in the multiplexer's backlog.
+func TestStreamFlood(t *testing.T) {
+	const flood = MaxStreamHandlers + 200 // within the backlog beyond the handlers
+	release := make(chan struct{})
+	defer close(release)
+	streams := make(chan struct{}, flood)
+	var victim atomic.Pointer[Session]
+	setHook(t, &testHooks.bulk, func(s *Session, c net.Conn) {
+		defer c.Close()
+		if s != victim.Load() {
+			return
+		}
+		streams <- struct{}{}
+		select {
+		case <-release:
+		case <-s.Done():
+		}
+	})
+	attacker, v := pipePair(t)
+	victim.Store(v)
+	mark := controlInbox(v)
+	before := runtime.NumGoroutine()
+
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for range flood {
+		st, err := attacker.mux.OpenStream()
+		require.NoError(t, err)
+		_, err = st.Write([]byte{roleBulk})
+		require.NoError(t, err)
+	}
+	require.NoError(t, attacker.link.SendControl(ctx, testCtlEcho, []byte("mark")))
+	recvPayload(t, mark) // the control reader saw every stream opened before it
+	for range MaxStreamHandlers {
+		select {
+		case <-streams:
+		case <-ctx.Done():
+			t.Fatal("a stream was not served")
+		}
+	}
+	select {
+	case <-streams:
+		t.Fatalf("more than %d streams served at once", MaxStreamHandlers)
+	case <-time.After(100 * time.Millisecond): // one more would come at once
+	}
+	// The attacker's own end waits for the streams left in the backlog to be
+	// accepted, a goroutine each: those are not the victim's.
+	buf := make([]byte, 16<<20)
+	waiting := bytes.Count(buf[:runtime.Stack(buf, true)], []byte("yamux.(*Session).setOpenTimeout("))
+	g := runtime.NumGoroutine() - waiting - before
+	t.Logf("%d goroutines more during the flood, and %d of the attacker's waiting opens", g, waiting)
+	require.Less(t, g, MaxStreamHandlers+MaxControlHandlers, "goroutines during a flood of %d streams", flood)
 }

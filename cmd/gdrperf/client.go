@@ -22,35 +22,38 @@ import (
 	"google.golang.org/grpc/peer"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
 // collector is the transport metrics hook: it keeps the transfers and
 // fallbacks since it was last taken.
 type collector struct {
+	gdrpc.NopMetrics
 	mu        sync.Mutex
-	events    []transport.TransferInfo
+	events    []oob.TransferInfo
 	fallbacks []string
 }
 
-func (c *collector) Transfer(i transport.TransferInfo) {
+func (c *collector) Transfer(i gdrpc.TransferInfo) {
 	c.mu.Lock()
 	c.events = append(c.events, i)
 	c.mu.Unlock()
 }
 
-func (c *collector) Fallback(wanted, took transport.Path, reason string) {
+func (c *collector) TransferFallback(wanted, took gdrpc.Path, reason string) {
 	c.mu.Lock()
 	c.fallbacks = append(c.fallbacks, fmt.Sprintf("%s -> %s: %s", wanted, took, reason))
 	c.mu.Unlock()
 }
 
-func (c *collector) take() ([]transport.TransferInfo, []string) {
+func (c *collector) take() ([]oob.TransferInfo, []string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	e, f := c.events, c.fallbacks
@@ -138,8 +141,7 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 	}
 	defer unregister() // after the connections close (deferred below)
 	m := &collector{}
-	transport.SetTransferConfig(o.transferConfig(m))
-	defer transport.SetTransferConfig(transport.TransferConfig{})
+	o.metrics = m
 
 	b := &bench{o: o, metrics: m, alloc: alloc, cuda: cuda, logf: logf}
 	if o.connect == "" {
@@ -211,7 +213,7 @@ var limits = grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMsg), grpc.M
 // dialGDRPC makes the gdrpc client: the gdrpc dialer in o's transport mode
 // and the gdr codec's options.
 func dialGDRPC(o *options, addr string) (*grpc.ClientConn, error) {
-	d := dialer.New(transport.WithMode(transport.Mode(o.transport)))
+	d := dialer.New(o.faceOptions()...)
 	opts := d.DialOptions(insecure.NewCredentials())
 	return grpc.NewClient("passthrough:///"+addr, append(opts, limits)...)
 }
@@ -365,7 +367,7 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 		return nil, err
 	}
 	// The warm-up's transfers are not counted; every fallback is reported.
-	take := func() []transport.TransferInfo {
+	take := func() []oob.TransferInfo {
 		events, fallbacks := b.metrics.take()
 		for _, f := range fallbacks {
 			if !slices.Contains(r.Fallbacks, f) {

@@ -18,10 +18,11 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/rdma"
-	"github.com/gdrpc/gdrpc/transport"
 )
 
 // options are gdrperf's flags.
@@ -29,12 +30,13 @@ type options struct {
 	sizes     []int
 	iters     int
 	warmup    int
-	inflight  int    // calls in flight at once in the measured phase
-	transport string // auto, ucx, tcp
-	mem       string // host, cuda: where the sender's payload lives
-	recv      string // host, cuda: where the receiver's payload lands ("" at parse: as mem)
-	op        string // pull, push
-	format    string // table, json
+	inflight  int           // calls in flight at once in the measured phase
+	transport string        // auto, ucx, tcp
+	metrics   gdrpc.Metrics // transfer events of the client's dialer (nil: none)
+	mem       string        // host, cuda: where the sender's payload lives
+	recv      string        // host, cuda: where the receiver's payload lands ("" at parse: as mem)
+	op        string        // pull, push
+	format    string        // table, json
 	device    int
 	srvDevice int    // the server's CUDA ordinal (-server-device; -1 at parse: as device)
 	server    string // run only the server, listening here
@@ -42,7 +44,7 @@ type options struct {
 	perftest  string // ucx_perftest binary; "" looks it up, "none" skips
 	paths     string // the -paths flag, as given (passed to the child)
 	trust     bool   // the -trust-peers flag (passed to the child)
-	pathMask  transport.Path
+	pathMask  oob.Path
 	callLimit time.Duration
 	verbose   bool
 	baselines bool // measure the baselines too (off: gdrpc alone, for profiling)
@@ -142,17 +144,17 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 // parsePaths reads -paths: "all" (or "") allows every path (the mask is
 // zero: the transport's default); else the named paths, the stream path
 // always among them.
-func parsePaths(s string) (transport.Path, error) {
+func parsePaths(s string) (oob.Path, error) {
 	if s == "" || s == "all" {
 		return 0, nil
 	}
-	mask := transport.PathStream
+	mask := oob.PathStream
 	for f := range strings.SplitSeq(s, ",") {
 		switch strings.TrimSpace(f) {
 		case "cuda-ipc":
-			mask |= transport.PathCUDAIPC
+			mask |= oob.PathCUDAIPC
 		case "rdma":
-			mask |= transport.PathRDMA
+			mask |= oob.PathRDMA
 		case "stream":
 		default:
 			return 0, fmt.Errorf("-paths %q: want all, or a comma list of cuda-ipc, rdma, stream", s)
@@ -171,8 +173,16 @@ func (o *options) perftestMem() string {
 	return o.mem + "," + o.recv
 }
 
-func (o *options) transferConfig(m transport.Metrics) transport.TransferConfig {
-	return transport.TransferConfig{Metrics: m, Timeout: o.callLimit, Paths: o.pathMask, TrustPeers: o.trust}
+// faceOptions returns the options of the dialer or listener of this run.
+func (o *options) faceOptions() []gdrpc.Option {
+	opts := []gdrpc.Option{gdrpc.WithTransport(gdrpc.Mode(o.transport)), gdrpc.WithTransferTimeout(o.callLimit), gdrpc.WithPaths(o.pathMask)}
+	if o.trust {
+		opts = append(opts, gdrpc.WithTrustPeers())
+	}
+	if o.metrics != nil {
+		opts = append(opts, gdrpc.WithMetrics(o.metrics))
+	}
+	return opts
 }
 
 // allocators returns where this process's payloads live and, when -mem or
@@ -195,10 +205,10 @@ func (o *options) allocators() (payload, cuda devicebuf.Allocator, err error) {
 func (o *options) hostAllocator() (devicebuf.Allocator, error) {
 	if o.transport != "tcp" && rdma.Available() == nil {
 		if rc, err := rdma.Default(); err == nil {
-			return transport.HostPool(rc), nil
+			return oob.HostPool(rc), nil
 		}
 	}
-	return transport.HostPool(nil), nil
+	return oob.HostPool(nil), nil
 }
 
 // registerCodec registers the gdr codec. With -recv cuda received payloads

@@ -21,8 +21,8 @@ import (
 	"github.com/gdrpc/gdrpc/internal/leaktest"
 	"github.com/gdrpc/gdrpc/internal/leaktest/oobleak"
 	"github.com/gdrpc/gdrpc/internal/testenv"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/rdma"
-	"github.com/gdrpc/gdrpc/transport"
 )
 
 func TestMain(m *testing.M) {
@@ -69,10 +69,10 @@ func gdrperf(t *testing.T, args ...string) []result {
 
 // poolsInUse counts the buffers handed out by the host pools the tool uses.
 func poolsInUse() [2]int {
-	n := [2]int{transport.HostPool(nil).Stats().InUse}
+	n := [2]int{oob.HostPool(nil).Stats().InUse}
 	if rdma.Available() == nil {
 		if rc, err := rdma.Default(); err == nil {
-			n[1] = transport.HostPool(rc).Stats().InUse
+			n[1] = oob.HostPool(rc).Stats().InUse
 		}
 	}
 	return n
@@ -276,7 +276,7 @@ func TestFlags(t *testing.T) {
 	require.Zero(t, o.pathMask, "every path")
 	o, err = parseFlags([]string{"-paths", "rdma"}, &bytes.Buffer{})
 	require.NoError(t, err)
-	require.Equal(t, transport.PathRDMA|transport.PathStream, o.pathMask)
+	require.Equal(t, oob.PathRDMA|oob.PathStream, o.pathMask)
 	o, err = parseFlags([]string{"-mem", "cuda"}, &bytes.Buffer{})
 	require.NoError(t, err)
 	require.Equal(t, "cuda", o.recv)

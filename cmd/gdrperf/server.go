@@ -21,7 +21,6 @@ import (
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/listener"
-	"github.com/gdrpc/gdrpc/transport"
 )
 
 // verifyHeader asks the server to checksum what it received.
@@ -256,8 +255,6 @@ func serve(ctx context.Context, o *options, ready func(readyInfo), logf func(str
 		return err
 	}
 	defer unregister()
-	transport.SetTransferConfig(o.transferConfig(nil))
-	defer transport.SetTransferConfig(transport.TransferConfig{})
 	p := newPayloads(alloc, cuda)
 	defer p.Close()
 
@@ -276,7 +273,7 @@ func serve(ctx context.Context, o *options, ready func(readyInfo), logf func(str
 		return net.JoinHostPort(host, strconv.Itoa(port+n))
 	}
 
-	lis, err := listener.Listen(o.server, transport.WithMode(transport.Mode(o.transport)))
+	lis, err := listener.Listen(o.server, o.faceOptions()...)
 	if err != nil {
 		return fmt.Errorf("gdrpc listener: %w", err)
 	}

@@ -32,14 +32,13 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/peer"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/listener"
-	"github.com/gdrpc/gdrpc/rdma"
-	"github.com/gdrpc/gdrpc/transport"
 )
 
 // listeningOn starts the line on which the server announces its address (its
@@ -85,7 +84,7 @@ func (s *server) Make(_ context.Context, r *tensorpb.Sized) (*tensorpb.Tensor, e
 
 // serve listens on a free port, prints it, and serves until stdin closes.
 func serve() {
-	payload, err := hostMemory().Alloc(size)
+	payload, err := gdrpc.HostMemory().Alloc(size)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -94,9 +93,8 @@ func serve() {
 	tensor.Fill(p, seed)
 
 	// Both ends are this program on this host: they trust each other, so the
-	// session may move onto UCX (transport.ModeAuto).
-	transport.SetTransferConfig(transport.TransferConfig{TrustPeers: true})
-	lis, err := listener.Listen("127.0.0.1:0")
+	// session may move onto UCX (gdrpc.ModeAuto).
+	lis, err := listener.Listen("127.0.0.1:0", gdrpc.WithTrustPeers())
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -113,26 +111,16 @@ func serve() {
 	}
 }
 
-// hostMemory is where payloads should live: gdrpc's pool of host memory that
-// UCX allocated and registered once (plain host memory without UCX).
-func hostMemory() devicebuf.Allocator {
-	if rdma.Available() == nil {
-		if rc, err := rdma.Default(); err == nil {
-			return transport.HostPool(rc)
-		}
-	}
-	return transport.HostPool(nil)
-}
-
 // ---- the client ---------------------------------------------------------------
 
 // paths records the out-of-band paths that payloads took (the metrics hook).
 type paths struct {
+	gdrpc.NopMetrics
 	mu   sync.Mutex
 	seen []string
 }
 
-func (p *paths) Transfer(i transport.TransferInfo) {
+func (p *paths) Transfer(i gdrpc.TransferInfo) {
 	if i.Pull && i.Err == nil {
 		p.mu.Lock()
 		if !slices.Contains(p.seen, i.Route()) {
@@ -142,7 +130,7 @@ func (p *paths) Transfer(i transport.TransferInfo) {
 	}
 }
 
-func (p *paths) Fallback(wanted, took transport.Path, reason string) {
+func (p *paths) TransferFallback(wanted, took gdrpc.Path, reason string) {
 	log.Printf("fallback from %s to %s: %s", wanted, took, reason)
 }
 
@@ -161,8 +149,8 @@ func run(w io.Writer) error {
 
 	// gdrpc: the gdrpc dialer; its options bring the gdr codec and its interceptors.
 	pathLog := &paths{}
-	transport.SetTransferConfig(transport.TransferConfig{Metrics: pathLog, TrustPeers: true}) // the server is this program
-	opts := dialer.New().DialOptions(insecure.NewCredentials())
+	d := dialer.New(gdrpc.WithTrustPeers(), gdrpc.WithMetrics(pathLog)) // the server is this program
+	opts := d.DialOptions(insecure.NewCredentials())
 	gc, err := grpc.NewClient("passthrough:///"+addr, opts...)
 	if err != nil {
 		return err
@@ -174,7 +162,7 @@ func run(w io.Writer) error {
 		return fmt.Errorf("gdrpc: %w", err)
 	}
 	over := "?"
-	if s := transport.SessionFromPeer(&session); s != nil {
+	if s := gdrpc.SessionFromPeer(&session); s != nil {
 		over = s.Transport()
 	}
 

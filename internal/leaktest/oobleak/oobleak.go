@@ -10,6 +10,7 @@ import (
 
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/internal/leaktest"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -22,8 +23,8 @@ func Settled(goroutines int) error {
 		switch {
 		case transport.NumSessions() != 0:
 			return fmt.Errorf("%d sessions", transport.NumSessions())
-		case transport.OutboxLen() != 0:
-			return fmt.Errorf("%d outbox entries", transport.OutboxLen())
+		case oob.OutboxLen() != 0:
+			return fmt.Errorf("%d outbox entries", oob.OutboxLen())
 		case gdrcodec.Attached() != 0:
 			return fmt.Errorf("%d attached buffers", gdrcodec.Attached())
 		case runtime.NumGoroutine() > goroutines+4:

@@ -1,4 +1,4 @@
-package transport
+package oob
 
 import (
 	"bytes"
@@ -14,6 +14,7 @@ import (
 	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
 	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
 )
 
 // The attacks of a peer that speaks the rendezvous by hand, against the
@@ -21,9 +22,9 @@ import (
 // sessions of a pair in this process: one side is the engine, the other the
 // attacker, whose control messages the test intercepts and forges.
 
-// ucxPair returns the client and server sessions of a UCX session on a
-// context of its own restricted to the UCX transports tls.
-func ucxPair(t testing.TB, tls string) (cs, ss *Session) {
+// ucxContext returns a UCX context restricted to the UCX transports tls,
+// closed (with the host pools) when the test ends.
+func ucxContext(t testing.TB, tls string) *rdma.Context {
 	t.Helper()
 	testenv.Need(t, "ucx", rdma.Available())
 	rc, err := rdma.NewContext(rdma.WithTransports(tls))
@@ -32,26 +33,33 @@ func ucxPair(t testing.TB, tls string) (cs, ss *Session) {
 		require.NoError(t, CloseHostPools())
 		require.NoError(t, rc.Close())
 	})
-	opts := []Option{WithRDMAContext(rc), WithMode(ModeUCX)}
+	return rc
+}
+
+// ucxPair returns the client and server sessions of a UCX session on a
+// context of its own restricted to the UCX transports tls.
+func ucxPair(t testing.TB, tls string, extra ...transport.Option) (cs, ss *transport.Session) {
+	t.Helper()
+	opts := append([]transport.Option{transport.WithRDMAContext(ucxContext(t, tls)), transport.WithMode(transport.ModeUCX)}, extra...)
 	_, cs, ss, _, _ = lanePair(t, opts, opts)
 	return cs, ss
 }
 
 // tcpPair returns the client and server sessions of a TCP session.
-func tcpPair(t *testing.T) (cs, ss *Session) {
+func tcpPair(t *testing.T, extra ...transport.Option) (cs, ss *transport.Session) {
 	t.Helper()
-	opts := []Option{WithMode(ModeTCP)}
+	opts := append([]transport.Option{transport.WithMode(transport.ModeTCP)}, extra...)
 	_, cs, ss, _, _ = lanePair(t, opts, opts)
 	return cs, ss
 }
 
 // intercept hands fn, instead of the engine, the control messages of type typ
 // that s receives, until the test ends.
-func intercept(t *testing.T, typ byte, s *Session, fn func(payload []byte)) {
+func intercept(t *testing.T, typ byte, s *transport.Session, fn func(payload []byte)) {
 	t.Helper()
 	controlMu.Lock()
 	engine := controlHandlers[typ]
-	controlHandlers[typ] = func(from *Session, payload []byte) {
+	controlHandlers[typ] = func(from *transport.Session, payload []byte) {
 		if from == s {
 			fn(payload)
 			return
@@ -68,7 +76,7 @@ func intercept(t *testing.T, typ byte, s *Session, fn func(payload []byte)) {
 
 // interceptRTRs hands the RTRs that reach s, parsed, to f instead of the
 // owner's engine.
-func interceptRTRs(t *testing.T, s *Session, f func(*rtr)) {
+func interceptRTRs(t *testing.T, s *transport.Session, f func(*rtr)) {
 	t.Helper()
 	intercept(t, ctlRTR, s, func(payload []byte) {
 		m, err := parseRTR(payload)
@@ -82,13 +90,13 @@ func interceptRTRs(t *testing.T, s *Session, f func(*rtr)) {
 
 // answerWith makes the owner side of s answer every RTR with a FIN that
 // reports status over path and writes nothing; the RTRs go to rtrs.
-func answerWith(t *testing.T, s *Session, status finStatus, path Path) <-chan *rtr {
+func answerWith(t *testing.T, s *transport.Session, status finStatus, path Path) <-chan *rtr {
 	t.Helper()
 	rtrs := make(chan *rtr, 16)
 	interceptRTRs(t, s, func(m *rtr) {
 		rtrs <- m
 		f := &fin{Req: m.Req, Status: status, Path: path}
-		if err := s.SendControl(context.Background(), ctlFIN, f.marshal()); err != nil {
+		if err := sendControl(context.Background(), s, ctlFIN, f.marshal()); err != nil {
 			t.Errorf("FIN: %v", err)
 		}
 	})
@@ -104,12 +112,12 @@ func withConfig(t testing.TB, c TransferConfig) {
 }
 
 func descriptorOf(n int) Descriptor {
-	return Descriptor{Owner: ID(newToken()), Token: Token(newToken()), Length: uint64(n), Kind: devicebuf.Host, Device: -1}
+	return Descriptor{Owner: transport.ID(newToken()), Token: Token(newToken()), Length: uint64(n), Kind: devicebuf.Host, Device: -1}
 }
 
 // stale returns a destination of n bytes from the host pool of s that holds a
 // previous transfer's bytes.
-func stale(t *testing.T, s *Session, n int) (*devicebuf.Buffer, []byte) {
+func stale(t *testing.T, s *transport.Session, n int) (*devicebuf.Buffer, []byte) {
 	t.Helper()
 	dst, err := HostPool(s.RDMA()).Alloc(n)
 	require.NoError(t, err)
@@ -147,14 +155,14 @@ func TestFINWithoutWrite(t *testing.T) {
 func TestFINForPathNotOffered(t *testing.T) {
 	for _, tc := range []struct {
 		name string
-		pair func(*testing.T) (cs, ss *Session)
+		pair func(*testing.T, ...transport.Option) (cs, ss *transport.Session)
 		path Path
 	}{
 		{"tcp/rdma", tcpPair, PathRDMA},
 		{"tcp/cuda-ipc", tcpPair, PathCUDAIPC},
 		{"tcp/none", tcpPair, PathNone},
 		{"tcp/two paths", tcpPair, PathRDMA | PathStream},
-		{"ucx/staged", func(t *testing.T) (cs, ss *Session) { return ucxPair(t, "tcp") }, PathStaged},
+		{"ucx/staged", func(t *testing.T, _ ...transport.Option) (cs, ss *transport.Session) { return ucxPair(t, "tcp") }, PathStaged},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cs, ss := tc.pair(t)
@@ -202,7 +210,7 @@ func TestForgedKeyWritesOwnMemory(t *testing.T) {
 	m := &rtr{Req: p.req, Token: d.Token, Length: n, Offers: PathRDMA | PathStream,
 		RAddr: uint64(mem.Addr()) + uint64(off), RKey: key}
 	ctx := testContext(t)
-	require.NoError(t, ss.SendControl(ctx, ctlRTR, m.marshal()))
+	require.NoError(t, sendControl(ctx, ss, ctlRTR, m.marshal()))
 	var f *fin
 	select {
 	case f = <-p.fin:
@@ -220,7 +228,7 @@ func TestForgedKeyWritesOwnMemory(t *testing.T) {
 
 // TestDestinationKeyScope: the key a receiver sends covers its destination
 // and nothing else, names only memory the receiver's side writes into, and
-// its registration ends with the transfer. With TrustPeers it is the pool
+// its registration ends with the transfer. With trusted peers it is the pool
 // region's key, reused across transfers (and puts may take shared memory).
 func TestDestinationKeyScope(t *testing.T) {
 	for _, tc := range []struct {
@@ -235,8 +243,7 @@ func TestDestinationKeyScope(t *testing.T) {
 		{"shm/trusted", "posix,sysv,cma,tcp", true, []string{"sysv", "tcp"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			withConfig(t, TransferConfig{TrustPeers: tc.trust})
-			cs, ss := ucxPair(t, tc.tls)
+			cs, ss := ucxPair(t, tc.tls, transport.WithTrustPeers(tc.trust))
 			rtrs := make(chan *rtr, 1)
 			interceptRTRs(t, cs, func(m *rtr) {
 				rtrs <- m
@@ -366,10 +373,8 @@ func TestChunkCoverage(t *testing.T) {
 // device's copies.
 func TestFINWithoutWriteGPU(t *testing.T) {
 	devicebuftest.Install(t, 1)
-	SetTransferConfig(TransferConfig{TrustPeers: true}) // CUDA IPC only with trusted peers
-	t.Cleanup(func() { SetTransferConfig(TransferConfig{}) })
 	t.Cleanup(func() { require.NoError(t, CloseHostPools()) })
-	cs, ss := tcpPair(t)
+	cs, ss := tcpPair(t, transport.WithTrustPeers(true)) // CUDA IPC only with trusted peers
 	rtrs := answerWith(t, cs, finOK, PathCUDAIPC)
 	const n = 256<<10 + 3
 	gpu, err := devicebuf.NewCUDAAllocator(0)
@@ -382,7 +387,7 @@ func TestFINWithoutWriteGPU(t *testing.T) {
 	require.NoError(t, devicebuf.Copy(dst, secret))
 
 	d := descriptorOf(n)
-	d.Kind, d.Device, d.DeviceUUID, d.HostID = devicebuf.CUDA, 0, dst.DeviceUUID(), LocalHostID()
+	d.Kind, d.Device, d.DeviceUUID, d.HostID = devicebuf.CUDA, 0, dst.DeviceUUID(), transport.LocalHostID()
 	path, err := fetchVia(testContext(t), ss, d, dst, func() {})
 	require.NoError(t, err)
 	require.Equal(t, PathCUDAIPC, path)
@@ -441,8 +446,7 @@ func BenchmarkPull(b *testing.B) {
 		for _, n := range []int{1 << 20, 64 << 20} {
 			for _, trust := range []bool{false, true} {
 				b.Run(fmt.Sprintf("tls=%s/size=%s/trusted=%v", tls, sizeName(n), trust), func(b *testing.B) {
-					withConfig(b, TransferConfig{TrustPeers: trust})
-					_, ss := ucxPair(b, tls)
+					_, ss := ucxPair(b, tls, transport.WithTrustPeers(trust))
 					d := Offer(Source{Bytes: make([]byte, n)}, OfferOptions{Held: true})
 					defer Withdraw(d.Token)
 					dst, err := HostPool(ss.RDMA()).Alloc(n)

@@ -1,12 +1,14 @@
-package transport
+package oob
 
 import (
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"sync"
 	"time"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/transport"
 )
 
 // DefaultLease bounds how long an outbox entry lives when nobody withdraws it.
@@ -52,22 +54,22 @@ type outboxEntry struct {
 	inflight int // pulls under way; release waits for them
 	dead     bool
 	timer    *time.Timer
-	toward   *ID // the process the descriptor was sent to (SentToward), if known
+	toward   *transport.ID // the process the descriptor was sent to (SentToward), if known
 }
 
 type outbox struct {
 	mu      sync.Mutex
 	entries map[Token]*outboxEntry
-	toward  map[ID]map[Token]struct{} // entries by the process they were sent to
+	toward  map[transport.ID]map[Token]struct{} // entries by the process they were sent to
 }
 
-var box = &outbox{entries: make(map[Token]*outboxEntry), toward: make(map[ID]map[Token]struct{})}
+var box = &outbox{entries: make(map[Token]*outboxEntry), toward: make(map[transport.ID]map[Token]struct{})}
 
 // Offer puts src in this process's outbox and returns the descriptor that names
 // it. The outbox takes its own reference on a Buffer source and drops it when
 // the entry leaves. A Bytes source must not be modified until then.
 func Offer(src Source, opt OfferOptions) Descriptor {
-	d := Descriptor{Owner: LocalID(), Token: Token(newToken()), Length: uint64(src.Len()), HostID: LocalHostID(), Kind: devicebuf.Host, Device: -1}
+	d := Descriptor{Owner: transport.LocalID(), Token: newToken(), Length: uint64(src.Len()), HostID: transport.LocalHostID(), Kind: devicebuf.Host, Device: -1}
 	if b := src.Buffer; b != nil {
 		b.Retain()
 		d.Kind, d.Device, d.DeviceUUID = b.Kind(), b.Device(), b.DeviceUUID()
@@ -176,7 +178,7 @@ func (b *outbox) removeLocked(t Token, e *outboxEntry) {
 // when no live session to that process remains leave it then, whatever their
 // lease: nobody else holds their descriptors, and the process that does can
 // no longer pull. Tokens that already left are ignored.
-func SentToward(s *Session, ts []Token) {
+func SentToward(s *transport.Session, ts []Token) {
 	peer := s.Peer().ID
 	box.mu.Lock()
 	for _, t := range ts {
@@ -200,7 +202,7 @@ func SentToward(s *Session, ts []Token) {
 
 // releaseOrphans withdraws the entries sent to peer when no live session to
 // it remains.
-func releaseOrphans(peer ID) {
+func releaseOrphans(peer transport.ID) {
 	if len(liveSessions(peer)) > 0 {
 		return
 	}
@@ -217,4 +219,11 @@ func releaseOrphans(peer ID) {
 
 // releaseSentTo runs when s closes: the entries sent to its peer go when s
 // was the last session to it.
-func releaseSentTo(s *Session) { releaseOrphans(s.peer.ID) }
+func releaseSentTo(s *transport.Session) { releaseOrphans(s.Peer().ID) }
+
+// newToken returns a fresh random token.
+func newToken() Token {
+	var t Token
+	_, _ = rand.Read(t[:]) // never fails (crypto/rand)
+	return t
+}

@@ -1,4 +1,4 @@
-package transport
+package oob
 
 import (
 	"encoding/binary"
@@ -7,6 +7,8 @@ import (
 	"fmt"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/internal/wire"
+	"github.com/gdrpc/gdrpc/transport"
 )
 
 // Control message types of the rendezvous, sent on a session's control stream.
@@ -33,19 +35,19 @@ func (t Token) String() string { return hex.EncodeToString(t[:4]) + "…" }
 // connection-agnostic: a receiver finds a live session to Owner through the
 // registry and pulls the bytes through it.
 type Descriptor struct {
-	Owner      ID
+	Owner      transport.ID
 	Token      Token
 	Length     uint64
 	Kind       devicebuf.Kind
-	Device     int    // the owner's CUDA ordinal (-1 for host memory)
-	DeviceUUID string // the owner's GPU UUID ("" for host memory)
-	HostID     ID     // the owner's host
+	Device     int          // the owner's CUDA ordinal (-1 for host memory)
+	DeviceUUID string       // the owner's GPU UUID ("" for host memory)
+	HostID     transport.ID // the owner's host
 }
 
 // Validate reports whether d can name a payload at all.
 func (d Descriptor) Validate() error {
 	switch {
-	case d.Owner == ID{}:
+	case d.Owner == transport.ID{}:
 		return errors.New("descriptor: empty owner")
 	case d.Token == Token{}:
 		return errors.New("descriptor: empty token")
@@ -132,54 +134,36 @@ func (m *rtr) marshal() []byte {
 	return b
 }
 
-// readU64 and finish extend the handshake's reader for the rendezvous messages.
-func readU64(r *reader, what string) uint64 {
-	if p := r.take(8, what); p != nil {
-		return binary.BigEndian.Uint64(p)
-	}
-	return 0
-}
-
-func finish(r *reader, what string) error {
-	if r.err == nil && len(r.b) != 0 {
-		r.err = fmt.Errorf("%d trailing bytes", len(r.b))
-	}
-	if r.err != nil {
-		return fmt.Errorf("malformed %s: %w", what, r.err)
-	}
-	return nil
-}
-
 func parseRTR(b []byte) (*rtr, error) {
-	r := &reader{b: b}
-	if v := r.u8("u8"); r.err == nil && v != wireVersion {
+	r := &wire.Reader{B: b}
+	if v := r.U8("u8"); r.Err == nil && v != wireVersion {
 		return nil, fmt.Errorf("malformed RTR: version %d, want %d", v, wireVersion)
 	}
-	m := &rtr{Req: readU64(r, "u64")}
-	copy(m.Token[:], r.take(len(m.Token), "bytes"))
-	m.Length = readU64(r, "u64")
-	m.Offers = Path(r.u8("u8"))
+	m := &rtr{Req: r.U64("u64")}
+	copy(m.Token[:], r.Take(len(m.Token), "bytes"))
+	m.Length = r.U64("u64")
+	m.Offers = Path(r.U8("u8"))
 	if m.Offers&^(PathCUDAIPC|PathRDMA|PathStream|PathStaged) != 0 {
 		return nil, fmt.Errorf("malformed RTR: unknown paths %#x", uint8(m.Offers))
 	}
 	if m.Offers&PathRDMA != 0 {
-		m.RAddr = readU64(r, "u64")
-		m.RMemory = r.u8("u8")
-		n := int(r.u16("u16"))
+		m.RAddr = r.U64("u64")
+		m.RMemory = r.U8("u8")
+		n := int(r.U16("u16"))
 		if n > maxRKey {
 			return nil, fmt.Errorf("malformed RTR: key of %d bytes", n)
 		}
-		m.RKey = append([]byte(nil), r.take(n, "bytes")...)
+		m.RKey = append([]byte(nil), r.Take(n, "bytes")...)
 		if m.RMemory > 1 {
 			return nil, fmt.Errorf("malformed RTR: memory type %d", m.RMemory)
 		}
 	}
 	if m.Offers&PathCUDAIPC != 0 {
-		copy(m.IPC[:], r.take(len(m.IPC), "bytes"))
-		m.IPCOffset = readU64(r, "u64")
-		m.IPCDevice = string(r.take(int(r.u8("u8")), "device uuid"))
+		copy(m.IPC[:], r.Take(len(m.IPC), "bytes"))
+		m.IPCOffset = r.U64("u64")
+		m.IPCDevice = string(r.Take(int(r.U8("u8")), "device uuid"))
 	}
-	if err := finish(r, "RTR"); err != nil {
+	if err := r.Finish("RTR"); err != nil {
 		return nil, err
 	}
 	if m.Length > MaxPayload {
@@ -223,17 +207,17 @@ func (m *fin) marshal() []byte {
 }
 
 func parseFIN(b []byte) (*fin, error) {
-	r := &reader{b: b}
-	if v := r.u8("u8"); r.err == nil && v != wireVersion {
+	r := &wire.Reader{B: b}
+	if v := r.U8("u8"); r.Err == nil && v != wireVersion {
 		return nil, fmt.Errorf("malformed FIN: version %d, want %d", v, wireVersion)
 	}
-	m := &fin{Req: readU64(r, "u64"), Status: finStatus(r.u8("u8")), Path: Path(r.u8("u8"))}
-	n := int(r.u16("u16"))
+	m := &fin{Req: r.U64("u64"), Status: finStatus(r.U8("u8")), Path: Path(r.U8("u8"))}
+	n := int(r.U16("u16"))
 	if n > maxFinMsg {
 		return nil, fmt.Errorf("malformed FIN: message of %d bytes", n)
 	}
-	m.Msg = string(r.take(n, "bytes"))
-	if err := finish(r, "FIN"); err != nil {
+	m.Msg = string(r.Take(n, "bytes"))
+	if err := r.Finish("FIN"); err != nil {
 		return nil, err
 	}
 	if m.Status > finBusy {
@@ -253,12 +237,12 @@ func bulkHeader(req, n uint64) []byte {
 }
 
 func parseBulkHeader(b []byte) (req, n uint64, err error) {
-	r := &reader{b: b}
-	if v := r.u8("u8"); r.err == nil && v != wireVersion {
+	r := &wire.Reader{B: b}
+	if v := r.U8("u8"); r.Err == nil && v != wireVersion {
 		return 0, 0, fmt.Errorf("malformed bulk header: version %d", v)
 	}
-	req, n = readU64(r, "u64"), readU64(r, "u64")
-	return req, n, finish(r, "bulk header")
+	req, n = r.U64("u64"), r.U64("u64")
+	return req, n, r.Finish("bulk header")
 }
 
 // bulk lane frame header: a piece of one transfer on the bulk lane (lane.go),
@@ -287,14 +271,14 @@ func (f laneFrame) marshal() []byte {
 }
 
 func parseLaneFrame(b []byte) (laneFrame, error) {
-	r := &reader{b: b}
+	r := &wire.Reader{B: b}
 	var f laneFrame
-	if v := r.u8("version"); r.err == nil && v != wireVersion {
+	if v := r.U8("version"); r.Err == nil && v != wireVersion {
 		return f, fmt.Errorf("malformed bulk lane frame: version %d", v)
 	}
-	f.kind = r.u8("kind")
-	f.req, f.total, f.off, f.n = readU64(r, "req"), readU64(r, "total"), readU64(r, "offset"), readU64(r, "length")
-	if err := finish(r, "bulk lane frame"); err != nil {
+	f.kind = r.U8("kind")
+	f.req, f.total, f.off, f.n = r.U64("req"), r.U64("total"), r.U64("offset"), r.U64("length")
+	if err := r.Finish("bulk lane frame"); err != nil {
 		return f, err
 	}
 	switch {
@@ -324,10 +308,10 @@ func chunkNotice(req, off, n uint64) []byte {
 }
 
 func parseChunkNotice(b []byte) (req, off, n uint64, err error) {
-	r := &reader{b: b}
-	if v := r.u8("version"); r.err == nil && v != wireVersion {
+	r := &wire.Reader{B: b}
+	if v := r.U8("version"); r.Err == nil && v != wireVersion {
 		return 0, 0, 0, fmt.Errorf("malformed chunk notice: version %d", v)
 	}
-	req, off, n = readU64(r, "req"), readU64(r, "offset"), readU64(r, "length")
-	return req, off, n, finish(r, "chunk notice")
+	req, off, n = r.U64("req"), r.U64("offset"), r.U64("length")
+	return req, off, n, r.Finish("chunk notice")
 }

@@ -1,4 +1,4 @@
-package transport
+package oob
 
 import (
 	"context"
@@ -6,16 +6,17 @@ import (
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
 )
 
 // What a peer of an out-of-band transfer may reach, on both sides.
 //
 // Receiver: a destination is exposed for its transfer alone (registered by
-// itself unless TrustPeers), it is cleared before it is offered to a path on
+// itself unless the peer is trusted), it is cleared before it is offered to a path on
 // which its arrival cannot be counted (rdma, staged, cuda-ipc), and a FIN is
 // accepted only for a path the RTR offered. Owner: it writes exactly its
 // source's length at the RTR's address, only through transports where the
-// receiver's side applies the write (unless TrustPeers), and it reports a
+// receiver's side applies the write (unless the peer is trusted), and it reports a
 // failure only once none of its writes can still land.
 
 // receiverApplied are the kinds of memory domains on which the receiver's
@@ -29,23 +30,23 @@ var receiverApplied = map[string]bool{"tcp": true, "ib": true}
 // exposeDestination registers target for a peer's puts: the pool region it
 // lies in when peers are trusted (the region's key is reused across
 // transfers), else target alone for this transfer.
-func exposeDestination(rc *rdma.Context, target *devicebuf.Buffer) (*rdma.Memory, int, func(), error) {
-	if cfg().TrustPeers {
+func exposeDestination(rc *rdma.Context, target *devicebuf.Buffer, trusted bool) (*rdma.Memory, int, func(), error) {
+	if trusted {
 		return registered(rc, target)
 	}
 	return registerExactly(rc, target)
 }
 
-// ipcAllowed reports whether CUDA IPC may carry transfers with peer: a peer on
+// ipcAllowed reports whether CUDA IPC may carry transfers over s: a peer on
 // this host that this process trusts. A CUDA IPC mapping cannot be revoked, so
 // the owner could keep writing into (and reading) the receiver's allocation
 // after the transfer; only trusted peers get one.
-func ipcAllowed(peer Peer) bool { return peer.SameHost && cfg().TrustPeers }
+func ipcAllowed(s *transport.Session) bool { return s.Peer().SameHost && s.TrustsPeer() }
 
 // checkKeyDomains reports why this process must not put with the receiver's
 // packed key: it names memory this process would write into itself.
-func checkKeyDomains(ep *rdma.Endpoint, packed []byte) error {
-	if cfg().TrustPeers {
+func checkKeyDomains(ep *rdma.Endpoint, packed []byte, trusted bool) error {
+	if trusted {
 		return nil
 	}
 	domains, err := ep.KeyDomains(packed)
@@ -54,7 +55,7 @@ func checkKeyDomains(ep *rdma.Endpoint, packed []byte) error {
 	}
 	for _, d := range domains {
 		if !receiverApplied[d] {
-			return fmt.Errorf("the receiver's key names %s memory, which this process would write into itself (TrustPeers is off)", d)
+			return fmt.Errorf("the receiver's key names %s memory, which this process would write into itself (peers are not trusted)", d)
 		}
 	}
 	return nil
@@ -96,7 +97,7 @@ func offersString(p Path) string {
 // the peer or can no longer land (the endpoint failed), however the transfer
 // ended: only then may a FIN(failed) let the receiver reuse its destination.
 // The wait is bounded by the session's life, not by the transfer's context.
-func settleWrites(s *Session, ep *rdma.Endpoint) {
+func settleWrites(s *transport.Session, ep *rdma.Endpoint) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() {
@@ -107,7 +108,7 @@ func settleWrites(s *Session, ep *rdma.Endpoint) {
 		}
 	}()
 	if err := ep.Flush(ctx); err != nil {
-		cfg().Logger.Debug("flush after a failed push", "session", s.ID(), "err", err)
+		cfgOf(s).Logger.Debug("flush after a failed push", "session", s.ID(), "err", err)
 	}
 }
 

@@ -1,12 +1,14 @@
-package transport
+package oob
 
 import (
 	"bytes"
 	"testing"
 	"time"
 
-	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/transport"
 )
 
 func TestRTRRoundTrip(t *testing.T) {
@@ -68,10 +70,10 @@ func TestFINRoundTrip(t *testing.T) {
 }
 
 func TestDescriptorValidate(t *testing.T) {
-	good := Descriptor{Owner: ID{1}, Token: Token{2}, Length: 10, Kind: devicebuf.Host, Device: -1}
+	good := Descriptor{Owner: transport.ID{1}, Token: Token{2}, Length: 10, Kind: devicebuf.Host, Device: -1}
 	require.NoError(t, good.Validate())
 	for name, mutate := range map[string]func(*Descriptor){
-		"no owner":  func(d *Descriptor) { d.Owner = ID{} },
+		"no owner":  func(d *Descriptor) { d.Owner = transport.ID{} },
 		"no token":  func(d *Descriptor) { d.Token = Token{} },
 		"too long":  func(d *Descriptor) { d.Length = MaxPayload + 1 },
 		"bad kind":  func(d *Descriptor) { d.Kind = 7 },

@@ -1,4 +1,4 @@
-package transport
+package oob
 
 import (
 	"cmp"
@@ -15,6 +15,7 @@ import (
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
 )
 
 // DefaultTransferTimeout bounds one out-of-band transfer when the caller's context
@@ -92,36 +93,16 @@ type TransferConfig struct {
 	// Limits bound what one peer's session may hold; their zero fields take
 	// the defaults Limits documents.
 	Limits Limits
-	// TrustPeers says the peers of this process are trusted (one cluster,
-	// one operator). ModeAuto sessions then move onto UCX, which assumes
-	// trusted peers (see ModeAuto). Receivers expose whole registered
-	// pool regions (keys reused across transfers, shared-memory puts) and
-	// owners put through any transport a key names, including those where
-	// this process writes wherever the key says (UCX shared memory, CMA, CUDA
-	// IPC). If false (the zero value), each destination is registered for its
-	// transfer alone, and owners put only where the receiver's side applies
-	// the write (UCX over TCP, InfiniBand/RoCE verbs) and take the stream path
-	// otherwise. Either way a UCX session exposes more of a process to its
-	// peer than its transfers' memory: see the README's Security section.
-	TrustPeers bool
 }
 
 var oobConfig atomic.Pointer[TransferConfig]
 
-func init() {
-	SetTransferConfig(TransferConfig{})
-	registerControlHandler(ctlRTR, queueRTR)
-	registerControlHandler(ctlFIN, handleFIN)
-	registerControlHandler(ctlChunk, handleChunk)
-	bulkHandler = serveBulk
-	bulkLaneHandler = serveBulkLane
-	onSessionClosed = append(onSessionClosed, dropRemoteKeys, dropActivity, endBounds, releaseSentTo)
-	beforeGracefulClose = lingerForTransfers
-}
-
 // SetTransferConfig replaces the engine's configuration for transfers that start
 // afterwards.
-func SetTransferConfig(c TransferConfig) {
+func SetTransferConfig(c TransferConfig) { oobConfig.Store(c.withDefaults()) }
+
+// withDefaults returns c with its zero fields set to their defaults.
+func (c TransferConfig) withDefaults() *TransferConfig {
 	if c.Timeout <= 0 {
 		c.Timeout = DefaultTransferTimeout
 	}
@@ -142,10 +123,18 @@ func SetTransferConfig(c TransferConfig) {
 		c.Metrics = nopMetrics{}
 	}
 	c.Limits = c.Limits.withDefaults(c.Timeout)
-	oobConfig.Store(&c)
+	return &c
 }
 
-func cfg() *TransferConfig { return oobConfig.Load() }
+var defaultConfig = sync.OnceValue(TransferConfig{}.withDefaults)
+
+// cfg returns the engine's configuration.
+func cfg() *TransferConfig {
+	if c := oobConfig.Load(); c != nil {
+		return c
+	}
+	return defaultConfig()
+}
 
 // TransferError is a failed out-of-band transfer.
 type TransferError struct {
@@ -195,18 +184,10 @@ type activity struct {
 	last     atomic.Int64 // unix nanos of the last start or end of one
 }
 
-var activities sync.Map // *Session -> *activity
-
-func activityOf(s *Session) *activity {
-	if a, ok := activities.Load(s); ok {
-		return a.(*activity)
-	}
-	a, _ := activities.LoadOrStore(s, &activity{})
-	return a.(*activity)
-}
+func activityOf(s *transport.Session) *activity { return &stateOf(s).act }
 
 // busy marks a transfer on s under way until the returned function runs.
-func busy(s *Session) func() {
+func busy(s *transport.Session) func() {
 	a := activityOf(s)
 	a.inflight.Add(1)
 	a.last.Store(time.Now().UnixNano())
@@ -216,19 +197,17 @@ func busy(s *Session) func() {
 	}
 }
 
-func dropActivity(s *Session) { activities.Delete(s) }
-
 // lingerForTransfers returns once s saw no out-of-band transfer for
 // LingerIdle (from now at the earliest), or when s dies, or after the
 // transfer timeout. Sessions whose peer does not speak the gdr codec close at
 // once.
-func lingerForTransfers(s *Session) {
+func lingerForTransfers(s *transport.Session) {
 	if !slices.Contains(s.Peer().Caps.Codecs, "gdr") {
 		return
 	}
 	a := activityOf(s)
 	a.last.Store(max(a.last.Load(), time.Now().UnixNano()))
-	deadline := time.Now().Add(cfg().Timeout)
+	deadline := time.Now().Add(cfgOf(s).Timeout)
 	t := time.NewTimer(LingerIdle)
 	defer t.Stop()
 	for {
@@ -253,7 +232,7 @@ var errRTRNotSent = errors.New("RTR not sent")
 
 type pull struct {
 	req uint64
-	s   *Session
+	s   *transport.Session
 	dst *devicebuf.Buffer // retained until settled
 	fin chan *fin         // FIN from the owner (buffered 1)
 	// chunks receives staged-chunk notices [off, off+n) when the destination is
@@ -278,7 +257,7 @@ var pulls = struct {
 
 // makePull makes the pull of a payload into dst through s; dst is released
 // when the pull settles.
-func makePull(s *Session, dst *devicebuf.Buffer) *pull {
+func makePull(s *transport.Session, dst *devicebuf.Buffer) *pull {
 	return &pull{s: s, dst: dst, fin: make(chan *fin, 1), bulk: make(chan error, 1)}
 }
 
@@ -362,7 +341,7 @@ func FetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 	}
 	sessions := liveSessions(d.Owner)
 	if len(sessions) == 0 {
-		if d.Owner != LocalID() {
+		if d.Owner != transport.LocalID() {
 			return nil, PathNone, &TransferError{Token: d.Token, Kind: TransferUnavailable,
 				Err: fmt.Errorf("no live session to owner %v", d.Owner)}
 		}
@@ -374,11 +353,11 @@ func FetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 		}
 		return dst, PathLocal, nil
 	}
-	c := cfg()
+	c := cfgOf(sessions[0])
 	ctx, cancel := context.WithTimeout(ctx, c.Timeout)
 	defer cancel()
 	start := time.Now()
-	var s *Session
+	var s *transport.Session
 	var path Path
 	var err error
 	for _, s = range sessions {
@@ -414,17 +393,20 @@ func FetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 // Reachable reports whether a payload owned by owner can be pulled now: a live
 // session to it exists, or it is this process. Receivers ask before they
 // allocate a destination for a descriptor.
-func Reachable(owner ID) error {
-	if owner == LocalID() || len(liveSessions(owner)) > 0 {
+func Reachable(owner transport.ID) error {
+	if owner == transport.LocalID() || len(liveSessions(owner)) > 0 {
 		return nil
 	}
 	return &TransferError{Kind: TransferUnavailable, Err: fmt.Errorf("no live session to owner %v", owner)}
 }
 
 // liveSessions returns the live sessions to owner, those over UCX first.
-func liveSessions(owner ID) []*Session {
-	var ucx, other []*Session
-	for _, s := range SessionsTo(owner) {
+func liveSessions(owner transport.ID) []*transport.Session {
+	var ucx, other []*transport.Session
+	for _, s := range transport.SessionsTo(owner) {
+		if !served(s) {
+			continue
+		}
 		select {
 		case <-s.Done():
 			continue
@@ -465,7 +447,7 @@ func copyFromSource(dst *devicebuf.Buffer, src Source) error {
 
 // fetchVia pulls d into dst through s. release gives back the pull's
 // reservation (reservePull) once dst is settled.
-func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buffer, release func()) (Path, error) {
+func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devicebuf.Buffer, release func()) (Path, error) {
 	defer busy(s)()
 	p := makePull(s, dst.Retain())
 	p.after = append(p.after, release)
@@ -486,7 +468,7 @@ func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buff
 	m.Req = p.req
 	p.offers = m.Offers
 
-	if err := s.SendControl(ctx, ctlRTR, m.marshal()); err != nil {
+	if err := sendControl(ctx, s, ctlRTR, m.marshal()); err != nil {
 		p.settled()
 		if ctx.Err() == nil {
 			select {
@@ -556,10 +538,10 @@ func fetchVia(ctx context.Context, s *Session, d Descriptor, dst *devicebuf.Buff
 // offerDestination fills m with the destinations this receiver accepts for dst.
 // It returns a host staging buffer when the bytes land there first (GPU
 // destinations that UCX cannot write into).
-func offerDestination(s *Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buffer, error) {
-	peer, allowed := s.Peer(), cfg().Paths
+func offerDestination(s *transport.Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buffer, error) {
+	peer, allowed := s.Peer(), cfgOf(s).Paths
 	cleared := false // p.dst
-	if dst := p.dst; ipcAllowed(peer) && allowed&PathCUDAIPC != 0 && dst.Kind() == devicebuf.CUDA && d.HostID == LocalHostID() && d.Kind == devicebuf.CUDA {
+	if dst := p.dst; ipcAllowed(s) && allowed&PathCUDAIPC != 0 && dst.Kind() == devicebuf.CUDA && d.HostID == transport.LocalHostID() && d.Kind == devicebuf.CUDA {
 		h, off, err := devicebuf.ExportIPC(dst)
 		if err == nil {
 			err = clearDestination(dst)
@@ -569,7 +551,7 @@ func offerDestination(s *Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buf
 			m.Offers |= PathCUDAIPC
 			m.IPC, m.IPCOffset, m.IPCDevice = h, uint64(off), dst.DeviceUUID()
 		} else {
-			cfg().Metrics.Fallback(PathCUDAIPC, PathRDMA, "export IPC handle: "+err.Error())
+			cfgOf(s).Metrics.Fallback(PathCUDAIPC, PathRDMA, "export IPC handle: "+err.Error())
 		}
 	}
 	ep, rc := s.Endpoint(), s.RDMA()
@@ -594,7 +576,7 @@ func offerDestination(s *Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buf
 	if target.Kind() == devicebuf.CUDA && !gpuDirect(rc, ep) {
 		b, err := HostPool(rc).Alloc(int(d.Length))
 		if err != nil {
-			cfg().Metrics.Fallback(PathRDMA, PathStream, "no host staging: "+err.Error())
+			cfgOf(s).Metrics.Fallback(PathRDMA, PathStream, "no host staging: "+err.Error())
 			return nil, nil
 		}
 		staging = b
@@ -603,19 +585,19 @@ func offerDestination(s *Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buf
 	}
 	if target != p.dst || !cleared {
 		if err := clearDestination(target); err != nil {
-			cfg().Metrics.Fallback(PathRDMA, PathStream, "clear destination: "+err.Error())
+			cfgOf(s).Metrics.Fallback(PathRDMA, PathStream, "clear destination: "+err.Error())
 			return staging, nil
 		}
 	}
-	mem, off, release, err := exposeDestination(rc, target)
+	mem, off, release, err := exposeDestination(rc, target, s.TrustsPeer())
 	if err != nil {
-		cfg().Metrics.Fallback(PathRDMA, PathStream, "register destination: "+err.Error())
+		cfgOf(s).Metrics.Fallback(PathRDMA, PathStream, "register destination: "+err.Error())
 		return staging, nil
 	}
 	p.after = append(p.after, release)
 	key, err := packedKey(mem)
 	if err != nil {
-		cfg().Metrics.Fallback(PathRDMA, PathStream, "pack key: "+err.Error())
+		cfgOf(s).Metrics.Fallback(PathRDMA, PathStream, "pack key: "+err.Error())
 		return staging, nil
 	}
 	m.Offers |= PathRDMA
@@ -627,7 +609,7 @@ func offerDestination(s *Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buf
 	return staging, nil
 }
 
-func sessionError(t Token, s *Session, ctx context.Context, err error) error {
+func sessionError(t Token, s *transport.Session, ctx context.Context, err error) error {
 	switch {
 	case ctx.Err() != nil && errors.Is(ctx.Err(), context.DeadlineExceeded):
 		return &TransferError{Token: t, Kind: TransferTimeout, Err: fmt.Errorf("no answer from the owner in time: %w", ctx.Err())}
@@ -653,10 +635,10 @@ func finError(t Token, f *fin) error {
 	return &TransferError{Token: t, Kind: k, Err: fmt.Errorf("owner refused: %s", f.Msg)}
 }
 
-func handleFIN(s *Session, payload []byte) {
+func handleFIN(s *transport.Session, payload []byte) {
 	f, err := parseFIN(payload)
 	if err != nil {
-		cfg().Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
 		return
 	}
 	pulls.Lock()
@@ -671,10 +653,10 @@ func handleFIN(s *Session, payload []byte) {
 	}
 }
 
-func handleChunk(s *Session, payload []byte) {
+func handleChunk(s *transport.Session, payload []byte) {
 	req, off, n, err := parseChunkNotice(payload)
 	if err != nil {
-		cfg().Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
 		return
 	}
 	pulls.Lock()
@@ -731,7 +713,7 @@ func newStagedCopier(dst, staging *devicebuf.Buffer, p *pull) *stagedCopier {
 	return c
 }
 
-func (c *stagedCopier) wait(ctx context.Context, s *Session) error {
+func (c *stagedCopier) wait(ctx context.Context, s *transport.Session) error {
 	select {
 	case err := <-c.done:
 		return err
@@ -750,9 +732,9 @@ func (c *stagedCopier) stop() {
 
 // serveBulk receives a stream-path payload on a bulk stream the owner opened:
 // a bulk header (request id, length) and the bytes.
-func serveBulk(s *Session, c net.Conn) {
+func serveBulk(s *transport.Session, c net.Conn) {
 	defer c.Close()
-	c.SetReadDeadline(time.Now().Add(cfg().Timeout))
+	c.SetReadDeadline(time.Now().Add(cfgOf(s).Timeout))
 	var hdr [bulkHeaderLen]byte
 	if _, err := io.ReadFull(c, hdr[:]); err != nil {
 		return
@@ -770,7 +752,7 @@ func serveBulk(s *Session, c net.Conn) {
 // claimFor claims the pull req names for n bytes (claimBulk): nil when there
 // is no live pull, or when its destination does not hold n bytes, which fails
 // the pull.
-func claimFor(s *Session, req, n uint64) *pull {
+func claimFor(s *transport.Session, req, n uint64) *pull {
 	p := claimBulk(s, req)
 	if p != nil && uint64(p.dst.Len()) != n {
 		p.bulk <- fmt.Errorf("bulk data announces %d bytes, destination holds %d", n, p.dst.Len())
@@ -783,7 +765,7 @@ func claimFor(s *Session, req, n uint64) *pull {
 // claimBulk returns the pull req names, claimed by the caller and marked as
 // being read into (endRead when done), or nil when no live pull of s may be
 // read into.
-func claimBulk(s *Session, req uint64) *pull {
+func claimBulk(s *transport.Session, req uint64) *pull {
 	pulls.Lock()
 	defer pulls.Unlock()
 	p := pulls.m[req]
@@ -823,7 +805,7 @@ func endRead(p *pull) {
 // putting each piece into the destination of the pull it names. It returns
 // the error that broke the lane (nil when the session closed it); transfers
 // still open then fail.
-func serveBulkLane(s *Session, c net.Conn) (err error) {
+func serveBulkLane(s *transport.Session, c net.Conn) (err error) {
 	open := map[uint64]*laneXfer{}
 	defer func() {
 		for _, x := range open {
@@ -864,7 +846,7 @@ func serveBulkLane(s *Session, c net.Conn) (err error) {
 			continue
 		}
 		// A frame, once begun, comes whole unless the owner stalls.
-		_ = c.SetReadDeadline(time.Now().Add(cfg().Timeout))
+		_ = c.SetReadDeadline(time.Now().Add(cfgOf(s).Timeout))
 		if err := x.frame(c, int(f.n)); err != nil {
 			return err
 		}
@@ -895,7 +877,7 @@ type laneXfer struct {
 
 // newLaneXfer starts the transfer f begins: into the pull it names (claimFor),
 // or into nothing.
-func newLaneXfer(s *Session, f laneFrame) *laneXfer {
+func newLaneXfer(s *transport.Session, f laneFrame) *laneXfer {
 	return &laneXfer{total: f.total, p: claimFor(s, f.req, f.total)}
 }
 
@@ -936,7 +918,7 @@ func (x *laneXfer) read(r io.Reader, n int) error {
 	}
 	if x.bounce == nil {
 		var err error
-		if x.bounce, err = devicebuf.NewHostAllocator().Alloc(int(min(uint64(cfg().StagingChunk), x.total))); err != nil {
+		if x.bounce, err = devicebuf.NewHostAllocator().Alloc(int(min(uint64(cfgOf(x.p.s).StagingChunk), x.total))); err != nil {
 			return drop(err)
 		}
 	}
@@ -1007,10 +989,10 @@ func readInto(r io.Reader, dst *devicebuf.Buffer) error {
 
 // serveRTR answers one receiver's request for an outbox entry, on one of the
 // session's push goroutines (queueRTR).
-func serveRTR(s *Session, m *rtr) {
+func serveRTR(s *transport.Session, m *rtr) {
 	defer busy(s)()
-	c := cfg()
-	ctx, cancel := context.WithTimeout(s.context(), c.Timeout)
+	c := cfgOf(s)
+	ctx, cancel := context.WithTimeout(sessionContext(s), c.Timeout)
 	defer cancel()
 	f := &fin{Req: m.Req}
 	e, st, err := box.checkout(m.Token, m.Length)
@@ -1031,23 +1013,23 @@ func serveRTR(s *Session, m *rtr) {
 		// chunk-by-chunk copy, got puts into its destination.
 		f.Path = PathRDMA
 	}
-	if err := s.SendControl(ctx, ctlFIN, f.marshal()); err != nil {
+	if err := sendControl(ctx, s, ctlFIN, f.marshal()); err != nil {
 		c.Logger.Debug("FIN not sent", "session", s.ID(), "err", err)
 	}
 }
 
 // push moves src into the receiver's destination by the best path both accept.
-func push(ctx context.Context, s *Session, m *rtr, src Source) (Path, error) {
+func push(ctx context.Context, s *transport.Session, m *rtr, src Source) (Path, error) {
 	if m.Length == 0 {
 		return PathNone, nil
 	}
-	allowed := cfg().Paths
-	if m.Offers&allowed&PathCUDAIPC != 0 && ipcAllowed(s.Peer()) {
+	allowed := cfgOf(s).Paths
+	if m.Offers&allowed&PathCUDAIPC != 0 && ipcAllowed(s) {
 		err := pushIPC(s, m, src)
 		if err == nil {
 			return PathCUDAIPC, nil
 		}
-		cfg().Metrics.Fallback(PathCUDAIPC, PathRDMA, err.Error())
+		cfgOf(s).Metrics.Fallback(PathCUDAIPC, PathRDMA, err.Error())
 	}
 	if m.Offers&allowed&PathRDMA != 0 {
 		if ep := s.Endpoint(); ep != nil {
@@ -1055,14 +1037,14 @@ func push(ctx context.Context, s *Session, m *rtr, src Source) (Path, error) {
 			if err == nil || ctx.Err() != nil {
 				return path, err
 			}
-			cfg().Metrics.Fallback(PathRDMA, PathStream, err.Error())
+			cfgOf(s).Metrics.Fallback(PathRDMA, PathStream, err.Error())
 		}
 	}
 	return PathStream, pushStream(ctx, s, m, src)
 }
 
-func pushIPC(s *Session, m *rtr, src Source) error {
-	if s.Peer().ID != LocalID() && devicebuf.OwnIPC(m.IPC) {
+func pushIPC(s *transport.Session, m *rtr, src Source) error {
+	if s.Peer().ID != transport.LocalID() && devicebuf.OwnIPC(m.IPC) {
 		// A peer that echoes a handle this process exported would have the
 		// owner write into its own memory.
 		return errors.New("the receiver's IPC handle names this process's own memory")
@@ -1105,14 +1087,14 @@ type remoteKeys struct {
 
 var keysBySession = struct {
 	sync.Mutex
-	m map[*Session]*remoteKeys
-}{m: map[*Session]*remoteKeys{}}
+	m map[*transport.Session]*remoteKeys
+}{m: map[*transport.Session]*remoteKeys{}}
 
 // remoteKey returns the unpacked key for packed and the function that ends its
 // use by the caller. Unpacking is a round trip to the endpoint's worker: it
 // runs outside keysBySession's lock, so that a busy worker stalls only its own
 // pushes.
-func remoteKey(s *Session, ep *rdma.Endpoint, packed []byte) (*rdma.RemoteKey, func(), error) {
+func remoteKey(s *transport.Session, ep *rdma.Endpoint, packed []byte) (*rdma.RemoteKey, func(), error) {
 	keysBySession.Lock()
 	ck := keysBySession.m[s].lookup(packed)
 	if ck != nil {
@@ -1123,7 +1105,7 @@ func remoteKey(s *Session, ep *rdma.Endpoint, packed []byte) (*rdma.RemoteKey, f
 	keysBySession.Unlock()
 	select {
 	case <-s.Done():
-		return nil, nil, s.closedErr()
+		return nil, nil, closedErr(s)
 	default:
 	}
 	k, err := ep.UnpackKey(packed)
@@ -1141,7 +1123,7 @@ func remoteKey(s *Session, ep *rdma.Endpoint, packed []byte) (*rdma.RemoteKey, f
 	select {
 	case <-s.Done(): // dropRemoteKeys ran or runs: cache nothing
 		unused = k
-		return nil, nil, s.closedErr()
+		return nil, nil, closedErr(s)
 	default:
 	}
 	c := keysBySession.m[s]
@@ -1194,7 +1176,7 @@ func (c *remoteKeys) lookup(packed []byte) *cachedKey {
 	return ck
 }
 
-func dropRemoteKeys(s *Session) {
+func dropRemoteKeys(s *transport.Session) {
 	var unused []*rdma.RemoteKey
 	keysBySession.Lock()
 	if c := keysBySession.m[s]; c != nil {
@@ -1227,8 +1209,8 @@ func openIPC(m *rtr) (*devicebuf.Buffer, error) {
 	return devicebuf.OpenIPC(m.IPC, dev)
 }
 
-func pushRDMA(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src Source) (path Path, err error) {
-	if err := checkKeyDomains(ep, m.RKey); err != nil {
+func pushRDMA(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m *rtr, src Source) (path Path, err error) {
+	if err := checkKeyDomains(ep, m.RKey, s.TrustsPeer()); err != nil {
 		return PathRDMA, err
 	}
 	key, done, err := remoteKey(s, ep, m.RKey)
@@ -1271,8 +1253,8 @@ func pushRDMA(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src So
 // pushStaged moves GPU memory that UCX cannot register: chunks are copied device
 // to registered host staging while the previous chunk is being put, two
 // staging buffers in flight.
-func pushStaged(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src *devicebuf.Buffer, key *rdma.RemoteKey) error {
-	chunk := min(roundUp(cfg().StagingChunk, stagedGrain), src.Len())
+func pushStaged(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m *rtr, src *devicebuf.Buffer, key *rdma.RemoteKey) error {
+	chunk := min(roundUp(cfgOf(s).StagingChunk, stagedGrain), src.Len())
 	pool := HostPool(s.RDMA())
 	var bufs [2]*devicebuf.Buffer
 	for i := range bufs {
@@ -1341,7 +1323,7 @@ func pushStaged(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src 
 			if err := ep.Flush(ctx); err != nil {
 				return fmt.Errorf("flush: %w", err)
 			}
-			if err := s.SendControl(ctx, ctlChunk, chunkNotice(m.Req, uint64(f.off), uint64(f.n))); err != nil {
+			if err := sendControl(ctx, s, ctlChunk, chunkNotice(m.Req, uint64(f.off), uint64(f.n))); err != nil {
 				return err
 			}
 		}
@@ -1349,11 +1331,15 @@ func pushStaged(ctx context.Context, s *Session, ep *rdma.Endpoint, m *rtr, src 
 	return nil
 }
 
-func pushStream(ctx context.Context, s *Session, m *rtr, src Source) error {
-	if lane := s.bulkLane(); lane != nil {
-		return pushLane(ctx, s, m, src)
+func pushStream(ctx context.Context, s *transport.Session, m *rtr, src Source) error {
+	link := stateOf(s).link
+	if link == nil {
+		return closedErr(s)
 	}
-	c, err := s.OpenBulk(ctx)
+	if link.Lane() != nil {
+		return pushLane(ctx, s, link, m, src)
+	}
+	c, err := link.OpenBulk(ctx)
 	if err != nil {
 		return fmt.Errorf("open bulk stream: %w", err)
 	}
@@ -1380,18 +1366,18 @@ const laneFrameMax = 256 << 10
 // A source that fails (a device copy) or does not hold the transfer's length,
 // or a ctx that ends, stops the transfer with an abort frame; a lane cut mid
 // frame ends the session.
-func pushLane(ctx context.Context, s *Session, m *rtr, src Source) error {
+func pushLane(ctx context.Context, s *transport.Session, link *transport.Link, m *rtr, src Source) error {
 	f := laneFrame{kind: laneData, req: m.Req, total: m.Length}
 	write := func(ctx context.Context, body []byte) error {
-		err := s.writeLaneFrame(ctx, f.marshal(), body)
+		err := link.WriteLaneFrame(ctx, f.marshal(), body)
 		switch {
 		case err == nil:
 			f.off += f.n
 			return nil
-		case errors.Is(err, errNoTurn):
+		case errors.Is(err, transport.ErrNoLaneTurn):
 			return err // nothing written: the lane is intact
 		}
-		s.closeWith(fmt.Errorf("%w: bulk lane write: %w", ErrPeerGone, err))
+		abort(s, fmt.Errorf("%w: bulk lane write: %w", transport.ErrPeerGone, err))
 		return errLaneBroken
 	}
 	var err error
@@ -1421,14 +1407,14 @@ func pushLane(ctx context.Context, s *Session, m *rtr, src Source) error {
 	case err == nil:
 		return nil
 	case errors.Is(err, errLaneBroken):
-		return s.closedErr()
+		return closedErr(s)
 	}
 	// Tell the receiver, even when ctx ended: the abort is one small frame.
-	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cfg().Timeout)
+	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cfgOf(s).Timeout)
 	defer cancel()
 	f.kind, f.n = laneAbort, 0
 	if werr := write(actx, nil); errors.Is(werr, errLaneBroken) {
-		return s.closedErr()
+		return closedErr(s)
 	}
 	return err
 }

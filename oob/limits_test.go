@@ -1,4 +1,4 @@
-package transport
+package oob
 
 import (
 	"bytes"
@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/transport"
 )
 
 // These tests play a hostile peer by hand: both ends of a session pair live
@@ -30,11 +31,11 @@ func setTransferConfig(tb testing.TB, c TransferConfig) {
 // interceptControl shows fn the control messages of type typ first; those it
 // reports handled do not reach the engine's handler. Call it before the
 // sessions it concerns exist; it is undone when the test ends.
-func interceptControl(tb testing.TB, typ byte, fn func(s *Session, payload []byte) (handled bool)) {
+func interceptControl(tb testing.TB, typ byte, fn func(s *transport.Session, payload []byte) (handled bool)) {
 	tb.Helper()
 	controlMu.Lock()
 	orig := controlHandlers[typ]
-	controlHandlers[typ] = func(s *Session, p []byte) {
+	controlHandlers[typ] = func(s *transport.Session, p []byte) {
 		if !fn(s, p) && orig != nil {
 			orig(s, p)
 		}
@@ -51,11 +52,13 @@ func interceptControl(tb testing.TB, typ byte, fn func(s *Session, payload []byt
 // is closed or s is done; each one that arrives is announced on the returned
 // channel. Call it before the sessions exist; it is undone when the test
 // ends.
-func stallBulk(tb testing.TB, s func() *Session, release <-chan struct{}) <-chan struct{} {
+func stallBulk(tb testing.TB, s func() *transport.Session, release <-chan struct{}) <-chan struct{} {
 	tb.Helper()
 	arrived := make(chan struct{}, 4096)
+	controlMu.Lock()
+	defer controlMu.Unlock()
 	orig := bulkHandler
-	bulkHandler = func(bs *Session, c net.Conn) {
+	bulkHandler = func(bs *transport.Session, c net.Conn) {
 		if bs != s() {
 			orig(bs, c)
 			return
@@ -67,7 +70,11 @@ func stallBulk(tb testing.TB, s func() *Session, release <-chan struct{}) <-chan
 		}
 		_ = c.Close()
 	}
-	tb.Cleanup(func() { bulkHandler = orig })
+	tb.Cleanup(func() {
+		controlMu.Lock()
+		bulkHandler = orig
+		controlMu.Unlock()
+	})
 	return arrived
 }
 
@@ -76,22 +83,24 @@ const testCtlMark = 0xE3
 var marks = struct {
 	once sync.Once
 	mu   sync.Mutex
-	ch   map[*Session]chan struct{}
-}{ch: map[*Session]chan struct{}{}}
+	ch   map[*transport.Session]chan struct{}
+}{ch: map[*transport.Session]chan struct{}{}}
 
 // markInbox returns the channel that receives a value for each testCtlMark
 // message s reads: the control reader handles messages in order, so the mark
 // arrives once every message sent before it was dispatched.
-func markInbox(s *Session) chan struct{} {
+func markInbox(s *transport.Session) chan struct{} {
 	marks.once.Do(func() {
-		registerControlHandler(testCtlMark, func(s *Session, _ []byte) {
+		controlMu.Lock()
+		controlHandlers[testCtlMark] = func(s *transport.Session, _ []byte) {
 			marks.mu.Lock()
 			ch := marks.ch[s]
 			marks.mu.Unlock()
 			if ch != nil {
 				ch <- struct{}{}
 			}
-		})
+		}
+		controlMu.Unlock()
 	})
 	ch := make(chan struct{}, 16)
 	marks.mu.Lock()
@@ -127,9 +136,9 @@ func TestUnansweredRTRs(t *testing.T) {
 	require.NoError(t, CloseHostPools())
 	t.Cleanup(func() { require.NoError(t, CloseHostPools()) })
 
-	var attacker *Session
+	var attacker *transport.Session
 	rtrs := make(chan struct{}, 64)
-	interceptControl(t, ctlRTR, func(s *Session, _ []byte) bool {
+	interceptControl(t, ctlRTR, func(s *transport.Session, _ []byte) bool {
 		if s != attacker {
 			return false
 		}
@@ -184,7 +193,7 @@ func TestUnansweredRTRs(t *testing.T) {
 	d := Offer(Source{Bytes: want}, OfferOptions{})
 	defer Withdraw(d.Token)
 	d.Owner = receiver.Peer().ID
-	require.Equal(t, []*Session{receiver}, liveSessions(d.Owner))
+	require.Equal(t, []*transport.Session{receiver}, liveSessions(d.Owner))
 	dst, err := pool.Alloc(n)
 	require.NoError(t, err, "another peer's destination")
 	defer dst.Release()
@@ -201,11 +210,11 @@ func TestUnansweredRTRs(t *testing.T) {
 func TestRTRFlood(t *testing.T) {
 	const pushes, queue, flood = 4, 256, 1000
 	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Limits: Limits{Pushes: pushes, PushQueue: queue}})
-	var attacker *Session
+	var attacker *transport.Session
 	release := make(chan struct{})
-	streams := stallBulk(t, func() *Session { return attacker }, release)
+	streams := stallBulk(t, func() *transport.Session { return attacker }, release)
 	var busy atomic.Int64
-	interceptControl(t, ctlFIN, func(s *Session, p []byte) bool {
+	interceptControl(t, ctlFIN, func(s *transport.Session, p []byte) bool {
 		if s != attacker {
 			return false
 		}
@@ -215,7 +224,7 @@ func TestRTRFlood(t *testing.T) {
 		return true
 	})
 	// A small window: a push of 1 MiB blocks until the attacker reads.
-	attacker, owner := pipePair(t, WithWindow(256<<10))
+	attacker, owner := pipePair(t, transport.WithWindow(256<<10))
 	mark := markInbox(owner)
 	d := Offer(Source{Bytes: make([]byte, 1<<20)}, OfferOptions{Held: true})
 	defer Withdraw(d.Token)
@@ -225,9 +234,9 @@ func TestRTRFlood(t *testing.T) {
 	defer cancel()
 	for i := range flood {
 		m := &rtr{Req: uint64(i + 1), Token: d.Token, Length: d.Length, Offers: PathStream}
-		require.NoError(t, attacker.SendControl(ctx, ctlRTR, m.marshal()))
+		require.NoError(t, sendControl(ctx, attacker, ctlRTR, m.marshal()))
 	}
-	require.NoError(t, attacker.SendControl(ctx, testCtlMark, nil))
+	require.NoError(t, sendControl(ctx, attacker, testCtlMark, nil))
 	waitFor(t, mark, "the mark after the flood")
 	for range pushes {
 		waitFor(t, streams, "a push")
@@ -242,7 +251,7 @@ func TestRTRFlood(t *testing.T) {
 	}
 	g := runtime.NumGoroutine() - before
 	t.Logf("%d goroutines more during the flood", g)
-	require.Less(t, g, 3*pushes+maxControlHandlers, "goroutines during a flood of %d RTRs", flood)
+	require.Less(t, g, 3*pushes+transport.MaxControlHandlers, "goroutines during a flood of %d RTRs", flood)
 
 	close(release)
 	require.NoError(t, attacker.Close())
@@ -277,16 +286,16 @@ func (w *pushWatch) Fallback(Path, Path, string) {}
 func TestCloseJoinsPushes(t *testing.T) {
 	w := &pushWatch{returned: make(chan struct{}), done: make(chan bool, 1)}
 	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Metrics: w})
-	var attacker *Session
-	streams := stallBulk(t, func() *Session { return attacker }, nil)
-	attacker, owner := pipePair(t, WithWindow(256<<10))
+	var attacker *transport.Session
+	streams := stallBulk(t, func() *transport.Session { return attacker }, nil)
+	attacker, owner := pipePair(t, transport.WithWindow(256<<10))
 	d := Offer(Source{Bytes: make([]byte, 1<<20)}, OfferOptions{Held: true})
 	defer Withdraw(d.Token)
 
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 	m := &rtr{Req: 1, Token: d.Token, Length: d.Length, Offers: PathStream}
-	require.NoError(t, attacker.SendControl(ctx, ctlRTR, m.marshal()))
+	require.NoError(t, sendControl(ctx, attacker, ctlRTR, m.marshal()))
 	waitFor(t, streams, "the push")
 
 	require.NoError(t, owner.Close())
@@ -314,11 +323,10 @@ func TestZeroLengthPull(t *testing.T) {
 // destination is released.
 func TestSilentOwnerOfExposedPull(t *testing.T) {
 	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Limits: Limits{Abandoned: 50 * time.Millisecond}})
-	rc := internalUCX(t)
-	t.Cleanup(func() { require.NoError(t, CloseHostPools()) })
-	var attacker atomic.Pointer[Session]
+	rc := ucxContext(t, "tcp")
+	var attacker atomic.Pointer[transport.Session]
 	rtrs := make(chan *rtr, 1)
-	interceptControl(t, ctlRTR, func(s *Session, p []byte) bool {
+	interceptControl(t, ctlRTR, func(s *transport.Session, p []byte) bool {
 		if s != attacker.Load() {
 			return false
 		}
@@ -326,8 +334,8 @@ func TestSilentOwnerOfExposedPull(t *testing.T) {
 		rtrs <- m // and no answer
 		return true
 	})
-	ucx := []Option{WithRDMAContext(rc), WithMode(ModeUCX)}
-	_, victim, owner, _, _ := lanePair(t, append(ucx, WithIdentity(NewIdentity())), ucx)
+	ucx := []transport.Option{transport.WithRDMAContext(rc), transport.WithMode(transport.ModeUCX)}
+	_, victim, owner, _, _ := lanePair(t, append(ucx, transport.WithIdentity(transport.NewIdentity())), ucx)
 	attacker.Store(owner)
 
 	dst, err := HostPool(rc).Alloc(1 << 20)
@@ -359,16 +367,16 @@ func TestPullWaitsForRoom(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
 		limits  Limits
-		waiting func(victim *Session) bool
+		waiting func(victim *transport.Session) bool
 	}{
-		{"session", Limits{Pulls: 1}, func(victim *Session) bool {
-			victim.bounds.mu.Lock()
-			defer victim.bounds.mu.Unlock()
-			return victim.bounds.room != nil
+		{"session", Limits{Pulls: 1}, func(victim *transport.Session) bool {
+			stateOf(victim).bounds.mu.Lock()
+			defer stateOf(victim).bounds.mu.Unlock()
+			return stateOf(victim).bounds.room != nil
 		}},
 		// All sessions together: a peer's many sessions do not multiply what it
 		// makes this process allocate.
-		{"total", Limits{TotalPullBytes: 1 << 10}, func(*Session) bool {
+		{"total", Limits{TotalPullBytes: 1 << 10}, func(*transport.Session) bool {
 			pullTotal.mu.Lock()
 			defer pullTotal.mu.Unlock()
 			return pullTotal.room != nil
@@ -378,11 +386,11 @@ func TestPullWaitsForRoom(t *testing.T) {
 	}
 }
 
-func testPullWaitsForRoom(t *testing.T, limits Limits, waitingOn func(*Session) bool) {
+func testPullWaitsForRoom(t *testing.T, limits Limits, waitingOn func(*transport.Session) bool) {
 	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Limits: limits})
-	var attacker *Session
+	var attacker *transport.Session
 	rtrs := make(chan struct{}, 4)
-	interceptControl(t, ctlRTR, func(s *Session, _ []byte) bool {
+	interceptControl(t, ctlRTR, func(s *transport.Session, _ []byte) bool {
 		if s != attacker {
 			return false
 		}
@@ -427,44 +435,4 @@ func testPullWaitsForRoom(t *testing.T, limits Limits, waitingOn func(*Session) 
 	waitFor(t, rtrs, "the third RTR")
 	cancel3()
 	require.Equal(t, TransferCanceled, kind(waitFor(t, third, "the third pull's end")))
-}
-
-// A peer that opens streams and leaves them hanging holds a bounded number of
-// goroutines: further streams wait in the multiplexer's backlog.
-func TestStreamFlood(t *testing.T) {
-	const flood = maxStreamHandlers + 200 // within the backlog beyond the handlers
-	setTransferConfig(t, TransferConfig{Timeout: testTimeout})
-	var victim *Session
-	release := make(chan struct{})
-	defer close(release)
-	streams := stallBulk(t, func() *Session { return victim }, release)
-	attacker, victim := pipePair(t)
-	mark := markInbox(victim)
-	before := runtime.NumGoroutine()
-
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
-	defer cancel()
-	for range flood {
-		st, err := attacker.mux.OpenStream()
-		require.NoError(t, err)
-		_, err = st.Write([]byte{roleBulk})
-		require.NoError(t, err)
-	}
-	require.NoError(t, attacker.SendControl(ctx, testCtlMark, nil))
-	waitFor(t, mark, "the mark after the flood")
-	for range maxStreamHandlers {
-		waitFor(t, streams, "a stream served")
-	}
-	select {
-	case <-streams:
-		t.Fatalf("more than %d streams served at once", maxStreamHandlers)
-	case <-time.After(100 * time.Millisecond): // one more would come at once
-	}
-	// The attacker's own end waits for the streams left in the backlog to be
-	// accepted, a goroutine each: those are not the victim's.
-	buf := make([]byte, 16<<20)
-	waiting := bytes.Count(buf[:runtime.Stack(buf, true)], []byte("yamux.(*Session).setOpenTimeout("))
-	g := runtime.NumGoroutine() - waiting - before
-	t.Logf("%d goroutines more during the flood, and %d of the attacker's waiting opens", g, waiting)
-	require.Less(t, g, maxStreamHandlers+maxControlHandlers, "goroutines during a flood of %d streams", flood)
 }

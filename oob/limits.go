@@ -1,4 +1,4 @@
-package transport
+package oob
 
 import (
 	"context"
@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"sync"
 	"time"
+
+	"github.com/gdrpc/gdrpc/transport"
 )
 
 // Limits bound what one peer's session may hold of this process: the
@@ -78,16 +80,6 @@ func (l Limits) withDefaults(timeout time.Duration) Limits {
 	return l
 }
 
-// maxControlHandlers bounds the control message handlers one session runs at
-// once; the control reader waits for a free one. Handlers return quickly (an
-// RTR is only queued), so the bound is reached only by a peer flooding.
-const maxControlHandlers = 64
-
-// maxStreamHandlers bounds the streams of one session being served at once
-// (a bulk stream is served until its transfer ends). An honest owner opens at
-// most one per push it runs.
-const maxStreamHandlers = 256
-
 // sessionBounds is a session's share of the out-of-band engine: the budget of
 // its pulls, the queue of its pushes and the goroutines serving them, which
 // Close joins. The zero value is ready to use.
@@ -130,25 +122,9 @@ func (b *sessionBounds) join() {
 	b.wg.Wait()
 }
 
-// context returns a context that ends with s.
-func (s *Session) context() context.Context {
-	b := &s.bounds
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.ctx == nil {
-		b.ctx, b.cancel = context.WithCancel(context.Background())
-		select {
-		case <-s.done:
-			b.cancel()
-		default:
-		}
-	}
-	return b.ctx
-}
-
 // endBounds runs when s closes: its context ends and its queued RTRs go.
-func endBounds(s *Session) {
-	b := &s.bounds
+func endBounds(a *attached) {
+	b := &a.bounds
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.cancel != nil {
@@ -165,15 +141,15 @@ func exhausted(t Token, format string, args ...any) error {
 // reservePull reserves room for one pull of n bytes through s, waiting for
 // it while ctx and s live, and returns the function that gives it back
 // (once).
-func reservePull(ctx context.Context, s *Session, t Token, n uint64) (func(), error) {
-	lim := cfg().Limits
+func reservePull(ctx context.Context, s *transport.Session, t Token, n uint64) (func(), error) {
+	lim := cfgOf(s).Limits
 	if n > uint64(lim.PullBytes) {
 		return nil, exhausted(t, "a %d-byte payload is over the limit of %d bytes in flight per session (Limits.PullBytes)", n, lim.PullBytes)
 	}
 	if n > uint64(lim.TotalPullBytes) {
 		return nil, exhausted(t, "a %d-byte payload is over the limit of %d bytes in flight in all (Limits.TotalPullBytes)", n, lim.TotalPullBytes)
 	}
-	b := &s.bounds
+	b := &stateOf(s).bounds
 	for {
 		// Lock order: the session's bounds, then the process's.
 		b.mu.Lock()
@@ -257,20 +233,20 @@ func (p *pull) settleLater() {
 		p.settled()
 		return
 	}
-	t := time.NewTimer(cfg().Limits.Abandoned)
+	t := time.NewTimer(cfgOf(p.s).Limits.Abandoned)
 	defer t.Stop()
 	select {
 	case <-p.fin:
 	case <-p.s.Done():
 	case <-t.C:
-		p.s.closeWith(fmt.Errorf("%w: %w", ErrPeerGone, errOwnerSilent))
+		abort(p.s, fmt.Errorf("%w: %w", transport.ErrPeerGone, errOwnerSilent))
 	}
 	p.settled()
 }
 
 // abandon hands a pull whose caller gave up to a goroutine of its session.
 func (p *pull) abandon() {
-	if !p.s.bounds.spawn(p.settleLater) {
+	if !stateOf(p.s).bounds.spawn(p.settleLater) {
 		p.settled() // the session is closing: the owner can no longer write
 	}
 }
@@ -279,14 +255,14 @@ func (p *pull) abandon() {
 
 // queueRTR takes an RTR off the control stream: it queues it for one of the
 // session's push goroutines, or refuses it when the queue is full.
-func queueRTR(s *Session, payload []byte) {
+func queueRTR(s *transport.Session, payload []byte) {
 	m, err := parseRTR(payload)
 	if err != nil {
-		cfg().Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
 		return
 	}
-	lim := cfg().Limits
-	b := &s.bounds
+	lim := cfgOf(s).Limits
+	b := &stateOf(s).bounds
 	b.mu.Lock()
 	if len(b.queue) >= lim.PushQueue {
 		b.mu.Unlock()
@@ -307,8 +283,8 @@ func queueRTR(s *Session, payload []byte) {
 }
 
 // pushLoop serves the session's queued RTRs until none is left.
-func pushLoop(s *Session) {
-	b := &s.bounds
+func pushLoop(s *transport.Session) {
+	b := &stateOf(s).bounds
 	for {
 		b.mu.Lock()
 		if len(b.queue) == 0 {
@@ -325,11 +301,11 @@ func pushLoop(s *Session) {
 }
 
 // refuseRTR answers m with a busy FIN.
-func refuseRTR(s *Session, m *rtr, msg string) {
-	ctx, cancel := context.WithTimeout(s.context(), cfg().Timeout)
+func refuseRTR(s *transport.Session, m *rtr, msg string) {
+	ctx, cancel := context.WithTimeout(sessionContext(s), cfgOf(s).Timeout)
 	defer cancel()
 	f := &fin{Req: m.Req, Status: finBusy, Msg: msg}
-	if err := s.SendControl(ctx, ctlFIN, f.marshal()); err != nil {
-		cfg().Logger.Debug("FIN not sent", "session", s.ID(), "err", err)
+	if err := sendControl(ctx, s, ctlFIN, f.marshal()); err != nil {
+		cfgOf(s).Logger.Debug("FIN not sent", "session", s.ID(), "err", err)
 	}
 }

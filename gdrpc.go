@@ -1,0 +1,193 @@
+// Package gdrpc holds what a gdrpc client and server share: the options of
+// their sessions and of the out-of-band transfers over them, and the types
+// those options and a handler see. Packages dialer and listener take these
+// options; package gdrcodec moves the payloads; package devicebuf holds them.
+//
+// Every option is scoped to the Dialer or Listener it is given to. The zero
+// configuration (no options) is the safe one: peers are not trusted, so
+// sessions run over TCP and each transfer exposes only its own destination.
+package gdrpc
+
+import (
+	"context"
+	"log/slog"
+	"time"
+
+	"google.golang.org/grpc/peer"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/oob"
+	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// Option configures the sessions of a Dialer or a Listener and the transfers
+// over them.
+type Option func(*Config)
+
+// Config is what Options set; packages dialer and listener read it. Its zero
+// value is the default of every field.
+type Config struct {
+	// TrustPeers: see WithTrustPeers.
+	TrustPeers bool
+	// Transport: see WithTransport. Empty means ModeAuto, or the environment
+	// variable GDRPC_TRANSPORT.
+	Transport Mode
+	// Identity proves this process's id; nil means the process's own.
+	Identity *Identity
+	// Logger receives the sessions' and transfers' records; nil discards them.
+	Logger *slog.Logger
+	// Metrics receives session and transfer events; nil reports none.
+	Metrics Metrics
+	// Limits bound what one peer may hold; zero fields take their defaults.
+	Limits Limits
+	// TransferTimeout bounds one transfer; zero means oob.DefaultTransferTimeout.
+	TransferTimeout time.Duration
+	// Paths are the transfer paths allowed; zero means all.
+	Paths Path
+	// KeepAliveInterval and KeepAliveTimeout: see WithKeepAlive.
+	KeepAliveInterval, KeepAliveTimeout time.Duration
+	// IdleTimeout: see WithIdleTimeout.
+	IdleTimeout time.Duration
+	// Session holds session options applied after the others (WithSessionOptions).
+	Session []transport.Option
+}
+
+// WithTrustPeers says the peers are trusted (one cluster, one operator).
+// Sessions in ModeAuto then move onto UCX, and transfers may use the paths
+// through which a peer writes wherever its key says: UCX shared memory, CMA
+// and CUDA IPC, the fastest on one host. Untrusted peers (the default) get
+// TCP sessions in ModeAuto, and each destination is registered for its
+// transfer alone. Either way a UCX session exposes more of a process to its
+// peer than its transfers' memory: see the README's Security section.
+func WithTrustPeers() Option { return func(c *Config) { c.TrustPeers = true } }
+
+// WithTransport chooses what sessions run over: ModeAuto (the default), ModeUCX
+// or ModeTCP.
+func WithTransport(m Mode) Option { return func(c *Config) { c.Transport = m } }
+
+// WithIdentity sets the identity the sessions prove (NewIdentity); by default
+// the process's own.
+func WithIdentity(id *Identity) Option { return func(c *Config) { c.Identity = id } }
+
+// WithLogger sends the sessions' and transfers' log records to l.
+func WithLogger(l *slog.Logger) Option { return func(c *Config) { c.Logger = l } }
+
+// WithMetrics reports session and transfer events to m.
+func WithMetrics(m Metrics) Option { return func(c *Config) { c.Metrics = m } }
+
+// WithLimits bounds what one peer may hold (see Limits).
+func WithLimits(l Limits) Option { return func(c *Config) { c.Limits = l } }
+
+// WithTransferTimeout bounds one out-of-band transfer when the call's context
+// has no earlier deadline; by default oob.DefaultTransferTimeout.
+func WithTransferTimeout(d time.Duration) Option {
+	return func(c *Config) { c.TransferTimeout = d }
+}
+
+// WithPaths restricts the transfer paths to p (the stream path is always
+// allowed); by default all.
+func WithPaths(p Path) Option { return func(c *Config) { c.Paths = p } }
+
+// WithKeepAlive sets how often an idle session is pinged and how long an
+// answer may take before the session is dropped; zero values keep the
+// defaults (10 s each), and a negative interval turns keepalive off.
+func WithKeepAlive(interval, timeout time.Duration) Option {
+	return func(c *Config) { c.KeepAliveInterval, c.KeepAliveTimeout = interval, timeout }
+}
+
+// WithIdleTimeout closes a session that carried nothing for d and holds no
+// gRPC conn (a peer that connected and went quiet); zero keeps the default
+// (2 minutes), negative turns it off.
+func WithIdleTimeout(d time.Duration) Option { return func(c *Config) { c.IdleTimeout = d } }
+
+// WithSessionOptions applies package transport's options to the sessions,
+// after the others: for what only the session layer knows (a UCX context of
+// one's own, the lanes, the multiplexer's window).
+func WithSessionOptions(opts ...transport.Option) Option {
+	return func(c *Config) { c.Session = append(c.Session, opts...) }
+}
+
+// Mode chooses what a session runs over.
+type Mode = transport.Mode
+
+// The modes.
+const (
+	ModeAuto = transport.ModeAuto // UCX when both ends have it and trust each other, else TCP
+	ModeUCX  = transport.ModeUCX  // UCX or fail
+	ModeTCP  = transport.ModeTCP  // TCP only
+)
+
+// Identity is the ed25519 key a process proves its id with.
+type Identity = transport.Identity
+
+// NewIdentity returns a fresh identity.
+func NewIdentity() *Identity { return transport.NewIdentity() }
+
+// Limits bound what one peer may hold; see oob.Limits.
+type Limits = oob.Limits
+
+// Path is a way a payload travels, or a set of them.
+type Path = oob.Path
+
+// The paths.
+const (
+	PathCUDAIPC = oob.PathCUDAIPC // same host, GPU to GPU through a CUDA IPC handle
+	PathRDMA    = oob.PathRDMA    // UCX put into the receiver's registered memory
+	PathStream  = oob.PathStream  // the session's bulk stream
+	PathStaged  = oob.PathStaged  // GPU memory through registered host staging
+	PathLocal   = oob.PathLocal   // the owner is this process: a plain copy
+)
+
+// TransferInfo describes one finished transfer.
+type TransferInfo = oob.TransferInfo
+
+// Metrics receives session and transfer events. Implementations must be
+// cheap and safe for concurrent use.
+type Metrics interface {
+	// SessionUp reports a new session and the transport it runs over ("ucx"
+	// or "tcp").
+	SessionUp(transport string, client bool)
+	// SessionDown reports a closed session and why.
+	SessionDown(transport string, client bool, err error)
+	// SessionFallback reports a session that stayed on TCP although UCX was
+	// offered, and why.
+	SessionFallback(reason string)
+	// Transfer reports one finished transfer, on both sides.
+	Transfer(TransferInfo)
+	// TransferFallback reports that a better path was not taken, and why.
+	TransferFallback(wanted, took Path, reason string)
+}
+
+// Session is a gdrpc session: one connection to a peer process.
+type Session = transport.Session
+
+// SessionFromContext returns the session the RPC of ctx (a handler's or an
+// interceptor's context) came over, or nil when it came over none.
+func SessionFromContext(ctx context.Context) *Session { return transport.SessionFromContext(ctx) }
+
+// SessionFromPeer returns the session an RPC's peer (peer.FromContext, or the
+// grpc.Peer call option) came over, or nil when it came over none.
+func SessionFromPeer(p *peer.Peer) *Session { return transport.SessionFromPeer(p) }
+
+// NopMetrics is a Metrics that reports nothing; embed it to implement only
+// the events one wants.
+type NopMetrics struct{}
+
+func (NopMetrics) SessionUp(string, bool)              {}
+func (NopMetrics) SessionDown(string, bool, error)     {}
+func (NopMetrics) SessionFallback(string)              {}
+func (NopMetrics) Transfer(TransferInfo)               {}
+func (NopMetrics) TransferFallback(Path, Path, string) {}
+
+// HostMemory returns the process's pool of host memory that UCX allocated and
+// registered once (plain host memory where UCX is unavailable): payloads that
+// live there move by RDMA with no copy and no registration per call.
+func HostMemory() devicebuf.Allocator {
+	if rdma.Available() == nil {
+		if rc, err := rdma.Default(); err == nil {
+			return oob.HostPool(rc)
+		}
+	}
+	return oob.HostPool(nil)
+}

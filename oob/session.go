@@ -1,0 +1,157 @@
+package oob
+
+import (
+	"context"
+	"net"
+	"sync"
+
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// Engine returns the out-of-band engine with the process's configuration
+// (SetTransferConfig), as sessions take it (transport.WithEngine).
+func Engine() transport.Engine { return engine{} }
+
+// New returns the out-of-band engine with configuration c for the transfers
+// over the sessions it is given to (packages dialer and listener make one per
+// Dialer and Listener). What a payload's owner does before any session is
+// involved (Offer) and the host pool follow the process's configuration. All
+// engines of a process share its outbox, its pulls and the process-wide limit
+// (Limits.TotalPullBytes): descriptors name the process, whatever session
+// carries them.
+func New(c TransferConfig) transport.Engine { return engine{c: c.withDefaults()} }
+
+// engine is a transport.Engine; its configuration is c, or the process's
+// when c is nil.
+type engine struct{ c *TransferConfig }
+
+func (e engine) config() *TransferConfig {
+	if e.c != nil {
+		return e.c
+	}
+	return cfg()
+}
+
+func (e engine) Attach(s *transport.Session, link *transport.Link) transport.Handler {
+	a := &attached{s: s, link: link, eng: e}
+	sessions.Store(s, a)
+	return a
+}
+
+// attached is the engine's state of one session it serves.
+type attached struct {
+	s      *transport.Session
+	link   *transport.Link // nil for closedState
+	eng    engine
+	bounds sessionBounds
+	act    activity
+}
+
+// sessions maps the sessions the engine serves, until they close, to their
+// state.
+var sessions sync.Map // *transport.Session -> *attached
+
+// closedState stands for a session the engine does not serve (any more): it
+// sends nothing, starts nothing and its context has ended.
+var closedState = func() *attached {
+	a := &attached{}
+	a.bounds.closing = true
+	a.bounds.ctx, a.bounds.cancel = context.WithCancel(context.Background())
+	a.bounds.cancel()
+	return a
+}()
+
+// stateOf returns the engine's state of s, closedState when it does not serve s.
+func stateOf(s *transport.Session) *attached {
+	if a, ok := sessions.Load(s); ok {
+		return a.(*attached)
+	}
+	return closedState
+}
+
+// cfgOf returns the configuration of the transfers over s.
+func cfgOf(s *transport.Session) *TransferConfig { return stateOf(s).eng.config() }
+
+// served reports whether the engine serves s.
+func served(s *transport.Session) bool {
+	_, ok := sessions.Load(s)
+	return ok
+}
+
+// Control messages by type, and the bulk stream handler; tests replace
+// them under controlMu.
+var (
+	controlMu       sync.RWMutex
+	controlHandlers = map[byte]func(s *transport.Session, payload []byte){
+		ctlRTR:   queueRTR,
+		ctlFIN:   handleFIN,
+		ctlChunk: handleChunk,
+	}
+	bulkHandler = serveBulk
+)
+
+func (a *attached) Control(typ byte, payload []byte) {
+	controlMu.RLock()
+	fn := controlHandlers[typ]
+	controlMu.RUnlock()
+	if fn != nil {
+		fn(a.s, payload)
+		return
+	}
+	a.eng.config().Logger.Debug("control message of unknown type dropped", "session", a.s.ID(), "type", typ, "len", len(payload))
+}
+
+func (a *attached) Bulk(c net.Conn) {
+	controlMu.RLock()
+	fn := bulkHandler
+	controlMu.RUnlock()
+	fn(a.s, c)
+}
+
+func (a *attached) Lane(c net.Conn) error { return serveBulkLane(a.s, c) }
+func (a *attached) Linger()               { lingerForTransfers(a.s) }
+func (a *attached) Join()                 { a.bounds.join() }
+
+func (a *attached) Closed() {
+	sessions.Delete(a.s)
+	dropRemoteKeys(a.s)
+	endBounds(a)
+	releaseSentTo(a.s)
+}
+
+// sendControl sends a control message on s, failing as a closed session does
+// when the engine does not serve s.
+func sendControl(ctx context.Context, s *transport.Session, typ byte, payload []byte) error {
+	a := stateOf(s)
+	if a.link == nil {
+		return closedErr(s)
+	}
+	return a.link.SendControl(ctx, typ, payload)
+}
+
+// closedErr is the error of a call on s once it closed.
+func closedErr(s *transport.Session) error {
+	if a := stateOf(s); a.link != nil {
+		return a.link.ClosedErr()
+	}
+	if err := s.Err(); err != nil {
+		return err
+	}
+	return transport.ErrSessionClosed
+}
+
+// sessionContext returns a context that ends with s.
+func sessionContext(s *transport.Session) context.Context {
+	a := stateOf(s)
+	if a.link == nil {
+		return a.bounds.ctx
+	}
+	return a.link.Context()
+}
+
+// abort ends s with cause.
+func abort(s *transport.Session, cause error) {
+	if a := stateOf(s); a.link != nil {
+		a.link.Abort(cause)
+	}
+}

@@ -1,0 +1,125 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"net"
+	"sync"
+)
+
+// Engine serves what a session carries besides the gRPC stream: control
+// messages, bulk streams and the bulk lane. The out-of-band engine (package
+// oob) is one. Sessions get theirs from WithEngine; a session without one
+// drops control messages and closes bulk streams the peer opens.
+type Engine interface {
+	// Attach is called once for each session, after its handshake and before
+	// it carries anything else. link is the session's side only the engine
+	// holds. The handler serves the session until it closed.
+	Attach(s *Session, link *Link) Handler
+}
+
+// Handler serves one session for its Engine. Its methods run on the
+// session's goroutines, which Close joins: each must return once the session
+// is done.
+type Handler interface {
+	// Control handles one control message; it owns payload. Each message is
+	// handled on a goroutine of its own, at most MaxControlHandlers at once.
+	Control(typ byte, payload []byte)
+	// Bulk serves one bulk stream the peer opened; it owns c.
+	Bulk(c net.Conn)
+	// Lane reads the frames of the session's bulk lane until it fails; an
+	// error ends the session.
+	Lane(c net.Conn) error
+	// Linger returns once a session whose gRPC conn closed may close: the
+	// session stays up while out-of-band transfers still use it.
+	Linger()
+	// Closed runs once the session closed, after it left the registry and
+	// Done was closed, on the goroutine that closed it (it must not call
+	// Close, which waits for that goroutine).
+	Closed()
+	// Join waits for the goroutines the handler started for the session; Close
+	// calls it after Closed.
+	Join()
+}
+
+// Link is the part of a session only its Engine holds: what the engine sends
+// and opens, and how it ends a session whose peer broke the protocol. The
+// zero Link is not usable; sessions make theirs.
+type Link struct {
+	s *Session
+
+	ctxOnce sync.Once
+	ctx     context.Context
+	cancel  context.CancelFunc
+}
+
+// ErrNoLaneTurn marks a lane frame of which nothing was written: the context
+// or the session ended while the frame waited for its turn.
+var ErrNoLaneTurn = errors.New("no turn on the bulk lane")
+
+// SendControl sends one control message: [type u8][length u32 BE][payload] on
+// the control stream. Writers are serialised; a message is never interleaved
+// with another. ctx bounds the wait for the stream and for the turn to write;
+// a write that fails ends the session.
+func (l *Link) SendControl(ctx context.Context, typ byte, payload []byte) error {
+	return l.s.sendControl(ctx, typ, payload)
+}
+
+// OpenBulk opens a new bulk stream to the peer, whose engine's Bulk gets the
+// other end.
+func (l *Link) OpenBulk(ctx context.Context) (net.Conn, error) {
+	return l.s.open(ctx, roleBulk)
+}
+
+// Lane returns the session's bulk lane once it is there, else nil.
+func (l *Link) Lane() net.Conn { return l.s.bulkLane() }
+
+// WriteLaneFrame writes bufs on the bulk lane as one frame, whole, between the
+// frames of other transfers, by ctx's deadline. An error wrapping
+// ErrNoLaneTurn means nothing was written; any other error may leave a frame
+// cut short, and the caller should end the session.
+func (l *Link) WriteLaneFrame(ctx context.Context, bufs ...[]byte) error {
+	return l.s.writeLaneFrame(ctx, bufs...)
+}
+
+// Abort ends the session with cause, without waiting (it may run on the
+// session's own goroutines): for a peer that broke the protocol or stopped
+// answering.
+func (l *Link) Abort(cause error) { l.s.closeWith(cause) }
+
+// Context returns a context that ends when the session closes.
+func (l *Link) Context() context.Context {
+	l.ctxOnce.Do(func() {
+		l.ctx, l.cancel = context.WithCancel(context.Background())
+		select {
+		case <-l.s.done:
+			l.cancel()
+		default:
+		}
+	})
+	return l.ctx
+}
+
+// ClosedErr is what calls on the closed session return: it wraps
+// net.ErrClosed and the session's Err.
+func (l *Link) ClosedErr() error { return l.s.closedErr() }
+
+// end cancels the link's context; the session calls it once it closed.
+func (l *Link) end() {
+	l.ctxOnce.Do(func() {
+		l.ctx, l.cancel = context.WithCancel(context.Background())
+	})
+	l.cancel()
+}
+
+// noHandler serves a session without an engine.
+type noHandler struct{ s *Session }
+
+func (h noHandler) Control(typ byte, payload []byte) {
+	h.s.log.Debug("control message dropped: no engine", "type", typ, "len", len(payload))
+}
+func (noHandler) Bulk(c net.Conn)     { _ = c.Close() }
+func (noHandler) Lane(net.Conn) error { return nil }
+func (noHandler) Linger()             {}
+func (noHandler) Closed()             {}
+func (noHandler) Join()               {}
