@@ -71,7 +71,8 @@ func forgeClaim(t *testing.T, owner transport.ID, length uint64, blob bool) []by
 func TestOversizedClaims(t *testing.T) {
 	id := transport.NewIdentity()
 	owner := id.ID()
-	transporttest.PairWith(t, []transport.Option{transport.WithIdentity(id)}, nil)
+	engine := transport.WithEngine(oob.Engine())
+	transporttest.PairWith(t, []transport.Option{transport.WithIdentity(id), engine}, []transport.Option{engine})
 	var stranger transport.ID
 	rand.Read(stranger[:])
 	tests := []struct {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net"
 	"sync"
+	"time"
 )
 
 // Engine serves what a session carries besides the gRPC stream: control
@@ -120,6 +121,22 @@ func (h noHandler) Control(typ byte, payload []byte) {
 }
 func (noHandler) Bulk(c net.Conn)     { _ = c.Close() }
 func (noHandler) Lane(net.Conn) error { return nil }
-func (noHandler) Linger()             {}
-func (noHandler) Closed()             {}
-func (noHandler) Join()               {}
+
+// Linger gives the peer lingerNoEngine to read what the lanes still carry:
+// the ping that closes a session gracefully travels on the session's main
+// connection, so its answer does not say the peer read its lanes.
+func (h noHandler) Linger() {
+	t := time.NewTimer(lingerNoEngine)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-h.s.done:
+	}
+}
+
+// lingerNoEngine is how long a session without an engine stays up after its
+// gRPC conn closed.
+const lingerNoEngine = 500 * time.Millisecond
+
+func (noHandler) Closed() {}
+func (noHandler) Join()   {}

@@ -114,12 +114,10 @@ type Peer struct {
 	SameHost  bool              // HostID equals LocalHostID()
 }
 
-// LocalCaps returns the capabilities this process announces in every
-// handshake. The default fills the UCX fields from rdma.Default() and Codecs
-// with "gdr"; CUDADevices is empty. It may be replaced (typically wrapped, to
-// add CUDA devices) before the first session is made; it must be safe for
-// concurrent use.
-var LocalCaps func() Caps = defaultLocalCaps
+// announcedCaps returns the capabilities this process announces in every
+// handshake: the UCX fields from rdma.Default() and Codecs with "gdr";
+// CUDADevices is empty. Tests replace it.
+var announcedCaps func() Caps = defaultLocalCaps
 
 var defaultUCXCaps = sync.OnceValue(func() Caps {
 	if rdma.Available() != nil {

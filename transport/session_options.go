@@ -234,10 +234,10 @@ func (c *config) rdmaContext() (*rdma.Context, error) {
 	return rc, err
 }
 
-// localCaps returns the caps to announce: LocalCaps(), with the UCX fields
+// localCaps returns the caps to announce: announcedCaps(), with the UCX fields
 // taken from the configured context when one was given.
 func (c *config) localCaps() Caps {
-	caps := LocalCaps().clone()
+	caps := announcedCaps().clone()
 	if c.rdmaCtx != nil {
 		u := ucxCaps(c.rdmaCtx)
 		caps.UCX, caps.UCXVersion, caps.MemoryTypes, caps.UCXTransports = u.UCX, u.UCXVersion, u.MemoryTypes, u.UCXTransports
