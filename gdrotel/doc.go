@@ -1,0 +1,99 @@
+// Package gdrotel records gdrpc's transfers, sessions and buffer pools as
+// OpenTelemetry metrics.
+//
+// The core of gdrpc imports no metrics library: it reports events through two
+// small hook interfaces, transport.Metrics for the out-of-band engine and
+// transport.SessionMetrics for sessions. A Recorder serves both through two
+// values, since the interfaces share a method name (Fallback) with different
+// signatures: Transfers for the engine, Sessions for sessions. ObservePool
+// adds the counters of a buffer pool, read when the metrics are collected.
+//
+// # Wiring
+//
+// Make one Recorder per process from the application's MeterProvider (nil
+// takes the global one), then hand its two halves to gdrpc:
+//
+//	rec, err := gdrotel.New(provider)
+//	if err != nil { ... }
+//
+//	// The out-of-band engine: one configuration per process.
+//	transport.SetTransferConfig(transport.TransferConfig{Metrics: rec.Transfers()})
+//
+//	// Sessions: a session option, on the server's listener and the client's dialer.
+//	lis, err := listener.Listen(":50051", transport.WithMetrics(rec.Sessions()))
+//	d := dialer.New(transport.WithMetrics(rec.Sessions()))
+//
+//	// The engine's pool of registered host memory, where received payloads
+//	// and staging buffers come from.
+//	rc, _ := rdma.Default() // nil without UCX: the pool of plain host memory
+//	unregister, err := rec.ObservePool("host", transport.HostPool(rc))
+//	defer unregister()
+//
+// # What it records
+//
+// Transfers (Transfers), on both sides of each out-of-band transfer:
+//
+//	gdrpc.transfer.io        By          bytes moved
+//	gdrpc.transfers          {transfer}  finished transfers
+//	gdrpc.transfer.duration  s           histogram, buckets from 10µs to 10s
+//
+// with the attributes route (transport.TransferInfo.Route: "rdma/cuda" is
+// GPUDirect RDMA, "rdma" an RDMA transfer of host memory, "cuda-ipc",
+// "staged", "stream", "local"), path (the transport.Path), direction
+// ("receive" on the side that pulled the bytes, "send" on the owner's), memory
+// ("host" or "cuda", this side's buffer) and outcome ("ok" or "error"). A
+// failed transfer also carries error.type, the kind of its
+// transport.TransferError ("timeout", "not_found", "unavailable",
+// "exhausted", "invalid", "canceled", "failed", or "_OTHER"), and counts its
+// full length in gdrpc.transfer.io: filter on outcome=ok for the bytes that
+// arrived.
+//
+//	gdrpc.transfer.fallbacks {fallback}  transfers that did not take a better path
+//
+// with wanted and took (paths) and reason.
+//
+// Sessions (Sessions):
+//
+//	gdrpc.session.active     {session}   open now (an up-down counter)
+//	gdrpc.session.opened     {session}
+//	gdrpc.session.closed     {session}
+//	gdrpc.session.fallbacks  {fallback}  sessions that stayed on TCP although UCX was offered
+//
+// with transport ("ucx" or "tcp") and side ("client" or "server"); closed
+// also has outcome: "closed" (this side closed it), "idle", "keepalive" (the
+// peer stopped answering), "peer_gone" (the peer closed it or the connection
+// broke) or "error"; fallbacks have reason only.
+//
+// Pools (ObservePool), with the attribute pool:
+//
+//	gdrpc.pool.region.count   {region}        regions held
+//	gdrpc.pool.region.usage   By              bytes of regions held (registered memory)
+//	gdrpc.pool.buffer.count   {buffer}        buffers handed out, not yet returned
+//	gdrpc.pool.buffer.usage   By              their bytes
+//	gdrpc.pool.registrations  {registration}  registrations made
+//	gdrpc.pool.allocations    {allocation}    by result: hit, miss, exhausted
+//	gdrpc.pool.waits          {wait}          allocations that waited for a region
+//	gdrpc.pool.region.freed   {region}        regions freed while the pool was open
+//
+// A hit is an allocation served from a region already registered, a miss one
+// that made (and registered) a new region: hits over hits plus misses is the
+// registration cache's hit ratio. Counts and bytes held are up-down counters
+// (they add up across pools); the others are monotonic counters.
+//
+// # Cardinality and cost
+//
+// Every attribute but pool (whose values are the names given to ObservePool)
+// takes its values from a small set. Error text never
+// becomes an attribute: a transfer's error is reduced to its kind, a session's
+// cause to its class, and a fallback's reason to the text before its first
+// colon (gdrpc's reasons read "register destination: <error>"), of which each
+// counter keeps the first WithMaxReasons apart and records the rest as
+// "_OTHER". Instruments are made once, by New; each attribute set is made on
+// its first use and reused, so recording an event takes a map look-up under
+// a read lock and the SDK's own work. The duration histogram's buckets are
+// advice: a View in the MeterProvider can replace them.
+//
+// What this package must never do: block or fail the event it records (an
+// error of the SDK stays in the SDK), keep a pool alive past unregister, or
+// put unbounded values (errors, addresses, tokens) into attributes.
+package gdrotel
