@@ -183,7 +183,7 @@ func (NopMetrics) TransferFallback(Path, Path, string) {}
 // HostMemory returns the process's pool of host memory that UCX allocated and
 // registered once (plain host memory where UCX is unavailable): payloads that
 // live there move by RDMA with no copy and no registration per call.
-func HostMemory() devicebuf.Allocator {
+func HostMemory() *devicebuf.Pool {
 	if rdma.Available() == nil {
 		if rc, err := rdma.Default(); err == nil {
 			return oob.HostPool(rc)

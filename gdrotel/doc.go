@@ -1,12 +1,10 @@
 // Package gdrotel records gdrpc's transfers, sessions and buffer pools as
 // OpenTelemetry metrics.
 //
-// The core of gdrpc imports no metrics library: it reports events through two
-// small hook interfaces, transport.Metrics for the out-of-band engine and
-// transport.SessionMetrics for sessions. A Recorder serves both through two
-// values, since the interfaces share a method name (Fallback) with different
-// signatures: Transfers for the engine, Sessions for sessions. ObservePool
-// adds the counters of a buffer pool, read when the metrics are collected.
+// The core of gdrpc imports no metrics library: it reports session and
+// transfer events through one small interface, gdrpc.Metrics, which a
+// Recorder implements. ObservePool adds the counters of a buffer pool, read
+// when the metrics are collected.
 //
 // # Wiring
 //
@@ -16,34 +14,31 @@
 //	rec, err := gdrotel.New(provider)
 //	if err != nil { ... }
 //
-//	// The out-of-band engine: one configuration per process.
-//	transport.SetTransferConfig(transport.TransferConfig{Metrics: rec.Transfers()})
+//	// A Recorder is a gdrpc.Metrics: sessions and transfers of the
+//	// listener's and the dialer's it is given to.
+//	lis, err := listener.Listen(":50051", gdrpc.WithMetrics(rec))
+//	d := dialer.New(gdrpc.WithMetrics(rec))
 //
-//	// Sessions: a session option, on the server's listener and the client's dialer.
-//	lis, err := listener.Listen(":50051", transport.WithMetrics(rec.Sessions()))
-//	d := dialer.New(transport.WithMetrics(rec.Sessions()))
-//
-//	// The engine's pool of registered host memory, where received payloads
-//	// and staging buffers come from.
-//	rc, _ := rdma.Default() // nil without UCX: the pool of plain host memory
-//	unregister, err := rec.ObservePool("host", transport.HostPool(rc))
+//	// The pool of registered host memory, where received payloads and
+//	// staging buffers come from.
+//	unregister, err := rec.ObservePool("host", gdrpc.HostMemory())
 //	defer unregister()
 //
 // # What it records
 //
-// Transfers (Transfers), on both sides of each out-of-band transfer:
+// Transfers, on both sides of each out-of-band transfer:
 //
 //	gdrpc.transfer.io        By          bytes moved
 //	gdrpc.transfers          {transfer}  finished transfers
 //	gdrpc.transfer.duration  s           histogram, buckets from 10µs to 10s
 //
-// with the attributes route (transport.TransferInfo.Route: "rdma/cuda" is
+// with the attributes route (oob.TransferInfo.Route: "rdma/cuda" is
 // GPUDirect RDMA, "rdma" an RDMA transfer of host memory, "cuda-ipc",
-// "staged", "stream", "local"), path (the transport.Path), direction
+// "staged", "stream", "local"), path (the oob.Path), direction
 // ("receive" on the side that pulled the bytes, "send" on the owner's), memory
 // ("host" or "cuda", this side's buffer) and outcome ("ok" or "error"). A
 // failed transfer also carries error.type, the kind of its
-// transport.TransferError ("timeout", "not_found", "unavailable",
+// oob.TransferError ("timeout", "not_found", "unavailable",
 // "exhausted", "invalid", "canceled", "failed", or "_OTHER"), and counts its
 // full length in gdrpc.transfer.io: filter on outcome=ok for the bytes that
 // arrived.

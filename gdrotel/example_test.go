@@ -11,6 +11,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	"google.golang.org/grpc"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
@@ -18,7 +19,6 @@ import (
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/gdrotel"
 	"github.com/gdrpc/gdrpc/listener"
-	"github.com/gdrpc/gdrpc/transport"
 )
 
 // A Recorder is wired in once, at start-up: the out-of-band engine's
@@ -37,11 +37,8 @@ func Example() {
 		log.Fatal(err)
 	}
 
-	transport.SetTransferConfig(transport.TransferConfig{Metrics: rec.Transfers()})
-	defer transport.SetTransferConfig(transport.TransferConfig{})
-
 	gdrcodec.Register()
-	lis, err := listener.Listen("127.0.0.1:0", transport.WithMetrics(rec.Sessions()))
+	lis, err := listener.Listen("127.0.0.1:0", gdrpc.WithMetrics(rec))
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -50,7 +47,7 @@ func Example() {
 	go func() { _ = srv.Serve(lis) }()
 	defer srv.Stop()
 
-	d := dialer.New(transport.WithMetrics(rec.Sessions()))
+	d := dialer.New(gdrpc.WithMetrics(rec))
 	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), d.DialOptions(nil)...)
 	if err != nil {
 		log.Fatal(err)

@@ -18,7 +18,7 @@ const (
 	keyResult attribute.Key = "result" // of gdrpc.pool.allocations: "hit", "miss" or "exhausted"
 )
 
-// Pool is what ObservePool reads: a *devicebuf.Pool (transport.HostPool
+// Pool is what ObservePool reads: a *devicebuf.Pool (oob.HostPool
 // returns the engine's), or anything else that counts the same way.
 type Pool interface {
 	Stats() devicebuf.PoolStats

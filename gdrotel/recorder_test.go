@@ -17,6 +17,7 @@ import (
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/gdrotel"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -100,13 +101,13 @@ const (
 
 func TestTransfer(t *testing.T) {
 	h := newHarness(t)
-	m := h.rec.Transfers()
-	m.Transfer(transport.TransferInfo{Path: transport.PathRDMA, Memory: devicebuf.CUDA, Pull: true, Bytes: 64 << 20, Elapsed: 4 * time.Millisecond})
-	m.Transfer(transport.TransferInfo{Path: transport.PathRDMA, Memory: devicebuf.Host, Bytes: 1 << 20, Elapsed: 250 * time.Microsecond})
-	m.Transfer(transport.TransferInfo{Path: transport.PathRDMA, Memory: devicebuf.Host, Bytes: 3 << 20, Elapsed: 750 * time.Microsecond})
-	m.Transfer(transport.TransferInfo{Path: transport.PathStream, Memory: devicebuf.Host, Pull: true, Bytes: 1000, Elapsed: time.Second,
-		Err: fmt.Errorf("fetch: %w", &transport.TransferError{Kind: transport.TransferNotFound, Err: errors.New("owner refused: token 0badc0de unknown")})})
-	m.Transfer(transport.TransferInfo{Path: transport.PathNone, Memory: devicebuf.Host, Pull: true, Bytes: 0, Elapsed: 2 * time.Second, Err: errors.New("no memory at 0x7f00")})
+	m := h.rec
+	m.Transfer(oob.TransferInfo{Path: oob.PathRDMA, Memory: devicebuf.CUDA, Pull: true, Bytes: 64 << 20, Elapsed: 4 * time.Millisecond})
+	m.Transfer(oob.TransferInfo{Path: oob.PathRDMA, Memory: devicebuf.Host, Bytes: 1 << 20, Elapsed: 250 * time.Microsecond})
+	m.Transfer(oob.TransferInfo{Path: oob.PathRDMA, Memory: devicebuf.Host, Bytes: 3 << 20, Elapsed: 750 * time.Microsecond})
+	m.Transfer(oob.TransferInfo{Path: oob.PathStream, Memory: devicebuf.Host, Pull: true, Bytes: 1000, Elapsed: time.Second,
+		Err: fmt.Errorf("fetch: %w", &oob.TransferError{Kind: oob.TransferNotFound, Err: errors.New("owner refused: token 0badc0de unknown")})})
+	m.Transfer(oob.TransferInfo{Path: oob.PathNone, Memory: devicebuf.Host, Pull: true, Bytes: 0, Elapsed: 2 * time.Second, Err: errors.New("no memory at 0x7f00")})
 
 	r := h.collect(t)
 	require.Equal(t, map[string]int64{
@@ -154,21 +155,21 @@ func TestTransferErrorType(t *testing.T) {
 		err  error
 		want string
 	}{
-		{name: "failed", err: &transport.TransferError{Kind: transport.TransferFailed}, want: "failed"},
-		{name: "unavailable", err: &transport.TransferError{Kind: transport.TransferUnavailable}, want: "unavailable"},
-		{name: "not found", err: &transport.TransferError{Kind: transport.TransferNotFound}, want: "not_found"},
-		{name: "timeout", err: &transport.TransferError{Kind: transport.TransferTimeout}, want: "timeout"},
-		{name: "invalid", err: &transport.TransferError{Kind: transport.TransferInvalid}, want: "invalid"},
-		{name: "canceled", err: &transport.TransferError{Kind: transport.TransferCanceled}, want: "canceled"},
-		{name: "exhausted", err: &transport.TransferError{Kind: transport.TransferExhausted}, want: "exhausted"},
-		{name: "wrapped", err: fmt.Errorf("pull: %w", &transport.TransferError{Kind: transport.TransferTimeout}), want: "timeout"},
-		{name: "unknown kind", err: &transport.TransferError{Kind: 99}, want: "_OTHER"},
+		{name: "failed", err: &oob.TransferError{Kind: oob.TransferFailed}, want: "failed"},
+		{name: "unavailable", err: &oob.TransferError{Kind: oob.TransferUnavailable}, want: "unavailable"},
+		{name: "not found", err: &oob.TransferError{Kind: oob.TransferNotFound}, want: "not_found"},
+		{name: "timeout", err: &oob.TransferError{Kind: oob.TransferTimeout}, want: "timeout"},
+		{name: "invalid", err: &oob.TransferError{Kind: oob.TransferInvalid}, want: "invalid"},
+		{name: "canceled", err: &oob.TransferError{Kind: oob.TransferCanceled}, want: "canceled"},
+		{name: "exhausted", err: &oob.TransferError{Kind: oob.TransferExhausted}, want: "exhausted"},
+		{name: "wrapped", err: fmt.Errorf("pull: %w", &oob.TransferError{Kind: oob.TransferTimeout}), want: "timeout"},
+		{name: "unknown kind", err: &oob.TransferError{Kind: 99}, want: "_OTHER"},
 		{name: "other error", err: context.DeadlineExceeded, want: "_OTHER"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			h := newHarness(t)
-			h.rec.Transfers().Transfer(transport.TransferInfo{Path: transport.PathStream, Pull: true, Bytes: 10, Err: tt.err})
+			h.rec.Transfer(oob.TransferInfo{Path: oob.PathStream, Pull: true, Bytes: 10, Err: tt.err})
 			want := "direction=receive,error.type=" + tt.want + ",memory=host,outcome=error,path=stream,route=stream"
 			require.Equal(t, map[string]int64{want: 1}, h.collect(t).sum(t, "gdrpc.transfers", "{transfer}", true))
 		})
@@ -177,13 +178,13 @@ func TestTransferErrorType(t *testing.T) {
 
 func TestTransferFallback(t *testing.T) {
 	h := newHarness(t, gdrotel.WithMaxReasons(2))
-	m := h.rec.Transfers()
-	m.Fallback(transport.PathRDMA, transport.PathStream, "register destination: ucp_mem_map: Out of memory at 0x7f0012340000")
-	m.Fallback(transport.PathRDMA, transport.PathStream, "register destination: invalid parameter")
-	m.Fallback(transport.PathCUDAIPC, transport.PathRDMA, "export IPC handle: CUDA_ERROR_INVALID_VALUE")
-	m.Fallback(transport.PathRDMA, transport.PathStream, "pack key: no memory")            // a third reason: past the limit
-	m.Fallback(transport.PathRDMA, transport.PathStream, "clear destination: device lost") // and a fourth
-	m.Fallback(transport.PathCUDAIPC, transport.PathRDMA, "register destination: again")   // a kept reason, other paths
+	m := h.rec
+	m.TransferFallback(oob.PathRDMA, oob.PathStream, "register destination: ucp_mem_map: Out of memory at 0x7f0012340000")
+	m.TransferFallback(oob.PathRDMA, oob.PathStream, "register destination: invalid parameter")
+	m.TransferFallback(oob.PathCUDAIPC, oob.PathRDMA, "export IPC handle: CUDA_ERROR_INVALID_VALUE")
+	m.TransferFallback(oob.PathRDMA, oob.PathStream, "pack key: no memory")            // a third reason: past the limit
+	m.TransferFallback(oob.PathRDMA, oob.PathStream, "clear destination: device lost") // and a fourth
+	m.TransferFallback(oob.PathCUDAIPC, oob.PathRDMA, "register destination: again")   // a kept reason, other paths
 
 	require.Equal(t, map[string]int64{
 		"reason=register destination,took=stream,wanted=rdma":   2,
@@ -210,7 +211,7 @@ func TestFallbackReasonClass(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			h := newHarness(t)
-			h.rec.Sessions().Fallback(tt.reason)
+			h.rec.SessionFallback(tt.reason)
 			require.Equal(t, map[string]int64{"reason=" + tt.want: 1},
 				h.collect(t).sum(t, "gdrpc.session.fallbacks", "{fallback}", true))
 		})
@@ -219,15 +220,15 @@ func TestFallbackReasonClass(t *testing.T) {
 
 func TestSessions(t *testing.T) {
 	h := newHarness(t)
-	m := h.rec.Sessions()
+	m := h.rec
 	m.SessionUp("ucx", true)
 	m.SessionUp("ucx", true)
 	m.SessionUp("tcp", false)
 	m.SessionUp("tcp", false)
 	m.SessionDown("ucx", true, transport.ErrSessionClosed)
 	m.SessionDown("tcp", false, fmt.Errorf("%w: control stream ended: %w", transport.ErrPeerGone, errors.New("EOF")))
-	m.Fallback("UCX upgrade failed: dial 10.0.0.7:4711: connection refused")
-	m.Fallback("UCX upgrade failed: rdma: no device")
+	m.SessionFallback("UCX upgrade failed: dial 10.0.0.7:4711: connection refused")
+	m.SessionFallback("UCX upgrade failed: rdma: no device")
 
 	r := h.collect(t)
 	require.Equal(t, map[string]int64{
@@ -263,8 +264,8 @@ func TestSessionCloseOutcome(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			h := newHarness(t)
-			h.rec.Sessions().SessionUp("tcp", true)
-			h.rec.Sessions().SessionDown("tcp", true, tt.err)
+			h.rec.SessionUp("tcp", true)
+			h.rec.SessionDown("tcp", true, tt.err)
 			r := h.collect(t)
 			require.Equal(t, map[string]int64{"outcome=" + tt.want + ",side=client,transport=tcp": 1},
 				r.sum(t, "gdrpc.session.closed", "{session}", true))
@@ -386,13 +387,13 @@ func TestConcurrent(t *testing.T) {
 	var wg sync.WaitGroup
 	for w := range workers {
 		wg.Go(func() {
-			transfers, sessions := h.rec.Transfers(), h.rec.Sessions()
+			transfers, sessions := h.rec, h.rec
 			for i := range rounds {
 				kind := devicebuf.Kind(i % 2)
-				transfers.Transfer(transport.TransferInfo{Path: transport.PathRDMA, Memory: kind, Pull: w%2 == 0, Bytes: 1 << 10, Elapsed: time.Millisecond})
-				transfers.Fallback(transport.PathRDMA, transport.PathStream, fmt.Sprintf("reason %d: worker %d", i%8, w))
+				transfers.Transfer(oob.TransferInfo{Path: oob.PathRDMA, Memory: kind, Pull: w%2 == 0, Bytes: 1 << 10, Elapsed: time.Millisecond})
+				transfers.TransferFallback(oob.PathRDMA, oob.PathStream, fmt.Sprintf("reason %d: worker %d", i%8, w))
 				sessions.SessionUp("ucx", w%2 == 0)
-				sessions.Fallback(fmt.Sprintf("reason %d: round %d", i%8, i))
+				sessions.SessionFallback(fmt.Sprintf("reason %d: round %d", i%8, i))
 				sessions.SessionDown("ucx", w%2 == 0, nil)
 			}
 		})
@@ -447,12 +448,12 @@ func TestConcurrent(t *testing.T) {
 
 func TestRecordingAllocatesNothing(t *testing.T) {
 	h := newHarness(t)
-	transfers, sessions := h.rec.Transfers(), h.rec.Sessions()
-	info := transport.TransferInfo{Path: transport.PathRDMA, Memory: devicebuf.CUDA, Pull: true, Bytes: 64 << 20, Elapsed: time.Millisecond}
+	transfers, sessions := h.rec, h.rec
+	info := oob.TransferInfo{Path: oob.PathRDMA, Memory: devicebuf.CUDA, Pull: true, Bytes: 64 << 20, Elapsed: time.Millisecond}
 	reason := "register destination: ucp_mem_map failed"
 	record := func() {
 		transfers.Transfer(info)
-		transfers.Fallback(transport.PathRDMA, transport.PathStream, reason)
+		transfers.TransferFallback(oob.PathRDMA, oob.PathStream, reason)
 		sessions.SessionUp("ucx", true)
 		sessions.SessionDown("ucx", true, transport.ErrSessionClosed)
 	}
@@ -470,7 +471,7 @@ func TestNilMeterProviderTakesGlobal(t *testing.T) {
 
 	rec, err := gdrotel.New(nil)
 	require.NoError(t, err)
-	rec.Sessions().SessionUp("tcp", false)
+	rec.SessionUp("tcp", false)
 	r := (&harness{rec: rec, reader: reader}).collect(t)
 	require.Equal(t, map[string]int64{"side=server,transport=tcp": 1}, r.sum(t, "gdrpc.session.opened", "{session}", true))
 }

@@ -24,16 +24,6 @@ const (
 	closedPeerGone  = "peer_gone" // the peer closed it, or the connection broke
 )
 
-// sessionMetrics is the Recorder's transport.SessionMetrics.
-type sessionMetrics struct{ r *Recorder }
-
-var _ transport.SessionMetrics = sessionMetrics{}
-
-// Sessions returns the receiver of session events, for transport.WithMetrics.
-// It records gdrpc.session.active, gdrpc.session.opened,
-// gdrpc.session.closed and gdrpc.session.fallbacks.
-func (r *Recorder) Sessions() transport.SessionMetrics { return sessionMetrics{r} }
-
 type sessionKey struct {
 	transport string
 	client    bool
@@ -61,8 +51,7 @@ func sessionFallbackAttrs(reason string) []attribute.KeyValue {
 }
 
 // SessionUp records a session that opened.
-func (s sessionMetrics) SessionUp(transportName string, client bool) {
-	r := s.r
+func (r *Recorder) SessionUp(transportName string, client bool) {
 	o := r.sessionOpts.get(sessionKey{transport: transportName, client: client})
 	ctx := context.Background()
 	r.sessionActive.Add(ctx, 1, o.add...)
@@ -71,8 +60,7 @@ func (s sessionMetrics) SessionUp(transportName string, client bool) {
 
 // SessionDown records a session that closed and why, by the class of err
 // (never its text).
-func (s sessionMetrics) SessionDown(transportName string, client bool, err error) {
-	r := s.r
+func (r *Recorder) SessionDown(transportName string, client bool, err error) {
 	k := sessionKey{transport: transportName, client: client}
 	ctx := context.Background()
 	r.sessionActive.Add(ctx, -1, r.sessionOpts.get(k).add...)
@@ -96,11 +84,10 @@ func closeOutcome(err error) string {
 	return outcomeError
 }
 
-// Fallback records a session that stayed on TCP although the server offered
+// SessionFallback records a session that stayed on TCP although the server offered
 // UCX. The reason is recorded by its class (see WithMaxReasons): the text
 // before its first colon.
-func (s sessionMetrics) Fallback(reason string) {
-	r := s.r
+func (r *Recorder) SessionFallback(reason string) {
 	class := reasonClass(reason)
 	o, ok := r.sessionFallbackOpts.lookup(class)
 	if !ok {

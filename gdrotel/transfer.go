@@ -6,18 +6,19 @@ import (
 
 	"go.opentelemetry.io/otel/attribute"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
-	"github.com/gdrpc/gdrpc/transport"
+	"github.com/gdrpc/gdrpc/oob"
 )
 
 // Attribute keys of the transfer instruments.
 const (
 	keyRoute     attribute.Key = "route"      // TransferInfo.Route: "rdma/cuda", "rdma", "cuda-ipc", "staged", "stream", "local"
-	keyPath      attribute.Key = "path"       // the transport.Path taken
+	keyPath      attribute.Key = "path"       // the oob.Path taken
 	keyDirection attribute.Key = "direction"  // "receive" (this side pulled the bytes) or "send"
 	keyMemory    attribute.Key = "memory"     // this side's memory: "host" or "cuda"
 	keyOutcome   attribute.Key = "outcome"    // "ok" or "error"
-	keyErrorType attribute.Key = "error.type" // on outcome=error: the transport.TransferErrorKind, or "_OTHER"
+	keyErrorType attribute.Key = "error.type" // on outcome=error: the oob.TransferErrorKind, or "_OTHER"
 	keyWanted    attribute.Key = "wanted"     // a fallback's better path
 	keyTook      attribute.Key = "took"       // the path a fallback took instead
 	keyReason    attribute.Key = "reason"     // why, without the error's text
@@ -31,19 +32,12 @@ const (
 	outcomeError     = "error"
 )
 
-// transferMetrics is the Recorder's transport.Metrics.
-type transferMetrics struct{ r *Recorder }
-
-var _ transport.Metrics = transferMetrics{}
-
-// Transfers returns the receiver of the out-of-band engine's events, for
-// transport.TransferConfig.Metrics. It records gdrpc.transfer.io,
-// gdrpc.transfers, gdrpc.transfer.duration and gdrpc.transfer.fallbacks.
-func (r *Recorder) Transfers() transport.Metrics { return transferMetrics{r} }
+// The Recorder is a gdrpc.Metrics: pass it to gdrpc.WithMetrics.
+var _ gdrpc.Metrics = (*Recorder)(nil)
 
 // transferKey is what a transfer's attributes are made from.
 type transferKey struct {
-	path      transport.Path
+	path      oob.Path
 	memory    devicebuf.Kind
 	pull      bool
 	errorType string // "" for a transfer that succeeded
@@ -55,7 +49,7 @@ func transferAttrs(k transferKey) []attribute.KeyValue {
 		direction = directionReceive
 	}
 	kv := []attribute.KeyValue{
-		keyRoute.String(transport.TransferInfo{Path: k.path, Memory: k.memory}.Route()),
+		keyRoute.String(oob.TransferInfo{Path: k.path, Memory: k.memory}.Route()),
 		keyPath.String(k.path.String()),
 		keyDirection.String(direction),
 		keyMemory.String(k.memory.String()),
@@ -68,8 +62,7 @@ func transferAttrs(k transferKey) []attribute.KeyValue {
 
 // Transfer records one finished transfer: its bytes, one transfer and its
 // duration, under the same attributes.
-func (t transferMetrics) Transfer(info transport.TransferInfo) {
-	r := t.r
+func (r *Recorder) Transfer(info oob.TransferInfo) {
 	o := r.transferOpts.get(transferKey{path: info.Path, memory: info.Memory, pull: info.Pull, errorType: errorType(info.Err)})
 	ctx := context.Background()
 	if info.Bytes > 0 {
@@ -80,30 +73,30 @@ func (t transferMetrics) Transfer(info transport.TransferInfo) {
 }
 
 // errorType is the error.type of a failed transfer: the kind of the
-// transport.TransferError in err's chain, "_OTHER" when there is none or its
+// oob.TransferError in err's chain, "_OTHER" when there is none or its
 // kind is unknown here, "" when err is nil.
 func errorType(err error) string {
 	if err == nil {
 		return ""
 	}
-	te, ok := errors.AsType[*transport.TransferError](err)
+	te, ok := errors.AsType[*oob.TransferError](err)
 	if !ok {
 		return otherValue
 	}
 	switch te.Kind {
-	case transport.TransferFailed:
+	case oob.TransferFailed:
 		return "failed"
-	case transport.TransferUnavailable:
+	case oob.TransferUnavailable:
 		return "unavailable"
-	case transport.TransferNotFound:
+	case oob.TransferNotFound:
 		return "not_found"
-	case transport.TransferTimeout:
+	case oob.TransferTimeout:
 		return "timeout"
-	case transport.TransferInvalid:
+	case oob.TransferInvalid:
 		return "invalid"
-	case transport.TransferCanceled:
+	case oob.TransferCanceled:
 		return "canceled"
-	case transport.TransferExhausted:
+	case oob.TransferExhausted:
 		return "exhausted"
 	}
 	return otherValue
@@ -112,7 +105,7 @@ func errorType(err error) string {
 // transferFallbackKey is what a transfer fallback's attributes are made from;
 // reason is an admitted reason class.
 type transferFallbackKey struct {
-	wanted, took transport.Path
+	wanted, took oob.Path
 	reason       string
 }
 
@@ -124,11 +117,10 @@ func transferFallbackAttrs(k transferFallbackKey) []attribute.KeyValue {
 	}
 }
 
-// Fallback records a transfer that took a worse path than wanted. The reason
+// TransferFallback records a transfer that took a worse path than wanted. The reason
 // is recorded by its class (see WithMaxReasons): the text before its first
 // colon.
-func (t transferMetrics) Fallback(wanted, took transport.Path, reason string) {
-	r := t.r
+func (r *Recorder) TransferFallback(wanted, took oob.Path, reason string) {
 	k := transferFallbackKey{wanted: wanted, took: took, reason: reasonClass(reason)}
 	o, ok := r.transferFallbackOpts.lookup(k)
 	if !ok {

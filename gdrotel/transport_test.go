@@ -9,6 +9,10 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/gdrpc/gdrpc"
+	"github.com/gdrpc/gdrpc/gdrotel"
+	"github.com/gdrpc/gdrpc/internal/face"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 	"github.com/gdrpc/gdrpc/transport/transporttest"
 )
@@ -18,11 +22,9 @@ import (
 // the sessions' end recorded.
 func TestWithTransport(t *testing.T) {
 	h := newHarness(t)
-	transport.SetTransferConfig(transport.TransferConfig{Metrics: h.rec.Transfers()})
-	t.Cleanup(func() { transport.SetTransferConfig(transport.TransferConfig{}) })
-
-	sessions := notifyingSessions{SessionMetrics: h.rec.Sessions(), down: make(chan bool, 2)}
-	client, server := transporttest.Pair(t, transport.WithMetrics(sessions))
+	// As packages dialer and listener wire their options into sessions.
+	metrics := notifyingMetrics{Recorder: h.rec, down: make(chan bool, 2)}
+	client, server := transporttest.Pair(t, face.SessionOptions([]gdrpc.Option{gdrpc.WithMetrics(metrics)})...)
 	require.Equal(t, client.Transport(), server.Transport())
 	session := "transport=" + client.Transport()
 	r := h.collect(t)
@@ -30,21 +32,21 @@ func TestWithTransport(t *testing.T) {
 		r.sum(t, "gdrpc.session.active", "{session}", false))
 
 	payload := bytes.Repeat([]byte("gdrpc"), 100<<10)
-	d := transport.Offer(transport.Source{Bytes: payload}, transport.OfferOptions{})
+	d := oob.Offer(oob.Source{Bytes: payload}, oob.OfferOptions{})
 	ctx, cancel := context.WithTimeout(context.Background(), transporttest.Timeout)
 	defer cancel()
 	got := make([]byte, len(payload))
-	path, err := transport.FetchBytes(ctx, d, got)
+	path, err := oob.FetchBytes(ctx, d, got)
 	require.NoError(t, err)
 	require.Equal(t, payload, got)
 
 	stale := d // its entry left after the pull
-	_, err = transport.FetchBytes(ctx, stale, got)
-	var te *transport.TransferError
+	_, err = oob.FetchBytes(ctx, stale, got)
+	var te *oob.TransferError
 	require.ErrorAs(t, err, &te)
-	require.Equal(t, transport.TransferNotFound, te.Kind)
+	require.Equal(t, oob.TransferNotFound, te.Kind)
 
-	route := "path=" + path.String() + ",route=" + transport.TransferInfo{Path: path}.Route()
+	route := "path=" + path.String() + ",route=" + oob.TransferInfo{Path: path}.Route()
 	r = h.collect(t)
 	require.Equal(t, map[string]int64{
 		"direction=receive,memory=host,outcome=ok," + route:                                     int64(len(payload)),
@@ -56,7 +58,7 @@ func TestWithTransport(t *testing.T) {
 	timeout := time.After(transporttest.Timeout)
 	for range 2 { // the client's end, and the server's when it notices
 		select {
-		case <-sessions.down:
+		case <-metrics.down:
 		case <-timeout:
 			t.Fatal("the server session outlived its peer")
 		}
@@ -74,12 +76,12 @@ func TestWithTransport(t *testing.T) {
 
 // notifyingSessions passes session events on and then reports each
 // SessionDown on down: a session's Done closes before its SessionDown runs.
-type notifyingSessions struct {
-	transport.SessionMetrics
+type notifyingMetrics struct {
+	*gdrotel.Recorder
 	down chan bool
 }
 
-func (n notifyingSessions) SessionDown(transportName string, client bool, err error) {
-	n.SessionMetrics.SessionDown(transportName, client, err)
+func (n notifyingMetrics) SessionDown(transportName string, client bool, err error) {
+	n.Recorder.SessionDown(transportName, client, err)
 	n.down <- client
 }
