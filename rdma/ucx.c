@@ -4,10 +4,8 @@
 #include "ucx.h"
 
 #include <arpa/inet.h>
-#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
@@ -54,78 +52,6 @@ const char *rdma_status_string(int status)
 }
 
 const char *rdma_version(void) { return p_ucp_get_version_string(); }
-
-// ---- close-on-exec for UCX's descriptors -----------------------------------
-
-// Descriptors open without FD_CLOEXEC before UCX was loaded are the user's:
-// they stay inheritable. Every other descriptor found without FD_CLOEXEC is
-// UCX's (Go opens all of its own with FD_CLOEXEC).
-#define RDMA_MAX_KEEP 64
-static int keep_fds[RDMA_MAX_KEEP];
-static int nkeep = -1;
-static pthread_mutex_t cloexec_mu = PTHREAD_MUTEX_INITIALIZER;
-
-static int scan_fds(int init)
-{
-	DIR *d = opendir("/proc/self/fd");
-	if (d == NULL) {
-		return -errno;
-	}
-	int self = dirfd(d);
-	struct dirent *de;
-	while ((de = readdir(d)) != NULL) {
-		if (de->d_name[0] < '0' || de->d_name[0] > '9') {
-			continue;
-		}
-		int fd = atoi(de->d_name);
-		if (fd == self) {
-			continue;
-		}
-		int fl = fcntl(fd, F_GETFD);
-		if (fl < 0 || (fl & FD_CLOEXEC)) {
-			continue;
-		}
-		if (init) {
-			if (nkeep < RDMA_MAX_KEEP) {
-				keep_fds[nkeep++] = fd;
-			}
-			continue;
-		}
-		int keep = 0;
-		for (int i = 0; i < nkeep; i++) {
-			if (keep_fds[i] == fd) {
-				keep = 1;
-				break;
-			}
-		}
-		if (!keep) {
-			fcntl(fd, F_SETFD, fl | FD_CLOEXEC);
-		}
-	}
-	closedir(d);
-	return 0;
-}
-
-int rdma_cloexec_init(void)
-{
-	pthread_mutex_lock(&cloexec_mu);
-	int r = 0;
-	if (nkeep < 0) {
-		nkeep = 0;
-		r = scan_fds(1);
-	}
-	pthread_mutex_unlock(&cloexec_mu);
-	return r;
-}
-
-void rdma_cloexec_scan(void)
-{
-	pthread_mutex_lock(&cloexec_mu);
-	if (nkeep >= 0) {
-		scan_fds(0);
-	}
-	pthread_mutex_unlock(&cloexec_mu);
-}
 
 typedef struct {
 	uint64_t id;

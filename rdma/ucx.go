@@ -34,13 +34,13 @@ func load() error {
 			os.Setenv("UCX_ERROR_SIGNALS", "")
 			defer os.Unsetenv("UCX_ERROR_SIGNALS")
 		}
-		C.rdma_cloexec_init()
+		ucxFDs.baseline()
 		var buf [512]C.char
 		if C.rdma_load(&buf[0], C.size_t(len(buf))) != 0 {
 			loader.err = fmt.Errorf("%w: %s", ErrNotSupported, C.GoString(&buf[0]))
 			return
 		}
-		C.rdma_cloexec_scan()
+		ucxFDs.scan()
 	})
 	return loader.err
 }
@@ -240,7 +240,7 @@ func (c *Context) create(cfg *options) error {
 	}
 	var ebuf [256]C.char
 	st := C.rdma_context_create(kp, vp, C.int(len(keys)), &c.h, &ebuf[0], C.size_t(len(ebuf)))
-	C.rdma_cloexec_scan()
+	ucxFDs.scan()
 	if st != statusOK {
 		return statusError(C.GoString(&ebuf[0]), st)
 	}

@@ -50,8 +50,6 @@ typedef struct {
 
 // loading and context
 int rdma_load(char *err, size_t errlen);
-int rdma_cloexec_init(void);
-void rdma_cloexec_scan(void);
 const char *rdma_status_string(int status);
 const char *rdma_version(void);
 

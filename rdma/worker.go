@@ -114,7 +114,7 @@ func (c *Context) newWorker(isDefault bool) (*Worker, error) {
 		evs:       make([]C.rdma_event_t, eventBatch),
 	}
 	st := C.rdma_worker_create(w.ctx.h, &w.cw)
-	C.rdma_cloexec_scan()
+	ucxFDs.scan()
 	if st != statusOK {
 		return nil, fmt.Errorf("rdma: create worker: %w", statusError("ucp_worker_create", st))
 	}
@@ -329,7 +329,7 @@ func markCloexec(idle bool) <-chan struct{} {
 			cloexec.waiters = nil
 			cloexec.mu.Unlock()
 			start := time.Now()
-			C.rdma_cloexec_scan()
+			ucxFDs.scan()
 			end := time.Now()
 			for _, c := range covered {
 				close(c)

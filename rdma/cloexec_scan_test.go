@@ -1,0 +1,96 @@
+//go:build cgo && !nordma
+
+package rdma
+
+import (
+	"slices"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+)
+
+// inheritablePipe opens a pipe without close-on-exec; the test's end closes
+// both descriptors.
+func inheritablePipe(t testing.TB) [2]int {
+	t.Helper()
+	var p [2]int
+	require.NoError(t, unix.Pipe2(p[:], 0))
+	t.Cleanup(func() {
+		unix.Close(p[0])
+		unix.Close(p[1])
+	})
+	require.False(t, isCloexec(t, p[0]))
+	require.False(t, isCloexec(t, p[1]))
+	return p
+}
+
+// isCloexec reports whether fd has FD_CLOEXEC set.
+func isCloexec(t testing.TB, fd int) bool {
+	t.Helper()
+	flags, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0)
+	require.NoError(t, err)
+	return flags&unix.FD_CLOEXEC != 0
+}
+
+func TestCloexecScanner(t *testing.T) {
+	t.Run("marks descriptors opened after the baseline", func(t *testing.T) {
+		var s cloexecScanner
+		s.baseline()
+		p := inheritablePipe(t)
+		s.scan()
+		require.True(t, isCloexec(t, p[0]))
+		require.True(t, isCloexec(t, p[1]))
+	})
+	t.Run("leaves the baseline inheritable", func(t *testing.T) {
+		var s cloexecScanner
+		user := inheritablePipe(t)
+		s.baseline()
+		later := inheritablePipe(t)
+		s.scan()
+		require.False(t, isCloexec(t, user[0]))
+		require.False(t, isCloexec(t, user[1]))
+		require.True(t, isCloexec(t, later[0]))
+		require.True(t, isCloexec(t, later[1]))
+	})
+	t.Run("marks nothing before the baseline", func(t *testing.T) {
+		var s cloexecScanner
+		p := inheritablePipe(t)
+		s.scan()
+		require.False(t, isCloexec(t, p[0]))
+		require.False(t, isCloexec(t, p[1]))
+	})
+	t.Run("takes the baseline once", func(t *testing.T) {
+		var s cloexecScanner
+		s.baseline()
+		p := inheritablePipe(t)
+		s.baseline()
+		s.scan()
+		require.True(t, isCloexec(t, p[0]))
+		require.True(t, isCloexec(t, p[1]))
+	})
+	t.Run("holds at most maxBaseline descriptors", func(t *testing.T) {
+		var s cloexecScanner
+		var fds []int
+		for range maxBaseline/2 + 1 {
+			p := inheritablePipe(t)
+			fds = append(fds, p[0], p[1])
+		}
+		s.baseline()
+		require.Len(t, s.keep, maxBaseline)
+		s.scan()
+		for _, fd := range fds {
+			require.Equal(t, !slices.Contains(s.keep, fd), isCloexec(t, fd), "descriptor %d", fd)
+		}
+	})
+}
+
+// The process's scanner took its baseline when UCX was loaded: a descriptor
+// opened without close-on-exec since then is UCX's to it, and marked.
+func TestCloexecScanAfterLoad(t *testing.T) {
+	_ = load()
+	p := inheritablePipe(t)
+	ucxFDs.scan()
+	require.True(t, isCloexec(t, p[0]))
+	require.True(t, isCloexec(t, p[1]))
+}

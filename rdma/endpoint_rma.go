@@ -1,0 +1,314 @@
+//go:build cgo && !nordma
+
+package rdma
+
+/*
+#include "ucx.h"
+*/
+import "C"
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"unsafe"
+)
+
+// RemoteKey is a peer's memory key unpacked on an endpoint.
+type RemoteKey struct {
+	e        *Endpoint
+	h        C.ucp_rkey_h // lock-only: the worker's lock guards it; nil once destroyed
+	region   packedKey
+	once     sync.Once
+	closeErr error
+}
+
+// KeyDomains returns the kinds of the peer's memory domains ("tcp", "ib",
+// "sysv", "posix", "cma", "cuda_ipc", ...) that packed carries and that the
+// endpoint's lanes reach: the transports a put with the key may take. Which
+// of them bound a put by the key depends on the transport: on some (shared
+// memory, CMA, CUDA IPC) this process writes itself wherever the key says.
+// An empty result means UCX would emulate the put with active messages that
+// the peer applies.
+func (e *Endpoint) KeyDomains(packed []byte) ([]string, error) {
+	info, err := e.laneInfo()
+	if err != nil {
+		return nil, fmt.Errorf("rdma: key domains: %w", err)
+	}
+	return keyDomains(packed, info)
+}
+
+// RMADomains returns the components of the peer's memory domains that the
+// endpoint's rma_bw lanes reach ("tcp", "ib", "cuda_ipc", ...): where a put
+// of a large buffer may go.
+func (e *Endpoint) RMADomains() ([]string, error) {
+	e.mu.Lock()
+	doms := e.rmaDoms
+	e.mu.Unlock()
+	if doms != nil {
+		return slices.Clone(doms), nil
+	}
+	info, err := e.laneInfo()
+	if err != nil {
+		return nil, fmt.Errorf("rdma: lanes: %w", err)
+	}
+	doms = rmaDomains(info)
+	if doms == nil {
+		doms = []string{}
+	}
+	e.mu.Lock()
+	e.rmaDoms = doms
+	e.mu.Unlock()
+	return slices.Clone(doms), nil
+}
+
+// laneInfo returns ucp_ep_print_info's text for the endpoint, asked once:
+// lanes do not change after wireup.
+func (e *Endpoint) laneInfo() (string, error) {
+	e.mu.Lock()
+	info := e.lanes
+	e.mu.Unlock()
+	if info != "" {
+		return info, nil
+	}
+	info = e.TransportInfo()
+	if !strings.Contains(info, "->") {
+		return "", cmp.Or(e.termErr(), errors.New("the endpoint shows no lanes"))
+	}
+	e.mu.Lock()
+	e.lanes = info
+	e.mu.Unlock()
+	return info, nil
+}
+
+// UnpackKey unpacks a key made by the peer's Memory.PackKey. The framing is
+// validated; the key is valid on this endpoint only.
+func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
+	pk, err := decodeKey(packed)
+	if err != nil {
+		return nil, err
+	}
+	if err := validateRkey(pk.rkey); err != nil {
+		return nil, err
+	}
+	pk.rkey = slices.Clone(pk.rkey)
+	k := &RemoteKey{e: e, region: pk}
+	var uerr error
+	err = e.w.call(func() {
+		if e.ce == nil || e.ucpClosed {
+			uerr = e.opError("ucp_ep_rkey_unpack", statusCanceled)
+			return
+		}
+		st := C.rdma_rkey_unpack(e.ce, unsafe.Pointer(&pk.rkey[0]), &k.h)
+		if st != statusOK {
+			uerr = statusError("ucp_ep_rkey_unpack", st)
+			return
+		}
+		e.rkeys[k] = struct{}{}
+		live.rkeys.Add(1)
+	})
+	if err == nil {
+		err = uerr
+	}
+	if err != nil {
+		return nil, fmt.Errorf("rdma: unpack key: %w", err)
+	}
+	return k, nil
+}
+
+// Close releases the key. It is idempotent; closing the endpoint releases
+// its keys too.
+func (k *RemoteKey) Close() error {
+	k.once.Do(func() {
+		if err := k.e.w.call(k.destroy); err != nil && !errors.Is(err, net.ErrClosed) {
+			k.closeErr = err
+		}
+	})
+	return k.closeErr
+}
+
+// destroy runs with the worker's lock held.
+func (k *RemoteKey) destroy() {
+	if k.h == nil {
+		return
+	}
+	C.rdma_rkey_destroy(k.e.w.cw, k.h)
+	k.h = nil
+	delete(k.e.rkeys, k)
+	live.rkeys.Add(-1)
+}
+
+func (e *Endpoint) checkRMA(key *RemoteKey, remote uint64, n int) error {
+	if key == nil {
+		return errors.New("rdma: nil remote key")
+	}
+	if key.e != e {
+		return errors.New("rdma: remote key was unpacked on another endpoint")
+	}
+	if n < 0 || !key.region.contains(remote, n) {
+		return fmt.Errorf("rdma: remote range %#x+%d outside the key's region %#x+%d", remote, n, key.region.base, key.region.length)
+	}
+	return nil
+}
+
+func checkLocal(m *Memory, off, n int) error {
+	if m == nil {
+		return errors.New("rdma: nil memory")
+	}
+	if off < 0 || n < 0 || off > m.n-n {
+		return fmt.Errorf("rdma: local range %d+%d outside memory of %d bytes", off, n, m.n)
+	}
+	return nil
+}
+
+// Put writes n bytes at src[srcOff:] into the peer's memory at remote. It
+// returns when the source may be reused (local completion); Flush gives
+// remote completion. UCX cannot cancel a put once issued: when ctx ends first,
+// Put still waits for the put to complete, or for the endpoint to fail, and
+// then returns ctx's error.
+func (e *Endpoint) Put(ctx context.Context, src *Memory, srcOff, n int, remote uint64, key *RemoteKey) error {
+	return e.memRMA(ctx, false, src, srcOff, n, remote, key)
+}
+
+// PutBytes writes p (Go memory, pinned for the operation) into the peer's
+// memory at remote.
+func (e *Endpoint) PutBytes(ctx context.Context, p []byte, remote uint64, key *RemoteKey) error {
+	if err := e.checkRMA(key, remote, len(p)); err != nil {
+		return err
+	}
+	if len(p) == 0 {
+		return e.termErr()
+	}
+	pin := new(runtime.Pinner)
+	pin.Pin(&p[0])
+	return e.rma(ctx, false, uintptr(unsafe.Pointer(&p[0])), len(p), nil, remote, key, pin.Unpin)
+}
+
+// Get reads n bytes at the peer's remote into dst[dstOff:].
+func (e *Endpoint) Get(ctx context.Context, dst *Memory, dstOff, n int, remote uint64, key *RemoteKey) error {
+	return e.memRMA(ctx, true, dst, dstOff, n, remote, key)
+}
+
+// memRMA checks the ranges and runs a put from, or a get into, m[off:off+n],
+// holding a reference on m until UCX completes.
+func (e *Endpoint) memRMA(ctx context.Context, get bool, m *Memory, off, n int, remote uint64, key *RemoteKey) error {
+	if err := checkLocal(m, off, n); err != nil {
+		return err
+	}
+	if err := e.checkRMA(key, remote, n); err != nil {
+		return err
+	}
+	if n == 0 {
+		return e.termErr()
+	}
+	if err := m.acquire(); err != nil {
+		return err
+	}
+	return e.rma(ctx, get, m.addr+uintptr(off), n, m, remote, key, m.release)
+}
+
+// rma runs a put from, or a get into, local[:n]; m is local's registration (nil
+// for pinned Go memory), which tells UCX its memory type and handle.
+func (e *Endpoint) rma(ctx context.Context, get bool, local uintptr, n int, m *Memory, remote uint64, key *RemoteKey, release func()) error {
+	name := "ucp_put_nbx"
+	if get {
+		name = "ucp_get_nbx"
+	}
+	if err := e.termErr(); err != nil {
+		release()
+		return err
+	}
+	res := make(chan error, 1)
+	w := e.w
+	err := w.submit(func() {
+		if key.h == nil {
+			// Keys go with their endpoint: when it failed, say why.
+			release()
+			if err := e.termErr(); err != nil {
+				res <- err
+			} else {
+				res <- closedError("remote key")
+			}
+			return
+		}
+		cuda, memh := C.int(0), C.ucp_mem_h(nil)
+		if m != nil {
+			memh = m.h
+			if m.mt == MemoryCUDA {
+				cuda = 1
+			}
+		}
+		e.issue(func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
+			if get {
+				return C.rdma_get(w.cw, ce, C.uintptr_t(local), C.size_t(n), cuda, memh, C.uint64_t(remote), key.h, id, req)
+			}
+			return C.rdma_put(w.cw, ce, C.uintptr_t(local), C.size_t(n), cuda, memh, C.uint64_t(remote), key.h, id, req)
+		}, func(st int) {
+			release()
+			res <- e.opError(name, st)
+		})
+	})
+	if err != nil {
+		release()
+		return err
+	}
+	var ctxErr error
+	select {
+	case err := <-res:
+		return err
+	case <-ctx.Done():
+		// UCX cannot cancel the operation: until it completes it may still
+		// read the local memory and write the peer's, which the caller would
+		// otherwise reuse, or report failed, at once.
+		ctxErr = fmt.Errorf("rdma: %s: %w", name, ctx.Err())
+	case <-e.done:
+	}
+	select {
+	case err := <-res:
+		return cmp.Or(ctxErr, err)
+	case <-e.done:
+		select {
+		case err := <-res:
+			return cmp.Or(ctxErr, err)
+		default:
+		}
+		return cmp.Or(ctxErr, e.termErr())
+	}
+}
+
+// Flush waits until every put issued on the endpoint so far completed at the
+// peer.
+func (e *Endpoint) Flush(ctx context.Context) error {
+	if err := e.termErr(); err != nil {
+		return err
+	}
+	res := make(chan error, 1)
+	w := e.w
+	err := w.submit(func() {
+		e.issue(func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
+			return C.rdma_ep_flush(w.cw, ce, id, req)
+		}, func(st int) { res <- e.opError("ucp_ep_flush_nbx", st) })
+	})
+	if err != nil {
+		return err
+	}
+	select {
+	case err := <-res:
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("rdma: flush: %w", ctx.Err())
+	case <-e.done:
+		select {
+		case err := <-res:
+			return err
+		default:
+		}
+		return e.termErr()
+	}
+}
