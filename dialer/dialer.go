@@ -46,9 +46,12 @@ func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error)
 // suited to a message transport; and the out-of-band codec
 // (gdrcodec.DialOptions: the gdr codec for every call of the ClientConn and
 // the interceptors that keep request payloads available until the call ends;
-// it registers nothing with gRPC). The AuthInfo of a call's peer
-// (grpc.Peer) is creds' own, and gdrpc.SessionFromPeer finds the session.
-func (d *Dialer) DialOptions(creds credentials.TransportCredentials) []grpc.DialOption {
+// it registers nothing with gRPC). codecOpts (gdrcodec.WithReceiveAllocator,
+// WithMaxReceivePayload, ...) apply to the calls of this ClientConn alone;
+// without them the codec follows gdrcodec.Register's. The AuthInfo of a
+// call's peer (grpc.Peer) is creds' own, and gdrpc.SessionFromPeer finds the
+// session.
+func (d *Dialer) DialOptions(creds credentials.TransportCredentials, codecOpts ...gdrcodec.Option) []grpc.DialOption {
 	return append([]grpc.DialOption{
 		grpc.WithContextDialer(d.DialContext),
 		grpc.WithTransportCredentials(transport.NewCredentials(creds)),
@@ -56,5 +59,5 @@ func (d *Dialer) DialOptions(creds credentials.TransportCredentials) []grpc.Dial
 		grpc.WithReadBufferSize(transport.GRPCBufferSize),
 		grpc.WithInitialWindowSize(transport.DefaultWindow),
 		grpc.WithInitialConnWindowSize(transport.DefaultWindow),
-	}, gdrcodec.DialOptions()...)
+	}, gdrcodec.DialOptions(codecOpts...)...)
 }

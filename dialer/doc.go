@@ -8,9 +8,9 @@
 //	cc, err := grpc.NewClient("passthrough:///host:50051", d.DialOptions(nil)...)
 //
 // DialOptions selects the out-of-band codec for every call of the ClientConn,
-// so a client needs no gdrcodec.Register (whose options, such as the receive
-// allocator, apply to it all the same); pass TLS credentials to it instead of
-// nil for TLS. New takes package gdrpc's options: gdrpc.WithTrustPeers
+// so a client needs no gdrcodec.Register; codec options given to it (the
+// receive allocator: where payloads land, such as a GPU) apply to that
+// ClientConn alone. Pass TLS credentials to it instead of nil for TLS. New takes package gdrpc's options: gdrpc.WithTrustPeers
 // (sessions run over TCP unless the peers trust each other, then over UCX
 // where both ends have it), the transport, identity, logger, metrics, limits
 // and transfer timeout; they apply to this Dialer's sessions alone. A call's

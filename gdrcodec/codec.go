@@ -129,6 +129,16 @@ func opts() *options {
 type codec struct {
 	name string
 	oob  bool
+	o    *options // nil: Register's
+}
+
+// options returns the codec's options: its own (DialOptions with options),
+// else Register's.
+func (c *codec) options() *options {
+	if c.o != nil {
+		return c.o
+	}
+	return opts()
 }
 
 func (c *codec) Name() string { return c.name }
@@ -142,7 +152,7 @@ func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
 	if !mayCarry(m.Descriptor()) {
 		return baseProto.Marshal(v)
 	}
-	w := &rewriter{oob: c.oob, eager: opts().eager, hold: holdOf(v)}
+	w := &rewriter{oob: c.oob, eager: c.options().eager, hold: holdOf(v)}
 	out, err := w.message(m)
 	if err != nil {
 		w.abort()
@@ -174,7 +184,7 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	if !mayCarry(m.Descriptor()) {
 		return nil
 	}
-	if err := resolve(recvContext(v), m, c.oob); err != nil {
+	if err := resolve(recvContext(v), m, c.oob, c.options()); err != nil {
 		return receiveFailed(v, c.oob, err)
 	}
 	return nil
@@ -496,12 +506,12 @@ type job struct {
 	undo func() // releases what run produced, when another job failed
 }
 
-func resolve(ctx context.Context, m protoreflect.Message, outOfBand bool) error {
+func resolve(ctx context.Context, m protoreflect.Message, outOfBand bool, o *options) error {
 	var jobs []job
-	if err := collect(m, outOfBand, &jobs); err != nil {
+	if err := collect(m, outOfBand, o, &jobs); err != nil {
 		return err
 	}
-	if err := withinLimit(jobs); err != nil {
+	if err := withinLimit(jobs, o.maxReceivePayload()); err != nil {
 		return err
 	}
 	switch len(jobs) {
@@ -536,9 +546,9 @@ func firstStatus(errs []error) error {
 	return nil
 }
 
-func collect(m protoreflect.Message, outOfBand bool, jobs *[]job) error {
+func collect(m protoreflect.Message, outOfBand bool, o *options, jobs *[]job) error {
 	if db, ok := m.Interface().(*gdrv1.DeviceBuffer); ok {
-		j, err := deviceBufferJob(db)
+		j, err := deviceBufferJob(db, o)
 		if err != nil {
 			return err
 		}
@@ -558,7 +568,7 @@ func collect(m protoreflect.Message, outOfBand bool, jobs *[]job) error {
 		case valueMessage(fd) != nil:
 			each(fd, v, func(v protoreflect.Value) {
 				if err == nil {
-					err = collect(v.Message(), outOfBand, jobs)
+					err = collect(v.Message(), outOfBand, o, jobs)
 				}
 			})
 		}
@@ -567,8 +577,8 @@ func collect(m protoreflect.Message, outOfBand bool, jobs *[]job) error {
 	return err
 }
 
-func receiveAllocator() devicebuf.Allocator {
-	if a := opts().alloc; a != nil {
+func receiveAllocator(o *options) devicebuf.Allocator {
+	if a := o.alloc; a != nil {
 		return a
 	}
 	if rdma.Available() == nil {
@@ -579,12 +589,12 @@ func receiveAllocator() devicebuf.Allocator {
 	return oob.HostPool(nil)
 }
 
-func deviceBufferJob(db *gdrv1.DeviceBuffer) (job, error) {
+func deviceBufferJob(db *gdrv1.DeviceBuffer, o *options) (job, error) {
 	d, outOfBand, err := ParseDescriptor(db)
 	if err != nil {
 		return job{}, codecError(codes.InvalidArgument, "%v", err)
 	}
-	alloc := receiveAllocator()
+	alloc := receiveAllocator(o)
 	if !outOfBand {
 		if uint64(len(db.Inline)) != db.Length {
 			return job{}, codecError(codes.InvalidArgument, "inline payload of %d bytes, descriptor says %d", len(db.Inline), db.Length)

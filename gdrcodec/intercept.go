@@ -268,10 +268,17 @@ func (s *heldStream) RecvMsg(m any) error {
 // DialOptions returns what a gdrpc client needs on top of its dialer: the gdr
 // codec, set for every call of the ClientConn (grpc.ForceCodecV2: gRPC's codec
 // registry is not touched, so it needs no Register), and UnaryClientInterceptor
-// and StreamClientInterceptor, chained. dialer.Dialer.DialOptions includes them.
-func DialOptions() []grpc.DialOption {
+// and StreamClientInterceptor, chained. opts (the receive allocator, the eager
+// threshold, the receive limit) apply to this ClientConn's calls alone;
+// without them the codec follows Register's. dialer.Dialer.DialOptions
+// includes these options.
+func DialOptions(opts ...Option) []grpc.DialOption {
+	c := gdrCodec
+	if len(opts) > 0 {
+		c = &codec{name: Name, oob: true, o: newOptions(opts)}
+	}
 	return []grpc.DialOption{
-		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(gdrCodec)),
+		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(c)),
 		grpc.WithChainUnaryInterceptor(UnaryClientInterceptor()),
 		grpc.WithChainStreamInterceptor(StreamClientInterceptor()),
 	}

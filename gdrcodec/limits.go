@@ -30,8 +30,7 @@ func (o *options) maxReceivePayload() uint64 {
 
 // withinLimit refuses a message whose payloads add up to more than the
 // receive limit.
-func withinLimit(jobs []job) error {
-	limit := opts().maxReceivePayload()
+func withinLimit(jobs []job, limit uint64) error {
 	var total uint64
 	for _, j := range jobs {
 		total += min(j.n, math.MaxUint64-total) // saturating

@@ -32,9 +32,14 @@ type netrpcConn struct {
 	c   codec
 }
 
-// newNetRPCConn needs no Register: net/rpc does not use gRPC's codec registry.
-func newNetRPCConn(rwc io.ReadWriteCloser) netrpcConn {
-	return netrpcConn{rwc: rwc, r: bufio.NewReader(rwc), w: bufio.NewWriter(rwc), c: codec{name: Name, oob: true}}
+// newNetRPCConn needs no Register: net/rpc does not use gRPC's codec
+// registry. Without opts the conn follows Register's options.
+func newNetRPCConn(rwc io.ReadWriteCloser, opts []Option) netrpcConn {
+	c := codec{name: Name, oob: true}
+	if len(opts) > 0 {
+		c.o = newOptions(opts)
+	}
+	return netrpcConn{rwc: rwc, r: bufio.NewReader(rwc), w: bufio.NewWriter(rwc), c: c}
 }
 
 func (c *netrpcConn) write(seq uint64, method, errMsg string, body any) error {
@@ -130,14 +135,16 @@ func (c *netrpcConn) readBody(v any) error {
 	if !mayCarry(m.ProtoReflect().Descriptor()) {
 		return nil
 	}
-	return resolve(context.Background(), m.ProtoReflect(), true)
+	return resolve(context.Background(), m.ProtoReflect(), true, c.c.options())
 }
 
 // NewClientCodec returns a net/rpc client codec over rwc (a gdrpc conn from
 // dialer.Dialer.DialContext): rpc.NewClientWithCodec(gdrcodec.NewClientCodec(conn)).
 // A request's payloads stay available to the server until its reply arrives.
-func NewClientCodec(rwc io.ReadWriteCloser) rpc.ClientCodec {
-	return &clientCodec{netrpcConn: newNetRPCConn(rwc), held: map[uint64]*hold{}}
+// opts (the receive allocator, limits) apply to this codec alone; without
+// them it follows Register's.
+func NewClientCodec(rwc io.ReadWriteCloser, opts ...Option) rpc.ClientCodec {
+	return &clientCodec{netrpcConn: newNetRPCConn(rwc, opts), held: map[uint64]*hold{}}
 }
 
 type clientCodec struct {
@@ -194,9 +201,10 @@ func (c *clientCodec) Close() error {
 // a gdrpc listener): rpc.ServeCodec(gdrcodec.NewServerCodec(conn)). A request's
 // buffers are released once its reply is written, the reply's once sent (the
 // outbox keeps its own reference until the client pulled it); a method that
-// keeps a received buffer takes it with Detach.
-func NewServerCodec(rwc io.ReadWriteCloser) rpc.ServerCodec {
-	return &serverCodec{netrpcConn: newNetRPCConn(rwc), args: map[uint64]any{}}
+// keeps a received buffer takes it with Detach. opts apply to this codec
+// alone; without them it follows Register's.
+func NewServerCodec(rwc io.ReadWriteCloser, opts ...Option) rpc.ServerCodec {
+	return &serverCodec{netrpcConn: newNetRPCConn(rwc, opts), args: map[uint64]any{}}
 }
 
 type serverCodec struct {
