@@ -118,6 +118,9 @@ func newRig(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer,
 	if mode == transport.ModeUCX {
 		requireUCX(t)
 	}
+	// A pull may take any live session to the owner (this process): start
+	// with none of an earlier test's left, whose engine would not report here.
+	require.Eventually(t, func() bool { return transport.NumSessions() == 0 }, 10*time.Second, 5*time.Millisecond)
 	pc := &pathCounter{paths: map[string]int{}}
 	oob.SetTransferConfig(oob.TransferConfig{Metrics: pc, Timeout: 20 * time.Second})
 	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
