@@ -56,9 +56,11 @@ type Config struct {
 // WithTrustPeers says the peers are trusted (one cluster, one operator).
 // Sessions in ModeAuto then move onto UCX, and transfers may use the paths
 // through which a peer writes wherever its key says: UCX shared memory, CMA
-// and CUDA IPC, the fastest on one host. Untrusted peers (the default) get
-// TCP sessions in ModeAuto, and each destination is registered for its
-// transfer alone. Either way a UCX session exposes more of a process to its
+// and CUDA IPC, the fastest on one host; a trusted owner's report of a
+// transfer is taken at its word, so destinations are not cleared first.
+// Untrusted peers (the default) get TCP sessions in ModeAuto, and each
+// destination is registered for its transfer alone and cleared before a path
+// whose arrival the receiver cannot count. Either way a UCX session exposes more of a process to its
 // peer than its transfers' memory: see the README's Security section.
 func WithTrustPeers() Option { return func(c *Config) { c.TrustPeers = true } }
 

@@ -189,3 +189,25 @@ func TestGPUConcurrentCopies(t *testing.T) {
 	n := requireCUDA(t)
 	testConcurrentCopies(t, n-1)
 }
+
+// BenchmarkClear is what clearing a GPU destination costs (a device memset
+// and the wait for it).
+func BenchmarkClear(b *testing.B) {
+	requireCUDA(b)
+	dev, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(b, err)
+	for _, n := range []int{1 << 20, 64 << 20} {
+		b.Run("size="+sizeName(n), func(b *testing.B) {
+			buf, err := dev.Alloc(n)
+			require.NoError(b, err)
+			defer buf.Release()
+			require.NoError(b, devicebuf.Clear(buf))
+			b.SetBytes(int64(n))
+			for b.Loop() {
+				if err := devicebuf.Clear(buf); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime/trace"
 	"sync"
 	"sync/atomic"
 
@@ -144,6 +145,7 @@ func (c *codec) options() *options {
 func (c *codec) Name() string { return c.name }
 
 func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
+	defer trace.StartRegion(context.Background(), "gdrpc.marshal").End()
 	vv := messageV2Of(v)
 	if vv == nil {
 		return nil, fmt.Errorf("gdrcodec: cannot marshal %T, want proto.Message", v)
@@ -173,6 +175,7 @@ func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
 }
 
 func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
+	defer trace.StartRegion(context.Background(), "gdrpc.unmarshal").End()
 	if err := baseProto.Unmarshal(data, v); err != nil {
 		return err
 	}

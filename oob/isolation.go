@@ -3,6 +3,7 @@ package oob
 import (
 	"context"
 	"fmt"
+	"runtime/trace"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/rdma"
@@ -65,7 +66,10 @@ func checkKeyDomains(ep *rdma.Endpoint, packed []byte, trusted bool) error {
 // receiver cannot count: a FIN that claims such a path hands over b whatever
 // the owner wrote, and b may hold an earlier transfer's bytes. GPU memory is
 // cleared by a memset on the device; the CPU never touches it.
-func clearDestination(b *devicebuf.Buffer) error { return devicebuf.Clear(b) }
+func clearDestination(b *devicebuf.Buffer) error {
+	defer trace.StartRegion(context.Background(), "gdrpc.clear").End()
+	return devicebuf.Clear(b)
+}
 
 // checkFINPath reports why a FIN "ok" naming path must be refused for the
 // RTR m: a path it did not offer, or none for a payload that has bytes.

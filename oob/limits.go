@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime/trace"
 	"sync"
 	"time"
 
@@ -256,6 +257,7 @@ func (p *pull) abandon() {
 // queueRTR takes an RTR off the control stream: it queues it for one of the
 // session's push goroutines, or refuses it when the queue is full.
 func queueRTR(s *transport.Session, payload []byte) {
+	trace.Log(context.Background(), "gdrpc", "rtr-received")
 	m, err := parseRTR(payload)
 	if err != nil {
 		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)

@@ -10,6 +10,7 @@ import (
 	"math"
 	"net"
 	"regexp"
+	"runtime/trace"
 	"slices"
 	"strconv"
 	"strings"
@@ -339,6 +340,7 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 	crc := tensor.ChecksumBytes(pat)
 	b.metrics.take()
 	call := func(cctx context.Context, _ int, first bool) (func() error, error) {
+		defer trace.StartRegion(cctx, "gdrperf.call").End()
 		var p peer.Peer
 		var err error
 		if b.o.op == "pull" {
