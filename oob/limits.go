@@ -34,7 +34,7 @@ type Limits struct {
 	// settled); further pulls wait as for PullBytes. If zero, 1024.
 	Pulls int
 	// Pushes bounds the pushes one session runs at once; its further RTRs
-	// wait in a queue. If zero, 16.
+	// wait in a queue. If zero, 16; at most transport.MaxControlHandlers/2.
 	Pushes int
 	// PushQueue bounds the RTRs of one session waiting for a push. An RTR
 	// beyond it is refused at once with a busy FIN (the receiver sees a
@@ -72,6 +72,9 @@ func (l Limits) withDefaults(timeout time.Duration) Limits {
 	if l.Pushes <= 0 {
 		l.Pushes = DefaultPushes
 	}
+	// Pushers run on control handlers' goroutines: leave half of those to
+	// the session's other control messages.
+	l.Pushes = min(l.Pushes, transport.MaxControlHandlers/2)
 	if l.PushQueue <= 0 {
 		l.PushQueue = DefaultPushQueue
 	}
@@ -255,7 +258,8 @@ func (p *pull) abandon() {
 // ---- owner: the push queue -----------------------------------------------------
 
 // queueRTR takes an RTR off the control stream: it queues it for one of the
-// session's push goroutines, or refuses it when the queue is full.
+// session's pushers, becoming one itself when fewer than Limits.Pushes run,
+// or refuses it when the queue is full.
 func queueRTR(s *transport.Session, payload []byte) {
 	trace.Log(context.Background(), "gdrpc", "rtr-received")
 	m, err := parseRTR(payload)
@@ -277,10 +281,12 @@ func queueRTR(s *transport.Session, payload []byte) {
 		b.pushers++
 	}
 	b.mu.Unlock()
-	if start && !b.spawn(func() { pushLoop(s) }) {
-		b.mu.Lock()
-		b.pushers--
-		b.mu.Unlock()
+	if start {
+		// This control message's goroutine becomes the pusher: a hand-off to
+		// another goroutine would cost a wake-up per transfer. The session
+		// joins it like every control handler; Pushes (at most
+		// transport.MaxControlHandlers) bounds how many are pushers.
+		pushLoop(s)
 	}
 }
 
