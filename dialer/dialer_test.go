@@ -285,7 +285,7 @@ func TestPeerKilledMidStream(t *testing.T) {
 			require.NoError(t, st.Send(&testpb.StreamingOutputCallRequest{Payload: &testpb.Payload{Body: []byte("ping")}}))
 			_, err = st.Recv()
 			require.NoError(t, err)
-			require.Equal(t, 1, transport.NumSessions())
+			require.Equal(t, 1, transport.ReadStats().Sessions)
 
 			require.NoError(t, cmd.Process.Kill())
 			start := time.Now()
@@ -294,10 +294,10 @@ func TestPeerKilledMidStream(t *testing.T) {
 			require.Less(t, time.Since(start), 10*time.Second)
 			t.Logf("stream failed %v after the kill: %v", time.Since(start), err)
 			deadline := time.Now().Add(testTimeout)
-			for transport.NumSessions() != 0 && time.Now().Before(deadline) {
+			for transport.ReadStats().Sessions != 0 && time.Now().Before(deadline) {
 				time.Sleep(10 * time.Millisecond) // polling an observable, bounded
 			}
-			require.Zero(t, transport.NumSessions())
+			require.Zero(t, transport.ReadStats().Sessions)
 		})
 	}
 }

@@ -148,10 +148,10 @@ func TestUnpulledResponsesAfterDisconnect(t *testing.T) {
 		require.NoError(t, err)
 		require.NotEmpty(t, got.Data.GetToken(), "the response carries a descriptor")
 	}
-	require.Equal(t, 4, oob.OutboxLen(), "the unpulled responses")
+	require.Equal(t, 4, oob.ReadStats().Offered, "the unpulled responses")
 	require.NoError(t, r.cc.Close())
-	require.Eventually(t, func() bool { return oob.OutboxLen() == 0 }, 5*time.Second, 5*time.Millisecond,
-		"%d unpulled responses still held after the client left", oob.OutboxLen())
+	require.Eventually(t, func() bool { return oob.ReadStats().Offered == 0 }, 5*time.Second, 5*time.Millisecond,
+		"%d unpulled responses still held after the client left", oob.ReadStats().Offered)
 }
 
 // uploadWatch is a TensorService whose Upload tells the test of each message
@@ -186,7 +186,7 @@ func TestStreamPayloadLeavesOncePulled(t *testing.T) {
 	require.NoError(t, err)
 	for seed := range uint32(3) {
 		sendAndWait(ctx, t, st, srv, seed)
-		require.Zero(t, oob.OutboxLen(), "payloads of the stream held after their pull")
+		require.Zero(t, oob.ReadStats().Offered, "payloads of the stream held after their pull")
 	}
 	_, err = st.CloseAndRecv()
 	require.NoError(t, err)
@@ -209,10 +209,10 @@ func TestStreamPayloadHeldUnderRetryPolicy(t *testing.T) {
 	st, err := tensorpb.NewTensorServiceClient(cc).Upload(ctx)
 	require.NoError(t, err)
 	sendAndWait(ctx, t, st, srv, 1)
-	require.Equal(t, 1, oob.OutboxLen(), "the pulled payload stays for a replay")
+	require.Equal(t, 1, oob.ReadStats().Offered, "the pulled payload stays for a replay")
 	_, err = st.CloseAndRecv()
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return oob.OutboxLen() == 0 }, 5*time.Second, time.Millisecond,
+	require.Eventually(t, func() bool { return oob.ReadStats().Offered == 0 }, 5*time.Second, time.Millisecond,
 		"the stream's end releases its payloads")
 }
 

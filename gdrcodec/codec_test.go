@@ -120,7 +120,7 @@ func newRig(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer,
 	}
 	// A pull may take any live session to the owner (this process): start
 	// with none of an earlier test's left, whose engine would not report here.
-	require.Eventually(t, func() bool { return transport.NumSessions() == 0 }, 10*time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
 	pc := &pathCounter{paths: map[string]int{}}
 	oob.SetTransferConfig(oob.TransferConfig{Metrics: pc, Timeout: 20 * time.Second})
 	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
@@ -144,7 +144,7 @@ func newRig(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer,
 		gs.Stop()
 		require.NoError(t, <-served)
 		// The next test starts with no session of this one left.
-		require.Eventually(t, func() bool { return transport.NumSessions() == 0 }, 10*time.Second, 5*time.Millisecond)
+		require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
 	})
 	return &rig{client: tensorpb.NewTensorServiceClient(cc), cc: cc, paths: pc}
 }

@@ -58,7 +58,7 @@ func serveTensors(t *testing.T, srv tensorpb.TensorServiceServer, extra ...grpc.
 	t.Cleanup(func() {
 		gs.Stop()
 		require.NoError(t, <-served)
-		require.Eventually(t, func() bool { return transport.NumSessions() == 0 }, 10*time.Second, 5*time.Millisecond)
+		require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
 	})
 	return lis.Addr().String()
 }

@@ -222,9 +222,9 @@ func startServer(tb testing.TB, opts []transport.Option, creds credentials.Trans
 func noSessions(tb testing.TB) {
 	tb.Helper()
 	deadline := time.Now().Add(testTimeout)
-	for transport.NumSessions() != 0 {
+	for transport.ReadStats().Sessions != 0 {
 		if time.Now().After(deadline) {
-			tb.Fatalf("%d sessions of earlier tests still registered", transport.NumSessions())
+			tb.Fatalf("%d sessions of earlier tests still registered", transport.ReadStats().Sessions)
 		}
 		time.Sleep(10 * time.Millisecond) // polling for earlier sessions to close, bounded by the deadline
 	}

@@ -76,7 +76,7 @@ func TestPeerKilledMidStream(t *testing.T) {
 			opts := tc.options(t, transport.WithKeepAlive(kaInterval, kaTimeout))
 			srv := startChild(t, "server", nil, envUCX+"="+tc.ucx)
 			addr := srv.waitLine("ADDR ")
-			before := transport.NumSessions()
+			before := transport.ReadStats().Sessions
 			rec := &dialRecorder{d: dialer.New(gdrpc.WithSessionOptions(withEngine(opts)...)).DialContext}
 			cc := dialClient(t, addr, opts, nil, grpc.WithContextDialer(rec.DialContext))
 			client := testgrpc.NewTestServiceClient(cc)
@@ -96,7 +96,7 @@ func TestPeerKilledMidStream(t *testing.T) {
 			require.Len(t, sessions, 1)
 			s := sessions[0]
 			require.Equal(t, tc.want(), s.Transport())
-			require.Equal(t, before+1, transport.NumSessions())
+			require.Equal(t, before+1, transport.ReadStats().Sessions)
 			require.Len(t, transport.SessionsTo(s.Peer().ID), 1)
 
 			srv.kill()
@@ -107,7 +107,7 @@ func TestPeerKilledMidStream(t *testing.T) {
 			require.Less(t, elapsed, deadBound)
 			t.Logf("Recv failed %v after SIGKILL: %v", elapsed.Round(time.Millisecond), err)
 			waitDone(t, s)
-			require.Equal(t, before, transport.NumSessions())
+			require.Equal(t, before, transport.ReadStats().Sessions)
 			require.NoError(t, cc.Close())
 			requireSettled(t)
 		})
@@ -471,7 +471,7 @@ func TestReconnectAfterServerRestart(t *testing.T) {
 			s2 := sessions[len(sessions)-1]
 			require.NotEqual(t, s1.Peer().ID, s2.Peer().ID, "a new server process")
 			require.Equal(t, tc.want(), s2.Transport())
-			require.Equal(t, 1, transport.NumSessions())
+			require.Equal(t, 1, transport.ReadStats().Sessions)
 			require.Equal(t, map[string]int{map[string]string{"ucx": "rdma", "tcp": "stream"}[tc.want()]: 2}, paths.reset())
 			require.NoError(t, cc.Close())
 			requireSettled(t)

@@ -74,10 +74,10 @@ func leaks(base int) error {
 	} else if n := runtime.NumGoroutine(); base >= 0 && n > base {
 		errs = append(errs, fmt.Errorf("%d goroutines, %d before the tests:\n%s", n, base, allStacks()))
 	}
-	if n := transport.NumSessions(); n != 0 {
+	if n := transport.ReadStats().Sessions; n != 0 {
 		errs = append(errs, fmt.Errorf("%d sessions still registered", n))
 	}
-	if n := oob.OutboxLen(); n != 0 {
+	if n := oob.ReadStats().Offered; n != 0 {
 		errs = append(errs, fmt.Errorf("%d outbox entries", n))
 	}
 	if n := gdrcodec.Attached(); n != 0 {

@@ -65,7 +65,7 @@ func TestConnectionRotation(t *testing.T) {
 			}
 			require.NoError(t, cc.Close())
 			requireSettled(t)
-			require.Zero(t, transport.NumSessions())
+			require.Zero(t, transport.ReadStats().Sessions)
 		})
 	}
 }

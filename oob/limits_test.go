@@ -315,7 +315,7 @@ func TestZeroLengthPull(t *testing.T) {
 	require.NoError(t, err)
 	require.Zero(t, b.Len())
 	b.Release()
-	require.Zero(t, OutboxLen(), "the pulled entry left")
+	require.Zero(t, ReadStats().Offered, "the pulled entry left")
 }
 
 // An owner that stays silent on an RTR whose destination it could write by

@@ -151,11 +151,25 @@ func (b *outbox) checkin(t Token, e *outboxEntry, ok bool) {
 	}
 }
 
-// OutboxLen returns the number of live outbox entries (tests check for leaks).
-func OutboxLen() int {
+// Stats is a snapshot of the engine in this process, for diagnostics and
+// leak checks.
+type Stats struct {
+	Offered  int // payloads in the outbox: offered, not yet withdrawn or expired
+	Pulls    int // pulls under way (their destinations not yet settled)
+	Sessions int // sessions the engine serves
+}
+
+// ReadStats returns the current Stats.
+func ReadStats() Stats {
+	var st Stats
 	box.mu.Lock()
-	defer box.mu.Unlock()
-	return len(box.entries)
+	st.Offered = len(box.entries)
+	box.mu.Unlock()
+	pulls.Lock()
+	st.Pulls = len(pulls.m)
+	pulls.Unlock()
+	sessions.Range(func(any, any) bool { st.Sessions++; return true })
+	return st
 }
 
 // removeLocked takes e, the entry of t, out of the outbox; its source is

@@ -197,7 +197,7 @@ func TestOutboxLifetime(t *testing.T) {
 	}, 5*time.Second, time.Millisecond)
 
 	require.NoError(t, b.Release())
-	require.Equal(t, 0, OutboxLen())
+	require.Equal(t, 0, ReadStats().Offered)
 	require.Equal(t, before, devicebuf.Live())
 }
 

@@ -94,7 +94,7 @@ func TestIdentityServerRejectsImpersonation(t *testing.T) {
 	server, other, attacker := NewIdentity(), NewIdentity(), NewIdentity()
 	// other is a live process with a session to the server.
 	_, otherSession := pipePairWith(t, []Option{WithIdentity(other)}, []Option{WithIdentity(server)})
-	registered := NumSessions()
+	registered := ReadStats().Sessions
 
 	flip := func(sig signature) signature { sig[7] ^= 0x10; return sig }
 	tests := []struct {
@@ -183,7 +183,7 @@ func TestIdentityServerRejectsImpersonation(t *testing.T) {
 
 			require.Equal(t, []*Session{otherSession}, SessionsTo(other.ID()))
 			require.Empty(t, SessionsTo(attacker.ID()))
-			require.Equal(t, registered, NumSessions())
+			require.Equal(t, registered, ReadStats().Sessions)
 		})
 	}
 }
@@ -194,7 +194,7 @@ func TestIdentityServerRejectsImpersonation(t *testing.T) {
 func TestIdentityClientRejectsImpersonation(t *testing.T) {
 	client, other, attacker := NewIdentity(), NewIdentity(), NewIdentity()
 	otherSession, _ := pipePairWith(t, []Option{WithIdentity(client)}, []Option{WithIdentity(other)})
-	registered := NumSessions()
+	registered := ReadStats().Sessions
 
 	welcomeAs := func(id ID, key publicKey) welcome {
 		return welcome{ID: id, HostID: LocalHostID(), Caps: Caps{Codecs: []string{"gdr"}}, Transport: "tcp", Token: newToken(), Key: key, Nonce: newNonce()}
@@ -306,7 +306,7 @@ func TestIdentityClientRejectsImpersonation(t *testing.T) {
 
 			require.Equal(t, []*Session{otherSession}, SessionsTo(other.ID()))
 			require.Empty(t, SessionsTo(attacker.ID()))
-			require.Equal(t, registered, NumSessions())
+			require.Equal(t, registered, ReadStats().Sessions)
 		})
 	}
 }
@@ -393,7 +393,7 @@ func testListenerImpersonation(t *testing.T, opts []Option, rc *rdma.Context) {
 	}
 	otherSessions := SessionsTo(other.ID())
 	require.Len(t, otherSessions, 1)
-	registered := NumSessions()
+	registered := ReadStats().Sessions
 
 	var d net.Dialer
 	c, err := d.DialContext(ctx, "tcp", l.Addr().String())
@@ -444,5 +444,5 @@ func testListenerImpersonation(t *testing.T, opts []Option, rc *rdma.Context) {
 
 	require.Equal(t, otherSessions, SessionsTo(other.ID()))
 	require.Empty(t, SessionsTo(attacker.ID()))
-	require.Equal(t, registered, NumSessions())
+	require.Equal(t, registered, ReadStats().Sessions)
 }

@@ -53,9 +53,16 @@ func SessionsTo(id ID) []*Session {
 	return out
 }
 
-// NumSessions returns the number of live sessions in the registry, for leak
+// Stats is a snapshot of this process's sessions, for diagnostics and leak
 // checks.
-func NumSessions() int {
+type Stats struct {
+	Sessions int // live sessions, in the registry
+}
+
+// ReadStats returns the current Stats.
+func ReadStats() Stats { return Stats{Sessions: numSessions()} }
+
+func numSessions() int {
 	registry.Lock()
 	defer registry.Unlock()
 	n := 0

@@ -160,7 +160,7 @@ func MakePipe(opts ...transport.Option) func() (c1, c2 net.Conn, stop func(), er
 // NoSessions fails the test if the registry still holds sessions.
 func NoSessions(tb testing.TB) {
 	tb.Helper()
-	if n := transport.NumSessions(); n != 0 {
+	if n := transport.ReadStats().Sessions; n != 0 {
 		tb.Errorf("transporttest: %d sessions still registered", n)
 	}
 }

@@ -21,10 +21,10 @@ func Settled(goroutines int) error {
 	return leaktest.Poll(10*time.Second, func() error {
 		runtime.GC()
 		switch {
-		case transport.NumSessions() != 0:
-			return fmt.Errorf("%d sessions", transport.NumSessions())
-		case oob.OutboxLen() != 0:
-			return fmt.Errorf("%d outbox entries", oob.OutboxLen())
+		case transport.ReadStats().Sessions != 0:
+			return fmt.Errorf("%d sessions", transport.ReadStats().Sessions)
+		case oob.ReadStats().Offered != 0:
+			return fmt.Errorf("%d outbox entries", oob.ReadStats().Offered)
 		case gdrcodec.Attached() != 0:
 			return fmt.Errorf("%d attached buffers", gdrcodec.Attached())
 		case runtime.NumGoroutine() > goroutines+4:

@@ -28,7 +28,7 @@ func Check(extra ...func() error) error {
 	if len(leaked) > 0 {
 		errs = append(errs, fmt.Errorf("%d goroutines leaked:\n%s", len(leaked), strings.Join(leaked, "\n\n")))
 	}
-	if n := transport.NumSessions(); n != 0 {
+	if n := transport.ReadStats().Sessions; n != 0 {
 		errs = append(errs, fmt.Errorf("%d sessions still registered", n))
 	}
 	if st := rdma.Stats(); st.Endpoints != 0 || st.Listeners != 0 {
