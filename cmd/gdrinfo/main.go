@@ -168,7 +168,7 @@ func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA error) []Path {
 	case ucxCUDA == nil:
 		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host and GPU memory: UCX registers CUDA memory and moves it itself " +
 			"where a session's lane reaches GPU memory without the CPU (GPUDirect RDMA over InfiniBand/RoCE, its cuda_ipc on one host); " +
-			"GPU to GPU on one device takes it (its cuda_ipc keeps its mappings), between two devices of this host cuda-ipc does, "+
+			"GPU to GPU on one device takes it (its cuda_ipc keeps its mappings), between two devices of this host cuda-ipc does, " +
 			"and sessions over tcp stage GPU memory, each the faster there"})
 	default:
 		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host memory only: " + ucxCUDA.Error()})
