@@ -2,7 +2,6 @@ package gdrcodec
 
 import (
 	"context"
-	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -462,7 +461,7 @@ func refusalOf(ctx context.Context, header metadata.MD) error {
 		return status.Errorf(codes.FailedPrecondition, "gdrpc: this server cannot serve %q calls: gdrcodec.Register was not called at start-up", Name)
 	}
 	s := transport.SessionFromContext(ctx)
-	if s == nil || !slices.Contains(s.Peer().Caps.Codecs, Name) {
+	if s == nil || !s.Speaks(Name) {
 		return status.Errorf(codes.FailedPrecondition, "gdrpc: the %q codec needs a gdrpc connection; this one did not negotiate it", Name)
 	}
 	return nil

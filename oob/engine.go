@@ -203,7 +203,7 @@ func busy(s *transport.Session) func() {
 // transfer timeout. Sessions whose peer does not speak the gdr codec close at
 // once.
 func lingerForTransfers(s *transport.Session) {
-	if !slices.Contains(s.Peer().Caps.Codecs, "gdr") {
+	if !s.Speaks("gdr") {
 		return
 	}
 	a := activityOf(s)
@@ -773,7 +773,7 @@ func serveBulk(s *transport.Session, c net.Conn) {
 		return
 	}
 	if p := claimFor(s, req, n); p != nil {
-		p.bulk <- readInto(c, p.dst)
+		p.bulk <- readInto(c, p.dst, cfgOf(s).StagingChunk)
 		endRead(p)
 	}
 }
@@ -996,7 +996,7 @@ func (x *laneXfer) release() {
 }
 
 // readInto fills dst from r; device memory goes through a host bounce buffer.
-func readInto(r io.Reader, dst *devicebuf.Buffer) error {
+func readInto(r io.Reader, dst *devicebuf.Buffer, chunk int) error {
 	if dst.Kind() == devicebuf.Host {
 		b, err := dst.HostBytes()
 		if err != nil {
@@ -1005,7 +1005,7 @@ func readInto(r io.Reader, dst *devicebuf.Buffer) error {
 		_, err = io.ReadFull(r, b)
 		return err
 	}
-	return chunked(dst.Len(), func(bounce *devicebuf.Buffer, off, n int) error {
+	return chunked(dst.Len(), chunk, func(bounce *devicebuf.Buffer, off, n int) error {
 		hb, _ := bounce.HostBytes()
 		if _, err := io.ReadFull(r, hb[:n]); err != nil {
 			return err
@@ -1392,7 +1392,7 @@ func pushStream(ctx context.Context, s *transport.Session, m *rtr, src Source) e
 	if _, err := c.Write(bulkHeader(m.Req, m.Length)); err != nil {
 		return err
 	}
-	return eachPiece(src, func(p []byte) error {
+	return eachPiece(src, cfgOf(s).StagingChunk, func(p []byte) error {
 		_, err := c.Write(p)
 		return err
 	})
@@ -1426,7 +1426,7 @@ func pushLane(ctx context.Context, s *transport.Session, link *transport.Link, m
 	} else if f.total == 0 {
 		err = write(ctx, nil)
 	} else {
-		err = eachPiece(src, func(p []byte) error {
+		err = eachPiece(src, cfgOf(s).StagingChunk, func(p []byte) error {
 			for len(p) > 0 {
 				f.n = uint64(min(len(p), laneFrameMax))
 				if f.n > f.total-f.off {
@@ -1463,7 +1463,7 @@ var errLaneBroken = errors.New("bulk lane broken")
 
 // eachPiece hands fn src's bytes in order: host memory in one piece, GPU
 // memory through a host bounce buffer, a staging chunk at a time.
-func eachPiece(src Source, fn func([]byte) error) error {
+func eachPiece(src Source, chunk int, fn func([]byte) error) error {
 	switch b := src.Buffer; {
 	case b == nil:
 		return fn(src.Bytes)
@@ -1474,7 +1474,7 @@ func eachPiece(src Source, fn func([]byte) error) error {
 		}
 		return fn(hb)
 	default:
-		return chunked(b.Len(), func(bounce *devicebuf.Buffer, off, n int) error {
+		return chunked(b.Len(), chunk, func(bounce *devicebuf.Buffer, off, n int) error {
 			if err := copyRange(bounce, 0, b, off, n); err != nil {
 				return err
 			}
@@ -1485,8 +1485,8 @@ func eachPiece(src Source, fn func([]byte) error) error {
 }
 
 // chunked runs fn over [0, n) in staging-chunk pieces with one host bounce buffer.
-func chunked(n int, fn func(bounce *devicebuf.Buffer, off, n int) error) error {
-	chunk := min(cfg().StagingChunk, n)
+func chunked(n, chunk int, fn func(bounce *devicebuf.Buffer, off, n int) error) error {
+	chunk = min(chunk, n)
 	if chunk == 0 {
 		return nil
 	}

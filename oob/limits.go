@@ -158,7 +158,10 @@ func reservePull(ctx context.Context, s *transport.Session, t Token, n uint64) (
 		// Lock order: the session's bounds, then the process's.
 		b.mu.Lock()
 		pullTotal.mu.Lock()
-		if b.pulls < lim.Pulls && n <= uint64(lim.PullBytes-b.pullBytes) && n <= uint64(lim.TotalPullBytes-pullTotal.bytes) {
+		// Sums, not differences: pullTotal is the process's, and an engine
+		// with a smaller TotalPullBytes than another's may see it over its
+		// own limit.
+		if b.pulls < lim.Pulls && uint64(b.pullBytes)+n <= uint64(lim.PullBytes) && uint64(pullTotal.bytes)+n <= uint64(lim.TotalPullBytes) {
 			b.pulls++
 			b.pullBytes += int64(n)
 			pullTotal.bytes += int64(n)
@@ -267,8 +270,12 @@ func queueRTR(s *transport.Session, payload []byte) {
 		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
 		return
 	}
-	lim := cfgOf(s).Limits
-	b := &stateOf(s).bounds
+	a := stateOf(s)
+	if a.link == nil {
+		return // the session closed: nobody waits for a FIN
+	}
+	lim := a.eng.config().Limits
+	b := &a.bounds
 	b.mu.Lock()
 	if len(b.queue) >= lim.PushQueue {
 		b.mu.Unlock()
@@ -286,13 +293,13 @@ func queueRTR(s *transport.Session, payload []byte) {
 		// another goroutine would cost a wake-up per transfer. The session
 		// joins it like every control handler; Pushes (at most
 		// transport.MaxControlHandlers) bounds how many are pushers.
-		pushLoop(s)
+		pushLoop(a)
 	}
 }
 
-// pushLoop serves the session's queued RTRs until none is left.
-func pushLoop(s *transport.Session) {
-	b := &stateOf(s).bounds
+// pushLoop serves the queued RTRs of a's session until none is left.
+func pushLoop(a *attached) {
+	s, b := a.s, &a.bounds
 	for {
 		b.mu.Lock()
 		if len(b.queue) == 0 {

@@ -436,3 +436,24 @@ func testPullWaitsForRoom(t *testing.T, limits Limits, waitingOn func(*transport
 	cancel3()
 	require.Equal(t, TransferCanceled, kind(waitFor(t, third, "the third pull's end")))
 }
+
+// Limits.TotalPullBytes holds for each engine against what all of them
+// reserved: an engine whose total the others' pulls already exceed grants
+// nothing more, however small its own pulls.
+func TestTotalPullBytesAcrossEngines(t *testing.T) {
+	big := transport.WithEngine(New(TransferConfig{Limits: Limits{PullBytes: 1000}}))
+	small := transport.WithEngine(New(TransferConfig{Limits: Limits{PullBytes: 100}})) // TotalPullBytes 200
+	_, bs := pipePair(t, big)
+	_, ss := pipePair(t, small)
+	release, err := reservePull(context.Background(), bs, Token{}, 900)
+	require.NoError(t, err)
+	defer release()
+	done, cancel := context.WithCancel(context.Background())
+	cancel() // a reservation that would have to wait fails at once
+	_, err = reservePull(done, ss, Token{}, 100)
+	require.ErrorContains(t, err, "Limits.TotalPullBytes", "900 bytes reserved through the big engine exceed the small one's total")
+	release()
+	r2, err := reservePull(done, ss, Token{}, 100)
+	require.NoError(t, err, "room again once the big engine's pull settled")
+	r2()
+}

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/gdrpc/gdrpc/transport"
@@ -91,4 +92,32 @@ func pipePair(t testing.TB, opts ...transport.Option) (client, server *transport
 		_ = server.Close()
 	})
 	return client, server
+}
+
+// Sessions the engine serves announce its codec; a session without an engine
+// announces none, so the codec's peers send it no descriptor.
+func TestEngineAnnouncesCodec(t *testing.T) {
+	c, s := pipePair(t)
+	require.True(t, c.Speaks("gdr"))
+	require.True(t, s.Speaks("gdr"))
+
+	c1, c2 := net.Pipe()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	served := make(chan *transport.Session, 1)
+	go func() {
+		s, err := transport.NewServerSession(ctx, c2, transport.WithIdentity(transport.NewIdentity()))
+		assert.NoError(t, err)
+		served <- s
+	}()
+	bare, err := transport.NewClientSession(ctx, c1, transport.WithEngine(Engine()), transport.WithIdentity(transport.NewIdentity()))
+	require.NoError(t, err)
+	defer bare.Close()
+	other := <-served
+	require.NotNil(t, other)
+	defer other.Close()
+	require.False(t, bare.Speaks("gdr"), "the peer has no engine")
+	require.False(t, other.Speaks("gdr"), "this side has no engine")
+	require.Empty(t, bare.Peer().Caps.Codecs)
+	require.Equal(t, []string{"gdr"}, other.Peer().Caps.Codecs)
 }

@@ -32,6 +32,9 @@ func (e engine) config() *TransferConfig {
 	return cfg()
 }
 
+// Codecs: the engine serves the transfers of the gdr codec (package gdrcodec).
+func (engine) Codecs() []string { return []string{"gdr"} }
+
 func (e engine) Attach(s *transport.Session, link *transport.Link) transport.Handler {
 	a := &attached{s: s, link: link, eng: e}
 	sessions.Store(s, a)

@@ -17,6 +17,10 @@ type Engine interface {
 	// it carries anything else. link is the session's side only the engine
 	// holds. The handler serves the session until it closed.
 	Attach(s *Session, link *Link) Handler
+	// Codecs are the payload codecs whose transfers the engine serves; the
+	// handshake announces them (Caps.Codecs), so a peer sends out-of-band
+	// payloads only to sessions that will answer their pulls.
+	Codecs() []string
 }
 
 // Handler serves one session for its Engine. Its methods run on the

@@ -37,6 +37,7 @@ func hookOf[F any](hook *F) F {
 type testEngine struct{}
 
 func (testEngine) Attach(s *Session, _ *Link) Handler { return testHandler{s} }
+func (testEngine) Codecs() []string                   { return []string{"test"} }
 
 type testHandler struct{ s *Session }
 

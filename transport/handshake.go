@@ -115,8 +115,8 @@ type Peer struct {
 }
 
 // announcedCaps returns the capabilities this process announces in every
-// handshake: the UCX fields from rdma.Default() and Codecs with "gdr";
-// CUDADevices is empty. Tests replace it.
+// handshake: the UCX fields from rdma.Default(); the codecs are the session's
+// engine's (config.localCaps). Tests replace it.
 var announcedCaps func() Caps = defaultLocalCaps
 
 var defaultUCXCaps = sync.OnceValue(func() Caps {
@@ -140,11 +140,7 @@ func ucxCaps(c *rdma.Context) Caps {
 	return caps
 }
 
-func defaultLocalCaps() Caps {
-	c := defaultUCXCaps().clone()
-	c.Codecs = []string{"gdr"}
-	return c
-}
+func defaultLocalCaps() Caps { return defaultUCXCaps().clone() }
 
 // Wire format of the handshake (all integers big-endian). Every message is a
 // frame:

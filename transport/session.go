@@ -11,6 +11,7 @@ import (
 	"log"
 	"log/slog"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -225,6 +226,12 @@ func newSession(st sessionSetup) (*Session, error) {
 		"peer", s.peer.ID.String(), "same_host", s.peer.SameHost,
 		"local", s.localAddr.String(), "remote", s.remoteAddr.String())
 	return s, nil
+}
+
+// Speaks reports whether both ends announced codec: this side's engine
+// serves it and the peer's does too.
+func (s *Session) Speaks(codec string) bool {
+	return s.cfg.engine != nil && slices.Contains(s.cfg.engine.Codecs(), codec) && s.peer.Caps.HasCodec(codec)
 }
 
 // TrustsPeer reports whether the session's peer is trusted (WithTrustPeers).

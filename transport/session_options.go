@@ -243,6 +243,9 @@ func (c *config) localCaps() Caps {
 		caps.UCX, caps.UCXVersion, caps.MemoryTypes, caps.UCXTransports = u.UCX, u.UCXVersion, u.MemoryTypes, u.UCXTransports
 	}
 	caps.Lanes = !c.noLane
+	if c.engine != nil {
+		caps.Codecs = append(caps.Codecs, c.engine.Codecs()...)
+	}
 	return caps
 }
 
