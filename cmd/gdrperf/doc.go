@@ -50,8 +50,12 @@
 //	gdrperf [-sizes 1MiB,16MiB,64MiB] [-iters 10] [-warmup 2] [-inflight 1] [-op pull|push]
 //	        [-transport auto|ucx|tcp] [-mem host|cuda] [-recv host|cuda] [-device 0] [-server-device N]
 //	        [-paths all|cuda-ipc,rdma,stream] [-format table|json] [-server ADDR | -connect ADDR]
-//	        [-perftest PATH|none] [-call-timeout 1m]
+//	        [-perftest PATH|none] [-call-timeout 1m] [-busy N]
 //	        [-baselines=false] [-cpuprofile F] [-server-cpuprofile F] [-trace F] [-server-trace F] [-v]
+//
+// -busy N runs N CPU-bound processes beside client and server for the whole
+// run, each spinning one core: small calls under contention, as in a service
+// that shares its cores with other work.
 //
 // The exit status is 1 when gdrpc could not be measured for some size (the
 // notes say why); a missing baseline is only a note.

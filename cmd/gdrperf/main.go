@@ -11,10 +11,12 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"runtime"
 	"runtime/pprof"
 	"runtime/trace"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -32,6 +34,8 @@ type options struct {
 	warmup    int
 	inflight  int           // calls in flight at once in the measured phase
 	transport string        // auto, ucx, tcp
+	busy      int           // CPU-bound processes beside the run (-busy)
+	spin      bool          // this process is one of them
 	metrics   gdrpc.Metrics // transfer events of the client's dialer (nil: none)
 	mem       string        // host, cuda: where the sender's payload lives
 	recv      string        // host, cuda: where the receiver's payload lands ("" at parse: as mem)
@@ -68,6 +72,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.iters, "iters", 10, "measured calls per size and method (the median is reported)")
 	fs.IntVar(&o.warmup, "warmup", 2, "calls per size and method before measuring (the first one is verified)")
 	fs.IntVar(&o.inflight, "inflight", 1, "calls in flight at once: above 1, that many goroutines make -iters calls each and the rates are aggregate throughput (bytes over wall time) instead of medians per call")
+	fs.IntVar(&o.busy, "busy", 0, "run this many CPU-bound processes (each spins one core) beside client and server for the whole run: calls under contention, as in a service sharing its cores")
+	fs.BoolVar(&o.spin, "spin", false, "spin on one core until stdin closes (the processes -busy starts)")
 	fs.StringVar(&o.transport, "transport", "auto", "gdrpc transport: auto, ucx or tcp")
 	fs.StringVar(&o.mem, "mem", "host", "where the sender's payload lives: host, or cuda (GPU -device); give the same on both ends")
 	fs.StringVar(&o.recv, "recv", "", "where received payloads land: host or cuda; if empty, as -mem (-mem cuda -recv host measures the staged path)")
@@ -283,6 +289,18 @@ func realMain(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 		}()
 	}
 	logf := func(format string, a ...any) { fmt.Fprintf(stderr, "gdrperf: "+format+"\n", a...) }
+	if o.spin {
+		spin(stdin)
+		return 0
+	}
+	if o.busy > 0 && o.server == "" {
+		stopBusy, err := startBusy(o.busy)
+		if err != nil {
+			fmt.Fprintln(stderr, "gdrperf:", err)
+			return 1
+		}
+		defer stopBusy()
+	}
 	if o.server != "" {
 		err = runServer(ctx, o, stdin, stdout, logf)
 	} else {
@@ -413,4 +431,53 @@ func (c *child) stop() error {
 		_ = c.cmd.Process.Kill()
 		return fmt.Errorf("the server did not exit within 10s; killed: %v", <-c.done)
 	}
+}
+
+// spin keeps one core busy until stdin closes (the parent is done or gone).
+func spin(stdin io.Reader) {
+	runtime.GOMAXPROCS(1)
+	var done atomic.Bool
+	go func() {
+		_, _ = io.Copy(io.Discard, stdin)
+		done.Store(true)
+	}()
+	for n := 0; !done.Load(); n++ {
+		if n%(1<<20) == 0 {
+			runtime.Gosched() // let the stdin reader run
+		}
+	}
+}
+
+// startBusy starts n processes that spin one core each (gdrperf -spin) and
+// returns the function that stops them.
+func startBusy(n int) (func(), error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	var cmds []*exec.Cmd
+	var stdins []io.Closer
+	stop := func() {
+		for _, c := range stdins {
+			_ = c.Close()
+		}
+		for _, c := range cmds {
+			_ = c.Wait()
+		}
+	}
+	for range n {
+		c := exec.Command(exe, "-spin")
+		c.Env = append(os.Environ(), childEnv+"=1")
+		in, err := c.StdinPipe()
+		if err != nil {
+			stop()
+			return nil, err
+		}
+		if err := c.Start(); err != nil {
+			stop()
+			return nil, fmt.Errorf("start a busy process: %w", err)
+		}
+		cmds, stdins = append(cmds, c), append(stdins, in)
+	}
+	return stop, nil
 }

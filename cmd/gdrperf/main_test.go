@@ -435,3 +435,33 @@ func TestCallVsRPCCopy(t *testing.T) {
 	require.Nil(t, callVsRPCCopy(64<<20, r))
 	require.Nil(t, callVsRPCCopy(64<<20, &result{GDRPCMiBs: 1, Inflight: 1}))
 }
+
+// -busy runs the busy processes for the whole run and stops them at its end:
+// the run reports its rows, and no busy process outlives it.
+func TestBusy(t *testing.T) {
+	before := childProcesses(t)
+	res := gdrperf(t, "-transport", "tcp", "-sizes", "1KiB", "-iters", "3", "-warmup", "1", "-perftest", "none", "-busy", "2")
+	require.Len(t, res, 1)
+	require.Positive(t, res[0].GDRPCMiBs)
+	require.Equal(t, before, childProcesses(t), "busy processes left")
+}
+
+// childProcesses counts this process's children.
+func childProcesses(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc")
+	require.NoError(t, err)
+	me, n := strconv.Itoa(os.Getpid()), 0
+	for _, e := range ents {
+		b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid ...: the fields after the command's closing parenthesis.
+		f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+		if len(f) > 1 && f[1] == me {
+			n++
+		}
+	}
+	return n
+}
