@@ -21,8 +21,9 @@ const maxBaseline = 64
 // FD_CLOEXEC is UCX's (Go opens all of its own with FD_CLOEXEC).
 type cloexecScanner struct {
 	mu    sync.Mutex
-	based bool  // the baseline was taken: scans mark
-	keep  []int // the baseline: the user's inheritable descriptors
+	based   bool  // the baseline was taken: scans mark
+	keep    []int // the baseline: the user's inheritable descriptors, sorted
+	noRange bool  // markAllBut does not work here
 }
 
 // ucxFDs is the process's scanner; load takes its baseline before opening
@@ -43,6 +44,7 @@ func (s *cloexecScanner) baseline() {
 			s.keep = append(s.keep, fd)
 		}
 	})
+	slices.Sort(s.keep)
 }
 
 // scan sets FD_CLOEXEC on every descriptor open without it that is not in
@@ -52,6 +54,12 @@ func (s *cloexecScanner) scan() {
 	defer s.mu.Unlock()
 	if !s.based {
 		return
+	}
+	if !s.noRange {
+		if markAllBut(s.keep) {
+			return
+		}
+		s.noRange = true // the kernel lacks close_range's CLOEXEC: list and mark
 	}
 	eachInheritable(func(fd, flags int) {
 		if !slices.Contains(s.keep, fd) {

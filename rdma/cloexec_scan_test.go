@@ -3,6 +3,7 @@
 package rdma
 
 import (
+	"fmt"
 	"slices"
 	"testing"
 
@@ -33,56 +34,62 @@ func isCloexec(t testing.TB, fd int) bool {
 	return flags&unix.FD_CLOEXEC != 0
 }
 
+// TestCloexecScanner runs each case with close_range (the default on Linux)
+// and with the listing of /proc/self/fd that kernels without it get.
 func TestCloexecScanner(t *testing.T) {
-	t.Run("marks descriptors opened after the baseline", func(t *testing.T) {
-		var s cloexecScanner
-		s.baseline()
-		p := inheritablePipe(t)
-		s.scan()
-		require.True(t, isCloexec(t, p[0]))
-		require.True(t, isCloexec(t, p[1]))
-	})
-	t.Run("leaves the baseline inheritable", func(t *testing.T) {
-		var s cloexecScanner
-		user := inheritablePipe(t)
-		s.baseline()
-		later := inheritablePipe(t)
-		s.scan()
-		require.False(t, isCloexec(t, user[0]))
-		require.False(t, isCloexec(t, user[1]))
-		require.True(t, isCloexec(t, later[0]))
-		require.True(t, isCloexec(t, later[1]))
-	})
-	t.Run("marks nothing before the baseline", func(t *testing.T) {
-		var s cloexecScanner
-		p := inheritablePipe(t)
-		s.scan()
-		require.False(t, isCloexec(t, p[0]))
-		require.False(t, isCloexec(t, p[1]))
-	})
-	t.Run("takes the baseline once", func(t *testing.T) {
-		var s cloexecScanner
-		s.baseline()
-		p := inheritablePipe(t)
-		s.baseline()
-		s.scan()
-		require.True(t, isCloexec(t, p[0]))
-		require.True(t, isCloexec(t, p[1]))
-	})
-	t.Run("holds at most maxBaseline descriptors", func(t *testing.T) {
-		var s cloexecScanner
-		var fds []int
-		for range maxBaseline/2 + 1 {
-			p := inheritablePipe(t)
-			fds = append(fds, p[0], p[1])
-		}
-		s.baseline()
-		require.Len(t, s.keep, maxBaseline)
-		s.scan()
-		for _, fd := range fds {
-			require.Equal(t, !slices.Contains(s.keep, fd), isCloexec(t, fd), "descriptor %d", fd)
-		}
-	})
+	for _, listing := range []bool{false, true} {
+		t.Run(fmt.Sprintf("listing=%v", listing), func(t *testing.T) {
+			t.Run("marks descriptors opened after the baseline", func(t *testing.T) {
+				s := cloexecScanner{noRange: listing}
+				s.baseline()
+				p := inheritablePipe(t)
+				s.scan()
+				require.True(t, isCloexec(t, p[0]))
+				require.True(t, isCloexec(t, p[1]))
+			})
+			t.Run("leaves the baseline inheritable", func(t *testing.T) {
+				s := cloexecScanner{noRange: listing}
+				user := inheritablePipe(t)
+				s.baseline()
+				later := inheritablePipe(t)
+				s.scan()
+				require.False(t, isCloexec(t, user[0]))
+				require.False(t, isCloexec(t, user[1]))
+				require.True(t, isCloexec(t, later[0]))
+				require.True(t, isCloexec(t, later[1]))
+			})
+			t.Run("marks nothing before the baseline", func(t *testing.T) {
+				s := cloexecScanner{noRange: listing}
+				p := inheritablePipe(t)
+				s.scan()
+				require.False(t, isCloexec(t, p[0]))
+				require.False(t, isCloexec(t, p[1]))
+			})
+			t.Run("takes the baseline once", func(t *testing.T) {
+				s := cloexecScanner{noRange: listing}
+				s.baseline()
+				p := inheritablePipe(t)
+				s.baseline()
+				s.scan()
+				require.True(t, isCloexec(t, p[0]))
+				require.True(t, isCloexec(t, p[1]))
+			})
+			t.Run("holds at most maxBaseline descriptors", func(t *testing.T) {
+				s := cloexecScanner{noRange: listing}
+				var fds []int
+				for range maxBaseline/2 + 1 {
+					p := inheritablePipe(t)
+					fds = append(fds, p[0], p[1])
+				}
+				s.baseline()
+				require.Len(t, s.keep, maxBaseline)
+				s.scan()
+				for _, fd := range fds {
+					require.Equal(t, !slices.Contains(s.keep, fd), isCloexec(t, fd), "descriptor %d", fd)
+				}
+			})
+		})
+	}
 }
 
 // The process's scanner took its baseline when UCX was loaded: a descriptor
