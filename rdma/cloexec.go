@@ -20,7 +20,7 @@ const maxBaseline = 64
 // the user's: they stay inheritable. Every other descriptor found without
 // FD_CLOEXEC is UCX's (Go opens all of its own with FD_CLOEXEC).
 type cloexecScanner struct {
-	mu    sync.Mutex
+	mu      sync.Mutex
 	based   bool  // the baseline was taken: scans mark
 	keep    []int // the baseline: the user's inheritable descriptors, sorted
 	noRange bool  // markAllBut does not work here
