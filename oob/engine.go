@@ -557,7 +557,7 @@ func offerDestination(s *transport.Session, d Descriptor, p *pull, m *rtr) (*dev
 	// no clearing (on one GPU a clear costs a switch between the two
 	// processes' contexts, ~150 µs on an H200, more than a 1 MiB copy).
 	cleared := s.TrustsPeer() // p.dst
-	ep, rc := s.Endpoint(), s.RDMA()
+	ep, rc := s.Endpoint(), s.RDMAContext()
 	if dst := p.dst; ipcAllowed(s) && allowed&PathCUDAIPC != 0 && dst.Kind() == devicebuf.CUDA && d.HostID == transport.LocalHostID() && d.Kind == devicebuf.CUDA &&
 		!ucxSameDevice(d, dst, ep, rc, allowed) {
 		h, off, err := devicebuf.ExportIPC(dst)
@@ -1267,11 +1267,11 @@ func pushRDMA(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m *r
 	switch b := src.Buffer; {
 	case b == nil:
 		err = ep.PutBytes(ctx, src.Bytes, m.RAddr, key)
-	case b.Kind() == devicebuf.Host || gpuDirect(s.RDMA(), ep):
+	case b.Kind() == devicebuf.Host || gpuDirect(s.RDMAContext(), ep):
 		var mem *rdma.Memory
 		var off int
 		var release func()
-		mem, off, release, err = registered(s.RDMA(), b)
+		mem, off, release, err = registered(s.RDMAContext(), b)
 		if err != nil {
 			return path, err
 		}
@@ -1295,7 +1295,7 @@ func pushRDMA(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m *r
 // staging buffers in flight.
 func pushStaged(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m *rtr, src *devicebuf.Buffer, key *rdma.RemoteKey) error {
 	chunk := min(roundUp(cfgOf(s).StagingChunk, stagedGrain), src.Len())
-	pool := HostPool(s.RDMA())
+	pool := HostPool(s.RDMAContext())
 	var bufs [2]*devicebuf.Buffer
 	for i := range bufs {
 		b, err := pool.Alloc(chunk)
@@ -1348,7 +1348,7 @@ func pushStaged(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m 
 		if f.err != nil {
 			return fmt.Errorf("copy to staging: %w", f.err)
 		}
-		mem, off, release, err := registered(s.RDMA(), bufs[f.slot])
+		mem, off, release, err := registered(s.RDMAContext(), bufs[f.slot])
 		if err != nil {
 			return err
 		}

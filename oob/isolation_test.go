@@ -119,7 +119,7 @@ func descriptorOf(n int) Descriptor {
 // previous transfer's bytes.
 func stale(t *testing.T, s *transport.Session, n int) (*devicebuf.Buffer, []byte) {
 	t.Helper()
-	dst, err := HostPool(s.RDMA()).Alloc(n)
+	dst, err := HostPool(s.RDMAContext()).Alloc(n)
 	require.NoError(t, err)
 	t.Cleanup(func() { dst.Release() })
 	b, err := dst.HostBytes()
@@ -194,7 +194,7 @@ func TestForgedKeyWritesOwnMemory(t *testing.T) {
 
 	victim, vb := stale(t, cs, n)
 	want := bytes.Clone(vb)
-	mem, off, _, err := registered(cs.RDMA(), victim)
+	mem, off, _, err := registered(cs.RDMAContext(), victim)
 	require.NoError(t, err)
 	key, err := packedKey(mem)
 	require.NoError(t, err)
@@ -288,7 +288,7 @@ func TestCanceledPushWritesNothingLate(t *testing.T) {
 	cancel()
 	for range 3 {
 		dst, b := stale(t, ss, n)
-		mem, off, release, err := registerExactly(ss.RDMA(), dst)
+		mem, off, release, err := registerExactly(ss.RDMAContext(), dst)
 		require.NoError(t, err)
 		key, err := mem.PackKey()
 		require.NoError(t, err)
@@ -410,7 +410,7 @@ func BenchmarkDestinationExposure(b *testing.B) {
 			for _, op := range []string{"clear", "exact-key", "region-key"} {
 				b.Run(fmt.Sprintf("tls=%s/size=%s/op=%s", tls, sizeName(n), op), func(b *testing.B) {
 					cs, ss := ucxPair(b, tls)
-					dst, err := HostPool(ss.RDMA()).Alloc(n)
+					dst, err := HostPool(ss.RDMAContext()).Alloc(n)
 					require.NoError(b, err)
 					defer dst.Release()
 					b.SetBytes(int64(n))
@@ -423,7 +423,7 @@ func BenchmarkDestinationExposure(b *testing.B) {
 							if op == "region-key" {
 								expose = registered
 							}
-							mem, _, release, err := expose(ss.RDMA(), dst)
+							mem, _, release, err := expose(ss.RDMAContext(), dst)
 							require.NoError(b, err)
 							key, err := packedKey(mem)
 							require.NoError(b, err)
@@ -450,7 +450,7 @@ func BenchmarkPull(b *testing.B) {
 					_, ss := ucxPair(b, tls, transport.WithTrustPeers(trust))
 					d := Offer(Source{Bytes: make([]byte, n)}, OfferOptions{Held: true})
 					defer Withdraw(d.Token)
-					dst, err := HostPool(ss.RDMA()).Alloc(n)
+					dst, err := HostPool(ss.RDMAContext()).Alloc(n)
 					require.NoError(b, err)
 					defer dst.Release()
 					b.SetBytes(int64(n))

@@ -26,7 +26,7 @@ const (
 // connection.
 type Addr struct {
 	Transport string   // "ucx" or "tcp"
-	Addr      net.Addr // the address of the underlying connection
+	Under     net.Addr // the address of the underlying connection
 	session   *Session
 }
 
@@ -34,10 +34,10 @@ type Addr struct {
 func (a *Addr) Network() string { return "gdrpc+" + a.Transport }
 
 func (a *Addr) String() string {
-	if a == nil || a.Addr == nil {
+	if a == nil || a.Under == nil {
 		return "<nil>"
 	}
-	return a.Addr.String()
+	return a.Under.String()
 }
 
 // TimeoutError is returned when a deadline passes. It is a net.Error with
@@ -69,8 +69,8 @@ func newConnCommon(s *Session, role byte) connCommon {
 	return connCommon{
 		sess:  s,
 		role:  role,
-		local: &Addr{Transport: s.transport, Addr: s.localAddr, session: s},
-		peer:  &Addr{Transport: s.transport, Addr: s.remoteAddr, session: s},
+		local: &Addr{Transport: s.transport, Under: s.localAddr, session: s},
+		peer:  &Addr{Transport: s.transport, Under: s.remoteAddr, session: s},
 	}
 }
 

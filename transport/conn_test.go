@@ -48,7 +48,7 @@ func TestConnTransfer(t *testing.T) {
 			if tc.ucx != "" {
 				require.NotNil(t, p.client.Endpoint())
 				require.NotNil(t, p.server.Endpoint())
-				require.NotNil(t, p.client.RDMA())
+				require.NotNil(t, p.client.RDMAContext())
 				info := p.client.Endpoint().TransportInfo()
 				found := false
 				for _, l := range tc.lanes {
@@ -57,7 +57,7 @@ func TestConnTransfer(t *testing.T) {
 				require.True(t, found, "lanes %v not in:\n%s", tc.lanes, info)
 			} else {
 				require.Nil(t, p.client.Endpoint())
-				require.Nil(t, p.client.RDMA())
+				require.Nil(t, p.client.RDMAContext())
 			}
 			for _, n := range sizes {
 				want := make([]byte, n)

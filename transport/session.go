@@ -255,9 +255,9 @@ func (s *Session) Transport() string { return s.transport }
 // does not run over UCX.
 func (s *Session) Endpoint() *rdma.Endpoint { return s.ep }
 
-// RDMA returns the UCX context of the session's endpoint, or nil when the
+// RDMAContext returns the UCX context of the session's endpoint, or nil when the
 // session does not run over UCX.
-func (s *Session) RDMA() *rdma.Context {
+func (s *Session) RDMAContext() *rdma.Context {
 	if s.ep == nil {
 		return nil
 	}
