@@ -157,7 +157,7 @@ func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA error) []Path {
 	// cuda-ipc: both ends on this host with CUDA.
 	if cudaErr == nil {
 		ps = append(ps, Path{Name: "cuda-ipc", Available: true,
-			Reason: fmt.Sprintf("between processes on this host that trust each other (TrustPeers), %d CUDA device(s)", cudaDevices)})
+			Reason: fmt.Sprintf("between processes on this host that trust each other (gdrpc.WithTrustPeers), %d CUDA device(s)", cudaDevices)})
 	} else {
 		ps = append(ps, Path{Name: "cuda-ipc", Reason: "no CUDA: " + cudaErr.Error()})
 	}
