@@ -33,8 +33,6 @@ type Config struct {
 	// Transport: see WithTransport. Empty means ModeAuto, or the environment
 	// variable GDRPC_TRANSPORT.
 	Transport Mode
-	// Identity proves this process's id; nil means the process's own.
-	Identity *Identity
 	// Logger receives the sessions' and transfers' records; nil discards them.
 	Logger *slog.Logger
 	// Metrics receives session and transfer events; nil reports none.
@@ -67,10 +65,6 @@ func WithTrustPeers() Option { return func(c *Config) { c.TrustPeers = true } }
 // WithTransport chooses what sessions run over: ModeAuto (the default), ModeUCX
 // or ModeTCP.
 func WithTransport(m Mode) Option { return func(c *Config) { c.Transport = m } }
-
-// WithIdentity sets the identity the sessions prove (NewIdentity); by default
-// the process's own.
-func WithIdentity(id *Identity) Option { return func(c *Config) { c.Identity = id } }
 
 // WithLogger sends the sessions' and transfers' log records to l.
 func WithLogger(l *slog.Logger) Option { return func(c *Config) { c.Logger = l } }
@@ -119,12 +113,6 @@ const (
 	ModeUCX  = transport.ModeUCX  // UCX or fail
 	ModeTCP  = transport.ModeTCP  // TCP only
 )
-
-// Identity is the ed25519 key a process proves its id with.
-type Identity = transport.Identity
-
-// NewIdentity returns a fresh identity.
-func NewIdentity() *Identity { return transport.NewIdentity() }
 
 // Limits bound what one peer may hold; see oob.Limits.
 type Limits = oob.Limits

@@ -19,7 +19,7 @@ type Dialer struct {
 }
 
 // New returns a Dialer whose sessions and transfers follow opts (package
-// gdrpc's options: trust, transport, identity, logging, metrics, limits).
+// gdrpc's options: trust, transport, logging, metrics, limits).
 func New(opts ...gdrpc.Option) *Dialer {
 	return &Dialer{opts: face.SessionOptions(opts)}
 }

@@ -26,9 +26,6 @@ func SessionOptions(opts []gdrpc.Option) []transport.Option {
 	if c.Transport != "" {
 		out = append(out, transport.WithMode(c.Transport))
 	}
-	if c.Identity != nil {
-		out = append(out, transport.WithIdentity(c.Identity))
-	}
 	if c.Logger != nil {
 		out = append(out, transport.WithLogger(c.Logger))
 	}
