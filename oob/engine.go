@@ -341,6 +341,14 @@ func FetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 		return nil, path, err
 	}
 	sessions := liveSessions(d.Owner)
+	if pref := transport.SessionFromContext(ctx); pref != nil {
+		// The call's own session first (a server's request, a client stream's
+		// response): its engine's configuration and its peer's bounds apply.
+		if i := slices.Index(sessions, pref); i > 0 {
+			copy(sessions[1:i+1], sessions[:i])
+			sessions[0] = pref
+		}
+	}
 	if len(sessions) == 0 {
 		if d.Owner != transport.LocalID() {
 			return nil, PathNone, &TransferError{Token: d.Token, Kind: TransferUnavailable,
