@@ -563,7 +563,7 @@ func offerDestination(s *transport.Session, d Descriptor, p *pull, m *rtr) (*dev
 	peer, allowed := s.Peer(), cfgOf(s).Paths
 	// A trusted owner writes what its FIN says it wrote: the destination needs
 	// no clearing (on one GPU a clear costs a switch between the two
-	// processes' contexts, ~150 µs on an H200, more than a 1 MiB copy).
+	// processes' contexts, more than a 1 MiB copy; see the README).
 	cleared := s.TrustsPeer() // p.dst
 	ep, rc := s.Endpoint(), s.RDMAContext()
 	if dst := p.dst; ipcAllowed(s) && allowed&PathCUDAIPC != 0 && dst.Kind() == devicebuf.CUDA && d.HostID == transport.LocalHostID() && d.Kind == devicebuf.CUDA &&
@@ -637,9 +637,9 @@ func offerDestination(s *transport.Session, d Descriptor, p *pull, m *rtr) (*dev
 // ucxSameDevice reports whether a GPU payload on dst's own device should go
 // through UCX rather than gdrpc's cuda-ipc: UCX moves GPU memory on ep itself
 // (its cuda_ipc lane), which keeps its mappings of the peer's memory, while
-// cuda-ipc opens and closes one per transfer (measured on one H200, one call
-// at a time: 1 MiB 2,303 vs 1,359 MiB/s, 256 MiB 391,037 vs 357,258). Between
-// two GPUs cuda-ipc stays first: UCX's lane moved a fraction of it there.
+// cuda-ipc opens and closes one per transfer: UCX's lane is the faster on one
+// device. Between two GPUs cuda-ipc stays first: UCX's lane moved a fraction
+// of it there (the README's performance table).
 func ucxSameDevice(d Descriptor, dst *devicebuf.Buffer, ep *rdma.Endpoint, rc *rdma.Context, allowed Path) bool {
 	return allowed&PathRDMA != 0 && ep != nil && rc != nil && d.DeviceUUID != "" &&
 		d.DeviceUUID == dst.DeviceUUID() && gpuDirect(rc, ep)
