@@ -22,6 +22,7 @@ const maxBaseline = 64
 type cloexecScanner struct {
 	mu      sync.Mutex
 	based   bool  // the baseline was taken: scans mark
+	blind   bool  // the baseline could not be listed: scans mark nothing
 	keep    []int // the baseline: the user's inheritable descriptors, sorted
 	noRange bool  // markAllBut does not work here
 }
@@ -39,7 +40,9 @@ func (s *cloexecScanner) baseline() {
 		return
 	}
 	s.based = true
-	eachInheritable(func(fd, _ int) {
+	// Without a listing nothing tells the user's descriptors from UCX's:
+	// marking all would close the user's stdio in their children.
+	s.blind = !eachInheritable(func(fd, _ int) {
 		if len(s.keep) < maxBaseline {
 			s.keep = append(s.keep, fd)
 		}
@@ -52,7 +55,7 @@ func (s *cloexecScanner) baseline() {
 func (s *cloexecScanner) scan() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if !s.based {
+	if !s.based || s.blind {
 		return
 	}
 	if !s.noRange {
@@ -71,12 +74,13 @@ func (s *cloexecScanner) scan() {
 
 // eachInheritable calls f with each descriptor of the process that is open
 // without FD_CLOEXEC, and its descriptor flags, as listed in /proc/self/fd
-// (the listing's own descriptor left out). Without that directory it calls
-// nothing.
-func eachInheritable(f func(fd, flags int)) {
+// (the listing's own descriptor left out). It reports false, having called
+// nothing, when the directory cannot be opened (no /proc, or no descriptor
+// left).
+func eachInheritable(f func(fd, flags int)) bool {
 	dir, err := os.Open("/proc/self/fd")
 	if err != nil {
-		return
+		return false
 	}
 	defer dir.Close()
 	self := int(dir.Fd())
@@ -94,7 +98,7 @@ func eachInheritable(f func(fd, flags int)) {
 			f(fd, flags)
 		}
 		if listErr != nil {
-			return
+			return true
 		}
 	}
 }

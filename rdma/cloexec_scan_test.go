@@ -101,3 +101,40 @@ func TestCloexecScanAfterLoad(t *testing.T) {
 	require.True(t, isCloexec(t, p[0]))
 	require.True(t, isCloexec(t, p[1]))
 }
+
+// A baseline that cannot be listed (here: no descriptor left to open
+// /proc/self/fd with) leaves the scanner blind: it marks nothing, rather
+// than every descriptor the user has, stdio included.
+func TestCloexecBlindBaseline(t *testing.T) {
+	var lim unix.Rlimit
+	require.NoError(t, unix.Getrlimit(unix.RLIMIT_NOFILE, &lim))
+	low := lim
+	low.Cur = 1024
+	require.NoError(t, unix.Setrlimit(unix.RLIMIT_NOFILE, &low))
+	var dups []int
+	defer func() {
+		for _, fd := range dups {
+			unix.Close(fd)
+		}
+		require.NoError(t, unix.Setrlimit(unix.RLIMIT_NOFILE, &lim))
+	}()
+	for {
+		fd, err := unix.Dup(0)
+		if err != nil {
+			require.ErrorIs(t, err, unix.EMFILE)
+			break
+		}
+		dups = append(dups, fd)
+	}
+	var s cloexecScanner
+	s.baseline() // fails to list: no descriptor left
+	for _, fd := range dups {
+		unix.Close(fd)
+	}
+	dups = nil
+	require.True(t, s.blind)
+	p := inheritablePipe(t)
+	s.scan()
+	require.False(t, isCloexec(t, p[0]), "a blind scanner marks nothing")
+	require.False(t, isCloexec(t, p[1]))
+}
