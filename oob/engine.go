@@ -1025,10 +1025,11 @@ func readInto(r io.Reader, dst *devicebuf.Buffer, chunk int) error {
 // ---- owner side ----------------------------------------------------------------
 
 // serveRTR answers one receiver's request for an outbox entry, on one of the
-// session's push goroutines (queueRTR).
-func serveRTR(s *transport.Session, m *rtr) {
+// session's pushers (queueRTR). c is the configuration of the engine that
+// serves s, resolved once: the session may close, and leave the engine's map,
+// while the push runs.
+func serveRTR(s *transport.Session, m *rtr, c *TransferConfig) {
 	defer busy(s)()
-	c := cfgOf(s)
 	ctx, cancel := context.WithTimeout(sessionContext(s), c.Timeout)
 	defer cancel()
 	ctx, task := trace.NewTask(ctx, "gdrpc.push")
@@ -1039,7 +1040,7 @@ func serveRTR(s *transport.Session, m *rtr) {
 		f.Status, f.Msg = st, err.Error()
 	} else {
 		start := time.Now()
-		f.Path, err = push(ctx, s, m, e.src)
+		f.Path, err = push(ctx, s, m, e.src, c)
 		box.checkin(m.Token, e, err == nil)
 		c.Metrics.Transfer(TransferInfo{Path: f.Path, Bytes: int64(m.Length), Elapsed: time.Since(start), Err: err, Memory: e.src.kind()})
 		c.Logger.Debug("out-of-band push", "session", s.ID(), "path", f.Path.String(), "bytes", m.Length, "elapsed", time.Since(start), "err", err)
@@ -1060,17 +1061,17 @@ func serveRTR(s *transport.Session, m *rtr) {
 }
 
 // push moves src into the receiver's destination by the best path both accept.
-func push(ctx context.Context, s *transport.Session, m *rtr, src Source) (Path, error) {
+func push(ctx context.Context, s *transport.Session, m *rtr, src Source, c *TransferConfig) (Path, error) {
 	if m.Length == 0 {
 		return PathNone, nil
 	}
-	allowed := cfgOf(s).Paths
+	allowed := c.Paths
 	if m.Offers&allowed&PathCUDAIPC != 0 && ipcAllowed(s) {
 		err := pushIPC(s, m, src)
 		if err == nil {
 			return PathCUDAIPC, nil
 		}
-		cfgOf(s).Metrics.Fallback(PathCUDAIPC, PathRDMA, err.Error())
+		c.Metrics.Fallback(PathCUDAIPC, PathRDMA, err.Error())
 	}
 	if m.Offers&allowed&PathRDMA != 0 {
 		if ep := s.Endpoint(); ep != nil {
@@ -1078,7 +1079,7 @@ func push(ctx context.Context, s *transport.Session, m *rtr, src Source) (Path, 
 			if err == nil || ctx.Err() != nil {
 				return path, err
 			}
-			cfgOf(s).Metrics.Fallback(PathRDMA, PathStream, err.Error())
+			c.Metrics.Fallback(PathRDMA, PathStream, err.Error())
 		}
 	}
 	return PathStream, pushStream(ctx, s, m, src)

@@ -247,7 +247,7 @@ func TestDestinationKeyScope(t *testing.T) {
 			rtrs := make(chan *rtr, 1)
 			interceptRTRs(t, cs, func(m *rtr) {
 				rtrs <- m
-				serveRTR(cs, m)
+				serveRTR(cs, m, cfgOf(cs))
 			})
 			const n = 256 << 10
 			payload := bytes.Repeat([]byte("payload "), n/8)

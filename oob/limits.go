@@ -311,7 +311,7 @@ func pushLoop(a *attached) {
 		b.queue[0] = nil
 		b.queue = b.queue[1:]
 		b.mu.Unlock()
-		serveRTR(s, m)
+		serveRTR(s, m, a.eng.config())
 	}
 }
 
