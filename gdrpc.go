@@ -17,7 +17,6 @@ import (
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/oob"
-	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -173,11 +172,4 @@ func (NopMetrics) TransferFallback(Path, Path, string) {}
 // HostMemory returns the process's pool of host memory that UCX allocated and
 // registered once (plain host memory where UCX is unavailable): payloads that
 // live there move by RDMA with no copy and no registration per call.
-func HostMemory() *devicebuf.Pool {
-	if rdma.Available() == nil {
-		if rc, err := rdma.Default(); err == nil {
-			return oob.HostPool(rc)
-		}
-	}
-	return oob.HostPool(nil)
-}
+func HostMemory() *devicebuf.Pool { return oob.DefaultHostPool() }

@@ -22,7 +22,6 @@ import (
 	"github.com/gdrpc/gdrpc/devicebuf"
 	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
 	"github.com/gdrpc/gdrpc/oob"
-	"github.com/gdrpc/gdrpc/rdma"
 )
 
 // Name is the content-subtype of the out-of-band codec: gdrpc clients send
@@ -584,12 +583,7 @@ func receiveAllocator(o *options) devicebuf.Allocator {
 	if a := o.alloc; a != nil {
 		return a
 	}
-	if rdma.Available() == nil {
-		if rc, err := rdma.Default(); err == nil {
-			return oob.HostPool(rc)
-		}
-	}
-	return oob.HostPool(nil)
+	return oob.DefaultHostPool()
 }
 
 func deviceBufferJob(db *gdrv1.DeviceBuffer, o *options) (job, error) {

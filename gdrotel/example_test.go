@@ -21,9 +21,8 @@ import (
 	"github.com/gdrpc/gdrpc/listener"
 )
 
-// A Recorder is wired in once, at start-up: the out-of-band engine's
-// TransferConfig takes Transfers, the listener's and the dialer's session
-// options take Sessions. This process is both server and client of one call
+// A Recorder is a gdrpc.Metrics: the listener and the dialer take it with
+// gdrpc.WithMetrics. This process is both server and client of one call
 // whose 1 MiB payload moves out-of-band, so the metrics show both ends: the
 // server sent the payload, the client received it.
 func Example() {

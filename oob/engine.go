@@ -369,8 +369,8 @@ func FetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 	var s *transport.Session
 	var path Path
 	var err error
-	ctx, task := trace.NewTask(ctx, "gdrpc.pull")
-	defer task.End()
+	ctx, endTask := traceTask(ctx, "gdrpc.pull")
+	defer endTask()
 	for _, s = range sessions {
 		var release func()
 		if release, err = reservePull(ctx, s, d.Token, d.Length); err != nil {
@@ -402,6 +402,17 @@ func FetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 	}
 	c.Logger.Debug("out-of-band pull", "session", s.ID(), "path", path.String(), "bytes", d.Length, "elapsed", time.Since(start))
 	return dst, path, nil
+}
+
+// traceTask starts a task of the execution trace while one is being taken
+// (go tool trace groups a transfer's regions under it); otherwise it costs
+// nothing.
+func traceTask(ctx context.Context, name string) (context.Context, func()) {
+	if !trace.IsEnabled() {
+		return ctx, func() {}
+	}
+	ctx, t := trace.NewTask(ctx, name)
+	return ctx, t.End
 }
 
 // Reachable reports whether a payload owned by owner can be pulled now: a live
@@ -1032,8 +1043,8 @@ func serveRTR(s *transport.Session, m *rtr, c *TransferConfig) {
 	defer busy(s)()
 	ctx, cancel := context.WithTimeout(sessionContext(s), c.Timeout)
 	defer cancel()
-	ctx, task := trace.NewTask(ctx, "gdrpc.push")
-	defer task.End()
+	ctx, endTask := traceTask(ctx, "gdrpc.push")
+	defer endTask()
 	f := &fin{Req: m.Req}
 	e, st, err := box.checkout(m.Token, m.Length)
 	if err != nil {

@@ -136,16 +136,7 @@ func TestUnansweredRTRs(t *testing.T) {
 	require.NoError(t, CloseHostPools())
 	t.Cleanup(func() { require.NoError(t, CloseHostPools()) })
 
-	var attacker *transport.Session
-	rtrs := make(chan struct{}, 64)
-	interceptControl(t, ctlRTR, func(s *transport.Session, _ []byte) bool {
-		if s != attacker {
-			return false
-		}
-		rtrs <- struct{}{} // and no answer
-		return true
-	})
-	attacker, victim := pipePair(t)
+	attacker, victim, rtrs := silentOwner(t, 64)
 	pool := HostPool(nil)
 
 	// The attacker's descriptors take every destination the pool can give.
@@ -388,16 +379,7 @@ func TestPullWaitsForRoom(t *testing.T) {
 
 func testPullWaitsForRoom(t *testing.T, limits Limits, waitingOn func(*transport.Session) bool) {
 	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Limits: limits})
-	var attacker *transport.Session
-	rtrs := make(chan struct{}, 4)
-	interceptControl(t, ctlRTR, func(s *transport.Session, _ []byte) bool {
-		if s != attacker {
-			return false
-		}
-		rtrs <- struct{}{} // and no answer
-		return true
-	})
-	attacker, victim := pipePair(t)
+	_, victim, rtrs := silentOwner(t, 4)
 	pull := func(ctx context.Context) <-chan error {
 		errc := make(chan error, 1)
 		go func() {
@@ -456,4 +438,22 @@ func TestTotalPullBytesAcrossEngines(t *testing.T) {
 	r2, err := reservePull(done, ss, Token{}, 100)
 	require.NoError(t, err, "room again once the big engine's pull settled")
 	r2()
+}
+
+// silentOwner returns a session pair whose client end, the attacker (the
+// payloads' owner), takes every RTR the victim sends it, announces it on
+// rtrs (buffered queued) and never answers. Call it before other sessions of
+// the test exist; it is undone when the test ends.
+func silentOwner(t *testing.T, queued int) (attacker, victim *transport.Session, rtrs <-chan struct{}) {
+	t.Helper()
+	ch := make(chan struct{}, queued)
+	interceptControl(t, ctlRTR, func(s *transport.Session, _ []byte) bool {
+		if s != attacker {
+			return false
+		}
+		ch <- struct{}{} // and no answer
+		return true
+	})
+	attacker, victim = pipePair(t)
+	return attacker, victim, ch
 }

@@ -6,10 +6,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/gdrpc/gdrpc/transport"
+	"github.com/gdrpc/gdrpc/transport/transporttest"
 )
 
 // lanePair dials one session served by the engine, with the given options on
@@ -70,28 +70,10 @@ func requireLive(t *testing.T, s *transport.Session) {
 // distinct process ids.
 func pipePair(t testing.TB, opts ...transport.Option) (client, server *transport.Session) {
 	t.Helper()
-	c1, c2 := net.Pipe()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	base := func() []transport.Option {
-		return append([]transport.Option{transport.WithEngine(Engine()), transport.WithIdentity(transport.NewIdentity())}, opts...)
+	side := func(more ...transport.Option) []transport.Option {
+		return append(append([]transport.Option{transport.WithIdentity(transport.NewIdentity())}, more...), opts...)
 	}
-	ch := make(chan *transport.Session, 1)
-	errCh := make(chan error, 1)
-	go func() {
-		s, err := transport.NewServerSession(ctx, c2, base()...)
-		ch <- s
-		errCh <- err
-	}()
-	client, err := transport.NewClientSession(ctx, c1, base()...)
-	server = <-ch
-	require.NoError(t, <-errCh)
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = client.Close()
-		_ = server.Close()
-	})
-	return client, server
+	return transporttest.PairWith(t, side(transport.WithEngine(Engine())), side(transport.WithEngine(Engine())))
 }
 
 // Sessions the engine serves announce its codec; a session without an engine
@@ -101,21 +83,9 @@ func TestEngineAnnouncesCodec(t *testing.T) {
 	require.True(t, c.Speaks("gdr"))
 	require.True(t, s.Speaks("gdr"))
 
-	c1, c2 := net.Pipe()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	served := make(chan *transport.Session, 1)
-	go func() {
-		s, err := transport.NewServerSession(ctx, c2, transport.WithIdentity(transport.NewIdentity()))
-		assert.NoError(t, err)
-		served <- s
-	}()
-	bare, err := transport.NewClientSession(ctx, c1, transport.WithEngine(Engine()), transport.WithIdentity(transport.NewIdentity()))
-	require.NoError(t, err)
-	defer bare.Close()
-	other := <-served
-	require.NotNil(t, other)
-	defer other.Close()
+	bare, other := transporttest.PairWith(t,
+		[]transport.Option{transport.WithEngine(Engine()), transport.WithIdentity(transport.NewIdentity())},
+		[]transport.Option{transport.WithIdentity(transport.NewIdentity())})
 	require.False(t, bare.Speaks("gdr"), "the peer has no engine")
 	require.False(t, other.Speaks("gdr"), "this side has no engine")
 	require.Empty(t, bare.Peer().Caps.Codecs)

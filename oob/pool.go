@@ -38,6 +38,17 @@ var (
 	keyCache sync.Map // *rdma.Memory -> []byte
 )
 
+// DefaultHostPool is HostPool of the default UCX context (rdma.Default),
+// or of none where UCX cannot be used.
+func DefaultHostPool() *devicebuf.Pool {
+	if rdma.Available() == nil {
+		if rc, err := rdma.Default(); err == nil {
+			return HostPool(rc)
+		}
+	}
+	return HostPool(nil)
+}
+
 // HostPool returns the process's pool of registered host memory for rc: regions
 // UCX allocated (puts into them run faster than into other memory), carved
 // into size classes and reused. With rc nil (no UCX), plain page-aligned host

@@ -24,7 +24,6 @@ import (
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/oob"
-	"github.com/gdrpc/gdrpc/rdma"
 )
 
 // options are gdrperf's flags.
@@ -209,12 +208,10 @@ func (o *options) allocators() (payload, cuda devicebuf.Allocator, err error) {
 // hostAllocator is the host memory a gdrpc user sends from: the pool of
 // UCX-allocated memory, registered once (plain host memory without UCX).
 func (o *options) hostAllocator() (devicebuf.Allocator, error) {
-	if o.transport != "tcp" && rdma.Available() == nil {
-		if rc, err := rdma.Default(); err == nil {
-			return oob.HostPool(rc), nil
-		}
+	if o.transport == "tcp" {
+		return oob.HostPool(nil), nil
 	}
-	return oob.HostPool(nil), nil
+	return oob.DefaultHostPool(), nil
 }
 
 // registerCodec registers the gdr codec. With -recv cuda received payloads
