@@ -42,8 +42,12 @@ bench: deps
 # bench-twohosts measures gdrperf between two hosts emulated by two network
 # namespaces joined by a veth pair (root; UCX over tcp, distinct host ids),
 # in auto mode between peers that trust each other (a UCX session).
-# GDRPERF_ARGS adds client flags, e.g. GDRPERF_ARGS="-sizes 1MiB,64MiB -iters 7".
+# GDRPERF_ARGS adds client flags, e.g. GDRPERF_ARGS="-sizes 1MiB,64MiB -iters 7";
+# GDRPERF_SERVER_ARGS the server's (GPU memory on both ends: "-mem cuda" in both).
 GDRPERF_ARGS ?= -sizes 1MiB,64MiB -iters 7
+GDRPERF_SERVER_ARGS ?=
+# BENCH_UCX_TLS is UCX_TLS in both namespaces (a CUDA-enabled UCX: tcp,cuda_copy).
+BENCH_UCX_TLS ?= tcp
 bench-twohosts: deps
 	$(GO) build -o $(CURDIR)/.gdrperf ./cmd/gdrperf
 	@set -e; a=gdrpc-bench-a; b=gdrpc-bench-b; \
@@ -52,8 +56,8 @@ bench-twohosts: deps
 	ip link set gbva netns $$a; ip link set gbvb netns $$b; \
 	ip -n $$a addr add 10.99.0.1/24 dev gbva; ip -n $$b addr add 10.99.0.2/24 dev gbvb; \
 	for n in $$a $$b; do ip -n $$n link set lo up; done; ip -n $$a link set gbva up; ip -n $$b link set gbvb up; \
-	ip netns exec $$a env GDRPC_HOST_ID=bench-host-a UCX_TLS=tcp $(CURDIR)/.gdrperf -server 10.99.0.1:7700 -trust-peers & srv=$$!; \
-	ip netns exec $$b env GDRPC_HOST_ID=bench-host-b UCX_TLS=tcp $(CURDIR)/.gdrperf -connect 10.99.0.1:7700 -trust-peers $(GDRPERF_ARGS); \
+	ip netns exec $$a env GDRPC_HOST_ID=bench-host-a UCX_TLS=$(BENCH_UCX_TLS) $(CURDIR)/.gdrperf -server 10.99.0.1:7700 -trust-peers $(GDRPERF_SERVER_ARGS) & srv=$$!; \
+	ip netns exec $$b env GDRPC_HOST_ID=bench-host-b UCX_TLS=$(BENCH_UCX_TLS) $(CURDIR)/.gdrperf -connect 10.99.0.1:7700 -trust-peers $(GDRPERF_ARGS); \
 	kill $$srv; wait $$srv 2>/dev/null || true
 
 lint:

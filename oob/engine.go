@@ -594,10 +594,9 @@ func offerDestination(s *transport.Session, d Descriptor, p *pull, m *rtr) (*dev
 	if ep == nil || rc == nil || d.Length == 0 || allowed&PathRDMA == 0 {
 		return nil, nil
 	}
-	if p.dst.Kind() == devicebuf.Host && !peer.SameHost && rmaOverTCPOnly(ep) {
-		// Between hosts, puts over UCX's tcp transport are slower than the
-		// stream path; GPU memory still goes staged (the pipelined copies
-		// keep the GPU's part off the stream).
+	if !peer.SameHost && rmaOverTCPOnly(ep) && !tcpPutsBeatStream(rc) {
+		// Between hosts, puts over this UCX's tcp transport are slower than
+		// the stream path, GPU memory staged through them too.
 		return nil, nil
 	}
 	if m.Offers&PathCUDAIPC != 0 {

@@ -30,8 +30,7 @@ func gpuDirect(rc *rdma.Context, ep *rdma.Endpoint) bool {
 }
 
 // rmaOverTCPOnly reports whether every lane of ep for large puts is UCX's
-// tcp transport. Between two hosts such a put is slower than the session's
-// stream path on its bulk lane.
+// tcp transport (see tcpPutsBeatStream).
 func rmaOverTCPOnly(ep *rdma.Endpoint) bool {
 	domains, err := ep.RMADomains()
 	if err != nil {
@@ -43,4 +42,12 @@ func rmaOverTCPOnly(ep *rdma.Endpoint) bool {
 		}
 	}
 	return true
+}
+
+// tcpPutsBeatStream reports whether, between two hosts, puts over UCX rc's tcp
+// transport move bytes faster than the session's stream path on its bulk
+// lane: from UCX 1.18 on they do, before they do not (the README's two-host
+// rows).
+func tcpPutsBeatStream(rc *rdma.Context) bool {
+	return rc.Info().AtLeast(1, 18)
 }

@@ -140,6 +140,21 @@ type Info struct {
 	MemoryTypes []MemoryType // memory types UCX can register (MemoryCUDA only with a CUDA-enabled UCX)
 }
 
+// AtLeast reports whether the UCX version is major.minor or later; an
+// unreadable version is not.
+func (i Info) AtLeast(major, minor int) bool {
+	parts := strings.SplitN(i.Version, ".", 3)
+	if len(parts) < 2 {
+		return false
+	}
+	ma, err1 := strconv.Atoi(parts[0])
+	mi, err2 := strconv.Atoi(parts[1])
+	if err1 != nil || err2 != nil {
+		return false
+	}
+	return ma > major || ma == major && mi >= minor
+}
+
 // HasMemoryType reports whether t is among the registrable memory types.
 func (i Info) HasMemoryType(t MemoryType) bool {
 	for _, m := range i.MemoryTypes {

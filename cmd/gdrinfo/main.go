@@ -126,7 +126,7 @@ func collect() Report {
 			r.UCX.MemoryTypes = append(r.UCX.MemoryTypes, m.String())
 		}
 	}
-	r.Paths = paths(cudaErr, cudaDevices, ucxErr, ucxCUDA)
+	r.Paths = paths(cudaErr, cudaDevices, ucxErr, ucxCUDA, info)
 	return r
 }
 
@@ -151,8 +151,9 @@ func cudaThroughUCX(ctx *rdma.Context, cudaErr error) error {
 }
 
 // paths decides which transfer paths this host offers, best first. ucxCUDA is
-// nil when UCX moves CUDA memory itself, else why not.
-func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA error) []Path {
+// nil when UCX moves CUDA memory itself, else why not; info is the loaded
+// UCX's.
+func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA error, info rdma.Info) []Path {
 	var ps []Path
 	// cuda-ipc: both ends on this host with CUDA.
 	if cudaErr == nil {
@@ -169,9 +170,9 @@ func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA error) []Path {
 		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host and GPU memory: UCX registers CUDA memory and moves it itself " +
 			"where a session's lane reaches GPU memory without the CPU (GPUDirect RDMA over InfiniBand/RoCE, its cuda_ipc on one host); " +
 			"GPU to GPU on one device takes it (its cuda_ipc keeps its mappings), between two devices of this host cuda-ipc does, " +
-			"and sessions over tcp stage GPU memory, each the faster there"})
+			"each the faster there; " + overTCP(info)})
 	default:
-		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host memory only: " + ucxCUDA.Error()})
+		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host memory only: " + ucxCUDA.Error() + "; " + overTCP(info)})
 	}
 	// staged: UCX and CUDA, device memory through pinned host bounce buffers.
 	var missing []string
@@ -191,6 +192,15 @@ func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA error) []Path {
 	}
 	ps = append(ps, Path{Name: "stream", Available: true, Reason: "bytes over the session's stream (always)"})
 	return ps
+}
+
+// overTCP says what transfers between two hosts do when UCX reaches the peer
+// over its tcp transport alone (no RDMA NIC).
+func overTCP(info rdma.Info) string {
+	if info.AtLeast(1, 18) {
+		return fmt.Sprintf("between hosts over UCX's tcp alone, host memory goes by rdma and GPU memory staged (UCX %s's puts over tcp beat the stream)", info.Version)
+	}
+	return fmt.Sprintf("between hosts over UCX's tcp alone, transfers take the stream (UCX %s's puts over tcp are slower; 1.18 and later's are not)", info.Version)
 }
 
 func writeJSON(w io.Writer, r Report) error {

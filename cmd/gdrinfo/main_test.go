@@ -98,12 +98,25 @@ func TestPaths(t *testing.T) {
 		{"both, gpudirect", nil, nil, nil, true, true, true, "GPUDirect RDMA"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			ps := pathsByName(paths(c.cudaErr, 1, c.ucxErr, c.ucxCUDA))
+			ps := pathsByName(paths(c.cudaErr, 1, c.ucxErr, c.ucxCUDA, rdma.Info{Version: "1.13.1"}))
 			require.Equal(t, c.ipc, ps["cuda-ipc"].Available)
 			require.Equal(t, c.rdmaOK, ps["rdma"].Available)
 			require.Contains(t, ps["rdma"].Reason, c.rdmaReason)
 			require.Equal(t, c.staged, ps["staged"].Available)
 			require.True(t, ps["stream"].Available)
 		})
+	}
+}
+
+func TestPathsBetweenHostsOverTCP(t *testing.T) {
+	for v, want := range map[string]string{
+		"1.13.1": "transfers take the stream (UCX 1.13.1's puts over tcp are slower",
+		"1.16.0": "transfers take the stream (UCX 1.16.0's",
+		"1.18.1": "host memory goes by rdma and GPU memory staged (UCX 1.18.1's puts over tcp beat the stream)",
+	} {
+		for _, ucxCUDA := range []error{nil, errors.New("UCX cannot register CUDA memory")} {
+			ps := pathsByName(paths(nil, 1, nil, ucxCUDA, rdma.Info{Version: v}))
+			require.Contains(t, ps["rdma"].Reason, want, "UCX %s, CUDA in UCX: %v", v, ucxCUDA == nil)
+		}
 	}
 }
