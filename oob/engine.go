@@ -624,7 +624,9 @@ func offerDestination(s *transport.Session, d Descriptor, p *pull, m *rtr) (*dev
 			return staging, nil
 		}
 	}
+	r := trace.StartRegion(context.Background(), "gdrpc.expose")
 	mem, off, release, err := exposeDestination(rc, target, s.TrustsPeer())
+	r.End()
 	if err != nil {
 		cfgOf(s).Metrics.Fallback(PathRDMA, PathStream, "register destination: "+err.Error())
 		return staging, nil
@@ -1272,7 +1274,9 @@ func pushRDMA(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m *r
 	if err := checkKeyDomains(ep, m.RKey, s.TrustsPeer()); err != nil {
 		return PathRDMA, err
 	}
+	r := trace.StartRegion(ctx, "gdrpc.rkey")
 	key, done, err := remoteKey(s, ep, m.RKey)
+	r.End()
 	if err != nil {
 		return PathRDMA, fmt.Errorf("unpack the receiver's key: %w", err)
 	}
@@ -1290,11 +1294,15 @@ func pushRDMA(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m *r
 		var mem *rdma.Memory
 		var off int
 		var release func()
+		r := trace.StartRegion(ctx, "gdrpc.register")
 		mem, off, release, err = registered(s.RDMAContext(), b)
+		r.End()
 		if err != nil {
 			return path, err
 		}
+		r = trace.StartRegion(ctx, "gdrpc.put")
 		err = ep.Put(ctx, mem, off, b.Len(), m.RAddr, key)
+		r.End()
 		release()
 	default:
 		path = PathStaged
@@ -1303,6 +1311,7 @@ func pushRDMA(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m *r
 	if err != nil {
 		return path, err
 	}
+	defer trace.StartRegion(ctx, "gdrpc.flush").End()
 	if err := ep.Flush(ctx); err != nil {
 		return path, fmt.Errorf("flush: %w", err)
 	}
