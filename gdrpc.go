@@ -46,6 +46,8 @@ type Config struct {
 	KeepAliveInterval, KeepAliveTimeout time.Duration
 	// IdleTimeout: see WithIdleTimeout.
 	IdleTimeout time.Duration
+	// ReceiveSpace: see WithReceiveSpace; zero means oob.DefaultReceiveSpace.
+	ReceiveSpace int
 	// Session holds session options applied after the others (WithSessionOptions).
 	Session []transport.Option
 }
@@ -95,6 +97,24 @@ func WithKeepAlive(interval, timeout time.Duration) Option {
 // gRPC conn (a peer that connected and went quiet); zero keeps the default
 // (2 minutes), negative turns it off.
 func WithIdleTimeout(d time.Duration) Option { return func(c *Config) { c.IdleTimeout = d } }
+
+// WithReceiveSpace sets the receive space a client advertises to each server
+// it trusts (n bytes per session; 0 or less: none). After the first payload
+// a session pulls by rdma or cuda-ipc, the client sets aside n bytes of the
+// memory that payload landed in (made by the same receive allocator) and
+// hands the server its key; the server then writes the payloads of its
+// responses straight there while it marshals them, and the client takes them
+// with no rendezvous. A received buffer holds its range until it is released;
+// payloads that do not fit the free space take the rendezvous. The default is
+// oob.DefaultReceiveSpace (64 MiB).
+func WithReceiveSpace(n int) Option {
+	return func(c *Config) {
+		c.ReceiveSpace = n
+		if n <= 0 {
+			c.ReceiveSpace = -1
+		}
+	}
+}
 
 // WithSessionOptions applies package transport's options to the sessions,
 // after the others: for what only the session layer knows (a UCX context of

@@ -154,6 +154,9 @@ func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
 		return baseProto.Marshal(v)
 	}
 	w := &rewriter{oob: c.oob, eager: c.options().eager, hold: holdOf(v)}
+	if c.oob {
+		w.to = takeDestination(v)
+	}
 	out, err := w.message(m)
 	if err != nil {
 		w.abort()
@@ -170,6 +173,7 @@ func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
 	if w.hold == nil {
 		noteSent(v, w.offers)
 	}
+	w.to.landed(v, w.landed)
 	return data, nil
 }
 
@@ -273,18 +277,35 @@ type rewriter struct {
 	eager  int
 	hold   *hold
 	offers []oob.Token
+	to     *destination     // where the message goes, when the server's interceptors know it
+	landed []oob.Descriptor // payloads written into the receiver's advertised space
 }
 
 func (w *rewriter) abort() {
 	for _, t := range w.offers {
 		oob.Withdraw(t)
 	}
+	for _, d := range w.landed {
+		oob.Reclaim(w.to.s, d)
+	}
 }
 
 func (w *rewriter) outOfBand(n int) bool { return w.oob && n >= w.eager }
 
-func (w *rewriter) offer(src oob.Source) oob.Descriptor {
-	d := oob.Offer(src, oob.OfferOptions{Held: w.hold != nil && !w.hold.once})
+// offer puts src in the outbox, or, where landable and the message's
+// destination is known, writes it into the receiver's advertised space.
+func (w *rewriter) offer(src oob.Source, landable bool) oob.Descriptor {
+	opt := oob.OfferOptions{Held: w.hold != nil && !w.hold.once}
+	if landable && w.to != nil && w.hold == nil {
+		d := oob.OfferTo(w.to.s, src, opt)
+		if d.Space != 0 {
+			w.landed = append(w.landed, d)
+			return d
+		}
+		w.offers = append(w.offers, d.Token)
+		return d
+	}
+	d := oob.Offer(src, opt)
 	w.offers = append(w.offers, d.Token)
 	if w.hold != nil {
 		w.hold.add(d.Token)
@@ -416,7 +437,7 @@ func (w *rewriter) field(parent protoreflect.Message, fd protoreflect.FieldDescr
 // bytesField returns what a marked bytes field carries on the wire.
 func (w *rewriter) bytesField(b []byte) ([]byte, bool) {
 	if w.outOfBand(len(b)) {
-		d := w.offer(oob.Source{Bytes: b})
+		d := w.offer(oob.Source{Bytes: b}, false) // the bytes encoding names no receive space
 		desc, err := proto.Marshal(descriptorMessage(d))
 		if err != nil {
 			panic("gdrcodec: marshal descriptor: " + err.Error()) // a fixed, valid message
@@ -439,7 +460,7 @@ func (w *rewriter) deviceBuffer(db *gdrv1.DeviceBuffer) (*gdrv1.DeviceBuffer, er
 		return nil, nil
 	}
 	if w.outOfBand(b.Len()) {
-		return descriptorMessage(w.offer(oob.Source{Buffer: b})), nil
+		return descriptorMessage(w.offer(oob.Source{Buffer: b}, true)), nil
 	}
 	out := &gdrv1.DeviceBuffer{Length: uint64(b.Len()), Kind: kindOf(b.Kind()), Device: int32(b.Device()), DeviceUuid: b.DeviceUUID()}
 	if hb, err := b.HostBytes(); err == nil {
@@ -464,6 +485,7 @@ func descriptorMessage(d oob.Descriptor) *gdrv1.DeviceBuffer {
 		Length: d.Length, Kind: k,
 		Owner: d.Owner[:], Token: d.Token[:],
 		Device: int32(d.Device), DeviceUuid: d.DeviceUUID, HostId: d.HostID[:],
+		Space: d.Space, SpaceOffset: d.SpaceOffset, SpacePath: uint32(d.SpacePath),
 	}
 }
 
@@ -496,6 +518,10 @@ func ParseDescriptor(db *gdrv1.DeviceBuffer) (oob.Descriptor, bool, error) {
 		return d, true, fmt.Errorf("descriptor: unknown kind %d", db.Kind)
 	}
 	d.Device, d.DeviceUUID = int(db.Device), db.DeviceUuid
+	if db.SpacePath > 0xff {
+		return d, true, fmt.Errorf("descriptor: receive space path %d", db.SpacePath)
+	}
+	d.Space, d.SpaceOffset, d.SpacePath = db.Space, db.SpaceOffset, oob.Path(db.SpacePath)
 	return d, true, d.Validate()
 }
 

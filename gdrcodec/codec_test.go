@@ -71,14 +71,18 @@ func (p *pathCounter) Transfer(i oob.TransferInfo) {
 	if i.Err != nil {
 		return
 	}
+	route := i.Route()
+	if i.Advertised {
+		route += "@space"
+	}
 	p.mu.Lock()
 	if i.Pull {
-		p.paths[i.Route()]++
+		p.paths[route]++
 	} else {
 		if p.pushes == nil {
 			p.pushes = map[string]int{}
 		}
-		p.pushes[i.Route()]++
+		p.pushes[route]++
 	}
 	p.mu.Unlock()
 }
@@ -316,7 +320,8 @@ func TestFakeGPU(t *testing.T) {
 				trust = append(trust, gdrpc.WithTrustPeers())
 			}
 			r := newRig(t, tt.mode, &tensor.Server{Alloc: gpu}, trust...)
-			oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Paths: tt.paths, StagingChunk: tt.chunk})
+			// The rendezvous alone (receive space: space_test.go).
+			oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Paths: tt.paths, StagingChunk: tt.chunk, ReceiveSpace: -1})
 			gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
 			t.Cleanup(func() { gdrcodec.Register() })
 			for _, n := range []int{1, 64 << 10, 5<<20 + 3} {

@@ -170,16 +170,7 @@ func testGPUService(t *testing.T, serverGPU, clientGPU int) {
 	// memory to client memory), wantBack the route of the client's push of
 	// the request back to the server (named for the client's memory), with a
 	// CUDA-enabled UCX; plain and back without one.
-	tests := []struct {
-		name           string
-		mode           transport.Mode
-		paths          oob.Path
-		serverHost     bool // the server's payloads live in host memory
-		clientHost     bool // the client's received payloads land in host memory
-		trust          bool // TrustPeers: owners put through any transport a key names
-		want, wantBack string
-		plain, back    string // without CUDA in UCX
-	}{
+	tests := []gpuPath{
 		{name: "cuda-ipc", mode: transport.ModeTCP, paths: oob.PathCUDAIPC, trust: true, want: "cuda-ipc", wantBack: "cuda-ipc", plain: "cuda-ipc", back: "cuda-ipc"},
 		{name: "rdma", mode: transport.ModeUCX, paths: oob.PathRDMA, trust: true, want: "rdma/cuda", wantBack: "rdma/cuda", plain: "staged", back: "staged"},
 		{name: "rdma-gpu-to-host", mode: transport.ModeUCX, paths: oob.PathRDMA, trust: true, clientHost: true, want: "rdma", wantBack: "rdma", plain: "rdma", back: "rdma"},
@@ -191,80 +182,121 @@ func testGPUService(t *testing.T, serverGPU, clientGPU int) {
 		{name: "stream", mode: transport.ModeTCP, paths: oob.PathStream, want: "stream", wantBack: "stream", plain: "stream", back: "stream"},
 	}
 	for _, tt := range tests {
-		t.Run("path="+tt.name, func(t *testing.T) {
-			if tt.mode == transport.ModeUCX && !ucxMovesCUDA(t) {
-				tt.want, tt.wantBack = tt.plain, tt.back
-			}
-			addr := startGPUServer(t, tt.mode, tt.paths, serverGPU, tt.serverHost, tt.trust)
-			pc := &pathCounter{paths: map[string]int{}}
-			oob.SetTransferConfig(oob.TransferConfig{Paths: tt.paths, Metrics: pc})
-			if tt.clientHost {
-				gdrcodec.Register()
-			} else {
-				gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
-			}
-			t.Cleanup(func() {
-				oob.SetTransferConfig(oob.TransferConfig{})
-				gdrcodec.Register()
+		for _, space := range []bool{false, true} {
+			t.Run(fmt.Sprintf("path=%s/space=%v", tt.name, space), func(t *testing.T) {
+				testGPUPath(t, tt, space, gpu, sizes, serverGPU, clientGPU)
 			})
-			opts := []gdrpc.Option{gdrpc.WithTransport(tt.mode), processEngine}
-			if tt.trust {
-				opts = append(opts, gdrpc.WithTrustPeers())
-			}
-			d := dialer.New(opts...)
-			cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(insecure.NewCredentials())...)
-			require.NoError(t, err)
-			defer cc.Close()
-			c := tensorpb.NewTensorServiceClient(cc)
-			// Every GPU buffer and IPC mapping this process made for the calls
-			// is gone once they returned and their messages were released.
-			base := devicebuf.Live()
-			defer func() {
-				left := devicebuf.Live().Sub(base)
-				require.Zero(t, left.CUDABuffers, "GPU buffers left: %+v", left)
-				require.Zero(t, left.CUDABytes, "GPU bytes left: %+v", left)
-				require.Zero(t, left.IPCMappings, "IPC mappings left: %+v", left)
-			}()
-			for _, n := range sizes {
-				t.Run(fmt.Sprintf("size=%d", n), func(t *testing.T) {
-					ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-					defer cancel()
-					want := pattern(n, uint32(n))
-					start := time.Now()
-					// Response: the server's payload lands in this process's memory.
-					got, err := c.Make(ctx, &tensorpb.Sized{Size: uint64(n), Seed: uint32(n)})
-					require.NoError(t, err)
-					elapsed := time.Since(start)
-					b, ok := gdrcodec.Buffer(got.Data)
-					require.True(t, ok)
-					if tt.clientHost {
-						require.Equal(t, devicebuf.Host, b.Kind())
-					} else {
-						require.Equal(t, devicebuf.CUDA, b.Kind())
-						require.Equal(t, clientGPU, b.Device())
-					}
-					p, err := tensor.Bytes(got.Data) // copies back from the GPU
-					require.NoError(t, err)
-					requireBytes(t, want, p)
-					paths := pc.reset()
-					pc.takePushes()
-					if n >= gdrcodec.DefaultEagerThreshold {
-						require.Equal(t, map[string]int{tt.want: 1}, paths, "the client's pull")
-					}
+		}
+	}
+}
 
-					// Request: this process's payload lands in the server's memory;
-					// the server checksums what arrived and reports the path.
-					sum, err := c.Digest(ctx, got)
-					require.NoError(t, err)
-					require.Equal(t, uint64(n), sum.Bytes)
-					require.Equal(t, tensor.ChecksumBytes(want), sum.Crc32C)
-					if n >= gdrcodec.DefaultEagerThreshold {
-						require.Equal(t, map[string]int{tt.wantBack: 1}, pc.takePushes(), "the client's push")
-					}
-					gdrcodec.ReleaseAll(got)
-					t.Logf("path=%s size=%d make=%v (%.0f MiB/s incl. server fill)", tt.want, n, elapsed, float64(n)/(1<<20)/elapsed.Seconds())
-				})
+// gpuPath is one way of TestGPUService's: see testGPUService.
+type gpuPath struct {
+	name           string
+	mode           transport.Mode
+	paths          oob.Path
+	serverHost     bool // the server's payloads live in host memory
+	clientHost     bool // the client's received payloads land in host memory
+	trust          bool // TrustPeers: owners put through any transport a key names
+	want, wantBack string
+	plain, back    string // without CUDA in UCX
+}
+
+// testGPUPath runs tt's calls for every size. With space the client
+// advertises receive space after its first pull by rdma or cuda-ipc, and
+// the server's later payloads that fit land there (route "<want>@space").
+func testGPUPath(t *testing.T, tt gpuPath, space bool, gpu devicebuf.Allocator, sizes []int, serverGPU, clientGPU int) {
+	if tt.mode == transport.ModeUCX && !ucxMovesCUDA(t) {
+		tt.want, tt.wantBack = tt.plain, tt.back
+	}
+	const spaceBytes = 64 << 20
+	receiveSpace := -1
+	if space {
+		receiveSpace = spaceBytes
+	}
+	landable := space && tt.trust && (tt.want == "rdma/cuda" || tt.want == "rdma" || tt.want == "cuda-ipc")
+	landed := 0
+	addr := startGPUServer(t, tt.mode, tt.paths, serverGPU, tt.serverHost, tt.trust)
+	pc := &pathCounter{paths: map[string]int{}}
+	oob.SetTransferConfig(oob.TransferConfig{Paths: tt.paths, Metrics: pc, ReceiveSpace: receiveSpace})
+	if tt.clientHost {
+		gdrcodec.Register()
+	} else {
+		gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
+	}
+	t.Cleanup(func() {
+		oob.SetTransferConfig(oob.TransferConfig{})
+		gdrcodec.Register()
+	})
+	opts := []gdrpc.Option{gdrpc.WithTransport(tt.mode), processEngine}
+	if tt.trust {
+		opts = append(opts, gdrpc.WithTrustPeers())
+	}
+	d := dialer.New(opts...)
+	cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(insecure.NewCredentials())...)
+	require.NoError(t, err)
+	defer cc.Close()
+	c := tensorpb.NewTensorServiceClient(cc)
+	// Every GPU buffer and IPC mapping this process made for the calls
+	// is gone once they returned, their messages were released and
+	// the session (which holds the receive space) ended.
+	base := devicebuf.Live()
+	defer func() {
+		require.NoError(t, cc.Close())
+		require.Eventually(t, func() bool { return oob.ReadStats().Spaces == 0 }, 10*time.Second, time.Millisecond)
+		if landable {
+			require.NotZero(t, landed, "no payload landed in the receive space")
+		}
+		left := devicebuf.Live().Sub(base)
+		require.Zero(t, left.CUDABuffers, "GPU buffers left: %+v", left)
+		require.Zero(t, left.CUDABytes, "GPU bytes left: %+v", left)
+		require.Zero(t, left.IPCMappings, "IPC mappings left: %+v", left)
+	}()
+	for _, n := range sizes {
+		t.Run(fmt.Sprintf("size=%d", n), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			want := pattern(n, uint32(n))
+			start := time.Now()
+			// Response: the server's payload lands in this process's memory.
+			got, err := c.Make(ctx, &tensorpb.Sized{Size: uint64(n), Seed: uint32(n)})
+			require.NoError(t, err)
+			elapsed := time.Since(start)
+			b, ok := gdrcodec.Buffer(got.Data)
+			require.True(t, ok)
+			if tt.clientHost {
+				require.Equal(t, devicebuf.Host, b.Kind())
+			} else {
+				require.Equal(t, devicebuf.CUDA, b.Kind())
+				require.Equal(t, clientGPU, b.Device())
 			}
+			p, err := tensor.Bytes(got.Data) // copies back from the GPU
+			require.NoError(t, err)
+			requireBytes(t, want, p)
+			paths := pc.reset()
+			pc.takePushes()
+			if n >= gdrcodec.DefaultEagerThreshold {
+				if landable && n <= spaceBytes && paths[tt.want+"@space"] == 1 {
+					// Written into the receive space the client
+					// advertised after its first pull (once the server
+					// took the advertisement).
+					landed++
+				} else {
+					require.Equal(t, map[string]int{tt.want: 1}, paths, "the client's pull")
+				}
+			}
+
+			// Request: this process's payload lands in the server's memory;
+			// the server checksums what arrived and reports the path.
+			sum, err := c.Digest(ctx, got)
+			require.NoError(t, err)
+			require.Equal(t, uint64(n), sum.Bytes)
+			require.Equal(t, tensor.ChecksumBytes(want), sum.Crc32C)
+			if n >= gdrcodec.DefaultEagerThreshold {
+				require.Equal(t, map[string]int{tt.wantBack: 1}, pc.takePushes(), "the client's push")
+			}
+			gdrcodec.ReleaseAll(got)
+			t.Logf("path=%s size=%d make=%v (%.0f MiB/s incl. server fill)", tt.want, n, elapsed, float64(n)/(1<<20)/elapsed.Seconds())
 		})
 	}
 }

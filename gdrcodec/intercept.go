@@ -318,7 +318,11 @@ func unaryServerInterceptor(ctx context.Context, req any, _ *grpc.UnaryServerInf
 	if st := failedRequest(ctx, req); st != nil {
 		return nil, st.Err()
 	}
-	return handler(ctx, req)
+	resp, err := handler(ctx, req)
+	if err == nil && resp != nil {
+		bindDestination(ctx, resp)
+	}
+	return resp, err
 }
 
 func streamServerInterceptor(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
@@ -338,6 +342,15 @@ func (s *requestStream) RecvMsg(m any) error {
 	return rc.done(m, s.ServerStream.RecvMsg(m))
 }
 
+// SendMsg lets the message's marshaling write its payloads into receive
+// space the client advertised.
+func (s *requestStream) SendMsg(m any) error {
+	bindDestination(s.Context(), m)
+	err := s.ServerStream.SendMsg(m)
+	takeDestination(m) // not marshaled (SendMsg failed first): forget it
+	return err
+}
+
 // serverStats gives a server call's buffers back when the call no longer needs
 // them: a response's once it was sent (the outbox keeps its own reference until
 // the client pulled it), a request's when the call ends. A handler that keeps a
@@ -351,6 +364,7 @@ type callMessages struct {
 	method   string
 	decoding bool                   // a unary call, counted in decoding until its request is decoded
 	failed   map[any]*status.Status // request -> its failed pull
+	landed   map[any]landedPayloads // response not yet reported sent -> its payloads in the client's receive space
 }
 
 // decoded ends the call's count in decoding, if it has one.
@@ -411,6 +425,11 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			c.mu.Unlock()
 		}
 	case *stats.OutPayload:
+		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
+			c.mu.Lock()
+			delete(c.landed, s.Payload) // the client has them now
+			c.mu.Unlock()
+		}
 		sentOn(ctx, s.Payload)
 		if m := messageV2Of(s.Payload); m != nil {
 			ReleaseAll(m)
@@ -419,11 +438,14 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
 			c.mu.Lock()
 			c.decoded()
-			in := c.in
-			c.in, c.failed = nil, nil
+			in, landed := c.in, c.landed
+			c.in, c.failed, c.landed = nil, nil, nil
 			c.mu.Unlock()
 			for _, m := range in {
 				ReleaseAll(m)
+			}
+			for _, l := range landed {
+				l.reclaim()
 			}
 		}
 	}

@@ -28,8 +28,8 @@ func TestGPUBuffersFreedOnRelease(t *testing.T) {
 	devicebuftest.Install(t, 1)
 	gpu, err := devicebuf.NewCUDAAllocator(0)
 	require.NoError(t, err)
-	r := newRig(t, transport.ModeTCP, &tensor.Server{Alloc: gpu}, gdrpc.WithTrustPeers()) // CUDA IPC only with trusted peers
-	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Paths: oob.PathCUDAIPC})
+	r := newRig(t, transport.ModeTCP, &tensor.Server{Alloc: gpu}, gdrpc.WithTrustPeers())                 // CUDA IPC only with trusted peers
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Paths: oob.PathCUDAIPC, ReceiveSpace: -1}) // space_test.go has the space's
 	gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
 	t.Cleanup(func() { gdrcodec.Register() })
 

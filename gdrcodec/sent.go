@@ -46,3 +46,65 @@ func sentOn(ctx context.Context, v any) {
 func replayable(cc *grpc.ClientConn, method string) bool {
 	return cc.GetMethodConfig(method).RetryPolicy != nil
 }
+
+// destination is where a server's outgoing message goes: the session of its
+// call, and the call's record, which keeps the payloads written into the
+// peer's receive space until the message is reported sent.
+type destination struct {
+	s    *transport.Session
+	call *callMessages // nil outside a server call with the stats handler
+}
+
+// destinations holds the destinations of messages about to be marshaled;
+// entries of messages never marshaled leave after a lease.
+var destinations = newExpiring[*destination](oob.DefaultLease)
+
+// bindDestination notes that v, about to be sent on the server call of ctx,
+// goes to the peer of the call's session: its marshaling may then write
+// payloads into receive space that peer advertised (oob.OfferTo).
+func bindDestination(ctx context.Context, v any) {
+	s := transport.SessionFromContext(ctx)
+	if s == nil {
+		return
+	}
+	if m := messageV2Of(v); m == nil || !mayCarry(m.ProtoReflect().Descriptor()) {
+		return
+	}
+	c, _ := ctx.Value(callKey{}).(*callMessages)
+	destinations.put(v, &destination{s: s, call: c})
+}
+
+func takeDestination(v any) *destination {
+	d, _ := destinations.take(v)
+	return d
+}
+
+// landed records ds, v's payloads written into the peer's receive space,
+// until v is reported sent; the call's end gives back those of messages
+// never sent (the receiver never learns of them).
+func (d *destination) landed(v any, ds []oob.Descriptor) {
+	if d == nil || len(ds) == 0 {
+		return
+	}
+	if d.call == nil {
+		return // nobody reports the send: the ranges stay the receiver's to give back
+	}
+	d.call.mu.Lock()
+	if d.call.landed == nil {
+		d.call.landed = map[any]landedPayloads{}
+	}
+	d.call.landed[v] = landedPayloads{s: d.s, ds: ds}
+	d.call.mu.Unlock()
+}
+
+type landedPayloads struct {
+	s  *transport.Session
+	ds []oob.Descriptor
+}
+
+// reclaim gives back the receive space of payloads never sent.
+func (l landedPayloads) reclaim() {
+	for _, d := range l.ds {
+		oob.Reclaim(l.s, d)
+	}
+}

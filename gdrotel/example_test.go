@@ -62,10 +62,10 @@ func Example() {
 	// Output:
 	// gdrpc.session.active{side=client,transport=tcp} 1
 	// gdrpc.session.active{side=server,transport=tcp} 1
-	// gdrpc.transfer.io{direction=receive,memory=host,outcome=ok,path=stream,route=stream} 1048576
-	// gdrpc.transfer.io{direction=send,memory=host,outcome=ok,path=stream,route=stream} 1048576
-	// gdrpc.transfer.duration{direction=receive,memory=host,outcome=ok,path=stream,route=stream} count=1
-	// gdrpc.transfer.duration{direction=send,memory=host,outcome=ok,path=stream,route=stream} count=1
+	// gdrpc.transfer.io{advertised=false,direction=receive,memory=host,outcome=ok,path=stream,route=stream} 1048576
+	// gdrpc.transfer.io{advertised=false,direction=send,memory=host,outcome=ok,path=stream,route=stream} 1048576
+	// gdrpc.transfer.duration{advertised=false,direction=receive,memory=host,outcome=ok,path=stream,route=stream} count=1
+	// gdrpc.transfer.duration{advertised=false,direction=send,memory=host,outcome=ok,path=stream,route=stream} count=1
 }
 
 // A pool's counters are read at each collection: how much registered memory

@@ -93,10 +93,10 @@ func (r reading) histogram(tb testing.TB, name, unit string) map[string]metricda
 }
 
 const (
-	pullCUDA  = "direction=receive,memory=cuda,outcome=ok,path=rdma,route=rdma/cuda"
-	pushHost  = "direction=send,memory=host,outcome=ok,path=rdma,route=rdma"
-	pullStale = "direction=receive,error.type=not_found,memory=host,outcome=error,path=stream,route=stream"
-	pullOther = "direction=receive,error.type=_OTHER,memory=host,outcome=error,path=none,route=none"
+	pullCUDA  = "advertised=false,direction=receive,memory=cuda,outcome=ok,path=rdma,route=rdma/cuda"
+	pushHost  = "advertised=false,direction=send,memory=host,outcome=ok,path=rdma,route=rdma"
+	pullStale = "advertised=false,direction=receive,error.type=not_found,memory=host,outcome=error,path=stream,route=stream"
+	pullOther = "advertised=false,direction=receive,error.type=_OTHER,memory=host,outcome=error,path=none,route=none"
 )
 
 func TestTransfer(t *testing.T) {
@@ -170,7 +170,7 @@ func TestTransferErrorType(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			h := newHarness(t)
 			h.rec.Transfer(oob.TransferInfo{Path: oob.PathStream, Pull: true, Bytes: 10, Err: tt.err})
-			want := "direction=receive,error.type=" + tt.want + ",memory=host,outcome=error,path=stream,route=stream"
+			want := "advertised=false,direction=receive,error.type=" + tt.want + ",memory=host,outcome=error,path=stream,route=stream"
 			require.Equal(t, map[string]int64{want: 1}, h.collect(t).sum(t, "gdrpc.transfers", "{transfer}", true))
 		})
 	}

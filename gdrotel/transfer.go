@@ -17,6 +17,7 @@ const (
 	keyPath      attribute.Key = "path"       // the oob.Path taken
 	keyDirection attribute.Key = "direction"  // "receive" (this side pulled the bytes) or "send"
 	keyMemory    attribute.Key = "memory"     // this side's memory: "host" or "cuda"
+	keyAdvertise attribute.Key = "advertised" // true: into receive space the receiver advertised, no rendezvous
 	keyOutcome   attribute.Key = "outcome"    // "ok" or "error"
 	keyErrorType attribute.Key = "error.type" // on outcome=error: the oob.TransferErrorKind, or "_OTHER"
 	keyWanted    attribute.Key = "wanted"     // a fallback's better path
@@ -40,6 +41,7 @@ type transferKey struct {
 	path      oob.Path
 	memory    devicebuf.Kind
 	pull      bool
+	advertise bool
 	errorType string // "" for a transfer that succeeded
 }
 
@@ -53,6 +55,7 @@ func transferAttrs(k transferKey) []attribute.KeyValue {
 		keyPath.String(k.path.String()),
 		keyDirection.String(direction),
 		keyMemory.String(k.memory.String()),
+		keyAdvertise.Bool(k.advertise),
 	}
 	if k.errorType == "" {
 		return append(kv, keyOutcome.String(outcomeOK))
@@ -63,7 +66,7 @@ func transferAttrs(k transferKey) []attribute.KeyValue {
 // Transfer records one finished transfer: its bytes, one transfer and its
 // duration, under the same attributes.
 func (r *Recorder) Transfer(info oob.TransferInfo) {
-	o := r.transferOpts.get(transferKey{path: info.Path, memory: info.Memory, pull: info.Pull, errorType: errorType(info.Err)})
+	o := r.transferOpts.get(transferKey{path: info.Path, memory: info.Memory, pull: info.Pull, advertise: info.Advertised, errorType: errorType(info.Err)})
 	ctx := context.Background()
 	if info.Bytes > 0 {
 		r.transferIO.Add(ctx, info.Bytes, o.add...)

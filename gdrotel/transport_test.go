@@ -49,9 +49,9 @@ func TestWithTransport(t *testing.T) {
 	route := "path=" + path.String() + ",route=" + oob.TransferInfo{Path: path}.Route()
 	r = h.collect(t)
 	require.Equal(t, map[string]int64{
-		"direction=receive,memory=host,outcome=ok," + route:                                     int64(len(payload)),
-		"direction=send,memory=host,outcome=ok," + route:                                        int64(len(payload)),
-		"direction=receive,error.type=not_found,memory=host,outcome=error,path=none,route=none": int64(len(payload)),
+		"advertised=false,direction=receive,memory=host,outcome=ok," + route:                                     int64(len(payload)),
+		"advertised=false,direction=send,memory=host,outcome=ok," + route:                                        int64(len(payload)),
+		"advertised=false,direction=receive,error.type=not_found,memory=host,outcome=error,path=none,route=none": int64(len(payload)),
 	}, r.sum(t, "gdrpc.transfer.io", "By", true))
 
 	require.NoError(t, client.Close())

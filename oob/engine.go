@@ -47,6 +47,10 @@ type TransferInfo struct {
 	// Memory is the kind of this side's buffer: the destination on the
 	// receiver's side, the source on the owner's.
 	Memory devicebuf.Kind
+	// Advertised is true when the payload went into receive space the
+	// receiver advertised, with no rendezvous: the owner wrote it while it
+	// marshaled the message, and the receiver took it from there.
+	Advertised bool
 }
 
 // kindOf returns b's kind, Host when there is no buffer (yet).
@@ -94,6 +98,10 @@ type TransferConfig struct {
 	// Limits bound what one peer's session may hold; their zero fields take
 	// the defaults Limits documents.
 	Limits Limits
+	// ReceiveSpace is the receive space advertised to each trusted peer
+	// (space.go): payloads it sends over the session land there without a
+	// rendezvous. If zero, DefaultReceiveSpace; negative, none.
+	ReceiveSpace int
 }
 
 var oobConfig atomic.Pointer[TransferConfig]
@@ -115,6 +123,9 @@ func (c TransferConfig) withDefaults() *TransferConfig {
 	}
 	if c.Paths == 0 {
 		c.Paths = PathCUDAIPC | PathRDMA
+	}
+	if c.ReceiveSpace == 0 {
+		c.ReceiveSpace = DefaultReceiveSpace
 	}
 	c.Paths |= PathStream
 	if c.Logger == nil {
@@ -321,6 +332,9 @@ func FetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 	if err := d.Validate(); err != nil {
 		return nil, PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid, Err: err}
 	}
+	if d.Space != 0 {
+		return takeLanded(d)
+	}
 	var dst *devicebuf.Buffer
 	allocate := func() error {
 		if dst != nil {
@@ -341,6 +355,13 @@ func FetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 		return nil, path, err
 	}
 	sessions := liveSessions(d.Owner)
+	if d.Owner == transport.LocalID() {
+		// Both ends of a connection to this process are sessions to it: the
+		// client's first, whose pulls advertise receive space (space.go).
+		slices.SortStableFunc(sessions, func(a, b *transport.Session) int {
+			return cmpBool(b.IsClient(), a.IsClient())
+		})
+	}
 	if pref := transport.SessionFromContext(ctx); pref != nil {
 		// The call's own session first (a server's request, a client stream's
 		// response): its engine's configuration and its peer's bounds apply.
@@ -401,7 +422,25 @@ func FetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 		}
 	}
 	c.Logger.Debug("out-of-band pull", "session", s.ID(), "path", path.String(), "bytes", d.Length, "elapsed", time.Since(start))
+	maybeAdvertise(s, path, dst, alloc)
 	return dst, path, nil
+}
+
+// takeLanded returns the payload d names in this process's receive space.
+func takeLanded(d Descriptor) (*devicebuf.Buffer, Path, error) {
+	start := time.Now()
+	dst, sp, err := fetchLanded(d)
+	if err != nil {
+		return nil, d.SpacePath, &TransferError{Token: d.Token, Kind: TransferInvalid, Err: err}
+	}
+	if dst.Kind() == devicebuf.CUDA && d.SpacePath == PathRDMA {
+		if err := devicebuf.FlushRDMAWrites(dst.Device()); err != nil {
+			dst.Release()
+			return nil, d.SpacePath, &TransferError{Token: d.Token, Err: fmt.Errorf("flush GPUDirect RDMA writes: %w", err)}
+		}
+	}
+	cfgOf(sp.s).Metrics.Transfer(TransferInfo{Path: d.SpacePath, Bytes: int64(d.Length), Elapsed: time.Since(start), Pull: true, Memory: dst.Kind(), Advertised: true})
+	return dst, d.SpacePath, nil
 }
 
 // traceTask starts a task of the execution trace while one is being taken
@@ -703,7 +742,7 @@ func handleFIN(s *transport.Session, payload []byte) {
 }
 
 func handleChunk(s *transport.Session, payload []byte) {
-	req, off, n, err := parseChunkNotice(payload)
+	req, off, n, err := parseRangeNotice(payload, "chunk notice")
 	if err != nil {
 		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
 		return
@@ -1391,7 +1430,7 @@ func pushStaged(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m 
 			if err := ep.Flush(ctx); err != nil {
 				return fmt.Errorf("flush: %w", err)
 			}
-			if err := sendControl(ctx, s, ctlChunk, chunkNotice(m.Req, uint64(f.off), uint64(f.n))); err != nil {
+			if err := sendControl(ctx, s, ctlChunk, rangeNotice(m.Req, uint64(f.off), uint64(f.n))); err != nil {
 				return err
 			}
 		}

@@ -325,7 +325,7 @@ func TestChunkNoticesAfterCopierStopped(t *testing.T) {
 	go func() {
 		defer close(handled)
 		for i := range 2 * cap(p.chunks) {
-			handleChunk(ss, chunkNotice(p.req, uint64(i)*stagedGrain, stagedGrain))
+			handleChunk(ss, rangeNotice(p.req, uint64(i)*stagedGrain, stagedGrain))
 		}
 	}()
 	select {

@@ -69,10 +69,9 @@ var box = &outbox{entries: make(map[Token]*outboxEntry), toward: make(map[transp
 // it. The outbox takes its own reference on a Buffer source and drops it when
 // the entry leaves. A Bytes source must not be modified until then.
 func Offer(src Source, opt OfferOptions) Descriptor {
-	d := Descriptor{Owner: transport.LocalID(), Token: newToken(), Length: uint64(src.Len()), HostID: transport.LocalHostID(), Kind: devicebuf.Host, Device: -1}
+	d := describe(src)
 	if b := src.Buffer; b != nil {
 		b.Retain()
-		d.Kind, d.Device, d.DeviceUUID = b.Kind(), b.Device(), b.DeviceUUID()
 	}
 	lease := opt.Lease
 	if lease <= 0 {
@@ -86,6 +85,15 @@ func Offer(src Source, opt OfferOptions) Descriptor {
 	// Withdraw reads the timer once it holds the lock.
 	e.timer = time.AfterFunc(lease, func() { Withdraw(tok) })
 	box.mu.Unlock()
+	return d
+}
+
+// describe returns a descriptor of src with a fresh token.
+func describe(src Source) Descriptor {
+	d := Descriptor{Owner: transport.LocalID(), Token: newToken(), Length: uint64(src.Len()), HostID: transport.LocalHostID(), Kind: devicebuf.Host, Device: -1}
+	if b := src.Buffer; b != nil {
+		d.Kind, d.Device, d.DeviceUUID = b.Kind(), b.Device(), b.DeviceUUID()
+	}
 	return d
 }
 
@@ -157,6 +165,11 @@ type Stats struct {
 	Offered  int // payloads in the outbox: offered, not yet withdrawn or expired
 	Pulls    int // pulls under way (their destinations not yet settled)
 	Sessions int // sessions the engine serves
+	Spaces   int // receive spaces this process advertised, alive (their session open, or ranges held)
+	Landed   int // ranges of them the application holds
+	// PeerSpaces are the receive spaces peers advertised to this process, of
+	// open sessions; PeerTaken the ranges of them written and not given back.
+	PeerSpaces, PeerTaken int
 }
 
 // ReadStats returns the current Stats.
@@ -168,7 +181,24 @@ func ReadStats() Stats {
 	pulls.Lock()
 	st.Pulls = len(pulls.m)
 	pulls.Unlock()
-	sessions.Range(func(any, any) bool { st.Sessions++; return true })
+	sessions.Range(func(_, v any) bool {
+		st.Sessions++
+		if ps := peerSpaceOfState(v.(*attached)); ps != nil {
+			st.PeerSpaces++
+			ps.mu.Lock()
+			st.PeerTaken += len(ps.taken)
+			ps.mu.Unlock()
+		}
+		return true
+	})
+	liveSpaces.Lock()
+	for sp := range liveSpaces.m {
+		st.Spaces++
+		sp.mu.Lock()
+		st.Landed += len(sp.inUse)
+		sp.mu.Unlock()
+	}
+	liveSpaces.Unlock()
 	return st
 }
 

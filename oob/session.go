@@ -48,6 +48,7 @@ type attached struct {
 	eng    engine
 	bounds sessionBounds
 	act    activity
+	space  spaceState
 }
 
 // sessions maps the sessions the engine serves, until they close, to their
@@ -86,9 +87,11 @@ func served(s *transport.Session) bool {
 var (
 	controlMu       sync.RWMutex
 	controlHandlers = map[byte]func(s *transport.Session, payload []byte){
-		ctlRTR:   queueRTR,
-		ctlFIN:   handleFIN,
-		ctlChunk: handleChunk,
+		ctlRTR:       queueRTR,
+		ctlFIN:       handleFIN,
+		ctlChunk:     handleChunk,
+		ctlSpace:     handleSpace,
+		ctlSpaceFree: handleSpaceFree,
 	}
 	bulkHandler = serveBulk
 )
@@ -117,6 +120,7 @@ func (a *attached) Join()                 { a.bounds.join() }
 
 func (a *attached) Closed() {
 	sessions.Delete(a.s)
+	endSpaces(a)
 	dropRemoteKeys(a.s)
 	endBounds(a)
 	releaseSentTo(a.s)

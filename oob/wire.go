@@ -18,6 +18,11 @@ const (
 	// owner -> receiver: a staged chunk is in the receiver's host staging (remote
 	// completion done), so its copy to the GPU can start before FIN.
 	ctlChunk byte = 0x12
+	// receiver -> owner: receive space the owner may write payloads into
+	// (space.go); the body is an RTR's, its request id the space's id.
+	ctlSpace byte = 0x13
+	// receiver -> owner: a range of that space is free again (a range notice).
+	ctlSpaceFree byte = 0x14
 )
 
 const wireVersion = 1
@@ -42,6 +47,14 @@ type Descriptor struct {
 	Device     int          // the owner's CUDA ordinal (-1 for host memory)
 	DeviceUUID string       // the owner's GPU UUID ("" for host memory)
 	HostID     transport.ID // the owner's host
+
+	// Space, when not zero, names the receive space the receiver advertised
+	// (space.go) that the owner already wrote the payload into, at
+	// SpaceOffset, by SpacePath (PathRDMA or PathCUDAIPC): there is nothing
+	// to pull.
+	Space       uint64
+	SpaceOffset uint64
+	SpacePath   Path
 }
 
 // Validate reports whether d can name a payload at all.
@@ -57,6 +70,10 @@ func (d Descriptor) Validate() error {
 		return fmt.Errorf("descriptor: unknown kind %d", d.Kind)
 	case len(d.DeviceUUID) > 64:
 		return errors.New("descriptor: device uuid too long")
+	case d.Space != 0 && d.SpacePath != PathRDMA && d.SpacePath != PathCUDAIPC:
+		return fmt.Errorf("descriptor: receive space written by %v", d.SpacePath)
+	case d.Space == 0 && (d.SpaceOffset != 0 || d.SpacePath != PathNone):
+		return errors.New("descriptor: a receive space offset or path without a space")
 	}
 	return nil
 }
@@ -298,8 +315,10 @@ func parseLaneFrame(b []byte) (laneFrame, error) {
 	return f, nil
 }
 
-// chunk notice: request id, offset and length of a chunk now in staging.
-func chunkNotice(req, off, n uint64) []byte {
+// range notice: an id (a request's, a receive space's), then the offset and
+// length of a range: a staged chunk now in staging (ctlChunk), a range of
+// receive space free again (ctlSpaceFree).
+func rangeNotice(req, off, n uint64) []byte {
 	b := make([]byte, 0, 1+24)
 	b = append(b, wireVersion)
 	b = binary.BigEndian.AppendUint64(b, req)
@@ -307,11 +326,11 @@ func chunkNotice(req, off, n uint64) []byte {
 	return binary.BigEndian.AppendUint64(b, n)
 }
 
-func parseChunkNotice(b []byte) (req, off, n uint64, err error) {
+func parseRangeNotice(b []byte, what string) (req, off, n uint64, err error) {
 	r := &wire.Reader{B: b}
 	if v := r.U8("version"); r.Err == nil && v != wireVersion {
-		return 0, 0, 0, fmt.Errorf("malformed chunk notice: version %d", v)
+		return 0, 0, 0, fmt.Errorf("malformed %s: version %d", what, v)
 	}
-	req, off, n = r.U64("req"), r.U64("offset"), r.U64("length")
-	return req, off, n, r.Finish("chunk notice")
+	req, off, n = r.U64("id"), r.U64("offset"), r.U64("length")
+	return req, off, n, r.Finish(what)
 }

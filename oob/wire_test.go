@@ -202,12 +202,12 @@ func TestOutboxLifetime(t *testing.T) {
 }
 
 func FuzzParseChunkNotice(f *testing.F) {
-	f.Add(chunkNotice(3, 4<<20, 4<<20))
+	f.Add(rangeNotice(3, 4<<20, 4<<20))
 	f.Fuzz(func(t *testing.T, b []byte) {
-		req, off, n, err := parseChunkNotice(b)
+		req, off, n, err := parseRangeNotice(b, "chunk notice")
 		if err != nil {
 			return
 		}
-		require.Equal(t, b, chunkNotice(req, off, n))
+		require.Equal(t, b, rangeNotice(req, off, n))
 	})
 }

@@ -97,7 +97,13 @@ type DeviceBuffer struct {
 	HostId     []byte `protobuf:"bytes,7,opt,name=host_id,json=hostId,proto3" json:"host_id,omitempty"`
 	// The payload itself when it travels inline (below the eager threshold, or with
 	// a codec that cannot move it out-of-band).
-	Inline        []byte `protobuf:"bytes,8,opt,name=inline,proto3" json:"inline,omitempty"`
+	Inline []byte `protobuf:"bytes,8,opt,name=inline,proto3" json:"inline,omitempty"`
+	// When space is not zero, the sender already wrote the payload into receive
+	// space the receiver advertised to it (space is its id), at space_offset, by
+	// path space_path (gdrpc's path bits): the receiver has nothing to pull.
+	Space         uint64 `protobuf:"varint,9,opt,name=space,proto3" json:"space,omitempty"`
+	SpaceOffset   uint64 `protobuf:"varint,10,opt,name=space_offset,json=spaceOffset,proto3" json:"space_offset,omitempty"`
+	SpacePath     uint32 `protobuf:"varint,11,opt,name=space_path,json=spacePath,proto3" json:"space_path,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -188,6 +194,27 @@ func (x *DeviceBuffer) GetInline() []byte {
 	return nil
 }
 
+func (x *DeviceBuffer) GetSpace() uint64 {
+	if x != nil {
+		return x.Space
+	}
+	return 0
+}
+
+func (x *DeviceBuffer) GetSpaceOffset() uint64 {
+	if x != nil {
+		return x.SpaceOffset
+	}
+	return 0
+}
+
+func (x *DeviceBuffer) GetSpacePath() uint32 {
+	if x != nil {
+		return x.SpacePath
+	}
+	return 0
+}
+
 var file_gdr_v1_gdr_proto_extTypes = []protoimpl.ExtensionInfo{
 	{
 		ExtendedType:  (*descriptorpb.FieldOptions)(nil),
@@ -212,7 +239,7 @@ var File_gdr_v1_gdr_proto protoreflect.FileDescriptor
 
 const file_gdr_v1_gdr_proto_rawDesc = "" +
 	"\n" +
-	"\x10gdr/v1/gdr.proto\x12\x06gdr.v1\x1a google/protobuf/descriptor.proto\"\xde\x01\n" +
+	"\x10gdr/v1/gdr.proto\x12\x06gdr.v1\x1a google/protobuf/descriptor.proto\"\xb6\x02\n" +
 	"\fDeviceBuffer\x12\x16\n" +
 	"\x06length\x18\x01 \x01(\x04R\x06length\x12 \n" +
 	"\x04kind\x18\x02 \x01(\x0e2\f.gdr.v1.KindR\x04kind\x12\x14\n" +
@@ -222,7 +249,12 @@ const file_gdr_v1_gdr_proto_rawDesc = "" +
 	"\vdevice_uuid\x18\x06 \x01(\tR\n" +
 	"deviceUuid\x12\x17\n" +
 	"\ahost_id\x18\a \x01(\fR\x06hostId\x12\x16\n" +
-	"\x06inline\x18\b \x01(\fR\x06inline*$\n" +
+	"\x06inline\x18\b \x01(\fR\x06inline\x12\x14\n" +
+	"\x05space\x18\t \x01(\x04R\x05space\x12!\n" +
+	"\fspace_offset\x18\n" +
+	" \x01(\x04R\vspaceOffset\x12\x1d\n" +
+	"\n" +
+	"space_path\x18\v \x01(\rR\tspacePath*$\n" +
 	"\x04Kind\x12\r\n" +
 	"\tKIND_HOST\x10\x00\x12\r\n" +
 	"\tKIND_CUDA\x10\x01:D\n" +

@@ -1,0 +1,179 @@
+package gdrcodec_test
+
+import (
+	"context"
+	"io"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc"
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
+	"github.com/gdrpc/gdrpc/examples/tensor"
+	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/oob"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// spaceRig is a rig between trusted peers whose client advertises space
+// bytes of receive space.
+func spaceRig(t *testing.T, space int) *rig {
+	t.Helper()
+	r := newRig(t, transport.ModeUCX, nil, gdrpc.WithTrustPeers())
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpace: space})
+	return r
+}
+
+// makeChecked calls Make for n bytes of seed's pattern and checks what arrived.
+func makeChecked(t *testing.T, r *rig, n int, seed uint32) *tensorpb.Tensor {
+	t.Helper()
+	got, err := r.client.Make(context.Background(), &tensorpb.Sized{Size: uint64(n), Seed: seed})
+	require.NoError(t, err)
+	b, err := tensor.Bytes(got.Data)
+	require.NoError(t, err)
+	requireBytes(t, pattern(n, seed), b)
+	return got
+}
+
+// waitPeerSpace waits until the server took the client's advertisement.
+func waitPeerSpace(t *testing.T) {
+	t.Helper()
+	require.Eventually(t, func() bool { return oob.ReadStats().PeerSpaces == 1 }, 10*time.Second, time.Millisecond)
+}
+
+func TestReceiveSpace(t *testing.T) {
+	const mib = 1 << 20
+	r := spaceRig(t, 4*mib)
+
+	// The first payload is pulled; the client then advertises 4 MiB of the
+	// memory it landed in.
+	gdrcodec.ReleaseAll(makeChecked(t, r, mib, 1))
+	require.Equal(t, map[string]int{"rdma": 1}, r.paths.reset())
+	waitPeerSpace(t)
+	require.Equal(t, 1, oob.ReadStats().Spaces)
+
+	// The server writes the next ones into it while marshaling: four of 1 MiB
+	// fill it, and a fifth, with the four held, takes the rendezvous.
+	var held []*tensorpb.Tensor
+	for i := range 4 {
+		held = append(held, makeChecked(t, r, mib, uint32(10+i)))
+	}
+	require.Equal(t, map[string]int{"rdma@space": 4}, r.paths.reset())
+	require.Equal(t, 4, oob.ReadStats().Landed)
+	require.Equal(t, 4, oob.ReadStats().PeerTaken)
+	gdrcodec.ReleaseAll(makeChecked(t, r, mib, 20))
+	require.Equal(t, map[string]int{"rdma": 1}, r.paths.reset(), "space full: the rendezvous")
+	for i, m := range held {
+		b, err := tensor.Bytes(m.Data)
+		require.NoError(t, err)
+		requireBytes(t, pattern(mib, uint32(10+i)), b) // not overwritten by the later calls
+	}
+
+	// Releasing the buffers gives their ranges back to the server.
+	for _, m := range held {
+		gdrcodec.ReleaseAll(m)
+	}
+	require.Equal(t, 0, oob.ReadStats().Landed)
+	require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond)
+
+	// A payload larger than the free space, and a server stream's messages.
+	gdrcodec.ReleaseAll(makeChecked(t, r, 5*mib, 30))
+	require.Equal(t, map[string]int{"rdma": 1}, r.paths.reset())
+	st, err := r.client.Download(context.Background(), &tensorpb.Sized{Size: mib, Seed: 40})
+	require.NoError(t, err)
+	for i := range uint32(4) {
+		m, err := st.Recv()
+		require.NoError(t, err)
+		b, err := tensor.Bytes(m.Data)
+		require.NoError(t, err)
+		requireBytes(t, pattern(mib, 40+i), b)
+		gdrcodec.ReleaseAll(m)
+	}
+	_, err = st.Recv()
+	require.ErrorIs(t, err, io.EOF)
+	require.Equal(t, map[string]int{"rdma@space": 4}, r.paths.reset())
+
+	// A buffer held past its session keeps the space's memory until it is
+	// released; then nothing is left.
+	kept := makeChecked(t, r, mib, 50)
+	require.Equal(t, map[string]int{"rdma@space": 1}, r.paths.reset())
+	require.NoError(t, r.cc.Close())
+	require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, time.Millisecond)
+	require.Equal(t, 1, oob.ReadStats().Spaces)
+	b, err := tensor.Bytes(kept.Data)
+	require.NoError(t, err)
+	requireBytes(t, pattern(mib, 50), b)
+	gdrcodec.ReleaseAll(kept)
+	st2 := oob.ReadStats()
+	require.Zero(t, st2.Spaces+st2.Landed+st2.PeerSpaces+st2.PeerTaken, "%+v", st2)
+}
+
+// A client that advertises no space (WithReceiveSpace(0), here the engine's
+// ReceiveSpace < 0) pulls every payload.
+func TestReceiveSpaceOff(t *testing.T) {
+	r := spaceRig(t, -1)
+	for i := range 3 {
+		gdrcodec.ReleaseAll(makeChecked(t, r, 1<<20, uint32(i)))
+	}
+	require.Equal(t, map[string]int{"rdma": 3}, r.paths.reset())
+	require.Zero(t, oob.ReadStats().Spaces)
+}
+
+// The space comes from the receive allocator the first pull used (here a
+// pool of the client's), and goes back to it with the session.
+func TestReceiveSpaceFromTheReceiveAllocator(t *testing.T) {
+	pool, err := devicebuf.NewPool(devicebuf.PoolConfig{MaxBytes: 64 << 20, Oversize: true})
+	require.NoError(t, err)
+	defer pool.Close()
+	r := spaceRig(t, 8<<20)
+	gdrcodec.Register(gdrcodec.WithReceiveAllocator(pool))
+	t.Cleanup(func() { gdrcodec.Register() })
+	gdrcodec.ReleaseAll(makeChecked(t, r, 1<<20, 1))
+	waitPeerSpace(t)
+	require.Equal(t, 1, pool.Stats().InUse, "the space's region")
+	require.GreaterOrEqual(t, pool.Stats().BytesInUse, int64(8<<20))
+	gdrcodec.ReleaseAll(makeChecked(t, r, 1<<20, 2))
+	require.Equal(t, map[string]int{"rdma": 1, "rdma@space": 1}, r.paths.reset())
+	require.NoError(t, r.cc.Close())
+	require.Eventually(t, func() bool { return pool.Stats().InUse == 0 }, 10*time.Second, time.Millisecond)
+}
+
+// GPU memory over CUDA IPC (a fake GPU): the client advertises a region of
+// its GPU allocator's memory, the server copies into it device to device,
+// and a received buffer goes back out (the server pulls it from the space).
+// Once the session is gone, no GPU memory or IPC mapping is left.
+func TestReceiveSpaceCUDAIPC(t *testing.T) {
+	devicebuftest.Install(t, 1)
+	gpu, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	base := devicebuf.Live()
+	r := newRig(t, transport.ModeTCP, &tensor.Server{Alloc: gpu}, gdrpc.WithTrustPeers())
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Paths: oob.PathCUDAIPC, ReceiveSpace: 16 << 20})
+	gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
+	t.Cleanup(func() { gdrcodec.Register() })
+
+	const n = 3<<20 + 5
+	for i := range 4 {
+		got := makeChecked(t, r, n, uint32(i))
+		b, ok := gdrcodec.Buffer(got.Data)
+		require.True(t, ok)
+		require.Equal(t, devicebuf.CUDA, b.Kind())
+		sum, err := r.client.Digest(context.Background(), got)
+		require.NoError(t, err)
+		require.Equal(t, tensor.ChecksumBytes(pattern(n, uint32(i))), sum.Crc32C)
+		gdrcodec.ReleaseAll(got)
+		if i == 0 {
+			waitPeerSpace(t)
+		}
+	}
+	require.Equal(t, map[string]int{"cuda-ipc": 4 + 1, "cuda-ipc@space": 3}, r.paths.reset(), "responses after the first land; requests are pulled")
+	require.NoError(t, r.cc.Close())
+	require.Eventually(t, func() bool { return oob.ReadStats().Spaces == 0 }, 10*time.Second, time.Millisecond)
+	left := devicebuf.Live().Sub(base)
+	require.Zero(t, left.CUDABuffers, "GPU buffers left: %+v", left)
+	require.Zero(t, left.CUDABytes, "GPU bytes left: %+v", left)
+	require.Zero(t, left.IPCMappings, "IPC mappings left: %+v", left)
+}

@@ -1,0 +1,475 @@
+package oob
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// Advertised receive space. A receiver that trusts its peer sets aside a
+// region of the memory its pulls over a session land in (made by the same
+// allocator, after the first pull by rdma or cuda-ipc), registers or exports
+// it once, and sends the peer its key or CUDA IPC handle (SPACE). When that
+// peer then sends a payload over the session (a server's response, a message
+// of a server stream), it writes the payload into a free range of the region
+// while it marshals the message, and the descriptor names the range instead
+// of a token to pull: the rendezvous (RTR, push, FIN, after the message
+// arrived) leaves the call's path. The receiver hands the range to the
+// application as the received buffer and gives it back (SPACE-FREE) when the
+// buffer is released. A payload that does not fit the free space, a message
+// whose session the owner does not know at marshal time, and a write that
+// fails take the rendezvous. A descriptor naming a range this process cannot
+// vouch for fails its transfer.
+
+// DefaultReceiveSpace is the receive space advertised per session when
+// TransferConfig.ReceiveSpace is zero.
+const DefaultReceiveSpace = 64 << 20
+
+// spaceAlign aligns the ranges an owner picks (GPU copies and NIC writes run
+// faster from aligned addresses).
+const spaceAlign = 4096
+
+// space is receive memory this process advertised to the peer of s.
+type space struct {
+	id       uint64
+	owner    transport.ID // the peer it was advertised to
+	region   *devicebuf.Buffer
+	path     Path // how the owner writes into it: PathRDMA or PathCUDAIPC
+	unexpose func()
+	s        *transport.Session
+
+	mu     sync.Mutex
+	inUse  map[uint64]uint64 // offset -> length of the ranges the application holds
+	closed bool              // the session ended: nothing more lands; freed once inUse empties
+}
+
+// spaces maps the ids of this process's advertised spaces to them, until
+// their session ends; liveSpaces holds them until they are freed.
+var (
+	spaces     sync.Map // uint64 -> *space
+	liveSpaces = struct {
+		sync.Mutex
+		m map[*space]struct{}
+	}{m: map[*space]struct{}{}}
+)
+
+// peerSpace is the receive space a peer advertised to this process, as the
+// owner that writes into it sees it.
+type peerSpace struct {
+	id   uint64
+	tmpl rtr // where the region is: offers, key or IPC handle; Length is its size
+
+	mu    sync.Mutex
+	free  []span            // free ranges, by offset, none adjacent
+	taken map[uint64]uint64 // offset -> length of the ranges written and not given back
+}
+
+type span struct{ off, n uint64 }
+
+// spaceState is a session's advertised spaces, both ways.
+type spaceState struct {
+	mu      sync.Mutex
+	tried   bool       // this side advertised (or failed to)
+	own     *space     // advertised to the peer
+	peer    *peerSpace // the peer's
+	stopped bool       // the session ended
+}
+
+// maybeAdvertise advertises receive space to the peer of s after a pull over
+// s took path into dst, which alloc made: once per session, where s's peer is
+// trusted and the owner wrote into dst directly.
+func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc func(int) (*devicebuf.Buffer, error)) {
+	c := cfgOf(s)
+	// Only a client advertises: a server's responses land, while a client's
+	// requests are marshaled before gRPC picks their connection, so a
+	// server's space would sit unused.
+	if c.ReceiveSpace <= 0 || !s.IsClient() || !s.TrustsPeer() || path != PathRDMA && path != PathCUDAIPC || dst.Len() > c.ReceiveSpace/2 {
+		return
+	}
+	a := stateOf(s)
+	if a.link == nil {
+		return
+	}
+	st := &a.space
+	st.mu.Lock()
+	if st.tried || st.stopped {
+		st.mu.Unlock()
+		return
+	}
+	st.tried = true
+	st.mu.Unlock()
+	sp, m, err := newSpace(s, path, dst, alloc, c.ReceiveSpace)
+	if err != nil {
+		c.Logger.Debug("no receive space advertised", "session", s.ID(), "err", err)
+		return
+	}
+	st.mu.Lock()
+	stopped := st.stopped
+	if !stopped {
+		st.own = sp
+		spaces.Store(sp.id, sp)
+	}
+	st.mu.Unlock()
+	if stopped {
+		sp.close()
+		return
+	}
+	ctx, cancel := context.WithTimeout(sessionContext(s), c.Timeout)
+	defer cancel()
+	if err := sendControl(ctx, s, ctlSpace, m.marshal()); err != nil {
+		c.Logger.Debug("receive space not advertised", "session", s.ID(), "err", err)
+	}
+}
+
+// newSpace makes a region of n bytes with alloc and exposes it to the owner
+// the way path wrote into dst.
+func newSpace(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc func(int) (*devicebuf.Buffer, error), n int) (*space, *rtr, error) {
+	region, err := alloc(n)
+	if err != nil {
+		return nil, nil, err
+	}
+	if region.Kind() != dst.Kind() || region.DeviceUUID() != dst.DeviceUUID() || region.Len() != n {
+		region.Release()
+		return nil, nil, errors.New("the allocator made different memory for the space than for the pull")
+	}
+	sp := &space{id: newSpaceID(), owner: s.Peer().ID, region: region, path: path, s: s, inUse: map[uint64]uint64{}, unexpose: func() {}}
+	m := &rtr{Req: sp.id, Length: uint64(n), Offers: path}
+	switch path {
+	case PathCUDAIPC:
+		h, off, err := devicebuf.ExportIPC(region)
+		if err != nil {
+			region.Release()
+			return nil, nil, fmt.Errorf("export IPC handle: %w", err)
+		}
+		m.IPC, m.IPCOffset, m.IPCDevice = h, uint64(off), region.DeviceUUID()
+	case PathRDMA:
+		rc := s.RDMAContext()
+		if rc == nil {
+			region.Release()
+			return nil, nil, errors.New("no UCX context")
+		}
+		mem, off, release, err := exposeDestination(rc, region, true)
+		if err != nil {
+			region.Release()
+			return nil, nil, fmt.Errorf("register: %w", err)
+		}
+		key, err := packedKey(mem)
+		if err != nil {
+			release()
+			region.Release()
+			return nil, nil, fmt.Errorf("pack key: %w", err)
+		}
+		sp.unexpose = release
+		m.RAddr, m.RKey = uint64(mem.Addr())+uint64(off), key
+		if mem.Type() == rdma.MemoryCUDA {
+			m.RMemory = 1
+		}
+	}
+	liveSpaces.Lock()
+	liveSpaces.m[sp] = struct{}{}
+	liveSpaces.Unlock()
+	return sp, m, nil
+}
+
+func newSpaceID() uint64 {
+	var b [8]byte
+	for {
+		_, _ = rand.Read(b[:])
+		if id := binary.BigEndian.Uint64(b[:]); id != 0 {
+			return id
+		}
+	}
+}
+
+// close ends sp's advertisement: no payload lands any more, and the region
+// is freed once the application gave back every range it holds.
+func (sp *space) close() {
+	spaces.Delete(sp.id)
+	sp.mu.Lock()
+	sp.closed = true
+	free := len(sp.inUse) == 0
+	sp.mu.Unlock()
+	if free {
+		sp.free()
+	}
+}
+
+func (sp *space) free() {
+	sp.unexpose()
+	sp.region.Release()
+	liveSpaces.Lock()
+	delete(liveSpaces.m, sp)
+	liveSpaces.Unlock()
+}
+
+// fetchLanded returns the payload d names in this process's advertised
+// space as a buffer of its own; releasing it gives the range back.
+func fetchLanded(d Descriptor) (*devicebuf.Buffer, *space, error) {
+	v, ok := spaces.Load(d.Space)
+	if !ok {
+		return nil, nil, fmt.Errorf("the descriptor names receive space %#x, which this process does not advertise (any more)", d.Space)
+	}
+	sp := v.(*space)
+	off, n := d.SpaceOffset, d.Length
+	switch {
+	case sp.owner != d.Owner:
+		return nil, nil, fmt.Errorf("receive space %#x was advertised to another process", d.Space)
+	case d.SpacePath != sp.path:
+		return nil, nil, fmt.Errorf("receive space %#x is written by %v, the descriptor says %v", d.Space, sp.path, d.SpacePath)
+	case off%spaceAlign != 0:
+		return nil, nil, fmt.Errorf("range at %d of receive space %#x is not aligned to %d bytes", off, d.Space, spaceAlign)
+	case n == 0 || off > uint64(sp.region.Len()) || n > uint64(sp.region.Len())-off:
+		return nil, nil, fmt.Errorf("range [%d, +%d) outside receive space %#x of %d bytes", off, n, d.Space, sp.region.Len())
+	}
+	sp.mu.Lock()
+	if sp.closed {
+		sp.mu.Unlock()
+		return nil, nil, fmt.Errorf("receive space %#x closed with its session", d.Space)
+	}
+	for o, l := range sp.inUse {
+		if off < o+l && o < off+n {
+			sp.mu.Unlock()
+			return nil, nil, fmt.Errorf("range [%d, +%d) of receive space %#x overlaps [%d, +%d), which the application holds", off, n, d.Space, o, l)
+		}
+	}
+	sp.inUse[off] = n
+	sp.mu.Unlock()
+	return devicebuf.Wrap(sp.region.Ptr()+uintptr(off), int(n), sp.region.Kind(), sp.region.Device(), func() { sp.giveBack(off) }), sp, nil
+}
+
+// giveBack returns the range at off to the owner.
+func (sp *space) giveBack(off uint64) {
+	sp.mu.Lock()
+	n := sp.inUse[off]
+	delete(sp.inUse, off)
+	closed := sp.closed
+	free := closed && len(sp.inUse) == 0
+	sp.mu.Unlock()
+	if free {
+		sp.free()
+	}
+	if closed {
+		return
+	}
+	c := cfgOf(sp.s)
+	ctx, cancel := context.WithTimeout(sessionContext(sp.s), c.Timeout)
+	defer cancel()
+	if err := sendControl(ctx, sp.s, ctlSpaceFree, rangeNotice(sp.id, off, n)); err != nil {
+		c.Logger.Debug("receive space range not given back", "session", sp.s.ID(), "err", err)
+	}
+}
+
+// handleSpace takes the receive space the peer of s advertised.
+func handleSpace(s *transport.Session, payload []byte) {
+	m, err := parseRTR(payload)
+	if err == nil && (m.Offers != PathRDMA && m.Offers != PathCUDAIPC || m.Length == 0 || m.Req == 0) {
+		err = fmt.Errorf("malformed SPACE: paths %v, %d bytes, id %#x", m.Offers, m.Length, m.Req)
+	}
+	if err != nil {
+		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		return
+	}
+	st := &stateOf(s).space
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if st.peer != nil || st.stopped {
+		return // one space per session
+	}
+	st.peer = &peerSpace{id: m.Req, tmpl: *m, free: []span{{0, m.Length}}, taken: map[uint64]uint64{}}
+}
+
+// handleSpaceFree takes back a range of the space this process wrote into.
+func handleSpaceFree(s *transport.Session, payload []byte) {
+	id, off, n, err := parseRangeNotice(payload, "SPACE-FREE")
+	if err != nil {
+		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		return
+	}
+	ps := peerSpaceOf(s)
+	if ps == nil || ps.id != id || !ps.give(off, n) {
+		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", fmt.Errorf("SPACE-FREE of [%d, +%d) of space %#x, which was not written", off, n, id))
+	}
+}
+
+func peerSpaceOf(s *transport.Session) *peerSpace { return peerSpaceOfState(stateOf(s)) }
+
+func peerSpaceOfState(a *attached) *peerSpace {
+	a.space.mu.Lock()
+	defer a.space.mu.Unlock()
+	return a.space.peer
+}
+
+// take picks a free range of n bytes, first fit.
+func (p *peerSpace) take(n uint64) (uint64, bool) {
+	need := roundUp64(n, spaceAlign)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for i, f := range p.free {
+		if f.n < need {
+			continue
+		}
+		if f.n == need {
+			p.free = slices.Delete(p.free, i, i+1)
+		} else {
+			p.free[i] = span{f.off + need, f.n - need}
+		}
+		p.taken[f.off] = need
+		return f.off, true
+	}
+	return 0, false
+}
+
+// give returns the range at off, of n bytes as taken; it reports false for a
+// range that was not taken.
+func (p *peerSpace) give(off, n uint64) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	got, ok := p.taken[off]
+	if !ok || roundUp64(n, spaceAlign) != got {
+		return false
+	}
+	delete(p.taken, off)
+	i, _ := slices.BinarySearchFunc(p.free, off, func(f span, o uint64) int { return cmpU64(f.off, o) })
+	p.free = slices.Insert(p.free, i, span{off, got})
+	// Merge with the neighbours.
+	if i+1 < len(p.free) && p.free[i].off+p.free[i].n == p.free[i+1].off {
+		p.free[i].n += p.free[i+1].n
+		p.free = slices.Delete(p.free, i+1, i+2)
+	}
+	if i > 0 && p.free[i-1].off+p.free[i-1].n == p.free[i].off {
+		p.free[i-1].n += p.free[i].n
+		p.free = slices.Delete(p.free, i, i+1)
+	}
+	return true
+}
+
+// freeBytes returns how much of the space is free.
+func (p *peerSpace) freeBytes() uint64 {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var n uint64
+	for _, f := range p.free {
+		n += f.n
+	}
+	return n
+}
+
+func cmpU64(a, b uint64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// cmpBool orders false before true.
+func cmpBool(a, b bool) int {
+	switch {
+	case a == b:
+		return 0
+	case b:
+		return -1
+	}
+	return 1
+}
+
+func roundUp64(n, to uint64) uint64 { return (n + to - 1) / to * to }
+
+// OfferTo is Offer for a payload whose message goes to the peer of s (a
+// server's response): where that peer advertised receive space with room for
+// it, the payload is written there now and the descriptor names where, so the
+// receiver has nothing to pull; otherwise as Offer.
+func OfferTo(s *transport.Session, src Source, opt OfferOptions) Descriptor {
+	if s != nil {
+		if d, ok := land(s, src); ok {
+			return d
+		}
+	}
+	return Offer(src, opt)
+}
+
+// Reclaim gives back the receive space that d, a descriptor OfferTo returned
+// for a message over s, names: the message was never sent, so the receiver
+// will not. Other descriptors are ignored.
+func Reclaim(s *transport.Session, d Descriptor) {
+	if d.Space == 0 || s == nil {
+		return
+	}
+	if ps := peerSpaceOf(s); ps != nil && ps.id == d.Space {
+		ps.give(d.SpaceOffset, d.Length)
+	}
+}
+
+// land writes src into the receive space the peer of s advertised.
+func land(s *transport.Session, src Source) (Descriptor, bool) {
+	ps := peerSpaceOf(s)
+	if ps == nil || src.Len() == 0 {
+		return Descriptor{}, false
+	}
+	c := cfgOf(s)
+	n := uint64(src.Len())
+	off, ok := ps.take(n)
+	if !ok {
+		c.Metrics.Fallback(ps.tmpl.Offers, PathNone, "advertised receive space full")
+		return Descriptor{}, false
+	}
+	m := ps.tmpl
+	m.Length, m.RAddr, m.IPCOffset = n, m.RAddr+off, m.IPCOffset+off
+	defer busy(s)()
+	ctx, cancel := context.WithTimeout(sessionContext(s), c.Timeout)
+	defer cancel()
+	start := time.Now()
+	path, err := pushInto(ctx, s, &m, src)
+	c.Metrics.Transfer(TransferInfo{Path: path, Bytes: int64(n), Elapsed: time.Since(start), Err: err, Memory: src.kind(), Advertised: true})
+	if err != nil {
+		ps.give(off, n)
+		c.Metrics.Fallback(path, PathNone, "write into advertised receive space: "+err.Error())
+		return Descriptor{}, false
+	}
+	d := describe(src)
+	d.Space, d.SpaceOffset, d.SpacePath = ps.id, off, path
+	return d, true
+}
+
+// pushInto writes src where m says, by the path the receiver advertised and
+// nothing else.
+func pushInto(ctx context.Context, s *transport.Session, m *rtr, src Source) (Path, error) {
+	if m.Offers == PathCUDAIPC {
+		if !ipcAllowed(s) {
+			return PathCUDAIPC, errors.New("CUDA IPC is for trusted peers on this host")
+		}
+		return PathCUDAIPC, pushIPC(s, m, src)
+	}
+	ep, rc := s.Endpoint(), s.RDMAContext()
+	if ep == nil || rc == nil {
+		return PathRDMA, errors.New("no UCX endpoint")
+	}
+	if src.kind() == devicebuf.CUDA && !gpuDirect(rc, ep) {
+		return PathRDMA, errors.New("UCX cannot move this GPU memory itself")
+	}
+	return pushRDMA(ctx, s, ep, m, src)
+}
+
+// endSpaces ends the advertised spaces of a closing session.
+func endSpaces(a *attached) {
+	st := &a.space
+	st.mu.Lock()
+	st.stopped = true
+	own := st.own
+	st.own, st.peer = nil, nil
+	st.mu.Unlock()
+	if own != nil {
+		own.close()
+	}
+}

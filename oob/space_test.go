@@ -1,0 +1,101 @@
+package oob
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+func TestPeerSpaceRanges(t *testing.T) {
+	p := &peerSpace{id: 1, free: []span{{0, 4 * spaceAlign}}, taken: map[uint64]uint64{}}
+	a, ok := p.take(1) // rounded up to spaceAlign
+	require.True(t, ok)
+	b, ok := p.take(spaceAlign + 1) // two units
+	require.True(t, ok)
+	c, ok := p.take(spaceAlign)
+	require.True(t, ok)
+	require.Equal(t, []uint64{0, spaceAlign, 3 * spaceAlign}, []uint64{a, b, c})
+	_, ok = p.take(1)
+	require.False(t, ok, "full")
+
+	require.False(t, p.give(spaceAlign, spaceAlign), "a length other than the one taken")
+	require.False(t, p.give(2*spaceAlign, spaceAlign), "the middle of a taken range")
+	require.True(t, p.give(spaceAlign, spaceAlign+1))
+	require.False(t, p.give(spaceAlign, spaceAlign+1), "given back twice")
+	_, ok = p.take(3 * spaceAlign)
+	require.False(t, ok, "two units free, not three")
+	require.True(t, p.give(0, 1))
+	require.True(t, p.give(3*spaceAlign, spaceAlign))
+	require.Equal(t, []span{{0, 4 * spaceAlign}}, p.free, "merged")
+	require.Equal(t, uint64(4*spaceAlign), p.freeBytes())
+	require.Empty(t, p.taken)
+}
+
+// A descriptor naming advertised space gets an error for every range the
+// receiver cannot vouch for, and the space is left as it was.
+func TestFetchLandedRefusesBadRanges(t *testing.T) {
+	cs, _ := tcpPair(t)
+	owner, other := cs.Peer().ID, transport.ID{2}
+	mem := make([]byte, 64<<10)
+	sp := &space{id: 7, owner: owner, s: cs, region: devicebuf.HostFromBytes(mem), path: PathRDMA, inUse: map[uint64]uint64{}, unexpose: func() {}}
+	spaces.Store(sp.id, sp)
+	t.Cleanup(func() { spaces.Delete(sp.id); sp.region.Release() })
+	d := func(id, off, n uint64, path Path, from transport.ID) Descriptor {
+		return Descriptor{Owner: from, Token: Token{1}, Length: n, Kind: devicebuf.Host, Device: -1, Space: id, SpaceOffset: off, SpacePath: path}
+	}
+
+	held, _, err := fetchLanded(d(7, 4096, 4096, PathRDMA, owner))
+	require.NoError(t, err)
+	for name, bad := range map[string]Descriptor{
+		"unknown space":         d(8, 0, 16, PathRDMA, owner),
+		"another owner":         d(7, 0, 16, PathRDMA, other),
+		"another path":          d(7, 0, 16, PathCUDAIPC, owner),
+		"past the end":          d(7, 64<<10-8, 16, PathRDMA, owner),
+		"offset past the end":   d(7, 1<<40, 16, PathRDMA, owner),
+		"wrapping":              d(7, 8, ^uint64(0), PathRDMA, owner),
+		"empty":                 d(7, 0, 0, PathRDMA, owner),
+		"covers a held range":   d(7, 0, 3*4096, PathRDMA, owner),
+		"unaligned":             d(7, 12<<10+8, 16, PathRDMA, owner),
+		"the same range, twice": d(7, 4096, 4096, PathRDMA, owner),
+		"ends in a held range":  d(7, 0, 4097, PathRDMA, owner),
+	} {
+		b, _, err := fetchLanded(bad)
+		require.Error(t, err, name)
+		require.Nil(t, b, name)
+	}
+	require.Equal(t, map[uint64]uint64{4096: 4096}, sp.inUse)
+
+	// Neighbours of a held range are fine.
+	for _, off := range []uint64{0, 8192} {
+		b, _, err := fetchLanded(d(7, off, 4096, PathRDMA, owner))
+		require.NoError(t, err)
+		require.NoError(t, b.Release())
+	}
+	// Releasing gives the range back (the session is closed: no message).
+	sp.closed = true
+	require.NoError(t, held.Release())
+	require.Empty(t, sp.inUse)
+	_, _, err = fetchLanded(d(7, 0, 16, PathRDMA, owner))
+	require.ErrorContains(t, err, "closed")
+}
+
+func TestDescriptorSpaceFields(t *testing.T) {
+	d := descriptorOf(10)
+	d.SpacePath = PathRDMA
+	require.Error(t, d.Validate(), "a path without a space")
+	d.SpacePath, d.SpaceOffset = PathNone, 5
+	require.Error(t, d.Validate(), "an offset without a space")
+	d.Space, d.SpaceOffset = 3, 0
+	require.Error(t, d.Validate(), "a space without a path")
+	for _, p := range []Path{PathStream, PathStaged, PathLocal, PathRDMA | PathCUDAIPC} {
+		d.SpacePath = p
+		require.Error(t, d.Validate(), "space written by %v", p)
+	}
+	for _, p := range []Path{PathRDMA, PathCUDAIPC} {
+		d.SpacePath = p
+		require.NoError(t, d.Validate())
+	}
+}
