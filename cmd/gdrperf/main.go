@@ -33,6 +33,7 @@ type options struct {
 	warmup    int
 	inflight  int           // calls in flight at once in the measured phase
 	transport string        // auto, ucx, tcp
+	space     int           // -receive-space: 0 the default, -1 none
 	busy      int           // CPU-bound processes beside the run (-busy)
 	spin      bool          // this process is one of them
 	metrics   gdrpc.Metrics // transfer events of the client's dialer (nil: none)
@@ -84,6 +85,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.connect, "connect", "", "run only the client, against a gdrperf -server at HOST:PORT")
 	fs.StringVar(&o.perftest, "perftest", "", `ucx_perftest binary ("" looks it up in PATH, "none" skips the column)`)
 	fs.StringVar(&o.paths, "paths", "all", "out-of-band paths transfers may take: all, or a comma list of cuda-ipc, rdma (covers staged), stream (always allowed); give the same on both ends")
+	space := fs.String("receive-space", "", `receive space the client advertises to a trusted server (gdrpc.WithReceiveSpace): a size, or 0 for none; "" keeps the default`)
 	fs.DurationVar(&o.callLimit, "call-timeout", time.Minute, "bound of each measured call")
 	fs.BoolVar(&o.trust, "trust-peers", false, "set TransferConfig.TrustPeers on both ends: pool-region keys and puts over shared memory; give the same on both ends")
 	fs.BoolVar(&o.baselines, "baselines", true, "measure the baselines (plain gRPC, ucx_perftest, dtod, naive); false measures gdrpc alone, e.g. for -cpuprofile")
@@ -108,6 +110,13 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	var err error
 	if o.pathMask, err = parsePaths(o.paths); err != nil {
 		return nil, err
+	}
+	if *space != "" {
+		if *space == "0" {
+			o.space = -1
+		} else if o.space, err = parseSize(*space); err != nil {
+			return nil, fmt.Errorf("-receive-space: %w", err)
+		}
 	}
 	if o.sizes, err = parseSizes(*sizes); err != nil {
 		return nil, err
@@ -186,6 +195,9 @@ func (o *options) faceOptions() []gdrpc.Option {
 	}
 	if o.metrics != nil {
 		opts = append(opts, gdrpc.WithMetrics(o.metrics))
+	}
+	if o.space != 0 {
+		opts = append(opts, gdrpc.WithReceiveSpace(o.space))
 	}
 	return opts
 }
