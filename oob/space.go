@@ -438,7 +438,7 @@ func land(s *transport.Session, src Source) (Descriptor, bool) {
 		return Descriptor{}, false
 	}
 	d := describe(src)
-	d.Space, d.SpaceOffset, d.SpacePath = ps.id, off, path
+	d.Space, d.SpaceOffset, d.SpacePath = ps.id, off, ps.tmpl.Offers // staged on this side or not, a put is what arrives
 	return d, true
 }
 
@@ -455,9 +455,13 @@ func pushInto(ctx context.Context, s *transport.Session, m *rtr, src Source) (Pa
 	if ep == nil || rc == nil {
 		return PathRDMA, errors.New("no UCX endpoint")
 	}
-	if src.kind() == devicebuf.CUDA && !gpuDirect(rc, ep) {
+	if src.kind() == devicebuf.CUDA && !gpuDirect(rc, ep) && m.RMemory != 0 {
+		// Staging on this side would put host memory into the receiver's
+		// GPU memory, which this session's lanes do not reach.
 		return PathRDMA, errors.New("UCX cannot move this GPU memory itself")
 	}
+	// GPU memory UCX cannot move goes staged into host space: the receiver
+	// offered no chunk notices, so the puts are all it sees.
 	return pushRDMA(ctx, s, ep, m, src)
 }
 
