@@ -71,6 +71,11 @@ type peerSpace struct {
 	mu    sync.Mutex
 	free  []span            // free ranges, by offset, none adjacent
 	taken map[uint64]uint64 // offset -> length of the ranges written and not given back
+	// mapping is the space's allocation opened through its CUDA IPC handle,
+	// once, for the session's life: an open and a close cost more than a
+	// copy of megabytes, and more the larger the allocation.
+	mapping *devicebuf.Buffer
+	closed  bool // the session ended: no mapping any more
 }
 
 type span struct{ off, n uint64 }
@@ -430,7 +435,7 @@ func land(s *transport.Session, src Source) (Descriptor, bool) {
 	ctx, cancel := context.WithTimeout(sessionContext(s), c.Timeout)
 	defer cancel()
 	start := time.Now()
-	path, err := pushInto(ctx, s, &m, src)
+	path, err := pushInto(ctx, s, ps, &m, src)
 	c.Metrics.Transfer(TransferInfo{Path: path, Bytes: int64(n), Elapsed: time.Since(start), Err: err, Memory: src.kind(), Advertised: true})
 	if err != nil {
 		ps.give(off, n)
@@ -444,12 +449,12 @@ func land(s *transport.Session, src Source) (Descriptor, bool) {
 
 // pushInto writes src where m says, by the path the receiver advertised and
 // nothing else.
-func pushInto(ctx context.Context, s *transport.Session, m *rtr, src Source) (Path, error) {
+func pushInto(ctx context.Context, s *transport.Session, ps *peerSpace, m *rtr, src Source) (Path, error) {
 	if m.Offers == PathCUDAIPC {
 		if !ipcAllowed(s) {
 			return PathCUDAIPC, errors.New("CUDA IPC is for trusted peers on this host")
 		}
-		return PathCUDAIPC, pushIPC(s, m, src)
+		return PathCUDAIPC, ps.copyInto(s, m, src)
 	}
 	ep, rc := s.Endpoint(), s.RDMAContext()
 	if ep == nil || rc == nil {
@@ -465,15 +470,67 @@ func pushInto(ctx context.Context, s *transport.Session, m *rtr, src Source) (Pa
 	return pushRDMA(ctx, s, ep, m, src)
 }
 
-// endSpaces ends the advertised spaces of a closing session.
+// copyInto copies src device to device where m says, through the space's
+// mapping.
+func (p *peerSpace) copyInto(s *transport.Session, m *rtr, src Source) error {
+	mapping, err := p.mapped(s)
+	if err != nil {
+		return err
+	}
+	defer mapping.Release()
+	if m.IPCOffset > uint64(mapping.Len()) || m.Length > uint64(mapping.Len())-m.IPCOffset {
+		return fmt.Errorf("IPC destination [%d, +%d) outside its allocation of %d bytes", m.IPCOffset, m.Length, mapping.Len())
+	}
+	dst, err := mapping.Slice(int(m.IPCOffset), int(m.Length))
+	if err != nil {
+		return err
+	}
+	defer dst.Release()
+	return copyFromSource(dst, src)
+}
+
+// mapped returns a reference to the space's mapping, opening it the first
+// time.
+func (p *peerSpace) mapped(s *transport.Session) (*devicebuf.Buffer, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil, closedErr(s)
+	}
+	if p.mapping == nil {
+		if s.Peer().ID != transport.LocalID() && devicebuf.OwnIPC(p.tmpl.IPC) {
+			return nil, errors.New("the receiver's IPC handle names this process's own memory")
+		}
+		b, err := openIPC(&p.tmpl)
+		if err != nil {
+			return nil, err
+		}
+		p.mapping = b
+	}
+	return p.mapping.Retain(), nil
+}
+
+// endSpaces ends the advertised spaces of a closing session: this side's
+// space is freed once no range of it is held, and the mapping of the peer's
+// closes once no copy uses it.
 func endSpaces(a *attached) {
 	st := &a.space
 	st.mu.Lock()
 	st.stopped = true
-	own := st.own
+	own, peer := st.own, st.peer
 	st.own, st.peer = nil, nil
 	st.mu.Unlock()
 	if own != nil {
 		own.close()
+	}
+	if peer != nil {
+		peer.mu.Lock()
+		peer.closed = true
+		mapping := peer.mapping
+		peer.mapping = nil
+		peer.mu.Unlock()
+		if mapping != nil {
+			mapping.Release()
+		}
 	}
 }
