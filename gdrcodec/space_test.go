@@ -170,8 +170,11 @@ func TestReceiveSpaceCUDAIPC(t *testing.T) {
 		}
 	}
 	require.Equal(t, map[string]int{"cuda-ipc": 4 + 1, "cuda-ipc@space": 3}, r.paths.reset(), "responses after the first land; requests are pulled")
+	// Both ends closed: the server's mapping of the space, and the space.
 	require.NoError(t, r.cc.Close())
-	require.Eventually(t, func() bool { return oob.ReadStats().Spaces == 0 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool {
+		return transport.ReadStats().Sessions == 0 && oob.ReadStats().Spaces == 0
+	}, 10*time.Second, time.Millisecond)
 	left := devicebuf.Live().Sub(base)
 	require.Zero(t, left.CUDABuffers, "GPU buffers left: %+v", left)
 	require.Zero(t, left.CUDABytes, "GPU bytes left: %+v", left)

@@ -112,6 +112,13 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 	}
 	st.tried = true
 	st.mu.Unlock()
+	if dst.Kind() == devicebuf.CUDA && ipcAllowed(s) && c.Paths&PathCUDAIPC != 0 {
+		// Into GPU memory on this host the owner copies through the
+		// space's CUDA IPC mapping, opened once: faster than UCX's
+		// cuda_ipc lane, which the rendezvous prefers on one device (the
+		// README's performance table).
+		path = PathCUDAIPC
+	}
 	sp, m, err := newSpace(s, path, dst, alloc, c.ReceiveSpace)
 	if err != nil {
 		c.Logger.Debug("no receive space advertised", "session", s.ID(), "err", err)
