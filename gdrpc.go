@@ -46,7 +46,7 @@ type Config struct {
 	KeepAliveInterval, KeepAliveTimeout time.Duration
 	// IdleTimeout: see WithIdleTimeout.
 	IdleTimeout time.Duration
-	// ReceiveSpace: see WithReceiveSpace; zero means oob.DefaultReceiveSpace.
+	// ReceiveSpace: see WithReceiveSpace; zero means the default, negative none.
 	ReceiveSpace int
 	// Session holds session options applied after the others (WithSessionOptions).
 	Session []transport.Option
@@ -105,8 +105,10 @@ func WithIdleTimeout(d time.Duration) Option { return func(c *Config) { c.IdleTi
 // hands the server its key; the server then writes the payloads of its
 // responses straight there while it marshals them, and the client takes them
 // with no rendezvous. A received buffer holds its range until it is released;
-// payloads that do not fit the free space take the rendezvous. The default is
-// oob.DefaultReceiveSpace (64 MiB).
+// payloads that do not fit the free space take the rendezvous. By default a
+// client advertises oob.DefaultReceiveSpace (64 MiB) where its payloads land
+// in GPU memory, and none for host memory (measured no faster there: the
+// README's Performance table).
 func WithReceiveSpace(n int) Option {
 	return func(c *Config) {
 		c.ReceiveSpace = n

@@ -100,7 +100,8 @@ type TransferConfig struct {
 	Limits Limits
 	// ReceiveSpace is the receive space advertised to each trusted peer
 	// (space.go): payloads it sends over the session land there without a
-	// rendezvous. If zero, DefaultReceiveSpace; negative, none.
+	// rendezvous. If zero, DefaultReceiveSpace where pulls land in GPU memory
+	// and none in host memory; negative, none.
 	ReceiveSpace int
 }
 
@@ -123,9 +124,6 @@ func (c TransferConfig) withDefaults() *TransferConfig {
 	}
 	if c.Paths == 0 {
 		c.Paths = PathCUDAIPC | PathRDMA
-	}
-	if c.ReceiveSpace == 0 {
-		c.ReceiveSpace = DefaultReceiveSpace
 	}
 	c.Paths |= PathStream
 	if c.Logger == nil {

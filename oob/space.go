@@ -31,7 +31,9 @@ import (
 // vouch for fails its transfer.
 
 // DefaultReceiveSpace is the receive space advertised per session when
-// TransferConfig.ReceiveSpace is zero.
+// TransferConfig.ReceiveSpace is zero and pulls land in GPU memory. Host
+// memory gets none by default: on the 2-core machine (UCX 1.13, puts over
+// tcp/lo) a space did not make calls faster (the README's table).
 const DefaultReceiveSpace = 64 << 20
 
 // spaceAlign aligns the ranges an owner picks (GPU copies and NIC writes run
@@ -94,10 +96,14 @@ type spaceState struct {
 // trusted and the owner wrote into dst directly.
 func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc func(int) (*devicebuf.Buffer, error)) {
 	c := cfgOf(s)
+	size := c.ReceiveSpace
+	if size == 0 && dst.Kind() == devicebuf.CUDA {
+		size = DefaultReceiveSpace
+	}
 	// Only a client advertises: a server's responses land, while a client's
 	// requests are marshaled before gRPC picks their connection, so a
 	// server's space would sit unused.
-	if c.ReceiveSpace <= 0 || !s.IsClient() || !s.TrustsPeer() || path != PathRDMA && path != PathCUDAIPC || dst.Len() > c.ReceiveSpace/2 {
+	if size <= 0 || !s.IsClient() || !s.TrustsPeer() || path != PathRDMA && path != PathCUDAIPC || dst.Len() > size/2 {
 		return
 	}
 	a := stateOf(s)
@@ -119,7 +125,7 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 		// README's performance table).
 		path = PathCUDAIPC
 	}
-	sp, m, err := newSpace(s, path, dst, alloc, c.ReceiveSpace)
+	sp, m, err := newSpace(s, path, dst, alloc, size)
 	if err != nil {
 		c.Logger.Debug("no receive space advertised", "session", s.ID(), "err", err)
 		return
