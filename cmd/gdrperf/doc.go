@@ -30,7 +30,11 @@
 // the server's CRC-32C) before the timed calls. gdrpc MiB/s is size / call
 // time (median); xfer is the out-of-band transfer alone as the transport's
 // metrics hook timed it (the receiver's pull for -op pull, the owner's write
-// for -op push).
+// for -op push). A payload the server wrote into the client's receive space
+// while it marshaled the response (gdrpc.WithReceiveSpace, between trusted
+// peers) has no pull: its path reads "<route>@space" and it has no xfer.
+// -receive-space sets the client's space (0: none), to set the rendezvous
+// against it in one run.
 //
 // With -inflight N, N goroutines make the calls (the warm-up's too, after the
 // verified first call), -iters each, and gdrpc, plain gRPC and the naive way
@@ -50,7 +54,7 @@
 //	gdrperf [-sizes 1MiB,16MiB,64MiB] [-iters 10] [-warmup 2] [-inflight 1] [-op pull|push]
 //	        [-transport auto|ucx|tcp] [-mem host|cuda] [-recv host|cuda] [-device 0] [-server-device N]
 //	        [-paths all|cuda-ipc,rdma,stream] [-format table|json] [-server ADDR | -connect ADDR]
-//	        [-perftest PATH|none] [-call-timeout 1m] [-busy N]
+//	        [-perftest PATH|none] [-call-timeout 1m] [-busy N] [-receive-space SIZE|0]
 //	        [-baselines=false] [-cpuprofile F] [-server-cpuprofile F] [-trace F] [-server-trace F] [-v]
 //
 // -busy N runs N CPU-bound processes beside client and server for the whole
