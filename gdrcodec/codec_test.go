@@ -119,6 +119,12 @@ var processEngine = gdrpc.WithSessionOptions(transport.WithEngine(oob.Engine()))
 // newRig starts a TensorService on a gdrpc listener in mode and dials it.
 func newRig(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer, opts ...gdrpc.Option) *rig {
 	t.Helper()
+	return newRigWith(t, mode, srv, nil, opts...)
+}
+
+// newRigWith is newRig with server options of gRPC's added.
+func newRigWith(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer, serverOpts []grpc.ServerOption, opts ...gdrpc.Option) *rig {
+	t.Helper()
 	if mode == transport.ModeUCX {
 		requireUCX(t)
 	}
@@ -132,7 +138,7 @@ func newRig(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer,
 	opts = append([]gdrpc.Option{gdrpc.WithTransport(mode), processEngine}, opts...)
 	lis, err := listener.Listen("127.0.0.1:0", opts...)
 	require.NoError(t, err)
-	gs := grpc.NewServer(listener.ServerOptions(insecure.NewCredentials())...)
+	gs := grpc.NewServer(append(listener.ServerOptions(insecure.NewCredentials()), serverOpts...)...)
 	if srv == nil {
 		srv = &tensor.Server{}
 	}

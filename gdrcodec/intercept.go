@@ -321,6 +321,11 @@ func unaryServerInterceptor(ctx context.Context, req any, _ *grpc.UnaryServerInf
 	resp, err := handler(ctx, req)
 	if err == nil && resp != nil {
 		bindDestination(ctx, resp)
+		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
+			c.mu.Lock()
+			c.unsent = resp // released at the call's end if gRPC never sends it
+			c.mu.Unlock()
+		}
 	}
 	return resp, err
 }
@@ -365,6 +370,7 @@ type callMessages struct {
 	decoding bool                   // a unary call, counted in decoding until its request is decoded
 	failed   map[any]*status.Status // request -> its failed pull
 	landed   map[any]landedPayloads // response not yet reported sent -> its payloads in the client's receive space
+	unsent   any                    // a unary call's response until it is reported sent
 }
 
 // decoded ends the call's count in decoding, if it has one.
@@ -428,6 +434,9 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
 			c.mu.Lock()
 			delete(c.landed, s.Payload) // the client has them now
+			if c.unsent == s.Payload {
+				c.unsent = nil
+			}
 			c.mu.Unlock()
 		}
 		sentOn(ctx, s.Payload)
@@ -438,14 +447,19 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
 			c.mu.Lock()
 			c.decoded()
-			in, landed := c.in, c.landed
-			c.in, c.failed, c.landed = nil, nil, nil
+			in, landed, unsent := c.in, c.landed, c.unsent
+			c.in, c.failed, c.landed, c.unsent = nil, nil, nil, nil
 			c.mu.Unlock()
 			for _, m := range in {
 				ReleaseAll(m)
 			}
 			for _, l := range landed {
 				l.reclaim()
+			}
+			if m := messageV2Of(unsent); m != nil {
+				// A response gRPC never sent (a send limit, a stream gone):
+				// nobody else can release it.
+				ReleaseAll(m)
 			}
 		}
 	}

@@ -3,10 +3,14 @@ package gdrcodec_test
 import (
 	"context"
 	"io"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
@@ -179,4 +183,53 @@ func TestReceiveSpaceCUDAIPC(t *testing.T) {
 	require.Zero(t, left.CUDABuffers, "GPU buffers left: %+v", left)
 	require.Zero(t, left.CUDABytes, "GPU bytes left: %+v", left)
 	require.Zero(t, left.IPCMappings, "IPC mappings left: %+v", left)
+}
+
+// nameServer answers Make with a tensor whose name is as long as the seed
+// says: a response whose payload lands, and whose body then exceeds the
+// server's send limit.
+type nameServer struct{ tensor.Server }
+
+func (s *nameServer) Make(ctx context.Context, r *tensorpb.Sized) (*tensorpb.Tensor, error) {
+	t, err := s.Server.Make(ctx, &tensorpb.Sized{Size: r.Size, Seed: 1})
+	if err == nil && r.Seed > 1 {
+		t.Name = strings.Repeat("n", int(r.Seed))
+	}
+	return t, err
+}
+
+// A response whose payload was written into the client's space but which
+// gRPC never sent (here: over the server's send limit) gives its range back
+// at the call's end: the client, which never saw the descriptor, cannot.
+func TestReceiveSpaceUnsentResponse(t *testing.T) {
+	r := newRigWith(t, transport.ModeUCX, &nameServer{}, []grpc.ServerOption{grpc.MaxSendMsgSize(8 << 10)}, gdrpc.WithTrustPeers())
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpace: 4 << 20})
+	gdrcodec.ReleaseAll(makeChecked(t, r, 1<<20, 1))
+	waitPeerSpace(t)
+	r.paths.reset()
+	for range 5 { // more than the space holds, were the ranges not given back
+		_, err := r.client.Make(context.Background(), &tensorpb.Sized{Size: 1 << 20, Seed: 16 << 10})
+		require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+		require.Equal(t, map[string]int{}, r.paths.reset(), "the client pulled nothing")
+		require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond)
+	}
+	gdrcodec.ReleaseAll(makeChecked(t, r, 1<<20, 1))
+	require.Equal(t, map[string]int{"rdma@space": 1}, r.paths.reset())
+}
+
+// A new session (a client or server that restarted) starts without space:
+// its first payload is pulled, and the client advertises again.
+func TestReceiveSpaceAfterRestart(t *testing.T) {
+	for round := range 2 {
+		r := spaceRig(t, 4<<20)
+		gdrcodec.ReleaseAll(makeChecked(t, r, 1<<20, uint32(round)))
+		waitPeerSpace(t)
+		gdrcodec.ReleaseAll(makeChecked(t, r, 1<<20, uint32(round+10)))
+		require.Equal(t, map[string]int{"rdma": 1, "rdma@space": 1}, r.paths.reset(), "round %d", round)
+		require.NoError(t, r.cc.Close())
+		require.Eventually(t, func() bool {
+			st := oob.ReadStats()
+			return transport.ReadStats().Sessions == 0 && st.Spaces+st.PeerSpaces == 0
+		}, 10*time.Second, time.Millisecond)
+	}
 }
