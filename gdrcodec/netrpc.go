@@ -7,10 +7,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/rpc"
 	"sync"
 
 	"google.golang.org/protobuf/proto"
+
+	"github.com/gdrpc/gdrpc/transport"
 )
 
 // net/rpc codecs: requests and replies are protobuf messages whose payloads move
@@ -240,7 +243,14 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 	if r.Error != "" {
 		body = nil
 	}
+	if nc, ok := c.rwc.(net.Conn); ok && body != nil {
+		// The reply's payloads may land in receive space the client
+		// advertised; a reply whose write fails leaves its ranges taken
+		// until the session, whose conn just failed, ends.
+		bindTo(transport.SessionOf(nc), nil, messageV2Of(body))
+	}
 	err := c.write(r.Seq, r.ServiceMethod, r.Error, body)
+	takeDestination(messageV2Of(body)) // not marshaled: forget it
 	c.mu.Lock()
 	args := c.args[r.Seq]
 	delete(c.args, r.Seq)

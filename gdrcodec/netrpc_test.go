@@ -5,7 +5,9 @@ import (
 	"errors"
 	"net"
 	"net/rpc"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -91,4 +93,69 @@ func TestNetRPC(t *testing.T) {
 			require.EqualError(t, err, "asked to fail")
 		})
 	}
+}
+
+// advertisedCounter counts a client's received payloads, pulled or taken
+// from its receive space.
+type advertisedCounter struct {
+	gdrpc.NopMetrics
+	pulled, landed atomic.Int64
+}
+
+func (c *advertisedCounter) Transfer(i gdrpc.TransferInfo) {
+	switch {
+	case !i.Pull || i.Err != nil:
+	case i.Advertised:
+		c.landed.Add(1)
+	default:
+		c.pulled.Add(1)
+	}
+}
+
+// A net/rpc server's replies land in the receive space its trusted client
+// advertised, as gRPC's do.
+func TestNetRPCReceiveSpace(t *testing.T) {
+	requireUCX(t)
+	// Pulls from this process may take any session to it: none of an
+	// earlier test's may be left.
+	require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
+	srv := rpc.NewServer()
+	require.NoError(t, srv.Register(Tensors{}))
+	lis, err := listener.Listen("127.0.0.1:0", gdrpc.WithTransport(transport.ModeUCX), gdrpc.WithTrustPeers())
+	require.NoError(t, err)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			c, err := lis.Accept()
+			if err != nil {
+				return
+			}
+			go srv.ServeCodec(gdrcodec.NewServerCodec(c))
+		}
+	}()
+	counter := &advertisedCounter{}
+	d := dialer.New(gdrpc.WithTransport(transport.ModeUCX), gdrpc.WithTrustPeers(), gdrpc.WithReceiveSpace(16<<20), gdrpc.WithMetrics(counter))
+	conn, err := d.DialContext(context.Background(), lis.Addr().String())
+	require.NoError(t, err)
+	client := rpc.NewClientWithCodec(gdrcodec.NewClientCodec(conn))
+	defer func() {
+		require.NoError(t, client.Close())
+		require.NoError(t, lis.Close())
+		<-done
+	}()
+	const n = 1 << 20
+	for i := range 4 {
+		var got tensorpb.Tensor
+		require.NoError(t, client.Call("Tensors.Make", &tensorpb.Sized{Size: n, Seed: uint32(i)}, &got))
+		p, err := tensor.Bytes(got.Data)
+		require.NoError(t, err)
+		requireBytes(t, pattern(n, uint32(i)), p)
+		gdrcodec.ReleaseAll(&got)
+		if i == 0 {
+			waitPeerSpace(t)
+		}
+	}
+	require.Equal(t, int64(1), counter.pulled.Load())
+	require.Equal(t, int64(3), counter.landed.Load())
 }

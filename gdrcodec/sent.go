@@ -63,15 +63,19 @@ var destinations = newExpiring[*destination](oob.DefaultLease)
 // goes to the peer of the call's session: its marshaling may then write
 // payloads into receive space that peer advertised (oob.OfferTo).
 func bindDestination(ctx context.Context, v any) {
-	s := transport.SessionFromContext(ctx)
+	c, _ := ctx.Value(callKey{}).(*callMessages)
+	bindTo(transport.SessionFromContext(ctx), c, v)
+}
+
+// bindTo notes that v goes to the peer of s, on call if not nil.
+func bindTo(s *transport.Session, call *callMessages, v any) {
 	if s == nil {
 		return
 	}
 	if m := messageV2Of(v); m == nil || !mayCarry(m.ProtoReflect().Descriptor()) {
 		return
 	}
-	c, _ := ctx.Value(callKey{}).(*callMessages)
-	destinations.put(v, &destination{s: s, call: c})
+	destinations.put(v, &destination{s: s, call: call})
 }
 
 func takeDestination(v any) *destination {
