@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/status"
 	"google.golang.org/grpc/tap"
@@ -77,9 +78,42 @@ func (c *recvCall) done(v any, err error) error {
 
 func recvContext(v any) context.Context {
 	if c, ok := recvCalls.Load(v); ok {
-		return c.(*recvCall).ctx
+		rc := c.(*recvCall)
+		rc.mu.Lock()
+		defer rc.mu.Unlock()
+		return rc.ctx
 	}
 	return context.Background()
+}
+
+// recvKey carries a unary call's recvCall to the client's stats handler.
+type recvKey struct{}
+
+// clientStats tells a unary call's recvCall which connection its response
+// came over (the interceptors run before gRPC picks one), so that the
+// response's pulls try that session first: its engine's configuration
+// applies, and a receive space advertised over it serves the calls on it.
+type clientStats struct{}
+
+func (clientStats) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context { return ctx }
+func (clientStats) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context {
+	return ctx
+}
+func (clientStats) HandleConn(context.Context, stats.ConnStats) {}
+
+func (clientStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
+	if _, ok := s.(*stats.InHeader); !ok {
+		return
+	}
+	// The header's RemoteAddr is the server side's alone; on a client the
+	// context of the attempt carries the connection's peer.
+	rc, ok := ctx.Value(recvKey{}).(*recvCall)
+	p, _ := peer.FromContext(ctx)
+	if ok && p != nil {
+		rc.mu.Lock()
+		rc.ctx = peer.NewContext(rc.ctx, p)
+		rc.mu.Unlock()
+	}
 }
 
 // receiveFailed takes err, the status that resolving the payloads of v failed
@@ -209,7 +243,7 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 			h = nil // the same message in two calls at once: the first call holds it
 		}
 		rc := expectReceive(ctx, reply, false)
-		err := rc.done(reply, invoker(ctx, method, req, reply, cc, opts...))
+		err := rc.done(reply, invoker(context.WithValue(ctx, recvKey{}, rc), method, req, reply, cc, opts...))
 		if m := messageV2Of(reply); err != nil && m != nil {
 			ReleaseAll(m)
 		}
@@ -267,7 +301,8 @@ func (s *heldStream) RecvMsg(m any) error {
 // DialOptions returns what a gdrpc client needs on top of its dialer: the gdr
 // codec, set for every call of the ClientConn (grpc.ForceCodecV2: gRPC's codec
 // registry is not touched, so it needs no Register), and UnaryClientInterceptor
-// and StreamClientInterceptor, chained. opts (the receive allocator, the eager
+// and StreamClientInterceptor, chained, with a stats handler that tells a
+// unary call which connection its response came over. opts (the receive allocator, the eager
 // threshold, the receive limit) apply to this ClientConn's calls alone;
 // without them the codec follows Register's. dialer.Dialer.DialOptions
 // includes these options.
@@ -280,6 +315,7 @@ func DialOptions(opts ...Option) []grpc.DialOption {
 		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(c)),
 		grpc.WithChainUnaryInterceptor(UnaryClientInterceptor()),
 		grpc.WithChainStreamInterceptor(StreamClientInterceptor()),
+		grpc.WithStatsHandler(clientStats{}),
 	}
 }
 

@@ -10,11 +10,13 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
+	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
@@ -232,4 +234,28 @@ func TestReceiveSpaceAfterRestart(t *testing.T) {
 			return transport.ReadStats().Sessions == 0 && st.Spaces+st.PeerSpaces == 0
 		}, 10*time.Second, time.Millisecond)
 	}
+}
+
+// Each session to a server gets its own space, and a unary response's pulls
+// take its call's session: calls on a second connection land in the space
+// advertised over it, not over the first.
+func TestReceiveSpacePerSession(t *testing.T) {
+	const mib = 1 << 20
+	r := spaceRig(t, 4*mib)
+	d := dialer.New(gdrpc.WithTransport(transport.ModeUCX), processEngine, gdrpc.WithTrustPeers())
+	cc2, err := grpc.NewClient(r.cc.Target(), d.DialOptions(insecure.NewCredentials())...)
+	require.NoError(t, err)
+	defer cc2.Close()
+	r2 := &rig{client: tensorpb.NewTensorServiceClient(cc2), cc: cc2, paths: r.paths}
+	for i := range 3 {
+		for _, rr := range []*rig{r, r2} {
+			gdrcodec.ReleaseAll(makeChecked(t, rr, mib, uint32(i)))
+		}
+		if i == 0 {
+			require.Equal(t, map[string]int{"rdma": 2}, r.paths.reset(), "each connection's first response is pulled")
+			require.Eventually(t, func() bool { return oob.ReadStats().PeerSpaces == 2 }, 10*time.Second, time.Millisecond)
+		}
+	}
+	require.Equal(t, map[string]int{"rdma@space": 4}, r.paths.reset())
+	require.Equal(t, 2, oob.ReadStats().Spaces)
 }
