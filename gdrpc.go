@@ -105,10 +105,8 @@ func WithIdleTimeout(d time.Duration) Option { return func(c *Config) { c.IdleTi
 // hands the server its key; the server then writes the payloads of its
 // responses straight there while it marshals them, and the client takes them
 // with no rendezvous. A received buffer holds its range until it is released;
-// payloads that do not fit the free space take the rendezvous. By default a
-// client advertises oob.DefaultReceiveSpace (64 MiB) where its payloads land
-// in GPU memory, and none for host memory (measured no faster there: the
-// README's Performance table).
+// payloads that do not fit the free space take the rendezvous. The default is
+// oob.DefaultReceiveSpace (64 MiB) per session.
 func WithReceiveSpace(n int) Option {
 	return func(c *Config) {
 		c.ReceiveSpace = n

@@ -100,8 +100,7 @@ type TransferConfig struct {
 	Limits Limits
 	// ReceiveSpace is the receive space advertised to each trusted peer
 	// (space.go): payloads it sends over the session land there without a
-	// rendezvous. If zero, DefaultReceiveSpace where pulls land in GPU memory
-	// and none in host memory; negative, none.
+	// rendezvous. If zero, DefaultReceiveSpace; negative, none.
 	ReceiveSpace int
 }
 

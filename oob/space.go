@@ -31,9 +31,7 @@ import (
 // vouch for fails its transfer.
 
 // DefaultReceiveSpace is the receive space advertised per session when
-// TransferConfig.ReceiveSpace is zero and pulls land in GPU memory. Host
-// memory gets none by default: on the 2-core machine (UCX 1.13, puts over
-// tcp/lo) a space did not make calls faster (the README's table).
+// TransferConfig.ReceiveSpace is zero.
 const DefaultReceiveSpace = 64 << 20
 
 // spaceAlign aligns the ranges an owner picks (GPU copies and NIC writes run
@@ -97,7 +95,7 @@ type spaceState struct {
 func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc func(int) (*devicebuf.Buffer, error)) {
 	c := cfgOf(s)
 	size := c.ReceiveSpace
-	if size == 0 && dst.Kind() == devicebuf.CUDA {
+	if size == 0 {
 		size = DefaultReceiveSpace
 	}
 	// Only a client advertises: a server's responses land, while a client's
