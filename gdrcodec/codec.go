@@ -532,14 +532,23 @@ type job struct {
 	n    uint64 // the payload's length: what run allocates
 	run  func(ctx context.Context) error
 	undo func() // releases what run produced, when another job failed
+	// discarded, if not nil, runs instead of run when the message is refused
+	// (a payload already in this process's receive space gives its range back).
+	discarded func()
 }
 
 func resolve(ctx context.Context, m protoreflect.Message, outOfBand bool, o *options) error {
 	var jobs []job
-	if err := collect(m, outOfBand, o, &jobs); err != nil {
-		return err
+	err := collect(m, outOfBand, o, &jobs)
+	if err == nil {
+		err = withinLimit(jobs, o.maxReceivePayload())
 	}
-	if err := withinLimit(jobs, o.maxReceivePayload()); err != nil {
+	if err != nil {
+		for _, j := range jobs {
+			if j.discarded != nil {
+				j.discarded()
+			}
+		}
 		return err
 	}
 	switch len(jobs) {
@@ -650,7 +659,7 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer, o *options) (job, error) {
 		run: func(ctx context.Context) error {
 			// The destination is allocated only once a session to the owner
 			// has room for it.
-			dst, _, err := oob.FetchNew(ctx, d, alloc.Alloc)
+			dst, _, err := oob.FetchFrom(ctx, d, alloc)
 			if err != nil {
 				return transferStatus(err)
 			}
@@ -663,6 +672,7 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer, o *options) (job, error) {
 				b.Release()
 			}
 		},
+		discarded: func() { oob.Discard(d) },
 	}, nil
 }
 
@@ -699,6 +709,9 @@ func bytesJob(b []byte, set func([]byte), jobs *[]job) error {
 	d, outOfBand, err := ParseDescriptor(&db)
 	if err == nil && !outOfBand {
 		err = errors.New("descriptor without a token")
+	}
+	if err == nil && d.Space != 0 {
+		err = errors.New("a bytes field's descriptor names receive space") // owners never write one there
 	}
 	if err != nil {
 		return codecError(codes.InvalidArgument, "%v", err)

@@ -306,6 +306,19 @@ func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, erro
 		return PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid,
 			Err: fmt.Errorf("destination of %d bytes for a payload of %d", dst.Len(), d.Length)}
 	}
+	if d.Space != 0 {
+		// The payload is in this process's receive space already: copy it
+		// into dst and give the range back.
+		b, path, err := takeLanded(d)
+		if err != nil {
+			return path, err
+		}
+		defer b.Release()
+		if err := devicebuf.Copy(dst, b); err != nil {
+			return path, &TransferError{Token: d.Token, Err: fmt.Errorf("copy from receive space: %w", err)}
+		}
+		return path, nil
+	}
 	b, path, err := FetchNew(ctx, d, func(int) (*devicebuf.Buffer, error) { return dst.Retain(), nil })
 	if b != nil {
 		b.Release()
@@ -324,8 +337,23 @@ func FetchBytes(ctx context.Context, d Descriptor, p []byte) (Path, error) {
 // returns it with the path it took. alloc runs only once the pull may go
 // ahead: a live session to the owner has room for it under Limits (or the
 // owner is this process). A 0-byte payload lands in an empty host buffer
-// without calling alloc. Otherwise as Fetch.
+// without calling alloc. A payload already in this process's receive space
+// (Descriptor.Space) is returned from there, without calling alloc.
+// Otherwise as Fetch.
 func FetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.Buffer, error)) (*devicebuf.Buffer, Path, error) {
+	return fetchNew(ctx, d, alloc, nil)
+}
+
+// FetchFrom is FetchNew with a receive allocator: the destination comes from
+// a, and a session to a trusted owner that the pull took may set aside more
+// of a's memory as receive space for the owner's later payloads
+// (TransferConfig.ReceiveSpace).
+func FetchFrom(ctx context.Context, d Descriptor, a devicebuf.Allocator) (*devicebuf.Buffer, Path, error) {
+	return fetchNew(ctx, d, a.Alloc, a)
+}
+
+// fetchNew is FetchNew; space, if not nil, may make receive space.
+func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.Buffer, error), space devicebuf.Allocator) (*devicebuf.Buffer, Path, error) {
 	if err := d.Validate(); err != nil {
 		return nil, PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid, Err: err}
 	}
@@ -419,7 +447,9 @@ func FetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 		}
 	}
 	c.Logger.Debug("out-of-band pull", "session", s.ID(), "path", path.String(), "bytes", d.Length, "elapsed", time.Since(start))
-	maybeAdvertise(s, path, dst, alloc)
+	if space != nil {
+		maybeAdvertise(s, path, dst, space)
+	}
 	return dst, path, nil
 }
 

@@ -60,6 +60,7 @@ var sessions sync.Map // *transport.Session -> *attached
 var closedState = func() *attached {
 	a := &attached{}
 	a.bounds.closing = true
+	a.space.stopped = true
 	a.bounds.ctx, a.bounds.cancel = context.WithCancel(context.Background())
 	a.bounds.cancel()
 	return a

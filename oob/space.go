@@ -92,7 +92,7 @@ type spaceState struct {
 // maybeAdvertise advertises receive space to the peer of s after a pull over
 // s took path into dst, which alloc made: once per session, where s's peer is
 // trusted and the owner wrote into dst directly.
-func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc func(int) (*devicebuf.Buffer, error)) {
+func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devicebuf.Allocator) {
 	c := cfgOf(s)
 	size := c.ReceiveSpace
 	if size == 0 {
@@ -148,8 +148,8 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 
 // newSpace makes a region of n bytes with alloc and exposes it to the owner
 // the way path wrote into dst.
-func newSpace(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc func(int) (*devicebuf.Buffer, error), n int) (*space, *rtr, error) {
-	region, err := alloc(n)
+func newSpace(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devicebuf.Allocator, n int) (*space, *rtr, error) {
+	region, err := alloc.Alloc(n)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -294,7 +294,14 @@ func handleSpace(s *transport.Session, payload []byte) {
 		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
 		return
 	}
-	st := &stateOf(s).space
+	a := stateOf(s)
+	if a.link == nil || !s.TrustsPeer() || s.IsClient() {
+		// A closed session's (closedState is shared), or a peer this side
+		// would not write into with puts it cannot bound.
+		cfgOf(s).Logger.Debug("receive space refused", "session", s.ID())
+		return
+	}
+	st := &a.space
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if st.peer != nil || st.stopped {
@@ -427,6 +434,19 @@ func Reclaim(s *transport.Session, d Descriptor) {
 	}
 }
 
+// Discard gives back the range of this process's receive space that d
+// names, for a payload the receiver refuses without taking it (over a size
+// limit, in a message it cannot decode): the owner may write there again.
+// Other descriptors, and ranges this process cannot vouch for, are ignored.
+func Discard(d Descriptor) {
+	if d.Space == 0 {
+		return
+	}
+	if b, _, err := fetchLanded(d); err == nil {
+		b.Release()
+	}
+}
+
 // land writes src into the receive space the peer of s advertised.
 func land(s *transport.Session, src Source) (Descriptor, bool) {
 	ps := peerSpaceOf(s)
@@ -434,6 +454,9 @@ func land(s *transport.Session, src Source) (Descriptor, bool) {
 		return Descriptor{}, false
 	}
 	c := cfgOf(s)
+	if ps.tmpl.Offers&c.Paths == 0 {
+		return Descriptor{}, false // this side does not write by that path
+	}
 	n := uint64(src.Len())
 	off, ok := ps.take(n)
 	if !ok {

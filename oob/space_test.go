@@ -42,7 +42,7 @@ func TestFetchLandedRefusesBadRanges(t *testing.T) {
 	mem := make([]byte, 64<<10)
 	sp := &space{id: 7, owner: owner, s: cs, region: devicebuf.HostFromBytes(mem), path: PathRDMA, inUse: map[uint64]uint64{}, unexpose: func() {}}
 	spaces.Store(sp.id, sp)
-	t.Cleanup(func() { spaces.Delete(sp.id); sp.region.Release() })
+	t.Cleanup(func() { spaces.Delete(sp.id) }) // the last release below frees the region
 	d := func(id, off, n uint64, path Path, from transport.ID) Descriptor {
 		return Descriptor{Owner: from, Token: Token{1}, Length: n, Kind: devicebuf.Host, Device: -1, Space: id, SpaceOffset: off, SpacePath: path}
 	}
@@ -98,4 +98,30 @@ func TestDescriptorSpaceFields(t *testing.T) {
 		d.SpacePath = p
 		require.NoError(t, d.Validate())
 	}
+}
+
+// SPACE messages a session must not take: from an untrusted peer, on a
+// client's session, or after the session closed (the state of closed
+// sessions is shared).
+func TestSpaceRefused(t *testing.T) {
+	m := &rtr{Req: 9, Length: 1 << 20, Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}
+	cs, ss := tcpPair(t) // peers not trusted
+	for _, s := range []*transport.Session{cs, ss} {
+		handleSpace(s, m.marshal())
+		require.Nil(t, peerSpaceOf(s))
+	}
+	// The same message on a trusted server's session is taken, once.
+	_, ts := tcpPair(t, transport.WithTrustPeers(true))
+	handleSpace(ts, m.marshal())
+	require.NotNil(t, peerSpaceOf(ts))
+	require.Equal(t, uint64(9), peerSpaceOf(ts).id)
+	m2 := *m
+	m2.Req = 10
+	handleSpace(ts, m2.marshal())
+	require.Equal(t, uint64(9), peerSpaceOf(ts).id, "one space per session")
+
+	require.NoError(t, ts.Close())
+	handleSpace(ts, m.marshal())
+	require.Nil(t, peerSpaceOf(ts))
+	require.Nil(t, closedState.space.peer)
 }
