@@ -88,11 +88,13 @@ func served(s *transport.Session) bool {
 var (
 	controlMu       sync.RWMutex
 	controlHandlers = map[byte]func(s *transport.Session, payload []byte){
-		ctlRTR:       queueRTR,
-		ctlFIN:       handleFIN,
-		ctlChunk:     handleChunk,
-		ctlSpace:     handleSpace,
-		ctlSpaceFree: handleSpaceFree,
+		ctlRTR:            queueRTR,
+		ctlFIN:            handleFIN,
+		ctlChunk:          handleChunk,
+		ctlSpace:          handleSpace,
+		ctlSpaceFree:      handleSpaceFree,
+		ctlSpaceWithdraw:  handleSpaceWithdraw,
+		ctlSpaceWithdrawn: handleSpaceWithdrawn,
 	}
 	bulkHandler = serveBulk
 )
@@ -116,8 +118,11 @@ func (a *attached) Bulk(c net.Conn) {
 }
 
 func (a *attached) Lane(c net.Conn) error { return serveBulkLane(a.s, c) }
-func (a *attached) Linger()               { lingerForTransfers(a.s) }
-func (a *attached) Join()                 { a.bounds.join() }
+func (a *attached) Linger() {
+	lingerForTransfers(a.s)
+	withdrawSpace(a)
+}
+func (a *attached) Join() { a.bounds.join() }
 
 func (a *attached) Closed() {
 	sessions.Delete(a.s)

@@ -50,7 +50,15 @@ type space struct {
 	mu     sync.Mutex
 	inUse  map[uint64]uint64 // offset -> length of the ranges the application holds
 	closed bool              // the session ended: nothing more lands; freed once inUse empties
+
+	withdrawn     chan struct{} // closed when the owner answered the withdrawal
+	withdrawnOnce sync.Once
 }
+
+// spaceWithdrawBound bounds how long a session winding down waits for its
+// owner to answer the withdrawal of its space: an owner that took the space
+// answers at once, one that never did (an older gdrpc) never writes into it.
+const spaceWithdrawBound = time.Second
 
 // spaces maps the ids of this process's advertised spaces to them, until
 // their session ends; liveSpaces holds them until they are freed.
@@ -75,7 +83,8 @@ type peerSpace struct {
 	// once, for the session's life: an open and a close cost more than a
 	// copy of megabytes, and more the larger the allocation.
 	mapping *devicebuf.Buffer
-	closed  bool // the session ended: no mapping any more
+	closed  bool           // withdrawn, or the session ended: no more writes, no mapping
+	writers sync.WaitGroup // writes under way (take, until land ends)
 }
 
 type span struct{ off, n uint64 }
@@ -157,7 +166,7 @@ func newSpace(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devi
 		region.Release()
 		return nil, nil, errors.New("the allocator made different memory for the space than for the pull")
 	}
-	sp := &space{id: newSpaceID(), owner: s.Peer().ID, region: region, path: path, s: s, inUse: map[uint64]uint64{}, unexpose: func() {}}
+	sp := &space{id: newSpaceID(), owner: s.Peer().ID, region: region, path: path, s: s, inUse: map[uint64]uint64{}, unexpose: func() {}, withdrawn: make(chan struct{})}
 	m := &rtr{Req: sp.id, Length: uint64(n), Offers: path}
 	switch path {
 	case PathCUDAIPC:
@@ -331,11 +340,15 @@ func peerSpaceOfState(a *attached) *peerSpace {
 	return a.space.peer
 }
 
-// take picks a free range of n bytes, first fit.
+// take picks a free range of n bytes, first fit, and counts a write under
+// way until the caller calls p.writers.Done.
 func (p *peerSpace) take(n uint64) (uint64, bool) {
 	need := roundUp64(n, spaceAlign)
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if p.closed {
+		return 0, false
+	}
 	for i, f := range p.free {
 		if f.n < need {
 			continue
@@ -346,9 +359,80 @@ func (p *peerSpace) take(n uint64) (uint64, bool) {
 			p.free[i] = span{f.off + need, f.n - need}
 		}
 		p.taken[f.off] = need
+		p.writers.Add(1)
 		return f.off, true
 	}
 	return 0, false
+}
+
+// withdraw stops writes into the space and waits for those under way; then
+// the mapping closes.
+func (p *peerSpace) withdraw() {
+	p.mu.Lock()
+	p.closed = true
+	p.mu.Unlock()
+	p.writers.Wait()
+	p.mu.Lock()
+	mapping := p.mapping
+	p.mapping = nil
+	p.mu.Unlock()
+	if mapping != nil {
+		mapping.Release()
+	}
+}
+
+// withdrawSpace withdraws the space this side advertised over the session of
+// a, which is winding down, and waits (bounded) until the owner writes into
+// it no more: the space's memory goes back to its allocator once the session
+// closed, and a write after that would land in whatever it holds next.
+func withdrawSpace(a *attached) {
+	a.space.mu.Lock()
+	sp := a.space.own
+	a.space.mu.Unlock()
+	if sp == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(sessionContext(a.s), spaceWithdrawBound)
+	defer cancel()
+	if err := sendControl(ctx, a.s, ctlSpaceWithdraw, rangeNotice(sp.id, 0, 0)); err != nil {
+		return
+	}
+	select {
+	case <-sp.withdrawn:
+	case <-ctx.Done():
+	}
+}
+
+// handleSpaceWithdraw answers a receiver's withdrawal once no write into its
+// space is under way, or at once when this side holds no such space.
+func handleSpaceWithdraw(s *transport.Session, payload []byte) {
+	id, _, _, err := parseRangeNotice(payload, "SPACE-WITHDRAW")
+	if err != nil {
+		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		return
+	}
+	if ps := peerSpaceOf(s); ps != nil && ps.id == id {
+		ps.withdraw()
+	}
+	ctx, cancel := context.WithTimeout(sessionContext(s), spaceWithdrawBound)
+	defer cancel()
+	_ = sendControl(ctx, s, ctlSpaceWithdrawn, rangeNotice(id, 0, 0))
+}
+
+// handleSpaceWithdrawn takes the owner's answer to a withdrawal.
+func handleSpaceWithdrawn(s *transport.Session, payload []byte) {
+	id, _, _, err := parseRangeNotice(payload, "SPACE-WITHDRAWN")
+	if err != nil {
+		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		return
+	}
+	st := &stateOf(s).space
+	st.mu.Lock()
+	sp := st.own
+	st.mu.Unlock()
+	if sp != nil && sp.id == id {
+		sp.withdrawnOnce.Do(func() { close(sp.withdrawn) })
+	}
 }
 
 // give returns the range at off, of n bytes as taken; it reports false for a
@@ -460,9 +544,10 @@ func land(s *transport.Session, src Source) (Descriptor, bool) {
 	n := uint64(src.Len())
 	off, ok := ps.take(n)
 	if !ok {
-		c.Metrics.Fallback(ps.tmpl.Offers, PathNone, "advertised receive space full")
+		c.Metrics.Fallback(ps.tmpl.Offers, PathNone, "advertised receive space full or withdrawn")
 		return Descriptor{}, false
 	}
+	defer ps.writers.Done()
 	m := ps.tmpl
 	m.Length, m.RAddr, m.IPCOffset = n, m.RAddr+off, m.IPCOffset+off
 	defer busy(s)()
@@ -558,13 +643,6 @@ func endSpaces(a *attached) {
 		own.close()
 	}
 	if peer != nil {
-		peer.mu.Lock()
-		peer.closed = true
-		mapping := peer.mapping
-		peer.mapping = nil
-		peer.mu.Unlock()
-		if mapping != nil {
-			mapping.Release()
-		}
+		peer.withdraw()
 	}
 }

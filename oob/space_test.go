@@ -1,7 +1,9 @@
 package oob
 
 import (
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -124,4 +126,55 @@ func TestSpaceRefused(t *testing.T) {
 	handleSpace(ts, m.marshal())
 	require.Nil(t, peerSpaceOf(ts))
 	require.Nil(t, closedState.space.peer)
+}
+
+// An owner answers a withdrawal only once the writes into the space under
+// way ended, and takes no range after it.
+func TestSpaceWithdrawWaitsForWrites(t *testing.T) {
+	cs, ss := tcpPair(t, transport.WithTrustPeers(true))
+	m := &rtr{Req: 5, Length: 1 << 20, Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}
+	handleSpace(ss, m.marshal())
+	ps := peerSpaceOf(ss)
+	require.NotNil(t, ps)
+	off, ok := ps.take(4096) // a write under way
+	require.True(t, ok)
+
+	answers := make(chan uint64, 1)
+	intercept(t, ctlSpaceWithdrawn, cs, func(p []byte) {
+		id, _, _, err := parseRangeNotice(p, "SPACE-WITHDRAWN")
+		require.NoError(t, err)
+		answers <- id
+	})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		handleSpaceWithdraw(ss, rangeNotice(5, 0, 0))
+	}()
+	var endWrite sync.Once
+	t.Cleanup(func() {
+		endWrite.Do(ps.writers.Done) // should the test fail first
+		<-done
+	})
+	require.Eventually(t, func() bool {
+		ps.mu.Lock()
+		defer ps.mu.Unlock()
+		return ps.closed
+	}, 10*time.Second, time.Millisecond)
+	_, ok = ps.take(4096)
+	require.False(t, ok, "a range taken while withdrawing")
+	select {
+	case <-done:
+		t.Fatal("the withdrawal was answered with a write under way")
+	case <-answers:
+		t.Fatal("the withdrawal was answered with a write under way")
+	default:
+	}
+	require.True(t, ps.give(off, 4096))
+	endWrite.Do(ps.writers.Done) // the write ends
+	select {
+	case id := <-answers:
+		require.Equal(t, uint64(5), id)
+	case <-time.After(10 * time.Second):
+		t.Fatal("no answer to the withdrawal")
+	}
 }

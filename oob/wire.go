@@ -23,6 +23,11 @@ const (
 	ctlSpace byte = 0x13
 	// receiver -> owner: a range of that space is free again (a range notice).
 	ctlSpaceFree byte = 0x14
+	// receiver -> owner, as its session winds down: write no more into the
+	// space (a range notice of id, 0, 0); the owner answers with
+	// ctlSpaceWithdrawn once no write into it is under way.
+	ctlSpaceWithdraw  byte = 0x15
+	ctlSpaceWithdrawn byte = 0x16
 )
 
 const wireVersion = 1
