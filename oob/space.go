@@ -53,6 +53,11 @@ type space struct {
 
 	withdrawn     chan struct{} // closed when the owner answered the withdrawal
 	withdrawnOnce sync.Once
+
+	// Ranges given back and not yet sent to the owner, and whether a
+	// goroutine sends them: a release never waits for the control lane.
+	pending []span
+	sending bool
 }
 
 // spaceWithdrawBound bounds how long a session winding down waits for its
@@ -271,25 +276,50 @@ func fetchLanded(d Descriptor) (*devicebuf.Buffer, *space, error) {
 	return devicebuf.Wrap(sp.region.Ptr()+uintptr(off), int(n), sp.region.Kind(), sp.region.Device(), func() { sp.giveBack(off) }), sp, nil
 }
 
-// giveBack returns the range at off to the owner.
+// giveBack returns the range at off to the owner. The SPACE-FREE goes out
+// on a goroutine of the space's, which sends what was given back meanwhile
+// too and ends when nothing is left.
 func (sp *space) giveBack(off uint64) {
 	sp.mu.Lock()
 	n := sp.inUse[off]
 	delete(sp.inUse, off)
 	closed := sp.closed
 	free := closed && len(sp.inUse) == 0
+	start := false
+	if !closed {
+		sp.pending = append(sp.pending, span{off, n})
+		start, sp.sending = !sp.sending, true
+	}
 	sp.mu.Unlock()
 	if free {
 		sp.free()
 	}
-	if closed {
-		return
+	if start {
+		go sp.sendFrees()
 	}
+}
+
+// sendFrees sends the pending SPACE-FREEs until none is left.
+func (sp *space) sendFrees() {
 	c := cfgOf(sp.s)
-	ctx, cancel := context.WithTimeout(sessionContext(sp.s), c.Timeout)
-	defer cancel()
-	if err := sendControl(ctx, sp.s, ctlSpaceFree, rangeNotice(sp.id, off, n)); err != nil {
-		c.Logger.Debug("receive space range not given back", "session", sp.s.ID(), "err", err)
+	for {
+		sp.mu.Lock()
+		batch := sp.pending
+		sp.pending = nil
+		if len(batch) == 0 || sp.closed {
+			sp.sending = false
+			sp.mu.Unlock()
+			return
+		}
+		sp.mu.Unlock()
+		for _, r := range batch {
+			ctx, cancel := context.WithTimeout(sessionContext(sp.s), c.Timeout)
+			err := sendControl(ctx, sp.s, ctlSpaceFree, rangeNotice(sp.id, r.off, r.n))
+			cancel()
+			if err != nil {
+				c.Logger.Debug("receive space range not given back", "session", sp.s.ID(), "err", err)
+			}
+		}
 	}
 }
 
