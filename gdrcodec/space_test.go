@@ -101,6 +101,7 @@ func TestReceiveSpace(t *testing.T) {
 	_, err = st.Recv()
 	require.ErrorIs(t, err, io.EOF)
 	require.Equal(t, map[string]int{"rdma@space": 4}, r.paths.reset())
+	require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond)
 
 	// A buffer held past its session keeps the space's memory until it is
 	// released; then nothing is left.
