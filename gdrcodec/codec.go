@@ -296,16 +296,15 @@ func (w *rewriter) outOfBand(n int) bool { return w.oob && n >= w.eager }
 // destination is known, writes it into the receiver's advertised space.
 func (w *rewriter) offer(src oob.Source, landable bool) oob.Descriptor {
 	opt := oob.OfferOptions{Held: w.hold != nil && !w.hold.once}
+	var d oob.Descriptor
 	if landable && w.to != nil && w.hold == nil {
-		d := oob.OfferTo(w.to.s, src, opt)
-		if d.Space != 0 {
+		if d = oob.OfferTo(w.to.s, src, opt); d.Space != 0 {
 			w.landed = append(w.landed, d)
 			return d
 		}
-		w.offers = append(w.offers, d.Token)
-		return d
+	} else {
+		d = oob.Offer(src, opt)
 	}
-	d := oob.Offer(src, opt)
 	w.offers = append(w.offers, d.Token)
 	if w.hold != nil {
 		w.hold.add(d.Token)

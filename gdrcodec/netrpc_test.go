@@ -40,36 +40,48 @@ func (Tensors) Make(r *tensorpb.Sized, t *tensorpb.Tensor) error {
 
 func (Tensors) Fail(r *tensorpb.Sized, t *tensorpb.Summary) error { return errors.New("asked to fail") }
 
+// netRPCPair serves Tensors over net/rpc on a gdrpc listener made with
+// server options and returns a client dialed with client options (server's
+// when nil); both go when the test ends.
+func netRPCPair(t *testing.T, server, client []gdrpc.Option) *rpc.Client {
+	t.Helper()
+	if client == nil {
+		client = server
+	}
+	srv := rpc.NewServer()
+	require.NoError(t, srv.Register(Tensors{}))
+	lis, err := listener.Listen("127.0.0.1:0", server...)
+	require.NoError(t, err)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			c, err := lis.Accept()
+			if err != nil {
+				require.ErrorIs(t, err, net.ErrClosed)
+				return
+			}
+			go srv.ServeCodec(gdrcodec.NewServerCodec(c))
+		}
+	}()
+	conn, err := dialer.New(client...).DialContext(context.Background(), lis.Addr().String())
+	require.NoError(t, err)
+	c := rpc.NewClientWithCodec(gdrcodec.NewClientCodec(conn))
+	t.Cleanup(func() {
+		require.NoError(t, c.Close())
+		require.NoError(t, lis.Close())
+		<-done
+	})
+	return c
+}
+
 func TestNetRPC(t *testing.T) {
 	for _, mode := range []transport.Mode{transport.ModeTCP, transport.ModeUCX} {
 		t.Run("transport="+string(mode), func(t *testing.T) {
 			if mode == transport.ModeUCX {
 				requireUCX(t)
 			}
-			srv := rpc.NewServer()
-			require.NoError(t, srv.Register(Tensors{}))
-			lis, err := listener.Listen("127.0.0.1:0", gdrpc.WithTransport(mode))
-			require.NoError(t, err)
-			done := make(chan struct{})
-			go func() {
-				defer close(done)
-				for {
-					c, err := lis.Accept()
-					if err != nil {
-						require.ErrorIs(t, err, net.ErrClosed)
-						return
-					}
-					go srv.ServeCodec(gdrcodec.NewServerCodec(c))
-				}
-			}()
-			conn, err := dialer.New(gdrpc.WithTransport(mode)).DialContext(context.Background(), lis.Addr().String())
-			require.NoError(t, err)
-			client := rpc.NewClientWithCodec(gdrcodec.NewClientCodec(conn))
-			defer func() {
-				require.NoError(t, client.Close())
-				require.NoError(t, lis.Close())
-				<-done
-			}()
+			client := netRPCPair(t, []gdrpc.Option{gdrpc.WithTransport(mode)}, nil)
 
 			for _, n := range []int{10, 1 << 20, 9<<20 + 1} {
 				want := pattern(n, 4)
@@ -89,7 +101,7 @@ func TestNetRPC(t *testing.T) {
 				requireBytes(t, want, p)
 				gdrcodec.ReleaseAll(&got)
 			}
-			err = client.Call("Tensors.Fail", &tensorpb.Sized{}, &tensorpb.Summary{})
+			err := client.Call("Tensors.Fail", &tensorpb.Sized{}, &tensorpb.Summary{})
 			require.EqualError(t, err, "asked to fail")
 		})
 	}
@@ -119,31 +131,9 @@ func TestNetRPCReceiveSpace(t *testing.T) {
 	// Pulls from this process may take any session to it: none of an
 	// earlier test's may be left.
 	require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
-	srv := rpc.NewServer()
-	require.NoError(t, srv.Register(Tensors{}))
-	lis, err := listener.Listen("127.0.0.1:0", gdrpc.WithTransport(transport.ModeUCX), gdrpc.WithTrustPeers())
-	require.NoError(t, err)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for {
-			c, err := lis.Accept()
-			if err != nil {
-				return
-			}
-			go srv.ServeCodec(gdrcodec.NewServerCodec(c))
-		}
-	}()
 	counter := &advertisedCounter{}
-	d := dialer.New(gdrpc.WithTransport(transport.ModeUCX), gdrpc.WithTrustPeers(), gdrpc.WithReceiveSpace(16<<20), gdrpc.WithMetrics(counter))
-	conn, err := d.DialContext(context.Background(), lis.Addr().String())
-	require.NoError(t, err)
-	client := rpc.NewClientWithCodec(gdrcodec.NewClientCodec(conn))
-	defer func() {
-		require.NoError(t, client.Close())
-		require.NoError(t, lis.Close())
-		<-done
-	}()
+	trusted := []gdrpc.Option{gdrpc.WithTransport(transport.ModeUCX), gdrpc.WithTrustPeers()}
+	client := netRPCPair(t, trusted, append(trusted, gdrpc.WithReceiveSpace(16<<20), gdrpc.WithMetrics(counter)))
 	const n = 1 << 20
 	for i := range 4 {
 		var got tensorpb.Tensor

@@ -87,11 +87,8 @@ func takeDestination(v any) *destination {
 // until v is reported sent; the call's end gives back those of messages
 // never sent (the receiver never learns of them).
 func (d *destination) landed(v any, ds []oob.Descriptor) {
-	if d == nil || len(ds) == 0 {
-		return
-	}
-	if d.call == nil {
-		return // nobody reports the send: the ranges stay the receiver's to give back
+	if d == nil || d.call == nil || len(ds) == 0 {
+		return // without a call nobody reports the send: the receiver gives the ranges back
 	}
 	d.call.mu.Lock()
 	if d.call.landed == nil {

@@ -1164,10 +1164,8 @@ func push(ctx context.Context, s *transport.Session, m *rtr, src Source, c *Tran
 }
 
 func pushIPC(s *transport.Session, m *rtr, src Source) error {
-	if s.Peer().ID != transport.LocalID() && devicebuf.OwnIPC(m.IPC) {
-		// A peer that echoes a handle this process exported would have the
-		// owner write into its own memory.
-		return errors.New("the receiver's IPC handle names this process's own memory")
+	if err := foreignIPC(s, m.IPC); err != nil {
+		return err
 	}
 	r := trace.StartRegion(context.Background(), "gdrpc.ipc-open")
 	remote, err := openIPC(m)
@@ -1180,6 +1178,22 @@ func pushIPC(s *transport.Session, m *rtr, src Source) error {
 		remote.Release()
 		r.End()
 	}()
+	return copyIntoIPC(remote, m, src)
+}
+
+// foreignIPC refuses a receiver's IPC handle that names this process's own
+// memory: a peer that echoes a handle this process exported would have the
+// owner write into its own memory.
+func foreignIPC(s *transport.Session, h devicebuf.IPCHandle) error {
+	if s.Peer().ID != transport.LocalID() && devicebuf.OwnIPC(h) {
+		return errors.New("the receiver's IPC handle names this process's own memory")
+	}
+	return nil
+}
+
+// copyIntoIPC copies src where m says in remote, the receiver's allocation
+// opened through its IPC handle, once m's range lies inside it.
+func copyIntoIPC(remote *devicebuf.Buffer, m *rtr, src Source) error {
 	if m.IPCOffset > uint64(remote.Len()) || m.Length > uint64(remote.Len())-m.IPCOffset {
 		return fmt.Errorf("IPC destination [%d, +%d) outside its allocation of %d bytes", m.IPCOffset, m.Length, remote.Len())
 	}

@@ -120,7 +120,7 @@ func settleWrites(s *transport.Session, ep *rdma.Endpoint) {
 // multiple of it, and each but the last is a multiple of it long.
 const stagedGrain = 64 << 10
 
-func roundUp(n, to int) int { return (n + to - 1) / to * to }
+func roundUp[T ~int | ~uint64](n, to T) T { return (n + to - 1) / to * to }
 
 // chunkCoverage tracks which grains of a staged destination chunks covered,
 // so that chunks that do not overlap and add up to the destination's length

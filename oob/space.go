@@ -1,6 +1,7 @@
 package oob
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/binary"
@@ -41,7 +42,6 @@ const spaceAlign = 4096
 // space is receive memory this process advertised to the peer of s.
 type space struct {
 	id       uint64
-	owner    transport.ID // the peer it was advertised to
 	region   *devicebuf.Buffer
 	path     Path // how the owner writes into it: PathRDMA or PathCUDAIPC
 	unexpose func()
@@ -171,7 +171,7 @@ func newSpace(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devi
 		region.Release()
 		return nil, nil, errors.New("the allocator made different memory for the space than for the pull")
 	}
-	sp := &space{id: newSpaceID(), owner: s.Peer().ID, region: region, path: path, s: s, inUse: map[uint64]uint64{}, unexpose: func() {}, withdrawn: make(chan struct{})}
+	sp := &space{id: newSpaceID(), region: region, path: path, s: s, inUse: map[uint64]uint64{}, unexpose: func() {}, withdrawn: make(chan struct{})}
 	m := &rtr{Req: sp.id, Length: uint64(n), Offers: path}
 	switch path {
 	case PathCUDAIPC:
@@ -251,7 +251,7 @@ func fetchLanded(d Descriptor) (*devicebuf.Buffer, *space, error) {
 	sp := v.(*space)
 	off, n := d.SpaceOffset, d.Length
 	switch {
-	case sp.owner != d.Owner:
+	case sp.s.Peer().ID != d.Owner:
 		return nil, nil, fmt.Errorf("receive space %#x was advertised to another process", d.Space)
 	case d.SpacePath != sp.path:
 		return nil, nil, fmt.Errorf("receive space %#x is written by %v, the descriptor says %v", d.Space, sp.path, d.SpacePath)
@@ -373,7 +373,7 @@ func peerSpaceOfState(a *attached) *peerSpace {
 // take picks a free range of n bytes, first fit, and counts a write under
 // way until the caller calls p.writers.Done.
 func (p *peerSpace) take(n uint64) (uint64, bool) {
-	need := roundUp64(n, spaceAlign)
+	need := roundUp(n, spaceAlign)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
@@ -471,11 +471,11 @@ func (p *peerSpace) give(off, n uint64) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	got, ok := p.taken[off]
-	if !ok || roundUp64(n, spaceAlign) != got {
+	if !ok || roundUp(n, spaceAlign) != got {
 		return false
 	}
 	delete(p.taken, off)
-	i, _ := slices.BinarySearchFunc(p.free, off, func(f span, o uint64) int { return cmpU64(f.off, o) })
+	i, _ := slices.BinarySearchFunc(p.free, off, func(f span, o uint64) int { return cmp.Compare(f.off, o) })
 	p.free = slices.Insert(p.free, i, span{off, got})
 	// Merge with the neighbours.
 	if i+1 < len(p.free) && p.free[i].off+p.free[i].n == p.free[i+1].off {
@@ -489,27 +489,6 @@ func (p *peerSpace) give(off, n uint64) bool {
 	return true
 }
 
-// freeBytes returns how much of the space is free.
-func (p *peerSpace) freeBytes() uint64 {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	var n uint64
-	for _, f := range p.free {
-		n += f.n
-	}
-	return n
-}
-
-func cmpU64(a, b uint64) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
-}
-
 // cmpBool orders false before true.
 func cmpBool(a, b bool) int {
 	switch {
@@ -520,8 +499,6 @@ func cmpBool(a, b bool) int {
 	}
 	return 1
 }
-
-func roundUp64(n, to uint64) uint64 { return (n + to - 1) / to * to }
 
 // OfferTo is Offer for a payload whose message goes to the peer of s (a
 // server's response): where that peer advertised receive space with room for
@@ -627,15 +604,7 @@ func (p *peerSpace) copyInto(s *transport.Session, m *rtr, src Source) error {
 		return err
 	}
 	defer mapping.Release()
-	if m.IPCOffset > uint64(mapping.Len()) || m.Length > uint64(mapping.Len())-m.IPCOffset {
-		return fmt.Errorf("IPC destination [%d, +%d) outside its allocation of %d bytes", m.IPCOffset, m.Length, mapping.Len())
-	}
-	dst, err := mapping.Slice(int(m.IPCOffset), int(m.Length))
-	if err != nil {
-		return err
-	}
-	defer dst.Release()
-	return copyFromSource(dst, src)
+	return copyIntoIPC(mapping, m, src)
 }
 
 // mapped returns a reference to the space's mapping, opening it the first
@@ -647,8 +616,8 @@ func (p *peerSpace) mapped(s *transport.Session) (*devicebuf.Buffer, error) {
 		return nil, closedErr(s)
 	}
 	if p.mapping == nil {
-		if s.Peer().ID != transport.LocalID() && devicebuf.OwnIPC(p.tmpl.IPC) {
-			return nil, errors.New("the receiver's IPC handle names this process's own memory")
+		if err := foreignIPC(s, p.tmpl.IPC); err != nil {
+			return nil, err
 		}
 		b, err := openIPC(&p.tmpl)
 		if err != nil {
