@@ -60,6 +60,7 @@ type allocation struct {
 	free    func()
 	export  atomic.Pointer[exportEntry] // the IPC handle exported for this allocation
 	freed   bool                        // set under exports' lock once export was set and the memory went
+	arrival atomic.Pointer[Event]       // while not nil, the bytes are in place once it completes (WrapArriving)
 }
 
 func newAllocation(kind Kind, dev int, free func()) *allocation {
@@ -274,6 +275,7 @@ type Counters struct {
 	Registrations int64 // Registrar registrations alive
 	IPCMappings   int64 // CUDA IPC handles opened and not yet closed
 	Streams       int64 // streams not yet closed
+	Events        int64 // events made or opened and not yet closed
 }
 
 // Sub returns c - o, field by field.
@@ -283,7 +285,7 @@ func (c Counters) Sub(o Counters) Counters {
 		HostBytes: c.HostBytes - o.HostBytes, CUDABytes: c.CUDABytes - o.CUDABytes,
 		PinnedRegions: c.PinnedRegions - o.PinnedRegions, Regions: c.Regions - o.Regions,
 		Registrations: c.Registrations - o.Registrations, IPCMappings: c.IPCMappings - o.IPCMappings,
-		Streams: c.Streams - o.Streams,
+		Streams: c.Streams - o.Streams, Events: c.Events - o.Events,
 	}
 }
 
@@ -298,6 +300,7 @@ var live struct {
 	registrations atomic.Int64
 	ipc           atomic.Int64
 	streams       atomic.Int64
+	events        atomic.Int64
 }
 
 // Live returns the live-object counters of this process.
@@ -312,6 +315,7 @@ func Live() Counters {
 		Registrations: live.registrations.Load(),
 		IPCMappings:   live.ipc.Load(),
 		Streams:       live.streams.Load(),
+		Events:        live.events.Load(),
 	}
 }
 

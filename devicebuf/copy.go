@@ -62,7 +62,7 @@ func hostCopy(dst, src *Buffer) error {
 // Copy copies src into dst (any two kinds; lengths must match) and returns when the bytes
 // are in place. A device copy is ordered after work queued on the legacy default stream;
 // work on other streams that writes src or reads dst must be complete first (synchronize
-// those streams, as before handing a buffer to gdrpc).
+// those streams, as before handing a buffer to gdrpc). Pending buffers are waited for first.
 func Copy(dst, src *Buffer) error {
 	p, err := plan(dst, src)
 	if err != nil || dst.n == 0 {
@@ -70,6 +70,11 @@ func Copy(dst, src *Buffer) error {
 	}
 	if p.dir == 0 {
 		return hostCopy(dst, src)
+	}
+	for _, b := range [...]*Buffer{src, dst} {
+		if err := b.Wait(); err != nil {
+			return fmt.Errorf("devicebuf: copy %s <- %s: %w", dst, src, err)
+		}
 	}
 	err = p.d.Memcpy(p.dir, dst.a.dev, dst.ptr, src.a.dev, src.ptr, dst.n, 0)
 	runtime.KeepAlive(dst.a)
@@ -94,6 +99,9 @@ func Clear(b *Buffer) error {
 		clear(hb)
 		return nil
 	}
+	if err := b.Wait(); err != nil {
+		return err
+	}
 	d, err := checkDevice(b.a.dev)
 	if err != nil {
 		return err
@@ -108,27 +116,48 @@ func Clear(b *Buffer) error {
 
 // Stream is an ordered queue of copies on one CUDA device (a CUDA stream). Copies between
 // two host buffers run inline. A Stream retains the buffers of every copy queued on it until
-// the copy is known complete (Synchronize or Close). Safe for concurrent use.
+// the copy is known complete (Synchronize or Close). Safe for concurrent use: a Synchronize
+// does not hold up copies queued meanwhile.
 type Stream struct {
-	mu      sync.Mutex
-	d       driver.Driver
-	dev     int
-	s       driver.Stream
-	pending []*Buffer
-	pins    runtime.Pinner
+	d   driver.Driver
+	dev int
+	s   driver.Stream
+
+	// life is held for reading by every call on s, for writing by Close.
+	life    sync.RWMutex
+	mu      sync.Mutex // guards pending and closed
+	pending []queued
 	closed  bool
 }
 
-// NewStream creates a stream on CUDA device dev. dev == -1 makes a host-only stream (no
-// CUDA needed) on which only host-to-host copies may be queued.
-func NewStream(device int) (*Stream, error) {
+// queued is what a copy on a stream keeps until it is known complete.
+type queued struct {
+	bufs [2]*Buffer
+	pins *runtime.Pinner // Go memory of the copy, pinned; nil if none
+}
+
+// NewStream creates a stream on CUDA device dev, not ordered with the legacy default stream.
+// dev == -1 makes a host-only stream (no CUDA needed) on which only host-to-host copies may
+// be queued.
+func NewStream(device int) (*Stream, error) { return newStream(device, false) }
+
+// NewCopyStream creates a stream on CUDA device dev whose copies are ordered after work on
+// the legacy default stream, as Copy's are.
+func NewCopyStream(device int) (*Stream, error) {
+	if device < 0 {
+		return nil, fmt.Errorf("devicebuf: copy stream on device %d", device)
+	}
+	return newStream(device, true)
+}
+
+func newStream(device int, blocking bool) (*Stream, error) {
 	st := &Stream{dev: device}
 	if device >= 0 {
 		d, err := checkDevice(device)
 		if err != nil {
 			return nil, err
 		}
-		s, err := d.StreamCreate(device)
+		s, err := d.StreamCreate(device, blocking)
 		if err != nil {
 			return nil, fmt.Errorf("devicebuf: cuStreamCreate on device %d: %w", device, err)
 		}
@@ -143,71 +172,111 @@ func NewStream(device int) (*Stream, error) {
 // Device returns the stream's CUDA ordinal (-1 for a host-only stream).
 func (s *Stream) Device() int { return s.dev }
 
+func (s *Stream) isClosed() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.closed
+}
+
 // CopyAsync queues a copy of src into dst on s (lengths must match). The bytes are in place
-// after s.Synchronize returns nil. Host-to-host copies run before CopyAsync returns.
+// after s.Synchronize returns nil. Host-to-host copies run before CopyAsync returns. The copy
+// waits on the device for Pending buffers.
 func CopyAsync(s *Stream, dst, src *Buffer) error {
 	p, err := plan(dst, src)
 	if err != nil || dst.n == 0 {
 		return err
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
-		return fmt.Errorf("devicebuf: stream: %w", net.ErrClosed)
-	}
 	if p.dir == 0 {
+		if s.isClosed() {
+			return fmt.Errorf("devicebuf: stream: %w", net.ErrClosed)
+		}
 		return hostCopy(dst, src)
 	}
 	if s.d == nil {
 		return fmt.Errorf("devicebuf: host-only stream cannot copy %s <- %s", dst, src)
 	}
-	for _, b := range [...]*Buffer{dst, src} {
+	for _, b := range [...]*Buffer{src, dst} {
+		if err := b.WaitOn(s); err != nil {
+			return fmt.Errorf("devicebuf: async copy %s <- %s: %w", dst, src, err)
+		}
+	}
+	s.life.RLock()
+	defer s.life.RUnlock()
+	if s.isClosed() {
+		return fmt.Errorf("devicebuf: stream: %w", net.ErrClosed)
+	}
+	q := queued{bufs: [2]*Buffer{dst.Retain(), src.Retain()}}
+	for _, b := range q.bufs {
 		if b.a.goMem {
-			s.pins.Pin(&b.a.host[0])
+			if q.pins == nil {
+				q.pins = new(runtime.Pinner)
+			}
+			q.pins.Pin(&b.a.host[0])
 		}
 	}
 	if err := s.d.Memcpy(p.dir, dst.a.dev, dst.ptr, src.a.dev, src.ptr, dst.n, s.s); err != nil {
+		q.done()
 		return fmt.Errorf("devicebuf: async copy %s <- %s: %w", dst, src, err)
 	}
-	s.pending = append(s.pending, dst.Retain(), src.Retain())
+	s.mu.Lock()
+	s.pending = append(s.pending, q)
+	s.mu.Unlock()
 	return nil
 }
 
-// Synchronize waits until every copy queued on s is complete.
-func (s *Stream) Synchronize() error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
-		return fmt.Errorf("devicebuf: stream: %w", net.ErrClosed)
+func (q queued) done() {
+	if q.pins != nil {
+		q.pins.Unpin()
 	}
-	return s.syncLocked()
+	for _, b := range q.bufs {
+		_ = b.Release()
+	}
 }
 
-func (s *Stream) syncLocked() error {
+// Synchronize waits until every copy queued on s before the call is complete.
+func (s *Stream) Synchronize() error {
+	s.life.RLock()
+	defer s.life.RUnlock()
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return fmt.Errorf("devicebuf: stream: %w", net.ErrClosed)
+	}
+	done := s.pending
+	s.pending = nil
+	s.mu.Unlock()
+	return s.sync(done)
+}
+
+// sync waits for the device stream and then lets go of done, copies queued before.
+func (s *Stream) sync(done []queued) error {
 	var err error
 	if s.d != nil {
 		if e := s.d.StreamSynchronize(s.s); e != nil {
 			err = fmt.Errorf("devicebuf: cuStreamSynchronize: %w", e)
 		}
 	}
-	for _, b := range s.pending {
-		_ = b.Release()
+	for _, q := range done {
+		q.done()
 	}
-	s.pending = s.pending[:0]
-	s.pins.Unpin()
 	return err
 }
 
 // Close waits for queued copies and destroys the stream. It is idempotent; afterwards calls
 // return an error wrapping net.ErrClosed.
 func (s *Stream) Close() error {
+	s.life.Lock()
+	defer s.life.Unlock()
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	if s.closed {
+		s.mu.Unlock()
 		return nil
 	}
 	s.closed = true
-	err := s.syncLocked()
+	done := s.pending
+	s.pending = nil
+	s.mu.Unlock()
+	err := s.sync(done)
 	if s.d != nil {
 		if e := s.d.StreamDestroy(s.s); e != nil && err == nil {
 			err = fmt.Errorf("devicebuf: cuStreamDestroy: %w", e)

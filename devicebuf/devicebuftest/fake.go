@@ -32,6 +32,8 @@ type GPU struct {
 	hostRegs map[uintptr]int
 	streams  map[driver.Stream]*fakeStream
 	nextS    driver.Stream
+	events   map[driver.Event]*fakeEvent
+	nextE    driver.Event
 	absent   error
 }
 
@@ -59,6 +61,21 @@ type fakeAlloc struct {
 type fakeStream struct {
 	dev     int
 	pending []func() error
+}
+
+// fakeEvent is an event of the fake, or one opened through an IPC handle of the same
+// process: both share rec.
+type fakeEvent struct {
+	dev int
+	ipc bool
+	rec *eventRecord
+}
+
+// eventRecord is what an event (and every handle opened onto it) last captured: the stream
+// it was recorded on, whose deferred copies a wait runs.
+type eventRecord struct {
+	id     uint64
+	stream driver.Stream // 0: never recorded
 }
 
 // Install installs a fake CUDA driver with the given number of devices (and a matching fake
@@ -126,7 +143,7 @@ func InstallAbsent(tb testing.TB, reason string) {
 }
 
 func newGPU(tb testing.TB, devices int) *GPU {
-	g := &GPU{tb: tb, hostRegs: map[uintptr]int{}, streams: map[driver.Stream]*fakeStream{}, nextS: 0x1000}
+	g := &GPU{tb: tb, hostRegs: map[uintptr]int{}, streams: map[driver.Stream]*fakeStream{}, nextS: 0x1000, events: map[driver.Event]*fakeEvent{}, nextE: 0x2000}
 	for i := 0; i < devices; i++ {
 		d := &fakeDevice{
 			name:   "devicebuftest fake GPU",
@@ -165,6 +182,9 @@ func (g *GPU) checkLeaks() {
 	}
 	for s := range g.streams {
 		errs = append(errs, fmt.Sprintf("stream %#x not destroyed", uintptr(s)))
+	}
+	for e := range g.events {
+		errs = append(errs, fmt.Sprintf("event %#x not destroyed", uintptr(e)))
 	}
 	if len(errs) > 0 {
 		g.tb.Errorf("devicebuftest: the fake GPU was left with live objects:\n  %s", joinLines(errs))
@@ -604,7 +624,7 @@ func (g *GPU) MemsetZero(dev int, p uintptr, n int) error {
 	return nil
 }
 
-func (g *GPU) StreamCreate(dev int) (driver.Stream, error) {
+func (g *GPU) StreamCreate(dev int, blocking bool) (driver.Stream, error) {
 	if _, err := g.dev("cuStreamCreate", dev); err != nil {
 		return 0, err
 	}
@@ -643,6 +663,141 @@ func (g *GPU) StreamDestroy(s driver.Stream) error {
 	defer g.mu.Unlock()
 	delete(g.streams, s)
 	return nil
+}
+
+// StreamWaitEvent defers, on s, a run of the copies the event's stream held when it was
+// recorded (the fake runs a stream's copies when it is synchronized).
+func (g *GPU) StreamWaitEvent(s driver.Stream, e driver.Event) error {
+	if g.absent != nil {
+		return g.absent
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	st, ok := g.streams[s]
+	ev, ok2 := g.events[e]
+	if !ok || !ok2 {
+		return cuError("cuStreamWaitEvent", 400, "CUDA_ERROR_INVALID_HANDLE", "unknown stream or event")
+	}
+	if rec := ev.rec.stream; rec != 0 && rec != s {
+		st.pending = append(st.pending, func() error { return g.syncIfLive(rec) })
+	}
+	return nil
+}
+
+// syncIfLive synchronizes s unless it was destroyed (which ran its copies).
+func (g *GPU) syncIfLive(s driver.Stream) error {
+	g.mu.Lock()
+	_, ok := g.streams[s]
+	g.mu.Unlock()
+	if !ok {
+		return nil
+	}
+	return g.StreamSynchronize(s)
+}
+
+func (g *GPU) EventCreate(dev int, interprocess bool) (driver.Event, error) {
+	if _, err := g.dev("cuEventCreate", dev); err != nil {
+		return 0, err
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.nextID++
+	return g.addEventLocked(&fakeEvent{dev: dev, ipc: interprocess, rec: &eventRecord{id: g.nextID}}), nil
+}
+
+func (g *GPU) addEventLocked(ev *fakeEvent) driver.Event {
+	g.nextE += 0x10
+	g.events[g.nextE] = ev
+	return g.nextE
+}
+
+func (g *GPU) EventRecord(e driver.Event, s driver.Stream) error {
+	if g.absent != nil {
+		return g.absent
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	ev, ok := g.events[e]
+	_, ok2 := g.streams[s]
+	if !ok || !ok2 {
+		return cuError("cuEventRecord", 400, "CUDA_ERROR_INVALID_HANDLE", "unknown stream or event")
+	}
+	ev.rec.stream = s
+	return nil
+}
+
+func (g *GPU) EventSynchronize(e driver.Event) error {
+	if g.absent != nil {
+		return g.absent
+	}
+	g.mu.Lock()
+	ev, ok := g.events[e]
+	if !ok {
+		g.mu.Unlock()
+		return cuError("cuEventSynchronize", 400, "CUDA_ERROR_INVALID_HANDLE", "unknown event")
+	}
+	rec := ev.rec.stream
+	g.mu.Unlock()
+	if rec == 0 {
+		return nil
+	}
+	return g.syncIfLive(rec)
+}
+
+func (g *GPU) EventDestroy(e driver.Event) error {
+	if g.absent != nil {
+		return g.absent
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if _, ok := g.events[e]; !ok {
+		return cuError("cuEventDestroy", 400, "CUDA_ERROR_INVALID_HANDLE", "unknown event")
+	}
+	delete(g.events, e)
+	return nil
+}
+
+// Fake IPC event handle layout: magic, pid, event id.
+var ipcEventMagic = [8]byte{'G', 'D', 'R', 'F', 'A', 'K', 'E', 'V'}
+
+func (g *GPU) IpcGetEventHandle(e driver.Event) ([driver.IPCHandleSize]byte, error) {
+	var h [driver.IPCHandleSize]byte
+	if g.absent != nil {
+		return h, g.absent
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	ev, ok := g.events[e]
+	if !ok || !ev.ipc {
+		return h, cuError("cuIpcGetEventHandle", 1, "CUDA_ERROR_INVALID_VALUE", "not an interprocess event")
+	}
+	copy(h[0:8], ipcEventMagic[:])
+	binary.LittleEndian.PutUint32(h[8:12], uint32(os.Getpid()))
+	binary.LittleEndian.PutUint64(h[16:24], ev.rec.id)
+	return h, nil
+}
+
+// IpcOpenEventHandle opens events of this process only: another process's deferred copies
+// are out of the fake's reach (real CUDA opens them across processes alone).
+func (g *GPU) IpcOpenEventHandle(dev int, h [driver.IPCHandleSize]byte) (driver.Event, error) {
+	if _, err := g.dev("cuIpcOpenEventHandle", dev); err != nil {
+		return 0, err
+	}
+	if [8]byte(h[0:8]) != ipcEventMagic {
+		return 0, cuError("cuIpcOpenEventHandle", 1, "CUDA_ERROR_INVALID_VALUE", "not a devicebuftest IPC event handle")
+	}
+	if int(binary.LittleEndian.Uint32(h[8:12])) != os.Getpid() {
+		return 0, cuError("cuIpcOpenEventHandle", 801, "CUDA_ERROR_NOT_SUPPORTED", "the fake opens events of its own process only")
+	}
+	id := binary.LittleEndian.Uint64(h[16:24])
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, ev := range g.events {
+		if ev.ipc && ev.rec.id == id {
+			return g.addEventLocked(&fakeEvent{dev: dev, rec: ev.rec}), nil
+		}
+	}
+	return 0, cuError("cuIpcOpenEventHandle", 1, "CUDA_ERROR_INVALID_VALUE", "the event was destroyed")
 }
 
 func (g *GPU) FlushRDMAWrites(dev int) error {

@@ -14,8 +14,10 @@ typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
 typedef void *CUcontext;
 typedef void *CUstream;
+typedef void *CUevent;
 typedef struct { char bytes[16]; } CUuuid;
 typedef struct { char reserved[64]; } CUipcMemHandle;
+typedef struct { char reserved[64]; } CUipcEventHandle;
 
 #define GDR_CUDA_ERROR_NOT_FOUND_SYMBOL (-1)
 
@@ -49,6 +51,13 @@ static struct {
 	CUresult (*cuStreamCreate)(CUstream *, unsigned int);
 	CUresult (*cuStreamSynchronize)(CUstream);
 	CUresult (*cuStreamDestroy)(CUstream);
+	CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned int);
+	CUresult (*cuEventCreate)(CUevent *, unsigned int);
+	CUresult (*cuEventRecord)(CUevent, CUstream);
+	CUresult (*cuEventSynchronize)(CUevent);
+	CUresult (*cuEventDestroy)(CUevent);
+	CUresult (*cuIpcGetEventHandle)(CUipcEventHandle *, CUevent);
+	CUresult (*cuIpcOpenEventHandle)(CUevent *, CUipcEventHandle);
 	CUresult (*cuFlushGPUDirectRDMAWrites)(int, int);
 	CUresult (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
 	CUresult (*cuIpcOpenMemHandle)(CUdeviceptr *, CUipcMemHandle, unsigned int);
@@ -102,6 +111,13 @@ static const char *gdr_cu_load(const char *name) {
 	SYM(cuStreamCreate, "cuStreamCreate");
 	SYM(cuStreamSynchronize, "cuStreamSynchronize");
 	SYM2(cuStreamDestroy, "cuStreamDestroy_v2", "cuStreamDestroy");
+	SYM(cuStreamWaitEvent, "cuStreamWaitEvent");
+	SYM(cuEventCreate, "cuEventCreate");
+	SYM(cuEventRecord, "cuEventRecord");
+	SYM(cuEventSynchronize, "cuEventSynchronize");
+	SYM2(cuEventDestroy, "cuEventDestroy_v2", "cuEventDestroy");
+	SYM(cuIpcGetEventHandle, "cuIpcGetEventHandle");
+	SYM(cuIpcOpenEventHandle, "cuIpcOpenEventHandle");
 	SYM(cuIpcGetMemHandle, "cuIpcGetMemHandle");
 	SYM2(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle");
 	SYM(cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
@@ -275,6 +291,49 @@ static CUresult gdr_cu_stream_destroy(CUcontext c, uintptr_t s) {
 	GDR_IN_CTX(c, gdr_cu.cuStreamDestroy((CUstream)s));
 }
 
+static CUresult gdr_cu_stream_wait_event(CUcontext c, uintptr_t s, uintptr_t e) {
+	GDR_IN_CTX(c, gdr_cu.cuStreamWaitEvent((CUstream)s, (CUevent)e, 0));
+}
+
+// flags: CU_EVENT_DISABLE_TIMING (2), with CU_EVENT_INTERPROCESS (4) when interprocess.
+static CUresult gdr_cu_event_create(CUcontext c, int interprocess, CUevent *out) {
+	GDR_IN_CTX(c, gdr_cu.cuEventCreate(out, interprocess ? 6 : 2));
+}
+
+static CUresult gdr_cu_event_record(CUcontext c, uintptr_t e, uintptr_t s) {
+	GDR_IN_CTX(c, gdr_cu.cuEventRecord((CUevent)e, (CUstream)s));
+}
+
+static CUresult gdr_cu_event_sync(CUcontext c, uintptr_t e) {
+	GDR_IN_CTX(c, gdr_cu.cuEventSynchronize((CUevent)e));
+}
+
+static CUresult gdr_cu_event_destroy(CUcontext c, uintptr_t e) {
+	GDR_IN_CTX(c, gdr_cu.cuEventDestroy((CUevent)e));
+}
+
+static CUresult gdr_cu_ipc_event_get_in(uintptr_t e, char *out) {
+	CUipcEventHandle h;
+	CUresult r = gdr_cu.cuIpcGetEventHandle(&h, (CUevent)e);
+	if (r) return r;
+	memcpy(out, h.reserved, 64);
+	return 0;
+}
+
+static CUresult gdr_cu_ipc_event_get(CUcontext c, uintptr_t e, char *out) {
+	GDR_IN_CTX(c, gdr_cu_ipc_event_get_in(e, out));
+}
+
+static CUresult gdr_cu_ipc_event_open_in(const char *in, CUevent *out) {
+	CUipcEventHandle h;
+	memcpy(h.reserved, in, 64);
+	return gdr_cu.cuIpcOpenEventHandle(out, h);
+}
+
+static CUresult gdr_cu_ipc_event_open(CUcontext c, const char *in, CUevent *out) {
+	GDR_IN_CTX(c, gdr_cu_ipc_event_open_in(in, out));
+}
+
 static CUresult gdr_cu_flush_rdma(CUcontext c) {
 	if (gdr_cu.cuFlushGPUDirectRDMAWrites == NULL) return GDR_CUDA_ERROR_NOT_FOUND_SYMBOL;
 	// CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX, CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER
@@ -345,6 +404,7 @@ type real struct {
 	ctxs map[int]C.CUcontext
 
 	streams sync.Map // driver.Stream -> int (device)
+	events  sync.Map // driver.Event -> int (device)
 
 	// syncStreams keeps, per device, idle streams for Memcpy without a stream.
 	// They are blocking streams, so a copy on one is still ordered after work
@@ -709,13 +769,17 @@ func (d *real) MemsetZero(dev int, p uintptr, n int) error {
 	return cuErr("cuMemsetD8Async", C.gdr_cu_memset_zero(c, C.uintptr_t(p), C.size_t(n), C.uintptr_t(uintptr(unsafe.Pointer(st)))))
 }
 
-func (d *real) StreamCreate(dev int) (driver.Stream, error) {
+func (d *real) StreamCreate(dev int, blocking bool) (driver.Stream, error) {
 	c, err := d.ctx(dev)
 	if err != nil {
 		return 0, err
 	}
 	var s C.CUstream
-	if err := cuErr("cuStreamCreate", C.gdr_cu_stream_create(c, 1, &s)); err != nil {
+	flags := C.uint(1)
+	if blocking {
+		flags = 0
+	}
+	if err := cuErr("cuStreamCreate", C.gdr_cu_stream_create(c, flags, &s)); err != nil {
 		return 0, err
 	}
 	h := driver.Stream(uintptr(unsafe.Pointer(s)))
@@ -746,6 +810,107 @@ func (d *real) StreamDestroy(s driver.Stream) error {
 	}
 	d.streams.Delete(s)
 	return cuErr("cuStreamDestroy", C.gdr_cu_stream_destroy(c, C.uintptr_t(s)))
+}
+
+func (d *real) StreamWaitEvent(s driver.Stream, e driver.Event) error {
+	c, err := d.streamCtx(s)
+	if err != nil {
+		return err
+	}
+	if _, ok := d.events.Load(e); !ok {
+		return fmt.Errorf("unknown event %#x", uintptr(e))
+	}
+	return cuErr("cuStreamWaitEvent", C.gdr_cu_stream_wait_event(c, C.uintptr_t(s), C.uintptr_t(e)))
+}
+
+func (d *real) newEvent(dev int, e C.CUevent) driver.Event {
+	h := driver.Event(uintptr(unsafe.Pointer(e)))
+	d.events.Store(h, dev)
+	return h
+}
+
+func (d *real) eventCtx(e driver.Event) (C.CUcontext, error) {
+	v, ok := d.events.Load(e)
+	if !ok {
+		return nil, fmt.Errorf("unknown event %#x", uintptr(e))
+	}
+	return d.ctx(v.(int))
+}
+
+func (d *real) EventCreate(dev int, interprocess bool) (driver.Event, error) {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return 0, err
+	}
+	ipc := C.int(0)
+	if interprocess {
+		ipc = 1
+	}
+	var e C.CUevent
+	if err := cuErr("cuEventCreate", C.gdr_cu_event_create(c, ipc, &e)); err != nil {
+		return 0, err
+	}
+	return d.newEvent(dev, e), nil
+}
+
+func (d *real) EventRecord(e driver.Event, s driver.Stream) error {
+	c, err := d.streamCtx(s)
+	if err != nil {
+		return err
+	}
+	if _, ok := d.events.Load(e); !ok {
+		return fmt.Errorf("unknown event %#x", uintptr(e))
+	}
+	return cuErr("cuEventRecord", C.gdr_cu_event_record(c, C.uintptr_t(e), C.uintptr_t(s)))
+}
+
+func (d *real) EventSynchronize(e driver.Event) error {
+	c, err := d.eventCtx(e)
+	if err != nil {
+		return err
+	}
+	return cuErr("cuEventSynchronize", C.gdr_cu_event_sync(c, C.uintptr_t(e)))
+}
+
+func (d *real) EventDestroy(e driver.Event) error {
+	c, err := d.eventCtx(e)
+	if err != nil {
+		return err
+	}
+	d.events.Delete(e)
+	return cuErr("cuEventDestroy", C.gdr_cu_event_destroy(c, C.uintptr_t(e)))
+}
+
+func (d *real) IpcGetEventHandle(e driver.Event) ([driver.IPCHandleSize]byte, error) {
+	var h [driver.IPCHandleSize]byte
+	c, err := d.eventCtx(e)
+	if err != nil {
+		return h, err
+	}
+	var buf [driver.IPCHandleSize]C.char
+	if err := cuErr("cuIpcGetEventHandle", C.gdr_cu_ipc_event_get(c, C.uintptr_t(e), &buf[0])); err != nil {
+		return h, err
+	}
+	for i := range h {
+		h[i] = byte(buf[i])
+	}
+	return h, nil
+}
+
+func (d *real) IpcOpenEventHandle(dev int, h [driver.IPCHandleSize]byte) (driver.Event, error) {
+	c, err := d.ctx(dev)
+	if err != nil {
+		return 0, err
+	}
+	var buf [driver.IPCHandleSize]C.char
+	for i := range h {
+		buf[i] = C.char(h[i])
+	}
+	var e C.CUevent
+	if err := cuErr("cuIpcOpenEventHandle", C.gdr_cu_ipc_event_open(c, &buf[0], &e)); err != nil {
+		return 0, err
+	}
+	return d.newEvent(dev, e), nil
 }
 
 func (d *real) FlushRDMAWrites(dev int) error {

@@ -30,14 +30,23 @@ func (absent) SetSyncMemops(int, uintptr) error                   { return errAb
 func (absent) MemAddressRange(int, uintptr) (uintptr, int, error) { return 0, 0, errAbsent }
 func (absent) MemHostRegister(uintptr, int) error                 { return errAbsent }
 func (absent) MemHostUnregister(uintptr) error                    { return errAbsent }
-func (absent) StreamCreate(int) (driver.Stream, error)            { return 0, errAbsent }
-func (absent) MemsetZero(int, uintptr, int) error                 { return errAbsent }
-func (absent) StreamSynchronize(driver.Stream) error              { return errAbsent }
-func (absent) StreamDestroy(driver.Stream) error                  { return errAbsent }
-func (absent) FlushRDMAWrites(int) error                          { return errAbsent }
-func (absent) IpcCloseMemHandle(int, uintptr) error               { return errAbsent }
-func (absent) IpcOpenMemHandle(int, [64]byte) (uintptr, error)    { return 0, errAbsent }
-func (absent) IpcGetMemHandle(int, uintptr) ([64]byte, error)     { return [64]byte{}, errAbsent }
+func (absent) StreamCreate(int, bool) (driver.Stream, error)      { return 0, errAbsent }
+func (absent) StreamWaitEvent(driver.Stream, driver.Event) error  { return errAbsent }
+func (absent) EventCreate(int, bool) (driver.Event, error)        { return 0, errAbsent }
+func (absent) EventRecord(driver.Event, driver.Stream) error      { return errAbsent }
+func (absent) EventSynchronize(driver.Event) error                { return errAbsent }
+func (absent) EventDestroy(driver.Event) error                    { return errAbsent }
+func (absent) IpcGetEventHandle(driver.Event) ([64]byte, error)   { return [64]byte{}, errAbsent }
+func (absent) IpcOpenEventHandle(int, [64]byte) (driver.Event, error) {
+	return 0, errAbsent
+}
+func (absent) MemsetZero(int, uintptr, int) error              { return errAbsent }
+func (absent) StreamSynchronize(driver.Stream) error           { return errAbsent }
+func (absent) StreamDestroy(driver.Stream) error               { return errAbsent }
+func (absent) FlushRDMAWrites(int) error                       { return errAbsent }
+func (absent) IpcCloseMemHandle(int, uintptr) error            { return errAbsent }
+func (absent) IpcOpenMemHandle(int, [64]byte) (uintptr, error) { return 0, errAbsent }
+func (absent) IpcGetMemHandle(int, uintptr) ([64]byte, error)  { return [64]byte{}, errAbsent }
 func (absent) Memcpy(driver.Dir, int, uintptr, int, uintptr, int, driver.Stream) error {
 	return errAbsent
 }

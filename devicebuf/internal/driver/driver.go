@@ -52,6 +52,9 @@ const IPCHandleSize = 64
 // Stream is an opaque stream handle; 0 is never a valid stream made by StreamCreate.
 type Stream uintptr
 
+// Event is an opaque event handle; 0 is never a valid event.
+type Event uintptr
+
 // Driver is the subset of the CUDA driver API devicebuf uses. Device arguments are CUDA
 // ordinals; the implementation makes that device's primary context current on the calling
 // thread for the call. Host pointers passed in are valid for the call only unless said
@@ -85,9 +88,23 @@ type Driver interface {
 	// MemsetZero sets n bytes of device memory at p to zero on the device and returns when
 	// they are.
 	MemsetZero(dev int, p uintptr, n int) error
-	StreamCreate(dev int) (Stream, error)
+	// StreamCreate makes a stream on dev: a blocking one (its work ordered after work on
+	// the legacy default stream) or a non-blocking one.
+	StreamCreate(dev int, blocking bool) (Stream, error)
 	StreamSynchronize(s Stream) error
 	StreamDestroy(s Stream) error
+	// StreamWaitEvent orders work queued on s after it behind what e captured.
+	StreamWaitEvent(s Stream, e Event) error
+
+	// EventCreate makes an event on dev without timing; an interprocess one can be
+	// exported with IpcGetEventHandle.
+	EventCreate(dev int, interprocess bool) (Event, error)
+	// EventRecord captures the work queued on s so far in e.
+	EventRecord(e Event, s Stream) error
+	// EventSynchronize waits until the work e last captured is complete (at once for an
+	// event never recorded).
+	EventSynchronize(e Event) error
+	EventDestroy(e Event) error
 
 	// FlushRDMAWrites calls cuFlushGPUDirectRDMAWrites(current context, to owner).
 	FlushRDMAWrites(dev int) error
@@ -95,6 +112,10 @@ type Driver interface {
 	IpcGetMemHandle(dev int, p uintptr) ([IPCHandleSize]byte, error)
 	IpcOpenMemHandle(dev int, h [IPCHandleSize]byte) (uintptr, error)
 	IpcCloseMemHandle(dev int, p uintptr) error
+	IpcGetEventHandle(e Event) ([IPCHandleSize]byte, error)
+	// IpcOpenEventHandle opens another process's interprocess event on dev: recording it
+	// here is seen by that process's waits, and the other way round.
+	IpcOpenEventHandle(dev int, h [IPCHandleSize]byte) (Event, error)
 }
 
 // ThreadContexts is the optional ability of a driver to make a device's context current on

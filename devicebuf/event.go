@@ -1,0 +1,164 @@
+package devicebuf
+
+import (
+	"fmt"
+	"net"
+	"sync"
+
+	"github.com/gdrpc/gdrpc/devicebuf/internal/driver"
+)
+
+// IPCEventHandle is a CUDA IPC event handle (cudaIpcEventHandle_t): it names an
+// interprocess event to another process on the same host.
+type IPCEventHandle [driver.IPCHandleSize]byte
+
+// Event marks a point in the work of a CUDA stream: once the work queued before it was
+// recorded (Stream.Record) is complete, so is the event. An interprocess event may be
+// recorded by one process and waited for by another. Safe for concurrent use.
+type Event struct {
+	d   driver.Driver
+	dev int
+	e   driver.Event
+
+	mu     sync.RWMutex // held for reading by calls on e, for writing by Close
+	closed bool
+}
+
+// NewIPCEvent makes an interprocess event on CUDA device dev and returns it with its handle,
+// which another process opens with OpenIPCEvent.
+func NewIPCEvent(dev int) (*Event, IPCEventHandle, error) {
+	d, err := checkDevice(dev)
+	if err != nil {
+		return nil, IPCEventHandle{}, err
+	}
+	e, err := d.EventCreate(dev, true)
+	if err != nil {
+		return nil, IPCEventHandle{}, fmt.Errorf("devicebuf: cuEventCreate on device %d: %w", dev, err)
+	}
+	h, err := d.IpcGetEventHandle(e)
+	if err != nil {
+		_ = d.EventDestroy(e)
+		return nil, IPCEventHandle{}, fmt.Errorf("devicebuf: cuIpcGetEventHandle: %w", err)
+	}
+	live.events.Add(1)
+	return &Event{d: d, dev: dev, e: e}, h, nil
+}
+
+// OpenIPCEvent opens another process's interprocess event on CUDA device dev.
+func OpenIPCEvent(h IPCEventHandle, dev int) (*Event, error) {
+	d, err := checkDevice(dev)
+	if err != nil {
+		return nil, err
+	}
+	e, err := d.IpcOpenEventHandle(dev, h)
+	if err != nil {
+		return nil, fmt.Errorf("devicebuf: cuIpcOpenEventHandle on device %d: %w", dev, err)
+	}
+	live.events.Add(1)
+	return &Event{d: d, dev: dev, e: e}, nil
+}
+
+// Device returns the event's CUDA ordinal.
+func (e *Event) Device() int { return e.dev }
+
+// Synchronize waits until the work the event last captured is complete; an event never
+// recorded is complete.
+func (e *Event) Synchronize() error {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	if e.closed {
+		return fmt.Errorf("devicebuf: event: %w", net.ErrClosed)
+	}
+	if err := e.d.EventSynchronize(e.e); err != nil {
+		return fmt.Errorf("devicebuf: cuEventSynchronize: %w", err)
+	}
+	return nil
+}
+
+// Close destroys the event. It is idempotent.
+func (e *Event) Close() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return nil
+	}
+	e.closed = true
+	live.events.Add(-1)
+	if err := e.d.EventDestroy(e.e); err != nil {
+		return fmt.Errorf("devicebuf: cuEventDestroy: %w", err)
+	}
+	return nil
+}
+
+// Record captures in e the copies queued on s so far: e completes when they do. The buffers
+// of those copies stay retained until a later Synchronize of s.
+func (s *Stream) Record(e *Event) error {
+	return s.withEvent(e, "cuEventRecord", func(st driver.Stream, ev driver.Event) error { return s.d.EventRecord(ev, st) })
+}
+
+// Wait orders the copies queued on s after this call behind the work e captured, without
+// blocking the caller.
+func (s *Stream) Wait(e *Event) error {
+	return s.withEvent(e, "cuStreamWaitEvent", func(st driver.Stream, ev driver.Event) error { return s.d.StreamWaitEvent(st, ev) })
+}
+
+func (s *Stream) withEvent(e *Event, op string, call func(driver.Stream, driver.Event) error) error {
+	if s.d == nil {
+		return fmt.Errorf("devicebuf: %s on a host-only stream", op)
+	}
+	s.life.RLock()
+	defer s.life.RUnlock()
+	if s.isClosed() {
+		return fmt.Errorf("devicebuf: stream: %w", net.ErrClosed)
+	}
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	if e.closed {
+		return fmt.Errorf("devicebuf: event: %w", net.ErrClosed)
+	}
+	if err := call(s.s, e.e); err != nil {
+		return fmt.Errorf("devicebuf: %s: %w", op, err)
+	}
+	return nil
+}
+
+// WrapArriving is Wrap for CUDA memory whose bytes are still arriving: they are in place once
+// arrival completes. The Buffer reports Pending until a wait; Copy and CopyAsync wait for it
+// themselves, and code that reads the memory any other way (kernels of the application)
+// must Wait or WaitOn first. arrival must outlive the Buffer.
+func WrapArriving(ptr uintptr, n int, device int, release func(), arrival *Event) *Buffer {
+	b := Wrap(ptr, n, CUDA, device, release)
+	if arrival != nil {
+		b.a.arrival.Store(arrival)
+	}
+	return b
+}
+
+// Pending reports whether the buffer's bytes may still be arriving (WrapArriving): nothing
+// may read them before Wait or, on a stream, before work queued after WaitOn.
+func (b *Buffer) Pending() bool { return b.a.arrival.Load() != nil }
+
+// Wait returns once the buffer's bytes are in place (at once for a buffer that is not
+// Pending).
+func (b *Buffer) Wait() error {
+	ev := b.a.arrival.Load()
+	if ev == nil {
+		return nil
+	}
+	if err := ev.Synchronize(); err != nil {
+		return err
+	}
+	b.a.arrival.CompareAndSwap(ev, nil)
+	return nil
+}
+
+// WaitOn orders the work queued on s after this call behind the buffer's arrival, without
+// blocking the caller: kernels of the application on s then read the arrived bytes. A
+// buffer that is not Pending needs nothing.
+func (b *Buffer) WaitOn(s *Stream) error {
+	ev := b.a.arrival.Load()
+	if ev == nil {
+		return nil
+	}
+	return s.Wait(ev)
+}

@@ -1,0 +1,111 @@
+package devicebuf_test
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
+)
+
+// TestIPCEventArrival is the contract of a buffer whose bytes arrive after it is handed
+// out: a sender copies on a stream of its own and records an event the receiver made;
+// the receiver's buffer is Pending, nothing has landed yet (the fake runs queued copies
+// only when something waits for them), and the bytes are in place after Wait, after a
+// stream's WaitOn, and for Copy, which waits itself.
+func TestIPCEventArrival(t *testing.T) {
+	g := devicebuftest.Install(t, 1)
+	base := devicebuf.Live()
+	n := 1 << 16
+	src := cudaKind(0).alloc(t, n)
+	want := pattern(11, n)
+	require.NoError(t, g.Poke(src.Ptr(), want))
+	recvEvent, h, err := devicebuf.NewIPCEvent(0)
+	require.NoError(t, err)
+	sendEvent, err := devicebuf.OpenIPCEvent(h, 0)
+	require.NoError(t, err)
+	sender, err := devicebuf.NewCopyStream(0)
+	require.NoError(t, err)
+
+	// send copies src into dst on the sender's stream and records the receiver's event.
+	send := func(dst *devicebuf.Buffer) *devicebuf.Buffer {
+		require.NoError(t, devicebuf.CopyAsync(sender, dst, src))
+		require.NoError(t, sender.Record(sendEvent))
+		b := devicebuf.WrapArriving(dst.Ptr(), n, 0, nil, recvEvent)
+		require.True(t, b.Pending())
+		early, err := g.Peek(dst.Ptr(), n)
+		require.NoError(t, err)
+		require.Equal(t, make([]byte, n), early, "bytes landed before anything waited")
+		return b
+	}
+	host := hostKinds()[0].alloc(t, n)
+	hb, _ := host.HostBytes()
+
+	t.Run("Copy waits", func(t *testing.T) {
+		dst := cudaKind(0).alloc(t, n)
+		b := send(dst)
+		clear(hb)
+		require.NoError(t, devicebuf.Copy(host, b))
+		requireBytes(t, want, hb, "Copy of a pending buffer")
+		require.False(t, b.Pending())
+		require.NoError(t, b.Release())
+		require.NoError(t, dst.Release())
+	})
+	t.Run("Wait", func(t *testing.T) {
+		dst := cudaKind(0).alloc(t, n)
+		b := send(dst)
+		require.NoError(t, b.Wait())
+		require.False(t, b.Pending())
+		got, err := g.Peek(dst.Ptr(), n)
+		require.NoError(t, err)
+		requireBytes(t, want, got, "after Wait")
+		require.NoError(t, b.Release())
+		require.NoError(t, dst.Release())
+	})
+	t.Run("WaitOn", func(t *testing.T) {
+		dst := cudaKind(0).alloc(t, n)
+		b := send(dst)
+		s, err := devicebuf.NewStream(0)
+		require.NoError(t, err)
+		require.NoError(t, b.WaitOn(s))
+		require.True(t, b.Pending(), "WaitOn does not wait on the host")
+		clear(hb)
+		require.NoError(t, devicebuf.CopyAsync(s, host, b))
+		require.NoError(t, s.Synchronize())
+		requireBytes(t, want, hb, "a copy queued after WaitOn")
+		require.NoError(t, s.Close())
+		require.NoError(t, b.Release())
+		require.NoError(t, dst.Release())
+	})
+
+	require.NoError(t, sender.Close())
+	require.NoError(t, sendEvent.Close())
+	require.NoError(t, recvEvent.Close())
+	require.NoError(t, recvEvent.Close(), "Close is idempotent")
+	require.ErrorIs(t, recvEvent.Synchronize(), errClosed)
+	require.NoError(t, host.Release())
+	require.NoError(t, src.Release())
+	requireLive(t, base)
+}
+
+// TestIPCEventErrors: handles that name nothing are refused, and a stream takes no event
+// after it closed.
+func TestIPCEventErrors(t *testing.T) {
+	devicebuftest.Install(t, 1)
+	base := devicebuf.Live()
+	_, err := devicebuf.OpenIPCEvent(devicebuf.IPCEventHandle{}, 0)
+	require.Error(t, err)
+	_, _, err = devicebuf.NewIPCEvent(3)
+	require.Error(t, err)
+	ev, h, err := devicebuf.NewIPCEvent(0)
+	require.NoError(t, err)
+	s, err := devicebuf.NewCopyStream(0)
+	require.NoError(t, err)
+	require.NoError(t, s.Close())
+	require.ErrorIs(t, s.Record(ev), errClosed)
+	require.NoError(t, ev.Close())
+	_, err = devicebuf.OpenIPCEvent(h, 0)
+	require.Error(t, err, "the event was destroyed")
+	requireLive(t, base)
+}
