@@ -48,6 +48,8 @@ type Config struct {
 	IdleTimeout time.Duration
 	// ReceiveSpace: see WithReceiveSpace; zero means the default, negative none.
 	ReceiveSpace int
+	// StreamOrdered: see WithStreamOrdered.
+	StreamOrdered bool
 	// Session holds session options applied after the others (WithSessionOptions).
 	Session []transport.Option
 }
@@ -115,6 +117,16 @@ func WithReceiveSpace(n int) Option {
 		}
 	}
 }
+
+// WithStreamOrdered lets a client take a GPU payload that landed in its
+// receive space while the server's copy into it still runs, instead of the
+// receive waiting for the copy: the received devicebuf.Buffer is then
+// Pending, and the application orders its work after the copy with
+// Buffer.WaitOn(stream) (its kernels queue behind the copy, the CPU never
+// waits) or waits with Buffer.Wait. devicebuf's copies wait by themselves.
+// Payloads that came another way are complete on arrival, as without this
+// option. Off by default: a received buffer's bytes are in place.
+func WithStreamOrdered() Option { return func(c *Config) { c.StreamOrdered = true } }
 
 // WithSessionOptions applies package transport's options to the sessions,
 // after the others: for what only the session layer knows (a UCX context of

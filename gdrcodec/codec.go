@@ -484,7 +484,7 @@ func descriptorMessage(d oob.Descriptor) *gdrv1.DeviceBuffer {
 		Length: d.Length, Kind: k,
 		Owner: d.Owner[:], Token: d.Token[:],
 		Device: int32(d.Device), DeviceUuid: d.DeviceUUID, HostId: d.HostID[:],
-		Space: d.Space, SpaceOffset: d.SpaceOffset, SpacePath: uint32(d.SpacePath),
+		Space: d.Space, SpaceOffset: d.SpaceOffset, SpacePath: uint32(d.SpacePath), SpaceEvent: d.SpaceEvent,
 	}
 }
 
@@ -520,7 +520,7 @@ func ParseDescriptor(db *gdrv1.DeviceBuffer) (oob.Descriptor, bool, error) {
 	if db.SpacePath > 0xff {
 		return d, true, fmt.Errorf("descriptor: receive space path %d", db.SpacePath)
 	}
-	d.Space, d.SpaceOffset, d.SpacePath = db.Space, db.SpaceOffset, oob.Path(db.SpacePath)
+	d.Space, d.SpaceOffset, d.SpacePath, d.SpaceEvent = db.Space, db.SpaceOffset, oob.Path(db.SpacePath), db.SpaceEvent
 	return d, true, d.Validate()
 }
 

@@ -65,6 +65,7 @@ type pathCounter struct {
 	mu     sync.Mutex
 	paths  map[string]int
 	pushes map[string]int
+	queued int // pulls of payloads whose copy the owner queued (TransferInfo.Queued)
 }
 
 func (p *pathCounter) Transfer(i oob.TransferInfo) {
@@ -78,6 +79,9 @@ func (p *pathCounter) Transfer(i oob.TransferInfo) {
 	p.mu.Lock()
 	if i.Pull {
 		p.paths[route]++
+		if i.Queued {
+			p.queued++
+		}
 	} else {
 		if p.pushes == nil {
 			p.pushes = map[string]int{}

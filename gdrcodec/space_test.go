@@ -198,9 +198,64 @@ func TestReceiveSpaceCUDAIPC(t *testing.T) {
 			waitPeerSpace(t)
 		}
 	}
+	require.Equal(t, 3, r.paths.queued, "the server's copies went unwaited for, marked by the client's events")
 	require.Equal(t, map[string]int{"cuda-ipc": 4 + 1, "cuda-ipc@space": 3}, r.paths.reset(), "responses after the first land; requests are pulled")
 	// Both ends closed: the server's mapping of the space (closed once its
 	// session is), and the space.
+	require.NoError(t, r.cc.Close())
+	require.Eventually(t, func() bool {
+		st := oob.ReadStats()
+		return transport.ReadStats().Sessions == 0 && st.Spaces+st.PeerSpaces == 0 && devicebuf.Live().Sub(base).IsZero()
+	}, 10*time.Second, time.Millisecond, "left: %+v", devicebuf.Live().Sub(base))
+}
+
+// With stream-ordered completion a payload the server's queued copy is
+// still writing comes out Pending; its bytes are exact after Wait, and for
+// work queued on a stream after WaitOn. The fake runs a queued copy only
+// when something waits for it.
+func TestReceiveSpaceStreamOrdered(t *testing.T) {
+	g := devicebuftest.Install(t, 1)
+	gpu, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	base := devicebuf.Live()
+	r := newRig(t, transport.ModeTCP, &tensor.Server{Alloc: gpu}, gdrpc.WithTrustPeers())
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Paths: oob.PathCUDAIPC, ReceiveSpace: 16 << 20, StreamOrdered: true})
+	gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
+	t.Cleanup(func() { gdrcodec.Register() })
+
+	const n = 1<<20 + 3
+	gdrcodec.ReleaseAll(makeChecked(t, r, n, 1)) // pulled: the client then advertises
+	waitPeerSpace(t)
+	host, err := devicebuf.NewHostAllocator().Alloc(n)
+	require.NoError(t, err)
+	hb, _ := host.HostBytes()
+	for i, wait := range []string{"Wait", "WaitOn"} {
+		seed := uint32(i + 2)
+		got, err := r.client.Make(context.Background(), &tensorpb.Sized{Size: n, Seed: seed})
+		require.NoError(t, err)
+		b, ok := gdrcodec.Buffer(got.Data)
+		require.True(t, ok)
+		require.True(t, b.Pending(), wait)
+		clear(hb)
+		if wait == "Wait" {
+			require.NoError(t, b.Wait())
+			require.False(t, b.Pending())
+			p, err := g.Peek(b.Ptr(), n)
+			require.NoError(t, err)
+			copy(hb, p)
+		} else {
+			s, err := devicebuf.NewStream(0)
+			require.NoError(t, err)
+			require.NoError(t, b.WaitOn(s))
+			require.NoError(t, devicebuf.CopyAsync(s, host, b))
+			require.NoError(t, s.Synchronize())
+			require.NoError(t, s.Close())
+		}
+		requireBytes(t, pattern(n, seed), hb)
+		gdrcodec.ReleaseAll(got)
+	}
+	require.NoError(t, host.Release())
+	require.Equal(t, 2, r.paths.queued)
 	require.NoError(t, r.cc.Close())
 	require.Eventually(t, func() bool {
 		st := oob.ReadStats()

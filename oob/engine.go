@@ -51,6 +51,10 @@ type TransferInfo struct {
 	// receiver advertised, with no rendezvous: the owner wrote it while it
 	// marshaled the message, and the receiver took it from there.
 	Advertised bool
+	// Queued is true for an advertised payload whose copy (CUDA IPC, GPU to
+	// GPU) the owner queued on the device without waiting for it: the
+	// message went while it ran, and a receiver's event marks its end.
+	Queued bool
 }
 
 // kindOf returns b's kind, Host when there is no buffer (yet).
@@ -102,6 +106,11 @@ type TransferConfig struct {
 	// (space.go): payloads it sends over the session land there without a
 	// rendezvous. If zero, DefaultReceiveSpace; negative, none.
 	ReceiveSpace int
+	// StreamOrdered hands out a payload that landed in GPU receive space
+	// while the owner's copy into it may still run: the buffer is Pending
+	// (devicebuf.Buffer.Wait, WaitOn) instead of the receive waiting for the
+	// copy. Off, the receive returns once the bytes are in place.
+	StreamOrdered bool
 }
 
 var oobConfig atomic.Pointer[TransferConfig]
@@ -466,7 +475,7 @@ func takeLanded(d Descriptor) (*devicebuf.Buffer, Path, error) {
 			return nil, d.SpacePath, &TransferError{Token: d.Token, Err: fmt.Errorf("flush GPUDirect RDMA writes: %w", err)}
 		}
 	}
-	cfgOf(sp.s).Metrics.Transfer(TransferInfo{Path: d.SpacePath, Bytes: int64(d.Length), Elapsed: time.Since(start), Pull: true, Memory: dst.Kind(), Advertised: true})
+	cfgOf(sp.s).Metrics.Transfer(TransferInfo{Path: d.SpacePath, Bytes: int64(d.Length), Elapsed: time.Since(start), Pull: true, Memory: dst.Kind(), Advertised: true, Queued: d.SpaceEvent != 0})
 	return dst, d.SpacePath, nil
 }
 
@@ -1194,16 +1203,21 @@ func foreignIPC(s *transport.Session, h devicebuf.IPCHandle) error {
 // copyIntoIPC copies src where m says in remote, the receiver's allocation
 // opened through its IPC handle, once m's range lies inside it.
 func copyIntoIPC(remote *devicebuf.Buffer, m *rtr, src Source) error {
-	if m.IPCOffset > uint64(remote.Len()) || m.Length > uint64(remote.Len())-m.IPCOffset {
-		return fmt.Errorf("IPC destination [%d, +%d) outside its allocation of %d bytes", m.IPCOffset, m.Length, remote.Len())
-	}
-	dst, err := remote.Slice(int(m.IPCOffset), int(m.Length))
+	dst, err := ipcDestination(remote, m)
 	if err != nil {
 		return err
 	}
 	defer dst.Release()
 	defer trace.StartRegion(context.Background(), "gdrpc.ipc-copy").End()
 	return copyFromSource(dst, src)
+}
+
+// ipcDestination is the range of remote, an opened allocation, that m names.
+func ipcDestination(remote *devicebuf.Buffer, m *rtr) (*devicebuf.Buffer, error) {
+	if m.IPCOffset > uint64(remote.Len()) || m.Length > uint64(remote.Len())-m.IPCOffset {
+		return nil, fmt.Errorf("IPC destination [%d, +%d) outside its allocation of %d bytes", m.IPCOffset, m.Length, remote.Len())
+	}
+	return remote.Slice(int(m.IPCOffset), int(m.Length))
 }
 
 // Unpacked keys of a receiver's registered regions, kept per session:

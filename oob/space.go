@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"runtime/trace"
 	"slices"
 	"sync"
 	"time"
@@ -39,6 +40,11 @@ const DefaultReceiveSpace = 64 << 20
 // faster from aligned addresses).
 const spaceAlign = 4096
 
+// spaceEvents is how many CUDA IPC events a receiver offers with a CUDA IPC
+// space: as many payloads of one session may be copied without the owner
+// waiting for the copies (ranges held longer keep theirs).
+const spaceEvents = 32
+
 // space is receive memory this process advertised to the peer of s.
 type space struct {
 	id       uint64
@@ -46,6 +52,10 @@ type space struct {
 	path     Path // how the owner writes into it: PathRDMA or PathCUDAIPC
 	unexpose func()
 	s        *transport.Session
+	// events are the CUDA IPC events offered with a CUDA IPC space: an
+	// owner records one after a copy into a range that may still run, and
+	// the range's payload is in place once it completes.
+	events []*devicebuf.Event
 
 	mu     sync.Mutex
 	inUse  map[uint64]uint64 // offset -> length of the ranges the application holds
@@ -90,6 +100,15 @@ type peerSpace struct {
 	mapping *devicebuf.Buffer
 	closed  bool           // withdrawn, or the session ended: no more writes, no mapping
 	writers sync.WaitGroup // writes under way (take, until land ends)
+
+	// Copies that may still run when their message goes: the receiver's
+	// events (handles, and those opened), which are free, which range's
+	// copy each last marked, and the stream the copies queue on.
+	events     []devicebuf.IPCEventHandle
+	opened     []*devicebuf.Event
+	freeEvents []int
+	eventOf    map[uint64]int // range offset -> event index
+	copies     *copyQueue
 }
 
 type span struct{ off, n uint64 }
@@ -162,7 +181,7 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 
 // newSpace makes a region of n bytes with alloc and exposes it to the owner
 // the way path wrote into dst.
-func newSpace(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devicebuf.Allocator, n int) (*space, *rtr, error) {
+func newSpace(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devicebuf.Allocator, n int) (*space, *spaceMsg, error) {
 	region, err := alloc.Alloc(n)
 	if err != nil {
 		return nil, nil, err
@@ -172,7 +191,7 @@ func newSpace(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devi
 		return nil, nil, errors.New("the allocator made different memory for the space than for the pull")
 	}
 	sp := &space{id: newSpaceID(), region: region, path: path, s: s, inUse: map[uint64]uint64{}, unexpose: func() {}, withdrawn: make(chan struct{})}
-	m := &rtr{Req: sp.id, Length: uint64(n), Offers: path}
+	m := &spaceMsg{rtr: rtr{Req: sp.id, Length: uint64(n), Offers: path}}
 	switch path {
 	case PathCUDAIPC:
 		h, off, err := devicebuf.ExportIPC(region)
@@ -181,6 +200,17 @@ func newSpace(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devi
 			return nil, nil, fmt.Errorf("export IPC handle: %w", err)
 		}
 		m.IPC, m.IPCOffset, m.IPCDevice = h, uint64(off), region.DeviceUUID()
+		// Without events the owner waits for each copy before its message
+		// goes: slower, never wrong.
+		for range spaceEvents {
+			ev, h, err := devicebuf.NewIPCEvent(region.Device())
+			if err != nil {
+				cfgOf(s).Logger.Debug("receive space without events", "session", s.ID(), "err", err)
+				break
+			}
+			sp.events = append(sp.events, ev)
+			m.Events = append(m.Events, h)
+		}
 	case PathRDMA:
 		rc := s.RDMAContext()
 		if rc == nil {
@@ -234,6 +264,9 @@ func (sp *space) close() {
 }
 
 func (sp *space) free() {
+	for _, ev := range sp.events {
+		_ = ev.Close()
+	}
 	sp.unexpose()
 	sp.region.Release()
 	liveSpaces.Lock()
@@ -259,6 +292,8 @@ func fetchLanded(d Descriptor) (*devicebuf.Buffer, *space, error) {
 		return nil, nil, fmt.Errorf("range at %d of receive space %#x is not aligned to %d bytes", off, d.Space, spaceAlign)
 	case n == 0 || off > uint64(sp.region.Len()) || n > uint64(sp.region.Len())-off:
 		return nil, nil, fmt.Errorf("range [%d, +%d) outside receive space %#x of %d bytes", off, n, d.Space, sp.region.Len())
+	case int(d.SpaceEvent) > len(sp.events):
+		return nil, nil, fmt.Errorf("receive space %#x offered %d events, the descriptor names event %d", d.Space, len(sp.events), d.SpaceEvent)
 	}
 	sp.mu.Lock()
 	if sp.closed {
@@ -273,7 +308,19 @@ func fetchLanded(d Descriptor) (*devicebuf.Buffer, *space, error) {
 	}
 	sp.inUse[off] = n
 	sp.mu.Unlock()
-	return devicebuf.Wrap(sp.region.Ptr()+uintptr(off), int(n), sp.region.Kind(), sp.region.Device(), func() { sp.giveBack(off) }), sp, nil
+	ptr, release := sp.region.Ptr()+uintptr(off), func() { sp.giveBack(off) }
+	if d.SpaceEvent == 0 {
+		return devicebuf.Wrap(ptr, int(n), sp.region.Kind(), sp.region.Device(), release), sp, nil
+	}
+	ev := sp.events[d.SpaceEvent-1]
+	if cfgOf(sp.s).StreamOrdered {
+		return devicebuf.WrapArriving(ptr, int(n), sp.region.Device(), release, ev), sp, nil
+	}
+	if err := ev.Synchronize(); err != nil {
+		release()
+		return nil, nil, fmt.Errorf("waiting for the owner's copy into receive space %#x: %w", d.Space, err)
+	}
+	return devicebuf.Wrap(ptr, int(n), sp.region.Kind(), sp.region.Device(), release), sp, nil
 }
 
 // giveBack returns the range at off to the owner. The SPACE-FREE goes out
@@ -325,7 +372,7 @@ func (sp *space) sendFrees() {
 
 // handleSpace takes the receive space the peer of s advertised.
 func handleSpace(s *transport.Session, payload []byte) {
-	m, err := parseRTR(payload)
+	m, err := parseSpace(payload)
 	if err == nil && (m.Offers != PathRDMA && m.Offers != PathCUDAIPC || m.Length == 0 || m.Req == 0) {
 		err = fmt.Errorf("malformed SPACE: paths %v, %d bytes, id %#x", m.Offers, m.Length, m.Req)
 	}
@@ -346,7 +393,12 @@ func handleSpace(s *transport.Session, payload []byte) {
 	if st.peer != nil || st.stopped {
 		return // one space per session
 	}
-	st.peer = &peerSpace{id: m.Req, tmpl: *m, free: []span{{0, m.Length}}, taken: map[uint64]uint64{}}
+	ps := &peerSpace{id: m.Req, tmpl: m.rtr, free: []span{{0, m.Length}}, taken: map[uint64]uint64{}, events: m.Events, eventOf: map[uint64]int{}}
+	ps.opened = make([]*devicebuf.Event, len(m.Events))
+	for i := range m.Events {
+		ps.freeEvents = append(ps.freeEvents, len(m.Events)-1-i)
+	}
+	st.peer = ps
 }
 
 // handleSpaceFree takes back a range of the space this process wrote into.
@@ -403,9 +455,17 @@ func (p *peerSpace) withdraw() {
 	p.mu.Unlock()
 	p.writers.Wait()
 	p.mu.Lock()
-	mapping := p.mapping
-	p.mapping = nil
+	mapping, copies, opened := p.mapping, p.copies, p.opened
+	p.mapping, p.copies, p.opened = nil, nil, nil
 	p.mu.Unlock()
+	if copies != nil {
+		copies.close() // waits for the copies still running
+	}
+	for _, ev := range opened {
+		if ev != nil {
+			_ = ev.Close()
+		}
+	}
 	if mapping != nil {
 		mapping.Release()
 	}
@@ -475,6 +535,10 @@ func (p *peerSpace) give(off, n uint64) bool {
 		return false
 	}
 	delete(p.taken, off)
+	if ev, ok := p.eventOf[off]; ok {
+		delete(p.eventOf, off)
+		p.freeEvents = append(p.freeEvents, ev)
+	}
 	i, _ := slices.BinarySearchFunc(p.free, off, func(f span, o uint64) int { return cmp.Compare(f.off, o) })
 	p.free = slices.Insert(p.free, i, span{off, got})
 	// Merge with the neighbours.
@@ -561,8 +625,8 @@ func land(s *transport.Session, src Source) (Descriptor, bool) {
 	ctx, cancel := context.WithTimeout(sessionContext(s), c.Timeout)
 	defer cancel()
 	start := time.Now()
-	path, err := pushInto(ctx, s, ps, &m, src)
-	c.Metrics.Transfer(TransferInfo{Path: path, Bytes: int64(n), Elapsed: time.Since(start), Err: err, Memory: src.kind(), Advertised: true})
+	path, event, err := pushInto(ctx, s, ps, &m, off, src)
+	c.Metrics.Transfer(TransferInfo{Path: path, Bytes: int64(n), Elapsed: time.Since(start), Err: err, Memory: src.kind(), Advertised: true, Queued: event != 0})
 	if err != nil {
 		ps.give(off, n)
 		c.Metrics.Fallback(path, PathNone, "write into advertised receive space: "+err.Error())
@@ -570,41 +634,97 @@ func land(s *transport.Session, src Source) (Descriptor, bool) {
 	}
 	d := describe(src)
 	d.Space, d.SpaceOffset, d.SpacePath = ps.id, off, ps.tmpl.Offers // staged on this side or not, a put is what arrives
+	d.SpaceEvent = event
 	return d, true
 }
 
-// pushInto writes src where m says, by the path the receiver advertised and
-// nothing else.
-func pushInto(ctx context.Context, s *transport.Session, ps *peerSpace, m *rtr, src Source) (Path, error) {
+// pushInto writes src where m says (the range at off of the space), by the
+// path the receiver advertised and nothing else. A copy that may still run
+// when pushInto returns names the receiver's event that marks its end.
+func pushInto(ctx context.Context, s *transport.Session, ps *peerSpace, m *rtr, off uint64, src Source) (Path, uint32, error) {
 	if m.Offers == PathCUDAIPC {
 		if !ipcAllowed(s) {
-			return PathCUDAIPC, errors.New("CUDA IPC is for trusted peers on this host")
+			return PathCUDAIPC, 0, errors.New("CUDA IPC is for trusted peers on this host")
 		}
-		return PathCUDAIPC, ps.copyInto(s, m, src)
+		event, err := ps.copyInto(s, m, off, src)
+		return PathCUDAIPC, event, err
 	}
 	ep, rc := s.Endpoint(), s.RDMAContext()
 	if ep == nil || rc == nil {
-		return PathRDMA, errors.New("no UCX endpoint")
+		return PathRDMA, 0, errors.New("no UCX endpoint")
 	}
 	if src.kind() == devicebuf.CUDA && !gpuDirect(rc, ep) && m.RMemory != 0 {
 		// Staging on this side would put host memory into the receiver's
 		// GPU memory, which this session's lanes do not reach.
-		return PathRDMA, errors.New("UCX cannot move this GPU memory itself")
+		return PathRDMA, 0, errors.New("UCX cannot move this GPU memory itself")
 	}
 	// GPU memory UCX cannot move goes staged into host space: the receiver
 	// offered no chunk notices, so the puts are all it sees.
-	return pushRDMA(ctx, s, ep, m, src)
+	path, err := pushRDMA(ctx, s, ep, m, src)
+	return path, 0, err
 }
 
 // copyInto copies src device to device where m says, through the space's
-// mapping.
-func (p *peerSpace) copyInto(s *transport.Session, m *rtr, src Source) error {
+// mapping. A GPU source is copied on the space's stream, the message not
+// waiting for it, where a receiver's event is free to mark the copy's end:
+// its number comes back. Otherwise the copy is complete when copyInto
+// returns (0).
+func (p *peerSpace) copyInto(s *transport.Session, m *rtr, off uint64, src Source) (uint32, error) {
 	mapping, err := p.mapped(s)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	defer mapping.Release()
-	return copyIntoIPC(mapping, m, src)
+	if src.Buffer != nil && src.kind() == devicebuf.CUDA {
+		if q, ev, i := p.eventFor(s, mapping.Device()); q != nil {
+			err := q.copyInto(mapping, m, src.Buffer, ev)
+			if err == nil {
+				p.mu.Lock()
+				p.eventOf[off] = i
+				p.mu.Unlock()
+				return uint32(i) + 1, nil
+			}
+			p.putEvent(i)
+			cfgOf(s).Logger.Debug("copy into receive space waited for", "session", s.ID(), "err", err)
+		}
+	}
+	return 0, copyIntoIPC(mapping, m, src)
+}
+
+// eventFor takes a free receiver's event (opening it the first time) and
+// returns it with its index and the space's copy queue (made the first
+// time), or a nil queue when none is free or they cannot be had.
+func (p *peerSpace) eventFor(s *transport.Session, dev int) (*copyQueue, *devicebuf.Event, int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed || len(p.freeEvents) == 0 {
+		return nil, nil, 0
+	}
+	i := p.freeEvents[len(p.freeEvents)-1]
+	if p.opened[i] == nil {
+		ev, err := devicebuf.OpenIPCEvent(p.events[i], dev)
+		if err != nil {
+			cfgOf(s).Logger.Debug("receiver's event not opened", "session", s.ID(), "err", err)
+			return nil, nil, 0
+		}
+		p.opened[i] = ev
+	}
+	if p.copies == nil {
+		q, err := newCopyQueue(dev)
+		if err != nil {
+			cfgOf(s).Logger.Debug("no copy stream for the receive space", "session", s.ID(), "err", err)
+			return nil, nil, 0
+		}
+		p.copies = q
+	}
+	p.freeEvents = p.freeEvents[:len(p.freeEvents)-1]
+	return p.copies, p.opened[i], i
+}
+
+func (p *peerSpace) putEvent(i int) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.freeEvents = append(p.freeEvents, i)
 }
 
 // mapped returns a reference to the space's mapping, opening it the first
@@ -644,4 +764,81 @@ func endSpaces(a *attached) {
 	if peer != nil {
 		peer.withdraw()
 	}
+}
+
+// copyQueue is the stream of copies into a peer's space whose messages do
+// not wait for them, and what lets go of their buffers (held by the stream)
+// once they are complete: a goroutine that synchronizes the stream while
+// copies were queued since it last did.
+type copyQueue struct {
+	stream *devicebuf.Stream
+
+	mu      sync.Mutex
+	queued  int // copies queued since the last synchronization began
+	reaping bool
+	reaper  sync.WaitGroup
+}
+
+func newCopyQueue(dev int) (*copyQueue, error) {
+	st, err := devicebuf.NewCopyStream(dev)
+	if err != nil {
+		return nil, err
+	}
+	return &copyQueue{stream: st}, nil
+}
+
+// copyInto queues a copy of src into the range of mapping that m names and
+// records ev after it.
+func (q *copyQueue) copyInto(mapping *devicebuf.Buffer, m *rtr, src *devicebuf.Buffer, ev *devicebuf.Event) error {
+	dst, err := ipcDestination(mapping, m)
+	if err != nil {
+		return err
+	}
+	defer dst.Release()
+	defer trace.StartRegion(context.Background(), "gdrpc.ipc-copy-queue").End()
+	if err := devicebuf.CopyAsync(q.stream, dst, src); err != nil {
+		return err
+	}
+	if err := q.stream.Record(ev); err != nil {
+		// The copy runs unmarked: wait for it before the caller copies again.
+		return errors.Join(err, q.stream.Synchronize())
+	}
+	q.mu.Lock()
+	q.queued++
+	start := !q.reaping
+	q.reaping = true
+	if start {
+		q.reaper.Add(1)
+	}
+	q.mu.Unlock()
+	if start {
+		go q.reap()
+	}
+	return nil
+}
+
+func (q *copyQueue) reap() {
+	defer q.reaper.Done()
+	for {
+		q.mu.Lock()
+		if q.queued == 0 {
+			q.reaping = false
+			q.mu.Unlock()
+			return
+		}
+		q.queued = 0
+		q.mu.Unlock()
+		if err := q.stream.Synchronize(); err != nil {
+			q.mu.Lock()
+			q.reaping = false
+			q.mu.Unlock()
+			return // closed: Close waited for the copies
+		}
+	}
+}
+
+// close waits for the queued copies and ends the queue.
+func (q *copyQueue) close() {
+	_ = q.stream.Close()
+	q.reaper.Wait()
 }

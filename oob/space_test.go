@@ -67,6 +67,11 @@ func TestFetchLandedRefusesBadRanges(t *testing.T) {
 		"unaligned":             d(7, 12<<10+8, 16, PathRDMA, owner),
 		"the same range, twice": d(7, 4096, 4096, PathRDMA, owner),
 		"ends in a held range":  d(7, 0, 4097, PathRDMA, owner),
+		"an event never offered": func() Descriptor {
+			x := d(7, 0, 16, PathRDMA, owner)
+			x.SpaceEvent = 1
+			return x
+		}(),
 	} {
 		b, _, err := fetchLanded(bad)
 		require.Error(t, err, name)
@@ -104,13 +109,53 @@ func TestDescriptorSpaceFields(t *testing.T) {
 		d.SpacePath = p
 		require.NoError(t, d.Validate())
 	}
+	d.SpaceEvent = 1
+	require.NoError(t, d.Validate(), "an event of a CUDA IPC space")
+	d.SpaceEvent = maxSpaceEvents + 1
+	require.Error(t, d.Validate(), "an event past those a SPACE may offer")
+	d.SpacePath, d.SpaceEvent = PathRDMA, 1
+	require.Error(t, d.Validate(), "an event of a space written by puts")
+	d.Space, d.SpacePath = 0, PathNone
+	require.Error(t, d.Validate(), "an event without a space")
+}
+
+// A SPACE carries its events through the wire; events are for CUDA IPC
+// spaces only, and bounded.
+func TestSpaceMessage(t *testing.T) {
+	m := &spaceMsg{rtr: rtr{Req: 3, Length: 1 << 20, Offers: PathCUDAIPC, IPCOffset: 4096, IPCDevice: "GPU-1"}}
+	m.IPC[0] = 9
+	for i := range 3 {
+		var h devicebuf.IPCEventHandle
+		h[0], h[63] = byte(i+1), 0xee
+		m.Events = append(m.Events, h)
+	}
+	got, err := parseSpace(m.marshal())
+	require.NoError(t, err)
+	require.Equal(t, m, got)
+
+	m.Events = m.Events[:0]
+	got, err = parseSpace(m.marshal())
+	require.NoError(t, err)
+	require.Empty(t, got.Events)
+
+	r := &spaceMsg{rtr: rtr{Req: 3, Length: 1 << 20, Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}, Events: make([]devicebuf.IPCEventHandle, 1)}
+	_, err = parseSpace(r.marshal())
+	require.Error(t, err, "events for a space written by puts")
+	m.Events = make([]devicebuf.IPCEventHandle, maxSpaceEvents+1)
+	_, err = parseSpace(m.marshal())
+	require.Error(t, err, "too many events")
+	m.Events = m.Events[:2]
+	_, err = parseSpace(m.marshal()[:len(m.marshal())-1])
+	require.Error(t, err, "a short event")
+	_, err = parseSpace(m.rtr.marshal())
+	require.Error(t, err, "no event count")
 }
 
 // SPACE messages a session must not take: from an untrusted peer, on a
 // client's session, or after the session closed (the state of closed
 // sessions is shared).
 func TestSpaceRefused(t *testing.T) {
-	m := &rtr{Req: 9, Length: 1 << 20, Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}
+	m := &spaceMsg{rtr: rtr{Req: 9, Length: 1 << 20, Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}}
 	cs, ss := tcpPair(t) // peers not trusted
 	for _, s := range []*transport.Session{cs, ss} {
 		handleSpace(s, m.marshal())
@@ -136,7 +181,7 @@ func TestSpaceRefused(t *testing.T) {
 // way ended, and takes no range after it.
 func TestSpaceWithdrawWaitsForWrites(t *testing.T) {
 	cs, ss := tcpPair(t, transport.WithTrustPeers(true))
-	m := &rtr{Req: 5, Length: 1 << 20, Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}
+	m := &spaceMsg{rtr: rtr{Req: 5, Length: 1 << 20, Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}}
 	handleSpace(ss, m.marshal())
 	ps := peerSpaceOf(ss)
 	require.NotNil(t, ps)

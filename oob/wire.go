@@ -60,6 +60,10 @@ type Descriptor struct {
 	Space       uint64
 	SpaceOffset uint64
 	SpacePath   Path
+	// SpaceEvent, when not zero, says the owner's copy into the space may
+	// still run: the payload is in place once the receiver's event number
+	// SpaceEvent (counted from 1, of those its SPACE offered) completes.
+	SpaceEvent uint32
 }
 
 // Validate reports whether d can name a payload at all.
@@ -77,8 +81,10 @@ func (d Descriptor) Validate() error {
 		return errors.New("descriptor: device uuid too long")
 	case d.Space != 0 && d.SpacePath != PathRDMA && d.SpacePath != PathCUDAIPC:
 		return fmt.Errorf("descriptor: receive space written by %v", d.SpacePath)
-	case d.Space == 0 && (d.SpaceOffset != 0 || d.SpacePath != PathNone):
-		return errors.New("descriptor: a receive space offset or path without a space")
+	case d.Space == 0 && (d.SpaceOffset != 0 || d.SpacePath != PathNone || d.SpaceEvent != 0):
+		return errors.New("descriptor: a receive space offset, path or event without a space")
+	case d.SpaceEvent != 0 && (d.SpacePath != PathCUDAIPC || d.SpaceEvent > maxSpaceEvents):
+		return fmt.Errorf("descriptor: receive space event %d of a space written by %v", d.SpaceEvent, d.SpacePath)
 	}
 	return nil
 }
@@ -158,6 +164,18 @@ func (m *rtr) marshal() []byte {
 
 func parseRTR(b []byte) (*rtr, error) {
 	r := &wire.Reader{B: b}
+	m, err := readRTR(r)
+	if err != nil {
+		return nil, err
+	}
+	if err := r.Finish("RTR"); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// readRTR reads an RTR's fields from r, leaving what follows them.
+func readRTR(r *wire.Reader) (*rtr, error) {
 	if v := r.U8("u8"); r.Err == nil && v != wireVersion {
 		return nil, fmt.Errorf("malformed RTR: version %d, want %d", v, wireVersion)
 	}
@@ -185,13 +203,55 @@ func parseRTR(b []byte) (*rtr, error) {
 		m.IPCOffset = r.U64("u64")
 		m.IPCDevice = string(r.Take(int(r.U8("u8")), "device uuid"))
 	}
-	if err := r.Finish("RTR"); err != nil {
-		return nil, err
+	if r.Err != nil {
+		return nil, fmt.Errorf("malformed RTR: %w", r.Err)
 	}
 	if m.Length > MaxPayload {
 		return nil, fmt.Errorf("malformed RTR: length %d", m.Length)
 	}
 	return m, nil
+}
+
+// maxSpaceEvents bounds the events one SPACE may offer.
+const maxSpaceEvents = 64
+
+// spaceMsg is a receiver's SPACE: where its space is (as an RTR), and the
+// CUDA IPC events (PathCUDAIPC only) an owner may record after a copy into
+// it still runs, so the message need not wait for the copy.
+type spaceMsg struct {
+	rtr
+	Events []devicebuf.IPCEventHandle
+}
+
+func (m *spaceMsg) marshal() []byte {
+	b := m.rtr.marshal()
+	b = append(b, byte(len(m.Events)))
+	for _, h := range m.Events {
+		b = append(b, h[:]...)
+	}
+	return b
+}
+
+func parseSpace(b []byte) (*spaceMsg, error) {
+	r := &wire.Reader{B: b}
+	m, err := readRTR(r)
+	if err != nil {
+		return nil, err
+	}
+	sm := &spaceMsg{rtr: *m}
+	n := int(r.U8("u8"))
+	if n > maxSpaceEvents || n > 0 && m.Offers != PathCUDAIPC {
+		return nil, fmt.Errorf("malformed SPACE: %d events for paths %v", n, m.Offers)
+	}
+	for range n {
+		var h devicebuf.IPCEventHandle
+		r.Raw(h[:], "event handle")
+		sm.Events = append(sm.Events, h)
+	}
+	if err := r.Finish("SPACE"); err != nil {
+		return nil, err
+	}
+	return sm, nil
 }
 
 // finStatus is the owner's verdict on one request.

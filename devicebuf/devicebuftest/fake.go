@@ -61,6 +61,9 @@ type fakeAlloc struct {
 type fakeStream struct {
 	dev     int
 	pending []func() error
+	// run is held while a synchronization runs the copies it took: another
+	// one returns only after they ran, as on a real stream.
+	run sync.Mutex
 }
 
 // fakeEvent is an event of the fake, or one opened through an IPC handle of the same
@@ -645,6 +648,10 @@ func (g *GPU) StreamSynchronize(s driver.Stream) error {
 		g.mu.Unlock()
 		return cuError("cuStreamSynchronize", 400, "CUDA_ERROR_INVALID_HANDLE", "unknown stream")
 	}
+	g.mu.Unlock()
+	st.run.Lock()
+	defer st.run.Unlock()
+	g.mu.Lock()
 	ops := st.pending
 	st.pending = nil
 	g.mu.Unlock()

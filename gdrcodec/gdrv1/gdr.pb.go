@@ -101,9 +101,13 @@ type DeviceBuffer struct {
 	// When space is not zero, the sender already wrote the payload into receive
 	// space the receiver advertised to it (space is its id), at space_offset, by
 	// path space_path (gdrpc's path bits): the receiver has nothing to pull.
-	Space         uint64 `protobuf:"varint,9,opt,name=space,proto3" json:"space,omitempty"`
-	SpaceOffset   uint64 `protobuf:"varint,10,opt,name=space_offset,json=spaceOffset,proto3" json:"space_offset,omitempty"`
-	SpacePath     uint32 `protobuf:"varint,11,opt,name=space_path,json=spacePath,proto3" json:"space_path,omitempty"`
+	Space       uint64 `protobuf:"varint,9,opt,name=space,proto3" json:"space,omitempty"`
+	SpaceOffset uint64 `protobuf:"varint,10,opt,name=space_offset,json=spaceOffset,proto3" json:"space_offset,omitempty"`
+	SpacePath   uint32 `protobuf:"varint,11,opt,name=space_path,json=spacePath,proto3" json:"space_path,omitempty"`
+	// When space_event is not zero, the sender's copy into the space may still
+	// run: the payload is in place once the receiver's event of that number
+	// (counted from 1, of those it offered with its space) completes.
+	SpaceEvent    uint32 `protobuf:"varint,12,opt,name=space_event,json=spaceEvent,proto3" json:"space_event,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -215,6 +219,13 @@ func (x *DeviceBuffer) GetSpacePath() uint32 {
 	return 0
 }
 
+func (x *DeviceBuffer) GetSpaceEvent() uint32 {
+	if x != nil {
+		return x.SpaceEvent
+	}
+	return 0
+}
+
 var file_gdr_v1_gdr_proto_extTypes = []protoimpl.ExtensionInfo{
 	{
 		ExtendedType:  (*descriptorpb.FieldOptions)(nil),
@@ -239,7 +250,7 @@ var File_gdr_v1_gdr_proto protoreflect.FileDescriptor
 
 const file_gdr_v1_gdr_proto_rawDesc = "" +
 	"\n" +
-	"\x10gdr/v1/gdr.proto\x12\x06gdr.v1\x1a google/protobuf/descriptor.proto\"\xb6\x02\n" +
+	"\x10gdr/v1/gdr.proto\x12\x06gdr.v1\x1a google/protobuf/descriptor.proto\"\xd7\x02\n" +
 	"\fDeviceBuffer\x12\x16\n" +
 	"\x06length\x18\x01 \x01(\x04R\x06length\x12 \n" +
 	"\x04kind\x18\x02 \x01(\x0e2\f.gdr.v1.KindR\x04kind\x12\x14\n" +
@@ -254,7 +265,9 @@ const file_gdr_v1_gdr_proto_rawDesc = "" +
 	"\fspace_offset\x18\n" +
 	" \x01(\x04R\vspaceOffset\x12\x1d\n" +
 	"\n" +
-	"space_path\x18\v \x01(\rR\tspacePath*$\n" +
+	"space_path\x18\v \x01(\rR\tspacePath\x12\x1f\n" +
+	"\vspace_event\x18\f \x01(\rR\n" +
+	"spaceEvent*$\n" +
 	"\x04Kind\x12\r\n" +
 	"\tKIND_HOST\x10\x00\x12\r\n" +
 	"\tKIND_CUDA\x10\x01:D\n" +
