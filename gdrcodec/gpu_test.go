@@ -184,7 +184,15 @@ func testGPUService(t *testing.T, serverGPU, clientGPU int) {
 	for _, tt := range tests {
 		for _, space := range []bool{false, true} {
 			t.Run(fmt.Sprintf("path=%s/space=%v", tt.name, space), func(t *testing.T) {
-				testGPUPath(t, tt, space, gpu, sizes, serverGPU, clientGPU)
+				testGPUPath(t, tt, space, false, gpu, sizes, serverGPU, clientGPU)
+			})
+		}
+		if tt.name == "cuda-ipc" {
+			// The space's copies run while their responses travel; the
+			// client takes the buffers Pending and orders a stream of
+			// its own after them.
+			t.Run(fmt.Sprintf("path=%s/space=true/stream-ordered", tt.name), func(t *testing.T) {
+				testGPUPath(t, tt, true, true, gpu, sizes, serverGPU, clientGPU)
 			})
 		}
 	}
@@ -204,8 +212,11 @@ type gpuPath struct {
 
 // testGPUPath runs tt's calls for every size. With space the client
 // advertises receive space after its first pull by rdma or cuda-ipc, and
-// the server's later payloads that fit land there (route "<want>@space").
-func testGPUPath(t *testing.T, tt gpuPath, space bool, gpu devicebuf.Allocator, sizes []int, serverGPU, clientGPU int) {
+// the server's later payloads that fit land there (route "<want>@space"):
+// by cuda-ipc, copies the server does not wait for, which the client waits
+// for, or with ordered hands out Pending and a stream of the test's waits
+// for.
+func testGPUPath(t *testing.T, tt gpuPath, space, ordered bool, gpu devicebuf.Allocator, sizes []int, serverGPU, clientGPU int) {
 	if tt.mode == transport.ModeUCX && !ucxMovesCUDA(t) {
 		tt.want, tt.wantBack = tt.plain, tt.back
 	}
@@ -215,10 +226,10 @@ func testGPUPath(t *testing.T, tt gpuPath, space bool, gpu devicebuf.Allocator, 
 		receiveSpace = spaceBytes
 	}
 	landable := space && tt.trust && (tt.want == "rdma/cuda" || tt.want == "rdma" || tt.want == "cuda-ipc")
-	landed := 0
+	landed, queued := 0, 0
 	addr := startGPUServer(t, tt.mode, tt.paths, serverGPU, tt.serverHost, tt.trust)
 	pc := &pathCounter{paths: map[string]int{}}
-	oob.SetTransferConfig(oob.TransferConfig{Paths: tt.paths, Metrics: pc, ReceiveSpace: receiveSpace})
+	oob.SetTransferConfig(oob.TransferConfig{Paths: tt.paths, Metrics: pc, ReceiveSpace: receiveSpace, StreamOrdered: ordered})
 	if tt.clientHost {
 		gdrcodec.Register()
 	} else {
@@ -247,6 +258,9 @@ func testGPUPath(t *testing.T, tt gpuPath, space bool, gpu devicebuf.Allocator, 
 		if landable {
 			require.NotZero(t, landed, "no payload landed in the receive space")
 		}
+		if landable && tt.want == "cuda-ipc" {
+			require.Equal(t, landed, queued, "copies into the space the server queued")
+		}
 		left := devicebuf.Live().Sub(base)
 		require.Zero(t, left.CUDABuffers, "GPU buffers left: %+v", left)
 		require.Zero(t, left.CUDABytes, "GPU bytes left: %+v", left)
@@ -270,9 +284,15 @@ func testGPUPath(t *testing.T, tt gpuPath, space bool, gpu devicebuf.Allocator, 
 				require.Equal(t, devicebuf.CUDA, b.Kind())
 				require.Equal(t, clientGPU, b.Device())
 			}
+			if b.Pending() {
+				require.True(t, ordered, "a Pending buffer without stream-ordered completion")
+				requireBytes(t, want, readOrdered(t, b))
+			}
 			p, err := tensor.Bytes(got.Data) // copies back from the GPU
 			require.NoError(t, err)
 			requireBytes(t, want, p)
+			queued += pc.queued
+			pc.queued = 0
 			paths := pc.reset()
 			pc.takePushes()
 			if n >= gdrcodec.DefaultEagerThreshold {
@@ -299,4 +319,22 @@ func testGPUPath(t *testing.T, tt gpuPath, space bool, gpu devicebuf.Allocator, 
 			t.Logf("path=%s size=%d make=%v (%.0f MiB/s incl. server fill)", tt.want, n, elapsed, float64(n)/(1<<20)/elapsed.Seconds())
 		})
 	}
+}
+
+// readOrdered reads b, a Pending buffer, back to the host by a copy queued on
+// a stream of its own after b.WaitOn: the bytes the stream sees.
+func readOrdered(t *testing.T, b *devicebuf.Buffer) []byte {
+	t.Helper()
+	s, err := devicebuf.NewStream(b.Device())
+	require.NoError(t, err)
+	defer s.Close()
+	host, err := devicebuf.NewHostAllocator().Alloc(b.Len())
+	require.NoError(t, err)
+	defer host.Release()
+	require.NoError(t, b.WaitOn(s))
+	require.NoError(t, devicebuf.CopyAsync(s, host, b))
+	require.NoError(t, s.Synchronize())
+	require.True(t, b.Pending(), "WaitOn does not wait on the host")
+	hb, _ := host.HostBytes()
+	return append([]byte(nil), hb...)
 }
