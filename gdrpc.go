@@ -107,8 +107,9 @@ func WithIdleTimeout(d time.Duration) Option { return func(c *Config) { c.IdleTi
 // hands the server its key; the server then writes the payloads of its
 // responses straight there while it marshals them, and the client takes them
 // with no rendezvous. A received buffer holds its range until it is released;
-// payloads that do not fit the free space take the rendezvous. The default is
-// oob.DefaultReceiveSpace (64 MiB) per session.
+// payloads that do not fit the free space take the rendezvous. By default a
+// session sets aside room for four payloads of its first pull's size, at
+// least oob.DefaultReceiveSpace (64 MiB) and at most 1 GiB.
 func WithReceiveSpace(n int) Option {
 	return func(c *Config) {
 		c.ReceiveSpace = n

@@ -104,7 +104,8 @@ type TransferConfig struct {
 	Limits Limits
 	// ReceiveSpace is the receive space advertised to each trusted peer
 	// (space.go): payloads it sends over the session land there without a
-	// rendezvous. If zero, DefaultReceiveSpace; negative, none.
+	// rendezvous. If zero, room for four payloads of the size of the pull
+	// that prompts it, from DefaultReceiveSpace up to 1 GiB; negative, none.
 	ReceiveSpace int
 	// StreamOrdered hands out a payload that landed in GPU receive space
 	// while the owner's copy into it may still run: the buffer is Pending

@@ -32,9 +32,24 @@ import (
 // fails take the rendezvous. A descriptor naming a range this process cannot
 // vouch for fails its transfer.
 
-// DefaultReceiveSpace is the receive space advertised per session when
-// TransferConfig.ReceiveSpace is zero.
+// DefaultReceiveSpace is the least receive space advertised per session
+// when TransferConfig.ReceiveSpace is zero: then a session advertises room
+// for spacePayloads payloads of the size of the pull that prompted it, at
+// least this much and at most maxDefaultSpace.
 const DefaultReceiveSpace = 64 << 20
+
+// With the default size, a space holds this many payloads of its first
+// pull's size: the next response lands while the client still holds the
+// last, or before its SPACE-FREE arrived.
+const (
+	spacePayloads   = 4
+	maxDefaultSpace = 1 << 30
+)
+
+// defaultSpace is the space advertised by default after a pull of n bytes.
+func defaultSpace(n int) int {
+	return min(max(DefaultReceiveSpace, spacePayloads*n), maxDefaultSpace)
+}
 
 // spaceAlign aligns the ranges an owner picks (GPU copies and NIC writes run
 // faster from aligned addresses).
@@ -129,7 +144,7 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 	c := cfgOf(s)
 	size := c.ReceiveSpace
 	if size == 0 {
-		size = DefaultReceiveSpace
+		size = defaultSpace(dst.Len())
 	}
 	// Only a client advertises: a server's responses land, while a client's
 	// requests are marshaled before gRPC picks their connection, so a

@@ -227,3 +227,18 @@ func TestSpaceWithdrawWaitsForWrites(t *testing.T) {
 		t.Fatal("no answer to the withdrawal")
 	}
 }
+
+// By default a space holds four payloads of its first pull's size, within
+// bounds.
+func TestDefaultSpace(t *testing.T) {
+	for n, want := range map[int]int{
+		1:         DefaultReceiveSpace,
+		1 << 20:   DefaultReceiveSpace,
+		16 << 20:  DefaultReceiveSpace,
+		64 << 20:  256 << 20,
+		256 << 20: 1 << 30,
+		1 << 30:   1 << 30,
+	} {
+		require.Equal(t, want, defaultSpace(n), "after a pull of %d bytes", n)
+	}
+}
