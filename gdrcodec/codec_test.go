@@ -91,6 +91,15 @@ func (p *pathCounter) Transfer(i oob.TransferInfo) {
 	p.mu.Unlock()
 }
 
+// takeQueued returns how many pulls were of queued copies since the last call.
+func (p *pathCounter) takeQueued() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := p.queued
+	p.queued = 0
+	return n
+}
+
 // takePushes returns the pushes since the last call.
 func (p *pathCounter) takePushes() map[string]int {
 	p.mu.Lock()

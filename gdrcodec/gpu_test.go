@@ -291,8 +291,7 @@ func testGPUPath(t *testing.T, tt gpuPath, space, ordered bool, gpu devicebuf.Al
 			p, err := tensor.Bytes(got.Data) // copies back from the GPU
 			require.NoError(t, err)
 			requireBytes(t, want, p)
-			queued += pc.queued
-			pc.queued = 0
+			queued += pc.takeQueued()
 			paths := pc.reset()
 			pc.takePushes()
 			if n >= gdrcodec.DefaultEagerThreshold {

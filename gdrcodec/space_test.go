@@ -198,7 +198,7 @@ func TestReceiveSpaceCUDAIPC(t *testing.T) {
 			waitPeerSpace(t)
 		}
 	}
-	require.Equal(t, 3, r.paths.queued, "the server's copies went unwaited for, marked by the client's events")
+	require.Equal(t, 3, r.paths.takeQueued(), "the server's copies went unwaited for, marked by the client's events")
 	require.Equal(t, map[string]int{"cuda-ipc": 4 + 1, "cuda-ipc@space": 3}, r.paths.reset(), "responses after the first land; requests are pulled")
 	// Both ends closed: the server's mapping of the space (closed once its
 	// session is), and the space.
@@ -255,7 +255,7 @@ func TestReceiveSpaceStreamOrdered(t *testing.T) {
 		gdrcodec.ReleaseAll(got)
 	}
 	require.NoError(t, host.Release())
-	require.Equal(t, 2, r.paths.queued)
+	require.Equal(t, 2, r.paths.takeQueued())
 	require.NoError(t, r.cc.Close())
 	require.Eventually(t, func() bool {
 		st := oob.ReadStats()
