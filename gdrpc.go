@@ -109,7 +109,9 @@ func WithIdleTimeout(d time.Duration) Option { return func(c *Config) { c.IdleTi
 // with no rendezvous. A received buffer holds its range until it is released;
 // payloads that do not fit the free space take the rendezvous. By default a
 // session sets aside room for four payloads of its first pull's size, at
-// least oob.DefaultReceiveSpace (64 MiB) and at most 1 GiB.
+// least oob.DefaultReceiveSpace (64 MiB), and another such space whenever a
+// later pull is of a size its spaces cannot hold twice: up to four spaces,
+// 1 GiB together.
 func WithReceiveSpace(n int) Option {
 	return func(c *Config) {
 		c.ReceiveSpace = n

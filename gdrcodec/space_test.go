@@ -263,6 +263,31 @@ func TestReceiveSpaceStreamOrdered(t *testing.T) {
 	}, 10*time.Second, time.Millisecond, "left: %+v", devicebuf.Live().Sub(base))
 }
 
+// With the default size a session's space grows with its payloads: a
+// payload its space cannot hold twice, once pulled, prompts another space
+// sized after it, and the next such payloads land there.
+func TestReceiveSpaceGrows(t *testing.T) {
+	const mib = 1 << 20
+	r := spaceRig(t, 0)
+	gdrcodec.ReleaseAll(makeChecked(t, r, mib, 1))
+	waitPeerSpace(t) // 64 MiB: four payloads of 1 MiB, at least the default
+	first := makeChecked(t, r, 40*mib, 2)
+	require.Equal(t, map[string]int{"rdma": 1, "rdma@space": 1}, r.paths.reset())
+	second := makeChecked(t, r, 40*mib, 3) // 24 MiB free: pulled
+	require.Equal(t, map[string]int{"rdma": 1}, r.paths.reset())
+	require.Eventually(t, func() bool { return oob.ReadStats().PeerSpaces == 2 }, 10*time.Second, time.Millisecond)
+	require.Equal(t, 2, oob.ReadStats().Spaces)
+	third := makeChecked(t, r, 40*mib, 4)
+	require.Equal(t, map[string]int{"rdma@space": 1}, r.paths.reset(), "into the new space")
+	for _, m := range []*tensorpb.Tensor{first, second, third} {
+		gdrcodec.ReleaseAll(m)
+	}
+	require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond)
+	gdrcodec.ReleaseAll(makeChecked(t, r, 40*mib, 5))
+	require.Equal(t, map[string]int{"rdma@space": 1}, r.paths.reset())
+	require.Equal(t, 2, oob.ReadStats().PeerSpaces, "two payloads fit now: no third space")
+}
+
 // nameServer answers Make with a tensor whose name is as long as the seed
 // says: a response whose payload lands, and whose body then exceeds the
 // server's send limit.

@@ -105,7 +105,9 @@ type TransferConfig struct {
 	// ReceiveSpace is the receive space advertised to each trusted peer
 	// (space.go): payloads it sends over the session land there without a
 	// rendezvous. If zero, room for four payloads of the size of the pull
-	// that prompts it, from DefaultReceiveSpace up to 1 GiB; negative, none.
+	// that prompts it (at least DefaultReceiveSpace), and another whenever
+	// the session's spaces cannot hold two payloads of a pull's size, up to
+	// four spaces and 1 GiB together; negative, none.
 	ReceiveSpace int
 	// StreamOrdered hands out a payload that landed in GPU receive space
 	// while the owner's copy into it may still run: the buffer is Pending

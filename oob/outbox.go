@@ -183,7 +183,7 @@ func ReadStats() Stats {
 	pulls.Unlock()
 	sessions.Range(func(_, v any) bool {
 		st.Sessions++
-		if ps := peerSpaceOfState(v.(*attached)); ps != nil {
+		for _, ps := range peerSpacesOfState(v.(*attached)) {
 			st.PeerSpaces++
 			ps.mu.Lock()
 			st.PeerTaken += len(ps.taken)

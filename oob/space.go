@@ -30,25 +30,36 @@ import (
 // buffer is released. A payload that does not fit the free space, a message
 // whose session the owner does not know at marshal time, and a write that
 // fails take the rendezvous. A descriptor naming a range this process cannot
-// vouch for fails its transfer.
+// vouch for fails its transfer. A session may hold a few spaces, each way:
+// by default a receiver adds one when its payloads outgrow those it has.
 
-// DefaultReceiveSpace is the least receive space advertised per session
-// when TransferConfig.ReceiveSpace is zero: then a session advertises room
-// for spacePayloads payloads of the size of the pull that prompted it, at
-// least this much and at most maxDefaultSpace.
+// DefaultReceiveSpace is the least receive space a session advertises when
+// TransferConfig.ReceiveSpace is zero: then a space has room for
+// spacePayloads payloads of the size of the pull that prompted it, at least
+// this much.
 const DefaultReceiveSpace = 64 << 20
 
-// With the default size, a space holds this many payloads of its first
-// pull's size: the next response lands while the client still holds the
-// last, or before its SPACE-FREE arrived.
+// With the default size, a space holds this many payloads of the size of
+// the pull that prompted it: the next response lands while the client still
+// holds the last, or before its SPACE-FREE arrived. A session whose spaces
+// cannot hold two payloads of a pull's size advertises another, while all
+// of its spaces together stay within maxDefaultSpace.
 const (
 	spacePayloads   = 4
 	maxDefaultSpace = 1 << 30
 )
 
-// defaultSpace is the space advertised by default after a pull of n bytes.
-func defaultSpace(n int) int {
-	return min(max(DefaultReceiveSpace, spacePayloads*n), maxDefaultSpace)
+// maxSpaces bounds the spaces of one session, either way.
+const maxSpaces = 4
+
+// defaultSpace is the space advertised by default after a pull of n bytes
+// by a session whose spaces add up to total bytes; 0 when none is due.
+func defaultSpace(n, total int) int {
+	size := min(max(DefaultReceiveSpace, spacePayloads*n), maxDefaultSpace-total)
+	if size < 2*n {
+		return 0
+	}
+	return size
 }
 
 // spaceAlign aligns the ranges an owner picks (GPU copies and NIC writes run
@@ -130,26 +141,49 @@ type span struct{ off, n uint64 }
 
 // spaceState is a session's advertised spaces, both ways.
 type spaceState struct {
-	mu      sync.Mutex
-	tried   bool       // this side advertised (or failed to)
-	own     *space     // advertised to the peer
-	peer    *peerSpace // the peer's
-	stopped bool       // the session ended
+	mu          sync.Mutex
+	advertising bool         // this side is making a space
+	failed      bool         // making one failed: no more
+	own         []*space     // advertised to the peer, oldest first
+	peer        []*peerSpace // the peer's, oldest first
+	stopped     bool         // the session ended
+}
+
+// nextSize is the size of the space to advertise after a pull of n bytes
+// (st.mu held), 0 for none: configured (above zero), the first space only;
+// by default, one sized after n when the spaces so far cannot hold two
+// payloads of n bytes.
+func (st *spaceState) nextSize(configured, n int) int {
+	if len(st.own) >= maxSpaces {
+		return 0
+	}
+	if configured > 0 {
+		if len(st.own) > 0 || n > configured/2 {
+			return 0
+		}
+		return configured
+	}
+	total := 0
+	for _, sp := range st.own {
+		if sp.region.Len() >= 2*n {
+			return 0
+		}
+		total += sp.region.Len()
+	}
+	return defaultSpace(n, total)
 }
 
 // maybeAdvertise advertises receive space to the peer of s after a pull over
-// s took path into dst, which alloc made: once per session, where s's peer is
-// trusted and the owner wrote into dst directly.
+// s took path into dst, which alloc made, where s's peer is trusted and the
+// owner wrote into dst directly: a space of the configured size once per
+// session or, by default, one sized after the pull whenever the session's
+// spaces cannot hold two such payloads (within bounds).
 func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devicebuf.Allocator) {
 	c := cfgOf(s)
-	size := c.ReceiveSpace
-	if size == 0 {
-		size = defaultSpace(dst.Len())
-	}
 	// Only a client advertises: a server's responses land, while a client's
 	// requests are marshaled before gRPC picks their connection, so a
 	// server's space would sit unused.
-	if size <= 0 || !s.IsClient() || !s.TrustsPeer() || path != PathRDMA && path != PathCUDAIPC || dst.Len() > size/2 {
+	if c.ReceiveSpace < 0 || !s.IsClient() || !s.TrustsPeer() || path != PathRDMA && path != PathCUDAIPC {
 		return
 	}
 	a := stateOf(s)
@@ -158,12 +192,21 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 	}
 	st := &a.space
 	st.mu.Lock()
-	if st.tried || st.stopped {
+	size := 0
+	if !st.advertising && !st.failed && !st.stopped {
+		size = st.nextSize(c.ReceiveSpace, dst.Len())
+	}
+	if size == 0 {
 		st.mu.Unlock()
 		return
 	}
-	st.tried = true
+	st.advertising = true
 	st.mu.Unlock()
+	defer func() {
+		st.mu.Lock()
+		st.advertising = false
+		st.mu.Unlock()
+	}()
 	if dst.Kind() == devicebuf.CUDA && ipcAllowed(s) && c.Paths&PathCUDAIPC != 0 {
 		// Into GPU memory on this host the owner copies through the
 		// space's CUDA IPC mapping, opened once: faster than UCX's
@@ -173,13 +216,16 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 	}
 	sp, m, err := newSpace(s, path, dst, alloc, size)
 	if err != nil {
+		st.mu.Lock()
+		st.failed = true // not again for every pull
+		st.mu.Unlock()
 		c.Logger.Debug("no receive space advertised", "session", s.ID(), "err", err)
 		return
 	}
 	st.mu.Lock()
 	stopped := st.stopped
 	if !stopped {
-		st.own = sp
+		st.own = append(st.own, sp)
 		spaces.Store(sp.id, sp)
 	}
 	st.mu.Unlock()
@@ -405,15 +451,16 @@ func handleSpace(s *transport.Session, payload []byte) {
 	st := &a.space
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if st.peer != nil || st.stopped {
-		return // one space per session
+	if len(st.peer) >= maxSpaces || st.stopped || slices.ContainsFunc(st.peer, func(p *peerSpace) bool { return p.id == m.Req }) {
+		cfgOf(s).Logger.Debug("receive space refused: too many, or its id taken", "session", s.ID())
+		return
 	}
 	ps := &peerSpace{id: m.Req, tmpl: m.rtr, free: []span{{0, m.Length}}, taken: map[uint64]uint64{}, events: m.Events, eventOf: map[uint64]int{}}
 	ps.opened = make([]*devicebuf.Event, len(m.Events))
 	for i := range m.Events {
 		ps.freeEvents = append(ps.freeEvents, len(m.Events)-1-i)
 	}
-	st.peer = ps
+	st.peer = append(st.peer, ps)
 }
 
 // handleSpaceFree takes back a range of the space this process wrote into.
@@ -423,18 +470,44 @@ func handleSpaceFree(s *transport.Session, payload []byte) {
 		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
 		return
 	}
-	ps := peerSpaceOf(s)
-	if ps == nil || ps.id != id || !ps.give(off, n) {
+	ps := peerSpaceByID(s, id)
+	if ps == nil || !ps.give(off, n) {
 		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", fmt.Errorf("SPACE-FREE of [%d, +%d) of space %#x, which was not written", off, n, id))
 	}
 }
 
-func peerSpaceOf(s *transport.Session) *peerSpace { return peerSpaceOfState(stateOf(s)) }
+// peerSpacesOf returns the spaces the peer of s advertised, newest first.
+func peerSpacesOf(s *transport.Session) []*peerSpace { return peerSpacesOfState(stateOf(s)) }
 
-func peerSpaceOfState(a *attached) *peerSpace {
+func peerSpacesOfState(a *attached) []*peerSpace {
 	a.space.mu.Lock()
 	defer a.space.mu.Unlock()
-	return a.space.peer
+	ps := slices.Clone(a.space.peer)
+	slices.Reverse(ps)
+	return ps
+}
+
+// peerSpaceByID returns the space of id the peer of s advertised, or nil.
+func peerSpaceByID(s *transport.Session, id uint64) *peerSpace {
+	for _, ps := range peerSpacesOf(s) {
+		if ps.id == id {
+			return ps
+		}
+	}
+	return nil
+}
+
+// ownSpaceByID returns the space of id this side advertised over the
+// session of a, or nil.
+func ownSpaceByID(a *attached, id uint64) *space {
+	a.space.mu.Lock()
+	defer a.space.mu.Unlock()
+	for _, sp := range a.space.own {
+		if sp.id == id {
+			return sp
+		}
+	}
+	return nil
 }
 
 // take picks a free range of n bytes, first fit, and counts a write under
@@ -486,25 +559,31 @@ func (p *peerSpace) withdraw() {
 	}
 }
 
-// withdrawSpace withdraws the space this side advertised over the session of
-// a, which is winding down, and waits (bounded) until the owner writes into
-// it no more: the space's memory goes back to its allocator once the session
-// closed, and a write after that would land in whatever it holds next.
+// withdrawSpace withdraws the spaces this side advertised over the session
+// of a, which is winding down, and waits (bounded, for all together) until
+// the owner writes into them no more: a space's memory goes back to its
+// allocator once the session closed, and a write after that would land in
+// whatever it holds next.
 func withdrawSpace(a *attached) {
 	a.space.mu.Lock()
-	sp := a.space.own
+	own := slices.Clone(a.space.own)
 	a.space.mu.Unlock()
-	if sp == nil {
+	if len(own) == 0 {
 		return
 	}
 	ctx, cancel := context.WithTimeout(sessionContext(a.s), spaceWithdrawBound)
 	defer cancel()
-	if err := sendControl(ctx, a.s, ctlSpaceWithdraw, rangeNotice(sp.id, 0, 0)); err != nil {
-		return
+	for _, sp := range own {
+		if err := sendControl(ctx, a.s, ctlSpaceWithdraw, rangeNotice(sp.id, 0, 0)); err != nil {
+			return
+		}
 	}
-	select {
-	case <-sp.withdrawn:
-	case <-ctx.Done():
+	for _, sp := range own {
+		select {
+		case <-sp.withdrawn:
+		case <-ctx.Done():
+			return
+		}
 	}
 }
 
@@ -516,7 +595,7 @@ func handleSpaceWithdraw(s *transport.Session, payload []byte) {
 		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
 		return
 	}
-	if ps := peerSpaceOf(s); ps != nil && ps.id == id {
+	if ps := peerSpaceByID(s, id); ps != nil {
 		ps.withdraw()
 	}
 	ctx, cancel := context.WithTimeout(sessionContext(s), spaceWithdrawBound)
@@ -531,11 +610,7 @@ func handleSpaceWithdrawn(s *transport.Session, payload []byte) {
 		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
 		return
 	}
-	st := &stateOf(s).space
-	st.mu.Lock()
-	sp := st.own
-	st.mu.Unlock()
-	if sp != nil && sp.id == id {
+	if sp := ownSpaceByID(stateOf(s), id); sp != nil {
 		sp.withdrawnOnce.Do(func() { close(sp.withdrawn) })
 	}
 }
@@ -599,7 +674,7 @@ func Reclaim(s *transport.Session, d Descriptor) {
 	if d.Space == 0 || s == nil {
 		return
 	}
-	if ps := peerSpaceOf(s); ps != nil && ps.id == d.Space {
+	if ps := peerSpaceByID(s, d.Space); ps != nil {
 		ps.give(d.SpaceOffset, d.Length)
 	}
 }
@@ -617,20 +692,32 @@ func Discard(d Descriptor) {
 	}
 }
 
-// land writes src into the receive space the peer of s advertised.
+// land writes src into a receive space the peer of s advertised: the
+// newest with room for it.
 func land(s *transport.Session, src Source) (Descriptor, bool) {
-	ps := peerSpaceOf(s)
-	if ps == nil || src.Len() == 0 {
+	all := peerSpacesOf(s)
+	if len(all) == 0 || src.Len() == 0 {
 		return Descriptor{}, false
 	}
 	c := cfgOf(s)
-	if ps.tmpl.Offers&c.Paths == 0 {
-		return Descriptor{}, false // this side does not write by that path
-	}
 	n := uint64(src.Len())
-	off, ok := ps.take(n)
-	if !ok {
-		c.Metrics.Fallback(ps.tmpl.Offers, PathNone, "advertised receive space full or withdrawn")
+	var ps *peerSpace
+	var off uint64
+	offers := PathNone
+	for _, p := range all {
+		if p.tmpl.Offers&c.Paths == 0 {
+			continue // this side does not write by that path
+		}
+		offers |= p.tmpl.Offers
+		if o, ok := p.take(n); ok {
+			ps, off = p, o
+			break
+		}
+	}
+	if ps == nil {
+		if offers != PathNone {
+			c.Metrics.Fallback(offers, PathNone, "advertised receive space full or withdrawn")
+		}
 		return Descriptor{}, false
 	}
 	defer ps.writers.Done()
@@ -773,11 +860,11 @@ func endSpaces(a *attached) {
 	own, peer := st.own, st.peer
 	st.own, st.peer = nil, nil
 	st.mu.Unlock()
-	if own != nil {
-		own.close()
+	for _, sp := range own {
+		sp.close()
 	}
-	if peer != nil {
-		peer.withdraw()
+	for _, ps := range peer {
+		ps.withdraw()
 	}
 }
 

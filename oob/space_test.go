@@ -152,29 +152,36 @@ func TestSpaceMessage(t *testing.T) {
 }
 
 // SPACE messages a session must not take: from an untrusted peer, on a
-// client's session, or after the session closed (the state of closed
-// sessions is shared).
+// client's session, after the session closed (the state of closed sessions
+// is shared), a second with the same id, or more than maxSpaces.
 func TestSpaceRefused(t *testing.T) {
 	m := &spaceMsg{rtr: rtr{Req: 9, Length: 1 << 20, Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}}
 	cs, ss := tcpPair(t) // peers not trusted
 	for _, s := range []*transport.Session{cs, ss} {
 		handleSpace(s, m.marshal())
-		require.Nil(t, peerSpaceOf(s))
+		require.Empty(t, peerSpacesOf(s))
 	}
 	// The same message on a trusted server's session is taken, once.
 	_, ts := tcpPair(t, transport.WithTrustPeers(true))
 	handleSpace(ts, m.marshal())
-	require.NotNil(t, peerSpaceOf(ts))
-	require.Equal(t, uint64(9), peerSpaceOf(ts).id)
-	m2 := *m
-	m2.Req = 10
-	handleSpace(ts, m2.marshal())
-	require.Equal(t, uint64(9), peerSpaceOf(ts).id, "one space per session")
+	require.Len(t, peerSpacesOf(ts), 1)
+	require.Equal(t, uint64(9), peerSpacesOf(ts)[0].id)
+	handleSpace(ts, m.marshal())
+	require.Len(t, peerSpacesOf(ts), 1, "the same id twice")
+	for id := uint64(10); id < 10+maxSpaces; id++ {
+		m2 := *m
+		m2.Req = id
+		handleSpace(ts, m2.marshal())
+	}
+	require.Len(t, peerSpacesOf(ts), maxSpaces, "at most maxSpaces per session")
+	require.Equal(t, uint64(10+maxSpaces-2), peerSpacesOf(ts)[0].id, "newest first")
+	require.NotNil(t, peerSpaceByID(ts, 9))
+	require.Nil(t, peerSpaceByID(ts, 10+maxSpaces-1))
 
 	require.NoError(t, ts.Close())
 	handleSpace(ts, m.marshal())
-	require.Nil(t, peerSpaceOf(ts))
-	require.Nil(t, closedState.space.peer)
+	require.Empty(t, peerSpacesOf(ts))
+	require.Empty(t, closedState.space.peer)
 }
 
 // An owner answers a withdrawal only once the writes into the space under
@@ -183,7 +190,7 @@ func TestSpaceWithdrawWaitsForWrites(t *testing.T) {
 	cs, ss := tcpPair(t, transport.WithTrustPeers(true))
 	m := &spaceMsg{rtr: rtr{Req: 5, Length: 1 << 20, Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}}
 	handleSpace(ss, m.marshal())
-	ps := peerSpaceOf(ss)
+	ps := peerSpaceByID(ss, 5)
 	require.NotNil(t, ps)
 	off, ok := ps.take(4096) // a write under way
 	require.True(t, ok)
@@ -228,17 +235,35 @@ func TestSpaceWithdrawWaitsForWrites(t *testing.T) {
 	}
 }
 
-// By default a space holds four payloads of its first pull's size, within
-// bounds.
+// By default a space holds four payloads of the size of the pull that
+// prompted it, within bounds; a session advertises another only when its
+// spaces cannot hold two payloads of a pull's size, and a configured size
+// once.
 func TestDefaultSpace(t *testing.T) {
-	for n, want := range map[int]int{
-		1:         DefaultReceiveSpace,
-		1 << 20:   DefaultReceiveSpace,
-		16 << 20:  DefaultReceiveSpace,
-		64 << 20:  256 << 20,
-		256 << 20: 1 << 30,
-		1 << 30:   1 << 30,
+	for _, tt := range []struct{ n, total, want int }{
+		{1, 0, DefaultReceiveSpace},
+		{1 << 20, 0, DefaultReceiveSpace},
+		{16 << 20, 0, DefaultReceiveSpace},
+		{64 << 20, 0, 256 << 20},
+		{256 << 20, 0, 1 << 30},
+		{1 << 30, 0, 0}, // two would not fit
+		{256 << 20, 320 << 20, 704 << 20},
+		{256 << 20, 600 << 20, 0},
 	} {
-		require.Equal(t, want, defaultSpace(n), "after a pull of %d bytes", n)
+		require.Equal(t, tt.want, defaultSpace(tt.n, tt.total), "after a pull of %d bytes, %d advertised", tt.n, tt.total)
 	}
+	region := func(n int) *space { return &space{region: devicebuf.HostFromBytes(make([]byte, n))} }
+	st := &spaceState{}
+	require.Equal(t, DefaultReceiveSpace, st.nextSize(0, 1<<20))
+	st.own = append(st.own, region(64<<10)) // small stand-ins for 64 MiB
+	require.Equal(t, 0, st.nextSize(0, 32<<10), "two payloads fit")
+	require.Equal(t, DefaultReceiveSpace, st.nextSize(0, 33<<10), "two payloads do not fit: another space")
+	require.Equal(t, 0, st.nextSize(8<<20, 1<<20), "a configured size: the first space only")
+	st.own = nil
+	require.Equal(t, 8<<20, st.nextSize(8<<20, 1<<20))
+	require.Equal(t, 0, st.nextSize(8<<20, 5<<20), "a payload over half the configured space")
+	for range maxSpaces {
+		st.own = append(st.own, region(1))
+	}
+	require.Equal(t, 0, st.nextSize(0, 1<<20), "at most maxSpaces")
 }
