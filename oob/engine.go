@@ -1388,6 +1388,12 @@ func pushRDMA(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m *r
 	case b == nil:
 		err = ep.PutBytes(ctx, src.Bytes, m.RAddr, key)
 	case b.Kind() == devicebuf.Host || gpuDirect(s.RDMAContext(), ep):
+		// UCX reads GPU memory itself, outside any stream: a buffer whose
+		// bytes are still arriving (received stream-ordered and sent on)
+		// is waited for first.
+		if err = b.Wait(); err != nil {
+			return path, err
+		}
 		var mem *rdma.Memory
 		var off int
 		var release func()
