@@ -144,9 +144,14 @@ type spaceState struct {
 	mu          sync.Mutex
 	advertising bool         // this side is making a space
 	failed      bool         // making one failed: no more
+	withdrawing bool         // the session winds down: no more spaces
 	own         []*space     // advertised to the peer, oldest first
 	peer        []*peerSpace // the peer's, oldest first
 	stopped     bool         // the session ended
+
+	// announce is held from a space's addition to own until its SPACE went:
+	// a withdrawal waits for it, so it never overtakes the SPACE.
+	announce sync.Mutex
 }
 
 // nextSize is the size of the space to advertise after a pull of n bytes
@@ -193,7 +198,7 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 	st := &a.space
 	st.mu.Lock()
 	size := 0
-	if !st.advertising && !st.failed && !st.stopped {
+	if !st.advertising && !st.failed && !st.stopped && !st.withdrawing {
 		size = st.nextSize(c.ReceiveSpace, dst.Len())
 	}
 	if size == 0 {
@@ -222,8 +227,10 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 		c.Logger.Debug("no receive space advertised", "session", s.ID(), "err", err)
 		return
 	}
+	st.announce.Lock()
+	defer st.announce.Unlock()
 	st.mu.Lock()
-	stopped := st.stopped
+	stopped := st.stopped || st.withdrawing
 	if !stopped {
 		st.own = append(st.own, sp)
 		spaces.Store(sp.id, sp)
@@ -565,9 +572,15 @@ func (p *peerSpace) withdraw() {
 // allocator once the session closed, and a write after that would land in
 // whatever it holds next.
 func withdrawSpace(a *attached) {
-	a.space.mu.Lock()
-	own := slices.Clone(a.space.own)
-	a.space.mu.Unlock()
+	st := &a.space
+	st.mu.Lock()
+	st.withdrawing = true
+	st.mu.Unlock()
+	st.announce.Lock() // a SPACE on its way goes first
+	st.announce.Unlock()
+	st.mu.Lock()
+	own := slices.Clone(st.own)
+	st.mu.Unlock()
 	if len(own) == 0 {
 		return
 	}
@@ -766,48 +779,56 @@ func pushInto(ctx context.Context, s *transport.Session, ps *peerSpace, m *rtr, 
 	return path, 0, err
 }
 
-// copyInto copies src device to device where m says, through the space's
-// mapping. A GPU source is copied on the space's stream, the message not
-// waiting for it, where a receiver's event is free to mark the copy's end:
-// its number comes back. Otherwise the copy is complete when copyInto
-// returns (0).
+// copyInto copies src device to device where m says (the range at off),
+// through the space's mapping. A GPU source is copied on the space's stream,
+// the message not waiting for it, where a receiver's event is free to mark
+// the copy's end: its number comes back. Otherwise the copy is complete when
+// copyInto returns (0); once the space has a stream, such a copy runs on it
+// too, after any copy still queued into the same range (one whose message
+// was never sent, or whose receiver gave the range back without waiting).
 func (p *peerSpace) copyInto(s *transport.Session, m *rtr, off uint64, src Source) (uint32, error) {
 	mapping, err := p.mapped(s)
 	if err != nil {
 		return 0, err
 	}
 	defer mapping.Release()
-	if src.Buffer != nil && src.kind() == devicebuf.CUDA {
-		if q, ev, i := p.eventFor(s, mapping.Device()); q != nil {
-			err := q.copyInto(mapping, m, src.Buffer, ev)
-			if err == nil {
-				p.mu.Lock()
-				p.eventOf[off] = i
-				p.mu.Unlock()
-				return uint32(i) + 1, nil
-			}
-			p.putEvent(i)
-			cfgOf(s).Logger.Debug("copy into receive space waited for", "session", s.ID(), "err", err)
-		}
+	q, ev, i := p.eventFor(s, off, mapping.Device(), src)
+	if q == nil {
+		return 0, copyIntoIPC(mapping, m, src) // nothing was ever queued into this space
 	}
-	return 0, copyIntoIPC(mapping, m, src)
+	if ev != nil {
+		err := q.copyInto(mapping, m, src.Buffer, ev)
+		if err == nil {
+			return uint32(i) + 1, nil
+		}
+		p.dropEvent(off, i)
+		cfgOf(s).Logger.Debug("copy into receive space waited for", "session", s.ID(), "err", err)
+	}
+	return 0, q.copyWaited(mapping, m, src)
 }
 
-// eventFor takes a free receiver's event (opening it the first time) and
-// returns it with its index and the space's copy queue (made the first
-// time), or a nil queue when none is free or they cannot be had.
-func (p *peerSpace) eventFor(s *transport.Session, dev int) (*copyQueue, *devicebuf.Event, int) {
+// eventFor returns the space's copy queue and, for a GPU source, a free
+// receiver's event (opened the first time) with its index, recorded as the
+// range at off's. The queue is made with the first event taken: nil means
+// nothing was ever queued. A nil event means the copy must be waited for.
+func (p *peerSpace) eventFor(s *transport.Session, off uint64, dev int, src Source) (*copyQueue, *devicebuf.Event, int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.closed || len(p.freeEvents) == 0 {
+	if p.closed {
 		return nil, nil, 0
+	}
+	_, taken := p.taken[off]
+	if !taken || src.Buffer == nil || src.kind() != devicebuf.CUDA || len(p.freeEvents) == 0 {
+		return p.copies, nil, 0
 	}
 	i := p.freeEvents[len(p.freeEvents)-1]
 	if p.opened[i] == nil {
 		ev, err := devicebuf.OpenIPCEvent(p.events[i], dev)
 		if err != nil {
+			// The receiver's events do not open here: copies are waited for.
+			p.freeEvents = nil
 			cfgOf(s).Logger.Debug("receiver's event not opened", "session", s.ID(), "err", err)
-			return nil, nil, 0
+			return p.copies, nil, 0
 		}
 		p.opened[i] = ev
 	}
@@ -820,13 +841,19 @@ func (p *peerSpace) eventFor(s *transport.Session, dev int) (*copyQueue, *device
 		p.copies = q
 	}
 	p.freeEvents = p.freeEvents[:len(p.freeEvents)-1]
+	p.eventOf[off] = i
 	return p.copies, p.opened[i], i
 }
 
-func (p *peerSpace) putEvent(i int) {
+// dropEvent gives back event i, taken for the range at off by a copy that
+// failed.
+func (p *peerSpace) dropEvent(off uint64, i int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.freeEvents = append(p.freeEvents, i)
+	if j, ok := p.eventOf[off]; ok && j == i {
+		delete(p.eventOf, off)
+		p.freeEvents = append(p.freeEvents, i)
+	}
 }
 
 // mapped returns a reference to the space's mapping, opening it the first
@@ -937,6 +964,26 @@ func (q *copyQueue) reap() {
 			return // closed: Close waited for the copies
 		}
 	}
+}
+
+// copyWaited copies src into the range of mapping that m names on the
+// queue's stream, after the copies queued before, and waits for it.
+func (q *copyQueue) copyWaited(mapping *devicebuf.Buffer, m *rtr, src Source) error {
+	dst, err := ipcDestination(mapping, m)
+	if err != nil {
+		return err
+	}
+	defer dst.Release()
+	defer trace.StartRegion(context.Background(), "gdrpc.ipc-copy").End()
+	b := src.Buffer
+	if b == nil {
+		b = devicebuf.HostFromBytes(src.Bytes)
+		defer b.Release()
+	}
+	if err := devicebuf.CopyAsync(q.stream, dst, b); err != nil {
+		return err
+	}
+	return q.stream.Synchronize()
 }
 
 // close waits for the queued copies and ends the queue.

@@ -239,7 +239,10 @@ func parseSpace(b []byte) (*spaceMsg, error) {
 		return nil, err
 	}
 	sm := &spaceMsg{rtr: *m}
-	n := int(r.U8("u8"))
+	n := 0
+	if len(r.B) > 0 { // an older sender offers no events
+		n = int(r.U8("u8"))
+	}
 	if n > maxSpaceEvents || n > 0 && m.Offers != PathCUDAIPC {
 		return nil, fmt.Errorf("malformed SPACE: %d events for paths %v", n, m.Offers)
 	}
