@@ -119,9 +119,10 @@ func Clear(b *Buffer) error {
 // the copy is known complete (Synchronize or Close). Safe for concurrent use: a Synchronize
 // does not hold up copies queued meanwhile.
 type Stream struct {
-	d   driver.Driver
-	dev int
-	s   driver.Stream
+	d       driver.Driver
+	dev     int
+	s       driver.Stream
+	adopted bool // the application's: Close leaves it be
 
 	// life is held for reading by every call on s, for writing by Close.
 	life    sync.RWMutex
@@ -169,8 +170,28 @@ func newStream(device int, blocking bool) (*Stream, error) {
 	return st, nil
 }
 
+// AdoptStream wraps s, a CUDA stream (CUstream) the application created in the primary
+// context of device dev, so that devicebuf queues copies and waits on it: Buffer.WaitOn
+// then orders the application's own kernels after a buffer's arrival. Close only lets go
+// of it: the stream stays the application's, and must outlive the Stream.
+func AdoptStream(dev int, s uintptr) (*Stream, error) {
+	d, err := checkDevice(dev)
+	if err != nil {
+		return nil, err
+	}
+	if err := d.StreamAdopt(dev, driver.Stream(s)); err != nil {
+		return nil, fmt.Errorf("devicebuf: adopt stream on device %d: %w", dev, err)
+	}
+	live.streams.Add(1)
+	return &Stream{d: d, dev: dev, s: driver.Stream(s), adopted: true}, nil
+}
+
 // Device returns the stream's CUDA ordinal (-1 for a host-only stream).
 func (s *Stream) Device() int { return s.dev }
+
+// Handle returns the CUDA stream (CUstream) for work of the application's own, such as
+// kernels launched on it; 0 for a host-only stream. It is valid until Close.
+func (s *Stream) Handle() uintptr { return uintptr(s.s) }
 
 func (s *Stream) isClosed() bool {
 	s.mu.Lock()
@@ -277,7 +298,13 @@ func (s *Stream) Close() error {
 	s.pending = nil
 	s.mu.Unlock()
 	err := s.sync(done)
-	if s.d != nil {
+	switch {
+	case s.d == nil:
+	case s.adopted:
+		if e := s.d.StreamDisown(s.s); e != nil && err == nil {
+			err = fmt.Errorf("devicebuf: let go of an adopted stream: %w", e)
+		}
+	default:
 		if e := s.d.StreamDestroy(s.s); e != nil && err == nil {
 			err = fmt.Errorf("devicebuf: cuStreamDestroy: %w", e)
 		}

@@ -79,6 +79,28 @@ func TestIPCEventArrival(t *testing.T) {
 		require.NoError(t, dst.Release())
 	})
 
+	t.Run("WaitOn an adopted stream", func(t *testing.T) {
+		dst := cudaKind(0).alloc(t, n)
+		b := send(dst)
+		const appStream = 0x7777000 // the application's own stream, made outside devicebuf
+		s, err := devicebuf.AdoptStream(0, appStream)
+		require.NoError(t, err)
+		require.Equal(t, uintptr(appStream), s.Handle())
+		_, err = devicebuf.AdoptStream(0, appStream)
+		require.Error(t, err, "adopted twice")
+		require.NoError(t, b.WaitOn(s))
+		clear(hb)
+		require.NoError(t, devicebuf.CopyAsync(s, host, b))
+		require.NoError(t, s.Synchronize())
+		requireBytes(t, want, hb, "a copy queued on the application's stream after WaitOn")
+		require.NoError(t, s.Close()) // lets go of the stream, does not destroy it
+		s2, err := devicebuf.AdoptStream(0, appStream)
+		require.NoError(t, err, "adoptable again once let go")
+		require.NoError(t, s2.Close())
+		require.NoError(t, b.Release())
+		require.NoError(t, dst.Release())
+	})
+
 	require.NoError(t, sender.Close())
 	require.NoError(t, sendEvent.Close())
 	require.NoError(t, recvEvent.Close())

@@ -672,6 +672,24 @@ func (g *GPU) StreamDestroy(s driver.Stream) error {
 	return nil
 }
 
+// StreamAdopt registers a stream handle made elsewhere (a test's stand-in for
+// an application's stream).
+func (g *GPU) StreamAdopt(dev int, s driver.Stream) error {
+	if _, err := g.dev("cuStreamAdopt", dev); err != nil {
+		return err
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if _, ok := g.streams[s]; ok || s == 0 {
+		return cuError("cuStreamAdopt", 1, "CUDA_ERROR_INVALID_VALUE", "stream known already")
+	}
+	g.streams[s] = &fakeStream{dev: dev}
+	return nil
+}
+
+// StreamDisown runs an adopted stream's deferred copies and forgets it.
+func (g *GPU) StreamDisown(s driver.Stream) error { return g.StreamDestroy(s) }
+
 // StreamWaitEvent defers, on s, a run of the copies the event's stream held when it was
 // recorded (the fake runs a stream's copies when it is synchronized).
 func (g *GPU) StreamWaitEvent(s driver.Stream, e driver.Event) error {

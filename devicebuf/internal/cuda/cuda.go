@@ -812,6 +812,26 @@ func (d *real) StreamDestroy(s driver.Stream) error {
 	return cuErr("cuStreamDestroy", C.gdr_cu_stream_destroy(c, C.uintptr_t(s)))
 }
 
+func (d *real) StreamAdopt(dev int, s driver.Stream) error {
+	if s == 0 {
+		return fmt.Errorf("adopt stream: the legacy default stream is not a stream of its own")
+	}
+	if _, err := d.ctx(dev); err != nil {
+		return err
+	}
+	if _, loaded := d.streams.LoadOrStore(s, dev); loaded {
+		return fmt.Errorf("adopt stream: %#x is known already", uintptr(s))
+	}
+	return nil
+}
+
+func (d *real) StreamDisown(s driver.Stream) error {
+	if _, ok := d.streams.LoadAndDelete(s); !ok {
+		return fmt.Errorf("unknown stream %#x", uintptr(s))
+	}
+	return nil
+}
+
 func (d *real) StreamWaitEvent(s driver.Stream, e driver.Event) error {
 	c, err := d.streamCtx(s)
 	if err != nil {

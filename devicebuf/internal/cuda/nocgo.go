@@ -32,6 +32,8 @@ func (absent) MemHostRegister(uintptr, int) error                 { return errAb
 func (absent) MemHostUnregister(uintptr) error                    { return errAbsent }
 func (absent) StreamCreate(int, bool) (driver.Stream, error)      { return 0, errAbsent }
 func (absent) StreamWaitEvent(driver.Stream, driver.Event) error  { return errAbsent }
+func (absent) StreamAdopt(int, driver.Stream) error               { return errAbsent }
+func (absent) StreamDisown(driver.Stream) error                   { return errAbsent }
 func (absent) EventCreate(int, bool) (driver.Event, error)        { return 0, errAbsent }
 func (absent) EventRecord(driver.Event, driver.Stream) error      { return errAbsent }
 func (absent) EventSynchronize(driver.Event) error                { return errAbsent }

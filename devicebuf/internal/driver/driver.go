@@ -93,6 +93,11 @@ type Driver interface {
 	StreamCreate(dev int, blocking bool) (Stream, error)
 	StreamSynchronize(s Stream) error
 	StreamDestroy(s Stream) error
+	// StreamAdopt makes s, a stream of dev's primary context the application
+	// created, usable with the other methods until StreamDisown; neither creates
+	// nor destroys it.
+	StreamAdopt(dev int, s Stream) error
+	StreamDisown(s Stream) error
 	// StreamWaitEvent orders work queued on s after it behind what e captured.
 	StreamWaitEvent(s Stream, e Event) error
 
