@@ -53,7 +53,9 @@ func TestGPUAdoptedStream(t *testing.T) {
 	src, dst := mustAlloc(t, gpu, n), mustAlloc(t, gpu, n)
 	defer src.Release()
 	defer dst.Release()
-	if err := Copy(src, HostFromBytes(want)); err != nil {
+	in := HostFromBytes(want)
+	defer in.Release()
+	if err := Copy(src, in); err != nil {
 		t.Fatal(err)
 	}
 	recv, _, err := NewIPCEvent(0)
