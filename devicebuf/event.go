@@ -16,9 +16,8 @@ type IPCEventHandle [driver.IPCHandleSize]byte
 // recorded (Stream.Record) is complete, so is the event. An interprocess event may be
 // recorded by one process and waited for by another. Safe for concurrent use.
 type Event struct {
-	d   driver.Driver
-	dev int
-	e   driver.Event
+	d driver.Driver
+	e driver.Event
 
 	mu     sync.RWMutex // held for reading by calls on e, for writing by Close
 	closed bool
@@ -41,7 +40,7 @@ func NewIPCEvent(dev int) (*Event, IPCEventHandle, error) {
 		return nil, IPCEventHandle{}, fmt.Errorf("devicebuf: cuIpcGetEventHandle: %w", err)
 	}
 	live.events.Add(1)
-	return &Event{d: d, dev: dev, e: e}, h, nil
+	return &Event{d: d, e: e}, h, nil
 }
 
 // OpenIPCEvent opens another process's interprocess event on CUDA device dev.
@@ -55,11 +54,8 @@ func OpenIPCEvent(h IPCEventHandle, dev int) (*Event, error) {
 		return nil, fmt.Errorf("devicebuf: cuIpcOpenEventHandle on device %d: %w", dev, err)
 	}
 	live.events.Add(1)
-	return &Event{d: d, dev: dev, e: e}, nil
+	return &Event{d: d, e: e}, nil
 }
-
-// Device returns the event's CUDA ordinal.
-func (e *Event) Device() int { return e.dev }
 
 // Synchronize waits until the work the event last captured is complete; an event never
 // recorded is complete.

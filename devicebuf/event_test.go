@@ -28,77 +28,71 @@ func TestIPCEventArrival(t *testing.T) {
 	sender, err := devicebuf.NewCopyStream(0)
 	require.NoError(t, err)
 
-	// send copies src into dst on the sender's stream and records the receiver's event.
-	send := func(dst *devicebuf.Buffer) *devicebuf.Buffer {
+	// send copies src into fresh device memory on the sender's stream, records the
+	// receiver's event, and returns the receiver's Pending buffer of that memory; both go
+	// when t ends.
+	send := func(t *testing.T) (b, dst *devicebuf.Buffer) {
+		dst = cudaKind(0).alloc(t, n)
 		require.NoError(t, devicebuf.CopyAsync(sender, dst, src))
 		require.NoError(t, sender.Record(sendEvent))
-		b := devicebuf.WrapArriving(dst.Ptr(), n, 0, nil, recvEvent)
+		b = devicebuf.WrapArriving(dst.Ptr(), n, 0, nil, recvEvent)
+		t.Cleanup(func() {
+			require.NoError(t, b.Release())
+			require.NoError(t, dst.Release())
+		})
 		require.True(t, b.Pending())
 		early, err := g.Peek(dst.Ptr(), n)
 		require.NoError(t, err)
 		require.Equal(t, make([]byte, n), early, "bytes landed before anything waited")
-		return b
+		return b, dst
 	}
 	host := hostKinds()[0].alloc(t, n)
 	hb, _ := host.HostBytes()
-
-	t.Run("Copy waits", func(t *testing.T) {
-		dst := cudaKind(0).alloc(t, n)
-		b := send(dst)
-		clear(hb)
-		require.NoError(t, devicebuf.Copy(host, b))
-		requireBytes(t, want, hb, "Copy of a pending buffer")
-		require.False(t, b.Pending())
-		require.NoError(t, b.Release())
-		require.NoError(t, dst.Release())
-	})
-	t.Run("Wait", func(t *testing.T) {
-		dst := cudaKind(0).alloc(t, n)
-		b := send(dst)
-		require.NoError(t, b.Wait())
-		require.False(t, b.Pending())
-		got, err := g.Peek(dst.Ptr(), n)
-		require.NoError(t, err)
-		requireBytes(t, want, got, "after Wait")
-		require.NoError(t, b.Release())
-		require.NoError(t, dst.Release())
-	})
-	t.Run("WaitOn", func(t *testing.T) {
-		dst := cudaKind(0).alloc(t, n)
-		b := send(dst)
-		s, err := devicebuf.NewStream(0)
-		require.NoError(t, err)
+	// readOn copies b back to the host on s after b.WaitOn(s).
+	readOn := func(t *testing.T, s *devicebuf.Stream, b *devicebuf.Buffer) []byte {
 		require.NoError(t, b.WaitOn(s))
 		require.True(t, b.Pending(), "WaitOn does not wait on the host")
 		clear(hb)
 		require.NoError(t, devicebuf.CopyAsync(s, host, b))
 		require.NoError(t, s.Synchronize())
-		requireBytes(t, want, hb, "a copy queued after WaitOn")
-		require.NoError(t, s.Close())
-		require.NoError(t, b.Release())
-		require.NoError(t, dst.Release())
-	})
+		return hb
+	}
 
+	t.Run("Copy waits", func(t *testing.T) {
+		b, _ := send(t)
+		clear(hb)
+		require.NoError(t, devicebuf.Copy(host, b))
+		requireBytes(t, want, hb, "Copy of a pending buffer")
+		require.False(t, b.Pending())
+	})
+	t.Run("Wait", func(t *testing.T) {
+		b, dst := send(t)
+		require.NoError(t, b.Wait())
+		require.False(t, b.Pending())
+		got, err := g.Peek(dst.Ptr(), n)
+		require.NoError(t, err)
+		requireBytes(t, want, got, "after Wait")
+	})
+	t.Run("WaitOn", func(t *testing.T) {
+		b, _ := send(t)
+		s, err := devicebuf.NewStream(0)
+		require.NoError(t, err)
+		requireBytes(t, want, readOn(t, s, b), "a copy queued after WaitOn")
+		require.NoError(t, s.Close())
+	})
 	t.Run("WaitOn an adopted stream", func(t *testing.T) {
-		dst := cudaKind(0).alloc(t, n)
-		b := send(dst)
+		b, _ := send(t)
 		const appStream = 0x7777000 // the application's own stream, made outside devicebuf
 		s, err := devicebuf.AdoptStream(0, appStream)
 		require.NoError(t, err)
 		require.Equal(t, uintptr(appStream), s.Handle())
 		_, err = devicebuf.AdoptStream(0, appStream)
 		require.Error(t, err, "adopted twice")
-		require.NoError(t, b.WaitOn(s))
-		clear(hb)
-		require.NoError(t, devicebuf.CopyAsync(s, host, b))
-		require.NoError(t, s.Synchronize())
-		requireBytes(t, want, hb, "a copy queued on the application's stream after WaitOn")
+		requireBytes(t, want, readOn(t, s, b), "a copy queued on the application's stream after WaitOn")
 		require.NoError(t, s.Close()) // lets go of the stream, does not destroy it
 		s2, err := devicebuf.AdoptStream(0, appStream)
 		require.NoError(t, err, "adoptable again once let go")
 		require.NoError(t, s2.Close())
-		require.NoError(t, b.Release())
-		require.NoError(t, dst.Release())
 	})
 
 	require.NoError(t, sender.Close())

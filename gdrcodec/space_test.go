@@ -170,19 +170,36 @@ func TestReceiveSpaceFromTheReceiveAllocator(t *testing.T) {
 	require.Eventually(t, func() bool { return pool.Stats().InUse == 0 }, 10*time.Second, time.Millisecond)
 }
 
+// fakeGPUSpaceRig is a rig on a fake GPU between trusted peers whose
+// payloads go by CUDA IPC: the server's in GPU memory, the client receiving
+// into GPU memory with a 16 MiB space. closeAll closes the client and waits
+// until no session, space or devicebuf object of the test is left.
+func fakeGPUSpaceRig(t *testing.T, streamOrdered bool) (*devicebuftest.GPU, *rig, func()) {
+	t.Helper()
+	g := devicebuftest.Install(t, 1)
+	gpu, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	base := devicebuf.Live()
+	r := newRig(t, transport.ModeTCP, &tensor.Server{Alloc: gpu}, gdrpc.WithTrustPeers())
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Paths: oob.PathCUDAIPC, ReceiveSpace: 16 << 20, StreamOrdered: streamOrdered})
+	gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
+	t.Cleanup(func() { gdrcodec.Register() })
+	return g, r, func() {
+		t.Helper()
+		require.NoError(t, r.cc.Close())
+		require.Eventually(t, func() bool {
+			st := oob.ReadStats()
+			return transport.ReadStats().Sessions == 0 && st.Spaces+st.PeerSpaces == 0 && devicebuf.Live().Sub(base).IsZero()
+		}, 10*time.Second, time.Millisecond, "left: %+v", devicebuf.Live().Sub(base))
+	}
+}
+
 // GPU memory over CUDA IPC (a fake GPU): the client advertises a region of
 // its GPU allocator's memory, the server copies into it device to device,
 // and a received buffer goes back out (the server pulls it from the space).
 // Once the session is gone, no GPU memory or IPC mapping is left.
 func TestReceiveSpaceCUDAIPC(t *testing.T) {
-	devicebuftest.Install(t, 1)
-	gpu, err := devicebuf.NewCUDAAllocator(0)
-	require.NoError(t, err)
-	base := devicebuf.Live()
-	r := newRig(t, transport.ModeTCP, &tensor.Server{Alloc: gpu}, gdrpc.WithTrustPeers())
-	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Paths: oob.PathCUDAIPC, ReceiveSpace: 16 << 20})
-	gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
-	t.Cleanup(func() { gdrcodec.Register() })
+	_, r, closeAll := fakeGPUSpaceRig(t, false)
 
 	const n = 3<<20 + 5
 	for i := range 4 {
@@ -202,11 +219,7 @@ func TestReceiveSpaceCUDAIPC(t *testing.T) {
 	require.Equal(t, map[string]int{"cuda-ipc": 4 + 1, "cuda-ipc@space": 3}, r.paths.reset(), "responses after the first land; requests are pulled")
 	// Both ends closed: the server's mapping of the space (closed once its
 	// session is), and the space.
-	require.NoError(t, r.cc.Close())
-	require.Eventually(t, func() bool {
-		st := oob.ReadStats()
-		return transport.ReadStats().Sessions == 0 && st.Spaces+st.PeerSpaces == 0 && devicebuf.Live().Sub(base).IsZero()
-	}, 10*time.Second, time.Millisecond, "left: %+v", devicebuf.Live().Sub(base))
+	closeAll()
 }
 
 // With stream-ordered completion a payload the server's queued copy is
@@ -214,14 +227,7 @@ func TestReceiveSpaceCUDAIPC(t *testing.T) {
 // work queued on a stream after WaitOn. The fake runs a queued copy only
 // when something waits for it.
 func TestReceiveSpaceStreamOrdered(t *testing.T) {
-	g := devicebuftest.Install(t, 1)
-	gpu, err := devicebuf.NewCUDAAllocator(0)
-	require.NoError(t, err)
-	base := devicebuf.Live()
-	r := newRig(t, transport.ModeTCP, &tensor.Server{Alloc: gpu}, gdrpc.WithTrustPeers())
-	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Paths: oob.PathCUDAIPC, ReceiveSpace: 16 << 20, StreamOrdered: true})
-	gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
-	t.Cleanup(func() { gdrcodec.Register() })
+	g, r, closeAll := fakeGPUSpaceRig(t, true)
 
 	const n = 1<<20 + 3
 	gdrcodec.ReleaseAll(makeChecked(t, r, n, 1)) // pulled: the client then advertises
@@ -256,11 +262,7 @@ func TestReceiveSpaceStreamOrdered(t *testing.T) {
 	}
 	require.NoError(t, host.Release())
 	require.Equal(t, 2, r.paths.takeQueued())
-	require.NoError(t, r.cc.Close())
-	require.Eventually(t, func() bool {
-		st := oob.ReadStats()
-		return transport.ReadStats().Sessions == 0 && st.Spaces+st.PeerSpaces == 0 && devicebuf.Live().Sub(base).IsZero()
-	}, 10*time.Second, time.Millisecond, "left: %+v", devicebuf.Live().Sub(base))
+	closeAll()
 }
 
 // With the default size a session's space grows with its payloads: a

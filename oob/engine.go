@@ -531,7 +531,7 @@ func fetchLocal(d Descriptor, dst *devicebuf.Buffer) (Path, error) {
 	if err != nil {
 		return PathNone, finError(d.Token, &fin{Status: st, Msg: err.Error()})
 	}
-	err = copyFromSource(dst, e.src)
+	err = copyFromSource(dst, e.src, nil)
 	box.checkin(d.Token, e, err == nil)
 	if err != nil {
 		return PathLocal, &TransferError{Token: d.Token, Err: err}
@@ -539,13 +539,19 @@ func fetchLocal(d Descriptor, dst *devicebuf.Buffer) (Path, error) {
 	return PathLocal, nil
 }
 
-func copyFromSource(dst *devicebuf.Buffer, src Source) error {
-	if src.Buffer != nil {
-		return devicebuf.Copy(dst, src.Buffer)
+func copyFromSource(dst *devicebuf.Buffer, src Source, stream *devicebuf.Stream) error {
+	b := src.Buffer
+	if b == nil {
+		b = devicebuf.HostFromBytes(src.Bytes)
+		defer b.Release()
 	}
-	s := devicebuf.HostFromBytes(src.Bytes)
-	defer s.Release()
-	return devicebuf.Copy(dst, s)
+	if stream == nil {
+		return devicebuf.Copy(dst, b)
+	}
+	if err := devicebuf.CopyAsync(stream, dst, b); err != nil {
+		return err
+	}
+	return stream.Synchronize()
 }
 
 // fetchVia pulls d into dst through s. release gives back the pull's
@@ -1190,7 +1196,7 @@ func pushIPC(s *transport.Session, m *rtr, src Source) error {
 		remote.Release()
 		r.End()
 	}()
-	return copyIntoIPC(remote, m, src)
+	return copyIntoIPC(remote, m, src, nil)
 }
 
 // foreignIPC refuses a receiver's IPC handle that names this process's own
@@ -1204,15 +1210,16 @@ func foreignIPC(s *transport.Session, h devicebuf.IPCHandle) error {
 }
 
 // copyIntoIPC copies src where m says in remote, the receiver's allocation
-// opened through its IPC handle, once m's range lies inside it.
-func copyIntoIPC(remote *devicebuf.Buffer, m *rtr, src Source) error {
+// opened through its IPC handle, once m's range lies inside it, and waits for
+// the copy: on stream, after the copies queued there, or alone when nil.
+func copyIntoIPC(remote *devicebuf.Buffer, m *rtr, src Source, stream *devicebuf.Stream) error {
 	dst, err := ipcDestination(remote, m)
 	if err != nil {
 		return err
 	}
 	defer dst.Release()
 	defer trace.StartRegion(context.Background(), "gdrpc.ipc-copy").End()
-	return copyFromSource(dst, src)
+	return copyFromSource(dst, src, stream)
 }
 
 // ipcDestination is the range of remote, an opened allocation, that m names.

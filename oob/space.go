@@ -141,17 +141,17 @@ type span struct{ off, n uint64 }
 
 // spaceState is a session's advertised spaces, both ways.
 type spaceState struct {
+	// advertising is held while this side makes a space and sends its
+	// SPACE: one at a time, and a withdrawal waits for it, so it never
+	// overtakes the SPACE.
+	advertising sync.Mutex
+
 	mu          sync.Mutex
-	advertising bool         // this side is making a space
 	failed      bool         // making one failed: no more
 	withdrawing bool         // the session winds down: no more spaces
 	own         []*space     // advertised to the peer, oldest first
 	peer        []*peerSpace // the peer's, oldest first
 	stopped     bool         // the session ended
-
-	// announce is held from a space's addition to own until its SPACE went:
-	// a withdrawal waits for it, so it never overtakes the SPACE.
-	announce sync.Mutex
 }
 
 // nextSize is the size of the space to advertise after a pull of n bytes
@@ -196,22 +196,19 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 		return
 	}
 	st := &a.space
+	if !st.advertising.TryLock() {
+		return // another pull is advertising
+	}
+	defer st.advertising.Unlock()
 	st.mu.Lock()
 	size := 0
-	if !st.advertising && !st.failed && !st.stopped && !st.withdrawing {
+	if !st.failed && !st.stopped && !st.withdrawing {
 		size = st.nextSize(c.ReceiveSpace, dst.Len())
 	}
+	st.mu.Unlock()
 	if size == 0 {
-		st.mu.Unlock()
 		return
 	}
-	st.advertising = true
-	st.mu.Unlock()
-	defer func() {
-		st.mu.Lock()
-		st.advertising = false
-		st.mu.Unlock()
-	}()
 	if dst.Kind() == devicebuf.CUDA && ipcAllowed(s) && c.Paths&PathCUDAIPC != 0 {
 		// Into GPU memory on this host the owner copies through the
 		// space's CUDA IPC mapping, opened once: faster than UCX's
@@ -227,8 +224,6 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 		c.Logger.Debug("no receive space advertised", "session", s.ID(), "err", err)
 		return
 	}
-	st.announce.Lock()
-	defer st.announce.Unlock()
 	st.mu.Lock()
 	stopped := st.stopped || st.withdrawing
 	if !stopped {
@@ -576,8 +571,8 @@ func withdrawSpace(a *attached) {
 	st.mu.Lock()
 	st.withdrawing = true
 	st.mu.Unlock()
-	st.announce.Lock() // a SPACE on its way goes first
-	st.announce.Unlock()
+	st.advertising.Lock() // a SPACE on its way goes first
+	st.advertising.Unlock()
 	st.mu.Lock()
 	own := slices.Clone(st.own)
 	st.mu.Unlock()
@@ -793,9 +788,6 @@ func (p *peerSpace) copyInto(s *transport.Session, m *rtr, off uint64, src Sourc
 	}
 	defer mapping.Release()
 	q, ev, i := p.eventFor(s, off, mapping.Device(), src)
-	if q == nil {
-		return 0, copyIntoIPC(mapping, m, src) // nothing was ever queued into this space
-	}
 	if ev != nil {
 		err := q.copyInto(mapping, m, src.Buffer, ev)
 		if err == nil {
@@ -804,7 +796,11 @@ func (p *peerSpace) copyInto(s *transport.Session, m *rtr, off uint64, src Sourc
 		p.dropEvent(off, i)
 		cfgOf(s).Logger.Debug("copy into receive space waited for", "session", s.ID(), "err", err)
 	}
-	return 0, q.copyWaited(mapping, m, src)
+	var stream *devicebuf.Stream // nil: nothing was ever queued into this space
+	if q != nil {
+		stream = q.stream
+	}
+	return 0, copyIntoIPC(mapping, m, src, stream)
 }
 
 // eventFor returns the space's copy queue and, for a GPU source, a free
@@ -964,26 +960,6 @@ func (q *copyQueue) reap() {
 			return // closed: Close waited for the copies
 		}
 	}
-}
-
-// copyWaited copies src into the range of mapping that m names on the
-// queue's stream, after the copies queued before, and waits for it.
-func (q *copyQueue) copyWaited(mapping *devicebuf.Buffer, m *rtr, src Source) error {
-	dst, err := ipcDestination(mapping, m)
-	if err != nil {
-		return err
-	}
-	defer dst.Release()
-	defer trace.StartRegion(context.Background(), "gdrpc.ipc-copy").End()
-	b := src.Buffer
-	if b == nil {
-		b = devicebuf.HostFromBytes(src.Bytes)
-		defer b.Release()
-	}
-	if err := devicebuf.CopyAsync(q.stream, dst, b); err != nil {
-		return err
-	}
-	return q.stream.Synchronize()
 }
 
 // close waits for the queued copies and ends the queue.

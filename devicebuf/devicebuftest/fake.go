@@ -698,10 +698,9 @@ func (g *GPU) StreamWaitEvent(s driver.Stream, e driver.Event) error {
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	st, ok := g.streams[s]
-	ev, ok2 := g.events[e]
-	if !ok || !ok2 {
-		return cuError("cuStreamWaitEvent", 400, "CUDA_ERROR_INVALID_HANDLE", "unknown stream or event")
+	st, ev, err := g.streamEventLocked("cuStreamWaitEvent", s, e)
+	if err != nil {
+		return err
 	}
 	if rec := ev.rec.stream; rec != 0 && rec != s {
 		st.pending = append(st.pending, func() error { return g.syncIfLive(rec) })
@@ -742,13 +741,22 @@ func (g *GPU) EventRecord(e driver.Event, s driver.Stream) error {
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	ev, ok := g.events[e]
-	_, ok2 := g.streams[s]
-	if !ok || !ok2 {
-		return cuError("cuEventRecord", 400, "CUDA_ERROR_INVALID_HANDLE", "unknown stream or event")
+	_, ev, err := g.streamEventLocked("cuEventRecord", s, e)
+	if err != nil {
+		return err
 	}
 	ev.rec.stream = s
 	return nil
+}
+
+// streamEventLocked looks up stream s and event e for op (g.mu held).
+func (g *GPU) streamEventLocked(op string, s driver.Stream, e driver.Event) (*fakeStream, *fakeEvent, error) {
+	st, ok := g.streams[s]
+	ev, ok2 := g.events[e]
+	if !ok || !ok2 {
+		return nil, nil, cuError(op, 400, "CUDA_ERROR_INVALID_HANDLE", "unknown stream or event")
+	}
+	return st, ev, nil
 }
 
 func (g *GPU) EventSynchronize(e driver.Event) error {

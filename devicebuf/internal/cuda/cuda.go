@@ -832,13 +832,18 @@ func (d *real) StreamDisown(s driver.Stream) error {
 	return nil
 }
 
+// streamEventCtx returns the context of stream s for a call that also takes event e.
+func (d *real) streamEventCtx(s driver.Stream, e driver.Event) (C.CUcontext, error) {
+	if _, ok := d.events.Load(e); !ok {
+		return nil, fmt.Errorf("unknown event %#x", uintptr(e))
+	}
+	return d.streamCtx(s)
+}
+
 func (d *real) StreamWaitEvent(s driver.Stream, e driver.Event) error {
-	c, err := d.streamCtx(s)
+	c, err := d.streamEventCtx(s, e)
 	if err != nil {
 		return err
-	}
-	if _, ok := d.events.Load(e); !ok {
-		return fmt.Errorf("unknown event %#x", uintptr(e))
 	}
 	return cuErr("cuStreamWaitEvent", C.gdr_cu_stream_wait_event(c, C.uintptr_t(s), C.uintptr_t(e)))
 }
@@ -874,12 +879,9 @@ func (d *real) EventCreate(dev int, interprocess bool) (driver.Event, error) {
 }
 
 func (d *real) EventRecord(e driver.Event, s driver.Stream) error {
-	c, err := d.streamCtx(s)
+	c, err := d.streamEventCtx(s, e)
 	if err != nil {
 		return err
-	}
-	if _, ok := d.events.Load(e); !ok {
-		return fmt.Errorf("unknown event %#x", uintptr(e))
 	}
 	return cuErr("cuEventRecord", C.gdr_cu_event_record(c, C.uintptr_t(e), C.uintptr_t(s)))
 }
@@ -911,10 +913,7 @@ func (d *real) IpcGetEventHandle(e driver.Event) ([driver.IPCHandleSize]byte, er
 	if err := cuErr("cuIpcGetEventHandle", C.gdr_cu_ipc_event_get(c, C.uintptr_t(e), &buf[0])); err != nil {
 		return h, err
 	}
-	for i := range h {
-		h[i] = byte(buf[i])
-	}
-	return h, nil
+	return handleFromC(&buf), nil
 }
 
 func (d *real) IpcOpenEventHandle(dev int, h [driver.IPCHandleSize]byte) (driver.Event, error) {
@@ -922,10 +921,7 @@ func (d *real) IpcOpenEventHandle(dev int, h [driver.IPCHandleSize]byte) (driver
 	if err != nil {
 		return 0, err
 	}
-	var buf [driver.IPCHandleSize]C.char
-	for i := range h {
-		buf[i] = C.char(h[i])
-	}
+	buf := handleToC(h)
 	var e C.CUevent
 	if err := cuErr("cuIpcOpenEventHandle", C.gdr_cu_ipc_event_open(c, &buf[0], &e)); err != nil {
 		return 0, err
@@ -962,10 +958,7 @@ func (d *real) IpcGetMemHandle(dev int, p uintptr) ([driver.IPCHandleSize]byte, 
 	if err := cuErr("cuIpcGetMemHandle", C.gdr_cu_ipc_get(c, C.CUdeviceptr(p), &buf[0])); err != nil {
 		return h, err
 	}
-	for i := range h {
-		h[i] = byte(buf[i])
-	}
-	return h, nil
+	return handleFromC(&buf), nil
 }
 
 func (d *real) IpcOpenMemHandle(dev int, h [driver.IPCHandleSize]byte) (uintptr, error) {
@@ -973,15 +966,27 @@ func (d *real) IpcOpenMemHandle(dev int, h [driver.IPCHandleSize]byte) (uintptr,
 	if err != nil {
 		return 0, err
 	}
-	var buf [driver.IPCHandleSize]C.char
-	for i := range h {
-		buf[i] = C.char(h[i])
-	}
+	buf := handleToC(h)
 	var p C.CUdeviceptr
 	if err := cuErr("cuIpcOpenMemHandle", C.gdr_cu_ipc_open(c, &buf[0], &p)); err != nil {
 		return 0, err
 	}
 	return uintptr(p), nil
+}
+
+// handleFromC and handleToC convert an IPC handle (memory or event) between Go and C.
+func handleFromC(buf *[driver.IPCHandleSize]C.char) (h [driver.IPCHandleSize]byte) {
+	for i := range h {
+		h[i] = byte(buf[i])
+	}
+	return h
+}
+
+func handleToC(h [driver.IPCHandleSize]byte) (buf [driver.IPCHandleSize]C.char) {
+	for i := range h {
+		buf[i] = C.char(h[i])
+	}
+	return buf
 }
 
 func (d *real) IpcCloseMemHandle(dev int, p uintptr) error {
