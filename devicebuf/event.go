@@ -71,6 +71,20 @@ func (e *Event) Synchronize() error {
 	return nil
 }
 
+// Query reports whether the work the event last captured is complete, without waiting.
+func (e *Event) Query() (bool, error) {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	if e.closed {
+		return false, fmt.Errorf("devicebuf: event: %w", net.ErrClosed)
+	}
+	done, err := e.d.EventQuery(e.e)
+	if err != nil {
+		return false, fmt.Errorf("devicebuf: cuEventQuery: %w", err)
+	}
+	return done, nil
+}
+
 // Close destroys the event. It is idempotent.
 func (e *Event) Close() error {
 	e.mu.Lock()
@@ -150,10 +164,16 @@ func (b *Buffer) Wait() error {
 
 // WaitOn orders the work queued on s after this call behind the buffer's arrival, without
 // blocking the caller: kernels of the application on s then read the arrived bytes. A
-// buffer that is not Pending needs nothing.
+// buffer that is not Pending, or whose bytes are in place already, needs nothing: the
+// buffer then stops being Pending, and s gets no wait (a wait on an event of another
+// process can hold a stream up long after the event completed).
 func (b *Buffer) WaitOn(s *Stream) error {
 	ev := b.a.arrival.Load()
 	if ev == nil {
+		return nil
+	}
+	if done, err := ev.Query(); err == nil && done {
+		b.a.arrival.CompareAndSwap(ev, nil)
 		return nil
 	}
 	return s.Wait(ev)

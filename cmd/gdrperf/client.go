@@ -127,6 +127,12 @@ type bench struct {
 
 	rpcFloor time.Duration // a plain 1 KiB unary call, median; measured once
 
+	// drain, when set, runs after each goroutine of a batch made its calls
+	// (and, with one goroutine, after each call), inside the timing: with
+	// -stream-ordered, it waits for the copies the goroutine's stream was
+	// ordered after.
+	drain func(w int) error
+
 	transport string // of the gdrpc session, once known
 	lanes     string // UCX transports of the session's endpoint, once known
 }
@@ -339,7 +345,20 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 	}
 	crc := tensor.ChecksumBytes(pat)
 	b.metrics.take()
-	call := func(cctx context.Context, _ int, first bool) (func() error, error) {
+	var streams []*devicebuf.Stream // per goroutine, with -stream-ordered
+	if b.o.ordered {
+		for range b.o.inflight {
+			s, err := devicebuf.NewStream(b.o.device)
+			if err != nil {
+				return err
+			}
+			defer s.Close()
+			streams = append(streams, s)
+		}
+		b.drain = func(w int) error { return streams[w].Synchronize() }
+		defer func() { b.drain = nil }()
+	}
+	call := func(cctx context.Context, w int, first bool) (func() error, error) {
 		defer trace.StartRegion(cctx, "gdrperf.call").End()
 		var p peer.Peer
 		var err error
@@ -348,6 +367,9 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 			t, err = b.gdrpc.Make(cctx, &tensorpb.Sized{Size: uint64(size), Seed: seedFor(size)}, grpc.Peer(&p))
 			if err == nil && first {
 				err = checkTensor(t, pat)
+			}
+			if err == nil && streams != nil {
+				err = waitOn(t, streams[w])
 			}
 			gdrcodec.ReleaseAll(t)
 		} else {
@@ -412,6 +434,17 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 	r.GDRPCMiBs = rate
 	r.TransferMiBs = medianRate(size, xfers)
 	return nil
+}
+
+// waitOn orders stream s after the copy that fills t's payload, if it is
+// still on its way (a Pending buffer): as an application's kernels would
+// queue behind it.
+func waitOn(t *tensorpb.Tensor, s *devicebuf.Stream) error {
+	buf, ok := gdrcodec.Buffer(t.GetData())
+	if !ok {
+		return errors.New("the response carries no payload buffer")
+	}
+	return buf.WaitOn(s)
 }
 
 // noteSession records what the gdrpc connection runs over.
@@ -614,6 +647,9 @@ func (b *bench) batch(ctx context.Context, call callFunc, workers, n int, verify
 				cctx, ccancel := b.callCtx(ctx, verified)
 				t0 := time.Now()
 				check, err := call(cctx, w, verified)
+				if err == nil && b.drain != nil && (workers == 1 || i == n-1) {
+					err = b.drain(w)
+				}
 				d := time.Since(t0)
 				ccancel()
 				if err == nil && check != nil {

@@ -48,6 +48,7 @@ type options struct {
 	perftest  string // ucx_perftest binary; "" looks it up, "none" skips
 	paths     string // the -paths flag, as given (passed to the child)
 	trust     bool   // the -trust-peers flag (passed to the child)
+	ordered   bool   // -stream-ordered: take Pending GPU payloads, order a stream after them
 	pathMask  oob.Path
 	callLimit time.Duration
 	verbose   bool
@@ -87,6 +88,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.paths, "paths", "all", "out-of-band paths transfers may take: all, or a comma list of cuda-ipc, rdma (covers staged), stream (always allowed); give the same on both ends")
 	space := fs.String("receive-space", "", `receive space the client advertises to a trusted server (gdrpc.WithReceiveSpace): a size, or 0 for none; "" keeps the default`)
 	fs.DurationVar(&o.callLimit, "call-timeout", time.Minute, "bound of each measured call")
+	fs.BoolVar(&o.ordered, "stream-ordered", false, "client: take payloads that land in GPU receive space before their copy ends (gdrpc.WithStreamOrdered) and order a stream of the calling goroutine after each; a goroutine's calls end after its stream has caught up, so with -inflight 1 every call includes its copy (needs -recv cuda, -op pull)")
 	fs.BoolVar(&o.trust, "trust-peers", false, "set TransferConfig.TrustPeers on both ends: pool-region keys and puts over shared memory; give the same on both ends")
 	fs.BoolVar(&o.baselines, "baselines", true, "measure the baselines (plain gRPC, ucx_perftest, dtod, naive); false measures gdrpc alone, e.g. for -cpuprofile")
 	fs.BoolVar(&o.verbose, "v", false, "log the UCX lanes of the gdrpc session")
@@ -151,6 +153,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, errors.New("-server and -connect exclude each other")
 	case o.callLimit <= 0:
 		return nil, fmt.Errorf("-call-timeout %v: want a positive duration", o.callLimit)
+	case o.ordered && (o.recv != "cuda" || o.op != "pull"):
+		return nil, errors.New("-stream-ordered needs -recv cuda (or -mem cuda) and -op pull")
 	}
 	return o, nil
 }
@@ -198,6 +202,9 @@ func (o *options) faceOptions() []gdrpc.Option {
 	}
 	if o.space != 0 {
 		opts = append(opts, gdrpc.WithReceiveSpace(o.space))
+	}
+	if o.ordered {
+		opts = append(opts, gdrpc.WithStreamOrdered())
 	}
 	return opts
 }

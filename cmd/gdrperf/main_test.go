@@ -173,7 +173,9 @@ func TestTable(t *testing.T) {
 
 func TestCUDA(t *testing.T) {
 	var out, errb bytes.Buffer
-	args := []string{"-sizes", "1MiB", "-iters", "2", "-warmup", "1", "-mem", "cuda", "-perftest", "none"}
+	// CUDA IPC and UCX sessions are for trusted peers only; without a receive
+	// space every call takes the path it names.
+	args := []string{"-sizes", "1MiB", "-iters", "2", "-warmup", "1", "-mem", "cuda", "-perftest", "none", "-trust-peers", "-receive-space", "0"}
 	if err := devicebuf.CUDAAvailable(); err != nil {
 		if testenv.Required("cuda") {
 			t.Fatalf("CUDA required: %v", err)
@@ -185,12 +187,17 @@ func TestCUDA(t *testing.T) {
 		require.Empty(t, out.String())
 		return
 	}
-	// GPU to GPU on one host: CUDA IPC, with the device-to-device copy and the
-	// naive way beside it.
+	// GPU to GPU on one host: CUDA IPC (UCX's cuda_ipc lane where UCX moves
+	// GPU memory: the default on one device), with the device-to-device copy
+	// and the naive way beside it.
+	oneDevice := "cuda-ipc"
+	if rc, err := rdma.Default(); err == nil && rc.Info().HasMemoryType(rdma.MemoryCUDA) {
+		oneDevice = "rdma/cuda"
+	}
 	rs := gdrperf(t, args...)
 	require.Len(t, rs, 1)
 	r := rs[0]
-	require.Equal(t, "cuda-ipc", r.Path, "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
+	require.Equal(t, oneDevice, r.Path, "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
 	require.Positive(t, r.GDRPCMiBs)
 	require.NotNil(t, r.DtoDMiBs, "notes: %v", r.Notes)
 	require.NotNil(t, r.NaiveMiBs, "notes: %v", r.Notes)
@@ -203,10 +210,21 @@ func TestCUDA(t *testing.T) {
 	require.Len(t, rs, 1)
 	r = rs[0]
 	require.Equal(t, 3, r.Inflight)
-	require.Equal(t, "cuda-ipc", r.Path, "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
+	require.Equal(t, oneDevice, r.Path, "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
 	require.Positive(t, r.GDRPCMiBs)
 	require.NotNil(t, r.VsDtoD, "notes: %v", r.Notes)
 	require.NotNil(t, r.VsNaive, "notes: %v", r.Notes)
+
+	// Stream-ordered: the payloads land in the client's receive space and are
+	// handed out before their copies end; each goroutine's stream catches up
+	// before its last call is timed.
+	// The space is advertised after the first pull, so the first measured
+	// calls may still take the rendezvous.
+	rs = gdrperf(t, append(args, "-receive-space", "64MiB", "-stream-ordered", "-inflight", "3", "-warmup", "3")...)
+	require.Len(t, rs, 1)
+	r = rs[0]
+	require.Contains(t, strings.Split(r.Path, "+"), "cuda-ipc@space", "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
+	require.Positive(t, r.GDRPCMiBs)
 
 	// Between two GPUs of one host: the server on GPU 1, cuda-ipc across
 	// devices against an in-process peer copy, pulled and pushed.
@@ -234,7 +252,9 @@ func TestCUDA(t *testing.T) {
 		r = rs[0]
 		want := "staged"
 		if rc.Info().HasMemoryType(rdma.MemoryCUDA) {
-			want = "rdma" // UCX moves GPU memory itself; this side's memory is host
+			// UCX moves GPU memory itself. The route names this side's
+			// memory: host where it receives, the GPU source where it pushes.
+			want = map[string]string{"pull": "rdma", "push": "rdma/cuda"}[op]
 		}
 		require.Equal(t, want, r.Path, "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
 		require.NotNil(t, r.D2HMiBs, "notes: %v", r.Notes)
@@ -260,6 +280,8 @@ func TestFlags(t *testing.T) {
 		{name: "inflight", args: []string{"-inflight", "0"}, err: "-inflight"},
 		{name: "both ends", args: []string{"-server", ":1", "-connect", "h:1"}, err: "exclude"},
 		{name: "extra", args: []string{"x"}, err: "unexpected"},
+		{name: "stream-ordered host", args: []string{"-stream-ordered"}, err: "-recv cuda"},
+		{name: "stream-ordered push", args: []string{"-stream-ordered", "-mem", "cuda", "-op", "push"}, err: "-op pull"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -777,6 +777,22 @@ func (g *GPU) EventSynchronize(e driver.Event) error {
 	return g.syncIfLive(rec)
 }
 
+// EventQuery reports an event complete once the stream it was recorded on holds no
+// deferred copies (or is gone): the fake runs them when that stream is synchronized.
+func (g *GPU) EventQuery(e driver.Event) (bool, error) {
+	if g.absent != nil {
+		return false, g.absent
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	ev, ok := g.events[e]
+	if !ok {
+		return false, cuError("cuEventQuery", 400, "CUDA_ERROR_INVALID_HANDLE", "unknown event")
+	}
+	st, live := g.streams[ev.rec.stream]
+	return !live || len(st.pending) == 0, nil
+}
+
 func (g *GPU) EventDestroy(e driver.Event) error {
 	if g.absent != nil {
 		return g.absent

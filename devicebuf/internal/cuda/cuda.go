@@ -55,6 +55,7 @@ static struct {
 	CUresult (*cuEventCreate)(CUevent *, unsigned int);
 	CUresult (*cuEventRecord)(CUevent, CUstream);
 	CUresult (*cuEventSynchronize)(CUevent);
+	CUresult (*cuEventQuery)(CUevent);
 	CUresult (*cuEventDestroy)(CUevent);
 	CUresult (*cuIpcGetEventHandle)(CUipcEventHandle *, CUevent);
 	CUresult (*cuIpcOpenEventHandle)(CUevent *, CUipcEventHandle);
@@ -115,6 +116,7 @@ static const char *gdr_cu_load(const char *name) {
 	SYM(cuEventCreate, "cuEventCreate");
 	SYM(cuEventRecord, "cuEventRecord");
 	SYM(cuEventSynchronize, "cuEventSynchronize");
+	SYM(cuEventQuery, "cuEventQuery");
 	SYM2(cuEventDestroy, "cuEventDestroy_v2", "cuEventDestroy");
 	SYM(cuIpcGetEventHandle, "cuIpcGetEventHandle");
 	SYM(cuIpcOpenEventHandle, "cuIpcOpenEventHandle");
@@ -306,6 +308,10 @@ static CUresult gdr_cu_event_record(CUcontext c, uintptr_t e, uintptr_t s) {
 
 static CUresult gdr_cu_event_sync(CUcontext c, uintptr_t e) {
 	GDR_IN_CTX(c, gdr_cu.cuEventSynchronize((CUevent)e));
+}
+
+static CUresult gdr_cu_event_query(CUcontext c, uintptr_t e) {
+	GDR_IN_CTX(c, gdr_cu.cuEventQuery((CUevent)e));
 }
 
 static CUresult gdr_cu_event_destroy(CUcontext c, uintptr_t e) {
@@ -892,6 +898,21 @@ func (d *real) EventSynchronize(e driver.Event) error {
 		return err
 	}
 	return cuErr("cuEventSynchronize", C.gdr_cu_event_sync(c, C.uintptr_t(e)))
+}
+
+// cudaErrorNotReady is CUDA_ERROR_NOT_READY: cuEventQuery's answer for work not yet done.
+const cudaErrorNotReady = 600
+
+func (d *real) EventQuery(e driver.Event) (bool, error) {
+	c, err := d.eventCtx(e)
+	if err != nil {
+		return false, err
+	}
+	r := C.gdr_cu_event_query(c, C.uintptr_t(e))
+	if r == cudaErrorNotReady {
+		return false, nil
+	}
+	return r == 0, cuErr("cuEventQuery", r)
 }
 
 func (d *real) EventDestroy(e driver.Event) error {

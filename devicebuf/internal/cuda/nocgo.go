@@ -37,6 +37,7 @@ func (absent) StreamDisown(driver.Stream) error                   { return errAb
 func (absent) EventCreate(int, bool) (driver.Event, error)        { return 0, errAbsent }
 func (absent) EventRecord(driver.Event, driver.Stream) error      { return errAbsent }
 func (absent) EventSynchronize(driver.Event) error                { return errAbsent }
+func (absent) EventQuery(driver.Event) (bool, error)              { return false, errAbsent }
 func (absent) EventDestroy(driver.Event) error                    { return errAbsent }
 func (absent) IpcGetEventHandle(driver.Event) ([64]byte, error)   { return [64]byte{}, errAbsent }
 func (absent) IpcOpenEventHandle(int, [64]byte) (driver.Event, error) {

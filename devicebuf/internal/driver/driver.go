@@ -109,6 +109,8 @@ type Driver interface {
 	// EventSynchronize waits until the work e last captured is complete (at once for an
 	// event never recorded).
 	EventSynchronize(e Event) error
+	// EventQuery reports whether the work e last captured is complete, without waiting.
+	EventQuery(e Event) (bool, error)
 	EventDestroy(e Event) error
 
 	// FlushRDMAWrites calls cuFlushGPUDirectRDMAWrites(current context, to owner).
