@@ -36,7 +36,11 @@
 // GPUDirect RDMA, "rdma" an RDMA transfer of host memory, "cuda-ipc",
 // "staged", "stream", "local"), path (the oob.Path), direction
 // ("receive" on the side that pulled the bytes, "send" on the owner's), memory
-// ("host" or "cuda", this side's buffer) and outcome ("ok" or "error"). A
+// ("host" or "cuda", this side's buffer), advertised (true for a payload the
+// owner wrote into receive space the receiver advertised, no rendezvous) and
+// outcome ("ok" or "error"). An advertised transfer also carries queued
+// (true when the owner's copy could still run as its message went, and the
+// receiver waited for it or handed the buffer out Pending). A
 // failed transfer also carries error.type, the kind of its
 // oob.TransferError ("timeout", "not_found", "unavailable",
 // "exhausted", "invalid", "canceled", "failed", or "_OTHER"), and counts its

@@ -97,6 +97,9 @@ const (
 	pushHost  = "advertised=false,direction=send,memory=host,outcome=ok,path=rdma,route=rdma"
 	pullStale = "advertised=false,direction=receive,error.type=not_found,memory=host,outcome=error,path=stream,route=stream"
 	pullOther = "advertised=false,direction=receive,error.type=_OTHER,memory=host,outcome=error,path=none,route=none"
+	// Into advertised receive space, the owner's copy queued or waited for.
+	landedQueued = "advertised=true,direction=receive,memory=cuda,outcome=ok,path=cuda-ipc,queued=true,route=cuda-ipc"
+	landedHost   = "advertised=true,direction=receive,memory=host,outcome=ok,path=rdma,queued=false,route=rdma"
 )
 
 func TestTransfer(t *testing.T) {
@@ -108,22 +111,28 @@ func TestTransfer(t *testing.T) {
 	m.Transfer(oob.TransferInfo{Path: oob.PathStream, Memory: devicebuf.Host, Pull: true, Bytes: 1000, Elapsed: time.Second,
 		Err: fmt.Errorf("fetch: %w", &oob.TransferError{Kind: oob.TransferNotFound, Err: errors.New("owner refused: token 0badc0de unknown")})})
 	m.Transfer(oob.TransferInfo{Path: oob.PathNone, Memory: devicebuf.Host, Pull: true, Bytes: 0, Elapsed: 2 * time.Second, Err: errors.New("no memory at 0x7f00")})
+	m.Transfer(oob.TransferInfo{Path: oob.PathCUDAIPC, Memory: devicebuf.CUDA, Pull: true, Bytes: 8 << 20, Elapsed: time.Microsecond, Advertised: true, Queued: true})
+	m.Transfer(oob.TransferInfo{Path: oob.PathRDMA, Memory: devicebuf.Host, Pull: true, Bytes: 2 << 20, Elapsed: time.Microsecond, Advertised: true})
 
 	r := h.collect(t)
 	require.Equal(t, map[string]int64{
-		pullCUDA:  64 << 20,
-		pushHost:  4 << 20,
-		pullStale: 1000,
+		pullCUDA:     64 << 20,
+		pushHost:     4 << 20,
+		pullStale:    1000,
+		landedQueued: 8 << 20,
+		landedHost:   2 << 20,
 	}, r.sum(t, "gdrpc.transfer.io", "By", true))
 	require.Equal(t, map[string]int64{
-		pullCUDA:  1,
-		pushHost:  2,
-		pullStale: 1,
-		pullOther: 1,
+		pullCUDA:     1,
+		pushHost:     2,
+		pullStale:    1,
+		pullOther:    1,
+		landedQueued: 1,
+		landedHost:   1,
 	}, r.sum(t, "gdrpc.transfers", "{transfer}", true))
 
 	durations := r.histogram(t, "gdrpc.transfer.duration", "s")
-	require.Len(t, durations, 4)
+	require.Len(t, durations, 6)
 	push := durations[pushHost]
 	require.Equal(t, uint64(2), push.Count)
 	require.InDelta(t, 0.001, push.Sum, 1e-12)

@@ -18,6 +18,7 @@ const (
 	keyDirection attribute.Key = "direction"  // "receive" (this side pulled the bytes) or "send"
 	keyMemory    attribute.Key = "memory"     // this side's memory: "host" or "cuda"
 	keyAdvertise attribute.Key = "advertised" // true: into receive space the receiver advertised, no rendezvous
+	keyQueued    attribute.Key = "queued"     // on advertised=true: the owner's copy could still run when its message went (TransferInfo.Queued)
 	keyOutcome   attribute.Key = "outcome"    // "ok" or "error"
 	keyErrorType attribute.Key = "error.type" // on outcome=error: the oob.TransferErrorKind, or "_OTHER"
 	keyWanted    attribute.Key = "wanted"     // a fallback's better path
@@ -42,6 +43,7 @@ type transferKey struct {
 	memory    devicebuf.Kind
 	pull      bool
 	advertise bool
+	queued    bool
 	errorType string // "" for a transfer that succeeded
 }
 
@@ -57,6 +59,9 @@ func transferAttrs(k transferKey) []attribute.KeyValue {
 		keyMemory.String(k.memory.String()),
 		keyAdvertise.Bool(k.advertise),
 	}
+	if k.advertise {
+		kv = append(kv, keyQueued.Bool(k.queued))
+	}
 	if k.errorType == "" {
 		return append(kv, keyOutcome.String(outcomeOK))
 	}
@@ -66,7 +71,7 @@ func transferAttrs(k transferKey) []attribute.KeyValue {
 // Transfer records one finished transfer: its bytes, one transfer and its
 // duration, under the same attributes.
 func (r *Recorder) Transfer(info oob.TransferInfo) {
-	o := r.transferOpts.get(transferKey{path: info.Path, memory: info.Memory, pull: info.Pull, advertise: info.Advertised, errorType: errorType(info.Err)})
+	o := r.transferOpts.get(transferKey{path: info.Path, memory: info.Memory, pull: info.Pull, advertise: info.Advertised, queued: info.Queued, errorType: errorType(info.Err)})
 	ctx := context.Background()
 	if info.Bytes > 0 {
 		r.transferIO.Add(ctx, info.Bytes, o.add...)
