@@ -298,6 +298,7 @@ func (w *rewriter) offer(src oob.Source, landable bool) oob.Descriptor {
 	opt := oob.OfferOptions{Held: w.hold != nil && !w.hold.once}
 	var d oob.Descriptor
 	if landable && w.to != nil && w.hold == nil {
+		opt.Call = w.to.clientCall()
 		if d = oob.OfferTo(w.to.s, src, opt); d.Space != 0 {
 			w.landed = append(w.landed, d)
 			return d

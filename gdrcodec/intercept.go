@@ -2,8 +2,11 @@ package gdrcodec
 
 import (
 	"context"
+	"io"
+	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
@@ -235,17 +238,29 @@ func (h *hold) release() {
 // UnaryClientInterceptor holds a request's payloads until the call returns,
 // releases what the response brought when the call fails (the caller never
 // sees it), and returns the status of an out-of-band transfer that failed
-// while the response was being decoded, where gRPC reports Internal.
+// while the response was being decoded, where gRPC reports Internal. While
+// this process advertises receive space, it numbers the call (numberCall),
+// and a call that fails tells the server, which takes back the space of a
+// response the call never decoded.
 func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		h := &hold{}
 		if _, busy := holds.LoadOrStore(req, h); busy {
 			h = nil // the same message in two calls at once: the first call holds it
 		}
+		ctx, call := numberCall(ctx)
 		rc := expectReceive(ctx, reply, false)
 		err := rc.done(reply, invoker(context.WithValue(ctx, recvKey{}, rc), method, req, reply, cc, opts...))
 		if m := messageV2Of(reply); err != nil && m != nil {
 			ReleaseAll(m)
+		}
+		if err != nil && call != nil {
+			// The response, if one came, came over the session its header
+			// did (clientStats): a call is not retried once headers came.
+			rc.mu.Lock()
+			rctx := rc.ctx
+			rc.mu.Unlock()
+			call.Ended(transport.SessionFromContext(rctx))
 		}
 		if h != nil {
 			holds.Delete(req)
@@ -262,20 +277,49 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 // being decoded.
 func StreamClientInterceptor() grpc.StreamClientInterceptor {
 	return func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+		ctx, call := numberCall(ctx)
 		cs, err := streamer(ctx, desc, cc, method, opts...)
 		if err != nil {
 			return nil, err
 		}
-		s := &heldStream{ClientStream: cs, h: &hold{once: !replayable(cc, method)}}
-		s.stop = context.AfterFunc(cs.Context(), s.h.release)
+		s := &heldStream{ClientStream: cs, h: &hold{once: !replayable(cc, method)}, call: call, serverStreams: desc.ServerStreams}
+		context.AfterFunc(cs.Context(), s.end)
 		return s, nil
 	}
 }
 
+// numberCall gives a client call a number (oob.CallHeader) while this
+// process advertises receive space: the call's pulls note what they took of
+// it (oob.WithCall), and the server notes what it wrote for the call.
+func numberCall(ctx context.Context) (context.Context, *oob.Call) {
+	call := oob.NewCall()
+	if call == nil {
+		return ctx, nil
+	}
+	ctx = metadata.AppendToOutgoingContext(ctx, oob.CallHeader, strconv.FormatUint(call.ID, 16))
+	return oob.WithCall(ctx, call), call
+}
+
 type heldStream struct {
 	grpc.ClientStream
-	h    *hold
-	stop func() bool
+	h             *hold
+	call          *oob.Call
+	serverStreams bool
+	complete      atomic.Bool // every message of the server was received
+	ended         sync.Once
+}
+
+// end runs once the stream is over (its context done, or a receive failed):
+// nobody pulls its requests any more, and a stream that ended before the
+// server's last message was received tells the server, some of whose
+// messages may never be decoded.
+func (s *heldStream) end() {
+	s.ended.Do(func() {
+		s.h.release()
+		if !s.complete.Load() {
+			s.call.Ended(transport.SessionFromContext(s.Context()))
+		}
+	})
 }
 
 func (s *heldStream) SendMsg(m any) error {
@@ -290,10 +334,11 @@ func (s *heldStream) SendMsg(m any) error {
 func (s *heldStream) RecvMsg(m any) error {
 	rc := expectReceive(s.Context(), m, false)
 	err := rc.done(m, s.ClientStream.RecvMsg(m))
+	if err == io.EOF || err == nil && !s.serverStreams {
+		s.complete.Store(true) // a single response, received, ends the stream
+	}
 	if err != nil {
-		// The stream is over: nobody pulls its requests any more.
-		s.stop()
-		s.h.release()
+		s.end()
 	}
 	return err
 }
@@ -407,6 +452,9 @@ type callMessages struct {
 	failed   map[any]*status.Status // request -> its failed pull
 	landed   map[any]landedPayloads // response not yet reported sent -> its payloads in the client's receive space
 	unsent   any                    // a unary call's response until it is reported sent
+	// clientCall is the client's number for the call (oob.CallHeader), 0
+	// if it gave none: what lands in its space is written for that call.
+	clientCall uint64
 }
 
 // decoded ends the call's count in decoding, if it has one.
@@ -439,6 +487,17 @@ func (serverStats) TagRPC(ctx context.Context, info *stats.RPCTagInfo) context.C
 
 func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 	switch s := s.(type) {
+	case *stats.InHeader:
+		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
+			if v := s.Header.Get(oob.CallHeader); len(v) == 1 {
+				n, err := strconv.ParseUint(v[0], 16, 64)
+				c.mu.Lock()
+				if err == nil {
+					c.clientCall = n
+				}
+				c.mu.Unlock()
+			}
+		}
 	case *stats.Begin:
 		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil && !s.IsClientStream && !s.IsServerStream {
 			c.mu.Lock()

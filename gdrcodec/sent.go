@@ -83,6 +83,16 @@ func takeDestination(v any) *destination {
 	return d
 }
 
+// clientCall is the client's number for the call the message answers, or 0.
+func (d *destination) clientCall() uint64 {
+	if d.call == nil {
+		return 0
+	}
+	d.call.mu.Lock()
+	defer d.call.mu.Unlock()
+	return d.call.clientCall
+}
+
 // landed records ds, v's payloads written into the peer's receive space,
 // until v is reported sent; the call's end gives back those of messages
 // never sent (the receiver never learns of them).

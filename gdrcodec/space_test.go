@@ -383,3 +383,47 @@ func TestReceiveSpaceRefusedPayload(t *testing.T) {
 	gdrcodec.ReleaseAll(makeChecked(t, r, mib, 3))
 	require.Equal(t, map[string]int{"rdma@space": 1}, r.paths.reset())
 }
+
+// A response whose payload the server wrote into the client's space, but
+// which the client never decoded, gives its range back once the call ends:
+// a unary response refused before decoding (over the call's receive size),
+// and the messages of a server stream the client cancelled after the first.
+func TestReceiveSpaceUndecodedResponse(t *testing.T) {
+	const mib = 1 << 20
+	r := spaceRig(t, 4*mib)
+	gdrcodec.ReleaseAll(makeChecked(t, r, mib, 1))
+	waitPeerSpace(t)
+	r.paths.reset()
+	for range 5 { // more than the space holds, were the ranges not given back
+		_, err := r.client.Make(context.Background(), &tensorpb.Sized{Size: mib, Seed: 2}, grpc.MaxCallRecvMsgSize(16))
+		require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+		require.Equal(t, map[string]int{}, r.paths.reset(), "the client decoded nothing")
+		require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	st, err := r.client.Download(ctx, &tensorpb.Sized{Size: mib, Seed: 40})
+	require.NoError(t, err)
+	first, err := st.Recv()
+	require.NoError(t, err)
+	b, err := tensor.Bytes(first.Data)
+	require.NoError(t, err)
+	requireBytes(t, pattern(mib, 40), b)
+	require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 4 }, 10*time.Second, time.Millisecond, "the server wrote its four messages")
+	cancel()
+	require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 1 }, 10*time.Second, time.Millisecond, "only the range the client took is left: %+v", oob.ReadStats())
+	require.Equal(t, 1, oob.ReadStats().Landed)
+	gdrcodec.ReleaseAll(first)
+	require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond)
+	require.Equal(t, map[string]int{"rdma@space": 1}, r.paths.reset())
+
+	// The whole space is the server's to write into again.
+	var held []*tensorpb.Tensor
+	for i := range 4 {
+		held = append(held, makeChecked(t, r, mib, uint32(50+i)))
+	}
+	require.Equal(t, map[string]int{"rdma@space": 4}, r.paths.reset())
+	for _, m := range held {
+		gdrcodec.ReleaseAll(m)
+	}
+}

@@ -321,7 +321,7 @@ func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, erro
 	if d.Space != 0 {
 		// The payload is in this process's receive space already: copy it
 		// into dst and give the range back.
-		b, path, err := takeLanded(d)
+		b, path, err := takeLanded(ctx, d)
 		if err != nil {
 			return path, err
 		}
@@ -370,7 +370,7 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 		return nil, PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid, Err: err}
 	}
 	if d.Space != 0 {
-		return takeLanded(d)
+		return takeLanded(ctx, d)
 	}
 	var dst *devicebuf.Buffer
 	allocate := func() error {
@@ -465,12 +465,17 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 	return dst, path, nil
 }
 
-// takeLanded returns the payload d names in this process's receive space.
-func takeLanded(d Descriptor) (*devicebuf.Buffer, Path, error) {
+// takeLanded returns the payload d names in this process's receive space,
+// noting the range in the Call of ctx.
+func takeLanded(ctx context.Context, d Descriptor) (*devicebuf.Buffer, Path, error) {
 	start := time.Now()
-	dst, sp, err := fetchLanded(d)
+	dst, sp, err := fetchLanded(d, callOf(ctx))
 	if err != nil {
-		return nil, d.SpacePath, &TransferError{Token: d.Token, Kind: TransferInvalid, Err: err}
+		kind := TransferInvalid
+		if errors.Is(err, errCallEnded) {
+			kind = TransferCanceled
+		}
+		return nil, d.SpacePath, &TransferError{Token: d.Token, Kind: kind, Err: err}
 	}
 	if dst.Kind() == devicebuf.CUDA && d.SpacePath == PathRDMA {
 		if err := devicebuf.FlushRDMAWrites(dst.Device()); err != nil {

@@ -45,6 +45,10 @@ type OfferOptions struct {
 	Held bool
 	// Lease is the backstop. If zero, DefaultLease.
 	Lease time.Duration
+	// Call is, for OfferTo, the number the client gave the call the message
+	// answers (its CallHeader), or 0: a client that ends the call without
+	// taking the message gets the receive space back (CALL-ENDED).
+	Call uint64
 }
 
 type outboxEntry struct {

@@ -95,6 +95,7 @@ var (
 		ctlSpaceFree:      handleSpaceFree,
 		ctlSpaceWithdraw:  handleSpaceWithdraw,
 		ctlSpaceWithdrawn: handleSpaceWithdrawn,
+		ctlCallEnded:      handleCallEnded,
 	}
 	bulkHandler = serveBulk
 )

@@ -10,6 +10,7 @@ import (
 	"runtime/trace"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
@@ -104,7 +105,8 @@ const spaceWithdrawBound = time.Second
 // spaces maps the ids of this process's advertised spaces to them, until
 // their session ends; liveSpaces holds them until they are freed.
 var (
-	spaces     sync.Map // uint64 -> *space
+	spaces     sync.Map     // uint64 -> *space
+	ownSpaces  atomic.Int64 // entries in spaces
 	liveSpaces = struct {
 		sync.Mutex
 		m map[*space]struct{}
@@ -120,6 +122,12 @@ type peerSpace struct {
 	mu    sync.Mutex
 	free  []span            // free ranges, by offset, none adjacent
 	taken map[uint64]uint64 // offset -> length of the ranges written and not given back
+	// callOf names the client call (its CallHeader number) each range was
+	// written for, where the call had one; writing holds the ranges whose
+	// write is under way, true for those whose call ended meanwhile (the
+	// write's end gives them back).
+	callOf  map[uint64]uint64
+	writing map[uint64]bool
 	// mapping is the space's allocation opened through its CUDA IPC handle,
 	// once, for the session's life: an open and a close cost more than a
 	// copy of megabytes, and more the larger the allocation.
@@ -152,6 +160,7 @@ type spaceState struct {
 	own         []*space     // advertised to the peer, oldest first
 	peer        []*peerSpace // the peer's, oldest first
 	stopped     bool         // the session ended
+	ended       endedCalls   // the peer's calls that ended (CALL-ENDED): nothing more lands for them
 }
 
 // nextSize is the size of the space to advertise after a pull of n bytes
@@ -229,6 +238,7 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 	if !stopped {
 		st.own = append(st.own, sp)
 		spaces.Store(sp.id, sp)
+		ownSpaces.Add(1)
 	}
 	st.mu.Unlock()
 	if stopped {
@@ -316,7 +326,9 @@ func newSpaceID() uint64 {
 // close ends sp's advertisement: no payload lands any more, and the region
 // is freed once the application gave back every range it holds.
 func (sp *space) close() {
-	spaces.Delete(sp.id)
+	if _, ok := spaces.LoadAndDelete(sp.id); ok {
+		ownSpaces.Add(-1)
+	}
 	sp.mu.Lock()
 	sp.closed = true
 	free := len(sp.inUse) == 0
@@ -338,8 +350,9 @@ func (sp *space) free() {
 }
 
 // fetchLanded returns the payload d names in this process's advertised
-// space as a buffer of its own; releasing it gives the range back.
-func fetchLanded(d Descriptor) (*devicebuf.Buffer, *space, error) {
+// space as a buffer of its own, for call (nil: none); releasing it gives the
+// range back.
+func fetchLanded(d Descriptor, call *Call) (*devicebuf.Buffer, *space, error) {
 	v, ok := spaces.Load(d.Space)
 	if !ok {
 		return nil, nil, fmt.Errorf("the descriptor names receive space %#x, which this process does not advertise (any more)", d.Space)
@@ -368,6 +381,10 @@ func fetchLanded(d Descriptor) (*devicebuf.Buffer, *space, error) {
 			sp.mu.Unlock()
 			return nil, nil, fmt.Errorf("range [%d, +%d) of receive space %#x overlaps [%d, +%d), which the application holds", off, n, d.Space, o, l)
 		}
+	}
+	if !call.note(d.Space, off) {
+		sp.mu.Unlock()
+		return nil, nil, errCallEnded
 	}
 	sp.inUse[off] = n
 	sp.mu.Unlock()
@@ -457,7 +474,8 @@ func handleSpace(s *transport.Session, payload []byte) {
 		cfgOf(s).Logger.Debug("receive space refused: too many, or its id taken", "session", s.ID())
 		return
 	}
-	ps := &peerSpace{id: m.Req, tmpl: m.rtr, free: []span{{0, m.Length}}, taken: map[uint64]uint64{}, events: m.Events, eventOf: map[uint64]int{}}
+	ps := &peerSpace{id: m.Req, tmpl: m.rtr, free: []span{{0, m.Length}}, taken: map[uint64]uint64{}, callOf: map[uint64]uint64{}, writing: map[uint64]bool{},
+		events: m.Events, eventOf: map[uint64]int{}}
 	ps.opened = make([]*devicebuf.Event, len(m.Events))
 	for i := range m.Events {
 		ps.freeEvents = append(ps.freeEvents, len(m.Events)-1-i)
@@ -512,9 +530,10 @@ func ownSpaceByID(a *attached, id uint64) *space {
 	return nil
 }
 
-// take picks a free range of n bytes, first fit, and counts a write under
-// way until the caller calls p.writers.Done.
-func (p *peerSpace) take(n uint64) (uint64, bool) {
+// take picks a free range of n bytes for a payload of client call (0: a
+// call without a number), first fit, and counts a write under way until the
+// caller calls p.endWrite and p.writers.Done.
+func (p *peerSpace) take(n, call uint64) (uint64, bool) {
 	need := roundUp(n, spaceAlign)
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -531,6 +550,10 @@ func (p *peerSpace) take(n uint64) (uint64, bool) {
 			p.free[i] = span{f.off + need, f.n - need}
 		}
 		p.taken[f.off] = need
+		p.writing[f.off] = false
+		if call != 0 {
+			p.callOf[f.off] = call
+		}
 		p.writers.Add(1)
 		return f.off, true
 	}
@@ -628,11 +651,59 @@ func handleSpaceWithdrawn(s *transport.Session, payload []byte) {
 func (p *peerSpace) give(off, n uint64) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	got, ok := p.taken[off]
-	if !ok || roundUp(n, spaceAlign) != got {
+	if got, ok := p.taken[off]; !ok || roundUp(n, spaceAlign) != got {
 		return false
 	}
+	p.giveLocked(off)
+	return true
+}
+
+// endWrite ends the write into the range at off: the range stays written
+// where keep is and its call has not ended meanwhile (endWrite then reports
+// true); otherwise it is free again.
+func (p *peerSpace) endWrite(off uint64, keep bool) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	orphaned, writing := p.writing[off]
+	if !writing {
+		return false // given back while written (a receiver's stray SPACE-FREE)
+	}
+	delete(p.writing, off)
+	if keep && !orphaned {
+		return true
+	}
+	p.giveLocked(off)
+	return false
+}
+
+// reclaimCall takes back the ranges written for client call id, which ended,
+// except those it took: a range still being written goes when its write
+// ends.
+func (p *peerSpace) reclaimCall(id uint64, took map[spaceRange]bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for off, c := range p.callOf {
+		switch {
+		case c != id || took[spaceRange{p.id, off}]:
+		case p.writingLocked(off):
+			p.writing[off] = true
+		default:
+			p.giveLocked(off)
+		}
+	}
+}
+
+func (p *peerSpace) writingLocked(off uint64) bool {
+	_, ok := p.writing[off]
+	return ok
+}
+
+// giveLocked frees the range taken at off (p.mu held).
+func (p *peerSpace) giveLocked(off uint64) {
+	got := p.taken[off]
 	delete(p.taken, off)
+	delete(p.callOf, off)
+	delete(p.writing, off)
 	if ev, ok := p.eventOf[off]; ok {
 		delete(p.eventOf, off)
 		p.freeEvents = append(p.freeEvents, ev)
@@ -648,7 +719,6 @@ func (p *peerSpace) give(off, n uint64) bool {
 		p.free[i-1].n += p.free[i].n
 		p.free = slices.Delete(p.free, i, i+1)
 	}
-	return true
 }
 
 // cmpBool orders false before true.
@@ -668,7 +738,7 @@ func cmpBool(a, b bool) int {
 // receiver has nothing to pull; otherwise as Offer.
 func OfferTo(s *transport.Session, src Source, opt OfferOptions) Descriptor {
 	if s != nil {
-		if d, ok := land(s, src); ok {
+		if d, ok := land(s, src, opt.Call); ok {
 			return d
 		}
 	}
@@ -695,14 +765,15 @@ func Discard(d Descriptor) {
 	if d.Space == 0 {
 		return
 	}
-	if b, _, err := fetchLanded(d); err == nil {
+	if b, _, err := fetchLanded(d, nil); err == nil {
 		b.Release()
 	}
 }
 
-// land writes src into a receive space the peer of s advertised: the
-// newest with room for it.
-func land(s *transport.Session, src Source) (Descriptor, bool) {
+// land writes src, a payload of the peer's call (0: a call without a
+// number), into a receive space the peer of s advertised: the newest with
+// room for it. Nothing lands for a call the peer ended.
+func land(s *transport.Session, src Source, call uint64) (Descriptor, bool) {
 	all := peerSpacesOf(s)
 	if len(all) == 0 || src.Len() == 0 {
 		return Descriptor{}, false
@@ -717,7 +788,7 @@ func land(s *transport.Session, src Source) (Descriptor, bool) {
 			continue // this side does not write by that path
 		}
 		offers |= p.tmpl.Offers
-		if o, ok := p.take(n); ok {
+		if o, ok := p.take(n, call); ok {
 			ps, off = p, o
 			break
 		}
@@ -729,6 +800,12 @@ func land(s *transport.Session, src Source) (Descriptor, bool) {
 		return Descriptor{}, false
 	}
 	defer ps.writers.Done()
+	if stateOf(s).space.callEnded(call) {
+		// Checked after take, which noted the call: a CALL-ENDED handled
+		// meanwhile reclaims the range, one handled before stops the write.
+		ps.endWrite(off, false)
+		return Descriptor{}, false
+	}
 	m := ps.tmpl
 	m.Length, m.RAddr, m.IPCOffset = n, m.RAddr+off, m.IPCOffset+off
 	defer busy(s)()
@@ -737,9 +814,10 @@ func land(s *transport.Session, src Source) (Descriptor, bool) {
 	start := time.Now()
 	path, event, err := pushInto(ctx, s, ps, &m, off, src)
 	c.Metrics.Transfer(TransferInfo{Path: path, Bytes: int64(n), Elapsed: time.Since(start), Err: err, Memory: src.kind(), Advertised: true, Queued: event != 0})
-	if err != nil {
-		ps.give(off, n)
-		c.Metrics.Fallback(path, PathNone, "write into advertised receive space: "+err.Error())
+	if !ps.endWrite(off, err == nil) {
+		if err != nil {
+			c.Metrics.Fallback(path, PathNone, "write into advertised receive space: "+err.Error())
+		}
 		return Descriptor{}, false
 	}
 	d := describe(src)

@@ -12,22 +12,22 @@ import (
 )
 
 func TestPeerSpaceRanges(t *testing.T) {
-	p := &peerSpace{id: 1, free: []span{{0, 4 * spaceAlign}}, taken: map[uint64]uint64{}}
-	a, ok := p.take(1) // rounded up to spaceAlign
+	p := testPeerSpace(4 * spaceAlign)
+	a, ok := p.take(1, 0) // rounded up to spaceAlign
 	require.True(t, ok)
-	b, ok := p.take(spaceAlign + 1) // two units
+	b, ok := p.take(spaceAlign+1, 0) // two units
 	require.True(t, ok)
-	c, ok := p.take(spaceAlign)
+	c, ok := p.take(spaceAlign, 0)
 	require.True(t, ok)
 	require.Equal(t, []uint64{0, spaceAlign, 3 * spaceAlign}, []uint64{a, b, c})
-	_, ok = p.take(1)
+	_, ok = p.take(1, 0)
 	require.False(t, ok, "full")
 
 	require.False(t, p.give(spaceAlign, spaceAlign), "a length other than the one taken")
 	require.False(t, p.give(2*spaceAlign, spaceAlign), "the middle of a taken range")
 	require.True(t, p.give(spaceAlign, spaceAlign+1))
 	require.False(t, p.give(spaceAlign, spaceAlign+1), "given back twice")
-	_, ok = p.take(3 * spaceAlign)
+	_, ok = p.take(3*spaceAlign, 0)
 	require.False(t, ok, "two units free, not three")
 	require.True(t, p.give(0, 1))
 	require.True(t, p.give(3*spaceAlign, spaceAlign))
@@ -38,6 +38,68 @@ func TestPeerSpaceRanges(t *testing.T) {
 	}
 	require.Equal(t, uint64(4*spaceAlign), free)
 	require.Empty(t, p.taken)
+}
+
+// testPeerSpace is a peer's space of n bytes, nothing taken.
+func testPeerSpace(n uint64) *peerSpace {
+	return &peerSpace{id: 1, free: []span{{0, n}}, taken: map[uint64]uint64{}, callOf: map[uint64]uint64{}, writing: map[uint64]bool{}, eventOf: map[uint64]int{}}
+}
+
+// A call's end takes back the ranges written for it that it did not take,
+// at once or, for one still being written, when its write ends; other calls'
+// ranges and the taken ones stay.
+func TestPeerSpaceCallEnded(t *testing.T) {
+	p := testPeerSpace(8 * spaceAlign)
+	write := func(call uint64) uint64 {
+		off, ok := p.take(spaceAlign, call)
+		require.True(t, ok)
+		require.True(t, p.endWrite(off, true))
+		return off
+	}
+	taken, lost, other, unnumbered := write(7), write(7), write(8), write(0)
+	writing, ok := p.take(spaceAlign, 7)
+	require.True(t, ok)
+
+	p.reclaimCall(7, map[spaceRange]bool{{p.id, taken}: true, {p.id + 1, lost}: true}) // another space's range of that offset does not count
+	require.Equal(t, map[uint64]uint64{taken: spaceAlign, other: spaceAlign, unnumbered: spaceAlign, writing: spaceAlign}, p.taken)
+	require.False(t, p.endWrite(writing, true), "its call ended while it was written")
+	require.NotContains(t, p.taken, writing)
+	require.NotContains(t, p.taken, lost)
+
+	// A stray SPACE-FREE of a range being written frees it; the write's end
+	// then keeps nothing.
+	off, ok := p.take(spaceAlign, 9)
+	require.True(t, ok)
+	require.True(t, p.give(off, spaceAlign))
+	require.False(t, p.endWrite(off, true))
+
+	for _, o := range []uint64{taken, other, unnumbered} {
+		require.True(t, p.give(o, spaceAlign))
+	}
+	require.Empty(t, p.taken)
+	require.Empty(t, p.callOf)
+	require.Empty(t, p.writing)
+	require.Equal(t, []span{{0, 8 * spaceAlign}}, p.free)
+}
+
+// CALL-ENDED round-trips; malformed ones are refused.
+func TestCallEndedMessage(t *testing.T) {
+	took := []spaceRange{{1, 0}, {2, 4096}}
+	id, got, err := parseCallEnded(callEnded(42, took))
+	require.NoError(t, err)
+	require.Equal(t, uint64(42), id)
+	require.Equal(t, map[spaceRange]bool{{1, 0}: true, {2, 4096}: true}, got)
+	for name, b := range map[string][]byte{
+		"empty":    nil,
+		"version":  append([]byte{9}, callEnded(1, nil)[1:]...),
+		"call 0":   callEnded(0, nil),
+		"short":    callEnded(1, took)[:20],
+		"trailing": append(callEnded(1, nil), 0),
+		"too many": callEnded(1, make([]spaceRange, maxCallTaken+1)),
+	} {
+		_, _, err := parseCallEnded(b)
+		require.Error(t, err, name)
+	}
 }
 
 // A descriptor naming advertised space gets an error for every range the
@@ -53,7 +115,7 @@ func TestFetchLandedRefusesBadRanges(t *testing.T) {
 		return Descriptor{Owner: from, Token: Token{1}, Length: n, Kind: devicebuf.Host, Device: -1, Space: id, SpaceOffset: off, SpacePath: path}
 	}
 
-	held, _, err := fetchLanded(d(7, 4096, 4096, PathRDMA, owner))
+	held, _, err := fetchLanded(d(7, 4096, 4096, PathRDMA, owner), nil)
 	require.NoError(t, err)
 	for name, bad := range map[string]Descriptor{
 		"unknown space":         d(8, 0, 16, PathRDMA, owner),
@@ -73,7 +135,7 @@ func TestFetchLandedRefusesBadRanges(t *testing.T) {
 			return x
 		}(),
 	} {
-		b, _, err := fetchLanded(bad)
+		b, _, err := fetchLanded(bad, nil)
 		require.Error(t, err, name)
 		require.Nil(t, b, name)
 	}
@@ -81,15 +143,26 @@ func TestFetchLandedRefusesBadRanges(t *testing.T) {
 
 	// Neighbours of a held range are fine.
 	for _, off := range []uint64{0, 8192} {
-		b, _, err := fetchLanded(d(7, off, 4096, PathRDMA, owner))
+		b, _, err := fetchLanded(d(7, off, 4096, PathRDMA, owner), nil)
 		require.NoError(t, err)
 		require.NoError(t, b.Release())
 	}
+	// A call notes what it takes; once it ended (its CALL-ENDED gone out),
+	// it takes nothing: the range is the owner's to take back.
+	call := &Call{ID: 3}
+	b, _, err := fetchLanded(d(7, 8192, 4096, PathRDMA, owner), call)
+	require.NoError(t, err)
+	require.Equal(t, []spaceRange{{7, 8192}}, call.took)
+	require.NoError(t, b.Release())
+	call.ended = true
+	_, _, err = fetchLanded(d(7, 16384, 4096, PathRDMA, owner), call)
+	require.ErrorIs(t, err, errCallEnded)
+	require.Equal(t, map[uint64]uint64{4096: 4096}, sp.inUse)
 	// Releasing gives the range back (the session is closed: no message).
 	sp.closed = true
 	require.NoError(t, held.Release())
 	require.Empty(t, sp.inUse)
-	_, _, err = fetchLanded(d(7, 0, 16, PathRDMA, owner))
+	_, _, err = fetchLanded(d(7, 0, 16, PathRDMA, owner), nil)
 	require.ErrorContains(t, err, "closed")
 }
 
@@ -193,7 +266,7 @@ func TestSpaceWithdrawWaitsForWrites(t *testing.T) {
 	handleSpace(ss, m.marshal())
 	ps := peerSpaceByID(ss, 5)
 	require.NotNil(t, ps)
-	off, ok := ps.take(4096) // a write under way
+	off, ok := ps.take(4096, 0) // a write under way
 	require.True(t, ok)
 
 	answers := make(chan uint64, 1)
@@ -217,7 +290,7 @@ func TestSpaceWithdrawWaitsForWrites(t *testing.T) {
 		defer ps.mu.Unlock()
 		return ps.closed
 	}, 10*time.Second, time.Millisecond)
-	_, ok = ps.take(4096)
+	_, ok = ps.take(4096, 0)
 	require.False(t, ok, "a range taken while withdrawing")
 	select {
 	case <-done:

@@ -28,6 +28,9 @@ const (
 	// ctlSpaceWithdrawn once no write into it is under way.
 	ctlSpaceWithdraw  byte = 0x15
 	ctlSpaceWithdrawn byte = 0x16
+	// receiver -> owner: a call ended; the ranges the owner wrote for it
+	// that it did not take are free (call.go).
+	ctlCallEnded byte = 0x17
 )
 
 const wireVersion = 1
