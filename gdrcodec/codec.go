@@ -485,7 +485,7 @@ func descriptorMessage(d oob.Descriptor) *gdrv1.DeviceBuffer {
 		Length: d.Length, Kind: k,
 		Owner: d.Owner[:], Token: d.Token[:],
 		Device: int32(d.Device), DeviceUuid: d.DeviceUUID, HostId: d.HostID[:],
-		Space: d.Space, SpaceOffset: d.SpaceOffset, SpacePath: uint32(d.SpacePath), SpaceEvent: d.SpaceEvent,
+		Space: d.Space, SpaceOffset: d.SpaceOffset, SpacePath: uint32(d.SpacePath), SpaceEvent: d.SpaceEvent, SpaceGen: d.SpaceGen,
 	}
 }
 
@@ -521,7 +521,7 @@ func ParseDescriptor(db *gdrv1.DeviceBuffer) (oob.Descriptor, bool, error) {
 	if db.SpacePath > 0xff {
 		return d, true, fmt.Errorf("descriptor: receive space path %d", db.SpacePath)
 	}
-	d.Space, d.SpaceOffset, d.SpacePath, d.SpaceEvent = db.Space, db.SpaceOffset, oob.Path(db.SpacePath), db.SpaceEvent
+	d.Space, d.SpaceOffset, d.SpacePath, d.SpaceEvent, d.SpaceGen = db.Space, db.SpaceOffset, oob.Path(db.SpacePath), db.SpaceEvent, db.SpaceGen
 	return d, true, d.Validate()
 }
 

@@ -105,7 +105,12 @@ func (clientStats) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Co
 func (clientStats) HandleConn(context.Context, stats.ConnStats) {}
 
 func (clientStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
-	if _, ok := s.(*stats.InHeader); !ok {
+	switch s.(type) {
+	case *stats.OutHeader, *stats.InHeader:
+		// The attempt's connection: known as its headers go, so that a call
+		// that ends before the response's headers arrive still knows where
+		// to send its CALL-ENDED.
+	default:
 		return
 	}
 	// The header's RemoteAddr is the server side's alone; on a client the
@@ -292,6 +297,13 @@ func StreamClientInterceptor() grpc.StreamClientInterceptor {
 // process advertises receive space: the call's pulls note what they took of
 // it (oob.WithCall), and the server notes what it wrote for the call.
 func numberCall(ctx context.Context) (context.Context, *oob.Call) {
+	if md, ok := metadata.FromOutgoingContext(ctx); ok && len(md[oob.CallHeader]) > 0 {
+		// A number another process gave (a proxy forwarding its incoming
+		// metadata) names none of this process's calls.
+		md = md.Copy()
+		delete(md, oob.CallHeader)
+		ctx = metadata.NewOutgoingContext(ctx, md)
+	}
 	call := oob.NewCall()
 	if call == nil {
 		return ctx, nil
@@ -434,6 +446,9 @@ func (s *requestStream) SendMsg(m any) error {
 	bindDestination(s.Context(), m)
 	err := s.ServerStream.SendMsg(m)
 	takeDestination(m) // not marshaled (SendMsg failed first): forget it
+	if err != nil {
+		notSent(m)
+	}
 	return err
 }
 
@@ -553,8 +568,9 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			}
 			if m := messageV2Of(unsent); m != nil {
 				// A response gRPC never sent (a send limit, a stream gone):
-				// nobody else can release it.
+				// nobody else can release it, or pull its payloads.
 				ReleaseAll(m)
+				notSent(unsent)
 			}
 		}
 	}

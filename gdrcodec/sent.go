@@ -38,6 +38,15 @@ func sentOn(ctx context.Context, v any) {
 	}
 }
 
+// notSent withdraws the payloads v's marshaling offered: gRPC failed to send
+// v (its call is over), so nobody will pull them.
+func notSent(v any) {
+	tokens, _ := sent.take(v)
+	for _, t := range tokens {
+		oob.Withdraw(t)
+	}
+}
+
 // replayable reports whether gRPC may send a client stream's messages again
 // after the server received them: only under a retry policy. Without one,
 // the only replays are transparent retries, which happen only when the

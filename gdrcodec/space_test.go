@@ -427,3 +427,66 @@ func TestReceiveSpaceUndecodedResponse(t *testing.T) {
 		gdrcodec.ReleaseAll(m)
 	}
 }
+
+// lateSender's Download sends one message, waits for the client to cancel,
+// then sends another (a handler that has not noticed yet) and reports that
+// second send's outcome on sent.
+type lateSender struct {
+	tensor.Server
+	sent chan error
+}
+
+func (s *lateSender) Download(r *tensorpb.Sized, st tensorpb.TensorService_DownloadServer) error {
+	m, err := tensor.Make(nil, r)
+	if err != nil {
+		return err
+	}
+	if err := st.Send(m); err != nil {
+		return err
+	}
+	<-st.Context().Done()
+	m2, err := tensor.Make(nil, &tensorpb.Sized{Size: r.Size, Seed: r.Seed + 1})
+	if err != nil {
+		return err
+	}
+	err = st.Send(m2)
+	if err != nil {
+		gdrcodec.ReleaseAll(m2) // not sent: still the handler's
+	}
+	s.sent <- err
+	return nil
+}
+
+// A message a handler sends after the client cancelled the stream leaves
+// nothing behind: whether it landed in the client's space before the
+// client's CALL-ENDED was handled or was offered after, its range and its
+// outbox entry go.
+func TestReceiveSpaceSendAfterCancel(t *testing.T) {
+	const mib = 1 << 20
+	srv := &lateSender{sent: make(chan error, 1)}
+	r := newRig(t, transport.ModeUCX, srv, gdrpc.WithTrustPeers())
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpace: 4 * mib})
+	gdrcodec.ReleaseAll(makeChecked(t, r, mib, 1))
+	waitPeerSpace(t)
+	for round := range 3 {
+		ctx, cancel := context.WithCancel(context.Background())
+		st, err := r.client.Download(ctx, &tensorpb.Sized{Size: mib, Seed: 40})
+		require.NoError(t, err)
+		first, err := st.Recv()
+		require.NoError(t, err)
+		cancel()
+		<-srv.sent
+		require.Eventually(t, func() bool {
+			st := oob.ReadStats()
+			return st.PeerTaken == 1 && st.Offered == 0
+		}, 10*time.Second, time.Millisecond, "round %d: only the range the client took: %+v", round, oob.ReadStats())
+		b, err := tensor.Bytes(first.Data)
+		require.NoError(t, err)
+		requireBytes(t, pattern(mib, 40), b)
+		gdrcodec.ReleaseAll(first)
+		require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond)
+	}
+	r.paths.reset()
+	gdrcodec.ReleaseAll(makeChecked(t, r, mib, 3))
+	require.Equal(t, map[string]int{"rdma@space": 1}, r.paths.reset())
+}

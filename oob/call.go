@@ -49,7 +49,9 @@ type Call struct {
 	ended    bool
 }
 
-type spaceRange struct{ space, off uint64 }
+// spaceRange is a write into a receive space: the space, the range's offset
+// and the owner's number for the write.
+type spaceRange struct{ space, off, gen uint64 }
 
 var callNumbers atomic.Uint64
 
@@ -86,7 +88,7 @@ var errCallEnded = errors.New("the call ended before its payload in receive spac
 // reports false once the call ended: its CALL-ENDED, which did not name the
 // range, gives the range back to the server, and the payload must not be
 // handed out (a message decoded while the call was cancelled).
-func (c *Call) note(space, off uint64) bool {
+func (c *Call) note(r spaceRange) bool {
 	if c == nil {
 		return true
 	}
@@ -99,7 +101,7 @@ func (c *Call) note(space, off uint64) bool {
 		c.overflow = true
 		return true
 	}
-	c.took = append(c.took, spaceRange{space, off})
+	c.took = append(c.took, r)
 	return true
 }
 
@@ -136,16 +138,17 @@ func ownSpacesOf(s *transport.Session) []*space {
 	return slices.Clone(a.space.own)
 }
 
-// callEnded is a CALL-ENDED: version, the call's number, and the ranges it
-// took (space id and offset each).
+// callEnded is a CALL-ENDED: version, the call's number, and the writes it
+// took (space id, offset and write number each).
 func callEnded(id uint64, took []spaceRange) []byte {
-	b := make([]byte, 0, 1+8+2+16*len(took))
+	b := make([]byte, 0, 1+8+2+24*len(took))
 	b = append(b, wireVersion)
 	b = binary.BigEndian.AppendUint64(b, id)
 	b = binary.BigEndian.AppendUint16(b, uint16(len(took)))
 	for _, r := range took {
 		b = binary.BigEndian.AppendUint64(b, r.space)
 		b = binary.BigEndian.AppendUint64(b, r.off)
+		b = binary.BigEndian.AppendUint64(b, r.gen)
 	}
 	return b
 }
@@ -162,7 +165,7 @@ func parseCallEnded(b []byte) (id uint64, took map[spaceRange]bool, err error) {
 	}
 	took = make(map[spaceRange]bool, n)
 	for range n {
-		took[spaceRange{r.U64("space"), r.U64("offset")}] = true
+		took[spaceRange{r.U64("space"), r.U64("offset"), r.U64("write")}] = true
 	}
 	return id, took, r.Finish("CALL-ENDED")
 }
@@ -171,6 +174,9 @@ func parseCallEnded(b []byte) (id uint64, took map[spaceRange]bool, err error) {
 // a call that ended, except the ranges the call took, and remembers the call
 // so that nothing more is written for it.
 func handleCallEnded(s *transport.Session, payload []byte) {
+	if !served(s) {
+		return // a closed session's: it has no spaces, and its state is shared
+	}
 	id, took, err := parseCallEnded(payload)
 	if err != nil {
 		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)

@@ -85,17 +85,22 @@ type space struct {
 	events []*devicebuf.Event
 
 	mu     sync.Mutex
-	inUse  map[uint64]uint64 // offset -> length of the ranges the application holds
-	closed bool              // the session ended: nothing more lands; freed once inUse empties
+	inUse  map[uint64]heldRange // offset -> the ranges the application holds
+	closed bool                 // the session ended: nothing more lands; freed once inUse empties
 
 	withdrawn     chan struct{} // closed when the owner answered the withdrawal
 	withdrawnOnce sync.Once
 
 	// Ranges given back and not yet sent to the owner, and whether a
 	// goroutine sends them: a release never waits for the control lane.
-	pending []span
+	pending []heldRange
 	sending bool
 }
+
+// heldRange is a range of this process's space that a payload took: where,
+// how long, and the owner's number for the write (Descriptor.SpaceGen), which
+// its SPACE-FREE names.
+type heldRange struct{ off, n, gen uint64 }
 
 // spaceWithdrawBound bounds how long a session winding down waits for its
 // owner to answer the withdrawal of its space: an owner that took the space
@@ -121,13 +126,8 @@ type peerSpace struct {
 
 	mu    sync.Mutex
 	free  []span            // free ranges, by offset, none adjacent
-	taken map[uint64]uint64 // offset -> length of the ranges written and not given back
-	// callOf names the client call (its CallHeader number) each range was
-	// written for, where the call had one; writing holds the ranges whose
-	// write is under way, true for those whose call ended meanwhile (the
-	// write's end gives them back).
-	callOf  map[uint64]uint64
-	writing map[uint64]bool
+	taken map[uint64]*write // offset -> the write into the range, until it is given back
+	gens  uint64            // the last write's number
 	// mapping is the space's allocation opened through its CUDA IPC handle,
 	// once, for the session's life: an open and a close cost more than a
 	// copy of megabytes, and more the larger the allocation.
@@ -146,6 +146,16 @@ type peerSpace struct {
 }
 
 type span struct{ off, n uint64 }
+
+// write is a range of a peer's space taken for a payload: its length, its
+// number (Descriptor.SpaceGen: notices about the range name it), the client
+// call it answers (0: a call without a number), and whether the write is
+// under way and whether its call ended meanwhile (the write's end then gives
+// the range back).
+type write struct {
+	n, gen, call      uint64
+	writing, orphaned bool
+}
 
 // spaceState is a session's advertised spaces, both ways.
 type spaceState struct {
@@ -263,7 +273,7 @@ func newSpace(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devi
 		region.Release()
 		return nil, nil, errors.New("the allocator made different memory for the space than for the pull")
 	}
-	sp := &space{id: newSpaceID(), region: region, path: path, s: s, inUse: map[uint64]uint64{}, unexpose: func() {}, withdrawn: make(chan struct{})}
+	sp := &space{id: newSpaceID(), region: region, path: path, s: s, inUse: map[uint64]heldRange{}, unexpose: func() {}, withdrawn: make(chan struct{})}
 	m := &spaceMsg{rtr: rtr{Req: sp.id, Length: uint64(n), Offers: path}}
 	switch path {
 	case PathCUDAIPC:
@@ -376,17 +386,17 @@ func fetchLanded(d Descriptor, call *Call) (*devicebuf.Buffer, *space, error) {
 		sp.mu.Unlock()
 		return nil, nil, fmt.Errorf("receive space %#x closed with its session", d.Space)
 	}
-	for o, l := range sp.inUse {
-		if off < o+l && o < off+n {
+	for o, h := range sp.inUse {
+		if off < o+h.n && o < off+n {
 			sp.mu.Unlock()
-			return nil, nil, fmt.Errorf("range [%d, +%d) of receive space %#x overlaps [%d, +%d), which the application holds", off, n, d.Space, o, l)
+			return nil, nil, fmt.Errorf("range [%d, +%d) of receive space %#x overlaps [%d, +%d), which the application holds", off, n, d.Space, o, h.n)
 		}
 	}
-	if !call.note(d.Space, off) {
+	if !call.note(spaceRange{d.Space, off, d.SpaceGen}) {
 		sp.mu.Unlock()
 		return nil, nil, errCallEnded
 	}
-	sp.inUse[off] = n
+	sp.inUse[off] = heldRange{off, n, d.SpaceGen}
 	sp.mu.Unlock()
 	ptr, release := sp.region.Ptr()+uintptr(off), func() { sp.giveBack(off) }
 	if d.SpaceEvent == 0 {
@@ -408,13 +418,13 @@ func fetchLanded(d Descriptor, call *Call) (*devicebuf.Buffer, *space, error) {
 // too and ends when nothing is left.
 func (sp *space) giveBack(off uint64) {
 	sp.mu.Lock()
-	n := sp.inUse[off]
+	h := sp.inUse[off]
 	delete(sp.inUse, off)
 	closed := sp.closed
 	free := closed && len(sp.inUse) == 0
 	start := false
 	if !closed {
-		sp.pending = append(sp.pending, span{off, n})
+		sp.pending = append(sp.pending, h)
 		start, sp.sending = !sp.sending, true
 	}
 	sp.mu.Unlock()
@@ -441,7 +451,7 @@ func (sp *space) sendFrees() {
 		sp.mu.Unlock()
 		for _, r := range batch {
 			ctx, cancel := context.WithTimeout(sessionContext(sp.s), c.Timeout)
-			err := sendControl(ctx, sp.s, ctlSpaceFree, rangeNotice(sp.id, r.off, r.n))
+			err := sendControl(ctx, sp.s, ctlSpaceFree, freeNotice(sp.id, r.off, r.n, r.gen))
 			cancel()
 			if err != nil {
 				c.Logger.Debug("receive space range not given back", "session", sp.s.ID(), "err", err)
@@ -474,8 +484,7 @@ func handleSpace(s *transport.Session, payload []byte) {
 		cfgOf(s).Logger.Debug("receive space refused: too many, or its id taken", "session", s.ID())
 		return
 	}
-	ps := &peerSpace{id: m.Req, tmpl: m.rtr, free: []span{{0, m.Length}}, taken: map[uint64]uint64{}, callOf: map[uint64]uint64{}, writing: map[uint64]bool{},
-		events: m.Events, eventOf: map[uint64]int{}}
+	ps := &peerSpace{id: m.Req, tmpl: m.rtr, free: []span{{0, m.Length}}, taken: map[uint64]*write{}, events: m.Events, eventOf: map[uint64]int{}}
 	ps.opened = make([]*devicebuf.Event, len(m.Events))
 	for i := range m.Events {
 		ps.freeEvents = append(ps.freeEvents, len(m.Events)-1-i)
@@ -485,14 +494,16 @@ func handleSpace(s *transport.Session, payload []byte) {
 
 // handleSpaceFree takes back a range of the space this process wrote into.
 func handleSpaceFree(s *transport.Session, payload []byte) {
-	id, off, n, err := parseRangeNotice(payload, "SPACE-FREE")
+	id, off, n, gen, err := parseFreeNotice(payload)
 	if err != nil {
 		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
 		return
 	}
 	ps := peerSpaceByID(s, id)
-	if ps == nil || !ps.give(off, n) {
-		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", fmt.Errorf("SPACE-FREE of [%d, +%d) of space %#x, which was not written", off, n, id))
+	if ps == nil || !ps.give(off, n, gen) {
+		// A range taken back at the call's end (CALL-ENDED handled first) and
+		// maybe written again since: not the write this notice is about.
+		cfgOf(s).Logger.Debug("SPACE-FREE of a write not taken", "session", s.ID(), "space", id, "offset", off, "length", n, "write", gen)
 	}
 }
 
@@ -531,14 +542,15 @@ func ownSpaceByID(a *attached, id uint64) *space {
 }
 
 // take picks a free range of n bytes for a payload of client call (0: a
-// call without a number), first fit, and counts a write under way until the
-// caller calls p.endWrite and p.writers.Done.
-func (p *peerSpace) take(n, call uint64) (uint64, bool) {
+// call without a number), first fit, and returns it with the write's number;
+// the write is under way until the caller calls p.endWrite and
+// p.writers.Done.
+func (p *peerSpace) take(n, call uint64) (off, gen uint64, ok bool) {
 	need := roundUp(n, spaceAlign)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
-		return 0, false
+		return 0, 0, false
 	}
 	for i, f := range p.free {
 		if f.n < need {
@@ -549,15 +561,12 @@ func (p *peerSpace) take(n, call uint64) (uint64, bool) {
 		} else {
 			p.free[i] = span{f.off + need, f.n - need}
 		}
-		p.taken[f.off] = need
-		p.writing[f.off] = false
-		if call != 0 {
-			p.callOf[f.off] = call
-		}
+		p.gens++
+		p.taken[f.off] = &write{n: need, gen: p.gens, call: call, writing: true}
 		p.writers.Add(1)
-		return f.off, true
+		return f.off, p.gens, true
 	}
-	return 0, false
+	return 0, 0, false
 }
 
 // withdraw stops writes into the space and waits for those under way; then
@@ -646,30 +655,32 @@ func handleSpaceWithdrawn(s *transport.Session, payload []byte) {
 	}
 }
 
-// give returns the range at off, of n bytes as taken; it reports false for a
-// range that was not taken.
-func (p *peerSpace) give(off, n uint64) bool {
+// give returns the range at off, of n bytes as taken, written by write gen
+// (0: any write, for a receiver that names none); it reports false for a
+// range that was not taken, or taken again since.
+func (p *peerSpace) give(off, n, gen uint64) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if got, ok := p.taken[off]; !ok || roundUp(n, spaceAlign) != got {
+	w, ok := p.taken[off]
+	if !ok || roundUp(n, spaceAlign) != w.n || gen != 0 && gen != w.gen {
 		return false
 	}
 	p.giveLocked(off)
 	return true
 }
 
-// endWrite ends the write into the range at off: the range stays written
+// endWrite ends write gen into the range at off: the range stays written
 // where keep is and its call has not ended meanwhile (endWrite then reports
 // true); otherwise it is free again.
-func (p *peerSpace) endWrite(off uint64, keep bool) bool {
+func (p *peerSpace) endWrite(off, gen uint64, keep bool) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	orphaned, writing := p.writing[off]
-	if !writing {
+	w, ok := p.taken[off]
+	if !ok || w.gen != gen {
 		return false // given back while written (a receiver's stray SPACE-FREE)
 	}
-	delete(p.writing, off)
-	if keep && !orphaned {
+	w.writing = false
+	if keep && !w.orphaned {
 		return true
 	}
 	p.giveLocked(off)
@@ -677,33 +688,26 @@ func (p *peerSpace) endWrite(off uint64, keep bool) bool {
 }
 
 // reclaimCall takes back the ranges written for client call id, which ended,
-// except those it took: a range still being written goes when its write
+// except the writes it took: a range still being written goes when its write
 // ends.
 func (p *peerSpace) reclaimCall(id uint64, took map[spaceRange]bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for off, c := range p.callOf {
+	for off, w := range p.taken {
 		switch {
-		case c != id || took[spaceRange{p.id, off}]:
-		case p.writingLocked(off):
-			p.writing[off] = true
+		case w.call != id || took[spaceRange{p.id, off, w.gen}]:
+		case w.writing:
+			w.orphaned = true
 		default:
 			p.giveLocked(off)
 		}
 	}
 }
 
-func (p *peerSpace) writingLocked(off uint64) bool {
-	_, ok := p.writing[off]
-	return ok
-}
-
 // giveLocked frees the range taken at off (p.mu held).
 func (p *peerSpace) giveLocked(off uint64) {
-	got := p.taken[off]
+	got := p.taken[off].n
 	delete(p.taken, off)
-	delete(p.callOf, off)
-	delete(p.writing, off)
 	if ev, ok := p.eventOf[off]; ok {
 		delete(p.eventOf, off)
 		p.freeEvents = append(p.freeEvents, ev)
@@ -753,7 +757,7 @@ func Reclaim(s *transport.Session, d Descriptor) {
 		return
 	}
 	if ps := peerSpaceByID(s, d.Space); ps != nil {
-		ps.give(d.SpaceOffset, d.Length)
+		ps.give(d.SpaceOffset, d.Length, d.SpaceGen)
 	}
 }
 
@@ -781,15 +785,15 @@ func land(s *transport.Session, src Source, call uint64) (Descriptor, bool) {
 	c := cfgOf(s)
 	n := uint64(src.Len())
 	var ps *peerSpace
-	var off uint64
+	var off, gen uint64
 	offers := PathNone
 	for _, p := range all {
 		if p.tmpl.Offers&c.Paths == 0 {
 			continue // this side does not write by that path
 		}
 		offers |= p.tmpl.Offers
-		if o, ok := p.take(n, call); ok {
-			ps, off = p, o
+		if o, g, ok := p.take(n, call); ok {
+			ps, off, gen = p, o, g
 			break
 		}
 	}
@@ -803,7 +807,7 @@ func land(s *transport.Session, src Source, call uint64) (Descriptor, bool) {
 	if stateOf(s).space.callEnded(call) {
 		// Checked after take, which noted the call: a CALL-ENDED handled
 		// meanwhile reclaims the range, one handled before stops the write.
-		ps.endWrite(off, false)
+		ps.endWrite(off, gen, false)
 		return Descriptor{}, false
 	}
 	m := ps.tmpl
@@ -814,7 +818,7 @@ func land(s *transport.Session, src Source, call uint64) (Descriptor, bool) {
 	start := time.Now()
 	path, event, err := pushInto(ctx, s, ps, &m, off, src)
 	c.Metrics.Transfer(TransferInfo{Path: path, Bytes: int64(n), Elapsed: time.Since(start), Err: err, Memory: src.kind(), Advertised: true, Queued: event != 0})
-	if !ps.endWrite(off, err == nil) {
+	if !ps.endWrite(off, gen, err == nil) {
 		if err != nil {
 			c.Metrics.Fallback(path, PathNone, "write into advertised receive space: "+err.Error())
 		}
@@ -822,7 +826,7 @@ func land(s *transport.Session, src Source, call uint64) (Descriptor, bool) {
 	}
 	d := describe(src)
 	d.Space, d.SpaceOffset, d.SpacePath = ps.id, off, ps.tmpl.Offers // staged on this side or not, a put is what arrives
-	d.SpaceEvent = event
+	d.SpaceEvent, d.SpaceGen = event, gen
 	return d, true
 }
 

@@ -1,6 +1,8 @@
 package oob
 
 import (
+	"maps"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -13,24 +15,24 @@ import (
 
 func TestPeerSpaceRanges(t *testing.T) {
 	p := testPeerSpace(4 * spaceAlign)
-	a, ok := p.take(1, 0) // rounded up to spaceAlign
+	a, _, ok := p.take(1, 0) // rounded up to spaceAlign
 	require.True(t, ok)
-	b, ok := p.take(spaceAlign+1, 0) // two units
+	b, _, ok := p.take(spaceAlign+1, 0) // two units
 	require.True(t, ok)
-	c, ok := p.take(spaceAlign, 0)
+	c, _, ok := p.take(spaceAlign, 0)
 	require.True(t, ok)
 	require.Equal(t, []uint64{0, spaceAlign, 3 * spaceAlign}, []uint64{a, b, c})
-	_, ok = p.take(1, 0)
+	_, _, ok = p.take(1, 0)
 	require.False(t, ok, "full")
 
-	require.False(t, p.give(spaceAlign, spaceAlign), "a length other than the one taken")
-	require.False(t, p.give(2*spaceAlign, spaceAlign), "the middle of a taken range")
-	require.True(t, p.give(spaceAlign, spaceAlign+1))
-	require.False(t, p.give(spaceAlign, spaceAlign+1), "given back twice")
-	_, ok = p.take(3*spaceAlign, 0)
+	require.False(t, p.give(spaceAlign, spaceAlign, 0), "a length other than the one taken")
+	require.False(t, p.give(2*spaceAlign, spaceAlign, 0), "the middle of a taken range")
+	require.True(t, p.give(spaceAlign, spaceAlign+1, 0))
+	require.False(t, p.give(spaceAlign, spaceAlign+1, 0), "given back twice")
+	_, _, ok = p.take(3*spaceAlign, 0)
 	require.False(t, ok, "two units free, not three")
-	require.True(t, p.give(0, 1))
-	require.True(t, p.give(3*spaceAlign, spaceAlign))
+	require.True(t, p.give(0, 1, 0))
+	require.True(t, p.give(3*spaceAlign, spaceAlign, 0))
 	require.Equal(t, []span{{0, 4 * spaceAlign}}, p.free, "merged")
 	var free uint64
 	for _, f := range p.free {
@@ -42,53 +44,70 @@ func TestPeerSpaceRanges(t *testing.T) {
 
 // testPeerSpace is a peer's space of n bytes, nothing taken.
 func testPeerSpace(n uint64) *peerSpace {
-	return &peerSpace{id: 1, free: []span{{0, n}}, taken: map[uint64]uint64{}, callOf: map[uint64]uint64{}, writing: map[uint64]bool{}, eventOf: map[uint64]int{}}
+	return &peerSpace{id: 1, free: []span{{0, n}}, taken: map[uint64]*write{}, eventOf: map[uint64]int{}}
 }
 
-// A call's end takes back the ranges written for it that it did not take,
-// at once or, for one still being written, when its write ends; other calls'
-// ranges and the taken ones stay.
+// A call's end takes back the writes for it that it did not take, at once
+// or, for one still under way, when it ends; other calls' writes, and the
+// ones it took, stay. Notices name the write: one about an earlier write
+// into the same range frees nothing.
 func TestPeerSpaceCallEnded(t *testing.T) {
 	p := testPeerSpace(8 * spaceAlign)
-	write := func(call uint64) uint64 {
-		off, ok := p.take(spaceAlign, call)
+	type w struct{ off, gen uint64 }
+	write := func(call uint64) w {
+		off, gen, ok := p.take(spaceAlign, call)
 		require.True(t, ok)
-		require.True(t, p.endWrite(off, true))
-		return off
+		require.True(t, p.endWrite(off, gen, true))
+		return w{off, gen}
 	}
 	taken, lost, other, unnumbered := write(7), write(7), write(8), write(0)
-	writing, ok := p.take(spaceAlign, 7)
+	off, gen, ok := p.take(spaceAlign, 7)
 	require.True(t, ok)
+	writing := w{off, gen}
 
-	p.reclaimCall(7, map[spaceRange]bool{{p.id, taken}: true, {p.id + 1, lost}: true}) // another space's range of that offset does not count
-	require.Equal(t, map[uint64]uint64{taken: spaceAlign, other: spaceAlign, unnumbered: spaceAlign, writing: spaceAlign}, p.taken)
-	require.False(t, p.endWrite(writing, true), "its call ended while it was written")
-	require.NotContains(t, p.taken, writing)
-	require.NotContains(t, p.taken, lost)
+	p.reclaimCall(7, map[spaceRange]bool{
+		{p.id, taken.off, taken.gen}:   true,
+		{p.id + 1, lost.off, lost.gen}: true, // another space's
+		{p.id, lost.off, lost.gen + 9}: true, // another write into that range
+	})
+	require.ElementsMatch(t, []uint64{taken.off, other.off, unnumbered.off, writing.off}, slices.Collect(maps.Keys(p.taken)))
+	require.False(t, p.endWrite(writing.off, writing.gen, true), "its call ended while it was written")
+	require.NotContains(t, p.taken, writing.off)
 
-	// A stray SPACE-FREE of a range being written frees it; the write's end
-	// then keeps nothing.
-	off, ok := p.take(spaceAlign, 9)
+	// The range the call lost is written again (first fit): a late notice
+	// about the earlier write frees nothing, one about this write does.
+	again := write(9)
+	require.Equal(t, lost.off, again.off)
+	require.False(t, p.give(lost.off, spaceAlign, lost.gen))
+	p.reclaimCall(7, map[spaceRange]bool{{p.id, taken.off, taken.gen}: true}) // the same CALL-ENDED, again
+	require.Contains(t, p.taken, again.off, "another call's write into the range")
+	require.Contains(t, p.taken, taken.off)
+
+	// A stray SPACE-FREE of a range being written frees it; that write's
+	// end then keeps nothing, and a later write into the range is not
+	// ended by it.
+	off, gen, ok = p.take(spaceAlign, 10)
 	require.True(t, ok)
-	require.True(t, p.give(off, spaceAlign))
-	require.False(t, p.endWrite(off, true))
+	require.True(t, p.give(off, spaceAlign, gen))
+	next := write(11)
+	require.Equal(t, off, next.off)
+	require.False(t, p.endWrite(off, gen, true))
+	require.Contains(t, p.taken, next.off)
 
-	for _, o := range []uint64{taken, other, unnumbered} {
-		require.True(t, p.give(o, spaceAlign))
+	for _, x := range []w{taken, other, unnumbered, again, next} {
+		require.True(t, p.give(x.off, spaceAlign, x.gen), "%+v", x)
 	}
 	require.Empty(t, p.taken)
-	require.Empty(t, p.callOf)
-	require.Empty(t, p.writing)
 	require.Equal(t, []span{{0, 8 * spaceAlign}}, p.free)
 }
 
 // CALL-ENDED round-trips; malformed ones are refused.
 func TestCallEndedMessage(t *testing.T) {
-	took := []spaceRange{{1, 0}, {2, 4096}}
+	took := []spaceRange{{1, 0, 5}, {2, 4096, 6}}
 	id, got, err := parseCallEnded(callEnded(42, took))
 	require.NoError(t, err)
 	require.Equal(t, uint64(42), id)
-	require.Equal(t, map[spaceRange]bool{{1, 0}: true, {2, 4096}: true}, got)
+	require.Equal(t, map[spaceRange]bool{{1, 0, 5}: true, {2, 4096, 6}: true}, got)
 	for name, b := range map[string][]byte{
 		"empty":    nil,
 		"version":  append([]byte{9}, callEnded(1, nil)[1:]...),
@@ -108,7 +127,7 @@ func TestFetchLandedRefusesBadRanges(t *testing.T) {
 	cs, _ := tcpPair(t)
 	owner, other := cs.Peer().ID, transport.ID{2}
 	mem := make([]byte, 64<<10)
-	sp := &space{id: 7, s: cs, region: devicebuf.HostFromBytes(mem), path: PathRDMA, inUse: map[uint64]uint64{}, unexpose: func() {}}
+	sp := &space{id: 7, s: cs, region: devicebuf.HostFromBytes(mem), path: PathRDMA, inUse: map[uint64]heldRange{}, unexpose: func() {}}
 	spaces.Store(sp.id, sp)
 	t.Cleanup(func() { spaces.Delete(sp.id) }) // the last release below frees the region
 	d := func(id, off, n uint64, path Path, from transport.ID) Descriptor {
@@ -139,7 +158,7 @@ func TestFetchLandedRefusesBadRanges(t *testing.T) {
 		require.Error(t, err, name)
 		require.Nil(t, b, name)
 	}
-	require.Equal(t, map[uint64]uint64{4096: 4096}, sp.inUse)
+	require.Equal(t, map[uint64]heldRange{4096: {4096, 4096, 0}}, sp.inUse)
 
 	// Neighbours of a held range are fine.
 	for _, off := range []uint64{0, 8192} {
@@ -152,12 +171,12 @@ func TestFetchLandedRefusesBadRanges(t *testing.T) {
 	call := &Call{ID: 3}
 	b, _, err := fetchLanded(d(7, 8192, 4096, PathRDMA, owner), call)
 	require.NoError(t, err)
-	require.Equal(t, []spaceRange{{7, 8192}}, call.took)
+	require.Equal(t, []spaceRange{{7, 8192, 0}}, call.took)
 	require.NoError(t, b.Release())
 	call.ended = true
 	_, _, err = fetchLanded(d(7, 16384, 4096, PathRDMA, owner), call)
 	require.ErrorIs(t, err, errCallEnded)
-	require.Equal(t, map[uint64]uint64{4096: 4096}, sp.inUse)
+	require.Equal(t, map[uint64]heldRange{4096: {4096, 4096, 0}}, sp.inUse)
 	// Releasing gives the range back (the session is closed: no message).
 	sp.closed = true
 	require.NoError(t, held.Release())
@@ -266,7 +285,7 @@ func TestSpaceWithdrawWaitsForWrites(t *testing.T) {
 	handleSpace(ss, m.marshal())
 	ps := peerSpaceByID(ss, 5)
 	require.NotNil(t, ps)
-	off, ok := ps.take(4096, 0) // a write under way
+	off, gen, ok := ps.take(4096, 0) // a write under way
 	require.True(t, ok)
 
 	answers := make(chan uint64, 1)
@@ -290,7 +309,7 @@ func TestSpaceWithdrawWaitsForWrites(t *testing.T) {
 		defer ps.mu.Unlock()
 		return ps.closed
 	}, 10*time.Second, time.Millisecond)
-	_, ok = ps.take(4096, 0)
+	_, _, ok = ps.take(4096, 0)
 	require.False(t, ok, "a range taken while withdrawing")
 	select {
 	case <-done:
@@ -299,7 +318,7 @@ func TestSpaceWithdrawWaitsForWrites(t *testing.T) {
 		t.Fatal("the withdrawal was answered with a write under way")
 	default:
 	}
-	require.True(t, ps.give(off, 4096))
+	require.True(t, ps.give(off, 4096, gen))
 	endWrite.Do(ps.writers.Done) // the write ends
 	select {
 	case id := <-answers:

@@ -67,6 +67,11 @@ type Descriptor struct {
 	// still run: the payload is in place once the receiver's event number
 	// SpaceEvent (counted from 1, of those its SPACE offered) completes.
 	SpaceEvent uint32
+	// SpaceGen is the owner's number for this write into the range (not 0):
+	// the receiver's SPACE-FREE and CALL-ENDED name it, so that a notice
+	// about an earlier write into the same range, overtaken by another, frees
+	// nothing.
+	SpaceGen uint64
 }
 
 // Validate reports whether d can name a payload at all.
@@ -84,8 +89,8 @@ func (d Descriptor) Validate() error {
 		return errors.New("descriptor: device uuid too long")
 	case d.Space != 0 && d.SpacePath != PathRDMA && d.SpacePath != PathCUDAIPC:
 		return fmt.Errorf("descriptor: receive space written by %v", d.SpacePath)
-	case d.Space == 0 && (d.SpaceOffset != 0 || d.SpacePath != PathNone || d.SpaceEvent != 0):
-		return errors.New("descriptor: a receive space offset, path or event without a space")
+	case d.Space == 0 && (d.SpaceOffset != 0 || d.SpacePath != PathNone || d.SpaceEvent != 0 || d.SpaceGen != 0):
+		return errors.New("descriptor: a receive space offset, path, event or write without a space")
 	case d.SpaceEvent != 0 && (d.SpacePath != PathCUDAIPC || d.SpaceEvent > maxSpaceEvents):
 		return fmt.Errorf("descriptor: receive space event %d of a space written by %v", d.SpaceEvent, d.SpacePath)
 	}
@@ -395,6 +400,28 @@ func rangeNotice(req, off, n uint64) []byte {
 	b = binary.BigEndian.AppendUint64(b, req)
 	b = binary.BigEndian.AppendUint64(b, off)
 	return binary.BigEndian.AppendUint64(b, n)
+}
+
+// freeNotice is a SPACE-FREE: a range notice and the owner's number for the
+// write into the range (Descriptor.SpaceGen).
+func freeNotice(req, off, n, gen uint64) []byte {
+	return binary.BigEndian.AppendUint64(rangeNotice(req, off, n), gen)
+}
+
+// parseFreeNotice reads a SPACE-FREE; one without the write's number (an
+// older receiver's) names any write into the range (0).
+func parseFreeNotice(b []byte) (req, off, n, gen uint64, err error) {
+	if len(b) <= 1+24 {
+		req, off, n, err = parseRangeNotice(b, "SPACE-FREE")
+		return req, off, n, 0, err
+	}
+	req, off, n, err = parseRangeNotice(b[:1+24], "SPACE-FREE")
+	r := &wire.Reader{B: b[1+24:]}
+	gen = r.U64("write")
+	if err == nil {
+		err = r.Finish("SPACE-FREE")
+	}
+	return req, off, n, gen, err
 }
 
 func parseRangeNotice(b []byte, what string) (req, off, n uint64, err error) {

@@ -107,7 +107,11 @@ type DeviceBuffer struct {
 	// When space_event is not zero, the sender's copy into the space may still
 	// run: the payload is in place once the receiver's event of that number
 	// (counted from 1, of those it offered with its space) completes.
-	SpaceEvent    uint32 `protobuf:"varint,12,opt,name=space_event,json=spaceEvent,proto3" json:"space_event,omitempty"`
+	SpaceEvent uint32 `protobuf:"varint,12,opt,name=space_event,json=spaceEvent,proto3" json:"space_event,omitempty"`
+	// space_gen is the sender's number for this write into the range: the
+	// receiver names it when it gives the range back, so a notice meant for an
+	// earlier write into the same range finds nothing.
+	SpaceGen      uint64 `protobuf:"varint,13,opt,name=space_gen,json=spaceGen,proto3" json:"space_gen,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -226,6 +230,13 @@ func (x *DeviceBuffer) GetSpaceEvent() uint32 {
 	return 0
 }
 
+func (x *DeviceBuffer) GetSpaceGen() uint64 {
+	if x != nil {
+		return x.SpaceGen
+	}
+	return 0
+}
+
 var file_gdr_v1_gdr_proto_extTypes = []protoimpl.ExtensionInfo{
 	{
 		ExtendedType:  (*descriptorpb.FieldOptions)(nil),
@@ -250,7 +261,7 @@ var File_gdr_v1_gdr_proto protoreflect.FileDescriptor
 
 const file_gdr_v1_gdr_proto_rawDesc = "" +
 	"\n" +
-	"\x10gdr/v1/gdr.proto\x12\x06gdr.v1\x1a google/protobuf/descriptor.proto\"\xd7\x02\n" +
+	"\x10gdr/v1/gdr.proto\x12\x06gdr.v1\x1a google/protobuf/descriptor.proto\"\xf4\x02\n" +
 	"\fDeviceBuffer\x12\x16\n" +
 	"\x06length\x18\x01 \x01(\x04R\x06length\x12 \n" +
 	"\x04kind\x18\x02 \x01(\x0e2\f.gdr.v1.KindR\x04kind\x12\x14\n" +
@@ -267,7 +278,8 @@ const file_gdr_v1_gdr_proto_rawDesc = "" +
 	"\n" +
 	"space_path\x18\v \x01(\rR\tspacePath\x12\x1f\n" +
 	"\vspace_event\x18\f \x01(\rR\n" +
-	"spaceEvent*$\n" +
+	"spaceEvent\x12\x1b\n" +
+	"\tspace_gen\x18\r \x01(\x04R\bspaceGen*$\n" +
 	"\x04Kind\x12\r\n" +
 	"\tKIND_HOST\x10\x00\x12\r\n" +
 	"\tKIND_CUDA\x10\x01:D\n" +
