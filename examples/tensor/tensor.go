@@ -90,6 +90,7 @@ func (s *Server) Download(r *tensorpb.Sized, st tensorpb.TensorService_DownloadS
 			return err
 		}
 		if err := st.Send(t); err != nil {
+			gdrcodec.ReleaseAll(t) // not sent: still this handler's to release
 			return err
 		}
 	}
