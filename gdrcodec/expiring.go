@@ -28,14 +28,24 @@ func newExpiring[V any](maxAge time.Duration) *expiring[V] {
 }
 
 // put notes v for k.
-func (e *expiring[V]) put(k any, v V) {
+func (e *expiring[V]) put(k any, v V) { e.store(k, v, true) }
+
+// putNew notes v for k unless something is noted for k already (the same
+// message sent on two calls at once: the first keeps its note), and reports
+// whether it did.
+func (e *expiring[V]) putNew(k any, v V) bool { return e.store(k, v, false) }
+
+func (e *expiring[V]) store(k any, v V, replace bool) bool {
 	now := time.Now()
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if _, ok := e.m[k]; ok && !replace {
+		return false
+	}
 	e.m[k] = expiringEntry[V]{v: v, at: now}
 	defer func() { e.n.Store(int64(len(e.m))) }()
 	if now.Sub(e.swept) < time.Minute {
-		return
+		return true
 	}
 	e.swept = now
 	for key, en := range e.m {
@@ -43,6 +53,7 @@ func (e *expiring[V]) put(k any, v V) {
 			delete(e.m, key)
 		}
 	}
+	return true
 }
 
 // take removes and returns what was noted for k.

@@ -119,7 +119,9 @@ func (clientStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 	p, _ := peer.FromContext(ctx)
 	if ok && p != nil {
 		rc.mu.Lock()
-		rc.ctx = peer.NewContext(rc.ctx, p)
+		if had, _ := peer.FromContext(rc.ctx); had != p {
+			rc.ctx = peer.NewContext(rc.ctx, p)
+		}
 		rc.mu.Unlock()
 	}
 }
@@ -571,6 +573,7 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 				// nobody else can release it, or pull its payloads.
 				ReleaseAll(m)
 				notSent(unsent)
+				takeDestination(unsent) // never marshaled, if an interceptor replaced it
 			}
 		}
 	}

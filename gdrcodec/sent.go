@@ -22,7 +22,10 @@ var sent = newExpiring[[]oob.Token](oob.DefaultLease)
 // the outbox has withdrawn their payloads by then.
 func noteSent(v any, tokens []oob.Token) {
 	if len(tokens) > 0 {
-		sent.put(v, tokens)
+		// A message sent on two calls at once keeps the first call's note:
+		// the second's payloads leave by their lease, and notSent for the
+		// first never withdraws the second's.
+		sent.putNew(v, tokens)
 	}
 }
 

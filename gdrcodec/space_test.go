@@ -490,3 +490,62 @@ func TestReceiveSpaceSendAfterCancel(t *testing.T) {
 	gdrcodec.ReleaseAll(makeChecked(t, r, mib, 3))
 	require.Equal(t, map[string]int{"rdma@space": 1}, r.paths.reset())
 }
+
+// advertisedSender's Download sends one message, waits until the client's
+// receive space reached the server (its first message's pull prompts it),
+// sends two more, which land in it, and reports on sent.
+type advertisedSender struct {
+	tensor.Server
+	sent chan error
+}
+
+func (s *advertisedSender) Download(r *tensorpb.Sized, st tensorpb.TensorService_DownloadServer) error {
+	for i := range uint32(3) {
+		if i == 1 {
+			for oob.ReadStats().PeerSpaces == 0 {
+				select {
+				case <-st.Context().Done():
+					return st.Context().Err()
+				case <-time.After(time.Millisecond):
+				}
+			}
+		}
+		m, err := tensor.Make(nil, &tensorpb.Sized{Size: r.Size, Seed: r.Seed + i})
+		if err != nil {
+			return err
+		}
+		if err := st.Send(m); err != nil {
+			gdrcodec.ReleaseAll(m)
+			s.sent <- err
+			return err
+		}
+	}
+	s.sent <- nil
+	<-st.Context().Done()
+	return nil
+}
+
+// A call made before the client advertised its first space (a stream whose
+// first message's pull prompts the advertisement) still gets back what was
+// written into the space for it and never decoded.
+func TestReceiveSpaceFirstCall(t *testing.T) {
+	const mib = 1 << 20
+	srv := &advertisedSender{sent: make(chan error, 1)}
+	r := newRig(t, transport.ModeUCX, srv, gdrpc.WithTrustPeers())
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpace: 4 * mib})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	st, err := r.client.Download(ctx, &tensorpb.Sized{Size: mib, Seed: 60})
+	require.NoError(t, err)
+	first, err := st.Recv()
+	require.NoError(t, err)
+	require.NoError(t, <-srv.sent)
+	require.Equal(t, 2, oob.ReadStats().PeerTaken, "the second and third messages landed")
+	cancel()
+	require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
+	b, err := tensor.Bytes(first.Data)
+	require.NoError(t, err)
+	requireBytes(t, pattern(mib, 60), b)
+	gdrcodec.ReleaseAll(first)
+	require.Equal(t, map[string]int{"rdma": 1}, r.paths.reset(), "the first message was pulled")
+}

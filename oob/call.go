@@ -18,11 +18,13 @@ import (
 // decoded the response and released the buffer. A response the client never
 // decodes (its call was cancelled or ran out of time first, or gRPC refused
 // the message) leaves ranges nobody gives back. So a client numbers its calls
-// (the gdrpc-call header, CallHeader) while it advertises space, notes the
-// ranges each call took, and, when a call ends without having taken every
-// response, tells the server which ranges the call did take (CALL-ENDED): the
-// server takes back the rest of what it wrote for that call, and writes
-// nothing more for it.
+// (the gdrpc-call header, CallHeader), notes the writes each call took, and,
+// when a call ends without having taken every response, tells the server
+// which writes the call did take (CALL-ENDED): the server takes back the rest
+// of what it wrote for that call, and writes nothing more for it. Writes
+// are named by range and number (Descriptor.SpaceGen), since control
+// messages are handled concurrently: a notice about an earlier write into a
+// range must not free a later one.
 
 // CallHeader is the metadata key that carries a client call's number to the
 // server, in hexadecimal.
@@ -55,13 +57,11 @@ type spaceRange struct{ space, off, gen uint64 }
 
 var callNumbers atomic.Uint64
 
-// NewCall returns the record of a client call about to start, or nil while
-// this process advertises no receive space: no server can write for the call
-// then, and it needs no number.
+// NewCall returns the record of a client call about to start. Every call
+// gets one: a call made before the process advertised its first space (a
+// stream whose first pull prompts the advertisement) may have later
+// responses written into it.
 func NewCall() *Call {
-	if ownSpaces.Load() == 0 {
-		return nil
-	}
 	return &Call{ID: callNumbers.Add(1)}
 }
 

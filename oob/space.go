@@ -10,7 +10,6 @@ import (
 	"runtime/trace"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
@@ -110,8 +109,7 @@ const spaceWithdrawBound = time.Second
 // spaces maps the ids of this process's advertised spaces to them, until
 // their session ends; liveSpaces holds them until they are freed.
 var (
-	spaces     sync.Map     // uint64 -> *space
-	ownSpaces  atomic.Int64 // entries in spaces
+	spaces     sync.Map // uint64 -> *space
 	liveSpaces = struct {
 		sync.Mutex
 		m map[*space]struct{}
@@ -248,7 +246,6 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 	if !stopped {
 		st.own = append(st.own, sp)
 		spaces.Store(sp.id, sp)
-		ownSpaces.Add(1)
 	}
 	st.mu.Unlock()
 	if stopped {
@@ -336,9 +333,7 @@ func newSpaceID() uint64 {
 // close ends sp's advertisement: no payload lands any more, and the region
 // is freed once the application gave back every range it holds.
 func (sp *space) close() {
-	if _, ok := spaces.LoadAndDelete(sp.id); ok {
-		ownSpaces.Add(-1)
-	}
+	spaces.Delete(sp.id)
 	sp.mu.Lock()
 	sp.closed = true
 	free := len(sp.inUse) == 0
@@ -359,44 +354,70 @@ func (sp *space) free() {
 	liveSpaces.Unlock()
 }
 
-// fetchLanded returns the payload d names in this process's advertised
-// space as a buffer of its own, for call (nil: none); releasing it gives the
-// range back.
-func fetchLanded(d Descriptor, call *Call) (*devicebuf.Buffer, *space, error) {
+// landedSpace returns the space of this process's that d names, once the
+// range d names is one this process can vouch for: in a space it advertised
+// to d's owner, written by the path it offered, aligned and inside.
+func landedSpace(d Descriptor) (*space, error) {
 	v, ok := spaces.Load(d.Space)
 	if !ok {
-		return nil, nil, fmt.Errorf("the descriptor names receive space %#x, which this process does not advertise (any more)", d.Space)
+		return nil, fmt.Errorf("the descriptor names receive space %#x, which this process does not advertise (any more)", d.Space)
 	}
 	sp := v.(*space)
 	off, n := d.SpaceOffset, d.Length
 	switch {
 	case sp.s.Peer().ID != d.Owner:
-		return nil, nil, fmt.Errorf("receive space %#x was advertised to another process", d.Space)
+		return nil, fmt.Errorf("receive space %#x was advertised to another process", d.Space)
 	case d.SpacePath != sp.path:
-		return nil, nil, fmt.Errorf("receive space %#x is written by %v, the descriptor says %v", d.Space, sp.path, d.SpacePath)
+		return nil, fmt.Errorf("receive space %#x is written by %v, the descriptor says %v", d.Space, sp.path, d.SpacePath)
 	case off%spaceAlign != 0:
-		return nil, nil, fmt.Errorf("range at %d of receive space %#x is not aligned to %d bytes", off, d.Space, spaceAlign)
+		return nil, fmt.Errorf("range at %d of receive space %#x is not aligned to %d bytes", off, d.Space, spaceAlign)
 	case n == 0 || off > uint64(sp.region.Len()) || n > uint64(sp.region.Len())-off:
-		return nil, nil, fmt.Errorf("range [%d, +%d) outside receive space %#x of %d bytes", off, n, d.Space, sp.region.Len())
+		return nil, fmt.Errorf("range [%d, +%d) outside receive space %#x of %d bytes", off, n, d.Space, sp.region.Len())
 	case int(d.SpaceEvent) > len(sp.events):
-		return nil, nil, fmt.Errorf("receive space %#x offered %d events, the descriptor names event %d", d.Space, len(sp.events), d.SpaceEvent)
+		return nil, fmt.Errorf("receive space %#x offered %d events, the descriptor names event %d", d.Space, len(sp.events), d.SpaceEvent)
 	}
-	sp.mu.Lock()
+	return sp, nil
+}
+
+// heldOverlapLocked returns an error when [off, +n) overlaps a range the
+// application holds (sp.mu held).
+func (sp *space) heldOverlapLocked(off, n uint64) error {
 	if sp.closed {
-		sp.mu.Unlock()
-		return nil, nil, fmt.Errorf("receive space %#x closed with its session", d.Space)
+		return fmt.Errorf("receive space %#x closed with its session", sp.id)
 	}
 	for o, h := range sp.inUse {
 		if off < o+h.n && o < off+n {
-			sp.mu.Unlock()
-			return nil, nil, fmt.Errorf("range [%d, +%d) of receive space %#x overlaps [%d, +%d), which the application holds", off, n, d.Space, o, h.n)
+			return fmt.Errorf("range [%d, +%d) of receive space %#x overlaps [%d, +%d), which the application holds", off, n, sp.id, o, h.n)
 		}
 	}
-	if !call.note(spaceRange{d.Space, off, d.SpaceGen}) {
+	return nil
+}
+
+// fetchLanded returns the payload d names in this process's advertised
+// space as a buffer of its own, for call (nil: none); releasing it gives the
+// range back.
+func fetchLanded(d Descriptor, call *Call) (*devicebuf.Buffer, *space, error) {
+	sp, err := landedSpace(d)
+	if err != nil {
+		return nil, nil, err
+	}
+	off, n := d.SpaceOffset, d.Length
+	h := heldRange{off, n, d.SpaceGen}
+	sp.mu.Lock()
+	if err := sp.heldOverlapLocked(off, n); err != nil {
 		sp.mu.Unlock()
+		return nil, nil, err
+	}
+	if !call.note(spaceRange{d.Space, off, d.SpaceGen}) {
+		// The call's CALL-ENDED, which does not name this write, is out;
+		// the SPACE-FREE makes sure, should the owner have forgotten the
+		// call (a stale one frees nothing: it names the write).
+		start := sp.queueFreeLocked(h)
+		sp.mu.Unlock()
+		sp.startFrees(start)
 		return nil, nil, errCallEnded
 	}
-	sp.inUse[off] = heldRange{off, n, d.SpaceGen}
+	sp.inUse[off] = h
 	sp.mu.Unlock()
 	ptr, release := sp.region.Ptr()+uintptr(off), func() { sp.giveBack(off) }
 	if d.SpaceEvent == 0 {
@@ -420,17 +441,29 @@ func (sp *space) giveBack(off uint64) {
 	sp.mu.Lock()
 	h := sp.inUse[off]
 	delete(sp.inUse, off)
-	closed := sp.closed
-	free := closed && len(sp.inUse) == 0
-	start := false
-	if !closed {
-		sp.pending = append(sp.pending, h)
-		start, sp.sending = !sp.sending, true
-	}
+	free := sp.closed && len(sp.inUse) == 0
+	start := sp.queueFreeLocked(h)
 	sp.mu.Unlock()
 	if free {
 		sp.free()
 	}
+	sp.startFrees(start)
+}
+
+// queueFreeLocked queues the SPACE-FREE of h unless the session ended
+// (sp.mu held); it reports whether the caller must start the sender.
+func (sp *space) queueFreeLocked(h heldRange) bool {
+	if sp.closed {
+		return false
+	}
+	sp.pending = append(sp.pending, h)
+	start := !sp.sending
+	sp.sending = true
+	return start
+}
+
+// startFrees starts the goroutine that sends the queued SPACE-FREEs.
+func (sp *space) startFrees(start bool) {
 	if start {
 		go sp.sendFrees()
 	}
@@ -662,8 +695,8 @@ func (p *peerSpace) give(off, n, gen uint64) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	w, ok := p.taken[off]
-	if !ok || roundUp(n, spaceAlign) != w.n || gen != 0 && gen != w.gen {
-		return false
+	if !ok || w.writing || roundUp(n, spaceAlign) != w.n || gen != 0 && gen != w.gen {
+		return false // a receiver learns of a range only once its write ended
 	}
 	p.giveLocked(off)
 	return true
@@ -769,9 +802,17 @@ func Discard(d Descriptor) {
 	if d.Space == 0 {
 		return
 	}
-	if b, _, err := fetchLanded(d, nil); err == nil {
-		b.Release()
+	sp, err := landedSpace(d)
+	if err != nil {
+		return
 	}
+	sp.mu.Lock()
+	start := false
+	if sp.heldOverlapLocked(d.SpaceOffset, d.Length) == nil {
+		start = sp.queueFreeLocked(heldRange{d.SpaceOffset, d.Length, d.SpaceGen})
+	}
+	sp.mu.Unlock()
+	sp.startFrees(start)
 }
 
 // land writes src, a payload of the peer's call (0: a call without a
@@ -816,7 +857,7 @@ func land(s *transport.Session, src Source, call uint64) (Descriptor, bool) {
 	ctx, cancel := context.WithTimeout(sessionContext(s), c.Timeout)
 	defer cancel()
 	start := time.Now()
-	path, event, err := pushInto(ctx, s, ps, &m, off, src)
+	path, event, err := pushInto(ctx, s, ps, &m, off, gen, src)
 	c.Metrics.Transfer(TransferInfo{Path: path, Bytes: int64(n), Elapsed: time.Since(start), Err: err, Memory: src.kind(), Advertised: true, Queued: event != 0})
 	if !ps.endWrite(off, gen, err == nil) {
 		if err != nil {
@@ -833,12 +874,12 @@ func land(s *transport.Session, src Source, call uint64) (Descriptor, bool) {
 // pushInto writes src where m says (the range at off of the space), by the
 // path the receiver advertised and nothing else. A copy that may still run
 // when pushInto returns names the receiver's event that marks its end.
-func pushInto(ctx context.Context, s *transport.Session, ps *peerSpace, m *rtr, off uint64, src Source) (Path, uint32, error) {
+func pushInto(ctx context.Context, s *transport.Session, ps *peerSpace, m *rtr, off, gen uint64, src Source) (Path, uint32, error) {
 	if m.Offers == PathCUDAIPC {
 		if !ipcAllowed(s) {
 			return PathCUDAIPC, 0, errors.New("CUDA IPC is for trusted peers on this host")
 		}
-		event, err := ps.copyInto(s, m, off, src)
+		event, err := ps.copyInto(s, m, off, gen, src)
 		return PathCUDAIPC, event, err
 	}
 	ep, rc := s.Endpoint(), s.RDMAContext()
@@ -863,13 +904,13 @@ func pushInto(ctx context.Context, s *transport.Session, ps *peerSpace, m *rtr, 
 // copyInto returns (0); once the space has a stream, such a copy runs on it
 // too, after any copy still queued into the same range (one whose message
 // was never sent, or whose receiver gave the range back without waiting).
-func (p *peerSpace) copyInto(s *transport.Session, m *rtr, off uint64, src Source) (uint32, error) {
+func (p *peerSpace) copyInto(s *transport.Session, m *rtr, off, gen uint64, src Source) (uint32, error) {
 	mapping, err := p.mapped(s)
 	if err != nil {
 		return 0, err
 	}
 	defer mapping.Release()
-	q, ev, i := p.eventFor(s, off, mapping.Device(), src)
+	q, ev, i := p.eventFor(s, off, gen, mapping.Device(), src)
 	if ev != nil {
 		err := q.copyInto(mapping, m, src.Buffer, ev)
 		if err == nil {
@@ -889,14 +930,14 @@ func (p *peerSpace) copyInto(s *transport.Session, m *rtr, off uint64, src Sourc
 // receiver's event (opened the first time) with its index, recorded as the
 // range at off's. The queue is made with the first event taken: nil means
 // nothing was ever queued. A nil event means the copy must be waited for.
-func (p *peerSpace) eventFor(s *transport.Session, off uint64, dev int, src Source) (*copyQueue, *devicebuf.Event, int) {
+func (p *peerSpace) eventFor(s *transport.Session, off, gen uint64, dev int, src Source) (*copyQueue, *devicebuf.Event, int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
 		return nil, nil, 0
 	}
-	_, taken := p.taken[off]
-	if !taken || src.Buffer == nil || src.kind() != devicebuf.CUDA || len(p.freeEvents) == 0 {
+	w := p.taken[off]
+	if w == nil || w.gen != gen || src.Buffer == nil || src.kind() != devicebuf.CUDA || len(p.freeEvents) == 0 {
 		return p.copies, nil, 0
 	}
 	i := p.freeEvents[len(p.freeEvents)-1]

@@ -15,14 +15,17 @@ import (
 
 func TestPeerSpaceRanges(t *testing.T) {
 	p := testPeerSpace(4 * spaceAlign)
-	a, _, ok := p.take(1, 0) // rounded up to spaceAlign
-	require.True(t, ok)
-	b, _, ok := p.take(spaceAlign+1, 0) // two units
-	require.True(t, ok)
-	c, _, ok := p.take(spaceAlign, 0)
-	require.True(t, ok)
+	written := func(n uint64) uint64 { // a range taken and written
+		off, gen, ok := p.take(n, 0)
+		require.True(t, ok)
+		require.True(t, p.endWrite(off, gen, true))
+		return off
+	}
+	a := written(1)              // rounded up to spaceAlign
+	b := written(spaceAlign + 1) // two units
+	c := written(spaceAlign)
 	require.Equal(t, []uint64{0, spaceAlign, 3 * spaceAlign}, []uint64{a, b, c})
-	_, _, ok = p.take(1, 0)
+	_, _, ok := p.take(1, 0)
 	require.False(t, ok, "full")
 
 	require.False(t, p.give(spaceAlign, spaceAlign, 0), "a length other than the one taken")
@@ -83,12 +86,15 @@ func TestPeerSpaceCallEnded(t *testing.T) {
 	require.Contains(t, p.taken, again.off, "another call's write into the range")
 	require.Contains(t, p.taken, taken.off)
 
-	// A stray SPACE-FREE of a range being written frees it; that write's
-	// end then keeps nothing, and a later write into the range is not
-	// ended by it.
+	// A SPACE-FREE of a range still being written (no receiver has its
+	// descriptor yet) frees nothing, named write or not; a write that
+	// failed frees its range, and a later write into the range is not ended
+	// by the failed one's end.
 	off, gen, ok = p.take(spaceAlign, 10)
 	require.True(t, ok)
-	require.True(t, p.give(off, spaceAlign, gen))
+	require.False(t, p.give(off, spaceAlign, gen))
+	require.False(t, p.give(off, spaceAlign, 0))
+	require.False(t, p.endWrite(off, gen, false))
 	next := write(11)
 	require.Equal(t, off, next.off)
 	require.False(t, p.endWrite(off, gen, true))
@@ -318,8 +324,8 @@ func TestSpaceWithdrawWaitsForWrites(t *testing.T) {
 		t.Fatal("the withdrawal was answered with a write under way")
 	default:
 	}
-	require.True(t, ps.give(off, 4096, gen))
-	endWrite.Do(ps.writers.Done) // the write ends
+	require.False(t, ps.endWrite(off, gen, false)) // the write failed: its range is free
+	endWrite.Do(ps.writers.Done)                   // the write ends
 	select {
 	case id := <-answers:
 		require.Equal(t, uint64(5), id)
