@@ -26,9 +26,13 @@ import (
 
 // spaceRig is a rig between trusted peers whose client advertises space
 // bytes of receive space.
-func spaceRig(t *testing.T, space int) *rig {
+func spaceRig(t *testing.T, space int) *rig { return spaceRigServing(t, nil, space) }
+
+// spaceRigServing is spaceRig with srv as the server (nil: the tensor
+// example's).
+func spaceRigServing(t *testing.T, srv tensorpb.TensorServiceServer, space int) *rig {
 	t.Helper()
-	r := newRig(t, transport.ModeUCX, nil, gdrpc.WithTrustPeers())
+	r := newRig(t, transport.ModeUCX, srv, gdrpc.WithTrustPeers())
 	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpace: space})
 	return r
 }
@@ -42,6 +46,16 @@ func makeChecked(t *testing.T, r *rig, n int, seed uint32) *tensorpb.Tensor {
 	require.NoError(t, err)
 	requireBytes(t, pattern(n, seed), b)
 	return got
+}
+
+// advertise makes r's client advertise its space (its first pull, of n
+// bytes, prompts it), waits until the server took it, and forgets the paths
+// so far.
+func advertise(t *testing.T, r *rig, n int) {
+	t.Helper()
+	gdrcodec.ReleaseAll(makeChecked(t, r, n, 1))
+	waitPeerSpace(t)
+	r.paths.reset()
 }
 
 // waitPeerSpace waits until the server took the client's advertisement.
@@ -368,9 +382,7 @@ func TestReceiveSpacePerSession(t *testing.T) {
 func TestReceiveSpaceRefusedPayload(t *testing.T) {
 	const mib = 1 << 20
 	r := spaceRig(t, 4*mib)
-	gdrcodec.ReleaseAll(makeChecked(t, r, mib, 1))
-	waitPeerSpace(t)
-	r.paths.reset()
+	advertise(t, r, mib)
 	gdrcodec.Register(gdrcodec.WithMaxReceivePayload(mib / 2))
 	t.Cleanup(func() { gdrcodec.Register() })
 	for range 5 { // more than the space holds, were the ranges not given back
@@ -391,9 +403,7 @@ func TestReceiveSpaceRefusedPayload(t *testing.T) {
 func TestReceiveSpaceUndecodedResponse(t *testing.T) {
 	const mib = 1 << 20
 	r := spaceRig(t, 4*mib)
-	gdrcodec.ReleaseAll(makeChecked(t, r, mib, 1))
-	waitPeerSpace(t)
-	r.paths.reset()
+	advertise(t, r, mib)
 	for range 5 { // more than the space holds, were the ranges not given back
 		_, err := r.client.Make(context.Background(), &tensorpb.Sized{Size: mib, Seed: 2}, grpc.MaxCallRecvMsgSize(16))
 		require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
@@ -464,10 +474,8 @@ func (s *lateSender) Download(r *tensorpb.Sized, st tensorpb.TensorService_Downl
 func TestReceiveSpaceSendAfterCancel(t *testing.T) {
 	const mib = 1 << 20
 	srv := &lateSender{sent: make(chan error, 1)}
-	r := newRig(t, transport.ModeUCX, srv, gdrpc.WithTrustPeers())
-	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpace: 4 * mib})
-	gdrcodec.ReleaseAll(makeChecked(t, r, mib, 1))
-	waitPeerSpace(t)
+	r := spaceRigServing(t, srv, 4*mib)
+	advertise(t, r, mib)
 	for round := range 3 {
 		ctx, cancel := context.WithCancel(context.Background())
 		st, err := r.client.Download(ctx, &tensorpb.Sized{Size: mib, Seed: 40})
@@ -531,8 +539,7 @@ func (s *advertisedSender) Download(r *tensorpb.Sized, st tensorpb.TensorService
 func TestReceiveSpaceFirstCall(t *testing.T) {
 	const mib = 1 << 20
 	srv := &advertisedSender{sent: make(chan error, 1)}
-	r := newRig(t, transport.ModeUCX, srv, gdrpc.WithTrustPeers())
-	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpace: 4 * mib})
+	r := spaceRigServing(t, srv, 4*mib)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	st, err := r.client.Download(ctx, &tensorpb.Sized{Size: mib, Seed: 60})
