@@ -403,8 +403,13 @@ func rangeNotice(req, off, n uint64) []byte {
 }
 
 // freeNotice is a SPACE-FREE: a range notice and the owner's number for the
-// write into the range (Descriptor.SpaceGen).
+// write into the range (Descriptor.SpaceGen). An owner that numbers no writes
+// (an older gdrpc, whose descriptors carry 0) gets the range notice alone,
+// which is all it reads.
 func freeNotice(req, off, n, gen uint64) []byte {
+	if gen == 0 {
+		return rangeNotice(req, off, n)
+	}
 	return binary.BigEndian.AppendUint64(rangeNotice(req, off, n), gen)
 }
 

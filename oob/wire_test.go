@@ -211,3 +211,36 @@ func FuzzParseChunkNotice(f *testing.F) {
 		require.Equal(t, b, rangeNotice(req, off, n))
 	})
 }
+
+// A SPACE-FREE names the write where the owner numbered it, and is a bare
+// range notice where it did not (an older owner reads no more).
+func TestFreeNotice(t *testing.T) {
+	b := freeNotice(7, 4096, 8192, 3)
+	req, off, n, gen, err := parseFreeNotice(b)
+	require.NoError(t, err)
+	require.Equal(t, [4]uint64{7, 4096, 8192, 3}, [4]uint64{req, off, n, gen})
+	old := freeNotice(7, 4096, 8192, 0)
+	require.Equal(t, rangeNotice(7, 4096, 8192), old)
+	req, off, n, gen, err = parseFreeNotice(old)
+	require.NoError(t, err)
+	require.Equal(t, [4]uint64{7, 4096, 8192, 0}, [4]uint64{req, off, n, gen})
+	for name, bad := range map[string][]byte{
+		"short write number": b[:len(b)-1],
+		"trailing":           append(b, 0),
+		"version":            append([]byte{9}, b[1:]...),
+	} {
+		_, _, _, _, err := parseFreeNotice(bad)
+		require.Error(t, err, name)
+	}
+}
+
+func FuzzParseFreeNotice(f *testing.F) {
+	f.Add(freeNotice(3, 4<<20, 4<<20, 9))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		req, off, n, gen, err := parseFreeNotice(b)
+		if err != nil || gen == 0 {
+			return
+		}
+		require.Equal(t, b, freeNotice(req, off, n, gen))
+	})
+}
