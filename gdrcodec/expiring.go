@@ -39,7 +39,7 @@ func (e *expiring[V]) store(k any, v V, replace bool) bool {
 	now := time.Now()
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if _, ok := e.m[k]; ok && !replace {
+	if en, ok := e.m[k]; ok && !replace && now.Sub(en.at) <= e.maxAge {
 		return false
 	}
 	e.m[k] = expiringEntry[V]{v: v, at: now}

@@ -245,10 +245,9 @@ func (h *hold) release() {
 // UnaryClientInterceptor holds a request's payloads until the call returns,
 // releases what the response brought when the call fails (the caller never
 // sees it), and returns the status of an out-of-band transfer that failed
-// while the response was being decoded, where gRPC reports Internal. While
-// this process advertises receive space, it numbers the call (numberCall),
-// and a call that fails tells the server, which takes back the space of a
-// response the call never decoded.
+// while the response was being decoded, where gRPC reports Internal. It
+// numbers the call (numberCall), and a call that fails tells the server,
+// which takes back the receive space of a response the call never decoded.
 func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		h := &hold{}
@@ -261,7 +260,7 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 		if m := messageV2Of(reply); err != nil && m != nil {
 			ReleaseAll(m)
 		}
-		if err != nil && call != nil {
+		if err != nil {
 			// The response, if one came, came over the session its header
 			// did (clientStats): a call is not retried once headers came.
 			rc.mu.Lock()
@@ -295,9 +294,9 @@ func StreamClientInterceptor() grpc.StreamClientInterceptor {
 	}
 }
 
-// numberCall gives a client call a number (oob.CallHeader) while this
-// process advertises receive space: the call's pulls note what they took of
-// it (oob.WithCall), and the server notes what it wrote for the call.
+// numberCall gives a client call a number (oob.CallHeader): the call's pulls
+// note what they took of this process's receive space (oob.WithCall), and
+// the server notes what it wrote there for the call.
 func numberCall(ctx context.Context) (context.Context, *oob.Call) {
 	if md, ok := metadata.FromOutgoingContext(ctx); ok && len(md[oob.CallHeader]) > 0 {
 		// A number another process gave (a proxy forwarding its incoming
@@ -307,9 +306,6 @@ func numberCall(ctx context.Context) (context.Context, *oob.Call) {
 		ctx = metadata.NewOutgoingContext(ctx, md)
 	}
 	call := oob.NewCall()
-	if call == nil {
-		return ctx, nil
-	}
 	ctx = metadata.AppendToOutgoingContext(ctx, oob.CallHeader, strconv.FormatUint(call.ID, 16))
 	return oob.WithCall(ctx, call), call
 }

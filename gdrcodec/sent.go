@@ -22,9 +22,9 @@ var sent = newExpiring[[]oob.Token](oob.DefaultLease)
 // the outbox has withdrawn their payloads by then.
 func noteSent(v any, tokens []oob.Token) {
 	if len(tokens) > 0 {
-		// A message sent on two calls at once keeps the first call's note:
-		// the second's payloads leave by their lease, and notSent for the
-		// first never withdraws the second's.
+		// Notes are keyed by the message: one message sent on two calls at
+		// once is not supported (its buffers go once it is sent), and the
+		// first call's note is kept, not replaced.
 		sent.putNew(v, tokens)
 	}
 }

@@ -710,7 +710,7 @@ func (p *peerSpace) endWrite(off, gen uint64, keep bool) bool {
 	defer p.mu.Unlock()
 	w, ok := p.taken[off]
 	if !ok || w.gen != gen {
-		return false // given back while written (a receiver's stray SPACE-FREE)
+		return false // not this write's any more; nothing frees a range while it is written
 	}
 	w.writing = false
 	if keep && !w.orphaned {
