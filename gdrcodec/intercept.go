@@ -81,12 +81,17 @@ func (c *recvCall) done(v any, err error) error {
 
 func recvContext(v any) context.Context {
 	if c, ok := recvCalls.Load(v); ok {
-		rc := c.(*recvCall)
-		rc.mu.Lock()
-		defer rc.mu.Unlock()
-		return rc.ctx
+		return c.(*recvCall).context()
 	}
 	return context.Background()
+}
+
+// context returns the call's context, with the peer of its connection once
+// the stats handler saw it.
+func (c *recvCall) context() context.Context {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.ctx
 }
 
 // recvKey carries a unary call's recvCall to the client's stats handler.
@@ -263,10 +268,7 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 		if err != nil {
 			// The response, if one came, came over the session its header
 			// did (clientStats): a call is not retried once headers came.
-			rc.mu.Lock()
-			rctx := rc.ctx
-			rc.mu.Unlock()
-			call.Ended(transport.SessionFromContext(rctx))
+			call.Ended(transport.SessionFromContext(rc.context()))
 		}
 		if h != nil {
 			holds.Delete(req)
@@ -298,10 +300,10 @@ func StreamClientInterceptor() grpc.StreamClientInterceptor {
 // note what they took of this process's receive space (oob.WithCall), and
 // the server notes what it wrote there for the call.
 func numberCall(ctx context.Context) (context.Context, *oob.Call) {
-	if md, ok := metadata.FromOutgoingContext(ctx); ok && len(md[oob.CallHeader]) > 0 {
+	if len(metadata.ValueFromOutgoingContext(ctx, oob.CallHeader)) > 0 {
 		// A number another process gave (a proxy forwarding its incoming
 		// metadata) names none of this process's calls.
-		md = md.Copy()
+		md, _ := metadata.FromOutgoingContext(ctx) // a copy
 		delete(md, oob.CallHeader)
 		ctx = metadata.NewOutgoingContext(ctx, md)
 	}

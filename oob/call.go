@@ -5,7 +5,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -110,7 +109,7 @@ func (c *Call) note(r spaceRange) bool {
 // call that the call did not take. Only the first Ended of a call counts; it
 // returns at once (the message goes on a goroutine).
 func (c *Call) Ended(s *transport.Session) {
-	if c == nil || s == nil || len(ownSpacesOf(s)) == 0 {
+	if c == nil || s == nil || !advertisesOver(s) {
 		return
 	}
 	c.mu.Lock()
@@ -130,12 +129,12 @@ func (c *Call) Ended(s *transport.Session) {
 	}()
 }
 
-// ownSpacesOf returns the spaces this process advertised over s.
-func ownSpacesOf(s *transport.Session) []*space {
+// advertisesOver reports whether this process advertised a space over s.
+func advertisesOver(s *transport.Session) bool {
 	a := stateOf(s)
 	a.space.mu.Lock()
 	defer a.space.mu.Unlock()
-	return slices.Clone(a.space.own)
+	return len(a.space.own) > 0
 }
 
 // callEnded is a CALL-ENDED: version, the call's number, and the writes it

@@ -412,9 +412,8 @@ func fetchLanded(d Descriptor, call *Call) (*devicebuf.Buffer, *space, error) {
 		// The call's CALL-ENDED, which does not name this write, is out;
 		// the SPACE-FREE makes sure, should the owner have forgotten the
 		// call (a stale one frees nothing: it names the write).
-		start := sp.queueFreeLocked(h)
+		sp.queueFreeLocked(h)
 		sp.mu.Unlock()
-		sp.startFrees(start)
 		return nil, nil, errCallEnded
 	}
 	sp.inUse[off] = h
@@ -442,29 +441,22 @@ func (sp *space) giveBack(off uint64) {
 	h := sp.inUse[off]
 	delete(sp.inUse, off)
 	free := sp.closed && len(sp.inUse) == 0
-	start := sp.queueFreeLocked(h)
+	sp.queueFreeLocked(h)
 	sp.mu.Unlock()
 	if free {
 		sp.free()
 	}
-	sp.startFrees(start)
 }
 
-// queueFreeLocked queues the SPACE-FREE of h unless the session ended
-// (sp.mu held); it reports whether the caller must start the sender.
-func (sp *space) queueFreeLocked(h heldRange) bool {
+// queueFreeLocked queues the SPACE-FREE of h unless the session ended, and
+// starts the goroutine that sends them if none runs (sp.mu held).
+func (sp *space) queueFreeLocked(h heldRange) {
 	if sp.closed {
-		return false
+		return
 	}
 	sp.pending = append(sp.pending, h)
-	start := !sp.sending
-	sp.sending = true
-	return start
-}
-
-// startFrees starts the goroutine that sends the queued SPACE-FREEs.
-func (sp *space) startFrees(start bool) {
-	if start {
+	if !sp.sending {
+		sp.sending = true
 		go sp.sendFrees()
 	}
 }
@@ -807,12 +799,10 @@ func Discard(d Descriptor) {
 		return
 	}
 	sp.mu.Lock()
-	start := false
 	if sp.heldOverlapLocked(d.SpaceOffset, d.Length) == nil {
-		start = sp.queueFreeLocked(heldRange{d.SpaceOffset, d.Length, d.SpaceGen})
+		sp.queueFreeLocked(heldRange{d.SpaceOffset, d.Length, d.SpaceGen})
 	}
 	sp.mu.Unlock()
-	sp.startFrees(start)
 }
 
 // land writes src, a payload of the peer's call (0: a call without a
