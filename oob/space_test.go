@@ -366,3 +366,49 @@ func TestDefaultSpace(t *testing.T) {
 	}
 	require.Equal(t, 0, st.nextSize(0, 1<<20), "at most maxSpaces")
 }
+
+// A CALL-ENDED is the word of one session's peer about its own calls: it
+// frees only what this side wrote for that call number over that session
+// (another client's call of the same number keeps its write), and malformed
+// ones change nothing.
+func TestCallEndedPerSession(t *testing.T) {
+	_, ss1 := tcpPair(t, transport.WithTrustPeers(true))
+	_, ss2 := tcpPair(t, transport.WithTrustPeers(true))
+	written := map[*transport.Session]*peerSpace{}
+	for i, ss := range []*transport.Session{ss1, ss2} {
+		m := &spaceMsg{rtr: rtr{Req: uint64(5 + i), Length: 1 << 20, Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}}
+		handleSpace(ss, m.marshal())
+		ps := peerSpaceByID(ss, m.Req)
+		require.NotNil(t, ps)
+		off, gen, ok := ps.take(4096, 7)
+		require.True(t, ok)
+		require.True(t, ps.endWrite(off, gen, true))
+		ps.writers.Done()
+		written[ss] = ps
+	}
+	for _, bad := range [][]byte{nil, {1}, callEnded(0, nil), append(callEnded(7, nil), 1)} {
+		handleCallEnded(ss1, bad)
+	}
+	require.Len(t, written[ss1].taken, 1, "malformed CALL-ENDEDs free nothing")
+	handleCallEnded(ss1, callEnded(7, nil))
+	require.Empty(t, written[ss1].taken)
+	require.Len(t, written[ss2].taken, 1, "the other session's call 7")
+	require.True(t, stateOf(ss1).space.callEnded(7))
+	require.False(t, stateOf(ss2).space.callEnded(7))
+	off, gen, ok := written[ss1].take(4096, 7)
+	require.True(t, ok, "take itself does not refuse: land checks callEnded after it")
+	require.False(t, written[ss1].endWrite(off, gen, false))
+	written[ss1].writers.Done()
+}
+
+func FuzzParseCallEnded(f *testing.F) {
+	f.Add(callEnded(42, []spaceRange{{1, 0, 5}, {2, 4096, 6}}))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		id, took, err := parseCallEnded(b)
+		if err != nil {
+			return
+		}
+		require.NotZero(t, id)
+		require.LessOrEqual(t, len(took), maxCallTaken)
+	})
+}
