@@ -22,6 +22,7 @@ import (
 	"github.com/gdrpc/gdrpc/devicebuf"
 	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
 	"github.com/gdrpc/gdrpc/oob"
+	"github.com/gdrpc/gdrpc/transport"
 )
 
 // Name is the content-subtype of the out-of-band codec: gdrpc clients send
@@ -156,6 +157,7 @@ func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
 	w := &rewriter{oob: c.oob, eager: c.options().eager, hold: holdOf(v)}
 	if c.oob {
 		w.to = takeDestination(v)
+		w.reqTo = w.hold.session()
 	}
 	out, err := w.message(m)
 	if err != nil {
@@ -173,7 +175,11 @@ func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
 	if w.hold == nil {
 		noteSent(v, w.offers)
 	}
-	w.to.landed(v, w.landed)
+	if w.reqTo != nil {
+		w.hold.land(w.reqTo, w.landed)
+	} else {
+		w.to.landed(v, w.landed)
+	}
 	return data, nil
 }
 
@@ -277,16 +283,21 @@ type rewriter struct {
 	eager  int
 	hold   *hold
 	offers []oob.Token
-	to     *destination     // where the message goes, when the server's interceptors know it
-	landed []oob.Descriptor // payloads written into the receiver's advertised space
+	to     *destination       // where the message goes, when the server's interceptors know it
+	reqTo  *transport.Session // where a unary request goes, when gRPC picked the connection
+	landed []oob.Descriptor   // payloads written into the receiver's advertised space
 }
 
 func (w *rewriter) abort() {
 	for _, t := range w.offers {
 		oob.Withdraw(t)
 	}
+	s := w.reqTo
+	if w.to != nil {
+		s = w.to.s
+	}
 	for _, d := range w.landed {
-		oob.Reclaim(w.to.s, d)
+		oob.Reclaim(s, d)
 	}
 }
 
@@ -297,13 +308,18 @@ func (w *rewriter) outOfBand(n int) bool { return w.oob && n >= w.eager }
 func (w *rewriter) offer(src oob.Source, landable bool) oob.Descriptor {
 	opt := oob.OfferOptions{Held: w.hold != nil && !w.hold.once}
 	var d oob.Descriptor
-	if landable && w.to != nil && w.hold == nil {
+	switch {
+	case landable && w.to != nil && w.hold == nil:
 		opt.Call = w.to.clientCall()
 		if d = oob.OfferTo(w.to.s, src, opt); d.Space != 0 {
 			w.landed = append(w.landed, d)
 			return d
 		}
-	} else {
+	case landable && w.reqTo != nil:
+		if d = oob.OfferRequest(w.reqTo, src, opt); d.Space != 0 {
+			w.landed = append(w.landed, d)
+		}
+	default:
 		d = oob.Offer(src, opt)
 	}
 	w.offers = append(w.offers, d.Token)

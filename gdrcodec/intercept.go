@@ -35,6 +35,44 @@ type hold struct {
 	// leaves the outbox after its first completed pull; the call's end
 	// withdraws those never pulled.
 	once bool
+	// rc is a unary call's: its context names the attempt's connection by
+	// the time gRPC marshals the request (clientStats), so the request's
+	// payloads may land in receive space the server advertised over that
+	// session (oob.OfferRequest), noted in landed until the call ends.
+	rc     *recvCall
+	landS  *transport.Session
+	landed []oob.Descriptor
+}
+
+// session returns the session of the unary call's current attempt, or nil.
+func (h *hold) session() *transport.Session {
+	if h == nil || h.rc == nil {
+		return nil
+	}
+	return transport.SessionFromContext(h.rc.context())
+}
+
+// land notes ds, written into space advertised over s.
+func (h *hold) land(s *transport.Session, ds []oob.Descriptor) {
+	if len(ds) == 0 {
+		return
+	}
+	h.mu.Lock()
+	h.landS, h.landed = s, append(h.landed, ds...)
+	h.mu.Unlock()
+}
+
+// endWrites runs once the unary call is over: unless the server that
+// answered over the session the request landed on took it (a call that
+// succeeded there), that server is told to give back what it never took.
+func (h *hold) endWrites(err error) {
+	h.mu.Lock()
+	s, ds := h.landS, h.landed
+	h.landS, h.landed = nil, nil
+	h.mu.Unlock()
+	if len(ds) > 0 && (err != nil || h.session() != s) {
+		oob.WritesEnded(s, ds)
+	}
 }
 
 var holds sync.Map // outgoing message (pointer) -> *hold
@@ -255,12 +293,12 @@ func (h *hold) release() {
 // which takes back the receive space of a response the call never decoded.
 func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		h := &hold{}
+		ctx, call := numberCall(ctx)
+		rc := expectReceive(ctx, reply, false)
+		h := &hold{rc: rc}
 		if _, busy := holds.LoadOrStore(req, h); busy {
 			h = nil // the same message in two calls at once: the first call holds it
 		}
-		ctx, call := numberCall(ctx)
-		rc := expectReceive(ctx, reply, false)
 		err := rc.done(reply, invoker(context.WithValue(ctx, recvKey{}, rc), method, req, reply, cc, opts...))
 		if m := messageV2Of(reply); err != nil && m != nil {
 			ReleaseAll(m)
@@ -272,6 +310,7 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 		}
 		if h != nil {
 			holds.Delete(req)
+			h.endWrites(err)
 			h.release()
 		}
 		return err

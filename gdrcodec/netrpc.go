@@ -11,6 +11,7 @@ import (
 	"net/rpc"
 	"sync"
 
+	"google.golang.org/grpc/peer"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/gdrpc/gdrpc/transport"
@@ -138,7 +139,12 @@ func (c *netrpcConn) readBody(v any) error {
 	if !mayCarry(m.ProtoReflect().Descriptor()) {
 		return nil
 	}
-	return resolve(context.Background(), m.ProtoReflect(), true, c.c.options())
+	ctx := context.Background()
+	if nc, ok := c.rwc.(net.Conn); ok {
+		// Pulls take the conn's own session first, as a gRPC call's do.
+		ctx = peer.NewContext(ctx, &peer.Peer{Addr: nc.RemoteAddr(), LocalAddr: nc.LocalAddr()})
+	}
+	return resolve(ctx, m.ProtoReflect(), true, c.c.options())
 }
 
 // NewClientCodec returns a net/rpc client codec over rwc (a gdrpc conn from

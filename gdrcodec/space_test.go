@@ -61,7 +61,14 @@ func advertise(t *testing.T, r *rig, n int) {
 // waitPeerSpace waits until the server took the client's advertisement.
 func waitPeerSpace(t *testing.T) {
 	t.Helper()
-	require.Eventually(t, func() bool { return oob.ReadStats().PeerSpaces == 1 }, 10*time.Second, time.Millisecond)
+	waitPeerSpaces(t, 1)
+}
+
+// waitPeerSpaces waits until this process's sessions took n advertisements
+// of their peers.
+func waitPeerSpaces(t *testing.T, n int) {
+	t.Helper()
+	require.Eventually(t, func() bool { return oob.ReadStats().PeerSpaces == n }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
 }
 
 func TestReceiveSpace(t *testing.T) {
@@ -226,11 +233,11 @@ func TestReceiveSpaceCUDAIPC(t *testing.T) {
 		require.Equal(t, tensor.ChecksumBytes(pattern(n, uint32(i))), sum.Crc32C)
 		gdrcodec.ReleaseAll(got)
 		if i == 0 {
-			waitPeerSpace(t)
+			waitPeerSpaces(t, 2) // the client's, and the server's for requests (the rig configures both)
 		}
 	}
-	require.Equal(t, 3, r.paths.takeQueued(), "the server's copies went unwaited for, marked by the client's events")
-	require.Equal(t, map[string]int{"cuda-ipc": 4 + 1, "cuda-ipc@space": 3}, r.paths.reset(), "responses after the first land; requests are pulled")
+	require.Equal(t, 6, r.paths.takeQueued(), "the copies went unwaited for, marked by the receivers' events")
+	require.Equal(t, map[string]int{"cuda-ipc": 2, "cuda-ipc@space": 6}, r.paths.reset(), "responses and requests after the first land")
 	// Both ends closed: the server's mapping of the space (closed once its
 	// session is), and the space.
 	closeAll()

@@ -322,16 +322,18 @@ func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, erro
 		// The payload is in this process's receive space already: copy it
 		// into dst and give the range back.
 		b, path, err := takeLanded(ctx, d)
-		if err != nil {
+		if err == nil {
+			defer b.Release()
+			if err := devicebuf.Copy(dst, b); err != nil {
+				return path, &TransferError{Token: d.Token, Err: fmt.Errorf("copy from receive space: %w", err)}
+			}
+			return path, nil
+		}
+		if !errors.Is(err, errNotInSpace) {
 			return path, err
 		}
-		defer b.Release()
-		if err := devicebuf.Copy(dst, b); err != nil {
-			return path, &TransferError{Token: d.Token, Err: fmt.Errorf("copy from receive space: %w", err)}
-		}
-		return path, nil
 	}
-	b, path, err := FetchNew(ctx, d, func(int) (*devicebuf.Buffer, error) { return dst.Retain(), nil })
+	b, path, err := FetchNew(ctx, d.withoutSpace(), func(int) (*devicebuf.Buffer, error) { return dst.Retain(), nil })
 	if b != nil {
 		b.Release()
 	}
@@ -370,7 +372,17 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 		return nil, PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid, Err: err}
 	}
 	if d.Space != 0 {
-		return takeLanded(ctx, d)
+		b, path, err := takeLanded(ctx, d)
+		if err == nil || !errors.Is(err, errNotInSpace) {
+			return b, path, err
+		}
+		// A request gRPC replayed: its owner holds it under its token.
+		b, path, perr := fetchNew(ctx, d.withoutSpace(), alloc, space)
+		var te *TransferError
+		if errors.As(perr, &te) {
+			te.Err = fmt.Errorf("%v; pulled by token instead: %w", err, te.Err)
+		}
+		return b, path, perr
 	}
 	var dst *devicebuf.Buffer
 	allocate := func() error {
@@ -392,14 +404,18 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 		return nil, path, err
 	}
 	sessions := liveSessions(d.Owner)
-	if d.Owner == transport.LocalID() {
-		// Both ends of a connection to this process are sessions to it: the
-		// client's first, whose pulls advertise receive space (space.go).
+	pref := transport.SessionFromContext(ctx)
+	if d.Owner == transport.LocalID() && pref == nil {
+		// Both ends of a connection to this process are sessions to it. A
+		// pull without its call's session is a server's unary request's
+		// (decoded before any interceptor runs; the calls' other pulls know
+		// their session): the server's end first, whose pulls advertise the
+		// server's receive space (space.go).
 		slices.SortStableFunc(sessions, func(a, b *transport.Session) int {
-			return cmpBool(b.IsClient(), a.IsClient())
+			return cmpBool(a.IsClient(), b.IsClient())
 		})
 	}
-	if pref := transport.SessionFromContext(ctx); pref != nil {
+	if pref != nil {
 		// The call's own session first (a server's request, a client stream's
 		// response): its engine's configuration and its peer's bounds apply.
 		if i := slices.Index(sessions, pref); i > 0 {

@@ -96,6 +96,7 @@ var (
 		ctlSpaceWithdraw:  handleSpaceWithdraw,
 		ctlSpaceWithdrawn: handleSpaceWithdrawn,
 		ctlCallEnded:      handleCallEnded,
+		ctlWritesEnded:    handleWritesEnded,
 	}
 	bulkHandler = serveBulk
 )

@@ -94,6 +94,12 @@ type space struct {
 	// goroutine sends them: a release never waits for the control lane.
 	pending []heldRange
 	sending bool
+	// last is, per aligned offset (off/spaceAlign), the number of the last
+	// write there that was given back: a descriptor naming that write or an
+	// earlier one is stale (a request gRPC replays after the server took
+	// its payload, or after the client's call ended). Made at the first
+	// give-back; 8 bytes per 4 KiB of space.
+	last []uint64
 }
 
 // heldRange is a range of this process's space that a payload took: where,
@@ -202,10 +208,10 @@ func (st *spaceState) nextSize(configured, n int) int {
 // spaces cannot hold two such payloads (within bounds).
 func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devicebuf.Allocator) {
 	c := cfgOf(s)
-	// Only a client advertises: a server's responses land, while a client's
-	// requests are marshaled before gRPC picks their connection, so a
-	// server's space would sit unused.
-	if c.ReceiveSpace < 0 || !s.IsClient() || !s.TrustsPeer() || path != PathRDMA && path != PathCUDAIPC {
+	// A server advertises only when configured to (ReceiveSpace above
+	// zero): it would set space aside for every client connection, and
+	// only unary requests land there.
+	if c.ReceiveSpace < 0 || c.ReceiveSpace == 0 && !s.IsClient() || !s.TrustsPeer() || path != PathRDMA && path != PathCUDAIPC {
 		return
 	}
 	a := stateOf(s)
@@ -360,7 +366,7 @@ func (sp *space) free() {
 func landedSpace(d Descriptor) (*space, error) {
 	v, ok := spaces.Load(d.Space)
 	if !ok {
-		return nil, fmt.Errorf("the descriptor names receive space %#x, which this process does not advertise (any more)", d.Space)
+		return nil, fmt.Errorf("the descriptor names receive space %#x, which this process does not advertise (any more): %w", d.Space, errNotInSpace)
 	}
 	sp := v.(*space)
 	off, n := d.SpaceOffset, d.Length
@@ -387,11 +393,25 @@ func (sp *space) heldOverlapLocked(off, n uint64) error {
 	}
 	for o, h := range sp.inUse {
 		if off < o+h.n && o < off+n {
-			return fmt.Errorf("range [%d, +%d) of receive space %#x overlaps [%d, +%d), which the application holds", off, n, sp.id, o, h.n)
+			return fmt.Errorf("range [%d, +%d) of receive space %#x overlaps [%d, +%d), which the application holds: %w", off, n, sp.id, o, h.n, errNotInSpace)
 		}
 	}
 	return nil
 }
+
+// staleLocked reports whether write gen into the range at off was given
+// back already, or an earlier one than the last given back there (sp.mu
+// held). Writes numbered 0 (an older owner's) are never stale.
+func (sp *space) staleLocked(off, gen uint64) bool {
+	i := off / spaceAlign
+	return gen != 0 && i < uint64(len(sp.last)) && gen <= sp.last[i]
+}
+
+// errNotInSpace marks a descriptor whose payload is not (or no longer) in
+// this process's receive space where it says, though it may be elsewhere: a
+// request gRPC replayed to another server or after it was taken, whose
+// token its owner still holds. The receiver pulls it instead.
+var errNotInSpace = errors.New("the payload is not in receive space")
 
 // fetchLanded returns the payload d names in this process's advertised
 // space as a buffer of its own, for call (nil: none); releasing it gives the
@@ -408,6 +428,10 @@ func fetchLanded(d Descriptor, call *Call) (*devicebuf.Buffer, *space, error) {
 		sp.mu.Unlock()
 		return nil, nil, err
 	}
+	if sp.staleLocked(off, d.SpaceGen) {
+		sp.mu.Unlock()
+		return nil, nil, fmt.Errorf("write %d into range [%d, +%d) of receive space %#x was taken or given back already: %w", d.SpaceGen, off, n, d.Space, errNotInSpace)
+	}
 	if !call.note(spaceRange{d.Space, off, d.SpaceGen}) {
 		// The call's CALL-ENDED, which does not name this write, is out;
 		// the SPACE-FREE makes sure, should the owner have forgotten the
@@ -423,7 +447,10 @@ func fetchLanded(d Descriptor, call *Call) (*devicebuf.Buffer, *space, error) {
 		return devicebuf.Wrap(ptr, int(n), sp.region.Kind(), sp.region.Device(), release), sp, nil
 	}
 	ev := sp.events[d.SpaceEvent-1]
-	if cfgOf(sp.s).StreamOrdered {
+	if cfgOf(sp.s).StreamOrdered && sp.s.IsClient() {
+		// A client's option: a server's request is in place before its
+		// handler runs, so a client's call never returns while its request's
+		// copy still runs (unless the server never took it).
 		return devicebuf.WrapArriving(ptr, int(n), sp.region.Device(), release, ev), sp, nil
 	}
 	if err := ev.Synchronize(); err != nil {
@@ -451,6 +478,14 @@ func (sp *space) giveBack(off uint64) {
 // queueFreeLocked queues the SPACE-FREE of h unless the session ended, and
 // starts the goroutine that sends them if none runs (sp.mu held).
 func (sp *space) queueFreeLocked(h heldRange) {
+	if h.gen != 0 {
+		if sp.last == nil {
+			sp.last = make([]uint64, (sp.region.Len()+spaceAlign-1)/spaceAlign)
+		}
+		if i := h.off / spaceAlign; i < uint64(len(sp.last)) {
+			sp.last[i] = max(sp.last[i], h.gen)
+		}
+	}
 	if sp.closed {
 		return
 	}
@@ -496,7 +531,7 @@ func handleSpace(s *transport.Session, payload []byte) {
 		return
 	}
 	a := stateOf(s)
-	if a.link == nil || !s.TrustsPeer() || s.IsClient() {
+	if a.link == nil || !s.TrustsPeer() {
 		// A closed session's (closedState is shared), or a peer this side
 		// would not write into with puts it cannot bound.
 		cfgOf(s).Logger.Debug("receive space refused", "session", s.ID())
@@ -772,6 +807,24 @@ func OfferTo(s *transport.Session, src Source, opt OfferOptions) Descriptor {
 		}
 	}
 	return Offer(src, opt)
+}
+
+// OfferRequest is Offer for the payload of a client's request over s: where
+// the server advertised receive space with room for it, the payload is also
+// written there now and the descriptor names where, so the server has
+// nothing to pull. The payload stays in the outbox under the descriptor's
+// token as well: gRPC may replay the marshaled request to another server, or
+// to this one after it took the payload, and those pull it. Once the call
+// is over, WritesEnded gives back what the server never took.
+func OfferRequest(s *transport.Session, src Source, opt OfferOptions) Descriptor {
+	d := Offer(src, opt)
+	if s == nil {
+		return d
+	}
+	if l, ok := land(s, src, 0); ok {
+		d.Space, d.SpaceOffset, d.SpacePath, d.SpaceEvent, d.SpaceGen = l.Space, l.SpaceOffset, l.SpacePath, l.SpaceEvent, l.SpaceGen
+	}
+	return d
 }
 
 // Reclaim gives back the receive space that d, a descriptor OfferTo returned

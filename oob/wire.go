@@ -31,6 +31,9 @@ const (
 	// receiver -> owner: a call ended; the ranges the owner wrote for it
 	// that it did not take are free (call.go).
 	ctlCallEnded byte = 0x17
+	// owner -> receiver: writes into the receiver's space for a call that
+	// ended; those the receiver never took are free (writes.go).
+	ctlWritesEnded byte = 0x18
 )
 
 const wireVersion = 1
@@ -72,6 +75,12 @@ type Descriptor struct {
 	// about an earlier write into the same range, overtaken by another, frees
 	// nothing.
 	SpaceGen uint64
+}
+
+// withoutSpace returns d naming its payload by token alone.
+func (d Descriptor) withoutSpace() Descriptor {
+	d.Space, d.SpaceOffset, d.SpacePath, d.SpaceEvent, d.SpaceGen = 0, 0, PathNone, 0, 0
+	return d
 }
 
 // Validate reports whether d can name a payload at all.

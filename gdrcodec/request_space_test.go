@@ -1,0 +1,147 @@
+package gdrcodec_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	"github.com/gdrpc/gdrpc"
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/examples/tensor"
+	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/oob"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// tensorOf returns a request carrying n bytes of seed's pattern in host
+// memory.
+func tensorOf(n int, seed uint32) *tensorpb.Tensor {
+	b := devicebuf.HostFromBytes(pattern(n, seed))
+	defer b.Release()
+	return &tensorpb.Tensor{Name: "req", Data: gdrcodec.New(b)}
+}
+
+// digestChecked calls Digest with n bytes of seed's pattern and checks the
+// server's checksum of what arrived.
+func digestChecked(t *testing.T, c tensorpb.TensorServiceClient, n int, seed uint32) {
+	t.Helper()
+	req := tensorOf(n, seed)
+	defer gdrcodec.ReleaseAll(req)
+	sum, err := c.Digest(context.Background(), req)
+	require.NoError(t, err)
+	require.Equal(t, uint64(n), sum.Bytes)
+	require.Equal(t, tensor.ChecksumBytes(pattern(n, seed)), sum.Crc32C)
+}
+
+// requestSpaceRig is a rig between trusted peers whose server advertises
+// space bytes of receive space for requests (and whose client advertises as
+// much for responses), after the first request it pulled.
+func requestSpaceRig(t *testing.T, srv tensorpb.TensorServiceServer, space int) *rig {
+	t.Helper()
+	r := spaceRigServing(t, srv, space)
+	digestChecked(t, r.client, 1<<20, 1)
+	require.Equal(t, map[string]int{"rdma": 1}, r.paths.reset(), "the first request is pulled")
+	waitPeerSpace(t)
+	return r
+}
+
+// A server configured with receive space advertises it after the first
+// request it pulled; the client then writes unary requests' payloads there
+// while marshaling them, and the server takes them without a rendezvous.
+// Each range is given back once the handler let go of the request.
+func TestRequestSpace(t *testing.T) {
+	const mib = 1 << 20
+	r := requestSpaceRig(t, nil, 4*mib)
+	for i := range 6 { // more than the space holds, were the ranges not given back
+		digestChecked(t, r.client, mib, uint32(10+i))
+		require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
+	}
+	require.Equal(t, map[string]int{"rdma@space": 6}, r.paths.reset())
+	require.Equal(t, 0, oob.ReadStats().Landed)
+
+	// Larger than the space: pulled by token.
+	digestChecked(t, r.client, 5*mib, 20)
+	require.Equal(t, map[string]int{"rdma": 1}, r.paths.reset())
+}
+
+// A request the server never decodes (a method it does not serve) leaves its
+// range with the server only; the call's end tells the server, which gives
+// it back.
+func TestRequestSpaceUndecoded(t *testing.T) {
+	const mib = 1 << 20
+	r := requestSpaceRig(t, nil, 4*mib)
+	for range 6 { // more than the space holds, were the ranges not given back
+		req := tensorOf(mib, 2)
+		var out tensorpb.Summary
+		err := r.cc.Invoke(context.Background(), "/gdrpc.examples.tensor.TensorService/Absent", req, &out)
+		require.Equal(t, codes.Unimplemented, status.Code(err), "%v", err)
+		gdrcodec.ReleaseAll(req)
+		require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
+	}
+	require.Empty(t, r.paths.reset(), "the server pulled nothing")
+	digestChecked(t, r.client, mib, 3)
+	require.Equal(t, map[string]int{"rdma@space": 1}, r.paths.reset())
+}
+
+// failFirst fails the first attempt of every Digest with Unavailable after
+// it checked the request's payload, and records the checksum each attempt
+// saw.
+type failFirst struct {
+	tensor.Server
+	sums chan uint32
+}
+
+func (f *failFirst) Digest(ctx context.Context, t *tensorpb.Tensor) (*tensorpb.Summary, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	if len(md.Get("grpc-previous-rpc-attempts")) > 0 || t.Name == "warm-up" {
+		return f.Server.Digest(ctx, t)
+	}
+	defer gdrcodec.ReleaseAll(t)
+	sum, _, err := tensor.Checksum(t, 0)
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "checksum: %v", err)
+	}
+	f.sums <- sum
+	return nil, status.Error(codes.Unavailable, "the first attempt fails on purpose")
+}
+
+// gRPC replays a request whose payload landed in the server's space after
+// the server took it: the replay names a range given back (or still held),
+// so the server pulls the payload by its token instead, and both attempts
+// see the right bytes. A call that succeeded on that session leaves nothing
+// taken.
+func TestRequestSpaceRetry(t *testing.T) {
+	const mib = 1 << 20
+	srv := &failFirst{sums: make(chan uint32, 8)}
+	r := spaceRigServing(t, srv, 4*mib)
+	d := dialer.New(gdrpc.WithTransport(transport.ModeUCX), processEngine, gdrpc.WithTrustPeers())
+	cc, err := grpc.NewClient(r.cc.Target(), append(d.DialOptions(insecure.NewCredentials()), grpc.WithDefaultServiceConfig(`{"methodConfig": [{
+  "name": [{"service": "gdrpc.examples.tensor.TensorService"}],
+  "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.01s", "maxBackoff": "0.05s", "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}
+}]}`))...)
+	require.NoError(t, err)
+	defer cc.Close()
+	c := tensorpb.NewTensorServiceClient(cc)
+	warm := tensorOf(mib, 1)
+	warm.Name = "warm-up"
+	_, err = c.Digest(context.Background(), warm)
+	require.NoError(t, err)
+	gdrcodec.ReleaseAll(warm)
+	waitPeerSpace(t)
+	r.paths.reset()
+	for i := range 3 {
+		digestChecked(t, c, mib, uint32(30+i))
+		require.Equal(t, tensor.ChecksumBytes(pattern(mib, uint32(30+i))), <-srv.sums, "the first attempt's bytes")
+		require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
+	}
+	require.Equal(t, map[string]int{"rdma@space": 3, "rdma": 3}, r.paths.reset(), "each replay pulled by token")
+}
