@@ -1,0 +1,196 @@
+package oob
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// requestSpace makes ss advertise a 64 KiB host space to the peer of cs, as
+// a server does after its first pull of a request, and returns the space and
+// the writer's view of it.
+func requestSpace(t *testing.T, cs, ss *transport.Session, id uint64) (*space, *peerSpace) {
+	t.Helper()
+	mem := make([]byte, 64<<10)
+	sp := &space{id: id, s: ss, region: devicebuf.HostFromBytes(mem), path: PathRDMA, inUse: map[uint64]heldRange{}, unexpose: func() {}}
+	st := &stateOf(ss).space
+	st.mu.Lock()
+	st.own = append(st.own, sp)
+	st.mu.Unlock()
+	spaces.Store(sp.id, sp)
+	t.Cleanup(func() { spaces.Delete(sp.id) })
+	m := &spaceMsg{rtr: rtr{Req: id, Length: uint64(len(mem)), Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}}
+	handleSpace(cs, m.marshal())
+	ps := peerSpaceByID(cs, id)
+	require.NotNil(t, ps, "a client takes a server's space")
+	return sp, ps
+}
+
+// written takes a range of ps for an n-byte payload, as land does once the
+// write went well, and returns the descriptor naming it.
+func writtenInto(t *testing.T, ps *peerSpace, owner transport.ID, n uint64) Descriptor {
+	t.Helper()
+	off, gen, ok := ps.take(n, 0)
+	require.True(t, ok)
+	require.True(t, ps.endWrite(off, gen, true))
+	ps.writers.Done()
+	return Descriptor{Owner: owner, Token: Token{1}, Length: n, Kind: devicebuf.Host, Device: -1, Space: ps.id, SpaceOffset: off, SpacePath: PathRDMA, SpaceGen: gen}
+}
+
+// A write given back is stale: a descriptor naming it again (a request gRPC
+// replayed), or an earlier write into the same range, is refused as not in
+// the space, so that the receiver pulls it by token; the next write there
+// is taken. Writes numbered 0 (an older owner's) are never stale.
+func TestStaleWrites(t *testing.T) {
+	cs, ss := tcpPair(t, transport.WithTrustPeers(true))
+	_, ps := requestSpace(t, cs, ss, 21)
+	client := ss.Peer().ID
+	first := writtenInto(t, ps, client, 4096) // so that d's write has an earlier one
+	d := writtenInto(t, ps, client, 4096)
+	b, _, err := fetchLanded(d, nil)
+	require.NoError(t, err)
+	_, _, err = fetchLanded(d, nil)
+	require.ErrorIs(t, err, errNotInSpace, "held")
+	require.NoError(t, b.Release())
+	require.Eventually(t, func() bool {
+		ps.mu.Lock()
+		defer ps.mu.Unlock()
+		_, ok := ps.taken[d.SpaceOffset]
+		return !ok
+	}, 10*time.Second, time.Millisecond, "given back to the writer")
+	_, _, err = fetchLanded(d, nil)
+	require.ErrorIs(t, err, errNotInSpace, "taken before")
+	earlier := d
+	earlier.SpaceGen = first.SpaceGen
+	_, _, err = fetchLanded(earlier, nil)
+	require.ErrorIs(t, err, errNotInSpace, "an earlier write")
+	b, _, err = fetchLanded(first, nil)
+	require.NoError(t, err, "another range's write")
+	require.NoError(t, b.Release())
+
+	next := writtenInto(t, ps, client, 4096)
+	require.Equal(t, d.SpaceOffset, next.SpaceOffset, "the range is written again")
+	b, _, err = fetchLanded(next, nil)
+	require.NoError(t, err)
+	require.NoError(t, b.Release())
+
+	unnumbered := next
+	unnumbered.SpaceGen = 0
+	for range 2 {
+		b, _, err = fetchLanded(unnumbered, nil)
+		require.NoError(t, err)
+		require.NoError(t, b.Release())
+	}
+}
+
+// WRITES-ENDED gives back the named writes the owner never took, over the
+// session the space was advertised on: a write the owner holds stays until
+// it is released, one it gave back already is not given back twice, and a
+// write given back this way is stale.
+func TestWritesEnded(t *testing.T) {
+	cs, ss := tcpPair(t, transport.WithTrustPeers(true))
+	sp, ps := requestSpace(t, cs, ss, 22)
+	client := ss.Peer().ID
+	untaken := writtenInto(t, ps, client, 100)
+	held := writtenInto(t, ps, client, 5000)
+	b, _, err := fetchLanded(held, nil)
+	require.NoError(t, err)
+	require.Len(t, ps.taken, 2)
+
+	// Another session's peer cannot name this space.
+	cs2, ss2 := tcpPair(t, transport.WithTrustPeers(true))
+	_ = cs2
+	handleWritesEnded(ss2, writesEnded([]spaceWrite{{spaceRange{22, untaken.SpaceOffset, untaken.SpaceGen}, 100}}))
+	sp.mu.Lock()
+	require.False(t, sp.staleLocked(untaken.SpaceOffset, untaken.SpaceGen), "another session's WRITES-ENDED")
+	sp.mu.Unlock()
+
+	WritesEnded(cs, []Descriptor{untaken, held, descriptorOf(10)})
+	require.Eventually(t, func() bool {
+		ps.mu.Lock()
+		defer ps.mu.Unlock()
+		_, ok := ps.taken[untaken.SpaceOffset]
+		return !ok
+	}, 10*time.Second, time.Millisecond, "the untaken write is given back")
+	_, _, err = fetchLanded(untaken, nil)
+	require.ErrorIs(t, err, errNotInSpace, "a copy of the request still on its way is pulled instead")
+	ps.mu.Lock()
+	require.Contains(t, ps.taken, held.SpaceOffset, "the held write stays")
+	ps.mu.Unlock()
+
+	require.NoError(t, b.Release())
+	require.Eventually(t, func() bool {
+		ps.mu.Lock()
+		defer ps.mu.Unlock()
+		return len(ps.taken) == 0
+	}, 10*time.Second, time.Millisecond)
+	// Named again, after both were given back: nothing is given back twice
+	// (a later write into the range keeps it).
+	again := writtenInto(t, ps, client, 100)
+	require.Equal(t, untaken.SpaceOffset, again.SpaceOffset)
+	handleWritesEnded(ss, writesEnded([]spaceWrite{{spaceRange{22, untaken.SpaceOffset, untaken.SpaceGen}, 100}, {spaceRange{22, held.SpaceOffset, held.SpaceGen}, 5000}}))
+	sp.mu.Lock()
+	require.Empty(t, sp.pending, "no SPACE-FREE queued")
+	sp.mu.Unlock()
+	require.Len(t, ps.taken, 1)
+}
+
+func TestWritesEndedMessage(t *testing.T) {
+	ws := []spaceWrite{{spaceRange{1, 0, 5}, 10}, {spaceRange{2, 4096, 6}, 1 << 20}}
+	got, err := parseWritesEnded(writesEnded(ws))
+	require.NoError(t, err)
+	require.Equal(t, ws, got)
+	for name, b := range map[string][]byte{
+		"empty":     nil,
+		"version":   {9, 0, 0},
+		"short":     writesEnded(ws)[:20],
+		"trailing":  append(writesEnded(ws), 0),
+		"too many":  writesEnded(make([]spaceWrite, maxCallTaken+1)),
+		"space 0":   writesEnded([]spaceWrite{{spaceRange{0, 0, 5}, 10}}),
+		"write 0":   writesEnded([]spaceWrite{{spaceRange{1, 0, 0}, 10}}),
+		"no length": writesEnded([]spaceWrite{{spaceRange{1, 0, 5}, 0}}),
+	} {
+		_, err := parseWritesEnded(b)
+		require.Error(t, err, name)
+	}
+}
+
+// Malformed or out-of-range writes free nothing.
+func TestWritesEndedOutOfRange(t *testing.T) {
+	cs, ss := tcpPair(t, transport.WithTrustPeers(true))
+	sp, _ := requestSpace(t, cs, ss, 23)
+	for _, w := range []spaceWrite{
+		{spaceRange{23, 8, 5}, 10},            // unaligned
+		{spaceRange{23, 64 << 10, 5}, 10},     // past the end
+		{spaceRange{23, 60 << 10, 5}, 8192},   // runs past the end
+		{spaceRange{23, 4096, 5}, ^uint64(0)}, // wraps
+		{spaceRange{24, 0, 5}, 10},            // another space
+	} {
+		handleWritesEnded(ss, writesEnded([]spaceWrite{w}))
+	}
+	handleWritesEnded(ss, []byte{1, 0})
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	require.Empty(t, sp.pending)
+	require.Nil(t, sp.last, "nothing recorded as given back")
+}
+
+func FuzzParseWritesEnded(f *testing.F) {
+	f.Add(writesEnded([]spaceWrite{{spaceRange{1, 0, 5}, 10}}))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		ws, err := parseWritesEnded(b)
+		if err != nil {
+			return
+		}
+		require.LessOrEqual(t, len(ws), maxCallTaken)
+		for _, w := range ws {
+			require.NotZero(t, w.space)
+			require.NotZero(t, w.gen)
+			require.NotZero(t, w.n)
+		}
+	})
+}
