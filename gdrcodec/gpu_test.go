@@ -39,6 +39,7 @@ const (
 	envGPU      = "GDRPC_TEST_GPU"        // the child's CUDA ordinal
 	envHostMem  = "GDRPC_TEST_HOST_MEM"   // set: the child's payloads live in host memory
 	envTrust    = "GDRPC_TEST_TRUST"      // set: TrustPeers in both processes
+	envReqSpace = "GDRPC_TEST_REQ_SPACE"  // the child's receive space for requests (bytes; unset: none)
 )
 
 func requireCUDA(t testing.TB) {
@@ -58,7 +59,8 @@ func gpuServerChild() {
 		os.Exit(2)
 	}
 	paths, _ := strconv.Atoi(os.Getenv(envPaths))
-	oob.SetTransferConfig(oob.TransferConfig{Paths: oob.Path(paths)})
+	reqSpace, _ := strconv.Atoi(os.Getenv(envReqSpace))
+	oob.SetTransferConfig(oob.TransferConfig{Paths: oob.Path(paths), ReceiveSpace: reqSpace})
 	dev, _ := strconv.Atoi(os.Getenv(envGPU))
 	gpu, err := devicebuf.NewCUDAAllocator(dev)
 	if err != nil {
@@ -89,10 +91,10 @@ func gpuServerChild() {
 
 // startGPUServer starts the child server on GPU dev (its payloads in host
 // memory with hostMem) and returns its address.
-func startGPUServer(t *testing.T, mode transport.Mode, paths oob.Path, dev int, hostMem, trust bool) string {
+func startGPUServer(t *testing.T, mode transport.Mode, paths oob.Path, dev int, hostMem, trust bool, reqSpace int) string {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), envGPUChild+"="+string(mode), fmt.Sprintf("%s=%d", envPaths, paths), fmt.Sprintf("%s=%d", envGPU, dev))
+	cmd.Env = append(os.Environ(), envGPUChild+"="+string(mode), fmt.Sprintf("%s=%d", envPaths, paths), fmt.Sprintf("%s=%d", envGPU, dev), fmt.Sprintf("%s=%d", envReqSpace, reqSpace))
 	if hostMem {
 		cmd.Env = append(cmd.Env, envHostMem+"=1")
 	}
@@ -195,6 +197,15 @@ func testGPUService(t *testing.T, serverGPU, clientGPU int) {
 				testGPUPath(t, tt, true, true, gpu, sizes, serverGPU, clientGPU)
 			})
 		}
+		if tt.name == "cuda-ipc" || tt.name == "rdma" {
+			// The server advertises space for requests too: the client
+			// writes each request's payload there while marshaling it.
+			rt := tt
+			rt.reqSpace = true
+			t.Run(fmt.Sprintf("path=%s/space=true/requests", tt.name), func(t *testing.T) {
+				testGPUPath(t, rt, true, false, gpu, sizes, serverGPU, clientGPU)
+			})
+		}
 	}
 }
 
@@ -206,6 +217,7 @@ type gpuPath struct {
 	serverHost     bool // the server's payloads live in host memory
 	clientHost     bool // the client's received payloads land in host memory
 	trust          bool // TrustPeers: owners put through any transport a key names
+	reqSpace       bool // the server advertises receive space for requests
 	want, wantBack string
 	plain, back    string // without CUDA in UCX
 }
@@ -225,9 +237,15 @@ func testGPUPath(t *testing.T, tt gpuPath, space, ordered bool, gpu devicebuf.Al
 	if space {
 		receiveSpace = spaceBytes
 	}
-	landable := space && tt.trust && (tt.want == "rdma/cuda" || tt.want == "rdma" || tt.want == "cuda-ipc")
-	landed, queued := 0, 0
-	addr := startGPUServer(t, tt.mode, tt.paths, serverGPU, tt.serverHost, tt.trust)
+	direct := func(route string) bool { return route == "rdma/cuda" || route == "rdma" || route == "cuda-ipc" }
+	landable := space && tt.trust && direct(tt.want)
+	reqLandable := tt.reqSpace && direct(tt.wantBack)
+	landed, queued, reqLanded := 0, 0, 0
+	reqSpace := 0
+	if tt.reqSpace {
+		reqSpace = spaceBytes
+	}
+	addr := startGPUServer(t, tt.mode, tt.paths, serverGPU, tt.serverHost, tt.trust, reqSpace)
 	pc := &pathCounter{paths: map[string]int{}}
 	oob.SetTransferConfig(oob.TransferConfig{Paths: tt.paths, Metrics: pc, ReceiveSpace: receiveSpace, StreamOrdered: ordered})
 	if tt.clientHost {
@@ -260,6 +278,9 @@ func testGPUPath(t *testing.T, tt gpuPath, space, ordered bool, gpu devicebuf.Al
 		}
 		if landable && tt.want == "cuda-ipc" {
 			require.Equal(t, landed, queued, "copies into the space the server queued")
+		}
+		if reqLandable {
+			require.NotZero(t, reqLanded, "no request landed in the server's receive space")
 		}
 		left := devicebuf.Live().Sub(base)
 		require.Zero(t, left.CUDABuffers, "GPU buffers left: %+v", left)
@@ -312,7 +333,14 @@ func testGPUPath(t *testing.T, tt gpuPath, space, ordered bool, gpu devicebuf.Al
 			require.Equal(t, uint64(n), sum.Bytes)
 			require.Equal(t, tensor.ChecksumBytes(want), sum.Crc32C)
 			if n >= gdrcodec.DefaultEagerThreshold {
-				require.Equal(t, map[string]int{tt.wantBack: 1}, pc.takePushes(), "the client's push")
+				pushes := pc.takePushes()
+				if reqLandable && n <= spaceBytes && pushes[tt.wantBack+"@space"] == 1 {
+					// Written into the server's space for requests, which
+					// it advertised after its first pull of one.
+					reqLanded++
+				} else {
+					require.Equal(t, map[string]int{tt.wantBack: 1}, pushes, "the client's push")
+				}
 			}
 			gdrcodec.ReleaseAll(got)
 			t.Logf("path=%s size=%d make=%v (%.0f MiB/s incl. server fill)", tt.want, n, elapsed, float64(n)/(1<<20)/elapsed.Seconds())

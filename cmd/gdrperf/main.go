@@ -34,6 +34,7 @@ type options struct {
 	inflight  int           // calls in flight at once in the measured phase
 	transport string        // auto, ucx, tcp
 	space     int           // -receive-space: 0 the default, -1 none
+	reqSpace  int           // -request-space: 0 none
 	busy      int           // CPU-bound processes beside the run (-busy)
 	spin      bool          // this process is one of them
 	metrics   gdrpc.Metrics // transfer events of the client's dialer (nil: none)
@@ -87,6 +88,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.perftest, "perftest", "", `ucx_perftest binary ("" looks it up in PATH, "none" skips the column)`)
 	fs.StringVar(&o.paths, "paths", "all", "out-of-band paths transfers may take: all, or a comma list of cuda-ipc, rdma (covers staged), stream (always allowed); give the same on both ends")
 	space := fs.String("receive-space", "", `receive space the client advertises to a trusted server (gdrpc.WithReceiveSpace): a size, or 0 for none; "" keeps the default`)
+	reqSpace := fs.String("request-space", "0", "receive space the server advertises to a trusted client for its requests' payloads (gdrpc.WithReceiveSpace on the listener), a size or 0 for none; the re-executed server gets it, and across hosts give it to -server (op push)")
 	fs.DurationVar(&o.callLimit, "call-timeout", time.Minute, "bound of each measured call")
 	fs.BoolVar(&o.ordered, "stream-ordered", false, "client: take payloads that land in GPU receive space before their copy ends (gdrpc.WithStreamOrdered) and order a stream of the calling goroutine after each; a goroutine's calls end after its stream has caught up, so with -inflight 1 every call includes its copy (needs -recv cuda, -op pull)")
 	fs.BoolVar(&o.trust, "trust-peers", false, "set TransferConfig.TrustPeers on both ends: pool-region keys and puts over shared memory; give the same on both ends")
@@ -118,6 +120,11 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 			o.space = -1
 		} else if o.space, err = parseSize(*space); err != nil {
 			return nil, fmt.Errorf("-receive-space: %w", err)
+		}
+	}
+	if *reqSpace != "0" {
+		if o.reqSpace, err = parseSize(*reqSpace); err != nil {
+			return nil, fmt.Errorf("-request-space: %w", err)
 		}
 	}
 	if o.sizes, err = parseSizes(*sizes); err != nil {
@@ -191,7 +198,7 @@ func (o *options) perftestMem() string {
 	return o.mem + "," + o.recv
 }
 
-// faceOptions returns the options of the dialer or listener of this run.
+// faceOptions returns the options of the dialer of this run.
 func (o *options) faceOptions() []gdrpc.Option {
 	opts := []gdrpc.Option{gdrpc.WithTransport(gdrpc.Mode(o.transport)), gdrpc.WithTransferTimeout(o.callLimit), gdrpc.WithPaths(o.pathMask)}
 	if o.trust {
@@ -207,6 +214,18 @@ func (o *options) faceOptions() []gdrpc.Option {
 		opts = append(opts, gdrpc.WithStreamOrdered())
 	}
 	return opts
+}
+
+// listenerOptions returns the options of the listener of this run: the
+// dialer's, but with the server's receive space for requests (none by
+// default) instead of the client's.
+func (o *options) listenerOptions() []gdrpc.Option {
+	c := *o
+	c.space, c.ordered = -1, false
+	if o.reqSpace > 0 {
+		c.space = o.reqSpace
+	}
+	return c.faceOptions()
 }
 
 // allocators returns where this process's payloads live and, when -mem or
@@ -379,7 +398,7 @@ func startChild(ctx context.Context, o *options) (*child, readyInfo, error) {
 	}
 	args := []string{"-child", "-server", "127.0.0.1:0", "-transport", o.transport, "-mem", o.mem, "-recv", o.recv,
 		"-device", strconv.Itoa(o.srvDevice), "-perftest", o.perftest, "-paths", o.paths,
-		"-call-timeout", o.callLimit.String(), "-trust-peers=" + strconv.FormatBool(o.trust)}
+		"-call-timeout", o.callLimit.String(), "-trust-peers=" + strconv.FormatBool(o.trust), "-request-space", strconv.Itoa(o.reqSpace)}
 	if o.serverCPUProfile != "" {
 		args = append(args, "-cpuprofile", o.serverCPUProfile)
 	}

@@ -94,6 +94,9 @@ func TestEndToEnd(t *testing.T) {
 		{name: "ucx/stream only", transport: "ucx", op: "pull", path: "stream", args: []string{"-paths", "stream"}},
 		{name: "tcp/push inflight", transport: "tcp", op: "push", path: "stream", args: []string{"-inflight", "3"}},
 		{name: "ucx/pull inflight", transport: "ucx", op: "pull", path: "rdma", args: []string{"-inflight", "3"}},
+		// The server advertises space after the first request it pulled (in
+		// the warm-up): the measured requests land there.
+		{name: "ucx/push request space", transport: "ucx", op: "push", path: "rdma@space", args: []string{"-trust-peers", "-request-space", "16MiB", "-warmup", "4"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -124,7 +127,7 @@ func TestEndToEnd(t *testing.T) {
 				require.Positive(t, *r.GRPCTCPMiBs)
 				require.NotNil(t, r.VsGRPCTCP)
 				require.InDelta(t, r.GDRPCMiBs / *r.GRPCTCPMiBs, *r.VsGRPCTCP, 1e-9)
-				if want.path != "inline" {
+				if want.path != "inline" && !strings.HasSuffix(want.path, "@space") {
 					require.Positive(t, r.TransferMiBs)
 				}
 				require.Equal(t, "host", r.Recv)
@@ -221,6 +224,13 @@ func TestCUDA(t *testing.T) {
 	// The space is advertised after the first pull, so the first measured
 	// calls may still take the rendezvous.
 	rs = gdrperf(t, append(args, "-receive-space", "64MiB", "-stream-ordered", "-inflight", "3", "-warmup", "3")...)
+	require.Len(t, rs, 1)
+	r = rs[0]
+	require.Contains(t, strings.Split(r.Path, "+"), "cuda-ipc@space", "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
+	require.Positive(t, r.GDRPCMiBs)
+
+	// Pushed into the server's receive space for requests.
+	rs = gdrperf(t, append(args, "-op", "push", "-request-space", "64MiB", "-warmup", "4")...)
 	require.Len(t, rs, 1)
 	r = rs[0]
 	require.Contains(t, strings.Split(r.Path, "+"), "cuda-ipc@space", "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)

@@ -273,7 +273,7 @@ func serve(ctx context.Context, o *options, ready func(readyInfo), logf func(str
 		return net.JoinHostPort(host, strconv.Itoa(port+n))
 	}
 
-	lis, err := listener.Listen(o.server, o.faceOptions()...)
+	lis, err := listener.Listen(o.server, o.listenerOptions()...)
 	if err != nil {
 		return fmt.Errorf("gdrpc listener: %w", err)
 	}
