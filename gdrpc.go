@@ -112,6 +112,14 @@ func WithIdleTimeout(d time.Duration) Option { return func(c *Config) { c.IdleTi
 // least oob.DefaultReceiveSpace (64 MiB), and another such space whenever a
 // later pull is of a size its spaces cannot hold twice: up to four spaces,
 // 1 GiB together.
+//
+// Given to a Listener, it sets the space a server advertises to each
+// trusted client for its requests: n bytes per session, after the first
+// request payload the session pulled by rdma or cuda-ipc; none by default (a
+// server would set memory aside for every connection). The client then
+// writes a unary request's payloads there while gRPC marshals the request
+// (stream messages take the rendezvous), and the server's handler gets them
+// with no rendezvous.
 func WithReceiveSpace(n int) Option {
 	return func(c *Config) {
 		c.ReceiveSpace = n

@@ -304,7 +304,9 @@ func (w *rewriter) abort() {
 func (w *rewriter) outOfBand(n int) bool { return w.oob && n >= w.eager }
 
 // offer puts src in the outbox, or, where landable and the message's
-// destination is known, writes it into the receiver's advertised space.
+// destination is known, writes it into the receiver's advertised space: a
+// server's response instead of the outbox, a unary request as well (gRPC
+// may replay it elsewhere).
 func (w *rewriter) offer(src oob.Source, landable bool) oob.Descriptor {
 	opt := oob.OfferOptions{Held: w.hold != nil && !w.hold.once}
 	var d oob.Descriptor

@@ -107,7 +107,8 @@ type TransferConfig struct {
 	// rendezvous. If zero, room for four payloads of the size of the pull
 	// that prompts it (at least DefaultReceiveSpace), and another whenever
 	// the session's spaces cannot hold two payloads of a pull's size, up to
-	// four spaces and 1 GiB together; negative, none.
+	// four spaces and 1 GiB together; negative, none. A server's sessions
+	// (requests' payloads, OfferRequest) advertise only a configured size.
 	ReceiveSpace int
 	// StreamOrdered hands out a payload that landed in GPU receive space
 	// while the owner's copy into it may still run: the buffer is Pending
