@@ -157,7 +157,7 @@ func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
 	w := &rewriter{oob: c.oob, eager: c.options().eager, hold: holdOf(v)}
 	if c.oob {
 		w.to = takeDestination(v)
-		w.reqTo = w.hold.session()
+		w.reqCtx, w.reqTo = w.hold.attempt()
 	}
 	out, err := w.message(m)
 	if err != nil {
@@ -175,11 +175,8 @@ func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
 	if w.hold == nil {
 		noteSent(v, w.offers)
 	}
-	if w.reqTo != nil {
-		w.hold.land(w.reqTo, w.landed)
-	} else {
-		w.to.landed(v, w.landed)
-	}
+	w.hold.land(w.reqTo, w.reqLanded)
+	w.to.landed(v, w.landed)
 	return data, nil
 }
 
@@ -196,7 +193,7 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	if !mayCarry(m.Descriptor()) {
 		return nil
 	}
-	if err := resolve(recvContext(v), m, c.oob, c.options()); err != nil {
+	if err := resolve(decodeContext(v, m), m, c.oob, c.options()); err != nil {
 		return receiveFailed(v, c.oob, err)
 	}
 	return nil
@@ -283,21 +280,24 @@ type rewriter struct {
 	eager  int
 	hold   *hold
 	offers []oob.Token
-	to     *destination       // where the message goes, when the server's interceptors know it
-	reqTo  *transport.Session // where a unary request goes, when gRPC picked the connection
-	landed []oob.Descriptor   // payloads written into the receiver's advertised space
+	to     *destination     // where the message goes, when the server's interceptors know it
+	landed []oob.Descriptor // payloads written into the receiver's advertised space
+	// A unary request's call and the session gRPC picked for it, and the
+	// payloads written into the space its server advertised over it.
+	reqCtx    context.Context
+	reqTo     *transport.Session
+	reqLanded []oob.Descriptor
 }
 
 func (w *rewriter) abort() {
 	for _, t := range w.offers {
 		oob.Withdraw(t)
 	}
-	s := w.reqTo
-	if w.to != nil {
-		s = w.to.s
-	}
 	for _, d := range w.landed {
-		oob.Reclaim(s, d)
+		oob.Reclaim(w.to.s, d)
+	}
+	for _, d := range w.reqLanded {
+		oob.Reclaim(w.reqTo, d)
 	}
 }
 
@@ -318,8 +318,8 @@ func (w *rewriter) offer(src oob.Source, landable bool) oob.Descriptor {
 			return d
 		}
 	case landable && w.reqTo != nil:
-		if d = oob.OfferRequest(w.reqTo, src, opt); d.Space != 0 {
-			w.landed = append(w.landed, d)
+		if d = oob.OfferRequest(w.reqCtx, w.reqTo, src, opt); d.Space != 0 {
+			w.reqLanded = append(w.reqLanded, d)
 		}
 	default:
 		d = oob.Offer(src, opt)

@@ -40,37 +40,52 @@ type hold struct {
 	// payloads may land in receive space the server advertised over that
 	// session (oob.OfferRequest), noted in landed until the call ends.
 	rc     *recvCall
-	landS  *transport.Session
-	landed []oob.Descriptor
+	landed map[*transport.Session][]oob.Descriptor
 }
 
-// session returns the session of the unary call's current attempt, or nil.
-func (h *hold) session() *transport.Session {
+// attempt returns the unary call's context and the session of its current
+// attempt, or nil.
+func (h *hold) attempt() (context.Context, *transport.Session) {
 	if h == nil || h.rc == nil {
-		return nil
+		return nil, nil
 	}
-	return transport.SessionFromContext(h.rc.context())
+	ctx := h.rc.context()
+	return ctx, transport.SessionFromContext(ctx)
 }
 
-// land notes ds, written into space advertised over s.
+// land notes ds, written into space advertised over s; after the call's end
+// (a message marshaled again for another call) they are named to the server
+// at once.
 func (h *hold) land(s *transport.Session, ds []oob.Descriptor) {
 	if len(ds) == 0 {
 		return
 	}
 	h.mu.Lock()
-	h.landS, h.landed = s, append(h.landed, ds...)
+	done := h.done
+	if !done {
+		if h.landed == nil {
+			h.landed = map[*transport.Session][]oob.Descriptor{}
+		}
+		h.landed[s] = append(h.landed[s], ds...)
+	}
 	h.mu.Unlock()
+	if done {
+		oob.WritesEnded(s, ds)
+	}
 }
 
-// endWrites runs once the unary call is over: unless the server that
-// answered over the session the request landed on took it (a call that
-// succeeded there), that server is told to give back what it never took.
-func (h *hold) endWrites(err error) {
+// endWrites runs once the unary call is over: each server whose space the
+// request's payloads landed in (one per attempt marshaled) gives back what
+// it never took. Even a call that succeeded on the session it landed over
+// may have left its writes untaken (a server whose request type lacks the
+// field, a handler of unknown services that never read the request), and the
+// server skips what it took: one control message per such call.
+func (h *hold) endWrites() {
 	h.mu.Lock()
-	s, ds := h.landS, h.landed
-	h.landS, h.landed = nil, nil
+	landed := h.landed
+	h.landed = nil
 	h.mu.Unlock()
-	if len(ds) > 0 && (err != nil || h.session() != s) {
+	for s, ds := range landed {
 		oob.WritesEnded(s, ds)
 	}
 }
@@ -117,11 +132,18 @@ func (c *recvCall) done(v any, err error) error {
 	return err
 }
 
-func recvContext(v any) context.Context {
+// decodeContext is the context of v's pulls: its call's, or, for a server's
+// unary request (no recvCall, a type a server is decoding), one that says so
+// (oob.ForServerRequest).
+func decodeContext(v any, m protoreflect.Message) context.Context {
 	if c, ok := recvCalls.Load(v); ok {
 		return c.(*recvCall).context()
 	}
-	return context.Background()
+	ctx := context.Background()
+	if decoding.has(m.Descriptor().FullName()) {
+		ctx = oob.ForServerRequest(ctx)
+	}
+	return ctx
 }
 
 // context returns the call's context, with the peer of its connection once
@@ -310,8 +332,8 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 		}
 		if h != nil {
 			holds.Delete(req)
-			h.endWrites(err)
 			h.release()
+			h.endWrites()
 		}
 		return err
 	}

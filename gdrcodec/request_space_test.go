@@ -2,6 +2,7 @@ package gdrcodec_test
 
 import (
 	"context"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -11,6 +12,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/tap"
 
 	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
@@ -144,4 +146,70 @@ func TestRequestSpaceRetry(t *testing.T) {
 		require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
 	}
 	require.Equal(t, map[string]int{"rdma@space": 3, "rdma": 3}, r.paths.reset(), "each replay pulled by token")
+}
+
+// waitNothingTaken waits until the server gave back every range of its space
+// the client wrote into.
+func waitNothingTaken(t *testing.T) {
+	t.Helper()
+	require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
+}
+
+// A call that succeeds on the session its request landed over may still
+// leave the write untaken: here the server's request type has no such
+// field, and decodes the request without it. The call's end names the write
+// all the same, and the server gives it back.
+func TestRequestSpaceFieldUnknownToServer(t *testing.T) {
+	const mib = 1 << 20
+	r := requestSpaceRig(t, nil, 4*mib)
+	for i := range 6 { // more than the space holds, were the ranges not given back
+		req := tensorOf(mib, uint32(40+i))
+		var out tensorpb.Tensor
+		require.NoError(t, r.cc.Invoke(context.Background(), "/gdrpc.examples.tensor.TensorService/Make", req, &out))
+		gdrcodec.ReleaseAll(req)
+		gdrcodec.ReleaseAll(&out)
+		waitNothingTaken(t)
+	}
+	r.paths.reset()
+	digestChecked(t, r.client, mib, 3)
+	require.Equal(t, map[string]int{"rdma@space": 1}, r.paths.reset())
+}
+
+// An interceptor chained after gdrpc's that invokes the call again (a retry
+// middleware of the application's) marshals the request once per attempt
+// under one call: each attempt's write is named at the call's end, the one
+// the server refused before decoding it too.
+func TestRequestSpaceMarshaledTwice(t *testing.T) {
+	const mib = 1 << 20
+	var refuse atomic.Bool
+	tapH := grpc.InTapHandle(func(ctx context.Context, info *tap.Info) (context.Context, error) {
+		if info.FullMethodName == "/gdrpc.examples.tensor.TensorService/Digest" && refuse.CompareAndSwap(true, false) {
+			return nil, status.Error(codes.Unavailable, "busy")
+		}
+		return ctx, nil
+	})
+	r := newRigWith(t, transport.ModeUCX, nil, []grpc.ServerOption{tapH}, gdrpc.WithTrustPeers())
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpace: 4 * mib})
+	again := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		err := invoker(ctx, method, req, reply, cc, opts...)
+		if status.Code(err) == codes.Unavailable {
+			err = invoker(ctx, method, req, reply, cc, opts...)
+		}
+		return err
+	}
+	d := dialer.New(gdrpc.WithTransport(transport.ModeUCX), processEngine, gdrpc.WithTrustPeers())
+	cc, err := grpc.NewClient(r.cc.Target(), append(d.DialOptions(insecure.NewCredentials()), grpc.WithChainUnaryInterceptor(again))...)
+	require.NoError(t, err)
+	defer cc.Close()
+	c := tensorpb.NewTensorServiceClient(cc)
+	digestChecked(t, c, mib, 1) // pulled; the server advertises
+	waitPeerSpace(t)
+	r.paths.reset()
+	for i := range 3 {
+		refuse.Store(true)
+		digestChecked(t, c, mib, uint32(2+i))
+		require.False(t, refuse.Load(), "the first attempt was refused")
+		waitNothingTaken(t)
+	}
+	require.Equal(t, map[string]int{"rdma@space": 3}, r.paths.reset(), "the second attempts' writes")
 }

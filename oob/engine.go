@@ -341,6 +341,16 @@ func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, erro
 	return path, err
 }
 
+type serverRequestKey struct{}
+
+// ForServerRequest returns ctx marking pulls made with it as a server's, of
+// a request it is decoding without the call's session (a unary request,
+// decoded before any interceptor runs): they then prefer the server's end of
+// a connection to this very process.
+func ForServerRequest(ctx context.Context) context.Context {
+	return context.WithValue(ctx, serverRequestKey{}, true)
+}
+
 // FetchBytes pulls the payload d names into p (Go memory, d.Length bytes).
 func FetchBytes(ctx context.Context, d Descriptor, p []byte) (Path, error) {
 	dst := devicebuf.HostFromBytes(p)
@@ -405,18 +415,17 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 		return nil, path, err
 	}
 	sessions := liveSessions(d.Owner)
-	pref := transport.SessionFromContext(ctx)
-	if d.Owner == transport.LocalID() && pref == nil {
-		// Both ends of a connection to this process are sessions to it. A
-		// pull without its call's session is a server's unary request's
-		// (decoded before any interceptor runs; the calls' other pulls know
-		// their session): the server's end first, whose pulls advertise the
-		// server's receive space (space.go).
+	if d.Owner == transport.LocalID() {
+		// Both ends of a connection to this process are sessions to it: the
+		// end of the side that receives first, whose pulls advertise its
+		// receive space (space.go): the client's, or the server's for a
+		// server's request (ForServerRequest).
+		server := ctx.Value(serverRequestKey{}) != nil
 		slices.SortStableFunc(sessions, func(a, b *transport.Session) int {
-			return cmpBool(a.IsClient(), b.IsClient())
+			return cmpBool(a.IsClient() == server, b.IsClient() == server)
 		})
 	}
-	if pref != nil {
+	if pref := transport.SessionFromContext(ctx); pref != nil {
 		// The call's own session first (a server's request, a client stream's
 		// response): its engine's configuration and its peer's bounds apply.
 		if i := slices.Index(sessions, pref); i > 0 {

@@ -389,7 +389,7 @@ func landedSpace(d Descriptor) (*space, error) {
 // application holds (sp.mu held).
 func (sp *space) heldOverlapLocked(off, n uint64) error {
 	if sp.closed {
-		return fmt.Errorf("receive space %#x closed with its session", sp.id)
+		return fmt.Errorf("receive space %#x closed with its session: %w", sp.id, errNotInSpace)
 	}
 	for o, h := range sp.inUse {
 		if off < o+h.n && o < off+n {
@@ -802,7 +802,7 @@ func cmpBool(a, b bool) int {
 // receiver has nothing to pull; otherwise as Offer.
 func OfferTo(s *transport.Session, src Source, opt OfferOptions) Descriptor {
 	if s != nil {
-		if d, ok := land(s, src, opt.Call); ok {
+		if d, ok := land(context.Background(), s, src, opt.Call); ok {
 			return d
 		}
 	}
@@ -816,12 +816,12 @@ func OfferTo(s *transport.Session, src Source, opt OfferOptions) Descriptor {
 // token as well: gRPC may replay the marshaled request to another server, or
 // to this one after it took the payload, and those pull it. Once the call
 // is over, WritesEnded gives back what the server never took.
-func OfferRequest(s *transport.Session, src Source, opt OfferOptions) Descriptor {
+func OfferRequest(ctx context.Context, s *transport.Session, src Source, opt OfferOptions) Descriptor {
 	d := Offer(src, opt)
 	if s == nil {
 		return d
 	}
-	if l, ok := land(s, src, 0); ok {
+	if l, ok := land(ctx, s, src, 0); ok {
 		d.Space, d.SpaceOffset, d.SpacePath, d.SpaceEvent, d.SpaceGen = l.Space, l.SpaceOffset, l.SpacePath, l.SpaceEvent, l.SpaceGen
 	}
 	return d
@@ -852,7 +852,7 @@ func Discard(d Descriptor) {
 		return
 	}
 	sp.mu.Lock()
-	if sp.heldOverlapLocked(d.SpaceOffset, d.Length) == nil {
+	if sp.heldOverlapLocked(d.SpaceOffset, d.Length) == nil && !sp.staleLocked(d.SpaceOffset, d.SpaceGen) {
 		sp.queueFreeLocked(heldRange{d.SpaceOffset, d.Length, d.SpaceGen})
 	}
 	sp.mu.Unlock()
@@ -860,8 +860,9 @@ func Discard(d Descriptor) {
 
 // land writes src, a payload of the peer's call (0: a call without a
 // number), into a receive space the peer of s advertised: the newest with
-// room for it. Nothing lands for a call the peer ended.
-func land(s *transport.Session, src Source, call uint64) (Descriptor, bool) {
+// room for it, within the transfer timeout and the life of s and of
+// callCtx (a request's call). Nothing lands for a call the peer ended.
+func land(callCtx context.Context, s *transport.Session, src Source, call uint64) (Descriptor, bool) {
 	all := peerSpacesOf(s)
 	if len(all) == 0 || src.Len() == 0 {
 		return Descriptor{}, false
@@ -899,6 +900,7 @@ func land(s *transport.Session, src Source, call uint64) (Descriptor, bool) {
 	defer busy(s)()
 	ctx, cancel := context.WithTimeout(sessionContext(s), c.Timeout)
 	defer cancel()
+	defer context.AfterFunc(callCtx, cancel)()
 	start := time.Now()
 	path, event, err := pushInto(ctx, s, ps, &m, off, gen, src)
 	c.Metrics.Transfer(TransferInfo{Path: path, Bytes: int64(n), Elapsed: time.Since(start), Err: err, Memory: src.kind(), Advertised: true, Queued: event != 0})
