@@ -117,9 +117,9 @@ func WithIdleTimeout(d time.Duration) Option { return func(c *Config) { c.IdleTi
 // trusted client for its requests: n bytes per session, after the first
 // request payload the session pulled by rdma or cuda-ipc; none by default (a
 // server would set memory aside for every connection). The client then
-// writes a unary request's payloads there while gRPC marshals the request
-// (stream messages take the rendezvous), and the server's handler gets them
-// with no rendezvous.
+// writes the payloads of unary requests and client streams' messages there
+// while gRPC marshals them, and the server's handler gets them with no
+// rendezvous.
 func WithReceiveSpace(n int) Option {
 	return func(c *Config) {
 		c.ReceiveSpace = n

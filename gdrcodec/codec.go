@@ -282,7 +282,7 @@ type rewriter struct {
 	offers []oob.Token
 	to     *destination     // where the message goes, when the server's interceptors know it
 	landed []oob.Descriptor // payloads written into the receiver's advertised space
-	// A unary request's call and the session gRPC picked for it, and the
+	// A request's call and the session gRPC picked for it, and the
 	// payloads written into the space its server advertised over it.
 	reqCtx    context.Context
 	reqTo     *transport.Session
@@ -305,8 +305,8 @@ func (w *rewriter) outOfBand(n int) bool { return w.oob && n >= w.eager }
 
 // offer puts src in the outbox, or, where landable and the message's
 // destination is known, writes it into the receiver's advertised space: a
-// server's response instead of the outbox, a unary request as well (gRPC
-// may replay it elsewhere).
+// server's response instead of the outbox, a client's request as well
+// (gRPC may replay it elsewhere).
 func (w *rewriter) offer(src oob.Source, landable bool) oob.Descriptor {
 	opt := oob.OfferOptions{Held: w.hold != nil && !w.hold.once}
 	var d oob.Descriptor

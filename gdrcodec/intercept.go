@@ -39,17 +39,27 @@ type hold struct {
 	// the time gRPC marshals the request (clientStats), so the request's
 	// payloads may land in receive space the server advertised over that
 	// session (oob.OfferRequest), noted in landed until the call ends.
-	rc     *recvCall
+	rc *recvCall
+	// stream is a client stream's: its context names the stream's
+	// connection once gRPC created it, before any message is marshaled.
+	stream grpc.ClientStream
 	landed map[*transport.Session][]oob.Descriptor
 }
 
-// attempt returns the unary call's context and the session of its current
+// attempt returns the call's context and the session of its current
 // attempt, or nil.
 func (h *hold) attempt() (context.Context, *transport.Session) {
-	if h == nil || h.rc == nil {
+	var ctx context.Context
+	switch {
+	case h == nil:
+		return nil, nil
+	case h.rc != nil:
+		ctx = h.rc.context()
+	case h.stream != nil:
+		ctx = h.stream.Context()
+	default:
 		return nil, nil
 	}
-	ctx := h.rc.context()
 	return ctx, transport.SessionFromContext(ctx)
 }
 
@@ -66,7 +76,12 @@ func (h *hold) land(s *transport.Session, ds []oob.Descriptor) {
 		if h.landed == nil {
 			h.landed = map[*transport.Session][]oob.Descriptor{}
 		}
-		h.landed[s] = append(h.landed[s], ds...)
+		l := append(h.landed[s], ds...)
+		if len(l) >= maxNotedWrites {
+			// A long stream: forget the writes the server gave back.
+			l = oob.Outstanding(s, l)
+		}
+		h.landed[s] = l
 	}
 	h.mu.Unlock()
 	if done {
@@ -74,9 +89,14 @@ func (h *hold) land(s *transport.Session, ds []oob.Descriptor) {
 	}
 }
 
-// endWrites runs once the unary call is over: each server whose space the
-// request's payloads landed in (one per attempt marshaled) gives back what
-// it never took. Even a call that succeeded on the session it landed over
+// maxNotedWrites is how many writes a call notes before it forgets those
+// given back already.
+const maxNotedWrites = 1024
+
+// endWrites runs once the call is over: each server whose space the
+// request's payloads landed in (a unary call's, once per attempt marshaled;
+// a stream's messages) gives back what it never took (a stream's messages
+// its handler never read, too). Even a call that succeeded on the session it landed over
 // may have left its writes untaken (a server whose request type lacks the
 // field, a handler of unknown services that never read the request), and the
 // server skips what it took: one control message per such call.
@@ -351,7 +371,7 @@ func StreamClientInterceptor() grpc.StreamClientInterceptor {
 		if err != nil {
 			return nil, err
 		}
-		s := &heldStream{ClientStream: cs, h: &hold{once: !replayable(cc, method)}, call: call, serverStreams: desc.ServerStreams}
+		s := &heldStream{ClientStream: cs, h: &hold{once: !replayable(cc, method), stream: cs}, call: call, serverStreams: desc.ServerStreams}
 		context.AfterFunc(cs.Context(), s.end)
 		return s, nil
 	}
@@ -389,6 +409,7 @@ type heldStream struct {
 func (s *heldStream) end() {
 	s.ended.Do(func() {
 		s.h.release()
+		s.h.endWrites()
 		if !s.complete.Load() {
 			s.call.Ended(transport.SessionFromContext(s.Context()))
 		}

@@ -2,6 +2,8 @@ package gdrcodec_test
 
 import (
 	"context"
+	"hash/crc32"
+	"io"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -212,4 +214,69 @@ func TestRequestSpaceMarshaledTwice(t *testing.T) {
 		waitNothingTaken(t)
 	}
 	require.Equal(t, map[string]int{"rdma@space": 3}, r.paths.reset(), "the second attempts' writes")
+}
+
+// A client stream's messages land in the server's space as unary requests
+// do. Without a retry policy nothing replays them, so each payload leaves
+// the outbox once the server gave its range back, while the stream goes on.
+func TestRequestSpaceStream(t *testing.T) {
+	const mib = 1 << 20
+	r := requestSpaceRig(t, nil, 4*mib)
+	st, err := r.client.Upload(context.Background())
+	require.NoError(t, err)
+	var want uint32
+	for i := range 6 {
+		p := pattern(mib, uint32(60+i))
+		want = crc32.Update(want, crc32.MakeTable(crc32.Castagnoli), p)
+		req := tensorOf(mib, uint32(60+i))
+		require.NoError(t, st.Send(req))
+		gdrcodec.ReleaseAll(req)
+		// The server checksums and releases each message as it comes: the
+		// range goes back, and with it the payload's outbox entry.
+		waitNothingTaken(t)
+		require.Eventually(t, func() bool { return oob.ReadStats().Offered == 0 }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
+	}
+	sum, err := st.CloseAndRecv()
+	require.NoError(t, err)
+	require.Equal(t, uint64(6*mib), sum.Bytes)
+	require.Equal(t, want, sum.Crc32C)
+	require.Equal(t, map[string]int{"rdma@space": 6}, r.paths.reset())
+}
+
+// readOne reads the first message of an upload and answers at once.
+type readOne struct{ tensor.Server }
+
+func (*readOne) Upload(st tensorpb.TensorService_UploadServer) error {
+	t, err := st.Recv()
+	if err != nil {
+		return err
+	}
+	gdrcodec.ReleaseAll(t)
+	return st.SendAndClose(&tensorpb.Summary{Name: "first only"})
+}
+
+// A stream's messages the server never read (its handler returned first)
+// leave their ranges with the server only; the stream's end names them, and
+// the server gives them back.
+func TestRequestSpaceStreamUnread(t *testing.T) {
+	const mib = 1 << 20
+	r := requestSpaceRig(t, &readOne{}, 4*mib)
+	for range 3 { // more than the space holds, were the ranges not given back
+		st, err := r.client.Upload(context.Background())
+		require.NoError(t, err)
+		for i := range 3 {
+			req := tensorOf(mib, uint32(70+i))
+			err := st.Send(req)
+			gdrcodec.ReleaseAll(req)
+			if err != nil {
+				require.ErrorIs(t, err, io.EOF, "the server answered already")
+				break
+			}
+		}
+		sum, err := st.CloseAndRecv()
+		require.NoError(t, err)
+		require.Equal(t, "first only", sum.Name)
+		waitNothingTaken(t)
+		require.Eventually(t, func() bool { return oob.ReadStats().Offered == 0 }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
+	}
 }

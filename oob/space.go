@@ -159,6 +159,10 @@ type span struct{ off, n uint64 }
 type write struct {
 	n, gen, call      uint64
 	writing, orphaned bool
+	// once is the outbox token of a request's payload that no replay will
+	// pull (a stream without a retry policy): it leaves the outbox once the
+	// receiver gave the range back, having taken the payload.
+	once Token
 }
 
 // spaceState is a session's advertised spaces, both ways.
@@ -209,8 +213,7 @@ func (st *spaceState) nextSize(configured, n int) int {
 func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devicebuf.Allocator) {
 	c := cfgOf(s)
 	// A server advertises only when configured to (ReceiveSpace above
-	// zero): it would set space aside for every client connection, and
-	// only unary requests land there.
+	// zero): it would set space aside for every client connection.
 	if c.ReceiveSpace < 0 || c.ReceiveSpace == 0 && !s.IsClient() || !s.TrustsPeer() || path != PathRDMA && path != PathCUDAIPC {
 		return
 	}
@@ -720,12 +723,16 @@ func handleSpaceWithdrawn(s *transport.Session, payload []byte) {
 // range that was not taken, or taken again since.
 func (p *peerSpace) give(off, n, gen uint64) bool {
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	w, ok := p.taken[off]
 	if !ok || w.writing || roundUp(n, spaceAlign) != w.n || gen != 0 && gen != w.gen {
+		p.mu.Unlock()
 		return false // a receiver learns of a range only once its write ended
 	}
 	p.giveLocked(off)
+	p.mu.Unlock()
+	if w.once != (Token{}) {
+		Withdraw(w.once)
+	}
 	return true
 }
 
@@ -809,7 +816,8 @@ func OfferTo(s *transport.Session, src Source, opt OfferOptions) Descriptor {
 	return Offer(src, opt)
 }
 
-// OfferRequest is Offer for the payload of a client's request over s: where
+// OfferRequest is Offer for the payload of a client's request (a unary
+// call's, or a client stream's message) over s: where
 // the server advertised receive space with room for it, the payload is also
 // written there now and the descriptor names where, so the server has
 // nothing to pull. The payload stays in the outbox under the descriptor's
@@ -821,10 +829,29 @@ func OfferRequest(ctx context.Context, s *transport.Session, src Source, opt Off
 	if s == nil {
 		return d
 	}
-	if l, ok := land(ctx, s, src, 0); ok {
-		d.Space, d.SpaceOffset, d.SpacePath, d.SpaceEvent, d.SpaceGen = l.Space, l.SpaceOffset, l.SpacePath, l.SpaceEvent, l.SpaceGen
+	l, ok := land(ctx, s, src, 0)
+	if !ok {
+		return d
+	}
+	d.Space, d.SpaceOffset, d.SpacePath, d.SpaceEvent, d.SpaceGen = l.Space, l.SpaceOffset, l.SpacePath, l.SpaceEvent, l.SpaceGen
+	if !opt.Held {
+		// Pulled at most once, if ever (a replay of a stream that never
+		// reached the server): the token goes with the range.
+		if ps := peerSpaceByID(s, d.Space); ps != nil {
+			ps.tie(d.SpaceOffset, d.SpaceGen, d.Token)
+		}
 	}
 	return d
+}
+
+// tie makes t leave the outbox once write gen into the range at off is
+// given back by the receiver.
+func (p *peerSpace) tie(off, gen uint64, t Token) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if w, ok := p.taken[off]; ok && w.gen == gen {
+		w.once = t
+	}
 }
 
 // Reclaim gives back the receive space that d, a descriptor OfferTo returned

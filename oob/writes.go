@@ -9,7 +9,7 @@ import (
 	"github.com/gdrpc/gdrpc/transport"
 )
 
-// A client writes a unary request's payloads into the server's receive space
+// A client writes a request's payloads into the server's receive space
 // (OfferRequest) before the request goes; the server gives each range back
 // once its handler released the buffer. A request the server never took (the
 // call failed first, gRPC sent it to another server, the server's request
@@ -29,13 +29,11 @@ func WritesEnded(s *transport.Session, ds []Descriptor) {
 		return
 	}
 	var ws []spaceWrite
-	for _, d := range ds {
-		if d.Space == 0 || len(ws) == maxCallTaken {
-			continue // beyond the bound the range stays taken until the session ends
+	for _, d := range Outstanding(s, ds) {
+		if len(ws) == maxCallTaken {
+			break // beyond the bound the range stays taken until the session ends
 		}
-		if ps := peerSpaceByID(s, d.Space); ps != nil && ps.written(d.SpaceOffset, d.SpaceGen) {
-			ws = append(ws, spaceWrite{spaceRange{d.Space, d.SpaceOffset, d.SpaceGen}, d.Length})
-		}
+		ws = append(ws, spaceWrite{spaceRange{d.Space, d.SpaceOffset, d.SpaceGen}, d.Length})
 	}
 	if len(ws) == 0 {
 		return
@@ -48,6 +46,21 @@ func WritesEnded(s *transport.Session, ds []Descriptor) {
 			cfgOf(s).Logger.Debug("writes' end not sent", "session", s.ID(), "err", err)
 		}
 	}()
+}
+
+// Outstanding returns those of ds (descriptors OfferRequest returned for
+// messages over s) whose writes the owner has not given back yet.
+func Outstanding(s *transport.Session, ds []Descriptor) []Descriptor {
+	var out []Descriptor
+	for _, d := range ds {
+		if d.Space == 0 {
+			continue
+		}
+		if ps := peerSpaceByID(s, d.Space); ps != nil && ps.written(d.SpaceOffset, d.SpaceGen) {
+			out = append(out, d)
+		}
+	}
+	return out
 }
 
 // written reports whether write gen is in the range at off, its write over.
