@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"hash/crc32"
 	"io"
 	"os"
 	"os/exec"
@@ -344,6 +345,38 @@ func testGPUPath(t *testing.T, tt gpuPath, space, ordered bool, gpu devicebuf.Al
 			}
 			gdrcodec.ReleaseAll(got)
 			t.Logf("path=%s size=%d make=%v (%.0f MiB/s incl. server fill)", tt.want, n, elapsed, float64(n)/(1<<20)/elapsed.Seconds())
+		})
+	}
+	if tt.reqSpace {
+		// A client stream's messages in this process's GPU memory land in
+		// the server's space too; the server checksums what arrived.
+		t.Run("upload", func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			st, err := c.Upload(ctx)
+			require.NoError(t, err)
+			const n = 1 << 20
+			var want uint32
+			var alloc devicebuf.Allocator = gpu
+			if tt.clientHost {
+				alloc = nil
+			}
+			for i := range 4 {
+				m, err := tensor.Make(alloc, &tensorpb.Sized{Size: n, Seed: uint32(80 + i)})
+				require.NoError(t, err)
+				want = crc32.Update(want, crc32.MakeTable(crc32.Castagnoli), pattern(n, uint32(80+i)))
+				require.NoError(t, st.Send(m))
+				gdrcodec.ReleaseAll(m)
+			}
+			sum, err := st.CloseAndRecv()
+			require.NoError(t, err)
+			require.Equal(t, uint64(4*n), sum.Bytes)
+			require.Equal(t, want, sum.Crc32C)
+			pushes := pc.takePushes()
+			pc.reset()
+			if reqLandable {
+				require.NotZero(t, pushes[tt.wantBack+"@space"], "no message landed: %v", pushes)
+			}
 		})
 	}
 }
