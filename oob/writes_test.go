@@ -41,6 +41,17 @@ func writtenInto(t *testing.T, ps *peerSpace, owner transport.ID, n uint64) Desc
 	return Descriptor{Owner: owner, Token: Token{1}, Length: n, Kind: devicebuf.Host, Device: -1, Space: ps.id, SpaceOffset: off, SpacePath: PathRDMA, SpaceGen: gen}
 }
 
+// waitGivenBack waits until the owner gave back the range d names.
+func waitGivenBack(t *testing.T, ps *peerSpace, d Descriptor, msg string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		ps.mu.Lock()
+		defer ps.mu.Unlock()
+		_, ok := ps.taken[d.SpaceOffset]
+		return !ok
+	}, 10*time.Second, time.Millisecond, msg)
+}
+
 // A write given back is stale: a descriptor naming it again (a request gRPC
 // replayed), or an earlier write into the same range, is refused as not in
 // the space, so that the receiver pulls it by token; the next write there
@@ -56,12 +67,7 @@ func TestStaleWrites(t *testing.T) {
 	_, _, err = fetchLanded(d, nil)
 	require.ErrorIs(t, err, errNotInSpace, "held")
 	require.NoError(t, b.Release())
-	require.Eventually(t, func() bool {
-		ps.mu.Lock()
-		defer ps.mu.Unlock()
-		_, ok := ps.taken[d.SpaceOffset]
-		return !ok
-	}, 10*time.Second, time.Millisecond, "given back to the writer")
+	waitGivenBack(t, ps, d, "given back to the writer")
 	_, _, err = fetchLanded(d, nil)
 	require.ErrorIs(t, err, errNotInSpace, "taken before")
 	earlier := d
@@ -110,12 +116,7 @@ func TestWritesEnded(t *testing.T) {
 	sp.mu.Unlock()
 
 	WritesEnded(cs, []Descriptor{untaken, held, descriptorOf(10)})
-	require.Eventually(t, func() bool {
-		ps.mu.Lock()
-		defer ps.mu.Unlock()
-		_, ok := ps.taken[untaken.SpaceOffset]
-		return !ok
-	}, 10*time.Second, time.Millisecond, "the untaken write is given back")
+	waitGivenBack(t, ps, untaken, "the untaken write is given back")
 	_, _, err = fetchLanded(untaken, nil)
 	require.ErrorIs(t, err, errNotInSpace, "a copy of the request still on its way is pulled instead")
 	ps.mu.Lock()
