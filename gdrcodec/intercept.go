@@ -3,6 +3,7 @@ package gdrcodec
 import (
 	"context"
 	"io"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -35,32 +36,54 @@ type hold struct {
 	// leaves the outbox after its first completed pull; the call's end
 	// withdraws those never pulled.
 	once bool
-	// rc is a unary call's: its context names the attempt's connection by
-	// the time gRPC marshals the request (clientStats), so the request's
-	// payloads may land in receive space the server advertised over that
-	// session (oob.OfferRequest), noted in landed until the call ends.
-	rc *recvCall
-	// stream is a client stream's: its context names the stream's
-	// connection once gRPC created it, before any message is marshaled.
-	stream grpc.ClientStream
+	// rc is the call's: its context names the current attempt's connection
+	// by the time gRPC marshals a request (clientStats sees each attempt's
+	// headers go), so the request's payloads may land in receive space the
+	// server advertised over that session (oob.OfferRequest), noted in
+	// landed until the call ends.
+	rc     *recvCall
 	landed map[*transport.Session][]oob.Descriptor
+	// shared: the message is being sent on another call too (unsupported,
+	// but not made worse): nothing lands in a session of the first call's.
+	shared bool
+	// pruneTokens and pruneWrites are the counts of noted tokens and writes
+	// past which those gone already are forgotten (a long stream's).
+	pruneTokens, pruneWrites int
 }
 
 // attempt returns the call's context and the session of its current
 // attempt, or nil.
 func (h *hold) attempt() (context.Context, *transport.Session) {
-	var ctx context.Context
-	switch {
-	case h == nil:
-		return nil, nil
-	case h.rc != nil:
-		ctx = h.rc.context()
-	case h.stream != nil:
-		ctx = h.stream.Context()
-	default:
+	if h == nil || h.rc == nil {
 		return nil, nil
 	}
+	h.mu.Lock()
+	shared := h.shared
+	h.mu.Unlock()
+	if shared {
+		return nil, nil
+	}
+	ctx := h.rc.context()
 	return ctx, transport.SessionFromContext(ctx)
+}
+
+// share marks h, busy with a message that another call is sending too.
+func (h *hold) share() {
+	h.mu.Lock()
+	h.shared = true
+	h.mu.Unlock()
+}
+
+// holdFor returns the hold of m, about to be sent on the call of h: h, or
+// another call's that is sending m already (then marked shared), and
+// whether it is h.
+func holdFor(m any, h *hold) (*hold, bool) {
+	v, busy := holds.LoadOrStore(m, h)
+	if busy {
+		v.(*hold).share()
+		return v.(*hold), false
+	}
+	return h, true
 }
 
 // land notes ds, written into space advertised over s; after the call's end
@@ -77,9 +100,10 @@ func (h *hold) land(s *transport.Session, ds []oob.Descriptor) {
 			h.landed = map[*transport.Session][]oob.Descriptor{}
 		}
 		l := append(h.landed[s], ds...)
-		if len(l) >= maxNotedWrites {
+		if len(l) >= max(h.pruneWrites, maxNoted) {
 			// A long stream: forget the writes the server gave back.
 			l = oob.Outstanding(s, l)
+			h.pruneWrites = 2 * len(l)
 		}
 		h.landed[s] = l
 	}
@@ -89,9 +113,10 @@ func (h *hold) land(s *transport.Session, ds []oob.Descriptor) {
 	}
 }
 
-// maxNotedWrites is how many writes a call notes before it forgets those
-// given back already.
-const maxNotedWrites = 1024
+// maxNoted is how many tokens or writes a call notes before it forgets
+// those gone already (withdrawn, given back), and then again whenever what
+// it kept doubled.
+const maxNoted = 1024
 
 // endWrites runs once the call is over: each server whose space the
 // request's payloads landed in (a unary call's, once per attempt marshaled;
@@ -310,6 +335,12 @@ func (h *hold) add(t oob.Token) {
 	done := h.done
 	if !done {
 		h.tokens = append(h.tokens, t)
+		if len(h.tokens) >= max(h.pruneTokens, maxNoted) {
+			// A long stream's payloads leave the outbox once pulled or once
+			// their range is given back: forget those gone.
+			h.tokens = slices.DeleteFunc(h.tokens, func(t oob.Token) bool { return !oob.Offered(t) })
+			h.pruneTokens = 2 * len(h.tokens)
+		}
 	}
 	h.mu.Unlock()
 	if done {
@@ -337,8 +368,8 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		ctx, call := numberCall(ctx)
 		rc := expectReceive(ctx, reply, false)
-		h := &hold{rc: rc}
-		if _, busy := holds.LoadOrStore(req, h); busy {
+		h, own := holdFor(req, &hold{rc: rc})
+		if !own {
 			h = nil // the same message in two calls at once: the first call holds it
 		}
 		err := rc.done(reply, invoker(context.WithValue(ctx, recvKey{}, rc), method, req, reply, cc, opts...))
@@ -367,12 +398,18 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 func StreamClientInterceptor() grpc.StreamClientInterceptor {
 	return func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
 		ctx, call := numberCall(ctx)
-		cs, err := streamer(ctx, desc, cc, method, opts...)
+		// The stream's own context is not asked for: that commits gRPC's
+		// attempt, and a committed stream is never retried (not even
+		// transparently, when its first attempt never reached a server).
+		// The stats handler names each attempt's connection instead, and
+		// the stream is over once a receive says so or ctx ends.
+		rc := &recvCall{ctx: ctx}
+		cs, err := streamer(context.WithValue(ctx, recvKey{}, rc), desc, cc, method, opts...)
 		if err != nil {
 			return nil, err
 		}
-		s := &heldStream{ClientStream: cs, h: &hold{once: !replayable(cc, method), stream: cs}, call: call, serverStreams: desc.ServerStreams}
-		context.AfterFunc(cs.Context(), s.end)
+		s := &heldStream{ClientStream: cs, h: &hold{once: !replayable(cc, method), rc: rc}, rc: rc, call: call, serverStreams: desc.ServerStreams}
+		context.AfterFunc(ctx, s.end)
 		return s, nil
 	}
 }
@@ -396,42 +433,45 @@ func numberCall(ctx context.Context) (context.Context, *oob.Call) {
 type heldStream struct {
 	grpc.ClientStream
 	h             *hold
+	rc            *recvCall // the call's context, with its current attempt's peer
 	call          *oob.Call
 	serverStreams bool
 	complete      atomic.Bool // every message of the server was received
 	ended         sync.Once
 }
 
-// end runs once the stream is over (its context done, or a receive failed):
-// nobody pulls its requests any more, and a stream that ended before the
-// server's last message was received tells the server, some of whose
-// messages may never be decoded.
+// end runs once the stream is over (the call's context done, a receive
+// failed, or the single response of a stream that sends many came): nobody
+// pulls its requests any more, and a stream that ended before the server's
+// last message was received tells the server, some of whose messages may
+// never be decoded. A stream the application neither cancels nor reads to
+// its end leaks in gRPC too; its payloads leave the outbox at their lease.
 func (s *heldStream) end() {
 	s.ended.Do(func() {
 		s.h.release()
 		s.h.endWrites()
 		if !s.complete.Load() {
-			s.call.Ended(transport.SessionFromContext(s.Context()))
+			s.call.Ended(transport.SessionFromContext(s.rc.context()))
 		}
 	})
 }
 
 func (s *heldStream) SendMsg(m any) error {
-	_, busy := holds.LoadOrStore(m, s.h)
+	_, own := holdFor(m, s.h)
 	err := s.ClientStream.SendMsg(m)
-	if !busy {
+	if own {
 		holds.Delete(m)
 	}
 	return err
 }
 
 func (s *heldStream) RecvMsg(m any) error {
-	rc := expectReceive(s.Context(), m, false)
+	rc := expectReceive(s.rc.context(), m, false)
 	err := rc.done(m, s.ClientStream.RecvMsg(m))
 	if err == io.EOF || err == nil && !s.serverStreams {
 		s.complete.Store(true) // a single response, received, ends the stream
 	}
-	if err != nil {
+	if err != nil || !s.serverStreams {
 		s.end()
 	}
 	return err

@@ -280,3 +280,48 @@ func TestRequestSpaceStreamUnread(t *testing.T) {
 		require.Eventually(t, func() bool { return oob.ReadStats().Offered == 0 }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
 	}
 }
+
+// A stream the server refuses before reading it (its first attempt) is
+// retried under a retry policy, its messages replayed on a new attempt: the
+// interceptors do not commit gRPC's attempt. The replayed payloads, in the
+// server's space already, are taken there.
+func TestRequestSpaceStreamRetried(t *testing.T) {
+	const mib = 1 << 20
+	var refuse atomic.Bool
+	tapH := grpc.InTapHandle(func(ctx context.Context, info *tap.Info) (context.Context, error) {
+		if info.FullMethodName == "/gdrpc.examples.tensor.TensorService/Upload" && refuse.CompareAndSwap(true, false) {
+			return nil, status.Error(codes.Unavailable, "busy")
+		}
+		return ctx, nil
+	})
+	r := newRigWith(t, transport.ModeUCX, nil, []grpc.ServerOption{tapH}, gdrpc.WithTrustPeers())
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpace: 4 * mib})
+	d := dialer.New(gdrpc.WithTransport(transport.ModeUCX), processEngine, gdrpc.WithTrustPeers())
+	cc, err := grpc.NewClient(r.cc.Target(), append(d.DialOptions(insecure.NewCredentials()), grpc.WithDefaultServiceConfig(`{"methodConfig": [{
+  "name": [{"service": "gdrpc.examples.tensor.TensorService"}],
+  "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.01s", "maxBackoff": "0.05s", "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}
+}]}`))...)
+	require.NoError(t, err)
+	defer cc.Close()
+	c := tensorpb.NewTensorServiceClient(cc)
+	digestChecked(t, c, mib, 1) // pulled; the server advertises
+	waitPeerSpace(t)
+	r.paths.reset()
+	refuse.Store(true)
+	st, err := c.Upload(context.Background())
+	require.NoError(t, err)
+	var want uint32
+	for i := range 2 {
+		want = crc32.Update(want, crc32.MakeTable(crc32.Castagnoli), pattern(mib, uint32(90+i)))
+		req := tensorOf(mib, uint32(90+i))
+		require.NoError(t, st.Send(req))
+		gdrcodec.ReleaseAll(req)
+	}
+	sum, err := st.CloseAndRecv()
+	require.NoError(t, err)
+	require.False(t, refuse.Load(), "the first attempt was refused")
+	require.Equal(t, want, sum.Crc32C)
+	waitNothingTaken(t)
+	require.Eventually(t, func() bool { return oob.ReadStats().Offered == 0 }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
+	require.Equal(t, map[string]int{"rdma@space": 2}, r.paths.reset())
+}

@@ -101,6 +101,15 @@ func describe(src Source) Descriptor {
 	return d
 }
 
+// Offered reports whether the outbox holds t (neither withdrawn nor
+// expired yet).
+func Offered(t Token) bool {
+	box.mu.Lock()
+	defer box.mu.Unlock()
+	_, ok := box.entries[t]
+	return ok
+}
+
 // Withdraw removes an entry; pulls under way finish first, later pulls of the
 // token fail as unknown. Withdrawing an unknown token does nothing.
 func Withdraw(t Token) {

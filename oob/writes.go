@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
+	"slices"
 
 	"github.com/gdrpc/gdrpc/internal/wire"
 	"github.com/gdrpc/gdrpc/transport"
@@ -22,28 +23,31 @@ import (
 // WritesEnded tells the owner of the space that ds (descriptors OfferRequest
 // returned for messages over s) name that the call they were written for is
 // over: the owner gives back the ranges it never took. Descriptors that name
-// no space, or a range given back already, are skipped. It returns at once
-// (the message goes on a goroutine).
+// no space, or a range given back already, are skipped; a long stream's go in
+// several messages. It returns at once (they go on a goroutine).
 func WritesEnded(s *transport.Session, ds []Descriptor) {
 	if s == nil {
 		return
 	}
-	var ws []spaceWrite
-	for _, d := range Outstanding(s, ds) {
-		if len(ws) == maxCallTaken {
-			break // beyond the bound the range stays taken until the session ends
+	var msgs [][]byte
+	for chunk := range slices.Chunk(Outstanding(s, ds), maxCallTaken) {
+		ws := make([]spaceWrite, 0, len(chunk))
+		for _, d := range chunk {
+			ws = append(ws, spaceWrite{spaceRange{d.Space, d.SpaceOffset, d.SpaceGen}, d.Length})
 		}
-		ws = append(ws, spaceWrite{spaceRange{d.Space, d.SpaceOffset, d.SpaceGen}, d.Length})
+		msgs = append(msgs, writesEnded(ws))
 	}
-	if len(ws) == 0 {
+	if len(msgs) == 0 {
 		return
 	}
-	msg := writesEnded(ws)
 	go func() {
 		ctx, cancel := context.WithTimeout(sessionContext(s), cfgOf(s).Timeout)
 		defer cancel()
-		if err := sendControl(ctx, s, ctlWritesEnded, msg); err != nil {
-			cfgOf(s).Logger.Debug("writes' end not sent", "session", s.ID(), "err", err)
+		for _, msg := range msgs {
+			if err := sendControl(ctx, s, ctlWritesEnded, msg); err != nil {
+				cfgOf(s).Logger.Debug("writes' end not sent", "session", s.ID(), "err", err)
+				return
+			}
 		}
 	}()
 }

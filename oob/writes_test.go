@@ -15,7 +15,13 @@ import (
 // the writer's view of it.
 func requestSpace(t *testing.T, cs, ss *transport.Session, id uint64) (*space, *peerSpace) {
 	t.Helper()
-	mem := make([]byte, 64<<10)
+	return requestSpaceOf(t, cs, ss, id, 64<<10)
+}
+
+// requestSpaceOf is requestSpace with a space of n bytes.
+func requestSpaceOf(t *testing.T, cs, ss *transport.Session, id uint64, n int) (*space, *peerSpace) {
+	t.Helper()
+	mem := make([]byte, n)
 	sp := &space{id: id, s: ss, region: devicebuf.HostFromBytes(mem), path: PathRDMA, inUse: map[uint64]heldRange{}, unexpose: func() {}}
 	st := &stateOf(ss).space
 	st.mu.Lock()
@@ -194,4 +200,22 @@ func FuzzParseWritesEnded(f *testing.F) {
 			require.NotZero(t, w.n)
 		}
 	})
+}
+
+// A long stream's writes are named in several WRITES-ENDED, each within the
+// bound: every untaken one is given back.
+func TestWritesEndedMany(t *testing.T) {
+	cs, ss := tcpPair(t, transport.WithTrustPeers(true))
+	_, ps := requestSpaceOf(t, cs, ss, 25, 8<<20)
+	client := ss.Peer().ID
+	var ds []Descriptor
+	for range maxCallTaken + 100 {
+		ds = append(ds, writtenInto(t, ps, client, 4096))
+	}
+	WritesEnded(cs, ds)
+	require.Eventually(t, func() bool {
+		ps.mu.Lock()
+		defer ps.mu.Unlock()
+		return len(ps.taken) == 0
+	}, 10*time.Second, time.Millisecond)
 }
