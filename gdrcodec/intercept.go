@@ -402,14 +402,23 @@ func StreamClientInterceptor() grpc.StreamClientInterceptor {
 		// attempt, and a committed stream is never retried (not even
 		// transparently, when its first attempt never reached a server).
 		// The stats handler names each attempt's connection instead, and
-		// the stream is over once a receive says so or ctx ends.
-		rc := &recvCall{ctx: ctx}
-		cs, err := streamer(context.WithValue(ctx, recvKey{}, rc), desc, cc, method, opts...)
+		// gRPC says when the stream is over, however it ends (OnFinish):
+		// then the pulls of its messages end too.
+		pulls, cancel := context.WithCancel(ctx)
+		rc := &recvCall{ctx: pulls}
+		s := &heldStream{h: &hold{rc: rc}, rc: rc, cancel: cancel, call: call, serverStreams: desc.ServerStreams}
+		finished := grpc.OnFinish(func(err error) {
+			if err == nil {
+				s.complete.Store(true) // the server's status came, OK, after its last message
+			}
+			s.end()
+		})
+		cs, err := streamer(context.WithValue(ctx, recvKey{}, rc), desc, cc, method, append(slices.Clip(opts), finished)...)
 		if err != nil {
 			return nil, err
 		}
-		s := &heldStream{ClientStream: cs, h: &hold{once: !replayable(cc, method), rc: rc}, rc: rc, call: call, serverStreams: desc.ServerStreams}
-		context.AfterFunc(ctx, s.end)
+		s.ClientStream = cs
+		s.h.once = !replayable(cc, method) // known once gRPC created the stream
 		return s, nil
 	}
 }
@@ -433,21 +442,22 @@ func numberCall(ctx context.Context) (context.Context, *oob.Call) {
 type heldStream struct {
 	grpc.ClientStream
 	h             *hold
-	rc            *recvCall // the call's context, with its current attempt's peer
+	rc            *recvCall          // the call's context, with its current attempt's peer
+	cancel        context.CancelFunc // ends the pulls of the stream's messages
 	call          *oob.Call
 	serverStreams bool
 	complete      atomic.Bool // every message of the server was received
 	ended         sync.Once
 }
 
-// end runs once the stream is over (the call's context done, a receive
-// failed, or the single response of a stream that sends many came): nobody
-// pulls its requests any more, and a stream that ended before the server's
-// last message was received tells the server, some of whose messages may
-// never be decoded. A stream the application neither cancels nor reads to
-// its end leaks in gRPC too; its payloads leave the outbox at their lease.
+// end runs once the stream is over (gRPC finished it, a receive failed, or
+// the single response of a stream that sends many came): nobody pulls its
+// requests any more, and a stream that ended before the server's last
+// message was received tells the server, some of whose messages may never be
+// decoded.
 func (s *heldStream) end() {
 	s.ended.Do(func() {
+		s.cancel()
 		s.h.release()
 		s.h.endWrites()
 		if !s.complete.Load() {

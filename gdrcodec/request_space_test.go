@@ -4,6 +4,7 @@ import (
 	"context"
 	"hash/crc32"
 	"io"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -324,4 +325,55 @@ func TestRequestSpaceStreamRetried(t *testing.T) {
 	waitNothingTaken(t)
 	require.Eventually(t, func() bool { return oob.ReadStats().Offered == 0 }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
 	require.Equal(t, map[string]int{"rdma@space": 2}, r.paths.reset())
+}
+
+// stallUpload never reads its stream: the client's payloads stay unpulled
+// until the stream ends.
+type stallUpload struct {
+	tensor.Server
+	started chan struct{}
+}
+
+func (s *stallUpload) Upload(st tensorpb.TensorService_UploadServer) error {
+	s.started <- struct{}{}
+	<-st.Context().Done()
+	return st.Context().Err()
+}
+
+// A stream gRPC ends by itself, the application neither cancelling it nor
+// reading to its end (gRPC's contract allows both), lets go of its payloads:
+// the ClientConn closed, or a send failed. Payloads written into the
+// server's space are named, and given back.
+func TestRequestSpaceStreamEndedByGRPC(t *testing.T) {
+	const mib = 1 << 20
+	srv := &stallUpload{started: make(chan struct{}, 1)}
+	t.Run("send failed", func(t *testing.T) {
+		r := requestSpaceRig(t, srv, 4*mib)
+		waitNothingTaken(t)
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel() // only at the test's end
+		st, err := r.client.Upload(ctx, grpc.MaxCallSendMsgSize(4096))
+		require.NoError(t, err)
+		req := tensorOf(mib, 1)
+		require.NoError(t, st.Send(req)) // a descriptor on the wire: it fits
+		gdrcodec.ReleaseAll(req)
+		<-srv.started
+		require.Equal(t, 1, oob.ReadStats().PeerTaken, "landed")
+		err = st.Send(&tensorpb.Tensor{Name: strings.Repeat("x", 8192)})
+		require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+		waitNothingTaken(t)
+		require.Eventually(t, func() bool { return oob.ReadStats().Offered == 0 }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
+	})
+	t.Run("conn closed", func(t *testing.T) {
+		r := newRig(t, transport.ModeUCX, srv)
+		st, err := r.client.Upload(context.Background())
+		require.NoError(t, err)
+		req := tensorOf(mib, 1)
+		require.NoError(t, st.Send(req))
+		gdrcodec.ReleaseAll(req)
+		<-srv.started
+		require.Equal(t, 1, oob.ReadStats().Offered)
+		require.NoError(t, r.cc.Close())
+		require.Eventually(t, func() bool { return oob.ReadStats().Offered == 0 }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
+	})
 }
