@@ -27,6 +27,28 @@ import (
 	"github.com/gdrpc/gdrpc/transport"
 )
 
+// retryConfig retries TensorService calls that fail with Unavailable.
+const retryConfig = `{"methodConfig": [{
+  "name": [{"service": "gdrpc.examples.tensor.TensorService"}],
+  "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.01s", "maxBackoff": "0.05s", "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}
+}]}`
+
+// refusingRig is a rig between trusted peers, with space bytes of receive
+// space both ways, whose server refuses a call of method with Unavailable
+// before reading it whenever refuse is set (and clears it).
+func refusingRig(t *testing.T, method string, refuse *atomic.Bool, space int) *rig {
+	t.Helper()
+	tapH := grpc.InTapHandle(func(ctx context.Context, info *tap.Info) (context.Context, error) {
+		if info.FullMethodName == "/gdrpc.examples.tensor.TensorService/"+method && refuse.CompareAndSwap(true, false) {
+			return nil, status.Error(codes.Unavailable, "busy")
+		}
+		return ctx, nil
+	})
+	r := newRigWith(t, transport.ModeUCX, nil, []grpc.ServerOption{tapH}, gdrpc.WithTrustPeers())
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpace: space})
+	return r
+}
+
 // tensorOf returns a request carrying n bytes of seed's pattern in host
 // memory.
 func tensorOf(n int, seed uint32) *tensorpb.Tensor {
@@ -129,10 +151,7 @@ func TestRequestSpaceRetry(t *testing.T) {
 	srv := &failFirst{sums: make(chan uint32, 8)}
 	r := spaceRigServing(t, srv, 4*mib)
 	d := dialer.New(gdrpc.WithTransport(transport.ModeUCX), processEngine, gdrpc.WithTrustPeers())
-	cc, err := grpc.NewClient(r.cc.Target(), append(d.DialOptions(insecure.NewCredentials()), grpc.WithDefaultServiceConfig(`{"methodConfig": [{
-  "name": [{"service": "gdrpc.examples.tensor.TensorService"}],
-  "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.01s", "maxBackoff": "0.05s", "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}
-}]}`))...)
+	cc, err := grpc.NewClient(r.cc.Target(), append(d.DialOptions(insecure.NewCredentials()), grpc.WithDefaultServiceConfig(retryConfig))...)
 	require.NoError(t, err)
 	defer cc.Close()
 	c := tensorpb.NewTensorServiceClient(cc)
@@ -185,14 +204,7 @@ func TestRequestSpaceFieldUnknownToServer(t *testing.T) {
 func TestRequestSpaceMarshaledTwice(t *testing.T) {
 	const mib = 1 << 20
 	var refuse atomic.Bool
-	tapH := grpc.InTapHandle(func(ctx context.Context, info *tap.Info) (context.Context, error) {
-		if info.FullMethodName == "/gdrpc.examples.tensor.TensorService/Digest" && refuse.CompareAndSwap(true, false) {
-			return nil, status.Error(codes.Unavailable, "busy")
-		}
-		return ctx, nil
-	})
-	r := newRigWith(t, transport.ModeUCX, nil, []grpc.ServerOption{tapH}, gdrpc.WithTrustPeers())
-	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpace: 4 * mib})
+	r := refusingRig(t, "Digest", &refuse, 4*mib)
 	again := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		err := invoker(ctx, method, req, reply, cc, opts...)
 		if status.Code(err) == codes.Unavailable {
@@ -289,19 +301,9 @@ func TestRequestSpaceStreamUnread(t *testing.T) {
 func TestRequestSpaceStreamRetried(t *testing.T) {
 	const mib = 1 << 20
 	var refuse atomic.Bool
-	tapH := grpc.InTapHandle(func(ctx context.Context, info *tap.Info) (context.Context, error) {
-		if info.FullMethodName == "/gdrpc.examples.tensor.TensorService/Upload" && refuse.CompareAndSwap(true, false) {
-			return nil, status.Error(codes.Unavailable, "busy")
-		}
-		return ctx, nil
-	})
-	r := newRigWith(t, transport.ModeUCX, nil, []grpc.ServerOption{tapH}, gdrpc.WithTrustPeers())
-	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpace: 4 * mib})
+	r := refusingRig(t, "Upload", &refuse, 4*mib)
 	d := dialer.New(gdrpc.WithTransport(transport.ModeUCX), processEngine, gdrpc.WithTrustPeers())
-	cc, err := grpc.NewClient(r.cc.Target(), append(d.DialOptions(insecure.NewCredentials()), grpc.WithDefaultServiceConfig(`{"methodConfig": [{
-  "name": [{"service": "gdrpc.examples.tensor.TensorService"}],
-  "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.01s", "maxBackoff": "0.05s", "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}
-}]}`))...)
+	cc, err := grpc.NewClient(r.cc.Target(), append(d.DialOptions(insecure.NewCredentials()), grpc.WithDefaultServiceConfig(retryConfig))...)
 	require.NoError(t, err)
 	defer cc.Close()
 	c := tensorpb.NewTensorServiceClient(cc)
