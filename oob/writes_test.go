@@ -80,15 +80,15 @@ func TestStaleWrites(t *testing.T) {
 	earlier.SpaceGen = first.SpaceGen
 	_, _, err = fetchLanded(earlier, nil)
 	require.ErrorIs(t, err, errNotInSpace, "an earlier write")
-	b, _, err = fetchLanded(first, nil)
+	kept, _, err := fetchLanded(first, nil)
 	require.NoError(t, err, "another range's write")
-	require.NoError(t, b.Release())
 
-	next := writtenInto(t, ps, client, 4096)
+	next := writtenInto(t, ps, client, 4096) // first fit: first's range is held
 	require.Equal(t, d.SpaceOffset, next.SpaceOffset, "the range is written again")
 	b, _, err = fetchLanded(next, nil)
 	require.NoError(t, err)
 	require.NoError(t, b.Release())
+	require.NoError(t, kept.Release())
 
 	unnumbered := next
 	unnumbered.SpaceGen = 0

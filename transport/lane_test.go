@@ -131,10 +131,15 @@ func TestLanes(t *testing.T) {
 			require.ErrorIs(t, err, ErrConnTaken)
 
 			// Closing the client's conn: the server reads the end, and both
-			// sessions close.
+			// sessions close. The test engine does not linger (the oob
+			// engine waits for transfers, not for reads), so the server's
+			// session may close, the client's having closed, before its
+			// read saw the lane's end: then the read ends with the session.
 			require.NoError(t, cc.Close())
 			_, err = sc.Read(buf)
-			require.ErrorIs(t, err, io.EOF)
+			if !errors.Is(err, io.EOF) {
+				require.ErrorIs(t, err, net.ErrClosed)
+			}
 			for _, s := range []*Session{cs, ss} {
 				select {
 				case <-s.Done():
