@@ -1,6 +1,7 @@
 package oob
 
 import (
+	"slices"
 	"testing"
 	"time"
 
@@ -218,4 +219,35 @@ func TestWritesEndedMany(t *testing.T) {
 		defer ps.mu.Unlock()
 		return len(ps.taken) == 0
 	}, 10*time.Second, time.Millisecond)
+}
+
+// A receiver that refuses a payload without taking it (Discard) gives its
+// range back once: not a write given back already, and a descriptor naming
+// a space closed with its session is not in the space (the receiver pulls
+// by token instead).
+func TestDiscardStaleAndClosed(t *testing.T) {
+	cs, ss := tcpPair(t, transport.WithTrustPeers(true))
+	sp, ps := requestSpace(t, cs, ss, 26)
+	client := ss.Peer().ID
+	d := writtenInto(t, ps, client, 4096)
+	b, _, err := fetchLanded(d, nil)
+	require.NoError(t, err)
+	require.NoError(t, b.Release())
+	waitGivenBack(t, ps, d, "given back once")
+
+	sp.mu.Lock()
+	sp.sending = true // hold the notices queued from here on
+	sp.mu.Unlock()
+	Discard(d)
+	fresh := writtenInto(t, ps, client, 4096)
+	fresh2 := writtenInto(t, ps, client, 4096)
+	Discard(fresh)
+	sp.mu.Lock()
+	pending := slices.Clone(sp.pending)
+	sp.sending = false
+	sp.closed = true
+	sp.mu.Unlock()
+	require.Equal(t, []heldRange{{fresh.SpaceOffset, 4096, fresh.SpaceGen}}, pending, "the stale write is not given back again")
+	_, _, err = fetchLanded(fresh2, nil)
+	require.ErrorIs(t, err, errNotInSpace)
 }
