@@ -406,7 +406,7 @@ func StreamClientInterceptor() grpc.StreamClientInterceptor {
 		// then the pulls of its messages end too.
 		pulls, cancel := context.WithCancel(ctx)
 		rc := &recvCall{ctx: pulls}
-		s := &heldStream{h: &hold{rc: rc}, rc: rc, cancel: cancel, call: call, serverStreams: desc.ServerStreams}
+		s := &heldStream{h: &hold{rc: rc}, cancel: cancel, call: call, serverStreams: desc.ServerStreams}
 		finished := grpc.OnFinish(func(err error) {
 			if err == nil {
 				s.complete.Store(true) // the server's status came, OK, after its last message
@@ -441,8 +441,7 @@ func numberCall(ctx context.Context) (context.Context, *oob.Call) {
 
 type heldStream struct {
 	grpc.ClientStream
-	h             *hold
-	rc            *recvCall          // the call's context, with its current attempt's peer
+	h             *hold              // its rc: the call's context, with its current attempt's peer
 	cancel        context.CancelFunc // ends the pulls of the stream's messages
 	call          *oob.Call
 	serverStreams bool
@@ -461,7 +460,7 @@ func (s *heldStream) end() {
 		s.h.release()
 		s.h.endWrites()
 		if !s.complete.Load() {
-			s.call.Ended(transport.SessionFromContext(s.rc.context()))
+			s.call.Ended(transport.SessionFromContext(s.h.rc.context()))
 		}
 	})
 }
@@ -476,12 +475,14 @@ func (s *heldStream) SendMsg(m any) error {
 }
 
 func (s *heldStream) RecvMsg(m any) error {
-	rc := expectReceive(s.rc.context(), m, false)
+	rc := expectReceive(s.h.rc.context(), m, false)
 	err := rc.done(m, s.ClientStream.RecvMsg(m))
 	if err == io.EOF || err == nil && !s.serverStreams {
 		s.complete.Store(true) // a single response, received, ends the stream
 	}
 	if err != nil || !s.serverStreams {
+		// gRPC need not finish a stream of a single response when the
+		// response came: its end is here.
 		s.end()
 	}
 	return err

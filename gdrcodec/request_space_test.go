@@ -49,6 +49,17 @@ func refusingRig(t *testing.T, method string, refuse *atomic.Bool, space int) *r
 	return r
 }
 
+// anotherClient is a client of r's server over a connection of its own,
+// trusted, with opts.
+func anotherClient(t *testing.T, r *rig, opts ...grpc.DialOption) tensorpb.TensorServiceClient {
+	t.Helper()
+	d := dialer.New(gdrpc.WithTransport(transport.ModeUCX), processEngine, gdrpc.WithTrustPeers())
+	cc, err := grpc.NewClient(r.cc.Target(), append(d.DialOptions(insecure.NewCredentials()), opts...)...)
+	require.NoError(t, err)
+	t.Cleanup(func() { cc.Close() })
+	return tensorpb.NewTensorServiceClient(cc)
+}
+
 // tensorOf returns a request carrying n bytes of seed's pattern in host
 // memory.
 func tensorOf(n int, seed uint32) *tensorpb.Tensor {
@@ -150,14 +161,10 @@ func TestRequestSpaceRetry(t *testing.T) {
 	const mib = 1 << 20
 	srv := &failFirst{sums: make(chan uint32, 8)}
 	r := spaceRigServing(t, srv, 4*mib)
-	d := dialer.New(gdrpc.WithTransport(transport.ModeUCX), processEngine, gdrpc.WithTrustPeers())
-	cc, err := grpc.NewClient(r.cc.Target(), append(d.DialOptions(insecure.NewCredentials()), grpc.WithDefaultServiceConfig(retryConfig))...)
-	require.NoError(t, err)
-	defer cc.Close()
-	c := tensorpb.NewTensorServiceClient(cc)
+	c := anotherClient(t, r, grpc.WithDefaultServiceConfig(retryConfig))
 	warm := tensorOf(mib, 1)
 	warm.Name = "warm-up"
-	_, err = c.Digest(context.Background(), warm)
+	_, err := c.Digest(context.Background(), warm)
 	require.NoError(t, err)
 	gdrcodec.ReleaseAll(warm)
 	waitPeerSpace(t)
@@ -212,11 +219,7 @@ func TestRequestSpaceMarshaledTwice(t *testing.T) {
 		}
 		return err
 	}
-	d := dialer.New(gdrpc.WithTransport(transport.ModeUCX), processEngine, gdrpc.WithTrustPeers())
-	cc, err := grpc.NewClient(r.cc.Target(), append(d.DialOptions(insecure.NewCredentials()), grpc.WithChainUnaryInterceptor(again))...)
-	require.NoError(t, err)
-	defer cc.Close()
-	c := tensorpb.NewTensorServiceClient(cc)
+	c := anotherClient(t, r, grpc.WithChainUnaryInterceptor(again))
 	digestChecked(t, c, mib, 1) // pulled; the server advertises
 	waitPeerSpace(t)
 	r.paths.reset()
@@ -302,11 +305,7 @@ func TestRequestSpaceStreamRetried(t *testing.T) {
 	const mib = 1 << 20
 	var refuse atomic.Bool
 	r := refusingRig(t, "Upload", &refuse, 4*mib)
-	d := dialer.New(gdrpc.WithTransport(transport.ModeUCX), processEngine, gdrpc.WithTrustPeers())
-	cc, err := grpc.NewClient(r.cc.Target(), append(d.DialOptions(insecure.NewCredentials()), grpc.WithDefaultServiceConfig(retryConfig))...)
-	require.NoError(t, err)
-	defer cc.Close()
-	c := tensorpb.NewTensorServiceClient(cc)
+	c := anotherClient(t, r, grpc.WithDefaultServiceConfig(retryConfig))
 	digestChecked(t, c, mib, 1) // pulled; the server advertises
 	waitPeerSpace(t)
 	r.paths.reset()

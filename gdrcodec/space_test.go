@@ -10,13 +10,11 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
-	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
@@ -366,11 +364,7 @@ func TestReceiveSpaceAfterRestart(t *testing.T) {
 func TestReceiveSpacePerSession(t *testing.T) {
 	const mib = 1 << 20
 	r := spaceRig(t, 4*mib)
-	d := dialer.New(gdrpc.WithTransport(transport.ModeUCX), processEngine, gdrpc.WithTrustPeers())
-	cc2, err := grpc.NewClient(r.cc.Target(), d.DialOptions(insecure.NewCredentials())...)
-	require.NoError(t, err)
-	defer cc2.Close()
-	r2 := &rig{client: tensorpb.NewTensorServiceClient(cc2), cc: cc2, paths: r.paths}
+	r2 := &rig{client: anotherClient(t, r), paths: r.paths}
 	for i := range 3 {
 		for _, rr := range []*rig{r, r2} {
 			gdrcodec.ReleaseAll(makeChecked(t, rr, mib, uint32(i)))

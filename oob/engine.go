@@ -319,26 +319,19 @@ func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, erro
 		return PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid,
 			Err: fmt.Errorf("destination of %d bytes for a payload of %d", dst.Len(), d.Length)}
 	}
-	if d.Space != 0 {
-		// The payload is in this process's receive space already: copy it
-		// into dst and give the range back.
-		b, path, err := takeLanded(ctx, d)
-		if err == nil {
-			defer b.Release()
-			if err := devicebuf.Copy(dst, b); err != nil {
-				return path, &TransferError{Token: d.Token, Err: fmt.Errorf("copy from receive space: %w", err)}
-			}
-			return path, nil
-		}
-		if !errors.Is(err, errNotInSpace) {
-			return path, err
+	b, path, err := FetchNew(ctx, d, func(int) (*devicebuf.Buffer, error) { return dst.Retain(), nil })
+	if err != nil {
+		return path, err
+	}
+	defer b.Release()
+	if b != dst {
+		// The payload was in this process's receive space already: copy it
+		// into dst; the release gives the range back.
+		if err := devicebuf.Copy(dst, b); err != nil {
+			return path, &TransferError{Token: d.Token, Err: fmt.Errorf("copy from receive space: %w", err)}
 		}
 	}
-	b, path, err := FetchNew(ctx, d.withoutSpace(), func(int) (*devicebuf.Buffer, error) { return dst.Retain(), nil })
-	if b != nil {
-		b.Release()
-	}
-	return path, err
+	return path, nil
 }
 
 type serverRequestKey struct{}

@@ -55,12 +55,13 @@ func WritesEnded(s *transport.Session, ds []Descriptor) {
 // Outstanding returns those of ds (descriptors OfferRequest returned for
 // messages over s) whose writes the owner has not given back yet.
 func Outstanding(s *transport.Session, ds []Descriptor) []Descriptor {
+	byID := map[uint64]*peerSpace{}
+	for _, ps := range peerSpacesOf(s) {
+		byID[ps.id] = ps
+	}
 	var out []Descriptor
 	for _, d := range ds {
-		if d.Space == 0 {
-			continue
-		}
-		if ps := peerSpaceByID(s, d.Space); ps != nil && ps.written(d.SpaceOffset, d.SpaceGen) {
+		if ps := byID[d.Space]; ps != nil && ps.written(d.SpaceOffset, d.SpaceGen) {
 			out = append(out, d)
 		}
 	}
