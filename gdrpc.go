@@ -46,8 +46,12 @@ type Config struct {
 	KeepAliveInterval, KeepAliveTimeout time.Duration
 	// IdleTimeout: see WithIdleTimeout.
 	IdleTimeout time.Duration
-	// ReceiveSpace: see WithReceiveSpace; zero means the default, negative none.
+	// ReceiveSpace: see WithReceiveSpace; zero means spaces that grow within
+	// ReceiveSpaceLimit, negative none.
 	ReceiveSpace int
+	// ReceiveSpaceLimit: see WithReceiveSpaceLimit; zero means the default
+	// (oob.DefaultReceiveSpaceLimit on a client, none on a server).
+	ReceiveSpaceLimit int
 	// StreamOrdered: see WithStreamOrdered.
 	StreamOrdered bool
 	// Session holds session options applied after the others (WithSessionOptions).
@@ -101,17 +105,15 @@ func WithKeepAlive(interval, timeout time.Duration) Option {
 func WithIdleTimeout(d time.Duration) Option { return func(c *Config) { c.IdleTimeout = d } }
 
 // WithReceiveSpace sets the receive space a client advertises to each server
-// it trusts (n bytes per session; 0 or less: none). After the first payload
-// a session pulls by rdma or cuda-ipc, the client sets aside n bytes of the
-// memory that payload landed in (made by the same receive allocator) and
-// hands the server its key; the server then writes the payloads of its
-// responses straight there while it marshals them, and the client takes them
-// with no rendezvous. A received buffer holds its range until it is released;
-// payloads that do not fit the free space take the rendezvous. By default a
-// session sets aside room for four payloads of its first pull's size, at
-// least oob.DefaultReceiveSpace (64 MiB), and another such space whenever a
-// later pull is of a size its spaces cannot hold twice: up to four spaces,
-// 1 GiB together.
+// it trusts: one space of n bytes per session; 0 or less, none. After the
+// first payload a session pulls by rdma or cuda-ipc, the client sets aside n
+// bytes of the memory that payload landed in (made by the same receive
+// allocator) and hands the server its key; the server then writes the
+// payloads of its responses straight there while it marshals them, and the
+// client takes them with no rendezvous. A received buffer holds its range
+// until it is released; payloads that do not fit the free space take the
+// rendezvous. Without this option a client's spaces grow with the payloads
+// (WithReceiveSpaceLimit).
 //
 // Given to a Listener, it sets the space a server advertises to each
 // trusted client for its requests: n bytes per session, after the first
@@ -122,7 +124,26 @@ func WithIdleTimeout(d time.Duration) Option { return func(c *Config) { c.IdleTi
 // rendezvous.
 func WithReceiveSpace(n int) Option {
 	return func(c *Config) {
-		c.ReceiveSpace = n
+		c.ReceiveSpace, c.ReceiveSpaceLimit = n, 0
+		if n <= 0 {
+			c.ReceiveSpace = -1
+		}
+	}
+}
+
+// WithReceiveSpaceLimit makes a session's receive spaces (WithReceiveSpace)
+// grow with the payloads, within n bytes per session together; 0 or less,
+// no space. A session sets aside room for four payloads of its first pull's
+// size, at least oob.DefaultReceiveSpace (64 MiB) or n/4 where that is less,
+// and another such space whenever a later pull is of a size its spaces
+// cannot hold twice: up to four spaces. A client does this by default, within
+// oob.DefaultReceiveSpaceLimit (1 GiB). Given to a Listener, it gives each
+// trusted client's session growing space for its requests' payloads, where
+// a server otherwise advertises none: memory set aside after the payloads a
+// client actually sends, not a fixed size for every connection.
+func WithReceiveSpaceLimit(n int) Option {
+	return func(c *Config) {
+		c.ReceiveSpace, c.ReceiveSpaceLimit = 0, n
 		if n <= 0 {
 			c.ReceiveSpace = -1
 		}

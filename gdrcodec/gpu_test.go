@@ -41,6 +41,7 @@ const (
 	envHostMem  = "GDRPC_TEST_HOST_MEM"   // set: the child's payloads live in host memory
 	envTrust    = "GDRPC_TEST_TRUST"      // set: TrustPeers in both processes
 	envReqSpace = "GDRPC_TEST_REQ_SPACE"  // the child's receive space for requests (bytes; unset: none)
+	envReqLimit = "GDRPC_TEST_REQ_LIMIT"  // the bound of the child's growing spaces for requests (bytes; unset: none)
 )
 
 func requireCUDA(t testing.TB) {
@@ -61,7 +62,8 @@ func gpuServerChild() {
 	}
 	paths, _ := strconv.Atoi(os.Getenv(envPaths))
 	reqSpace, _ := strconv.Atoi(os.Getenv(envReqSpace))
-	oob.SetTransferConfig(oob.TransferConfig{Paths: oob.Path(paths), ReceiveSpace: reqSpace})
+	reqLimit, _ := strconv.Atoi(os.Getenv(envReqLimit))
+	oob.SetTransferConfig(oob.TransferConfig{Paths: oob.Path(paths), ReceiveSpace: reqSpace, ReceiveSpaceLimit: reqLimit})
 	dev, _ := strconv.Atoi(os.Getenv(envGPU))
 	gpu, err := devicebuf.NewCUDAAllocator(dev)
 	if err != nil {
@@ -91,11 +93,13 @@ func gpuServerChild() {
 }
 
 // startGPUServer starts the child server on GPU dev (its payloads in host
-// memory with hostMem) and returns its address.
-func startGPUServer(t *testing.T, mode transport.Mode, paths oob.Path, dev int, hostMem, trust bool, reqSpace int) string {
+// memory with hostMem) with reqSpace bytes of space for requests, or spaces
+// that grow within reqLimit, and returns its address.
+func startGPUServer(t *testing.T, mode transport.Mode, paths oob.Path, dev int, hostMem, trust bool, reqSpace, reqLimit int) string {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), envGPUChild+"="+string(mode), fmt.Sprintf("%s=%d", envPaths, paths), fmt.Sprintf("%s=%d", envGPU, dev), fmt.Sprintf("%s=%d", envReqSpace, reqSpace))
+	cmd.Env = append(os.Environ(), envGPUChild+"="+string(mode), fmt.Sprintf("%s=%d", envPaths, paths), fmt.Sprintf("%s=%d", envGPU, dev),
+		fmt.Sprintf("%s=%d", envReqSpace, reqSpace), fmt.Sprintf("%s=%d", envReqLimit, reqLimit))
 	if hostMem {
 		cmd.Env = append(cmd.Env, envHostMem+"=1")
 	}
@@ -206,6 +210,13 @@ func testGPUService(t *testing.T, serverGPU, clientGPU int) {
 			t.Run(fmt.Sprintf("path=%s/space=true/requests", tt.name), func(t *testing.T) {
 				testGPUPath(t, rt, true, false, gpu, sizes, serverGPU, clientGPU)
 			})
+			// Spaces for requests that grow with the payloads: a
+			// payload larger than the first space is pulled, and the
+			// next of its size lands in the space added after it.
+			rt.reqGrow = true
+			t.Run(fmt.Sprintf("path=%s/space=true/requests-grow", tt.name), func(t *testing.T) {
+				testGPUPath(t, rt, true, false, gpu, sizes, serverGPU, clientGPU)
+			})
 		}
 	}
 }
@@ -219,6 +230,7 @@ type gpuPath struct {
 	clientHost     bool // the client's received payloads land in host memory
 	trust          bool // TrustPeers: owners put through any transport a key names
 	reqSpace       bool // the server advertises receive space for requests
+	reqGrow        bool // with reqSpace: spaces that grow within reqGrowLimit
 	want, wantBack string
 	plain, back    string // without CUDA in UCX
 }
@@ -234,6 +246,7 @@ func testGPUPath(t *testing.T, tt gpuPath, space, ordered bool, gpu devicebuf.Al
 		tt.want, tt.wantBack = tt.plain, tt.back
 	}
 	const spaceBytes = 64 << 20
+	const reqGrowLimit = 1 << 30 // its first space is 64 MiB, as spaceBytes
 	receiveSpace := -1
 	if space {
 		receiveSpace = spaceBytes
@@ -242,11 +255,14 @@ func testGPUPath(t *testing.T, tt gpuPath, space, ordered bool, gpu devicebuf.Al
 	landable := space && tt.trust && direct(tt.want)
 	reqLandable := tt.reqSpace && direct(tt.wantBack)
 	landed, queued, reqLanded := 0, 0, 0
-	reqSpace := 0
-	if tt.reqSpace {
+	reqSpace, reqLimit := 0, 0
+	switch {
+	case tt.reqGrow:
+		reqLimit = reqGrowLimit
+	case tt.reqSpace:
 		reqSpace = spaceBytes
 	}
-	addr := startGPUServer(t, tt.mode, tt.paths, serverGPU, tt.serverHost, tt.trust, reqSpace)
+	addr := startGPUServer(t, tt.mode, tt.paths, serverGPU, tt.serverHost, tt.trust, reqSpace, reqLimit)
 	pc := &pathCounter{paths: map[string]int{}}
 	oob.SetTransferConfig(oob.TransferConfig{Paths: tt.paths, Metrics: pc, ReceiveSpace: receiveSpace, StreamOrdered: ordered})
 	if tt.clientHost {
@@ -335,7 +351,7 @@ func testGPUPath(t *testing.T, tt gpuPath, space, ordered bool, gpu devicebuf.Al
 			require.Equal(t, tensor.ChecksumBytes(want), sum.Crc32C)
 			if n >= gdrcodec.DefaultEagerThreshold {
 				pushes := pc.takePushes()
-				if reqLandable && n <= spaceBytes && pushes[tt.wantBack+"@space"] == 1 {
+				if reqLandable && (n <= spaceBytes || tt.reqGrow) && pushes[tt.wantBack+"@space"] == 1 {
 					// Written into the server's space for requests, which
 					// it advertised after its first pull of one.
 					reqLanded++
@@ -346,6 +362,30 @@ func testGPUPath(t *testing.T, tt gpuPath, space, ordered bool, gpu devicebuf.Al
 			gdrcodec.ReleaseAll(got)
 			t.Logf("path=%s size=%d make=%v (%.0f MiB/s incl. server fill)", tt.want, n, elapsed, float64(n)/(1<<20)/elapsed.Seconds())
 		})
+	}
+	if tt.reqGrow {
+		// The largest size under the limit was pulled once: the server
+		// added a space after it, which the next one of its size lands in.
+		n := 0
+		for _, m := range sizes {
+			if 2*m <= reqGrowLimit-spaceBytes {
+				n = max(n, m)
+			}
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		got, err := c.Make(ctx, &tensorpb.Sized{Size: uint64(n), Seed: 7})
+		require.NoError(t, err)
+		pc.reset()
+		pc.takePushes()
+		sum, err := c.Digest(ctx, got)
+		require.NoError(t, err)
+		gdrcodec.ReleaseAll(got)
+		require.Equal(t, uint64(n), sum.Bytes)
+		require.Equal(t, tensor.ChecksumBytes(pattern(n, 7)), sum.Crc32C)
+		if reqLandable {
+			require.Equal(t, map[string]int{tt.wantBack + "@space": 1}, pc.takePushes(), "%d bytes into the grown space", n)
+		}
 	}
 	if tt.reqSpace {
 		// A client stream's messages in this process's GPU memory land in

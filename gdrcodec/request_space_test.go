@@ -111,6 +111,40 @@ func TestRequestSpace(t *testing.T) {
 	require.Equal(t, map[string]int{"rdma": 1}, r.paths.reset())
 }
 
+// A server given a limit instead of a size grows its space for requests with
+// the payloads: a quarter of the limit after the first pull (four 1 MiB
+// payloads fit), another space sized after a payload that did not fit, and
+// none past the limit.
+func TestRequestSpaceGrows(t *testing.T) {
+	const mib = 1 << 20
+	r := newRig(t, transport.ModeUCX, nil, gdrpc.WithTrustPeers())
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpaceLimit: 16 * mib})
+	digestChecked(t, r.client, mib, 1)
+	require.Equal(t, map[string]int{"rdma": 1}, r.paths.reset(), "the first request is pulled")
+	waitPeerSpaces(t, 1)
+	require.Equal(t, 1, oob.ReadStats().Spaces)
+
+	digestChecked(t, r.client, mib, 2)
+	digestChecked(t, r.client, 3*mib, 3)
+	require.Equal(t, map[string]int{"rdma@space": 2}, r.paths.reset(), "the 4 MiB space holds them")
+
+	// 5 MiB does not fit: pulled, and the server adds room for more, 12 MiB
+	// (four would be 20, the limit leaves 12).
+	digestChecked(t, r.client, 5*mib, 4)
+	require.Equal(t, map[string]int{"rdma": 1}, r.paths.reset())
+	waitPeerSpaces(t, 2)
+	for i := range 3 {
+		digestChecked(t, r.client, 5*mib, uint32(5+i))
+	}
+	require.Equal(t, map[string]int{"rdma@space": 3}, r.paths.reset())
+
+	// 13 MiB fits no space, and the limit has no room left for another.
+	digestChecked(t, r.client, 13*mib, 9)
+	require.Equal(t, map[string]int{"rdma": 1}, r.paths.reset())
+	require.Equal(t, 2, oob.ReadStats().Spaces, "no space past the limit")
+	require.Equal(t, 2, oob.ReadStats().PeerSpaces)
+}
+
 // A request the server never decodes (a method it does not serve) leaves its
 // range with the server only; the call's end tells the server, which gives
 // it back.

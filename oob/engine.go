@@ -104,12 +104,19 @@ type TransferConfig struct {
 	Limits Limits
 	// ReceiveSpace is the receive space advertised to each trusted peer
 	// (space.go): payloads it sends over the session land there without a
-	// rendezvous. If zero, room for four payloads of the size of the pull
-	// that prompts it (at least DefaultReceiveSpace), and another whenever
-	// the session's spaces cannot hold two payloads of a pull's size, up to
-	// four spaces and 1 GiB together; negative, none. A server's sessions
-	// (requests' payloads, OfferRequest) advertise only a configured size.
+	// rendezvous. Above zero, one space of that size per session; negative,
+	// none. If zero, the spaces grow with the payloads within
+	// ReceiveSpaceLimit: room for four payloads of the size of the pull that
+	// prompts one (at least DefaultReceiveSpace or a quarter of the limit,
+	// whichever is less), and another whenever the session's spaces cannot
+	// hold two payloads of a pull's size, up to four spaces.
 	ReceiveSpace int
+	// ReceiveSpaceLimit bounds the growing spaces of a session (ReceiveSpace
+	// zero), all of them together. If zero, DefaultReceiveSpaceLimit on a
+	// client's sessions, and none on a server's (its sessions advertise
+	// space for requests' payloads, OfferRequest, only when configured to:
+	// a size, or a limit); negative, none.
+	ReceiveSpaceLimit int
 	// StreamOrdered hands out a payload that landed in GPU receive space
 	// while the owner's copy into it may still run: the buffer is Pending
 	// (devicebuf.Buffer.Wait, WaitOn) instead of the receive waiting for the

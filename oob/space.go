@@ -33,29 +33,32 @@ import (
 // vouch for fails its transfer. A session may hold a few spaces, each way:
 // by default a receiver adds one when its payloads outgrow those it has.
 
-// DefaultReceiveSpace is the least receive space a session advertises when
-// TransferConfig.ReceiveSpace is zero: then a space has room for
-// spacePayloads payloads of the size of the pull that prompted it, at least
-// this much.
+// DefaultReceiveSpace is the smallest space a session advertises when its
+// spaces grow with the payloads (TransferConfig.ReceiveSpace zero), or a
+// quarter of their limit where that is less: a space has room for
+// spacePayloads payloads of the size of the pull that prompted it, and at
+// least that much.
 const DefaultReceiveSpace = 64 << 20
 
-// With the default size, a space holds this many payloads of the size of
-// the pull that prompted it: the next response lands while the client still
+// With growing spaces, a space holds this many payloads of the size of the
+// pull that prompted it: the next payload lands while the receiver still
 // holds the last, or before its SPACE-FREE arrived. A session whose spaces
-// cannot hold two payloads of a pull's size advertises another, while all
-// of its spaces together stay within maxDefaultSpace.
+// cannot hold two payloads of a pull's size advertises another, while all of
+// its spaces together stay within the limit: DefaultReceiveSpaceLimit for a
+// client's sessions unless configured (TransferConfig.ReceiveSpaceLimit).
 const (
-	spacePayloads   = 4
-	maxDefaultSpace = 1 << 30
+	spacePayloads            = 4
+	DefaultReceiveSpaceLimit = 1 << 30
 )
 
 // maxSpaces bounds the spaces of one session, either way.
 const maxSpaces = 4
 
-// defaultSpace is the space advertised by default after a pull of n bytes
-// by a session whose spaces add up to total bytes; 0 when none is due.
-func defaultSpace(n, total int) int {
-	size := min(max(DefaultReceiveSpace, spacePayloads*n), maxDefaultSpace-total)
+// defaultSpace is the space a session whose spaces add up to total bytes
+// advertises after a pull of n bytes, its spaces growing within limit bytes;
+// 0 when none is due.
+func defaultSpace(n, total, limit int) int {
+	size := min(max(min(DefaultReceiveSpace, limit/4), spacePayloads*n), limit-total)
 	if size < 2*n {
 		return 0
 	}
@@ -183,9 +186,9 @@ type spaceState struct {
 
 // nextSize is the size of the space to advertise after a pull of n bytes
 // (st.mu held), 0 for none: configured (above zero), the first space only;
-// by default, one sized after n when the spaces so far cannot hold two
-// payloads of n bytes.
-func (st *spaceState) nextSize(configured, n int) int {
+// otherwise one sized after n when the spaces so far cannot hold two
+// payloads of n bytes, within limit bytes together.
+func (st *spaceState) nextSize(configured, limit, n int) int {
 	if len(st.own) >= maxSpaces {
 		return 0
 	}
@@ -202,7 +205,21 @@ func (st *spaceState) nextSize(configured, n int) int {
 		}
 		total += sp.region.Len()
 	}
-	return defaultSpace(n, total)
+	return defaultSpace(n, total, limit)
+}
+
+// spaceLimit is the bound of the growing spaces of a session on the client
+// side or not (TransferConfig.ReceiveSpaceLimit): 0 when they do not grow.
+func (c *TransferConfig) spaceLimit(client bool) int {
+	switch {
+	case c.ReceiveSpace != 0 || c.ReceiveSpaceLimit < 0:
+		return 0
+	case c.ReceiveSpaceLimit > 0:
+		return c.ReceiveSpaceLimit
+	case client:
+		return DefaultReceiveSpaceLimit
+	}
+	return 0
 }
 
 // maybeAdvertise advertises receive space to the peer of s after a pull over
@@ -212,9 +229,10 @@ func (st *spaceState) nextSize(configured, n int) int {
 // spaces cannot hold two such payloads (within bounds).
 func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devicebuf.Allocator) {
 	c := cfgOf(s)
-	// A server advertises only when configured to (ReceiveSpace above
-	// zero): it would set space aside for every client connection.
-	if c.ReceiveSpace < 0 || c.ReceiveSpace == 0 && !s.IsClient() || !s.TrustsPeer() || path != PathRDMA && path != PathCUDAIPC {
+	// A server advertises only when configured to (a size or a limit): it
+	// would set space aside for every client connection.
+	limit := c.spaceLimit(s.IsClient())
+	if c.ReceiveSpace < 0 || c.ReceiveSpace == 0 && limit == 0 || !s.TrustsPeer() || path != PathRDMA && path != PathCUDAIPC {
 		return
 	}
 	a := stateOf(s)
@@ -229,7 +247,7 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 	st.mu.Lock()
 	size := 0
 	if !st.failed && !st.stopped && !st.withdrawing {
-		size = st.nextSize(c.ReceiveSpace, dst.Len())
+		size = st.nextSize(c.ReceiveSpace, limit, dst.Len())
 	}
 	st.mu.Unlock()
 	if size == 0 {

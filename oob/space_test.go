@@ -334,37 +334,61 @@ func TestSpaceWithdrawWaitsForWrites(t *testing.T) {
 	}
 }
 
-// By default a space holds four payloads of the size of the pull that
-// prompted it, within bounds; a session advertises another only when its
-// spaces cannot hold two payloads of a pull's size, and a configured size
-// once.
+// Growing spaces hold four payloads of the size of the pull that prompted
+// them, at least DefaultReceiveSpace or a quarter of their limit; a session
+// advertises another only when its spaces cannot hold two payloads of a
+// pull's size, within the limit, and a configured size once.
 func TestDefaultSpace(t *testing.T) {
-	for _, tt := range []struct{ n, total, want int }{
-		{1, 0, DefaultReceiveSpace},
-		{1 << 20, 0, DefaultReceiveSpace},
-		{16 << 20, 0, DefaultReceiveSpace},
-		{64 << 20, 0, 256 << 20},
-		{256 << 20, 0, 1 << 30},
-		{1 << 30, 0, 0}, // two would not fit
-		{256 << 20, 320 << 20, 704 << 20},
-		{256 << 20, 600 << 20, 0},
+	const mib, lim = 1 << 20, DefaultReceiveSpaceLimit
+	for _, tt := range []struct{ n, total, limit, want int }{
+		{1, 0, lim, DefaultReceiveSpace},
+		{mib, 0, lim, DefaultReceiveSpace},
+		{16 * mib, 0, lim, DefaultReceiveSpace},
+		{64 * mib, 0, lim, 256 * mib},
+		{256 * mib, 0, lim, 1 << 30},
+		{1 << 30, 0, lim, 0}, // two would not fit
+		{256 * mib, 320 * mib, lim, 704 * mib},
+		{256 * mib, 600 * mib, lim, 0},
+		{mib, 0, 16 * mib, 4 * mib}, // a quarter of a small limit
+		{3 * mib, 4 * mib, 16 * mib, 12 * mib},
+		{5 * mib, 4 * mib, 16 * mib, 12 * mib},
+		{7 * mib, 4 * mib, 16 * mib, 0}, // two would not fit in what is left
+		{mib, 0, 1, 0},
 	} {
-		require.Equal(t, tt.want, defaultSpace(tt.n, tt.total), "after a pull of %d bytes, %d advertised", tt.n, tt.total)
+		require.Equal(t, tt.want, defaultSpace(tt.n, tt.total, tt.limit), "after a pull of %d bytes, %d of %d advertised", tt.n, tt.total, tt.limit)
 	}
 	region := func(n int) *space { return &space{region: devicebuf.HostFromBytes(make([]byte, n))} }
 	st := &spaceState{}
-	require.Equal(t, DefaultReceiveSpace, st.nextSize(0, 1<<20))
+	require.Equal(t, DefaultReceiveSpace, st.nextSize(0, lim, mib))
 	st.own = append(st.own, region(64<<10)) // small stand-ins for 64 MiB
-	require.Equal(t, 0, st.nextSize(0, 32<<10), "two payloads fit")
-	require.Equal(t, DefaultReceiveSpace, st.nextSize(0, 33<<10), "two payloads do not fit: another space")
-	require.Equal(t, 0, st.nextSize(8<<20, 1<<20), "a configured size: the first space only")
+	require.Equal(t, 0, st.nextSize(0, lim, 32<<10), "two payloads fit")
+	require.Equal(t, DefaultReceiveSpace, st.nextSize(0, lim, 33<<10), "two payloads do not fit: another space")
+	require.Equal(t, 0, st.nextSize(8*mib, 0, mib), "a configured size: the first space only")
 	st.own = nil
-	require.Equal(t, 8<<20, st.nextSize(8<<20, 1<<20))
-	require.Equal(t, 0, st.nextSize(8<<20, 5<<20), "a payload over half the configured space")
+	require.Equal(t, 8*mib, st.nextSize(8*mib, 0, mib))
+	require.Equal(t, 0, st.nextSize(8*mib, 0, 5*mib), "a payload over half the configured space")
 	for range maxSpaces {
 		st.own = append(st.own, region(1))
 	}
-	require.Equal(t, 0, st.nextSize(0, 1<<20), "at most maxSpaces")
+	require.Equal(t, 0, st.nextSize(0, lim, mib), "at most maxSpaces")
+}
+
+// Which sessions' spaces grow, and within what: a client's by default, a
+// server's only with a limit, none with a configured size or none at all.
+func TestSpaceLimit(t *testing.T) {
+	for _, tt := range []struct {
+		c              TransferConfig
+		client, server int
+	}{
+		{TransferConfig{}, DefaultReceiveSpaceLimit, 0},
+		{TransferConfig{ReceiveSpaceLimit: 32 << 20}, 32 << 20, 32 << 20},
+		{TransferConfig{ReceiveSpaceLimit: -1}, 0, 0},
+		{TransferConfig{ReceiveSpace: 8 << 20, ReceiveSpaceLimit: 32 << 20}, 0, 0},
+		{TransferConfig{ReceiveSpace: -1}, 0, 0},
+	} {
+		require.Equal(t, tt.client, tt.c.spaceLimit(true), "%+v, client", tt.c)
+		require.Equal(t, tt.server, tt.c.spaceLimit(false), "%+v, server", tt.c)
+	}
 }
 
 // A CALL-ENDED is the word of one session's peer about its own calls: it

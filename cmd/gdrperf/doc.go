@@ -35,7 +35,9 @@
 // peers) has no pull: its path reads "<route>@space" and it has no xfer.
 // -receive-space sets the client's space (0: none), to set the rendezvous
 // against it in one run; -request-space sets the server's space for
-// requests (none by default), which op push's payloads land in. -stream-ordered takes GPU payloads that landed in
+// requests (none by default), which op push's payloads land in, and
+// -request-space-limit gives the server spaces for requests that grow with
+// the payloads (gdrpc.WithReceiveSpaceLimit). -stream-ordered takes GPU payloads that landed in
 // the space before their copies end (gdrpc.WithStreamOrdered) and orders a
 // stream of each calling goroutine after them; a goroutine's stream catches
 // up inside the timing of its last call (of every call with -inflight 1).
@@ -59,6 +61,7 @@
 //	        [-transport auto|ucx|tcp] [-mem host|cuda] [-recv host|cuda] [-device 0] [-server-device N]
 //	        [-paths all|cuda-ipc,rdma,stream] [-format table|json] [-server ADDR | -connect ADDR]
 //	        [-perftest PATH|none] [-call-timeout 1m] [-busy N] [-receive-space SIZE|0] [-request-space SIZE]
+//	        [-request-space-limit SIZE]
 //	        [-stream-ordered]
 //	        [-baselines=false] [-cpuprofile F] [-server-cpuprofile F] [-trace F] [-server-trace F] [-v]
 //

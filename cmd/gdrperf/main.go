@@ -35,6 +35,7 @@ type options struct {
 	transport string        // auto, ucx, tcp
 	space     int           // -receive-space: 0 the default, -1 none
 	reqSpace  int           // -request-space: 0 none
+	reqLimit  int           // -request-space-limit: 0 none (spaces for requests that grow)
 	busy      int           // CPU-bound processes beside the run (-busy)
 	spin      bool          // this process is one of them
 	metrics   gdrpc.Metrics // transfer events of the client's dialer (nil: none)
@@ -88,6 +89,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.perftest, "perftest", "", `ucx_perftest binary ("" looks it up in PATH, "none" skips the column)`)
 	fs.StringVar(&o.paths, "paths", "all", "out-of-band paths transfers may take: all, or a comma list of cuda-ipc, rdma (covers staged), stream (always allowed); give the same on both ends")
 	space := fs.String("receive-space", "", `receive space the client advertises to a trusted server (gdrpc.WithReceiveSpace): a size, or 0 for none; "" keeps the default`)
+	reqLimit := fs.String("request-space-limit", "0", "receive space for requests' payloads that grows with them, within this size per session (gdrpc.WithReceiveSpaceLimit on the listener; instead of -request-space), 0 for none; passed as -request-space is")
 	reqSpace := fs.String("request-space", "0", "receive space the server advertises to a trusted client for its requests' payloads (gdrpc.WithReceiveSpace on the listener), a size or 0 for none; the re-executed server gets it, and across hosts give it to -server (op push)")
 	fs.DurationVar(&o.callLimit, "call-timeout", time.Minute, "bound of each measured call")
 	fs.BoolVar(&o.ordered, "stream-ordered", false, "client: take payloads that land in GPU receive space before their copy ends (gdrpc.WithStreamOrdered) and order a stream of the calling goroutine after each; a goroutine's calls end after its stream has caught up, so with -inflight 1 every call includes its copy (needs -recv cuda, -op pull)")
@@ -125,6 +127,11 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	if *reqSpace != "0" {
 		if o.reqSpace, err = parseSize(*reqSpace); err != nil {
 			return nil, fmt.Errorf("-request-space: %w", err)
+		}
+	}
+	if *reqLimit != "0" {
+		if o.reqLimit, err = parseSize(*reqLimit); err != nil {
+			return nil, fmt.Errorf("-request-space-limit: %w", err)
 		}
 	}
 	if o.sizes, err = parseSizes(*sizes); err != nil {
@@ -225,7 +232,11 @@ func (o *options) listenerOptions() []gdrpc.Option {
 	if o.reqSpace > 0 {
 		c.space = o.reqSpace
 	}
-	return c.faceOptions()
+	opts := c.faceOptions()
+	if o.reqLimit > 0 {
+		opts = append(opts, gdrpc.WithReceiveSpaceLimit(o.reqLimit))
+	}
+	return opts
 }
 
 // allocators returns where this process's payloads live and, when -mem or
@@ -398,7 +409,8 @@ func startChild(ctx context.Context, o *options) (*child, readyInfo, error) {
 	}
 	args := []string{"-child", "-server", "127.0.0.1:0", "-transport", o.transport, "-mem", o.mem, "-recv", o.recv,
 		"-device", strconv.Itoa(o.srvDevice), "-perftest", o.perftest, "-paths", o.paths,
-		"-call-timeout", o.callLimit.String(), "-trust-peers=" + strconv.FormatBool(o.trust), "-request-space", strconv.Itoa(o.reqSpace)}
+		"-call-timeout", o.callLimit.String(), "-trust-peers=" + strconv.FormatBool(o.trust), "-request-space", strconv.Itoa(o.reqSpace),
+		"-request-space-limit", strconv.Itoa(o.reqLimit)}
 	if o.serverCPUProfile != "" {
 		args = append(args, "-cpuprofile", o.serverCPUProfile)
 	}

@@ -16,7 +16,7 @@ func SessionOptions(opts []gdrpc.Option) []transport.Option {
 	for _, o := range opts {
 		o(&c)
 	}
-	tc := oob.TransferConfig{Timeout: c.TransferTimeout, Paths: c.Paths, Logger: c.Logger, Limits: c.Limits, ReceiveSpace: c.ReceiveSpace, StreamOrdered: c.StreamOrdered}
+	tc := oob.TransferConfig{Timeout: c.TransferTimeout, Paths: c.Paths, Logger: c.Logger, Limits: c.Limits, ReceiveSpace: c.ReceiveSpace, ReceiveSpaceLimit: c.ReceiveSpaceLimit, StreamOrdered: c.StreamOrdered}
 	out := []transport.Option{transport.WithTrustPeers(c.TrustPeers)}
 	if c.Metrics != nil {
 		tc.Metrics = transferMetrics{c.Metrics}
