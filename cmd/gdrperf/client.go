@@ -116,7 +116,7 @@ type bench struct {
 	alloc   devicebuf.Allocator // where pushed payloads live
 	cuda    devicebuf.Allocator // nil for -mem host
 
-	gdrpc    tensorpb.TensorServiceClient
+	gdrpc    []tensorpb.TensorServiceClient // -conns of them; worker w calls gdrpc[w%len]
 	plain    *grpc.ClientConn
 	host     string // the server's host, for ucx_perftest
 	info     readyInfo
@@ -179,12 +179,14 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 		b.perfNote = "the server runs no ucx_perftest: " + b.info.PerftestNote
 	}
 
-	cc, err := dialGDRPC(o, b.info.GDRPC)
-	if err != nil {
-		return err
+	for range o.conns {
+		cc, err := dialGDRPC(o, b.info.GDRPC)
+		if err != nil {
+			return err
+		}
+		defer cc.Close()
+		b.gdrpc = append(b.gdrpc, tensorpb.NewTensorServiceClient(cc))
 	}
-	defer cc.Close()
-	b.gdrpc = tensorpb.NewTensorServiceClient(cc)
 	if b.plain, err = dialPlain(b.info.GRPC); err != nil {
 		return err
 	}
@@ -360,11 +362,12 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 	}
 	call := func(cctx context.Context, w int, first bool) (func() error, error) {
 		defer trace.StartRegion(cctx, "gdrperf.call").End()
+		client := b.gdrpc[w%len(b.gdrpc)]
 		var p peer.Peer
 		var err error
 		if b.o.op == "pull" {
 			var t *tensorpb.Tensor
-			t, err = b.gdrpc.Make(cctx, &tensorpb.Sized{Size: uint64(size), Seed: seedFor(size)}, grpc.Peer(&p))
+			t, err = client.Make(cctx, &tensorpb.Sized{Size: uint64(size), Seed: seedFor(size)}, grpc.Peer(&p))
 			if err == nil && first {
 				err = checkTensor(t, pat)
 			}
@@ -375,7 +378,7 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 		} else {
 			req := &tensorpb.Tensor{Name: "gdrperf", Shape: []int64{int64(size)}, Data: gdrcodec.New(src)}
 			var sum *tensorpb.Summary
-			sum, err = b.gdrpc.Digest(cctx, req, grpc.Peer(&p))
+			sum, err = client.Digest(cctx, req, grpc.Peer(&p))
 			gdrcodec.ReleaseAll(req)
 			switch {
 			case err != nil:

@@ -47,7 +47,10 @@
 // report aggregate throughput: all the bytes over the wall time of the
 // measured calls. That is what a service moving many payloads at once gets:
 // one call's RPC and rendezvous overlap the others' copies. The in-process
-// copies stay one after another (the device's bandwidth).
+// copies stay one after another (the device's bandwidth). -conns spreads the
+// goroutines over that many client connections (goroutine w calls over
+// connection w mod -conns), each a session of its own, as a pool of
+// connections would.
 //
 // Same host (the default): the tool re-executes itself as the server, so the
 // client and the server are separate processes. Across hosts: run
@@ -57,7 +60,7 @@
 //
 // Usage:
 //
-//	gdrperf [-sizes 1MiB,16MiB,64MiB] [-iters 10] [-warmup 2] [-inflight 1] [-op pull|push]
+//	gdrperf [-sizes 1MiB,16MiB,64MiB] [-iters 10] [-warmup 2] [-inflight 1] [-conns 1] [-op pull|push]
 //	        [-transport auto|ucx|tcp] [-mem host|cuda] [-recv host|cuda] [-device 0] [-server-device N]
 //	        [-paths all|cuda-ipc,rdma,stream] [-format table|json] [-server ADDR | -connect ADDR]
 //	        [-perftest PATH|none] [-call-timeout 1m] [-busy N] [-receive-space SIZE|0] [-request-space SIZE]

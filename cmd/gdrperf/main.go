@@ -31,6 +31,7 @@ type options struct {
 	sizes     []int
 	iters     int
 	warmup    int
+	conns     int           // gdrpc connections the calls spread over
 	inflight  int           // calls in flight at once in the measured phase
 	transport string        // auto, ucx, tcp
 	space     int           // -receive-space: 0 the default, -1 none
@@ -74,6 +75,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	sizes := fs.String("sizes", "1MiB,16MiB,64MiB", "payload sizes, comma-separated (B, KiB, MiB, GiB)")
 	fs.IntVar(&o.iters, "iters", 10, "measured calls per size and method (the median is reported)")
 	fs.IntVar(&o.warmup, "warmup", 2, "calls per size and method before measuring (the first one is verified)")
+	fs.IntVar(&o.conns, "conns", 1, "gdrpc client connections (ClientConns) the calls spread over: with -inflight N, goroutine w calls over connection w mod conns (a pool of connections, each a session of its own)")
 	fs.IntVar(&o.inflight, "inflight", 1, "calls in flight at once: above 1, that many goroutines make -iters calls each and the rates are aggregate throughput (bytes over wall time) instead of medians per call")
 	fs.IntVar(&o.busy, "busy", 0, "run this many CPU-bound processes (each spins one core) beside client and server for the whole run: calls under contention, as in a service sharing its cores")
 	fs.BoolVar(&o.spin, "spin", false, "spin on one core until stdin closes (the processes -busy starts)")
@@ -163,6 +165,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, fmt.Errorf("-warmup %d: want 0 or more", o.warmup)
 	case o.inflight < 1:
 		return nil, fmt.Errorf("-inflight %d: want at least 1", o.inflight)
+	case o.conns < 1 || o.conns > o.inflight:
+		return nil, fmt.Errorf("-conns %d: want 1 to -inflight (%d)", o.conns, o.inflight)
 	case o.server != "" && o.connect != "":
 		return nil, errors.New("-server and -connect exclude each other")
 	case o.callLimit <= 0:

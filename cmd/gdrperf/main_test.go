@@ -94,6 +94,7 @@ func TestEndToEnd(t *testing.T) {
 		{name: "ucx/stream only", transport: "ucx", op: "pull", path: "stream", args: []string{"-paths", "stream"}},
 		{name: "tcp/push inflight", transport: "tcp", op: "push", path: "stream", args: []string{"-inflight", "3"}},
 		{name: "ucx/pull inflight", transport: "ucx", op: "pull", path: "rdma", args: []string{"-inflight", "3"}},
+		{name: "ucx/pull inflight conns", transport: "ucx", op: "pull", path: "rdma", args: []string{"-inflight", "3", "-conns", "2"}},
 		// The server advertises space after the first request it pulled (in
 		// the warm-up): the measured requests land there.
 		{name: "ucx/push request space", transport: "ucx", op: "push", path: "rdma@space", args: []string{"-trust-peers", "-request-space", "16MiB", "-warmup", "4"}},
@@ -288,6 +289,7 @@ func TestFlags(t *testing.T) {
 		{name: "format", args: []string{"-format", "csv"}, err: "-format"},
 		{name: "iters", args: []string{"-iters", "0"}, err: "-iters"},
 		{name: "inflight", args: []string{"-inflight", "0"}, err: "-inflight"},
+		{name: "conns", args: []string{"-inflight", "2", "-conns", "3"}, err: "-conns"},
 		{name: "both ends", args: []string{"-server", ":1", "-connect", "h:1"}, err: "exclude"},
 		{name: "extra", args: []string{"x"}, err: "unexpected"},
 		{name: "stream-ordered host", args: []string{"-stream-ordered"}, err: "-recv cuda"},
