@@ -191,7 +191,8 @@ func BenchmarkCopy(b *testing.B) {
 // recording an interprocess event after it costs the submitting goroutine
 // (what writing a payload into a peer's receive space adds to a marshal),
 // in µs per submission (median): back to back ("busy"), and by a goroutine
-// that was parked for ~200 µs before each, as a handler between calls
+// that was parked for at least 200 µs before each (a timer; on a virtual
+// machine it may take a millisecond), as a handler between calls
 // ("after-idle"): its thread and core went idle meanwhile.
 func BenchmarkCopySubmit(b *testing.B) {
 	requireCUDA(b)
