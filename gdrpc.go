@@ -134,13 +134,15 @@ func WithReceiveSpace(n int) Option {
 // WithReceiveSpaceLimit makes a session's receive spaces (WithReceiveSpace)
 // grow with the payloads, within n bytes per session together; 0 or less,
 // no space. A session sets aside room for four payloads of its first pull's
-// size, at least oob.DefaultReceiveSpace (64 MiB) or n/4 where that is less,
-// and another such space whenever a later pull is of a size its spaces
-// cannot hold twice: up to four spaces. A client does this by default, within
+// size, at least oob.DefaultReceiveSpace (64 MiB) or n/4 where that is less
+// (as much of n as is left, at most), and another such space whenever a
+// later pull is of a size its spaces cannot hold twice: up to four spaces.
+// A client does this by default, within
 // oob.DefaultReceiveSpaceLimit (1 GiB). Given to a Listener, it gives each
 // trusted client's session growing space for its requests' payloads, where
 // a server otherwise advertises none: memory set aside after the payloads a
-// client actually sends, not a fixed size for every connection.
+// client actually sends, not a fixed size for every connection. Options
+// shared by a Dialer and a Listener give both this limit.
 func WithReceiveSpaceLimit(n int) Option {
 	return func(c *Config) {
 		c.ReceiveSpace, c.ReceiveSpaceLimit = 0, n

@@ -124,8 +124,12 @@ func TestRequestSpaceGrows(t *testing.T) {
 	waitPeerSpaces(t, 1)
 	require.Equal(t, 1, oob.ReadStats().Spaces)
 
+	// Each range is back before the next call (the server's SPACE-FREE may
+	// trail its response): the spaces hold the payloads one at a time.
 	digestChecked(t, r.client, mib, 2)
+	waitNothingTaken(t)
 	digestChecked(t, r.client, 3*mib, 3)
+	waitNothingTaken(t)
 	require.Equal(t, map[string]int{"rdma@space": 2}, r.paths.reset(), "the 4 MiB space holds them")
 
 	// 5 MiB does not fit: pulled, and the server adds room for more, 12 MiB
@@ -135,6 +139,7 @@ func TestRequestSpaceGrows(t *testing.T) {
 	waitPeerSpaces(t, 2)
 	for i := range 3 {
 		digestChecked(t, r.client, 5*mib, uint32(5+i))
+		waitNothingTaken(t)
 	}
 	require.Equal(t, map[string]int{"rdma@space": 3}, r.paths.reset())
 

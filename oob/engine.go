@@ -115,7 +115,9 @@ type TransferConfig struct {
 	// zero), all of them together. If zero, DefaultReceiveSpaceLimit on a
 	// client's sessions, and none on a server's (its sessions advertise
 	// space for requests' payloads, OfferRequest, only when configured to:
-	// a size, or a limit); negative, none.
+	// a size, or a limit); negative, none. A limit above zero applies to
+	// the sessions of both sides that use this configuration: an engine
+	// shared by clients and servers sets space aside for requests too.
 	ReceiveSpaceLimit int
 	// StreamOrdered hands out a payload that landed in GPU receive space
 	// while the owner's copy into it may still run: the buffer is Pending

@@ -31,13 +31,14 @@ import (
 // whose session the owner does not know at marshal time, and a write that
 // fails take the rendezvous. A descriptor naming a range this process cannot
 // vouch for fails its transfer. A session may hold a few spaces, each way:
-// by default a receiver adds one when its payloads outgrow those it has.
+// a receiver whose spaces grow (a client's by default, a server's with a
+// limit) adds one when its payloads outgrow those it has.
 
-// DefaultReceiveSpace is the smallest space a session advertises when its
+// DefaultReceiveSpace is the floor of a space a session advertises when its
 // spaces grow with the payloads (TransferConfig.ReceiveSpace zero), or a
 // quarter of their limit where that is less: a space has room for
 // spacePayloads payloads of the size of the pull that prompted it, and at
-// least that much.
+// least the floor, unless less of the limit is left.
 const DefaultReceiveSpace = 64 << 20
 
 // With growing spaces, a space holds this many payloads of the size of the
@@ -59,7 +60,7 @@ const maxSpaces = 4
 // 0 when none is due.
 func defaultSpace(n, total, limit int) int {
 	size := min(max(min(DefaultReceiveSpace, limit/4), spacePayloads*n), limit-total)
-	if size < 2*n {
+	if size <= 0 || size < 2*n {
 		return 0
 	}
 	return size
@@ -225,8 +226,9 @@ func (c *TransferConfig) spaceLimit(client bool) int {
 // maybeAdvertise advertises receive space to the peer of s after a pull over
 // s took path into dst, which alloc made, where s's peer is trusted and the
 // owner wrote into dst directly: a space of the configured size once per
-// session or, by default, one sized after the pull whenever the session's
-// spaces cannot hold two such payloads (within bounds).
+// session or, where the spaces grow (a client's by default, a server's with
+// a limit), one sized after the pull whenever the session's spaces cannot
+// hold two such payloads (within the limit).
 func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devicebuf.Allocator) {
 	c := cfgOf(s)
 	// A server advertises only when configured to (a size or a limit): it

@@ -354,6 +354,7 @@ func TestDefaultSpace(t *testing.T) {
 		{5 * mib, 4 * mib, 16 * mib, 12 * mib},
 		{7 * mib, 4 * mib, 16 * mib, 0}, // two would not fit in what is left
 		{mib, 0, 1, 0},
+		{0, 32 * mib, 16 * mib, 0}, // over a limit lowered since: none
 	} {
 		require.Equal(t, tt.want, defaultSpace(tt.n, tt.total, tt.limit), "after a pull of %d bytes, %d of %d advertised", tt.n, tt.total, tt.limit)
 	}

@@ -74,6 +74,8 @@ type result struct {
 	Path            string   `json:"path"`                // out-of-band path(s) the payloads took
 	Iters           int      `json:"iters"`
 	Inflight        int      `json:"inflight"`       // calls in flight at once; above 1 the rates are aggregate
+	Conns           int      `json:"conns"`          // gdrpc client connections the calls spread over
+	Sessions        int      `json:"sessions"`       // gdrpc sessions the calls went over (as gRPC reports each call's peer)
 	GDRPCMiBs       float64  `json:"gdrpc_mib_s"`    // median over calls of size / call time
 	TransferMiBs    float64  `json:"transfer_mib_s"` // median of the out-of-band transfer alone (metrics hook)
 	GRPCTCPMiBs     *float64 `json:"grpc_tcp_mib_s"`
@@ -243,7 +245,7 @@ func (b *bench) callCtx(ctx context.Context, verify bool) (context.Context, cont
 
 // measure runs every method for one size.
 func (b *bench) measure(ctx context.Context, size int) *result {
-	r := &result{SizeBytes: size, Size: formatSize(size), Op: b.o.op, Mem: b.o.mem, Recv: b.o.recv, Iters: b.o.iters, Inflight: b.o.inflight}
+	r := &result{SizeBytes: size, Size: formatSize(size), Op: b.o.op, Mem: b.o.mem, Recv: b.o.recv, Iters: b.o.iters, Inflight: b.o.inflight, Conns: b.o.conns}
 	note := func(what string, err error) { r.Notes = append(r.Notes, what+": "+err.Error()) }
 	pat := pattern(size)
 
@@ -347,6 +349,7 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 	}
 	crc := tensor.ChecksumBytes(pat)
 	b.metrics.take()
+	var sessions sync.Map           // the IDs of the sessions the calls went over
 	var streams []*devicebuf.Stream // per goroutine, with -stream-ordered
 	if b.o.ordered {
 		for range b.o.inflight {
@@ -391,6 +394,9 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 		if err == nil && first && b.transport == "" {
 			b.noteSession(&p)
 		}
+		if s := transport.SessionFromPeer(&p); s != nil {
+			sessions.Store(s.ID(), true)
+		}
 		return nil, err
 	}
 	// The warm-up's transfers are not counted; every fallback is reported.
@@ -434,6 +440,7 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 		paths["inline"] = true
 	}
 	r.Path = strings.Join(slices.Sorted(maps.Keys(paths)), "+")
+	sessions.Range(func(any, any) bool { r.Sessions++; return true })
 	r.GDRPCMiBs = rate
 	r.TransferMiBs = medianRate(size, xfers)
 	return nil

@@ -167,6 +167,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, fmt.Errorf("-inflight %d: want at least 1", o.inflight)
 	case o.conns < 1 || o.conns > o.inflight:
 		return nil, fmt.Errorf("-conns %d: want 1 to -inflight (%d)", o.conns, o.inflight)
+	case o.reqSpace > 0 && o.reqLimit > 0:
+		return nil, errors.New("-request-space and -request-space-limit exclude each other")
 	case o.server != "" && o.connect != "":
 		return nil, errors.New("-server and -connect exclude each other")
 	case o.callLimit <= 0:

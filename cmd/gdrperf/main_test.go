@@ -98,6 +98,8 @@ func TestEndToEnd(t *testing.T) {
 		// The server advertises space after the first request it pulled (in
 		// the warm-up): the measured requests land there.
 		{name: "ucx/push request space", transport: "ucx", op: "push", path: "rdma@space", args: []string{"-trust-peers", "-request-space", "16MiB", "-warmup", "4"}},
+		// Spaces that grow, from the Listener's option through the engine.
+		{name: "ucx/push request space limit", transport: "ucx", op: "push", path: "rdma@space", args: []string{"-trust-peers", "-request-space-limit", "16MiB", "-warmup", "4"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -123,6 +125,7 @@ func TestEndToEnd(t *testing.T) {
 				require.Equal(t, tc.transport, r.Transport)
 				require.Equal(t, tc.op, r.Op)
 				require.Equal(t, inflight(tc.args), r.Inflight)
+				require.Equal(t, conns(tc.args), r.Sessions, "sessions the calls went over")
 				require.Positive(t, r.GDRPCMiBs, "notes: %v", r.Notes)
 				require.NotNil(t, r.GRPCTCPMiBs, "notes: %v", r.Notes)
 				require.Positive(t, *r.GRPCTCPMiBs)
@@ -152,6 +155,15 @@ func TestEndToEnd(t *testing.T) {
 			require.Equal(t, base, poolsInUse(), "buffers not given back to the host pools")
 		})
 	}
+}
+
+// conns is the -conns value in args (1 if absent).
+func conns(args []string) int {
+	if i := slices.Index(args, "-conns"); i >= 0 {
+		n, _ := strconv.Atoi(args[i+1])
+		return n
+	}
+	return 1
 }
 
 // inflight is the -inflight value in args (1 if absent).
@@ -290,6 +302,7 @@ func TestFlags(t *testing.T) {
 		{name: "iters", args: []string{"-iters", "0"}, err: "-iters"},
 		{name: "inflight", args: []string{"-inflight", "0"}, err: "-inflight"},
 		{name: "conns", args: []string{"-inflight", "2", "-conns", "3"}, err: "-conns"},
+		{name: "request space twice", args: []string{"-request-space", "8MiB", "-request-space-limit", "1GiB"}, err: "exclude"},
 		{name: "both ends", args: []string{"-server", ":1", "-connect", "h:1"}, err: "exclude"},
 		{name: "extra", args: []string{"x"}, err: "unexpected"},
 		{name: "stream-ordered host", args: []string{"-stream-ordered"}, err: "-recv cuda"},

@@ -39,8 +39,8 @@ func (r *reporter) header(b *bench) {
 	if b.lanes != "" {
 		session += " (" + b.lanes + ")"
 	}
-	fmt.Fprintf(r.w, "# gdrperf op=%s mem=%s recv=%s transport=%s paths=%s iters=%d warmup=%d inflight=%d; gdrpc session over %s\n",
-		o.op, o.mem, o.recv, o.transport, o.paths, o.iters, o.warmup, o.inflight, session)
+	fmt.Fprintf(r.w, "# gdrperf op=%s mem=%s recv=%s transport=%s paths=%s iters=%d warmup=%d inflight=%d conns=%d; gdrpc session over %s\n",
+		o.op, o.mem, o.recv, o.transport, o.paths, o.iters, o.warmup, o.inflight, o.conns, session)
 	what := "client calls Make, pulls the server's payload"
 	if o.op == "push" {
 		what = "client calls Digest, the server pulls the client's payload"
