@@ -2,6 +2,7 @@ package oob
 
 import (
 	"bytes"
+	"slices"
 	"testing"
 	"time"
 
@@ -95,6 +96,30 @@ func FuzzParseRTR(f *testing.F) {
 		}
 		// What parses re-encodes to the same bytes.
 		require.Equal(t, b, m.marshal())
+	})
+}
+
+// A SPACE comes from a peer: whatever it holds parses to an error or to a
+// space with at most maxSpaceEvents events (and events only for a CUDA IPC
+// space), which re-encodes to the same bytes, or, from a sender that
+// offered no events, to those bytes and a zero count.
+func FuzzParseSpace(f *testing.F) {
+	ipc := rtr{Req: 2, Token: Token{3}, Length: 4 << 20, Offers: PathCUDAIPC, IPCDevice: "GPU-1"}
+	f.Add((&spaceMsg{rtr: rtr{Req: 1, Token: Token{1}, Length: 1 << 20, Offers: PathRDMA, RKey: []byte("key")}}).marshal())
+	f.Add((&spaceMsg{rtr: ipc, Events: make([]devicebuf.IPCEventHandle, 3)}).marshal())
+	f.Add(ipc.marshal())
+	f.Fuzz(func(t *testing.T, b []byte) {
+		m, err := parseSpace(b)
+		if err != nil {
+			return
+		}
+		require.LessOrEqual(t, len(m.Events), maxSpaceEvents)
+		if len(m.Events) > 0 {
+			require.Equal(t, PathCUDAIPC, m.Offers)
+		}
+		if got := m.marshal(); !bytes.Equal(got, b) {
+			require.Equal(t, append(slices.Clone(b), 0), got, "re-encoded")
+		}
 	})
 }
 
