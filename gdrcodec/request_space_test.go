@@ -150,6 +150,37 @@ func TestRequestSpaceGrows(t *testing.T) {
 	require.Equal(t, 2, oob.ReadStats().PeerSpaces)
 }
 
+// Limits.SpaceBytes bounds the spaces a process advertises over all its
+// sessions together: a space that would put them over it is not made (the
+// payloads are pulled), and the bytes come back when a space is freed.
+func TestRequestSpaceProcessBound(t *testing.T) {
+	const mib = 1 << 20
+	r := newRig(t, transport.ModeUCX, nil, gdrpc.WithTrustPeers())
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpaceLimit: 16 * mib, Limits: oob.Limits{SpaceBytes: 6 * mib}})
+	digestChecked(t, r.client, mib, 1)
+	waitPeerSpaces(t, 1)
+	require.Equal(t, int64(4*mib), oob.ReadStats().SpaceBytes, "a quarter of the session's limit")
+
+	// 5 MiB does not fit the space; the 12 MiB space the session's limit
+	// leaves room for would put the process over its bound: none is made.
+	for i := range 2 {
+		digestChecked(t, r.client, 5*mib, uint32(2+i))
+	}
+	require.Equal(t, map[string]int{"rdma": 3}, r.paths.reset())
+	require.Equal(t, 1, oob.ReadStats().Spaces)
+	require.Equal(t, int64(4*mib), oob.ReadStats().SpaceBytes)
+
+	// The session goes, its space is freed, and another session gets one.
+	require.NoError(t, r.cc.Close())
+	require.Eventually(t, func() bool { return oob.ReadStats().SpaceBytes == 0 && transport.ReadStats().Sessions == 0 }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
+	second := anotherClient(t, r)
+	digestChecked(t, second, mib, 4)
+	waitPeerSpaces(t, 1)
+	require.Equal(t, int64(4*mib), oob.ReadStats().SpaceBytes)
+	digestChecked(t, second, mib, 5)
+	require.Equal(t, map[string]int{"rdma": 1, "rdma@space": 1}, r.paths.reset())
+}
+
 // A request the server never decodes (a method it does not serve) leaves its
 // range with the server only; the call's end tells the server, which gives
 // it back.

@@ -49,6 +49,13 @@ type Limits struct {
 	// owner answers an RTR within its own transfer timeout, so the default
 	// ends only sessions whose owner does not. If zero, the transfer timeout.
 	Abandoned time.Duration
+	// SpaceBytes bounds the receive space this process advertises to its
+	// peers, all sessions together (TransferConfig.ReceiveSpace and
+	// ReceiveSpaceLimit bound one session's): a space that would go over it
+	// is not advertised, and the payloads it would have held take the
+	// rendezvous. Spaces are set aside for trusted peers only, but a peer can
+	// open many sessions. If zero, DefaultSpaceBytes.
+	SpaceBytes int64
 }
 
 // Defaults of Limits.
@@ -57,6 +64,9 @@ const (
 	DefaultPulls     = 1024
 	DefaultPushes    = 16
 	DefaultPushQueue = 1024
+	// DefaultSpaceBytes is Limits.SpaceBytes unless set: four sessions'
+	// spaces grown to DefaultReceiveSpaceLimit.
+	DefaultSpaceBytes = 4 * DefaultReceiveSpaceLimit
 )
 
 func (l Limits) withDefaults(timeout time.Duration) Limits {
@@ -80,6 +90,9 @@ func (l Limits) withDefaults(timeout time.Duration) Limits {
 	}
 	if l.Abandoned <= 0 {
 		l.Abandoned = timeout
+	}
+	if l.SpaceBytes <= 0 {
+		l.SpaceBytes = DefaultSpaceBytes
 	}
 	return l
 }

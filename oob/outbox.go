@@ -180,6 +180,9 @@ type Stats struct {
 	Sessions int // sessions the engine serves
 	Spaces   int // receive spaces this process advertised, alive (their session open, or ranges held)
 	Landed   int // ranges of them the application holds
+	// SpaceBytes are the bytes of those spaces and of spaces being made
+	// (Limits.SpaceBytes bounds them).
+	SpaceBytes int64
 	// PeerSpaces are the receive spaces peers advertised to this process, of
 	// open sessions; PeerTaken the ranges of them written and not given back.
 	PeerSpaces, PeerTaken int
@@ -205,6 +208,7 @@ func ReadStats() Stats {
 		return true
 	})
 	liveSpaces.Lock()
+	st.SpaceBytes = liveSpaces.bytes
 	for sp := range liveSpaces.m {
 		st.Spaces++
 		sp.mu.Lock()

@@ -117,14 +117,38 @@ type heldRange struct{ off, n, gen uint64 }
 const spaceWithdrawBound = time.Second
 
 // spaces maps the ids of this process's advertised spaces to them, until
-// their session ends; liveSpaces holds them until they are freed.
+// their session ends; liveSpaces holds them until they are freed, and the
+// bytes they and the spaces being made take (Limits.SpaceBytes).
 var (
 	spaces     sync.Map // uint64 -> *space
 	liveSpaces = struct {
 		sync.Mutex
-		m map[*space]struct{}
+		m     map[*space]struct{}
+		bytes int64
 	}{m: map[*space]struct{}{}}
 )
+
+// reserveSpace takes n bytes of the process's receive space for a space about
+// to be made, and reports false when that would go over limit bytes.
+func reserveSpace(n, limit int64) bool {
+	liveSpaces.Lock()
+	defer liveSpaces.Unlock()
+	// A sum, not a difference: the bytes are the process's, and an engine
+	// with a smaller limit than another's may see them over its own.
+	if n <= 0 || liveSpaces.bytes+n > limit {
+		return false
+	}
+	liveSpaces.bytes += n
+	return true
+}
+
+// unreserveSpace gives back n bytes that reserveSpace took for a space that
+// was not made.
+func unreserveSpace(n int64) {
+	liveSpaces.Lock()
+	liveSpaces.bytes -= n
+	liveSpaces.Unlock()
+}
 
 // peerSpace is the receive space a peer advertised to this process, as the
 // owner that writes into it sees it.
@@ -255,6 +279,10 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 	if size == 0 {
 		return
 	}
+	if !reserveSpace(int64(size), c.Limits.SpaceBytes) {
+		c.Logger.Debug("no receive space advertised: the process's spaces are at Limits.SpaceBytes", "session", s.ID(), "size", size, "limit", c.Limits.SpaceBytes)
+		return
+	}
 	if dst.Kind() == devicebuf.CUDA && ipcAllowed(s) && c.Paths&PathCUDAIPC != 0 {
 		// Into GPU memory on this host the owner copies through the
 		// space's CUDA IPC mapping, opened once: faster than UCX's
@@ -264,6 +292,7 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 	}
 	sp, m, err := newSpace(s, path, dst, alloc, size)
 	if err != nil {
+		unreserveSpace(int64(size))
 		st.mu.Lock()
 		st.failed = true // not again for every pull
 		st.mu.Unlock()
@@ -377,9 +406,13 @@ func (sp *space) free() {
 		_ = ev.Close()
 	}
 	sp.unexpose()
+	n := int64(sp.region.Len())
 	sp.region.Release()
 	liveSpaces.Lock()
-	delete(liveSpaces.m, sp)
+	if _, ok := liveSpaces.m[sp]; ok {
+		delete(liveSpaces.m, sp)
+		liveSpaces.bytes -= n
+	}
 	liveSpaces.Unlock()
 }
 

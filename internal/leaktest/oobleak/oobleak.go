@@ -25,9 +25,9 @@ func Settled(goroutines int) error {
 			return fmt.Errorf("%d sessions", transport.ReadStats().Sessions)
 		case oob.ReadStats().Offered != 0:
 			return fmt.Errorf("%d outbox entries", oob.ReadStats().Offered)
-		case oob.ReadStats().Spaces != 0 || oob.ReadStats().Landed != 0:
+		case oob.ReadStats().Spaces != 0 || oob.ReadStats().Landed != 0 || oob.ReadStats().SpaceBytes != 0:
 			st := oob.ReadStats()
-			return fmt.Errorf("%d receive spaces alive, %d ranges of them held", st.Spaces, st.Landed)
+			return fmt.Errorf("%d receive spaces alive (%d bytes), %d ranges of them held", st.Spaces, st.SpaceBytes, st.Landed)
 		case gdrcodec.Attached() != 0:
 			return fmt.Errorf("%d attached buffers", gdrcodec.Attached())
 		case runtime.NumGoroutine() > goroutines+4:
