@@ -117,7 +117,8 @@ type TransferConfig struct {
 	// space for requests' payloads, OfferRequest, only when configured to:
 	// a size, or a limit); negative, none. A limit above zero applies to
 	// the sessions of both sides that use this configuration: an engine
-	// shared by clients and servers sets space aside for requests too.
+	// shared by clients and servers sets space aside for requests too. The
+	// spaces of all sessions together stay within Limits.SpaceBytes.
 	ReceiveSpaceLimit int
 	// StreamOrdered hands out a payload that landed in GPU receive space
 	// while the owner's copy into it may still run: the buffer is Pending
@@ -152,6 +153,11 @@ func (c TransferConfig) withDefaults() *TransferConfig {
 	}
 	if c.Metrics == nil {
 		c.Metrics = nopMetrics{}
+	}
+	if c.Limits.SpaceBytes <= 0 {
+		// A session's configured space is never refused by the default
+		// bound of all of them.
+		c.Limits.SpaceBytes = max(DefaultSpaceBytes, int64(c.ReceiveSpace), int64(c.ReceiveSpaceLimit))
 	}
 	c.Limits = c.Limits.withDefaults(c.Timeout)
 	return &c

@@ -54,7 +54,8 @@ type Limits struct {
 	// ReceiveSpaceLimit bound one session's): a space that would go over it
 	// is not advertised, and the payloads it would have held take the
 	// rendezvous. Spaces are set aside for trusted peers only, but a peer can
-	// open many sessions. If zero, DefaultSpaceBytes.
+	// open many sessions. If zero, DefaultSpaceBytes, or the engine's
+	// TransferConfig.ReceiveSpace or ReceiveSpaceLimit where that is larger.
 	SpaceBytes int64
 }
 

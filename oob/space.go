@@ -135,7 +135,7 @@ func reserveSpace(n, limit int64) bool {
 	defer liveSpaces.Unlock()
 	// A sum, not a difference: the bytes are the process's, and an engine
 	// with a smaller limit than another's may see them over its own.
-	if n <= 0 || liveSpaces.bytes+n > limit {
+	if n <= 0 || n > limit-liveSpaces.bytes {
 		return false
 	}
 	liveSpaces.bytes += n

@@ -2,6 +2,7 @@ package oob
 
 import (
 	"maps"
+	"math"
 	"slices"
 	"sync"
 	"testing"
@@ -372,6 +373,30 @@ func TestDefaultSpace(t *testing.T) {
 		st.own = append(st.own, region(1))
 	}
 	require.Equal(t, 0, st.nextSize(0, lim, mib), "at most maxSpaces")
+}
+
+// The bound of all spaces defaults to DefaultSpaceBytes, or to a session's
+// configured space where that is larger; a set bound is kept.
+func TestSpaceBytesDefault(t *testing.T) {
+	require.Equal(t, int64(DefaultSpaceBytes), TransferConfig{}.withDefaults().Limits.SpaceBytes)
+	require.Equal(t, int64(8<<30), TransferConfig{ReceiveSpace: 8 << 30}.withDefaults().Limits.SpaceBytes)
+	require.Equal(t, int64(6<<30), TransferConfig{ReceiveSpaceLimit: 6 << 30}.withDefaults().Limits.SpaceBytes)
+	require.Equal(t, int64(1<<20), TransferConfig{ReceiveSpace: 8 << 30, Limits: Limits{SpaceBytes: 1 << 20}}.withDefaults().Limits.SpaceBytes)
+}
+
+// reserveSpace refuses what would go over the bound, and a bound below what
+// other engines' spaces already take, without overflowing.
+func TestReserveSpace(t *testing.T) {
+	require.Equal(t, int64(0), ReadStats().SpaceBytes, "spaces of an earlier test left")
+	require.True(t, reserveSpace(4<<20, 6<<20))
+	require.False(t, reserveSpace(4<<20, 6<<20))
+	require.False(t, reserveSpace(1, 2<<20), "already over a smaller bound")
+	require.False(t, reserveSpace(math.MaxInt64, math.MaxInt64))
+	require.False(t, reserveSpace(0, 6<<20))
+	require.True(t, reserveSpace(2<<20, 6<<20))
+	require.Equal(t, int64(6<<20), ReadStats().SpaceBytes)
+	unreserveSpace(6 << 20)
+	require.Equal(t, int64(0), ReadStats().SpaceBytes)
 }
 
 // Which sessions' spaces grow, and within what: a client's by default, a
