@@ -74,16 +74,15 @@ func (h *hold) share() {
 	h.mu.Unlock()
 }
 
-// holdFor returns the hold of m, about to be sent on the call of h: h, or
-// another call's that is sending m already (then marked shared), and
-// whether it is h.
-func holdFor(m any, h *hold) (*hold, bool) {
+// claim makes h the hold of m, about to be sent on h's call, and reports
+// whether it did: false when another call is sending m already (its hold
+// keeps m, and is marked shared).
+func claim(m any, h *hold) bool {
 	v, busy := holds.LoadOrStore(m, h)
 	if busy {
 		v.(*hold).share()
-		return v.(*hold), false
 	}
-	return h, true
+	return !busy
 }
 
 // land notes ds, written into space advertised over s; after the call's end
@@ -368,8 +367,8 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		ctx, call := numberCall(ctx)
 		rc := expectReceive(ctx, reply, false)
-		h, own := holdFor(req, &hold{rc: rc})
-		if !own {
+		h := &hold{rc: rc}
+		if !claim(req, h) {
 			h = nil // the same message in two calls at once: the first call holds it
 		}
 		err := rc.done(reply, invoker(context.WithValue(ctx, recvKey{}, rc), method, req, reply, cc, opts...))
@@ -466,7 +465,7 @@ func (s *heldStream) end() {
 }
 
 func (s *heldStream) SendMsg(m any) error {
-	_, own := holdFor(m, s.h)
+	own := claim(m, s.h)
 	err := s.ClientStream.SendMsg(m)
 	if own {
 		holds.Delete(m)

@@ -92,9 +92,6 @@ func (l Limits) withDefaults(timeout time.Duration) Limits {
 	if l.Abandoned <= 0 {
 		l.Abandoned = timeout
 	}
-	if l.SpaceBytes <= 0 {
-		l.SpaceBytes = DefaultSpaceBytes
-	}
 	return l
 }
 
