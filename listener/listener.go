@@ -2,6 +2,7 @@ package listener
 
 import (
 	"net"
+	"runtime"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
@@ -27,13 +28,20 @@ func Listen(addr string, opts ...gdrpc.Option) (net.Listener, error) {
 // ServerOptions returns the options a gRPC server needs to serve gdrpc
 // sessions: transport credentials (creds wrapped so that handlers find the
 // session; nil creds means no security), buffer sizes and HTTP/2 windows
-// suited to a message transport, and the out-of-band codec's
+// suited to a message transport, stream workers, and the out-of-band codec's
 // (gdrcodec.ServerOptions: chained interceptors that refuse the gdr codec on
 // connections that did not negotiate it and give a failed transfer's status
 // code to the caller, and a stats handler that gives a call's buffers back).
 // The server's own interceptors, stats handlers and tap handle compose with
 // them. gRPC finds a server's codecs in its registry: call gdrcodec.Register
 // at start-up, or gdr calls are refused with FailedPrecondition.
+//
+// Stream workers (gRPC's NumStreamWorkers, one per GOMAXPROCS) serve calls on
+// long-lived goroutines instead of a new goroutine per call: a call's handler
+// goes deep (marshal, a put or a copy into the client's receive space, the
+// UCX driver's queue) and a fresh goroutine grows and copies its stack on the
+// way, on the call's path. gRPC starts a goroutine as before when every
+// worker is busy. A later grpc.NumStreamWorkers option overrides the count.
 func ServerOptions(creds credentials.TransportCredentials) []grpc.ServerOption {
 	return append([]grpc.ServerOption{
 		grpc.Creds(transport.NewCredentials(creds)),
@@ -41,5 +49,6 @@ func ServerOptions(creds credentials.TransportCredentials) []grpc.ServerOption {
 		grpc.ReadBufferSize(transport.GRPCBufferSize),
 		grpc.InitialWindowSize(transport.DefaultWindow),
 		grpc.InitialConnWindowSize(transport.DefaultWindow),
+		grpc.NumStreamWorkers(uint32(runtime.GOMAXPROCS(0))),
 	}, gdrcodec.ServerOptions()...)
 }

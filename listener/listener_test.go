@@ -3,6 +3,9 @@ package listener_test
 import (
 	"context"
 	"net"
+	"runtime"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -58,4 +61,54 @@ func TestServe(t *testing.T) {
 func TestListenBadMode(t *testing.T) {
 	_, err := listener.Listen("127.0.0.1:0", gdrpc.WithTransport("rdma-please"))
 	require.ErrorContains(t, err, "unknown transport mode")
+}
+
+// goroutineHealth answers Check and records the goroutine each call ran on.
+type goroutineHealth struct {
+	healthpb.UnimplementedHealthServer
+	mu  sync.Mutex
+	ids map[string]int
+}
+
+func (h *goroutineHealth) Check(context.Context, *healthpb.HealthCheckRequest) (*healthpb.HealthCheckResponse, error) {
+	var buf [64]byte
+	id, _, _ := strings.Cut(strings.TrimPrefix(string(buf[:runtime.Stack(buf[:], false)]), "goroutine "), " ")
+	h.mu.Lock()
+	h.ids[id]++
+	h.mu.Unlock()
+	return &healthpb.HealthCheckResponse{Status: healthpb.HealthCheckResponse_SERVING}, nil
+}
+
+// TestStreamWorkers: ServerOptions runs a server's calls on stream workers,
+// goroutines that live across calls, not on one new goroutine per call.
+func TestStreamWorkers(t *testing.T) {
+	opts := []transport.Option{transport.WithMode(transport.ModeTCP)}
+	l, err := listener.Listen("127.0.0.1:0", gdrpc.WithSessionOptions(opts...))
+	require.NoError(t, err)
+	srv := grpc.NewServer(listener.ServerOptions(nil)...)
+	h := &goroutineHealth{ids: map[string]int{}}
+	healthpb.RegisterHealthServer(srv, h)
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(l) }()
+	defer func() {
+		srv.Stop()
+		require.NoError(t, <-served) // Stop makes Serve return nil
+	}()
+
+	cc, err := grpc.NewClient("passthrough:///"+l.Addr().String(), dialer.New(gdrpc.WithSessionOptions(opts...)).DialOptions(nil)...)
+	require.NoError(t, err)
+	defer cc.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	const calls = 64
+	for range calls {
+		_, err := healthpb.NewHealthClient(cc).Check(ctx, &healthpb.HealthCheckRequest{})
+		require.NoError(t, err)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	// One call at a time: a worker is almost always free for the next, so the
+	// calls ran on about as many goroutines as there are workers (plus one
+	// for each call that came before any worker was back), not one each.
+	require.Less(t, len(h.ids), calls/2, "goroutines that served %d calls: %v", calls, h.ids)
 }
