@@ -27,8 +27,9 @@ type Engine interface {
 // session's goroutines, which Close joins: each must return once the session
 // is done.
 type Handler interface {
-	// Control handles one control message; it owns payload. Each message is
-	// handled on a goroutine of its own, at most MaxControlHandlers at once.
+	// Control handles one control message; it owns payload. Messages are
+	// handled concurrently, each on a goroutine that handles no other
+	// meanwhile (the session reuses them), at most MaxControlHandlers at once.
 	Control(typ byte, payload []byte)
 	// Bulk serves one bulk stream the peer opened; it owns c.
 	Bulk(c net.Conn)

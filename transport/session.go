@@ -639,9 +639,15 @@ func (s *Session) sendControl(ctx context.Context, typ byte, payload []byte) err
 }
 
 // readControl reads control messages until the stream ends; a malformed frame
-// closes the session.
+// closes the session. Each message is handled on a goroutine of its own; one
+// that is done waits for the next message while few others wait
+// (maxIdleControlHandlers), so that a message seldom starts a goroutine: a
+// fresh goroutine grows and copies its stack on the way into a push, on the
+// transfer's path.
 func (s *Session) readControl(c net.Conn) {
 	slots := make(chan struct{}, MaxControlHandlers)
+	next := make(chan controlMessage) // to a handler waiting for one
+	var idle atomic.Int32             // handlers waiting on next, about
 	var hdr [controlHeaderLen]byte
 	for {
 		if _, err := io.ReadFull(c, hdr[:]); err != nil {
@@ -667,18 +673,49 @@ func (s *Session) readControl(c net.Conn) {
 			return
 		}
 		s.traffic.Add(1)
-		typ := hdr[0]
+		m := controlMessage{typ: hdr[0], payload: payload}
 		select {
 		case slots <- struct{}{}:
 		case <-s.done:
 			return
 		}
-		s.wg.Add(1) // this goroutine holds one: Close's Wait cannot have begun
-		go func() {
-			defer s.wg.Done()
-			defer func() { <-slots }()
-			s.handler.Control(typ, payload)
-		}()
+		select {
+		case next <- m:
+		default:
+			s.wg.Add(1) // this goroutine holds one: Close's Wait cannot have begun
+			go s.handleControl(m, next, slots, &idle)
+		}
+	}
+}
+
+// controlMessage is a control message read, for a handler.
+type controlMessage struct {
+	typ     byte
+	payload []byte
+}
+
+// maxIdleControlHandlers bounds the handlers of one session that wait for a
+// message; the others end once done.
+const maxIdleControlHandlers = 2
+
+// handleControl handles m, then the messages next hands it while it is one of
+// the few waiting, until the session ends. Each message holds a slot until it
+// has been handled.
+func (s *Session) handleControl(m controlMessage, next <-chan controlMessage, slots <-chan struct{}, idle *atomic.Int32) {
+	defer s.wg.Done()
+	for {
+		s.handler.Control(m.typ, m.payload)
+		<-slots
+		if idle.Add(1) > maxIdleControlHandlers {
+			idle.Add(-1)
+			return
+		}
+		select {
+		case m = <-next:
+			idle.Add(-1)
+		case <-s.done:
+			return
+		}
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -319,4 +320,36 @@ func TestStreamFlood(t *testing.T) {
 	g := runtime.NumGoroutine() - waiting - before
 	t.Logf("%d goroutines more during the flood, and %d of the attacker's waiting opens", g, waiting)
 	require.Less(t, g, MaxStreamHandlers+MaxControlHandlers, "goroutines during a flood of %d streams", flood)
+}
+
+// TestControlHandlersReused: control messages that arrive one after another
+// are handled on a few goroutines that wait for the next message, not on a
+// new goroutine each.
+func TestControlHandlersReused(t *testing.T) {
+	c, s := pipePair(t)
+	handled := make(chan string, 1)
+	setHook(t, &testHooks.control, func(at *Session, typ byte, _ []byte) {
+		if at != s || typ != testCtlCount {
+			return
+		}
+		var buf [64]byte
+		id, _, _ := strings.Cut(strings.TrimPrefix(string(buf[:runtime.Stack(buf[:], false)]), "goroutine "), " ")
+		handled <- id
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	const messages = 64
+	ids := map[string]int{}
+	for range messages {
+		require.NoError(t, c.link.SendControl(ctx, testCtlCount, nil))
+		select {
+		case id := <-handled:
+			ids[id]++
+		case <-ctx.Done():
+			t.Fatal("control message not handled")
+		}
+	}
+	// Each message came after the last was handled: a handler was almost
+	// always waiting for it (a goroutine per message: 64).
+	require.Less(t, len(ids), messages/2, "goroutines that handled %d messages: %v", messages, ids)
 }
