@@ -639,11 +639,11 @@ func (s *Session) sendControl(ctx context.Context, typ byte, payload []byte) err
 }
 
 // readControl reads control messages until the stream ends; a malformed frame
-// closes the session. Each message is handled on a goroutine of its own; one
-// that is done waits for the next message while few others wait
-// (maxIdleControlHandlers), so that a message seldom starts a goroutine: a
-// fresh goroutine grows and copies its stack on the way into a push, on the
-// transfer's path.
+// closes the session. Messages are handled concurrently, each on a goroutine
+// that handles no other meanwhile. A handler that is done waits for the next
+// message while few others wait (maxIdleControlHandlers), so that a message
+// seldom starts a goroutine: a fresh goroutine grows and copies its stack on
+// the way into a push, on the transfer's path.
 func (s *Session) readControl(c net.Conn) {
 	slots := make(chan struct{}, MaxControlHandlers)
 	next := make(chan controlMessage) // to a handler waiting for one
