@@ -41,7 +41,11 @@ func Listen(addr string, opts ...gdrpc.Option) (net.Listener, error) {
 // goes deep (marshal, a put or a copy into the client's receive space, the
 // UCX driver's queue) and a fresh goroutine grows and copies its stack on the
 // way, on the call's path. gRPC starts a goroutine as before when every
-// worker is busy. A later grpc.NumStreamWorkers option overrides the count.
+// worker is busy. The workers start with grpc.NewServer and end with Stop or
+// GracefulStop (a server that is only left, its listener closed, keeps them);
+// their number is GOMAXPROCS when ServerOptions runs. A later
+// grpc.NumStreamWorkers option overrides it, 0 turning workers off (the
+// option is experimental in gRPC-Go).
 func ServerOptions(creds credentials.TransportCredentials) []grpc.ServerOption {
 	return append([]grpc.ServerOption{
 		grpc.Creds(transport.NewCredentials(creds)),

@@ -303,7 +303,7 @@ func queueRTR(s *transport.Session, payload []byte) {
 		// This control message's goroutine becomes the pusher: a hand-off to
 		// another goroutine would cost a wake-up per transfer. The session
 		// joins it like every control handler; Pushes (at most
-		// transport.MaxControlHandlers) bounds how many are pushers.
+		// transport.MaxControlHandlers/2) bounds how many are pushers.
 		pushLoop(a)
 	}
 }

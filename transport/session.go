@@ -719,9 +719,10 @@ func (s *Session) handleControl(m controlMessage, next <-chan controlMessage, sl
 	}
 }
 
-// MaxControlHandlers bounds the control messages one session has handled at
-// once; the control reader waits for a free slot. Handlers return quickly (an
-// RTR is only queued), so the bound is reached only by a peer flooding.
+// MaxControlHandlers bounds the control messages one session handles at once;
+// the control reader waits for a free slot. At most oob's Limits.Pushes of the
+// handlers run pushes (an RTR's handler may become its session's pusher); the
+// others return quickly, so the bound is reached only by a peer flooding.
 const MaxControlHandlers = 64
 
 // MaxStreamHandlers bounds the streams of one session being served at once

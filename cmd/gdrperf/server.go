@@ -284,6 +284,7 @@ func serve(ctx context.Context, o *options, ready func(readyInfo), logf func(str
 
 	bl, err := net.Listen("tcp", offset(1))
 	if err != nil {
+		gs.Stop() // its stream workers
 		lis.Close()
 		return fmt.Errorf("plain gRPC listener: %w", err)
 	}
