@@ -3,8 +3,6 @@ package listener_test
 import (
 	"context"
 	"net"
-	"runtime"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -17,6 +15,7 @@ import (
 
 	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -71,10 +70,8 @@ type goroutineHealth struct {
 }
 
 func (h *goroutineHealth) Check(context.Context, *healthpb.HealthCheckRequest) (*healthpb.HealthCheckResponse, error) {
-	var buf [64]byte
-	id, _, _ := strings.Cut(strings.TrimPrefix(string(buf[:runtime.Stack(buf[:], false)]), "goroutine "), " ")
 	h.mu.Lock()
-	h.ids[id]++
+	h.ids[testenv.GoroutineID()]++
 	h.mu.Unlock()
 	return &healthpb.HealthCheckResponse{Status: healthpb.HealthCheckResponse_SERVING}, nil
 }

@@ -9,13 +9,14 @@ import (
 	"io"
 	"net"
 	"runtime"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/internal/testenv"
 )
 
 // Control message types the tests use, away from the engine's.
@@ -332,9 +333,7 @@ func TestControlHandlersReused(t *testing.T) {
 		if at != s || typ != testCtlCount {
 			return
 		}
-		var buf [64]byte
-		id, _, _ := strings.Cut(strings.TrimPrefix(string(buf[:runtime.Stack(buf[:], false)]), "goroutine "), " ")
-		handled <- id
+		handled <- testenv.GoroutineID()
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()

@@ -395,7 +395,7 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 			b.noteSession(&p)
 		}
 		if s := transport.SessionFromPeer(&p); s != nil {
-			sessions.Store(s.ID(), true)
+			sessions.LoadOrStore(s.ID(), true) // a read once the session is known
 		}
 		return nil, err
 	}

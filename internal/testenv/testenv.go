@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"runtime"
 	"strings"
 	"syscall"
 	"testing"
@@ -118,4 +119,13 @@ func OpenDescriptors(tb testing.TB, n int) {
 		}
 		files = append(files, f)
 	}
+}
+
+// GoroutineID returns the id of the calling goroutine, as runtime.Stack
+// names it ("goroutine 42 [running]:"): for tests that count the goroutines
+// that ran something.
+func GoroutineID() string {
+	var buf [64]byte
+	id, _, _ := strings.Cut(strings.TrimPrefix(string(buf[:runtime.Stack(buf[:], false)]), "goroutine "), " ")
+	return id
 }
