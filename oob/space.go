@@ -94,10 +94,15 @@ type space struct {
 	withdrawn     chan struct{} // closed when the owner answered the withdrawal
 	withdrawnOnce sync.Once
 
-	// Ranges given back and not yet sent to the owner, and whether a
-	// goroutine sends them: a release never waits for the control lane.
+	// Ranges given back and not yet sent to the owner, and the goroutine
+	// that sends them (started at the first, it lives until close, so that
+	// a release never waits for the control lane and no release starts a
+	// goroutine): kick wakes it, stop ends it.
 	pending []heldRange
 	sending bool
+	held    bool // notices stay queued (tests look at them)
+	kick    chan struct{}
+	stop    chan struct{}
 	// last is, per aligned offset (off/spaceAlign), the number of the last
 	// write there that was given back: a descriptor naming that write or an
 	// earlier one is stale (a request gRPC replays after the server took
@@ -328,7 +333,7 @@ func newSpace(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devi
 		region.Release()
 		return nil, nil, errors.New("the allocator made different memory for the space than for the pull")
 	}
-	sp := &space{id: newSpaceID(), region: region, path: path, s: s, inUse: map[uint64]heldRange{}, unexpose: func() {}, withdrawn: make(chan struct{})}
+	sp := makeSpace(newSpaceID(), s, region, path)
 	m := &spaceMsg{rtr: rtr{Req: sp.id, Length: uint64(n), Offers: path}}
 	switch path {
 	case PathCUDAIPC:
@@ -378,6 +383,16 @@ func newSpace(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devi
 	return sp, m, nil
 }
 
+// makeSpace returns the record of a space of s's, id, in region, written by
+// path: nothing held, nothing exposed yet.
+func makeSpace(id uint64, s *transport.Session, region *devicebuf.Buffer, path Path) *space {
+	return &space{
+		id: id, region: region, path: path, s: s,
+		inUse: map[uint64]heldRange{}, unexpose: func() {},
+		withdrawn: make(chan struct{}), kick: make(chan struct{}, 1), stop: make(chan struct{}),
+	}
+}
+
 func newSpaceID() uint64 {
 	var b [8]byte
 	for {
@@ -393,6 +408,9 @@ func newSpaceID() uint64 {
 func (sp *space) close() {
 	spaces.Delete(sp.id)
 	sp.mu.Lock()
+	if !sp.closed {
+		close(sp.stop)
+	}
 	sp.closed = true
 	free := len(sp.inUse) == 0
 	sp.mu.Unlock()
@@ -532,7 +550,8 @@ func (sp *space) giveBack(off uint64) {
 }
 
 // queueFreeLocked queues the SPACE-FREE of h unless the session ended, and
-// starts the goroutine that sends them if none runs (sp.mu held).
+// wakes the goroutine that sends them, starting it the first time (sp.mu
+// held).
 func (sp *space) queueFreeLocked(h heldRange) {
 	if h.gen != 0 {
 		if sp.last == nil {
@@ -550,21 +569,34 @@ func (sp *space) queueFreeLocked(h heldRange) {
 		sp.sending = true
 		go sp.sendFrees()
 	}
+	select {
+	case sp.kick <- struct{}{}:
+	default: // a wake-up is due already
+	}
 }
 
-// sendFrees sends the pending SPACE-FREEs until none is left.
+// sendFrees sends the pending SPACE-FREEs whenever some are queued, until sp
+// closes (the session ended: the owner takes nothing back any more).
 func (sp *space) sendFrees() {
 	c := cfgOf(sp.s)
 	for {
-		sp.mu.Lock()
-		batch := sp.pending
-		sp.pending = nil
-		if len(batch) == 0 || sp.closed {
-			sp.sending = false
-			sp.mu.Unlock()
+		select {
+		case <-sp.kick:
+		case <-sp.stop:
 			return
 		}
+		sp.mu.Lock()
+		if sp.held {
+			sp.mu.Unlock()
+			continue
+		}
+		batch := sp.pending
+		sp.pending = nil
+		closed := sp.closed
 		sp.mu.Unlock()
+		if closed {
+			return
+		}
 		for _, r := range batch {
 			ctx, cancel := context.WithTimeout(sessionContext(sp.s), c.Timeout)
 			err := sendControl(ctx, sp.s, ctlSpaceFree, freeNotice(sp.id, r.off, r.n, r.gen))
@@ -1141,15 +1173,14 @@ func endSpaces(a *attached) {
 
 // copyQueue is the stream of copies into a peer's space whose messages do
 // not wait for them, and what lets go of their buffers (held by the stream)
-// once they are complete: a goroutine that synchronizes the stream while
-// copies were queued since it last did.
+// once they are complete: a goroutine, from the queue's making to its close,
+// that synchronizes the stream whenever copies were queued since it last
+// did. It is woken, not started, on a copy's path.
 type copyQueue struct {
 	stream *devicebuf.Stream
-
-	mu      sync.Mutex
-	queued  int // copies queued since the last synchronization began
-	reaping bool
-	reaper  sync.WaitGroup
+	kick   chan struct{} // buffered: copies were queued since the last synchronization began
+	stop   chan struct{} // closed by close
+	reaper sync.WaitGroup
 }
 
 func newCopyQueue(dev int) (*copyQueue, error) {
@@ -1157,7 +1188,10 @@ func newCopyQueue(dev int) (*copyQueue, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &copyQueue{stream: st}, nil
+	q := &copyQueue{stream: st, kick: make(chan struct{}, 1), stop: make(chan struct{})}
+	q.reaper.Add(1)
+	go q.reap()
+	return q, nil
 }
 
 // copyInto queues a copy of src into the range of mapping that m names and
@@ -1176,16 +1210,9 @@ func (q *copyQueue) copyInto(mapping *devicebuf.Buffer, m *rtr, src *devicebuf.B
 		// The copy runs unmarked: wait for it before the caller copies again.
 		return errors.Join(err, q.stream.Synchronize())
 	}
-	q.mu.Lock()
-	q.queued++
-	start := !q.reaping
-	q.reaping = true
-	if start {
-		q.reaper.Add(1)
-	}
-	q.mu.Unlock()
-	if start {
-		go q.reap()
+	select {
+	case q.kick <- struct{}{}:
+	default: // a synchronization is due already
 	}
 	return nil
 }
@@ -1193,19 +1220,13 @@ func (q *copyQueue) copyInto(mapping *devicebuf.Buffer, m *rtr, src *devicebuf.B
 func (q *copyQueue) reap() {
 	defer q.reaper.Done()
 	for {
-		q.mu.Lock()
-		if q.queued == 0 {
-			q.reaping = false
-			q.mu.Unlock()
-			return
+		select {
+		case <-q.kick:
+		case <-q.stop:
+			return // close waited for the copies
 		}
-		q.queued = 0
-		q.mu.Unlock()
 		if err := q.stream.Synchronize(); err != nil {
-			q.mu.Lock()
-			q.reaping = false
-			q.mu.Unlock()
-			return // closed: Close waited for the copies
+			return // closed: close waited for the copies
 		}
 	}
 }
@@ -1213,5 +1234,6 @@ func (q *copyQueue) reap() {
 // close waits for the queued copies and ends the queue.
 func (q *copyQueue) close() {
 	_ = q.stream.Close()
+	close(q.stop)
 	q.reaper.Wait()
 }

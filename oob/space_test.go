@@ -128,13 +128,22 @@ func TestCallEndedMessage(t *testing.T) {
 	}
 }
 
+// markClosed closes sp as its session's end does, leaving it where it is
+// (spaces still maps its id): nothing more lands, no notice goes.
+func markClosed(sp *space) {
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	sp.closed = true
+	close(sp.stop)
+}
+
 // A descriptor naming advertised space gets an error for every range the
 // receiver cannot vouch for, and the space is left as it was.
 func TestFetchLandedRefusesBadRanges(t *testing.T) {
 	cs, _ := tcpPair(t)
 	owner, other := cs.Peer().ID, transport.ID{2}
 	mem := make([]byte, 64<<10)
-	sp := &space{id: 7, s: cs, region: devicebuf.HostFromBytes(mem), path: PathRDMA, inUse: map[uint64]heldRange{}, unexpose: func() {}}
+	sp := makeSpace(7, cs, devicebuf.HostFromBytes(mem), PathRDMA)
 	spaces.Store(sp.id, sp)
 	t.Cleanup(func() { spaces.Delete(sp.id) }) // the last release below frees the region
 	d := func(id, off, n uint64, path Path, from transport.ID) Descriptor {
@@ -185,7 +194,7 @@ func TestFetchLandedRefusesBadRanges(t *testing.T) {
 	require.ErrorIs(t, err, errCallEnded)
 	require.Equal(t, map[uint64]heldRange{4096: {4096, 4096, 0}}, sp.inUse)
 	// Releasing gives the range back (the session is closed: no message).
-	sp.closed = true
+	markClosed(sp)
 	require.NoError(t, held.Release())
 	require.Empty(t, sp.inUse)
 	_, _, err = fetchLanded(d(7, 0, 16, PathRDMA, owner), nil)

@@ -1,7 +1,9 @@
 package oob
 
 import (
+	"runtime"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -23,7 +25,7 @@ func requestSpace(t *testing.T, cs, ss *transport.Session, id uint64) (*space, *
 func requestSpaceOf(t *testing.T, cs, ss *transport.Session, id uint64, n int) (*space, *peerSpace) {
 	t.Helper()
 	mem := make([]byte, n)
-	sp := &space{id: id, s: ss, region: devicebuf.HostFromBytes(mem), path: PathRDMA, inUse: map[uint64]heldRange{}, unexpose: func() {}}
+	sp := makeSpace(id, ss, devicebuf.HostFromBytes(mem), PathRDMA)
 	st := &stateOf(ss).space
 	st.mu.Lock()
 	st.own = append(st.own, sp)
@@ -236,7 +238,7 @@ func TestDiscardStaleAndClosed(t *testing.T) {
 	waitGivenBack(t, ps, d, "given back once")
 
 	sp.mu.Lock()
-	sp.sending = true // hold the notices queued from here on
+	sp.held = true // hold the notices queued from here on
 	sp.mu.Unlock()
 	Discard(d)
 	fresh := writtenInto(t, ps, client, 4096)
@@ -244,10 +246,55 @@ func TestDiscardStaleAndClosed(t *testing.T) {
 	Discard(fresh)
 	sp.mu.Lock()
 	pending := slices.Clone(sp.pending)
-	sp.sending = false
-	sp.closed = true
 	sp.mu.Unlock()
+	markClosed(sp) // still held: nothing queued goes
 	require.Equal(t, []heldRange{{fresh.SpaceOffset, 4096, fresh.SpaceGen}}, pending, "the stale write is not given back again")
 	_, _, err = fetchLanded(fresh2, nil)
 	require.ErrorIs(t, err, errNotInSpace)
+}
+
+// A space's SPACE-FREEs go from one goroutine that waits for the next
+// release, from the first release until the space's session ends: no
+// release starts a goroutine, and none is left after the session.
+func TestSpaceFreeSender(t *testing.T) {
+	cs, ss := tcpPair(t, transport.WithTrustPeers(true))
+	_, ps := requestSpace(t, cs, ss, 28)
+	client := ss.Peer().ID
+	seen := map[string]bool{}
+	for i := range 16 {
+		d := writtenInto(t, ps, client, 4096)
+		b, _, err := fetchLanded(d, nil)
+		require.NoError(t, err)
+		require.NoError(t, b.Release())
+		waitGivenBack(t, ps, d, "given back")
+		var waiting []string
+		require.Eventually(t, func() bool {
+			waiting = freeSenders(true)
+			return len(waiting) == 1
+		}, 10*time.Second, time.Millisecond, "release %d: one sender waits for the next (waiting: %v)", i, waiting)
+		seen[waiting[0]] = true
+	}
+	require.Len(t, seen, 1, "the goroutines that sent 16 SPACE-FREEs one after another")
+	require.NoError(t, ss.Close())
+	require.Eventually(t, func() bool { return len(freeSenders(false)) == 0 }, 10*time.Second, time.Millisecond, "the sender ends with its session")
+}
+
+// freeSenders returns the ids of the goroutines that run a space's
+// sendFrees, only those waiting for the next release when waiting.
+func freeSenders(waiting bool) []string {
+	buf := make([]byte, 1<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	var ids []string
+	for g := range strings.SplitSeq(string(buf), "\n\n") {
+		if !strings.Contains(g, "oob.(*space).sendFrees") {
+			continue
+		}
+		head, _, _ := strings.Cut(g, "\n")
+		if waiting && !strings.Contains(head, "[select") {
+			continue
+		}
+		id, _, _ := strings.Cut(strings.TrimPrefix(head, "goroutine "), " ")
+		ids = append(ids, id)
+	}
+	return ids
 }
