@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"net"
 	"runtime/trace"
 	"slices"
 	"sync"
@@ -99,7 +100,7 @@ type space struct {
 	// a release never waits for the control lane and no release starts a
 	// goroutine): kick wakes it, stop ends it.
 	pending []heldRange
-	sending bool
+	started bool // the sender runs
 	held    bool // notices stay queued (tests look at them)
 	kick    chan struct{}
 	stop    chan struct{}
@@ -535,8 +536,8 @@ func fetchLanded(d Descriptor, call *Call) (*devicebuf.Buffer, *space, error) {
 }
 
 // giveBack returns the range at off to the owner. The SPACE-FREE goes out
-// on a goroutine of the space's, which sends what was given back meanwhile
-// too and ends when nothing is left.
+// on the space's sender, which the release wakes (it lives until the space
+// closes) and which sends what was given back meanwhile too.
 func (sp *space) giveBack(off uint64) {
 	sp.mu.Lock()
 	h := sp.inUse[off]
@@ -565,8 +566,8 @@ func (sp *space) queueFreeLocked(h heldRange) {
 		return
 	}
 	sp.pending = append(sp.pending, h)
-	if !sp.sending {
-		sp.sending = true
+	if !sp.started {
+		sp.started = true
 		go sp.sendFrees()
 	}
 	select {
@@ -1225,9 +1226,11 @@ func (q *copyQueue) reap() {
 		case <-q.stop:
 			return // close waited for the copies
 		}
-		if err := q.stream.Synchronize(); err != nil {
-			return // closed: close waited for the copies
+		if err := q.stream.Synchronize(); errors.Is(err, net.ErrClosed) {
+			return // close waited for the copies
 		}
+		// Another error (the device's) still let go of the copies' buffers;
+		// the next copy's kick synchronizes again.
 	}
 }
 
