@@ -1,7 +1,6 @@
 package oob
 
 import (
-	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -10,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/internal/leaktest"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -282,13 +282,8 @@ func TestSpaceFreeSender(t *testing.T) {
 // freeSenders returns the ids of the goroutines that run a space's
 // sendFrees, only those waiting for the next release when waiting.
 func freeSenders(waiting bool) []string {
-	buf := make([]byte, 1<<20)
-	buf = buf[:runtime.Stack(buf, true)]
 	var ids []string
-	for g := range strings.SplitSeq(string(buf), "\n\n") {
-		if !strings.Contains(g, "oob.(*space).sendFrees") {
-			continue
-		}
+	for _, g := range leaktest.Goroutines("oob.(*space).sendFrees") {
 		head, _, _ := strings.Cut(g, "\n")
 		if waiting && !strings.Contains(head, "[select") {
 			continue
