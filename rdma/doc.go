@@ -40,7 +40,12 @@
 // going: it polls, yielding to other goroutines, for 1 ms after the last work
 // (its own or another goroutine's; WithPollTime or GDRPC_RDMA_POLL changes
 // it), keeps polling while requests are in flight, and otherwise arms the
-// worker and sleeps on its event fd, so an idle worker burns no CPU. A reply
+// worker and sleeps on its event fd in Go's poller, as a network read does
+// (its P then runs whatever else is ready at once), so an idle worker burns
+// no CPU. A driver that finds its polling keeps its peer from running (both
+// on one core: the work comes only after it parks) yields the core to the
+// kernel between polling rounds from then on, and tries polling without
+// yielding now and then (see spinPolicy). A reply
 // that comes while the driver polls is handed to its reader on the driver's
 // P, without waking a thread: after a round that handled events the driver
 // yields, so the goroutine it readied runs at once; replies to RPCs and rendezvous messages

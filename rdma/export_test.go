@@ -16,6 +16,9 @@ func (w *Worker) Quiet() (q bool) {
 	return q
 }
 
+// Parked reports whether the worker's driver waits on the event fd now.
+func (w *Worker) Parked() bool { return w.parked.Load() }
+
 // Resting reports whether the worker's driver rests now.
 func (w *Worker) Resting() bool { return w.resting.Load() }
 

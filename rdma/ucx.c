@@ -6,6 +6,7 @@
 #include <arpa/inet.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
@@ -292,6 +293,23 @@ int rdma_worker_events(rdma_worker_t *w, rdma_event_t *out, int max)
 }
 
 int rdma_worker_arm(rdma_worker_t *w) { return p_ucp_worker_arm(w->w); }
+
+int rdma_worker_dup_efd(rdma_worker_t *w)
+{
+	int fd = fcntl(w->efd, F_DUPFD_CLOEXEC, 0);
+	if (fd < 0) {
+		return -errno;
+	}
+	// O_NONBLOCK lands on the description UCX's descriptor shares: UCX only
+	// calls epoll_wait on it, which the flag does not change.
+	int fl = fcntl(fd, F_GETFL);
+	if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) {
+		int e = errno;
+		close(fd);
+		return -e;
+	}
+	return fd;
+}
 
 int rdma_worker_wait(rdma_worker_t *w, int timeout_ms)
 {

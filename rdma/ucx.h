@@ -72,6 +72,9 @@ int rdma_worker_events(rdma_worker_t *w, rdma_event_t *out, int max);
 // arm then poll the efd for at most timeout_ms; 1 = woke/busy, 0 = timeout, <0 = -errno
 int rdma_worker_arm(rdma_worker_t *w);
 int rdma_worker_wait(rdma_worker_t *w, int timeout_ms);
+// a close-on-exec, non-blocking duplicate of the worker's event fd (an epoll
+// fd), for Go's poller; -errno on failure
+int rdma_worker_dup_efd(rdma_worker_t *w);
 // returns status or request pointer packed: *req set when in progress
 int rdma_worker_flush(rdma_worker_t *w, uint64_t id, void **req);
 

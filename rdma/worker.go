@@ -12,9 +12,11 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 	"unsafe"
 )
@@ -68,6 +70,12 @@ type Worker struct {
 	exited  chan struct{} // the driver returned: the worker is destroyed
 	closeMu sync.Mutex
 
+	// The worker's event fd (duplicated) in Go's poller, where the driver
+	// parks; nil where the poller does not take it (the driver then parks
+	// in C). Driver only.
+	efd     *os.File
+	efdConn syscall.RawConn
+
 	// lock-only state
 	nextID    uint64
 	pending   map[uint64]*op
@@ -82,6 +90,15 @@ type Worker struct {
 	stopAt    time.Time
 	lastWork  time.Time // the last serve that found something to do
 	handled   bool      // the driver's last serve handled events
+	arrived   bool      // the driver's last serve handled data or a FIN from a peer
+	spins     spinPolicy
+
+	// driver only: what spins learns from
+	polled    bool      // the driver's last serve found nothing, and it polls on
+	yielded   bool      // and yielded its core
+	idleParks int       // parks since the last work
+	parkedAt  time.Time // the first of them began
+	spunOut   bool      // after polling the whole poll time
 	lastScan  time.Time
 	evs       []C.rdma_event_t // events taken from the ring
 }
@@ -112,6 +129,7 @@ func (c *Context) newWorker(isDefault bool) (*Worker, error) {
 		tickEvery: quietTick,
 		listeners: map[uint64]*Listener{},
 		evs:       make([]C.rdma_event_t, eventBatch),
+		spins:     spinPolicy{max: c.opts.pollTime},
 	}
 	st := C.rdma_worker_create(w.ctx.h, &w.cw)
 	ucxFDs.scan()
@@ -128,6 +146,7 @@ func (c *Context) newWorker(isDefault bool) (*Worker, error) {
 			C.rdma_worker_set_cuda(w.cw, cu)
 		}
 	}
+	w.pollEvents()
 	w.mu.Unlock()
 	go w.run()
 	if !isDefault {
@@ -150,10 +169,27 @@ func (w *Worker) run() {
 	defer close(w.exited)
 	for {
 		w.mu.Lock()
-		w.handled = false
+		w.handled, w.arrived = false, false
+		prev := w.lastWork
 		busy := w.serve()
 		handled := w.handled
+		if w.arrived {
+			switch {
+			case w.polled && !w.yielded && w.lastWork.Sub(prev) < quickWake:
+				w.spins.caught()
+			case w.idleParks > 0 && w.spunOut:
+				w.spins.woke(w.lastWork.Sub(w.parkedAt), w.lastWork)
+			}
+		}
+		w.polled, w.yielded = false, false
+		if busy {
+			w.spins.worked(w.lastWork)
+			w.idleParks = 0
+		}
 		if w.stopping && (len(w.pending) == 0 || time.Now().After(w.stopAt)) && !w.queued() {
+			if w.efd != nil {
+				w.efd.Close()
+			}
 			C.rdma_worker_destroy(w.cw)
 			w.cw = nil
 			w.mu.Unlock()
@@ -181,8 +217,13 @@ func (w *Worker) run() {
 			w.rest()
 			continue
 		}
-		if idle < w.ctx.opts.pollTime || (len(w.pending) > 0 && idle < pendingSpin) {
+		spin := w.spins.max
+		if idle < spin || (len(w.pending) > 0 && spin > 0 && idle < pendingSpin) {
+			w.polled, w.yielded = true, w.spins.yielding(idle)
 			w.release(false)
+			if w.yielded {
+				syscall.RawSyscall(syscall.SYS_SCHED_YIELD, 0, 0, 0)
+			}
 			runtime.Gosched()
 			continue
 		}
@@ -191,10 +232,6 @@ func (w *Worker) run() {
 		if now.Sub(w.lastScan) > scanInterval {
 			markCloexec(true)
 			w.lastScan = now
-		}
-		if w.queued() || C.rdma_worker_arm(w.cw) != statusOK { // UCS_ERR_BUSY: events to progress
-			w.release(false)
-			continue
 		}
 		timeout := sleepTimeout
 		switch {
@@ -206,13 +243,83 @@ func (w *Worker) run() {
 			// timeout the driver keeps parking in these short slices.
 			timeout = pendingTimeout
 		}
+		if w.idleParks == 0 {
+			w.parkedAt, w.spunOut = now, spin > 0
+		}
+		w.idleParks++
+		w.park(timeout)
+	}
+}
+
+// pollEvents puts a duplicate of the worker's event fd in Go's poller (mu
+// held, before the driver starts), for park.
+func (w *Worker) pollEvents() {
+	fd := C.rdma_worker_dup_efd(w.cw)
+	if fd < 0 {
+		return
+	}
+	f := os.NewFile(uintptr(fd), "ucx-worker-events")
+	// A deadline takes only on a descriptor the poller registered.
+	if f.SetReadDeadline(time.Time{}) != nil {
+		f.Close()
+		return
+	}
+	rc, err := f.SyscallConn()
+	if err != nil {
+		f.Close()
+		return
+	}
+	w.efd, w.efdConn = f, rc
+}
+
+// park arms the worker and waits until its event fd is readable (an event to
+// progress, or a signal from release) or timeout passes (driver only; mu
+// held, released on return). Unless the worker is busy: then it returns at
+// once, to progress.
+//
+// It waits in Go's poller, as a network read does: the driver goroutine
+// gives up its P, so a goroutine readied just before (a writer with a
+// message to send) runs at once. A driver blocked in C keeps its P, and what
+// waits on that P runs only once the runtime takes it back, which it checks
+// every 20 µs to 10 ms: with one P (a process on one core), every message
+// waited for that.
+func (w *Worker) park(timeout time.Duration) {
+	arm := func() bool {
+		if w.queued() || C.rdma_worker_arm(w.cw) != statusOK { // UCS_ERR_BUSY: events to progress
+			w.release(false)
+			return false
+		}
 		w.parked.Store(true)
+		return true
+	}
+	if w.efd == nil || w.efd.SetReadDeadline(time.Now().Add(timeout)) != nil {
+		if !arm() {
+			return
+		}
 		cw := w.cw
 		w.release(false)
 		// Only the driver destroys the worker: cw stays valid.
 		C.rdma_worker_wait(cw, C.int(timeout/time.Millisecond))
 		w.parked.Store(false)
+		return
 	}
+	// Arm inside the read, after the poller forgot earlier readiness:
+	// readiness from an event after the arm is then never lost.
+	held, armed := true, false
+	w.efdConn.Read(func(uintptr) bool {
+		if !held {
+			return true // readable
+		}
+		held = false
+		if armed = arm(); armed {
+			w.release(false)
+		}
+		return !armed
+	})
+	if held { // the read failed before the call
+		w.release(false)
+	}
+	w.parked.Store(false)
 }
 
 // quiet reports whether the driver may rest (mu held): every endpoint has its
@@ -454,10 +561,12 @@ func (w *Worker) handle(ev *C.rdma_event_t) {
 		C.rdma_request_free(o.req)
 		o.done(int(ev.status))
 	case C.RDMA_EV_STREAM:
+		w.arrived = true
 		if e := w.eps[uint64(ev.id)]; e != nil {
 			e.drain(false)
 		}
 	case C.RDMA_EV_FIN:
+		w.arrived = true
 		if e := w.epByH[uintptr(ev.ptr)]; e != nil {
 			e.peerFinished()
 		}
