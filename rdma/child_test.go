@@ -26,6 +26,7 @@ const (
 	cmdSum    = 'S' // reply sha256 of the child's memory [a, a+b)
 	cmdStream = 'W' // write a bytes of pattern(a, b) ... until killed
 	cmdQuit   = 'Q'
+	cmdYield  = 'Y' // reply one byte: 1 if the child's driver yields its core
 )
 
 const childMemSize = 64<<20 + 4096
@@ -109,6 +110,14 @@ func childServer(tls string) error {
 				if _, err := e.Write(p); err != nil {
 					return err
 				}
+			}
+		case cmdYield:
+			b := []byte{0}
+			if c.Worker().Yielding() {
+				b[0] = 1
+			}
+			if _, err := e.Write(b); err != nil {
+				return err
 			}
 		case cmdQuit:
 			return nil

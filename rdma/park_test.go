@@ -4,6 +4,8 @@ package rdma_test
 
 import (
 	"io"
+	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -11,6 +13,7 @@ import (
 	"github.com/gdrpc/gdrpc/internal/leaktest"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 )
 
 // TestDriverParksInGoPoller checks that an idle driver waits in Go's poller
@@ -50,4 +53,73 @@ func TestDriverParksInGoPoller(t *testing.T) {
 		}
 	}
 	require.NotZero(t, parked, "no driver waits in Go's poller:\n%s", strings.Join(drivers, "\n\n"))
+}
+
+// TestDriverYieldsToPeerOnItsCore runs an echo between this process and a
+// child with every thread of both on one core: a driver that polls there
+// keeps its peer from running, so one of the two must find out and yield the
+// core between polling rounds. Every echo must come back intact.
+func TestDriverYieldsToPeerOnItsCore(t *testing.T) {
+	requireUCX(t)
+	pinProcess(t)
+	ch := startChild(t, transports[0].tls) // forked by a pinned thread: pinned too
+
+	msg, back := make([]byte, 256), make([]byte, 256)
+	yielding := func() bool {
+		ch.command(t, cmdYield, 0, 0)
+		b := make([]byte, 1)
+		_, err := io.ReadFull(ch.ep, b)
+		require.NoError(t, err)
+		return b[0] == 1 || ch.ctx.Worker().Yielding()
+	}
+	for i := 0; ; i++ {
+		copy(msg, pattern(len(msg), uint64(i)))
+		ch.command(t, cmdEcho, uint64(len(msg)), 0)
+		_, err := ch.ep.Write(msg)
+		require.NoError(t, err)
+		_, err = io.ReadFull(ch.ep, back)
+		require.NoError(t, err)
+		require.Equal(t, msg, back, "echo %d", i)
+		if i%50 == 49 && yielding() {
+			return
+		}
+		require.Less(t, i, 2000, "no driver yields after %d echoes on one core", i)
+	}
+}
+
+// pinProcess puts every thread of this process on one of its cores until
+// the test ends; threads started meanwhile inherit it. The cleanup gives
+// every thread the process's mask back.
+func pinProcess(t *testing.T) {
+	var all unix.CPUSet
+	require.NoError(t, unix.SchedGetaffinity(0, &all))
+	cpu := -1
+	for i := range 1024 {
+		if all.IsSet(i) {
+			cpu = i
+			break
+		}
+	}
+	require.GreaterOrEqual(t, cpu, 0)
+	var one unix.CPUSet
+	one.Set(cpu)
+	setAll := func(set *unix.CPUSet) error {
+		tasks, err := os.ReadDir("/proc/self/task")
+		if err != nil {
+			return err
+		}
+		for _, task := range tasks {
+			tid, err := strconv.Atoi(task.Name())
+			if err != nil {
+				continue
+			}
+			// A thread may exit meanwhile (ESRCH).
+			if err := unix.SchedSetaffinity(tid, set); err != nil && err != unix.ESRCH {
+				return err
+			}
+		}
+		return nil
+	}
+	t.Cleanup(func() { require.NoError(t, setAll(&all)) })
+	require.NoError(t, setAll(&one))
 }
