@@ -1,4 +1,4 @@
-//go:build cgo && !nordma
+//go:build linux && cgo && !nordma
 
 package rdma_test
 

@@ -3,6 +3,7 @@
 package rdma
 
 /*
+#include <sched.h>
 #include "ucx.h"
 */
 import "C"
@@ -92,15 +93,15 @@ type Worker struct {
 	handled   bool      // the driver's last serve handled events
 	arrived   bool      // the driver's last serve handled data or a FIN from a peer
 	spins     spinPolicy
+	evs       []C.rdma_event_t // events taken from the ring
 
-	// driver only: what spins learns from
+	// driver only
+	lastScan  time.Time
 	polled    bool      // the driver's last serve found nothing, and it polls on
 	yielded   bool      // and yielded its core
 	idleParks int       // parks since the last work
 	parkedAt  time.Time // the first of them began
 	spunOut   bool      // after polling the whole poll time
-	lastScan  time.Time
-	evs       []C.rdma_event_t // events taken from the ring
 }
 
 // op is a UCX request in flight.
@@ -222,7 +223,7 @@ func (w *Worker) run() {
 			w.polled, w.yielded = true, w.spins.yielding(idle)
 			w.release(false)
 			if w.yielded {
-				syscall.RawSyscall(syscall.SYS_SCHED_YIELD, 0, 0, 0)
+				C.sched_yield()
 			}
 			runtime.Gosched()
 			continue
