@@ -26,7 +26,7 @@ const (
 	cmdSum    = 'S' // reply sha256 of the child's memory [a, a+b)
 	cmdStream = 'W' // write a bytes of pattern(a, b) ... until killed
 	cmdQuit   = 'Q'
-	cmdYield  = 'Y' // reply one byte: 1 if the child's driver yields its core
+	cmdYield  = 'Y' // reply one byte: 1 if the child's driver has yielded its core
 )
 
 const childMemSize = 64<<20 + 4096
@@ -113,7 +113,7 @@ func childServer(tls string) error {
 			}
 		case cmdYield:
 			b := []byte{0}
-			if c.Worker().Yielding() {
+			if c.Worker().Yielded() {
 				b[0] = 1
 			}
 			if _, err := e.Write(b); err != nil {

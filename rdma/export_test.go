@@ -19,12 +19,8 @@ func (w *Worker) Quiet() (q bool) {
 // Parked reports whether the worker's driver waits on the event fd now.
 func (w *Worker) Parked() bool { return w.parked.Load() }
 
-// Yielding reports whether the worker's driver yields its core between
-// polling rounds.
-func (w *Worker) Yielding() (y bool) {
-	w.call(func() { y = w.spins.yield })
-	return y
-}
+// Yielded reports whether the worker's driver has yielded its core.
+func (w *Worker) Yielded() bool { return w.yields.Load() > 0 }
 
 // Resting reports whether the worker's driver rests now.
 func (w *Worker) Resting() bool { return w.resting.Load() }

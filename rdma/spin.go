@@ -21,14 +21,16 @@ const (
 //   - a miss: it polled the whole poll time in vain, parked, and the work came
 //     within about a poll time after that (the time a peer polling on the same
 //     core takes to give it up);
-//   - a catch: polling found data that came within quickWake of the last work.
+//   - a catch: polling found data, so the sender ran meanwhile; a quick one
+//     came within quickWake of the last work.
 //
-// After missLimit misses in a row the driver yields its core to the kernel
-// between polling rounds (sched_yield), which runs a peer waiting on that
-// core at once. Yielding is no good where the core's other thread is an
-// unrelated busy one (it takes the core for a whole time slice), so every
-// probeInterval the driver probes: it polls without yielding for at most
-// quickWake after the next work, and a catch ends the yielding.
+// After missLimit misses with no catch between them the driver yields its
+// core to the kernel between polling rounds (sched_yield), which runs a peer
+// waiting on that core at once. Yielding is no good where the core's other
+// thread is an unrelated busy one (it takes the core for a whole time
+// slice), so every probeInterval the driver probes: it polls without
+// yielding for at most quickWake (or the poll time, if shorter) after the
+// next work, and a quick catch ends the yielding.
 type spinPolicy struct {
 	max       time.Duration // the configured poll time
 	yield     bool          // yield between polling rounds
@@ -40,11 +42,14 @@ type spinPolicy struct {
 // yielding reports whether a polling round that comes idle after the last
 // work yields the core; it ends a probe that has run its time.
 func (p *spinPolicy) yielding(idle time.Duration) bool {
-	if p.probe && idle >= quickWake {
+	if p.probe && idle >= min(quickWake, p.max) {
 		p.probe = false
 	}
 	return p.yield && !p.probe
 }
+
+// parking notes a park: a probe still running has caught nothing.
+func (p *spinPolicy) parking() { p.probe = false }
 
 // worked notes work at now: the next spin may be a probe.
 func (p *spinPolicy) worked(now time.Time) {
@@ -53,12 +58,17 @@ func (p *spinPolicy) worked(now time.Time) {
 	}
 }
 
-// caught notes a catch by a round that did not yield.
-func (p *spinPolicy) caught() {
+// caught notes data found by a polling round that did not yield, the given
+// time after the last work. Any such data shows the sender running while the
+// driver polled: the misses start again. A quick catch also ends yielding.
+func (p *spinPolicy) caught(after time.Duration) {
 	if p.yield && !p.probe {
 		return // polling that yields catches what it lets run
 	}
-	p.yield, p.misses, p.probe = false, 0, false
+	p.misses = 0
+	if after < quickWake {
+		p.yield, p.probe = false, false
+	}
 }
 
 // woke notes work that came waited after the driver parked, after it had

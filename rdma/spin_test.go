@@ -30,7 +30,7 @@ func TestSpinPolicyYieldsAfterMisses(t *testing.T) {
 
 	// While it yields, what it catches does not end it: yielding let the
 	// sender run.
-	p.caught()
+	p.caught(0)
 	require.True(t, p.yielding(0))
 	p.woke(0, t0) // nor do misses count
 	require.True(t, p.yield)
@@ -63,7 +63,7 @@ func TestSpinPolicyProbes(t *testing.T) {
 	// from nothing.
 	p.worked(t0.Add(2*probeInterval + quickWake))
 	require.False(t, p.yielding(0))
-	p.caught()
+	p.caught(quickWake - 1)
 	require.False(t, p.yield)
 	require.Zero(t, p.misses)
 	for range missLimit - 1 {
@@ -72,6 +72,8 @@ func TestSpinPolicyProbes(t *testing.T) {
 	require.False(t, p.yielding(0))
 }
 
+// Any catch starts the misses again: a peer on another core that is slow
+// now and then never adds up to missLimit.
 func TestSpinPolicyCatchResetsMisses(t *testing.T) {
 	p := spinPolicy{max: time.Millisecond}
 	t0 := time.Unix(1000, 0)
@@ -79,7 +81,40 @@ func TestSpinPolicyCatchResetsMisses(t *testing.T) {
 		for range missLimit - 1 {
 			miss(&p, t0)
 		}
-		p.caught() // a peer that answers fast between slow replies
+		p.caught(p.max - 1)
 	}
 	require.False(t, p.yielding(0))
+}
+
+func TestSpinPolicySlowCatchKeepsYielding(t *testing.T) {
+	p := spinPolicy{max: time.Millisecond}
+	t0 := time.Unix(1000, 0)
+	for range missLimit {
+		miss(&p, t0)
+	}
+	p.worked(t0.Add(probeInterval))
+	require.False(t, p.yielding(0), "probe")
+	p.caught(quickWake) // the probe's catch came, but not quickly
+	require.True(t, p.yield)
+	p.parking()
+	require.True(t, p.yielding(0))
+}
+
+// A poll time shorter than quickWake bounds a probe too, and a park ends
+// one: the driver does not stay in a probe that never yields.
+func TestSpinPolicyShortPollTimeProbe(t *testing.T) {
+	p := spinPolicy{max: 50 * time.Microsecond}
+	t0 := time.Unix(1000, 0)
+	for range missLimit {
+		miss(&p, t0)
+	}
+	require.True(t, p.yielding(0))
+	p.worked(t0.Add(probeInterval))
+	require.False(t, p.yielding(p.max-1), "probe")
+	require.True(t, p.yielding(p.max), "the probe ends with the poll time")
+
+	p.worked(t0.Add(2 * probeInterval))
+	require.False(t, p.yielding(0), "probe")
+	p.parking() // no catch before the park
+	require.True(t, p.yielding(0))
 }

@@ -301,7 +301,8 @@ int rdma_worker_dup_efd(rdma_worker_t *w)
 		return -errno;
 	}
 	// O_NONBLOCK lands on the description UCX's descriptor shares: UCX only
-	// calls epoll_wait on it, which the flag does not change.
+	// calls epoll_wait and epoll_ctl on it, and rdma_worker_wait poll, none
+	// of which the flag changes.
 	int fl = fcntl(fd, F_GETFL);
 	if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) {
 		int e = errno;

@@ -69,8 +69,9 @@ void rdma_cuda_init(rdma_cuda_t *cu, uintptr_t push, uintptr_t pop, uintptr_t ct
 unsigned rdma_worker_progress(rdma_worker_t *w, int max);
 // take events out of the ring; returns number copied.
 int rdma_worker_events(rdma_worker_t *w, rdma_event_t *out, int max);
-// arm then poll the efd for at most timeout_ms; 1 = woke/busy, 0 = timeout, <0 = -errno
+// arm the worker: UCS_OK, or UCS_ERR_BUSY with events to progress
 int rdma_worker_arm(rdma_worker_t *w);
+// poll the efd for at most timeout_ms; 1 = woke, 0 = timeout, <0 = -errno
 int rdma_worker_wait(rdma_worker_t *w, int timeout_ms);
 // a close-on-exec, non-blocking duplicate of the worker's event fd (an epoll
 // fd), for Go's poller; -errno on failure

@@ -73,7 +73,7 @@ type Worker struct {
 
 	// The worker's event fd (duplicated) in Go's poller, where the driver
 	// parks; nil where the poller does not take it (the driver then parks
-	// in C). Driver only.
+	// in C). Set before the driver starts, then driver only.
 	efd     *os.File
 	efdConn syscall.RawConn
 
@@ -93,12 +93,14 @@ type Worker struct {
 	handled   bool      // the driver's last serve handled events
 	arrived   bool      // the driver's last serve handled data or a FIN from a peer
 	spins     spinPolicy
+	yields    atomic.Int64     // times the driver yielded its core
 	evs       []C.rdma_event_t // events taken from the ring
 
 	// driver only
 	lastScan  time.Time
 	polled    bool      // the driver's last serve found nothing, and it polls on
 	yielded   bool      // and yielded its core
+	spinning  bool      // the driver polled since the last work
 	idleParks int       // parks since the last work
 	parkedAt  time.Time // the first of them began
 	spunOut   bool      // after polling the whole poll time
@@ -176,8 +178,8 @@ func (w *Worker) run() {
 		handled := w.handled
 		if w.arrived {
 			switch {
-			case w.polled && !w.yielded && w.lastWork.Sub(prev) < quickWake:
-				w.spins.caught()
+			case w.polled && !w.yielded:
+				w.spins.caught(w.lastWork.Sub(prev))
 			case w.idleParks > 0 && w.spunOut:
 				w.spins.woke(w.lastWork.Sub(w.parkedAt), w.lastWork)
 			}
@@ -185,7 +187,7 @@ func (w *Worker) run() {
 		w.polled, w.yielded = false, false
 		if busy {
 			w.spins.worked(w.lastWork)
-			w.idleParks = 0
+			w.idleParks, w.spinning = 0, false
 		}
 		if w.stopping && (len(w.pending) == 0 || time.Now().After(w.stopAt)) && !w.queued() {
 			if w.efd != nil {
@@ -218,12 +220,12 @@ func (w *Worker) run() {
 			w.rest()
 			continue
 		}
-		spin := w.spins.max
-		if idle < spin || (len(w.pending) > 0 && spin > 0 && idle < pendingSpin) {
-			w.polled, w.yielded = true, w.spins.yielding(idle)
+		if idle < w.spins.max || (len(w.pending) > 0 && idle < pendingSpin) {
+			w.polled, w.yielded, w.spinning = true, w.spins.yielding(idle), true
 			w.release(false)
 			if w.yielded {
 				C.sched_yield()
+				w.yields.Add(1)
 			}
 			runtime.Gosched()
 			continue
@@ -245,9 +247,10 @@ func (w *Worker) run() {
 			timeout = pendingTimeout
 		}
 		if w.idleParks == 0 {
-			w.parkedAt, w.spunOut = now, spin > 0
+			w.parkedAt, w.spunOut = now, w.spinning && w.spins.max > 0
 		}
 		w.idleParks++
+		w.spins.parking()
 		w.park(timeout)
 	}
 }
