@@ -113,7 +113,7 @@ func childServer(tls string) error {
 			}
 		case cmdYield:
 			b := []byte{0}
-			if c.Worker().Yielded() {
+			if yielded(c.Worker()) {
 				b[0] = 1
 			}
 			if _, err := e.Write(b); err != nil {

@@ -79,7 +79,7 @@ func TestDriverYieldsToPeerOnItsCore(t *testing.T) {
 		b := make([]byte, 1)
 		_, err := io.ReadFull(ch.ep, b)
 		require.NoError(t, err)
-		return b[0] == 1 || ch.ctx.Worker().Yielded()
+		return b[0] == 1 || yielded(ch.ctx.Worker())
 	}
 	for i := 0; ; i++ {
 		copy(msg, pattern(len(msg), uint64(i)))
@@ -95,6 +95,9 @@ func TestDriverYieldsToPeerOnItsCore(t *testing.T) {
 		require.Less(t, i, 2000, "no driver yields after %d echoes on one core", i)
 	}
 }
+
+// yielded reports whether w's driver has yielded its core.
+func yielded(w *rdma.Worker) bool { return w.Yielded() }
 
 // pinProcess puts every thread of this process on one of its cores until
 // the test ends; threads started later inherit it (it pins again until no
