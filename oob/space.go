@@ -409,15 +409,21 @@ func newSpaceID() uint64 {
 func (sp *space) close() {
 	spaces.Delete(sp.id)
 	sp.mu.Lock()
-	if !sp.closed {
-		close(sp.stop)
-	}
-	sp.closed = true
+	sp.markClosedLocked()
 	free := len(sp.inUse) == 0
 	sp.mu.Unlock()
 	if free {
 		sp.free()
 	}
+}
+
+// markClosedLocked marks sp closed and ends its sender (sp.mu held): nothing
+// more lands, no notice goes.
+func (sp *space) markClosedLocked() {
+	if !sp.closed {
+		close(sp.stop)
+	}
+	sp.closed = true
 }
 
 func (sp *space) free() {

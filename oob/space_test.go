@@ -133,10 +133,7 @@ func TestCallEndedMessage(t *testing.T) {
 func markClosed(sp *space) {
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
-	if !sp.closed {
-		close(sp.stop)
-	}
-	sp.closed = true
+	sp.markClosedLocked()
 }
 
 // A descriptor naming advertised space gets an error for every range the

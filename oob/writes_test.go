@@ -10,6 +10,7 @@ import (
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/internal/leaktest"
+	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -288,8 +289,7 @@ func freeSenders(waiting bool) []string {
 		if waiting && !strings.Contains(head, "[select") {
 			continue
 		}
-		id, _, _ := strings.Cut(strings.TrimPrefix(head, "goroutine "), " ")
-		ids = append(ids, id)
+		ids = append(ids, testenv.StackGoroutineID(head))
 	}
 	return ids
 }

@@ -74,8 +74,8 @@ func (p *spinPolicy) caught(after time.Duration) {
 // woke notes work that came waited after the driver parked, after it had
 // polled the whole poll time in vain.
 func (p *spinPolicy) woke(waited time.Duration, now time.Time) {
-	if p.yield {
-		return
+	if p.yield || p.max == 0 {
+		return // no poll time: it only polls for requests in flight
 	}
 	if waited >= p.max+quickWake {
 		p.misses = 0

@@ -118,3 +118,13 @@ func TestSpinPolicyShortPollTimeProbe(t *testing.T) {
 	p.parking() // no catch before the park
 	require.True(t, p.yielding(0))
 }
+
+// Without a poll time the driver polls only for requests in flight: no
+// miss counts.
+func TestSpinPolicyNoPollTime(t *testing.T) {
+	p := spinPolicy{}
+	for range 2 * missLimit {
+		p.woke(0, time.Unix(1000, 0))
+	}
+	require.False(t, p.yielding(0))
+}

@@ -97,13 +97,12 @@ type Worker struct {
 	evs       []C.rdma_event_t // events taken from the ring
 
 	// driver only
-	lastScan  time.Time
-	polled    bool      // the driver's last serve found nothing, and it polls on
-	yielded   bool      // and yielded its core
-	spinning  bool      // the driver polled since the last work
-	idleParks int       // parks since the last work
-	parkedAt  time.Time // the first of them began
-	spunOut   bool      // after polling the whole poll time
+	lastScan   time.Time
+	polled     bool      // the driver's last serve found nothing, and it polls on
+	yielded    bool      // and yielded its core
+	spinning   bool      // the driver polled since the last work
+	parkedIdle bool      // the driver parked since the last work
+	parkedAt   time.Time // when it first did, if it polled before
 }
 
 // op is a UCX request in flight.
@@ -180,14 +179,14 @@ func (w *Worker) run() {
 			switch {
 			case w.polled && !w.yielded:
 				w.spins.caught(w.lastWork.Sub(prev))
-			case w.idleParks > 0 && w.spunOut:
+			case !w.parkedAt.IsZero():
 				w.spins.woke(w.lastWork.Sub(w.parkedAt), w.lastWork)
 			}
 		}
 		w.polled, w.yielded = false, false
 		if busy {
 			w.spins.worked(w.lastWork)
-			w.idleParks, w.spinning = 0, false
+			w.spinning, w.parkedIdle, w.parkedAt = false, false, time.Time{}
 		}
 		if w.stopping && (len(w.pending) == 0 || time.Now().After(w.stopAt)) && !w.queued() {
 			if w.efd != nil {
@@ -246,10 +245,10 @@ func (w *Worker) run() {
 			// timeout the driver keeps parking in these short slices.
 			timeout = pendingTimeout
 		}
-		if w.idleParks == 0 {
-			w.parkedAt, w.spunOut = now, w.spinning && w.spins.max > 0
+		if !w.parkedIdle && w.spinning {
+			w.parkedAt = now
 		}
-		w.idleParks++
+		w.parkedIdle = true
 		w.spins.parking()
 		w.park(timeout)
 	}

@@ -126,6 +126,12 @@ func OpenDescriptors(tb testing.TB, n int) {
 // that ran something.
 func GoroutineID() string {
 	var buf [64]byte
-	id, _, _ := strings.Cut(strings.TrimPrefix(string(buf[:runtime.Stack(buf[:], false)]), "goroutine "), " ")
+	return StackGoroutineID(string(buf[:runtime.Stack(buf[:], false)]))
+}
+
+// StackGoroutineID returns the id of the goroutine whose stack, as
+// runtime.Stack prints it, is stack.
+func StackGoroutineID(stack string) string {
+	id, _, _ := strings.Cut(strings.TrimPrefix(stack, "goroutine "), " ")
 	return id
 }
