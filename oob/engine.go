@@ -1242,7 +1242,7 @@ func pushIPC(s *transport.Session, m *rtr, src Source) error {
 // memory: a peer that echoes a handle this process exported would have the
 // owner write into its own memory.
 func foreignIPC(s *transport.Session, h devicebuf.IPCHandle) error {
-	if s.Peer().ID != transport.LocalID() && devicebuf.OwnIPC(h) {
+	if s.PeerID() != transport.LocalID() && devicebuf.OwnIPC(h) {
 		return errors.New("the receiver's IPC handle names this process's own memory")
 	}
 	return nil

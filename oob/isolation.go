@@ -42,7 +42,7 @@ func exposeDestination(rc *rdma.Context, target *devicebuf.Buffer, trusted bool)
 // this host that this process trusts. A CUDA IPC mapping cannot be revoked, so
 // the owner could keep writing into (and reading) the receiver's allocation
 // after the transfer; only trusted peers get one.
-func ipcAllowed(s *transport.Session) bool { return s.Peer().SameHost && s.TrustsPeer() }
+func ipcAllowed(s *transport.Session) bool { return s.PeerSameHost() && s.TrustsPeer() }
 
 // checkKeyDomains reports why this process must not put with the receiver's
 // packed key: it names memory this process would write into itself.

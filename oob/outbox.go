@@ -240,7 +240,7 @@ func (b *outbox) removeLocked(t Token, e *outboxEntry) {
 // lease: nobody else holds their descriptors, and the process that does can
 // no longer pull. Tokens that already left are ignored.
 func SentToward(s *transport.Session, ts []Token) {
-	peer := s.Peer().ID
+	peer := s.PeerID()
 	box.mu.Lock()
 	for _, t := range ts {
 		e := box.entries[t]
@@ -280,7 +280,7 @@ func releaseOrphans(peer transport.ID) {
 
 // releaseSentTo runs when s closes: the entries sent to its peer go when s
 // was the last session to it.
-func releaseSentTo(s *transport.Session) { releaseOrphans(s.Peer().ID) }
+func releaseSentTo(s *transport.Session) { releaseOrphans(s.PeerID()) }
 
 // newToken returns a fresh random token.
 func newToken() Token {

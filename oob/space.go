@@ -452,7 +452,7 @@ func landedSpace(d Descriptor) (*space, error) {
 	sp := v.(*space)
 	off, n := d.SpaceOffset, d.Length
 	switch {
-	case sp.s.Peer().ID != d.Owner:
+	case sp.s.PeerID() != d.Owner:
 		return nil, fmt.Errorf("receive space %#x was advertised to another process", d.Space)
 	case d.SpacePath != sp.path:
 		return nil, fmt.Errorf("receive space %#x is written by %v, the descriptor says %v", d.Space, sp.path, d.SpacePath)

@@ -248,6 +248,14 @@ func (s *Session) Peer() Peer {
 	return p
 }
 
+// PeerID returns the peer's proven process id: Peer().ID without copying
+// the rest.
+func (s *Session) PeerID() ID { return s.peer.ID }
+
+// PeerSameHost reports whether the peer said it runs on this host:
+// Peer().SameHost without copying the rest.
+func (s *Session) PeerSameHost() bool { return s.peer.SameHost }
+
 // Transport returns "ucx" or "tcp": what the session runs over.
 func (s *Session) Transport() string { return s.transport }
 
