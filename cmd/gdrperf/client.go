@@ -77,6 +77,7 @@ type result struct {
 	Conns           int      `json:"conns"`          // gdrpc client connections the calls spread over
 	Sessions        int      `json:"sessions"`       // gdrpc sessions the calls went over (as gRPC reports each call's peer)
 	GDRPCMiBs       float64  `json:"gdrpc_mib_s"`    // median over calls of size / call time
+	CallMicros      *float64 `json:"call_us"`        // one call's time: size / the rate, times the calls in flight
 	TransferMiBs    float64  `json:"transfer_mib_s"` // median of the out-of-band transfer alone (metrics hook)
 	GRPCTCPMiBs     *float64 `json:"grpc_tcp_mib_s"`
 	VsGRPCTCP       *float64 `json:"gdrpc_vs_grpc_tcp"`
@@ -197,16 +198,19 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 	out := newReporter(stdout, o)
 	var failed []string
 	for i, size := range o.sizes {
-		r := b.measure(ctx, size)
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
-		if i == 0 {
-			out.header(b)
-		}
-		out.row(r)
-		if r.GDRPCMiBs == 0 {
-			failed = append(failed, r.Size)
+		for j, n := range o.inflights {
+			o.inflight = n
+			r := b.measure(ctx, size)
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			if i == 0 && j == 0 {
+				out.header(b)
+			}
+			out.row(r)
+			if r.GDRPCMiBs == 0 {
+				failed = append(failed, fmt.Sprintf("%s (%d in flight)", r.Size, n))
+			}
 		}
 	}
 	if err := out.flush(); err != nil {
@@ -263,6 +267,7 @@ func (b *bench) measure(ctx context.Context, size int) *result {
 	r.VsDtoD = ratio(r.GDRPCMiBs, r.DtoDMiBs)
 	r.VsNaive = ratio(r.GDRPCMiBs, r.NaiveMiBs)
 	r.VsRPCCopy = callVsRPCCopy(size, r)
+	r.CallMicros = callMicros(size, r)
 	if r.D2HMiBs != nil {
 		ceiling := r.D2HMiBs
 		if r.UCXPerftestMiBs != nil && *r.UCXPerftestMiBs < *ceiling {
@@ -525,6 +530,17 @@ func (b *bench) plainMake(size int) callFunc {
 	return func(cctx context.Context, _ int, _ bool) (func() error, error) {
 		return nil, b.plain.Invoke(cctx, methodMake, wrapperspb.UInt64(uint64(size)), new(wrapperspb.BytesValue))
 	}
+}
+
+// callMicros is one call's time in µs: the median call with one in flight,
+// the mean call under load with several (each of the goroutines has a call
+// in flight all the while, so a call takes inflight × size / rate). Nil when
+// gdrpc was not measured.
+func callMicros(size int, r *result) *float64 {
+	if r.GDRPCMiBs <= 0 {
+		return nil
+	}
+	return finite(float64(r.Inflight) * float64(size) / (1 << 20) / r.GDRPCMiBs * 1e6)
 }
 
 // callVsRPCCopy is the call time over the floor one call could reach: a plain

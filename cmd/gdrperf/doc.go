@@ -50,7 +50,12 @@
 // copies stay one after another (the device's bandwidth). -conns spreads the
 // goroutines over that many client connections (goroutine w calls over
 // connection w mod -conns), each a session of its own, as a pool of
-// connections would.
+// connections would. -inflight takes a list too (1,4,8): each size then gets
+// a row per value, in one run, so that the single call stands beside the
+// aggregate rows and the count of calls that fills the device shows. The
+// call µs column is one call's time: the median call with one in flight, and
+// with N in flight the mean call under load (N × size / rate), which is what
+// bounds the aggregate where the device is not busy all the while.
 //
 // Same host (the default): the tool re-executes itself as the server, so the
 // client and the server are separate processes. Across hosts: run
@@ -60,7 +65,7 @@
 //
 // Usage:
 //
-//	gdrperf [-sizes 1MiB,16MiB,64MiB] [-iters 10] [-warmup 2] [-inflight 1] [-conns 1] [-op pull|push]
+//	gdrperf [-sizes 1MiB,16MiB,64MiB] [-iters 10] [-warmup 2] [-inflight 1|1,4,8] [-conns 1] [-op pull|push]
 //	        [-transport auto|ucx|tcp] [-mem host|cuda] [-recv host|cuda] [-device 0] [-server-device N]
 //	        [-paths all|cuda-ipc,rdma,stream] [-format table|json] [-server ADDR | -connect ADDR]
 //	        [-perftest PATH|none] [-call-timeout 1m] [-busy N] [-receive-space SIZE|0] [-request-space SIZE]

@@ -14,6 +14,7 @@ import (
 	"runtime"
 	"runtime/pprof"
 	"runtime/trace"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -32,7 +33,8 @@ type options struct {
 	iters     int
 	warmup    int
 	conns     int           // gdrpc connections the calls spread over
-	inflight  int           // calls in flight at once in the measured phase
+	inflight  int           // calls in flight at once in the measured phase of the row being measured
+	inflights []int         // -inflight: the values a row is measured at, per size
 	transport string        // auto, ucx, tcp
 	space     int           // -receive-space: 0 the default, -1 none
 	reqSpace  int           // -request-space: 0 none
@@ -76,7 +78,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.iters, "iters", 10, "measured calls per size and method (the median is reported)")
 	fs.IntVar(&o.warmup, "warmup", 2, "calls per size and method before measuring (the first one is verified)")
 	fs.IntVar(&o.conns, "conns", 1, "gdrpc client connections (ClientConns) the calls spread over: with -inflight N, goroutine w calls over connection w mod conns (a pool of connections, each a session of its own)")
-	fs.IntVar(&o.inflight, "inflight", 1, "calls in flight at once: above 1, that many goroutines make -iters calls each and the rates are aggregate throughput (bytes over wall time) instead of medians per call")
+	inflight := fs.String("inflight", "1", "calls in flight at once, or a comma list (a row per value and size, e.g. 1,4,8): above 1, that many goroutines make -iters calls each and the rates are aggregate throughput (bytes over wall time) instead of medians per call")
 	fs.IntVar(&o.busy, "busy", 0, "run this many CPU-bound processes (each spins one core) beside client and server for the whole run: calls under contention, as in a service sharing its cores")
 	fs.BoolVar(&o.spin, "spin", false, "spin on one core until stdin closes (the processes -busy starts)")
 	fs.StringVar(&o.transport, "transport", "auto", "gdrpc transport: auto, ucx or tcp")
@@ -139,6 +141,10 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	if o.sizes, err = parseSizes(*sizes); err != nil {
 		return nil, err
 	}
+	if o.inflights, err = parseCounts(*inflight); err != nil {
+		return nil, fmt.Errorf("-inflight: %w", err)
+	}
+	o.inflight = slices.Max(o.inflights)
 	check := func(name, v string, allowed ...string) error {
 		for _, a := range allowed {
 			if v == a {
@@ -163,10 +169,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, fmt.Errorf("-iters %d: want at least 1", o.iters)
 	case o.warmup < 0:
 		return nil, fmt.Errorf("-warmup %d: want 0 or more", o.warmup)
-	case o.inflight < 1:
-		return nil, fmt.Errorf("-inflight %d: want at least 1", o.inflight)
 	case o.conns < 1 || o.conns > o.inflight:
-		return nil, fmt.Errorf("-conns %d: want 1 to -inflight (%d)", o.conns, o.inflight)
+		return nil, fmt.Errorf("-conns %d: want 1 to the largest -inflight (%d)", o.conns, o.inflight)
 	case o.reqSpace > 0 && o.reqLimit > 0:
 		return nil, errors.New("-request-space and -request-space-limit exclude each other")
 	case o.server != "" && o.connect != "":
@@ -182,6 +186,26 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 // parsePaths reads -paths: "all" (or "") allows every path (the mask is
 // zero: the transport's default); else the named paths, the stream path
 // always among them.
+// parseCounts reads a comma list of whole numbers of at least 1, in the
+// order given, without repeats.
+func parseCounts(s string) ([]int, error) {
+	var out []int
+	for f := range strings.SplitSeq(s, ",") {
+		f = strings.TrimSpace(f)
+		n, err := strconv.Atoi(f)
+		switch {
+		case err != nil:
+			return nil, fmt.Errorf("%q: not a whole number", f)
+		case n < 1:
+			return nil, fmt.Errorf("%d: want at least 1", n)
+		case slices.Contains(out, n):
+			return nil, fmt.Errorf("%d given twice", n)
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}
+
 func parsePaths(s string) (oob.Path, error) {
 	if s == "" || s == "all" {
 		return 0, nil

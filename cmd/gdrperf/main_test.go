@@ -182,8 +182,8 @@ func TestTable(t *testing.T) {
 	require.Equal(t, 0, code, errb.String())
 	s := out.String()
 	require.Contains(t, s, "gdrpc session over tcp")
-	require.Regexp(t, `(?m)^\s*size\s+path\s+gdrpc MiB/s\s+xfer MiB/s\s+grpc-tcp MiB/s\s+x grpc\s+ucx_perftest MiB/s\s+x perftest\s+rpc 1KiB µs\s+call/\(rpc\+copy\)\s*$`, s)
-	require.Regexp(t, `(?m)^\s*256KiB\s+stream\s+[0-9.,]+\s+[0-9.,]+\s+[0-9.,]+\s+[0-9.]+x\s+-\s+-\s+[0-9.,]+\s+[0-9.]+x\s*$`, s)
+	require.Regexp(t, `(?m)^\s*size\s+path\s+gdrpc MiB/s\s+call µs\s+xfer MiB/s\s+grpc-tcp MiB/s\s+x grpc\s+ucx_perftest MiB/s\s+x perftest\s+rpc 1KiB µs\s+call/\(rpc\+copy\)\s*$`, s)
+	require.Regexp(t, `(?m)^\s*256KiB\s+stream\s+[0-9.,]+\s+[0-9.,]+\s+[0-9.,]+\s+[0-9.,]+\s+[0-9.]+x\s+-\s+-\s+[0-9.,]+\s+[0-9.]+x\s*$`, s)
 	require.Contains(t, s, "# note: 256KiB: ucx_perftest skipped")
 }
 
@@ -301,7 +301,10 @@ func TestFlags(t *testing.T) {
 		{name: "format", args: []string{"-format", "csv"}, err: "-format"},
 		{name: "iters", args: []string{"-iters", "0"}, err: "-iters"},
 		{name: "inflight", args: []string{"-inflight", "0"}, err: "-inflight"},
+		{name: "inflight list", args: []string{"-inflight", "1,x"}, err: "-inflight"},
+		{name: "inflight twice", args: []string{"-inflight", "4,1,4"}, err: "twice"},
 		{name: "conns", args: []string{"-inflight", "2", "-conns", "3"}, err: "-conns"},
+		{name: "conns over the list", args: []string{"-inflight", "1,2", "-conns", "3"}, err: "-conns"},
 		{name: "request space twice", args: []string{"-request-space", "8MiB", "-request-space-limit", "1GiB"}, err: "exclude"},
 		{name: "both ends", args: []string{"-server", ":1", "-connect", "h:1"}, err: "exclude"},
 		{name: "extra", args: []string{"x"}, err: "unexpected"},
@@ -466,6 +469,35 @@ func TestPerftestColumn(t *testing.T) {
 		require.Equal(t, perftestTLS("tcp"), r.UCXTLS, "gdrpc over TCP: ucx_perftest over UCX's tcp unless UCX_TLS says otherwise")
 		require.InDelta(t, r.GDRPCMiBs/(float64(size)/1024), *r.VsUCXPerftest, 1e-9)
 	}
+}
+
+// -inflight takes a list: each size gets a row per value, in the order
+// given, the single call with the RPC floor beside the aggregate rows, and
+// each row's call time is what its rate and calls in flight make.
+func TestInflightList(t *testing.T) {
+	rs := gdrperf(t, "-transport", "tcp", "-sizes", "4KiB,256KiB", "-iters", "3", "-warmup", "1", "-perftest", "none", "-inflight", "3,1")
+	require.Len(t, rs, 4)
+	for i, want := range []struct{ size, inflight int }{{4 << 10, 3}, {4 << 10, 1}, {256 << 10, 3}, {256 << 10, 1}} {
+		r := rs[i]
+		require.Equal(t, want.size, r.SizeBytes, "row %d", i)
+		require.Equal(t, want.inflight, r.Inflight, "row %d", i)
+		require.Positive(t, r.GDRPCMiBs, "row %d: notes: %v", i, r.Notes)
+		require.NotNil(t, r.CallMicros, "row %d", i)
+		require.InDelta(t, float64(want.inflight*want.size)/(1<<20)/r.GDRPCMiBs*1e6, *r.CallMicros, 1e-6)
+		require.Equal(t, want.inflight == 1, r.RPCMicros != nil, "row %d: the 1 KiB RPC beside single calls only", i)
+	}
+	var out, errb bytes.Buffer
+	code := realMain([]string{"-sizes", "256KiB", "-iters", "2", "-warmup", "0", "-transport", "tcp", "-perftest", "none", "-inflight", "1,2"},
+		strings.NewReader(""), &out, &errb)
+	require.Equal(t, 0, code, "stderr: %s", errb.String())
+	var rows []string
+	for line := range strings.Lines(out.String()) {
+		if f := strings.Fields(line); len(f) > 2 && f[0] == "256KiB" {
+			rows = append(rows, f[1])
+		}
+	}
+	require.Equal(t, []string{"1", "2"}, rows, "the table's inflight column:\n%s", out.String())
+	require.Contains(t, out.String(), "call µs")
 }
 
 func TestCallVsRPCCopy(t *testing.T) {

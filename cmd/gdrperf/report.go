@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -39,17 +40,20 @@ func (r *reporter) header(b *bench) {
 	if b.lanes != "" {
 		session += " (" + b.lanes + ")"
 	}
-	fmt.Fprintf(r.w, "# gdrperf op=%s mem=%s recv=%s transport=%s paths=%s iters=%d warmup=%d inflight=%d conns=%d; gdrpc session over %s\n",
-		o.op, o.mem, o.recv, o.transport, o.paths, o.iters, o.warmup, o.inflight, o.conns, session)
+	fmt.Fprintf(r.w, "# gdrperf op=%s mem=%s recv=%s transport=%s paths=%s iters=%d warmup=%d inflight=%s conns=%d; gdrpc session over %s\n",
+		o.op, o.mem, o.recv, o.transport, o.paths, o.iters, o.warmup, counts(o.inflights), o.conns, session)
 	what := "client calls Make, pulls the server's payload"
 	if o.op == "push" {
 		what = "client calls Digest, the server pulls the client's payload"
 	}
 	rate := "size / call time, median"
-	if o.inflight > 1 {
+	switch {
+	case len(o.inflights) > 1:
+		rate = fmt.Sprintf("with 1 in flight, size / call time, median; with N in flight, aggregate: N goroutines make %d calls each, all bytes / wall time", o.iters)
+	case o.inflight > 1:
 		rate = fmt.Sprintf("aggregate: %d goroutines make %d calls each, all bytes / wall time", o.inflight, o.iters)
 	}
-	fmt.Fprintf(r.w, "# gdrpc: unary call, payload out-of-band (%s); MiB/s = %s; xfer = the out-of-band transfer alone, median\n", what, rate)
+	fmt.Fprintf(r.w, "# gdrpc: unary call, payload out-of-band (%s); MiB/s = %s; call µs = one call's time (in flight N: N x size / rate, the mean call under load); xfer = the out-of-band transfer alone, median\n", what, rate)
 	fmt.Fprintf(r.w, "# grpc-tcp: plain gRPC-Go over TCP, bytes field, default codec and windows, message limits raised; same calls\n")
 	if b.perfBin != "" && b.info.PerftestPort != 0 {
 		mem := o.perftestMem()
@@ -60,8 +64,11 @@ func (r *reporter) header(b *bench) {
 	} else {
 		fmt.Fprintf(r.w, "# ucx_perftest: %s\n", b.perfNote)
 	}
-	cols := []string{"size", "path", "gdrpc MiB/s", "xfer MiB/s", "grpc-tcp MiB/s", "x grpc", "ucx_perftest MiB/s", "x perftest"}
-	if o.inflight == 1 {
+	cols := []string{"size", "path", "gdrpc MiB/s", "call µs", "xfer MiB/s", "grpc-tcp MiB/s", "x grpc", "ucx_perftest MiB/s", "x perftest"}
+	if len(o.inflights) > 1 {
+		cols = slices.Insert(cols, 1, "inflight")
+	}
+	if slices.Contains(o.inflights, 1) {
 		fmt.Fprintf(r.w, "# call/(rpc+copy): gdrpc call time / (plain gRPC unary call of 1 KiB + in-process copy of the payload, %s to %s memory; GPU to GPU: the dtod copy): 1.00x is one RPC plus one copy\n", o.mem, o.recv)
 		cols = append(cols, "rpc 1KiB µs", "call/(rpc+copy)")
 	}
@@ -141,8 +148,11 @@ func (r *reporter) row(res *result) {
 	if res.TransferMiBs == 0 {
 		x = nil
 	}
-	cols := []string{res.Size, path, num(g), num(x), num(res.GRPCTCPMiBs), rat(res.VsGRPCTCP), num(res.UCXPerftestMiBs), rat(res.VsUCXPerftest)}
-	if r.o.inflight == 1 {
+	cols := []string{res.Size, path, num(g), num(res.CallMicros), num(x), num(res.GRPCTCPMiBs), rat(res.VsGRPCTCP), num(res.UCXPerftestMiBs), rat(res.VsUCXPerftest)}
+	if len(r.o.inflights) > 1 {
+		cols = slices.Insert(cols, 1, strconv.Itoa(res.Inflight))
+	}
+	if slices.Contains(r.o.inflights, 1) {
 		cols = append(cols, num(res.RPCMicros), rat(res.VsRPCCopy))
 	}
 	if r.o.mem == "cuda" && r.o.recv == "host" {
@@ -158,6 +168,15 @@ func (r *reporter) row(res *result) {
 	for _, f := range res.Fallbacks {
 		r.notes = append(r.notes, res.Size+": fallback "+f)
 	}
+}
+
+// counts prints a list of whole numbers as -inflight takes it.
+func counts(ns []int) string {
+	s := make([]string, len(ns))
+	for i, n := range ns {
+		s[i] = strconv.Itoa(n)
+	}
+	return strings.Join(s, ",")
 }
 
 func (r *reporter) flush() error {
