@@ -1,7 +1,9 @@
 package devicebuf
 
 import (
+	"encoding/hex"
 	"fmt"
+	"sync"
 
 	"github.com/gdrpc/gdrpc/devicebuf/internal/cuda"
 	"github.com/gdrpc/gdrpc/devicebuf/internal/driver"
@@ -68,7 +70,15 @@ func DriverVersion() (int, error) {
 
 // FormatUUID formats a 16-byte device UUID as NVML and nvidia-smi print it.
 func FormatUUID(u [16]byte) string {
-	return fmt.Sprintf("GPU-%x-%x-%x-%x-%x", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
+	b := make([]byte, 0, len("GPU-")+36)
+	b = append(b, "GPU-"...)
+	for i, part := range [][]byte{u[0:4], u[4:6], u[6:8], u[8:10], u[10:16]} {
+		if i > 0 {
+			b = append(b, '-')
+		}
+		b = hex.AppendEncode(b, part)
+	}
+	return string(b)
 }
 
 // DeviceUUIDOf returns the UUID of CUDA device dev ("GPU-...").
@@ -93,8 +103,17 @@ func deviceUUID(d driver.Driver, dev int) string {
 	if err != nil {
 		return ""
 	}
-	return FormatUUID(u)
+	if s, ok := uuidNames.Load(u); ok {
+		return s.(string)
+	}
+	s := FormatUUID(u)
+	uuidNames.Store(u, s)
+	return s
 }
+
+// uuidNames holds the names of this host's devices that deviceUUID made
+// (each buffer wrapped or received names its device): a few.
+var uuidNames sync.Map // [16]byte -> string
 
 // DeviceAttrs are the device attributes the transfer paths depend on.
 type DeviceAttrs struct {

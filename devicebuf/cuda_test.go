@@ -308,3 +308,10 @@ func TestIPCOpenOwnRacesRelease(t *testing.T) {
 	}
 	requireLive(t, base)
 }
+
+// A device's UUID reads as NVML and nvidia-smi print it.
+func TestFormatUUID(t *testing.T) {
+	u := [16]byte{0xde, 0xad, 0xbe, 0xef, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, 0x09, 0x0a, 0x0b, 0xff}
+	require.Equal(t, "GPU-deadbeef-0102-0304-0506-0708090a0bff", devicebuf.FormatUUID(u))
+	require.Equal(t, "GPU-00000000-0000-0000-0000-000000000000", devicebuf.FormatUUID([16]byte{}))
+}
