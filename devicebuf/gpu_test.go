@@ -187,56 +187,63 @@ func BenchmarkCopy(b *testing.B) {
 	}
 }
 
-// BenchmarkCopySubmit is what queueing a 1 MiB device-to-device copy and
-// recording an interprocess event after it costs the submitting goroutine
-// (what writing a payload into a peer's receive space adds to a marshal),
-// in µs per submission (median): back to back ("busy"), and by a goroutine
-// that was parked for at least 200 µs before each (a timer; on a virtual
-// machine it may take a millisecond), as a handler between calls
-// ("after-idle"): its thread and core went idle meanwhile.
+// BenchmarkCopySubmit is what queueing a device-to-device copy and recording
+// an interprocess event after it costs the submitting goroutine (what writing
+// a payload into a peer's receive space adds to a marshal), in µs per
+// submission (median), for payloads of 1, 64 and 256 MiB: back to back
+// ("busy"), and by a goroutine that was parked for at least 200 µs before
+// each (a timer; on a virtual machine it may take a millisecond), as a
+// handler between calls ("after-idle"): its thread and core went idle
+// meanwhile. A submission that takes about as long as the copy itself
+// (copy-µs, the submission and the wait for the copy) does not overlap the
+// copy with the response.
 func BenchmarkCopySubmit(b *testing.B) {
 	requireCUDA(b)
 	dev, err := devicebuf.NewCUDAAllocator(0)
 	require.NoError(b, err)
-	const n = 1 << 20
-	dst, err := dev.Alloc(n)
-	require.NoError(b, err)
-	defer dst.Release()
-	src, err := dev.Alloc(n)
-	require.NoError(b, err)
-	defer src.Release()
 	s, err := devicebuf.NewCopyStream(0)
 	require.NoError(b, err)
 	defer s.Close()
 	ev, _, err := devicebuf.NewIPCEvent(0)
 	require.NoError(b, err)
 	defer ev.Close()
-	for _, idle := range []time.Duration{0, 200 * time.Microsecond} {
-		name := "busy"
-		if idle > 0 {
-			name = "after-idle"
-		}
-		b.Run(name, func(b *testing.B) {
-			var took []float64
-			for b.Loop() {
-				if idle > 0 {
-					<-time.After(idle) // the goroutine parks, as between calls
-				}
-				start := time.Now()
-				if err := devicebuf.CopyAsync(s, dst, src); err != nil {
-					b.Fatal(err)
-				}
-				if err := s.Record(ev); err != nil {
-					b.Fatal(err)
-				}
-				took = append(took, float64(time.Since(start).Nanoseconds())/1e3)
-				if err := s.Synchronize(); err != nil {
-					b.Fatal(err)
-				}
+	for _, n := range []int{1 << 20, 64 << 20, 256 << 20} {
+		dst, err := dev.Alloc(n)
+		require.NoError(b, err)
+		defer dst.Release()
+		src, err := dev.Alloc(n)
+		require.NoError(b, err)
+		defer src.Release()
+		for _, idle := range []time.Duration{0, 200 * time.Microsecond} {
+			name := "busy"
+			if idle > 0 {
+				name = "after-idle"
 			}
-			slices.Sort(took)
-			b.ReportMetric(took[len(took)/2], "submit-µs")
-		})
+			b.Run(fmt.Sprintf("size=%dMiB/%s", n>>20, name), func(b *testing.B) {
+				var took, whole []float64
+				for b.Loop() {
+					if idle > 0 {
+						<-time.After(idle) // the goroutine parks, as between calls
+					}
+					start := time.Now()
+					if err := devicebuf.CopyAsync(s, dst, src); err != nil {
+						b.Fatal(err)
+					}
+					if err := s.Record(ev); err != nil {
+						b.Fatal(err)
+					}
+					took = append(took, float64(time.Since(start).Nanoseconds())/1e3)
+					if err := s.Synchronize(); err != nil {
+						b.Fatal(err)
+					}
+					whole = append(whole, float64(time.Since(start).Nanoseconds())/1e3)
+				}
+				slices.Sort(took)
+				slices.Sort(whole)
+				b.ReportMetric(took[len(took)/2], "submit-µs")
+				b.ReportMetric(whole[len(whole)/2], "copy-µs")
+			})
+		}
 	}
 }
 
