@@ -183,9 +183,6 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	return o, nil
 }
 
-// parsePaths reads -paths: "all" (or "") allows every path (the mask is
-// zero: the transport's default); else the named paths, the stream path
-// always among them.
 // parseCounts reads a comma list of whole numbers of at least 1, in the
 // order given, without repeats.
 func parseCounts(s string) ([]int, error) {
@@ -206,6 +203,9 @@ func parseCounts(s string) ([]int, error) {
 	return out, nil
 }
 
+// parsePaths reads -paths: "all" (or "") allows every path (the mask is
+// zero: the transport's default); else the named paths, the stream path
+// always among them.
 func parsePaths(s string) (oob.Path, error) {
 	if s == "" || s == "all" {
 		return 0, nil

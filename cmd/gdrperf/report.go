@@ -50,8 +50,8 @@ func (r *reporter) header(b *bench) {
 	switch {
 	case len(o.inflights) > 1:
 		rate = fmt.Sprintf("with 1 in flight, size / call time, median; with N in flight, aggregate: N goroutines make %d calls each, all bytes / wall time", o.iters)
-	case o.inflight > 1:
-		rate = fmt.Sprintf("aggregate: %d goroutines make %d calls each, all bytes / wall time", o.inflight, o.iters)
+	case o.inflights[0] > 1:
+		rate = fmt.Sprintf("aggregate: %d goroutines make %d calls each, all bytes / wall time", o.inflights[0], o.iters)
 	}
 	fmt.Fprintf(r.w, "# gdrpc: unary call, payload out-of-band (%s); MiB/s = %s; call µs = one call's time (in flight N: N x size / rate, the mean call under load); xfer = the out-of-band transfer alone, median\n", what, rate)
 	fmt.Fprintf(r.w, "# grpc-tcp: plain gRPC-Go over TCP, bytes field, default codec and windows, message limits raised; same calls\n")
