@@ -593,10 +593,20 @@ int rdma_ep_flush(rdma_worker_t *w, rdma_ep_t *e, uint64_t id, void **req)
 	return st;
 }
 
+// host_param is op_param for a send from gdrpc's own host memory. Without the memory
+// type a UCX with memory-type detection (a CUDA-enabled build) looks every send's buffer
+// up, and where its memory-type cache cannot tell it asks the CUDA driver.
+static void host_param(ucp_request_param_t *rp, rdma_worker_t *w)
+{
+	op_param(rp, w);
+	rp->op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+	rp->memory_type = UCS_MEMORY_TYPE_HOST;
+}
+
 int rdma_ep_fin(rdma_worker_t *w, rdma_ep_t *e, int ack, uint64_t id, void **req)
 {
 	ucp_request_param_t rp;
-	op_param(&rp, w);
+	host_param(&rp, w);
 	rp.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
 	rp.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
 	return ret_req(p_ucp_am_send_nbx(e->ep, ack ? RDMA_FINACK_AM_ID : RDMA_FIN_AM_ID, NULL, 0, NULL, 0, &rp), id, req);
@@ -605,7 +615,7 @@ int rdma_ep_fin(rdma_worker_t *w, rdma_ep_t *e, int ack, uint64_t id, void **req
 int rdma_stream_send(rdma_worker_t *w, rdma_ep_t *e, uintptr_t buf, size_t n, uint64_t id, void **req)
 {
 	ucp_request_param_t rp;
-	op_param(&rp, w);
+	host_param(&rp, w);
 	return ret_req(p_ucp_stream_send_nbx(e->ep, (void *)buf, n, &rp), id, req);
 }
 
