@@ -1,0 +1,318 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"golang.org/x/exp/trace"
+)
+
+func main() {
+	if err := run(os.Args[1:], os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "gdrtrace:", err)
+		os.Exit(1)
+	}
+}
+
+func run(args []string, out io.Writer) error {
+	fs := flag.NewFlagSet("gdrtrace", flag.ContinueOnError)
+	region := fs.String("region", "gdrperf.call", "the trace region that marks one call in the first trace")
+	skip := fs.Int("skip", 0, "calls to leave out at the start (warm-up)")
+	top := fs.Int("top", 12, "rows per table")
+	fs.Usage = func() {
+		fmt.Fprintln(fs.Output(), "usage: gdrtrace [flags] CLIENT.trace [SERVER.trace]")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() < 1 || fs.NArg() > 2 {
+		fs.Usage()
+		return errors.New("want one or two trace files")
+	}
+	traces := make([]*events, 0, fs.NArg())
+	for _, p := range fs.Args() {
+		ev, err := readFile(p, *region)
+		if err != nil {
+			return fmt.Errorf("%s: %w", p, err)
+		}
+		traces = append(traces, ev)
+	}
+	calls := traces[0].calls
+	if len(calls) <= *skip {
+		return fmt.Errorf("%s: %d calls in region %q, none left after -skip %d", fs.Arg(0), len(calls), *region, *skip)
+	}
+	report(out, calls[*skip:], traces, fs.Args(), *top)
+	return nil
+}
+
+func readFile(path, region string) (*events, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return read(f, region)
+}
+
+// events is what one trace holds for the breakdown: the calls (regions of
+// the given type, with the calling goroutine's states inside them), every
+// hand-off (a goroutine made runnable by another), and every cgo call.
+type events struct {
+	calls    []*call
+	handoffs []handoff
+	cgo      []cgoCall
+}
+
+// call is one region: when, and how long its goroutine spent in each state.
+type call struct {
+	g          trace.GoID
+	start, end trace.Time
+	states     map[string]time.Duration
+}
+
+// handoff: goroutine `by` (at `where`) made a goroutine that waited for
+// `reason` runnable.
+type handoff struct {
+	at     trace.Time
+	by     string
+	reason string
+}
+
+type cgoCall struct {
+	at   trace.Time
+	fn   string
+	took time.Duration
+}
+
+// read parses one execution trace. The timestamps of traces taken on one
+// host at the same time are comparable, so a second process's events are
+// placed in the first one's calls by time.
+func read(r io.Reader, region string) (*events, error) {
+	tr, err := trace.NewReader(r)
+	if err != nil {
+		return nil, err
+	}
+	ev := &events{}
+	open := map[trace.GoID]*call{}       // regions under way, by goroutine
+	state := map[trace.GoID]string{}     // each goroutine's state, named for the breakdown
+	since := map[trace.GoID]trace.Time{} // since when
+	inCgo := map[trace.GoID]cgoCall{}    // cgo calls under way
+	settle := func(g trace.GoID, now trace.Time) {
+		if c := open[g]; c != nil && state[g] != "" {
+			c.states[state[g]] += time.Duration(now - max(since[g], c.start))
+		}
+	}
+	for {
+		e, err := tr.ReadEvent()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return nil, err
+		}
+		switch e.Kind() {
+		case trace.EventRegionBegin:
+			if e.Region().Type == region {
+				open[e.Goroutine()] = &call{g: e.Goroutine(), start: e.Time(), states: map[string]time.Duration{}}
+			}
+		case trace.EventRegionEnd:
+			g := e.Goroutine()
+			if c := open[g]; c != nil && e.Region().Type == region {
+				settle(g, e.Time())
+				c.end = e.Time()
+				ev.calls = append(ev.calls, c)
+				delete(open, g)
+			}
+		case trace.EventStateTransition:
+			st := e.StateTransition()
+			if st.Resource.Kind != trace.ResourceGoroutine {
+				continue
+			}
+			g := st.Resource.Goroutine()
+			from, to := st.Goroutine()
+			settle(g, e.Time())
+			name := to.String()
+			switch to {
+			case trace.GoWaiting:
+				name = "waiting: " + st.Reason + " in " + frames(e.Stack(), 2)
+			case trace.GoSyscall:
+				fn := frames(e.Stack(), 1)
+				name = "in C or a syscall: " + fn
+				inCgo[g] = cgoCall{at: e.Time(), fn: fn}
+			}
+			if from == trace.GoSyscall {
+				if c, ok := inCgo[g]; ok {
+					c.took = time.Duration(e.Time() - c.at)
+					ev.cgo = append(ev.cgo, c)
+					delete(inCgo, g)
+				}
+			}
+			if from == trace.GoWaiting && to == trace.GoRunnable {
+				reason := strings.TrimPrefix(state[g], "waiting: ")
+				if reason == "" {
+					reason = "? (waiting since before the trace began)"
+				}
+				ev.handoffs = append(ev.handoffs, handoff{at: e.Time(), by: frames(e.Stack(), 2), reason: reason})
+			}
+			state[g], since[g] = name, e.Time()
+		}
+	}
+	return ev, nil
+}
+
+// frames names the innermost n frames of st, innermost first, without
+// package paths.
+func frames(st trace.Stack, n int) string {
+	var fs []string
+	for f := range st.Frames() {
+		fn := f.Func
+		if i := strings.LastIndex(fn, "/"); i >= 0 {
+			fn = fn[i+1:]
+		}
+		fs = append(fs, fn)
+		if len(fs) == n {
+			break
+		}
+	}
+	if len(fs) == 0 {
+		return "?"
+	}
+	return strings.Join(fs, " < ")
+}
+
+// within returns, per call, the range of indexes of the sorted times (at)
+// that fall inside it.
+func within(calls []*call, n int, at func(i int) trace.Time) [][2]int {
+	out := make([][2]int, len(calls))
+	for i, c := range calls {
+		out[i] = [2]int{searchTime(n, at, c.start), searchTime(n, at, c.end+1)}
+	}
+	return out
+}
+
+// searchTime returns the first index whose time is at or after t.
+func searchTime(n int, at func(i int) trace.Time, t trace.Time) int {
+	lo, hi := 0, n
+	for lo < hi {
+		m := int(uint(lo+hi) >> 1)
+		if at(m) < t {
+			lo = m + 1
+		} else {
+			hi = m
+		}
+	}
+	return lo
+}
+
+func median[T int | time.Duration](d []T) T {
+	if len(d) == 0 {
+		return 0
+	}
+	d = slices.Clone(d)
+	slices.Sort(d)
+	return d[len(d)/2]
+}
+
+func us(d time.Duration) string { return fmt.Sprintf("%.1f", float64(d)/float64(time.Microsecond)) }
+
+type row struct {
+	key  string
+	perc float64 // per call
+	med  time.Duration
+	n    int
+}
+
+func report(out io.Writer, calls []*call, traces []*events, names []string, top int) {
+	var durs []time.Duration
+	for _, c := range calls {
+		durs = append(durs, time.Duration(c.end-c.start))
+	}
+	slices.Sort(durs)
+	fmt.Fprintf(out, "%d calls: median %s µs, p10 %s, p90 %s\n", len(calls), us(durs[len(durs)/2]), us(durs[len(durs)/10]), us(durs[len(durs)*9/10]))
+
+	// The calling goroutine's time by state, per call.
+	total := map[string]time.Duration{}
+	for _, c := range calls {
+		for k, v := range c.states {
+			total[k] += v
+		}
+	}
+	var rows []row
+	for k, v := range total {
+		rows = append(rows, row{key: k, perc: float64(v) / float64(len(calls))})
+	}
+	table(out, "\nthe calling goroutine, µs per call (mean)", []string{"µs", "state"}, rows, top, func(r row) []string {
+		return []string{fmt.Sprintf("%.1f", r.perc/1e3), r.key}
+	})
+
+	for i, ev := range traces {
+		slices.SortFunc(ev.handoffs, func(a, b handoff) int { return int(a.at - b.at) })
+		slices.SortFunc(ev.cgo, func(a, b cgoCall) int { return int(a.at - b.at) })
+		hs := within(calls, len(ev.handoffs), func(j int) trace.Time { return ev.handoffs[j].at })
+		var per []int // hand-offs per call
+		kinds := map[string]int{}
+		for _, h := range hs {
+			per = append(per, h[1]-h[0])
+			for _, x := range ev.handoffs[h[0]:h[1]] {
+				kinds[x.by+" -> "+x.reason]++
+			}
+		}
+		fmt.Fprintf(out, "\n%s: %d hand-offs per call (median; a goroutine made runnable by another, during the call)\n", names[i], median(per))
+		rows = rows[:0]
+		for k, n := range kinds {
+			rows = append(rows, row{key: k, perc: float64(n) / float64(len(calls))})
+		}
+		table(out, "", []string{"per call", "made runnable by -> what it waited for"}, rows, top, func(r row) []string {
+			return []string{fmt.Sprintf("%.2f", r.perc), r.key}
+		})
+
+		cs := within(calls, len(ev.cgo), func(j int) trace.Time { return ev.cgo[j].at })
+		byFn := map[string][]time.Duration{}
+		for _, c := range cs {
+			for _, x := range ev.cgo[c[0]:c[1]] {
+				byFn[x.fn] = append(byFn[x.fn], x.took)
+			}
+		}
+		rows = rows[:0]
+		for fn, d := range byFn {
+			var sum time.Duration
+			for _, x := range d {
+				sum += x
+			}
+			rows = append(rows, row{key: fn, perc: float64(sum) / float64(len(calls)), med: median(d), n: len(d)})
+		}
+		table(out, fmt.Sprintf("\n%s: calls into C and syscalls during the calls", names[i]), []string{"µs per call", "median µs", "count", "function"}, rows, top, func(r row) []string {
+			return []string{fmt.Sprintf("%.1f", r.perc/1e3), us(r.med), fmt.Sprint(r.n), r.key}
+		})
+	}
+}
+
+// table prints the top rows by perc, largest first.
+func table(out io.Writer, title string, head []string, rows []row, top int, cells func(row) []string) {
+	slices.SortFunc(rows, func(a, b row) int {
+		switch {
+		case a.perc > b.perc:
+			return -1
+		case a.perc < b.perc:
+			return 1
+		}
+		return strings.Compare(a.key, b.key)
+	})
+	if title != "" {
+		fmt.Fprintln(out, title)
+	}
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, strings.Join(head, "\t"))
+	for _, r := range rows[:min(top, len(rows))] {
+		fmt.Fprintln(tw, strings.Join(cells(r), "\t"))
+	}
+	tw.Flush()
+}
