@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"slices"
+	"sort"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -73,7 +74,6 @@ type events struct {
 
 // call is one region: when, and how long its goroutine spent in each state.
 type call struct {
-	g          trace.GoID
 	start, end trace.Time
 	states     map[string]time.Duration
 }
@@ -121,7 +121,7 @@ func read(r io.Reader, region string) (*events, error) {
 		switch e.Kind() {
 		case trace.EventRegionBegin:
 			if e.Region().Type == region {
-				open[e.Goroutine()] = &call{g: e.Goroutine(), start: e.Time(), states: map[string]time.Duration{}}
+				open[e.Goroutine()] = &call{start: e.Time(), states: map[string]time.Duration{}}
 			}
 		case trace.EventRegionEnd:
 			g := e.Goroutine()
@@ -193,23 +193,10 @@ func frames(st trace.Stack, n int) string {
 func within(calls []*call, n int, at func(i int) trace.Time) [][2]int {
 	out := make([][2]int, len(calls))
 	for i, c := range calls {
-		out[i] = [2]int{searchTime(n, at, c.start), searchTime(n, at, c.end+1)}
+		first := func(t trace.Time) int { return sort.Search(n, func(j int) bool { return at(j) >= t }) }
+		out[i] = [2]int{first(c.start), first(c.end + 1)}
 	}
 	return out
-}
-
-// searchTime returns the first index whose time is at or after t.
-func searchTime(n int, at func(i int) trace.Time, t trace.Time) int {
-	lo, hi := 0, n
-	for lo < hi {
-		m := int(uint(lo+hi) >> 1)
-		if at(m) < t {
-			lo = m + 1
-		} else {
-			hi = m
-		}
-	}
-	return lo
 }
 
 func median[T int | time.Duration](d []T) T {
