@@ -36,6 +36,7 @@ const (
 	quietIdle      = 100 * time.Millisecond // a resting driver parks on the event fd after this long without work
 	serveRounds    = 4                      // progress rounds of one serve while handled events issue requests
 	quietTick      = time.Millisecond       // how often a resting driver looks around
+	lockSpin       = 50 * time.Microsecond  // how long the driver yields before it sleeps on a held lock
 )
 
 // Worker is a UCX worker in UCS_THREAD_MODE_SERIALIZED: every UCX call for the
@@ -170,7 +171,7 @@ func (w *Worker) useCUDA(cu *C.rdma_cuda_t) {
 func (w *Worker) run() {
 	defer close(w.exited)
 	for {
-		w.mu.Lock()
+		w.lockDriver()
 		w.handled, w.arrived = false, false
 		prev := w.lastWork
 		busy := w.serve()
@@ -252,6 +253,25 @@ func (w *Worker) run() {
 		w.spins.parking()
 		w.park(timeout)
 	}
+}
+
+// lockDriver takes mu for the driver. Held by another goroutine (a
+// submitter serving its own operation, for a few microseconds), mu is tried
+// again after a yield of the P for up to lockSpin before the driver sleeps
+// on it: a driver asleep on mu is woken by the holder's unlock, one more
+// thread wake-up in the middle of a call, and its core goes idle meanwhile.
+func (w *Worker) lockDriver() {
+	if w.mu.TryLock() {
+		return
+	}
+	start := time.Now()
+	for time.Since(start) < lockSpin {
+		runtime.Gosched()
+		if w.mu.TryLock() {
+			return
+		}
+	}
+	w.mu.Lock()
 }
 
 // pollEvents puts a duplicate of the worker's event fd in Go's poller (mu
