@@ -415,7 +415,7 @@ func runServer(ctx context.Context, o *options, stdin io.Reader, stdout io.Write
 		if info.PerftestNote != "" {
 			fmt.Fprintf(stdout, " (%s)", info.PerftestNote)
 		}
-		fmt.Fprintln(stdout)
+		fmt.Fprintf(stdout, "; GOMAXPROCS %d\n", info.Procs)
 	}, logf)
 }
 

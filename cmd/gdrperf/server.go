@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os/exec"
+	"runtime"
 	"strconv"
 	"sync"
 
@@ -45,6 +46,7 @@ type readyInfo struct {
 	GRPC         string `json:"grpc"`          // plain gRPC over TCP (host:port)
 	PerftestPort int    `json:"perftest_port"` // ucx_perftest server port; 0: none
 	PerftestNote string `json:"perftest_note,omitempty"`
+	Procs        int    `json:"gomaxprocs,omitempty"` // the server's GOMAXPROCS; 0: not announced
 }
 
 // payloads keeps, per size, the buffers the server sends and receives into,
@@ -296,7 +298,7 @@ func serve(ctx context.Context, o *options, ready func(readyInfo), logf func(str
 	wg.Go(func() { errs <- gs.Serve(lis) })
 	wg.Go(func() { errs <- bs.Serve(bl) })
 
-	info := readyInfo{GDRPC: lis.Addr().String(), GRPC: bl.Addr().String()}
+	info := readyInfo{GDRPC: lis.Addr().String(), GRPC: bl.Addr().String(), Procs: runtime.GOMAXPROCS(0)}
 	if bin, note := perftestBinary(o.perftest); bin != "" {
 		pp := port + 2
 		if port == 0 {
