@@ -57,6 +57,10 @@
 // with N in flight the mean call under load (N × size / rate), which is what
 // bounds the aggregate where the device is not busy all the while.
 //
+// The table's first line names the run's settings, the GOMAXPROCS of both
+// processes among them: on a host whose idle cores are slow to wake, a call
+// takes markedly less time with few Ps (README, Performance).
+//
 // Same host (the default): the tool re-executes itself as the server, so the
 // client and the server are separate processes. Across hosts: run
 // "gdrperf -server HOST:PORT" on one (plain gRPC then listens on PORT+1 and

@@ -41,8 +41,8 @@ func (r *reporter) header(b *bench) {
 	if b.lanes != "" {
 		session += " (" + b.lanes + ")"
 	}
-	// GOMAXPROCS changes a call's time by as much as 2x on hosts whose idle
-	// cores are slow to wake (README, Performance): runs name theirs.
+	// A call's time depends on GOMAXPROCS where idle cores are slow to wake
+	// (README, Performance): a run names both processes'.
 	procs := strconv.Itoa(runtime.GOMAXPROCS(0))
 	if b.info.Procs > 0 {
 		procs += fmt.Sprintf(" (server %d)", b.info.Procs)
