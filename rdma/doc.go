@@ -49,7 +49,9 @@
 // that comes while the driver polls is handed to its reader on the driver's
 // P, without waking a thread: after a round that handled events the driver
 // yields, so the goroutine it readied runs at once; replies to RPCs and rendezvous messages
-// typically come within a few hundred microseconds. Work done outside the
+// typically come within a few hundred microseconds. Nor does the driver sleep
+// on the lock while a writer holds it for its own send: it yields its P and
+// tries again for a while first, so that the writer's unlock wakes no thread. Work done outside the
 // driver wakes a sleeping driver, to catch the reply that often follows a
 // send. Hand-offs between OS threads cost tens of microseconds each on small
 // virtual machines; this keeps them off the path of a write and a reply.
