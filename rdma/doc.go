@@ -51,7 +51,10 @@
 // yields, so the goroutine it readied runs at once; replies to RPCs and rendezvous messages
 // typically come within a few hundred microseconds. Nor does the driver sleep
 // on the lock while a writer holds it for its own send: it yields its P and
-// tries again for a while first, so that the writer's unlock wakes no thread. Work done outside the
+// tries again for a while first, so that the writer's unlock wakes no thread.
+// A put or get between host memories larger than 4 MiB goes in pieces, and
+// the worker serves its other endpoints between two of them: over shared
+// memory a put is a copy made inside the UCX call, with the lock held. Work done outside the
 // driver wakes a sleeping driver, to catch the reply that often follows a
 // send. Hand-offs between OS threads cost tens of microseconds each on small
 // virtual machines; this keeps them off the path of a write and a reply.

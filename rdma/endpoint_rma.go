@@ -17,6 +17,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 )
 
@@ -170,8 +171,8 @@ func checkLocal(m *Memory, off, n int) error {
 // Put writes n bytes at src[srcOff:] into the peer's memory at remote. It
 // returns when the source may be reused (local completion); Flush gives
 // remote completion. UCX cannot cancel a put once issued: when ctx ends first,
-// Put still waits for the put to complete, or for the endpoint to fail, and
-// then returns ctx's error.
+// Put issues no further piece (see rmaPiece), still waits for what it issued
+// to complete, or for the endpoint to fail, and then returns ctx's error.
 func (e *Endpoint) Put(ctx context.Context, src *Memory, srcOff, n int, remote uint64, key *RemoteKey) error {
 	return e.memRMA(ctx, false, src, srcOff, n, remote, key)
 }
@@ -213,73 +214,144 @@ func (e *Endpoint) memRMA(ctx context.Context, get bool, m *Memory, off, n int, 
 	return e.rma(ctx, get, m.addr+uintptr(off), n, m, remote, key, m.release)
 }
 
+// rmaPiece is the largest piece of a put or get between host memories that
+// is issued at once. Over shared memory a put is a copy this process makes
+// inside the UCX call, with the worker's lock held: issued whole, a large one
+// would keep every other endpoint of the worker (other sessions' sends and
+// the messages arriving for them) waiting until the whole copy is done.
+// Between two pieces the worker runs what was queued meanwhile and
+// progresses. GPU memory on either side goes whole: UCX queues its copies.
+const rmaPiece = 4 << 20
+
 // rma runs a put from, or a get into, local[:n]; m is local's registration (nil
-// for pinned Go memory), which tells UCX its memory type and handle.
+// for pinned Go memory), which tells UCX its memory type and handle. It calls
+// release once UCX is done with local.
 func (e *Endpoint) rma(ctx context.Context, get bool, local uintptr, n int, m *Memory, remote uint64, key *RemoteKey, release func()) error {
-	name := "ucp_put_nbx"
-	if get {
-		name = "ucp_get_nbx"
-	}
 	if err := e.termErr(); err != nil {
 		release()
 		return err
 	}
-	res := make(chan error, 1)
-	w := e.w
-	err := w.submit(func() {
-		if key.h == nil {
-			// Keys go with their endpoint: when it failed, say why.
-			release()
-			if err := e.termErr(); err != nil {
-				res <- err
-			} else {
-				res <- closedError("remote key")
-			}
-			return
-		}
-		cuda, memh := C.int(0), C.ucp_mem_h(nil)
-		if m != nil {
-			memh = m.h
-			if m.mt == MemoryCUDA {
-				cuda = 1
-			}
-		}
-		e.issue(func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
-			if get {
-				return C.rdma_get(w.cw, ce, C.uintptr_t(local), C.size_t(n), cuda, memh, C.uint64_t(remote), key.h, id, req)
-			}
-			return C.rdma_put(w.cw, ce, C.uintptr_t(local), C.size_t(n), cuda, memh, C.uint64_t(remote), key.h, id, req)
-		}, func(st int) {
-			release()
-			res <- e.opError(name, st)
-		})
-	})
-	if err != nil {
+	op := &rmaOp{e: e, get: get, local: local, n: n, piece: n, remote: remote, key: key, release: release, res: make(chan error, 1)}
+	if m != nil {
+		op.memh = m.h
+		op.cuda = m.mt == MemoryCUDA
+	}
+	if !op.cuda && key.region.memType != MemoryCUDA && n > rmaPiece {
+		op.piece = rmaPiece
+	}
+	if err := e.w.submit(op.issueNext); err != nil {
 		release()
 		return err
 	}
 	var ctxErr error
 	select {
-	case err := <-res:
+	case err := <-op.res:
 		return err
 	case <-ctx.Done():
 		// UCX cannot cancel the operation: until it completes it may still
 		// read the local memory and write the peer's, which the caller would
-		// otherwise reuse, or report failed, at once.
-		ctxErr = fmt.Errorf("rdma: %s: %w", name, ctx.Err())
+		// otherwise reuse, or report failed, at once. No further piece is
+		// issued.
+		op.stop.Store(true)
+		ctxErr = fmt.Errorf("rdma: %s: %w", op.name(), ctx.Err())
 	case <-e.done:
 	}
 	select {
-	case err := <-res:
+	case err := <-op.res:
 		return cmp.Or(ctxErr, err)
 	case <-e.done:
 		select {
-		case err := <-res:
+		case err := <-op.res:
 			return cmp.Or(ctxErr, err)
 		default:
 		}
 		return cmp.Or(ctxErr, e.termErr())
 	}
+}
+
+// rmaOp is a put or get in flight, issued in pieces of at most piece bytes,
+// one after another on the worker. Its state past the fields set at its
+// making is lock-only, but stop.
+type rmaOp struct {
+	e       *Endpoint
+	get     bool
+	local   uintptr
+	n       int
+	piece   int
+	memh    C.ucp_mem_h
+	cuda    bool
+	remote  uint64
+	key     *RemoteKey
+	release func()
+	res     chan error  // the outcome, once
+	stop    atomic.Bool // the caller gave up: issue no more pieces
+
+	next     int   // offset of the next piece
+	inflight int   // pieces issued and not complete
+	issuing  bool  // issueNext is under way
+	queued   bool  // the next piece waits for the worker's next round
+	failed   error // the first piece's failure
+	done     bool  // res was sent
+}
+
+func (op *rmaOp) name() string {
+	if op.get {
+		return "ucp_get_nbx"
+	}
+	return "ucp_put_nbx"
+}
+
+// issueNext issues the next piece and leaves the one after it for the
+// worker's next round (worker lock held).
+func (op *rmaOp) issueNext() {
+	op.queued = false
+	if op.failed == nil && op.key.h == nil {
+		// Keys go with their endpoint: when it failed, say why.
+		op.failed = cmp.Or(op.e.termErr(), error(closedError("remote key")))
+	}
+	if op.failed != nil || op.stop.Load() {
+		op.finish()
+		return
+	}
+	off, k := op.next, min(op.piece, op.n-op.next)
+	op.next += k
+	op.inflight++
+	op.issuing = true
+	cuda := C.int(0)
+	if op.cuda {
+		cuda = 1
+	}
+	w, local, remote := op.e.w, C.uintptr_t(op.local+uintptr(off)), C.uint64_t(op.remote+uint64(off))
+	op.e.issue(func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
+		if op.get {
+			return C.rdma_get(w.cw, ce, local, C.size_t(k), cuda, op.memh, remote, op.key.h, id, req)
+		}
+		return C.rdma_put(w.cw, ce, local, C.size_t(k), cuda, op.memh, remote, op.key.h, id, req)
+	}, func(st int) {
+		op.inflight--
+		if err := op.e.opError(op.name(), st); err != nil && op.failed == nil {
+			op.failed = err
+		}
+		op.finish()
+	})
+	op.issuing = false
+	if op.next < op.n && op.failed == nil && !op.stop.Load() {
+		op.queued = true
+		w.later(op.issueNext)
+		return
+	}
+	op.finish()
+}
+
+// finish reports the outcome once no piece is in flight and none will be
+// issued (worker lock held).
+func (op *rmaOp) finish() {
+	if op.done || op.issuing || op.queued || op.inflight > 0 {
+		return
+	}
+	op.done = true
+	op.release()
+	op.res <- op.failed
 }
 
 // Flush waits until every put issued on the endpoint so far completed at the

@@ -31,3 +31,23 @@ func (w *Worker) SetQuietTick(d time.Duration) {
 	w.call(func() { w.tickEvery = d })
 	notify(w.wake) // the next rest takes it
 }
+
+// PieceSize is the largest piece of a put or get between host memories.
+const PieceSize = rmaPiece
+
+// Hold takes the worker's lock; the returned func gives it back, serving what
+// was submitted meanwhile.
+func (w *Worker) Hold() (release func()) {
+	w.mu.Lock()
+	return func() { w.release(false) }
+}
+
+// Queued returns how many submitted operations wait for the worker's lock.
+func (w *Worker) Queued() int {
+	w.qmu.Lock()
+	defer w.qmu.Unlock()
+	return len(w.queue)
+}
+
+// Submit runs f with the worker's lock held, after what was submitted before.
+func (w *Worker) Submit(f func()) error { return w.submit(f) }

@@ -86,6 +86,7 @@ type Worker struct {
 	ends      map[string]*Endpoint // live endpoints by their addresses (pairKey)
 	unpaired  int                  // endpoints in eps without a pair (peer elsewhere, or not identified)
 	issued    bool                 // serve: a handled event issued a request
+	deferred  []func()             // operations for the next round (later)
 	tickEvery time.Duration        // a resting driver's tick: quietTick (tests change it)
 	listeners map[uint64]*Listener
 	stopping  bool
@@ -405,10 +406,28 @@ func (w *Worker) serve() bool {
 			break
 		}
 	}
+	if len(w.deferred) > 0 {
+		// Queued after what others submitted during this round, and served
+		// by whoever holds the lock next (release serves what is queued).
+		w.qmu.Lock()
+		w.queue = append(w.queue, w.deferred...)
+		w.qmu.Unlock()
+		clear(w.deferred)
+		w.deferred = w.deferred[:0]
+		busy = true
+	}
 	if busy {
 		w.lastWork = time.Now()
 	}
 	return busy
+}
+
+// later runs f with the lock held after this round of serve has progressed
+// UCX and after what others submitted meanwhile (lock held): an operation in
+// pieces issues its next piece there, so that the worker's other endpoints
+// are served between two pieces.
+func (w *Worker) later(f func()) {
+	w.deferred = append(w.deferred, f)
 }
 
 // cloexec is the state of markCloexec.

@@ -1,0 +1,70 @@
+//go:build cgo && !nordma
+
+package rdma_test
+
+import (
+	"bytes"
+	"runtime"
+	"testing"
+	"time"
+
+	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/stretchr/testify/require"
+)
+
+// TestRMAInPieces: a large put or get between host memories goes in pieces,
+// and what another goroutine submitted to the worker meanwhile runs between
+// two of them: an operation queued behind the transfer finds its second piece
+// not yet moved. The bytes arrive whole, and a transfer that is not a whole
+// number of pieces ends with a short one.
+func TestRMAInPieces(t *testing.T) {
+	c := newContext(t, "posix,sysv,cma,tcp")
+	client, _ := pair(t, c)
+	ctx := testCtx(t)
+	const n = 3*rdma.PieceSize + 5
+	far, _, rk := exposed(t, c, client, n)
+	near, err := c.Alloc(n)
+	require.NoError(t, err)
+	defer near.Close()
+	w := c.Worker()
+	for _, get := range []bool{false, true} {
+		t.Run(map[bool]string{false: "put", true: "get"}[get], func(t *testing.T) {
+			src, dst := near, far
+			if get {
+				src, dst = far, near
+			}
+			want := pattern(n, 11)
+			copy(src.Bytes(), want)
+			clear(dst.Bytes())
+			release := w.Hold()
+			done := make(chan error, 1)
+			go func() {
+				if get {
+					done <- client.Get(ctx, near, 0, n, uint64(far.Addr()), rk)
+				} else {
+					done <- client.Put(ctx, near, 0, n, uint64(far.Addr()), rk)
+				}
+			}()
+			waitQueued(t, w, 1)
+			second := make(chan []byte, 1)
+			require.NoError(t, w.Submit(func() {
+				second <- bytes.Clone(dst.Bytes()[rdma.PieceSize : 2*rdma.PieceSize])
+			}))
+			release()
+			require.NoError(t, <-done)
+			require.NoError(t, client.Flush(ctx))
+			require.True(t, bytes.Equal(make([]byte, rdma.PieceSize), <-second), "the second piece moved before the operation queued behind the transfer ran")
+			require.True(t, bytes.Equal(want, dst.Bytes()), "the bytes that arrived")
+		})
+	}
+}
+
+// waitQueued waits until k operations wait for w's lock.
+func waitQueued(t *testing.T, w *rdma.Worker, k int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for w.Queued() < k {
+		require.True(t, time.Now().Before(deadline), "%d operations queued, want %d", w.Queued(), k)
+		runtime.Gosched()
+	}
+}
