@@ -231,7 +231,7 @@ func (e *Endpoint) rma(ctx context.Context, get bool, local uintptr, n int, m *M
 		release()
 		return err
 	}
-	op := &rmaOp{e: e, get: get, local: local, n: n, piece: n, remote: remote, key: key, release: release, res: make(chan error, 1)}
+	op := &rmaOp{e: e, get: get, local: local, n: n, piece: n, remote: remote, key: key, release: release, res: make(chan error, 1), scheduled: true}
 	if m != nil {
 		op.memh = m.h
 		op.cuda = m.mt == MemoryCUDA
@@ -286,12 +286,11 @@ type rmaOp struct {
 	res     chan error  // the outcome, once
 	stop    atomic.Bool // the caller gave up: issue no more pieces
 
-	next     int   // offset of the next piece
-	inflight int   // pieces issued and not complete
-	issuing  bool  // issueNext is under way
-	queued   bool  // the next piece waits for the worker's next round
-	failed   error // the first piece's failure
-	done     bool  // res was sent
+	next      int   // offset of the next piece
+	inflight  int   // pieces issued and not complete
+	scheduled bool  // issueNext runs, or waits for the worker's next round
+	failed    error // the first piece's failure
+	done      bool  // res was sent
 }
 
 func (op *rmaOp) name() string {
@@ -304,19 +303,18 @@ func (op *rmaOp) name() string {
 // issueNext issues the next piece and leaves the one after it for the
 // worker's next round (worker lock held).
 func (op *rmaOp) issueNext() {
-	op.queued = false
 	if op.failed == nil && op.key.h == nil {
 		// Keys go with their endpoint: when it failed, say why.
 		op.failed = cmp.Or(op.e.termErr(), error(closedError("remote key")))
 	}
 	if op.failed != nil || op.stop.Load() {
+		op.scheduled = false
 		op.finish()
 		return
 	}
 	off, k := op.next, min(op.piece, op.n-op.next)
 	op.next += k
 	op.inflight++
-	op.issuing = true
 	cuda := C.int(0)
 	if op.cuda {
 		cuda = 1
@@ -334,19 +332,18 @@ func (op *rmaOp) issueNext() {
 		}
 		op.finish()
 	})
-	op.issuing = false
 	if op.next < op.n && op.failed == nil && !op.stop.Load() {
-		op.queued = true
 		w.later(op.issueNext)
 		return
 	}
+	op.scheduled = false
 	op.finish()
 }
 
 // finish reports the outcome once no piece is in flight and none will be
 // issued (worker lock held).
 func (op *rmaOp) finish() {
-	if op.done || op.issuing || op.queued || op.inflight > 0 {
+	if op.done || op.scheduled || op.inflight > 0 {
 		return
 	}
 	op.done = true
