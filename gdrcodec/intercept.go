@@ -717,18 +717,21 @@ func (serverStats) HandleConn(context.Context, stats.ConnStats)                 
 // reads the request: gRPC takes one tap handle per server, so a server that
 // wants this installs it with grpc.InTapHandle, or calls it from its own.
 func TapHandle(ctx context.Context, info *tap.Info) (context.Context, error) {
-	return ctx, refusalOf(ctx, info.Header)
+	return ctx, refusalOf(ctx, info.Header.Get("content-type"))
 }
 
-// refusal returns why the call of ctx, a server's, may not run, or nil.
+// refusal returns why the call of ctx, a server's, may not run, or nil. It
+// reads the call's content type alone: the whole incoming metadata would be
+// copied on every call.
 func refusal(ctx context.Context) error {
-	md, _ := metadata.FromIncomingContext(ctx)
-	return refusalOf(ctx, md)
+	return refusalOf(ctx, metadata.ValueFromIncomingContext(ctx, "content-type"))
 }
 
-func refusalOf(ctx context.Context, header metadata.MD) error {
+// refusalOf is refusal for a call whose content-type header has the values
+// contentTypes.
+func refusalOf(ctx context.Context, contentTypes []string) error {
 	gdr := false
-	for _, ct := range header.Get("content-type") {
+	for _, ct := range contentTypes {
 		if strings.HasSuffix(ct, "+"+Name) {
 			gdr = true
 		}

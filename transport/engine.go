@@ -19,7 +19,9 @@ type Engine interface {
 	Attach(s *Session, link *Link) Handler
 	// Codecs are the payload codecs whose transfers the engine serves; the
 	// handshake announces them (Caps.Codecs), so a peer sends out-of-band
-	// payloads only to sessions that will answer their pulls.
+	// payloads only to sessions that will answer their pulls. Sessions ask
+	// on every call they carry and never modify the slice: return the same
+	// one each time.
 	Codecs() []string
 }
 
