@@ -63,23 +63,13 @@ var (
 	registered atomic.Bool
 	registerMu sync.Mutex
 
-	// baseProto is gRPC's own proto codec, for the message bodies. It is looked up
-	// while this package initialises (gRPC's registry is only read then, and no RPC can
-	// run yet), so no codec of this package ever reads the registry later.
-	baseProto = grpcProtoCodec()
+	// bodies encodes the message bodies, as gRPC's own proto codec does.
+	bodies bodyCodec
 
 	// gdrCodec is the out-of-band codec: clients name it per ClientConn
 	// (grpc.ForceCodecV2); servers find it by content-subtype once Register ran.
 	gdrCodec = &codec{name: Name, oob: true}
 )
-
-func grpcProtoCodec() encoding.CodecV2 {
-	c := encoding.GetCodecV2(encproto.Name)
-	if c == nil {
-		panic("gdrcodec: gRPC's proto codec is not registered")
-	}
-	return c
-}
 
 // Register registers the gdr codec with gRPC and replaces the proto codec with one
 // that behaves exactly like gRPC's for ordinary messages and sends attached device
@@ -152,7 +142,7 @@ func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
 	}
 	m := vv.ProtoReflect()
 	if !mayCarry(m.Descriptor()) {
-		return baseProto.Marshal(v)
+		return bodies.Marshal(v)
 	}
 	w := &rewriter{oob: c.oob, eager: c.options().eager, hold: holdOf(v)}
 	if c.oob {
@@ -165,9 +155,9 @@ func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
 		return nil, err
 	}
 	if out == nil {
-		return baseProto.Marshal(v)
+		return bodies.Marshal(v)
 	}
-	data, err := baseProto.Marshal(out.Interface())
+	data, err := bodies.Marshal(out.Interface())
 	if err != nil {
 		w.abort()
 		return nil, err
@@ -182,7 +172,7 @@ func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
 
 func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	defer trace.StartRegion(context.Background(), "gdrpc.unmarshal").End()
-	if err := baseProto.Unmarshal(data, v); err != nil {
+	if err := bodies.Unmarshal(data, v); err != nil {
 		return err
 	}
 	vv := messageV2Of(v)
