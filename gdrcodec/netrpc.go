@@ -11,6 +11,7 @@ import (
 	"net/rpc"
 	"sync"
 
+	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/protobuf/proto"
 
@@ -47,7 +48,7 @@ func newNetRPCConn(rwc io.ReadWriteCloser, opts []Option) netrpcConn {
 }
 
 func (c *netrpcConn) write(seq uint64, method, errMsg string, body any) error {
-	var msg []byte
+	var msg mem.BufferSlice // the body's buffers, written as they are
 	if body != nil {
 		m := messageV2Of(body)
 		if m == nil {
@@ -57,8 +58,8 @@ func (c *netrpcConn) write(seq uint64, method, errMsg string, body any) error {
 		if err != nil {
 			return err
 		}
-		msg = data.Materialize()
-		data.Free()
+		defer data.Free()
+		msg = data
 	}
 	hdr := binary.AppendUvarint(nil, seq)
 	hdr = binary.AppendUvarint(hdr, uint64(len(method)))
@@ -67,12 +68,14 @@ func (c *netrpcConn) write(seq uint64, method, errMsg string, body any) error {
 	hdr = append(hdr, errMsg...)
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
-	for _, p := range [][]byte{hdr, msg} {
-		if _, err := c.w.Write(binary.AppendUvarint(nil, uint64(len(p)))); err != nil {
+	for _, frame := range []mem.BufferSlice{{mem.SliceBuffer(hdr)}, msg} {
+		if _, err := c.w.Write(binary.AppendUvarint(nil, uint64(frame.Len()))); err != nil {
 			return err
 		}
-		if _, err := c.w.Write(p); err != nil {
-			return err
+		for _, b := range frame {
+			if _, err := c.w.Write(b.ReadOnlyData()); err != nil {
+				return err
+			}
 		}
 	}
 	return c.w.Flush()
