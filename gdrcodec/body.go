@@ -12,10 +12,10 @@ import (
 // buffers it pools from bodyPool instead of gRPC's default pool.
 //
 // gRPC's default pool has tiers of 256 B, 4, 16 and 32 KiB, then 1 MiB, and
-// clears a buffer's whole capacity each time it hands one out: a body a little
-// over 32 KiB (an inline payload under the eager threshold) cleared 1 MiB when
-// it was marshaled and again when it was received. bodyPool's tiers are every
-// power of two up to 1 MiB, so a clear costs at most twice the body.
+// clears a buffer's whole capacity each time it hands one out: with it, a body
+// a little over 32 KiB (an inline payload under the eager threshold) clears
+// 1 MiB when it is marshaled and again when it is received. bodyPool's tiers
+// are every power of two up to 1 MiB, so a clear costs at most twice the body.
 type bodyCodec struct{}
 
 // bodyPool is bodyCodec's buffer pool; bodies over 1 MiB get buffers of their
