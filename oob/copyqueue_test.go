@@ -1,0 +1,155 @@
+package oob
+
+import (
+	"bytes"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
+	"github.com/gdrpc/gdrpc/internal/leaktest"
+)
+
+// copyQueueRig is a copy queue on the fake GPU and a mapping (a
+// destination) of ranges of rangeLen bytes, one per copy.
+type copyQueueRig struct {
+	t       *testing.T
+	g       *devicebuftest.GPU
+	gpu     devicebuf.Allocator
+	mapping *devicebuf.Buffer
+	q       *copyQueue
+	closed  sync.Once
+}
+
+const rangeLen = 4096 + 3
+
+func newCopyQueueRig(t *testing.T, ranges int) *copyQueueRig {
+	g := devicebuftest.Install(t, 1)
+	gpu, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	mapping, err := gpu.Alloc(ranges * rangeLen)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, mapping.Release()) })
+	q, err := newCopyQueue(0)
+	require.NoError(t, err)
+	r := &copyQueueRig{t: t, g: g, gpu: gpu, mapping: mapping, q: q}
+	t.Cleanup(r.close) // before the fake's check of what is left
+	return r
+}
+
+// close closes the queue, once, and checks that its goroutine ended.
+func (r *copyQueueRig) close() {
+	r.closed.Do(func() {
+		r.q.close()
+		require.Empty(r.t, leaktest.Goroutines("oob.(*copyQueue).reap"))
+	})
+}
+
+func rangePattern(i int) []byte {
+	b := make([]byte, rangeLen)
+	for j := range b {
+		b[j] = byte(i*31 + j*7 + 1)
+	}
+	return b
+}
+
+// copy queues a copy of a new source holding range i's pattern into range
+// i, with an event after it, and lets go of the source: from then on only
+// the queue holds it. It may run on any goroutine.
+func (r *copyQueueRig) copy(i int) (*devicebuf.Event, error) {
+	src, err := r.gpu.Alloc(rangeLen)
+	if !assert.NoError(r.t, err) {
+		return nil, err
+	}
+	defer func() { assert.NoError(r.t, src.Release()) }()
+	assert.NoError(r.t, r.g.Poke(src.Ptr(), rangePattern(i)))
+	ev, _, err := devicebuf.NewIPCEvent(0)
+	if !assert.NoError(r.t, err) {
+		return nil, err
+	}
+	err = r.q.copyInto(r.mapping, &rtr{IPCOffset: uint64(i * rangeLen), Length: rangeLen}, src, ev)
+	return ev, err
+}
+
+// check waits for the copy into range i and compares its bytes.
+func (r *copyQueueRig) check(i int, ev *devicebuf.Event) {
+	assert.NoError(r.t, ev.Synchronize())
+	got, err := r.g.Peek(r.mapping.Ptr()+uintptr(i*rangeLen), rangeLen)
+	assert.NoError(r.t, err)
+	assert.True(r.t, bytes.Equal(rangePattern(i), got), "range %d: copied bytes differ", i)
+	assert.NoError(r.t, ev.Close())
+}
+
+// TestCopyQueue: copies queued from several goroutines at once land
+// byte-exact, each in its range; the queue's goroutine lets go of their
+// sources once they are complete, without waiting for a later copy or the
+// close; a closed queue refuses copies.
+func TestCopyQueue(t *testing.T) {
+	const workers, each = 4, 8
+	r := newCopyQueueRig(t, workers*each)
+	before := r.g.Allocations()
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			for k := range each {
+				i := w*each + k
+				ev, err := r.copy(i)
+				if assert.NoError(t, err) {
+					r.check(i, ev)
+				}
+			}
+		})
+	}
+	wg.Wait()
+
+	// The fake runs a stream's copies when it is synchronized: the last
+	// source is let go of only by the queue's goroutine.
+	ev, err := r.copy(0)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return r.g.Allocations() == before }, 10*time.Second, 50*time.Microsecond,
+		"the queue let go of the copy's source")
+	r.check(0, ev)
+
+	r.close()
+	ev, err = r.copy(1)
+	require.ErrorIs(t, err, net.ErrClosed, "a closed queue refuses copies")
+	require.NoError(t, ev.Close())
+	require.Equal(t, before, r.g.Allocations(), "a refused copy holds nothing")
+}
+
+// TestCopyQueueCloseWhileCopying: closing a queue while copies are being
+// queued ends each of them (complete, or refused with net.ErrClosed) and
+// the queue's goroutine; nothing hangs or stays held.
+func TestCopyQueueCloseWhileCopying(t *testing.T) {
+	const workers, each = 4, 50
+	r := newCopyQueueRig(t, workers*each)
+	before := r.g.Allocations()
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for w := range workers {
+		wg.Go(func() {
+			<-start
+			for k := range each {
+				i := w*each + k
+				ev, err := r.copy(i)
+				if err != nil {
+					assert.ErrorIs(t, err, net.ErrClosed)
+					if ev != nil {
+						assert.NoError(t, ev.Close())
+					}
+					return
+				}
+				r.check(i, ev)
+			}
+		})
+	}
+	close(start)
+	r.close()
+	wg.Wait()
+	require.Equal(t, before, r.g.Allocations(), "the closed queue holds no source")
+}
