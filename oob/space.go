@@ -98,12 +98,17 @@ type space struct {
 	// Ranges given back and not yet sent to the owner, and the goroutine
 	// that sends them (started at the first, it lives until close, so that
 	// a release never waits for the control lane and no release starts a
-	// goroutine): kick wakes it, stop ends it.
-	pending []heldRange
-	started bool // the sender runs
-	held    bool // notices stay queued (tests look at them)
-	kick    chan struct{}
-	stop    chan struct{}
+	// goroutine): kick wakes it, stop ends it. pendingAt indexes pending by
+	// offset: a range keeps only its latest write's notice (the owner takes
+	// an earlier one for a write it ended already), so what a peer that
+	// stops reading its control stream leaves queued is bounded by the
+	// space's size however many writes it names.
+	pending   []heldRange
+	pendingAt map[uint64]int
+	started   bool // the sender runs
+	held      bool // notices stay queued (tests look at them)
+	kick      chan struct{}
+	stop      chan struct{}
 	// last is, per aligned offset (off/spaceAlign), the number of the last
 	// write there that was given back: a descriptor naming that write or an
 	// earlier one is stale (a request gRPC replays after the server took
@@ -207,12 +212,18 @@ type spaceState struct {
 	advertising sync.Mutex
 
 	mu          sync.Mutex
-	failed      bool         // making one failed: no more
-	withdrawing bool         // the session winds down: no more spaces
-	own         []*space     // advertised to the peer, oldest first
-	peer        []*peerSpace // the peer's, oldest first
-	stopped     bool         // the session ended
-	ended       endedCalls   // the peer's calls that ended (CALL-ENDED): nothing more lands for them
+	failed      bool // making one failed: no more
+	withdrawing bool // the session winds down: no more spaces
+	// peerWithdrawing: the peer began withdrawing its spaces. Control
+	// messages are handled concurrently, so a SPACE sent before the first
+	// SPACE-WITHDRAW may be handled after it; a peer that withdraws never
+	// advertises again, so a SPACE handled from then on is refused, never
+	// written into after this side answered that nothing is.
+	peerWithdrawing bool
+	own             []*space     // advertised to the peer, oldest first
+	peer            []*peerSpace // the peer's, oldest first
+	stopped         bool         // the session ended
+	ended           endedCalls   // the peer's calls that ended (CALL-ENDED): nothing more lands for them
 }
 
 // nextSize is the size of the space to advertise after a pull of n bytes
@@ -571,7 +582,17 @@ func (sp *space) queueFreeLocked(h heldRange) {
 	if sp.closed {
 		return
 	}
-	sp.pending = append(sp.pending, h)
+	if i, ok := sp.pendingAt[h.off]; ok {
+		if h.gen >= sp.pending[i].gen {
+			sp.pending[i] = h
+		}
+	} else {
+		if sp.pendingAt == nil {
+			sp.pendingAt = map[uint64]int{}
+		}
+		sp.pendingAt[h.off] = len(sp.pending)
+		sp.pending = append(sp.pending, h)
+	}
 	if !sp.started {
 		sp.started = true
 		go sp.sendFrees()
@@ -599,6 +620,7 @@ func (sp *space) sendFrees() {
 		}
 		batch := sp.pending
 		sp.pending = nil
+		clear(sp.pendingAt)
 		closed := sp.closed
 		sp.mu.Unlock()
 		if closed {
@@ -635,7 +657,7 @@ func handleSpace(s *transport.Session, payload []byte) {
 	st := &a.space
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if len(st.peer) >= maxSpaces || st.stopped || slices.ContainsFunc(st.peer, func(p *peerSpace) bool { return p.id == m.Req }) {
+	if len(st.peer) >= maxSpaces || st.stopped || st.peerWithdrawing || slices.ContainsFunc(st.peer, func(p *peerSpace) bool { return p.id == m.Req }) {
 		cfgOf(s).Logger.Debug("receive space refused: too many, or its id taken", "session", s.ID())
 		return
 	}
@@ -789,6 +811,11 @@ func handleSpaceWithdraw(s *transport.Session, payload []byte) {
 	if err != nil {
 		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
 		return
+	}
+	if a := stateOf(s); a.link != nil { // not closedState, which all closed sessions share
+		a.space.mu.Lock()
+		a.space.peerWithdrawing = true // before the lookup: a SPACE handled later is refused
+		a.space.mu.Unlock()
 	}
 	if ps := peerSpaceByID(s, id); ps != nil {
 		ps.withdraw()

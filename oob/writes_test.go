@@ -1,6 +1,7 @@
 package oob
 
 import (
+	"context"
 	"slices"
 	"strings"
 	"testing"
@@ -292,4 +293,79 @@ func freeSenders(waiting bool) []string {
 		ids = append(ids, testenv.StackGoroutineID(head))
 	}
 	return ids
+}
+
+// A peer that names ever newer writes in WRITES-ENDED while this side's
+// SPACE-FREEs cannot go (it stopped reading its control stream) leaves one
+// notice queued per range, its latest write's: what stays queued is bounded
+// by the space's size, not by what the peer sends.
+func TestQueuedFreesBounded(t *testing.T) {
+	cs, ss := tcpPair(t, transport.WithTrustPeers(true))
+	sp, _ := requestSpace(t, cs, ss, 33)
+	sp.mu.Lock()
+	sp.held = true // the notices stay queued, as behind a control stream nobody reads
+	sp.mu.Unlock()
+	ranges := uint64(sp.region.Len() / spaceAlign)
+	latest := map[uint64]uint64{} // offset -> the newest write named there
+	gen := uint64(0)
+	for range 64 {
+		ws := make([]spaceWrite, 0, maxCallTaken)
+		for i := range uint64(maxCallTaken) {
+			gen++
+			off := i % ranges * spaceAlign
+			ws = append(ws, spaceWrite{spaceRange{sp.id, off, gen}, spaceAlign})
+			latest[off] = gen
+		}
+		handleWritesEnded(ss, writesEnded(ws))
+	}
+	sp.mu.Lock()
+	pending := slices.Clone(sp.pending)
+	sp.mu.Unlock()
+	require.Equal(t, int(ranges), len(pending), "one notice per range of the space")
+	for _, h := range pending {
+		require.Equal(t, latest[h.off], h.gen, "the notice at offset %d names its latest write", h.off)
+	}
+	markClosed(sp)
+}
+
+// A SPACE handled after a SPACE-WITHDRAW (the receiver sent it first, but
+// the two went to concurrent handlers) is refused: the owner answered the
+// withdrawal already, and never writes into the space. Handled in order, the
+// space is taken, and the withdrawal closes it.
+func TestSpaceAfterWithdrawRefused(t *testing.T) {
+	cs, ss := tcpPair(t, transport.WithTrustPeers(true))
+	const id = 34
+	mem := make([]byte, 64<<10)
+	sp := makeSpace(id, ss, devicebuf.HostFromBytes(mem), PathRDMA)
+	st := &stateOf(ss).space
+	st.mu.Lock()
+	st.own = append(st.own, sp)
+	st.mu.Unlock()
+	spaces.Store(sp.id, sp)
+	t.Cleanup(func() { spaces.Delete(sp.id) })
+
+	// The owner's handler of the SPACE runs only once the receiver has the
+	// answer to its withdrawal, sent after the SPACE.
+	handled := make(chan *peerSpace)
+	intercept(t, ctlSpace, cs, func(p []byte) {
+		<-sp.withdrawn
+		handleSpace(cs, p)
+		handled <- peerSpaceByID(cs, id)
+	})
+	m := &spaceMsg{rtr: rtr{Req: id, Length: uint64(len(mem)), Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}}
+	require.NoError(t, sendControl(context.Background(), ss, ctlSpace, m.marshal())) // as maybeAdvertise
+	withdrawSpace(stateOf(ss))                                                       // as Linger
+	select {
+	case <-sp.withdrawn:
+	default:
+		t.Fatal("the withdrawal was not answered")
+	}
+	require.Nil(t, <-handled, "the owner takes a space whose withdrawal it answered")
+
+	// In order, on another pair: taken, then closed by the withdrawal.
+	cs, ss = tcpPair(t, transport.WithTrustPeers(true))
+	_, ps := requestSpace(t, cs, ss, 35)
+	handleSpaceWithdraw(cs, rangeNotice(35, 0, 0))
+	_, _, ok := ps.take(4096, 0)
+	require.False(t, ok, "a withdrawn space takes no write")
 }
