@@ -148,38 +148,34 @@ func walkDeviceBuffers(m protoreflect.Message, fn func(*gdrv1.DeviceBuffer)) {
 	if !mayCarry(m.Descriptor()) {
 		return
 	}
-	m.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
-		if valueMessage(fd) == nil {
-			return true
+	for _, fd := range carryingFields(m) {
+		if valueMessage(fd) == nil || !m.Has(fd) {
+			continue
 		}
-		each(fd, v, func(v protoreflect.Value) {
-			if db, ok := v.Message().Interface().(*gdrv1.DeviceBuffer); ok {
-				fn(db)
-				return
+		switch v := m.Get(fd); {
+		case fd.IsList():
+			l := v.List()
+			for i := 0; i < l.Len(); i++ {
+				walkValue(l.Get(i), fn)
 			}
-			walkDeviceBuffers(v.Message(), fn)
-		})
-		return true
-	})
+		case fd.IsMap():
+			v.Map().Range(func(_ protoreflect.MapKey, mv protoreflect.Value) bool {
+				walkValue(mv, fn)
+				return true
+			})
+		default:
+			walkValue(v, fn)
+		}
+	}
 }
 
-// each calls fn for the value of a singular field, each element of a list and
-// each value of a map.
-func each(fd protoreflect.FieldDescriptor, v protoreflect.Value, fn func(protoreflect.Value)) {
-	switch {
-	case fd.IsList():
-		l := v.List()
-		for i := 0; i < l.Len(); i++ {
-			fn(l.Get(i))
-		}
-	case fd.IsMap():
-		v.Map().Range(func(_ protoreflect.MapKey, mv protoreflect.Value) bool {
-			fn(mv)
-			return true
-		})
-	default:
-		fn(v)
+// walkValue is walkDeviceBuffers for one message value of a field.
+func walkValue(v protoreflect.Value, fn func(*gdrv1.DeviceBuffer)) {
+	if db, ok := v.Message().Interface().(*gdrv1.DeviceBuffer); ok {
+		fn(db)
+		return
 	}
+	walkDeviceBuffers(v.Message(), fn)
 }
 
 // valueMessage returns the message type of fd's values (a map's value type for

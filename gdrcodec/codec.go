@@ -216,6 +216,60 @@ func mayCarry(md protoreflect.MessageDescriptor) bool {
 	return r
 }
 
+// A carrier is what the codec knows of a message type: the fields that may
+// hold a payload (marked bytes fields, and fields of message types that may
+// carry one). Walks of a message visit those alone, not every populated
+// field: most fields of a request (names, shapes, options) cannot.
+type carrier struct {
+	md     protoreflect.MessageDescriptor
+	fields []protoreflect.FieldDescriptor
+	// ext: the type has extension ranges, and an extension may carry a
+	// payload too: its walks take every populated field.
+	ext bool
+}
+
+var carriers sync.Map // protoreflect.FullName -> *carrier
+
+// carryingFields returns the fields of m to walk for payloads: those of its
+// type that may hold one, or, where the type has extensions, every
+// populated field. A walk skips those m does not have.
+func carryingFields(m protoreflect.Message) []protoreflect.FieldDescriptor {
+	md := m.Descriptor()
+	var c *carrier
+	if v, ok := carriers.Load(md.FullName()); ok && v.(*carrier).md == md {
+		c = v.(*carrier)
+	} else {
+		c = newCarrier(md)
+		if !ok {
+			// Kept per name, for the first descriptor of the name: a
+			// carrier's fields belong to its own descriptor, so another
+			// one of that name (a dynamic message's) gets one made anew.
+			carriers.LoadOrStore(md.FullName(), c)
+		}
+	}
+	if !c.ext {
+		return c.fields
+	}
+	var all []protoreflect.FieldDescriptor
+	m.Range(func(fd protoreflect.FieldDescriptor, _ protoreflect.Value) bool {
+		all = append(all, fd)
+		return true
+	})
+	return all
+}
+
+func newCarrier(md protoreflect.MessageDescriptor) *carrier {
+	c := &carrier{md: md, ext: md.ExtensionRanges().Len() > 0}
+	fields := md.Fields()
+	for i := range fields.Len() {
+		fd := fields.Get(i)
+		if sub := valueMessage(fd); marked(fd) || sub != nil && mayCarry(sub) {
+			c.fields = append(c.fields, fd)
+		}
+	}
+	return c
+}
+
 func search(md protoreflect.MessageDescriptor, seen map[protoreflect.FullName]bool) bool {
 	if md.FullName() == deviceBufferName {
 		return true
@@ -335,13 +389,13 @@ func (w *rewriter) message(m protoreflect.Message) (protoreflect.Message, error)
 		return nil, nil
 	}
 	var out protoreflect.Message
-	var err error
-	m.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
-		var nv protoreflect.Value
-		var changed bool
-		nv, changed, err = w.field(m, fd, v)
+	for _, fd := range carryingFields(m) {
+		if !m.Has(fd) {
+			continue
+		}
+		nv, changed, err := w.field(m, fd, m.Get(fd))
 		if err != nil {
-			return false
+			return nil, err
 		}
 		if changed {
 			if out == nil {
@@ -349,9 +403,8 @@ func (w *rewriter) message(m protoreflect.Message) (protoreflect.Message, error)
 			}
 			out.Set(fd, nv)
 		}
-		return true
-	})
-	return out, err
+	}
+	return out, nil
 }
 
 func shallowCopy(m protoreflect.Message) protoreflect.Message {
@@ -366,23 +419,22 @@ func shallowCopy(m protoreflect.Message) protoreflect.Message {
 	return out
 }
 
+// value returns what to send for v, one value of field fd (an element of a
+// list, a map's value), and whether it differs from v.
+func (w *rewriter) value(fd protoreflect.FieldDescriptor, v protoreflect.Value) (protoreflect.Value, bool, error) {
+	if marked(fd) {
+		b, changed := w.bytesField(v.Bytes())
+		return protoreflect.ValueOfBytes(b), changed, nil
+	}
+	out, err := w.message(v.Message())
+	if out == nil || err != nil {
+		return v, false, err
+	}
+	return protoreflect.ValueOfMessage(out), true, nil
+}
+
 func (w *rewriter) field(parent protoreflect.Message, fd protoreflect.FieldDescriptor, v protoreflect.Value) (protoreflect.Value, bool, error) {
-	var one func(protoreflect.Value) (protoreflect.Value, bool, error)
-	switch {
-	case marked(fd):
-		one = func(v protoreflect.Value) (protoreflect.Value, bool, error) {
-			b, changed := w.bytesField(v.Bytes())
-			return protoreflect.ValueOfBytes(b), changed, nil
-		}
-	case valueMessage(fd) != nil && mayCarry(valueMessage(fd)):
-		one = func(v protoreflect.Value) (protoreflect.Value, bool, error) {
-			out, err := w.message(v.Message())
-			if out == nil || err != nil {
-				return v, false, err
-			}
-			return protoreflect.ValueOfMessage(out), true, nil
-		}
-	default:
+	if sub := valueMessage(fd); !marked(fd) && (sub == nil || !mayCarry(sub)) {
 		return v, false, nil
 	}
 	switch {
@@ -390,7 +442,7 @@ func (w *rewriter) field(parent protoreflect.Message, fd protoreflect.FieldDescr
 		l := v.List()
 		var nl protoreflect.List
 		for i := 0; i < l.Len(); i++ {
-			e, changed, err := one(l.Get(i))
+			e, changed, err := w.value(fd, l.Get(i))
 			if err != nil {
 				return v, false, err
 			}
@@ -419,7 +471,7 @@ func (w *rewriter) field(parent protoreflect.Message, fd protoreflect.FieldDescr
 		mp.Range(func(k protoreflect.MapKey, e protoreflect.Value) bool {
 			var ne protoreflect.Value
 			var changed bool
-			ne, changed, err = one(e)
+			ne, changed, err = w.value(fd, e)
 			if changed {
 				changedKVs = append(changedKVs, kv{k, ne})
 			}
@@ -438,7 +490,7 @@ func (w *rewriter) field(parent protoreflect.Message, fd protoreflect.FieldDescr
 		}
 		return protoreflect.ValueOfMap(nm), true, nil
 	default:
-		return one(v)
+		return w.value(fd, v)
 	}
 }
 
@@ -605,18 +657,39 @@ func collect(m protoreflect.Message, outOfBand bool, o *options, jobs *[]job) er
 	if !mayCarry(m.Descriptor()) {
 		return nil
 	}
-	var err error
-	m.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
-		switch {
-		case marked(fd) && outOfBand:
-			err = bytesJobs(m, fd, v, jobs)
-		case valueMessage(fd) != nil:
-			each(fd, v, func(v protoreflect.Value) {
-				if err == nil {
-					err = collect(v.Message(), outOfBand, o, jobs)
-				}
-			})
+	for _, fd := range carryingFields(m) {
+		if !m.Has(fd) {
+			continue
 		}
+		var err error
+		switch v := m.Get(fd); {
+		case marked(fd):
+			if outOfBand {
+				err = bytesJobs(m, fd, v, jobs)
+			}
+		case valueMessage(fd) == nil:
+		case fd.IsList():
+			l := v.List()
+			for i := 0; i < l.Len() && err == nil; i++ {
+				err = collect(l.Get(i).Message(), outOfBand, o, jobs)
+			}
+		case fd.IsMap():
+			err = collectMap(v.Map(), outOfBand, o, jobs)
+		default:
+			err = collect(v.Message(), outOfBand, o, jobs)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// collectMap is collect for the values of a map field.
+func collectMap(mp protoreflect.Map, outOfBand bool, o *options, jobs *[]job) error {
+	var err error
+	mp.Range(func(_ protoreflect.MapKey, v protoreflect.Value) bool {
+		err = collect(v.Message(), outOfBand, o, jobs)
 		return err == nil
 	})
 	return err
