@@ -143,8 +143,13 @@ func Attached() int {
 // since the process started (tests check for leaks).
 func Leaked() int64 { return leaked.Load() }
 
-// walkDeviceBuffers calls fn for every DeviceBuffer message set in m.
+// walkDeviceBuffers calls fn for every DeviceBuffer message set in m, m
+// itself if it is one (a method's request or response may be).
 func walkDeviceBuffers(m protoreflect.Message, fn func(*gdrv1.DeviceBuffer)) {
+	if db, ok := m.Interface().(*gdrv1.DeviceBuffer); ok {
+		fn(db)
+		return
+	}
 	if !mayCarry(m.Descriptor()) {
 		return
 	}
@@ -156,26 +161,17 @@ func walkDeviceBuffers(m protoreflect.Message, fn func(*gdrv1.DeviceBuffer)) {
 		case fd.IsList():
 			l := v.List()
 			for i := 0; i < l.Len(); i++ {
-				walkValue(l.Get(i), fn)
+				walkDeviceBuffers(l.Get(i).Message(), fn)
 			}
 		case fd.IsMap():
 			v.Map().Range(func(_ protoreflect.MapKey, mv protoreflect.Value) bool {
-				walkValue(mv, fn)
+				walkDeviceBuffers(mv.Message(), fn)
 				return true
 			})
 		default:
-			walkValue(v, fn)
+			walkDeviceBuffers(v.Message(), fn)
 		}
 	}
-}
-
-// walkValue is walkDeviceBuffers for one message value of a field.
-func walkValue(v protoreflect.Value, fn func(*gdrv1.DeviceBuffer)) {
-	if db, ok := v.Message().Interface().(*gdrv1.DeviceBuffer); ok {
-		fn(db)
-		return
-	}
-	walkDeviceBuffers(v.Message(), fn)
 }
 
 // valueMessage returns the message type of fd's values (a map's value type for

@@ -172,17 +172,18 @@ func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
 
 func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	defer trace.StartRegion(context.Background(), "gdrpc.unmarshal").End()
-	if err := bodies.Unmarshal(data, v); err != nil {
+	vv := messageV2Of(v)
+	carries := vv != nil && mayCarry(vv.ProtoReflect().Descriptor())
+	if carries {
+		// The decode resets v: what an earlier one attached to it (a
+		// stream's message received into the same value) would be lost,
+		// never released.
+		ReleaseAll(vv)
+	}
+	if err := bodies.Unmarshal(data, v); err != nil || !carries {
 		return err
 	}
-	vv := messageV2Of(v)
-	if vv == nil {
-		return nil // the base codec refused it already
-	}
 	m := vv.ProtoReflect()
-	if !mayCarry(m.Descriptor()) {
-		return nil
-	}
 	if err := resolve(decodeContext(v, m), m, c.oob, c.options()); err != nil {
 		return receiveFailed(v, c.oob, err)
 	}
@@ -589,28 +590,45 @@ func ParseDescriptor(db *gdrv1.DeviceBuffer) (oob.Descriptor, bool, error) {
 
 // job is one payload to resolve in a received message.
 type job struct {
-	n    uint64 // the payload's length: what run allocates
-	run  func(ctx context.Context) error
-	undo func() // releases what run produced, when another job failed
+	n   uint64 // the payload's length: what run allocates
+	run func(ctx context.Context) error
 	// discarded, if not nil, runs instead of run when the message is refused
 	// (a payload already in this process's receive space gives its range back).
 	discarded func()
 }
 
 func resolve(ctx context.Context, m protoreflect.Message, outOfBand bool, o *options) error {
-	var jobs []job
-	err := collect(m, outOfBand, o, &jobs)
+	c := collected{outOfBand: outOfBand, o: o}
+	err := c.collect(m)
 	if err == nil {
-		err = withinLimit(jobs, o.maxReceivePayload())
+		err = withinLimit(c.jobs, o.maxReceivePayload())
 	}
-	if err != nil {
-		for _, j := range jobs {
+	if err == nil {
+		err = runJobs(ctx, c.jobs)
+	} else {
+		for _, j := range c.jobs {
 			if j.discarded != nil {
 				j.discarded()
 			}
 		}
-		return err
 	}
+	if err != nil {
+		// What the message holds is not handed on: inline payloads were
+		// attached as they were found, and pulls that went well attached
+		// theirs.
+		ReleaseAll(m.Interface())
+	}
+	return err
+}
+
+// maxParallelPulls bounds the goroutines that run one message's pulls; the
+// session's Limits.Pulls bounds the pulls under way.
+const maxParallelPulls = 16
+
+// runJobs runs jobs, several at once, and returns the first one's error of
+// those that failed; after a failure, the jobs not yet started are
+// discarded instead.
+func runJobs(ctx context.Context, jobs []job) error {
 	switch len(jobs) {
 	case 0:
 		return nil
@@ -618,20 +636,25 @@ func resolve(ctx context.Context, m protoreflect.Message, outOfBand bool, o *opt
 		return jobs[0].run(ctx)
 	}
 	errs := make([]error, len(jobs))
+	var next atomic.Int64
+	var failed atomic.Bool
 	var wg sync.WaitGroup
-	for i, j := range jobs {
-		wg.Go(func() { errs[i] = j.run(ctx) })
+	for range min(len(jobs), maxParallelPulls) {
+		wg.Go(func() {
+			for i := int(next.Add(1) - 1); i < len(jobs); i = int(next.Add(1) - 1) {
+				switch {
+				case !failed.Load():
+					if errs[i] = jobs[i].run(ctx); errs[i] != nil {
+						failed.Store(true)
+					}
+				case jobs[i].discarded != nil:
+					jobs[i].discarded()
+				}
+			}
+		})
 	}
 	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
-		for i, j := range jobs {
-			if errs[i] == nil && j.undo != nil {
-				j.undo()
-			}
-		}
-		return firstStatus(errs)
-	}
-	return nil
+	return firstStatus(errs)
 }
 
 func firstStatus(errs []error) error {
@@ -643,14 +666,35 @@ func firstStatus(errs []error) error {
 	return nil
 }
 
-func collect(m protoreflect.Message, outOfBand bool, o *options, jobs *[]job) error {
+// collected is what a received message's walk found: the payloads to pull,
+// and how many payloads it holds (inline ones, attached as they were found,
+// among them), which MaxPayloads bounds.
+type collected struct {
+	outOfBand bool
+	o         *options
+	jobs      []job
+	payloads  int
+}
+
+// count counts one more payload of the message.
+func (c *collected) count() error {
+	if c.payloads++; c.payloads > MaxPayloads {
+		return codecError(codes.ResourceExhausted, "the message carries more than %d payloads (gdrcodec.MaxPayloads)", MaxPayloads)
+	}
+	return nil
+}
+
+func (c *collected) collect(m protoreflect.Message) error {
 	if db, ok := m.Interface().(*gdrv1.DeviceBuffer); ok {
-		j, err := deviceBufferJob(db, o)
+		if err := c.count(); err != nil {
+			return err
+		}
+		j, err := deviceBufferJob(db, c.o)
 		if err != nil {
 			return err
 		}
 		if j.run != nil {
-			*jobs = append(*jobs, j)
+			c.jobs = append(c.jobs, j)
 		}
 		return nil
 	}
@@ -664,19 +708,19 @@ func collect(m protoreflect.Message, outOfBand bool, o *options, jobs *[]job) er
 		var err error
 		switch v := m.Get(fd); {
 		case marked(fd):
-			if outOfBand {
-				err = bytesJobs(m, fd, v, jobs)
+			if c.outOfBand {
+				err = c.bytesJobs(m, fd, v)
 			}
 		case valueMessage(fd) == nil:
 		case fd.IsList():
 			l := v.List()
 			for i := 0; i < l.Len() && err == nil; i++ {
-				err = collect(l.Get(i).Message(), outOfBand, o, jobs)
+				err = c.collect(l.Get(i).Message())
 			}
 		case fd.IsMap():
-			err = collectMap(v.Map(), outOfBand, o, jobs)
+			err = c.collectMap(v.Map())
 		default:
-			err = collect(v.Message(), outOfBand, o, jobs)
+			err = c.collect(v.Message())
 		}
 		if err != nil {
 			return err
@@ -686,10 +730,10 @@ func collect(m protoreflect.Message, outOfBand bool, o *options, jobs *[]job) er
 }
 
 // collectMap is collect for the values of a map field.
-func collectMap(mp protoreflect.Map, outOfBand bool, o *options, jobs *[]job) error {
+func (c *collected) collectMap(mp protoreflect.Map) error {
 	var err error
 	mp.Range(func(_ protoreflect.MapKey, v protoreflect.Value) bool {
-		err = collect(v.Message(), outOfBand, o, jobs)
+		err = c.collect(v.Message())
 		return err == nil
 	})
 	return err
@@ -712,13 +756,19 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer, o *options) (job, error) {
 		if uint64(len(db.Inline)) != db.Length {
 			return job{}, codecError(codes.InvalidArgument, "inline payload of %d bytes, descriptor says %d", len(db.Inline), db.Length)
 		}
+		if db.Kind != gdrv1.Kind_KIND_HOST && db.Kind != gdrv1.Kind_KIND_CUDA {
+			return job{}, codecError(codes.InvalidArgument, "inline payload of unknown kind %d", db.Kind)
+		}
 		if db.Length == 0 && db.Kind == gdrv1.Kind_KIND_HOST {
 			return job{}, nil // an empty DeviceBuffer: nothing attached
 		}
 		var b *devicebuf.Buffer
-		if alloc.Kind() == devicebuf.Host {
+		switch {
+		case db.Length == 0:
+			b = devicebuf.HostFromBytes(nil) // an empty payload: nothing to allocate, as for an empty pull
+		case alloc.Kind() == devicebuf.Host:
 			b = devicebuf.HostFromBytes(db.Inline) // the message's own copy: no second one
-		} else {
+		default:
 			src := devicebuf.HostFromBytes(db.Inline)
 			b, err = alloc.Alloc(len(db.Inline))
 			if err == nil {
@@ -748,29 +798,24 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer, o *options) (job, error) {
 			db.Owner, db.Token = nil, nil
 			return nil
 		},
-		undo: func() {
-			if b := Detach(db); b != nil {
-				b.Release()
-			}
-		},
 		discarded: func() { oob.Discard(d) },
 	}, nil
 }
 
-func bytesJobs(m protoreflect.Message, fd protoreflect.FieldDescriptor, v protoreflect.Value, jobs *[]job) error {
+func (c *collected) bytesJobs(m protoreflect.Message, fd protoreflect.FieldDescriptor, v protoreflect.Value) error {
 	if fd.IsList() {
 		l := v.List()
 		for i := 0; i < l.Len(); i++ {
-			if err := bytesJob(l.Get(i).Bytes(), func(b []byte) { l.Set(i, protoreflect.ValueOfBytes(b)) }, jobs); err != nil {
+			if err := c.bytesJob(l.Get(i).Bytes(), func(b []byte) { l.Set(i, protoreflect.ValueOfBytes(b)) }); err != nil {
 				return err
 			}
 		}
 		return nil
 	}
-	return bytesJob(v.Bytes(), func(b []byte) { m.Set(fd, protoreflect.ValueOfBytes(b)) }, jobs)
+	return c.bytesJob(v.Bytes(), func(b []byte) { m.Set(fd, protoreflect.ValueOfBytes(b)) })
 }
 
-func bytesJob(b []byte, set func([]byte), jobs *[]job) error {
+func (c *collected) bytesJob(b []byte, set func([]byte)) error {
 	if !bytes.HasPrefix(b, bytesMagic) || len(b) == len(bytesMagic) {
 		return nil
 	}
@@ -797,7 +842,10 @@ func bytesJob(b []byte, set func([]byte), jobs *[]job) error {
 	if err != nil {
 		return codecError(codes.InvalidArgument, "%v", err)
 	}
-	*jobs = append(*jobs, job{n: d.Length, run: func(ctx context.Context) error {
+	if err := c.count(); err != nil {
+		return err
+	}
+	c.jobs = append(c.jobs, job{n: d.Length, run: func(ctx context.Context) error {
 		// The bytes are allocated only once a session to the owner has room
 		// for them.
 		p := []byte{}

@@ -17,10 +17,10 @@ import (
 	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/status"
 	"google.golang.org/grpc/tap"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
 
+	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
 	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -592,13 +592,18 @@ func (s *requestStream) SendMsg(m any) error {
 type serverStats struct{}
 
 type callMessages struct {
-	mu       sync.Mutex
-	in       []proto.Message
-	method   string
-	decoding bool                   // a unary call, counted in decoding until its request is decoded
-	failed   map[any]*status.Status // request -> its failed pull
-	landed   map[any]landedPayloads // response not yet reported sent -> its payloads in the client's receive space
-	unsent   any                    // a unary call's response until it is reported sent
+	mu sync.Mutex
+	// held is what the call's received messages had attached, released when
+	// the call ends; once it reaches pruneHeld, what the handler released
+	// or took leaves it (a long stream's). The DeviceBuffers, not their
+	// messages: a message the handler no longer holds is collected.
+	held      []*gdrv1.DeviceBuffer
+	pruneHeld int
+	method    string
+	decoding  bool                   // a unary call, counted in decoding until its request is decoded
+	failed    map[any]*status.Status // request -> its failed pull
+	landed    map[any]landedPayloads // response not yet reported sent -> its payloads in the client's receive space
+	unsent    any                    // a unary call's response until it is reported sent
 	// clientCall is the client's number for the call (oob.CallHeader), 0
 	// if it gave none: what lands in its space is written for that call.
 	clientCall uint64
@@ -663,7 +668,15 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		if m := messageV2Of(s.Payload); m != nil && mayCarry(m.ProtoReflect().Descriptor()) {
 			st, _ := failures.take(s.Payload)
 			c.mu.Lock()
-			c.in = append(c.in, m)
+			walkDeviceBuffers(m.ProtoReflect(), func(db *gdrv1.DeviceBuffer) {
+				if _, ok := Buffer(db); ok {
+					c.held = append(c.held, db)
+				}
+			})
+			if len(c.held) >= max(c.pruneHeld, maxNoted) {
+				c.held = slices.DeleteFunc(c.held, func(db *gdrv1.DeviceBuffer) bool { _, ok := Buffer(db); return !ok })
+				c.pruneHeld = 2 * len(c.held)
+			}
 			if st != nil {
 				if c.failed == nil {
 					c.failed = map[any]*status.Status{}
@@ -689,11 +702,13 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
 			c.mu.Lock()
 			c.decoded()
-			in, landed, unsent := c.in, c.landed, c.unsent
-			c.in, c.failed, c.landed, c.unsent = nil, nil, nil, nil
+			held, landed, unsent := c.held, c.landed, c.unsent
+			c.held, c.failed, c.landed, c.unsent = nil, nil, nil, nil
 			c.mu.Unlock()
-			for _, m := range in {
-				ReleaseAll(m)
+			for _, db := range held {
+				if b := Detach(db); b != nil {
+					b.Release()
+				}
 			}
 			for _, l := range landed {
 				l.reclaim()

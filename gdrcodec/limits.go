@@ -28,6 +28,13 @@ func (o *options) maxReceivePayload() uint64 {
 	return DefaultMaxReceivePayload
 }
 
+// MaxPayloads bounds the payloads one received message may carry: its
+// DeviceBuffers and the marked bytes fields that name a payload. A message
+// with more fails with ResourceExhausted, before anything is pulled: each
+// payload costs an attachment or a pull, and gRPC's limit on the message's
+// size alone lets 4 MiB of descriptors name a million.
+const MaxPayloads = 4096
+
 // withinLimit refuses a message whose payloads add up to more than the
 // receive limit.
 func withinLimit(jobs []job, limit uint64) error {

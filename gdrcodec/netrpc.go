@@ -136,11 +136,12 @@ func (c *netrpcConn) readBody(v any) error {
 	if m == nil {
 		return fmt.Errorf("gdrcodec: net/rpc body %T is not a proto.Message", v)
 	}
-	if err := proto.Unmarshal(p, m); err != nil {
-		return err
+	carries := mayCarry(m.ProtoReflect().Descriptor())
+	if carries {
+		ReleaseAll(m) // as codec.Unmarshal: the decode resets m
 	}
-	if !mayCarry(m.ProtoReflect().Descriptor()) {
-		return nil
+	if err := proto.Unmarshal(p, m); err != nil || !carries {
+		return err
 	}
 	ctx := context.Background()
 	if nc, ok := c.rwc.(net.Conn); ok {

@@ -1,0 +1,122 @@
+package gdrcodec_test
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
+	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
+)
+
+// inlineInto registers the codec with received inline payloads placed in
+// the fake GPU's memory, so that what a decode allocates shows.
+func inlineIntoGPU(t *testing.T) *devicebuftest.GPU {
+	g := devicebuftest.Install(t, 1)
+	gpu, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
+	t.Cleanup(func() { gdrcodec.Register() })
+	return g
+}
+
+// decode marshals m as a peer would send it and decodes it with the gdr
+// codec into got.
+func decode(t *testing.T, m proto.Message, got proto.Message) error {
+	t.Helper()
+	body, err := proto.Marshal(m)
+	require.NoError(t, err)
+	return gdrcodec.UnmarshalForTest(body, got)
+}
+
+// A malformed descriptor: an owner, and a token one byte short.
+func malformed() *gdrv1.DeviceBuffer {
+	return &gdrv1.DeviceBuffer{Length: 4, Owner: make([]byte, 16), Token: make([]byte, 15)}
+}
+
+// A message whose decode fails after some of its inline payloads were
+// placed gives them back: nothing stays attached or allocated.
+func TestFailedDecodeReleasesPayloads(t *testing.T) {
+	g := inlineIntoGPU(t)
+	attached, allocs := gdrcodec.Attached(), g.Allocations()
+	m := &tensorpb.Tensor{Data: &gdrv1.DeviceBuffer{Length: 3, Inline: []byte("abc")}}
+	for range 8 {
+		m.Parts = append(m.Parts, &gdrv1.DeviceBuffer{Kind: gdrv1.Kind_KIND_CUDA, Length: 1024, Inline: make([]byte, 1024)})
+	}
+	m.Parts = append(m.Parts, malformed())
+	var got tensorpb.Tensor
+	err := decode(t, m, &got)
+	require.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
+	require.Equal(t, attached, gdrcodec.Attached(), "attachments left by a failed decode")
+	require.Equal(t, allocs, g.Allocations(), "GPU allocations left by a failed decode")
+}
+
+// A decode into a value that holds an earlier decode's payloads (a stream's
+// messages received into one value) releases them first: the decode resets
+// the value, and nothing else could.
+func TestDecodeIntoUsedValue(t *testing.T) {
+	g := inlineIntoGPU(t)
+	allocs := g.Allocations()
+	m := &tensorpb.Tensor{Data: &gdrv1.DeviceBuffer{Kind: gdrv1.Kind_KIND_CUDA, Length: 3, Inline: []byte("abc")}}
+	var got tensorpb.Tensor
+	require.NoError(t, decode(t, m, &got))
+	require.NoError(t, decode(t, m, &got))
+	require.Equal(t, allocs+1, g.Allocations(), "the first decode's payload is freed")
+	gdrcodec.ReleaseAll(&got)
+	require.Equal(t, allocs, g.Allocations())
+}
+
+// A message carries at most MaxPayloads payloads; one with more fails with
+// ResourceExhausted, and what was placed before the count ran out is given
+// back.
+func TestMaxPayloads(t *testing.T) {
+	attached := gdrcodec.Attached()
+	m := &tensorpb.Tensor{}
+	for range gdrcodec.MaxPayloads {
+		m.Parts = append(m.Parts, &gdrv1.DeviceBuffer{Length: 1, Inline: []byte{1}})
+	}
+	var got tensorpb.Tensor
+	require.NoError(t, decode(t, m, &got))
+	require.Equal(t, attached+gdrcodec.MaxPayloads, gdrcodec.Attached())
+	gdrcodec.ReleaseAll(&got)
+	require.Equal(t, attached, gdrcodec.Attached())
+
+	// Empty payloads of a GPU count too: each would be an attachment.
+	m.Parts = append(m.Parts, &gdrv1.DeviceBuffer{Kind: gdrv1.Kind_KIND_CUDA})
+	err := decode(t, m, &got)
+	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+	require.Equal(t, attached, gdrcodec.Attached())
+}
+
+// An empty inline payload of a GPU arrives as an empty buffer without an
+// allocation (a GPU allocator refuses 0 bytes); an inline payload of a kind
+// gdrpc does not know is refused.
+func TestEmptyAndUnknownInlinePayloads(t *testing.T) {
+	g := inlineIntoGPU(t)
+	allocs := g.Allocations()
+	var got tensorpb.Tensor
+	m := &tensorpb.Tensor{Parts: []*gdrv1.DeviceBuffer{
+		{Kind: gdrv1.Kind_KIND_CUDA},
+		{Kind: gdrv1.Kind_KIND_CUDA, Length: 1, Inline: []byte{7}},
+	}}
+	require.NoError(t, decode(t, m, &got))
+	empty, ok := gdrcodec.Buffer(got.Parts[0])
+	require.True(t, ok)
+	require.Zero(t, empty.Len())
+	one, ok := gdrcodec.Buffer(got.Parts[1])
+	require.True(t, ok)
+	require.Equal(t, devicebuf.CUDA, one.Kind())
+	require.Equal(t, allocs+1, g.Allocations(), "one allocation, for the byte")
+	gdrcodec.ReleaseAll(&got)
+
+	m.Parts[1].Kind = gdrv1.Kind(7)
+	err := decode(t, m, &got)
+	require.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
+	require.Equal(t, allocs, g.Allocations())
+}
