@@ -278,12 +278,21 @@ type pull struct {
 	chunksGone chan struct{} // closed when the reader of chunks stopped
 	bulk       chan error    // the bulk stream's outcome (buffered 1)
 
-	offers   Path // the paths the RTR offered
+	offers Path // the paths the RTR offered
+	// answered: the owner's FIN came, so it writes into dst no more (a
+	// stream's bytes go through a reader the pull controls): a caller that
+	// gives up now leaves nothing to wait for.
+	answered bool
 	settle   sync.Once
 	after    []func()      // run once the owner can no longer write into dst
 	claimed  bool          // a bulk reader took the pull; guarded by pulls
 	reading  chan struct{} // while a bulk reader writes into dst: closed when it stops; guarded by pulls
 	detached bool          // settled: no bulk reader may write into dst; guarded by pulls
+	// bounce is a bulk lane reader's host buffer for a GPU dst, between
+	// two frames of the transfer too; it goes when the pull settles at the
+	// latest, so an owner that stops sending mid-transfer pins nothing
+	// past the pull's life.
+	bounce atomic.Pointer[devicebuf.Buffer]
 }
 
 var pulls = struct {
@@ -318,11 +327,19 @@ func (p *pull) settled() {
 		if reading != nil {
 			<-reading // bounded: a read into dst has a deadline and dies with the session
 		}
+		p.dropBounce()
 		for i := len(p.after) - 1; i >= 0; i-- {
 			p.after[i]()
 		}
 		p.dst.Release()
 	})
+}
+
+// dropBounce frees the pull's bulk lane bounce buffer, if it has one.
+func (p *pull) dropBounce() {
+	if b := p.bounce.Swap(nil); b != nil {
+		b.Release()
+	}
 }
 
 // Fetch pulls the payload d names into dst (d.Length bytes) and returns the path
@@ -636,6 +653,7 @@ func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devi
 	r = trace.StartRegion(ctx, "gdrpc.wait-fin")
 	select {
 	case f = <-p.fin:
+		p.answered = true
 	case <-ctx.Done():
 		p.abandon()
 		return PathNone, sessionError(d.Token, s, ctx, ctx.Err())
@@ -1041,10 +1059,10 @@ type laneXfer struct {
 	p     *pull // nil: the transfer's pieces are read and dropped
 	total uint64
 	got   uint64
-	// GPU destinations: pieces gather in a host bounce buffer, copied on to
-	// the GPU when full and at the end. held bytes of it wait, from got-held.
-	bounce *devicebuf.Buffer
-	held   int
+	// GPU destinations: pieces gather in a host bounce buffer (the pull's),
+	// copied on to the GPU when full and at the end. held bytes of it wait,
+	// from got-held.
+	held int
 }
 
 // newLaneXfer starts the transfer f begins: into the pull it names (claimFor),
@@ -1088,13 +1106,15 @@ func (x *laneXfer) read(r io.Reader, n int) error {
 		_, err = io.ReadFull(r, b[off:x.got])
 		return err
 	}
-	if x.bounce == nil {
+	bounce := x.p.bounce.Load() // only this reader sets it while the pull lives
+	if bounce == nil {
 		var err error
-		if x.bounce, err = devicebuf.NewHostAllocator().Alloc(int(min(uint64(cfgOf(x.p.s).StagingChunk), x.total))); err != nil {
+		if bounce, err = devicebuf.NewHostAllocator().Alloc(int(min(uint64(cfgOf(x.p.s).StagingChunk), x.total))); err != nil {
 			return drop(err)
 		}
+		x.p.bounce.Store(bounce)
 	}
-	hb, _ := x.bounce.HostBytes()
+	hb, _ := bounce.HostBytes()
 	for n > 0 {
 		k := min(n, len(hb)-x.held)
 		if _, err := io.ReadFull(r, hb[x.held:x.held+k]); err != nil {
@@ -1103,7 +1123,7 @@ func (x *laneXfer) read(r io.Reader, n int) error {
 		x.held += k
 		n -= k
 		if x.held == len(hb) || (n == 0 && x.got == x.total) {
-			if err := copyRange(dst, int(x.got)-n-x.held, x.bounce, 0, x.held); err != nil {
+			if err := copyRange(dst, int(x.got)-n-x.held, bounce, 0, x.held); err != nil {
 				return drop(fmt.Errorf("copy to the GPU: %w", err))
 			}
 			x.held = 0
@@ -1131,11 +1151,8 @@ func (x *laneXfer) fail(err error) {
 // release lets go of the pull: the transfer's remaining pieces are dropped.
 func (x *laneXfer) release() {
 	endRead(x.p)
+	x.p.dropBounce()
 	x.p = nil
-	if x.bounce != nil {
-		x.bounce.Release()
-		x.bounce = nil
-	}
 }
 
 // readInto fills dst from r; device memory goes through a host bounce buffer.

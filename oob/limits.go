@@ -234,7 +234,7 @@ var pullTotal struct {
 // on to someone else. A destination only the stream path reaches is written
 // by this process's own readers, which stop once the pull is settled.
 func (p *pull) exposed() bool {
-	return p.offers&(PathRDMA|PathCUDAIPC|PathStaged) != 0
+	return !p.answered && p.offers&(PathRDMA|PathCUDAIPC|PathStaged) != 0
 }
 
 // errOwnerSilent ends a session whose owner did not answer an abandoned pull

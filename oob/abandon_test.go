@@ -1,0 +1,94 @@
+package oob
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// A caller that gives up after the owner's FIN came leaves nothing the
+// owner could still write into: the pull settles at once, and the session,
+// which did nothing wrong, lives on. Before, the pull waited for a second
+// FIN until Limits.Abandoned and then ended the session.
+func TestAbandonAfterFIN(t *testing.T) {
+	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Limits: Limits{Abandoned: time.Hour}})
+	rc := ucxContext(t, "tcp")
+	var owner atomic.Pointer[transport.Session]
+	offers := make(chan Path, 1)
+	interceptControl(t, ctlRTR, func(s *transport.Session, p []byte) bool {
+		if s != owner.Load() {
+			return false
+		}
+		m, err := parseRTR(p)
+		require.NoError(t, err)
+		offers <- m.Offers
+		// The stream path, whose bytes then take longer than the caller waits.
+		f := &fin{Req: m.Req, Status: finOK, Path: PathStream}
+		require.NoError(t, sendControl(context.Background(), s, ctlFIN, f.marshal()))
+		return true
+	})
+	ucx := []transport.Option{transport.WithRDMAContext(rc), transport.WithMode(transport.ModeUCX)}
+	_, cs, ss, _, _ := lanePair(t, ucx, ucx)
+	owner.Store(ss)
+
+	const n = 1 << 20
+	dst, err := HostPool(rc).Alloc(n)
+	require.NoError(t, err)
+	defer dst.Release()
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	_, err = Fetch(ctx, Descriptor{Owner: cs.Peer().ID, Token: newToken(), Length: n, Kind: devicebuf.Host, Device: -1}, dst)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.NotZero(t, <-offers&PathRDMA, "the pull offered a path the owner writes by itself")
+	require.Eventually(t, func() bool { return numPulls() == 0 }, 10*time.Second, time.Millisecond, "the abandoned pull settles")
+	require.NoError(t, cs.Err(), "the session lives on")
+}
+
+// A bulk lane's reader keeps no bounce buffer of a GPU destination past its
+// pull: an owner that sends part of each transfer and stalls pins nothing
+// once the pulls gave up.
+func TestLaneBounceGoesWithPull(t *testing.T) {
+	devicebuftest.Install(t, 1)
+	const n = 4 << 20
+	setTransferConfig(t, TransferConfig{Timeout: 200 * time.Millisecond, Limits: Limits{PullBytes: n, Pulls: 1}})
+	var owner atomic.Pointer[transport.Session]
+	interceptControl(t, ctlRTR, func(s *transport.Session, p []byte) bool {
+		if s != owner.Load() {
+			return false
+		}
+		m, err := parseRTR(p)
+		require.NoError(t, err)
+		body := make([]byte, laneFrameMax)
+		for i := range 15 { // most of the reader's 4 MiB bounce buffer, then nothing
+			f := laneFrame{kind: laneData, req: m.Req, total: m.Length, off: uint64(i * laneFrameMax), n: laneFrameMax}
+			require.NoError(t, stateOf(s).link.WriteLaneFrame(context.Background(), f.marshal(), body))
+		}
+		return true
+	})
+	opts := []transport.Option{transport.WithMode(transport.ModeTCP)}
+	_, cs, ss, _, _ := lanePair(t, opts, opts)
+	owner.Store(ss)
+	require.NotNil(t, stateOf(ss).link.Lane())
+	gpu, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	before := devicebuf.Live().HostBytes
+	for range 4 {
+		d := Descriptor{Owner: cs.Peer().ID, Token: newToken(), Length: n, Kind: devicebuf.CUDA, Device: 0, DeviceUUID: "x", HostID: transport.ID(newToken())}
+		b, _, err := FetchNew(context.Background(), d, gpu.Alloc)
+		require.Error(t, err)
+		require.Nil(t, b)
+	}
+	require.Eventually(t, func() bool { return numPulls() == 0 }, 10*time.Second, time.Millisecond)
+	// A settled pull lets go of its destination last: wait for that too.
+	require.Eventually(t, func() bool {
+		live := devicebuf.Live()
+		return live.HostBytes == before && live.CUDABuffers == 0
+	}, 10*time.Second, time.Millisecond, "host memory held for pulls that settled")
+}
