@@ -2,6 +2,7 @@ package oob
 
 import (
 	"context"
+	"net"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -91,4 +92,39 @@ func TestLaneBounceGoesWithPull(t *testing.T) {
 		live := devicebuf.Live()
 		return live.HostBytes == before && live.CUDABuffers == 0
 	}, 10*time.Second, time.Millisecond, "host memory held for pulls that settled")
+}
+
+// A bulk stream is read to its owner's close: the bytes of a pull nobody
+// waits for any more go into nothing, and the session lives on; an owner
+// that keeps its stream open past the transfer timeout, sending or not,
+// ends the session (the multiplexer would keep what it sends on a stream
+// closed on this side, up to its window each).
+func TestBulkStreamReadToClose(t *testing.T) {
+	setTransferConfig(t, TransferConfig{Timeout: 300 * time.Millisecond})
+	opts := []transport.Option{transport.WithMode(transport.ModeTCP), transport.WithLanes(false)}
+	bulk := func(ss *transport.Session, req, n uint64) net.Conn {
+		owner := stateOf(ss).link
+		require.Nil(t, owner.Lane(), "bulk data goes on multiplexed streams")
+		c, err := owner.OpenBulk(context.Background())
+		require.NoError(t, err)
+		_, err = c.Write(append(bulkHeader(req, n), make([]byte, n)...))
+		require.NoError(t, err)
+		return c
+	}
+
+	// A pull nobody waits for: its bytes, then the owner's close.
+	_, honest, ss, _, _ := lanePair(t, opts, opts)
+	require.NoError(t, bulk(ss, 12345, 1<<20).Close())
+
+	// A stream left open after its bytes, opened after the first: its
+	// session ends once the first one's would have.
+	_, cs, ss, _, _ := lanePair(t, opts, opts)
+	defer bulk(ss, 12346, 4096).Close()
+	select {
+	case <-cs.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the session outlived a bulk stream left open")
+	}
+	require.ErrorContains(t, cs.Err(), "bulk stream left open")
+	require.NoError(t, honest.Err(), "the session whose owner closed its stream lives on")
 }

@@ -924,18 +924,42 @@ func (c *stagedCopier) stop() {
 // a bulk header (request id, length) and the bytes.
 func serveBulk(s *transport.Session, c net.Conn) {
 	defer c.Close()
-	c.SetReadDeadline(time.Now().Add(cfgOf(s).Timeout))
+	timeout := cfgOf(s).Timeout
+	c.SetReadDeadline(time.Now().Add(timeout))
 	var hdr [bulkHeaderLen]byte
 	if _, err := io.ReadFull(c, hdr[:]); err != nil {
+		endBulk(s, c, timeout, err)
 		return
 	}
 	req, n, err := parseBulkHeader(hdr[:])
 	if err != nil {
+		abort(s, fmt.Errorf("%w: bulk stream: %w", transport.ErrPeerGone, err))
 		return
 	}
 	if p := claimFor(s, req, n); p != nil {
 		p.bulk <- readInto(c, p.dst, cfgOf(s).StagingChunk)
 		endRead(p)
+	}
+	endBulk(s, c, timeout, nil)
+}
+
+// endBulk waits for the owner to close a bulk stream, reading what it still
+// sends into nothing (a pull given up, a stream cut short): the multiplexer
+// keeps what arrives on a stream closed on this side only, up to its
+// window, so the stream is closed once the owner closed it. An owner that
+// keeps it open past the transfer timeout breaks the protocol (its own push
+// ends by then) and ends the session. err is the read that ended the
+// stream's use, if one failed: a stream the owner closed or broke is over.
+func endBulk(s *transport.Session, c net.Conn, timeout time.Duration, err error) {
+	if err == nil {
+		c.SetReadDeadline(time.Now().Add(timeout))
+		_, err = io.Copy(io.Discard, c)
+		if err == nil {
+			return // the owner closed it
+		}
+	}
+	if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() {
+		abort(s, fmt.Errorf("%w: a bulk stream left open past the transfer timeout", transport.ErrPeerGone))
 	}
 }
 

@@ -126,7 +126,11 @@ type noHandler struct{ s *Session }
 func (h noHandler) Control(typ byte, payload []byte) {
 	h.s.log.Debug("control message dropped: no engine", "type", typ, "len", len(payload))
 }
-func (noHandler) Bulk(c net.Conn)     { _ = c.Close() }
+func (h noHandler) Bulk(c net.Conn) {
+	// A session without an engine announced no codecs: a peer has no
+	// transfer to open a bulk stream for.
+	h.s.refuseStream(c, errors.New("gdrpc: the peer opened a bulk stream on a session without out-of-band transfers"))
+}
 func (noHandler) Lane(net.Conn) error { return nil }
 
 // Linger gives the peer lingerNoEngine to read what the lanes still carry:

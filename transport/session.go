@@ -202,6 +202,10 @@ func newSession(st sessionSetup) (*Session, error) {
 	} else {
 		s.handler = noHandler{s}
 	}
+	// In the registry before a lane can find the session: a lane that fails
+	// closes the session, and the close must find it there to take it out.
+	registryAdd(s)
+	s.cfg.metrics.SessionUp(s.transport, s.client)
 	if st.laneSlot != nil {
 		if s.useLane() {
 			s.laneSlot = st.laneSlot
@@ -210,8 +214,6 @@ func newSession(st sessionSetup) (*Session, error) {
 			st.laneSlot.fill(nil)
 		}
 	}
-	registryAdd(s)
-	s.cfg.metrics.SessionUp(s.transport, s.client)
 	if s.cfg.idleTimeout > 0 {
 		s.wg.Add(1)
 		go s.watchIdle()
@@ -506,8 +508,7 @@ func (s *Session) serveStream(st *yamux.Stream) {
 	var role [1]byte
 	_ = st.SetReadDeadline(time.Now().Add(s.cfg.handshakeTimeout))
 	if _, err := io.ReadFull(st, role[:]); err != nil {
-		s.log.Debug("stream without role", "err", err)
-		_ = st.Close()
+		s.refuseStream(st, fmt.Errorf("gdrpc: the peer opened a stream without a role: %w", err))
 		return
 	}
 	_ = st.SetReadDeadline(time.Time{})
@@ -516,28 +517,34 @@ func (s *Session) serveStream(st *yamux.Stream) {
 	switch role[0] {
 	case roleGRPC:
 		if s.client || !s.grpcTaken.CompareAndSwap(false, true) {
-			s.log.Warn("unexpected gRPC stream from peer; closing it")
-			_ = st.Close()
+			s.refuseStream(st, errors.New("gdrpc: the peer opened an unexpected gRPC stream"))
 			return
 		}
 		s.grpcCh <- c // buffered 1, sent at most once
 	case roleControl:
-		if s.client {
-			s.log.Warn("unexpected control stream from peer; closing it")
-			_ = st.Close()
-			return
-		}
-		if !s.ctrl.set(c) {
-			s.log.Warn("second control stream from peer; closing it")
-			_ = st.Close()
+		if s.client || !s.ctrl.set(c) {
+			s.refuseStream(st, errors.New("gdrpc: the peer opened an unexpected control stream"))
 			return
 		}
 	case roleBulk:
 		s.handler.Bulk(c) // on this goroutine, which Close joins
 	default:
-		s.log.Warn("stream with unknown role; closing it", "role", role[0])
-		_ = st.Close()
+		s.refuseStream(st, fmt.Errorf("gdrpc: the peer opened a stream of unknown role %#x", role[0]))
 	}
+}
+
+// refuseStream ends the session over a stream its peer broke the protocol
+// with (unless the session is ending anyway). Closing the stream alone would
+// not do: yamux keeps what the peer sends on a stream closed on this side,
+// up to the stream's window, until the peer closes it too, so a peer that
+// opened many would pin that much memory each.
+func (s *Session) refuseStream(st net.Conn, cause error) {
+	select {
+	case <-s.done:
+	default:
+		s.closeWith(cause)
+	}
+	_ = st.Close()
 }
 
 // Conn returns the stream gRPC runs on (a lane or a multiplexed stream). On
@@ -609,8 +616,8 @@ func (s *Session) controlReader() {
 // sendControl sends one control message: [type u8][length u32 BE][payload] on
 // the control stream. Writers are serialised; a message is never interleaved
 // with another. ctx bounds the wait for the stream and for the turn to write;
-// once a message starts going out it is sent whole (bounded by the session's
-// life and the keepalive).
+// once a message starts going out it is sent whole, or the session ends: a
+// peer that reads none of it for the keepalive timeout is taken for gone.
 func (s *Session) sendControl(ctx context.Context, typ byte, payload []byte) error {
 	if len(payload) > MaxControlPayload {
 		return fmt.Errorf("gdrpc: control payload of %d bytes (max %d)", len(payload), MaxControlPayload)
@@ -638,6 +645,10 @@ func (s *Session) sendControl(ctx context.Context, typ byte, payload []byte) err
 	buf[0] = typ
 	binary.BigEndian.PutUint32(buf[1:], uint32(len(payload)))
 	copy(buf[controlHeaderLen:], payload)
+	// A peer that keeps its keepalive going but stops reading the control
+	// stream would hold this write, and every sender after it, for good:
+	// one that reads nothing for a keepalive timeout is gone.
+	_ = s.ctrl.c.SetWriteDeadline(time.Now().Add(s.cfg.kaTimeout))
 	if _, err := s.ctrl.c.Write(buf); err != nil {
 		// A partial message would corrupt the stream: the session is done.
 		s.closeWith(fmt.Errorf("%w: control write: %w", ErrPeerGone, err))
