@@ -593,10 +593,14 @@ type job struct {
 	n   uint64 // the payload's length: what run allocates
 	run func(ctx context.Context) error
 	// discarded, if not nil, runs instead of run when the message is refused
-	// (a payload already in this process's receive space gives its range back).
+	// or another of its pulls failed first (a payload already in this
+	// process's receive space gives its range back).
 	discarded func()
 }
 
+// resolve places the payloads of m, a received message: inline ones are
+// attached as they are found, out-of-band ones pulled, within the receive
+// limit and MaxPayloads. On a failure m keeps none of them.
 func resolve(ctx context.Context, m protoreflect.Message, outOfBand bool, o *options) error {
 	c := collected{outOfBand: outOfBand, o: o}
 	err := c.collect(m)

@@ -658,7 +658,7 @@ func handleSpace(s *transport.Session, payload []byte) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if len(st.peer) >= maxSpaces || st.stopped || st.peerWithdrawing || slices.ContainsFunc(st.peer, func(p *peerSpace) bool { return p.id == m.Req }) {
-		cfgOf(s).Logger.Debug("receive space refused: too many, or its id taken", "session", s.ID())
+		cfgOf(s).Logger.Debug("receive space refused: too many, its id taken, or the peer withdraws its spaces", "session", s.ID())
 		return
 	}
 	ps := &peerSpace{id: m.Req, tmpl: m.rtr, free: []span{{0, m.Length}}, taken: map[uint64]*write{}, events: m.Events, eventOf: map[uint64]int{}}
