@@ -13,6 +13,10 @@ import (
 // (for example register CUDA memory). It is wrapped with the reason.
 var ErrNotSupported = errors.New("rdma: not supported")
 
+// ErrRejected reports a connection request the listener turned away
+// (UCS_ERR_REJECTED): a dial returns it wrapped.
+var ErrRejected = errors.New("rdma: connection rejected by the listener")
+
 // UCX status codes this package looks at (values from ucs/type/status.h).
 const (
 	statusOK                  = 0
@@ -22,6 +26,7 @@ const (
 	statusBusy                = -15
 	statusCanceled            = -16
 	statusUnsupported         = -22
+	statusRejected            = -23
 	statusConnReset           = -25
 	statusIOError             = -3
 	statusUnreachable         = -6
@@ -42,9 +47,11 @@ func (e *StatusError) Error() string {
 	return fmt.Sprintf("rdma: %s: %s (status %d)", e.Op, e.Msg, e.Status)
 }
 
-// Is reports UCS_ERR_UNSUPPORTED as ErrNotSupported.
+// Is reports UCS_ERR_UNSUPPORTED as ErrNotSupported and UCS_ERR_REJECTED as
+// ErrRejected.
 func (e *StatusError) Is(target error) bool {
-	return target == ErrNotSupported && e.Status == statusUnsupported
+	return target == ErrNotSupported && e.Status == statusUnsupported ||
+		target == ErrRejected && e.Status == statusRejected
 }
 
 // EndpointError reports that an endpoint failed: the peer died, the connection

@@ -249,6 +249,14 @@ func (slot *laneSlot) fill(s *Session) {
 	})
 }
 
+// lanesExpected reports whether some session of this process waits for a
+// lane.
+func lanesExpected() bool {
+	laneWaiting.Lock()
+	defer laneWaiting.Unlock()
+	return len(laneWaiting.m) > 0
+}
+
 // takeLaneSession returns the session waiting for a lane of the role with
 // this token. A token opens one lane of each role; once all are open it is
 // forgotten.

@@ -114,8 +114,22 @@ func (l *Listener) listenUCX() error {
 	if err != nil {
 		return err
 	}
+	// UCX accepts a connection before it carries a byte, and an endpoint
+	// reaches this process's memory (the README's Security): a request is
+	// taken only while a handshake waits for its endpoint or a session for
+	// its lanes, not whenever someone reaches the port.
+	ul.SetFilter(func(net.Addr) bool { return l.expectsUCX() })
 	l.ucx, l.rctx = ul, rctx
 	return nil
+}
+
+// expectsUCX reports whether a UCX connection request may be a client's: a
+// welcomed handshake waits for its upgrade, or a session for a lane.
+func (l *Listener) expectsUCX() bool {
+	l.pendMu.Lock()
+	n := len(l.pending)
+	l.pendMu.Unlock()
+	return n > 0 || lanesExpected()
 }
 
 // Addr returns the TCP address clients dial.

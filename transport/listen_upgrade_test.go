@@ -81,8 +81,9 @@ func TestUpgradeFallback(t *testing.T) {
 	require.ErrorContains(t, err, "UCX upgrade")
 }
 
-// TestUpgradeWrongToken: a UCX endpoint that does not present a pending
-// session's token is refused and closed.
+// TestUpgradeWrongToken: the UCX listener turns a connection away while no
+// handshake waits for one; while one waits, an endpoint that does not
+// present a pending session's token is refused and closed.
 func TestUpgradeWrongToken(t *testing.T) {
 	rc := internalUCX(t)
 	l, err := Listen("127.0.0.1:0", WithRDMAContext(rc), WithMode(ModeUCX))
@@ -90,6 +91,11 @@ func TestUpgradeWrongToken(t *testing.T) {
 	defer l.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
+	_, err = rc.Worker().Dial(ctx, l.UCXAddr().String())
+	require.ErrorIs(t, err, rdma.ErrRejected, "no handshake waits for a UCX endpoint")
+
+	pending := newToken() // a handshake that waits for its upgrade
+	defer l.abandon(pending, l.expect(pending))
 	ep, err := rc.Worker().Dial(ctx, l.UCXAddr().String())
 	require.NoError(t, err)
 	defer ep.Close()
