@@ -26,19 +26,25 @@ func requestSpace(t *testing.T, cs, ss *transport.Session, id uint64) (*space, *
 // requestSpaceOf is requestSpace with a space of n bytes.
 func requestSpaceOf(t *testing.T, cs, ss *transport.Session, id uint64, n int) (*space, *peerSpace) {
 	t.Helper()
-	mem := make([]byte, n)
-	sp := makeSpace(id, ss, devicebuf.HostFromBytes(mem), PathRDMA)
+	sp, m := ownSpace(t, ss, id, n)
+	handleSpace(cs, m.marshal())
+	ps := peerSpaceByID(cs, id)
+	require.NotNil(t, ps, "a client takes a server's space")
+	return sp, ps
+}
+
+// ownSpace makes an n-byte host space of ss, as its own, and the SPACE that
+// advertises it.
+func ownSpace(t *testing.T, ss *transport.Session, id uint64, n int) (*space, *spaceMsg) {
+	t.Helper()
+	sp := makeSpace(id, ss, devicebuf.HostFromBytes(make([]byte, n)), PathRDMA)
 	st := &stateOf(ss).space
 	st.mu.Lock()
 	st.own = append(st.own, sp)
 	st.mu.Unlock()
 	spaces.Store(sp.id, sp)
 	t.Cleanup(func() { spaces.Delete(sp.id) })
-	m := &spaceMsg{rtr: rtr{Req: id, Length: uint64(len(mem)), Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}}
-	handleSpace(cs, m.marshal())
-	ps := peerSpaceByID(cs, id)
-	require.NotNil(t, ps, "a client takes a server's space")
-	return sp, ps
+	return sp, &spaceMsg{rtr: rtr{Req: id, Length: uint64(n), Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}}
 }
 
 // written takes a range of ps for an n-byte payload, as land does once the
@@ -335,14 +341,7 @@ func TestQueuedFreesBounded(t *testing.T) {
 func TestSpaceAfterWithdrawRefused(t *testing.T) {
 	cs, ss := tcpPair(t, transport.WithTrustPeers(true))
 	const id = 34
-	mem := make([]byte, 64<<10)
-	sp := makeSpace(id, ss, devicebuf.HostFromBytes(mem), PathRDMA)
-	st := &stateOf(ss).space
-	st.mu.Lock()
-	st.own = append(st.own, sp)
-	st.mu.Unlock()
-	spaces.Store(sp.id, sp)
-	t.Cleanup(func() { spaces.Delete(sp.id) })
+	sp, m := ownSpace(t, ss, id, 64<<10)
 
 	// The owner's handler of the SPACE runs only once the receiver has the
 	// answer to its withdrawal, sent after the SPACE.
@@ -352,7 +351,6 @@ func TestSpaceAfterWithdrawRefused(t *testing.T) {
 		handleSpace(cs, p)
 		handled <- peerSpaceByID(cs, id)
 	})
-	m := &spaceMsg{rtr: rtr{Req: id, Length: uint64(len(mem)), Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}}
 	require.NoError(t, sendControl(context.Background(), ss, ctlSpace, m.marshal())) // as maybeAdvertise
 	withdrawSpace(stateOf(ss))                                                       // as Linger
 	select {
