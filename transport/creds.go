@@ -178,15 +178,24 @@ func bindTLS(s *Session, c net.Conn, state tls.ConnectionState) error {
 		mine, theirs = theirs, mine
 	}
 	sig := s.cfg.identity.signTranscript(tlsBinding(mine, s, ekm))
-	if _, err := c.Write(sig[:]); err != nil {
-		return fmt.Errorf("gdrpc: TLS channel binding: send: %w", err)
-	}
+	_, sendErr := c.Write(sig[:])
+	// The peer's signature is read even when the send failed: the peer
+	// sends before it reads, so it may already be here, and a relayed
+	// connection whose other end gave up first is still reported as what
+	// it is (yamux may fail a write whose data went out when its session
+	// ends before the write is acknowledged).
 	var peerSig signature
 	if _, err := io.ReadFull(c, peerSig[:]); err != nil {
+		if sendErr != nil {
+			return fmt.Errorf("gdrpc: TLS channel binding: send: %w", sendErr)
+		}
 		return fmt.Errorf("gdrpc: TLS channel binding: read: %w", err)
 	}
 	if !ed25519.Verify(s.peer.PublicKey, tlsBinding(theirs, s, ekm), peerSig[:]) {
 		return &IdentityError{Claimed: s.peer.ID, Reason: "the TLS channel binding does not verify: the TLS peer is not the session's peer"}
+	}
+	if sendErr != nil {
+		return fmt.Errorf("gdrpc: TLS channel binding: send: %w", sendErr)
 	}
 	return nil
 }
