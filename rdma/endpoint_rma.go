@@ -28,6 +28,14 @@ type RemoteKey struct {
 	region   packedKey
 	once     sync.Once
 	closeErr error
+
+	// pieces counts the puts and gets issued with the key that UCX has not
+	// completed; closed is set by Close. UCX keeps a request's key and uses
+	// it until the request completes (a put over TCP goes out in fragments,
+	// one queued behind another), so a key closed with pieces in flight is
+	// destroyed when the last of them completes. Both are lock-only.
+	pieces int
+	closed bool
 }
 
 // KeyDomains returns the kinds of the peer's memory domains ("tcp", "ib",
@@ -123,18 +131,28 @@ func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
 	return k, nil
 }
 
-// Close releases the key. It is idempotent; closing the endpoint releases
-// its keys too.
+// Close releases the key: puts and gets that start later fail, those already
+// started complete, and UCX's key goes when the last of them has. It is
+// idempotent; closing the endpoint releases its keys too.
 func (k *RemoteKey) Close() error {
 	k.once.Do(func() {
-		if err := k.e.w.call(k.destroy); err != nil && !errors.Is(err, net.ErrClosed) {
+		if err := k.e.w.call(k.close); err != nil && !errors.Is(err, net.ErrClosed) {
 			k.closeErr = err
 		}
 	})
 	return k.closeErr
 }
 
-// destroy runs with the worker's lock held.
+// close runs with the worker's lock held.
+func (k *RemoteKey) close() {
+	k.closed = true
+	if k.pieces == 0 {
+		k.destroy()
+	}
+}
+
+// destroy releases UCX's key at once (worker lock held): when no piece uses
+// it, or when the endpoint's release completed every request on it.
 func (k *RemoteKey) destroy() {
 	if k.h == nil {
 		return
@@ -303,7 +321,7 @@ func (op *rmaOp) name() string {
 // issueNext issues the next piece and leaves the one after it for the
 // worker's next round (worker lock held).
 func (op *rmaOp) issueNext() {
-	if op.failed == nil && op.key.h == nil {
+	if op.failed == nil && (op.key.h == nil || op.key.closed && op.next == 0) {
 		// Keys go with their endpoint: when it failed, say why.
 		op.failed = cmp.Or(op.e.termErr(), error(closedError("remote key")))
 	}
@@ -315,6 +333,7 @@ func (op *rmaOp) issueNext() {
 	off, k := op.next, min(op.piece, op.n-op.next)
 	op.next += k
 	op.inflight++
+	op.key.pieces++
 	cuda := C.int(0)
 	if op.cuda {
 		cuda = 1
@@ -327,6 +346,9 @@ func (op *rmaOp) issueNext() {
 		return C.rdma_put(w.cw, ce, local, C.size_t(k), cuda, op.memh, remote, op.key.h, id, req)
 	}, func(st int) {
 		op.inflight--
+		if op.key.pieces--; op.key.pieces == 0 && op.key.closed {
+			op.key.destroy()
+		}
 		if err := op.e.opError(op.name(), st); err != nil && op.failed == nil {
 			op.failed = err
 		}
