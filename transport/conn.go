@@ -258,7 +258,8 @@ func (c *replayConn) Read(b []byte) (int, error) {
 // 12-byte header and its body in two Write calls, which over UCX would be two
 // sends per message. Only yamux's send loop writes to it, one frame at a
 // time, and a data header announcing n bytes is always followed by a Write of
-// exactly those n bytes.
+// exactly those n bytes. On the read side it counts the peer's ping requests
+// (see pings).
 type underConn struct {
 	net.Conn
 	once sync.Once
@@ -268,6 +269,64 @@ type underConn struct {
 	pending bool   // hdr holds a data header whose body comes next
 	scratch []byte // header+body of small frames
 	tcp     bool   // the conn does vectored writes (net.Buffers)
+
+	in pingCounter // only yamux's receive loop reads
+}
+
+// maxPeerPings is how many ping requests a session takes from its peer in
+// one second. yamux answers each on a goroutine of its own, which waits up
+// to the keepalive timeout to send the answer: a peer that sends pings and
+// reads nothing would otherwise grow them without a bound. An honest peer
+// pings once per keepalive interval.
+const maxPeerPings = 64
+
+// errPingFlood is the cause of a session whose peer sent more than
+// maxPeerPings ping requests in a second.
+var errPingFlood = fmt.Errorf("gdrpc: the peer sent more than %d keepalive pings in a second", maxPeerPings)
+
+// pingCounter follows the frames of the peer's byte stream through whatever
+// pieces it is read in, and counts ping requests per second.
+type pingCounter struct {
+	hdr   [yamuxHeaderLen]byte
+	have  int    // bytes of hdr read
+	skip  uint64 // bytes of a data frame's body still to pass
+	pings int    // ping requests in the second that began at since
+	since time.Time
+}
+
+// scan passes p, the next bytes of the stream, and reports a flood.
+func (pc *pingCounter) scan(p []byte) error {
+	for len(p) > 0 {
+		if pc.skip > 0 {
+			k := min(uint64(len(p)), pc.skip)
+			pc.skip -= k
+			p = p[k:]
+			continue
+		}
+		k := copy(pc.hdr[pc.have:], p)
+		pc.have += k
+		p = p[k:]
+		if pc.have < yamuxHeaderLen {
+			return nil
+		}
+		pc.have = 0
+		const typeData, typePing, flagSYN = 0, 2, 1
+		switch pc.hdr[1] {
+		case typeData:
+			pc.skip = uint64(binary.BigEndian.Uint32(pc.hdr[8:]))
+		case typePing:
+			if binary.BigEndian.Uint16(pc.hdr[2:])&flagSYN == 0 {
+				break // an answer to this side's ping
+			}
+			if now := time.Now(); now.Sub(pc.since) > time.Second {
+				pc.pings, pc.since = 0, now
+			}
+			if pc.pings++; pc.pings > maxPeerPings {
+				return errPingFlood
+			}
+		}
+	}
+	return nil
 }
 
 const (
@@ -291,6 +350,12 @@ func (c *underConn) record(err error) {
 
 func (c *underConn) Read(b []byte) (int, error) {
 	n, err := c.Conn.Read(b)
+	if ferr := c.in.scan(b[:n]); ferr != nil {
+		// The bytes read are dropped with the session: yamux's receive
+		// loop ends on the error.
+		c.record(ferr)
+		return 0, ferr
+	}
 	c.record(err)
 	return n, err
 }

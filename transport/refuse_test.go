@@ -69,3 +69,64 @@ func TestControlWriteBounded(t *testing.T) {
 		})
 	}
 }
+
+// A peer that floods keepalive pings (yamux answers each on a goroutine of
+// its own, which waits while the peer reads nothing) ends its session; an
+// honest keepalive goes on.
+func TestPingFloodEndsSession(t *testing.T) {
+	opts := []Option{WithMode(ModeTCP), WithLanes(false), WithIdleTimeout(-1), WithKeepAlive(-1, 0)}
+	_, cs, ss, _, _ := lanePair(t, opts, opts)
+	flood := make([]byte, 0, (maxPeerPings+1)*yamuxHeaderLen)
+	for i := range maxPeerPings + 1 {
+		// version 0, type ping, flag SYN, stream 0, the ping's id
+		flood = append(flood, 0, 2, 0, 1, 0, 0, 0, 0, 0, 0, 0, byte(i))
+	}
+	_, err := cs.under.Conn.Write(flood) // the client's multiplexer is idle: no keepalive
+	require.NoError(t, err)
+	select {
+	case <-ss.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the server's session outlived a ping flood")
+	}
+	require.ErrorIs(t, ss.Err(), ErrPeerGone)
+	require.ErrorIs(t, ss.Err(), errPingFlood)
+
+	// Pings within the bound are answered.
+	opts = []Option{WithMode(ModeTCP), WithLanes(false), WithIdleTimeout(-1), WithKeepAlive(-1, 0)}
+	_, cs, ss, _, _ = lanePair(t, opts, opts)
+	for range maxPeerPings / 2 {
+		_, err := cs.mux.Ping()
+		require.NoError(t, err)
+	}
+	require.NoError(t, ss.Err())
+}
+
+// The ping counter follows frames across reads of any size: data bodies
+// are passed over whatever they contain, and only ping requests count.
+func TestPingCounterFrames(t *testing.T) {
+	var stream []byte
+	data := []byte{0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 24}
+	for range 2 * maxPeerPings {
+		stream = append(stream, data...)
+		// a body full of ping requests
+		for range 2 {
+			stream = append(stream, 0, 2, 0, 1, 0, 0, 0, 0, 0, 0, 0, 9)
+		}
+		stream = append(stream, 0, 2, 0, 2, 0, 0, 0, 0, 0, 0, 0, 9) // a ping's answer
+	}
+	for _, piece := range []int{1, 5, 12, 13, 4096} {
+		var pc pingCounter
+		for rest := stream; len(rest) > 0; {
+			k := min(piece, len(rest))
+			require.NoError(t, pc.scan(rest[:k]), "piece %d", piece)
+			rest = rest[k:]
+		}
+		require.NoError(t, pc.scan([]byte{0, 2, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1}))
+		require.Equal(t, 1, pc.pings, "piece %d", piece)
+	}
+	var pc pingCounter
+	for i := range maxPeerPings {
+		require.NoError(t, pc.scan([]byte{0, 2, 0, 1, 0, 0, 0, 0, 0, 0, 0, byte(i)}))
+	}
+	require.ErrorIs(t, pc.scan([]byte{0, 2, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0}), errPingFlood)
+}
