@@ -1,7 +1,10 @@
 package transport
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
+	"net"
 	"sync"
 	"testing"
 	"time"
@@ -129,4 +132,49 @@ func TestPingCounterFrames(t *testing.T) {
 		require.NoError(t, pc.scan([]byte{0, 2, 0, 1, 0, 0, 0, 0, 0, 0, 0, byte(i)}))
 	}
 	require.ErrorIs(t, pc.scan([]byte{0, 2, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0}), errPingFlood)
+}
+
+// A control message's header without its payload ends the session within
+// the keepalive timeout, and the payload's memory is not taken up front.
+func TestControlPayloadBounded(t *testing.T) {
+	for _, lanes := range []bool{true, false} {
+		t.Run(map[bool]string{true: "lane", false: "mux"}[lanes], func(t *testing.T) {
+			opts := []Option{WithMode(ModeTCP), WithLanes(lanes), WithIdleTimeout(-1), WithKeepAlive(100*time.Millisecond, 300*time.Millisecond)}
+			_, cs, ss, _, _ := lanePair(t, opts, opts)
+			<-cs.ctrl.ready
+			hdr := []byte{7, 0, 0, 0, 0}
+			binary.BigEndian.PutUint32(hdr[1:], MaxControlPayload)
+			_, err := cs.ctrl.c.Write(append(hdr, "a few bytes"...))
+			require.NoError(t, err)
+			select {
+			case <-ss.Done():
+			case <-time.After(10 * time.Second):
+				t.Fatal("a control header without its payload held the session")
+			}
+			require.ErrorIs(t, ss.Err(), ErrPeerGone)
+			var te net.Error
+			require.ErrorAs(t, ss.Err(), &te)
+			require.True(t, te.Timeout(), "%v", ss.Err())
+		})
+	}
+}
+
+// Control payloads of every size arrive whole, whatever pieces they come in.
+func TestControlPayloadSizes(t *testing.T) {
+	got := make(chan []byte, 1)
+	setHook(t, &testHooks.control, func(s *Session, typ byte, payload []byte) {
+		if !s.client && typ == 9 {
+			got <- bytes.Clone(payload)
+		}
+	})
+	opts := []Option{WithMode(ModeTCP), WithLanes(false), WithIdleTimeout(-1)}
+	_, cs, _, _, _ := lanePair(t, opts, opts)
+	for _, n := range []int{0, 1, 64<<10 - 1, 64 << 10, 64<<10 + 1, 300_001, MaxControlPayload} {
+		want := make([]byte, n)
+		for i := range want {
+			want[i] = byte(i * 7)
+		}
+		require.NoError(t, cs.link.SendControl(context.Background(), 9, want))
+		require.Equal(t, want, <-got, "%d bytes", n)
+	}
 }

@@ -686,8 +686,8 @@ func (s *Session) readControl(c net.Conn) {
 			s.closeWith(fmt.Errorf("gdrpc: control message of %d bytes (max %d) from peer", n, MaxControlPayload))
 			return
 		}
-		payload := make([]byte, n)
-		if _, err := io.ReadFull(c, payload); err != nil {
+		payload, err := s.readControlPayload(c, int(n))
+		if err != nil {
 			s.closeWith(fmt.Errorf("%w: control stream ended: %w", ErrPeerGone, err))
 			return
 		}
@@ -705,6 +705,31 @@ func (s *Session) readControl(c net.Conn) {
 			go s.handleControl(m, next, slots, &idle)
 		}
 	}
+}
+
+// readControlPayload reads the n bytes of a control message's payload
+// within the keepalive timeout, into memory that grows as they arrive: a
+// header alone must not hold a megabyte for the session's life.
+func (s *Session) readControlPayload(c net.Conn, n int) ([]byte, error) {
+	if err := c.SetReadDeadline(time.Now().Add(s.cfg.kaTimeout)); err != nil {
+		return nil, err
+	}
+	const first = 64 << 10
+	b := make([]byte, 0, min(n, first))
+	for len(b) < n {
+		if len(b) == cap(b) {
+			b = slices.Grow(b, min(n-len(b), len(b)))
+		}
+		k, err := c.Read(b[len(b):cap(b)])
+		b = b[:len(b)+k]
+		if err != nil && len(b) < n {
+			if errors.Is(err, io.EOF) {
+				err = io.ErrUnexpectedEOF
+			}
+			return nil, err
+		}
+	}
+	return b, c.SetReadDeadline(time.Time{})
 }
 
 // controlMessage is a control message read, for a handler.
