@@ -169,6 +169,7 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 		transport: "tcp",
 		conn:      conn,
 		handshake: sessionHash(helloBody, body, proofFrame[frameHeaderLen:]),
+		ctx:       hctx,
 	}
 	if caps.Lanes {
 		setup.laneAddr = conn.RemoteAddr().String() // the address dialed, resolved

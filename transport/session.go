@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"cmp"
 	"context"
 	"crypto/ed25519"
 	"crypto/sha256"
@@ -113,8 +114,9 @@ type sessionSetup struct {
 	conn      net.Conn // TCP conn, pipe or UCX endpoint
 	ep        *rdma.Endpoint
 	rctx      *rdma.Context
-	laneAddr  string    // client: where to dial lanes (the UCX or TCP listener); "" for none
-	laneSlot  *laneSlot // server: where the lanes find the session
+	laneAddr  string          // client: where to dial lanes (the UCX or TCP listener); "" for none
+	laneSlot  *laneSlot       // server: where the lanes find the session
+	ctx       context.Context // client: bounds opening the control stream and lanes (the dial's handshake)
 }
 
 // yamuxLogger sends yamux's log lines to slog at debug level.
@@ -174,7 +176,7 @@ func newSession(st sessionSetup) (*Session, error) {
 	}
 
 	if s.client {
-		ctx, cancel := context.WithTimeout(context.Background(), st.cfg.handshakeTimeout)
+		ctx, cancel := context.WithTimeout(cmp.Or(st.ctx, context.Background()), st.cfg.handshakeTimeout)
 		var c, b net.Conn
 		if s.useLane() {
 			if c, err = s.openLane(ctx, roleControl); err == nil {

@@ -1,0 +1,105 @@
+package transport
+
+import (
+	"context"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// stallingLaneServer answers a client's hello with a signed welcome that
+// offers lanes, takes its proof, and then accepts the client's lane
+// connections without ever answering them. It reports each lane accepted.
+func stallingLaneServer(t *testing.T) (addr string, lanes <-chan struct{}) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	id := NewIdentity()
+	accepted := make(chan struct{}, 16)
+	var mu sync.Mutex
+	var held []net.Conn
+	var wg sync.WaitGroup
+	t.Cleanup(func() {
+		_ = ln.Close()
+		mu.Lock()
+		for _, c := range held {
+			_ = c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for first := true; ; first = false {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			held = append(held, c)
+			mu.Unlock()
+			if !first {
+				accepted <- struct{}{}
+				continue
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				_, hb, err := readFrame(c, false)
+				if err != nil {
+					return
+				}
+				wf := encodeWelcome(welcome{ID: id.ID(), HostID: LocalHostID(), Caps: Caps{Lanes: true}, Transport: "tcp", FallbackOK: true, Token: newToken(), Key: id.publicKey(), Nonce: newNonce()})
+				wb := wf[frameHeaderLen:]
+				sig := id.signTranscript(transcript(roleServerLabel, hb, unsignedWelcome(wb)))
+				copy(wb[len(wb)-signatureLen:], sig[:])
+				if _, err := c.Write(wf); err != nil {
+					return
+				}
+				_, _, _ = readFrame(c, false) // the proof; then silence
+			}()
+		}
+	}()
+	return ln.Addr().String(), accepted
+}
+
+// A dial's context bounds the whole dial, the opening of the session's
+// lanes included: a server that stalls its lanes holds the dial no longer
+// than the context, not for the handshake timeout.
+func TestDialContextBoundsLanes(t *testing.T) {
+	t.Run("deadline", func(t *testing.T) {
+		addr, _ := stallingLaneServer(t)
+		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+		defer cancel()
+		start := time.Now()
+		s, err := Dial(ctx, addr, WithMode(ModeTCP), WithHandshakeTimeout(time.Minute))
+		require.Nil(t, s)
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		require.Less(t, time.Since(start), 30*time.Second, "the dial outlived its context")
+	})
+	t.Run("cancel", func(t *testing.T) {
+		addr, lanes := stallingLaneServer(t)
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		res := make(chan error, 1)
+		go func() {
+			s, err := Dial(ctx, addr, WithMode(ModeTCP), WithHandshakeTimeout(time.Minute))
+			if s != nil {
+				_ = s.Close()
+			}
+			res <- err
+		}()
+		<-lanes // the dial waits for its lane's answer
+		cancel()
+		select {
+		case err := <-res:
+			require.ErrorIs(t, err, context.Canceled)
+		case <-time.After(30 * time.Second):
+			t.Fatal("the dial went on after its context was cancelled")
+		}
+	})
+}
