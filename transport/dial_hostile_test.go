@@ -1,10 +1,14 @@
 package transport
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
+	"io"
 	"net"
 	"sync"
 	"testing"
+	"testing/iotest"
 	"time"
 
 	"github.com/stretchr/testify/require"
@@ -102,4 +106,57 @@ func TestDialContextBoundsLanes(t *testing.T) {
 			t.Fatal("the dial went on after its context was cancelled")
 		}
 	})
+}
+
+// Connections that stall before their handshake ends take at most
+// maxHandshakes goroutines and first frames: past that the listener
+// accepts no more until one ends, and then serves the next.
+func TestListenerBoundsHandshakes(t *testing.T) {
+	defer func(n int) { maxHandshakes = n }(maxHandshakes)
+	maxHandshakes = 4
+	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithHandshakeTimeout(time.Minute))
+	require.NoError(t, err)
+	defer l.Close()
+	// Each announces the largest hello and sends nothing of it.
+	hdr := binary.BigEndian.AppendUint32(binary.BigEndian.AppendUint16([]byte(magic), protocolVersion), maxBodyLen)
+	var stalled []net.Conn
+	for range maxHandshakes {
+		c, err := net.Dial("tcp", l.Addr().String())
+		require.NoError(t, err)
+		defer c.Close()
+		_, err = c.Write(hdr)
+		require.NoError(t, err)
+		stalled = append(stalled, c)
+	}
+	require.Eventually(t, func() bool { return len(l.handshakes) == maxHandshakes }, 10*time.Second, time.Millisecond)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	s, err := Dial(ctx, l.Addr().String(), WithMode(ModeTCP))
+	require.Nil(t, s)
+	require.ErrorIs(t, err, context.DeadlineExceeded, "a handshake beyond the bound was served")
+
+	require.NoError(t, stalled[0].Close())
+	ctx, cancel = context.WithTimeout(context.Background(), handTimeout)
+	defer cancel()
+	s, err = Dial(ctx, l.Addr().String(), WithMode(ModeTCP))
+	require.NoError(t, err)
+	require.NoError(t, s.Close())
+}
+
+// readAnnounced reads exactly what was announced, in pieces of any size.
+func TestReadAnnounced(t *testing.T) {
+	for _, n := range []int{0, 1, 1023, 1024, 1025, 4097, 70_000} {
+		want := make([]byte, n+3)
+		for i := range want {
+			want[i] = byte(i * 13)
+		}
+		got, err := readAnnounced(iotest.OneByteReader(bytes.NewReader(want)), n, 1<<10)
+		require.NoError(t, err)
+		require.Equal(t, want[:n], got)
+		_, err = readAnnounced(bytes.NewReader(want[:n/2]), n, 1<<10)
+		if n > 1 {
+			require.ErrorIs(t, err, io.ErrUnexpectedEOF)
+		}
+	}
 }

@@ -487,8 +487,8 @@ func readFrame(r io.Reader, magicRead bool) (uint16, []byte, error) {
 	if n == 0 || n > maxBodyLen {
 		return version, nil, wire.Malformed("body length %d (max %d)", n, maxBodyLen)
 	}
-	body := make([]byte, n)
-	if _, err := io.ReadFull(r, body); err != nil {
+	body, err := readAnnounced(r, int(n), 1<<10)
+	if err != nil {
 		return version, nil, fmt.Errorf("%w: truncated body: %w", ErrMalformed, err)
 	}
 	return version, body, nil

@@ -40,7 +40,16 @@ type Listener struct {
 
 	pendMu  sync.Mutex
 	pending map[ID]*pendingUpgrade
+
+	handshakes chan struct{} // a slot per connection before its handshake ends
 }
+
+// maxHandshakes bounds the connections a listener serves before they end
+// their handshake (or show they are plain gRPC or a lane): each holds a
+// goroutine and its first frame for up to the handshake timeout, and anyone
+// who reaches the port can open them. Past it, accepting waits for a slot;
+// connections wait in the kernel's backlog meanwhile. A variable for tests.
+var maxHandshakes = 1024
 
 var _ net.Listener = (*Listener)(nil)
 
@@ -73,6 +82,8 @@ func Listen(addr string, opts ...Option) (*Listener, error) {
 		ctx:      ctx,
 		cancel:   cancel,
 		pending:  map[ID]*pendingUpgrade{},
+
+		handshakes: make(chan struct{}, maxHandshakes),
 	}
 	l.log = cfg.logger.With("component", "gdrpc/listener", "addr", tl.Addr().String())
 	if cfg.mode != ModeTCP {
@@ -232,6 +243,12 @@ func (l *Listener) acceptTCP() {
 			return
 		}
 		backoff = 5 * time.Millisecond
+		select {
+		case l.handshakes <- struct{}{}:
+		case <-l.done:
+			_ = c.Close()
+			return
+		}
 		l.wg.Add(1)
 		go l.serveTCP(c)
 	}
@@ -255,36 +272,9 @@ func (l *Listener) deliver(c net.Conn) {
 // session's gRPC conn to Accept once the client opened it.
 func (l *Listener) serveTCP(c net.Conn) {
 	defer l.wg.Done()
-	hctx, cancel := context.WithTimeout(l.ctx, l.cfg.handshakeTimeout)
-	defer cancel()
-	unbind := bindDeadline(hctx, c)
-	var first [len(magic)]byte
-	if _, err := io.ReadFull(c, first[:]); err != nil {
-		unbind()
-		_ = c.Close()
-		l.log.Debug("connection closed before the handshake", "remote", c.RemoteAddr().String(), "err", err)
-		return
-	}
-	if string(first[:]) == laneMagic {
-		l.acceptLane(c, nil, unbind)
-		return
-	}
-	if string(first[:]) != magic {
-		if isHTTP2Preface(first[:]) || isTLSHello(first[:]) {
-			unbind()
-			l.deliver(&replayConn{Conn: c, buf: first[:]})
-			return
-		}
-		unbind()
-		_ = c.Close()
-		l.log.Warn("not a gdrpc, HTTP/2 or TLS client; closed", "remote", c.RemoteAddr().String(), "first_bytes", fmt.Sprintf("%q", first[:]))
-		return
-	}
-	s, err := serverHandshake(hctx, l.cfg, c, true, l)
-	unbind()
-	if err != nil {
-		_ = c.Close()
-		l.log.Warn("handshake failed", "remote", c.RemoteAddr().String(), "err", err)
+	s := l.handshakeTCP(c)
+	<-l.handshakes
+	if s == nil {
 		return
 	}
 	gc, err := s.Conn(l.ctx)
@@ -293,6 +283,45 @@ func (l *Listener) serveTCP(c net.Conn) {
 		return
 	}
 	l.deliver(gc)
+}
+
+// handshakeTCP serves a connection until its handshake ends. It returns the
+// session, or nil when the connection failed, was a lane, or went to Accept
+// as a plain client.
+func (l *Listener) handshakeTCP(c net.Conn) *Session {
+	hctx, cancel := context.WithTimeout(l.ctx, l.cfg.handshakeTimeout)
+	defer cancel()
+	unbind := bindDeadline(hctx, c)
+	var first [len(magic)]byte
+	if _, err := io.ReadFull(c, first[:]); err != nil {
+		unbind()
+		_ = c.Close()
+		l.log.Debug("connection closed before the handshake", "remote", c.RemoteAddr().String(), "err", err)
+		return nil
+	}
+	if string(first[:]) == laneMagic {
+		l.acceptLane(c, nil, unbind)
+		return nil
+	}
+	if string(first[:]) != magic {
+		if isHTTP2Preface(first[:]) || isTLSHello(first[:]) {
+			unbind()
+			l.deliver(&replayConn{Conn: c, buf: first[:]})
+			return nil
+		}
+		unbind()
+		_ = c.Close()
+		l.log.Warn("not a gdrpc, HTTP/2 or TLS client; closed", "remote", c.RemoteAddr().String(), "first_bytes", fmt.Sprintf("%q", first[:]))
+		return nil
+	}
+	s, err := serverHandshake(hctx, l.cfg, c, true, l)
+	unbind()
+	if err != nil {
+		_ = c.Close()
+		l.log.Warn("handshake failed", "remote", c.RemoteAddr().String(), "err", err)
+		return nil
+	}
+	return s
 }
 
 // acceptLane serves a lane (TCP or UCX) whose magic was read, given what was

@@ -710,19 +710,29 @@ func (s *Session) readControl(c net.Conn) {
 }
 
 // readControlPayload reads the n bytes of a control message's payload
-// within the keepalive timeout, into memory that grows as they arrive: a
-// header alone must not hold a megabyte for the session's life.
+// within the keepalive timeout: a header alone must not hold a megabyte for
+// the session's life.
 func (s *Session) readControlPayload(c net.Conn, n int) ([]byte, error) {
 	if err := c.SetReadDeadline(time.Now().Add(s.cfg.kaTimeout)); err != nil {
 		return nil, err
 	}
-	const first = 64 << 10
+	b, err := readAnnounced(c, n, 64<<10)
+	if err != nil {
+		return nil, err
+	}
+	return b, c.SetReadDeadline(time.Time{})
+}
+
+// readAnnounced reads the n bytes a peer announced into memory that starts
+// at first bytes and doubles as they arrive, so that what a peer merely
+// announces costs nothing up front.
+func readAnnounced(r io.Reader, n, first int) ([]byte, error) {
 	b := make([]byte, 0, min(n, first))
 	for len(b) < n {
 		if len(b) == cap(b) {
 			b = slices.Grow(b, min(n-len(b), len(b)))
 		}
-		k, err := c.Read(b[len(b):cap(b)])
+		k, err := r.Read(b[len(b):cap(b)])
 		b = b[:len(b)+k]
 		if err != nil && len(b) < n {
 			if errors.Is(err, io.EOF) {
@@ -731,7 +741,7 @@ func (s *Session) readControlPayload(c net.Conn, n int) ([]byte, error) {
 			return nil, err
 		}
 	}
-	return b, c.SetReadDeadline(time.Time{})
+	return b, nil
 }
 
 // controlMessage is a control message read, for a handler.
