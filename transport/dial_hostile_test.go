@@ -11,6 +11,7 @@ import (
 	"testing/iotest"
 	"time"
 
+	"github.com/hashicorp/yamux"
 	"github.com/stretchr/testify/require"
 )
 
@@ -159,4 +160,48 @@ func TestReadAnnounced(t *testing.T) {
 			require.ErrorIs(t, err, io.ErrUnexpectedEOF)
 		}
 	}
+}
+
+// Opening a stream is bounded by its context even when yamux waits: a peer
+// that acknowledges none of the streams this side opens fills yamux's 256
+// slots for streams in opening, and the next open returns at its deadline.
+func TestOpenStreamBounded(t *testing.T) {
+	cli, srv := net.Pipe()
+	t.Cleanup(func() { _ = cli.Close() })
+	get := asyncSession(t, func() (*Session, error) {
+		return NewServerSession(context.Background(), srv, WithMode(ModeTCP), WithIdleTimeout(-1), WithKeepAlive(-1, 0), WithHandshakeTimeout(time.Minute))
+	})
+	// The peer: a hand-played handshake, then a multiplexer that accepts
+	// no stream (its backlog holds them all, unacknowledged).
+	id := NewIdentity()
+	hf := encodeHello(hello{ID: id.ID(), HostID: LocalHostID(), Mode: ModeTCP, Key: id.publicKey(), Nonce: newNonce()})
+	_, err := cli.Write(hf)
+	require.NoError(t, err)
+	v, wb := readHandFrame(t, cli)
+	_, err = parseWelcome(v, wb)
+	require.NoError(t, err)
+	_, err = cli.Write(encodeProof(proof{Signature: id.signTranscript(transcript(roleClientLabel, hf[frameHeaderLen:], wb))}))
+	require.NoError(t, err)
+	yc := yamux.DefaultConfig()
+	yc.AcceptBacklog = 1024
+	yc.EnableKeepAlive = false
+	yc.LogOutput = io.Discard
+	peer, err := yamux.Client(cli, yc)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = peer.Close() })
+	s, err := get()
+	require.NoError(t, err)
+
+	for i := range 256 {
+		c, err := s.link.OpenBulk(context.Background())
+		require.NoError(t, err, "stream %d", i)
+		defer c.Close()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err = s.link.OpenBulk(ctx)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.Less(t, time.Since(start), 30*time.Second)
+	require.NoError(t, s.Err(), "the session lives on")
 }

@@ -453,7 +453,7 @@ func (s *Session) open(ctx context.Context, role byte) (*streamConn, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	st, err := s.mux.OpenStream()
+	st, err := s.openStream(ctx)
 	if err != nil {
 		if errors.Is(err, yamux.ErrSessionShutdown) {
 			return nil, s.closedErr()
@@ -477,6 +477,32 @@ func (s *Session) open(ctx context.Context, role byte) (*streamConn, error) {
 		return nil, c.mapErr("open", err)
 	}
 	return c, nil
+}
+
+// openStream opens a multiplexed stream within ctx. yamux waits, without a
+// bound of its own, while 256 of this side's streams wait for the peer's
+// acknowledgement; a stream it opens after ctx ended is closed.
+func (s *Session) openStream(ctx context.Context) (*yamux.Stream, error) {
+	type opened struct {
+		st  *yamux.Stream
+		err error
+	}
+	res := make(chan opened, 1)
+	go func() {
+		st, err := s.mux.OpenStream()
+		res <- opened{st, err}
+	}()
+	select {
+	case r := <-res:
+		return r.st, r.err
+	case <-ctx.Done():
+		go func() {
+			if r := <-res; r.st != nil {
+				_ = r.st.Close()
+			}
+		}()
+		return nil, ctx.Err()
+	}
 }
 
 // acceptLoop takes the streams the peer opens and hands them on by role, on
