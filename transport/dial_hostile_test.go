@@ -205,3 +205,33 @@ func TestOpenStreamBounded(t *testing.T) {
 	require.Less(t, time.Since(start), 30*time.Second)
 	require.NoError(t, s.Err(), "the session lives on")
 }
+
+// A listener's session whose client opens no gRPC stream within the
+// handshake timeout is closed: it would never reach gRPC, and control
+// messages would keep it from the idle timeout.
+func TestListenerSessionWithoutGRPC(t *testing.T) {
+	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithHandshakeTimeout(300*time.Millisecond), WithIdleTimeout(-1))
+	require.NoError(t, err)
+	defer l.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+	defer cancel()
+	s, err := Dial(ctx, l.Addr().String(), WithMode(ModeTCP), WithIdleTimeout(-1))
+	require.NoError(t, err)
+	defer s.Close()
+	for {
+		select {
+		case <-s.Done():
+			require.ErrorIs(t, s.Err(), ErrPeerGone)
+			return
+		case <-ctx.Done():
+			t.Fatal("the server kept a session that carries no gRPC")
+		default:
+		}
+		// What a peer's dropped control messages did: count as traffic.
+		_ = s.link.SendControl(ctx, 0xEE, nil)
+		select {
+		case <-s.Done():
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}

@@ -277,8 +277,17 @@ func (l *Listener) serveTCP(c net.Conn) {
 	if s == nil {
 		return
 	}
-	gc, err := s.Conn(l.ctx)
+	// A session exists here to carry gRPC: one whose client opens no gRPC
+	// stream would never reach gRPC (nor its limits on connections), and
+	// control messages alone would keep it from the idle timeout.
+	ctx, cancel := context.WithTimeout(l.ctx, l.cfg.handshakeTimeout)
+	gc, err := s.Conn(ctx)
+	cancel()
 	if err != nil {
+		if errors.Is(err, context.DeadlineExceeded) {
+			s.closeWith(fmt.Errorf("gdrpc: the client opened no gRPC stream within %v", l.cfg.handshakeTimeout))
+			l.log.Debug("session closed: no gRPC stream", "session", s.id, "peer", s.peer.ID)
+		}
 		_ = s.Close()
 		return
 	}

@@ -329,6 +329,12 @@ func (s *Session) Close() error {
 // connection close on their own goroutine (closing a UCX endpoint may take a
 // while when the peer is gone).
 func (s *Session) closeWith(cause error) {
+	if cause == ErrPeerGone {
+		// Whichever reader saw the end first, name what ended it.
+		if err := s.under.firstErr(); err != nil && !errors.Is(err, io.EOF) {
+			cause = fmt.Errorf("%w: %w", ErrPeerGone, err)
+		}
+	}
 	first := false
 	s.closeOnce.Do(func() {
 		first = true
