@@ -317,14 +317,11 @@ func (p *pull) list() {
 	pulls.Unlock()
 }
 
+// settled ends p once no bulk reader writes into its destination any more,
+// waiting for the one under way: dst, its staging and its reservation go.
 func (p *pull) settled() {
 	p.settle.Do(func() {
-		pulls.Lock()
-		delete(pulls.m, p.req)
-		p.detached = true
-		reading := p.reading
-		pulls.Unlock()
-		if reading != nil {
+		if reading := p.detach(); reading != nil {
 			<-reading // bounded: a read into dst has a deadline and dies with the session
 		}
 		p.dropBounce()
@@ -333,6 +330,39 @@ func (p *pull) settled() {
 		}
 		p.dst.Release()
 	})
+}
+
+// detach takes p off the list, so that no bulk reader begins to write into
+// its destination, and returns the channel closed when the read under way
+// stops, or nil when none is.
+func (p *pull) detach() chan struct{} {
+	pulls.Lock()
+	defer pulls.Unlock()
+	delete(pulls.m, p.req)
+	p.detached = true
+	return p.reading
+}
+
+// letGo settles p at once unless a bulk reader is writing into its
+// destination: then a goroutine of the session settles it once the reader
+// stopped (abandon), which the reader's deadline bounds, not the caller's,
+// and letGo reports false: dst is not the caller's to hand out. An owner
+// that stalls a stream mid-transfer and answers with a FIN cannot hold the
+// caller past its context that way.
+func (p *pull) letGo() bool {
+	pulls.Lock()
+	idle := p.reading == nil
+	if idle {
+		delete(pulls.m, p.req)
+		p.detached = true // no reader begins now: settled waits for none
+	}
+	pulls.Unlock()
+	if !idle {
+		p.abandon()
+		return false
+	}
+	p.settled()
+	return true
 }
 
 // dropBounce frees the pull's bulk lane bounce buffer, if it has one.
@@ -583,12 +613,14 @@ func liveSessions(owner transport.ID) []*transport.Session {
 // fetchLocal serves a payload this process owns itself, with no session to
 // itself: a plain copy.
 func fetchLocal(d Descriptor, dst *devicebuf.Buffer) (Path, error) {
-	e, st, err := box.checkout(d.Token, d.Length)
+	e, u, st, err := box.checkout(d.Token, d.Length, nil)
 	if err != nil {
 		return PathNone, finError(d.Token, &fin{Status: st, Msg: err.Error()})
 	}
-	err = copyFromSource(dst, e.src, nil)
-	box.checkin(d.Token, e, err == nil)
+	err = u.read(func() error { return copyFromSource(dst, e.src, nil) })
+	if !box.checkin(d.Token, e, u, err == nil) && err == nil {
+		err = errWithdrawn
+	}
 	if err != nil {
 		return PathLocal, &TransferError{Token: d.Token, Err: err}
 	}
@@ -612,7 +644,7 @@ func copyFromSource(dst *devicebuf.Buffer, src Source, stream *devicebuf.Stream)
 
 // fetchVia pulls d into dst through s. release gives back the pull's
 // reservation (reservePull) once dst is settled.
-func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devicebuf.Buffer, release func()) (Path, error) {
+func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devicebuf.Buffer, release func()) (path Path, err error) {
 	defer busy(s)()
 	p := makePull(s, dst.Retain())
 	p.after = append(p.after, release)
@@ -634,12 +666,26 @@ func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devi
 	p.list()
 	m.Req = p.req
 	p.offers = m.Offers
+	// Every exit from here lets go of p once, by letGo unless a branch says
+	// otherwise: a pull that succeeded but whose destination a bulk reader
+	// still writes into fails.
+	letGo := p.letGo
+	defer func() {
+		if !letGo() && err == nil {
+			err = &TransferError{Token: d.Token, Kind: TransferInvalid,
+				Err: fmt.Errorf("bulk data still arriving for a transfer the owner answered by %v", path)}
+		}
+	}()
+	// The caller gave up: the pull settles on a goroutine of the session.
+	giveUp := func() bool { p.abandon(); return false }
+	// Nothing more is read into dst, and the read under way ends now (the
+	// session died, or the reader handed dst over): settled waits for it.
+	settleNow := func() bool { p.settled(); return true }
 
 	r = trace.StartRegion(ctx, "gdrpc.rtr")
 	err = sendControl(ctx, s, ctlRTR, m.marshal())
 	r.End()
 	if err != nil {
-		p.settled()
 		if ctx.Err() == nil {
 			select {
 			case <-s.Done():
@@ -655,56 +701,49 @@ func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devi
 	case f = <-p.fin:
 		p.answered = true
 	case <-ctx.Done():
-		p.abandon()
+		letGo = giveUp
 		return PathNone, sessionError(d.Token, s, ctx, ctx.Err())
 	case <-s.Done():
-		p.settled()
+		letGo = settleNow
 		return PathNone, sessionError(d.Token, s, ctx, s.Err())
 	}
 	r.End()
 	if f.Status != finOK {
-		p.settled()
 		return f.Path, finError(d.Token, f)
 	}
 	if err := checkFINPath(m, f.Path); err != nil {
-		p.settled()
 		return f.Path, &TransferError{Token: d.Token, Kind: TransferInvalid, Err: err}
 	}
 	if f.Path == PathStream {
 		select {
 		case err = <-p.bulk:
 		case <-ctx.Done():
-			p.abandon()
+			letGo = giveUp
 			return f.Path, sessionError(d.Token, s, ctx, ctx.Err())
 		case <-s.Done():
-			p.settled()
+			letGo = settleNow
 			return f.Path, sessionError(d.Token, s, ctx, s.Err())
 		}
 		if err != nil {
-			p.settled()
 			return f.Path, &TransferError{Token: d.Token, Err: fmt.Errorf("bulk stream: %w", err)}
 		}
+		letGo = settleNow
 	}
 	if staged != nil && f.Path == PathStaged {
 		// The chunks' copies to the GPU started as they landed; wait for the last.
 		if err := staged.wait(ctx, s); err != nil {
 			if ctx.Err() != nil {
-				p.abandon()
-			} else {
-				p.settled()
+				letGo = giveUp
 			}
 			return f.Path, &TransferError{Token: d.Token, Err: fmt.Errorf("copy from staging: %w", err)}
 		}
 	} else if staging != nil && (f.Path == PathRDMA || f.Path == PathStaged) {
 		// The owner wrote into host staging in one piece: move it to the GPU.
 		if err := devicebuf.Copy(dst, staging); err != nil {
-			p.settled()
 			return f.Path, &TransferError{Token: d.Token, Err: fmt.Errorf("copy from staging: %w", err)}
 		}
-		p.settled()
 		return PathStaged, nil // staged on this side, whatever the owner's source was
 	}
-	p.settled()
 	return f.Path, nil
 }
 
@@ -1211,13 +1250,22 @@ func serveRTR(s *transport.Session, m *rtr, c *TransferConfig) {
 	ctx, endTask := traceTask(ctx, "gdrpc.push")
 	defer endTask()
 	f := &fin{Req: m.Req}
-	e, st, err := box.checkout(m.Token, m.Length)
+	// The push's own context: the entry's leaving cancels it, not the FIN's.
+	pctx, stop := context.WithCancelCause(ctx)
+	defer stop(nil)
+	e, u, st, err := box.checkout(m.Token, m.Length, stop)
 	if err != nil {
 		f.Status, f.Msg = st, err.Error()
 	} else {
 		start := time.Now()
-		f.Path, err = push(ctx, s, m, e.src, c)
-		box.checkin(m.Token, e, err == nil)
+		f.Path, err = push(pctx, s, m, e.src, u, c)
+		if !box.checkin(m.Token, e, u, err == nil) {
+			if err == nil || errors.Is(context.Cause(pctx), errWithdrawn) {
+				// Cut short, or read in part after the entry left: the
+				// receiver must not take what it got.
+				err = errWithdrawn
+			}
+		}
 		c.Metrics.Transfer(TransferInfo{Path: f.Path, Bytes: int64(m.Length), Elapsed: time.Since(start), Err: err, Memory: e.src.kind()})
 		c.Logger.Debug("out-of-band push", "session", s.ID(), "path", f.Path.String(), "bytes", m.Length, "elapsed", time.Since(start), "err", err)
 		if err != nil {
@@ -1236,29 +1284,34 @@ func serveRTR(s *transport.Session, m *rtr, c *TransferConfig) {
 	r.End()
 }
 
-// push moves src into the receiver's destination by the best path both accept.
-func push(ctx context.Context, s *transport.Session, m *rtr, src Source, c *TransferConfig) (Path, error) {
+// push moves src into the receiver's destination by the best path both
+// accept, reading src only through u.
+func push(ctx context.Context, s *transport.Session, m *rtr, src Source, u *sourceUse, c *TransferConfig) (Path, error) {
 	if m.Length == 0 {
 		return PathNone, nil
 	}
 	allowed := c.Paths
 	if m.Offers&allowed&PathCUDAIPC != 0 && ipcAllowed(s) {
-		err := pushIPC(s, m, src)
-		if err == nil {
-			return PathCUDAIPC, nil
+		err := u.read(func() error { return pushIPC(s, m, src) })
+		if err == nil || errors.Is(err, errWithdrawn) {
+			return PathCUDAIPC, err
 		}
 		c.Metrics.Fallback(PathCUDAIPC, PathRDMA, err.Error())
 	}
 	if m.Offers&allowed&PathRDMA != 0 {
 		if ep := s.Endpoint(); ep != nil {
-			path, err := pushRDMA(ctx, s, ep, m, src)
-			if err == nil || ctx.Err() != nil {
+			var path Path
+			err := u.read(func() (err error) {
+				path, err = pushRDMA(ctx, s, ep, m, src)
+				return err
+			})
+			if err == nil || ctx.Err() != nil || errors.Is(err, errWithdrawn) {
 				return path, err
 			}
 			c.Metrics.Fallback(PathRDMA, PathStream, err.Error())
 		}
 	}
-	return PathStream, pushStream(ctx, s, m, src)
+	return PathStream, pushStream(ctx, s, m, src, u)
 }
 
 func pushIPC(s *transport.Session, m *rtr, src Source) error {
@@ -1589,13 +1642,16 @@ func pushStaged(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m 
 	return nil
 }
 
-func pushStream(ctx context.Context, s *transport.Session, m *rtr, src Source) error {
+// pushStream writes src to the receiver on the session's bulk lane, or on a
+// bulk stream of its own where the session has no lane. The writes end
+// (fail) once ctx does: the outbox entry's leaving waits for them.
+func pushStream(ctx context.Context, s *transport.Session, m *rtr, src Source, u *sourceUse) error {
 	link := stateOf(s).link
 	if link == nil {
 		return closedErr(s)
 	}
 	if link.Lane() != nil {
-		return pushLane(ctx, s, link, m, src)
+		return pushLane(ctx, s, link, m, src, u)
 	}
 	c, err := link.OpenBulk(ctx)
 	if err != nil {
@@ -1610,10 +1666,58 @@ func pushStream(ctx context.Context, s *transport.Session, m *rtr, src Source) e
 	if _, err := c.Write(bulkHeader(m.Req, m.Length)); err != nil {
 		return err
 	}
-	return eachPiece(src, cfgOf(s).StagingChunk, func(p []byte) error {
-		_, err := c.Write(p)
-		return err
+	err = u.read(func() error {
+		return eachPiece(src, cfgOf(s).StagingChunk, func(p []byte) error {
+			_, err := c.Write(p)
+			return err
+		})
 	})
+	if err != nil {
+		return err
+	}
+	return awaitBulkClose(ctx, s, c)
+}
+
+// closeWriter is a conn that can end its writing side alone (a half-close)
+// and read on.
+type closeWriter interface {
+	CloseWrite() error
+}
+
+// errBulkLeftOpen ends a session whose receiver kept a bulk stream open past
+// the push that wrote it.
+var errBulkLeftOpen = errors.New("gdrpc: the receiver kept a bulk stream open after its transfer")
+
+// awaitBulkClose ends the owner's side of c, a bulk stream written whole,
+// and waits, by ctx (the push's, whose pusher slot it still holds), for the
+// receiver to close its side: an honest receiver reads to the owner's close
+// and closes (endBulk). The multiplexer keeps a stream closed on one side
+// only for a minute, so a receiver that never closes its side would pile up
+// the streams of its RTRs far past Limits.Pushes; one that keeps a stream
+// open past the push ends the session. A conn that cannot half-close is
+// closed, unwaited.
+func awaitBulkClose(ctx context.Context, s *transport.Session, c net.Conn) error {
+	cw, ok := c.(closeWriter)
+	if !ok {
+		return nil
+	}
+	if err := cw.CloseWrite(); err != nil {
+		return err
+	}
+	// By the push's deadline alone: a push the outbox entry's leaving cut
+	// short has a stream that an honest receiver closes all the same.
+	if dl, ok := ctx.Deadline(); ok {
+		_ = c.SetReadDeadline(dl)
+	}
+	_, err := io.Copy(io.Discard, c) // the receiver sends nothing on it
+	if err == nil {
+		return nil // the receiver closed its side
+	}
+	if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() {
+		abort(s, fmt.Errorf("%w: %w", transport.ErrPeerGone, errBulkLeftOpen))
+		return fmt.Errorf("%w: %w", errBulkLeftOpen, err)
+	}
+	return err
 }
 
 // laneFrameMax bounds the pieces of a transfer on the bulk lane: transfers in
@@ -1623,8 +1727,10 @@ const laneFrameMax = 256 << 10
 // pushLane writes src to the receiver as frames on the session's bulk lane.
 // A source that fails (a device copy) or does not hold the transfer's length,
 // or a ctx that ends, stops the transfer with an abort frame; a lane cut mid
-// frame ends the session.
-func pushLane(ctx context.Context, s *transport.Session, link *transport.Link, m *rtr, src Source) error {
+// frame ends the session. The frames are written from copies of src (see
+// eachCopy): a frame under way is not cut short when the entry leaves, and
+// need not be, so the lane stays intact.
+func pushLane(ctx context.Context, s *transport.Session, link *transport.Link, m *rtr, src Source, u *sourceUse) error {
 	f := laneFrame{kind: laneData, req: m.Req, total: m.Length}
 	write := func(ctx context.Context, body []byte) error {
 		err := link.WriteLaneFrame(ctx, f.marshal(), body)
@@ -1644,7 +1750,11 @@ func pushLane(ctx context.Context, s *transport.Session, link *transport.Link, m
 	} else if f.total == 0 {
 		err = write(ctx, nil)
 	} else {
-		err = eachPiece(src, cfgOf(s).StagingChunk, func(p []byte) error {
+		chunk := laneFrameMax
+		if src.kind() != devicebuf.Host {
+			chunk = cfgOf(s).StagingChunk
+		}
+		err = eachCopy(src, u, chunk, func(p []byte) error {
 			for len(p) > 0 {
 				f.n = uint64(min(len(p), laneFrameMax))
 				if f.n > f.total-f.off {
@@ -1700,6 +1810,27 @@ func eachPiece(src Source, chunk int, fn func([]byte) error) error {
 			return fn(hb[:n])
 		})
 	}
+}
+
+// eachCopy hands fn src's bytes in order, in pieces of at most chunk bytes
+// that it copies out of src, under u, into a host buffer of its own: fn,
+// which may wait for the peer, reads only the copy, so the outbox entry's
+// leaving waits for one copy at most.
+func eachCopy(src Source, u *sourceUse, chunk int, fn func([]byte) error) error {
+	return chunked(src.Len(), chunk, func(bounce *devicebuf.Buffer, off, n int) error {
+		hb, _ := bounce.HostBytes()
+		err := u.read(func() error {
+			if b := src.Buffer; b != nil {
+				return copyRange(bounce, 0, b, off, n)
+			}
+			copy(hb, src.Bytes[off:off+n])
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+		return fn(hb[:n])
+	})
 }
 
 // chunked runs fn over [0, n) in staging-chunk pieces with one host bounce buffer.

@@ -125,7 +125,7 @@ func TestPushLane(t *testing.T) {
 	ctx := context.Background()
 	want := bytes.Repeat([]byte("0123456789abcdef"), (2*laneFrameMax+100)/16)
 	p := newPull(len(want))
-	require.NoError(t, pushLane(ctx, cs, stateOf(cs).link, &rtr{Req: p.req, Length: uint64(len(want))}, Source{Bytes: want}))
+	require.NoError(t, pushLane(ctx, cs, stateOf(cs).link, &rtr{Req: p.req, Length: uint64(len(want))}, Source{Bytes: want}, &sourceUse{}))
 	require.NoError(t, bulkResult(t, p))
 	got, err := p.dst.HostBytes()
 	require.NoError(t, err)
@@ -144,7 +144,7 @@ func TestPushLane(t *testing.T) {
 		{"context ended", canceled, "abcde", context.Canceled.Error()},
 	} {
 		p := newPull(5)
-		err := pushLane(tc.ctx, cs, stateOf(cs).link, &rtr{Req: p.req, Length: 5}, Source{Bytes: []byte(tc.src)})
+		err := pushLane(tc.ctx, cs, stateOf(cs).link, &rtr{Req: p.req, Length: 5}, Source{Bytes: []byte(tc.src)}, &sourceUse{})
 		require.ErrorContains(t, err, tc.err, tc.name)
 		require.ErrorContains(t, bulkResult(t, p), "gave the transfer up", tc.name)
 	}

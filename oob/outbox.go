@@ -1,6 +1,7 @@
 package oob
 
 import (
+	"context"
 	"crypto/rand"
 	"errors"
 	"fmt"
@@ -52,26 +53,76 @@ type OfferOptions struct {
 }
 
 type outboxEntry struct {
-	src      Source
-	held     bool
-	pulls    int // completed pulls
-	inflight int // pulls under way; release waits for them
-	dead     bool
-	timer    *time.Timer
-	toward   *transport.ID // the process the descriptor was sent to (SentToward), if known
+	src   Source
+	held  bool
+	pulls int // completed pulls
+	// uses are the pulls under way, each reading src until it checks in or
+	// the entry leaves; the source is freed once none is left.
+	uses   map[*sourceUse]struct{}
+	dead   bool          // left the outbox
+	freed  bool          // src was freed (freeLocked)
+	left   chan struct{} // closed once the entry left and no pull reads src any more
+	timer  *time.Timer
+	toward *transport.ID // the process the descriptor was sent to (SentToward), if known
+}
+
+// sourceUse is one pull's use of an outbox entry's source. The entry's
+// leaving ends it: the pull's context is cancelled, which cuts short a write
+// under way, the leaving waits for the read of the source under way (read)
+// to return, and later reads fail with errWithdrawn. So once Withdraw
+// returns, nothing reads a Bytes source the application may reuse.
+type sourceUse struct {
+	cancel context.CancelCauseFunc // the pull's; nil for a copy that is not cut short
+	mu     sync.Mutex              // held while the pull reads the source
+	ended  bool                    // guarded by mu
+}
+
+// errWithdrawn fails a pull whose outbox entry left while it was under way.
+var errWithdrawn = errors.New("the payload was withdrawn during its transfer")
+
+// read runs fn, which reads the source, unless the use ended.
+func (u *sourceUse) read(fn func() error) error {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.ended {
+		return errWithdrawn
+	}
+	return fn()
+}
+
+// end cancels the pull and waits for its read of the source under way.
+func (u *sourceUse) end() {
+	if u.cancel != nil {
+		u.cancel(errWithdrawn)
+	}
+	u.mu.Lock()
+	u.ended = true
+	u.mu.Unlock()
+}
+
+// withdrawn reports whether the use ended before the pull checked in: what
+// the pull sent may then be cut short, and it must not report success.
+func (u *sourceUse) withdrawn() bool {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.ended
 }
 
 type outbox struct {
 	mu      sync.Mutex
 	entries map[Token]*outboxEntry
+	// leaving are the entries that left the outbox while pulls still used
+	// them, until those uses ended: a Withdraw of their token waits for that.
+	leaving map[Token]*outboxEntry
 	toward  map[transport.ID]map[Token]struct{} // entries by the process they were sent to
 }
 
-var box = &outbox{entries: make(map[Token]*outboxEntry), toward: make(map[transport.ID]map[Token]struct{})}
+var box = &outbox{entries: make(map[Token]*outboxEntry), leaving: make(map[Token]*outboxEntry), toward: make(map[transport.ID]map[Token]struct{})}
 
 // Offer puts src in this process's outbox and returns the descriptor that names
 // it. The outbox takes its own reference on a Buffer source and drops it when
-// the entry leaves. A Bytes source must not be modified until then.
+// the entry leaves. A Bytes source must not be modified until then: until
+// Withdraw of its token returned, which ends the pulls still reading it.
 func Offer(src Source, opt OfferOptions) Descriptor {
 	d := describe(src)
 	if b := src.Buffer; b != nil {
@@ -81,7 +132,7 @@ func Offer(src Source, opt OfferOptions) Descriptor {
 	if lease <= 0 {
 		lease = DefaultLease
 	}
-	e := &outboxEntry{src: src, held: opt.Held}
+	e := &outboxEntry{src: src, held: opt.Held, uses: make(map[*sourceUse]struct{}), left: make(chan struct{})}
 	tok := d.Token
 	box.mu.Lock()
 	box.entries[d.Token] = e
@@ -110,22 +161,23 @@ func Offered(t Token) bool {
 	return ok
 }
 
-// Withdraw removes an entry; pulls under way finish first, later pulls of the
-// token fail as unknown. Withdrawing an unknown token does nothing.
+// Withdraw removes an entry; pulls under way stop (they fail) and no longer
+// read its source by the time Withdraw returns; later pulls of the token fail
+// as unknown. Withdrawing an unknown token does nothing.
 func Withdraw(t Token) {
 	box.mu.Lock()
 	e, ok := box.entries[t]
 	if !ok {
+		e = box.leaving[t] // another removal of t is ending its pulls
 		box.mu.Unlock()
+		if e != nil {
+			<-e.left
+		}
 		return
 	}
-	box.removeLocked(t, e)
-	free := e.inflight == 0
+	uses := box.removeLocked(t, e)
 	box.mu.Unlock()
-	e.timer.Stop()
-	if free {
-		e.free()
-	}
+	box.leave(t, e, uses)
 }
 
 func (e *outboxEntry) free() {
@@ -136,40 +188,59 @@ func (e *outboxEntry) free() {
 
 var errUnknownToken = errors.New("unknown or expired token")
 
-// checkout starts a pull of t for length n.
-func (b *outbox) checkout(t Token, n uint64) (*outboxEntry, finStatus, error) {
+// checkout starts a pull of t for length n. cancel ends the pull's
+// context when the entry leaves before the pull checks in; nil for a pull
+// that is not cut short (a local copy). The pull reads the source only
+// through the returned use.
+func (b *outbox) checkout(t Token, n uint64, cancel context.CancelCauseFunc) (*outboxEntry, *sourceUse, finStatus, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	e, ok := b.entries[t]
 	if !ok {
-		return nil, finUnknownToken, errUnknownToken
+		return nil, nil, finUnknownToken, errUnknownToken
 	}
 	if uint64(e.src.Len()) != n {
-		return nil, finBadLength, fmt.Errorf("length %d asked, payload is %d bytes", n, e.src.Len())
+		return nil, nil, finBadLength, fmt.Errorf("length %d asked, payload is %d bytes", n, e.src.Len())
 	}
-	e.inflight++
-	return e, finOK, nil
+	u := &sourceUse{cancel: cancel}
+	e.uses[u] = struct{}{}
+	return e, u, finOK, nil
 }
 
-// checkin ends a pull; a completed pull of an entry that is not held releases it.
-func (b *outbox) checkin(t Token, e *outboxEntry, ok bool) {
+// checkin ends a pull and reports whether it completed: ok, and its use not
+// ended by the entry's leaving. A completed pull of an entry that is not
+// held releases it.
+func (b *outbox) checkin(t Token, e *outboxEntry, u *sourceUse, ok bool) bool {
 	b.mu.Lock()
-	e.inflight--
+	delete(e.uses, u)
+	ok = ok && !u.withdrawn()
 	if ok {
 		e.pulls++
 	}
+	var uses []*sourceUse
 	leave := ok && !e.held && !e.dead
 	if leave {
-		b.removeLocked(t, e)
+		uses = b.removeLocked(t, e)
 	}
-	free := e.dead && e.inflight == 0
+	free := e.freeLocked()
 	b.mu.Unlock()
 	if leave {
-		e.timer.Stop()
+		b.leave(t, e, uses)
 	}
 	if free {
 		e.free()
 	}
+	return ok
+}
+
+// freeLocked reports, once, that e's source is to be freed: e left the
+// outbox and no pull holds it.
+func (e *outboxEntry) freeLocked() bool {
+	if !e.dead || len(e.uses) > 0 || e.freed {
+		return false
+	}
+	e.freed = true
+	return true
 }
 
 // Stats is a snapshot of the engine in this process, for diagnostics and
@@ -219,9 +290,9 @@ func ReadStats() Stats {
 	return st
 }
 
-// removeLocked takes e, the entry of t, out of the outbox; its source is
-// freed once no pull uses it.
-func (b *outbox) removeLocked(t Token, e *outboxEntry) {
+// removeLocked takes e, the entry of t, out of the outbox, and returns the
+// uses of its source that leave must end.
+func (b *outbox) removeLocked(t Token, e *outboxEntry) []*sourceUse {
 	delete(b.entries, t)
 	e.dead = true
 	if e.toward != nil {
@@ -231,6 +302,30 @@ func (b *outbox) removeLocked(t Token, e *outboxEntry) {
 				delete(b.toward, *e.toward)
 			}
 		}
+	}
+	b.leaving[t] = e
+	uses := make([]*sourceUse, 0, len(e.uses))
+	for u := range e.uses {
+		uses = append(uses, u)
+	}
+	return uses
+}
+
+// leave ends uses, the pulls of e under way when it left the outbox
+// (removeLocked), and waits for their reads of its source; the source is
+// freed once no pull holds it any more (here, or at the last checkin).
+func (b *outbox) leave(t Token, e *outboxEntry, uses []*sourceUse) {
+	e.timer.Stop()
+	for _, u := range uses {
+		u.end()
+	}
+	b.mu.Lock()
+	delete(b.leaving, t)
+	free := e.freeLocked()
+	b.mu.Unlock()
+	close(e.left)
+	if free {
+		e.free()
 	}
 }
 

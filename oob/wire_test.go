@@ -188,28 +188,28 @@ func TestOutboxLifetime(t *testing.T) {
 
 	// Not held: gone after the first completed pull; the outbox's reference goes with it.
 	d := Offer(Source{Buffer: b}, OfferOptions{})
-	_, st, err := box.checkout(d.Token, 99)
+	_, _, st, err := box.checkout(d.Token, 99, nil)
 	require.Error(t, err)
 	require.Equal(t, finBadLength, st)
-	e, _, err := box.checkout(d.Token, 100)
+	e, u, _, err := box.checkout(d.Token, 100, nil)
 	require.NoError(t, err)
-	box.checkin(d.Token, e, true)
-	_, st, _ = box.checkout(d.Token, 100)
+	require.True(t, box.checkin(d.Token, e, u, true))
+	_, _, st, _ = box.checkout(d.Token, 100, nil)
 	require.Equal(t, finUnknownToken, st)
 
 	// Held: pulled any number of times until withdrawn; a withdraw during a pull
 	// frees the source only when the pull ends.
 	d = Offer(Source{Buffer: b}, OfferOptions{Held: true})
 	for range 3 {
-		e, _, err := box.checkout(d.Token, 100)
+		e, u, _, err := box.checkout(d.Token, 100, nil)
 		require.NoError(t, err)
-		box.checkin(d.Token, e, true)
+		require.True(t, box.checkin(d.Token, e, u, true))
 	}
-	e, _, err = box.checkout(d.Token, 100)
+	e, u, _, err = box.checkout(d.Token, 100, nil)
 	require.NoError(t, err)
 	Withdraw(d.Token)
 	require.False(t, b.Released())
-	box.checkin(d.Token, e, true)
+	require.False(t, box.checkin(d.Token, e, u, true), "a pull the withdraw ended did not complete")
 	Withdraw(d.Token) // twice: nothing
 
 	// The lease is the backstop.

@@ -193,6 +193,19 @@ func (c *streamConn) Close() error {
 	return nil
 }
 
+// CloseWrite ends this side's writing: the peer reads io.EOF once it read
+// what was written. Read goes on until the peer closes its side; Close ends
+// the rest.
+func (c *streamConn) CloseWrite() error {
+	if err := c.open("close write"); err != nil {
+		return err
+	}
+	if err := c.st.Close(); err != nil {
+		return c.mapErr("close write", err)
+	}
+	return nil
+}
+
 func (c *streamConn) SetDeadline(t time.Time) error {
 	if err := c.SetReadDeadline(t); err != nil {
 		return err
