@@ -184,8 +184,21 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 		return err
 	}
 	m := vv.ProtoReflect()
-	if err := resolve(decodeContext(v, m), m, c.oob, c.options()); err != nil {
-		return receiveFailed(v, c.oob, err)
+	p, err := collectPulls(m, c.oob, c.options())
+	if err == nil {
+		if c.oob && serverRequest(v, m) {
+			// gRPC decodes a unary request before any interceptor runs and
+			// tells a codec nothing of the call, not even its connection:
+			// the pulls wait for serverStats, told of the request right
+			// after this decode with the call's context, which runs them
+			// only for a call over a gdrpc session.
+			pendingPulls.put(v, p)
+			return nil
+		}
+		err = p.run(decodeContext(v))
+	}
+	if err != nil {
+		return receiveFailed(v, err)
 	}
 	return nil
 }
@@ -602,28 +615,64 @@ type job struct {
 // attached as they are found, out-of-band ones pulled, within the receive
 // limit and MaxPayloads. On a failure m keeps none of them.
 func resolve(ctx context.Context, m protoreflect.Message, outOfBand bool, o *options) error {
+	p, err := collectPulls(m, outOfBand, o)
+	if err != nil {
+		return err
+	}
+	return p.run(ctx)
+}
+
+// pulls are the out-of-band payloads of a received message still to pull;
+// its inline payloads are attached already.
+type pulls struct {
+	m    protoreflect.Message
+	jobs []job
+}
+
+// collectPulls attaches the inline payloads of m, a received message, and
+// returns its out-of-band ones to pull, within the receive limit and
+// MaxPayloads. outOfBand is false for a plain peer's message: a payload it
+// names by token is refused. On a failure m keeps none of its payloads.
+func collectPulls(m protoreflect.Message, outOfBand bool, o *options) (*pulls, error) {
 	c := collected{outOfBand: outOfBand, o: o}
 	err := c.collect(m)
 	if err == nil {
 		err = withinLimit(c.jobs, o.maxReceivePayload())
 	}
-	if err == nil {
-		err = runJobs(ctx, c.jobs)
-	} else {
-		for _, j := range c.jobs {
-			if j.discarded != nil {
-				j.discarded()
-			}
-		}
+	p := &pulls{m: m, jobs: c.jobs}
+	if err != nil {
+		p.discard()
+		return nil, err
 	}
+	return p, nil
+}
+
+// run pulls the payloads; after a failure the message keeps none of them.
+func (p *pulls) run(ctx context.Context) error {
+	err := runJobs(ctx, p.jobs)
 	if err != nil {
 		// What the message holds is not handed on: inline payloads were
 		// attached as they were found, and pulls that went well attached
 		// theirs.
-		ReleaseAll(m.Interface())
+		ReleaseAll(p.m.Interface())
 	}
 	return err
 }
+
+// discard gives the pulls up: the message keeps none of its payloads, and
+// a payload already in this process's receive space gives its range back.
+func (p *pulls) discard() {
+	for _, j := range p.jobs {
+		if j.discarded != nil {
+			j.discarded()
+		}
+	}
+	ReleaseAll(p.m.Interface())
+}
+
+// drop is discard for a message whose sender may not name payloads (its
+// call is refused): what it names of the receive space stays as it is.
+func (p *pulls) drop() { ReleaseAll(p.m.Interface()) }
 
 // maxParallelPulls bounds the goroutines that run one message's pulls; the
 // session's Limits.Pulls bounds the pulls under way.
@@ -693,7 +742,7 @@ func (c *collected) collect(m protoreflect.Message) error {
 		if err := c.count(); err != nil {
 			return err
 		}
-		j, err := deviceBufferJob(db, c.o)
+		j, err := deviceBufferJob(db, c.outOfBand, c.o)
 		if err != nil {
 			return err
 		}
@@ -750,7 +799,15 @@ func receiveAllocator(o *options) devicebuf.Allocator {
 	return oob.DefaultHostPool()
 }
 
-func deviceBufferJob(db *gdrv1.DeviceBuffer, o *options) (job, error) {
+// deviceBufferJob attaches the inline payload of db, or returns the job
+// that pulls the payload it names; mayPull is false for a plain peer's
+// message (the proto codec), which may carry inline payloads alone.
+func deviceBufferJob(db *gdrv1.DeviceBuffer, mayPull bool, o *options) (job, error) {
+	if !mayPull && (len(db.GetOwner()) != 0 || len(db.GetToken()) != 0) {
+		// A plain peer proved no identity: nothing is pulled on its word,
+		// from this process's outbox or any peer's, nor allocated for it.
+		return job{}, codecError(codes.InvalidArgument, "a DeviceBuffer names an out-of-band payload (owner, token), which only the %q codec over a gdrpc connection carries; send the payload inline", Name)
+	}
 	d, outOfBand, err := ParseDescriptor(db)
 	if err != nil {
 		return job{}, codecError(codes.InvalidArgument, "%v", err)

@@ -176,18 +176,41 @@ func (c *recvCall) done(v any, err error) error {
 	return err
 }
 
-// decodeContext is the context of v's pulls: its call's, or, for a server's
-// unary request (no recvCall, a type a server is decoding), one that says so
-// (oob.ForServerRequest).
-func decodeContext(v any, m protoreflect.Message) context.Context {
+// decodeContext is the context of v's pulls: its call's, if known.
+func decodeContext(v any) context.Context {
 	if c, ok := recvCalls.Load(v); ok {
 		return c.(*recvCall).context()
 	}
-	ctx := context.Background()
-	if decoding.has(m.Descriptor().FullName()) {
-		ctx = oob.ForServerRequest(ctx)
+	return context.Background()
+}
+
+// serverRequest reports whether v, a message being decoded, is taken for a
+// server's unary request: it has no recvCall, and a server with
+// ServerOptions is decoding a request of its type.
+func serverRequest(v any, m protoreflect.Message) bool {
+	if _, ok := recvCalls.Load(v); ok {
+		return false
 	}
-	return ctx
+	return decoding.has(m.Descriptor().FullName())
+}
+
+// pendingPulls holds the pulls of unary requests the gdr codec decoded on a
+// server until the server's stats handler, told of each decoded request
+// right after the codec with the call's context, runs them (pullRequest).
+var pendingPulls = newExpiring[*pulls](time.Minute)
+
+// pullRequest runs p, the pulls of the unary request of the call of ctx,
+// within the call's life, and returns the status of a failed pull, or nil. A call that did not come over a gdrpc session which negotiated the
+// gdr codec pulls nothing: its peer proved no identity.
+func pullRequest(ctx context.Context, p *pulls) *status.Status {
+	if err := sessionRefusal(ctx); err != nil {
+		p.drop()
+		return status.Convert(err)
+	}
+	if err := p.run(oob.ForServerRequest(ctx)); err != nil {
+		return status.Convert(err)
+	}
+	return nil
 }
 
 // context returns the call's context, with the peer of its connection once
@@ -243,7 +266,7 @@ func (clientStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 // before any interceptor runs, the decode succeeds without the payloads and
 // the server interceptor fails the call with the status before its handler
 // runs (serverStats moves it to the call; failedRequest returns it).
-func receiveFailed(v any, oob bool, err error) error {
+func receiveFailed(v any, err error) error {
 	st, ok := status.FromError(err)
 	if !ok {
 		return err
@@ -259,7 +282,7 @@ func receiveFailed(v any, oob bool, err error) error {
 		return err
 	}
 	m := messageV2Of(v)
-	if !oob || m == nil || !decoding.has(m.ProtoReflect().Descriptor().FullName()) {
+	if m == nil || !serverRequest(v, m.ProtoReflect()) {
 		return err
 	}
 	failures.put(v, st)
@@ -512,7 +535,10 @@ func DialOptions(opts ...Option) []grpc.DialOption {
 // gdr calls on connections whose handshake did not negotiate the codec (a plain
 // TCP client naming the gdr subtype gets FailedPrecondition) and fail a call
 // whose request payload could not be pulled with the transfer's status code
-// before its handler runs, and a stats handler that gives a call's buffers back.
+// before its handler runs, and a stats handler that gives a call's buffers back
+// and pulls a unary request's payloads once it knows the call's connection
+// (gRPC decodes the request first): a gdr call over a connection that is no
+// gdrpc session pulls nothing.
 // They are added with grpc.ChainUnaryInterceptor, grpc.ChainStreamInterceptor
 // and grpc.StatsHandler, so a server's own interceptors, stats handlers and tap
 // handle compose with them; interceptors set with grpc.UnaryInterceptor or
@@ -526,8 +552,8 @@ func DialOptions(opts ...Option) []grpc.DialOption {
 // interceptors of DialOptions; without them, gRPC reports Internal. A process
 // that serves gdr calls makes its gdr clients with DialOptions: a decode
 // without them, of a message whose type is also a unary request the process is
-// decoding at that moment, is taken for that request, and a failed pull then
-// leaves the message without its payload instead of failing the receive.
+// decoding at that moment, is taken for that request, and the message is left
+// without its out-of-band payloads.
 func ServerOptions() []grpc.ServerOption {
 	return []grpc.ServerOption{
 		grpc.ChainUnaryInterceptor(unaryServerInterceptor),
@@ -587,8 +613,9 @@ func (s *requestStream) SendMsg(m any) error {
 // serverStats gives a server call's buffers back when the call no longer needs
 // them: a response's once it was sent (the outbox keeps its own reference until
 // the client pulled it), a request's when the call ends. A handler that keeps a
-// received buffer past its return takes it with Detach. It also moves the
-// failed pull of a request the codec decoded to the request's call.
+// received buffer past its return takes it with Detach. It also pulls the
+// payloads of a unary request the codec decoded (pullRequest), and moves a
+// failed pull of such a request to the request's call.
 type serverStats struct{}
 
 type callMessages struct {
@@ -667,6 +694,9 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		c.mu.Unlock()
 		if m := messageV2Of(s.Payload); m != nil && mayCarry(m.ProtoReflect().Descriptor()) {
 			st, _ := failures.take(s.Payload)
+			if p, ok := pendingPulls.take(s.Payload); ok {
+				st = pullRequest(ctx, p)
+			}
 			c.mu.Lock()
 			walkDeviceBuffers(m.ProtoReflect(), func(db *gdrv1.DeviceBuffer) {
 				if _, ok := Buffer(db); ok {
@@ -758,6 +788,12 @@ func refusalOf(ctx context.Context, contentTypes []string) error {
 		// gRPC would decode the call with the plain proto codec.
 		return status.Errorf(codes.FailedPrecondition, "gdrpc: this server cannot serve %q calls: gdrcodec.Register was not called at start-up", Name)
 	}
+	return sessionRefusal(ctx)
+}
+
+// sessionRefusal returns why the gdr codec may not serve the call of ctx, a
+// server's: its connection is no gdrpc session that negotiated the codec.
+func sessionRefusal(ctx context.Context) error {
 	s := transport.SessionFromContext(ctx)
 	if s == nil || !s.Speaks(Name) {
 		return status.Errorf(codes.FailedPrecondition, "gdrpc: the %q codec needs a gdrpc connection; this one did not negotiate it", Name)

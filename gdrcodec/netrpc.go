@@ -214,23 +214,50 @@ func (c *clientCodec) Close() error {
 // a gdrpc listener): rpc.ServeCodec(gdrcodec.NewServerCodec(conn)). A request's
 // buffers are released once its reply is written, the reply's once sent (the
 // outbox keeps its own reference until the client pulled it); a method that
-// keeps a received buffer takes it with Detach. opts apply to this codec
-// alone; without them it follows Register's.
+// keeps a received buffer takes it with Detach. A request whose seq is that
+// of one not answered yet ends the connection, once the replies of the
+// requests before it are written. opts apply to this codec alone; without
+// them it follows Register's.
 func NewServerCodec(rwc io.ReadWriteCloser, opts ...Option) rpc.ServerCodec {
 	return &serverCodec{netrpcConn: newNetRPCConn(rwc, opts), args: map[uint64]any{}}
 }
 
 type serverCodec struct {
 	netrpcConn
-	mu   sync.Mutex
-	seq  uint64 // of the request whose body is next
+	mu  sync.Mutex
+	seq uint64 // of the request whose body is next
+	// refused is why a request header was refused; every later read
+	// returns it too (the refused request's body was never read).
+	refused error
+	// args holds, by seq, every request whose reply is not written yet: its
+	// received message, released with the reply (nil until its body is
+	// decoded, and for a body that is not a message).
 	args map[uint64]any
 }
 
+// ReadRequestHeader refuses a request whose seq is that of one not answered
+// yet: net/rpc and its client tell replies apart by seq alone, so the first
+// reply would release the second request's buffers while its handler still
+// runs. The error ends the connection (net/rpc reads no further request,
+// waits for the replies of those it started, then closes the codec) before
+// the duplicate's body is read: nothing of it is pulled.
 func (c *serverCodec) ReadRequestHeader(r *rpc.Request) error {
+	if c.refused != nil {
+		return c.refused
+	}
 	seq, method, _, err := c.readHeader()
 	if err != nil {
 		return err
+	}
+	c.mu.Lock()
+	_, outstanding := c.args[seq]
+	if !outstanding {
+		c.args[seq] = nil
+	}
+	c.mu.Unlock()
+	if outstanding {
+		c.refused = fmt.Errorf("gdrcodec: net/rpc request with seq %d while an earlier one with that seq is not answered yet", seq)
+		return c.refused
 	}
 	r.Seq, r.ServiceMethod = seq, method
 	c.seq = seq

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net"
 	"net/rpc"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -18,6 +19,7 @@ import (
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -148,4 +150,140 @@ func TestNetRPCReceiveSpace(t *testing.T) {
 	}
 	require.Equal(t, int64(1), counter.pulled.Load())
 	require.Equal(t, int64(3), counter.landed.Load())
+}
+
+// holder is a net/rpc service whose calls keep their request, and so its
+// buffers, until the test lets them return.
+type holder struct {
+	arrived chan *tensorpb.Tensor // each call's request, as the call starts
+	release chan struct{}         // closed: every call returns
+}
+
+func (h *holder) Hold(t *tensorpb.Tensor, s *tensorpb.Summary) error {
+	h.arrived <- t
+	<-h.release
+	sum, n, err := tensor.Checksum(t, 0)
+	s.Bytes, s.Crc32C = n, sum
+	return err
+}
+
+// headerErrors is a server codec that reports each error of its
+// ReadRequestHeader.
+type headerErrors struct {
+	rpc.ServerCodec
+	errs chan error
+}
+
+func (c *headerErrors) ReadRequestHeader(r *rpc.Request) error {
+	err := c.ServerCodec.ReadRequestHeader(r)
+	if err != nil {
+		c.errs <- err
+	}
+	return err
+}
+
+// A request whose seq is that of one still running is refused, unread: the
+// connection ends once the first one's reply is written, the first handler
+// keeps its buffer until then, and the duplicate's payload is never pulled.
+func TestNetRPCDuplicateSeq(t *testing.T) {
+	require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
+	pc := &pathCounter{paths: map[string]int{}}
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: pc, Timeout: 20 * time.Second})
+	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
+
+	h := &holder{arrived: make(chan *tensorpb.Tensor, 2), release: make(chan struct{})}
+	release := sync.OnceFunc(func() { close(h.release) })
+	srv := rpc.NewServer()
+	require.NoError(t, srv.RegisterName("Holder", h))
+	opts := []gdrpc.Option{gdrpc.WithTransport(transport.ModeTCP), processEngine}
+	lis, err := listener.Listen("127.0.0.1:0", opts...)
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, lis.Close()) })
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		defer close(accepted)
+		if c, err := lis.Accept(); err == nil {
+			accepted <- c
+		}
+	}()
+	conn, err := dialer.New(opts...).DialContext(context.Background(), lis.Addr().String())
+	require.NoError(t, err)
+	client := gdrcodec.NewClientCodec(conn)
+	// The duplicate goes through a codec of its own on the same conn: a
+	// client codec keeps one request's payloads per seq, as net/rpc's client
+	// never repeats one.
+	duplicate := gdrcodec.NewClientCodec(conn)
+	sc, ok := <-accepted
+	require.True(t, ok, "no connection accepted")
+	server := &headerErrors{ServerCodec: gdrcodec.NewServerCodec(sc), errs: make(chan error, 4)}
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		srv.ServeCodec(server)
+	}()
+	t.Cleanup(func() {
+		release()
+		client.Close()
+		duplicate.Close() // the duplicate's payload leaves its outbox
+		<-served
+	})
+
+	const n = 1 << 20
+	send := func(c rpc.ClientCodec, seed uint32) {
+		t.Helper()
+		b := devicebuf.HostFromBytes(pattern(n, seed))
+		req := &tensorpb.Tensor{Data: gdrcodec.New(b)}
+		b.Release()
+		require.NoError(t, c.WriteRequest(&rpc.Request{Seq: 7, ServiceMethod: "Holder.Hold"}, req))
+		gdrcodec.ReleaseAll(req) // the outbox holds the payload until the reply
+	}
+	send(client, 1)
+	var first *tensorpb.Tensor
+	select {
+	case first = <-h.arrived:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the first request reached no handler")
+	}
+	buf, ok := gdrcodec.Buffer(first.Data)
+	require.True(t, ok, "the first request arrived without its payload")
+
+	send(duplicate, 2) // the same seq, while the first call runs
+	select {
+	case err := <-server.errs:
+		require.ErrorContains(t, err, "seq 7")
+	case <-h.arrived:
+		t.Fatal("a second request with seq 7 reached a handler while the first one's runs")
+	case <-time.After(20 * time.Second):
+		t.Fatal("the second request with seq 7 was neither refused nor served")
+	}
+	_, ok = gdrcodec.Buffer(first.Data)
+	require.True(t, ok, "the first handler's buffer was released while it runs")
+	p, err := buf.HostBytes()
+	require.NoError(t, err)
+	requireBytes(t, pattern(n, 1), p)
+
+	release()
+	var resp rpc.Response
+	require.NoError(t, client.ReadResponseHeader(&resp))
+	require.Equal(t, uint64(7), resp.Seq)
+	require.Empty(t, resp.Error)
+	var sum tensorpb.Summary
+	require.NoError(t, client.ReadResponseBody(&sum))
+	require.Equal(t, uint64(n), sum.Bytes)
+	require.Equal(t, tensor.ChecksumBytes(pattern(n, 1)), sum.Crc32C)
+	require.Error(t, client.ReadResponseHeader(&resp), "the connection outlived the refused request")
+	select {
+	case <-served:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the server kept serving the connection")
+	}
+
+	_, ok = gdrcodec.Buffer(first.Data)
+	require.False(t, ok, "the first request's buffer outlived its reply")
+	require.Empty(t, h.arrived, "the refused request reached a handler")
+	pulls := 0
+	for _, k := range pc.reset() {
+		pulls += k
+	}
+	require.Equal(t, 1, pulls, "payloads pulled: the first request's alone")
 }

@@ -1,0 +1,132 @@
+package gdrcodec_test
+
+import (
+	"context"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/examples/tensor"
+	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
+	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/oob"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// tcpClient serves TensorService on a gdrpc listener whose received
+// payloads land in a counting allocator, and returns a plain gRPC client of
+// it (standard TCP dial, no handshake) with the allocator.
+func tcpClient(t *testing.T) (tensorpb.TensorServiceClient, *countingAllocator) {
+	t.Helper()
+	// A pull of this process's payload may take any session to it: none of
+	// an earlier test's may be left.
+	require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
+	alloc := &countingAllocator{Allocator: devicebuf.NewHostAllocator()}
+	gdrcodec.Register(gdrcodec.WithReceiveAllocator(alloc))
+	t.Cleanup(func() { gdrcodec.Register() })
+
+	lis, err := listener.Listen("127.0.0.1:0")
+	require.NoError(t, err)
+	gs := grpc.NewServer(listener.ServerOptions(insecure.NewCredentials())...)
+	tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
+	served := make(chan error, 1)
+	go func() { served <- gs.Serve(lis) }()
+	cc, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {
+			return (&net.Dialer{}).DialContext(ctx, "tcp", addr)
+		}))
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		cc.Close()
+		gs.Stop()
+		require.NoError(t, <-served)
+	})
+	return tensorpb.NewTensorServiceClient(cc), alloc
+}
+
+// forgedTensor returns a tensor whose payload names one in this process's
+// outbox, which leaves the outbox once pulled, and the payload's token.
+func forgedTensor(t *testing.T, n int) (*tensorpb.Tensor, oob.Token) {
+	t.Helper()
+	d := oob.Offer(oob.Source{Bytes: pattern(n, 9)}, oob.OfferOptions{})
+	t.Cleanup(func() { oob.Withdraw(d.Token) })
+	owner := transport.LocalID()
+	return &tensorpb.Tensor{Data: &gdrv1.DeviceBuffer{
+		Length: uint64(n), Kind: gdrv1.Kind_KIND_HOST, Owner: owner[:], Token: d.Token[:], Device: -1,
+	}}, d.Token
+}
+
+// upload sends t on an Upload stream and returns the stream's status.
+func upload(c tensorpb.TensorServiceClient, t *tensorpb.Tensor, opts ...grpc.CallOption) error {
+	st, err := c.Upload(context.Background(), opts...)
+	if err != nil {
+		return err
+	}
+	if err := st.Send(t); err != nil {
+		_, err = st.CloseAndRecv() // Send reports io.EOF; the status comes here
+		return err
+	}
+	_, err = st.CloseAndRecv()
+	return err
+}
+
+// A plain client (no handshake, the proto codec) may send payloads inline
+// alone: a DeviceBuffer naming one by owner and token is refused with
+// InvalidArgument, and nothing is pulled or allocated for it.
+func TestPlainClientNamesNoPayload(t *testing.T) {
+	client, alloc := tcpClient(t)
+
+	const n = 1 << 20
+	want := pattern(n, 3)
+	b := devicebuf.HostFromBytes(want)
+	inline := &tensorpb.Tensor{Data: gdrcodec.New(b)}
+	b.Release()
+	sum, err := client.Digest(context.Background(), inline)
+	gdrcodec.ReleaseAll(inline)
+	require.NoError(t, err, "an inline payload from a plain client")
+	require.Equal(t, uint64(n), sum.Bytes)
+	require.Equal(t, tensor.ChecksumBytes(want), sum.Crc32C)
+
+	for _, tt := range []struct {
+		name string
+		call func(tensorpb.TensorServiceClient, *tensorpb.Tensor) error
+	}{
+		{"unary", func(c tensorpb.TensorServiceClient, t *tensorpb.Tensor) error {
+			_, err := c.Digest(context.Background(), t)
+			return err
+		}},
+		{"stream", func(c tensorpb.TensorServiceClient, t *tensorpb.Tensor) error { return upload(c, t) }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			forged, token := forgedTensor(t, n)
+			err := tt.call(client, forged)
+			require.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
+			require.ErrorContains(t, err, "inline")
+			require.True(t, oob.Offered(token), "the server pulled the payload a plain client named")
+			require.Zero(t, alloc.n.Load(), "the server allocated for a payload a plain client named")
+		})
+	}
+}
+
+// A plain client that names the gdr subtype gets the gdr codec, which
+// decodes a unary request before the interceptors refuse the call: the
+// payloads its request names are not pulled, and nothing is allocated.
+func TestPlainClientGDRSubtypePullsNothing(t *testing.T) {
+	client, alloc := tcpClient(t)
+	forged, token := forgedTensor(t, 1<<20)
+	_, err := client.Digest(context.Background(), forged, grpc.CallContentSubtype(gdrcodec.Name))
+	require.Equal(t, codes.FailedPrecondition, status.Code(err), "%v", err)
+	require.True(t, oob.Offered(token), "the server pulled the payload a plain client named")
+	require.Zero(t, alloc.n.Load(), "the server allocated for a payload a plain client named")
+	require.Equal(t, codes.FailedPrecondition, status.Code(upload(client, forged, grpc.CallContentSubtype(gdrcodec.Name))))
+	require.True(t, oob.Offered(token), "the server pulled the payload a plain client named")
+}
