@@ -258,7 +258,7 @@ func TestKeyClosedDuringPut(t *testing.T) {
 	require.NoError(t, err)
 	defer src.Close()
 	want := pattern(n, 7)
-	copy(unsafe.Slice((*byte)(unsafe.Pointer(src.Addr())), n), want)
+	copy(src.Bytes(), want)
 	keys := rdma.Stats().RemoteKeys
 
 	releaseServer := sw.Hold()
@@ -289,5 +289,5 @@ func TestKeyClosedDuringPut(t *testing.T) {
 	require.NoError(t, <-put)
 	require.NoError(t, client.Flush(testCtx(t)))
 	require.Equal(t, keys-1, rdma.Stats().RemoteKeys, "the key outlived its last put")
-	require.True(t, bytes.Equal(want, unsafe.Slice((*byte)(unsafe.Pointer(dst.Addr())), n)), "the put's bytes")
+	require.True(t, bytes.Equal(want, dst.Bytes()), "the put's bytes")
 }
