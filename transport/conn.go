@@ -286,25 +286,33 @@ type underConn struct {
 	in pingCounter // only yamux's receive loop reads
 }
 
-// maxPeerPings is how many ping requests a session takes from its peer in
-// one second. yamux answers each on a goroutine of its own, which waits up
+// maxPeerPings is how many of the peer's ping requests a session holds
+// unanswered. yamux answers each on a goroutine of its own, which waits up
 // to the keepalive timeout to send the answer: a peer that sends pings and
 // reads nothing would otherwise grow them without a bound. An honest peer
-// pings once per keepalive interval.
-const maxPeerPings = 64
+// has one ping out at a time, answered as soon as this side's writes go out.
+const maxPeerPings = 256
 
 // errPingFlood is the cause of a session whose peer sent more than
-// maxPeerPings ping requests in a second.
-var errPingFlood = fmt.Errorf("gdrpc: the peer sent more than %d keepalive pings in a second", maxPeerPings)
+// maxPeerPings ping requests that are not answered yet.
+var errPingFlood = fmt.Errorf("gdrpc: the peer sent more than %d keepalive pings that this side could not answer yet", maxPeerPings)
+
+// Frame types and flags of yamux's header.
+const (
+	yamuxTypeData = 0
+	yamuxTypePing = 2
+	yamuxFlagSYN  = 1
+	yamuxFlagACK  = 2
+)
 
 // pingCounter follows the frames of the peer's byte stream through whatever
-// pieces it is read in, and counts ping requests per second.
+// pieces it is read in, and counts the ping requests not answered yet.
 type pingCounter struct {
-	hdr   [yamuxHeaderLen]byte
-	have  int    // bytes of hdr read
-	skip  uint64 // bytes of a data frame's body still to pass
-	pings int    // ping requests in the second that began at since
-	since time.Time
+	hdr  [yamuxHeaderLen]byte
+	have int    // bytes of hdr read
+	skip uint64 // bytes of a data frame's body still to pass
+
+	unanswered atomic.Int64 // the receive loop adds, the send loop takes
 }
 
 // scan passes p, the next bytes of the stream, and reports a flood.
@@ -323,23 +331,26 @@ func (pc *pingCounter) scan(p []byte) error {
 			return nil
 		}
 		pc.have = 0
-		const typeData, typePing, flagSYN = 0, 2, 1
 		switch pc.hdr[1] {
-		case typeData:
+		case yamuxTypeData:
 			pc.skip = uint64(binary.BigEndian.Uint32(pc.hdr[8:]))
-		case typePing:
-			if binary.BigEndian.Uint16(pc.hdr[2:])&flagSYN == 0 {
+		case yamuxTypePing:
+			if binary.BigEndian.Uint16(pc.hdr[2:])&yamuxFlagSYN == 0 {
 				break // an answer to this side's ping
 			}
-			if now := time.Now(); now.Sub(pc.since) > time.Second {
-				pc.pings, pc.since = 0, now
-			}
-			if pc.pings++; pc.pings > maxPeerPings {
+			if pc.unanswered.Add(1) > maxPeerPings {
 				return errPingFlood
 			}
 		}
 	}
 	return nil
+}
+
+// wrote notes a frame header this side wrote: the answer to a ping.
+func (pc *pingCounter) wrote(hdr []byte) {
+	if hdr[1] == yamuxTypePing && binary.BigEndian.Uint16(hdr[2:])&yamuxFlagACK != 0 {
+		pc.unanswered.Add(-1)
+	}
 }
 
 const (
@@ -382,6 +393,9 @@ func (c *underConn) Write(b []byte) (int, error) {
 		return len(b), nil
 	}
 	if !c.pending {
+		if len(b) == yamuxHeaderLen {
+			c.in.wrote(b)
+		}
 		n, err := c.Conn.Write(b)
 		c.record(err)
 		return n, err

@@ -166,22 +166,9 @@ func TestReadAnnounced(t *testing.T) {
 // that acknowledges none of the streams this side opens fills yamux's 256
 // slots for streams in opening, and the next open returns at its deadline.
 func TestOpenStreamBounded(t *testing.T) {
-	cli, srv := net.Pipe()
-	t.Cleanup(func() { _ = cli.Close() })
-	get := asyncSession(t, func() (*Session, error) {
-		return NewServerSession(context.Background(), srv, WithMode(ModeTCP), WithIdleTimeout(-1), WithKeepAlive(-1, 0), WithHandshakeTimeout(time.Minute))
-	})
-	// The peer: a hand-played handshake, then a multiplexer that accepts
-	// no stream (its backlog holds them all, unacknowledged).
-	id := NewIdentity()
-	hf := encodeHello(hello{ID: id.ID(), HostID: LocalHostID(), Mode: ModeTCP, Key: id.publicKey(), Nonce: newNonce()})
-	_, err := cli.Write(hf)
-	require.NoError(t, err)
-	v, wb := readHandFrame(t, cli)
-	_, err = parseWelcome(v, wb)
-	require.NoError(t, err)
-	_, err = cli.Write(encodeProof(proof{Signature: id.signTranscript(transcript(roleClientLabel, hf[frameHeaderLen:], wb))}))
-	require.NoError(t, err)
+	cli, s := handPlayedPeer(t, WithKeepAlive(-1, 0), WithHandshakeTimeout(time.Minute))
+	// The peer: a multiplexer that accepts no stream (its backlog holds
+	// them all, unacknowledged).
 	yc := yamux.DefaultConfig()
 	yc.AcceptBacklog = 1024
 	yc.EnableKeepAlive = false
@@ -189,9 +176,6 @@ func TestOpenStreamBounded(t *testing.T) {
 	peer, err := yamux.Client(cli, yc)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = peer.Close() })
-	s, err := get()
-	require.NoError(t, err)
-
 	for i := range 256 {
 		c, err := s.link.OpenBulk(context.Background())
 		require.NoError(t, err, "stream %d", i)
@@ -234,4 +218,28 @@ func TestListenerSessionWithoutGRPC(t *testing.T) {
 		case <-time.After(50 * time.Millisecond):
 		}
 	}
+}
+
+// handPlayedPeer returns a server session whose client is played by hand
+// over a pipe (cli): a handshake with a fresh identity, then whatever the
+// test writes and reads.
+func handPlayedPeer(t *testing.T, opts ...Option) (cli net.Conn, s *Session) {
+	t.Helper()
+	cli, srv := net.Pipe()
+	t.Cleanup(func() { _ = cli.Close() })
+	get := asyncSession(t, func() (*Session, error) {
+		return NewServerSession(context.Background(), srv, append([]Option{WithMode(ModeTCP), WithIdleTimeout(-1)}, opts...)...)
+	})
+	id := NewIdentity()
+	hf := encodeHello(hello{ID: id.ID(), HostID: LocalHostID(), Mode: ModeTCP, Key: id.publicKey(), Nonce: newNonce()})
+	_, err := cli.Write(hf)
+	require.NoError(t, err)
+	v, wb := readHandFrame(t, cli)
+	_, err = parseWelcome(v, wb)
+	require.NoError(t, err)
+	_, err = cli.Write(encodeProof(proof{Signature: id.signTranscript(transcript(roleClientLabel, hf[frameHeaderLen:], wb))}))
+	require.NoError(t, err)
+	s, err = get()
+	require.NoError(t, err)
+	return cli, s
 }
