@@ -183,6 +183,9 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	if err := bodies.Unmarshal(data, v); err != nil || !carries {
 		return err
 	}
+	if _, again := unaryRequests.Load(v); again {
+		return codecError(codes.InvalidArgument, "a second request message on a unary call")
+	}
 	m := vv.ProtoReflect()
 	p, err := collectPulls(m, c.oob, c.options())
 	if err == nil {

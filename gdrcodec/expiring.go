@@ -9,13 +9,14 @@ import (
 // expiring maps messages to what the codec noted about them until a later
 // hook takes it. Entries nobody takes (the hook never ran for that message)
 // are dropped once older than maxAge, by a sweep that a put runs at most once
-// a minute.
+// a minute, and given to expired, if set.
 type expiring[V any] struct {
-	maxAge time.Duration
-	n      atomic.Int64 // len(m), read without mu
-	mu     sync.Mutex
-	m      map[any]expiringEntry[V]
-	swept  time.Time
+	maxAge  time.Duration
+	expired func(V)      // what to do with an entry nobody took; nil: nothing
+	n       atomic.Int64 // len(m), read without mu
+	mu      sync.Mutex
+	m       map[any]expiringEntry[V]
+	swept   time.Time
 }
 
 type expiringEntry[V any] struct {
@@ -37,6 +38,12 @@ func (e *expiring[V]) putNew(k any, v V) bool { return e.store(k, v, false) }
 
 func (e *expiring[V]) store(k any, v V, replace bool) bool {
 	now := time.Now()
+	var old []V
+	defer func() {
+		for _, v := range old {
+			e.expired(v)
+		}
+	}()
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if en, ok := e.m[k]; ok && !replace && now.Sub(en.at) <= e.maxAge {
@@ -51,6 +58,9 @@ func (e *expiring[V]) store(k any, v V, replace bool) bool {
 	for key, en := range e.m {
 		if now.Sub(en.at) > e.maxAge {
 			delete(e.m, key)
+			if e.expired != nil {
+				old = append(old, en.v)
+			}
 		}
 	}
 	return true

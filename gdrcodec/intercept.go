@@ -197,7 +197,17 @@ func serverRequest(v any, m protoreflect.Message) bool {
 // pendingPulls holds the pulls of unary requests the gdr codec decoded on a
 // server until the server's stats handler, told of each decoded request
 // right after the codec with the call's context, runs them (pullRequest).
-var pendingPulls = newExpiring[*pulls](time.Minute)
+var pendingPulls = func() *expiring[*pulls] {
+	e := newExpiring[*pulls](time.Minute)
+	e.expired = (*pulls).discard
+	return e
+}()
+
+// unaryRequests are the server's unary requests the codec decoded and the
+// stats handler was told of, until their calls end. gRPC decodes into the
+// same message once more, to see that the client sent no second one: that
+// decode, which no stats event follows, must attach and pull nothing.
+var unaryRequests sync.Map
 
 // pullRequest runs p, the pulls of the unary request of the call of ctx,
 // within the call's life, and returns the status of a failed pull, or nil. A call that did not come over a gdrpc session which negotiated the
@@ -628,6 +638,7 @@ type callMessages struct {
 	pruneHeld int
 	method    string
 	decoding  bool                   // a unary call, counted in decoding until its request is decoded
+	request   any                    // a unary call's request, once decoded (unaryRequests)
 	failed    map[any]*status.Status // request -> its failed pull
 	landed    map[any]landedPayloads // response not yet reported sent -> its payloads in the client's receive space
 	unsent    any                    // a unary call's response until it is reported sent
@@ -690,6 +701,10 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			return
 		}
 		c.mu.Lock()
+		if c.decoding && c.request == nil {
+			c.request = s.Payload
+			unaryRequests.Store(s.Payload, struct{}{})
+		}
 		c.decoded()
 		c.mu.Unlock()
 		if m := messageV2Of(s.Payload); m != nil && mayCarry(m.ProtoReflect().Descriptor()) {
@@ -734,6 +749,10 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			c.decoded()
 			held, landed, unsent := c.held, c.landed, c.unsent
 			c.held, c.failed, c.landed, c.unsent = nil, nil, nil, nil
+			if c.request != nil {
+				unaryRequests.Delete(c.request)
+				c.request = nil
+			}
 			c.mu.Unlock()
 			for _, db := range held {
 				if b := Detach(db); b != nil {

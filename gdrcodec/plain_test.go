@@ -27,6 +27,13 @@ import (
 // it (standard TCP dial, no handshake) with the allocator.
 func tcpClient(t *testing.T) (tensorpb.TensorServiceClient, *countingAllocator) {
 	t.Helper()
+	cc, alloc := tcpConn(t)
+	return tensorpb.NewTensorServiceClient(cc), alloc
+}
+
+// tcpConn is tcpClient's connection.
+func tcpConn(t *testing.T) (*grpc.ClientConn, *countingAllocator) {
+	t.Helper()
 	// A pull of this process's payload may take any session to it: none of
 	// an earlier test's may be left.
 	require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
@@ -50,7 +57,7 @@ func tcpClient(t *testing.T) (tensorpb.TensorServiceClient, *countingAllocator) 
 		gs.Stop()
 		require.NoError(t, <-served)
 	})
-	return tensorpb.NewTensorServiceClient(cc), alloc
+	return cc, alloc
 }
 
 // forgedTensor returns a tensor whose payload names one in this process's
@@ -129,4 +136,37 @@ func TestPlainClientGDRSubtypePullsNothing(t *testing.T) {
 	require.Zero(t, alloc.n.Load(), "the server allocated for a payload a plain client named")
 	require.Equal(t, codes.FailedPrecondition, status.Code(upload(client, forged, grpc.CallContentSubtype(gdrcodec.Name))))
 	require.True(t, oob.Offered(token), "the server pulled the payload a plain client named")
+}
+
+// gRPC decodes a unary request once more into the same message, to see
+// that no second one came: that decode attaches and pulls nothing, whether
+// the second message carries a payload inline (the proto codec) or names
+// one (the gdr subtype from a plain client), and the call fails.
+func TestSecondUnaryMessage(t *testing.T) {
+	cc, alloc := tcpConn(t)
+	live := devicebuf.Live().HostBuffers
+	forged, token := forgedTensor(t, 1<<20)
+	inline := &tensorpb.Tensor{Data: &gdrv1.DeviceBuffer{Length: 1 << 16, Kind: gdrv1.Kind_KIND_HOST, Device: -1, Inline: pattern(1<<16, 1)}}
+	for _, tc := range []struct {
+		name   string
+		second *tensorpb.Tensor
+		opts   []grpc.CallOption
+	}{
+		{"inline", inline, nil},
+		{"named, gdr subtype", forged, []grpc.CallOption{grpc.CallContentSubtype(gdrcodec.Name)}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			st, err := cc.NewStream(ctx, &grpc.StreamDesc{ClientStreams: true, ServerStreams: true}, tensorpb.TensorService_Digest_FullMethodName, tc.opts...)
+			require.NoError(t, err)
+			require.NoError(t, st.SendMsg(inline))
+			require.NoError(t, st.SendMsg(tc.second))
+			require.NoError(t, st.CloseSend())
+			require.Error(t, st.RecvMsg(new(tensorpb.Summary)))
+		})
+	}
+	require.True(t, oob.Offered(token), "the server pulled the payload a plain client's second message named")
+	require.Zero(t, alloc.n.Load(), "the server allocated for a plain client's second message")
+	require.Eventually(t, func() bool { return devicebuf.Live().HostBuffers == live }, 10*time.Second, time.Millisecond, "a second message's inline payload is held")
 }
