@@ -86,7 +86,9 @@ func TestAwaitBulkClose(t *testing.T) {
 // multiplexer a stream per RTR for a minute; an honest receiver's pushes
 // end with the stream.
 func TestBulkStreamLeftOpenEndsSession(t *testing.T) {
-	setTransferConfig(t, TransferConfig{Timeout: 500 * time.Millisecond})
+	// Long enough for the honest fetch on a loaded machine; the attacker's
+	// session ends after it.
+	setTransferConfig(t, TransferConfig{Timeout: 2 * time.Second})
 	var attacker atomic.Pointer[transport.Session]
 	read := make(chan struct{}, 1)
 	controlMu.Lock()

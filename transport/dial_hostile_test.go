@@ -194,7 +194,7 @@ func TestOpenStreamBounded(t *testing.T) {
 // handshake timeout is closed: it would never reach gRPC, and control
 // messages would keep it from the idle timeout.
 func TestListenerSessionWithoutGRPC(t *testing.T) {
-	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithHandshakeTimeout(300*time.Millisecond), WithIdleTimeout(-1))
+	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithHandshakeTimeout(2*time.Second), WithIdleTimeout(-1))
 	require.NoError(t, err)
 	defer l.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
