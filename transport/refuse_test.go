@@ -28,8 +28,9 @@ func TestRefusedStreamEndsSession(t *testing.T) {
 			require.NotNil(t, cc, "the session's gRPC stream is open")
 			st, err := cs.mux.OpenStream()
 			require.NoError(t, err)
-			_, err = st.Write([]byte{tc.role})
-			require.NoError(t, err)
+			// The write's error is not looked at: the server may end the
+			// session over the role before yamux reports the write done.
+			_, _ = st.Write([]byte{tc.role})
 			select {
 			case <-ss.Done():
 			case <-time.After(10 * time.Second):
