@@ -1815,23 +1815,45 @@ func eachPiece(src Source, chunk int, fn func([]byte) error) error {
 // eachCopy hands fn src's bytes in order, in pieces of at most chunk bytes
 // that it copies out of src, under u, into a host buffer of its own: fn,
 // which may wait for the peer, reads only the copy, so the outbox entry's
-// leaving waits for one copy at most.
+// leaving waits for one copy at most. Host payloads go through a pooled
+// buffer of laneFrameMax bytes whatever chunk is.
 func eachCopy(src Source, u *sourceUse, chunk int, fn func([]byte) error) error {
-	return chunked(src.Len(), chunk, func(bounce *devicebuf.Buffer, off, n int) error {
-		hb, _ := bounce.HostBytes()
-		err := u.read(func() error {
-			if b := src.Buffer; b != nil {
-				return copyRange(bounce, 0, b, off, n)
+	if src.kind() != devicebuf.Host {
+		return chunked(src.Len(), chunk, func(bounce *devicebuf.Buffer, off, n int) error {
+			if err := u.read(func() error { return copyRange(bounce, 0, src.Buffer, off, n) }); err != nil {
+				return err
 			}
-			copy(hb, src.Bytes[off:off+n])
-			return nil
+			hb, _ := bounce.HostBytes()
+			return fn(hb[:n])
 		})
-		if err != nil {
+	}
+	host := src.Bytes
+	if b := src.Buffer; b != nil {
+		var err error
+		if host, err = b.HostBytes(); err != nil {
 			return err
 		}
-		return fn(hb[:n])
-	})
+	}
+	bp := laneCopies.Get().(*[]byte)
+	defer laneCopies.Put(bp)
+	buf := *bp
+	for off := 0; off < len(host); off += len(buf) {
+		n := min(len(buf), len(host)-off)
+		if err := u.read(func() error { copy(buf, host[off:off+n]); return nil }); err != nil {
+			return err
+		}
+		if err := fn(buf[:n]); err != nil {
+			return err
+		}
+	}
+	return nil
 }
+
+// laneCopies are the buffers eachCopy copies host payloads into.
+var laneCopies = sync.Pool{New: func() any {
+	b := make([]byte, laneFrameMax)
+	return &b
+}}
 
 // chunked runs fn over [0, n) in staging-chunk pieces with one host bounce buffer.
 func chunked(n, chunk int, fn func(bounce *devicebuf.Buffer, off, n int) error) error {
