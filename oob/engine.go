@@ -1727,9 +1727,10 @@ const laneFrameMax = 256 << 10
 // pushLane writes src to the receiver as frames on the session's bulk lane.
 // A source that fails (a device copy) or does not hold the transfer's length,
 // or a ctx that ends, stops the transfer with an abort frame; a lane cut mid
-// frame ends the session. The frames are written from copies of src (see
-// eachCopy): a frame under way is not cut short when the entry leaves, and
-// need not be, so the lane stays intact.
+// frame ends the session. A frame under way is not cut short when the
+// entry leaves, and need not be, so the lane stays intact: the entry's
+// leaving waits at most laneQuick for a host payload's frame
+// (pushLaneHost), one device copy for a device payload's (eachCopy).
 func pushLane(ctx context.Context, s *transport.Session, link *transport.Link, m *rtr, src Source, u *sourceUse) error {
 	f := laneFrame{kind: laneData, req: m.Req, total: m.Length}
 	write := func(ctx context.Context, body []byte) error {
@@ -1749,12 +1750,10 @@ func pushLane(ctx context.Context, s *transport.Session, link *transport.Link, m
 		err = fmt.Errorf("the source holds %d bytes, the transfer %d", src.Len(), f.total)
 	} else if f.total == 0 {
 		err = write(ctx, nil)
+	} else if src.kind() == devicebuf.Host {
+		err = pushLaneHost(ctx, s, link, &f, src, u)
 	} else {
-		chunk := laneFrameMax
-		if src.kind() != devicebuf.Host {
-			chunk = cfgOf(s).StagingChunk
-		}
-		err = eachCopy(src, u, chunk, func(p []byte) error {
+		err = eachCopy(src, u, cfgOf(s).StagingChunk, func(p []byte) error {
 			for len(p) > 0 {
 				f.n = uint64(min(len(p), laneFrameMax))
 				if f.n > f.total-f.off {
@@ -1812,21 +1811,16 @@ func eachPiece(src Source, chunk int, fn func([]byte) error) error {
 	}
 }
 
-// eachCopy hands fn src's bytes in order, in pieces of at most chunk bytes
-// that it copies out of src, under u, into a host buffer of its own: fn,
-// which may wait for the peer, reads only the copy, so the outbox entry's
-// leaving waits for one copy at most. Host payloads go through a pooled
-// buffer of laneFrameMax bytes whatever chunk is.
-func eachCopy(src Source, u *sourceUse, chunk int, fn func([]byte) error) error {
-	if src.kind() != devicebuf.Host {
-		return chunked(src.Len(), chunk, func(bounce *devicebuf.Buffer, off, n int) error {
-			if err := u.read(func() error { return copyRange(bounce, 0, src.Buffer, off, n) }); err != nil {
-				return err
-			}
-			hb, _ := bounce.HostBytes()
-			return fn(hb[:n])
-		})
-	}
+// laneQuick is how long a frame of a host payload is written from the
+// payload itself; then the rest of the frame is copied, so that the outbox
+// entry's leaving waits for the peer at most this long (see eachCopy).
+const laneQuick = time.Millisecond
+
+// pushLaneHost writes a host payload's frames on the bulk lane straight from
+// the payload, each for at most laneQuick, under u; a frame the peer does
+// not take by then is finished from a copy. It fails as pushLane's write
+// does.
+func pushLaneHost(ctx context.Context, s *transport.Session, link *transport.Link, f *laneFrame, src Source, u *sourceUse) error {
 	host := src.Bytes
 	if b := src.Buffer; b != nil {
 		var err error
@@ -1836,20 +1830,50 @@ func eachCopy(src Source, u *sourceUse, chunk int, fn func([]byte) error) error 
 	}
 	bp := laneCopies.Get().(*[]byte)
 	defer laneCopies.Put(bp)
-	buf := *bp
-	for off := 0; off < len(host); off += len(buf) {
-		n := min(len(buf), len(host)-off)
-		if err := u.read(func() error { copy(buf, host[off:off+n]); return nil }); err != nil {
+	for f.off < f.total {
+		f.n = min(f.total-f.off, laneFrameMax)
+		if err := u.begin(); err != nil {
 			return err
 		}
-		if err := fn(buf[:n]); err != nil {
-			return err
+		err := link.WriteLaneFrameFrom(ctx, f.marshal(), host[f.off:f.off+f.n], laneQuick, func(rest []byte) []byte {
+			defer u.finish()
+			if len(rest) > 0 {
+				laneCopied()
+			}
+			return (*bp)[:copy(*bp, rest)]
+		})
+		switch {
+		case err == nil:
+			f.off += f.n
+			continue
+		case errors.Is(err, transport.ErrNoLaneTurn):
+			return err // nothing written: the lane is intact
 		}
+		abort(s, fmt.Errorf("%w: bulk lane write: %w", transport.ErrPeerGone, err))
+		return errLaneBroken
 	}
 	return nil
 }
 
-// laneCopies are the buffers eachCopy copies host payloads into.
+// eachCopy hands fn the bytes of src, a device payload, in order, in pieces
+// of at most chunk bytes that it copies, under u, into a host buffer of its
+// own: fn, which may wait for the peer, reads only the copy, so the outbox
+// entry's leaving waits for one copy at most.
+func eachCopy(src Source, u *sourceUse, chunk int, fn func([]byte) error) error {
+	return chunked(src.Len(), chunk, func(bounce *devicebuf.Buffer, off, n int) error {
+		if err := u.read(func() error { return copyRange(bounce, 0, src.Buffer, off, n) }); err != nil {
+			return err
+		}
+		hb, _ := bounce.HostBytes()
+		return fn(hb[:n])
+	})
+}
+
+// laneCopied runs when pushLaneHost finishes a frame from a copy; tests
+// replace it to see that happen.
+var laneCopied = func() {}
+
+// laneCopies are the buffers pushLaneHost finishes frames from.
 var laneCopies = sync.Pool{New: func() any {
 	b := make([]byte, laneFrameMax)
 	return &b

@@ -82,13 +82,26 @@ var errWithdrawn = errors.New("the payload was withdrawn during its transfer")
 
 // read runs fn, which reads the source, unless the use ended.
 func (u *sourceUse) read(fn func() error) error {
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	if u.ended {
-		return errWithdrawn
+	if err := u.begin(); err != nil {
+		return err
 	}
+	defer u.finish()
 	return fn()
 }
+
+// begin starts a read of the source, which finish ends; it fails once the
+// use ended.
+func (u *sourceUse) begin() error {
+	u.mu.Lock()
+	if u.ended {
+		u.mu.Unlock()
+		return errWithdrawn
+	}
+	return nil
+}
+
+// finish ends the read begin started.
+func (u *sourceUse) finish() { u.mu.Unlock() }
 
 // end cancels the pull and waits for its read of the source under way.
 func (u *sourceUse) end() {

@@ -103,6 +103,7 @@ var (
 		ctlWritesEnded:    handleWritesEnded,
 	}
 	bulkHandler = serveBulk
+	laneHandler = serveBulkLane
 )
 
 func (a *attached) Control(typ byte, payload []byte) {
@@ -123,7 +124,12 @@ func (a *attached) Bulk(c net.Conn) {
 	fn(a.s, c)
 }
 
-func (a *attached) Lane(c net.Conn) error { return serveBulkLane(a.s, c) }
+func (a *attached) Lane(c net.Conn) error {
+	controlMu.RLock()
+	fn := laneHandler
+	controlMu.RUnlock()
+	return fn(a.s, c)
+}
 func (a *attached) Linger() {
 	lingerForTransfers(a.s)
 	withdrawSpace(a)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"io"
 	"net"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -132,4 +133,112 @@ func TestWithdrawWhileLeaving(t *testing.T) {
 	defer box.mu.Unlock()
 	require.Nil(t, box.leaving[d.Token])
 	require.True(t, e.freed)
+}
+
+// On the bulk lane too, Withdraw returns without waiting for a receiver
+// that stopped reading (a frame is written from the payload for at most
+// laneQuick, then finished from a copy), and the receiver gets none of what
+// the application writes into the slice after Withdraw returned.
+func TestWithdrawDuringLanePush(t *testing.T) {
+	setTransferConfig(t, TransferConfig{Timeout: testTimeout})
+	var receiver atomic.Pointer[transport.Session]
+	release := make(chan struct{})
+	arrived := make(chan struct{}, 1)
+	// The receiver's lane reader starts with its session, before the test
+	// knows the session: it is the one client made meanwhile.
+	type frameBody struct {
+		f    laneFrame
+		body []byte
+	}
+	got := make(chan []frameBody, 1)
+	controlMu.Lock()
+	orig := laneHandler
+	laneHandler = func(ls *transport.Session, c net.Conn) error {
+		if !ls.IsClient() {
+			return orig(ls, c)
+		}
+		hdr := make([]byte, laneFrameLen)
+		if _, err := io.ReadFull(c, hdr); err != nil {
+			return err
+		}
+		arrived <- struct{}{}
+		<-release // stalled with the first frame's header read
+		var frames []frameBody
+		for {
+			f, err := parseLaneFrame(hdr)
+			if err != nil {
+				return err
+			}
+			body := make([]byte, f.n)
+			if _, err := io.ReadFull(c, body); err != nil {
+				return err
+			}
+			frames = append(frames, frameBody{f, body})
+			if f.kind == laneAbort || f.off+f.n == f.total {
+				got <- frames
+				<-ls.Done()
+				return nil
+			}
+			if _, err := io.ReadFull(c, hdr); err != nil {
+				return err
+			}
+		}
+	}
+	controlMu.Unlock()
+	t.Cleanup(func() { controlMu.Lock(); laneHandler = orig; controlMu.Unlock() })
+	fins := make(chan *fin, 1)
+	interceptControl(t, ctlFIN, func(s *transport.Session, p []byte) bool {
+		if s != receiver.Load() {
+			return false
+		}
+		f, err := parseFIN(p)
+		require.NoError(t, err)
+		fins <- f
+		return true
+	})
+	tcp := []transport.Option{transport.WithMode(transport.ModeTCP)}
+	_, cs, owner, _, _ := lanePair(t, tcp, tcp)
+	receiver.Store(cs)
+	require.NotNil(t, stateOf(owner).link.Lane())
+
+	const n = 64 << 20 // far more than the lane's socket buffers hold
+	public := bytes.Repeat([]byte("public-"), n/7+1)[:n]
+	payload := bytes.Clone(public)
+	d := Offer(Source{Bytes: payload}, OfferOptions{Held: true})
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	copied := make(chan struct{}, 1)
+	laneCopied = func() {
+		select {
+		case copied <- struct{}{}:
+		default:
+		}
+	}
+	t.Cleanup(func() { laneCopied = func() {} })
+	m := &rtr{Req: 1, Token: d.Token, Length: d.Length, Offers: PathStream}
+	require.NoError(t, sendControl(ctx, cs, ctlRTR, m.marshal()))
+	waitFor(t, arrived, "the first frame")
+	waitFor(t, copied, "a frame the receiver did not take in time, finished from a copy")
+
+	withdrawn := make(chan struct{})
+	go func() { Withdraw(d.Token); close(withdrawn) }()
+	waitFor(t, withdrawn, "Withdraw, with the receiver stalled")
+	secret := []byte("SECRET!")
+	for i := 0; i+len(secret) <= n; i += len(secret) {
+		copy(payload[i:], secret)
+	}
+	close(release)
+	frames := waitFor(t, got, "the frames the receiver read")
+	var sent uint64
+	for _, fb := range frames {
+		require.Zero(t, bytes.Count(fb.body, secret), "bytes written after Withdraw returned reached the receiver")
+		require.Equal(t, public[fb.f.off:fb.f.off+fb.f.n], fb.body)
+		sent += fb.f.n
+	}
+	require.Less(t, sent, uint64(n), "the withdrawn push was cut short")
+	require.Equal(t, uint8(laneAbort), frames[len(frames)-1].f.kind)
+	f := waitFor(t, fins, "the FIN")
+	require.Equal(t, finFailed, f.Status)
+	require.Contains(t, f.Msg, errWithdrawn.Error())
+	requireLive(t, owner)
 }

@@ -90,6 +90,16 @@ func (l *Link) WriteLaneFrame(ctx context.Context, bufs ...[]byte) error {
 	return l.s.writeLaneFrame(ctx, bufs...)
 }
 
+// WriteLaneFrameFrom writes a frame of hdr and body as WriteLaneFrame does,
+// for a body the caller may need back before the peer took it all: the
+// write runs from body for at most quick, then letGo gets what of body is
+// unwritten and returns the copy the rest is written from. letGo is called
+// once in any case; after it the write reads body no more. Over a lane that
+// may not report a partial write, letGo gets the whole body first.
+func (l *Link) WriteLaneFrameFrom(ctx context.Context, hdr, body []byte, quick time.Duration, letGo func(rest []byte) []byte) error {
+	return l.s.writeLaneFrameFrom(ctx, hdr, body, quick, letGo)
+}
+
 // Abort ends the session with cause, without waiting (it may run on the
 // session's own goroutines): for a peer that broke the protocol or stopped
 // answering.

@@ -69,6 +69,88 @@ func (s *Session) writeLaneFrame(ctx context.Context, bufs ...[]byte) error {
 	return err
 }
 
+// writeLaneFrameFrom writes a frame of hdr and body as writeLaneFrame does,
+// for a body the caller may need back before the peer took it all: over TCP
+// the write runs from body for at most quick, then letGo gets what of body
+// is unwritten and returns the copy the rest is written from. letGo is called
+// once in any case; after it the write reads body no more (with an empty
+// rest: all of it was written, or the write failed). Over a lane that may
+// not report a partial write (UCX), letGo gets the whole body first.
+func (s *Session) writeLaneFrameFrom(ctx context.Context, hdr, body []byte, quick time.Duration, letGo func(rest []byte) []byte) error {
+	var rest []byte // what letGo gets
+	called := false
+	release := func(r []byte) []byte {
+		called = true
+		return letGo(r)
+	}
+	defer func() {
+		if !called {
+			letGo(rest)
+		}
+	}()
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("%w: %w", ErrNoLaneTurn, err)
+	}
+	select {
+	case s.bulkTurn <- struct{}{}:
+	case <-ctx.Done():
+		return fmt.Errorf("%w: %w", ErrNoLaneTurn, ctx.Err())
+	case <-s.done:
+		return fmt.Errorf("%w: %w", ErrNoLaneTurn, s.closedErr())
+	}
+	defer func() { <-s.bulkTurn }()
+	c := s.bulk.c
+	dl, hasDL := ctx.Deadline()
+	defer c.SetWriteDeadline(time.Time{})
+	if !overTCP(c) {
+		body = release(body)
+		if hasDL {
+			_ = c.SetWriteDeadline(dl)
+		}
+		nb := net.Buffers{hdr, body}
+		_, err := nb.WriteTo(c)
+		return err
+	}
+	q := time.Now().Add(quick)
+	if hasDL && dl.Before(q) {
+		q = dl
+	}
+	_ = c.SetWriteDeadline(q)
+	nb := net.Buffers{hdr, body}
+	_, err := nb.WriteTo(c)
+	var ne net.Error
+	if err == nil || !errors.As(err, &ne) || !ne.Timeout() || q.Equal(dl) {
+		return err // written, or failed: the frame is whole or the lane broken
+	}
+	// The quick part is over: the rest of the frame goes from letGo's copy.
+	left := 0
+	for _, b := range nb {
+		left += len(b)
+	}
+	bodyLeft := min(left, len(body))
+	hdrLeft := hdr[len(hdr)-(left-bodyLeft):]
+	cp := release(body[len(body)-bodyLeft:])
+	if hasDL {
+		_ = c.SetWriteDeadline(dl)
+	} else {
+		_ = c.SetWriteDeadline(time.Time{})
+	}
+	nb = net.Buffers{hdrLeft, cp}
+	_, err = nb.WriteTo(c)
+	return err
+}
+
+// overTCP reports whether c, a lane, runs over a TCP connection, whose writes
+// report what they wrote when their deadline passes.
+func overTCP(c net.Conn) bool {
+	lc, ok := c.(*laneConn)
+	if !ok {
+		return false
+	}
+	_, tcp := lc.ep.(*net.TCPConn)
+	return tcp
+}
+
 // bulkLaneReader runs the bulk lane's reader (set by the out-of-band engine)
 // once the lane is there; a reader that stops on an error ends the session.
 func (s *Session) bulkLaneReader() {
