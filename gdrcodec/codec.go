@@ -183,8 +183,8 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	if err := bodies.Unmarshal(data, v); err != nil || !carries {
 		return err
 	}
-	if _, again := unaryRequests.Load(v); again {
-		return codecError(codes.InvalidArgument, "a second request message on a unary call")
+	if _, again := singleRequests.Load(v); again {
+		return codecError(codes.InvalidArgument, "a second request message on a call that takes one")
 	}
 	m := vv.ProtoReflect()
 	p, err := collectPulls(m, c.oob, c.options())

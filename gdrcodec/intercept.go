@@ -203,11 +203,12 @@ var pendingPulls = func() *expiring[*pulls] {
 	return e
 }()
 
-// unaryRequests are the server's unary requests the codec decoded and the
+// singleRequests are the requests of the server's calls whose client sends
+// one (unary and server-streaming calls) that the codec decoded and the
 // stats handler was told of, until their calls end. gRPC decodes into the
 // same message once more, to see that the client sent no second one: that
 // decode, which no stats event follows, must attach and pull nothing.
-var unaryRequests sync.Map
+var singleRequests sync.Map
 
 // pullRequest runs p, the pulls of the unary request of the call of ctx,
 // within the call's life, and returns the status of a failed pull, or nil. A call that did not come over a gdrpc session which negotiated the
@@ -638,7 +639,8 @@ type callMessages struct {
 	pruneHeld int
 	method    string
 	decoding  bool                   // a unary call, counted in decoding until its request is decoded
-	request   any                    // a unary call's request, once decoded (unaryRequests)
+	single    bool                   // the client sends one request (unary or server-streaming)
+	request   any                    // that request, once decoded (singleRequests)
 	failed    map[any]*status.Status // request -> its failed pull
 	landed    map[any]landedPayloads // response not yet reported sent -> its payloads in the client's receive space
 	unsent    any                    // a unary call's response until it is reported sent
@@ -689,10 +691,13 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			}
 		}
 	case *stats.Begin:
-		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil && !s.IsClientStream && !s.IsServerStream {
+		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil && !s.IsClientStream {
 			c.mu.Lock()
-			c.decoding = true
-			decoding.add(requestType(c.method), 1)
+			c.single = true
+			if !s.IsServerStream {
+				c.decoding = true
+				decoding.add(requestType(c.method), 1)
+			}
 			c.mu.Unlock()
 		}
 	case *stats.InPayload:
@@ -701,9 +706,9 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			return
 		}
 		c.mu.Lock()
-		if c.decoding && c.request == nil {
+		if c.single && c.request == nil {
 			c.request = s.Payload
-			unaryRequests.Store(s.Payload, struct{}{})
+			singleRequests.Store(s.Payload, struct{}{})
 		}
 		c.decoded()
 		c.mu.Unlock()
@@ -750,7 +755,7 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			held, landed, unsent := c.held, c.landed, c.unsent
 			c.held, c.failed, c.landed, c.unsent = nil, nil, nil, nil
 			if c.request != nil {
-				unaryRequests.Delete(c.request)
+				singleRequests.Delete(c.request)
 				c.request = nil
 			}
 			c.mu.Unlock()

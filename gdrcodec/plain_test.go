@@ -2,6 +2,7 @@ package gdrcodec_test
 
 import (
 	"context"
+	"io"
 	"net"
 	"testing"
 	"time"
@@ -168,5 +169,54 @@ func TestSecondUnaryMessage(t *testing.T) {
 	}
 	require.True(t, oob.Offered(token), "the server pulled the payload a plain client's second message named")
 	require.Zero(t, alloc.n.Load(), "the server allocated for a plain client's second message")
+	require.Eventually(t, func() bool { return devicebuf.Live().HostBuffers == live }, 10*time.Second, time.Millisecond, "a second message's inline payload is held")
+}
+
+// The same on a server-streaming method whose request carries a payload:
+// gRPC checks there too, with a decode into the request, that the client
+// sent one message only.
+func TestSecondServerStreamRequest(t *testing.T) {
+	require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
+	lis, err := listener.Listen("127.0.0.1:0")
+	require.NoError(t, err)
+	gs := grpc.NewServer(listener.ServerOptions(insecure.NewCredentials())...)
+	gs.RegisterService(&grpc.ServiceDesc{
+		ServiceName: "gdrpc.test.Down",
+		HandlerType: (*any)(nil),
+		Streams: []grpc.StreamDesc{{StreamName: "Down", ServerStreams: true, Handler: func(_ any, st grpc.ServerStream) error {
+			return st.RecvMsg(new(tensorpb.Tensor))
+		}}},
+	}, struct{}{})
+	served := make(chan error, 1)
+	go func() { served <- gs.Serve(lis) }()
+	cc, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {
+			return (&net.Dialer{}).DialContext(ctx, "tcp", addr)
+		}))
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		cc.Close()
+		gs.Stop()
+		require.NoError(t, <-served)
+	})
+	live := devicebuf.Live().HostBuffers
+	inline := &tensorpb.Tensor{Data: &gdrv1.DeviceBuffer{Length: 1 << 16, Kind: gdrv1.Kind_KIND_HOST, Device: -1, Inline: pattern(1<<16, 1)}}
+	for _, messages := range []int{1, 2, 2} {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		st, err := cc.NewStream(ctx, &grpc.StreamDesc{ClientStreams: true, ServerStreams: true}, "/gdrpc.test.Down/Down")
+		require.NoError(t, err)
+		for range messages {
+			require.NoError(t, st.SendMsg(inline))
+		}
+		require.NoError(t, st.CloseSend())
+		err = st.RecvMsg(new(tensorpb.Tensor))
+		cancel()
+		if messages == 1 {
+			require.ErrorIs(t, err, io.EOF, "one request is served")
+		} else {
+			require.Error(t, err)
+			require.NotErrorIs(t, err, io.EOF)
+		}
+	}
 	require.Eventually(t, func() bool { return devicebuf.Live().HostBuffers == live }, 10*time.Second, time.Millisecond, "a second message's inline payload is held")
 }
