@@ -9,7 +9,7 @@ import (
 // expiring maps messages to what the codec noted about them until a later
 // hook takes it. Entries nobody takes (the hook never ran for that message)
 // are dropped once older than maxAge, by a sweep that a put runs at most once
-// a minute, and given to expired, if set.
+// a minute, and given to expired, if set, as are entries a put replaces.
 type expiring[V any] struct {
 	maxAge  time.Duration
 	expired func(V)      // what to do with an entry nobody took; nil: nothing
@@ -46,8 +46,13 @@ func (e *expiring[V]) store(k any, v V, replace bool) bool {
 	}()
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if en, ok := e.m[k]; ok && !replace && now.Sub(en.at) <= e.maxAge {
-		return false
+	if en, ok := e.m[k]; ok {
+		if !replace && now.Sub(en.at) <= e.maxAge {
+			return false
+		}
+		if e.expired != nil {
+			old = append(old, en.v) // replaced: nobody takes it now
+		}
 	}
 	e.m[k] = expiringEntry[V]{v: v, at: now}
 	defer func() { e.n.Store(int64(len(e.m))) }()

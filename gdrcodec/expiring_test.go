@@ -24,4 +24,6 @@ func TestExpiringGivesUpEntries(t *testing.T) {
 	require.Equal(t, []int{1}, gone)
 	_, ok = e.take("a")
 	require.False(t, ok)
+	e.put("c", 4) // replaces 3, which nobody takes now
+	require.Equal(t, []int{1, 3}, gone)
 }
