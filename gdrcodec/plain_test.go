@@ -41,11 +41,17 @@ func tcpConn(t *testing.T) (*grpc.ClientConn, *countingAllocator) {
 	alloc := &countingAllocator{Allocator: devicebuf.NewHostAllocator()}
 	gdrcodec.Register(gdrcodec.WithReceiveAllocator(alloc))
 	t.Cleanup(func() { gdrcodec.Register() })
+	return plainConn(t, func(gs *grpc.Server) { tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{}) }), alloc
+}
 
+// plainConn serves what register registers on a gdrpc listener and returns
+// a plain gRPC client connection to it (standard TCP dial, no handshake).
+func plainConn(t *testing.T, register func(*grpc.Server)) *grpc.ClientConn {
+	t.Helper()
 	lis, err := listener.Listen("127.0.0.1:0")
 	require.NoError(t, err)
 	gs := grpc.NewServer(listener.ServerOptions(insecure.NewCredentials())...)
-	tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
+	register(gs)
 	served := make(chan error, 1)
 	go func() { served <- gs.Serve(lis) }()
 	cc, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
@@ -58,7 +64,7 @@ func tcpConn(t *testing.T) (*grpc.ClientConn, *countingAllocator) {
 		gs.Stop()
 		require.NoError(t, <-served)
 	})
-	return cc, alloc
+	return cc
 }
 
 // forgedTensor returns a tensor whose payload names one in this process's
@@ -177,27 +183,14 @@ func TestSecondUnaryMessage(t *testing.T) {
 // sent one message only.
 func TestSecondServerStreamRequest(t *testing.T) {
 	require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
-	lis, err := listener.Listen("127.0.0.1:0")
-	require.NoError(t, err)
-	gs := grpc.NewServer(listener.ServerOptions(insecure.NewCredentials())...)
-	gs.RegisterService(&grpc.ServiceDesc{
-		ServiceName: "gdrpc.test.Down",
-		HandlerType: (*any)(nil),
-		Streams: []grpc.StreamDesc{{StreamName: "Down", ServerStreams: true, Handler: func(_ any, st grpc.ServerStream) error {
-			return st.RecvMsg(new(tensorpb.Tensor))
-		}}},
-	}, struct{}{})
-	served := make(chan error, 1)
-	go func() { served <- gs.Serve(lis) }()
-	cc, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {
-			return (&net.Dialer{}).DialContext(ctx, "tcp", addr)
-		}))
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		cc.Close()
-		gs.Stop()
-		require.NoError(t, <-served)
+	cc := plainConn(t, func(gs *grpc.Server) {
+		gs.RegisterService(&grpc.ServiceDesc{
+			ServiceName: "gdrpc.test.Down",
+			HandlerType: (*any)(nil),
+			Streams: []grpc.StreamDesc{{StreamName: "Down", ServerStreams: true, Handler: func(_ any, st grpc.ServerStream) error {
+				return st.RecvMsg(new(tensorpb.Tensor))
+			}}},
+		}, struct{}{})
 	})
 	live := devicebuf.Live().HostBuffers
 	inline := &tensorpb.Tensor{Data: &gdrv1.DeviceBuffer{Length: 1 << 16, Kind: gdrv1.Kind_KIND_HOST, Device: -1, Inline: pattern(1<<16, 1)}}

@@ -48,15 +48,8 @@ func (s *Session) bulkLane() net.Conn {
 // ErrNoLaneTurn means nothing was written (ctx ended, or the session, while
 // waiting for the turn); any other error may leave a frame cut short.
 func (s *Session) writeLaneFrame(ctx context.Context, bufs ...[]byte) error {
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("%w: %w", ErrNoLaneTurn, err)
-	}
-	select {
-	case s.bulkTurn <- struct{}{}:
-	case <-ctx.Done():
-		return fmt.Errorf("%w: %w", ErrNoLaneTurn, ctx.Err())
-	case <-s.done:
-		return fmt.Errorf("%w: %w", ErrNoLaneTurn, s.closedErr())
+	if err := s.laneTurn(ctx); err != nil {
+		return err
 	}
 	defer func() { <-s.bulkTurn }()
 	c := s.bulk.c
@@ -67,6 +60,22 @@ func (s *Session) writeLaneFrame(ctx context.Context, bufs ...[]byte) error {
 	nb := net.Buffers(bufs)
 	_, err := nb.WriteTo(c)
 	return err
+}
+
+// laneTurn waits for the bulk lane's turn, which the caller gives back
+// (<-s.bulkTurn); an error wraps ErrNoLaneTurn.
+func (s *Session) laneTurn(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("%w: %w", ErrNoLaneTurn, err)
+	}
+	select {
+	case s.bulkTurn <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("%w: %w", ErrNoLaneTurn, ctx.Err())
+	case <-s.done:
+		return fmt.Errorf("%w: %w", ErrNoLaneTurn, s.closedErr())
+	}
 }
 
 // writeLaneFrameFrom writes a frame of hdr and body as writeLaneFrame does,
@@ -88,15 +97,8 @@ func (s *Session) writeLaneFrameFrom(ctx context.Context, hdr, body []byte, quic
 			letGo(rest)
 		}
 	}()
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("%w: %w", ErrNoLaneTurn, err)
-	}
-	select {
-	case s.bulkTurn <- struct{}{}:
-	case <-ctx.Done():
-		return fmt.Errorf("%w: %w", ErrNoLaneTurn, ctx.Err())
-	case <-s.done:
-		return fmt.Errorf("%w: %w", ErrNoLaneTurn, s.closedErr())
+	if err := s.laneTurn(ctx); err != nil {
+		return err
 	}
 	defer func() { <-s.bulkTurn }()
 	c := s.bulk.c
