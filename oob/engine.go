@@ -88,7 +88,9 @@ type TransferConfig struct {
 	// DefaultStagingChunk.
 	StagingChunk int
 	// PoolBytes bounds the registered host memory the engine keeps for
-	// destinations and staging. If zero, 2 GiB.
+	// destinations and staging. A destination the full pool cannot give
+	// comes from Go memory, and staging falls back to the stream path. If
+	// zero, 2 GiB.
 	PoolBytes int64
 	// Paths limits the paths transfers may take (PathCUDAIPC|PathRDMA; the
 	// stream path is always allowed, and PathRDMA covers staged GPU transfers).
@@ -459,7 +461,9 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 		if d.Length == 0 {
 			dst = devicebuf.HostFromBytes(nil)
 		} else if dst, err = alloc(int(d.Length)); err != nil {
-			return exhausted(d.Token, "no memory for a %d-byte payload: %w", d.Length, err)
+			if dst = beyondPool(space, int(d.Length), err); dst == nil {
+				return exhausted(d.Token, "no memory for a %d-byte payload: %w", d.Length, err)
+			}
 		}
 		return nil
 	}
@@ -544,6 +548,24 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 		maybeAdvertise(s, path, dst, space)
 	}
 	return dst, path, nil
+}
+
+// beyondPool returns Go memory for an n-byte destination that the host pool
+// a refused with err because it is full, and nil otherwise. The pool is
+// shared by every peer's pulls, and those of an owner that never answers
+// hold theirs until the caller gives up, or until Limits.Abandoned where the
+// owner could write into them: a full pool must not fail another peer's
+// calls, whose destinations then come from memory outside it (unregistered:
+// the pull may take a slower path). What pulls reserve is bounded all the
+// same (Limits.PullBytes, TotalPullBytes). An allocator that is not a host
+// pool, or another error, is left to the caller.
+func beyondPool(a devicebuf.Allocator, n int, err error) *devicebuf.Buffer {
+	p, ok := a.(*devicebuf.Pool)
+	if !ok || p.Kind() != devicebuf.Host || !errors.Is(err, devicebuf.ErrExhausted) {
+		return nil
+	}
+	cfg().Logger.Debug("host pool full: a destination in Go memory", "bytes", n, "err", err)
+	return devicebuf.HostFromBytes(make([]byte, n))
 }
 
 // takeLanded returns the payload d names in this process's receive space,

@@ -195,6 +195,59 @@ func TestUnansweredRTRs(t *testing.T) {
 	require.True(t, bytes.Equal(want, got), "payload differs")
 }
 
+// A host pool full of the destinations of an owner that never answers does
+// not fail another peer's pull: its destination comes from Go memory, and
+// its bytes arrive.
+func TestFullPoolFallsBack(t *testing.T) {
+	setTransferConfig(t, TransferConfig{PoolBytes: 8 << 20, Timeout: testTimeout})
+	require.NoError(t, CloseHostPools())
+	t.Cleanup(func() { require.NoError(t, CloseHostPools()) })
+
+	_, victim, rtrs := silentOwner(t, 64)
+	pool := HostPool(nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var fetches sync.WaitGroup
+	defer fetches.Wait()
+	defer cancel()
+	const n = 1 << 20
+	for i := 0; pool.Stats().RegionBytes < 8<<20 || pool.Stats().BytesInUse < pool.Stats().RegionBytes; i++ {
+		require.Less(t, i, 64, "the attacker's pulls did not fill the pool: %+v", pool.Stats())
+		d := Descriptor{Owner: victim.Peer().ID, Token: Token(newToken()), Length: n, Kind: devicebuf.Host, Device: -1}
+		fetches.Go(func() {
+			dst, _, err := FetchFrom(ctx, d, pool)
+			if dst != nil {
+				dst.Release()
+			}
+			var te *TransferError
+			if !errors.As(err, &te) || te.Kind != TransferCanceled {
+				t.Errorf("the attacker's pull ended with %v, not canceled", err)
+			}
+		})
+		waitFor(t, rtrs, "the RTR at the attacker")
+	}
+	_, err := pool.Alloc(n)
+	require.ErrorIs(t, err, devicebuf.ErrExhausted, "the attacker holds the whole pool")
+
+	_, receiver := pipePair(t)
+	want := bytes.Repeat([]byte("honest"), n/6+1)[:n]
+	d := Offer(Source{Bytes: want}, OfferOptions{})
+	defer Withdraw(d.Token)
+	d.Owner = receiver.Peer().ID
+	dst, _, err := FetchFrom(context.Background(), d, pool)
+	require.NoError(t, err, "another peer's pull with the pool full")
+	require.True(t, dst.GoMemory(), "the destination comes from outside the pool")
+	got, err := dst.HostBytes()
+	require.NoError(t, err)
+	require.True(t, bytes.Equal(want, got), "payload differs")
+	dst.Release()
+
+	cancel()
+	fetches.Wait()
+	require.Eventually(t, func() bool { return numPulls() == 0 && pool.Stats().InUse == 0 },
+		5*time.Second, 5*time.Millisecond, "destinations still held: %d pulls, %d buffers", numPulls(), pool.Stats().InUse)
+}
+
 // A flood of RTRs whose pushes cannot finish runs a bounded number of pushes
 // on a bounded number of goroutines; the rest wait in the session's queue,
 // and RTRs beyond the queue are refused with a busy FIN.
