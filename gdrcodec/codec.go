@@ -859,7 +859,12 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer, mayPull bool, o *options) (job, err
 				return transferStatus(err)
 			}
 			setAttachment(db, dst)
+			// What named the payload goes: the application may log or
+			// forward the message, and a token or receive space id that
+			// leaks would let a third party name the payload, or ranges of
+			// that space, as its own.
 			db.Owner, db.Token = nil, nil
+			db.Space, db.SpaceOffset, db.SpacePath, db.SpaceEvent, db.SpaceGen = 0, 0, 0, 0, 0
 			return nil
 		},
 		discarded: func() { oob.Discard(d) },

@@ -87,6 +87,12 @@ func TestReceiveSpace(t *testing.T) {
 		held = append(held, makeChecked(t, r, mib, uint32(10+i)))
 	}
 	require.Equal(t, map[string]int{"rdma@space": 4}, r.paths.reset())
+	for _, m := range held {
+		// The application's message names neither the owner's token nor
+		// the range of the space the payload landed in.
+		d := m.GetData()
+		require.True(t, d.GetSpace() == 0 && d.GetSpaceOffset() == 0 && d.GetSpaceGen() == 0 && d.GetSpacePath() == 0 && len(d.GetToken()) == 0 && len(d.GetOwner()) == 0, "%v", d)
+	}
 	require.Equal(t, 4, oob.ReadStats().Landed)
 	require.Equal(t, 4, oob.ReadStats().PeerTaken)
 	gdrcodec.ReleaseAll(makeChecked(t, r, mib, 20))
