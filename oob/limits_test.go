@@ -129,15 +129,34 @@ func numPulls() int {
 	return len(pulls.m)
 }
 
-// An owner that never answers its RTRs pins nothing once the calls gave up:
-// the destinations go back to the pool, and another peer's call gets one.
-func TestUnansweredRTRs(t *testing.T) {
+// smallHostPool gives the test a host pool of its own, of 8 MiB.
+func smallHostPool(t *testing.T) *devicebuf.Pool {
+	t.Helper()
 	setTransferConfig(t, TransferConfig{PoolBytes: 8 << 20, Timeout: testTimeout})
 	require.NoError(t, CloseHostPools())
 	t.Cleanup(func() { require.NoError(t, CloseHostPools()) })
+	return HostPool(nil)
+}
 
+// honestOffer offers n bytes, withdrawn when the test ends, and returns
+// their descriptor as a peer of a new session pair (one that answers)
+// would have sent it, with the bytes.
+func honestOffer(t *testing.T, n int) (Descriptor, []byte) {
+	t.Helper()
+	_, receiver := pipePair(t)
+	want := bytes.Repeat([]byte("honest"), n/6+1)[:n]
+	d := Offer(Source{Bytes: want}, OfferOptions{})
+	t.Cleanup(func() { Withdraw(d.Token) })
+	d.Owner = receiver.Peer().ID
+	require.Equal(t, []*transport.Session{receiver}, liveSessions(d.Owner))
+	return d, want
+}
+
+// An owner that never answers its RTRs pins nothing once the calls gave up:
+// the destinations go back to the pool, and another peer's call gets one.
+func TestUnansweredRTRs(t *testing.T) {
+	pool := smallHostPool(t)
 	attacker, victim, rtrs := silentOwner(t, 64)
-	pool := HostPool(nil)
 
 	// The attacker's descriptors take every destination the pool can give.
 	ctx, cancel := context.WithCancel(context.Background())
@@ -179,12 +198,7 @@ func TestUnansweredRTRs(t *testing.T) {
 	}
 
 	// Another peer's call gets its destination and its bytes.
-	_, receiver := pipePair(t)
-	want := bytes.Repeat([]byte("honest"), n/6+1)[:n]
-	d := Offer(Source{Bytes: want}, OfferOptions{})
-	defer Withdraw(d.Token)
-	d.Owner = receiver.Peer().ID
-	require.Equal(t, []*transport.Session{receiver}, liveSessions(d.Owner))
+	d, want := honestOffer(t, n)
 	dst, err := pool.Alloc(n)
 	require.NoError(t, err, "another peer's destination")
 	defer dst.Release()
@@ -199,17 +213,12 @@ func TestUnansweredRTRs(t *testing.T) {
 // not fail another peer's pull: its destination comes from Go memory, and
 // its bytes arrive.
 func TestFullPoolFallsBack(t *testing.T) {
-	setTransferConfig(t, TransferConfig{PoolBytes: 8 << 20, Timeout: testTimeout})
-	require.NoError(t, CloseHostPools())
-	t.Cleanup(func() { require.NoError(t, CloseHostPools()) })
-
+	pool := smallHostPool(t)
 	_, victim, rtrs := silentOwner(t, 64)
-	pool := HostPool(nil)
 	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
 	var fetches sync.WaitGroup
 	defer fetches.Wait()
-	defer cancel()
+	defer cancel() // on a failure: the attacker's pulls give up, then are waited for
 	const n = 1 << 20
 	for i := 0; pool.Stats().RegionBytes < 8<<20 || pool.Stats().BytesInUse < pool.Stats().RegionBytes; i++ {
 		require.Less(t, i, 64, "the attacker's pulls did not fill the pool: %+v", pool.Stats())
@@ -229,11 +238,7 @@ func TestFullPoolFallsBack(t *testing.T) {
 	_, err := pool.Alloc(n)
 	require.ErrorIs(t, err, devicebuf.ErrExhausted, "the attacker holds the whole pool")
 
-	_, receiver := pipePair(t)
-	want := bytes.Repeat([]byte("honest"), n/6+1)[:n]
-	d := Offer(Source{Bytes: want}, OfferOptions{})
-	defer Withdraw(d.Token)
-	d.Owner = receiver.Peer().ID
+	d, want := honestOffer(t, n)
 	dst, _, err := FetchFrom(context.Background(), d, pool)
 	require.NoError(t, err, "another peer's pull with the pool full")
 	require.True(t, dst.GoMemory(), "the destination comes from outside the pool")
