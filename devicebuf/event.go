@@ -1,9 +1,12 @@
 package devicebuf
 
 import (
+	"context"
 	"fmt"
 	"net"
+	"runtime"
 	"sync"
+	"time"
 
 	"github.com/gdrpc/gdrpc/devicebuf/internal/driver"
 )
@@ -83,6 +86,53 @@ func (e *Event) Query() (bool, error) {
 		return false, fmt.Errorf("devicebuf: cuEventQuery: %w", err)
 	}
 	return done, nil
+}
+
+// How Await polls: without pause for awaitSpin (longer than a device copy of
+// several gigabytes takes), then in sleeps growing from awaitSleep to
+// awaitSleepMax.
+const (
+	awaitSpin     = 5 * time.Millisecond
+	awaitSleep    = 50 * time.Microsecond
+	awaitSleepMax = time.Millisecond
+)
+
+// Await is Synchronize bounded by ctx: it returns once the work the event last
+// captured is complete, or an error wrapping ctx's once ctx ends first. An
+// interprocess event recorded by another process completes only if that
+// process's work does: a wait for one must stay bounded. It polls the event
+// (Query), yielding the processor between polls.
+func (e *Event) Await(ctx context.Context) error {
+	var start time.Time
+	var timer *time.Timer
+	pause := awaitSleep
+	for {
+		done, err := e.Query()
+		if done || err != nil {
+			return err
+		}
+		if start.IsZero() {
+			start = time.Now()
+		}
+		if err := ctx.Err(); err != nil {
+			return fmt.Errorf("devicebuf: the work before the event is not complete: %w", err)
+		}
+		if time.Since(start) < awaitSpin {
+			runtime.Gosched()
+			continue
+		}
+		if timer == nil {
+			timer = time.NewTimer(pause)
+			defer timer.Stop()
+		} else {
+			timer.Reset(pause)
+		}
+		select {
+		case <-timer.C:
+		case <-ctx.Done():
+		}
+		pause = min(2*pause, awaitSleepMax)
+	}
 }
 
 // Close destroys the event. It is idempotent.

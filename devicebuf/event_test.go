@@ -1,7 +1,9 @@
 package devicebuf_test
 
 import (
+	"context"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -145,4 +147,45 @@ func TestIPCEventErrors(t *testing.T) {
 	_, err = devicebuf.OpenIPCEvent(h, 0)
 	require.Error(t, err, "the event was destroyed")
 	requireLive(t, base)
+}
+
+// TestEventAwait: Await returns once the work before the event is complete,
+// not while a synchronization still runs it, and gives up with ctx's error
+// when that work does not end.
+func TestEventAwait(t *testing.T) {
+	g := devicebuftest.Install(t, 1)
+	n := 1 << 16
+	src, dst := cudaKind(0).alloc(t, n), cudaKind(0).alloc(t, n)
+	defer src.Release()
+	defer dst.Release()
+	want := pattern(12, n)
+	require.NoError(t, g.Poke(src.Ptr(), want))
+	ev, _, err := devicebuf.NewIPCEvent(0)
+	require.NoError(t, err)
+	defer ev.Close()
+	st, err := devicebuf.NewCopyStream(0)
+	require.NoError(t, err)
+	defer st.Close()
+
+	unhang, err := g.Hang(st.Handle())
+	require.NoError(t, err)
+	defer unhang()
+	require.NoError(t, devicebuf.CopyAsync(st, dst, src))
+	require.NoError(t, st.Record(ev))
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	require.ErrorIs(t, ev.Await(ctx), context.DeadlineExceeded, "the work before the event does not end")
+
+	// A synchronization under way, held by the hung work, has not run the copy yet.
+	synced := make(chan error, 1)
+	go func() { synced <- st.Synchronize() }()
+	ctx, cancel = context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	require.ErrorIs(t, ev.Await(ctx), context.DeadlineExceeded, "complete while its copy waits")
+	unhang()
+	require.NoError(t, ev.Await(context.Background()))
+	got, err := g.Peek(dst.Ptr(), n)
+	require.NoError(t, err)
+	require.Equal(t, want, got, "the copy before the event")
+	require.NoError(t, <-synced)
 }

@@ -572,7 +572,7 @@ func beyondPool(a devicebuf.Allocator, n int, err error) *devicebuf.Buffer {
 // noting the range in the Call of ctx.
 func takeLanded(ctx context.Context, d Descriptor) (*devicebuf.Buffer, Path, error) {
 	start := time.Now()
-	dst, sp, err := fetchLanded(d, callOf(ctx))
+	dst, sp, err := fetchLanded(ctx, d, callOf(ctx))
 	if err != nil {
 		kind := TransferInvalid
 		if errors.Is(err, errCallEnded) {

@@ -508,7 +508,7 @@ var errNotInSpace = errors.New("the payload is not in receive space")
 // fetchLanded returns the payload d names in this process's advertised
 // space as a buffer of its own, for call (nil: none); releasing it gives the
 // range back.
-func fetchLanded(d Descriptor, call *Call) (*devicebuf.Buffer, *space, error) {
+func fetchLanded(ctx context.Context, d Descriptor, call *Call) (*devicebuf.Buffer, *space, error) {
 	sp, err := landedSpace(d)
 	if err != nil {
 		return nil, nil, err
@@ -545,11 +545,23 @@ func fetchLanded(d Descriptor, call *Call) (*devicebuf.Buffer, *space, error) {
 		// copy still runs (unless the server never took it).
 		return devicebuf.WrapArriving(ptr, int(n), sp.region.Device(), release, ev), sp, nil
 	}
-	if err := ev.Synchronize(); err != nil {
+	if err := awaitOwner(ctx, ev, cfgOf(sp.s).Timeout); err != nil {
 		release()
 		return nil, nil, fmt.Errorf("waiting for the owner's copy into receive space %#x: %w", d.Space, err)
 	}
 	return devicebuf.Wrap(ptr, int(n), sp.region.Kind(), sp.region.Device(), release), sp, nil
+}
+
+// awaitOwner waits for ev, an event the owner recorded after its copy, within
+// ctx and timeout: an owner whose copy never ends (queued behind work that
+// does not, or on a device that stopped) must not hold the receiver.
+func awaitOwner(ctx context.Context, ev *devicebuf.Event, timeout time.Duration) error {
+	if done, err := ev.Query(); done || err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	return ev.Await(ctx)
 }
 
 // giveBack returns the range at off to the owner. The SPACE-FREE goes out

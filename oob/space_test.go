@@ -1,6 +1,7 @@
 package oob
 
 import (
+	"context"
 	"maps"
 	"math"
 	"slices"
@@ -11,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -136,6 +138,59 @@ func markClosed(sp *space) {
 	sp.markClosedLocked()
 }
 
+// An owner's copy into the space that never ends (its event recorded behind
+// work that does not) fails the pull within the transfer timeout, or the
+// caller's context, instead of holding the receiver, and the range goes
+// back; one that ends is waited for.
+func TestFetchLandedBoundsOwnersCopy(t *testing.T) {
+	g := devicebuftest.Install(t, 1)
+	setTransferConfig(t, TransferConfig{Timeout: 50 * time.Millisecond})
+	cs, _ := tcpPair(t)
+	gpu, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	region, err := gpu.Alloc(64 << 10)
+	require.NoError(t, err)
+	sp := makeSpace(9, cs, region, PathCUDAIPC)
+	ev, _, err := devicebuf.NewIPCEvent(0)
+	require.NoError(t, err)
+	sp.events = []*devicebuf.Event{ev}
+	spaces.Store(sp.id, sp)
+	t.Cleanup(func() { spaces.Delete(sp.id) })
+	d := Descriptor{Owner: cs.Peer().ID, Token: Token{1}, Length: 4096, Kind: devicebuf.CUDA, Device: 0,
+		Space: sp.id, SpacePath: PathCUDAIPC, SpaceEvent: 1}
+
+	// The owner's stream: work that does not end, then its event.
+	owner, err := devicebuf.NewCopyStream(0)
+	require.NoError(t, err)
+	unhang, err := g.Hang(owner.Handle())
+	require.NoError(t, err)
+	defer unhang()
+	require.NoError(t, owner.Record(ev))
+
+	start := time.Now()
+	_, _, err = fetchLanded(context.Background(), d, nil)
+	require.ErrorIs(t, err, context.DeadlineExceeded, "the transfer timeout")
+	require.Less(t, time.Since(start), 10*time.Second)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, _, err = fetchLanded(ctx, d, nil)
+	require.ErrorIs(t, err, context.Canceled, "the caller's context")
+	sp.mu.Lock()
+	require.Empty(t, sp.inUse, "the ranges went back")
+	sp.mu.Unlock()
+
+	// Once the work ends, the copy is waited for and the range taken (the
+	// fake runs a stream's work when it is synchronized, as the owner's copy
+	// queue does).
+	unhang()
+	require.NoError(t, owner.Synchronize())
+	b, _, err := fetchLanded(context.Background(), d, nil)
+	require.NoError(t, err)
+	markClosed(sp) // the release sends no SPACE-FREE, and frees the region and its event
+	require.NoError(t, b.Release())
+	require.NoError(t, owner.Close())
+}
+
 // A descriptor naming advertised space gets an error for every range the
 // receiver cannot vouch for, and the space is left as it was.
 func TestFetchLandedRefusesBadRanges(t *testing.T) {
@@ -149,7 +204,7 @@ func TestFetchLandedRefusesBadRanges(t *testing.T) {
 		return Descriptor{Owner: from, Token: Token{1}, Length: n, Kind: devicebuf.Host, Device: -1, Space: id, SpaceOffset: off, SpacePath: path}
 	}
 
-	held, _, err := fetchLanded(d(7, 4096, 4096, PathRDMA, owner), nil)
+	held, _, err := fetchLanded(context.Background(), d(7, 4096, 4096, PathRDMA, owner), nil)
 	require.NoError(t, err)
 	for name, bad := range map[string]Descriptor{
 		"unknown space":         d(8, 0, 16, PathRDMA, owner),
@@ -169,7 +224,7 @@ func TestFetchLandedRefusesBadRanges(t *testing.T) {
 			return x
 		}(),
 	} {
-		b, _, err := fetchLanded(bad, nil)
+		b, _, err := fetchLanded(context.Background(), bad, nil)
 		require.Error(t, err, name)
 		require.Nil(t, b, name)
 	}
@@ -177,26 +232,26 @@ func TestFetchLandedRefusesBadRanges(t *testing.T) {
 
 	// Neighbours of a held range are fine.
 	for _, off := range []uint64{0, 8192} {
-		b, _, err := fetchLanded(d(7, off, 4096, PathRDMA, owner), nil)
+		b, _, err := fetchLanded(context.Background(), d(7, off, 4096, PathRDMA, owner), nil)
 		require.NoError(t, err)
 		require.NoError(t, b.Release())
 	}
 	// A call notes what it takes; once it ended (its CALL-ENDED gone out),
 	// it takes nothing: the range is the owner's to take back.
 	call := &Call{ID: 3}
-	b, _, err := fetchLanded(d(7, 8192, 4096, PathRDMA, owner), call)
+	b, _, err := fetchLanded(context.Background(), d(7, 8192, 4096, PathRDMA, owner), call)
 	require.NoError(t, err)
 	require.Equal(t, []spaceRange{{7, 8192, 0}}, call.took)
 	require.NoError(t, b.Release())
 	call.ended = true
-	_, _, err = fetchLanded(d(7, 16384, 4096, PathRDMA, owner), call)
+	_, _, err = fetchLanded(context.Background(), d(7, 16384, 4096, PathRDMA, owner), call)
 	require.ErrorIs(t, err, errCallEnded)
 	require.Equal(t, map[uint64]heldRange{4096: {4096, 4096, 0}}, sp.inUse)
 	// Releasing gives the range back (the session is closed: no message).
 	markClosed(sp)
 	require.NoError(t, held.Release())
 	require.Empty(t, sp.inUse)
-	_, _, err = fetchLanded(d(7, 0, 16, PathRDMA, owner), nil)
+	_, _, err = fetchLanded(context.Background(), d(7, 0, 16, PathRDMA, owner), nil)
 	require.ErrorContains(t, err, "closed")
 }
 

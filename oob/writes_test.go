@@ -79,24 +79,24 @@ func TestStaleWrites(t *testing.T) {
 	client := ss.Peer().ID
 	first := writtenInto(t, ps, client, 4096) // so that d's write has an earlier one
 	d := writtenInto(t, ps, client, 4096)
-	b, _, err := fetchLanded(d, nil)
+	b, _, err := fetchLanded(context.Background(), d, nil)
 	require.NoError(t, err)
-	_, _, err = fetchLanded(d, nil)
+	_, _, err = fetchLanded(context.Background(), d, nil)
 	require.ErrorIs(t, err, errNotInSpace, "held")
 	require.NoError(t, b.Release())
 	waitGivenBack(t, ps, d, "given back to the writer")
-	_, _, err = fetchLanded(d, nil)
+	_, _, err = fetchLanded(context.Background(), d, nil)
 	require.ErrorIs(t, err, errNotInSpace, "taken before")
 	earlier := d
 	earlier.SpaceGen = first.SpaceGen
-	_, _, err = fetchLanded(earlier, nil)
+	_, _, err = fetchLanded(context.Background(), earlier, nil)
 	require.ErrorIs(t, err, errNotInSpace, "an earlier write")
-	kept, _, err := fetchLanded(first, nil)
+	kept, _, err := fetchLanded(context.Background(), first, nil)
 	require.NoError(t, err, "another range's write")
 
 	next := writtenInto(t, ps, client, 4096) // first fit: first's range is held
 	require.Equal(t, d.SpaceOffset, next.SpaceOffset, "the range is written again")
-	b, _, err = fetchLanded(next, nil)
+	b, _, err = fetchLanded(context.Background(), next, nil)
 	require.NoError(t, err)
 	require.NoError(t, b.Release())
 	require.NoError(t, kept.Release())
@@ -104,7 +104,7 @@ func TestStaleWrites(t *testing.T) {
 	unnumbered := next
 	unnumbered.SpaceGen = 0
 	for range 2 {
-		b, _, err = fetchLanded(unnumbered, nil)
+		b, _, err = fetchLanded(context.Background(), unnumbered, nil)
 		require.NoError(t, err)
 		require.NoError(t, b.Release())
 	}
@@ -120,7 +120,7 @@ func TestWritesEnded(t *testing.T) {
 	client := ss.Peer().ID
 	untaken := writtenInto(t, ps, client, 100)
 	held := writtenInto(t, ps, client, 5000)
-	b, _, err := fetchLanded(held, nil)
+	b, _, err := fetchLanded(context.Background(), held, nil)
 	require.NoError(t, err)
 	require.Len(t, ps.taken, 2)
 
@@ -134,7 +134,7 @@ func TestWritesEnded(t *testing.T) {
 
 	WritesEnded(cs, []Descriptor{untaken, held, descriptorOf(10)})
 	waitGivenBack(t, ps, untaken, "the untaken write is given back")
-	_, _, err = fetchLanded(untaken, nil)
+	_, _, err = fetchLanded(context.Background(), untaken, nil)
 	require.ErrorIs(t, err, errNotInSpace, "a copy of the request still on its way is pulled instead")
 	ps.mu.Lock()
 	require.Contains(t, ps.taken, held.SpaceOffset, "the held write stays")
@@ -240,7 +240,7 @@ func TestDiscardStaleAndClosed(t *testing.T) {
 	sp, ps := requestSpace(t, cs, ss, 26)
 	client := ss.Peer().ID
 	d := writtenInto(t, ps, client, 4096)
-	b, _, err := fetchLanded(d, nil)
+	b, _, err := fetchLanded(context.Background(), d, nil)
 	require.NoError(t, err)
 	require.NoError(t, b.Release())
 	waitGivenBack(t, ps, d, "given back once")
@@ -257,7 +257,7 @@ func TestDiscardStaleAndClosed(t *testing.T) {
 	sp.mu.Unlock()
 	markClosed(sp) // still held: nothing queued goes
 	require.Equal(t, []heldRange{{fresh.SpaceOffset, 4096, fresh.SpaceGen}}, pending, "the stale write is not given back again")
-	_, _, err = fetchLanded(fresh2, nil)
+	_, _, err = fetchLanded(context.Background(), fresh2, nil)
 	require.ErrorIs(t, err, errNotInSpace)
 }
 
@@ -271,7 +271,7 @@ func TestSpaceFreeSender(t *testing.T) {
 	seen := map[string]bool{}
 	for i := range 16 {
 		d := writtenInto(t, ps, client, 4096)
-		b, _, err := fetchLanded(d, nil)
+		b, _, err := fetchLanded(context.Background(), d, nil)
 		require.NoError(t, err)
 		require.NoError(t, b.Release())
 		waitGivenBack(t, ps, d, "given back")

@@ -61,6 +61,7 @@ type fakeAlloc struct {
 type fakeStream struct {
 	dev     int
 	pending []func() error
+	running bool // a synchronization took the copies in pending and runs them
 	// run is held while a synchronization runs the copies it took: another
 	// one returns only after they ran, as on a real stream.
 	run sync.Mutex
@@ -653,13 +654,33 @@ func (g *GPU) StreamSynchronize(s driver.Stream) error {
 	defer st.run.Unlock()
 	g.mu.Lock()
 	ops := st.pending
-	st.pending = nil
+	st.pending, st.running = nil, true
 	g.mu.Unlock()
 	var errs []error
 	for _, op := range ops {
 		errs = append(errs, op())
 	}
+	g.mu.Lock()
+	st.running = false
+	g.mu.Unlock()
 	return errors.Join(errs...)
+}
+
+// Hang queues on s work that does not end until release is called (a
+// kernel that spins, a device that stopped): until then the events recorded
+// on s are not complete (the fake does not order them against it), and a
+// synchronization of s blocks. stream is a devicebuf.Stream's Handle.
+func (g *GPU) Hang(stream uintptr) (release func(), err error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	st, ok := g.streams[driver.Stream(stream)]
+	if !ok {
+		return nil, cuError("cuLaunchKernel", 400, "CUDA_ERROR_INVALID_HANDLE", "unknown stream")
+	}
+	hung := make(chan struct{})
+	st.pending = append(st.pending, func() error { <-hung; return nil })
+	var once sync.Once
+	return func() { once.Do(func() { close(hung) }) }, nil
 }
 
 func (g *GPU) StreamDestroy(s driver.Stream) error {
@@ -778,7 +799,8 @@ func (g *GPU) EventSynchronize(e driver.Event) error {
 }
 
 // EventQuery reports an event complete once the stream it was recorded on holds no
-// deferred copies (or is gone): the fake runs them when that stream is synchronized.
+// deferred copies and runs none (or is gone): the fake runs them when that stream is
+// synchronized.
 func (g *GPU) EventQuery(e driver.Event) (bool, error) {
 	if g.absent != nil {
 		return false, g.absent
@@ -790,7 +812,7 @@ func (g *GPU) EventQuery(e driver.Event) (bool, error) {
 		return false, cuError("cuEventQuery", 400, "CUDA_ERROR_INVALID_HANDLE", "unknown event")
 	}
 	st, live := g.streams[ev.rec.stream]
-	return !live || len(st.pending) == 0, nil
+	return !live || len(st.pending) == 0 && !st.running, nil
 }
 
 func (g *GPU) EventDestroy(e driver.Event) error {
