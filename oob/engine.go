@@ -575,7 +575,10 @@ func takeLanded(ctx context.Context, d Descriptor) (*devicebuf.Buffer, Path, err
 	dst, sp, err := fetchLanded(ctx, d, callOf(ctx))
 	if err != nil {
 		kind := TransferInvalid
-		if errors.Is(err, errCallEnded) {
+		switch {
+		case errors.Is(err, context.DeadlineExceeded):
+			kind = TransferTimeout // the owner's copy did not complete in time
+		case errors.Is(err, errCallEnded), errors.Is(err, context.Canceled):
 			kind = TransferCanceled
 		}
 		return nil, d.SpacePath, &TransferError{Token: d.Token, Kind: kind, Err: err}

@@ -167,14 +167,21 @@ func TestFetchLandedBoundsOwnersCopy(t *testing.T) {
 	defer unhang()
 	require.NoError(t, owner.Record(ev))
 
+	kind := func(err error) TransferErrorKind {
+		var te *TransferError
+		require.ErrorAs(t, err, &te)
+		return te.Kind
+	}
 	start := time.Now()
-	_, _, err = fetchLanded(context.Background(), d, nil)
+	_, _, err = takeLanded(context.Background(), d)
 	require.ErrorIs(t, err, context.DeadlineExceeded, "the transfer timeout")
+	require.Equal(t, TransferTimeout, kind(err))
 	require.Less(t, time.Since(start), 10*time.Second)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	_, _, err = fetchLanded(ctx, d, nil)
+	_, _, err = takeLanded(ctx, d)
 	require.ErrorIs(t, err, context.Canceled, "the caller's context")
+	require.Equal(t, TransferCanceled, kind(err))
 	sp.mu.Lock()
 	require.Empty(t, sp.inUse, "the ranges went back")
 	sp.mu.Unlock()
