@@ -88,10 +88,13 @@ func (e *Event) Query() (bool, error) {
 	return done, nil
 }
 
-// How Await polls: without pause for awaitSpin (longer than a device copy of
-// several gigabytes takes), then in sleeps growing from awaitSleep to
-// awaitSleepMax.
+// How Await polls: on its thread for awaitBusy, as cuEventSynchronize spins
+// (work a call waits for is usually microseconds from its end); then
+// yielding the processor between polls until awaitSpin (longer than a device
+// copy of several gigabytes takes); then in sleeps growing from awaitSleep
+// to awaitSleepMax.
 const (
+	awaitBusy     = 200 * time.Microsecond
 	awaitSpin     = 5 * time.Millisecond
 	awaitSleep    = 50 * time.Microsecond
 	awaitSleepMax = time.Millisecond
@@ -117,8 +120,10 @@ func (e *Event) Await(ctx context.Context) error {
 		if err := ctx.Err(); err != nil {
 			return fmt.Errorf("devicebuf: the work before the event is not complete: %w", err)
 		}
-		if time.Since(start) < awaitSpin {
-			runtime.Gosched()
+		if waited := time.Since(start); waited < awaitSpin {
+			if waited >= awaitBusy {
+				runtime.Gosched()
+			}
 			continue
 		}
 		if timer == nil {
