@@ -1552,6 +1552,19 @@ func pushRDMA(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m *r
 	switch b := src.Buffer; {
 	case b == nil:
 		err = ep.PutBytes(ctx, src.Bytes, m.RAddr, key)
+	case b.Kind() == devicebuf.Host && key.Direct():
+		// A copy into the receiver's segment: the source needs no
+		// registration.
+		if err = b.Wait(); err != nil {
+			return path, err
+		}
+		var hb []byte
+		if hb, err = b.HostBytes(); err != nil {
+			return path, err
+		}
+		r = trace.StartRegion(ctx, "gdrpc.put")
+		err = ep.PutBytes(ctx, hb, m.RAddr, key)
+		r.End()
 	case b.Kind() == devicebuf.Host || gpuDirect(s.RDMAContext(), ep):
 		// UCX reads GPU memory itself, outside any stream: a buffer whose
 		// bytes are still arriving (received stream-ordered and sent on)
@@ -1576,7 +1589,7 @@ func pushRDMA(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m *r
 		path = PathStaged
 		err = pushStaged(ctx, s, ep, m, b, key)
 	}
-	if err != nil {
+	if err != nil || key.Direct() { // direct copies are in place when Put returns
 		return path, err
 	}
 	defer trace.StartRegion(ctx, "gdrpc.flush").End()
@@ -1655,9 +1668,12 @@ func pushStaged(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m 
 		}
 		free <- f.slot
 		if m.Offers&PathStaged != 0 {
-			// The receiver copies each chunk on to its GPU as soon as it landed.
-			if err := ep.Flush(ctx); err != nil {
-				return fmt.Errorf("flush: %w", err)
+			// The receiver copies each chunk on to its GPU as soon as it
+			// landed (a direct copy has when Put returns).
+			if !key.Direct() {
+				if err := ep.Flush(ctx); err != nil {
+					return fmt.Errorf("flush: %w", err)
+				}
 			}
 			if err := sendControl(ctx, s, ctlChunk, rangeNotice(m.Req, uint64(f.off), uint64(f.n))); err != nil {
 				return err

@@ -182,6 +182,9 @@ func (ch *child) command(t testing.TB, cmd byte, a, b uint64) {
 func TestTwoProcesses(t *testing.T) {
 	forEachTransport(t, func(t *testing.T, tls string) {
 		ch := startChild(t, tls)
+		// The child's memory is UCX's: over shared memory, puts and gets
+		// are this process's copies into the child's segment.
+		require.Equal(t, tls == transports[0].tls, ch.key.Direct())
 		ctx := testCtx(t)
 		src, err := ch.ctx.Alloc(childMemSize)
 		require.NoError(t, err)

@@ -88,6 +88,27 @@
 // reads everything that was written, then io.EOF. A failed peer ends every
 // pending and later operation with an *EndpointError.
 //
+// # Direct copies
+//
+// With peer error handling, UCX gives a connection between two processes of
+// one host a tcp lane for puts and gets (UCX 1.13, 1.16 and 1.18 alike): its
+// shared-memory transports carry messages but no RMA. Memory a peer allocated
+// with Context.Alloc lies in a shared-memory segment, though, and UCX
+// attaches that segment in this process when it unpacks the peer's key
+// (ucp_rkey_ptr gives the address). Puts and gets with such a key are then
+// copies this process makes itself, off the worker, in pieces between which
+// they stop when the context ends or the endpoint fails: at memory speed,
+// complete when Put returns (Flush has nothing to wait for), and holding no
+// worker lock. UCX computes the address without a bound, so a key is used so
+// only where its whole region lies inside one shared, writable mapping of
+// this process (read from /proc/self/maps once per key): a region that claims
+// more than its segment would otherwise name this process's own memory. A
+// peer that shrinks the file behind a posix segment makes the pages past its
+// end fault: the copy, which runs with the runtime's panic-on-fault set, fails
+// with an error instead of the process. Closing a key waits for the piece
+// under way. WithDirectCopies(false), or GDRPC_RDMA_DIRECT=false, keeps every
+// put and get a UCX operation.
+//
 // # Known UCX limitations
 //
 //   - Keys bound nothing against a peer that drives UCX itself. UCX's tcp

@@ -40,6 +40,8 @@ type options struct {
 	logger   *slog.Logger
 	pollTime time.Duration
 	pollSet  bool
+	direct   bool // see WithDirectCopies
+	direSet  bool
 }
 
 func (o *options) set(key, value string) {
@@ -64,6 +66,16 @@ func buildOptions(opts []Option) *options {
 	}
 	if o.logger == nil {
 		o.logger = slog.New(slog.DiscardHandler)
+	}
+	if !o.direSet {
+		o.direct = true
+		if v, ok := os.LookupEnv(DirectEnv); ok {
+			if b, err := strconv.ParseBool(v); err == nil {
+				o.direct = b
+			} else {
+				o.logger.Warn("ignoring a bad "+DirectEnv, "value", v, "default", true)
+			}
+		}
 	}
 	if !o.pollSet {
 		o.pollTime = DefaultPollTime
@@ -98,6 +110,22 @@ const DefaultPollTime = time.Millisecond
 // given, the environment variable GDRPC_RDMA_POLL, or DefaultPollTime.
 func WithPollTime(d time.Duration) Option {
 	return func(o *options) { o.pollTime, o.pollSet = max(d, 0), true }
+}
+
+// DirectEnv names the environment variable that turns direct copies off
+// (false) for contexts made without WithDirectCopies.
+const DirectEnv = "GDRPC_RDMA_DIRECT"
+
+// WithDirectCopies sets whether puts and gets with a key of host memory in a
+// shared-memory segment on this host (memory the peer allocated with
+// Context.Alloc) are copies this process makes itself into the segment UCX
+// attached when it unpacked the key, off the worker, instead of UCX
+// operations. UCX picks a tcp lane for puts and gets between two processes of
+// one host when its connections have peer error handling: a copy into the
+// segment moves the same bytes at memory speed. If not given, the environment
+// variable GDRPC_RDMA_DIRECT, or true.
+func WithDirectCopies(on bool) Option {
+	return func(o *options) { o.direct, o.direSet = on, true }
 }
 
 // WithTransports sets UCX_TLS (for example "tcp", or "posix,sysv,cma,tcp" for

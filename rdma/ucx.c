@@ -765,6 +765,14 @@ int rdma_rkey_unpack(rdma_ep_t *e, const void *buf, ucp_rkey_h *out)
 	return st;
 }
 
+// rdma_rkey_ptr asks UCX for a pointer of this process to the peer's address raddr, which
+// exists where the key names a shared-memory segment UCX attached when it unpacked the key.
+int rdma_rkey_ptr(ucp_rkey_h k, uint64_t raddr, void **out)
+{
+	*out = NULL;
+	return p_ucp_rkey_ptr(k, raddr, out);
+}
+
 void rdma_rkey_destroy(rdma_worker_t *w, ucp_rkey_h k)
 {
 	int in = cuda_enter(&w->cu);

@@ -113,5 +113,6 @@ int rdma_rkey_pack(ucp_context_h ctx, const rdma_cuda_t *cu, ucp_mem_h m, void *
 void rdma_rkey_buffer_release(void *buf);
 int rdma_rkey_unpack(rdma_ep_t *e, const void *buf, ucp_rkey_h *out);
 void rdma_rkey_destroy(rdma_worker_t *w, ucp_rkey_h k);
+int rdma_rkey_ptr(ucp_rkey_h k, uint64_t raddr, void **out);
 
 #endif

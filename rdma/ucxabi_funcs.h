@@ -74,6 +74,7 @@
 	X(void, ucp_rkey_buffer_release, (void *rkey_buffer))                                          \
 	X(ucs_status_t, ucp_ep_rkey_unpack, (ucp_ep_h ep, const void *rkey_buffer, ucp_rkey_h *rkey_p)) \
 	X(void, ucp_rkey_destroy, (ucp_rkey_h rkey))                                                   \
+	X(ucs_status_t, ucp_rkey_ptr, (ucp_rkey_h rkey, uint64_t raddr, void **addr_p))               \
 	X(ucs_status_ptr_t, ucp_put_nbx,                                                               \
 	  (ucp_ep_h ep, const void *buffer, size_t count, uint64_t remote_addr, ucp_rkey_h rkey,      \
 	   const ucp_request_param_t *param))                                                          \

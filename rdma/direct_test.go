@@ -1,0 +1,114 @@
+//go:build cgo && !nordma
+
+package rdma_test
+
+import (
+	"bytes"
+	"encoding/binary"
+	"net"
+	"testing"
+
+	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/stretchr/testify/require"
+)
+
+// Keys of memory a peer of this host allocated with Alloc take direct copies
+// over shared memory; other keys, other transports, and contexts that turn
+// them off take UCX's puts and gets. Either way the bytes arrive.
+func TestDirectCopies(t *testing.T) {
+	forEachPairing(t, func(t *testing.T, tls string, pair func(testing.TB, *rdma.Context) (client, server *rdma.Endpoint)) {
+		shm := tls == transports[0].tls
+		for _, on := range []bool{true, false} {
+			c, err := rdma.NewContext(rdma.WithTransports(tls), rdma.WithDirectCopies(on))
+			require.NoError(t, err)
+			t.Cleanup(func() { require.NoError(t, c.Close()) })
+			client, _ := pair(t, c)
+			ctx := testCtx(t)
+			const n = 3<<20 + 5 // cached pieces, the last one short
+
+			dst, _, rk := exposed(t, c, client, n)
+			require.Equal(t, shm && on, rk.Direct(), "key of Alloc memory")
+			mb, maddr := mmapped(t, n)
+			mapped, err := c.Map(maddr, len(mb), rdma.MemoryHost)
+			require.NoError(t, err)
+			defer mapped.Close()
+			packed, err := mapped.PackKey()
+			require.NoError(t, err)
+			mk, err := client.UnpackKey(packed)
+			require.NoError(t, err)
+			defer mk.Close()
+			require.False(t, mk.Direct(), "key of private memory")
+
+			want := pattern(n, 7)
+			require.NoError(t, client.PutBytes(ctx, want, uint64(dst.Addr()), rk))
+			require.NoError(t, client.Flush(ctx))
+			require.True(t, bytes.Equal(want, dst.Bytes()))
+			clear(mb)
+			require.NoError(t, client.Get(ctx, mapped, 0, n, uint64(dst.Addr()), rk))
+			require.True(t, bytes.Equal(want, mb))
+		}
+	})
+}
+
+// A key whose region claims more than the segment UCX attached for it would
+// name this process's own memory past the segment: it takes UCX's puts.
+func TestDirectKeyOverclaims(t *testing.T) {
+	c := newContext(t, transports[0].tls)
+	client, _ := pair(t, c)
+	m, packed, rk := exposed(t, c, client, 1<<20)
+	require.True(t, rk.Direct())
+	for name, reframe := range map[string]func(k []byte){
+		"longer": func(k []byte) {
+			binary.BigEndian.PutUint64(k[16:], binary.BigEndian.Uint64(k[16:])+1<<30)
+		},
+		"earlier": func(k []byte) {
+			binary.BigEndian.PutUint64(k[8:], uint64(m.Addr())-1<<30)
+			binary.BigEndian.PutUint64(k[16:], binary.BigEndian.Uint64(k[16:])+1<<30)
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			k := bytes.Clone(packed)
+			reframe(k)
+			bad, err := client.UnpackKey(k)
+			require.NoError(t, err)
+			defer bad.Close()
+			require.False(t, bad.Direct())
+		})
+	}
+}
+
+// Closing a key while direct copies run waits for the piece under way; the
+// puts that follow fail as closed.
+func TestDirectKeyCloseDuringPuts(t *testing.T) {
+	c := newContext(t, transports[0].tls)
+	client, _ := pair(t, c)
+	const n = 16 << 20
+	dst, _, rk := exposed(t, c, client, n)
+	require.True(t, rk.Direct())
+	src, err := c.Alloc(n)
+	require.NoError(t, err)
+	defer src.Close()
+	ctx := testCtx(t)
+	const putters = 3
+	first := make(chan struct{}, putters)
+	errs := make(chan error, putters)
+	for range putters {
+		go func() {
+			var err error
+			for i := 0; err == nil; i++ {
+				err = client.Put(ctx, src, 0, n, uint64(dst.Addr()), rk)
+				if i == 0 {
+					first <- struct{}{}
+				}
+			}
+			errs <- err
+		}()
+	}
+	for range putters {
+		<-first
+	}
+	require.NoError(t, rk.Close())
+	for range putters {
+		require.ErrorIs(t, <-errs, net.ErrClosed)
+	}
+}

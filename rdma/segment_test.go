@@ -1,0 +1,62 @@
+//go:build cgo && !nordma && linux
+
+package rdma
+
+import (
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"unsafe"
+
+	"github.com/stretchr/testify/require"
+)
+
+// sharedFile maps a file of n bytes shared and writable, as UCX attaches a
+// peer's segment.
+func sharedFile(t *testing.T, n int) (*os.File, []byte) {
+	f, err := os.Create(filepath.Join(t.TempDir(), "segment"))
+	require.NoError(t, err)
+	t.Cleanup(func() { f.Close() })
+	require.NoError(t, f.Truncate(int64(n)))
+	b, err := syscall.Mmap(int(f.Fd()), 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
+	require.NoError(t, err)
+	t.Cleanup(func() { syscall.Munmap(b) })
+	return f, b
+}
+
+func TestSharedSegment(t *testing.T) {
+	page := os.Getpagesize()
+	_, seg := sharedFile(t, 4*page)
+	p := uintptr(unsafe.Pointer(&seg[0]))
+	require.True(t, sharedSegment(p, 4*page))
+	require.True(t, sharedSegment(p+uintptr(page)+3, page))
+	require.False(t, sharedSegment(p, 4*page+1), "past the segment's end")
+
+	private, err := syscall.Mmap(-1, 0, page, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+	require.NoError(t, err)
+	defer syscall.Munmap(private)
+	require.False(t, sharedSegment(uintptr(unsafe.Pointer(&private[0])), page), "private mapping")
+	heap := make([]byte, page)
+	require.False(t, sharedSegment(uintptr(unsafe.Pointer(&heap[0])), page), "Go heap")
+}
+
+// A segment whose file shrank under the mapping faults past its end: the copy
+// fails, in either direction, and the process lives on.
+func TestCopyGuardedFault(t *testing.T) {
+	page := os.Getpagesize()
+	f, seg := sharedFile(t, 4*page)
+	local := make([]byte, 2*page)
+	for i := range local {
+		local[i] = byte(i)
+	}
+	require.NoError(t, copyGuarded(seg[page:], local))
+	require.Equal(t, local, seg[page:3*page])
+
+	require.NoError(t, f.Truncate(int64(page)))
+	err := copyGuarded(seg[page:], local)
+	require.ErrorContains(t, err, "faulted")
+	err = copyGuarded(local, seg[2*page:])
+	require.ErrorContains(t, err, "faulted")
+	require.NoError(t, copyGuarded(local[:page], seg[:page]), "the pages the file still has")
+}
