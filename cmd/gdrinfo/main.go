@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 
@@ -170,9 +171,9 @@ func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA error, info rdm
 		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host and GPU memory: UCX registers CUDA memory and moves it itself " +
 			"where a session's lane reaches GPU memory without the CPU (GPUDirect RDMA over InfiniBand/RoCE, its cuda_ipc on one host); " +
 			"GPU to GPU on one device takes it (its cuda_ipc keeps its mappings), between two devices of this host cuda-ipc does, " +
-			"each the faster there; " + overTCP(info)})
+			"each the faster there; " + oneHost() + "; " + overTCP(info)})
 	default:
-		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host memory only: " + ucxCUDA.Error() + "; " + overTCP(info)})
+		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host memory only: " + ucxCUDA.Error() + "; " + oneHost() + "; " + overTCP(info)})
 	}
 	// staged: UCX and CUDA, device memory through pinned host bounce buffers.
 	var missing []string
@@ -196,6 +197,16 @@ func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA error, info rdm
 
 // overTCP says what transfers between two hosts do when UCX reaches the peer
 // over its tcp transport alone (no RDMA NIC).
+// oneHost says how host memory moves between two processes of this host:
+// UCX's rma lane there is tcp/lo, so puts into a peer's UCX shared-memory
+// segment are copies of the owner's own unless rdma.DirectEnv turns them off.
+func oneHost() string {
+	if on, err := strconv.ParseBool(os.Getenv(rdma.DirectEnv)); err == nil && !on {
+		return "between processes of this host, host memory goes by UCX's puts over its rma lane (tcp/lo; direct copies off: " + rdma.DirectEnv + ")"
+	}
+	return "between processes of this host, the owner copies host memory straight into the receiver's UCX shared-memory segment (UCX's own rma lane there is tcp/lo; " + rdma.DirectEnv + "=false turns this off)"
+}
+
 func overTCP(info rdma.Info) string {
 	if info.AtLeast(1, 18) {
 		return fmt.Sprintf("between hosts over UCX's tcp alone, host memory goes by rdma and GPU memory staged (UCX %s's puts over tcp beat the stream)", info.Version)

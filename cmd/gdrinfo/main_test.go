@@ -82,6 +82,7 @@ func TestReportNoGPU(t *testing.T) {
 }
 
 func TestPaths(t *testing.T) {
+	t.Setenv(rdma.DirectEnv, "") // direct copies on, as by default
 	noUCX := fmt.Errorf("libucp.so.0 missing: %w", rdma.ErrNotSupported)
 	noCUDA := errors.New("no driver")
 	for _, c := range []struct {
@@ -102,6 +103,9 @@ func TestPaths(t *testing.T) {
 			require.Equal(t, c.ipc, ps["cuda-ipc"].Available)
 			require.Equal(t, c.rdmaOK, ps["rdma"].Available)
 			require.Contains(t, ps["rdma"].Reason, c.rdmaReason)
+			if c.rdmaOK {
+				require.Contains(t, ps["rdma"].Reason, "straight into the receiver's UCX shared-memory segment")
+			}
 			require.Equal(t, c.staged, ps["staged"].Available)
 			require.True(t, ps["stream"].Available)
 		})
@@ -119,4 +123,12 @@ func TestPathsBetweenHostsOverTCP(t *testing.T) {
 			require.Contains(t, ps["rdma"].Reason, want, "UCX %s, CUDA in UCX: %v", v, ucxCUDA == nil)
 		}
 	}
+}
+
+// With direct copies turned off, gdrinfo says host memory goes by UCX's puts.
+func TestPathsDirectOff(t *testing.T) {
+	t.Setenv(rdma.DirectEnv, "false")
+	ps := pathsByName(paths(errors.New("no driver"), 1, nil, errors.New("no CUDA in UCX"), rdma.Info{Version: "1.13.1"}))
+	require.True(t, ps["rdma"].Available)
+	require.Contains(t, ps["rdma"].Reason, "direct copies off")
 }
