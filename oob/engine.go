@@ -1549,6 +1549,10 @@ func pushRDMA(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m *r
 		}
 	}()
 	path = PathRDMA
+	// direct: every put went as a copy of this process's into the
+	// receiver's segment, in place when it returned; UCX's puts of GPU
+	// memory do not, whatever the key.
+	direct := key.Direct()
 	switch b := src.Buffer; {
 	case b == nil:
 		err = ep.PutBytes(ctx, src.Bytes, m.RAddr, key)
@@ -1569,6 +1573,7 @@ func pushRDMA(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m *r
 		// UCX reads GPU memory itself, outside any stream: a buffer whose
 		// bytes are still arriving (received stream-ordered and sent on)
 		// is waited for first.
+		direct = direct && b.Kind() == devicebuf.Host
 		if err = b.Wait(); err != nil {
 			return path, err
 		}
@@ -1589,7 +1594,7 @@ func pushRDMA(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m *r
 		path = PathStaged
 		err = pushStaged(ctx, s, ep, m, b, key)
 	}
-	if err != nil || key.Direct() { // direct copies are in place when Put returns
+	if err != nil || direct {
 		return path, err
 	}
 	defer trace.StartRegion(ctx, "gdrpc.flush").End()

@@ -6,7 +6,9 @@ import (
 	"bytes"
 	"encoding/binary"
 	"net"
+	"runtime"
 	"testing"
+	"time"
 
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/stretchr/testify/require"
@@ -50,14 +52,23 @@ func TestDirectCopies(t *testing.T) {
 	})
 }
 
-// A key whose region claims more than the segment UCX attached for it would
-// name this process's own memory past the segment: it takes UCX's puts.
+// A key whose region lies elsewhere than the segment UCX attached for it
+// would name other memory of this process: it takes UCX's puts.
 func TestDirectKeyOverclaims(t *testing.T) {
 	c := newContext(t, transports[0].tls)
 	client, _ := pair(t, c)
 	m, packed, rk := exposed(t, c, client, 1<<20)
 	require.True(t, rk.Direct())
+	seg := rk.SegmentAt()
+	own, err := c.Alloc(1 << 20) // this process's own shared memory
+	require.NoError(t, err)
+	defer own.Close()
+	require.NoError(t, rk.Close()) // its segment detached: the next attach takes its place
 	for name, reframe := range map[string]func(k []byte){
+		"own memory": func(k []byte) {
+			// the region shifted so that UCX's pointer lands in own
+			binary.BigEndian.PutUint64(k[8:], uint64(m.Addr())+uint64(own.Addr()-seg))
+		},
 		"longer": func(k []byte) {
 			binary.BigEndian.PutUint64(k[16:], binary.BigEndian.Uint64(k[16:])+1<<30)
 		},
@@ -111,4 +122,31 @@ func TestDirectKeyCloseDuringPuts(t *testing.T) {
 	for range putters {
 		require.ErrorIs(t, <-errs, net.ErrClosed)
 	}
+}
+
+// Closing a key waits for the direct copy under way, which completes.
+func TestDirectKeyCloseCompletesStartedPut(t *testing.T) {
+	c := newContext(t, transports[0].tls)
+	client, _ := pair(t, c)
+	const n = 256 << 20
+	dst, _, rk := exposed(t, c, client, n)
+	require.True(t, rk.Direct())
+	src := pattern(n, 9)
+	errc := make(chan error, 1)
+	go func() { errc <- client.PutBytes(testCtx(t), src, uint64(dst.Addr()), rk) }()
+	deadline := time.Now().Add(10 * time.Second)
+	for !rk.Copying() {
+		select {
+		case err := <-errc:
+			t.Fatalf("the put ended before the key was closed: %v", err)
+		default:
+		}
+		require.True(t, time.Now().Before(deadline), "the put did not start")
+		runtime.Gosched()
+	}
+	require.NoError(t, rk.Close())
+	require.False(t, rk.Copying())
+	require.NoError(t, <-errc)
+	require.True(t, bytes.Equal(src, dst.Bytes()))
+	require.ErrorIs(t, client.PutBytes(testCtx(t), src[:1], uint64(dst.Addr()), rk), net.ErrClosed)
 }

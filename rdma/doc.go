@@ -99,15 +99,18 @@
 // copies this process makes itself, off the worker, in pieces between which
 // they stop when the context ends or the endpoint fails: at memory speed,
 // complete when Put returns (Flush has nothing to wait for), and holding no
-// worker lock. UCX computes the address without a bound, so a key is used so
-// only where its whole region lies inside one shared, writable mapping of
-// this process (read from /proc/self/maps once per key): a region that claims
-// more than its segment would otherwise name this process's own memory. A
-// peer that shrinks the file behind a posix segment makes the pages past its
-// end fault: the copy, which runs with the runtime's panic-on-fault set, fails
-// with an error instead of the process. Closing a key waits for the piece
-// under way. WithDirectCopies(false), or GDRPC_RDMA_DIRECT=false, keeps every
-// put and get a UCX operation.
+// worker lock. UCX computes the address from where it attached the segment
+// and the address the peer names, without a bound, so a key is used so only
+// where its whole region lies inside one shared, writable mapping that its
+// unpack made (/proc/self/maps read before and after it, with the worker's
+// lock held): a region that lies elsewhere would otherwise name other memory
+// of this process, its own shared memory included. A peer that shrinks the
+// file behind a posix segment makes the pages past its end fault: the copy,
+// which runs with the runtime's panic-on-fault set, fails with an error
+// instead of the process (where the user had UCX handle SIGBUS or SIGSEGV,
+// UCX_ERROR_SIGNALS, there are no direct copies). Closing a key waits for the
+// copies under way, which complete, as UCX's puts do. WithDirectCopies(false),
+// or GDRPC_RDMA_DIRECT=false, keeps every put and get a UCX operation.
 //
 // # Known UCX limitations
 //

@@ -42,10 +42,11 @@ type RemoteKey struct {
 	// seg is where the peer's region starts in this process, or nil: UCX
 	// attaches a shared-memory segment of a peer on this host when it
 	// unpacks a key of memory allocated there (Context.Alloc), and puts and
-	// gets with such a key are copies into or out of it (copyDirect). use
-	// guards the attachment: a copy holds it shared, destroy exclusively,
-	// so UCX never detaches the segment under a copy; shut is set once
-	// Close or destroy ran.
+	// gets with such a key are copies into or out of it (copyDirect). Set
+	// before the key is published, never changed. use guards the
+	// attachment: a copy holds it shared, Close and destroy exclusively, so
+	// UCX never detaches the segment under a copy; shut is set once Close
+	// or destroy began: copies that start later fail.
 	seg  unsafe.Pointer
 	use  sync.RWMutex
 	shut atomic.Bool
@@ -122,35 +123,40 @@ func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
 	pk.rkey = slices.Clone(pk.rkey)
 	k := &RemoteKey{e: e, region: pk}
 	var uerr error
-	var seg unsafe.Pointer // where UCX attached the region, if it did
-	direct := pk.memType == MemoryHost && pk.length > 0 && pk.length <= math.MaxInt && e.w.ctx.opts.direct
+	direct := pk.memType == MemoryHost && pk.length > 0 && pk.length <= math.MaxInt && e.w.ctx.opts.direct && goTakesFaults()
 	err = e.w.call(func() {
 		if e.ce == nil || e.ucpClosed {
 			uerr = e.opError("ucp_ep_rkey_unpack", statusCanceled)
 			return
+		}
+		var before []mapping
+		if direct {
+			before = mappings()
 		}
 		st := C.rdma_rkey_unpack(e.ce, unsafe.Pointer(&pk.rkey[0]), &k.h)
 		if st != statusOK {
 			uerr = statusError("ucp_ep_rkey_unpack", st)
 			return
 		}
+		// UCX computes the pointer from where it attached the segment and
+		// the address the peer names, without a bound: a key whose region
+		// lies elsewhere than its segment would name other memory of this
+		// process. The whole region must lie in a shared mapping that this
+		// unpack made, with the worker's lock held throughout, so that no
+		// other endpoint of the worker attached one meanwhile.
+		var seg unsafe.Pointer
+		if before != nil && C.rdma_rkey_ptr(k.h, C.uint64_t(pk.base), &seg) == statusOK && seg != nil &&
+			attachedSegment(before, mappings(), uintptr(seg), int(pk.length)) {
+			k.seg = seg
+		}
 		e.rkeys[k] = struct{}{}
 		live.rkeys.Add(1)
-		if direct && C.rdma_rkey_ptr(k.h, C.uint64_t(pk.base), &seg) != statusOK {
-			seg = nil
-		}
 	})
 	if err == nil {
 		err = uerr
 	}
 	if err != nil {
 		return nil, fmt.Errorf("rdma: unpack key: %w", err)
-	}
-	// UCX computes the pointer from the segment's base and the address the
-	// peer names, without a bound: a key whose region claims more than its
-	// segment would name this process's own memory past it.
-	if seg != nil && sharedSegment(uintptr(seg), int(pk.length)) {
-		k.seg = seg
 	}
 	return k, nil
 }
@@ -164,6 +170,11 @@ func (k *RemoteKey) Direct() bool { return k.seg != nil }
 // idempotent; closing the endpoint releases its keys too.
 func (k *RemoteKey) Close() error {
 	k.once.Do(func() {
+		if k.seg != nil {
+			// Direct copies that started complete, later ones fail: wait
+			// for those under way, off the worker's lock.
+			k.stopCopies()
+		}
 		if err := k.e.w.call(k.close); err != nil && !errors.Is(err, net.ErrClosed) {
 			k.closeErr = err
 		}
@@ -171,10 +182,17 @@ func (k *RemoteKey) Close() error {
 	return k.closeErr
 }
 
+// stopCopies fails the direct copies that start from now on and waits for
+// those under way.
+func (k *RemoteKey) stopCopies() {
+	k.shut.Store(true)
+	k.use.Lock()
+	k.use.Unlock() //nolint:staticcheck // an empty section: the wait is the point
+}
+
 // close runs with the worker's lock held.
 func (k *RemoteKey) close() {
 	k.closed = true
-	k.shut.Store(true) // direct copies that start later fail
 	if k.pieces == 0 {
 		k.destroy()
 	}
@@ -187,10 +205,10 @@ func (k *RemoteKey) destroy() {
 		return
 	}
 	if k.seg != nil {
-		// Wait for the direct copy under way: the segment goes with the key.
-		k.use.Lock()
-		k.shut.Store(true)
-		k.use.Unlock()
+		// The segment goes with the key: wait for the direct copy under
+		// way, which its endpoint's end (the only other way here once
+		// Close waited) stops at its next piece.
+		k.stopCopies()
 	}
 	C.rdma_rkey_destroy(k.e.w.cw, k.h)
 	k.h = nil
@@ -284,13 +302,21 @@ const (
 	directCachedPiece = 512 << 10
 )
 
-// copyDirect runs a put from, or a get into, local as copies between local and
-// the peer's segment that key attached, in pieces of at most rmaPiece bytes:
-// between two pieces it stops when ctx ended or the endpoint failed, as a put
-// of UCX's issues no further piece. The bytes are in place when it returns;
-// Flush has nothing left to wait for.
+// copyDirect runs a put from, or a get into, local as a copy between local and
+// the peer's segment that key attached, in pieces: between two pieces it
+// stops when ctx ended or the endpoint failed, as a put of UCX's issues no
+// further piece. A key closed after the copy began does not stop it (Close
+// waits). The bytes are in place when it returns: Flush has nothing to wait
+// for.
 func (e *Endpoint) copyDirect(ctx context.Context, get bool, local []byte, remote uint64, key *RemoteKey) error {
-	off := uintptr(remote - key.region.base) // checkRMA bounded remote+len(local) by the region
+	key.use.RLock()
+	defer key.use.RUnlock()
+	if key.shut.Load() {
+		return cmp.Or(e.termErr(), error(closedError("remote key")))
+	}
+	// checkRMA bounded [remote, remote+len(local)) by the region, which lies
+	// in the segment (UnpackKey).
+	seg := unsafe.Slice((*byte)(unsafe.Add(key.seg, remote-key.region.base)), len(local))
 	piece := rmaPiece
 	if len(local) <= directCached {
 		piece = directCachedPiece
@@ -303,27 +329,18 @@ func (e *Endpoint) copyDirect(ctx context.Context, get bool, local []byte, remot
 			return err
 		}
 		n := min(piece, len(local)-done)
-		if err := key.copyPiece(get, local[done:done+n], off+uintptr(done)); err != nil {
+		var err error
+		if get {
+			err = copyGuarded(local[done:done+n], seg[done:done+n])
+		} else {
+			err = copyGuarded(seg[done:done+n], local[done:done+n])
+		}
+		if err != nil {
 			return err
 		}
 		done += n
 	}
 	return nil
-}
-
-// copyPiece copies local into the peer's segment at off, or out of it when
-// get, unless the key was closed.
-func (k *RemoteKey) copyPiece(get bool, local []byte, off uintptr) error {
-	k.use.RLock()
-	defer k.use.RUnlock()
-	if k.shut.Load() {
-		return cmp.Or(k.e.termErr(), error(closedError("remote key")))
-	}
-	seg := unsafe.Slice((*byte)(unsafe.Add(k.seg, off)), len(local))
-	if get {
-		return copyGuarded(local, seg)
-	}
-	return copyGuarded(seg, local)
 }
 
 // copyGuarded copies src into dst and turns a fault of either into an error.

@@ -51,3 +51,15 @@ func (w *Worker) Queued() int {
 
 // Submit runs f with the worker's lock held, after what was submitted before.
 func (w *Worker) Submit(f func()) error { return w.submit(f) }
+
+// SegmentAt is where UCX attached the key's segment in this process, or 0.
+func (k *RemoteKey) SegmentAt() uintptr { return uintptr(k.seg) }
+
+// Copying reports whether a direct copy with the key is under way.
+func (k *RemoteKey) Copying() bool {
+	if k.use.TryLock() {
+		k.use.Unlock()
+		return false
+	}
+	return true
+}

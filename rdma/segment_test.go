@@ -25,20 +25,31 @@ func sharedFile(t *testing.T, n int) (*os.File, []byte) {
 	return f, b
 }
 
-func TestSharedSegment(t *testing.T) {
+// Only a shared, writable mapping made since the first read takes direct
+// copies, and only a range inside it.
+func TestAttachedSegment(t *testing.T) {
 	page := os.Getpagesize()
-	_, seg := sharedFile(t, 4*page)
-	p := uintptr(unsafe.Pointer(&seg[0]))
-	require.True(t, sharedSegment(p, 4*page))
-	require.True(t, sharedSegment(p+uintptr(page)+3, page))
-	require.False(t, sharedSegment(p, 4*page+1), "past the segment's end")
-
+	_, old := sharedFile(t, 4*page)
 	private, err := syscall.Mmap(-1, 0, page, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
 	require.NoError(t, err)
 	defer syscall.Munmap(private)
-	require.False(t, sharedSegment(uintptr(unsafe.Pointer(&private[0])), page), "private mapping")
+	before := mappings()
+	require.NotNil(t, before)
+	_, seg := sharedFile(t, 4*page)
+	newPrivate, err := syscall.Mmap(-1, 0, page, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+	require.NoError(t, err)
+	defer syscall.Munmap(newPrivate)
+	now := mappings()
+
+	p := uintptr(unsafe.Pointer(&seg[0]))
+	require.True(t, attachedSegment(before, now, p, 4*page))
+	require.True(t, attachedSegment(before, now, p+uintptr(page)+3, page))
+	require.False(t, attachedSegment(before, now, p, 4*page+1), "past the segment's end")
+	require.False(t, attachedSegment(before, now, uintptr(unsafe.Pointer(&old[0])), page), "a shared mapping this process had before")
+	require.False(t, attachedSegment(before, now, uintptr(unsafe.Pointer(&newPrivate[0])), page), "a private mapping")
 	heap := make([]byte, page)
-	require.False(t, sharedSegment(uintptr(unsafe.Pointer(&heap[0])), page), "Go heap")
+	require.False(t, attachedSegment(before, now, uintptr(unsafe.Pointer(&heap[0])), page), "the Go heap")
+	require.False(t, attachedSegment(nil, now, p, page), "no first read")
 }
 
 // A segment whose file shrank under the mapping faults past its end: the copy

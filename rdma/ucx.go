@@ -21,8 +21,9 @@ import (
 )
 
 var loader struct {
-	once sync.Once
-	err  error
+	once      sync.Once
+	err       error
+	ucxFaults bool // the user had UCX handle SIGBUS or SIGSEGV (UCX_ERROR_SIGNALS)
 }
 
 // load opens libucp.so.0 once. UCX reads UCX_ERROR_SIGNALS when libucs loads,
@@ -30,7 +31,10 @@ var loader struct {
 // in the environment just for the dlopen, unless the user set it.
 func load() error {
 	loader.once.Do(func() {
-		if _, ok := os.LookupEnv("UCX_ERROR_SIGNALS"); !ok {
+		if v, ok := os.LookupEnv("UCX_ERROR_SIGNALS"); ok {
+			up := strings.ToUpper(v)
+			loader.ucxFaults = strings.Contains(up, "BUS") || strings.Contains(up, "SEGV")
+		} else {
 			os.Setenv("UCX_ERROR_SIGNALS", "")
 			defer os.Unsetenv("UCX_ERROR_SIGNALS")
 		}
@@ -44,6 +48,11 @@ func load() error {
 	})
 	return loader.err
 }
+
+// goTakesFaults reports whether a memory fault reaches Go's signal handler,
+// which direct copies need: not where the user had UCX install its own for
+// SIGBUS or SIGSEGV (UCX_ERROR_SIGNALS).
+func goTakesFaults() bool { return !loader.ucxFaults }
 
 func envSet(name string) bool {
 	_, ok := os.LookupEnv(name)
