@@ -105,4 +105,7 @@ type RemoteKey struct{}
 
 func (k *RemoteKey) Close() error { return nil }
 
+// Direct reports false: there are no direct copies in this build.
+func (k *RemoteKey) Direct() bool { return false }
+
 var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
