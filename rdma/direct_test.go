@@ -88,14 +88,21 @@ func TestDirectKeyOverclaims(t *testing.T) {
 	}
 }
 
-// Closing a key while direct copies run waits for the piece under way; the
-// puts that follow fail as closed.
-func TestDirectKeyCloseDuringPuts(t *testing.T) {
+// directKey returns an endpoint over shared memory and n bytes of its peer's
+// memory with a key that takes direct copies.
+func directKey(t *testing.T, n int) (*rdma.Context, *rdma.Endpoint, *rdma.Memory, *rdma.RemoteKey) {
 	c := newContext(t, transports[0].tls)
 	client, _ := pair(t, c)
-	const n = 16 << 20
 	dst, _, rk := exposed(t, c, client, n)
 	require.True(t, rk.Direct())
+	return c, client, dst, rk
+}
+
+// Closing a key while direct copies run waits for those under way; the puts
+// that follow fail as closed.
+func TestDirectKeyCloseDuringPuts(t *testing.T) {
+	const n = 16 << 20
+	c, client, dst, rk := directKey(t, n)
 	src, err := c.Alloc(n)
 	require.NoError(t, err)
 	defer src.Close()
@@ -126,11 +133,8 @@ func TestDirectKeyCloseDuringPuts(t *testing.T) {
 
 // Closing a key waits for the direct copy under way, which completes.
 func TestDirectKeyCloseCompletesStartedPut(t *testing.T) {
-	c := newContext(t, transports[0].tls)
-	client, _ := pair(t, c)
 	const n = 256 << 20
-	dst, _, rk := exposed(t, c, client, n)
-	require.True(t, rk.Direct())
+	_, client, dst, rk := directKey(t, n)
 	src := pattern(n, 9)
 	errc := make(chan error, 1)
 	go func() { errc <- client.PutBytes(testCtx(t), src, uint64(dst.Addr()), rk) }()
