@@ -1549,9 +1549,8 @@ func pushRDMA(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m *r
 		}
 	}()
 	path = PathRDMA
-	// direct: every put went as a copy of this process's into the
-	// receiver's segment, in place when it returned; UCX's puts of GPU
-	// memory do not, whatever the key.
+	// direct: the puts went as copies of this process's into the
+	// receiver's segment, in place when they returned (no flush).
 	direct := key.Direct()
 	switch b := src.Buffer; {
 	case b == nil:
@@ -1572,8 +1571,9 @@ func pushRDMA(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m *r
 	case b.Kind() == devicebuf.Host || gpuDirect(s.RDMAContext(), ep):
 		// UCX reads GPU memory itself, outside any stream: a buffer whose
 		// bytes are still arriving (received stream-ordered and sent on)
-		// is waited for first.
-		direct = direct && b.Kind() == devicebuf.Host
+		// is waited for first. A host source with a direct key took the
+		// case above: this is a UCX put, which a flush completes.
+		direct = false
 		if err = b.Wait(); err != nil {
 			return path, err
 		}

@@ -35,13 +35,13 @@ func (t MemoryType) String() string {
 type Option func(*options)
 
 type options struct {
-	config   map[string]string // UCX config keys without the UCX_ prefix
-	order    []string
-	logger   *slog.Logger
-	pollTime time.Duration
-	pollSet  bool
-	direct   bool // see WithDirectCopies
-	direSet  bool
+	config    map[string]string // UCX config keys without the UCX_ prefix
+	order     []string
+	logger    *slog.Logger
+	pollTime  time.Duration
+	pollSet   bool
+	direct    bool // see WithDirectCopies
+	directSet bool
 }
 
 func (o *options) set(key, value string) {
@@ -67,7 +67,7 @@ func buildOptions(opts []Option) *options {
 	if o.logger == nil {
 		o.logger = slog.New(slog.DiscardHandler)
 	}
-	if !o.direSet {
+	if !o.directSet {
 		o.direct = true
 		if v, ok := os.LookupEnv(DirectEnv); ok {
 			if b, err := strconv.ParseBool(v); err == nil {
@@ -125,7 +125,7 @@ const DirectEnv = "GDRPC_RDMA_DIRECT"
 // segment moves the same bytes at memory speed. If not given, the environment
 // variable GDRPC_RDMA_DIRECT, or true.
 func WithDirectCopies(on bool) Option {
-	return func(o *options) { o.direct, o.direSet = on, true }
+	return func(o *options) { o.direct, o.directSet = on, true }
 }
 
 // WithTransports sets UCX_TLS (for example "tcp", or "posix,sysv,cma,tcp" for
