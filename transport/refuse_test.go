@@ -56,7 +56,12 @@ func TestControlWriteBounded(t *testing.T) {
 					<-release // the client reads its control stream no more
 				}
 			})
-			opts := []Option{WithMode(ModeTCP), WithLanes(lanes), WithIdleTimeout(-1), WithKeepAlive(100*time.Millisecond, 500*time.Millisecond)}
+			// Pings every 100 ms, all answered; the timeout, which bounds
+			// the control write too, is long enough that a loaded machine
+			// (the race detector beside other packages' tests) still gets
+			// its pongs back in time, so the write's deadline is what ends
+			// the session, not a missed ping.
+			opts := []Option{WithMode(ModeTCP), WithLanes(lanes), WithIdleTimeout(-1), WithKeepAlive(100*time.Millisecond, 3*time.Second)}
 			_, cs, ss, _, _ := lanePair(t, opts, opts)
 			t.Cleanup(func() { unblock(); _ = cs.Close() })
 			payload := make([]byte, 64<<10)
