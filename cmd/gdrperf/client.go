@@ -119,7 +119,7 @@ type bench struct {
 	alloc   devicebuf.Allocator // where pushed payloads live
 	cuda    devicebuf.Allocator // nil for -mem host
 
-	gdrpc    []tensorpb.TensorServiceClient // -conns of them; worker w calls gdrpc[w%len]
+	gdrpc    tensorpb.TensorServiceClient // over a dialer.Pool of -conns connections
 	plain    *grpc.ClientConn
 	host     string // the server's host, for ucx_perftest
 	info     readyInfo
@@ -182,14 +182,12 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 		b.perfNote = "the server runs no ucx_perftest: " + b.info.PerftestNote
 	}
 
-	for range o.conns {
-		cc, err := dialGDRPC(o, b.info.GDRPC)
-		if err != nil {
-			return err
-		}
-		defer cc.Close()
-		b.gdrpc = append(b.gdrpc, tensorpb.NewTensorServiceClient(cc))
+	pool, err := dialGDRPC(o, b.info.GDRPC)
+	if err != nil {
+		return err
 	}
+	defer pool.Close()
+	b.gdrpc = tensorpb.NewTensorServiceClient(pool)
 	if b.plain, err = dialPlain(b.info.GRPC); err != nil {
 		return err
 	}
@@ -225,12 +223,13 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 // limits raises gRPC's message size limits on both clients.
 var limits = grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMsg), grpc.MaxCallSendMsgSize(maxMsg))
 
-// dialGDRPC makes the gdrpc client: the gdrpc dialer in o's transport mode
-// and the gdr codec's options.
-func dialGDRPC(o *options, addr string) (*grpc.ClientConn, error) {
+// dialGDRPC makes the gdrpc client: a pool of -conns connections, each a
+// session of its own, with the gdrpc dialer in o's transport mode and the gdr
+// codec's options.
+func dialGDRPC(o *options, addr string) (*dialer.Pool, error) {
 	d := dialer.New(o.faceOptions()...)
 	opts := d.DialOptions(insecure.NewCredentials())
-	return grpc.NewClient("passthrough:///"+addr, append(opts, limits)...)
+	return dialer.NewPool("passthrough:///"+addr, o.conns, append(opts, limits)...)
 }
 
 // dialPlain makes the baseline client: ordinary gRPC over TCP, default codec
@@ -370,7 +369,7 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 	}
 	call := func(cctx context.Context, w int, first bool) (func() error, error) {
 		defer trace.StartRegion(cctx, "gdrperf.call").End()
-		client := b.gdrpc[w%len(b.gdrpc)]
+		client := b.gdrpc
 		var p peer.Peer
 		var err error
 		if b.o.op == "pull" {

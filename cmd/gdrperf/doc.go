@@ -48,9 +48,9 @@
 // measured calls. That is what a service moving many payloads at once gets:
 // one call's RPC and rendezvous overlap the others' copies. The in-process
 // copies stay one after another (the device's bandwidth). -conns spreads the
-// goroutines over that many client connections (goroutine w calls over
-// connection w mod -conns), each a session of its own, as a pool of
-// connections would. -inflight takes a list too (1,4,8): each size then gets
+// calls over that many client connections, each a session of its own: a
+// dialer.Pool, which sends each call over the connection with the fewest in
+// flight. -inflight takes a list too (1,4,8): each size then gets
 // a row per value, in one run, so that the single call stands beside the
 // aggregate rows and the count of calls that fills the device shows. The
 // call µs column is one call's time: the median call with one in flight, and

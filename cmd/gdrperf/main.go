@@ -77,7 +77,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	sizes := fs.String("sizes", "1MiB,16MiB,64MiB", "payload sizes, comma-separated (B, KiB, MiB, GiB)")
 	fs.IntVar(&o.iters, "iters", 10, "measured calls per size and method (the median is reported)")
 	fs.IntVar(&o.warmup, "warmup", 2, "calls per size and method before measuring (the first one is verified)")
-	fs.IntVar(&o.conns, "conns", 1, "gdrpc client connections (ClientConns) the calls spread over: with -inflight N, goroutine w calls over connection w mod conns (a pool of connections, each a session of its own)")
+	fs.IntVar(&o.conns, "conns", 1, "gdrpc client connections the calls spread over (a dialer.Pool: each call goes over the connection with the fewest in flight; each connection is a session of its own)")
 	inflight := fs.String("inflight", "1", "calls in flight at once, or a comma list (a row per value and size, e.g. 1,4,8): above 1, that many goroutines make -iters calls each and the rates are aggregate throughput (bytes over wall time) instead of medians per call")
 	fs.IntVar(&o.busy, "busy", 0, "run this many CPU-bound processes (each spins one core) beside client and server for the whole run: calls under contention, as in a service sharing its cores")
 	fs.BoolVar(&o.spin, "spin", false, "spin on one core until stdin closes (the processes -busy starts)")

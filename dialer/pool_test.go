@@ -1,0 +1,224 @@
+package dialer_test
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	testpb "google.golang.org/grpc/interop/grpc_testing"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+
+	"github.com/gdrpc/gdrpc"
+	"github.com/gdrpc/gdrpc/dialer"
+	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// gateService echoes like testService, but each unary call first reports
+// the session it came over and waits for the test to let it go: a call of
+// its own (the channel it reports) or all of them (release closed).
+type gateService struct {
+	testService
+	arrived chan arrival
+	release chan struct{}
+}
+
+type arrival struct {
+	session *transport.Session
+	release chan struct{}
+}
+
+func newGate() *gateService {
+	return &gateService{arrived: make(chan arrival), release: make(chan struct{})}
+}
+
+func (g *gateService) UnaryCall(ctx context.Context, req *testpb.SimpleRequest) (*testpb.SimpleResponse, error) {
+	p, _ := peer.FromContext(ctx)
+	a := arrival{gdrpc.SessionFromPeer(p), make(chan struct{})}
+	select {
+	case g.arrived <- a:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	select {
+	case <-a.release:
+	case <-g.release:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	return &testpb.SimpleResponse{Payload: req.GetPayload()}, nil
+}
+
+// servePool starts gs over tc and returns a pool of n connections to it.
+func servePool(t *testing.T, tc transportCase, gs testpb.TestServiceServer, n int) *dialer.Pool {
+	t.Helper()
+	opts := tc.options(t)
+	l, err := listener.Listen("127.0.0.1:0", gdrpc.WithSessionOptions(opts...))
+	require.NoError(t, err)
+	srv := grpc.NewServer(listener.ServerOptions(nil)...)
+	testpb.RegisterTestServiceServer(srv, gs)
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		_ = srv.Serve(l)
+	}()
+	pool, err := dialer.NewPool("passthrough:///"+l.Addr().String(), n, dialer.New(gdrpc.WithSessionOptions(opts...)).DialOptions(nil)...)
+	require.NoError(t, err)
+	require.Len(t, pool.Conns(), n)
+	t.Cleanup(func() {
+		_ = pool.Close()
+		srv.Stop()
+		<-served
+	})
+	return pool
+}
+
+// Calls in flight at once go over different connections, each a session of
+// its own; a call goes where the fewest are in flight, whichever connection's
+// turn it is; the counts go back to zero when the calls end, and every call's
+// bytes come back.
+func TestPoolSpreadsCalls(t *testing.T) {
+	for _, tc := range []transportCase{transportCases[0], transportCases[2]} {
+		t.Run(tc.name, func(t *testing.T) {
+			gs := newGate()
+			pool := servePool(t, tc, gs, 3)
+			c := testpb.NewTestServiceClient(pool)
+			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			defer cancel()
+
+			type reply struct {
+				i    int
+				body []byte
+				err  error
+			}
+			replies := make(chan reply, 5)
+			call := func(i int) arrival {
+				go func() {
+					resp, err := c.UnaryCall(ctx, &testpb.SimpleRequest{Payload: &testpb.Payload{Body: pattern(1<<20 + i)}})
+					replies <- reply{i, resp.GetPayload().GetBody(), err}
+				}()
+				// The call is in its handler before the test goes on, so the
+				// pool counted it where it went.
+				a := <-gs.arrived
+				require.NotNil(t, a.session, "call %d: no gdrpc session", i)
+				require.Equal(t, tc.want(), a.session.Transport())
+				return a
+			}
+			check := func(r reply) {
+				require.NoError(t, r.err)
+				require.True(t, bytes.Equal(pattern(1<<20+r.i), r.body), "call %d: payload differs", r.i)
+			}
+			var first []arrival
+			sessions := map[*transport.Session]bool{}
+			for i := range 3 {
+				a := call(i)
+				require.False(t, sessions[a.session], "call %d went over a busy connection's session", i)
+				sessions[a.session] = true
+				first = append(first, a)
+			}
+			require.Equal(t, []int64{1, 1, 1}, pool.Busy())
+			// The second call ends: the next goes over its connection, the
+			// one idle, not the one whose turn it is (the first call's).
+			close(first[1].release)
+			r := <-replies
+			require.Equal(t, 1, r.i)
+			check(r)
+			require.True(t, first[1].session == call(3).session, "the call went over a busy connection")
+			require.Equal(t, []int64{1, 1, 1}, pool.Busy())
+			// All busy alike: any connection.
+			require.True(t, sessions[call(4).session])
+			require.ElementsMatch(t, []int64{1, 1, 2}, pool.Busy())
+			close(gs.release)
+			for range 4 {
+				check(<-replies)
+			}
+			require.Equal(t, []int64{0, 0, 0}, pool.Busy())
+		})
+	}
+}
+
+// A stream counts on its connection until it ends: read to its end, failed,
+// or its context cancelled; a stream that could not start counts nowhere.
+func TestPoolStreams(t *testing.T) {
+	gs := newGate()
+	close(gs.release)
+	pool := servePool(t, transportCases[2], gs, 2)
+	c := testpb.NewTestServiceClient(pool)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	busy := func() int64 {
+		var n int64
+		for _, b := range pool.Busy() {
+			n += b
+		}
+		return n
+	}
+
+	// Read to its end.
+	st, err := c.FullDuplexCall(ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), busy())
+	body := pattern(100 << 10)
+	require.NoError(t, st.Send(&testpb.StreamingOutputCallRequest{Payload: &testpb.Payload{Body: body}}))
+	m, err := st.Recv()
+	require.NoError(t, err)
+	require.True(t, bytes.Equal(body, m.GetPayload().GetBody()))
+	// A unary call meanwhile takes the other connection.
+	done := make(chan error, 1)
+	go func() {
+		_, err := c.UnaryCall(ctx, &testpb.SimpleRequest{})
+		done <- err
+	}()
+	<-gs.arrived
+	require.Equal(t, []int64{1, 1}, pool.Busy())
+	require.NoError(t, <-done)
+	require.NoError(t, st.CloseSend())
+	_, err = st.Recv()
+	require.ErrorIs(t, err, io.EOF)
+	require.Equal(t, int64(0), busy())
+
+	// Cancelled, never read again: the context's watch gives the count back.
+	sctx, scancel := context.WithCancel(ctx)
+	st, err = c.FullDuplexCall(sctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), busy())
+	scancel()
+	require.Eventually(t, func() bool { return busy() == 0 }, testTimeout, time.Millisecond)
+	_, err = st.Recv()
+	require.Equal(t, codes.Canceled, status.Code(err))
+	require.Equal(t, int64(0), busy())
+
+	// A context done before the stream opens.
+	dead, dcancel := context.WithCancel(ctx)
+	dcancel()
+	_, err = c.FullDuplexCall(dead)
+	require.Equal(t, codes.Canceled, status.Code(err))
+	require.Eventually(t, func() bool { return busy() == 0 }, testTimeout, time.Millisecond)
+}
+
+// A pool wants at least one connection; after Close its calls fail.
+func TestPoolClose(t *testing.T) {
+	_, err := dialer.NewPool("passthrough:///127.0.0.1:1", 0)
+	require.ErrorContains(t, err, "want at least 1")
+	_, err = dialer.NewPool("passthrough:///127.0.0.1:1", 2) // no credentials: grpc.NewClient refuses
+	require.Error(t, err)
+
+	pool := servePool(t, transportCases[2], testService{}, 2)
+	c := testpb.NewTestServiceClient(pool)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	for range 4 {
+		_, err := c.EmptyCall(ctx, &testpb.Empty{})
+		require.NoError(t, err)
+	}
+	require.NoError(t, pool.Close())
+	_, err = c.EmptyCall(ctx, &testpb.Empty{})
+	require.Equal(t, codes.Canceled, status.Code(err), "%v", err)
+	require.Equal(t, []int64{0, 0}, pool.Busy())
+}
