@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"log"
+	"sync"
+	"sync/atomic"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/peer"
@@ -64,4 +66,51 @@ func Example() {
 	// Output:
 	// 1048576 bytes in host memory, crc32c 6b949523, as made: true
 	// session over tcp
+}
+
+// A pool of connections to one server: calls made at once spread over the
+// connections, each a session of its own, where one ClientConn would carry
+// them all over one connection.
+func ExampleNewPool() {
+	gdrcodec.Register()
+	lis, err := listener.Listen("127.0.0.1:0")
+	if err != nil {
+		log.Fatal(err)
+	}
+	srv := grpc.NewServer(listener.ServerOptions(nil)...)
+	tensorpb.RegisterTensorServiceServer(srv, &tensor.Server{})
+	go func() { _ = srv.Serve(lis) }()
+	defer srv.Stop()
+
+	d := dialer.New()
+	pool, err := dialer.NewPool("passthrough:///"+lis.Addr().String(), 4, d.DialOptions(nil)...)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	client := tensorpb.NewTensorServiceClient(pool)
+
+	// Four 1 MiB payloads at once, each checked against what the service
+	// makes from its seed.
+	var wg sync.WaitGroup
+	var intact atomic.Int32
+	for i := range 4 {
+		wg.Go(func() {
+			t, err := client.Make(context.Background(), &tensorpb.Sized{Size: 1 << 20, Seed: uint32(i)})
+			if err != nil {
+				log.Fatal(err)
+			}
+			defer gdrcodec.ReleaseAll(t)
+			got, _ := tensor.Bytes(t.GetData())
+			want := make([]byte, 1<<20)
+			tensor.Fill(want, uint32(i))
+			if tensor.ChecksumBytes(got) == tensor.ChecksumBytes(want) {
+				intact.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	fmt.Printf("%d connections, %d payloads as made\n", len(pool.Conns()), intact.Load())
+	// Output:
+	// 4 connections, 4 payloads as made
 }
