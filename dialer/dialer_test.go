@@ -136,6 +136,17 @@ func (tc transportCase) want() string {
 // serve starts the test service over tc and returns a client connection to it.
 func serve(tb testing.TB, tc transportCase) *grpc.ClientConn {
 	tb.Helper()
+	addr, dopts := start(tb, tc, testService{})
+	cc, err := grpc.NewClient("passthrough:///"+addr, dopts...)
+	require.NoError(tb, err)
+	tb.Cleanup(func() { _ = cc.Close() })
+	return cc
+}
+
+// start serves svc over tc until the test ends and returns its address and
+// the options a client dials it with.
+func start(tb testing.TB, tc transportCase, svc testpb.TestServiceServer) (string, []grpc.DialOption) {
+	tb.Helper()
 	var l net.Listener
 	var srv *grpc.Server
 	var dopts []grpc.DialOption
@@ -153,20 +164,18 @@ func serve(tb testing.TB, tc transportCase) *grpc.ClientConn {
 		srv = grpc.NewServer(listener.ServerOptions(nil)...)
 		dopts = dialer.New(gdrpc.WithSessionOptions(opts...)).DialOptions(nil)
 	}
-	testpb.RegisterTestServiceServer(srv, testService{})
+	testpb.RegisterTestServiceServer(srv, svc)
 	served := make(chan struct{})
 	go func() {
 		defer close(served)
 		_ = srv.Serve(l)
 	}()
-	cc, err := grpc.NewClient("passthrough:///"+l.Addr().String(), dopts...)
-	require.NoError(tb, err)
+	// Cleanups run last first: the clients close before the server stops.
 	tb.Cleanup(func() {
-		_ = cc.Close()
 		srv.Stop()
 		<-served
 	})
-	return cc
+	return l.Addr().String(), dopts
 }
 
 // TestGRPC runs unary and streaming calls over every transport and checks

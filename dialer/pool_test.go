@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 	"google.golang.org/grpc/peer"
@@ -16,7 +15,6 @@ import (
 
 	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/dialer"
-	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -55,27 +53,14 @@ func (g *gateService) UnaryCall(ctx context.Context, req *testpb.SimpleRequest) 
 	return &testpb.SimpleResponse{Payload: req.GetPayload()}, nil
 }
 
-// servePool starts gs over tc and returns a pool of n connections to it.
-func servePool(t *testing.T, tc transportCase, gs testpb.TestServiceServer, n int) *dialer.Pool {
+// servePool starts svc over tc and returns a pool of n connections to it.
+func servePool(t *testing.T, tc transportCase, svc testpb.TestServiceServer, n int) *dialer.Pool {
 	t.Helper()
-	opts := tc.options(t)
-	l, err := listener.Listen("127.0.0.1:0", gdrpc.WithSessionOptions(opts...))
-	require.NoError(t, err)
-	srv := grpc.NewServer(listener.ServerOptions(nil)...)
-	testpb.RegisterTestServiceServer(srv, gs)
-	served := make(chan struct{})
-	go func() {
-		defer close(served)
-		_ = srv.Serve(l)
-	}()
-	pool, err := dialer.NewPool("passthrough:///"+l.Addr().String(), n, dialer.New(gdrpc.WithSessionOptions(opts...)).DialOptions(nil)...)
+	addr, dopts := start(t, tc, svc)
+	pool, err := dialer.NewPool("passthrough:///"+addr, n, dopts...)
 	require.NoError(t, err)
 	require.Len(t, pool.Conns(), n)
-	t.Cleanup(func() {
-		_ = pool.Close()
-		srv.Stop()
-		<-served
-	})
+	t.Cleanup(func() { _ = pool.Close() })
 	return pool
 }
 
