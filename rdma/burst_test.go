@@ -53,9 +53,6 @@ func TestConnBurstKeepsWorkerResponsive(t *testing.T) {
 	}
 	roundTrip()
 
-	l, err := sw.Listen("127.0.0.1:0")
-	require.NoError(t, err)
-	t.Cleanup(func() { require.NoError(t, l.Close()) })
 	ctx := testCtx(t)
 	var mu sync.Mutex
 	var eps []*rdma.Endpoint
@@ -71,41 +68,59 @@ func TestConnBurstKeepsWorkerResponsive(t *testing.T) {
 		eps = append(eps, e)
 		mu.Unlock()
 	}
-	accepted := make(chan error, 1)
-	go func() {
-		for range conns {
-			e, err := l.Accept(ctx)
-			if err != nil {
-				accepted <- err
-				return
-			}
-			keep(e)
-		}
-		accepted <- nil
-	}()
-	dialed := make(chan error, conns)
-	for range conns {
+	// burst makes conns connections to a fresh listener of the accepting
+	// worker and returns the slowest echo round trip meanwhile.
+	burst := func() time.Duration {
+		l, err := sw.Listen("127.0.0.1:0")
+		require.NoError(t, err)
+		t.Cleanup(func() { require.NoError(t, l.Close()) })
+		accepted := make(chan error, 1)
 		go func() {
-			e, err := dw.Dial(ctx, l.Addr().String())
-			if err == nil {
+			for range conns {
+				e, err := l.Accept(ctx)
+				if err != nil {
+					accepted <- err
+					return
+				}
 				keep(e)
 			}
-			dialed <- err
+			accepted <- nil
 		}()
-	}
-
-	var worst time.Duration
-	for pending := conns; pending > 0; {
-		select {
-		case err := <-dialed:
-			require.NoError(t, err)
-			pending--
-		default:
-			worst = max(worst, roundTrip())
+		dialed := make(chan error, conns)
+		for range conns {
+			go func() {
+				e, err := dw.Dial(ctx, l.Addr().String())
+				if err == nil {
+					keep(e)
+				}
+				dialed <- err
+			}()
 		}
+		var worst time.Duration
+		for pending := conns; pending > 0; {
+			select {
+			case err := <-dialed:
+				require.NoError(t, err)
+				pending--
+			default:
+				worst = max(worst, roundTrip())
+			}
+		}
+		require.NoError(t, <-accepted)
+		return worst
 	}
-	require.NoError(t, <-accepted)
-	require.Less(t, worst, bound, "slowest echo round trip while %d connections arrived", conns)
+	// A worker held for scans in a row is slow in every burst; a machine
+	// stalled for a moment (other processes, the race detector) in one. So
+	// the bound must hold in one of three bursts.
+	var worst []time.Duration
+	for range 3 {
+		w := burst()
+		if w < bound {
+			return
+		}
+		worst = append(worst, w)
+	}
+	t.Fatalf("slowest echo round trip while %d connections arrived: %v in each of %d bursts, want under %v", conns, worst, len(worst), bound)
 }
 
 // scanCost returns what looking at every descriptor of the process once

@@ -103,7 +103,8 @@ func TestQuietWorkerWakes(t *testing.T) {
 
 		start := time.Now()
 		require.NoError(t, client.Close())
-		require.Less(t, time.Since(start), time.Second, "Close waited for its linger time")
+		// Under the linger time (2 s), with room for a loaded machine.
+		require.Less(t, time.Since(start), 1900*time.Millisecond, "Close waited for its linger time")
 		_, err := server.Read(make([]byte, 1))
 		require.ErrorIs(t, err, io.EOF)
 	})

@@ -55,7 +55,9 @@ func TestIdleTimeoutClosesUnusedSession(t *testing.T) {
 // Listener and never opens its gRPC stream loses the session after the
 // listener's idle timeout, and the listener forgets it.
 func TestIdleTimeoutListener(t *testing.T) {
-	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithIdleTimeout(40*time.Millisecond))
+	// Long enough that the dial has opened its lanes before it runs out, on
+	// a loaded machine too.
+	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithIdleTimeout(time.Second))
 	require.NoError(t, err)
 	defer l.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
