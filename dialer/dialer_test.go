@@ -60,6 +60,15 @@ func (testService) StreamingInputCall(st testpb.TestService_StreamingInputCallSe
 	}
 }
 
+func (testService) StreamingOutputCall(req *testpb.StreamingOutputCallRequest, st testpb.TestService_StreamingOutputCallServer) error {
+	for _, p := range req.GetResponseParameters() {
+		if err := st.Send(&testpb.StreamingOutputCallResponse{Payload: &testpb.Payload{Body: pattern(int(p.GetSize()))}}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 func (testService) FullDuplexCall(st testpb.TestService_FullDuplexCallServer) error {
 	for {
 		m, err := st.Recv()

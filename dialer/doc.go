@@ -17,7 +17,8 @@
 // session is found from its peer (grpc.Peer and gdrpc.SessionFromPeer). The package example runs a client against the
 // example tensor service; package listener's examples show the server and TLS.
 //
-// A ClientConn carries its calls over one connection; a client that keeps
+// A ClientConn to one address carries its calls over one connection; a
+// client that keeps
 // several large calls in flight to one server makes a Pool (NewPool), which
 // sends each call over the least busy of several connections, each a session
 // of its own, and which generated clients take in place of a ClientConn.

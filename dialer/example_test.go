@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 	"log"
-	"sync"
-	"sync/atomic"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/peer"
@@ -68,9 +66,10 @@ func Example() {
 	// session over tcp
 }
 
-// A pool of connections to one server: calls made at once spread over the
-// connections, each a session of its own, where one ClientConn would carry
-// them all over one connection.
+// A pool of connections to one server: each call goes over the connection
+// with the fewest in flight, each connection a session of its own, where one
+// ClientConn would carry every call over one connection. Four calls made one
+// after another on an idle pool take its four connections in turn.
 func ExampleNewPool() {
 	gdrcodec.Register()
 	lis, err := listener.Listen("127.0.0.1:0")
@@ -90,27 +89,24 @@ func ExampleNewPool() {
 	defer pool.Close()
 	client := tensorpb.NewTensorServiceClient(pool)
 
-	// Four 1 MiB payloads at once, each checked against what the service
-	// makes from its seed.
-	var wg sync.WaitGroup
-	var intact atomic.Int32
+	sessions := map[*gdrpc.Session]bool{}
+	intact := 0
 	for i := range 4 {
-		wg.Go(func() {
-			t, err := client.Make(context.Background(), &tensorpb.Sized{Size: 1 << 20, Seed: uint32(i)})
-			if err != nil {
-				log.Fatal(err)
-			}
-			defer gdrcodec.ReleaseAll(t)
-			got, _ := tensor.Bytes(t.GetData())
-			want := make([]byte, 1<<20)
-			tensor.Fill(want, uint32(i))
-			if tensor.ChecksumBytes(got) == tensor.ChecksumBytes(want) {
-				intact.Add(1)
-			}
-		})
+		var p peer.Peer
+		t, err := client.Make(context.Background(), &tensorpb.Sized{Size: 1 << 20, Seed: uint32(i)}, grpc.Peer(&p))
+		if err != nil {
+			log.Fatal(err)
+		}
+		sessions[gdrpc.SessionFromPeer(&p)] = true
+		got, _ := tensor.Bytes(t.GetData())
+		want := make([]byte, 1<<20)
+		tensor.Fill(want, uint32(i))
+		if tensor.ChecksumBytes(got) == tensor.ChecksumBytes(want) {
+			intact++
+		}
+		gdrcodec.ReleaseAll(t)
 	}
-	wg.Wait()
-	fmt.Printf("%d connections, %d payloads as made\n", len(pool.Conns()), intact.Load())
+	fmt.Printf("%d payloads as made, over %d sessions\n", intact, len(sessions))
 	// Output:
-	// 4 connections, 4 payloads as made
+	// 4 payloads as made, over 4 sessions
 }

@@ -4,19 +4,21 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"sync/atomic"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/connectivity"
 )
 
 // Pool is a grpc.ClientConnInterface over several ClientConns to one target,
-// each on a session of its own. One ClientConn carries all its calls over one
-// HTTP/2 transport, with one writer and one reader on each side, so calls that
-// move large payloads out of band queue behind each other's messages there; a
-// pool spreads them. Each call or stream goes over the connection with the
-// fewest calls and streams in flight, ties taken in turn. Generated clients
-// take a Pool where they take a *grpc.ClientConn:
+// each on a session of its own. A ClientConn to one address carries all its
+// calls over one HTTP/2 transport, with one writer and one reader on each
+// side, so calls that move large payloads out of band queue behind each
+// other's messages there; a pool spreads them. Each call or stream goes over
+// the connection with the fewest calls and streams in flight, ties taken in
+// turn, passing over connections that are closed or failing to connect
+// (TRANSIENT_FAILURE) while another is not. Generated clients take a Pool
+// where they take a *grpc.ClientConn:
 //
 //	d := dialer.New(gdrpc.WithTrustPeers())
 //	pool, err := dialer.NewPool("passthrough:///host:50051", 4, d.DialOptions(nil)...)
@@ -52,7 +54,7 @@ func NewPool(target string, n int, opts ...grpc.DialOption) (*Pool, error) {
 }
 
 // Conns returns the pool's connections, to watch their state or connect them
-// ahead of the first calls. Closing one fails the calls that go over it.
+// ahead of the first calls. The pool passes over one closed here.
 func (p *Pool) Conns() []*grpc.ClientConn { return p.conns }
 
 // Close closes every connection of the pool.
@@ -64,18 +66,30 @@ func (p *Pool) Close() error {
 	return errors.Join(errs...)
 }
 
-// pick returns the connection with the fewest calls in flight, counted as
-// taken: the search starts one connection further each time, so connections
-// equally busy take calls in turn.
+// pick returns the connection with the fewest calls in flight among those
+// that can carry a call now, counted as taken: the search starts one
+// connection further each time, so connections equally busy take calls in
+// turn. A closed connection fails its calls at once, and one in
+// TRANSIENT_FAILURE fails those that do not wait for ready, so both look
+// idle: they take calls only when every connection is in such a state.
 func (p *Pool) pick() int {
 	n := uint64(len(p.conns))
 	start := p.next.Add(1) % n
-	best, least := start, p.busy[start].Load()
-	for i := uint64(1); i < n && least > 0; i++ {
+	best, least, usable := start, int64(0), false
+	for i := range n {
 		j := (start + i) % n
-		if b := p.busy[j].Load(); b < least {
-			best, least = j, b
+		b := p.busy[j].Load()
+		if usable && b >= least {
+			continue
 		}
+		switch p.conns[j].GetState() {
+		case connectivity.TransientFailure, connectivity.Shutdown:
+			if !usable && (i == 0 || b < least) {
+				best, least = j, b // the least busy of all, while none is usable
+			}
+			continue
+		}
+		best, least, usable = j, b, true
 	}
 	p.busy[best].Add(1)
 	return int(best)
@@ -89,20 +103,19 @@ func (p *Pool) Invoke(ctx context.Context, method string, args, reply any, opts 
 }
 
 // NewStream opens a stream over the least busy connection. The stream counts
-// as in flight until RecvMsg returns an error (io.EOF at its end included) or
-// ctx is done, gRPC's own rules for when a stream's resources are released.
+// as in flight until gRPC finishes it (grpc.OnFinish: its end read, an
+// error, its context done, the connection closed), or, should an interceptor
+// drop that call option, until RecvMsg returns an error.
 func (p *Pool) NewStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts ...grpc.CallOption) (grpc.ClientStream, error) {
 	i := p.pick()
+	ps := &poolStream{busy: &p.busy[i]}
+	opts = append(opts[:len(opts):len(opts)], grpc.OnFinish(func(error) { ps.end() }))
 	st, err := p.conns[i].NewStream(ctx, desc, method, opts...)
 	if err != nil {
-		p.busy[i].Add(-1)
+		ps.end()
 		return nil, err
 	}
-	ps := &poolStream{ClientStream: st, busy: &p.busy[i]}
-	stop := context.AfterFunc(ctx, ps.end)
-	ps.mu.Lock()
-	ps.stop = stop
-	ps.mu.Unlock()
+	ps.ClientStream = st
 	return ps, nil
 }
 
@@ -110,11 +123,8 @@ func (p *Pool) NewStream(ctx context.Context, desc *grpc.StreamDesc, method stri
 // it ended.
 type poolStream struct {
 	grpc.ClientStream
-	busy *atomic.Int64 // its connection's count
-
-	mu    sync.Mutex
-	ended bool
-	stop  func() bool // stops the watch on the stream's context
+	busy  *atomic.Int64 // its connection's count
+	ended atomic.Bool
 }
 
 func (s *poolStream) RecvMsg(m any) error {
@@ -125,21 +135,11 @@ func (s *poolStream) RecvMsg(m any) error {
 	return err
 }
 
-// end gives the count back, once. It may run on the context's watch before
-// NewStream has stored stop, hence the lock.
+// end gives the count back, once.
 func (s *poolStream) end() {
-	s.mu.Lock()
-	if s.ended {
-		s.mu.Unlock()
-		return
+	if s.ended.CompareAndSwap(false, true) {
+		s.busy.Add(-1)
 	}
-	s.ended = true
-	stop := s.stop
-	s.mu.Unlock()
-	if stop != nil {
-		stop()
-	}
-	s.busy.Add(-1)
 }
 
 var _ grpc.ClientConnInterface = (*Pool)(nil)

@@ -3,12 +3,19 @@ package dialer_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"io"
+	"net"
+	"slices"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/connectivity"
 	testpb "google.golang.org/grpc/interop/grpc_testing"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
@@ -116,8 +123,8 @@ func TestPoolSpreadsCalls(t *testing.T) {
 			check(r)
 			require.True(t, first[1].session == call(3).session, "the call went over a busy connection")
 			require.Equal(t, []int64{1, 1, 1}, pool.Busy())
-			// All busy alike: any connection.
-			require.True(t, sessions[call(4).session])
+			// All busy alike: any connection, counted.
+			call(4)
 			require.ElementsMatch(t, []int64{1, 1, 2}, pool.Busy())
 			close(gs.release)
 			for range 4 {
@@ -206,4 +213,121 @@ func TestPoolClose(t *testing.T) {
 	_, err = c.EmptyCall(ctx, &testpb.Empty{})
 	require.Equal(t, codes.Canceled, status.Code(err), "%v", err)
 	require.Equal(t, []int64{0, 0}, pool.Busy())
+}
+
+// Calls one after another on an idle pool go over its connections in turn.
+func TestPoolTurns(t *testing.T) {
+	pool := servePool(t, transportCases[2], testService{}, 3)
+	c := testpb.NewTestServiceClient(pool)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	var order []*transport.Session
+	for range 6 {
+		var p peer.Peer
+		_, err := c.EmptyCall(ctx, &testpb.Empty{}, grpc.Peer(&p))
+		require.NoError(t, err)
+		order = append(order, gdrpc.SessionFromPeer(&p))
+	}
+	require.True(t, order[0] != order[1] && order[1] != order[2] && order[0] != order[2], "three calls, three connections")
+	require.True(t, order[0] == order[3] && order[1] == order[4] && order[2] == order[5], "then the same turn again")
+}
+
+// Every way gRPC ends a stream gives its count back: a client stream's
+// CloseAndRecv, a server stream read to its end, a SendMsg gRPC refused.
+func TestPoolStreamEnds(t *testing.T) {
+	pool := servePool(t, transportCases[2], testService{}, 2)
+	c := testpb.NewTestServiceClient(pool)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+
+	in, err := c.StreamingInputCall(ctx)
+	require.NoError(t, err)
+	require.Equal(t, []int64{1, 0}, sorted(pool.Busy()))
+	for range 3 {
+		require.NoError(t, in.Send(&testpb.StreamingInputCallRequest{Payload: &testpb.Payload{Body: pattern(10 << 10)}}))
+	}
+	resp, err := in.CloseAndRecv()
+	require.NoError(t, err)
+	require.Equal(t, int32(30<<10), resp.GetAggregatedPayloadSize())
+	require.Equal(t, []int64{0, 0}, pool.Busy(), "after CloseAndRecv")
+
+	out, err := c.StreamingOutputCall(ctx, &testpb.StreamingOutputCallRequest{
+		ResponseParameters: []*testpb.ResponseParameters{{Size: 1 << 20}, {Size: 5}}})
+	require.NoError(t, err)
+	require.Equal(t, []int64{1, 0}, sorted(pool.Busy()))
+	for _, n := range []int{1 << 20, 5} {
+		m, err := out.Recv()
+		require.NoError(t, err)
+		require.Len(t, m.GetPayload().GetBody(), n)
+	}
+	_, err = out.Recv()
+	require.ErrorIs(t, err, io.EOF)
+	require.Equal(t, []int64{0, 0}, pool.Busy(), "after a server stream's end")
+
+	in, err = c.StreamingInputCall(ctx, grpc.MaxCallSendMsgSize(16))
+	require.NoError(t, err)
+	err = in.Send(&testpb.StreamingInputCallRequest{Payload: &testpb.Payload{Body: pattern(1024)}})
+	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+	require.Equal(t, []int64{0, 0}, pool.Busy(), "after a refused SendMsg")
+}
+
+// A connection closed or failing to connect takes no calls while another
+// can: both fail calls at once, so they would look the least busy.
+func TestPoolPassesOverBrokenConns(t *testing.T) {
+	t.Run("closed", func(t *testing.T) {
+		pool := servePool(t, transportCases[2], testService{}, 3)
+		c := testpb.NewTestServiceClient(pool)
+		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+		defer cancel()
+		require.NoError(t, pool.Conns()[1].Close())
+		for i := range 9 {
+			_, err := c.EmptyCall(ctx, &testpb.Empty{})
+			require.NoError(t, err, "call %d", i)
+		}
+		require.NoError(t, pool.Conns()[0].Close())
+		require.NoError(t, pool.Conns()[2].Close())
+		_, err := c.EmptyCall(ctx, &testpb.Empty{})
+		require.Equal(t, codes.Canceled, status.Code(err), "all closed: %v", err)
+		require.Equal(t, []int64{0, 0, 0}, pool.Busy())
+	})
+	t.Run("transient failure", func(t *testing.T) {
+		addr, dopts := start(t, transportCases[2], testService{})
+		d := dialer.New(gdrpc.WithSessionOptions(transportCases[2].options(t)...))
+		var refuse atomic.Bool
+		dopts = append(dopts,
+			grpc.WithContextDialer(func(ctx context.Context, a string) (net.Conn, error) {
+				if refuse.Load() {
+					return nil, errors.New("refused by the test")
+				}
+				return d.DialContext(ctx, a)
+			}),
+			// The failed connection stays in TRANSIENT_FAILURE for the test.
+			grpc.WithConnectParams(grpc.ConnectParams{Backoff: backoff.Config{BaseDelay: time.Minute, Multiplier: 1, MaxDelay: time.Minute}, MinConnectTimeout: time.Second}))
+		pool, err := dialer.NewPool("passthrough:///"+addr, 2, dopts...)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = pool.Close() })
+		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+		defer cancel()
+		refuse.Store(true)
+		bad := pool.Conns()[0]
+		bad.Connect()
+		for st := bad.GetState(); st != connectivity.TransientFailure; st = bad.GetState() {
+			require.True(t, bad.WaitForStateChange(ctx, st), "the connection did not fail")
+		}
+		refuse.Store(false)
+		c := testpb.NewTestServiceClient(pool)
+		for i := range 6 {
+			_, err := c.EmptyCall(ctx, &testpb.Empty{})
+			require.NoError(t, err, "call %d", i)
+		}
+		require.Equal(t, connectivity.TransientFailure, bad.GetState())
+		require.Equal(t, []int64{0, 0}, pool.Busy())
+	})
+}
+
+// sorted returns the counts from the largest down.
+func sorted(b []int64) []int64 {
+	slices.Sort(b)
+	slices.Reverse(b)
+	return b
 }

@@ -2,6 +2,7 @@ package oob
 
 import (
 	"bytes"
+	"fmt"
 	"net"
 	"sync"
 	"testing"
@@ -42,11 +43,19 @@ func newCopyQueueRig(t *testing.T, ranges int) *copyQueueRig {
 	return r
 }
 
-// close closes the queue, once, and checks that its goroutine ended.
+// close closes the queue, once, and checks that its goroutine ended. close
+// returns once the goroutine is done with the queue; the goroutine itself
+// may still be on its way out (its deferred Done ran), hence the bounded
+// poll.
 func (r *copyQueueRig) close() {
 	r.closed.Do(func() {
 		r.q.close()
-		require.Empty(r.t, leaktest.Goroutines("oob.(*copyQueue).reap"))
+		require.NoError(r.t, leaktest.Poll(5*time.Second, func() error {
+			if g := leaktest.Goroutines("oob.(*copyQueue).reap"); len(g) > 0 {
+				return fmt.Errorf("the queue's goroutine lives on: %v", g)
+			}
+			return nil
+		}))
 	})
 }
 
