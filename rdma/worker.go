@@ -20,6 +20,8 @@ import (
 	"syscall"
 	"time"
 	"unsafe"
+
+	"golang.org/x/sys/unix"
 )
 
 const (
@@ -105,6 +107,9 @@ type Worker struct {
 	spinning   bool      // the driver polled since the last work
 	parkedIdle bool      // the driver parked since the last work
 	parkedAt   time.Time // when it first did, if it polled before
+	// peeked: the last park returned because the event fd was readable
+	// when it began to wait, and no serve found work since (see park).
+	peeked bool
 }
 
 // op is a UCX request in flight.
@@ -189,6 +194,7 @@ func (w *Worker) run() {
 		if busy {
 			w.spins.worked(w.lastWork)
 			w.spinning, w.parkedIdle, w.parkedAt = false, false, time.Time{}
+			w.peeked = false
 		}
 		if w.stopping && (len(w.pending) == 0 || time.Now().After(w.stopAt)) && !w.queued() {
 			if w.efd != nil {
@@ -328,15 +334,28 @@ func (w *Worker) park(timeout time.Duration) {
 		return
 	}
 	// Arm inside the read, after the poller forgot earlier readiness:
-	// readiness from an event after the arm is then never lost.
+	// readiness from an event after the arm is then never lost. Readiness
+	// from before it is: the poller reports an edge once, and an event that
+	// arrived since the last progress (its edge forgotten with the rest)
+	// raises no new one, while UCX's tcp transport arms without looking
+	// (its arm is a no-op), so the driver would sleep its whole timeout with
+	// bytes waiting. The event fd, an epoll set, is readable while any of
+	// its descriptors has events: one look after the arm catches them.
+	// Should it be readable with nothing to progress, the next park does not
+	// look, so the driver cannot spin on it.
 	held, armed := true, false
-	w.efdConn.Read(func(uintptr) bool {
+	look := !w.peeked
+	w.efdConn.Read(func(fd uintptr) bool {
 		if !held {
 			return true // readable
 		}
 		held = false
 		if armed = arm(); armed {
 			w.release(false)
+			if look && readable(fd) {
+				w.peeked = true
+				return true
+			}
 		}
 		return !armed
 	})
@@ -884,4 +903,11 @@ func (l *Listener) destroy() {
 			return
 		}
 	}
+}
+
+// readable reports whether fd polls readable now, without waiting.
+func readable(fd uintptr) bool {
+	pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+	n, err := unix.Poll(pfd, 0)
+	return err == nil && n > 0 && pfd[0].Revents&unix.POLLIN != 0
 }
