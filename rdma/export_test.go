@@ -22,6 +22,12 @@ func (w *Worker) Parked() bool { return w.parked.Load() }
 // Yielded reports whether the worker's driver has yielded its core.
 func (w *Worker) Yielded() bool { return w.yields.Load() > 0 }
 
+// SetPark runs hook (nil: none) before each park of the worker's driver,
+// with the worker's event fd; a timeout it returns replaces the park's.
+func (w *Worker) SetPark(hook func(efd int) time.Duration) {
+	w.call(func() { w.testPark = hook })
+}
+
 // Resting reports whether the worker's driver rests now.
 func (w *Worker) Resting() bool { return w.resting.Load() }
 

@@ -110,6 +110,9 @@ type Worker struct {
 	// peeked: the last park returned because the event fd was readable
 	// when it began to wait, and no serve found work since (see park).
 	peeked bool
+	// testPark, set by tests, runs before each park with the event fd (-1
+	// without one); a timeout it returns replaces the park's.
+	testPark func(efd int) time.Duration
 }
 
 // op is a UCX request in flight.
@@ -258,6 +261,15 @@ func (w *Worker) run() {
 		}
 		w.parkedIdle = true
 		w.spins.parking()
+		if w.testPark != nil {
+			efd := -1
+			if w.efdConn != nil {
+				_ = w.efdConn.Control(func(fd uintptr) { efd = int(fd) })
+			}
+			if d := w.testPark(efd); d > 0 {
+				timeout = d
+			}
+		}
 		w.park(timeout)
 	}
 }
