@@ -68,13 +68,9 @@ func buildOptions(opts []Option) *options {
 		o.logger = slog.New(slog.DiscardHandler)
 	}
 	if !o.directSet {
-		o.direct = true
-		if v, ok := os.LookupEnv(DirectEnv); ok {
-			if b, err := strconv.ParseBool(v); err == nil {
-				o.direct = b
-			} else {
-				o.logger.Warn("ignoring a bad "+DirectEnv, "value", v, "default", true)
-			}
+		var bad string
+		if o.direct, bad = directFromEnv(); bad != "" {
+			o.logger.Warn("ignoring a bad "+DirectEnv, "value", bad, "default", true)
 		}
 	}
 	if !o.pollSet {
@@ -126,6 +122,27 @@ const DirectEnv = "GDRPC_RDMA_DIRECT"
 // variable GDRPC_RDMA_DIRECT, or true.
 func WithDirectCopies(on bool) Option {
 	return func(o *options) { o.direct, o.directSet = on, true }
+}
+
+// DirectCopiesDefault reports whether contexts made without WithDirectCopies
+// make direct copies: GDRPC_RDMA_DIRECT, or true when unset or unparsable.
+func DirectCopiesDefault() bool {
+	on, _ := directFromEnv()
+	return on
+}
+
+// directFromEnv reads GDRPC_RDMA_DIRECT: its value, true when unset, and
+// the text it holds when that is no boolean (then true).
+func directFromEnv() (on bool, bad string) {
+	v, ok := os.LookupEnv(DirectEnv)
+	if !ok {
+		return true, ""
+	}
+	b, err := strconv.ParseBool(v)
+	if err != nil {
+		return true, v
+	}
+	return b, ""
 }
 
 // WithTransports sets UCX_TLS (for example "tcp", or "posix,sysv,cma,tcp" for

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"strconv"
 	"strings"
 	"text/tabwriter"
 
@@ -195,18 +194,18 @@ func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA error, info rdm
 	return ps
 }
 
-// overTCP says what transfers between two hosts do when UCX reaches the peer
-// over its tcp transport alone (no RDMA NIC).
 // oneHost says how host memory moves between two processes of this host:
 // UCX's rma lane there is tcp/lo, so puts into a peer's UCX shared-memory
 // segment are copies of the owner's own unless rdma.DirectEnv turns them off.
 func oneHost() string {
-	if on, err := strconv.ParseBool(os.Getenv(rdma.DirectEnv)); err == nil && !on {
+	if !rdma.DirectCopiesDefault() {
 		return "between processes of this host, host memory goes by UCX's puts over its rma lane (tcp/lo; direct copies off: " + rdma.DirectEnv + ")"
 	}
 	return "between processes of this host, the owner copies host memory straight into the receiver's UCX shared-memory segment (UCX's own rma lane there is tcp/lo; " + rdma.DirectEnv + "=false turns this off)"
 }
 
+// overTCP says what transfers between two hosts do when UCX reaches the peer
+// over its tcp transport alone (no RDMA NIC).
 func overTCP(info rdma.Info) string {
 	if info.AtLeast(1, 18) {
 		return fmt.Sprintf("between hosts over UCX's tcp alone, host memory goes by rdma and GPU memory staged (UCX %s's puts over tcp beat the stream)", info.Version)

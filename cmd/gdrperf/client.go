@@ -369,12 +369,11 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 	}
 	call := func(cctx context.Context, w int, first bool) (func() error, error) {
 		defer trace.StartRegion(cctx, "gdrperf.call").End()
-		client := b.gdrpc
 		var p peer.Peer
 		var err error
 		if b.o.op == "pull" {
 			var t *tensorpb.Tensor
-			t, err = client.Make(cctx, &tensorpb.Sized{Size: uint64(size), Seed: seedFor(size)}, grpc.Peer(&p))
+			t, err = b.gdrpc.Make(cctx, &tensorpb.Sized{Size: uint64(size), Seed: seedFor(size)}, grpc.Peer(&p))
 			if err == nil && first {
 				err = checkTensor(t, pat)
 			}
@@ -385,7 +384,7 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 		} else {
 			req := &tensorpb.Tensor{Name: "gdrperf", Shape: []int64{int64(size)}, Data: gdrcodec.New(src)}
 			var sum *tensorpb.Summary
-			sum, err = client.Digest(cctx, req, grpc.Peer(&p))
+			sum, err = b.gdrpc.Digest(cctx, req, grpc.Peer(&p))
 			gdrcodec.ReleaseAll(req)
 			switch {
 			case err != nil:
