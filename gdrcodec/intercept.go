@@ -148,6 +148,35 @@ type recvCall struct {
 	server bool
 	mu     sync.Mutex
 	st     *status.Status // the failed pull's, or nil
+	// A client call is open (oob.Receiving) on the session of its current
+	// attempt, from its headers until it ends (closeCall): its messages may
+	// still name payloads to pull there.
+	openOn  *transport.Session
+	openEnd func()
+	closed  bool
+}
+
+// openOver marks c's call open on s, the session of its current attempt,
+// and no longer on the one of an earlier attempt. c.mu is held.
+func (c *recvCall) openOver(s *transport.Session) {
+	if c.closed || s == c.openOn {
+		return
+	}
+	if c.openEnd != nil {
+		c.openEnd()
+	}
+	c.openOn, c.openEnd = s, oob.Receiving(s)
+}
+
+// closeCall marks c's call ended: nothing more of it is decoded.
+func (c *recvCall) closeCall() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.closed = true
+	if c.openEnd != nil {
+		c.openEnd()
+		c.openEnd = nil
+	}
 }
 
 // recvCalls holds the calls of the messages clients and server streams are
@@ -264,6 +293,9 @@ func (clientStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		rc.mu.Lock()
 		if had, _ := peer.FromContext(rc.ctx); had != p {
 			rc.ctx = peer.NewContext(rc.ctx, p)
+			if s := transport.SessionFromPeer(p); s != nil {
+				rc.openOver(s)
+			}
 		}
 		rc.mu.Unlock()
 	}
@@ -406,6 +438,7 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 			h = nil // the same message in two calls at once: the first call holds it
 		}
 		err := rc.done(reply, invoker(context.WithValue(ctx, recvKey{}, rc), method, req, reply, cc, opts...))
+		rc.closeCall()
 		if m := messageV2Of(reply); err != nil && m != nil {
 			ReleaseAll(m)
 		}
@@ -448,6 +481,7 @@ func StreamClientInterceptor() grpc.StreamClientInterceptor {
 		})
 		cs, err := streamer(context.WithValue(ctx, recvKey{}, rc), desc, cc, method, append(slices.Clip(opts), finished)...)
 		if err != nil {
+			rc.closeCall()
 			return nil, err
 		}
 		s.ClientStream = cs
@@ -489,6 +523,7 @@ type heldStream struct {
 // decoded.
 func (s *heldStream) end() {
 	s.ended.Do(func() {
+		s.h.rc.closeCall()
 		s.cancel()
 		s.h.release()
 		s.h.endWrites()

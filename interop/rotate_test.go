@@ -1,11 +1,13 @@
 package interop_test
 
 import (
+	"io"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/connectivity"
 
 	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
@@ -13,6 +15,7 @@ import (
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -66,6 +69,66 @@ func TestConnectionRotation(t *testing.T) {
 			require.NoError(t, cc.Close())
 			requireSettled(t)
 			require.Zero(t, transport.ReadStats().Sessions)
+		})
+	}
+}
+
+// TestStreamReadAfterRotation: a server stream's last messages wait unread in
+// the client's gRPC buffers while the server rotates the connection (the
+// stream over, GOAWAY, the gRPC conn closed at both ends). The client reads
+// them well after oob.LingerIdle and still pulls their payloads: the owner
+// keeps the session while it owes the client a pull, and the client's side
+// keeps it until the owner says it is done. Then the session closes at once,
+// not at the transfer timeout.
+func TestStreamReadAfterRotation(t *testing.T) {
+	for _, tc := range transportCases[:2] {
+		t.Run("transport="+tc.name, func(t *testing.T) {
+			noSessions(t)
+			opts := tc.options(t)
+			srv := startChild(t, "server", nil, envUCX+"="+tc.ucx, envMaxAge+"=300ms")
+			addr := srv.waitLine("ADDR ")
+			rec := &dialRecorder{d: dialer.New(gdrpc.WithSessionOptions(withEngine(opts)...)).DialContext}
+			cc := dialClient(t, addr, opts, nil, grpc.WithContextDialer(rec.DialContext))
+			client := tensorpb.NewTensorServiceClient(cc)
+			const n, seed = 256 << 10, 7
+			ctx := callCtx(t)
+			st, err := client.Download(ctx, &tensorpb.Sized{Size: n, Seed: seed})
+			require.NoError(t, err)
+			first, err := st.Recv()
+			require.NoError(t, err)
+			requirePayload(t, first, n, seed)
+			gdrcodec.ReleaseAll(first)
+			sessions := rec.all()
+			require.Len(t, sessions, 1)
+			s := sessions[0]
+
+			// The rotation: the channel leaves READY once its connection closed.
+			for st := cc.GetState(); st == connectivity.Ready; st = cc.GetState() {
+				require.True(t, cc.WaitForStateChange(ctx, st), "the server did not rotate the connection")
+			}
+			// The application stalls, longer than a session lingers for
+			// transfers alone.
+			time.Sleep(3 * oob.LingerIdle)
+			select {
+			case <-s.Done():
+				t.Fatalf("the session closed with payloads still owed to the client: %v", s.Err())
+			default:
+			}
+			for i := uint32(1); i < 4; i++ {
+				got, err := st.Recv()
+				require.NoError(t, err, "message %d", i)
+				requirePayload(t, got, n, seed+i)
+				gdrcodec.ReleaseAll(got)
+			}
+			_, err = st.Recv()
+			require.ErrorIs(t, err, io.EOF)
+			select {
+			case <-s.Done():
+			case <-time.After(10 * time.Second): // well under the transfer timeout
+				t.Fatal("the session outlived its last pull")
+			}
+			require.NoError(t, cc.Close())
+			requireSettled(t)
 		})
 	}
 }

@@ -210,12 +210,17 @@ func (e *TransferError) Timeout() bool { return e.Kind == TransferTimeout }
 
 // ---- lingering ------------------------------------------------------------------
 
-// LingerIdle is how long a session between two gdrpc processes stays up after
-// its gRPC conn closed once no out-of-band transfer used it: gRPC closes a
-// connection as soon as its last stream ended (GOAWAY, MaxConnectionAge,
-// idleness), which can be before the application decoded the last response
-// and pulled its payloads through the session.
+// LingerIdle is how long each end of a session between two gdrpc processes
+// must see no out-of-band transfer, after the session's gRPC conn closed,
+// before it says it is done with the session (lingerForTransfers): gRPC
+// closes a connection as soon as its last stream ended (GOAWAY,
+// MaxConnectionAge, idleness), which can be before the application decoded
+// the last response and pulled its payloads through the session.
 const LingerIdle = 500 * time.Millisecond
+
+// lingerPoll is how often a lingering session looks again whether the calls
+// that keep it up ended.
+const lingerPoll = 20 * time.Millisecond
 
 // activity is a session's out-of-band use.
 type activity struct {
@@ -236,32 +241,102 @@ func busy(s *transport.Session) func() {
 	}
 }
 
-// lingerForTransfers returns once s saw no out-of-band transfer for
-// LingerIdle (from now at the earliest), or when s dies, or after the
-// transfer timeout. Sessions whose peer does not speak the gdr codec close at
-// once.
-func lingerForTransfers(s *transport.Session) {
+// lingerForTransfers keeps a's session up after its gRPC conn closed for as
+// long as either side may still pull over it, and returns when:
+//   - this side saw no out-of-band transfer for LingerIdle, has no open call
+//     (Receiving), and the peer does not hold the session;
+//   - the session died;
+//   - or the transfer timeout ran out, whatever the peer says or keeps doing.
+//
+// A side with open calls asks the peer to hold the session (ctlHold) and
+// releases it (ctlRelease) once they ended: only the receiver knows whether
+// the descriptors it was sent may still be decoded, and the owner would
+// otherwise close the session under a client whose stream's last messages
+// wait unread in gRPC's buffers. Sessions whose peer does not speak the gdr
+// codec close at once.
+func lingerForTransfers(a *attached) {
+	s := a.s
 	if !s.Speaks("gdr") {
 		return
 	}
-	a := activityOf(s)
-	a.last.Store(max(a.last.Load(), time.Now().UnixNano()))
+	a.lingering.Store(true)
+	act := &a.act
+	act.last.Store(max(act.last.Load(), time.Now().UnixNano()))
 	deadline := time.Now().Add(cfgOf(s).Timeout)
 	t := time.NewTimer(LingerIdle)
 	defer t.Stop()
+	held := false // this side asked the peer to hold the session
 	for {
+		if !held && a.openCalls.Load() > 0 {
+			held = true
+			if sendLinger(s, ctlHold, deadline) != nil {
+				return // the session is going anyway
+			}
+		}
 		select {
 		case <-s.Done():
 			return
 		case <-t.C:
 		}
 		now := time.Now()
-		idle := now.Sub(time.Unix(0, a.last.Load()))
-		if (a.inflight.Load() == 0 && idle >= LingerIdle) || now.After(deadline) {
+		if now.After(deadline) {
 			return
 		}
-		t.Reset(max(LingerIdle-idle, 10*time.Millisecond))
+		idle := now.Sub(time.Unix(0, act.last.Load()))
+		wait := max(LingerIdle-idle, 10*time.Millisecond)
+		if act.inflight.Load() == 0 && idle >= LingerIdle {
+			open := a.openCalls.Load() > 0
+			if !open && held {
+				held = false
+				if sendLinger(s, ctlRelease, deadline) != nil {
+					return
+				}
+			}
+			if !open && !a.peerHolds.Load() {
+				return
+			}
+			wait = lingerPoll
+		}
+		t.Reset(min(wait, max(time.Until(deadline), time.Millisecond)))
 	}
+}
+
+// sendLinger sends the peer of s a ctlHold or ctlRelease.
+func sendLinger(s *transport.Session, typ byte, deadline time.Time) error {
+	ctx, cancel := context.WithDeadline(sessionContext(s), deadline)
+	defer cancel()
+	return sendControl(ctx, s, typ, nil)
+}
+
+// handleHold and handleRelease record the peer's ctlHold and ctlRelease. A
+// peer that holds a session it never releases keeps it up no longer than the
+// transfer timeout after the conn closed.
+func handleHold(s *transport.Session, _ []byte) {
+	if served(s) {
+		stateOf(s).peerHolds.Store(true)
+	}
+}
+
+func handleRelease(s *transport.Session, _ []byte) {
+	if served(s) {
+		stateOf(s).peerHolds.Store(false)
+	}
+}
+
+// Receiving marks a client call whose received messages may still name
+// payloads to pull over s (gRPC holds them until the application reads
+// them) as open, until the returned function runs: if gRPC closes the
+// session's conn meanwhile (GOAWAY, MaxConnectionAge), the session stays up,
+// bounded by the transfer timeout, so that the call can still pull. The
+// function is idempotent.
+func Receiving(s *transport.Session) (done func()) {
+	if s == nil || !served(s) {
+		return func() {}
+	}
+	a := stateOf(s)
+	a.openCalls.Add(1)
+	var once sync.Once
+	return func() { once.Do(func() { a.openCalls.Add(-1) }) }
 }
 
 // ---- receiver side -------------------------------------------------------------
@@ -616,9 +691,10 @@ func Reachable(owner transport.ID) error {
 
 // liveSessions returns the live sessions to owner, those over UCX first.
 func liveSessions(owner transport.ID) []*transport.Session {
-	var ucx, other []*transport.Session
+	var ucx, other, lingering []*transport.Session
 	for _, s := range transport.SessionsTo(owner) {
-		if !served(s) {
+		a, ok := sessions.Load(s)
+		if !ok {
 			continue
 		}
 		select {
@@ -626,13 +702,16 @@ func liveSessions(owner transport.ID) []*transport.Session {
 			continue
 		default:
 		}
-		if s.Endpoint() != nil {
+		switch {
+		case a.(*attached).lingering.Load():
+			lingering = append(lingering, s)
+		case s.Endpoint() != nil:
 			ucx = append(ucx, s)
-		} else {
+		default:
 			other = append(other, s)
 		}
 	}
-	return append(ucx, other...)
+	return append(append(ucx, other...), lingering...)
 }
 
 // fetchLocal serves a payload this process owns itself, with no session to

@@ -4,6 +4,7 @@ import (
 	"context"
 	"net"
 	"sync"
+	"sync/atomic"
 
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -53,6 +54,15 @@ type attached struct {
 	bounds sessionBounds
 	act    activity
 	space  spaceState
+
+	// lingering: the session's gRPC conn closed and Linger runs.
+	lingering atomic.Bool
+	// openCalls are this side's client calls whose messages may still name
+	// payloads to pull over the session (Receiving).
+	openCalls atomic.Int64
+	// peerHolds: the peer asked to keep the session up (ctlHold) and has not
+	// released it (ctlRelease).
+	peerHolds atomic.Bool
 }
 
 // sessions maps the sessions the engine serves, until they close, to their
@@ -101,6 +111,8 @@ var (
 		ctlSpaceWithdrawn: handleSpaceWithdrawn,
 		ctlCallEnded:      handleCallEnded,
 		ctlWritesEnded:    handleWritesEnded,
+		ctlHold:           handleHold,
+		ctlRelease:        handleRelease,
 	}
 	bulkHandler = serveBulk
 	laneHandler = serveBulkLane
@@ -131,7 +143,7 @@ func (a *attached) Lane(c net.Conn) error {
 	return fn(a.s, c)
 }
 func (a *attached) Linger() {
-	lingerForTransfers(a.s)
+	lingerForTransfers(a)
 	withdrawSpace(a)
 }
 func (a *attached) Join() { a.bounds.join() }

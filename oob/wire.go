@@ -34,6 +34,12 @@ const (
 	// owner -> receiver: writes into the receiver's space for a call that
 	// ended; those the receiver never took are free (writes.go).
 	ctlWritesEnded byte = 0x18
+	// either side -> the other, once its gRPC conn closed: calls of this
+	// side that may still pull payloads over the session are open (a server
+	// stream's last messages unread in gRPC's buffers), so keep the session
+	// up until ctlRelease (engine.go, lingering). Neither has a body.
+	ctlHold    byte = 0x19
+	ctlRelease byte = 0x1a
 )
 
 const wireVersion = 1

@@ -1,0 +1,123 @@
+package oob
+
+import (
+	"bytes"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/transport"
+	"github.com/gdrpc/gdrpc/transport/transporttest"
+)
+
+// lingerAsync runs a's linger (as its session's Linger does once the gRPC
+// conn closed) and returns a channel closed when it returned.
+func lingerAsync(a *attached) <-chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		lingerForTransfers(a)
+	}()
+	return done
+}
+
+// requireReturns waits, bounded, for a linger to return.
+func requireReturns(t *testing.T, done <-chan struct{}, who string) {
+	t.Helper()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second): // far under the default transfer timeout
+		t.Fatalf("the %s's linger did not return", who)
+	}
+}
+
+// requireLingers checks, past the idle time that ends a linger with nothing
+// open, that a linger still runs and its session is up.
+func requireLingers(t *testing.T, done <-chan struct{}, s *transport.Session, why string) {
+	t.Helper()
+	time.Sleep(2 * LingerIdle)
+	select {
+	case <-done:
+		t.Fatalf("the linger returned: %s", why)
+	default:
+	}
+	requireLive(t, s)
+}
+
+// shortPair is a pair of sessions whose engines have a transfer timeout of d.
+func shortPair(t *testing.T, d time.Duration) (client, server *transport.Session) {
+	side := func() []transport.Option {
+		return []transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(TransferConfig{Timeout: d}))}
+	}
+	return transporttest.PairWith(t, side(), side())
+}
+
+// Nothing open on either side: each side's linger ends once it saw no
+// transfer for LingerIdle, long before the transfer timeout.
+func TestLingerEndsIdle(t *testing.T) {
+	c, s := pipePair(t)
+	start := time.Now()
+	cd, sd := lingerAsync(stateOf(c)), lingerAsync(stateOf(s))
+	requireReturns(t, cd, "client")
+	requireReturns(t, sd, "server")
+	require.GreaterOrEqual(t, time.Since(start), LingerIdle, "a linger ended before its session was idle for LingerIdle")
+}
+
+// A client call still open when the conn closed (a server stream's last
+// messages unread) holds the session at both ends: the owner's payload can
+// still be pulled after a stall longer than LingerIdle, and once the call
+// ended both lingers return.
+func TestLingerHeldForOpenCall(t *testing.T) {
+	c, s := pipePair(t)
+	payload := bytes.Repeat([]byte("unread message's payload "), 1<<12)
+	d := Offer(Source{Bytes: payload}, OfferOptions{})
+	defer Withdraw(d.Token)
+	d.Owner = c.Peer().ID
+	SentToward(s, []Token{d.Token})
+
+	end := Receiving(c)
+	cd, sd := lingerAsync(stateOf(c)), lingerAsync(stateOf(s))
+	requireLingers(t, sd, s, "the owner closed a session held for an open call")
+	got := make([]byte, len(payload))
+	_, err := FetchBytes(testContext(t), d, got)
+	require.NoError(t, err)
+	require.Equal(t, payload, got)
+	requireLingers(t, cd, c, "the client closed a session with an open call")
+
+	end()
+	end() // idempotent
+	requireReturns(t, cd, "client")
+	requireReturns(t, sd, "server")
+	require.Zero(t, stateOf(c).openCalls.Load())
+}
+
+// A peer that holds a session and never releases it (or keeps a call open
+// forever) keeps it up no longer than the transfer timeout; a release
+// without a hold, or with a body, changes nothing.
+func TestLingerBoundedByHostilePeer(t *testing.T) {
+	const timeout = 1500 * time.Millisecond
+	t.Run("hold never released", func(t *testing.T) {
+		c, s := shortPair(t, timeout)
+		require.NoError(t, sendControl(testContext(t), c, ctlHold, []byte("ignored")))
+		require.Eventually(t, stateOf(s).peerHolds.Load, 10*time.Second, time.Millisecond)
+		start := time.Now()
+		requireReturns(t, lingerAsync(stateOf(s)), "server")
+		require.GreaterOrEqual(t, time.Since(start), timeout)
+	})
+	t.Run("call never ended", func(t *testing.T) {
+		c, _ := shortPair(t, timeout)
+		defer Receiving(c)()
+		start := time.Now()
+		requireReturns(t, lingerAsync(stateOf(c)), "client")
+		require.GreaterOrEqual(t, time.Since(start), timeout)
+	})
+	t.Run("release without hold", func(t *testing.T) {
+		c, s := shortPair(t, time.Minute)
+		for range 2 {
+			require.NoError(t, sendControl(testContext(t), c, ctlRelease, []byte("ignored")))
+		}
+		requireReturns(t, lingerAsync(stateOf(s)), "server")
+		require.False(t, stateOf(s).peerHolds.Load())
+	})
+}
