@@ -212,7 +212,7 @@ func (e *TransferError) Timeout() bool { return e.Kind == TransferTimeout }
 
 // LingerIdle is how long each end of a session between two gdrpc processes
 // must see no out-of-band transfer, after the session's gRPC conn closed,
-// before it says it is done with the session (lingerForTransfers): gRPC
+// before it lets the session close (lingerForTransfers): gRPC
 // closes a connection as soon as its last stream ended (GOAWAY,
 // MaxConnectionAge, idleness), which can be before the application decoded
 // the last response and pulled its payloads through the session.
@@ -689,7 +689,8 @@ func Reachable(owner transport.ID) error {
 	return &TransferError{Kind: TransferUnavailable, Err: fmt.Errorf("no live session to owner %v", owner)}
 }
 
-// liveSessions returns the live sessions to owner, those over UCX first.
+// liveSessions returns the live sessions to owner, those over UCX first and
+// those whose gRPC conn closed (lingering, about to go) last.
 func liveSessions(owner transport.ID) []*transport.Session {
 	var ucx, other, lingering []*transport.Session
 	for _, s := range transport.SessionsTo(owner) {
