@@ -225,7 +225,15 @@ func childClient(role string, opts []transport.Option, paths *pathCounter) int {
 		req := &tensorpb.Tensor{Name: "from-child", Data: gdrcodec.New(src)}
 		src.Release()
 		fmt.Println("SENDING")
-		sum, err := client.Digest(ctx, req)
+		var copts []grpc.CallOption
+		if role == "hold-client" {
+			// Sixty-four of these dial at once on a loaded machine
+			// (TestKeepAliveAfterLoad, which is about the sessions once
+			// up): a dial whose handshake ran out of time is retried, not
+			// the call failed.
+			copts = append(copts, grpc.WaitForReady(true))
+		}
+		sum, err := client.Digest(ctx, req, copts...)
 		gdrcodec.ReleaseAll(req)
 		if err != nil {
 			fmt.Println("FAIL", err)
