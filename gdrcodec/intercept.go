@@ -151,9 +151,8 @@ type recvCall struct {
 	// A client call is open (oob.Receiving) on the session of its current
 	// attempt, from its headers until it ends (closeCall): its messages may
 	// still name payloads to pull there.
-	openOn  *transport.Session
-	openEnd func()
-	closed  bool
+	openOn *transport.Session
+	closed bool
 }
 
 // openOver marks c's call open on s, the session of its current attempt,
@@ -162,10 +161,11 @@ func (c *recvCall) openOver(s *transport.Session) {
 	if c.closed || s == c.openOn {
 		return
 	}
-	if c.openEnd != nil {
-		c.openEnd()
+	if c.openOn != nil {
+		oob.Received(c.openOn)
 	}
-	c.openOn, c.openEnd = s, oob.Receiving(s)
+	c.openOn = s
+	oob.Receiving(s)
 }
 
 // closeCall marks c's call ended: nothing more of it is decoded.
@@ -173,9 +173,9 @@ func (c *recvCall) closeCall() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.closed = true
-	if c.openEnd != nil {
-		c.openEnd()
-		c.openEnd = nil
+	if c.openOn != nil {
+		oob.Received(c.openOn)
+		c.openOn = nil
 	}
 }
 

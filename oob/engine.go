@@ -325,18 +325,20 @@ func handleRelease(s *transport.Session, _ []byte) {
 
 // Receiving marks a client call whose received messages may still name
 // payloads to pull over s (gRPC holds them until the application reads
-// them) as open, until the returned function runs: if gRPC closes the
-// session's conn meanwhile (GOAWAY, MaxConnectionAge), the session stays up,
-// bounded by the transfer timeout, so that the call can still pull. The
-// function is idempotent.
-func Receiving(s *transport.Session) (done func()) {
-	if s == nil || !served(s) {
-		return func() {}
+// them) as open, until Received(s) is called for it, once: if gRPC closes
+// the session's conn meanwhile (GOAWAY, MaxConnectionAge), the session stays
+// up, bounded by the transfer timeout, so that the call can still pull.
+func Receiving(s *transport.Session) {
+	if a, ok := sessions.Load(s); ok {
+		a.(*attached).openCalls.Add(1)
 	}
-	a := stateOf(s)
-	a.openCalls.Add(1)
-	var once sync.Once
-	return func() { once.Do(func() { a.openCalls.Add(-1) }) }
+}
+
+// Received ends the mark of one call Receiving made on s.
+func Received(s *transport.Session) {
+	if a, ok := sessions.Load(s); ok {
+		a.(*attached).openCalls.Add(-1)
+	}
 }
 
 // ---- receiver side -------------------------------------------------------------

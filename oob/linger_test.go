@@ -76,7 +76,7 @@ func TestLingerHeldForOpenCall(t *testing.T) {
 	d.Owner = c.Peer().ID
 	SentToward(s, []Token{d.Token})
 
-	end := Receiving(c)
+	Receiving(c)
 	cd, sd := lingerAsync(stateOf(c)), lingerAsync(stateOf(s))
 	requireLingers(t, sd, s, "the owner closed a session held for an open call")
 	got := make([]byte, len(payload))
@@ -85,8 +85,7 @@ func TestLingerHeldForOpenCall(t *testing.T) {
 	require.Equal(t, payload, got)
 	requireLingers(t, cd, c, "the client closed a session with an open call")
 
-	end()
-	end() // idempotent
+	Received(c)
 	requireReturns(t, cd, "client")
 	requireReturns(t, sd, "server")
 	require.Zero(t, stateOf(c).openCalls.Load())
@@ -107,7 +106,8 @@ func TestLingerBoundedByHostilePeer(t *testing.T) {
 	})
 	t.Run("call never ended", func(t *testing.T) {
 		c, _ := shortPair(t, timeout)
-		defer Receiving(c)()
+		Receiving(c)
+		defer Received(c)
 		start := time.Now()
 		requireReturns(t, lingerAsync(stateOf(c)), "client")
 		require.GreaterOrEqual(t, time.Since(start), timeout)
