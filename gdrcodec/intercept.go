@@ -293,8 +293,15 @@ func (clientStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		rc.mu.Lock()
 		if had, _ := peer.FromContext(rc.ctx); had != p {
 			rc.ctx = peer.NewContext(rc.ctx, p)
-			if s := transport.SessionFromPeer(p); s != nil {
-				rc.openOver(s)
+		}
+		if _, in := s.(*stats.InHeader); in {
+			// Response messages follow the response's headers, and a call
+			// that received them is not retried: from here on the call may
+			// pull over this connection's session, and only over it. (Marked
+			// as its request went, a call waiting to be retried would hold a
+			// session it never pulls over.)
+			if sess := transport.SessionFromPeer(p); sess != nil {
+				rc.openOver(sess)
 			}
 		}
 		rc.mu.Unlock()

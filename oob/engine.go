@@ -3,6 +3,7 @@ package oob
 import (
 	"cmp"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -269,7 +270,7 @@ func lingerForTransfers(a *attached) {
 	for {
 		if !held && a.openCalls.Load() > 0 {
 			held = true
-			if sendLinger(s, ctlHold, deadline) != nil {
+			if sendLinger(a, ctlHold, deadline) != nil {
 				return // the session is going anyway
 			}
 		}
@@ -288,11 +289,11 @@ func lingerForTransfers(a *attached) {
 			open := a.openCalls.Load() > 0
 			if !open && held {
 				held = false
-				if sendLinger(s, ctlRelease, deadline) != nil {
+				if sendLinger(a, ctlRelease, deadline) != nil {
 					return
 				}
 			}
-			if !open && !a.peerHolds.Load() {
+			if !open && !a.peerHolds() {
 				return
 			}
 			wait = lingerPoll
@@ -301,25 +302,35 @@ func lingerForTransfers(a *attached) {
 	}
 }
 
-// sendLinger sends the peer of s a ctlHold or ctlRelease.
-func sendLinger(s *transport.Session, typ byte, deadline time.Time) error {
-	ctx, cancel := context.WithDeadline(sessionContext(s), deadline)
+// sendLinger sends the peer of a's session a ctlHold or ctlRelease, numbered.
+func sendLinger(a *attached, typ byte, deadline time.Time) error {
+	ctx, cancel := context.WithDeadline(sessionContext(a.s), deadline)
 	defer cancel()
-	return sendControl(ctx, s, typ, nil)
+	return sendControl(ctx, a.s, typ, binary.BigEndian.AppendUint64(nil, a.lingerSeq.Add(1)))
 }
 
-// handleHold and handleRelease record the peer's ctlHold and ctlRelease. A
-// peer that holds a session it never releases keeps it up no longer than the
-// transfer timeout after the conn closed.
-func handleHold(s *transport.Session, _ []byte) {
-	if served(s) {
-		stateOf(s).peerHolds.Store(true)
+// handleHold and handleRelease record the peer's ctlHold and ctlRelease,
+// unless a later one of the two was recorded already (their handlers may
+// run in any order). A peer that holds a session it never releases keeps it
+// up no longer than the transfer timeout after the conn closed.
+func handleHold(s *transport.Session, payload []byte)    { recordLinger(s, payload, 1) }
+func handleRelease(s *transport.Session, payload []byte) { recordLinger(s, payload, 0) }
+
+func recordLinger(s *transport.Session, payload []byte, hold uint64) {
+	if !served(s) {
+		return
 	}
-}
-
-func handleRelease(s *transport.Session, _ []byte) {
-	if served(s) {
-		stateOf(s).peerHolds.Store(false)
+	if len(payload) != 8 || payload[0]&0x80 != 0 {
+		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", "malformed hold or release")
+		return
+	}
+	a := stateOf(s)
+	word := binary.BigEndian.Uint64(payload)<<1 | hold
+	for {
+		old := a.peerLinger.Load()
+		if word>>1 <= old>>1 || a.peerLinger.CompareAndSwap(old, word) {
+			return
+		}
 	}
 }
 

@@ -2,6 +2,9 @@ package oob
 
 import (
 	"bytes"
+	"encoding/binary"
+	"maps"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -91,15 +94,19 @@ func TestLingerHeldForOpenCall(t *testing.T) {
 	require.Zero(t, stateOf(c).openCalls.Load())
 }
 
+// seq is the body of a ctlHold or ctlRelease numbered n.
+func seq(n uint64) []byte { return binary.BigEndian.AppendUint64(nil, n) }
+
 // A peer that holds a session and never releases it (or keeps a call open
-// forever) keeps it up no longer than the transfer timeout; a release
-// without a hold, or with a body, changes nothing.
+// forever) keeps it up no longer than the transfer timeout. A malformed
+// hold, a release without a hold, and a hold handled after the release that
+// followed it change nothing.
 func TestLingerBoundedByHostilePeer(t *testing.T) {
 	const timeout = 1500 * time.Millisecond
 	t.Run("hold never released", func(t *testing.T) {
 		c, s := shortPair(t, timeout)
-		require.NoError(t, sendControl(testContext(t), c, ctlHold, []byte("ignored")))
-		require.Eventually(t, stateOf(s).peerHolds.Load, 10*time.Second, time.Millisecond)
+		require.NoError(t, sendControl(testContext(t), c, ctlHold, seq(1)))
+		require.Eventually(t, stateOf(s).peerHolds, 10*time.Second, time.Millisecond)
 		start := time.Now()
 		requireReturns(t, lingerAsync(stateOf(s)), "server")
 		require.GreaterOrEqual(t, time.Since(start), timeout)
@@ -112,12 +119,56 @@ func TestLingerBoundedByHostilePeer(t *testing.T) {
 		requireReturns(t, lingerAsync(stateOf(c)), "client")
 		require.GreaterOrEqual(t, time.Since(start), timeout)
 	})
-	t.Run("release without hold", func(t *testing.T) {
-		c, s := shortPair(t, time.Minute)
-		for range 2 {
-			require.NoError(t, sendControl(testContext(t), c, ctlRelease, []byte("ignored")))
+	for _, tc := range []struct {
+		name string
+		msgs []func(c *transport.Session) error
+	}{
+		{"malformed hold", []func(*transport.Session) error{
+			func(c *transport.Session) error {
+				return sendControl(testContext(t), c, ctlHold, []byte("not a number"))
+			},
+			func(c *transport.Session) error { return sendControl(testContext(t), c, ctlHold, seq(1<<63)) },
+		}},
+		{"release without hold", []func(*transport.Session) error{
+			func(c *transport.Session) error { return sendControl(testContext(t), c, ctlRelease, seq(1)) },
+		}},
+		{"hold after its release", []func(*transport.Session) error{
+			func(c *transport.Session) error { return sendControl(testContext(t), c, ctlRelease, seq(2)) },
+			func(c *transport.Session) error { return sendControl(testContext(t), c, ctlHold, seq(1)) },
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			handled := countLingerHandled(t)
+			c, s := shortPair(t, time.Minute)
+			for _, send := range tc.msgs {
+				require.NoError(t, send(c))
+			}
+			require.Eventually(t, func() bool { return handled.Load() == int64(len(tc.msgs)) }, 10*time.Second, time.Millisecond)
+			require.False(t, stateOf(s).peerHolds())
+			start := time.Now()
+			requireReturns(t, lingerAsync(stateOf(s)), "server")
+			require.Less(t, time.Since(start), 5*time.Second, "the linger waited for a hold it should not have")
+		})
+	}
+}
+
+// countLingerHandled counts the ctlHold and ctlRelease messages handled (in
+// any order, malformed ones too) until the test ends.
+func countLingerHandled(t *testing.T) *atomic.Int64 {
+	var n atomic.Int64
+	controlMu.Lock()
+	saved := map[byte]func(*transport.Session, []byte){ctlHold: controlHandlers[ctlHold], ctlRelease: controlHandlers[ctlRelease]}
+	for typ, fn := range saved {
+		controlHandlers[typ] = func(s *transport.Session, p []byte) {
+			fn(s, p)
+			n.Add(1)
 		}
-		requireReturns(t, lingerAsync(stateOf(s)), "server")
-		require.False(t, stateOf(s).peerHolds.Load())
+	}
+	controlMu.Unlock()
+	t.Cleanup(func() {
+		controlMu.Lock()
+		maps.Copy(controlHandlers, saved)
+		controlMu.Unlock()
 	})
+	return &n
 }

@@ -60,10 +60,15 @@ type attached struct {
 	// openCalls are this side's client calls whose messages may still name
 	// payloads to pull over the session (Receiving).
 	openCalls atomic.Int64
-	// peerHolds: the peer asked to keep the session up (ctlHold) and has not
-	// released it (ctlRelease).
-	peerHolds atomic.Bool
+	// peerLinger is the peer's latest ctlHold or ctlRelease: its sequence
+	// number shifted left by one, the low bit set for a hold.
+	peerLinger atomic.Uint64
+	// lingerSeq numbers this side's ctlHold and ctlRelease.
+	lingerSeq atomic.Uint64
 }
+
+// peerHolds reports whether the peer's latest word is a hold.
+func (a *attached) peerHolds() bool { return a.peerLinger.Load()&1 == 1 }
 
 // sessions maps the sessions the engine serves, until they close, to their
 // state.

@@ -37,7 +37,9 @@ const (
 	// either side -> the other, once its gRPC conn closed: calls of this
 	// side that may still pull payloads over the session are open (a server
 	// stream's last messages unread in gRPC's buffers), so keep the session
-	// up until ctlRelease (engine.go, lingering). Neither has a body.
+	// up until ctlRelease (engine.go, lingering). The body of either is a
+	// u64 sequence number, increasing per session and sender: control
+	// messages are handled concurrently, and the latest one counts.
 	ctlHold    byte = 0x19
 	ctlRelease byte = 0x1a
 )
