@@ -148,15 +148,16 @@ type recvCall struct {
 	server bool
 	mu     sync.Mutex
 	st     *status.Status // the failed pull's, or nil
-	// A client call is open (oob.Receiving) on the session of its current
-	// attempt, from its headers until it ends (closeCall): its messages may
-	// still name payloads to pull there.
+	// A client call is open (oob.Receiving) on the session its response's
+	// headers came over until it ends (closeCall): its messages may still
+	// name payloads to pull there.
 	openOn *transport.Session
 	closed bool
 }
 
-// openOver marks c's call open on s, the session of its current attempt,
-// and no longer on the one of an earlier attempt. c.mu is held.
+// openOver marks c's call open on s, the session an attempt's response
+// headers came over, and no longer on an earlier one's (hedged attempts may
+// each get headers). c.mu is held.
 func (c *recvCall) openOver(s *transport.Session) {
 	if c.closed || s == c.openOn {
 		return

@@ -103,8 +103,8 @@ func TestStreamReadAfterRotation(t *testing.T) {
 			s := sessions[0]
 
 			// The rotation: the channel leaves READY once its connection closed.
-			for st := cc.GetState(); st == connectivity.Ready; st = cc.GetState() {
-				require.True(t, cc.WaitForStateChange(ctx, st), "the server did not rotate the connection")
+			for state := cc.GetState(); state == connectivity.Ready; state = cc.GetState() {
+				require.True(t, cc.WaitForStateChange(ctx, state), "the server did not rotate the connection")
 			}
 			// The application stalls, longer than a session lingers for
 			// transfers alone.

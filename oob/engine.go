@@ -3,7 +3,6 @@ package oob
 import (
 	"cmp"
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -306,7 +305,7 @@ func lingerForTransfers(a *attached) {
 func sendLinger(a *attached, typ byte, deadline time.Time) error {
 	ctx, cancel := context.WithDeadline(sessionContext(a.s), deadline)
 	defer cancel()
-	return sendControl(ctx, a.s, typ, binary.BigEndian.AppendUint64(nil, a.lingerSeq.Add(1)))
+	return sendControl(ctx, a.s, typ, lingerMsg(a.lingerSeq.Add(1)))
 }
 
 // handleHold and handleRelease record the peer's ctlHold and ctlRelease,
@@ -320,12 +319,13 @@ func recordLinger(s *transport.Session, payload []byte, hold uint64) {
 	if !served(s) {
 		return
 	}
-	if len(payload) != 8 || payload[0]&0x80 != 0 {
-		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", "malformed hold or release")
+	seq, err := parseLinger(payload)
+	if err != nil {
+		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
 		return
 	}
 	a := stateOf(s)
-	word := binary.BigEndian.Uint64(payload)<<1 | hold
+	word := seq<<1 | hold
 	for {
 		old := a.peerLinger.Load()
 		if word>>1 <= old>>1 || a.peerLinger.CompareAndSwap(old, word) {

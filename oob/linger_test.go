@@ -2,7 +2,6 @@ package oob
 
 import (
 	"bytes"
-	"encoding/binary"
 	"maps"
 	"sync/atomic"
 	"testing"
@@ -94,9 +93,6 @@ func TestLingerHeldForOpenCall(t *testing.T) {
 	require.Zero(t, stateOf(c).openCalls.Load())
 }
 
-// seq is the body of a ctlHold or ctlRelease numbered n.
-func seq(n uint64) []byte { return binary.BigEndian.AppendUint64(nil, n) }
-
 // A peer that holds a session and never releases it (or keeps a call open
 // forever) keeps it up no longer than the transfer timeout. A malformed
 // hold, a release without a hold, and a hold handled after the release that
@@ -105,7 +101,7 @@ func TestLingerBoundedByHostilePeer(t *testing.T) {
 	const timeout = 1500 * time.Millisecond
 	t.Run("hold never released", func(t *testing.T) {
 		c, s := shortPair(t, timeout)
-		require.NoError(t, sendControl(testContext(t), c, ctlHold, seq(1)))
+		require.NoError(t, sendControl(testContext(t), c, ctlHold, lingerMsg(1)))
 		require.Eventually(t, stateOf(s).peerHolds, 10*time.Second, time.Millisecond)
 		start := time.Now()
 		requireReturns(t, lingerAsync(stateOf(s)), "server")
@@ -127,14 +123,14 @@ func TestLingerBoundedByHostilePeer(t *testing.T) {
 			func(c *transport.Session) error {
 				return sendControl(testContext(t), c, ctlHold, []byte("not a number"))
 			},
-			func(c *transport.Session) error { return sendControl(testContext(t), c, ctlHold, seq(1<<63)) },
+			func(c *transport.Session) error { return sendControl(testContext(t), c, ctlHold, lingerMsg(1<<63)) },
 		}},
 		{"release without hold", []func(*transport.Session) error{
-			func(c *transport.Session) error { return sendControl(testContext(t), c, ctlRelease, seq(1)) },
+			func(c *transport.Session) error { return sendControl(testContext(t), c, ctlRelease, lingerMsg(1)) },
 		}},
 		{"hold after its release", []func(*transport.Session) error{
-			func(c *transport.Session) error { return sendControl(testContext(t), c, ctlRelease, seq(2)) },
-			func(c *transport.Session) error { return sendControl(testContext(t), c, ctlHold, seq(1)) },
+			func(c *transport.Session) error { return sendControl(testContext(t), c, ctlRelease, lingerMsg(2)) },
+			func(c *transport.Session) error { return sendControl(testContext(t), c, ctlHold, lingerMsg(1)) },
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

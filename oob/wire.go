@@ -37,9 +37,10 @@ const (
 	// either side -> the other, once its gRPC conn closed: calls of this
 	// side that may still pull payloads over the session are open (a server
 	// stream's last messages unread in gRPC's buffers), so keep the session
-	// up until ctlRelease (engine.go, lingering). The body of either is a
-	// u64 sequence number, increasing per session and sender: control
-	// messages are handled concurrently, and the latest one counts.
+	// up until ctlRelease (engine.go, lingering). The body of either is
+	// the version and a u64 sequence number, increasing per session and
+	// sender: control messages are handled concurrently, and the latest one
+	// counts (lingerMsg).
 	ctlHold    byte = 0x19
 	ctlRelease byte = 0x1a
 )
@@ -453,4 +454,22 @@ func parseRangeNotice(b []byte, what string) (req, off, n uint64, err error) {
 	}
 	req, off, n = r.U64("id"), r.U64("offset"), r.U64("length")
 	return req, off, n, r.Finish(what)
+}
+
+// lingerMsg is a HOLD or RELEASE: version, and the sender's sequence number
+// (below 1<<63).
+func lingerMsg(seq uint64) []byte {
+	return binary.BigEndian.AppendUint64(append(make([]byte, 0, 9), wireVersion), seq)
+}
+
+func parseLinger(b []byte) (uint64, error) {
+	r := &wire.Reader{B: b}
+	if v := r.U8("version"); r.Err == nil && v != wireVersion {
+		return 0, fmt.Errorf("malformed HOLD or RELEASE: version %d", v)
+	}
+	seq := r.U64("sequence")
+	if r.Err == nil && seq >= 1<<63 {
+		return 0, fmt.Errorf("malformed HOLD or RELEASE: sequence %d", seq)
+	}
+	return seq, r.Finish("HOLD or RELEASE")
 }
