@@ -13,13 +13,15 @@ import (
 	"github.com/gdrpc/gdrpc/transport/transporttest"
 )
 
-// lingerAsync runs a's linger (as its session's Linger does once the gRPC
-// conn closed) and returns a channel closed when it returned.
+// lingerAsync runs a's linger and then closes its session, as the
+// transport does once the gRPC conn closed, and returns a channel closed
+// when the linger returned: a transfer that outlives the linger fails.
 func lingerAsync(a *attached) <-chan struct{} {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
 		lingerForTransfers(a)
+		a.s.Close()
 	}()
 	return done
 }
