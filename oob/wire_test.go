@@ -269,3 +269,16 @@ func FuzzParseFreeNotice(f *testing.F) {
 		require.Equal(t, b, freeNotice(req, off, n, gen))
 	})
 }
+
+func FuzzParseLinger(f *testing.F) {
+	f.Add(lingerMsg(1))
+	f.Add(lingerMsg(1<<63 - 1))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		seq, err := parseLinger(b)
+		if err != nil {
+			return
+		}
+		require.Less(t, seq, uint64(1)<<63, "a sequence number that cannot be shifted into the linger word")
+		require.Equal(t, b, lingerMsg(seq))
+	})
+}
