@@ -47,18 +47,27 @@ bench: deps
 GDRPERF_ARGS ?= -sizes 1MiB,64MiB -iters 7
 GDRPERF_SERVER_ARGS ?=
 # BENCH_UCX_TLS is UCX_TLS in both namespaces (a CUDA-enabled UCX: tcp,cuda_copy).
+# The client starts once the server printed that it listens; the server's
+# output follows the client's, and the server is stopped however the run ends.
 BENCH_UCX_TLS ?= tcp
 bench-twohosts: deps
 	$(GO) build -o $(CURDIR)/.gdrperf ./cmd/gdrperf
-	@set -e; a=gdrpc-bench-a; b=gdrpc-bench-b; \
-	cleanup() { ip netns del $$a 2>/dev/null || true; ip netns del $$b 2>/dev/null || true; }; trap cleanup EXIT; cleanup; \
+	@set -e; a=gdrpc-bench-a; b=gdrpc-bench-b; srv=; log=$$(mktemp); \
+	cleanup() { \
+		if [ -n "$$srv" ]; then kill $$srv 2>/dev/null || true; wait $$srv 2>/dev/null || true; cat $$log; fi; \
+		ip netns del $$a 2>/dev/null || true; ip netns del $$b 2>/dev/null || true; rm -f $$log; }; \
+	trap cleanup EXIT; cleanup; \
 	ip netns add $$a; ip netns add $$b; ip link add gbva type veth peer name gbvb; \
 	ip link set gbva netns $$a; ip link set gbvb netns $$b; \
 	ip -n $$a addr add 10.99.0.1/24 dev gbva; ip -n $$b addr add 10.99.0.2/24 dev gbvb; \
 	for n in $$a $$b; do ip -n $$n link set lo up; done; ip -n $$a link set gbva up; ip -n $$b link set gbvb up; \
-	ip netns exec $$a env GDRPC_HOST_ID=bench-host-a UCX_TLS=$(BENCH_UCX_TLS) $(CURDIR)/.gdrperf -server 10.99.0.1:7700 -trust-peers $(GDRPERF_SERVER_ARGS) & srv=$$!; \
-	ip netns exec $$b env GDRPC_HOST_ID=bench-host-b UCX_TLS=$(BENCH_UCX_TLS) $(CURDIR)/.gdrperf -connect 10.99.0.1:7700 -trust-peers $(GDRPERF_ARGS); \
-	kill $$srv; wait $$srv 2>/dev/null || true
+	ip netns exec $$a env GDRPC_HOST_ID=bench-host-a UCX_TLS=$(BENCH_UCX_TLS) $(CURDIR)/.gdrperf -server 10.99.0.1:7700 -trust-peers $(GDRPERF_SERVER_ARGS) >$$log 2>&1 & srv=$$!; \
+	i=0; until grep -q '^gdrperf server:' $$log; do \
+		kill -0 $$srv 2>/dev/null || { echo "bench-twohosts: the server exited"; exit 1; }; \
+		i=$$((i+1)); [ $$i -le 300 ] || { echo "bench-twohosts: the server was not ready within 30 s"; exit 1; }; \
+		sleep 0.1; \
+	done; \
+	ip netns exec $$b env GDRPC_HOST_ID=bench-host-b UCX_TLS=$(BENCH_UCX_TLS) $(CURDIR)/.gdrperf -connect 10.99.0.1:7700 -trust-peers $(GDRPERF_ARGS)
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt:"; echo "$$out"; exit 1; fi
