@@ -51,7 +51,7 @@ func childOptions() ([]transport.Option, error) {
 //     "ADDR <addr>", exits when stdin closes;
 //   - "plain-grpc-server": the same with plain gRPC over TCP;
 //   - "grpc-client": calls the test service at GDRPC_TEST_ADDR with 1 MiB,
-//     checks the echo and prints "OK transport=<t> samehost=<bool> bulk=<t>".
+//     checks the echo and prints "OK transport=<t> samehost=<bool>".
 func runChild(role string) int {
 	opts, err := childOptions()
 	if err != nil {
@@ -107,7 +107,7 @@ func runChild(role string) int {
 			fmt.Println("ERR payload differs")
 			return 1
 		}
-		fmt.Printf("OK transport=%s samehost=%v bulk=%s\n", sess.Transport(), sess.Peer().SameHost, sess.BulkTransport())
+		fmt.Printf("OK transport=%s samehost=%v\n", sess.Transport(), sess.Peer().SameHost)
 		return 0
 	}
 	fmt.Fprintln(os.Stderr, "unknown child role", role)

@@ -196,28 +196,6 @@ func (s *Session) useLane() bool {
 	return s.laneAddr != "" && (s.transport != "ucx" || s.rctx != nil)
 }
 
-// bulkOverTCP reports whether the client opens the bulk lane of its UCX
-// session over the server's TCP listener instead: between two hosts whose
-// UCX endpoint reaches the peer over UCX's tcp transport alone, the kernel's
-// TCP carries the bulk stream about twice as fast as UCX's stream API over
-// the same network (README, two hosts). The gRPC and control lanes stay on
-// UCX, and so do puts.
-func (s *Session) bulkOverTCP() bool {
-	if s.transport != "ucx" || s.peer.SameHost || s.tcpLaneAddr == "" || s.ep == nil {
-		return false
-	}
-	doms, err := s.ep.RMADomains()
-	if err != nil || len(doms) == 0 {
-		return false
-	}
-	for _, d := range doms {
-		if d != "tcp" {
-			return false
-		}
-	}
-	return true
-}
-
 // openLane dials the server's listener (UCX or TCP, as the session runs) for
 // a lane of the role and proves the session with its token (client).
 func (s *Session) openLane(ctx context.Context, role byte) (*laneConn, error) {
@@ -225,29 +203,18 @@ func (s *Session) openLane(ctx context.Context, role byte) (*laneConn, error) {
 	defer cancel()
 	var ep net.Conn
 	var err error
-	addr := s.laneAddr
-	if role == roleBulk && s.bulkOverTCP() {
-		var d net.Dialer
-		if ep, err = d.DialContext(ctx, "tcp", s.tcpLaneAddr); err == nil {
-			addr = s.tcpLaneAddr
-		} else {
-			s.log.Debug("bulk lane over TCP failed; opening it over UCX", "addr", s.tcpLaneAddr, "err", err)
-		}
-	}
-	switch {
-	case ep != nil:
-	case s.transport == "ucx":
+	if s.transport == "ucx" {
 		w := s.rctx.Worker()
 		if w == nil {
 			return nil, fmt.Errorf("gdrpc: open lane: UCX context has no worker: %w", rdma.ErrNotSupported)
 		}
-		ep, err = w.Dial(ctx, addr)
-	default:
+		ep, err = w.Dial(ctx, s.laneAddr)
+	} else {
 		var d net.Dialer
-		ep, err = d.DialContext(ctx, "tcp", addr)
+		ep, err = d.DialContext(ctx, "tcp", s.laneAddr)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("gdrpc: open lane to %s: %w", addr, ctxErr(ctx, err))
+		return nil, fmt.Errorf("gdrpc: open lane to %s: %w", s.laneAddr, ctxErr(ctx, err))
 	}
 	unbind := bindDeadline(ctx, ep)
 	msg := append(append([]byte(laneMagic), s.token[:]...), role)

@@ -98,15 +98,12 @@ func TestLanes(t *testing.T) {
 					case <-time.After(10 * time.Second):
 						t.Fatal("no bulk lane")
 					}
-					// One host: a UCX session's bulk lane stays on UCX.
-					require.Equal(t, tc.transport, s.BulkTransport())
 				} else {
 					select {
 					case <-s.bulk.ready:
 						t.Fatal("a bulk lane without lanes")
 					default:
 					}
-					require.Empty(t, s.BulkTransport())
 				}
 			}
 			// A control message crosses each way.

@@ -69,7 +69,6 @@ type Session struct {
 
 	localAddr, remoteAddr net.Addr
 	laneAddr              string // client: where to dial the lanes ("" for none)
-	tcpLaneAddr           string // client: the server's TCP listener, for a bulk lane over TCP on a UCX session (bulkOverTCP)
 
 	laneMu   sync.Mutex
 	lanes    []net.Conn // the lanes opened so far, closed with the session (lane.go)
@@ -106,19 +105,18 @@ type Session struct {
 
 // sessionSetup is what a handshake produced.
 type sessionSetup struct {
-	client      bool
-	cfg         *config
-	peer        Peer
-	token       ID
-	handshake   [sha256.Size]byte // sessionHash of the handshake
-	transport   string
-	conn        net.Conn // TCP conn, pipe or UCX endpoint
-	ep          *rdma.Endpoint
-	rctx        *rdma.Context
-	laneAddr    string          // client: where to dial lanes (the UCX or TCP listener); "" for none
-	tcpLaneAddr string          // client: the TCP listener's address, where lanes may be dialed too
-	laneSlot    *laneSlot       // server: where the lanes find the session
-	ctx         context.Context // client: bounds opening the control stream and lanes (the dial's handshake)
+	client    bool
+	cfg       *config
+	peer      Peer
+	token     ID
+	handshake [sha256.Size]byte // sessionHash of the handshake
+	transport string
+	conn      net.Conn // TCP conn, pipe or UCX endpoint
+	ep        *rdma.Endpoint
+	rctx      *rdma.Context
+	laneAddr  string          // client: where to dial lanes (the UCX or TCP listener); "" for none
+	laneSlot  *laneSlot       // server: where the lanes find the session
+	ctx       context.Context // client: bounds opening the control stream and lanes (the dial's handshake)
 }
 
 // yamuxLogger sends yamux's log lines to slog at debug level.
@@ -131,25 +129,24 @@ func (y yamuxLogger) Write(p []byte) (int, error) {
 
 func newSession(st sessionSetup) (*Session, error) {
 	s := &Session{
-		id:          sessionIDs.Add(1),
-		client:      st.client,
-		cfg:         st.cfg,
-		peer:        st.peer,
-		token:       st.token,
-		handshake:   st.handshake,
-		transport:   st.transport,
-		under:       newUnderConn(st.conn),
-		ep:          st.ep,
-		rctx:        st.rctx,
-		grpcCh:      make(chan net.Conn, 1),
-		ctrl:        onceConn{ready: make(chan struct{})},
-		ctrlSem:     make(chan struct{}, 1),
-		done:        make(chan struct{}),
-		muxClosed:   make(chan struct{}),
-		laneAddr:    st.laneAddr,
-		tcpLaneAddr: st.tcpLaneAddr,
-		bulk:        onceConn{ready: make(chan struct{})},
-		bulkTurn:    make(chan struct{}, 1),
+		id:        sessionIDs.Add(1),
+		client:    st.client,
+		cfg:       st.cfg,
+		peer:      st.peer,
+		token:     st.token,
+		handshake: st.handshake,
+		transport: st.transport,
+		under:     newUnderConn(st.conn),
+		ep:        st.ep,
+		rctx:      st.rctx,
+		grpcCh:    make(chan net.Conn, 1),
+		ctrl:      onceConn{ready: make(chan struct{})},
+		ctrlSem:   make(chan struct{}, 1),
+		done:      make(chan struct{}),
+		muxClosed: make(chan struct{}),
+		laneAddr:  st.laneAddr,
+		bulk:      onceConn{ready: make(chan struct{})},
+		bulkTurn:  make(chan struct{}, 1),
 	}
 	role := "server"
 	if s.client {
@@ -265,30 +262,6 @@ func (s *Session) PeerSameHost() bool { return s.peer.SameHost }
 
 // Transport returns "ucx" or "tcp": what the session runs over.
 func (s *Session) Transport() string { return s.transport }
-
-// BulkTransport returns what the session's bulk lane runs over, "ucx" or
-// "tcp", or "" while it has none (a session without lanes carries bulk
-// streams on its multiplexer). A UCX session's bulk lane is TCP between two
-// hosts that UCX reaches over its tcp transport alone (bulkOverTCP).
-func (s *Session) BulkTransport() string {
-	s.bulk.mu.Lock()
-	c := s.bulk.c
-	s.bulk.mu.Unlock()
-	lc, ok := c.(*laneConn)
-	switch {
-	case !ok:
-		return ""
-	case isEndpoint(lc.ep):
-		return "ucx"
-	default:
-		return "tcp"
-	}
-}
-
-func isEndpoint(c net.Conn) bool {
-	_, ok := c.(*rdma.Endpoint)
-	return ok
-}
 
 // Endpoint returns the UCX endpoint the session runs over, or nil when it
 // does not run over UCX.
