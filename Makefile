@@ -52,11 +52,11 @@ GDRPERF_SERVER_ARGS ?=
 BENCH_UCX_TLS ?= tcp
 bench-twohosts: deps
 	$(GO) build -o $(CURDIR)/.gdrperf ./cmd/gdrperf
-	@set -e; a=gdrpc-bench-a; b=gdrpc-bench-b; srv=; log=$$(mktemp); \
+	@set -e; a=gdrpc-bench-a; b=gdrpc-bench-b; srv=; log=; \
 	cleanup() { \
 		if [ -n "$$srv" ]; then kill $$srv 2>/dev/null || true; wait $$srv 2>/dev/null || true; cat $$log; fi; \
 		ip netns del $$a 2>/dev/null || true; ip netns del $$b 2>/dev/null || true; rm -f $$log; }; \
-	trap cleanup EXIT; cleanup; \
+	trap cleanup EXIT; cleanup; log=$$(mktemp); \
 	ip netns add $$a; ip netns add $$b; ip link add gbva type veth peer name gbvb; \
 	ip link set gbva netns $$a; ip link set gbvb netns $$b; \
 	ip -n $$a addr add 10.99.0.1/24 dev gbva; ip -n $$b addr add 10.99.0.2/24 dev gbvb; \

@@ -157,7 +157,7 @@ type recvCall struct {
 
 // openOver marks c's call open on s, the session an attempt's response
 // headers came over, and no longer on an earlier one's (hedged attempts may
-// each get headers). c.mu is held.
+// each get headers); on none when s is nil. c.mu is held.
 func (c *recvCall) openOver(s *transport.Session) {
 	if c.closed || s == c.openOn {
 		return
@@ -166,18 +166,17 @@ func (c *recvCall) openOver(s *transport.Session) {
 		oob.Received(c.openOn)
 	}
 	c.openOn = s
-	oob.Receiving(s)
+	if s != nil {
+		oob.Receiving(s)
+	}
 }
 
 // closeCall marks c's call ended: nothing more of it is decoded.
 func (c *recvCall) closeCall() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.openOver(nil)
 	c.closed = true
-	if c.openOn != nil {
-		oob.Received(c.openOn)
-		c.openOn = nil
-	}
 }
 
 // recvCalls holds the calls of the messages clients and server streams are

@@ -76,10 +76,10 @@ func TestConnectionRotation(t *testing.T) {
 // TestStreamReadAfterRotation: a server stream's last messages wait unread in
 // the client's gRPC buffers while the server rotates the connection (the
 // stream over, GOAWAY, the gRPC conn closed at both ends). The client reads
-// them well after oob.LingerIdle and still pulls their payloads: the owner
-// keeps the session while it owes the client a pull, and the client's side
-// keeps it until the owner says it is done. Then the session closes at once,
-// not at the transfer timeout.
+// them well after oob.LingerIdle and still pulls their payloads: the client's
+// open call asks the server to hold the session (HOLD), and both ends keep
+// it until the call ended (RELEASE). Then the session closes soon, not at
+// the transfer timeout.
 func TestStreamReadAfterRotation(t *testing.T) {
 	for _, tc := range transportCases[:2] {
 		t.Run("transport="+tc.name, func(t *testing.T) {

@@ -339,16 +339,14 @@ func recordLinger(s *transport.Session, payload []byte, hold uint64) {
 // them) as open, until Received(s) is called for it, once: if gRPC closes
 // the session's conn meanwhile (GOAWAY, MaxConnectionAge), the session stays
 // up, bounded by the transfer timeout, so that the call can still pull.
-func Receiving(s *transport.Session) {
-	if a, ok := sessions.Load(s); ok {
-		a.(*attached).openCalls.Add(1)
-	}
-}
+func Receiving(s *transport.Session) { addOpenCalls(s, 1) }
 
 // Received ends the mark of one call Receiving made on s.
-func Received(s *transport.Session) {
+func Received(s *transport.Session) { addOpenCalls(s, -1) }
+
+func addOpenCalls(s *transport.Session, n int64) {
 	if a, ok := sessions.Load(s); ok {
-		a.(*attached).openCalls.Add(-1)
+		a.(*attached).openCalls.Add(n)
 	}
 }
 
