@@ -97,7 +97,8 @@ func (m childMetrics) Transfer(i oob.TransferInfo) {
 //   - make-client: calls Make for GDRPC_INTEROP_SIZE bytes at
 //     GDRPC_INTEROP_ADDR and checks the payload byte by byte, then sends as
 //     much to Digest and checks the checksum; prints
-//     "OK transport=... pulls=map[path:count] same_host=... ..." or "FAIL ...".
+//     "OK transport=... pulls=map[path:count] same_host=... wide=... ..." or
+//     "FAIL ...".
 //   - hold-client: sends a Tensor of GDRPC_INTEROP_SIZE bytes to Digest at
 //     GDRPC_INTEROP_ADDR, prints "CALLED" and keeps its session open until
 //     its stdin closes.
@@ -280,8 +281,8 @@ func childClient(role string, opts []transport.Option, paths *pathCounter) int {
 			fmt.Printf("FAIL digest: server saw %d bytes crc %08x, want %d crc %08x\n", sum.Bytes, sum.Crc32C, n, want)
 			return 1
 		}
-		fmt.Printf("OK transport=%s pulls=%v same_host=%v make_crc=%08x digest_crc=%08x\n",
-			sess.Transport(), paths.reset(), sess.Peer().SameHost, tensor.ChecksumBytes(p), sum.Crc32C)
+		fmt.Printf("OK transport=%s pulls=%v same_host=%v wide=%v make_crc=%08x digest_crc=%08x\n",
+			sess.Transport(), paths.reset(), sess.Peer().SameHost, sess.WideLane(), tensor.ChecksumBytes(p), sum.Crc32C)
 	}
 	return 0
 }

@@ -81,7 +81,8 @@ func (p *netnsPair) exec(i int) []string { return []string{"ip", "netns", "exec"
 // out-of-band and arrive byte-exact, and the gRPC interop cases pass. Over UCX
 // with tcp lanes alone, host memory between hosts takes the stream path (on
 // the session's bulk lane, faster than UCX's tcp puts there), as over the TCP
-// fallback.
+// fallback, and transfers this large go on the UCX session's wide lane, over
+// TCP.
 func TestTwoHosts(t *testing.T) {
 	p := newNetnsPair(t)
 	const n = 16 << 20
@@ -102,6 +103,7 @@ func TestTwoHosts(t *testing.T) {
 			require.Contains(t, res, "transport="+tc.want())
 			require.Contains(t, res, "pulls=map["+wantPath+":1]", "the response payload came out-of-band")
 			require.Contains(t, res, "same_host=false", "the peers have different host ids")
+			require.Contains(t, res, fmt.Sprintf("wide=%v", tc.ucx != ""), "a UCX session between hosts over tcp alone has a wide lane, a TCP session none")
 			want := fmt.Sprintf("make_crc=%08x digest_crc=%08x", crc32cUpdate(0, pattern(n, 5)), crc32cUpdate(0, pattern(n, 6)))
 			require.Contains(t, res, want)
 

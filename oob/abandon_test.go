@@ -71,7 +71,7 @@ func TestLaneBounceGoesWithPull(t *testing.T) {
 		body := make([]byte, laneFrameMax)
 		for i := range 15 { // most of the reader's 4 MiB bounce buffer, then nothing
 			f := laneFrame{kind: laneData, req: m.Req, total: m.Length, off: uint64(i * laneFrameMax), n: laneFrameMax}
-			require.NoError(t, stateOf(s).link.WriteLaneFrame(context.Background(), f.marshal(), body))
+			require.NoError(t, stateOf(s).link.WriteLaneFrame(context.Background(), f.total, f.marshal(), body))
 		}
 		return true
 	})

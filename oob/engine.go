@@ -1871,7 +1871,7 @@ const laneFrameMax = 256 << 10
 func pushLane(ctx context.Context, s *transport.Session, link *transport.Link, m *rtr, src Source, u *sourceUse) error {
 	f := laneFrame{kind: laneData, req: m.Req, total: m.Length}
 	write := func(ctx context.Context, body []byte) error {
-		err := link.WriteLaneFrame(ctx, f.marshal(), body)
+		err := link.WriteLaneFrame(ctx, f.total, f.marshal(), body)
 		switch {
 		case err == nil:
 			f.off += f.n
@@ -1972,7 +1972,7 @@ func pushLaneHost(ctx context.Context, s *transport.Session, link *transport.Lin
 		if err := u.begin(); err != nil {
 			return err
 		}
-		err := link.WriteLaneFrameFrom(ctx, f.marshal(), host[f.off:f.off+f.n], laneQuick, func(rest []byte) []byte {
+		err := link.WriteLaneFrameFrom(ctx, f.total, f.marshal(), host[f.off:f.off+f.n], laneQuick, func(rest []byte) []byte {
 			defer u.finish()
 			if len(rest) > 0 {
 				laneCopied()

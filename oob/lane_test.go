@@ -24,7 +24,7 @@ func TestBulkLaneFrames(t *testing.T) {
 			req = p.req
 		}
 		f := laneFrame{kind: laneData, req: req, total: uint64(total), off: uint64(off), n: uint64(len(body))}
-		require.NoError(t, stateOf(cs).link.WriteLaneFrame(context.Background(), f.marshal(), []byte(body)))
+		require.NoError(t, stateOf(cs).link.WriteLaneFrame(context.Background(), f.total, f.marshal(), []byte(body)))
 	}
 	p1, p2, p3, p4 := newPull(5), newPull(4), newPull(3), newPull(6)
 	piece(nil, 1<<62, 8, 0, "nobo") // no such pull: dropped
@@ -36,7 +36,7 @@ func TestBulkLaneFrames(t *testing.T) {
 	piece(p4, 0, 6, 0, "abc")       // p4 begins...
 	piece(p2, 0, 8, 4, "long")      // dropped
 	f := laneFrame{kind: laneAbort, req: p4.req, total: 6, off: 3}
-	require.NoError(t, stateOf(cs).link.WriteLaneFrame(context.Background(), f.marshal())) // ...and is given up
+	require.NoError(t, stateOf(cs).link.WriteLaneFrame(context.Background(), f.total, f.marshal())) // ...and is given up
 	piece(p3, 0, 3, 1, "nd")                                                               // p3 done
 	require.NoError(t, bulkResult(t, p1))
 	require.ErrorContains(t, bulkResult(t, p2), "announces 8 bytes, destination holds 4")
@@ -56,12 +56,12 @@ func TestBulkLaneBroken(t *testing.T) {
 	ss, cs, newPull := bulkLanePair(t)
 	p := newPull(8)
 	f := laneFrame{kind: laneData, req: p.req, total: 8, n: 4}
-	require.NoError(t, stateOf(cs).link.WriteLaneFrame(context.Background(), f.marshal(), []byte("1234")))
+	require.NoError(t, stateOf(cs).link.WriteLaneFrame(context.Background(), f.total, f.marshal(), []byte("1234")))
 	f.off = 6 // a gap
 	f.n = 2
 	// The server drops the lane on reading the header, so the body's write
 	// may fail or not.
-	_ = stateOf(cs).link.WriteLaneFrame(context.Background(), f.marshal(), []byte("78"))
+	_ = stateOf(cs).link.WriteLaneFrame(context.Background(), f.total, f.marshal(), []byte("78"))
 	require.ErrorContains(t, bulkResult(t, p), "bulk lane closed mid-transfer")
 	requireEnds(t, ss, "which is at 4 of 8")
 }
@@ -75,7 +75,7 @@ func TestBulkLaneSettleBetweenFrames(t *testing.T) {
 	ctx := context.Background()
 	p := newPull(8)
 	f := laneFrame{kind: laneData, req: p.req, total: 8, n: 4}
-	require.NoError(t, stateOf(cs).link.WriteLaneFrame(ctx, f.marshal(), []byte("1234")))
+	require.NoError(t, stateOf(cs).link.WriteLaneFrame(ctx, f.total, f.marshal(), []byte("1234")))
 	settled := make(chan struct{})
 	go func() {
 		p.settled()
@@ -87,10 +87,10 @@ func TestBulkLaneSettleBetweenFrames(t *testing.T) {
 		t.Fatal("settling waits for the rest of the transfer")
 	}
 	f.off = 4
-	require.NoError(t, stateOf(cs).link.WriteLaneFrame(ctx, f.marshal(), []byte("5678")))
+	require.NoError(t, stateOf(cs).link.WriteLaneFrame(ctx, f.total, f.marshal(), []byte("5678")))
 	next := newPull(3)
 	g := laneFrame{kind: laneData, req: next.req, total: 3, n: 3}
-	require.NoError(t, stateOf(cs).link.WriteLaneFrame(ctx, g.marshal(), []byte("end")))
+	require.NoError(t, stateOf(cs).link.WriteLaneFrame(ctx, g.total, g.marshal(), []byte("end")))
 	require.NoError(t, bulkResult(t, next))
 	b, err := next.dst.HostBytes()
 	require.NoError(t, err)
@@ -110,7 +110,7 @@ func TestBulkLaneTooManyOpen(t *testing.T) {
 	ctx := context.Background()
 	for i := range maxLaneTransfers + 1 {
 		f := laneFrame{kind: laneData, req: 1<<40 + uint64(i), total: 2, n: 1}
-		if stateOf(cs).link.WriteLaneFrame(ctx, f.marshal(), []byte("x")) != nil {
+		if stateOf(cs).link.WriteLaneFrame(ctx, f.total, f.marshal(), []byte("x")) != nil {
 			break // the server dropped the lane already
 		}
 	}

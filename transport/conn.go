@@ -19,6 +19,7 @@ const (
 	roleGRPC    = 'G' // the one stream gRPC runs on, opened by the client
 	roleControl = 'C' // the one control stream, opened by the client after the handshake
 	roleBulk    = 'B' // bulk streams, opened by either side
+	roleWide    = 'W' // the wide lane: large bulk transfers over TCP on a UCX session between hosts (lane.go)
 )
 
 // Addr is the address of a conn a session hands out. Network() is

@@ -35,8 +35,9 @@ type Handler interface {
 	Control(typ byte, payload []byte)
 	// Bulk serves one bulk stream the peer opened; it owns c.
 	Bulk(c net.Conn)
-	// Lane reads the frames of the session's bulk lane until it fails; an
-	// error ends the session.
+	// Lane reads the frames of one of the session's frame lanes until it
+	// fails; an error ends the session. A session with a wide lane besides
+	// its bulk lane calls it for each, concurrently.
 	Lane(c net.Conn) error
 	// Linger returns once a session whose gRPC conn closed may close: the
 	// session stays up while out-of-band transfers still use it.
@@ -82,12 +83,15 @@ func (l *Link) OpenBulk(ctx context.Context) (net.Conn, error) {
 // Lane returns the session's bulk lane once it is there, else nil.
 func (l *Link) Lane() net.Conn { return l.s.bulkLane() }
 
-// WriteLaneFrame writes bufs on the bulk lane as one frame, whole, between the
-// frames of other transfers, by ctx's deadline. An error wrapping
+// WriteLaneFrame writes bufs as one frame, whole, between the frames of other
+// transfers, by ctx's deadline, on the lane that carries transfers of total
+// bytes: the bulk lane, or the wide lane for a large one where the session
+// has one. Every frame of a transfer, its abort included, must name the same
+// total, so they keep to one lane and their order. An error wrapping
 // ErrNoLaneTurn means nothing was written; any other error may leave a frame
 // cut short, and the caller should end the session.
-func (l *Link) WriteLaneFrame(ctx context.Context, bufs ...[]byte) error {
-	return l.s.writeLaneFrame(ctx, bufs...)
+func (l *Link) WriteLaneFrame(ctx context.Context, total uint64, bufs ...[]byte) error {
+	return l.s.writeLaneFrame(ctx, total, bufs...)
 }
 
 // WriteLaneFrameFrom writes a frame of hdr and body as WriteLaneFrame does,
@@ -96,8 +100,8 @@ func (l *Link) WriteLaneFrame(ctx context.Context, bufs ...[]byte) error {
 // unwritten and returns the copy the rest is written from. letGo is called
 // once in any case; after it the write reads body no more. Over a lane that
 // may not report a partial write, letGo gets the whole body first.
-func (l *Link) WriteLaneFrameFrom(ctx context.Context, hdr, body []byte, quick time.Duration, letGo func(rest []byte) []byte) error {
-	return l.s.writeLaneFrameFrom(ctx, hdr, body, quick, letGo)
+func (l *Link) WriteLaneFrameFrom(ctx context.Context, total uint64, hdr, body []byte, quick time.Duration, letGo func(rest []byte) []byte) error {
+	return l.s.writeLaneFrameFrom(ctx, total, hdr, body, quick, letGo)
 }
 
 // Abort ends the session with cause, without waiting (it may run on the

@@ -32,27 +32,71 @@ import (
 // names, or discards the transfer's pieces when that pull is gone or does not
 // fit, so one transfer given up never desynchronises the others.
 
-// bulkLane returns the session's bulk lane, or nil while it has none (yet):
-// the caller then opens a multiplexed bulk stream.
-func (s *Session) bulkLane() net.Conn {
+// The wide lane: between two hosts that UCX reaches over its tcp transport
+// alone, UCX's stream API moves bulk data at about half the kernel's TCP
+// speed over the same network, while it still wins for small transfers
+// (README, two hosts). There the client opens a second frame lane over the
+// server's TCP listener, the wide lane, and transfers of wideMin bytes or
+// more go on it; the rest stay on the bulk lane. A transfer's frames, its
+// abort included, all go on the lane its length picks, so they keep their
+// order. The client opens the wide lane before the session is up and the
+// server takes it only before the gRPC lane, so no transfer begins before
+// either end knows whether the session has one.
+
+// wideMin is the smallest transfer that goes on the wide lane.
+const wideMin = 4 << 20
+
+// frameLane is a lane that carries bulk frames: its conn, once there, and
+// the turn its writers take, one frame at a time.
+type frameLane struct {
+	onceConn
+	turn chan struct{} // buffered 1
+}
+
+func (l *frameLane) init() {
+	l.ready = make(chan struct{})
+	l.turn = make(chan struct{}, 1)
+}
+
+// conn returns the lane's conn, or nil while it has none (yet).
+func (l *frameLane) conn() net.Conn {
 	select {
-	case <-s.bulk.ready:
-		return s.bulk.c
+	case <-l.ready:
+		return l.c
 	default:
 		return nil
 	}
 }
 
-// writeLaneFrame writes bufs on the bulk lane as one frame, whole, between
-// the frames of other transfers, by ctx's deadline. An error wrapping
-// ErrNoLaneTurn means nothing was written (ctx ended, or the session, while
-// waiting for the turn); any other error may leave a frame cut short.
-func (s *Session) writeLaneFrame(ctx context.Context, bufs ...[]byte) error {
-	if err := s.laneTurn(ctx); err != nil {
+// bulkLane returns the session's bulk lane, or nil while it has none (yet):
+// the caller then opens a multiplexed bulk stream.
+func (s *Session) bulkLane() net.Conn { return s.bulk.conn() }
+
+// WideLane reports whether the session has a wide lane (lane.go): large
+// transfers then run over TCP beside the UCX session.
+func (s *Session) WideLane() bool { return s.wide.conn() != nil }
+
+// laneFor returns the frame lane that carries the frames of a transfer of
+// total bytes (the bulk lane, which the caller knows is there).
+func (s *Session) laneFor(total uint64) *frameLane {
+	if total >= wideMin && s.wide.conn() != nil {
+		return &s.wide
+	}
+	return &s.bulk
+}
+
+// writeLaneFrame writes bufs on the frame lane of a transfer of total bytes
+// as one frame, whole, between the frames of other transfers, by ctx's
+// deadline. An error wrapping ErrNoLaneTurn means nothing was written (ctx
+// ended, or the session, while waiting for the turn); any other error may
+// leave a frame cut short.
+func (s *Session) writeLaneFrame(ctx context.Context, total uint64, bufs ...[]byte) error {
+	l := s.laneFor(total)
+	if err := s.laneTurn(ctx, l); err != nil {
 		return err
 	}
-	defer func() { <-s.bulkTurn }()
-	c := s.bulk.c
+	defer func() { <-l.turn }()
+	c := l.c
 	if dl, ok := ctx.Deadline(); ok {
 		_ = c.SetWriteDeadline(dl)
 		defer c.SetWriteDeadline(time.Time{})
@@ -62,14 +106,14 @@ func (s *Session) writeLaneFrame(ctx context.Context, bufs ...[]byte) error {
 	return err
 }
 
-// laneTurn waits for the bulk lane's turn, which the caller gives back
-// (<-s.bulkTurn); an error wraps ErrNoLaneTurn.
-func (s *Session) laneTurn(ctx context.Context) error {
+// laneTurn waits for l's turn, which the caller gives back (<-l.turn); an
+// error wraps ErrNoLaneTurn.
+func (s *Session) laneTurn(ctx context.Context, l *frameLane) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("%w: %w", ErrNoLaneTurn, err)
 	}
 	select {
-	case s.bulkTurn <- struct{}{}:
+	case l.turn <- struct{}{}:
 		return nil
 	case <-ctx.Done():
 		return fmt.Errorf("%w: %w", ErrNoLaneTurn, ctx.Err())
@@ -85,7 +129,7 @@ func (s *Session) laneTurn(ctx context.Context) error {
 // once in any case; after it the write reads body no more (with an empty
 // rest: all of it was written, or the write failed). Over a lane that may
 // not report a partial write (UCX), letGo gets the whole body first.
-func (s *Session) writeLaneFrameFrom(ctx context.Context, hdr, body []byte, quick time.Duration, letGo func(rest []byte) []byte) error {
+func (s *Session) writeLaneFrameFrom(ctx context.Context, total uint64, hdr, body []byte, quick time.Duration, letGo func(rest []byte) []byte) error {
 	var rest []byte // what letGo gets
 	called := false
 	release := func(r []byte) []byte {
@@ -97,11 +141,12 @@ func (s *Session) writeLaneFrameFrom(ctx context.Context, hdr, body []byte, quic
 			letGo(rest)
 		}
 	}()
-	if err := s.laneTurn(ctx); err != nil {
+	l := s.laneFor(total)
+	if err := s.laneTurn(ctx, l); err != nil {
 		return err
 	}
-	defer func() { <-s.bulkTurn }()
-	c := s.bulk.c
+	defer func() { <-l.turn }()
+	c := l.c
 	dl, hasDL := ctx.Deadline()
 	defer c.SetWriteDeadline(time.Time{})
 	if !overTCP(c) {
@@ -153,35 +198,33 @@ func overTCP(c net.Conn) bool {
 	return tcp
 }
 
-// bulkLaneReader runs the bulk lane's reader (set by the out-of-band engine)
-// once the lane is there; a reader that stops on an error ends the session.
-func (s *Session) bulkLaneReader() {
+// frameLaneReader runs the reader of a frame lane (set by the out-of-band
+// engine) once the lane is there; a reader that stops on an error ends the
+// session.
+func (s *Session) frameLaneReader(l *frameLane, name string) {
 	defer s.wg.Done()
 	select {
-	case <-s.bulk.ready:
+	case <-l.ready:
 	case <-s.done:
 		return
 	}
-	if err := s.handler.Lane(s.bulk.c); err != nil {
+	if err := s.handler.Lane(l.c); err != nil {
 		select {
 		case <-s.done:
 		default:
-			s.closeWith(fmt.Errorf("%w: bulk lane: %w", ErrPeerGone, err))
+			s.closeWith(fmt.Errorf("%w: %s: %w", ErrPeerGone, name, err))
 		}
 	}
 }
 
 // laneRoles are the roles a lane may have, each opened at most once (a bit
 // each in laneSlot.taken).
-var laneRoles = map[byte]uint8{roleGRPC: 1 << 0, roleControl: 1 << 1, roleBulk: 1 << 2}
+var laneRoles = map[byte]uint8{roleGRPC: 1 << 0, roleControl: 1 << 1, roleBulk: 1 << 2, roleWide: 1 << 3}
 
-// allLaneRoles is every bit of laneRoles: a slot whose lanes are all open.
-var allLaneRoles = func() (all uint8) {
-	for _, bit := range laneRoles {
-		all |= bit
-	}
-	return all
-}()
+// allLaneRoles are the bits of the lanes every session with lanes opens: a
+// slot with all of them open is forgotten. The wide lane is not one; a
+// client that opens it does so before the gRPC lane.
+const allLaneRoles = 1<<0 | 1<<1 | 1<<2
 
 // useLane reports whether the session's gRPC and control streams run on
 // lanes: both ends allow them and, on the client, the session knows where to
@@ -196,25 +239,59 @@ func (s *Session) useLane() bool {
 	return s.laneAddr != "" && (s.transport != "ucx" || s.rctx != nil)
 }
 
-// openLane dials the server's listener (UCX or TCP, as the session runs) for
-// a lane of the role and proves the session with its token (client).
+// wantWide reports whether the client opens a wide lane: a UCX session to
+// another host whose rma_bw lanes all run over UCX's tcp transport.
+func (s *Session) wantWide() bool {
+	if s.transport != "ucx" || s.peer.SameHost || s.tcpLaneAddr == "" || s.ep == nil {
+		return false
+	}
+	doms, err := s.ep.RMADomains()
+	if err != nil || len(doms) == 0 {
+		return false
+	}
+	for _, d := range doms {
+		if d != "tcp" {
+			return false
+		}
+	}
+	return true
+}
+
+// openWideLane opens the wide lane (client), or returns nil when it cannot:
+// the session then runs without one.
+func (s *Session) openWideLane(ctx context.Context) net.Conn {
+	c, err := s.openLane(ctx, roleWide)
+	if err != nil {
+		s.log.Debug("no wide lane; large transfers stay on the bulk lane", "addr", s.tcpLaneAddr, "err", err)
+		return nil
+	}
+	return c
+}
+
+// openLane dials the server's listener for a lane of the role and proves
+// the session with its token (client): the UCX or TCP listener, as the
+// session runs, and the TCP one for the wide lane.
 func (s *Session) openLane(ctx context.Context, role byte) (*laneConn, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.handshakeTimeout)
 	defer cancel()
 	var ep net.Conn
 	var err error
-	if s.transport == "ucx" {
+	addr := s.laneAddr
+	if role == roleWide {
+		addr = s.tcpLaneAddr
+	}
+	if s.transport == "ucx" && role != roleWide {
 		w := s.rctx.Worker()
 		if w == nil {
 			return nil, fmt.Errorf("gdrpc: open lane: UCX context has no worker: %w", rdma.ErrNotSupported)
 		}
-		ep, err = w.Dial(ctx, s.laneAddr)
+		ep, err = w.Dial(ctx, addr)
 	} else {
 		var d net.Dialer
-		ep, err = d.DialContext(ctx, "tcp", s.laneAddr)
+		ep, err = d.DialContext(ctx, "tcp", addr)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("gdrpc: open lane to %s: %w", s.laneAddr, ctxErr(ctx, err))
+		return nil, fmt.Errorf("gdrpc: open lane to %s: %w", addr, ctxErr(ctx, err))
 	}
 	unbind := bindDeadline(ctx, ep)
 	msg := append(append([]byte(laneMagic), s.token[:]...), role)
@@ -271,6 +348,8 @@ func serveLane(ep net.Conn, token ID, role byte, wait time.Duration) error {
 	case err != nil:
 	case role == roleGRPC && !s.grpcTaken.CompareAndSwap(false, true):
 		err = errors.New("the session's gRPC stream is already open")
+	case role == roleWide && s.transport != "ucx":
+		err = errors.New("a wide lane on a TCP session")
 	default:
 		c, err = s.attachLane(ep, role)
 	}
@@ -281,6 +360,10 @@ func serveLane(ep net.Conn, token ID, role byte, wait time.Duration) error {
 	if err == nil && role == roleBulk && !s.bulk.set(c) {
 		_ = c.Close()
 		return errors.New("the session's bulk lane is already open")
+	}
+	if err == nil && role == roleWide && !s.wide.set(c) {
+		_ = c.Close()
+		return errors.New("the session's wide lane is already open")
 	}
 	if err != nil {
 		_, _ = ep.Write([]byte{0})
@@ -371,7 +454,7 @@ func takeLaneSession(token ID, role byte, wait time.Duration) (*Session, error) 
 		return nil, fmt.Errorf("the session's %q lane is already open", role)
 	}
 	slot.taken |= bit
-	if slot.taken == allLaneRoles && laneWaiting.m[token] == slot {
+	if slot.taken&allLaneRoles == allLaneRoles && laneWaiting.m[token] == slot {
 		delete(laneWaiting.m, token)
 	}
 	return slot.s, nil

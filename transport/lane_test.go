@@ -105,6 +105,7 @@ func TestLanes(t *testing.T) {
 					default:
 					}
 				}
+				require.False(t, s.WideLane(), "a wide lane on one host")
 			}
 			// A control message crosses each way.
 			for _, d := range [][2]*Session{{cs, ss}, {ss, cs}} {
@@ -197,6 +198,7 @@ func testLanesRefused(t *testing.T, opts []Option, dial func(context.Context, *L
 	refused(newToken(), roleGRPC)  // no such session
 	refused(ss.token, roleGRPC)    // its lanes are open already: the token is spent
 	refused(ss.token, roleControl) // (the control lane too)
+	refused(ss.token, roleWide)    // a wide lane comes before the gRPC lane or never
 	refused(ss.token, 'X')         // no lane of that role
 
 	_, err := cc.Write([]byte("still"))
@@ -206,6 +208,26 @@ func testLanesRefused(t *testing.T, opts []Option, dial func(context.Context, *L
 	_, err = io.ReadFull(sc, b)
 	require.NoError(t, err)
 	require.Equal(t, "still", string(b))
+}
+
+// TestWideLaneOnTCPSession: a TCP session's client that asks for a wide lane
+// (whose bulk lane runs over TCP already) is refused with a zero ack.
+func TestWideLaneOnTCPSession(t *testing.T) {
+	token := newToken()
+	slot := expectLane(token)
+	defer forgetLane(token, slot)
+	slot.fill(&Session{transport: "tcp", done: make(chan struct{})})
+	c, peer := net.Pipe()
+	got := make(chan []byte, 1)
+	go func() {
+		b, _ := io.ReadAll(peer)
+		got <- b
+	}()
+	err := serveLane(c, token, roleWide, time.Second)
+	require.ErrorContains(t, err, "a wide lane on a TCP session")
+	require.Equal(t, []byte{0}, <-got, "a refusal, then the end")
+	_, err = c.Write([]byte("x"))
+	require.ErrorIs(t, err, io.ErrClosedPipe, "the lane is closed")
 }
 
 // requireEnds waits for s to close and checks why.

@@ -69,14 +69,15 @@ type Session struct {
 
 	localAddr, remoteAddr net.Addr
 	laneAddr              string // client: where to dial the lanes ("" for none)
+	tcpLaneAddr           string // client: the server's TCP listener, where a wide lane is dialed
 
 	laneMu   sync.Mutex
 	lanes    []net.Conn // the lanes opened so far, closed with the session (lane.go)
 	laneDone bool       // the session closed: no lane any more
 	laneSlot *laneSlot  // server: the slot lanes find the session by
 
-	bulk     onceConn      // the bulk lane (lane.go)
-	bulkTurn chan struct{} // one frame at a time on the bulk lane (buffered 1)
+	bulk frameLane // the bulk lane (lane.go)
+	wide frameLane // the wide lane, for large transfers, where the session has one (lane.go)
 
 	grpcTaken atomic.Bool
 	grpcCh    chan net.Conn // server: the gRPC stream once the client opened it
@@ -115,6 +116,7 @@ type sessionSetup struct {
 	ep        *rdma.Endpoint
 	rctx      *rdma.Context
 	laneAddr  string          // client: where to dial lanes (the UCX or TCP listener); "" for none
+	tcpAddr   string          // client: the server's TCP listener, the address dialed
 	laneSlot  *laneSlot       // server: where the lanes find the session
 	ctx       context.Context // client: bounds opening the control stream and lanes (the dial's handshake)
 }
@@ -145,9 +147,10 @@ func newSession(st sessionSetup) (*Session, error) {
 		done:      make(chan struct{}),
 		muxClosed: make(chan struct{}),
 		laneAddr:  st.laneAddr,
-		bulk:      onceConn{ready: make(chan struct{})},
-		bulkTurn:  make(chan struct{}, 1),
 	}
+	s.tcpLaneAddr = st.tcpAddr
+	s.bulk.init()
+	s.wide.init()
 	role := "server"
 	if s.client {
 		role = "client"
@@ -177,11 +180,13 @@ func newSession(st sessionSetup) (*Session, error) {
 
 	if s.client {
 		ctx, cancel := context.WithTimeout(cmp.Or(st.ctx, context.Background()), st.cfg.handshakeTimeout)
-		var c, b net.Conn
+		var c, b, w net.Conn
 		if s.useLane() {
 			if c, err = s.openLane(ctx, roleControl); err == nil {
 				if b, err = s.openLane(ctx, roleBulk); err != nil {
 					s.closeLanes()
+				} else if s.wantWide() {
+					w = s.openWideLane(ctx)
 				}
 			}
 		} else {
@@ -195,6 +200,9 @@ func newSession(st sessionSetup) (*Session, error) {
 		s.ctrl.set(c)
 		if b != nil {
 			s.bulk.set(b)
+		}
+		if w != nil {
+			s.wide.set(w)
 		}
 	}
 
@@ -220,12 +228,13 @@ func newSession(st sessionSetup) (*Session, error) {
 		s.wg.Add(1)
 		go s.watchIdle()
 	}
-	s.wg.Add(5)
+	s.wg.Add(6)
 	go s.monitor()
 	go s.acceptLoop()
 	go s.keepalive()
 	go s.controlReader()
-	go s.bulkLaneReader()
+	go s.frameLaneReader(&s.bulk, "bulk lane")
+	go s.frameLaneReader(&s.wide, "wide lane")
 	s.log.Debug("session up", "role", role, "transport", s.transport,
 		"peer", s.peer.ID.String(), "same_host", s.peer.SameHost,
 		"local", s.localAddr.String(), "remote", s.remoteAddr.String())

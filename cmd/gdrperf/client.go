@@ -471,6 +471,9 @@ func (b *bench) noteSession(p *peer.Peer) {
 	if ep := s.Endpoint(); ep != nil {
 		raw := ep.TransportInfo()
 		b.lanes = ucxLanes(raw)
+		if s.WideLane() {
+			b.lanes += "; a wide lane over tcp for transfers from 4 MiB"
+		}
 		if b.o.verbose {
 			b.logf("UCX endpoint of the gdrpc session:\n%s", raw)
 		}
