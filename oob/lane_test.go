@@ -37,7 +37,7 @@ func TestBulkLaneFrames(t *testing.T) {
 	piece(p2, 0, 8, 4, "long")      // dropped
 	f := laneFrame{kind: laneAbort, req: p4.req, total: 6, off: 3}
 	require.NoError(t, stateOf(cs).link.WriteLaneFrame(context.Background(), f.total, f.marshal())) // ...and is given up
-	piece(p3, 0, 3, 1, "nd")                                                               // p3 done
+	piece(p3, 0, 3, 1, "nd")                                                                        // p3 done
 	require.NoError(t, bulkResult(t, p1))
 	require.ErrorContains(t, bulkResult(t, p2), "announces 8 bytes, destination holds 4")
 	require.NoError(t, bulkResult(t, p3))
