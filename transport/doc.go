@@ -3,7 +3,9 @@
 // multiplexing of the session's byte stream (yamux: one gRPC stream, one
 // control stream, bulk streams; the gRPC and control streams and the bulk
 // frames run on connections of their own, lanes, when both ends allow it;
-// transfers in flight together share the bulk lane in pieces), the net.Conn and
+// transfers in flight together share the bulk lane in pieces, and a UCX
+// session between hosts over UCX's tcp alone moves large ones on a wide lane
+// over TCP), the net.Conn and
 // net.Listener gRPC runs on,
 // keepalive and dead-peer detection, the process-wide registry of live
 // sessions by peer process id, gRPC transport credentials that expose the
