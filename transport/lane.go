@@ -39,9 +39,13 @@ import (
 // server's TCP listener, the wide lane, and transfers of wideMin bytes or
 // more go on it; the rest stay on the bulk lane. A transfer's frames, its
 // abort included, all go on the lane its length picks, so they keep their
-// order. The client opens the wide lane before the session is up and the
-// server takes it only before the gRPC lane, so no transfer begins before
-// either end knows whether the session has one.
+// order. The client opens the wide lane before the session is up, after its
+// bulk lane and before its gRPC lane, so no transfer begins before either
+// end knows whether the session has one. The server takes a wide lane only
+// while the session's token still opens lanes (until its gRPC, control and
+// bulk lanes are all open): a client that opens it later than its own code
+// does can at worst split a transfer of its own session over two lanes,
+// which the readers refuse as out of order, ending that session.
 
 // wideMin is the smallest transfer that goes on the wide lane.
 const wideMin = 4 << 20
