@@ -867,7 +867,7 @@ func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devi
 // It returns a host staging buffer when the bytes land there first (GPU
 // destinations that UCX cannot write into).
 func offerDestination(s *transport.Session, d Descriptor, p *pull, m *rtr) (*devicebuf.Buffer, error) {
-	peer, allowed := s.Peer(), cfgOf(s).Paths
+	allowed := cfgOf(s).Paths
 	// A trusted owner writes what its FIN says it wrote: the destination needs
 	// no clearing (on one GPU a clear costs a switch between the two
 	// processes' contexts, more than a 1 MiB copy; see the README).
@@ -890,9 +890,9 @@ func offerDestination(s *transport.Session, d Descriptor, p *pull, m *rtr) (*dev
 	if ep == nil || rc == nil || d.Length == 0 || allowed&PathRDMA == 0 {
 		return nil, nil
 	}
-	if !peer.SameHost && rmaOverTCPOnly(ep) && !tcpPutsBeatStream(rc) {
+	if streamFirst(s, d.Length, d.Kind == devicebuf.Host && p.dst.Kind() == devicebuf.Host) {
 		// Between hosts, puts over this UCX's tcp transport are slower than
-		// the stream path, GPU memory staged through them too.
+		// the stream path there.
 		return nil, nil
 	}
 	if m.Offers&PathCUDAIPC != 0 {

@@ -2,6 +2,7 @@ package oob
 
 import (
 	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
 )
 
 // gpuDomains are the memory domains through which UCX moves GPU memory
@@ -50,4 +51,19 @@ func rmaOverTCPOnly(ep *rdma.Endpoint) bool {
 // rows).
 func tcpPutsBeatStream(rc *rdma.Context) bool {
 	return rc.Info().AtLeast(1, 18)
+}
+
+// streamFirst reports whether a transfer of n bytes on s takes the stream
+// path rather than puts (into a destination or a receive space) where both
+// would do: between two hosts whose UCX lanes for large puts are all tcp,
+// always before UCX 1.18, and from 1.18 on for host memory on both ends that
+// the session's wide lane carries (over the kernel's TCP it outran 1.18's tcp
+// puts from 16 MiB on; GPU memory staged through those puts stayed ahead of
+// the stream: the README's two-host rows).
+func streamFirst(s *transport.Session, n uint64, host bool) bool {
+	ep, rc := s.Endpoint(), s.RDMAContext()
+	if s.PeerSameHost() || ep == nil || rc == nil || !rmaOverTCPOnly(ep) {
+		return false
+	}
+	return !tcpPutsBeatStream(rc) || host && s.WideLaneFor(n)
 }

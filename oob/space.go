@@ -1027,12 +1027,15 @@ func land(callCtx context.Context, s *transport.Session, src Source, call uint64
 	}
 	c := cfgOf(s)
 	n := uint64(src.Len())
+	// Between hosts the stream path on the wide lane outruns puts of host
+	// memory into a host space (streamFirst).
+	stream := src.kind() == devicebuf.Host && streamFirst(s, n, true)
 	var ps *peerSpace
 	var off, gen uint64
 	offers := PathNone
 	for _, p := range all {
-		if p.tmpl.Offers&c.Paths == 0 {
-			continue // this side does not write by that path
+		if p.tmpl.Offers&c.Paths == 0 || stream && p.tmpl.RMemory == 0 {
+			continue // this side does not write by that path, or not this payload
 		}
 		offers |= p.tmpl.Offers
 		if o, g, ok := p.take(n, call); ok {

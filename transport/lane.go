@@ -80,10 +80,14 @@ func (s *Session) bulkLane() net.Conn { return s.bulk.conn() }
 // transfers then run over TCP beside the UCX session.
 func (s *Session) WideLane() bool { return s.wide.conn() != nil }
 
+// WideLaneFor reports whether a transfer of n bytes would go on the session's
+// wide lane.
+func (s *Session) WideLaneFor(n uint64) bool { return n >= wideMin && s.WideLane() }
+
 // laneFor returns the frame lane that carries the frames of a transfer of
 // total bytes (the bulk lane, which the caller knows is there).
 func (s *Session) laneFor(total uint64) *frameLane {
-	if total >= wideMin && s.wide.conn() != nil {
+	if s.WideLaneFor(total) {
 		return &s.wide
 	}
 	return &s.bulk
