@@ -36,8 +36,8 @@ import (
 // alone, UCX's stream API moves bulk data at about half the kernel's TCP
 // speed over the same network, while it still wins for small transfers
 // (README, two hosts). There the client opens a second frame lane over the
-// server's TCP listener, the wide lane, and transfers of wideMin bytes or
-// more go on it; the rest stay on the bulk lane. A transfer's frames, its
+// server's TCP listener, the wide lane, and transfers of WideLaneMin bytes
+// or more go on it; the rest stay on the bulk lane. A transfer's frames, its
 // abort included, all go on the lane its length picks, so they keep their
 // order. The client opens the wide lane before the session is up, after its
 // bulk lane and before its gRPC lane, so no transfer begins before either
@@ -47,8 +47,8 @@ import (
 // does can at worst split a transfer of its own session over two lanes,
 // which the readers refuse as out of order, ending that session.
 
-// wideMin is the smallest transfer that goes on the wide lane.
-const wideMin = 4 << 20
+// WideLaneMin is the smallest transfer that goes on a wide lane.
+const WideLaneMin = 4 << 20
 
 // frameLane is a lane that carries bulk frames: its conn, once there, and
 // the turn its writers take, one frame at a time.
@@ -82,7 +82,7 @@ func (s *Session) WideLane() bool { return s.wide.conn() != nil }
 
 // WideLaneFor reports whether a transfer of n bytes would go on the session's
 // wide lane.
-func (s *Session) WideLaneFor(n uint64) bool { return n >= wideMin && s.WideLane() }
+func (s *Session) WideLaneFor(n uint64) bool { return n >= WideLaneMin && s.WideLane() }
 
 // laneFor returns the frame lane that carries the frames of a transfer of
 // total bytes (the bulk lane, which the caller knows is there).

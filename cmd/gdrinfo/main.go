@@ -12,6 +12,7 @@ import (
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/rdma"
+	"github.com/gdrpc/gdrpc/transport"
 )
 
 // Report is everything gdrinfo prints.
@@ -208,9 +209,9 @@ func oneHost() string {
 // over its tcp transport alone (no RDMA NIC).
 func overTCP(info rdma.Info) string {
 	if info.AtLeast(1, 18) {
-		return fmt.Sprintf("between hosts over UCX's tcp alone, host memory goes by rdma and GPU memory staged (UCX %s's puts over tcp beat the stream)", info.Version)
+		return fmt.Sprintf("between hosts over UCX's tcp alone, host memory under %[1]d MiB goes by rdma, from %[1]d MiB by the stream on the session's wide lane (TCP), and GPU memory staged (UCX %[2]s's puts over tcp beat the stream on the UCX bulk lane)", transport.WideLaneMin>>20, info.Version)
 	}
-	return fmt.Sprintf("between hosts over UCX's tcp alone, transfers take the stream (UCX %s's puts over tcp are slower; 1.18 and later's are not)", info.Version)
+	return fmt.Sprintf("between hosts over UCX's tcp alone, transfers take the stream, from %d MiB on the session's wide lane (TCP) (UCX %s's puts over tcp are slower; 1.18 and later's are not)", transport.WideLaneMin>>20, info.Version)
 }
 
 func writeJSON(w io.Writer, r Report) error {

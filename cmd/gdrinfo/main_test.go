@@ -114,9 +114,9 @@ func TestPaths(t *testing.T) {
 
 func TestPathsBetweenHostsOverTCP(t *testing.T) {
 	for v, want := range map[string]string{
-		"1.13.1": "transfers take the stream (UCX 1.13.1's puts over tcp are slower",
-		"1.16.0": "transfers take the stream (UCX 1.16.0's",
-		"1.18.1": "host memory goes by rdma and GPU memory staged (UCX 1.18.1's puts over tcp beat the stream)",
+		"1.13.1": "transfers take the stream, from 4 MiB on the session's wide lane (TCP) (UCX 1.13.1's puts over tcp are slower",
+		"1.16.0": "transfers take the stream, from 4 MiB on the session's wide lane (TCP) (UCX 1.16.0's",
+		"1.18.1": "host memory under 4 MiB goes by rdma, from 4 MiB by the stream on the session's wide lane (TCP), and GPU memory staged (UCX 1.18.1's",
 	} {
 		for _, ucxCUDA := range []error{nil, errors.New("UCX cannot register CUDA memory")} {
 			ps := pathsByName(paths(nil, 1, nil, ucxCUDA, rdma.Info{Version: v}))

@@ -472,7 +472,7 @@ func (b *bench) noteSession(p *peer.Peer) {
 		raw := ep.TransportInfo()
 		b.lanes = ucxLanes(raw)
 		if s.WideLane() {
-			b.lanes += "; a wide lane over tcp for transfers from 4 MiB"
+			b.lanes += fmt.Sprintf("; a wide lane over tcp for transfers from %d MiB", transport.WideLaneMin>>20)
 		}
 		if b.o.verbose {
 			b.logf("UCX endpoint of the gdrpc session:\n%s", raw)
