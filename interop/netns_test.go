@@ -79,10 +79,9 @@ func (p *netnsPair) exec(i int) []string { return []string{"ip", "netns", "exec"
 // another, joined by a veth pair, over UCX tcp, each side with its own
 // GDRPC_HOST_ID: a 16 MiB TensorService response and a 16 MiB request travel
 // out-of-band and arrive byte-exact, and the gRPC interop cases pass. Over UCX
-// with tcp lanes alone, host memory between hosts takes the stream path (on
-// the session's bulk lane, faster than UCX's tcp puts there), as over the TCP
-// fallback, and transfers this large go on the UCX session's wide lane, over
-// TCP.
+// with tcp lanes alone, host memory between hosts takes the stream path, as
+// over the TCP fallback: transfers this large go on the UCX session's wide
+// lane, over TCP, faster than UCX's tcp puts there.
 func TestTwoHosts(t *testing.T) {
 	p := newNetnsPair(t)
 	const n = 16 << 20

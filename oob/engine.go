@@ -1170,7 +1170,9 @@ func endRead(p *pull) {
 	}
 }
 
-// serveBulkLane reads the frames of a session's bulk lane until it fails,
+// serveBulkLane reads the frames of one of a session's frame lanes (its bulk
+// lane, or its wide lane: the transport names which when it ends the
+// session) until it fails,
 // putting each piece into the destination of the pull it names. It returns
 // the error that broke the lane (nil when the session closed it); transfers
 // still open then fail.
@@ -1178,7 +1180,7 @@ func serveBulkLane(s *transport.Session, c net.Conn) (err error) {
 	open := map[uint64]*laneXfer{}
 	defer func() {
 		for _, x := range open {
-			x.fail(fmt.Errorf("bulk lane closed mid-transfer: %w", cmp.Or(err, net.ErrClosed)))
+			x.fail(fmt.Errorf("lane closed mid-transfer: %w", cmp.Or(err, net.ErrClosed)))
 		}
 	}()
 	hdr := make([]byte, laneFrameLen)
@@ -1199,14 +1201,14 @@ func serveBulkLane(s *transport.Session, c net.Conn) (err error) {
 		x := open[f.req]
 		switch {
 		case x == nil && f.off != 0:
-			return fmt.Errorf("bulk lane: piece at %d of transfer %d, which has not begun", f.off, f.req)
+			return fmt.Errorf("piece at %d of transfer %d, which has not begun", f.off, f.req)
 		case x == nil && len(open) == maxLaneTransfers:
-			return fmt.Errorf("bulk lane: more than %d transfers open", maxLaneTransfers)
+			return fmt.Errorf("more than %d transfers open", maxLaneTransfers)
 		case x == nil:
 			x = newLaneXfer(s, f)
 			open[f.req] = x
 		case f.total != x.total || f.off != x.got:
-			return fmt.Errorf("bulk lane: piece [%d, +%d) of %d bytes for transfer %d, which is at %d of %d",
+			return fmt.Errorf("piece [%d, +%d) of %d bytes for transfer %d, which is at %d of %d",
 				f.off, f.n, f.total, f.req, x.got, x.total)
 		}
 		if f.kind == laneAbort {
@@ -1226,11 +1228,12 @@ func serveBulkLane(s *transport.Session, c net.Conn) (err error) {
 	}
 }
 
-// maxLaneTransfers bounds the transfers open at once on a bulk lane's reader:
-// a peer that opens more breaks the lane.
+// maxLaneTransfers bounds the transfers open at once on a frame lane's reader
+// (a session has at most two lanes, its bulk lane and a wide lane): a peer
+// that opens more breaks the lane.
 const maxLaneTransfers = 4096
 
-// laneXfer is a transfer under way on a bulk lane, on the reader's side. The
+// laneXfer is a transfer under way on a frame lane, on the reader's side. The
 // reader holds the pull's destination only while it reads a frame into it
 // (beginRead, endRead): a pull settled between two frames waits for nothing,
 // and the transfer's later frames are dropped.
@@ -1857,11 +1860,12 @@ func awaitBulkClose(ctx context.Context, s *transport.Session, c net.Conn) error
 	return err
 }
 
-// laneFrameMax bounds the pieces of a transfer on the bulk lane: transfers in
+// laneFrameMax bounds the pieces of a transfer on a frame lane: transfers in
 // flight together take turns at this grain.
 const laneFrameMax = 256 << 10
 
-// pushLane writes src to the receiver as frames on the session's bulk lane.
+// pushLane writes src to the receiver as frames on the session's bulk lane
+// (or its wide lane, which the transport picks by the transfer's length).
 // A source that fails (a device copy) or does not hold the transfer's length,
 // or a ctx that ends, stops the transfer with an abort frame; a lane cut mid
 // frame ends the session. A frame under way is not cut short when the

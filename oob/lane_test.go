@@ -62,7 +62,7 @@ func TestBulkLaneBroken(t *testing.T) {
 	// The server drops the lane on reading the header, so the body's write
 	// may fail or not.
 	_ = stateOf(cs).link.WriteLaneFrame(context.Background(), f.total, f.marshal(), []byte("78"))
-	require.ErrorContains(t, bulkResult(t, p), "bulk lane closed mid-transfer")
+	require.ErrorContains(t, bulkResult(t, p), "lane closed mid-transfer")
 	requireEnds(t, ss, "which is at 4 of 8")
 }
 

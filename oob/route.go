@@ -58,7 +58,7 @@ func tcpPutsBeatStream(rc *rdma.Context) bool {
 // would do: between two hosts whose UCX lanes for large puts are all tcp,
 // always before UCX 1.18, and from 1.18 on for host memory on both ends that
 // the session's wide lane carries (over the kernel's TCP it outran 1.18's tcp
-// puts from 16 MiB on; GPU memory staged through those puts stayed ahead of
+// puts from 4 MiB on; GPU memory staged through those puts stayed ahead of
 // the stream: the README's two-host rows).
 func streamFirst(s *transport.Session, n uint64, host bool) bool {
 	ep, rc := s.Endpoint(), s.RDMAContext()

@@ -1027,8 +1027,8 @@ func land(callCtx context.Context, s *transport.Session, src Source, call uint64
 	}
 	c := cfgOf(s)
 	n := uint64(src.Len())
-	// Between hosts the stream path on the wide lane outruns puts of host
-	// memory into a host space (streamFirst).
+	// Between hosts over UCX's tcp alone the stream path outruns puts of
+	// host memory into a host space where streamFirst says so.
 	stream := src.kind() == devicebuf.Host && streamFirst(s, n, true)
 	var ps *peerSpace
 	var off, gen uint64

@@ -14,7 +14,8 @@ import (
 	"github.com/hashicorp/yamux"
 )
 
-// Stream roles: the first byte the opener writes on a new stream.
+// Stream and lane roles: the first byte the opener writes on a new stream,
+// the last of a lane's request (lane.go). 'W' names a lane only.
 const (
 	roleGRPC    = 'G' // the one stream gRPC runs on, opened by the client
 	roleControl = 'C' // the one control stream, opened by the client after the handshake

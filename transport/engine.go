@@ -63,8 +63,8 @@ type Link struct {
 }
 
 // ErrNoLaneTurn marks a lane frame of which nothing was written: the context
-// or the session ended while the frame waited for its turn.
-var ErrNoLaneTurn = errors.New("no turn on the bulk lane")
+// or the session ended while the frame waited for its turn on its lane.
+var ErrNoLaneTurn = errors.New("no turn on the lane")
 
 // SendControl sends one control message: [type u8][length u32 BE][payload] on
 // the control stream. Writers are serialised; a message is never interleaved
@@ -94,7 +94,8 @@ func (l *Link) WriteLaneFrame(ctx context.Context, total uint64, bufs ...[]byte)
 	return l.s.writeLaneFrame(ctx, total, bufs...)
 }
 
-// WriteLaneFrameFrom writes a frame of hdr and body as WriteLaneFrame does,
+// WriteLaneFrameFrom writes a frame of hdr and body, of a transfer of total
+// bytes, as WriteLaneFrame does,
 // for a body the caller may need back before the peer took it all: the
 // write runs from body for at most quick, then letGo gets what of body is
 // unwritten and returns the copy the rest is written from. letGo is called

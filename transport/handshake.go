@@ -189,10 +189,13 @@ func defaultLocalCaps() Caps { return defaultUCXCaps().clone() }
 // listener the session runs on (the UCX listener, or the TCP one for a TCP
 // session), sends "GDRPCL" (as long as the magic, which it replaces on TCP),
 // the session token and the role byte ('C', 'B', 'G'), and waits for one ack
-// byte (1: accepted). The multiplexer keeps the keepalive. Version 1 had no
-// lanes; version 2 sent each transfer on the bulk lane as one frame, where
-// version 3 interleaves transfers in pieces (lane.go); version 4 proves
-// process ids.
+// byte (1: accepted). On a UCX session to another host that UCX reaches over
+// tcp alone, it also opens a wide lane ('W') over the server's TCP listener,
+// after the bulk lane and before the gRPC lane, for large bulk transfers
+// (lane.go); a server that refuses it (an older one) leaves the session
+// without. The multiplexer keeps the keepalive. Version 1 had no lanes;
+// version 2 sent each transfer on the bulk lane as one frame, where version 3
+// interleaves transfers in pieces (lane.go); version 4 proves process ids.
 const (
 	magic           = "GDRPC\x00"
 	upgradeMagic    = "GDRPCU"

@@ -47,7 +47,8 @@ import (
 // does can at worst split a transfer of its own session over two lanes,
 // which the readers refuse as out of order, ending that session.
 
-// WideLaneMin is the smallest transfer that goes on a wide lane.
+// WideLaneMin is the size in bytes of the smallest transfer that goes on a
+// wide lane (Session.WideLane).
 const WideLaneMin = 4 << 20
 
 // frameLane is a lane that carries bulk frames: its conn, once there, and
@@ -76,8 +77,10 @@ func (l *frameLane) conn() net.Conn {
 // the caller then opens a multiplexed bulk stream.
 func (s *Session) bulkLane() net.Conn { return s.bulk.conn() }
 
-// WideLane reports whether the session has a wide lane (lane.go): large
-// transfers then run over TCP beside the UCX session.
+// WideLane reports whether the session has a wide lane: a TCP connection
+// beside a UCX session between two hosts that UCX reaches over its tcp
+// transport alone, which carries the stream path's transfers of WideLaneMin
+// bytes or more.
 func (s *Session) WideLane() bool { return s.wide.conn() != nil }
 
 // WideLaneFor reports whether a transfer of n bytes would go on the session's
@@ -247,10 +250,12 @@ func (s *Session) useLane() bool {
 	return s.laneAddr != "" && (s.transport != "ucx" || s.rctx != nil)
 }
 
-// wantWide reports whether the client opens a wide lane: a UCX session to
-// another host whose rma_bw lanes all run over UCX's tcp transport.
-func (s *Session) wantWide() bool {
-	if s.transport != "ucx" || s.peer.SameHost || s.tcpLaneAddr == "" || s.ep == nil {
+// wideFits reports whether the session is one a wide lane is for: a UCX
+// session to another host whose rma_bw lanes all run over UCX's tcp
+// transport. The client opens a wide lane only then, and the server takes one
+// only then.
+func (s *Session) wideFits() bool {
+	if s.transport != "ucx" || s.peer.SameHost || s.ep == nil {
 		return false
 	}
 	doms, err := s.ep.RMADomains()
@@ -265,16 +270,39 @@ func (s *Session) wantWide() bool {
 	return true
 }
 
-// openWideLane opens the wide lane (client), or returns nil when it cannot:
-// the session then runs without one.
-func (s *Session) openWideLane(ctx context.Context) net.Conn {
+// wantWide reports whether the client opens a wide lane (wideFits, and it
+// knows the server's TCP listener).
+func (s *Session) wantWide() bool { return s.tcpLaneAddr != "" && s.wideFits() }
+
+// openWideLane opens the wide lane (client). Where it could not be dialed or
+// the server refused it, it returns nil and no error: the session runs
+// without one. Any other failure (the request written, no answer read) leaves
+// the server's side unknown, so it is the session's: the server ends a
+// session whose wide lane it took and then lost.
+func (s *Session) openWideLane(ctx context.Context) (net.Conn, error) {
 	c, err := s.openLane(ctx, roleWide)
-	if err != nil {
+	switch {
+	case err == nil:
+		return c, nil
+	case errors.Is(err, errLaneUndialed) || errors.Is(err, errLaneRefused):
 		s.log.Debug("no wide lane; large transfers stay on the bulk lane", "addr", s.tcpLaneAddr, "err", err)
-		return nil
+		return nil, nil
 	}
-	return c
+	return nil, err
 }
+
+// isEndpoint reports whether c, a lane's connection, is a UCX endpoint.
+func isEndpoint(c net.Conn) bool {
+	_, ok := c.(*rdma.Endpoint)
+	return ok
+}
+
+// Why a lane did not open (openLane): its connection could not be made, so
+// nothing reached the server, or the server answered with a refusal.
+var (
+	errLaneUndialed = errors.New("not dialed")
+	errLaneRefused  = errors.New("the server refused it")
+)
 
 // openLane dials the server's listener for a lane of the role and proves
 // the session with its token (client): the UCX or TCP listener, as the
@@ -299,7 +327,7 @@ func (s *Session) openLane(ctx context.Context, role byte) (*laneConn, error) {
 		ep, err = d.DialContext(ctx, "tcp", addr)
 	}
 	if err != nil {
-		return nil, fmt.Errorf("gdrpc: open lane to %s: %w", addr, ctxErr(ctx, err))
+		return nil, fmt.Errorf("gdrpc: open lane to %s: %w: %w", addr, errLaneUndialed, ctxErr(ctx, err))
 	}
 	unbind := bindDeadline(ctx, ep)
 	msg := append(append([]byte(laneMagic), s.token[:]...), role)
@@ -314,7 +342,7 @@ func (s *Session) openLane(ctx context.Context, role byte) (*laneConn, error) {
 		return nil, fmt.Errorf("gdrpc: open lane: %w", ctxErr(ctx, err))
 	case ack[0] != upgradeAckOK:
 		_ = ep.Close()
-		return nil, errors.New("gdrpc: open lane: the server refused it")
+		return nil, fmt.Errorf("gdrpc: open lane: %w", errLaneRefused)
 	}
 	return s.attachLane(ep, role)
 }
@@ -358,6 +386,10 @@ func serveLane(ep net.Conn, token ID, role byte, wait time.Duration) error {
 		err = errors.New("the session's gRPC stream is already open")
 	case role == roleWide && s.transport != "ucx":
 		err = errors.New("a wide lane on a TCP session")
+	case role == roleWide && isEndpoint(ep):
+		err = errors.New("a wide lane over UCX")
+	case role == roleWide && !s.wideFits():
+		err = errors.New("a wide lane on a session that runs over more than UCX's tcp, or on one host")
 	default:
 		c, err = s.attachLane(ep, role)
 	}
@@ -433,8 +465,9 @@ func lanesExpected() bool {
 }
 
 // takeLaneSession returns the session waiting for a lane of the role with
-// this token. A token opens one lane of each role; once all are open it is
-// forgotten.
+// this token. A token opens one lane of each role; once the gRPC, control
+// and bulk lanes are open it is forgotten (a wide lane comes before them or
+// not at all).
 func takeLaneSession(token ID, role byte, wait time.Duration) (*Session, error) {
 	bit, ok := laneRoles[role]
 	if !ok {

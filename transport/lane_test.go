@@ -230,6 +230,129 @@ func TestWideLaneOnTCPSession(t *testing.T) {
 	require.ErrorIs(t, err, io.ErrClosedPipe, "the lane is closed")
 }
 
+// TestWideLaneOnOneHost: a UCX session between two processes of one host
+// (whose lanes are not tcp alone) takes no wide lane.
+func TestWideLaneOnOneHost(t *testing.T) {
+	token := newToken()
+	slot := expectLane(token)
+	defer forgetLane(token, slot)
+	slot.fill(&Session{transport: "ucx", peer: Peer{SameHost: true}, done: make(chan struct{})})
+	c, peer := net.Pipe()
+	got := make(chan []byte, 1)
+	go func() {
+		b, _ := io.ReadAll(peer)
+		got <- b
+	}()
+	err := serveLane(c, token, roleWide, time.Second)
+	require.ErrorContains(t, err, "on one host")
+	require.Equal(t, []byte{0}, <-got, "a refusal, then the end")
+}
+
+// TestLaneFor: a transfer's frames go on the wide lane from WideLaneMin bytes
+// on, where the session has one, and on the bulk lane otherwise.
+func TestLaneFor(t *testing.T) {
+	s := &Session{done: make(chan struct{})}
+	s.bulk.init()
+	s.wide.init()
+	bulk, bulkPeer := net.Pipe()
+	wide, widePeer := net.Pipe()
+	defer bulk.Close()
+	defer wide.Close()
+	s.bulk.set(bulk)
+	write := func(total uint64) {
+		t.Helper()
+		done := make(chan error, 1)
+		go func() { done <- s.writeLaneFrame(context.Background(), total, []byte("frame")) }()
+		select {
+		case <-time.After(10 * time.Second):
+			t.Fatal("the frame was not written")
+		case err := <-done:
+			require.NoError(t, err)
+		}
+	}
+	// read reads a frame from c: a write that went to the other lane would
+	// wait for a reader there (net.Pipe) and fail write's wait.
+	read := func(c net.Conn) <-chan string {
+		got := make(chan string, 1)
+		go func() {
+			b := make([]byte, 5)
+			_, _ = io.ReadFull(c, b)
+			got <- string(b)
+		}()
+		return got
+	}
+
+	got := read(bulkPeer)
+	write(WideLaneMin) // no wide lane yet: the bulk lane
+	require.Equal(t, "frame", <-got)
+	require.False(t, s.WideLane())
+
+	s.wide.set(wide)
+	require.True(t, s.WideLane())
+	for _, tc := range []struct {
+		total uint64
+		peer  net.Conn
+	}{{WideLaneMin - 1, bulkPeer}, {WideLaneMin, widePeer}, {1 << 30, widePeer}, {0, bulkPeer}} {
+		got := read(tc.peer)
+		write(tc.total)
+		require.Equal(t, "frame", <-got)
+		require.Equal(t, tc.peer == widePeer, s.WideLaneFor(tc.total), "total %d", tc.total)
+	}
+}
+
+// TestOpenWideLane: a client's wide lane that cannot be dialed, or that the
+// server refuses, leaves the session without one and up; one whose request
+// went out and got no answer is an error (the server's side is unknown).
+func TestOpenWideLane(t *testing.T) {
+	l, cs, _, cc, sc := lanePair(t, []Option{WithRDMAContext(internalUCX(t)), WithMode(ModeUCX)}, []Option{WithRDMAContext(internalUCX(t)), WithMode(ModeUCX)})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+
+	// Nothing listens there.
+	gone, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	cs.tcpLaneAddr = gone.Addr().String()
+	require.NoError(t, gone.Close())
+	c, err := cs.openWideLane(ctx)
+	require.NoError(t, err)
+	require.Nil(t, c)
+
+	// The server refuses it: the session's token opens no more lanes.
+	cs.tcpLaneAddr = l.Addr().String()
+	c, err = cs.openWideLane(ctx)
+	require.NoError(t, err)
+	require.Nil(t, c)
+
+	// A listener that takes the request and closes without an answer.
+	mute, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer mute.Close()
+	go func() {
+		m, err := mute.Accept()
+		if err != nil {
+			return
+		}
+		_, _ = io.ReadFull(m, make([]byte, len(laneMagic)+len(ID{})+1))
+		_ = m.Close()
+	}()
+	cs.tcpLaneAddr = mute.Addr().String()
+	c, err = cs.openWideLane(ctx)
+	require.Error(t, err)
+	require.Nil(t, c)
+	require.NotErrorIs(t, err, errLaneRefused)
+	require.NotErrorIs(t, err, errLaneUndialed)
+
+	require.False(t, cs.WideLane())
+	requireLive(t, cs)
+	_, err = cc.Write([]byte("still"))
+	require.NoError(t, err)
+	b := make([]byte, 5)
+	require.NoError(t, sc.SetReadDeadline(time.Now().Add(10*time.Second)))
+	_, err = io.ReadFull(sc, b)
+	require.NoError(t, err)
+	require.Equal(t, "still", string(b))
+}
+
 // requireEnds waits for s to close and checks why.
 func requireEnds(t *testing.T, s *Session, why string) {
 	t.Helper()

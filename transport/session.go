@@ -186,7 +186,9 @@ func newSession(st sessionSetup) (*Session, error) {
 				if b, err = s.openLane(ctx, roleBulk); err != nil {
 					s.closeLanes()
 				} else if s.wantWide() {
-					w = s.openWideLane(ctx)
+					if w, err = s.openWideLane(ctx); err != nil {
+						s.closeLanes()
+					}
 				}
 			}
 		} else {
