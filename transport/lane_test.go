@@ -231,7 +231,7 @@ func TestWideLaneOnTCPSession(t *testing.T) {
 }
 
 // TestWideLaneOnOneHost: a UCX session between two processes of one host
-// (whose lanes are not tcp alone) takes no wide lane.
+// takes no wide lane.
 func TestWideLaneOnOneHost(t *testing.T) {
 	token := newToken()
 	slot := expectLane(token)
@@ -244,7 +244,7 @@ func TestWideLaneOnOneHost(t *testing.T) {
 		got <- b
 	}()
 	err := serveLane(c, token, roleWide, time.Second)
-	require.ErrorContains(t, err, "on one host")
+	require.ErrorContains(t, err, "between processes of one host")
 	require.Equal(t, []byte{0}, <-got, "a refusal, then the end")
 }
 
