@@ -201,51 +201,40 @@ func testLanesRefused(t *testing.T, opts []Option, dial func(context.Context, *L
 	refused(ss.token, roleWide)    // a wide lane comes before the gRPC lane or never
 	refused(ss.token, 'X')         // no lane of that role
 
-	_, err := cc.Write([]byte("still"))
-	require.NoError(t, err)
-	b := make([]byte, 5)
-	require.NoError(t, sc.SetReadDeadline(time.Now().Add(10*time.Second)))
-	_, err = io.ReadFull(sc, b)
-	require.NoError(t, err)
-	require.Equal(t, "still", string(b))
+	requireCarries(t, cc, sc)
 }
 
-// TestWideLaneOnTCPSession: a TCP session's client that asks for a wide lane
-// (whose bulk lane runs over TCP already) is refused with a zero ack.
-func TestWideLaneOnTCPSession(t *testing.T) {
-	token := newToken()
-	slot := expectLane(token)
-	defer forgetLane(token, slot)
-	slot.fill(&Session{transport: "tcp", done: make(chan struct{})})
-	c, peer := net.Pipe()
-	got := make(chan []byte, 1)
-	go func() {
-		b, _ := io.ReadAll(peer)
-		got <- b
-	}()
-	err := serveLane(c, token, roleWide, time.Second)
-	require.ErrorContains(t, err, "a wide lane on a TCP session")
-	require.Equal(t, []byte{0}, <-got, "a refusal, then the end")
-	_, err = c.Write([]byte("x"))
-	require.ErrorIs(t, err, io.ErrClosedPipe, "the lane is closed")
-}
-
-// TestWideLaneOnOneHost: a UCX session between two processes of one host
-// takes no wide lane.
-func TestWideLaneOnOneHost(t *testing.T) {
-	token := newToken()
-	slot := expectLane(token)
-	defer forgetLane(token, slot)
-	slot.fill(&Session{transport: "ucx", peer: Peer{SameHost: true}, done: make(chan struct{})})
-	c, peer := net.Pipe()
-	got := make(chan []byte, 1)
-	go func() {
-		b, _ := io.ReadAll(peer)
-		got <- b
-	}()
-	err := serveLane(c, token, roleWide, time.Second)
-	require.ErrorContains(t, err, "between processes of one host")
-	require.Equal(t, []byte{0}, <-got, "a refusal, then the end")
+// TestWideLaneRefused: a server refuses, with a zero ack, a wide lane on a
+// TCP session (whose bulk lane runs over TCP already) and on a UCX session
+// between two processes of one host; the lane is closed.
+func TestWideLaneRefused(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		s    *Session
+		why  string
+	}{
+		{"tcp", &Session{transport: "tcp"}, "a wide lane on a TCP session"},
+		{"one-host", &Session{transport: "ucx", peer: Peer{SameHost: true}}, "between processes of one host"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			token := newToken()
+			slot := expectLane(token)
+			defer forgetLane(token, slot)
+			tc.s.done = make(chan struct{})
+			slot.fill(tc.s)
+			c, peer := net.Pipe()
+			got := make(chan []byte, 1)
+			go func() {
+				b, _ := io.ReadAll(peer)
+				got <- b
+			}()
+			err := serveLane(c, token, roleWide, time.Second)
+			require.ErrorContains(t, err, tc.why)
+			require.Equal(t, []byte{0}, <-got, "a refusal, then the end")
+			_, err = c.Write([]byte("x"))
+			require.ErrorIs(t, err, io.ErrClosedPipe, "the lane is closed")
+		})
+	}
 }
 
 // TestLaneFor: a transfer's frames go on the wide lane from WideLaneMin bytes
@@ -344,7 +333,13 @@ func TestOpenWideLane(t *testing.T) {
 
 	require.False(t, cs.WideLane())
 	requireLive(t, cs)
-	_, err = cc.Write([]byte("still"))
+	requireCarries(t, cc, sc)
+}
+
+// requireCarries checks that bytes written on cc still arrive on sc.
+func requireCarries(t *testing.T, cc, sc net.Conn) {
+	t.Helper()
+	_, err := cc.Write([]byte("still"))
 	require.NoError(t, err)
 	b := make([]byte, 5)
 	require.NoError(t, sc.SetReadDeadline(time.Now().Add(10*time.Second)))
