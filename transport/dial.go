@@ -173,7 +173,7 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 	}
 	if caps.Lanes {
 		setup.laneAddr = conn.RemoteAddr().String() // the address dialed, resolved
-		setup.tcpAddr = setup.laneAddr
+		setup.tcpLaneAddr = setup.laneAddr
 	}
 	if w.Transport == "ucx" {
 		if rctx == nil {

@@ -250,11 +250,13 @@ func (s *Session) useLane() bool {
 	return s.laneAddr != "" && (s.transport != "ucx" || s.rctx != nil)
 }
 
-// wideFits reports whether the session is one a wide lane is for: a UCX
-// session to another host whose rma_bw lanes all run over UCX's tcp
-// transport.
-func (s *Session) wideFits() bool {
-	if s.transport != "ucx" || s.peer.SameHost || s.ep == nil {
+// wantWide reports whether the client opens a wide lane: it knows the
+// server's TCP listener, and the session runs over UCX to another host whose
+// rma_bw lanes all run over UCX's tcp transport. (oob's rmaOverTCPOnly asks
+// the same of the lanes but counts none as tcp alone; here none opens no
+// lane.)
+func (s *Session) wantWide() bool {
+	if s.transport != "ucx" || s.peer.SameHost || s.ep == nil || s.tcpLaneAddr == "" {
 		return false
 	}
 	doms, err := s.ep.RMADomains()
@@ -268,10 +270,6 @@ func (s *Session) wideFits() bool {
 	}
 	return true
 }
-
-// wantWide reports whether the client opens a wide lane (wideFits, and it
-// knows the server's TCP listener).
-func (s *Session) wantWide() bool { return s.tcpLaneAddr != "" && s.wideFits() }
 
 // openWideLane opens the wide lane (client). Where it could not be dialed or
 // the server refused it, it returns nil and no error: the session runs
@@ -389,7 +387,7 @@ func serveLane(ep net.Conn, token ID, role byte, wait time.Duration) error {
 		err = errors.New("a wide lane over UCX")
 	case role == roleWide && s.peer.SameHost:
 		// The client asks only where its endpoint's lanes for large puts are
-		// all tcp (wideFits); the server does not second-guess that from its
+		// all tcp (wantWide); the server does not second-guess that from its
 		// own endpoint, whose lanes UCX chose separately, only that the
 		// session runs between hosts.
 		err = errors.New("a wide lane between processes of one host")

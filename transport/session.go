@@ -106,19 +106,19 @@ type Session struct {
 
 // sessionSetup is what a handshake produced.
 type sessionSetup struct {
-	client    bool
-	cfg       *config
-	peer      Peer
-	token     ID
-	handshake [sha256.Size]byte // sessionHash of the handshake
-	transport string
-	conn      net.Conn // TCP conn, pipe or UCX endpoint
-	ep        *rdma.Endpoint
-	rctx      *rdma.Context
-	laneAddr  string          // client: where to dial lanes (the UCX or TCP listener); "" for none
-	tcpAddr   string          // client: the server's TCP listener, the address dialed
-	laneSlot  *laneSlot       // server: where the lanes find the session
-	ctx       context.Context // client: bounds opening the control stream and lanes (the dial's handshake)
+	client      bool
+	cfg         *config
+	peer        Peer
+	token       ID
+	handshake   [sha256.Size]byte // sessionHash of the handshake
+	transport   string
+	conn        net.Conn // TCP conn, pipe or UCX endpoint
+	ep          *rdma.Endpoint
+	rctx        *rdma.Context
+	laneAddr    string          // client: where to dial lanes (the UCX or TCP listener); "" for none
+	tcpLaneAddr string          // client: the server's TCP listener (the address dialed), for a wide lane
+	laneSlot    *laneSlot       // server: where the lanes find the session
+	ctx         context.Context // client: bounds opening the control stream and lanes (the dial's handshake)
 }
 
 // yamuxLogger sends yamux's log lines to slog at debug level.
@@ -131,24 +131,24 @@ func (y yamuxLogger) Write(p []byte) (int, error) {
 
 func newSession(st sessionSetup) (*Session, error) {
 	s := &Session{
-		id:        sessionIDs.Add(1),
-		client:    st.client,
-		cfg:       st.cfg,
-		peer:      st.peer,
-		token:     st.token,
-		handshake: st.handshake,
-		transport: st.transport,
-		under:     newUnderConn(st.conn),
-		ep:        st.ep,
-		rctx:      st.rctx,
-		grpcCh:    make(chan net.Conn, 1),
-		ctrl:      onceConn{ready: make(chan struct{})},
-		ctrlSem:   make(chan struct{}, 1),
-		done:      make(chan struct{}),
-		muxClosed: make(chan struct{}),
-		laneAddr:  st.laneAddr,
+		id:          sessionIDs.Add(1),
+		client:      st.client,
+		cfg:         st.cfg,
+		peer:        st.peer,
+		token:       st.token,
+		handshake:   st.handshake,
+		transport:   st.transport,
+		under:       newUnderConn(st.conn),
+		ep:          st.ep,
+		rctx:        st.rctx,
+		grpcCh:      make(chan net.Conn, 1),
+		ctrl:        onceConn{ready: make(chan struct{})},
+		ctrlSem:     make(chan struct{}, 1),
+		done:        make(chan struct{}),
+		muxClosed:   make(chan struct{}),
+		laneAddr:    st.laneAddr,
+		tcpLaneAddr: st.tcpLaneAddr,
 	}
-	s.tcpLaneAddr = st.tcpAddr
 	s.bulk.init()
 	s.wide.init()
 	role := "server"
