@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -212,10 +213,14 @@ func fakeGPUSpaceRig(t *testing.T, streamOrdered bool) (*devicebuftest.GPU, *rig
 	return g, r, func() {
 		t.Helper()
 		require.NoError(t, r.cc.Close())
-		require.Eventually(t, func() bool {
-			st := oob.ReadStats()
-			return transport.ReadStats().Sessions == 0 && st.Spaces+st.PeerSpaces == 0 && devicebuf.Live().Sub(base).IsZero()
-		}, 10*time.Second, time.Millisecond, "left: %+v", devicebuf.Live().Sub(base))
+		var sessions int
+		var st oob.Stats
+		if !assert.Eventually(t, func() bool {
+			sessions, st = transport.ReadStats().Sessions, oob.ReadStats()
+			return sessions == 0 && st.Spaces+st.PeerSpaces == 0 && devicebuf.Live().Sub(base).IsZero()
+		}, 10*time.Second, time.Millisecond) {
+			t.Fatalf("left: %d sessions, %+v, %+v", sessions, st, devicebuf.Live().Sub(base))
+		}
 	}
 }
 
