@@ -221,6 +221,9 @@ const (
 	decisionTCP = 'T'
 
 	upgradeAckOK = 1
+	// upgradeAckTaken refuses a lane whose role another connection holds on
+	// the session already (releases before it answered 0 there too).
+	upgradeAckTaken = 2
 
 	capUCX   = 1 << 0
 	capLanes = 1 << 1

@@ -273,14 +273,19 @@ func (s *Session) wantWide() bool {
 
 // openWideLane opens the wide lane (client). Where it could not be dialed or
 // the server refused it, it returns nil and no error: the session runs
-// without one. Any other failure (the request written, no answer read) leaves
-// the server's side unknown, so it is the session's: the server ends a
-// session whose wide lane it took and then lost.
+// without one. Any other failure is the session's: the caller gave up; the
+// request was written and no answer read, which leaves the server's side
+// unknown (the server ends a session whose wide lane it took and then lost);
+// or another connection holds the session's wide lane, where the server
+// would send the session's large transfers.
 func (s *Session) openWideLane(ctx context.Context) (net.Conn, error) {
 	c, err := s.openLane(ctx, roleWide)
 	switch {
 	case err == nil:
 		return c, nil
+	case ctx.Err() != nil:
+		// The caller gave up (Dial's context): not a server without a wide lane.
+		return nil, err
 	case errors.Is(err, errLaneUndialed) || errors.Is(err, errLaneRefused):
 		s.log.Debug("no wide lane; large transfers stay on the bulk lane", "addr", s.tcpLaneAddr, "err", err)
 		return nil, nil
@@ -295,10 +300,14 @@ func isEndpoint(c net.Conn) bool {
 }
 
 // Why a lane did not open (openLane): its connection could not be made, so
-// nothing reached the server, or the server answered with a refusal.
+// nothing reached the server; the server answered with a refusal; or another
+// connection holds the lane's role on the session already, which only one
+// that has the session's token can have opened: a client must not go on
+// without the lane then, for the server sends over it.
 var (
 	errLaneUndialed = errors.New("not dialed")
 	errLaneRefused  = errors.New("the server refused it")
+	errLaneTaken    = errors.New("another connection holds this lane of the session")
 )
 
 // openLane dials the server's listener for a lane of the role and proves
@@ -337,6 +346,9 @@ func (s *Session) openLane(ctx context.Context, role byte) (*laneConn, error) {
 	case err != nil:
 		_ = ep.Close()
 		return nil, fmt.Errorf("gdrpc: open lane: %w", ctxErr(ctx, err))
+	case ack[0] == upgradeAckTaken:
+		_ = ep.Close()
+		return nil, fmt.Errorf("gdrpc: open lane: %w", errLaneTaken)
 	case ack[0] != upgradeAckOK:
 		_ = ep.Close()
 		return nil, fmt.Errorf("gdrpc: open lane: %w", errLaneRefused)
@@ -380,7 +392,7 @@ func serveLane(ep net.Conn, token ID, role byte, wait time.Duration) error {
 	switch {
 	case err != nil:
 	case role == roleGRPC && !s.grpcTaken.CompareAndSwap(false, true):
-		err = errors.New("the session's gRPC stream is already open")
+		err = fmt.Errorf("the session's gRPC stream: %w", errLaneTaken)
 	case role == roleWide && s.transport != "ucx":
 		err = errors.New("a wide lane on a TCP session")
 	case role == roleWide && isEndpoint(ep):
@@ -394,20 +406,17 @@ func serveLane(ep net.Conn, token ID, role byte, wait time.Duration) error {
 	default:
 		c, err = s.attachLane(ep, role)
 	}
-	if err == nil && role == roleControl && !s.ctrl.set(c) {
+	if err == nil && (role == roleControl && !s.ctrl.set(c) || role == roleBulk && !s.bulk.set(c) || role == roleWide && !s.wide.set(c)) {
+		_, _ = ep.Write([]byte{upgradeAckTaken})
 		_ = c.Close()
-		return errors.New("the session's control stream is already open")
-	}
-	if err == nil && role == roleBulk && !s.bulk.set(c) {
-		_ = c.Close()
-		return errors.New("the session's bulk lane is already open")
-	}
-	if err == nil && role == roleWide && !s.wide.set(c) {
-		_ = c.Close()
-		return errors.New("the session's wide lane is already open")
+		return fmt.Errorf("the session's %q lane: %w", role, errLaneTaken)
 	}
 	if err != nil {
-		_, _ = ep.Write([]byte{0})
+		ack := byte(0)
+		if errors.Is(err, errLaneTaken) {
+			ack = upgradeAckTaken
+		}
+		_, _ = ep.Write([]byte{ack})
 		_ = ep.Close()
 		return err
 	}
@@ -493,7 +502,7 @@ func takeLaneSession(token ID, role byte, wait time.Duration) (*Session, error) 
 	laneWaiting.Lock()
 	defer laneWaiting.Unlock()
 	if slot.taken&bit != 0 {
-		return nil, fmt.Errorf("the session's %q lane is already open", role)
+		return nil, fmt.Errorf("the session's %q lane: %w", role, errLaneTaken)
 	}
 	slot.taken |= bit
 	if slot.taken&allLaneRoles == allLaneRoles && laneWaiting.m[token] == slot {

@@ -237,6 +237,61 @@ func TestWideLaneRefused(t *testing.T) {
 	}
 }
 
+// TestWideLaneTaken: a second connection asking for a session's wide lane,
+// which another holds already, gets the taken answer, and a client that
+// gets it fails the session instead of going on without the lane, over
+// which the server would send the session's large transfers.
+func TestWideLaneTaken(t *testing.T) {
+	token := newToken()
+	slot := expectLane(token)
+	defer forgetLane(token, slot)
+	s := &Session{transport: "ucx", done: make(chan struct{})}
+	s.wide.init()
+	slot.fill(s)
+	answer := func() ([]byte, error) {
+		c, peer := net.Pipe()
+		got := make(chan []byte, 1)
+		go func() {
+			b := make([]byte, 1)
+			n, _ := io.ReadFull(peer, b)
+			got <- b[:n]
+		}()
+		err := serveLane(c, token, roleWide, time.Second)
+		return <-got, err
+	}
+	ack, err := answer()
+	require.NoError(t, err)
+	require.Equal(t, []byte{upgradeAckOK}, ack, "the first takes the lane")
+	require.True(t, s.WideLane())
+	ack, err = answer()
+	require.ErrorIs(t, err, errLaneTaken)
+	require.Equal(t, []byte{upgradeAckTaken}, ack, "the second is told the lane is taken")
+	s.closeLanes()
+
+	// A client told so fails the session's setup.
+	_, cs, _, cc, sc := lanePair(t, []Option{WithRDMAContext(internalUCX(t)), WithMode(ModeUCX)}, []Option{WithRDMAContext(internalUCX(t)), WithMode(ModeUCX)})
+	taker, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer taker.Close()
+	go func() {
+		m, err := taker.Accept()
+		if err != nil {
+			return
+		}
+		defer m.Close()
+		if _, err := io.ReadFull(m, make([]byte, len(laneMagic)+len(ID{})+1)); err == nil {
+			_, _ = m.Write([]byte{upgradeAckTaken})
+		}
+	}()
+	cs.tcpLaneAddr = taker.Addr().String()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	c, err := cs.openWideLane(ctx)
+	require.ErrorIs(t, err, errLaneTaken)
+	require.Nil(t, c)
+	requireCarries(t, cc, sc) // openWideLane leaves ending the session to its caller
+}
+
 // TestLaneFor: a transfer's frames go on the wide lane from WideLaneMin bytes
 // on, where the session has one, and on the bulk lane otherwise.
 func TestLaneFor(t *testing.T) {
@@ -330,6 +385,14 @@ func TestOpenWideLane(t *testing.T) {
 	require.Nil(t, c)
 	require.NotErrorIs(t, err, errLaneRefused)
 	require.NotErrorIs(t, err, errLaneUndialed)
+
+	// The caller gave up: an error, not a session without a wide lane.
+	cs.tcpLaneAddr = l.Addr().String()
+	gaveUp, giveUp := context.WithCancel(ctx)
+	giveUp()
+	c, err = cs.openWideLane(gaveUp)
+	require.ErrorIs(t, err, context.Canceled)
+	require.Nil(t, c)
 
 	require.False(t, cs.WideLane())
 	requireLive(t, cs)
