@@ -383,8 +383,9 @@ func (s *Session) closeLanes() {
 }
 
 // serveLane takes a lane a client dialed: the token names the session
-// (server side), the role what runs on it. It answers with the ack byte. The
-// lane may arrive before the handshake made the session; it waits for it for
+// (server side), the role what runs on it. It answers with the ack byte:
+// upgradeAckOK, upgradeAckTaken where another connection holds the role on
+// the session, 0 for any other refusal. The lane may arrive before the handshake made the session; it waits for it for
 // at most wait.
 func serveLane(ep net.Conn, token ID, role byte, wait time.Duration) error {
 	s, err := takeLaneSession(token, role, wait)
