@@ -270,20 +270,7 @@ func TestWideLaneTaken(t *testing.T) {
 
 	// A client told so fails the session's setup.
 	_, cs, _, cc, sc := lanePair(t, []Option{WithRDMAContext(internalUCX(t)), WithMode(ModeUCX)}, []Option{WithRDMAContext(internalUCX(t)), WithMode(ModeUCX)})
-	taker, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer taker.Close()
-	go func() {
-		m, err := taker.Accept()
-		if err != nil {
-			return
-		}
-		defer m.Close()
-		if _, err := io.ReadFull(m, make([]byte, len(laneMagic)+len(ID{})+1)); err == nil {
-			_, _ = m.Write([]byte{upgradeAckTaken})
-		}
-	}()
-	cs.tcpLaneAddr = taker.Addr().String()
+	cs.tcpLaneAddr = laneAnswerer(t, []byte{upgradeAckTaken})
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	c, err := cs.openWideLane(ctx)
@@ -368,18 +355,7 @@ func TestOpenWideLane(t *testing.T) {
 	require.Nil(t, c)
 
 	// A listener that takes the request and closes without an answer.
-	mute, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer mute.Close()
-	go func() {
-		m, err := mute.Accept()
-		if err != nil {
-			return
-		}
-		_, _ = io.ReadFull(m, make([]byte, len(laneMagic)+len(ID{})+1))
-		_ = m.Close()
-	}()
-	cs.tcpLaneAddr = mute.Addr().String()
+	cs.tcpLaneAddr = laneAnswerer(t, nil)
 	c, err = cs.openWideLane(ctx)
 	require.Error(t, err)
 	require.Nil(t, c)
@@ -397,6 +373,26 @@ func TestOpenWideLane(t *testing.T) {
 	require.False(t, cs.WideLane())
 	requireLive(t, cs)
 	requireCarries(t, cc, sc)
+}
+
+// laneAnswerer returns the address of a listener that takes one lane
+// request, answers it with answer (nothing, where nil) and closes.
+func laneAnswerer(t *testing.T, answer []byte) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	go func() {
+		m, err := l.Accept()
+		if err != nil {
+			return
+		}
+		defer m.Close()
+		if _, err := io.ReadFull(m, make([]byte, len(laneMagic)+len(ID{})+1)); err == nil && answer != nil {
+			_, _ = m.Write(answer)
+		}
+	}()
+	return l.Addr().String()
 }
 
 // requireCarries checks that bytes written on cc still arrive on sc.
