@@ -230,12 +230,19 @@ func (s *Session) frameLaneReader(l *frameLane, name string) {
 
 // laneRoles are the roles a lane may have, each opened at most once (a bit
 // each in laneSlot.taken).
-var laneRoles = map[byte]uint8{roleGRPC: 1 << 0, roleControl: 1 << 1, roleBulk: 1 << 2, roleWide: 1 << 3}
+var laneRoles = map[byte]uint8{roleGRPC: laneGRPC, roleControl: laneControl, roleBulk: laneBulk, roleWide: laneWide}
+
+const (
+	laneGRPC uint8 = 1 << iota
+	laneControl
+	laneBulk
+	laneWide
+)
 
 // allLaneRoles are the bits of the lanes every session with lanes opens: a
 // slot with all of them open is forgotten. The wide lane is not one; a
 // client that opens it does so before the gRPC lane.
-const allLaneRoles = 1<<0 | 1<<1 | 1<<2
+const allLaneRoles = laneGRPC | laneControl | laneBulk
 
 // useLane reports whether the session's gRPC and control streams run on
 // lanes: both ends allow them and, on the client, the session knows where to
@@ -385,8 +392,8 @@ func (s *Session) closeLanes() {
 // serveLane takes a lane a client dialed: the token names the session
 // (server side), the role what runs on it. It answers with the ack byte:
 // upgradeAckOK, upgradeAckTaken where another connection holds the role on
-// the session, 0 for any other refusal. The lane may arrive before the handshake made the session; it waits for it for
-// at most wait.
+// the session, 0 for any other refusal. The lane may arrive before the
+// handshake made the session; it waits for it for at most wait.
 func serveLane(ep net.Conn, token ID, role byte, wait time.Duration) error {
 	s, err := takeLaneSession(token, role, wait)
 	var c *laneConn
@@ -408,9 +415,7 @@ func serveLane(ep net.Conn, token ID, role byte, wait time.Duration) error {
 		c, err = s.attachLane(ep, role)
 	}
 	if err == nil && (role == roleControl && !s.ctrl.set(c) || role == roleBulk && !s.bulk.set(c) || role == roleWide && !s.wide.set(c)) {
-		_, _ = ep.Write([]byte{upgradeAckTaken})
-		_ = c.Close()
-		return fmt.Errorf("the session's %q lane: %w", role, errLaneTaken)
+		err = fmt.Errorf("the session's %q lane: %w", role, errLaneTaken)
 	}
 	if err != nil {
 		ack := byte(0)
