@@ -134,7 +134,12 @@ func (c *codec) options() *options {
 
 func (c *codec) Name() string { return c.name }
 
-func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
+func (c *codec) Marshal(v any) (mem.BufferSlice, error) { return c.marshal(v, holdOf(v)) }
+
+// marshal is Marshal with the hold (nil: none) that keeps v's payloads in
+// the outbox: a gRPC call's, found by the message, or a net/rpc request's,
+// given by its codec.
+func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 	defer trace.StartRegion(context.Background(), "gdrpc.marshal").End()
 	vv := messageV2Of(v)
 	if vv == nil {
@@ -144,7 +149,7 @@ func (c *codec) Marshal(v any) (mem.BufferSlice, error) {
 	if !mayCarry(m.Descriptor()) {
 		return bodies.Marshal(v)
 	}
-	w := &rewriter{oob: c.oob, eager: c.options().eager, hold: holdOf(v)}
+	w := &rewriter{oob: c.oob, eager: c.options().eager, hold: h}
 	if c.oob {
 		w.to = takeDestination(v)
 		w.reqCtx, w.reqTo = w.hold.attempt()

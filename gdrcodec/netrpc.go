@@ -9,7 +9,9 @@ import (
 	"io"
 	"net"
 	"net/rpc"
+	"slices"
 	"sync"
+	"unicode/utf8"
 
 	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/peer"
@@ -25,9 +27,16 @@ import (
 //
 // with header = uvarint(seq) uvarint(len(method)) method uvarint(len(error)) error.
 
-// maxNetRPCFrame bounds a header or body on the wire (payloads travel
-// out-of-band; only descriptors and small fields are here).
-const maxNetRPCFrame = 64 << 20
+// maxNetRPCFrame bounds a body on the wire (payloads travel out-of-band;
+// only descriptors and small fields are here), maxNetRPCHeader a header (a
+// method name and an error message).
+const (
+	maxNetRPCFrame  = 64 << 20
+	maxNetRPCHeader = 64 << 10
+)
+
+// frameChunk is how much of a frame is allocated before its bytes arrive.
+const frameChunk = 64 << 10
 
 type netrpcConn struct {
 	rwc io.ReadWriteCloser
@@ -35,6 +44,9 @@ type netrpcConn struct {
 	w   *bufio.Writer
 	wmu sync.Mutex
 	c   codec
+	// ctx bounds the pulls of received payloads; Close cancels it.
+	ctx    context.Context
+	cancel context.CancelFunc
 }
 
 // newNetRPCConn needs no Register: net/rpc does not use gRPC's codec
@@ -44,17 +56,43 @@ func newNetRPCConn(rwc io.ReadWriteCloser, opts []Option) netrpcConn {
 	if len(opts) > 0 {
 		c.o = newOptions(opts)
 	}
-	return netrpcConn{rwc: rwc, r: bufio.NewReader(rwc), w: bufio.NewWriter(rwc), c: c}
+	ctx := context.Background()
+	if nc, ok := rwc.(net.Conn); ok {
+		// Pulls take the conn's own session first, as a gRPC call's do.
+		ctx = peer.NewContext(ctx, &peer.Peer{Addr: nc.RemoteAddr(), LocalAddr: nc.LocalAddr()})
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	return netrpcConn{rwc: rwc, r: bufio.NewReader(rwc), w: bufio.NewWriter(rwc), c: c, ctx: ctx, cancel: cancel}
 }
 
-func (c *netrpcConn) write(seq uint64, method, errMsg string, body any) error {
+// close ends the pulls under way and closes the connection.
+func (c *netrpcConn) close() error {
+	c.cancel()
+	return c.rwc.Close()
+}
+
+// write sends one message, its body's payloads held by h (nil: none). An
+// error message too long for a header is cut short; a method name too long
+// is an error.
+func (c *netrpcConn) write(seq uint64, method, errMsg string, body any, h *hold) error {
+	const room = maxNetRPCHeader - 3*binary.MaxVarintLen64
+	if len(method) > room {
+		return fmt.Errorf("gdrcodec: net/rpc method name of %d bytes, at most %d", len(method), room)
+	}
+	if len(method)+len(errMsg) > room {
+		cut := room - len(method)
+		for cut > 0 && !utf8.RuneStart(errMsg[cut]) {
+			cut--
+		}
+		errMsg = errMsg[:cut]
+	}
 	var msg mem.BufferSlice // the body's buffers, written as they are
 	if body != nil {
 		m := messageV2Of(body)
 		if m == nil {
 			return fmt.Errorf("gdrcodec: net/rpc body %T is not a proto.Message", body)
 		}
-		data, err := c.c.Marshal(m)
+		data, err := c.c.marshal(m, h)
 		if err != nil {
 			return err
 		}
@@ -81,24 +119,60 @@ func (c *netrpcConn) write(seq uint64, method, errMsg string, body any) error {
 	return c.w.Flush()
 }
 
-func (c *netrpcConn) readFrame() ([]byte, error) {
+// frameLen reads the length of the next frame, at most limit.
+func (c *netrpcConn) frameLen(limit int) (int, error) {
 	n, err := binary.ReadUvarint(c.r)
+	if err != nil {
+		return 0, err
+	}
+	if n > uint64(limit) {
+		return 0, fmt.Errorf("gdrcodec: net/rpc frame of %d bytes, at most %d", n, limit)
+	}
+	return int(n), nil
+}
+
+// readFrame reads the next frame, of at most limit bytes. Its buffer grows
+// as the bytes arrive: a peer that announces a large frame and stalls pins
+// no more memory than it sent.
+func (c *netrpcConn) readFrame(limit int) ([]byte, error) {
+	n, err := c.frameLen(limit)
 	if err != nil {
 		return nil, err
 	}
-	if n > maxNetRPCFrame {
-		return nil, fmt.Errorf("gdrcodec: net/rpc frame of %d bytes", n)
+	p := make([]byte, 0, min(n, frameChunk))
+	for len(p) < n {
+		if len(p) == cap(p) {
+			p = slices.Grow(p, min(n-len(p), len(p)))
+		}
+		k, err := io.ReadFull(c.r, p[len(p):min(cap(p), n)])
+		p = p[:len(p)+k]
+		if err != nil {
+			if err == io.EOF {
+				err = io.ErrUnexpectedEOF
+			}
+			return nil, err
+		}
 	}
-	p := make([]byte, n)
-	_, err = io.ReadFull(c.r, p)
-	if err == io.EOF {
-		err = io.ErrUnexpectedEOF
+	return p, nil
+}
+
+// skipFrame reads past the next frame, of at most limit bytes.
+func (c *netrpcConn) skipFrame(limit int) error {
+	n, err := c.frameLen(limit)
+	if err != nil {
+		return err
 	}
-	return p, err
+	if _, err := io.CopyN(io.Discard, c.r, int64(n)); err != nil {
+		if err == io.EOF {
+			err = io.ErrUnexpectedEOF
+		}
+		return err
+	}
+	return nil
 }
 
 func (c *netrpcConn) readHeader() (seq uint64, method, errMsg string, err error) {
-	p, err := c.readFrame()
+	p, err := c.readFrame(maxNetRPCHeader)
 	if err != nil {
 		return 0, "", "", err
 	}
@@ -128,8 +202,11 @@ func (c *netrpcConn) readHeader() (seq uint64, method, errMsg string, err error)
 
 // readBody decodes the next body into v (nil: discard), pulling its payloads.
 func (c *netrpcConn) readBody(v any) error {
-	p, err := c.readFrame()
-	if err != nil || v == nil {
+	if v == nil {
+		return c.skipFrame(maxNetRPCFrame)
+	}
+	p, err := c.readFrame(maxNetRPCFrame)
+	if err != nil {
 		return err
 	}
 	m := messageV2Of(v)
@@ -143,17 +220,13 @@ func (c *netrpcConn) readBody(v any) error {
 	if err := proto.Unmarshal(p, m); err != nil || !carries {
 		return err
 	}
-	ctx := context.Background()
-	if nc, ok := c.rwc.(net.Conn); ok {
-		// Pulls take the conn's own session first, as a gRPC call's do.
-		ctx = peer.NewContext(ctx, &peer.Peer{Addr: nc.RemoteAddr(), LocalAddr: nc.LocalAddr()})
-	}
-	return resolve(ctx, m.ProtoReflect(), true, c.c.options())
+	return resolve(c.ctx, m.ProtoReflect(), true, c.c.options())
 }
 
 // NewClientCodec returns a net/rpc client codec over rwc (a gdrpc conn from
 // dialer.Dialer.DialContext): rpc.NewClientWithCodec(gdrcodec.NewClientCodec(conn)).
-// A request's payloads stay available to the server until its reply arrives.
+// A request's payloads stay available to the server until its reply arrives
+// or the codec closes; Close also ends the pulls of a reply under way.
 // opts (the receive allocator, limits) apply to this codec alone; without
 // them it follows Register's.
 func NewClientCodec(rwc io.ReadWriteCloser, opts ...Option) rpc.ClientCodec {
@@ -162,23 +235,39 @@ func NewClientCodec(rwc io.ReadWriteCloser, opts ...Option) rpc.ClientCodec {
 
 type clientCodec struct {
 	netrpcConn
-	mu   sync.Mutex
-	held map[uint64]*hold
+	mu     sync.Mutex
+	held   map[uint64]*hold // by seq: the payloads of requests not answered yet
+	closed bool
 }
 
+// WriteRequest files the request's hold before it writes: the reply may be
+// read before the write returns. net/rpc's Client.Close may run meanwhile:
+// a request written after Close holds nothing.
 func (c *clientCodec) WriteRequest(r *rpc.Request, body any) error {
 	h := &hold{}
-	holds.Store(body, h)
-	err := c.write(r.Seq, r.ServiceMethod, "", body)
-	holds.Delete(body)
-	if err != nil {
-		h.release()
-		return err
-	}
 	c.mu.Lock()
-	c.held[r.Seq] = h
+	_, dup := c.held[r.Seq]
+	if !c.closed && !dup {
+		c.held[r.Seq] = h
+	}
+	closed := c.closed
 	c.mu.Unlock()
-	return nil
+	switch {
+	case closed:
+		return fmt.Errorf("gdrcodec: net/rpc client codec: %w", net.ErrClosed)
+	case dup:
+		return fmt.Errorf("gdrcodec: net/rpc request with seq %d while an earlier one with that seq is not answered yet", r.Seq)
+	}
+	err := c.write(r.Seq, r.ServiceMethod, "", body, h)
+	if err != nil {
+		c.mu.Lock()
+		if c.held[r.Seq] == h {
+			delete(c.held, r.Seq)
+		}
+		c.mu.Unlock()
+		h.release()
+	}
+	return err
 }
 
 func (c *clientCodec) ReadResponseHeader(r *rpc.Response) error {
@@ -202,12 +291,12 @@ func (c *clientCodec) ReadResponseBody(body any) error { return c.readBody(body)
 func (c *clientCodec) Close() error {
 	c.mu.Lock()
 	held := c.held
-	c.held = map[uint64]*hold{}
+	c.held, c.closed = map[uint64]*hold{}, true
 	c.mu.Unlock()
 	for _, h := range held {
 		h.release()
 	}
-	return c.rwc.Close()
+	return c.close()
 }
 
 // NewServerCodec returns a net/rpc server codec over rwc (a conn accepted from
@@ -216,8 +305,10 @@ func (c *clientCodec) Close() error {
 // outbox keeps its own reference until the client pulled it); a method that
 // keeps a received buffer takes it with Detach. A request whose seq is that
 // of one not answered yet ends the connection, once the replies of the
-// requests before it are written. opts apply to this codec alone; without
-// them it follows Register's.
+// requests before it are written. A method that returns an error
+// releases what it attached to its reply itself: net/rpc then writes no
+// reply body, and the codec never sees it. opts apply to this codec alone;
+// without them it follows Register's.
 func NewServerCodec(rwc io.ReadWriteCloser, opts ...Option) rpc.ServerCodec {
 	return &serverCodec{netrpcConn: newNetRPCConn(rwc, opts), args: map[uint64]any{}}
 }
@@ -280,14 +371,28 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 	if r.Error != "" {
 		body = nil
 	}
-	if nc, ok := c.rwc.(net.Conn); ok && body != nil {
+	var s *transport.Session
+	if nc, ok := c.rwc.(net.Conn); ok {
+		s = transport.SessionOf(nc)
+	}
+	m := messageV2Of(body)
+	if m != nil {
 		// The reply's payloads may land in receive space the client
 		// advertised; a reply whose write fails leaves its ranges taken
 		// until the session, whose conn just failed, ends.
-		bindTo(transport.SessionOf(nc), nil, messageV2Of(body))
+		bindTo(s, nil, m)
 	}
-	err := c.write(r.Seq, r.ServiceMethod, r.Error, body)
-	takeDestination(messageV2Of(body)) // not marshaled: forget it
+	err := c.write(r.Seq, r.ServiceMethod, r.Error, body, nil)
+	takeDestination(m) // not marshaled: forget it
+	if m != nil {
+		// Payloads offered to be pulled leave the outbox with the last
+		// session to the client, or at once when nobody got the reply.
+		if err != nil {
+			notSent(m)
+		} else {
+			sentOver(s, m)
+		}
+	}
 	c.mu.Lock()
 	args := c.args[r.Seq]
 	delete(c.args, r.Seq)
@@ -300,4 +405,4 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 	return err
 }
 
-func (c *serverCodec) Close() error { return c.rwc.Close() }
+func (c *serverCodec) Close() error { return c.close() }

@@ -31,12 +31,13 @@ func noteSent(v any, tokens []oob.Token) {
 
 // sentOn binds the payloads of v, just sent on the call of ctx, to the peer
 // of the call's session.
-func sentOn(ctx context.Context, v any) {
+func sentOn(ctx context.Context, v any) { sentOver(transport.SessionFromContext(ctx), v) }
+
+// sentOver binds the payloads of v, just sent over s (nil: no session of
+// gdrpc's), to the peer of s.
+func sentOver(s *transport.Session, v any) {
 	tokens, ok := sent.take(v)
-	if !ok {
-		return
-	}
-	if s := transport.SessionFromContext(ctx); s != nil {
+	if ok && s != nil {
 		oob.SentToward(s, tokens)
 	}
 }

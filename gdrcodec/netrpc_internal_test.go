@@ -1,0 +1,268 @@
+package gdrcodec
+
+import (
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"net/rpc"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
+	"github.com/gdrpc/gdrpc/oob"
+)
+
+// hookConn is a connection whose reads come from a pipe the test writes and
+// whose writes run onWrite, then fail with fail or succeed.
+type hookConn struct {
+	pr      *io.PipeReader
+	pw      *io.PipeWriter
+	onWrite func()
+	fail    error
+	// reading, when set, is sent each Read's buffer size before it blocks.
+	reading chan int
+}
+
+func newHookConn(t *testing.T) *hookConn {
+	pr, pw := io.Pipe()
+	t.Cleanup(func() { pw.Close() })
+	return &hookConn{pr: pr, pw: pw}
+}
+
+func (c *hookConn) Read(p []byte) (int, error) {
+	if c.reading != nil {
+		c.reading <- len(p)
+	}
+	return c.pr.Read(p)
+}
+
+func (c *hookConn) Write(p []byte) (int, error) {
+	if c.onWrite != nil {
+		c.onWrite()
+	}
+	if c.fail != nil {
+		return 0, c.fail
+	}
+	return len(p), nil
+}
+
+func (c *hookConn) Close() error { return nil }
+
+// frame is one header frame (seq, method, error) followed by a body frame.
+func frame(seq uint64, method, errMsg string, body []byte) []byte {
+	hdr := binary.AppendUvarint(nil, seq)
+	hdr = binary.AppendUvarint(hdr, uint64(len(method)))
+	hdr = append(hdr, method...)
+	hdr = binary.AppendUvarint(hdr, uint64(len(errMsg)))
+	hdr = append(hdr, errMsg...)
+	f := binary.AppendUvarint(nil, uint64(len(hdr)))
+	f = append(f, hdr...)
+	f = binary.AppendUvarint(f, uint64(len(body)))
+	return append(f, body...)
+}
+
+// outOfBand is a message whose 4 KiB host payload goes out-of-band.
+func outOfBand() *gdrv1.DeviceBuffer {
+	b := devicebuf.HostFromBytes(make([]byte, 4096))
+	defer b.Release()
+	return New(b)
+}
+
+// heldPayloads is how many payloads the hold of seq keeps offered.
+func heldPayloads(c *clientCodec, seq uint64) int {
+	c.mu.Lock()
+	h := c.held[seq]
+	c.mu.Unlock()
+	if h == nil {
+		return 0
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	n := 0
+	for _, t := range h.tokens {
+		if oob.Offered(t) {
+			n++
+		}
+	}
+	return n
+}
+
+func heldSeqs(c *clientCodec) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.held)
+}
+
+// A reply read before WriteRequest returned releases the request's payloads
+// all the same.
+func TestNetRPCReplyBeforeWriteReturns(t *testing.T) {
+	base := oob.ReadStats().Offered
+	conn := newHookConn(t)
+	c := NewClientCodec(conn, WithEagerThreshold(-1)).(*clientCodec)
+	defer c.Close()
+	read := make(chan error, 1)
+	go func() {
+		var r rpc.Response
+		err := c.ReadResponseHeader(&r)
+		if err == nil {
+			err = c.ReadResponseBody(nil)
+		}
+		read <- err
+	}()
+	var once sync.Once
+	conn.onWrite = func() {
+		once.Do(func() {
+			// The server answers before the request's write returns.
+			go conn.pw.Write(frame(1, "S.M", "", nil))
+			require.NoError(t, <-read)
+		})
+	}
+	body := outOfBand()
+	require.NoError(t, c.WriteRequest(&rpc.Request{Seq: 1, ServiceMethod: "S.M"}, body))
+	ReleaseAll(body)
+	require.Zero(t, heldSeqs(c), "the answered request is still held")
+	require.Equal(t, base, oob.ReadStats().Offered, "the answered request's payload is still in the outbox")
+}
+
+// net/rpc's Client.Close does not wait for a request being written: what
+// the request offered leaves the outbox with Close, and a request written
+// after Close fails.
+func TestNetRPCCloseDuringWrite(t *testing.T) {
+	base := oob.ReadStats().Offered
+	conn := newHookConn(t)
+	c := NewClientCodec(conn, WithEagerThreshold(-1)).(*clientCodec)
+	conn.onWrite = func() { require.NoError(t, c.Close()) }
+	body := outOfBand()
+	defer ReleaseAll(body)
+	require.NoError(t, c.WriteRequest(&rpc.Request{Seq: 1, ServiceMethod: "S.M"}, body))
+	require.Zero(t, heldSeqs(c))
+	require.Equal(t, base, oob.ReadStats().Offered, "a payload outlived Close")
+
+	err := c.WriteRequest(&rpc.Request{Seq: 2, ServiceMethod: "S.M"}, body)
+	require.ErrorIs(t, err, net.ErrClosed)
+	require.Zero(t, heldSeqs(c))
+	require.Equal(t, base, oob.ReadStats().Offered, "a request written after Close offered its payload")
+}
+
+// One message sent by two client codecs at once is held by each of them
+// for its own request.
+func TestNetRPCSameMessageTwoCodecs(t *testing.T) {
+	base := oob.ReadStats().Offered
+	for range 50 {
+		a := NewClientCodec(newHookConn(t), WithEagerThreshold(-1)).(*clientCodec)
+		b := NewClientCodec(newHookConn(t), WithEagerThreshold(-1)).(*clientCodec)
+		body := outOfBand()
+		var wg sync.WaitGroup
+		for _, c := range []*clientCodec{a, b} {
+			wg.Go(func() { require.NoError(t, c.WriteRequest(&rpc.Request{Seq: 1, ServiceMethod: "S.M"}, body)) })
+		}
+		wg.Wait()
+		require.Equal(t, 1, heldPayloads(a, 1), "codec A's request")
+		require.Equal(t, 1, heldPayloads(b, 1), "codec B's request")
+		require.NoError(t, a.Close())
+		require.NoError(t, b.Close())
+		ReleaseAll(body)
+	}
+	require.Equal(t, base, oob.ReadStats().Offered)
+}
+
+// A client codec refuses a second request with the seq of one not answered
+// yet: the first reply would release both.
+func TestNetRPCClientDuplicateSeq(t *testing.T) {
+	c := NewClientCodec(newHookConn(t), WithEagerThreshold(-1)).(*clientCodec)
+	defer c.Close()
+	body := outOfBand()
+	defer ReleaseAll(body)
+	require.NoError(t, c.WriteRequest(&rpc.Request{Seq: 3, ServiceMethod: "S.M"}, body))
+	require.ErrorContains(t, c.WriteRequest(&rpc.Request{Seq: 3, ServiceMethod: "S.M"}, body), "seq 3")
+	require.Equal(t, 1, heldPayloads(c, 3), "the first request's payload")
+}
+
+// A reply whose write fails takes its payloads out of the outbox and
+// releases its buffers: nobody will pull them.
+func TestNetRPCReplyWriteFails(t *testing.T) {
+	base := oob.ReadStats().Offered
+	conn := newHookConn(t)
+	conn.fail = errors.New("connection broken")
+	s := NewServerCodec(conn, WithEagerThreshold(-1))
+	defer s.Close()
+	body := outOfBand()
+	buf, ok := Buffer(body)
+	require.True(t, ok)
+	buf.Retain() // this test's reference, to see the others go
+	require.ErrorContains(t, s.WriteResponse(&rpc.Response{Seq: 1, ServiceMethod: "S.M"}, body), "connection broken")
+	require.Equal(t, base, oob.ReadStats().Offered, "the unsent reply's payload is still offered")
+	buf.Release()
+	require.True(t, buf.Released(), "the unsent reply's buffer is still referenced")
+}
+
+// A peer that announces a large frame and stalls gets no memory for it
+// before its bytes arrive; a header frame over its bound is refused at once.
+func TestNetRPCFrameBounds(t *testing.T) {
+	conn := newHookConn(t)
+	conn.reading = make(chan int, 16)
+	s := NewServerCodec(conn)
+	defer s.Close()
+	read := make(chan error, 1)
+	go func() {
+		var r rpc.Request
+		err := s.ReadRequestHeader(&r)
+		if err == nil {
+			err = s.ReadRequestBody(&gdrv1.DeviceBuffer{})
+		}
+		read <- err
+	}()
+	<-conn.reading // the header's first read
+	var before runtime.MemStats
+	runtime.ReadMemStats(&before)
+	hdr := frame(1, "S.M", "", nil)
+	hdr = hdr[:len(hdr)-1] // the empty body's length: announce 60 MiB instead
+	go conn.pw.Write(append(hdr, binary.AppendUvarint(nil, 60<<20)...))
+	<-conn.reading // the body's read, its bytes not sent
+	var after runtime.MemStats
+	runtime.ReadMemStats(&after)
+	require.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(4<<20), "memory taken for a body whose bytes did not arrive")
+	require.NoError(t, conn.pw.CloseWithError(io.EOF))
+	require.ErrorIs(t, <-read, io.ErrUnexpectedEOF)
+
+	conn = newHookConn(t)
+	s = NewServerCodec(conn)
+	defer s.Close()
+	go conn.pw.Write(binary.AppendUvarint(nil, 1<<20))
+	var r rpc.Request
+	require.ErrorContains(t, s.ReadRequestHeader(&r), "at most 65536")
+}
+
+// An error message too long for a header arrives cut short; a method name
+// too long is an error on the client.
+func TestNetRPCLongHeaders(t *testing.T) {
+	pr, pw := net.Pipe()
+	defer pr.Close()
+	s := NewServerCodec(pw)
+	defer s.Close()
+	c := NewClientCodec(pr).(*clientCodec)
+	long := strings.Repeat("é", maxNetRPCHeader) // two bytes a rune
+	written := make(chan error, 1)
+	go func() { written <- s.WriteResponse(&rpc.Response{Seq: 9, ServiceMethod: "S.M", Error: long}, nil) }()
+	var r rpc.Response
+	require.NoError(t, c.ReadResponseHeader(&r))
+	require.NoError(t, c.ReadResponseBody(nil))
+	require.NoError(t, <-written)
+	require.Equal(t, uint64(9), r.Seq)
+	require.True(t, strings.HasPrefix(long, r.Error), "the error is not a prefix of the one sent")
+	require.Greater(t, len(r.Error), maxNetRPCHeader/2)
+	require.True(t, strings.HasSuffix(r.Error, "é"), "the error was cut inside a rune")
+
+	// Refused before anything is written: were it written, nobody reads it.
+	require.NoError(t, pr.SetWriteDeadline(time.Now().Add(10*time.Second)))
+	err := c.WriteRequest(&rpc.Request{Seq: 1, ServiceMethod: strings.Repeat("m", maxNetRPCHeader)}, nil)
+	require.ErrorContains(t, err, "method name")
+	require.Zero(t, heldSeqs(c))
+}
