@@ -4,10 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"slices"
+	"sync"
 	"sync/atomic"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/connectivity"
+	"google.golang.org/grpc/status"
 )
 
 // Pool is a grpc.ClientConnInterface over several ClientConns to one target,
@@ -27,10 +32,16 @@ import (
 //
 // Each session has its own receive spaces (gdrpc.WithReceiveSpaceLimit), so
 // a pool of n connections may set aside up to n times a session's space.
+//
+// Only NewPool makes a Pool that carries calls: the zero Pool fails them.
 type Pool struct {
 	conns []*grpc.ClientConn
 	busy  []atomic.Int64 // calls and streams in flight on conns[i]
-	next  atomic.Uint64  // where the search for the least busy starts
+	next  atomic.Uint64  // turns among connections equally busy
+	close struct {
+		once sync.Once
+		err  error
+	}
 }
 
 // NewPool makes n ClientConns to target with opts, each as grpc.NewClient
@@ -53,51 +64,66 @@ func NewPool(target string, n int, opts ...grpc.DialOption) (*Pool, error) {
 	return p, nil
 }
 
-// Conns returns the pool's connections, to watch their state or connect them
-// ahead of the first calls. The pool passes over one closed here.
-func (p *Pool) Conns() []*grpc.ClientConn { return p.conns }
+// Conns returns the pool's connections (a copy of its list), to watch their
+// state or connect them ahead of the first calls. The pool passes over one
+// closed here.
+func (p *Pool) Conns() []*grpc.ClientConn { return slices.Clone(p.conns) }
 
-// Close closes every connection of the pool.
+// Close closes every connection of the pool; it is idempotent. A connection
+// closed already (through Conns) is not an error.
 func (p *Pool) Close() error {
-	var errs []error
-	for _, cc := range p.conns {
-		errs = append(errs, cc.Close())
-	}
-	return errors.Join(errs...)
+	p.close.once.Do(func() {
+		var errs []error
+		for _, cc := range p.conns {
+			if err := cc.Close(); status.Code(err) != codes.Canceled {
+				errs = append(errs, err) // Canceled: it was closing already
+			}
+		}
+		p.close.err = errors.Join(errs...)
+	})
+	return p.close.err
 }
 
+// errNoConns fails the calls of a Pool not made by NewPool.
+var errNoConns = status.Error(codes.FailedPrecondition, "dialer: a Pool not made by NewPool has no connections")
+
 // pick returns the connection with the fewest calls in flight among those
-// that can carry a call now, counted as taken: the search starts one
-// connection further each time, so connections equally busy take calls in
-// turn. A closed connection fails its calls at once, and one in
-// TRANSIENT_FAILURE fails those that do not wait for ready, so both look
+// that can carry a call now, counted as taken; connections equally busy
+// take calls in turn. A closed connection fails its calls at once, and one
+// in TRANSIENT_FAILURE fails those that do not wait for ready, so both look
 // idle: they take calls only when every connection is in such a state.
-func (p *Pool) pick() int {
-	n := uint64(len(p.conns))
-	start := p.next.Add(1) % n
-	best, least, usable := start, int64(0), false
-	for i := range n {
-		j := (start + i) % n
-		b := p.busy[j].Load()
-		if usable && b >= least {
-			continue
-		}
-		switch p.conns[j].GetState() {
-		case connectivity.TransientFailure, connectivity.Shutdown:
-			if !usable && (i == 0 || b < least) {
-				best, least = j, b // the least busy of all, while none is usable
-			}
-			continue
-		}
-		best, least, usable = j, b, true
+func (p *Pool) pick() (int, error) {
+	if len(p.conns) == 0 {
+		return 0, errNoConns
 	}
-	p.busy[best].Add(1)
-	return int(best)
+	var buf [16]int
+	tied := buf[:0] // the least busy so far
+	least, usable := int64(0), false
+	for j, cc := range p.conns {
+		st := cc.GetState()
+		ok := st != connectivity.TransientFailure && st != connectivity.Shutdown
+		if usable && !ok {
+			continue
+		}
+		b := p.busy[j].Load()
+		switch {
+		case ok && !usable, len(tied) == 0, b < least:
+			tied, least, usable = append(tied[:0], j), b, usable || ok
+		case b == least:
+			tied = append(tied, j)
+		}
+	}
+	i := tied[p.next.Add(1)%uint64(len(tied))]
+	p.busy[i].Add(1)
+	return i, nil
 }
 
 // Invoke makes a unary call over the least busy connection.
 func (p *Pool) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
-	i := p.pick()
+	i, err := p.pick()
+	if err != nil {
+		return err
+	}
 	defer p.busy[i].Add(-1)
 	return p.conns[i].Invoke(ctx, method, args, reply, opts...)
 }
@@ -105,10 +131,14 @@ func (p *Pool) Invoke(ctx context.Context, method string, args, reply any, opts 
 // NewStream opens a stream over the least busy connection. The stream counts
 // as in flight until gRPC finishes it (grpc.OnFinish: its end read, an
 // error, its context done, the connection closed), or, should an interceptor
-// drop that call option, until RecvMsg returns an error.
+// drop that call option, until RecvMsg returns an error or a stream without
+// server streaming its response, or SendMsg fails.
 func (p *Pool) NewStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts ...grpc.CallOption) (grpc.ClientStream, error) {
-	i := p.pick()
-	ps := &poolStream{busy: &p.busy[i]}
+	i, err := p.pick()
+	if err != nil {
+		return nil, err
+	}
+	ps := &poolStream{busy: &p.busy[i], one: !desc.ServerStreams}
 	opts = append(opts[:len(opts):len(opts)], grpc.OnFinish(func(error) { ps.end() }))
 	st, err := p.conns[i].NewStream(ctx, desc, method, opts...)
 	if err != nil {
@@ -124,12 +154,23 @@ func (p *Pool) NewStream(ctx context.Context, desc *grpc.StreamDesc, method stri
 type poolStream struct {
 	grpc.ClientStream
 	busy  *atomic.Int64 // its connection's count
+	one   bool          // one response: the stream ends with it
 	ended atomic.Bool
 }
 
 func (s *poolStream) RecvMsg(m any) error {
 	err := s.ClientStream.RecvMsg(m)
-	if err != nil {
+	if err != nil || s.one {
+		s.end()
+	}
+	return err
+}
+
+// SendMsg ends the stream on an error other than io.EOF, as gRPC does (io.EOF
+// says the stream ended, its status for RecvMsg to tell).
+func (s *poolStream) SendMsg(m any) error {
+	err := s.ClientStream.SendMsg(m)
+	if err != nil && err != io.EOF {
 		s.end()
 	}
 	return err

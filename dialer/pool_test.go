@@ -209,10 +209,19 @@ func TestPoolClose(t *testing.T) {
 		_, err := c.EmptyCall(ctx, &testpb.Empty{})
 		require.NoError(t, err)
 	}
+	require.NoError(t, pool.Conns()[0].Close()) // closed through Conns first
 	require.NoError(t, pool.Close())
+	require.NoError(t, pool.Close(), "a second Close")
 	_, err = c.EmptyCall(ctx, &testpb.Empty{})
 	require.Equal(t, codes.Canceled, status.Code(err), "%v", err)
 	require.Equal(t, []int64{0, 0}, pool.Busy())
+
+	var zero dialer.Pool
+	err = zero.Invoke(ctx, "/grpc.testing.TestService/EmptyCall", &testpb.Empty{}, &testpb.Empty{})
+	require.Equal(t, codes.FailedPrecondition, status.Code(err), "%v", err)
+	_, err = zero.NewStream(ctx, &grpc.StreamDesc{ServerStreams: true}, "/grpc.testing.TestService/StreamingOutputCall")
+	require.Equal(t, codes.FailedPrecondition, status.Code(err), "%v", err)
+	require.NoError(t, zero.Close())
 }
 
 // Calls one after another on an idle pool go over its connections in turn.
@@ -271,6 +280,39 @@ func TestPoolStreamEnds(t *testing.T) {
 	require.Equal(t, []int64{0, 0}, pool.Busy(), "after a refused SendMsg")
 }
 
+// A stream counts until it ends even when an interceptor drops the pool's
+// grpc.OnFinish: a client stream's CloseAndRecv, a refused SendMsg.
+func TestPoolStreamEndsWithoutOnFinish(t *testing.T) {
+	addr, dopts := start(t, transportCases[2], testService{})
+	drop := grpc.WithChainStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+		opts = slices.DeleteFunc(slices.Clone(opts), func(o grpc.CallOption) bool {
+			_, finish := o.(grpc.OnFinishCallOption)
+			return finish
+		})
+		return streamer(ctx, desc, cc, method, opts...)
+	})
+	pool, err := dialer.NewPool("passthrough:///"+addr, 2, append([]grpc.DialOption{drop}, dopts...)...)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pool.Close() })
+	c := testpb.NewTestServiceClient(pool)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+
+	in, err := c.StreamingInputCall(ctx)
+	require.NoError(t, err)
+	require.NoError(t, in.Send(&testpb.StreamingInputCallRequest{Payload: &testpb.Payload{Body: pattern(10)}}))
+	resp, err := in.CloseAndRecv()
+	require.NoError(t, err)
+	require.Equal(t, int32(10), resp.GetAggregatedPayloadSize())
+	require.Equal(t, []int64{0, 0}, pool.Busy(), "after CloseAndRecv")
+
+	in, err = c.StreamingInputCall(ctx, grpc.MaxCallSendMsgSize(16))
+	require.NoError(t, err)
+	err = in.Send(&testpb.StreamingInputCallRequest{Payload: &testpb.Payload{Body: pattern(1024)}})
+	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+	require.Equal(t, []int64{0, 0}, pool.Busy(), "after a refused SendMsg")
+}
+
 // A connection closed or failing to connect takes no calls while another
 // can: both fail calls at once, so they would look the least busy.
 func TestPoolPassesOverBrokenConns(t *testing.T) {
@@ -280,9 +322,16 @@ func TestPoolPassesOverBrokenConns(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 		defer cancel()
 		require.NoError(t, pool.Conns()[1].Close())
-		for i := range 9 {
-			_, err := c.EmptyCall(ctx, &testpb.Empty{})
+		calls := map[*transport.Session]int{}
+		for i := range 10 {
+			var p peer.Peer
+			_, err := c.EmptyCall(ctx, &testpb.Empty{}, grpc.Peer(&p))
 			require.NoError(t, err, "call %d", i)
+			calls[gdrpc.SessionFromPeer(&p)]++
+		}
+		require.Len(t, calls, 2)
+		for s, n := range calls {
+			require.Equal(t, 5, n, "calls over session %v: the two left take turns", s)
 		}
 		require.NoError(t, pool.Conns()[0].Close())
 		require.NoError(t, pool.Conns()[2].Close())
