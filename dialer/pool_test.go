@@ -273,11 +273,7 @@ func TestPoolStreamEnds(t *testing.T) {
 	require.ErrorIs(t, err, io.EOF)
 	require.Equal(t, []int64{0, 0}, pool.Busy(), "after a server stream's end")
 
-	in, err = c.StreamingInputCall(ctx, grpc.MaxCallSendMsgSize(16))
-	require.NoError(t, err)
-	err = in.Send(&testpb.StreamingInputCallRequest{Payload: &testpb.Payload{Body: pattern(1024)}})
-	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
-	require.Equal(t, []int64{0, 0}, pool.Busy(), "after a refused SendMsg")
+	requireRefusedSendEnds(ctx, t, c, pool)
 }
 
 // A stream counts until it ends even when an interceptor drops the pool's
@@ -306,11 +302,7 @@ func TestPoolStreamEndsWithoutOnFinish(t *testing.T) {
 	require.Equal(t, int32(10), resp.GetAggregatedPayloadSize())
 	require.Equal(t, []int64{0, 0}, pool.Busy(), "after CloseAndRecv")
 
-	in, err = c.StreamingInputCall(ctx, grpc.MaxCallSendMsgSize(16))
-	require.NoError(t, err)
-	err = in.Send(&testpb.StreamingInputCallRequest{Payload: &testpb.Payload{Body: pattern(1024)}})
-	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
-	require.Equal(t, []int64{0, 0}, pool.Busy(), "after a refused SendMsg")
+	requireRefusedSendEnds(ctx, t, c, pool)
 }
 
 // A connection closed or failing to connect takes no calls while another
@@ -372,6 +364,18 @@ func TestPoolPassesOverBrokenConns(t *testing.T) {
 		require.Equal(t, connectivity.TransientFailure, bad.GetState())
 		require.Equal(t, []int64{0, 0}, pool.Busy())
 	})
+}
+
+// requireRefusedSendEnds opens a client stream whose first message gRPC
+// refuses (over its send limit): the refusal ends the stream, and the pool's
+// counts of pool's two connections are back at zero.
+func requireRefusedSendEnds(ctx context.Context, t *testing.T, c testpb.TestServiceClient, pool *dialer.Pool) {
+	t.Helper()
+	in, err := c.StreamingInputCall(ctx, grpc.MaxCallSendMsgSize(16))
+	require.NoError(t, err)
+	err = in.Send(&testpb.StreamingInputCallRequest{Payload: &testpb.Payload{Body: pattern(1024)}})
+	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+	require.Equal(t, []int64{0, 0}, pool.Busy(), "after a refused SendMsg")
 }
 
 // sorted returns the counts from the largest down.
