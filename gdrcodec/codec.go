@@ -374,7 +374,7 @@ func (w *rewriter) outOfBand(n int) bool { return w.oob && n >= w.eager }
 // server's response instead of the outbox, a client's request as well
 // (gRPC may replay it elsewhere).
 func (w *rewriter) offer(src oob.Source, landable bool) oob.Descriptor {
-	opt := oob.OfferOptions{Held: w.hold != nil && !w.hold.once}
+	opt := oob.OfferOptions{Held: w.hold.held()}
 	var d oob.Descriptor
 	switch {
 	case landable && w.to != nil && w.hold == nil:

@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"runtime"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -135,7 +136,8 @@ func newRig(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer,
 	return newRigWith(t, mode, srv, nil, opts...)
 }
 
-// newRigWith is newRig with server options of gRPC's added.
+// newRigWith is newRig with server options of gRPC's added, before the
+// rig's own: their stats handlers run first.
 func newRigWith(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer, serverOpts []grpc.ServerOption, opts ...gdrpc.Option) *rig {
 	t.Helper()
 	if mode == transport.ModeUCX {
@@ -151,7 +153,7 @@ func newRigWith(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceSer
 	opts = append([]gdrpc.Option{gdrpc.WithTransport(mode), processEngine}, opts...)
 	lis, err := listener.Listen("127.0.0.1:0", opts...)
 	require.NoError(t, err)
-	gs := grpc.NewServer(append(listener.ServerOptions(insecure.NewCredentials()), serverOpts...)...)
+	gs := grpc.NewServer(slices.Concat(serverOpts, listener.ServerOptions(insecure.NewCredentials()))...)
 	if srv == nil {
 		srv = &tensor.Server{}
 	}

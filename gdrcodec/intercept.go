@@ -43,9 +43,14 @@ type hold struct {
 	// landed until the call ends.
 	rc     *recvCall
 	landed map[*transport.Session][]oob.Descriptor
-	// shared: the message is being sent on another call too (unsupported,
-	// but not made worse): nothing lands in a session of the first call's.
-	shared bool
+	// users counts the other calls sending, right now, a message whose
+	// payloads this hold keeps (one message sent on several calls at once:
+	// gRPC marshals it for each, and only the message names the hold);
+	// ended, that the hold's own call is over. The payloads stay until
+	// both say so, and none lands in a session of the hold's call while
+	// another call may be the one marshaling.
+	users int
+	ended bool
 	// pruneTokens and pruneWrites are the counts of noted tokens and writes
 	// past which those gone already are forgotten (a long stream's).
 	pruneTokens, pruneWrites int
@@ -58,7 +63,7 @@ func (h *hold) attempt() (context.Context, *transport.Session) {
 		return nil, nil
 	}
 	h.mu.Lock()
-	shared := h.shared
+	shared := h.users > 0 || h.ended
 	h.mu.Unlock()
 	if shared {
 		return nil, nil
@@ -67,22 +72,94 @@ func (h *hold) attempt() (context.Context, *transport.Session) {
 	return ctx, transport.SessionFromContext(ctx)
 }
 
-// share marks h, busy with a message that another call is sending too.
-func (h *hold) share() {
+// held reports whether the payloads offered under h stay in the outbox
+// after a pull (the call may replay them), rather than leave after the first.
+func (h *hold) held() bool {
+	if h == nil {
+		return false
+	}
 	h.mu.Lock()
-	h.shared = true
-	h.mu.Unlock()
+	defer h.mu.Unlock()
+	return !h.once || h.users > 0 // another call's replays are not known
 }
 
-// claim makes h the hold of m, about to be sent on h's call, and reports
-// whether it did: false when another call is sending m already (its hold
-// keeps m, and is marked shared).
-func claim(m any, h *hold) bool {
-	v, busy := holds.LoadOrStore(m, h)
-	if busy {
-		v.(*hold).share()
+// join counts a call other than h's sending a message whose payloads h
+// keeps, and reports whether it may: false once h released its payloads.
+func (h *hold) join() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.done {
+		return false
 	}
-	return !busy
+	h.users++
+	return true
+}
+
+// leave ends what join began, and end ends h's own call: the last of them
+// takes h's payloads out of the outbox and tells the servers they landed
+// with (endWrites).
+func (h *hold) leave() { h.drop(func() { h.users-- }) }
+func (h *hold) end()   { h.drop(func() { h.ended = true }) }
+
+func (h *hold) drop(f func()) {
+	h.mu.Lock()
+	f()
+	last := h.ended && h.users == 0 && !h.done
+	h.mu.Unlock()
+	if last {
+		h.release()
+		h.endWrites()
+	}
+}
+
+// A sending is a message's entry in holds while calls send it: the hold
+// its marshals add payloads to, and how many sends of it are under way.
+type sending struct {
+	h  *hold
+	mu sync.Mutex
+	n  int // 0: over, about to leave holds
+}
+
+var holds sync.Map // outgoing message (pointer) -> *sending
+
+// send notes that m is about to be sent on the call of own and returns its
+// entry. When another call is sending m already, that call's hold keeps
+// this call's payloads of m too (gRPC marshals without naming the call):
+// the call of own leaves it (leave) when it ends.
+func send(m any, own *hold) *sending {
+	mine := &sending{h: own, n: 1}
+	for {
+		v, busy := holds.LoadOrStore(m, mine)
+		if !busy {
+			return mine
+		}
+		e := v.(*sending)
+		e.mu.Lock()
+		joined := e.n > 0 && (e.h == own || e.h.join())
+		if joined {
+			e.n++
+		}
+		e.mu.Unlock()
+		if joined {
+			return e
+		}
+		// Its sends are over, or its call ended while sending (what it
+		// marshals now is withdrawn at once, and this call's must not be).
+		if holds.CompareAndSwap(m, e, mine) {
+			return mine
+		}
+	}
+}
+
+// sent ends a send of m that send returned e for.
+func (e *sending) sent(m any) {
+	e.mu.Lock()
+	e.n--
+	last := e.n == 0
+	e.mu.Unlock()
+	if last {
+		holds.CompareAndDelete(m, e)
+	}
 }
 
 // land notes ds, written into space advertised over s; after the call's end
@@ -133,8 +210,6 @@ func (h *hold) endWrites() {
 		oob.WritesEnded(s, ds)
 	}
 }
-
-var holds sync.Map // outgoing message (pointer) -> *hold
 
 // A recvCall is what Unmarshal learns of the call a message is received for
 // (gRPC hands a codec none): its context, so pulls end with the call's deadline
@@ -396,8 +471,8 @@ func requestType(method string) protoreflect.FullName {
 var failures = newExpiring[*status.Status](time.Minute)
 
 func holdOf(v any) *hold {
-	if h, ok := holds.Load(v); ok {
-		return h.(*hold)
+	if e, ok := holds.Load(v); ok {
+		return e.(*sending).h
 	}
 	return nil
 }
@@ -441,9 +516,7 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 		ctx, call := numberCall(ctx)
 		rc := expectReceive(ctx, reply, false)
 		h := &hold{rc: rc}
-		if !claim(req, h) {
-			h = nil // the same message in two calls at once: the first call holds it
-		}
+		sending := send(req, h)
 		err := rc.done(reply, invoker(context.WithValue(ctx, recvKey{}, rc), method, req, reply, cc, opts...))
 		rc.closeCall()
 		if m := messageV2Of(reply); err != nil && m != nil {
@@ -454,11 +527,11 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 			// did (clientStats): a call is not retried once headers came.
 			call.Ended(transport.SessionFromContext(rc.context()))
 		}
-		if h != nil {
-			holds.Delete(req)
-			h.release()
-			h.endWrites()
+		sending.sent(req)
+		if sending.h != h {
+			sending.h.leave()
 		}
+		h.end()
 		return err
 	}
 }
@@ -489,6 +562,7 @@ func StreamClientInterceptor() grpc.StreamClientInterceptor {
 		cs, err := streamer(context.WithValue(ctx, recvKey{}, rc), desc, cc, method, append(slices.Clip(opts), finished)...)
 		if err != nil {
 			rc.closeCall()
+			cancel()
 			return nil, err
 		}
 		s.ClientStream = cs
@@ -521,6 +595,12 @@ type heldStream struct {
 	serverStreams bool
 	complete      atomic.Bool // every message of the server was received
 	ended         sync.Once
+
+	mu sync.Mutex
+	// joined: the holds of other calls that keep payloads of messages this
+	// stream sent too (send), left when the stream ends.
+	joined map[*hold]bool
+	over   bool
 }
 
 // end runs once the stream is over (gRPC finished it, a receive failed, or
@@ -532,8 +612,14 @@ func (s *heldStream) end() {
 	s.ended.Do(func() {
 		s.h.rc.closeCall()
 		s.cancel()
-		s.h.release()
-		s.h.endWrites()
+		s.h.end()
+		s.mu.Lock()
+		joined := s.joined
+		s.joined, s.over = nil, true
+		s.mu.Unlock()
+		for h := range joined {
+			h.leave()
+		}
 		if !s.complete.Load() {
 			s.call.Ended(transport.SessionFromContext(s.h.rc.context()))
 		}
@@ -541,10 +627,22 @@ func (s *heldStream) end() {
 }
 
 func (s *heldStream) SendMsg(m any) error {
-	own := claim(m, s.h)
+	sending := send(m, s.h)
 	err := s.ClientStream.SendMsg(m)
-	if own {
-		holds.Delete(m)
+	sending.sent(m)
+	if h := sending.h; h != s.h {
+		s.mu.Lock()
+		keep := !s.over && !s.joined[h]
+		if keep {
+			if s.joined == nil {
+				s.joined = map[*hold]bool{}
+			}
+			s.joined[h] = true
+		}
+		s.mu.Unlock()
+		if !keep { // the stream is over, or counted in h already
+			h.leave()
+		}
 	}
 	return err
 }
