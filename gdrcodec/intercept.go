@@ -84,11 +84,12 @@ func (h *hold) held() bool {
 }
 
 // join counts a call other than h's sending a message whose payloads h
-// keeps, and reports whether it may: false once h released its payloads.
+// keeps, and reports whether it may: false once h's last user left, whose
+// drop releases h's payloads (or did).
 func (h *hold) join() bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.done {
+	if h.done || h.ended && h.users == 0 {
 		return false
 	}
 	h.users++
