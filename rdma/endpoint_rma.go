@@ -328,14 +328,19 @@ func (e *Endpoint) copyDirect(ctx context.Context, get bool, local []byte, remot
 	// checkRMA bounded [remote, remote+len(local)) by the region, which lies
 	// in the segment (UnpackKey).
 	seg := unsafe.Slice((*byte)(unsafe.Add(key.seg, remote-key.region.base)), len(local))
-	c := directCopy{e: e, ctx: ctx, get: get, local: local, seg: seg}
+	return directCopy{e: e, ctx: ctx, get: get, local: local, seg: seg}.run()
+}
+
+// run copies the whole of local, in pieces, on this goroutine or shared with
+// others (directWorkers).
+func (c directCopy) run() error {
 	piece := rmaPiece
-	if len(local) <= directCached {
+	if len(c.local) <= directCached {
 		piece = directCachedPiece
 	}
-	workers := min(directWorkers, runtime.GOMAXPROCS(0), len(local)/directShare)
+	workers := min(directWorkers, runtime.GOMAXPROCS(0), len(c.local)/directShare)
 	if workers < 2 {
-		for lo := 0; lo < len(local); lo += piece {
+		for lo := 0; lo < len(c.local); lo += piece {
 			if err := c.copyPiece(lo, piece); err != nil {
 				return err
 			}
@@ -349,7 +354,7 @@ func (e *Endpoint) copyDirect(ctx context.Context, get bool, local []byte, remot
 	run := func() error {
 		for !failed.Load() {
 			lo := int(next.Add(int64(piece)) - int64(piece))
-			if lo >= len(local) {
+			if lo >= len(shared.local) {
 				return nil
 			}
 			if err := shared.copyPiece(lo, piece); err != nil {

@@ -3,8 +3,11 @@
 package rdma
 
 import (
+	"bytes"
+	"context"
 	"os"
 	"path/filepath"
+	"runtime"
 	"syscall"
 	"testing"
 	"unsafe"
@@ -70,4 +73,31 @@ func TestCopyGuardedFault(t *testing.T) {
 	err = copyGuarded(local, seg[2*page:])
 	require.ErrorContains(t, err, "faulted")
 	require.NoError(t, copyGuarded(local[:page], seg[:page]), "the pages the file still has")
+}
+
+// A direct copy shared by several goroutines into (or out of) a segment whose
+// file shrank fails as a whole, and the process lives on: each goroutine
+// turns its own faults into errors (a fault panics only on a goroutine that
+// asked for it).
+func TestSharedCopyFault(t *testing.T) {
+	defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(directWorkers))
+	n := 4*directShare + 3
+	f, seg := sharedFile(t, n)
+	local := make([]byte, n)
+	for i := range local {
+		local[i] = byte(i * 7)
+	}
+	c := directCopy{e: &Endpoint{}, ctx: context.Background(), local: local, seg: seg}
+	require.NoError(t, c.run())
+	require.True(t, bytes.Equal(local, seg), "the whole file in place")
+
+	require.NoError(t, f.Truncate(int64(directShare+rmaPiece/2))) // the second piece of the second share on
+	for _, get := range []bool{false, true} {
+		c.get = get
+		err := c.run()
+		require.ErrorContains(t, err, "faulted", "get=%v", get)
+	}
+	c.seg = seg[:directShare]
+	c.local = local[:directShare]
+	require.NoError(t, c.run(), "the pages the file still has")
 }
