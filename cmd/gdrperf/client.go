@@ -90,9 +90,9 @@ type result struct {
 	VsNaive         *float64 `json:"gdrpc_vs_naive,omitempty"`
 	D2HMiBs         *float64 `json:"d2h_mib_s,omitempty"`             // -mem cuda -recv host: device-to-host copy into registered host memory
 	VsD2HPut        *float64 `json:"gdrpc_vs_min_d2h_put,omitempty"`  // against min(d2h, ucx_perftest): the staged path's ceiling
-	RPCMicros       *float64 `json:"rpc_1kib_us,omitempty"`           // plain gRPC unary call with 1 KiB, median
+	RPCMicros       *float64 `json:"rpc_1kib_us,omitempty"`           // plain gRPC unary call with 1 KiB, median; with N in flight the mean call under load
 	CopyMiBs        *float64 `json:"copy_mib_s,omitempty"`            // in-process copy of the payload, -mem to -recv memory
-	VsRPCCopy       *float64 `json:"call_vs_rpc_plus_copy,omitempty"` // call time / (1 KiB RPC + copy), one call at a time
+	VsRPCCopy       *float64 `json:"call_vs_rpc_plus_copy,omitempty"` // call time / (1 KiB RPC + copy), both with as many in flight
 	Fallbacks       []string `json:"fallbacks,omitempty"`
 	Notes           []string `json:"notes,omitempty"`
 }
@@ -128,7 +128,10 @@ type bench struct {
 
 	logf func(string, ...any)
 
-	rpcFloor time.Duration // a plain 1 KiB unary call, median; measured once
+	// rpcFloor is a plain 1 KiB unary call by calls in flight, measured once
+	// for each: with one, the median call; with N, the mean call under load
+	// (N calls' time over the batch's rate), as the call µs column.
+	rpcFloor map[int]time.Duration
 
 	// drain, when set, runs after each goroutine of a batch made its calls
 	// (and, with one goroutine, after each call), inside the timing: with
@@ -265,8 +268,8 @@ func (b *bench) measure(ctx context.Context, size int) *result {
 	r.VsUCXPerftest = ratio(r.GDRPCMiBs, r.UCXPerftestMiBs)
 	r.VsDtoD = ratio(r.GDRPCMiBs, r.DtoDMiBs)
 	r.VsNaive = ratio(r.GDRPCMiBs, r.NaiveMiBs)
-	r.VsRPCCopy = callVsRPCCopy(size, r)
 	r.CallMicros = callMicros(size, r)
+	r.VsRPCCopy = callVsRPCCopy(size, r)
 	if r.D2HMiBs != nil {
 		ceiling := r.D2HMiBs
 		if r.UCXPerftestMiBs != nil && *r.UCXPerftestMiBs < *ceiling {
@@ -299,24 +302,25 @@ func (b *bench) measureBaselines(ctx context.Context, size int, pat []byte, r *r
 			r.UCXPerftestMiBs = &pr.MiBs
 		}
 	}
-	if b.o.inflight == 1 {
-		if b.rpcFloor == 0 {
-			if v, err := b.timeCalls(ctx, 1<<10, b.plainMake(1<<10), nil); err != nil {
-				note("rpc 1KiB", err)
-			} else {
-				b.rpcFloor = time.Duration(float64(1<<10) / (v * (1 << 20)) * float64(time.Second))
+	if b.rpcFloor[b.o.inflight] == 0 {
+		if v, err := b.timeCalls(ctx, 1<<10, b.plainMake(1<<10), nil); err != nil {
+			note("rpc 1KiB", err)
+		} else {
+			if b.rpcFloor == nil {
+				b.rpcFloor = make(map[int]time.Duration)
 			}
+			b.rpcFloor[b.o.inflight] = time.Duration(float64(b.o.inflight<<10) / (v * (1 << 20)) * float64(time.Second))
 		}
-		if b.rpcFloor > 0 {
-			us := float64(b.rpcFloor) / float64(time.Microsecond)
-			r.RPCMicros = &us
-		}
-		if !(b.o.mem == "cuda" && b.o.recv == "cuda") { // there the dtod column is the copy
-			if v, err := b.measureCopy(size); err != nil {
-				note("copy", err)
-			} else {
-				r.CopyMiBs = &v
-			}
+	}
+	if f := b.rpcFloor[b.o.inflight]; f > 0 {
+		us := float64(f) / float64(time.Microsecond)
+		r.RPCMicros = &us
+	}
+	if !(b.o.mem == "cuda" && b.o.recv == "cuda") { // there the dtod column is the copy
+		if v, err := b.measureCopy(size); err != nil {
+			note("copy", err)
+		} else {
+			r.CopyMiBs = &v
 		}
 	}
 	if b.o.mem == "cuda" && b.o.recv == "host" {
@@ -546,18 +550,20 @@ func callMicros(size int, r *result) *float64 {
 
 // callVsRPCCopy is the call time over the floor one call could reach: a plain
 // 1 KiB unary call plus an in-process copy of the payload (the dtod column's
-// copy for GPU to GPU). Nil when a part is missing or calls overlapped.
+// copy for GPU to GPU). With N calls in flight, a call under load over a
+// plain 1 KiB call under the same load plus one copy. Nil when a part is
+// missing.
 func callVsRPCCopy(size int, r *result) *float64 {
 	copyRate := r.CopyMiBs
 	if copyRate == nil {
 		copyRate = r.DtoDMiBs
 	}
-	if r.RPCMicros == nil || copyRate == nil || *copyRate <= 0 || r.GDRPCMiBs <= 0 || r.Inflight != 1 {
+	call := callMicros(size, r)
+	if r.RPCMicros == nil || copyRate == nil || *copyRate <= 0 || call == nil {
 		return nil
 	}
-	mib := float64(size) / (1 << 20)
-	floor := *r.RPCMicros/1e6 + mib / *copyRate
-	return finite(mib / r.GDRPCMiBs / floor)
+	floor := *r.RPCMicros + float64(size)/(1<<20) / *copyRate * 1e6
+	return finite(*call / floor)
 }
 
 // measureCopy times an in-process copy of size bytes from the sender's kind

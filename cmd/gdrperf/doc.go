@@ -56,6 +56,10 @@
 // call µs column is one call's time: the median call with one in flight, and
 // with N in flight the mean call under load (N × size / rate), which is what
 // bounds the aggregate where the device is not busy all the while.
+// call/(rpc+copy) sets it against a plain 1 KiB unary call made with as many
+// in flight (rpc 1KiB µs, timed the same way) plus one in-process copy of
+// the payload: with N in flight, how far a call under load is from what
+// gRPC alone takes under that load.
 //
 // The table's first line names the run's settings, the GOMAXPROCS of both
 // processes among them: on a host whose idle cores are slow to wake, a call
