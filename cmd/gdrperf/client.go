@@ -435,9 +435,14 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 			continue
 		}
 		if e.Advertised {
-			// Written into the client's receive space while the server
-			// marshaled its response: no transfer of the client's to time.
+			// Written into the receiver's space while the owner marshaled its
+			// message. Pull: the server wrote, no transfer of the client's
+			// to time; push: the client's own write, timed unless it was a
+			// device copy queued and not waited for.
 			paths[e.Route()+"@space"] = true
+			if !e.Pull && !e.Queued {
+				xfers = append(xfers, e.Elapsed)
+			}
 			continue
 		}
 		paths[e.Route()] = true

@@ -33,6 +33,9 @@
 // for -op push). A payload the server wrote into the client's receive space
 // while it marshaled the response (gdrpc.WithReceiveSpace, between trusted
 // peers) has no pull: its path reads "<route>@space" and it has no xfer.
+// With -op push into the server's request space, xfer is the client's own
+// write into that space while it marshaled the request (a host copy or
+// UCX's put, timed to its end); a GPU copy queued without waiting has none.
 // -receive-space sets the client's space (0: none), to set the rendezvous
 // against it in one run; -request-space sets the server's space for
 // requests (none by default), which op push's payloads land in, and

@@ -60,7 +60,7 @@ func (r *reporter) header(b *bench) {
 	case o.inflights[0] > 1:
 		rate = fmt.Sprintf("aggregate: %d goroutines make %d calls each, all bytes / wall time", o.inflights[0], o.iters)
 	}
-	fmt.Fprintf(r.w, "# gdrpc: unary call, payload out-of-band (%s); MiB/s = %s; call µs = one call's time (in flight N: N x size / rate, the mean call under load); xfer = the out-of-band transfer alone, median\n", what, rate)
+	fmt.Fprintf(r.w, "# gdrpc: unary call, payload out-of-band (%s); MiB/s = %s; call µs = one call's time (in flight N: N x size / rate, the mean call under load); xfer = the out-of-band transfer alone, median (op push into a request space: the client's write into it)\n", what, rate)
 	fmt.Fprintf(r.w, "# grpc-tcp: plain gRPC-Go over TCP, bytes field, default codec and windows, message limits raised; same calls\n")
 	if b.perfBin != "" && b.info.PerftestPort != 0 {
 		mem := o.perftestMem()
