@@ -2,6 +2,7 @@ package devicebuf
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"runtime"
@@ -24,6 +25,20 @@ type Event struct {
 
 	mu     sync.RWMutex // held for reading by calls on e, for writing by Close
 	closed bool
+}
+
+// NewEvent makes an event on CUDA device dev, for this process alone.
+func NewEvent(dev int) (*Event, error) {
+	d, err := checkDevice(dev)
+	if err != nil {
+		return nil, err
+	}
+	e, err := d.EventCreate(dev, false)
+	if err != nil {
+		return nil, fmt.Errorf("devicebuf: cuEventCreate on device %d: %w", dev, err)
+	}
+	live.events.Add(1)
+	return &Event{d: d, e: e}, nil
 }
 
 // NewIPCEvent makes an interprocess event on CUDA device dev and returns it with its handle,
@@ -185,6 +200,67 @@ func (s *Stream) withEvent(e *Event, op string, call func(driver.Stream, driver.
 		return fmt.Errorf("devicebuf: %s: %w", op, err)
 	}
 	return nil
+}
+
+// How SynchronizeBy polls its event: in sleeps growing from settleSleep to
+// settleSleepMax.
+const (
+	settleSleep    = 20 * time.Microsecond
+	settleSleepMax = time.Millisecond
+)
+
+// SynchronizeBy is Synchronize for a caller that is in no hurry: it records ev
+// on s and looks whether ev completed between sleeps, instead of waiting in
+// cuStreamSynchronize, which spins on the device's progress and slows every
+// other thread's copies queued on s meanwhile. ev is the caller's, used by
+// one SynchronizeBy at a time.
+func (s *Stream) SynchronizeBy(ev *Event) error {
+	if s.d == nil {
+		return s.Synchronize()
+	}
+	s.life.RLock()
+	defer s.life.RUnlock()
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return fmt.Errorf("devicebuf: stream: %w", net.ErrClosed)
+	}
+	// Each copy of done was queued before it was listed: the record below
+	// comes after all of them on s.
+	done := s.pending
+	s.pending = nil
+	s.mu.Unlock()
+	err := s.settle(ev)
+	if err != nil {
+		// The event tells nothing: wait for the stream itself.
+		return errors.Join(err, s.sync(done))
+	}
+	for _, q := range done {
+		q.done()
+	}
+	return nil
+}
+
+// settle records ev on s (life held) and returns once ev completed.
+func (s *Stream) settle(ev *Event) error {
+	ev.mu.RLock()
+	defer ev.mu.RUnlock()
+	if ev.closed {
+		return fmt.Errorf("devicebuf: event: %w", net.ErrClosed)
+	}
+	if err := s.d.EventRecord(ev.e, s.s); err != nil {
+		return fmt.Errorf("devicebuf: cuEventRecord: %w", err)
+	}
+	for pause := settleSleep; ; pause = min(2*pause, settleSleepMax) {
+		done, err := s.d.EventQuery(ev.e)
+		if err != nil {
+			return fmt.Errorf("devicebuf: cuEventQuery: %w", err)
+		}
+		if done {
+			return nil
+		}
+		time.Sleep(pause)
+	}
 }
 
 // WrapArriving is Wrap for CUDA memory whose bytes are still arriving: they are in place once

@@ -2,6 +2,7 @@ package devicebuf_test
 
 import (
 	"context"
+	"net"
 	"testing"
 	"time"
 
@@ -14,8 +15,8 @@ import (
 // TestIPCEventArrival is the contract of a buffer whose bytes arrive after it is handed
 // out: a sender copies on a stream of its own and records an event the receiver made;
 // the receiver's buffer is Pending, nothing has landed yet (the fake runs queued copies
-// only when something waits for them), and the bytes are in place after Wait, after a
-// stream's WaitOn, and for Copy, which waits itself.
+// only when something waits for them or looks at their event), and the bytes are in
+// place after Wait, after a stream's WaitOn, and for Copy, which waits itself.
 func TestIPCEventArrival(t *testing.T) {
 	g := devicebuftest.Install(t, 1)
 	base := devicebuf.Live()
@@ -188,4 +189,78 @@ func TestEventAwait(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, want, got, "the copy before the event")
 	require.NoError(t, <-synced)
+}
+
+// TestSynchronizeBy: SynchronizeBy returns once the copies queued before it
+// are complete, their bytes in place and their buffers let go of; work that
+// does not end holds it up; on a closed event it still waits for the stream,
+// and a closed stream refuses it.
+func TestSynchronizeBy(t *testing.T) {
+	g := devicebuftest.Install(t, 1)
+	n := 1<<16 + 5
+	st, err := devicebuf.NewCopyStream(0)
+	require.NoError(t, err)
+	defer st.Close()
+	ev, err := devicebuf.NewEvent(0)
+	require.NoError(t, err)
+	defer ev.Close()
+	before := g.Allocations()
+	// queue copies a fresh pattern into dst and lets go of its source: the
+	// stream holds it until a synchronization lets go of it.
+	queue := func(dst *devicebuf.Buffer, seed uint64) []byte {
+		src := cudaKind(0).alloc(t, n)
+		want := pattern(seed, n)
+		require.NoError(t, g.Poke(src.Ptr(), want))
+		require.NoError(t, devicebuf.CopyAsync(st, dst, src))
+		require.NoError(t, src.Release())
+		return want
+	}
+	requireBytes := func(dst *devicebuf.Buffer, want []byte) {
+		got, err := g.Peek(dst.Ptr(), n)
+		require.NoError(t, err)
+		require.Equal(t, want, got)
+	}
+	dst := cudaKind(0).alloc(t, n)
+	defer dst.Release()
+
+	want := queue(dst, 3)
+	require.NoError(t, st.SynchronizeBy(ev))
+	requireBytes(dst, want)
+	require.Equal(t, before+1, g.Allocations(), "the source let go of, dst left")
+
+	unhang, err := g.Hang(st.Handle())
+	require.NoError(t, err)
+	defer unhang()
+	want = queue(dst, 4)
+	probe, err := devicebuf.NewEvent(0)
+	require.NoError(t, err)
+	defer probe.Close()
+	require.NoError(t, st.Record(probe))
+	synced := make(chan error, 1)
+	go func() { synced <- st.SynchronizeBy(ev) }()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	require.ErrorIs(t, probe.Await(ctx), context.DeadlineExceeded, "the hung work holds the copy")
+	select {
+	case err := <-synced:
+		t.Fatalf("SynchronizeBy returned (%v) before the hung work ended", err)
+	default:
+	}
+	require.Equal(t, before+2, g.Allocations(), "the source held while its copy waits")
+	unhang()
+	require.NoError(t, <-synced)
+	requireBytes(dst, want)
+	require.Equal(t, before+1, g.Allocations())
+
+	// A closed event tells nothing: the stream itself is waited for.
+	closed, err := devicebuf.NewEvent(0)
+	require.NoError(t, err)
+	require.NoError(t, closed.Close())
+	want = queue(dst, 5)
+	require.ErrorIs(t, st.SynchronizeBy(closed), net.ErrClosed)
+	requireBytes(dst, want)
+	require.Equal(t, before+1, g.Allocations())
+
+	require.NoError(t, st.Close())
+	require.ErrorIs(t, st.SynchronizeBy(ev), net.ErrClosed)
 }

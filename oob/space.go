@@ -1227,6 +1227,10 @@ func endSpaces(a *attached) {
 // did. It is woken, not started, on a copy's path.
 type copyQueue struct {
 	stream *devicebuf.Stream
+	// reaped is the reaper's own event: it waits for the copies by polling
+	// it between sleeps (SynchronizeBy), not spinning in the driver beside
+	// the marshals that queue the next copies.
+	reaped *devicebuf.Event
 	kick   chan struct{} // buffered: copies were queued since the last synchronization began
 	stop   chan struct{} // closed by close
 	reaper sync.WaitGroup
@@ -1237,7 +1241,11 @@ func newCopyQueue(dev int) (*copyQueue, error) {
 	if err != nil {
 		return nil, err
 	}
-	q := &copyQueue{stream: st, kick: make(chan struct{}, 1), stop: make(chan struct{})}
+	ev, err := devicebuf.NewEvent(dev)
+	if err != nil {
+		return nil, errors.Join(err, st.Close())
+	}
+	q := &copyQueue{stream: st, reaped: ev, kick: make(chan struct{}, 1), stop: make(chan struct{})}
 	q.reaper.Add(1)
 	go q.reap()
 	return q, nil
@@ -1274,7 +1282,7 @@ func (q *copyQueue) reap() {
 		case <-q.stop:
 			return // close waited for the copies
 		}
-		if err := q.stream.Synchronize(); errors.Is(err, net.ErrClosed) {
+		if err := q.stream.SynchronizeBy(q.reaped); errors.Is(err, net.ErrClosed) {
 			return // close waited for the copies
 		}
 		// Another error (the device's) still let go of the copies' buffers;
@@ -1287,4 +1295,5 @@ func (q *copyQueue) close() {
 	_ = q.stream.Close()
 	close(q.stop)
 	q.reaper.Wait()
+	_ = q.reaped.Close()
 }

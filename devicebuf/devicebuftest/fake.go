@@ -62,6 +62,9 @@ type fakeStream struct {
 	dev     int
 	pending []func() error
 	running bool // a synchronization took the copies in pending and runs them
+	// progressing is set while a goroutine of the fake's runs pending, started
+	// by a look at one of the stream's events (EventQuery).
+	progressing bool
 	// run is held while a synchronization runs the copies it took: another
 	// one returns only after they ran, as on a real stream.
 	run sync.Mutex
@@ -799,8 +802,10 @@ func (g *GPU) EventSynchronize(e driver.Event) error {
 }
 
 // EventQuery reports an event complete once the stream it was recorded on holds no
-// deferred copies and runs none (or is gone): the fake runs them when that stream is
-// synchronized.
+// deferred copies and runs none (or is gone). The fake runs a stream's copies when that
+// stream is synchronized, and, as a device runs its streams by itself, when one of its
+// events is looked at: that look starts them on a goroutine of the fake's and reports the
+// event not complete yet.
 func (g *GPU) EventQuery(e driver.Event) (bool, error) {
 	if g.absent != nil {
 		return false, g.absent
@@ -811,8 +816,21 @@ func (g *GPU) EventQuery(e driver.Event) (bool, error) {
 	if !ok {
 		return false, cuError("cuEventQuery", 400, "CUDA_ERROR_INVALID_HANDLE", "unknown event")
 	}
-	st, live := g.streams[ev.rec.stream]
-	return !live || len(st.pending) == 0 && !st.running, nil
+	s := ev.rec.stream
+	st, live := g.streams[s]
+	if !live || len(st.pending) == 0 && !st.running {
+		return true, nil
+	}
+	if len(st.pending) > 0 && !st.progressing {
+		st.progressing = true
+		go func() {
+			_ = g.syncIfLive(s) // no caller waits for it: an error of its copies goes unreported
+			g.mu.Lock()
+			st.progressing = false
+			g.mu.Unlock()
+		}()
+	}
+	return false, nil
 }
 
 func (g *GPU) EventDestroy(e driver.Event) error {
