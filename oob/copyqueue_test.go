@@ -162,3 +162,29 @@ func TestCopyQueueCloseWhileCopying(t *testing.T) {
 	wg.Wait()
 	require.Equal(t, before, r.g.Allocations(), "the closed queue holds no source")
 }
+
+// TestCopyQueueBackToBack: a copy queued while the queue's goroutine waits
+// for the one before (held up here by work that does not end) is waited for
+// in turn once that work ends, by the goroutine's polling wait, and both
+// copies' sources are let go of.
+func TestCopyQueueBackToBack(t *testing.T) {
+	r := newCopyQueueRig(t, 3)
+	before := r.g.Allocations()
+	unhang, err := r.g.Hang(r.q.stream.Handle())
+	require.NoError(t, err)
+	defer unhang()
+	first, err := r.copy(0)
+	require.NoError(t, err)
+	// The goroutine takes the first kick and waits behind the hung work;
+	// once the kick channel is empty again, the next copy's kick is one that
+	// came during that wait.
+	require.Eventually(t, func() bool { return len(r.q.kick) == 0 }, 10*time.Second, 50*time.Microsecond)
+	second, err := r.copy(1)
+	require.NoError(t, err)
+	require.Equal(t, before+2, r.g.Allocations(), "both sources held while the work before them hangs")
+	unhang()
+	require.Eventually(t, func() bool { return r.g.Allocations() == before }, 10*time.Second, 50*time.Microsecond,
+		"the queue let go of both sources")
+	r.check(0, first)
+	r.check(1, second)
+}

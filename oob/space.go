@@ -1227,9 +1227,9 @@ func endSpaces(a *attached) {
 // did. It is woken, not started, on a copy's path.
 type copyQueue struct {
 	stream *devicebuf.Stream
-	// reaped is the reaper's own event: it waits for the copies by polling
-	// it between sleeps (SynchronizeBy), not spinning in the driver beside
-	// the marshals that queue the next copies.
+	// reaped is the reaper's own event: while copies come back to back it
+	// waits for them by polling it between sleeps (SynchronizeBy), not
+	// spinning in the driver beside the marshals that queue the next ones.
 	reaped *devicebuf.Event
 	kick   chan struct{} // buffered: copies were queued since the last synchronization began
 	stop   chan struct{} // closed by close
@@ -1274,19 +1274,32 @@ func (q *copyQueue) copyInto(mapping *devicebuf.Buffer, m *rtr, src *devicebuf.B
 	return nil
 }
 
+// reap waits for the queued copies whenever some were queued. While copies
+// are queued back to back (a kick came during the last wait) it polls its
+// event between sleeps, which leaves the stream to the marshals queueing
+// them; otherwise it waits in the driver, which lets go of a lone copy's
+// buffers soonest and arms no timer.
 func (q *copyQueue) reap() {
 	defer q.reaper.Done()
+	busy := false
 	for {
 		select {
 		case <-q.kick:
 		case <-q.stop:
 			return // close waited for the copies
 		}
-		if err := q.stream.SynchronizeBy(q.reaped); errors.Is(err, net.ErrClosed) {
+		var err error
+		if busy {
+			err = q.stream.SynchronizeBy(q.reaped)
+		} else {
+			err = q.stream.Synchronize()
+		}
+		if errors.Is(err, net.ErrClosed) {
 			return // close waited for the copies
 		}
 		// Another error (the device's) still let go of the copies' buffers;
 		// the next copy's kick synchronizes again.
+		busy = len(q.kick) > 0
 	}
 }
 

@@ -803,9 +803,10 @@ func (g *GPU) EventSynchronize(e driver.Event) error {
 
 // EventQuery reports an event complete once the stream it was recorded on holds no
 // deferred copies and runs none (or is gone). The fake runs a stream's copies when that
-// stream is synchronized, and, as a device runs its streams by itself, when one of its
-// events is looked at: that look starts them on a goroutine of the fake's and reports the
-// event not complete yet.
+// stream is synchronized; a look at an event of this process alone (not interprocess)
+// also starts them, on a goroutine of the fake's, as a device runs its streams by itself,
+// and reports the event not complete yet. Looks at interprocess events start nothing:
+// tests of payloads arriving under them see the copies wait until something waits.
 func (g *GPU) EventQuery(e driver.Event) (bool, error) {
 	if g.absent != nil {
 		return false, g.absent
@@ -821,7 +822,7 @@ func (g *GPU) EventQuery(e driver.Event) (bool, error) {
 	if !live || len(st.pending) == 0 && !st.running {
 		return true, nil
 	}
-	if len(st.pending) > 0 && !st.progressing {
+	if len(st.pending) > 0 && !st.progressing && !ev.ipc {
 		st.progressing = true
 		go func() {
 			_ = g.syncIfLive(s) // no caller waits for it: an error of its copies goes unreported
