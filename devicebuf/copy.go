@@ -258,15 +258,24 @@ func (q queued) done() {
 func (s *Stream) Synchronize() error {
 	s.life.RLock()
 	defer s.life.RUnlock()
+	done, err := s.takePending()
+	if err != nil {
+		return err
+	}
+	return s.sync(done)
+}
+
+// takePending returns the copies queued on s so far and leaves none (life
+// held): each of them was queued on the device before it was listed.
+func (s *Stream) takePending() ([]queued, error) {
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	if s.closed {
-		s.mu.Unlock()
-		return fmt.Errorf("devicebuf: stream: %w", net.ErrClosed)
+		return nil, fmt.Errorf("devicebuf: stream: %w", net.ErrClosed)
 	}
 	done := s.pending
 	s.pending = nil
-	s.mu.Unlock()
-	return s.sync(done)
+	return done, nil
 }
 
 // sync waits for the device stream and then lets go of done, copies queued before.
@@ -277,10 +286,15 @@ func (s *Stream) sync(done []queued) error {
 			err = fmt.Errorf("devicebuf: cuStreamSynchronize: %w", e)
 		}
 	}
+	letGo(done)
+	return err
+}
+
+// letGo lets go of the buffers of complete copies.
+func letGo(done []queued) {
 	for _, q := range done {
 		q.done()
 	}
-	return err
 }
 
 // Close waits for queued copies and destroys the stream. It is idempotent; afterwards calls

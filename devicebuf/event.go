@@ -220,24 +220,15 @@ func (s *Stream) SynchronizeBy(ev *Event) error {
 	}
 	s.life.RLock()
 	defer s.life.RUnlock()
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		return fmt.Errorf("devicebuf: stream: %w", net.ErrClosed)
-	}
-	// Each copy of done was queued before it was listed: the record below
-	// comes after all of them on s.
-	done := s.pending
-	s.pending = nil
-	s.mu.Unlock()
-	err := s.settle(ev)
+	done, err := s.takePending() // the record below comes after all of them
 	if err != nil {
+		return err
+	}
+	if err := s.settle(ev); err != nil {
 		// The event tells nothing: wait for the stream itself.
 		return errors.Join(err, s.sync(done))
 	}
-	for _, q := range done {
-		q.done()
-	}
+	letGo(done)
 	return nil
 }
 
