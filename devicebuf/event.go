@@ -28,37 +28,34 @@ type Event struct {
 }
 
 // NewEvent makes an event on CUDA device dev, for this process alone.
-func NewEvent(dev int) (*Event, error) {
+func NewEvent(dev int) (*Event, error) { return newEvent(dev, false) }
+
+// NewIPCEvent makes an interprocess event on CUDA device dev and returns it with its handle,
+// which another process opens with OpenIPCEvent.
+func NewIPCEvent(dev int) (*Event, IPCEventHandle, error) {
+	ev, err := newEvent(dev, true)
+	if err != nil {
+		return nil, IPCEventHandle{}, err
+	}
+	h, err := ev.d.IpcGetEventHandle(ev.e)
+	if err != nil {
+		_ = ev.Close()
+		return nil, IPCEventHandle{}, fmt.Errorf("devicebuf: cuIpcGetEventHandle: %w", err)
+	}
+	return ev, h, nil
+}
+
+func newEvent(dev int, interprocess bool) (*Event, error) {
 	d, err := checkDevice(dev)
 	if err != nil {
 		return nil, err
 	}
-	e, err := d.EventCreate(dev, false)
+	e, err := d.EventCreate(dev, interprocess)
 	if err != nil {
 		return nil, fmt.Errorf("devicebuf: cuEventCreate on device %d: %w", dev, err)
 	}
 	live.events.Add(1)
 	return &Event{d: d, e: e}, nil
-}
-
-// NewIPCEvent makes an interprocess event on CUDA device dev and returns it with its handle,
-// which another process opens with OpenIPCEvent.
-func NewIPCEvent(dev int) (*Event, IPCEventHandle, error) {
-	d, err := checkDevice(dev)
-	if err != nil {
-		return nil, IPCEventHandle{}, err
-	}
-	e, err := d.EventCreate(dev, true)
-	if err != nil {
-		return nil, IPCEventHandle{}, fmt.Errorf("devicebuf: cuEventCreate on device %d: %w", dev, err)
-	}
-	h, err := d.IpcGetEventHandle(e)
-	if err != nil {
-		_ = d.EventDestroy(e)
-		return nil, IPCEventHandle{}, fmt.Errorf("devicebuf: cuIpcGetEventHandle: %w", err)
-	}
-	live.events.Add(1)
-	return &Event{d: d, e: e}, h, nil
 }
 
 // OpenIPCEvent opens another process's interprocess event on CUDA device dev.
