@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"runtime/trace"
+	"time"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/rdma"
@@ -101,17 +102,33 @@ func offersString(p Path) string {
 // the peer or can no longer land (the endpoint failed), however the transfer
 // ended: only then may a FIN(failed) let the receiver reuse its destination.
 // The wait is bounded by the session's life, not by the transfer's context.
+// A peer whose puts do not complete within the transfer timeout (it stopped
+// acknowledging them, or its worker no longer progresses them) would hold the
+// source, and every withdrawal of it, for as long as it keeps the session up:
+// the session is ended then.
 func settleWrites(s *transport.Session, ep *rdma.Endpoint) {
+	settleWritesWithin(s, ep.Flush, cfgOf(s).Timeout)
+}
+
+// settleWritesWithin is settleWrites with the endpoint's flush and the bound
+// given.
+func settleWritesWithin(s *transport.Session, flush func(context.Context) error, bound time.Duration) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() {
+		t := time.NewTimer(bound)
+		defer t.Stop()
 		select {
 		case <-s.Done():
-			cancel()
+		case <-t.C:
+			// Ended, as when the session ends by itself: its puts are no
+			// longer waited for.
+			abort(s, fmt.Errorf("gdrpc: the peer's puts did not complete within %v of a failed transfer", bound))
 		case <-ctx.Done():
 		}
+		cancel()
 	}()
-	if err := ep.Flush(ctx); err != nil {
+	if err := flush(ctx); err != nil {
 		cfgOf(s).Logger.Debug("flush after a failed push", "session", s.ID(), "err", err)
 	}
 }

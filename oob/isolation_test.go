@@ -471,3 +471,36 @@ func sizeName(n int) string {
 	}
 	return fmt.Sprintf("%dKiB", n>>10)
 }
+
+// A peer whose puts never complete after a failed push (its acknowledgements
+// stop, the session stays up) holds the source for the transfer timeout at
+// most: the session is ended then and the wait returns. Puts that complete
+// leave the session up.
+func TestSettleWritesBounded(t *testing.T) {
+	c, _ := pipePair(t)
+	settleWritesWithin(c, func(context.Context) error { return nil }, time.Millisecond)
+	requireLive(t, c)
+
+	stuck := func(ctx context.Context) error { <-ctx.Done(); return ctx.Err() }
+	settles := func(s *transport.Session, bound time.Duration) {
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			settleWritesWithin(s, stuck, bound)
+		}()
+		select {
+		case <-done:
+		case <-time.After(testTimeout):
+			t.Fatal("the wait for puts that never complete did not end")
+		}
+	}
+	settles(c, 50*time.Millisecond)
+	require.ErrorContains(t, c.Err(), "did not complete")
+
+	// A session that ends by itself (its peer closed it) ends the wait too.
+	c2, s2 := pipePair(t)
+	require.NoError(t, s2.Close())
+	settles(c2, time.Hour)
+	require.Error(t, c2.Err())
+	require.NotContains(t, c2.Err().Error(), "did not complete")
+}
