@@ -175,8 +175,14 @@ type peerSpace struct {
 	// once, for the session's life: an open and a close cost more than a
 	// copy of megabytes, and more the larger the allocation.
 	mapping *devicebuf.Buffer
-	closed  bool           // withdrawn, or the session ended: no more writes, no mapping
-	writers sync.WaitGroup // writes under way (take, until land ends)
+	// openErr is why the mapping did not open, at openedAt: the next open is
+	// tried no sooner than mapRetry after, so that a handle that does not open
+	// (another host's, or garbage from the peer) costs no driver call per
+	// payload.
+	openErr  error
+	openedAt time.Time
+	closed   bool           // withdrawn, or the session ended: no more writes, no mapping
+	writers  sync.WaitGroup // writes under way (take, until land ends)
 
 	// Copies that may still run when their message goes: the receiver's
 	// events (handles, and those opened), which are free, which range's
@@ -1190,17 +1196,25 @@ func (p *peerSpace) mapped(s *transport.Session) (*devicebuf.Buffer, error) {
 		return nil, closedErr(s)
 	}
 	if p.mapping == nil {
+		if p.openErr != nil && time.Since(p.openedAt) < mapRetry {
+			return nil, p.openErr
+		}
 		if err := foreignIPC(s, p.tmpl.IPC); err != nil {
 			return nil, err
 		}
 		b, err := openIPC(&p.tmpl)
 		if err != nil {
+			p.openErr, p.openedAt = err, time.Now()
 			return nil, err
 		}
-		p.mapping = b
+		p.mapping, p.openErr = b, nil
 	}
 	return p.mapping.Retain(), nil
 }
+
+// mapRetry is how long a space whose mapping did not open is written into
+// by other paths before its mapping is tried again.
+const mapRetry = time.Second
 
 // endSpaces ends the advertised spaces of a closing session: this side's
 // space is freed once no range of it is held, and the mapping of the peer's

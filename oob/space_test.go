@@ -532,3 +532,26 @@ func FuzzParseCallEnded(f *testing.F) {
 		require.LessOrEqual(t, len(took), maxCallTaken)
 	})
 }
+
+// A space whose IPC handle does not open (garbage from the peer) is not
+// opened again for every payload: the failure stands for mapRetry, then the
+// open is tried again.
+func TestSpaceMappingFailureRemembered(t *testing.T) {
+	devicebuftest.Install(t, 1)
+	c, _ := pipePair(t)
+	p := &peerSpace{id: 1, free: []span{{0, 1 << 20}}, taken: map[uint64]*write{}, eventOf: map[uint64]int{}}
+	p.tmpl.Offers, p.tmpl.Length = PathCUDAIPC, 1<<20
+	for i := range p.tmpl.IPC {
+		p.tmpl.IPC[i] = byte(i*13 + 5)
+	}
+	_, first := p.mapped(c)
+	require.Error(t, first)
+	_, again := p.mapped(c)
+	require.True(t, first == again, "the remembered failure, not another open: %v", again)
+	p.mu.Lock()
+	p.openedAt = p.openedAt.Add(-mapRetry)
+	p.mu.Unlock()
+	_, retried := p.mapped(c)
+	require.Error(t, retried)
+	require.False(t, first == retried, "tried again after mapRetry")
+}
