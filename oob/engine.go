@@ -583,10 +583,11 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 			return nil, PathNone, &TransferError{Token: d.Token, Kind: TransferUnavailable,
 				Err: fmt.Errorf("no live session to owner %v", d.Owner)}
 		}
-		if err := allocate(); err != nil {
-			return fail(PathNone, err)
+		made := func() (*devicebuf.Buffer, error) {
+			err := allocate()
+			return dst, err
 		}
-		if path, err := fetchLocal(d, dst); err != nil {
+		if path, err := fetchLocal(d, made); err != nil {
 			return fail(path, err)
 		}
 		return dst, PathLocal, nil
@@ -727,11 +728,18 @@ func liveSessions(owner transport.ID) []*transport.Session {
 }
 
 // fetchLocal serves a payload this process owns itself, with no session to
-// itself: a plain copy.
-func fetchLocal(d Descriptor, dst *devicebuf.Buffer) (Path, error) {
+// itself: a plain copy into the destination that made makes once the token
+// is known to be this process's, with the length asked (a descriptor a peer
+// made up that names this process allocates nothing).
+func fetchLocal(d Descriptor, made func() (*devicebuf.Buffer, error)) (Path, error) {
 	e, u, st, err := box.checkout(d.Token, d.Length, nil)
 	if err != nil {
 		return PathNone, finError(d.Token, &fin{Status: st, Msg: err.Error()})
+	}
+	dst, err := made()
+	if err != nil {
+		box.checkin(d.Token, e, u, false)
+		return PathNone, err
 	}
 	err = u.read(func() error { return copyFromSource(dst, e.src, nil) })
 	if !box.checkin(d.Token, e, u, err == nil) && err == nil {

@@ -504,3 +504,37 @@ func TestSettleWritesBounded(t *testing.T) {
 	require.Error(t, c2.Err())
 	require.NotContains(t, c2.Err().Error(), "did not complete")
 }
+
+// A descriptor that names this process as its owner, with a token it never
+// offered, fails before anything is allocated for it: a peer cannot make the
+// receiver allocate for a payload that does not exist. A real local payload
+// is allocated for once and copied.
+func TestLocalOwnerUnknownTokenAllocatesNothing(t *testing.T) {
+	var allocs int
+	alloc := func(n int) (*devicebuf.Buffer, error) {
+		allocs++
+		return devicebuf.HostFromBytes(make([]byte, n)), nil
+	}
+	fake := Descriptor{Owner: transport.LocalID(), Token: newToken(), Length: 1 << 30, Kind: devicebuf.Host, Device: -1}
+	_, _, err := FetchNew(testContext(t), fake, alloc)
+	var te *TransferError
+	require.ErrorAs(t, err, &te)
+	require.Equal(t, TransferNotFound, te.Kind, "%v", err)
+	require.Zero(t, allocs, "allocated for a token this process never offered")
+
+	want := []byte("a payload of this process")
+	d := Offer(Source{Bytes: want}, OfferOptions{})
+	defer Withdraw(d.Token)
+	d.Length++ // the right token, the wrong length
+	_, _, err = FetchNew(testContext(t), d, alloc)
+	require.Error(t, err)
+	require.Zero(t, allocs, "allocated for a length the payload does not have")
+	d.Length--
+	b, path, err := FetchNew(testContext(t), d, alloc)
+	require.NoError(t, err)
+	defer b.Release()
+	require.Equal(t, PathLocal, path)
+	require.Equal(t, 1, allocs)
+	got, _ := b.HostBytes()
+	require.Equal(t, want, got)
+}
