@@ -50,13 +50,23 @@ type netrpcConn struct {
 }
 
 // newNetRPCConn needs no Register: net/rpc does not use gRPC's codec
-// registry. Without opts the conn follows Register's options.
+// registry. Without opts the conn follows Register's options. Only over a
+// gdrpc session that negotiated the codec do payloads travel out-of-band:
+// over any other conn (a plain peer the listener handed over, a pipe) they
+// go inline, and a body that names a payload by owner and token is refused
+// before anything is pulled or allocated for it.
 func newNetRPCConn(rwc io.ReadWriteCloser, opts []Option) netrpcConn {
-	c := codec{name: Name, oob: true}
+	c := codec{name: Name}
 	if len(opts) > 0 {
 		c.o = newOptions(opts)
 	}
 	ctx := context.Background()
+	if sc, ok := rwc.(interface{ Session() *transport.Session }); ok {
+		// a gdrpc conn (transport.SessionOf), or a test's stand-in for one
+		if s := sc.Session(); s != nil && s.Speaks(Name) {
+			c.oob = true
+		}
+	}
 	if nc, ok := rwc.(net.Conn); ok {
 		// Pulls take the conn's own session first, as a gRPC call's do.
 		ctx = peer.NewContext(ctx, &peer.Peer{Addr: nc.RemoteAddr(), LocalAddr: nc.LocalAddr()})
@@ -220,7 +230,7 @@ func (c *netrpcConn) readBody(v any) error {
 	if err := proto.Unmarshal(p, m); err != nil || !carries {
 		return err
 	}
-	return resolve(c.ctx, m.ProtoReflect(), true, c.c.options())
+	return resolve(c.ctx, m.ProtoReflect(), c.c.oob, c.c.options())
 }
 
 // NewClientCodec returns a net/rpc client codec over rwc (a gdrpc conn from

@@ -1,6 +1,7 @@
 package gdrcodec
 
 import (
+	"crypto/rand"
 	"encoding/binary"
 	"errors"
 	"io"
@@ -9,19 +10,26 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
 	"github.com/gdrpc/gdrpc/oob"
+	"github.com/gdrpc/gdrpc/transport"
+	"github.com/gdrpc/gdrpc/transport/transporttest"
 )
 
 // hookConn is a connection whose reads come from a pipe the test writes and
-// whose writes run onWrite, then fail with fail or succeed.
+// whose writes run onWrite, then fail with fail or succeed. It belongs to a
+// session that negotiated the codec, as a gdrpc conn does: payloads go
+// out-of-band over it.
 type hookConn struct {
+	session *transport.Session
 	pr      *io.PipeReader
 	pw      *io.PipeWriter
 	onWrite func()
@@ -33,8 +41,12 @@ type hookConn struct {
 func newHookConn(t *testing.T) *hookConn {
 	pr, pw := io.Pipe()
 	t.Cleanup(func() { pw.Close() })
-	return &hookConn{pr: pr, pw: pw}
+	engine := transport.WithEngine(oob.Engine())
+	s, _ := transporttest.PairWith(t, []transport.Option{engine}, []transport.Option{engine})
+	return &hookConn{session: s, pr: pr, pw: pw}
 }
+
+func (c *hookConn) Session() *transport.Session { return c.session }
 
 func (c *hookConn) Read(p []byte) (int, error) {
 	if c.reading != nil {
@@ -265,4 +277,60 @@ func TestNetRPCLongHeaders(t *testing.T) {
 	err := c.WriteRequest(&rpc.Request{Seq: 1, ServiceMethod: strings.Repeat("m", maxNetRPCHeader)}, nil)
 	require.ErrorContains(t, err, "method name")
 	require.Zero(t, heldSeqs(c))
+}
+
+// countingAllocator counts what it is asked for.
+type countingAllocator struct{ allocs atomic.Int64 }
+
+func (a *countingAllocator) Kind() devicebuf.Kind { return devicebuf.Host }
+func (a *countingAllocator) Device() int          { return -1 }
+func (a *countingAllocator) Alloc(n int) (*devicebuf.Buffer, error) {
+	a.allocs.Add(1)
+	return devicebuf.HostFromBytes(make([]byte, n)), nil
+}
+
+// Over a connection that is no gdrpc session (a plain peer the listener
+// handed over, a pipe), a body that names a payload by owner and token is
+// refused before anything is allocated or pulled for it, and the codecs'
+// own payloads travel inline.
+func TestNetRPCPlainConnection(t *testing.T) {
+	a := &countingAllocator{}
+	pr, pw := net.Pipe()
+	defer pr.Close()
+	s := NewServerCodec(pw, WithReceiveAllocator(a))
+	defer s.Close()
+	// The descriptor names an owner this process has a session to: pulled on
+	// the plain peer's word, it would be allocated for and asked for.
+	owner := transport.NewIdentity()
+	engine := transport.WithEngine(oob.Engine())
+	transporttest.PairWith(t, []transport.Option{transport.WithIdentity(owner), engine}, []transport.Option{engine})
+	id := owner.ID()
+	var token [16]byte
+	_, _ = rand.Read(token[:])
+	forged, err := proto.Marshal(&gdrv1.DeviceBuffer{Owner: id[:], Token: token[:], Length: 1 << 20, Kind: gdrv1.Kind_KIND_HOST})
+	require.NoError(t, err)
+	go func() { _, _ = pr.Write(frame(1, "S.M", "", forged)) }()
+	var r rpc.Request
+	require.NoError(t, s.ReadRequestHeader(&r))
+	err = s.ReadRequestBody(&gdrv1.DeviceBuffer{})
+	require.Error(t, err, "a plain peer's descriptor")
+	require.Zero(t, a.allocs.Load(), "allocated for a plain peer's descriptor")
+
+	// The other way, a payload goes inline: the plain client reads it whole.
+	c := NewClientCodec(pr).(*clientCodec)
+	base := oob.ReadStats().Offered
+	body := outOfBand()
+	defer ReleaseAll(body)
+	written := make(chan error, 1)
+	go func() { written <- s.WriteResponse(&rpc.Response{Seq: 1, ServiceMethod: "S.M"}, body) }()
+	var resp rpc.Response
+	require.NoError(t, c.ReadResponseHeader(&resp))
+	var got gdrv1.DeviceBuffer
+	require.NoError(t, c.ReadResponseBody(&got))
+	require.NoError(t, <-written)
+	require.Equal(t, base, oob.ReadStats().Offered, "a payload offered over a plain connection")
+	b, ok := Buffer(&got)
+	require.True(t, ok)
+	require.Equal(t, 4096, b.Len())
+	ReleaseAll(&got)
 }
