@@ -854,25 +854,32 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer, mayPull bool, o *options) (job, err
 		db.Inline = nil
 		return job{}, nil
 	}
+	// forget clears what named the payload, pulled or not: the application
+	// may log or forward the message (a server stream's handler gets it even
+	// when its decode failed), and a token or receive space id that leaks
+	// would let a third party name the payload, or ranges of that space, as
+	// its own.
+	forget := func() {
+		db.Owner, db.Token = nil, nil
+		db.Space, db.SpaceOffset, db.SpacePath, db.SpaceEvent, db.SpaceGen = 0, 0, 0, 0, 0
+	}
 	return job{
 		n: d.Length,
 		run: func(ctx context.Context) error {
 			// The destination is allocated only once a session to the owner
 			// has room for it.
 			dst, _, err := oob.FetchFrom(ctx, d, alloc)
+			forget()
 			if err != nil {
 				return transferStatus(err)
 			}
 			setAttachment(db, dst)
-			// What named the payload goes: the application may log or
-			// forward the message, and a token or receive space id that
-			// leaks would let a third party name the payload, or ranges of
-			// that space, as its own.
-			db.Owner, db.Token = nil, nil
-			db.Space, db.SpaceOffset, db.SpacePath, db.SpaceEvent, db.SpaceGen = 0, 0, 0, 0, 0
 			return nil
 		},
-		discarded: func() { oob.Discard(d) },
+		discarded: func() {
+			oob.Discard(d)
+			forget()
+		},
 	}, nil
 }
 
@@ -928,12 +935,13 @@ func (c *collected) bytesJob(b []byte, set func([]byte)) error {
 			return devicebuf.HostFromBytes(p), nil
 		})
 		if err != nil {
+			set(nil) // the descriptor goes, as a DeviceBuffer's does
 			return transferStatus(err)
 		}
 		dst.Release()
 		set(p)
 		return nil
-	}})
+	}, discarded: func() { set(nil) }})
 	return nil
 }
 

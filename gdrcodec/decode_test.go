@@ -1,6 +1,7 @@
 package gdrcodec_test
 
 import (
+	"crypto/rand"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -119,4 +120,27 @@ func TestEmptyAndUnknownInlinePayloads(t *testing.T) {
 	err := decode(t, m, &got)
 	require.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
 	require.Equal(t, allocs, g.Allocations())
+}
+
+// A message whose pulls fail keeps no token or owner in its descriptors: a
+// handler that logs or forwards what it received (a server stream's gets the
+// message with the error) does not leak the capabilities it named.
+func TestFailedPullsForgetTokens(t *testing.T) {
+	forged := func() *gdrv1.DeviceBuffer {
+		owner, token := make([]byte, 16), make([]byte, 16)
+		_, _ = rand.Read(owner) // an owner with no session here: the pull fails
+		_, _ = rand.Read(token)
+		return &gdrv1.DeviceBuffer{Owner: owner, Token: token, Length: 1 << 20, Kind: gdrv1.Kind_KIND_HOST}
+	}
+	m := &tensorpb.Tensor{Data: forged()}
+	for range 20 { // more than one message's pulls run at once: some are discarded unstarted
+		m.Parts = append(m.Parts, forged())
+	}
+	var got tensorpb.Tensor
+	err := decode(t, m, &got)
+	require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+	for i, db := range append([]*gdrv1.DeviceBuffer{got.Data}, got.Parts...) {
+		require.Nil(t, db.GetToken(), "payload %d's token", i)
+		require.Nil(t, db.GetOwner(), "payload %d's owner", i)
+	}
 }
