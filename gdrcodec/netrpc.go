@@ -61,13 +61,10 @@ func newNetRPCConn(rwc io.ReadWriteCloser, opts []Option) netrpcConn {
 		c.o = newOptions(opts)
 	}
 	ctx := context.Background()
-	if sc, ok := rwc.(interface{ Session() *transport.Session }); ok {
-		// a gdrpc conn (transport.SessionOf), or a test's stand-in for one
-		if s := sc.Session(); s != nil && s.Speaks(Name) {
+	if nc, ok := rwc.(net.Conn); ok {
+		if s := transport.SessionOf(nc); s != nil && s.Speaks(Name) {
 			c.oob = true
 		}
-	}
-	if nc, ok := rwc.(net.Conn); ok {
 		// Pulls take the conn's own session first, as a gRPC call's do.
 		ctx = peer.NewContext(ctx, &peer.Peer{Addr: nc.RemoteAddr(), LocalAddr: nc.LocalAddr()})
 	}

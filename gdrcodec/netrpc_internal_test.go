@@ -27,8 +27,10 @@ import (
 // hookConn is a connection whose reads come from a pipe the test writes and
 // whose writes run onWrite, then fail with fail or succeed. It belongs to a
 // session that negotiated the codec, as a gdrpc conn does: payloads go
-// out-of-band over it.
+// out-of-band over it. The rest of net.Conn (addresses, deadlines) is an
+// unused pipe's.
 type hookConn struct {
+	net.Conn
 	session *transport.Session
 	pr      *io.PipeReader
 	pw      *io.PipeWriter
@@ -43,7 +45,9 @@ func newHookConn(t *testing.T) *hookConn {
 	t.Cleanup(func() { pw.Close() })
 	engine := transport.WithEngine(oob.Engine())
 	s, _ := transporttest.PairWith(t, []transport.Option{engine}, []transport.Option{engine})
-	return &hookConn{session: s, pr: pr, pw: pw}
+	addrs, other := net.Pipe()
+	t.Cleanup(func() { addrs.Close(); other.Close() })
+	return &hookConn{Conn: addrs, session: s, pr: pr, pw: pw}
 }
 
 func (c *hookConn) Session() *transport.Session { return c.session }
