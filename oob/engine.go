@@ -525,7 +525,16 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 	if err := d.Validate(); err != nil {
 		return nil, PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid, Err: err}
 	}
+	arrived := transport.SessionFromContext(ctx)
 	if d.Space != 0 {
+		if arrived != nil && arrived.PeerID() != d.Owner {
+			// Only the owner writes into the space this process advertised
+			// to it, and only its own messages name what it wrote there: a
+			// space id that reached another peer must not let that peer
+			// take the owner's payloads.
+			return nil, PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid,
+				Err: fmt.Errorf("the descriptor names receive space %#x, written by %v, and came from %v", d.Space, d.Owner, arrived.PeerID())}
+		}
 		b, path, err := takeLanded(ctx, d)
 		if err == nil || !errors.Is(err, errNotInSpace) {
 			return b, path, err
@@ -570,12 +579,19 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 			return cmpBool(a.IsClient() == server, b.IsClient() == server)
 		})
 	}
-	if pref := transport.SessionFromContext(ctx); pref != nil {
+	// payer is the session whose bounds a pull through another is charged
+	// to: the one the message came over, when it names a third party's
+	// payload (Limits.PullBytes).
+	var payer *transport.Session
+	if arrived != nil {
 		// The call's own session first (a server's request, a client stream's
 		// response): its engine's configuration and its peer's bounds apply.
-		if i := slices.Index(sessions, pref); i > 0 {
+		if i := slices.Index(sessions, arrived); i > 0 {
 			copy(sessions[1:i+1], sessions[:i])
-			sessions[0] = pref
+			sessions[0] = arrived
+		}
+		if arrived.PeerID() != d.Owner && served(arrived) {
+			payer = arrived
 		}
 	}
 	if len(sessions) == 0 {
@@ -603,7 +619,7 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 	defer endTask()
 	for _, s = range sessions {
 		var release func()
-		if release, err = reservePull(ctx, s, d.Token, d.Length); err != nil {
+		if release, err = reservePull(ctx, cmp.Or(payer, s), s, d.Token, d.Length); err != nil {
 			continue // another session to the owner may have room
 		}
 		r := trace.StartRegion(ctx, "gdrpc.allocate")

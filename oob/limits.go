@@ -19,7 +19,11 @@ import (
 type Limits struct {
 	// PullBytes bounds the destination bytes reserved at once for pulls
 	// through one session, pulls whose caller gave up included until their
-	// destination is released. A pull waits, before its destination is
+	// destination is released. A pull of a third party's payload, named in a
+	// message that came over another session (a peer forwarding what it
+	// received), counts against the session the message came over, not the
+	// one to the owner: a peer spends its own budget, never another's. A
+	// pull waits, before its destination is
 	// allocated, until the session has room for it; it fails with a
 	// TransferExhausted error when it is larger than PullBytes on its own, or
 	// when its context ends first. If zero, 4 GiB.
@@ -31,7 +35,8 @@ type Limits struct {
 	// PullBytes. If zero, twice PullBytes.
 	TotalPullBytes int64
 	// Pulls bounds the RTRs in flight on one session (sent and not yet
-	// settled); further pulls wait as for PullBytes. If zero, 1024.
+	// settled), counted as for PullBytes; further pulls wait as for
+	// PullBytes. If zero, 1024.
 	Pulls int
 	// Pushes bounds the pushes one session runs at once; its further RTRs
 	// wait in a queue. If zero, 16; at most transport.MaxControlHandlers/2.
@@ -153,10 +158,12 @@ func exhausted(t Token, format string, args ...any) error {
 	return &TransferError{Token: t, Kind: TransferExhausted, Err: fmt.Errorf(format, args...)}
 }
 
-// reservePull reserves room for one pull of n bytes through s, waiting for
-// it while ctx and s live, and returns the function that gives it back
-// (once).
-func reservePull(ctx context.Context, s *transport.Session, t Token, n uint64) (func(), error) {
+// reservePull reserves room for one pull of n bytes through via, charged to
+// payer's bounds (via's own, or those of the session whose message named a
+// third party's payload), waiting for it while ctx, payer and via live, and
+// returns the function that gives it back (once).
+func reservePull(ctx context.Context, payer, via *transport.Session, t Token, n uint64) (func(), error) {
+	s := payer
 	lim := cfgOf(s).Limits
 	if n > uint64(lim.PullBytes) {
 		return nil, exhausted(t, "a %d-byte payload is over the limit of %d bytes in flight per session (Limits.PullBytes)", n, lim.PullBytes)
@@ -193,10 +200,12 @@ func reservePull(ctx context.Context, s *transport.Session, t Token, n uint64) (
 		case <-room:
 		case <-totalRoom:
 		case <-ctx.Done():
-			return nil, exhausted(t, "no room for a %d-byte payload through session %d: %d pulls of %d bytes in flight, %d bytes in all (Limits.Pulls %d, Limits.PullBytes %d, Limits.TotalPullBytes %d): %w",
+			return nil, exhausted(t, "no room for a %d-byte payload charged to session %d: %d pulls of %d bytes in flight, %d bytes in all (Limits.Pulls %d, Limits.PullBytes %d, Limits.TotalPullBytes %d): %w",
 				n, s.ID(), pulls, inflight, total, lim.Pulls, lim.PullBytes, lim.TotalPullBytes, ctx.Err())
 		case <-s.Done():
 			return nil, sessionError(t, s, ctx, s.Err())
+		case <-via.Done():
+			return nil, sessionError(t, via, ctx, via.Err())
 		}
 	}
 	var once sync.Once

@@ -13,8 +13,11 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"google.golang.org/grpc/peer"
+
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/transport"
+	"github.com/gdrpc/gdrpc/transport/transporttest"
 )
 
 // These tests play a hostile peer by hand: both ends of a session pair live
@@ -485,15 +488,15 @@ func TestTotalPullBytesAcrossEngines(t *testing.T) {
 	small := transport.WithEngine(New(TransferConfig{Limits: Limits{PullBytes: 100}})) // TotalPullBytes 200
 	_, bs := pipePair(t, big)
 	_, ss := pipePair(t, small)
-	release, err := reservePull(context.Background(), bs, Token{}, 900)
+	release, err := reservePull(context.Background(), bs, bs, Token{}, 900)
 	require.NoError(t, err)
 	defer release()
 	done, cancel := context.WithCancel(context.Background())
 	cancel() // a reservation that would have to wait fails at once
-	_, err = reservePull(done, ss, Token{}, 100)
+	_, err = reservePull(done, ss, ss, Token{}, 100)
 	require.ErrorContains(t, err, "Limits.TotalPullBytes", "900 bytes reserved through the big engine exceed the small one's total")
 	release()
-	r2, err := reservePull(done, ss, Token{}, 100)
+	r2, err := reservePull(done, ss, ss, Token{}, 100)
 	require.NoError(t, err, "room again once the big engine's pull settled")
 	r2()
 }
@@ -514,4 +517,75 @@ func silentOwner(t *testing.T, queued int) (attacker, victim *transport.Session,
 	})
 	attacker, victim = pipePair(t)
 	return attacker, victim, ch
+}
+
+// A pull of a third party's payload, named in a message that came over
+// another session, is charged to that session: a peer naming another's
+// payloads spends its own budget, and the owner's own messages still get
+// their pulls.
+func TestThirdPartyPullChargedToSender(t *testing.T) {
+	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Limits: Limits{Pulls: 1}})
+	owner, toOwner, rtrs := silentOwner(t, 4) // the owner takes RTRs and does not answer yet
+	fwd, toFwd := pipePair(t)                 // a peer that names the owner's payloads
+	_, fwdConn := transporttest.Conns(t, fwd, toFwd)
+	_, ownerConn := transporttest.Conns(t, owner, toOwner)
+	fromFwd := peer.NewContext(context.Background(), &peer.Peer{Addr: fwdConn.RemoteAddr()})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	fromOwner := peer.NewContext(ctx, &peer.Peer{Addr: ownerConn.RemoteAddr()})
+	pull := func(ctx context.Context) <-chan error {
+		errc := make(chan error, 1)
+		go func() {
+			d := Descriptor{Owner: toOwner.PeerID(), Token: Token(newToken()), Length: 1 << 10, Kind: devicebuf.Host, Device: -1}
+			_, err := FetchBytes(ctx, d, make([]byte, d.Length))
+			errc <- err
+		}()
+		return errc
+	}
+	waiting := func(s *transport.Session) func() bool {
+		return func() bool {
+			b := &stateOf(s).bounds
+			b.mu.Lock()
+			defer b.mu.Unlock()
+			return b.room != nil
+		}
+	}
+
+	first := pull(fromFwd)
+	waitFor(t, rtrs, "the forwarded pull's RTR")
+	fctx, fcancel := context.WithCancel(fromFwd)
+	second := pull(fctx)
+	require.Eventually(t, waiting(toFwd), testTimeout, time.Millisecond, "the forwarder's second pull waits on the forwarder's budget")
+	fcancel()
+	var te *TransferError
+	require.ErrorAs(t, waitFor(t, second, "the second forwarded pull's end"), &te)
+	require.Equal(t, TransferExhausted, te.Kind)
+
+	// The owner's own message: its session's budget is untouched.
+	own := pull(fromOwner)
+	waitFor(t, rtrs, "the owner's own pull's RTR")
+	require.Equal(t, 1, chargedPulls(toOwner), "the owner's session pays for its own pull alone")
+	require.Equal(t, 1, chargedPulls(toFwd))
+
+	cancel()
+	require.Equal(t, TransferCanceled, kindOfErr(t, waitFor(t, own, "the owner's pull's end")))
+	require.NoError(t, toOwner.Close()) // the forwarded pull ends with the owner's session
+	require.Error(t, waitFor(t, first, "the forwarded pull's end"))
+	require.Eventually(t, func() bool { return numPulls() == 0 && chargedPulls(toFwd) == 0 }, testTimeout, time.Millisecond,
+		"the forwarder's budget is given back")
+}
+
+// chargedPulls returns the pulls charged to s that are not settled.
+func chargedPulls(s *transport.Session) int {
+	b := &stateOf(s).bounds
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.pulls
+}
+
+func kindOfErr(t *testing.T, err error) TransferErrorKind {
+	t.Helper()
+	var te *TransferError
+	require.ErrorAs(t, err, &te)
+	return te.Kind
 }

@@ -2,6 +2,7 @@ package oob
 
 import (
 	"context"
+	"errors"
 	"maps"
 	"math"
 	"slices"
@@ -10,10 +11,12 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/peer"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/devicebuf/devicebuftest"
 	"github.com/gdrpc/gdrpc/transport"
+	"github.com/gdrpc/gdrpc/transport/transporttest"
 )
 
 func TestPeerSpaceRanges(t *testing.T) {
@@ -554,4 +557,48 @@ func TestSpaceMappingFailureRemembered(t *testing.T) {
 	_, retried := p.mapped(c)
 	require.Error(t, retried)
 	require.False(t, first == retried, "tried again after mapRetry")
+}
+
+// A descriptor naming receive space is taken only from a message of the
+// peer the space was advertised to: another peer that learned the space's
+// id takes nothing from it, and the range stays the owner's.
+func TestSpaceDescriptorFromAnotherPeer(t *testing.T) {
+	owner, toOwner := pipePair(t)
+	other, toOther := pipePair(t)
+	_, ownerConn := transporttest.Conns(t, owner, toOwner)
+	_, otherConn := transporttest.Conns(t, other, toOther)
+	mem := make([]byte, 64<<10)
+	for i := range mem {
+		mem[i] = byte(i)
+	}
+	sp := makeSpace(11, toOwner, devicebuf.HostFromBytes(mem), PathRDMA)
+	spaces.Store(sp.id, sp)
+	t.Cleanup(func() { spaces.Delete(sp.id) })
+	d := Descriptor{Owner: toOwner.PeerID(), Token: Token(newToken()), Length: 4096, Kind: devicebuf.Host, Device: -1,
+		Space: sp.id, SpaceOffset: 8192, SpacePath: PathRDMA}
+	alloc := func(int) (*devicebuf.Buffer, error) {
+		t.Error("nothing is allocated")
+		return nil, errors.New("no")
+	}
+
+	fromOther := peer.NewContext(context.Background(), &peer.Peer{Addr: otherConn.RemoteAddr()})
+	b, _, err := FetchNew(fromOther, d, alloc)
+	require.Nil(t, b)
+	var te *TransferError
+	require.ErrorAs(t, err, &te)
+	require.Equal(t, TransferInvalid, te.Kind)
+	require.ErrorContains(t, err, "came from")
+	sp.mu.Lock()
+	require.Empty(t, sp.inUse, "nothing taken")
+	sp.mu.Unlock()
+
+	fromOwner := peer.NewContext(context.Background(), &peer.Peer{Addr: ownerConn.RemoteAddr()})
+	b, path, err := FetchNew(fromOwner, d, alloc)
+	require.NoError(t, err)
+	require.Equal(t, PathRDMA, path)
+	got, err := b.HostBytes()
+	require.NoError(t, err)
+	require.Equal(t, mem[8192:8192+4096], got)
+	markClosed(sp) // the release sends no SPACE-FREE
+	require.NoError(t, b.Release())
 }
