@@ -643,7 +643,8 @@ type pulls struct {
 // names by token is refused. On a failure m keeps none of its payloads.
 func collectPulls(m protoreflect.Message, outOfBand bool, o *options) (*pulls, error) {
 	c := collected{outOfBand: outOfBand, o: o}
-	err := c.collect(m)
+	c.collect(m)
+	err := c.err
 	if err == nil {
 		err = withinLimit(c.jobs, o.maxReceivePayload())
 	}
@@ -729,12 +730,16 @@ func firstStatus(errs []error) error {
 
 // collected is what a received message's walk found: the payloads to pull,
 // and how many payloads it holds (inline ones, attached as they were found,
-// among them), which MaxPayloads bounds.
+// among them), which MaxPayloads bounds. After the first error the walk goes
+// on only to give back the receive space the rest of the message names: the
+// owner wrote those payloads already, and nothing else would free their
+// ranges before the session ends.
 type collected struct {
 	outOfBand bool
 	o         *options
 	jobs      []job
 	payloads  int
+	err       error // the first error; the message is refused
 }
 
 // count counts one more payload of the message.
@@ -745,59 +750,84 @@ func (c *collected) count() error {
 	return nil
 }
 
-func (c *collected) collect(m protoreflect.Message) error {
+// fail records err, the first one stopping the message.
+func (c *collected) fail(err error) {
+	if c.err == nil {
+		c.err = err
+	}
+}
+
+func (c *collected) collect(m protoreflect.Message) {
 	if db, ok := m.Interface().(*gdrv1.DeviceBuffer); ok {
+		if c.err != nil {
+			discardLanded(db, c.outOfBand)
+			return
+		}
 		if err := c.count(); err != nil {
-			return err
+			c.fail(err)
+			discardLanded(db, c.outOfBand)
+			return
 		}
 		j, err := deviceBufferJob(db, c.outOfBand, c.o)
-		if err != nil {
-			return err
-		}
-		if j.run != nil {
+		switch {
+		case err != nil:
+			c.fail(err)
+			discardLanded(db, c.outOfBand)
+		case j.run != nil:
 			c.jobs = append(c.jobs, j)
 		}
-		return nil
+		return
 	}
 	if !mayCarry(m.Descriptor()) {
-		return nil
+		return
 	}
 	for _, fd := range carryingFields(m) {
 		if !m.Has(fd) {
 			continue
 		}
-		var err error
 		switch v := m.Get(fd); {
 		case marked(fd):
-			if c.outOfBand {
-				err = c.bytesJobs(m, fd, v)
+			if c.outOfBand && c.err == nil {
+				c.fail(c.bytesJobs(m, fd, v)) // they name no receive space
 			}
 		case valueMessage(fd) == nil:
 		case fd.IsList():
 			l := v.List()
-			for i := 0; i < l.Len() && err == nil; i++ {
-				err = c.collect(l.Get(i).Message())
+			for i := 0; i < l.Len(); i++ {
+				c.collect(l.Get(i).Message())
 			}
 		case fd.IsMap():
-			err = c.collectMap(v.Map())
+			v.Map().Range(func(_ protoreflect.MapKey, v protoreflect.Value) bool {
+				c.collect(v.Message())
+				return true
+			})
 		default:
-			err = c.collect(v.Message())
-		}
-		if err != nil {
-			return err
+			c.collect(v.Message())
 		}
 	}
-	return nil
 }
 
-// collectMap is collect for the values of a map field.
-func (c *collected) collectMap(mp protoreflect.Map) error {
-	var err error
-	mp.Range(func(_ protoreflect.MapKey, v protoreflect.Value) bool {
-		err = c.collect(v.Message())
-		return err == nil
-	})
-	return err
+// discardLanded gives back the range of receive space that db, a payload of
+// a refused message, names (oob.Discard), if it names one the sender may,
+// and forgets what named the payload.
+func discardLanded(db *gdrv1.DeviceBuffer, outOfBand bool) {
+	if !outOfBand {
+		return // a plain peer's: no space was advertised to it
+	}
+	if d, ok, err := ParseDescriptor(db); err == nil && ok {
+		oob.Discard(d)
+		forget(db)
+	}
+}
+
+// forget clears what named db's payload once it is pulled, failed or
+// discarded: the application may log or forward the message (a server
+// stream's handler gets it even when its decode failed), and a token or
+// receive space id that leaks would let a third party name the payload, or
+// ranges of that space, as its own.
+func forget(db *gdrv1.DeviceBuffer) {
+	db.Owner, db.Token = nil, nil
+	db.Space, db.SpaceOffset, db.SpacePath, db.SpaceEvent, db.SpaceGen = 0, 0, 0, 0, 0
 }
 
 func receiveAllocator(o *options) devicebuf.Allocator {
@@ -854,22 +884,13 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer, mayPull bool, o *options) (job, err
 		db.Inline = nil
 		return job{}, nil
 	}
-	// forget clears what named the payload, pulled or not: the application
-	// may log or forward the message (a server stream's handler gets it even
-	// when its decode failed), and a token or receive space id that leaks
-	// would let a third party name the payload, or ranges of that space, as
-	// its own.
-	forget := func() {
-		db.Owner, db.Token = nil, nil
-		db.Space, db.SpaceOffset, db.SpacePath, db.SpaceEvent, db.SpaceGen = 0, 0, 0, 0, 0
-	}
 	return job{
 		n: d.Length,
 		run: func(ctx context.Context) error {
 			// The destination is allocated only once a session to the owner
 			// has room for it.
 			dst, _, err := oob.FetchFrom(ctx, d, alloc)
-			forget()
+			forget(db)
 			if err != nil {
 				return transferStatus(err)
 			}
@@ -878,7 +899,7 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer, mayPull bool, o *options) (job, err
 		},
 		discarded: func() {
 			oob.Discard(d)
-			forget()
+			forget(db)
 		},
 	}, nil
 }

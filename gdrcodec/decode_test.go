@@ -144,3 +144,29 @@ func TestFailedPullsForgetTokens(t *testing.T) {
 		require.Nil(t, db.GetOwner(), "payload %d's owner", i)
 	}
 }
+
+// A message refused part-way through its walk (a malformed descriptor)
+// forgets the tokens and owners of the payloads after the one it stopped at
+// too, though it never pulls them.
+func TestRefusedMessageForgetsLaterTokens(t *testing.T) {
+	named := func() *gdrv1.DeviceBuffer {
+		owner, token := make([]byte, 16), make([]byte, 16)
+		_, _ = rand.Read(owner)
+		_, _ = rand.Read(token)
+		return &gdrv1.DeviceBuffer{Owner: owner, Token: token, Length: 1 << 20, Kind: gdrv1.Kind_KIND_HOST}
+	}
+	malformed := named()
+	malformed.Token = malformed.Token[:5]
+	m := &tensorpb.Tensor{Parts: []*gdrv1.DeviceBuffer{named(), malformed, named(), named()}}
+	var got tensorpb.Tensor
+	err := decode(t, m, &got)
+	require.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
+	require.Len(t, got.Parts, 4)
+	for i, db := range got.Parts {
+		if i == 1 {
+			continue // not a descriptor: nothing in it names a payload
+		}
+		require.Nil(t, db.GetToken(), "payload %d's token", i)
+		require.Nil(t, db.GetOwner(), "payload %d's owner", i)
+	}
+}
