@@ -122,13 +122,16 @@
 //     A UCX endpoint gives its peer this process's memory; only the puts of
 //     a peer that plays by the rules are bounded by keys (by the NIC on
 //     verbs).
-//   - UCX 1.13 crashes (SIGSEGV in ucp_rkey_destroy on the error path of
-//     ucp_ep_rkey_unpack) when a shared-memory transport fails to unpack its
-//     part of a remote key, e.g. a sysv key whose segment was already removed.
-//     Unpack a key only while its owner keeps the memory registered, and only
-//     from peers you trust: the key names segments this process attaches.
-//     UnpackKey checks our framing and the structure of UCX's buffer, not the
-//     segments it names.
+//   - UCX 1.13 to 1.18 crash (SIGSEGV in ucp_rkey_destroy on the error path
+//     of ucp_ep_rkey_unpack) when a shared-memory transport fails to unpack
+//     its part of a remote key: a sysv segment already removed, a posix
+//     segment whose owner exited. UnpackKey checks our framing, the structure
+//     of UCX's buffer, and, for the posix and sysv domains a lane reaches,
+//     that the segment opens now and (posix) is a UCX segment, not any file
+//     its owner holds; a segment that goes between that check and UCX's
+//     attach still takes the process down. Unpack a key only while its owner
+//     keeps the memory registered, and only from peers you trust: the key
+//     names segments this process attaches.
 //   - UCX 1.16 (Ubuntu 24.04 build) can fail an assertion in its async event
 //     dispatch when two workers of one process churn connections and a
 //     descriptor number moves from one worker to the other. One worker per

@@ -120,6 +120,9 @@ func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
 	if err := validateRkey(pk.rkey); err != nil {
 		return nil, err
 	}
+	if err := e.checkSegments(pk.rkey); err != nil {
+		return nil, fmt.Errorf("rdma: unpack key: %w", err)
+	}
 	pk.rkey = slices.Clone(pk.rkey)
 	k := &RemoteKey{e: e, region: pk}
 	var uerr error
@@ -159,6 +162,20 @@ func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
 		return nil, fmt.Errorf("rdma: unpack key: %w", err)
 	}
 	return k, nil
+}
+
+// checkSegments reports why UCX must not unpack rkey on e: a shared-memory
+// segment it names, in a memory domain a lane of e reaches, that would not
+// attach (checkSegment).
+func (e *Endpoint) checkSegments(rkey []byte) error {
+	info, err := e.laneInfo()
+	if err != nil {
+		return err
+	}
+	components := laneComponents(info)
+	return rkeyComponents(rkey, func(md int, comp []byte) error {
+		return checkSegment(components[md], comp)
+	})
 }
 
 // Direct reports whether puts and gets with the key are copies this process

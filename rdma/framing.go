@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math/bits"
 	"regexp"
 	"slices"
 	"strconv"
@@ -126,6 +127,34 @@ func validateRkey(b []byte) error {
 		return fmt.Errorf("%w: %d unexpected bytes after the rkey", ErrBadKey, len(b)-p)
 	}
 	return nil
+}
+
+// rkeyComponents calls fn with each memory domain index that b, an rkey
+// validateRkey accepted, carries and the bytes of its transport's key, in
+// order, until fn returns an error.
+func rkeyComponents(b []byte, fn func(md int, comp []byte) error) error {
+	mdMap := binary.LittleEndian.Uint64(b)
+	p := 9
+	for ; mdMap != 0; mdMap &= mdMap - 1 {
+		n := int(b[p])
+		if err := fn(bits.TrailingZeros64(mdMap), b[p+1:p+1+n]); err != nil {
+			return err
+		}
+		p += 1 + n
+	}
+	return nil
+}
+
+// laneComponents maps the peer's memory domain indices that the lanes in info
+// (ucp_ep_print_info's text) reach to their components.
+func laneComponents(info string) map[int]string {
+	out := map[int]string{}
+	for _, m := range laneDomain.FindAllStringSubmatch(info, -1) {
+		if i, err := strconv.Atoi(m[1]); err == nil && i < 64 {
+			out[i] = m[2]
+		}
+	}
+	return out
 }
 
 // laneDomain matches a lane of ucp_ep_print_info's text and captures the

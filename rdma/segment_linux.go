@@ -5,8 +5,15 @@ package rdma
 import (
 	"bufio"
 	"bytes"
+	"encoding/binary"
+	"fmt"
+	"math"
 	"os"
+	"path/filepath"
 	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // mapping is a range of this process's address space, from /proc/self/maps.
@@ -67,4 +74,98 @@ func attachedSegment(before, now []mapping, p uintptr, n int) bool {
 		return true
 	}
 	return false
+}
+
+// UCX's posix memory domain names a segment by a 64-bit id whose top bits are
+// flags; in procfs mode the rest is the owner's pid and the segment's file
+// descriptor in it (uct/sm/mm/posix).
+const (
+	posixProcFS   = 1 << 63
+	posixShmOpen  = 1 << 62
+	posixFlags    = 0xf << 60
+	posixPIDBits  = 30
+	posixKeyBytes = 24 // segment id, owner's address, length
+	sysvKeyBytes  = 12 // shmid, owner's address
+	posixFilePfx  = "ucx_shm_posix_"
+)
+
+// checkSegment reports why UCX must not unpack comp, the key of a peer's
+// memory domain of kind component: a shared-memory segment that does not
+// attach, or a file that is no UCX segment. UCX attaches a posix or sysv
+// segment as it unpacks the key, with this process's rights, and a failed
+// attach crashes ucp_ep_rkey_unpack (UCX 1.13 to 1.18: its error path
+// releases the key it failed to make), so a receiver that died after its RTR,
+// or a forged key, would take the owner down. Checked here, the segment's end
+// between this check and UCX's attach is left: a window of microseconds.
+func checkSegment(component string, comp []byte) error {
+	switch component {
+	case "posix":
+		return checkPosixSegment(comp)
+	case "sysv":
+		return checkSysvSegment(comp)
+	}
+	return nil
+}
+
+func checkPosixSegment(comp []byte) error {
+	if len(comp) < posixKeyBytes {
+		return fmt.Errorf("%w: posix segment key of %d bytes", ErrBadKey, len(comp))
+	}
+	id := binary.LittleEndian.Uint64(comp)
+	length := binary.LittleEndian.Uint64(comp[16:])
+	if length == 0 {
+		return fmt.Errorf("%w: empty posix segment", ErrBadKey)
+	}
+	mmid := id &^ posixFlags
+	var path string
+	switch {
+	case id&posixProcFS != 0:
+		path = fmt.Sprintf("/proc/%d/fd/%d", mmid&(1<<posixPIDBits-1), mmid>>posixPIDBits)
+	case id&posixShmOpen != 0:
+		path = fmt.Sprintf("/dev/shm/%s%x", posixFilePfx, mmid)
+	default:
+		// A file in a directory the key names (UCX_POSIX_USE_PROC_LINK=n
+		// without shm_open): a path the peer chose.
+		return fmt.Errorf("%w: posix segment named by a directory path", ErrBadKey)
+	}
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		return fmt.Errorf("%w: its posix segment does not open: %w", ErrBadKey, err)
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return fmt.Errorf("%w: its posix segment: %w", ErrBadKey, err)
+	}
+	if !fi.Mode().IsRegular() || uint64(fi.Size()) < length {
+		return fmt.Errorf("%w: its posix segment is a %v of %d bytes, the key says %d", ErrBadKey, fi.Mode().Type(), fi.Size(), length)
+	}
+	if id&posixProcFS != 0 {
+		// What the descriptor is open on: a UCX segment, whose name stays
+		// in the link once it was unlinked, and not any file the process
+		// holds open.
+		target, err := os.Readlink(path)
+		if err != nil {
+			return fmt.Errorf("%w: its posix segment: %w", ErrBadKey, err)
+		}
+		if !strings.HasPrefix(filepath.Base(strings.TrimSuffix(target, " (deleted)")), posixFilePfx) {
+			return fmt.Errorf("%w: its posix segment is %q, no UCX segment", ErrBadKey, target)
+		}
+	}
+	return nil
+}
+
+func checkSysvSegment(comp []byte) error {
+	if len(comp) < sysvKeyBytes {
+		return fmt.Errorf("%w: sysv segment key of %d bytes", ErrBadKey, len(comp))
+	}
+	id := binary.LittleEndian.Uint32(comp)
+	if id > math.MaxInt32 {
+		return fmt.Errorf("%w: sysv segment id %d", ErrBadKey, id)
+	}
+	var ds unix.SysvShmDesc
+	if _, err := unix.SysvShmCtl(int(id), unix.IPC_STAT, &ds); err != nil {
+		return fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
+	}
+	return nil
 }

@@ -5,6 +5,8 @@ package rdma
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
+	"math"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -13,6 +15,7 @@ import (
 	"unsafe"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 )
 
 // sharedFile maps a file of n bytes shared and writable, as UCX attaches a
@@ -100,4 +103,63 @@ func TestSharedCopyFault(t *testing.T) {
 	c.seg = seg[:directShare]
 	c.local = local[:directShare]
 	require.NoError(t, c.run(), "the pages the file still has")
+}
+
+// posixKey is the key of UCX's posix domain naming fd of process pid in
+// procfs mode, n bytes long.
+func posixKey(pid, fd int, n uint64) []byte {
+	k := binary.LittleEndian.AppendUint64(nil, posixProcFS|posixShmOpen|uint64(fd)<<posixPIDBits|uint64(pid))
+	k = binary.LittleEndian.AppendUint64(k, 0x10000000)
+	return binary.LittleEndian.AppendUint64(k, n)
+}
+
+// A posix or sysv key is unpacked only when its segment attaches: a key
+// naming a descriptor that is not open, a file that is no UCX segment, or a
+// segment id that does not exist is refused before UCX sees it.
+func TestCheckSegment(t *testing.T) {
+	dir := t.TempDir()
+	open := func(name string, n int) *os.File {
+		f, err := os.Create(filepath.Join(dir, name))
+		require.NoError(t, err)
+		t.Cleanup(func() { f.Close() })
+		require.NoError(t, f.Truncate(int64(n)))
+		return f
+	}
+	seg := open(posixFilePfx+"1234", 8192)
+	other := open("model.bin", 8192)
+	pid := os.Getpid()
+	require.NoError(t, checkSegment("posix", posixKey(pid, int(seg.Fd()), 8192)))
+	require.NoError(t, checkSegment("tcp", nil), "other domains are UCX's to check")
+
+	shmid, err := unix.SysvShmGet(unix.IPC_PRIVATE, 8192, unix.IPC_CREAT|0o600)
+	require.NoError(t, err)
+	t.Cleanup(func() { unix.SysvShmCtl(shmid, unix.IPC_RMID, nil) })
+	sysv := func(id uint32) []byte {
+		return binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(nil, id), 0x10000000)
+	}
+	require.NoError(t, checkSegment("sysv", sysv(uint32(shmid))))
+
+	dirKey := posixKey(pid, 3, 8192)
+	binary.LittleEndian.PutUint64(dirKey, 0x1234) // no procfs, no shm_open: a path follows
+	for name, tc := range map[string]struct {
+		component string
+		key       []byte
+		why       string
+	}{
+		"closed descriptor":    {"posix", posixKey(pid, 1<<29, 8192), "does not open"},
+		"dead process":         {"posix", posixKey(1<<30-1, 3, 8192), "does not open"},
+		"not a UCX segment":    {"posix", posixKey(pid, int(other.Fd()), 8192), "no UCX segment"},
+		"longer than its file": {"posix", posixKey(pid, int(seg.Fd()), 8193), "the key says 8193"},
+		"empty":                {"posix", posixKey(pid, int(seg.Fd()), 0), "empty"},
+		"short":                {"posix", posixKey(pid, int(seg.Fd()), 8192)[:16], "16 bytes"},
+		"directory path":       {"posix", dirKey, "directory path"},
+		"unknown shm_open":     {"posix", binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint64(nil, posixShmOpen|0xdeadbeef), 0), 4096), "does not open"},
+		"unknown sysv id":      {"sysv", sysv(uint32(math.MaxInt32 - 7)), "does not attach"},
+		"negative sysv id":     {"sysv", sysv(math.MaxUint32), "segment id"},
+		"short sysv":           {"sysv", sysv(uint32(shmid))[:8], "8 bytes"},
+	} {
+		err := checkSegment(tc.component, tc.key)
+		require.ErrorIs(t, err, ErrBadKey, name)
+		require.ErrorContains(t, err, tc.why, name)
+	}
 }

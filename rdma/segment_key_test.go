@@ -1,0 +1,93 @@
+//go:build cgo && !nordma && linux
+
+package rdma_test
+
+import (
+	"encoding/binary"
+	"os"
+	"regexp"
+	"strconv"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/internal/testenv"
+	"github.com/gdrpc/gdrpc/rdma"
+)
+
+// forgedKey frames comp as the key of the peer's memory domain md, for a
+// region of n bytes at addr.
+func forgedKey(md int, comp []byte, addr, n uint64) []byte {
+	rk := binary.LittleEndian.AppendUint64(nil, 1<<md)
+	rk = append(rk, 0, byte(len(comp)))
+	rk = append(rk, comp...)
+	packed := make([]byte, 28, 28+len(rk))
+	copy(packed, "GDRK")
+	packed[4] = 1 // key version, host memory
+	binary.BigEndian.PutUint64(packed[8:], addr)
+	binary.BigEndian.PutUint64(packed[16:], n)
+	binary.BigEndian.PutUint32(packed[24:], uint32(len(rk)))
+	return append(packed, rk...)
+}
+
+// laneMD returns the index of the peer's memory domain of kind component that
+// a lane of ep reaches, or -1.
+func laneMD(t *testing.T, ep *rdma.Endpoint, component string) int {
+	m := regexp.MustCompile(`->\s*md\[(\d+)\]/` + component + `/`).FindStringSubmatch(ep.TransportInfo())
+	if m == nil {
+		return -1
+	}
+	i, err := strconv.Atoi(m[1])
+	require.NoError(t, err)
+	return i
+}
+
+// A key naming a shared-memory segment that does not attach (a receiver that
+// died after it sent its key, or a forged key) is refused with an error: UCX's
+// unpack, whose error path crashes, never sees it. Keys of live segments still
+// unpack.
+func TestUnpackKeyDeadSegment(t *testing.T) {
+	testenv.Need(t, "ucx", rdma.Available())
+	c, err := rdma.NewContext()
+	require.NoError(t, err)
+	defer c.Close()
+	client, _ := pair(t, c)
+	const addr, n = 0x10000000, 4096
+
+	posix := laneMD(t, client, "posix")
+	if posix < 0 {
+		t.Skipf("no posix lane: %s", client.TransportInfo())
+	}
+	comp := binary.LittleEndian.AppendUint64(nil, 1<<63|1<<62|uint64(1<<29)<<30|uint64(os.Getpid()))
+	comp = binary.LittleEndian.AppendUint64(comp, addr)
+	comp = binary.LittleEndian.AppendUint64(comp, n)
+	_, err = client.UnpackKey(forgedKey(posix, comp, addr, n))
+	require.ErrorIs(t, err, rdma.ErrBadKey)
+	require.ErrorContains(t, err, "does not open")
+
+	f, err := os.CreateTemp(t.TempDir(), "model") // a file this process holds: no UCX segment
+	require.NoError(t, err)
+	defer f.Close()
+	require.NoError(t, f.Truncate(n))
+	comp = binary.LittleEndian.AppendUint64(nil, 1<<63|1<<62|uint64(f.Fd())<<30|uint64(os.Getpid()))
+	comp = binary.LittleEndian.AppendUint64(comp, addr)
+	comp = binary.LittleEndian.AppendUint64(comp, n)
+	_, err = client.UnpackKey(forgedKey(posix, comp, addr, n))
+	require.ErrorContains(t, err, "no UCX segment")
+
+	if sysv := laneMD(t, client, "sysv"); sysv >= 0 {
+		comp := binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(nil, 0x7fff_fff0), addr)
+		_, err = client.UnpackKey(forgedKey(sysv, comp, addr, n))
+		require.ErrorContains(t, err, "does not attach")
+	}
+
+	// A live segment's key.
+	m, err := c.Alloc(1 << 20)
+	require.NoError(t, err)
+	defer m.Close()
+	packed, err := m.PackKey()
+	require.NoError(t, err)
+	k, err := client.UnpackKey(packed)
+	require.NoError(t, err)
+	require.NoError(t, k.Close())
+}
