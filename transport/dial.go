@@ -224,7 +224,22 @@ func upgradeUCX(ctx context.Context, rctx *rdma.Context, addr string, token ID) 
 	if w == nil {
 		return nil, fmt.Errorf("UCX context has no worker: %w", rdma.ErrNotSupported)
 	}
+	// The server's UCX listener takes the request once the server checked
+	// the proof, which this dial may overtake: a rejected request is made
+	// again, with a growing pause, until ctx ends.
+	pause := time.Millisecond
 	ep, err := w.Dial(ctx, addr)
+	for errors.Is(err, rdma.ErrRejected) {
+		t := time.NewTimer(pause)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil, ctxErr(ctx, err)
+		}
+		pause = min(2*pause, 100*time.Millisecond)
+		ep, err = w.Dial(ctx, addr)
+	}
 	if err != nil {
 		return nil, err
 	}

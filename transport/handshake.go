@@ -181,7 +181,9 @@ func defaultLocalCaps() Caps { return defaultUCXCaps().clone() }
 // welcome), sends the upgrade magic "GDRPCU" and the token on the UCX stream
 // and waits for one ack byte; then it sends one decision byte over TCP: 'U'
 // (the session runs over UCX, the TCP connection is closed by both) or 'T'
-// (UCX failed, the session stays on TCP).
+// (UCX failed, the session stays on TCP). The server acknowledges the
+// endpoint only after it checked the proof, and its UCX listener may turn
+// the connection request away until then: the client dials again.
 //
 // On a session whose two ends announced lanes, the client runs the control
 // stream, the bulk frames of the stream path and the gRPC stream each on a

@@ -437,19 +437,23 @@ func serveLane(ep net.Conn, token ID, role byte, wait time.Duration) error {
 }
 
 // laneSlot is where a server session that may get lanes is found by its
-// token: made when the welcome offers UCX, filled when the session is up
-// (with nil when the handshake fails or the session runs without lanes).
+// token: made when the welcome offers lanes, proven once the client proved
+// its id, filled when the session is up (with nil when the handshake fails
+// or the session runs without lanes). A lane that comes before the session
+// waits in it; only a proven slot opens the UCX listener (lanesExpected).
 type laneSlot struct {
-	token ID
-	once  sync.Once
-	ready chan struct{}
-	s     *Session
-	taken uint8 // laneRoles opened; guarded by laneWaiting
+	token  ID
+	once   sync.Once
+	ready  chan struct{}
+	s      *Session
+	taken  uint8 // laneRoles opened; guarded by laneWaiting
+	proven bool  // counted in laneWaiting.proven; guarded by laneWaiting
 }
 
 var laneWaiting = struct {
 	sync.Mutex
-	m map[ID]*laneSlot
+	m      map[ID]*laneSlot
+	proven int // the slots in m whose client proved its id
 }{m: map[ID]*laneSlot{}}
 
 func expectLane(token ID) *laneSlot {
@@ -458,6 +462,17 @@ func expectLane(token ID) *laneSlot {
 	laneWaiting.m[token] = slot
 	laneWaiting.Unlock()
 	return slot
+}
+
+// prove records that the slot's client proved its id: from now on the slot
+// opens the UCX listener to lanes, until it is forgotten.
+func (slot *laneSlot) prove() {
+	laneWaiting.Lock()
+	defer laneWaiting.Unlock()
+	if laneWaiting.m[slot.token] == slot && !slot.proven {
+		slot.proven = true
+		laneWaiting.proven++
+	}
 }
 
 // fill hands the slot its session, or nil: no lane for this token. The first
@@ -472,12 +487,12 @@ func (slot *laneSlot) fill(s *Session) {
 	})
 }
 
-// lanesExpected reports whether some session of this process waits for a
-// lane.
+// lanesExpected reports whether some session of this process, whose client
+// proved its id, waits for a lane.
 func lanesExpected() bool {
 	laneWaiting.Lock()
 	defer laneWaiting.Unlock()
-	return len(laneWaiting.m) > 0
+	return laneWaiting.proven > 0
 }
 
 // takeLaneSession returns the session waiting for a lane of the role with
@@ -511,8 +526,8 @@ func takeLaneSession(token ID, role byte, wait time.Duration) (*Session, error) 
 		return nil, fmt.Errorf("the session's %q lane: %w", role, errLaneTaken)
 	}
 	slot.taken |= bit
-	if slot.taken&allLaneRoles == allLaneRoles && laneWaiting.m[token] == slot {
-		delete(laneWaiting.m, token)
+	if slot.taken&allLaneRoles == allLaneRoles {
+		dropLaneLocked(token, slot)
 	}
 	return slot.s, nil
 }
@@ -520,10 +535,30 @@ func takeLaneSession(token ID, role byte, wait time.Duration) (*Session, error) 
 // forgetLane removes the slot of token if it is still slot.
 func forgetLane(token ID, slot *laneSlot) {
 	laneWaiting.Lock()
-	if laneWaiting.m[token] == slot {
-		delete(laneWaiting.m, token)
-	}
+	dropLaneLocked(token, slot)
 	laneWaiting.Unlock()
+}
+
+// dropLaneLocked removes the slot of token if it is still slot; the caller
+// holds laneWaiting.
+func dropLaneLocked(token ID, slot *laneSlot) {
+	if laneWaiting.m[token] != slot {
+		return
+	}
+	delete(laneWaiting.m, token)
+	if slot.proven {
+		laneWaiting.proven--
+	}
+}
+
+// forgetLanes forgets the session's lane slot (server) once its gRPC stream
+// is there. A client opens its other lanes before that one, so the slot
+// waits then only for lanes an honest client never opens, and would keep
+// the UCX listener taking connection requests for the session's life.
+func (s *Session) forgetLanes() {
+	if s.laneSlot != nil {
+		forgetLane(s.token, s.laneSlot)
+	}
 }
 
 // laneConn is a lane with gdrpc's error semantics (those of streamConn):

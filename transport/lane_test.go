@@ -21,6 +21,9 @@ func init() {
 		if n := len(laneWaiting.m); n > 0 {
 			return errors.New("gRPC lane slots left after their sessions closed")
 		}
+		if laneWaiting.proven != 0 {
+			return errors.New("proven lane slots miscounted")
+		}
 		return nil
 	})
 }

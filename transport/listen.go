@@ -40,21 +40,33 @@ type Listener struct {
 
 	pendMu  sync.Mutex
 	pending map[ID]*pendingUpgrade
+	proven  int // the pending upgrades whose client proved its id
 
 	handshakes chan struct{} // a slot per connection before its handshake ends
+	ucxServing chan struct{} // a slot per UCX endpoint before it is handed on
 }
 
 // maxHandshakes bounds the connections a listener serves before they end
 // their handshake (or show they are plain gRPC or a lane): each holds a
 // goroutine and its first frame for up to the handshake timeout, and anyone
 // who reaches the port can open them. Past it, accepting waits for a slot;
-// connections wait in the kernel's backlog meanwhile. A variable for tests.
+// connections wait in the kernel's backlog meanwhile. It bounds the UCX
+// endpoints being served before they reach their session likewise: past it,
+// a new endpoint is closed at once. A variable for tests.
 var maxHandshakes = 1024
 
 var _ net.Listener = (*Listener)(nil)
 
-// pendingUpgrade is a session whose client was told to come over UCX.
+// pendingUpgrade is a session whose client was told to come over UCX. Its
+// endpoint may come before the handshake checked the client's proof (on a
+// UCX listener that another session holds open); it is acknowledged only
+// after.
 type pendingUpgrade struct {
+	token   ID
+	proven  chan struct{} // closed once the client proved its id
+	counted bool          // in Listener.proven; guarded by pendMu
+	gone    chan struct{} // closed when the handshake gives up on it
+
 	mu        sync.Mutex
 	ep        *rdma.Endpoint
 	ready     chan struct{}
@@ -84,6 +96,7 @@ func Listen(addr string, opts ...Option) (*Listener, error) {
 		pending:  map[ID]*pendingUpgrade{},
 
 		handshakes: make(chan struct{}, maxHandshakes),
+		ucxServing: make(chan struct{}, maxHandshakes),
 	}
 	l.log = cfg.logger.With("component", "gdrpc/listener", "addr", tl.Addr().String())
 	if cfg.mode != ModeTCP {
@@ -127,18 +140,20 @@ func (l *Listener) listenUCX() error {
 	}
 	// UCX accepts a connection before it carries a byte, and an endpoint
 	// reaches this process's memory (the README's Security): a request is
-	// taken only while a handshake waits for its endpoint or a session for
-	// its lanes, not whenever someone reaches the port.
+	// taken only while a handshake whose client proved its id waits for its
+	// endpoint, or such a session for its lanes, not whenever someone
+	// reaches the port.
 	ul.SetFilter(func(net.Addr) bool { return l.expectsUCX() })
 	l.ucx, l.rctx = ul, rctx
 	return nil
 }
 
 // expectsUCX reports whether a UCX connection request may be a client's: a
-// welcomed handshake waits for its upgrade, or a session for a lane.
+// handshake whose client proved its id waits for its upgrade, or such a
+// session for a lane.
 func (l *Listener) expectsUCX() bool {
 	l.pendMu.Lock()
-	n := len(l.pending)
+	n := l.proven
 	l.pendMu.Unlock()
 	return n > 0 || lanesExpected()
 }
@@ -291,6 +306,7 @@ func (l *Listener) serveTCP(c net.Conn) {
 		_ = s.Close()
 		return
 	}
+	s.forgetLanes()
 	l.deliver(gc)
 }
 
@@ -434,6 +450,9 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		Key:        self.publicKey(),
 		Nonce:      newNonce(),
 	}
+	// The endpoint and the lanes of the session are expected from here, so
+	// that one which overtakes the client's proof waits for it; they count
+	// for the UCX listener's filter only once the proof is checked (prove).
 	var pu *pendingUpgrade
 	var slot *laneSlot
 	if canUCX {
@@ -449,7 +468,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		}
 		w.Transport, w.UCXPort = "ucx", uint16(port)
 		pu = l.expect(w.Token)
-		defer l.abandon(w.Token, pu)
+		defer l.abandon(pu)
 	}
 	if caps.Lanes && h.Caps.Lanes {
 		// The client may dial a lane as soon as its session is up, before
@@ -479,6 +498,12 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 	}
 	if err != nil {
 		return nil, fmt.Errorf("handshake: %w", err)
+	}
+	if pu != nil {
+		l.prove(pu)
+	}
+	if slot != nil {
+		slot.prove()
 	}
 
 	setup := sessionSetup{
@@ -533,21 +558,57 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 	return newSession(setup)
 }
 
+// expect records that the handshake of token waits for its UCX endpoint.
 func (l *Listener) expect(token ID) *pendingUpgrade {
-	pu := &pendingUpgrade{ready: make(chan struct{})}
+	pu := &pendingUpgrade{token: token, proven: make(chan struct{}), gone: make(chan struct{}), ready: make(chan struct{})}
 	l.pendMu.Lock()
 	l.pending[token] = pu
 	l.pendMu.Unlock()
 	return pu
 }
 
-// abandon forgets a pending upgrade and closes an endpoint nobody took.
-func (l *Listener) abandon(token ID, pu *pendingUpgrade) {
+// prove records that the client of pu proved its id: its endpoint is
+// acknowledged, and until it comes the UCX listener takes connection
+// requests.
+func (l *Listener) prove(pu *pendingUpgrade) {
 	l.pendMu.Lock()
-	if l.pending[token] == pu {
-		delete(l.pending, token)
+	if l.pending[pu.token] == pu && !pu.counted {
+		pu.counted = true
+		l.proven++
 	}
 	l.pendMu.Unlock()
+	close(pu.proven)
+}
+
+// takePending removes and returns the pending upgrade of token, or nil.
+func (l *Listener) takePending(token ID) *pendingUpgrade {
+	l.pendMu.Lock()
+	defer l.pendMu.Unlock()
+	pu := l.pending[token]
+	if pu != nil {
+		l.dropPendingLocked(pu)
+	}
+	return pu
+}
+
+// dropPendingLocked forgets pu if it is still pending; the caller holds
+// pendMu.
+func (l *Listener) dropPendingLocked(pu *pendingUpgrade) {
+	if l.pending[pu.token] != pu {
+		return
+	}
+	delete(l.pending, pu.token)
+	if pu.counted {
+		l.proven--
+	}
+}
+
+// abandon forgets a pending upgrade and closes an endpoint nobody took.
+func (l *Listener) abandon(pu *pendingUpgrade) {
+	l.pendMu.Lock()
+	l.dropPendingLocked(pu)
+	l.pendMu.Unlock()
+	close(pu.gone)
 	pu.mu.Lock()
 	pu.abandoned = true
 	ep := pu.ep
@@ -582,15 +643,27 @@ func (l *Listener) acceptUCX() {
 			}
 			continue
 		}
+		// The filter lets in anyone while some client is expected, and an
+		// endpoint holds a goroutine until it presents a token: past
+		// maxHandshakes of them, a new one is closed rather than queued.
+		select {
+		case l.ucxServing <- struct{}{}:
+		default:
+			_ = ep.Close()
+			l.log.Warn("UCX endpoint closed: too many before their token", "remote", ep.RemoteAddr().String(), "limit", cap(l.ucxServing))
+			continue
+		}
 		l.wg.Add(1)
 		go l.serveUCX(ep)
 	}
 }
 
 // serveUCX checks the token a client sends first on a new UCX endpoint and
-// hands the endpoint to the handshake waiting for it.
+// hands the endpoint to the handshake waiting for it, once that handshake
+// checked the client's proof.
 func (l *Listener) serveUCX(ep *rdma.Endpoint) {
 	defer l.wg.Done()
+	defer func() { <-l.ucxServing }()
 	hctx, cancel := context.WithTimeout(l.ctx, l.cfg.handshakeTimeout)
 	defer cancel()
 	unbind := bindDeadline(hctx, ep)
@@ -607,15 +680,26 @@ func (l *Listener) serveUCX(ep *rdma.Endpoint) {
 		l.acceptLane(ep, msg[len(laneMagic):], unbind)
 		return
 	}
-	l.pendMu.Lock()
-	pu := l.pending[token]
-	delete(l.pending, token) // a token is good for one endpoint
-	l.pendMu.Unlock()
+	pu := l.takePending(token) // a token is good for one endpoint
 	if string(msg[:len(upgradeMagic)]) != upgradeMagic || pu == nil {
 		unbind()
 		_, _ = ep.Write([]byte{0})
 		_ = ep.Close()
 		l.log.Warn("UCX endpoint with an unknown token; closed", "remote", ep.RemoteAddr().String())
+		return
+	}
+	select {
+	case <-pu.proven:
+	case <-pu.gone:
+	case <-hctx.Done():
+	}
+	select {
+	case <-pu.proven:
+	default:
+		unbind()
+		_, _ = ep.Write([]byte{0})
+		_ = ep.Close()
+		l.log.Warn("UCX endpoint for a handshake whose client did not prove its id; closed", "remote", ep.RemoteAddr().String())
 		return
 	}
 	_, err := ep.Write([]byte{upgradeAckOK})

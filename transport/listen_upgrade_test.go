@@ -82,8 +82,9 @@ func TestUpgradeFallback(t *testing.T) {
 }
 
 // TestUpgradeWrongToken: the UCX listener turns a connection away while no
-// handshake waits for one; while one waits, an endpoint that does not
-// present a pending session's token is refused and closed.
+// handshake whose client proved its id waits for one; while one waits, an
+// endpoint that does not present a pending session's token is refused and
+// closed.
 func TestUpgradeWrongToken(t *testing.T) {
 	rc := internalUCX(t)
 	l, err := Listen("127.0.0.1:0", WithRDMAContext(rc), WithMode(ModeUCX))
@@ -94,8 +95,11 @@ func TestUpgradeWrongToken(t *testing.T) {
 	_, err = rc.Worker().Dial(ctx, l.UCXAddr().String())
 	require.ErrorIs(t, err, rdma.ErrRejected, "no handshake waits for a UCX endpoint")
 
-	pending := newToken() // a handshake that waits for its upgrade
-	defer l.abandon(pending, l.expect(pending))
+	pu := l.expect(newToken()) // a handshake that waits for its upgrade
+	defer l.abandon(pu)
+	_, err = rc.Worker().Dial(ctx, l.UCXAddr().String())
+	require.ErrorIs(t, err, rdma.ErrRejected, "its client has not proved its id yet")
+	l.prove(pu)
 	ep, err := rc.Worker().Dial(ctx, l.UCXAddr().String())
 	require.NoError(t, err)
 	defer ep.Close()

@@ -1,0 +1,239 @@
+package transport
+
+import (
+	"context"
+	"io"
+	"net"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/rdma"
+)
+
+// handClient plays a client's handshake by hand on a new TCP connection to
+// addr: a hello from a fresh identity asking for mode with the caps given,
+// then, if prove, the proof. It returns the connection, bounded by
+// handTimeout and closed when the test ends, the welcome and the identity.
+// What follows (the UCX upgrade, its decision, lanes) is the test's.
+func handClient(tb testing.TB, addr string, mode Mode, caps Caps, prove bool) (net.Conn, welcome, *Identity) {
+	tb.Helper()
+	c, err := net.Dial("tcp", addr)
+	require.NoError(tb, err)
+	tb.Cleanup(func() { _ = c.Close() })
+	require.NoError(tb, c.SetDeadline(time.Now().Add(handTimeout)))
+	id := NewIdentity()
+	h := handHello(id.ID(), id.publicKey())
+	h.Mode, h.Caps = mode, caps
+	hf := encodeHello(h)
+	_, err = c.Write(hf)
+	require.NoError(tb, err)
+	v, body, err := readFrame(c, false)
+	require.NoError(tb, err)
+	w, err := parseWelcome(v, body)
+	require.NoError(tb, err)
+	if prove {
+		_, err = c.Write(encodeProof(proof{Signature: id.signTranscript(transcript(roleClientLabel, hf[frameHeaderLen:], body))}))
+		require.NoError(tb, err)
+	}
+	return c, w, id
+}
+
+// goroutinesIn counts the goroutines whose stack holds fn (as a stack dump
+// names it, e.g. "(*Listener).serveUCX(").
+func goroutinesIn(fn string) int {
+	buf := make([]byte, 1<<20)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) {
+			return strings.Count(string(buf[:n]), fn)
+		}
+		buf = make([]byte, 2*len(buf))
+	}
+}
+
+// TestUCXEndpointsBounded: while a proven client stalls before its upgrade
+// (which holds the UCX listener open to everyone), endpoints that never send
+// their token are served by at most maxHandshakes goroutines; the others are
+// closed at once, and the slots come back when the idle endpoints go.
+func TestUCXEndpointsBounded(t *testing.T) {
+	defer func(n int) { maxHandshakes = n }(maxHandshakes)
+	maxHandshakes = 2
+	rc := internalUCX(t)
+	l, err := Listen("127.0.0.1:0", WithRDMAContext(rc), WithMode(ModeUCX), WithHandshakeTimeout(time.Minute))
+	require.NoError(t, err)
+	defer l.Close()
+	handClient(t, l.Addr().String(), ModeUCX, Caps{UCX: true}, true) // stalls before its decision
+	require.Eventually(t, l.expectsUCX, handTimeout, time.Millisecond, "the proven handshake opens the UCX listener")
+
+	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+	defer cancel()
+	const idle = 16
+	var refused atomic.Int32 // endpoints the listener closed, or never took
+	var readers sync.WaitGroup
+	var eps []*rdma.Endpoint
+	defer func() {
+		for _, ep := range eps {
+			_ = ep.Close()
+		}
+		readers.Wait()
+	}()
+	for range idle {
+		ep, err := rc.Worker().Dial(ctx, l.UCXAddr().String())
+		if err != nil {
+			refused.Add(1)
+			continue
+		}
+		eps = append(eps, ep)
+		readers.Add(1)
+		go func() {
+			defer readers.Done()
+			var b [1]byte
+			if _, err := ep.Read(b[:]); err != nil && ctx.Err() == nil {
+				refused.Add(1)
+			}
+		}()
+	}
+	const serving = "(*Listener).serveUCX("
+	require.Eventually(t, func() bool {
+		return refused.Load() == int32(idle-maxHandshakes) && goroutinesIn(serving) == maxHandshakes
+	}, handTimeout, 5*time.Millisecond, "at most maxHandshakes endpoints served, the rest closed")
+
+	for _, ep := range eps {
+		_ = ep.Close()
+	}
+	require.Eventually(t, func() bool { return goroutinesIn(serving) == 0 && len(l.ucxServing) == 0 },
+		handTimeout, 5*time.Millisecond, "the slots come back when the idle endpoints go")
+	s, err := Dial(ctx, l.Addr().String(), WithRDMAContext(rc), WithMode(ModeUCX))
+	require.NoError(t, err)
+	defer s.Close()
+	require.Equal(t, "ucx", s.Transport())
+}
+
+// TestUCXUpgradeNeedsProof: a client that sent its hello and no proof gets
+// no UCX endpoint: the UCX listener turns its request away while nothing
+// else holds it open, and while something does, the endpoint that presents
+// the unproven handshake's token is never acknowledged and is refused once
+// the handshake fails.
+func TestUCXUpgradeNeedsProof(t *testing.T) {
+	rc := internalUCX(t)
+	l, err := Listen("127.0.0.1:0", WithRDMAContext(rc), WithMode(ModeUCX), WithHandshakeTimeout(time.Minute))
+	require.NoError(t, err)
+	defer l.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+	defer cancel()
+	dialUCX := func() (*rdma.Endpoint, error) { return rc.Worker().Dial(ctx, l.UCXAddr().String()) }
+
+	unproven, w, id := handClient(t, l.Addr().String(), ModeUCX, Caps{UCX: true, Lanes: true}, false)
+	require.Equal(t, "ucx", w.Transport)
+	require.True(t, w.Caps.Lanes)
+	_, err = dialUCX()
+	require.ErrorIs(t, err, rdma.ErrRejected, "no proven client waits for a UCX endpoint")
+
+	handClient(t, l.Addr().String(), ModeUCX, Caps{UCX: true}, true) // holds the UCX listener open
+	require.Eventually(t, l.expectsUCX, handTimeout, time.Millisecond)
+	ep, err := dialUCX()
+	require.NoError(t, err)
+	defer ep.Close()
+	_, err = ep.Write(append([]byte(upgradeMagic), w.Token[:]...))
+	require.NoError(t, err)
+	require.NoError(t, unproven.Close()) // the handshake fails: no proof came
+	require.NoError(t, ep.SetReadDeadline(time.Now().Add(handTimeout)))
+	b, _ := io.ReadAll(ep)
+	require.Equal(t, []byte{0}, b, "a refusal, then the end; never an ack")
+	require.Empty(t, SessionsTo(id.ID()))
+}
+
+// TestUpgradeRetriesUntilProven: a client's UCX dial that overtakes its
+// proof, turned away by the listener, is made again until the server has
+// checked the proof, and then gets its endpoint.
+func TestUpgradeRetriesUntilProven(t *testing.T) {
+	rc := internalUCX(t)
+	l, err := Listen("127.0.0.1:0", WithRDMAContext(rc), WithMode(ModeUCX))
+	require.NoError(t, err)
+	defer l.Close()
+	var turnedAway atomic.Int32
+	l.ucx.SetFilter(func(net.Addr) bool {
+		ok := l.expectsUCX()
+		if !ok {
+			turnedAway.Add(1)
+		}
+		return ok
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+	defer cancel()
+	pu := l.expect(newToken())
+	defer l.abandon(pu)
+	type result struct {
+		ep  *rdma.Endpoint
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		ep, err := upgradeUCX(ctx, rc, l.UCXAddr().String(), pu.token)
+		done <- result{ep, err}
+	}()
+	require.Eventually(t, func() bool { return turnedAway.Load() > 0 }, handTimeout, time.Millisecond)
+	l.prove(pu)
+	r := <-done
+	require.NoError(t, r.err)
+	defer r.ep.Close()
+	select {
+	case <-pu.ready: // the listener handed the endpoint to the handshake
+	case <-ctx.Done():
+		t.Fatal("the endpoint did not reach its handshake")
+	}
+}
+
+// TestLaneSlotForgottenWithGRPCStream: a proven client that announced lanes
+// and opens its gRPC stream but never its control and bulk lanes does not
+// keep its session's lane slot (which holds the UCX listener open to
+// everyone) for the session's life: it goes once the gRPC stream is there,
+// and a lane that comes later is refused.
+func TestLaneSlotForgottenWithGRPCStream(t *testing.T) {
+	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP))
+	require.NoError(t, err)
+	defer l.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		if c, err := l.Accept(); err == nil {
+			accepted <- c
+		}
+	}()
+	_, w, id := handClient(t, l.Addr().String(), ModeTCP, Caps{Lanes: true}, true)
+	require.True(t, w.Caps.Lanes)
+	lane := func(role byte) byte {
+		t.Helper()
+		c, err := net.Dial("tcp", l.Addr().String())
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = c.Close() })
+		require.NoError(t, c.SetDeadline(time.Now().Add(handTimeout)))
+		_, err = c.Write(append(append([]byte(laneMagic), w.Token[:]...), role))
+		require.NoError(t, err)
+		var ack [1]byte
+		_, _ = io.ReadFull(c, ack[:])
+		return ack[0]
+	}
+	require.Equal(t, byte(upgradeAckOK), lane(roleGRPC))
+	var sc net.Conn
+	select {
+	case sc = <-accepted:
+	case <-time.After(handTimeout):
+		t.Fatal("no session accepted")
+	}
+	defer sc.Close()
+	s := SessionOf(sc)
+	require.Equal(t, []*Session{s}, SessionsTo(id.ID()))
+	require.Eventually(t, func() bool {
+		laneWaiting.Lock()
+		defer laneWaiting.Unlock()
+		return laneWaiting.m[w.Token] == nil
+	}, handTimeout, time.Millisecond, "the slot goes with the gRPC stream")
+	requireLive(t, s)
+	require.Zero(t, lane(roleControl), "no lane once the gRPC stream is there")
+}
