@@ -123,7 +123,10 @@ func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
 	if err := e.checkSegments(pk.rkey); err != nil {
 		return nil, fmt.Errorf("rdma: unpack key: %w", err)
 	}
-	pk.rkey = slices.Clone(pk.rkey)
+	// UCX reads each transport's key at that transport's size, whatever
+	// size byte the peer wrote: zeroes after the copy keep a short last
+	// component's reads inside this allocation.
+	pk.rkey = append(make([]byte, 0, len(pk.rkey)+rkeySlack), pk.rkey...)
 	k := &RemoteKey{e: e, region: pk}
 	var uerr error
 	direct := pk.memType == MemoryHost && pk.length > 0 && pk.length <= math.MaxInt && e.w.ctx.opts.direct && goTakesFaults()

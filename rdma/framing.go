@@ -129,6 +129,11 @@ func validateRkey(b []byte) error {
 	return nil
 }
 
+// rkeySlack is the zeroed room UnpackKey leaves after a copied rkey: what a
+// transport's key may be read past a component the peer cut short (a size
+// byte counts at most 255).
+const rkeySlack = 256
+
 // rkeyComponents calls fn with each memory domain index that b, an rkey
 // validateRkey accepted, carries and the bytes of its transport's key, in
 // order, until fn returns an error.
