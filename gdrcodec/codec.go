@@ -192,7 +192,11 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 		return codecError(codes.InvalidArgument, "a second request message on a call that takes one")
 	}
 	m := vv.ProtoReflect()
-	p, err := collectPulls(m, c.oob, c.options())
+	// A server's unary request has no call yet (serverRequest): its
+	// context is the background's, and a failed walk gives back no receive
+	// space on its word (the client does when its call ends).
+	ctx := decodeContext(v)
+	p, err := collectPulls(ctx, m, c.oob, c.options())
 	if err == nil {
 		if c.oob && serverRequest(v, m) {
 			// gRPC decodes a unary request before any interceptor runs and
@@ -203,7 +207,7 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 			pendingPulls.put(v, p)
 			return nil
 		}
-		err = p.run(decodeContext(v))
+		err = p.run(ctx)
 	}
 	if err != nil {
 		return receiveFailed(v, err)
@@ -616,14 +620,14 @@ type job struct {
 	// discarded, if not nil, runs instead of run when the message is refused
 	// or another of its pulls failed first (a payload already in this
 	// process's receive space gives its range back).
-	discarded func()
+	discarded func(ctx context.Context)
 }
 
 // resolve places the payloads of m, a received message: inline ones are
 // attached as they are found, out-of-band ones pulled, within the receive
 // limit and MaxPayloads. On a failure m keeps none of them.
 func resolve(ctx context.Context, m protoreflect.Message, outOfBand bool, o *options) error {
-	p, err := collectPulls(m, outOfBand, o)
+	p, err := collectPulls(ctx, m, outOfBand, o)
 	if err != nil {
 		return err
 	}
@@ -640,9 +644,11 @@ type pulls struct {
 // collectPulls attaches the inline payloads of m, a received message, and
 // returns its out-of-band ones to pull, within the receive limit and
 // MaxPayloads. outOfBand is false for a plain peer's message: a payload it
-// names by token is refused. On a failure m keeps none of its payloads.
-func collectPulls(m protoreflect.Message, outOfBand bool, o *options) (*pulls, error) {
-	c := collected{outOfBand: outOfBand, o: o}
+// names by token is refused. On a failure m keeps none of its payloads; ctx
+// is the call's, whose session says whether the ranges of receive space the
+// message names may be given back (oob.Discard).
+func collectPulls(ctx context.Context, m protoreflect.Message, outOfBand bool, o *options) (*pulls, error) {
+	c := collected{ctx: ctx, outOfBand: outOfBand, o: o}
 	c.collect(m)
 	err := c.err
 	if err == nil {
@@ -650,7 +656,7 @@ func collectPulls(m protoreflect.Message, outOfBand bool, o *options) (*pulls, e
 	}
 	p := &pulls{m: m, jobs: c.jobs}
 	if err != nil {
-		p.discard()
+		p.discard(ctx)
 		return nil, err
 	}
 	return p, nil
@@ -669,11 +675,12 @@ func (p *pulls) run(ctx context.Context) error {
 }
 
 // discard gives the pulls up: the message keeps none of its payloads, and
-// a payload already in this process's receive space gives its range back.
-func (p *pulls) discard() {
+// a payload already in this process's receive space gives its range back
+// where ctx, the call's, came over the space's session (oob.Discard).
+func (p *pulls) discard(ctx context.Context) {
 	for _, j := range p.jobs {
 		if j.discarded != nil {
-			j.discarded()
+			j.discarded(ctx)
 		}
 	}
 	ReleaseAll(p.m.Interface())
@@ -710,7 +717,7 @@ func runJobs(ctx context.Context, jobs []job) error {
 						failed.Store(true)
 					}
 				case jobs[i].discarded != nil:
-					jobs[i].discarded()
+					jobs[i].discarded(ctx)
 				}
 			}
 		})
@@ -735,6 +742,7 @@ func firstStatus(errs []error) error {
 // owner wrote those payloads already, and nothing else would free their
 // ranges before the session ends.
 type collected struct {
+	ctx       context.Context // the call's (oob.Discard)
 	outOfBand bool
 	o         *options
 	jobs      []job
@@ -760,19 +768,19 @@ func (c *collected) fail(err error) {
 func (c *collected) collect(m protoreflect.Message) {
 	if db, ok := m.Interface().(*gdrv1.DeviceBuffer); ok {
 		if c.err != nil {
-			discardLanded(db, c.outOfBand)
+			discardLanded(c.ctx, db, c.outOfBand)
 			return
 		}
 		if err := c.count(); err != nil {
 			c.fail(err)
-			discardLanded(db, c.outOfBand)
+			discardLanded(c.ctx, db, c.outOfBand)
 			return
 		}
 		j, err := deviceBufferJob(db, c.outOfBand, c.o)
 		switch {
 		case err != nil:
 			c.fail(err)
-			discardLanded(db, c.outOfBand)
+			discardLanded(c.ctx, db, c.outOfBand)
 		case j.run != nil:
 			c.jobs = append(c.jobs, j)
 		}
@@ -787,8 +795,12 @@ func (c *collected) collect(m protoreflect.Message) {
 		}
 		switch v := m.Get(fd); {
 		case marked(fd):
-			if c.outOfBand && c.err == nil {
+			switch {
+			case !c.outOfBand:
+			case c.err == nil:
 				c.fail(c.bytesJobs(m, fd, v)) // they name no receive space
+			default:
+				forgetBytes(m, fd, v)
 			}
 		case valueMessage(fd) == nil:
 		case fd.IsList():
@@ -810,12 +822,12 @@ func (c *collected) collect(m protoreflect.Message) {
 // discardLanded gives back the range of receive space that db, a payload of
 // a refused message, names (oob.Discard), if it names one the sender may,
 // and forgets what named the payload.
-func discardLanded(db *gdrv1.DeviceBuffer, outOfBand bool) {
+func discardLanded(ctx context.Context, db *gdrv1.DeviceBuffer, outOfBand bool) {
 	if !outOfBand {
 		return // a plain peer's: no space was advertised to it
 	}
 	if d, ok, err := ParseDescriptor(db); err == nil && ok {
-		oob.Discard(d)
+		oob.Discard(ctx, d)
 		forget(db)
 	}
 }
@@ -897,8 +909,8 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer, mayPull bool, o *options) (job, err
 			setAttachment(db, dst)
 			return nil
 		},
-		discarded: func() {
-			oob.Discard(d)
+		discarded: func(ctx context.Context) {
+			oob.Discard(ctx, d)
 			forget(db)
 		},
 	}, nil
@@ -915,6 +927,26 @@ func (c *collected) bytesJobs(m protoreflect.Message, fd protoreflect.FieldDescr
 		return nil
 	}
 	return c.bytesJob(v.Bytes(), func(b []byte) { m.Set(fd, protoreflect.ValueOfBytes(b)) })
+}
+
+// forgetBytes clears the descriptors in v, the value of fd, a marked bytes
+// field of a refused message, as forget does a DeviceBuffer's.
+func forgetBytes(m protoreflect.Message, fd protoreflect.FieldDescriptor, v protoreflect.Value) {
+	named := func(b []byte) bool {
+		return len(b) > len(bytesMagic) && bytes.HasPrefix(b, bytesMagic) && b[len(bytesMagic)] == markDescriptor
+	}
+	if fd.IsList() {
+		l := v.List()
+		for i := 0; i < l.Len(); i++ {
+			if named(l.Get(i).Bytes()) {
+				l.Set(i, protoreflect.ValueOfBytes(nil))
+			}
+		}
+		return
+	}
+	if named(v.Bytes()) {
+		m.Set(fd, protoreflect.ValueOfBytes(nil))
+	}
 }
 
 func (c *collected) bytesJob(b []byte, set func([]byte)) error {
@@ -962,7 +994,7 @@ func (c *collected) bytesJob(b []byte, set func([]byte)) error {
 		dst.Release()
 		set(p)
 		return nil
-	}, discarded: func() { set(nil) }})
+	}, discarded: func(context.Context) { set(nil) }})
 	return nil
 }
 

@@ -162,6 +162,16 @@ func TestRefusedMessageForgetsLaterTokens(t *testing.T) {
 	err := decode(t, m, &got)
 	require.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
 	require.Len(t, got.Parts, 4)
+
+	// A marked bytes field after the bad payload (data, then blob, in
+	// field order): its descriptor goes too.
+	desc, err := proto.Marshal(named())
+	require.NoError(t, err)
+	withBlob := &tensorpb.Tensor{Data: malformed, Blob: append([]byte("\x00\xffgdrpc\x00\x01"), desc...)}
+	var got2 tensorpb.Tensor
+	err = decode(t, withBlob, &got2)
+	require.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
+	require.Empty(t, got2.Blob, "the bytes field's descriptor")
 	for i, db := range got.Parts {
 		if i == 1 {
 			continue // not a descriptor: nothing in it names a payload

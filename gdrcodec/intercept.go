@@ -304,7 +304,7 @@ func serverRequest(v any, m protoreflect.Message) bool {
 // right after the codec with the call's context, runs them (pullRequest).
 var pendingPulls = func() *expiring[*pulls] {
 	e := newExpiring[*pulls](time.Minute)
-	e.expired = (*pulls).discard
+	e.expired = func(p *pulls) { p.discard(context.Background()) } // no call: the client gives its ranges back
 	return e
 }()
 

@@ -526,8 +526,13 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 		return nil, PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid, Err: err}
 	}
 	arrived := transport.SessionFromContext(ctx)
+	if d.Space != 0 && arrived == nil {
+		// Whose message named the range is unknown: the payload is pulled
+		// by its token, which the owner keeps for replays.
+		d = d.withoutSpace()
+	}
 	if d.Space != 0 {
-		if arrived != nil && arrived.PeerID() != d.Owner {
+		if arrived.PeerID() != d.Owner {
 			// Only the owner writes into the space this process advertised
 			// to it, and only its own messages name what it wrote there: a
 			// space id that reached another peer must not let that peer

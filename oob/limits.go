@@ -35,8 +35,9 @@ type Limits struct {
 	// PullBytes. If zero, twice PullBytes.
 	TotalPullBytes int64
 	// Pulls bounds the RTRs in flight on one session (sent and not yet
-	// settled), counted as for PullBytes; further pulls wait as for
-	// PullBytes. If zero, 1024.
+	// settled); further pulls wait as for PullBytes. A third party's pulls
+	// count against the session they came over, as for PullBytes, and take
+	// at most half of the Pulls of the session to the owner. If zero, 1024.
 	Pulls int
 	// Pushes bounds the pushes one session runs at once; its further RTRs
 	// wait in a queue. If zero, 16; at most transport.MaxControlHandlers/2.
@@ -107,6 +108,7 @@ type sessionBounds struct {
 	mu        sync.Mutex
 	pullBytes int64         // reserved for pulls through the session
 	pulls     int           // pulls through the session not yet settled
+	relayed   int           // of them, third parties' pulls charged to other sessions
 	room      chan struct{} // closed when a reservation is given back; nil when nobody waits
 	queue     []*rtr
 	pushers   int  // goroutines running pushLoop
@@ -161,7 +163,10 @@ func exhausted(t Token, format string, args ...any) error {
 // reservePull reserves room for one pull of n bytes through via, charged to
 // payer's bounds (via's own, or those of the session whose message named a
 // third party's payload), waiting for it while ctx, payer and via live, and
-// returns the function that gives it back (once).
+// returns the function that gives it back (once). A third party's pull also
+// takes one of via's RTRs in flight (Limits.Pulls bounds what an owner is
+// asked at once, which its push queue is sized for), and such pulls hold at
+// most half of them: the owner's own messages keep the rest.
 func reservePull(ctx context.Context, payer, via *transport.Session, t Token, n uint64) (func(), error) {
 	s := payer
 	lim := cfgOf(s).Limits
@@ -172,20 +177,57 @@ func reservePull(ctx context.Context, payer, via *transport.Session, t Token, n 
 		return nil, exhausted(t, "a %d-byte payload is over the limit of %d bytes in flight in all (Limits.TotalPullBytes)", n, lim.TotalPullBytes)
 	}
 	b := &stateOf(s).bounds
-	for {
-		// Lock order: the session's bounds, then the process's.
-		b.mu.Lock()
+	var v *sessionBounds // via's, for a third party's pull
+	relayMax := 0
+	if via != payer {
+		v = &stateOf(via).bounds
+		relayMax = max(cfgOf(via).Limits.Pulls/2, 1)
+	}
+	// Lock order: two sessions' bounds by session id, then the process's.
+	first, second := b, v
+	if v != nil && via.ID() < payer.ID() {
+		first, second = v, b
+	}
+	lock := func() {
+		first.mu.Lock()
+		if second != nil {
+			second.mu.Lock()
+		}
 		pullTotal.mu.Lock()
+	}
+	unlock := func() {
+		pullTotal.mu.Unlock()
+		if second != nil {
+			second.mu.Unlock()
+		}
+		first.mu.Unlock()
+	}
+	for {
+		lock()
 		// Sums, not differences: pullTotal is the process's, and an engine
 		// with a smaller TotalPullBytes than another's may see it over its
 		// own limit.
-		if b.pulls < lim.Pulls && uint64(b.pullBytes)+n <= uint64(lim.PullBytes) && uint64(pullTotal.bytes)+n <= uint64(lim.TotalPullBytes) {
+		ok := b.pulls < lim.Pulls && uint64(b.pullBytes)+n <= uint64(lim.PullBytes) && uint64(pullTotal.bytes)+n <= uint64(lim.TotalPullBytes)
+		if v != nil {
+			ok = ok && v.pulls < cfgOf(via).Limits.Pulls && v.relayed < relayMax
+		}
+		if ok {
 			b.pulls++
 			b.pullBytes += int64(n)
 			pullTotal.bytes += int64(n)
-			pullTotal.mu.Unlock()
-			b.mu.Unlock()
+			if v != nil {
+				v.pulls++
+				v.relayed++
+			}
+			unlock()
 			break
+		}
+		var viaRoom chan struct{} // nil: never ready
+		if v != nil {
+			if v.room == nil {
+				v.room = make(chan struct{})
+			}
+			viaRoom = v.room
 		}
 		if b.room == nil {
 			b.room = make(chan struct{})
@@ -194,13 +236,13 @@ func reservePull(ctx context.Context, payer, via *transport.Session, t Token, n 
 			pullTotal.room = make(chan struct{})
 		}
 		room, totalRoom, pulls, inflight, total := b.room, pullTotal.room, b.pulls, b.pullBytes, pullTotal.bytes
-		pullTotal.mu.Unlock()
-		b.mu.Unlock()
+		unlock()
 		select {
 		case <-room:
+		case <-viaRoom:
 		case <-totalRoom:
 		case <-ctx.Done():
-			return nil, exhausted(t, "no room for a %d-byte payload charged to session %d: %d pulls of %d bytes in flight, %d bytes in all (Limits.Pulls %d, Limits.PullBytes %d, Limits.TotalPullBytes %d): %w",
+			return nil, exhausted(t, "no room for a %d-byte payload charged to session %d: %d pulls of %d bytes in flight, %d bytes in all (Limits.Pulls %d, Limits.PullBytes %d, Limits.TotalPullBytes %d; a third party's pulls hold at most half the Pulls of the session to its owner): %w",
 				n, s.ID(), pulls, inflight, total, lim.Pulls, lim.PullBytes, lim.TotalPullBytes, ctx.Err())
 		case <-s.Done():
 			return nil, sessionError(t, s, ctx, s.Err())
@@ -211,19 +253,23 @@ func reservePull(ctx context.Context, payer, via *transport.Session, t Token, n 
 	var once sync.Once
 	return func() {
 		once.Do(func() {
-			b.mu.Lock()
-			pullTotal.mu.Lock()
+			lock()
 			b.pulls--
 			b.pullBytes -= int64(n)
 			pullTotal.bytes -= int64(n)
-			for _, r := range []*chan struct{}{&b.room, &pullTotal.room} {
+			rooms := []*chan struct{}{&b.room, &pullTotal.room}
+			if v != nil {
+				v.pulls--
+				v.relayed--
+				rooms = append(rooms, &v.room)
+			}
+			for _, r := range rooms {
 				if *r != nil {
 					close(*r)
 					*r = nil
 				}
 			}
-			pullTotal.mu.Unlock()
-			b.mu.Unlock()
+			unlock()
 		})
 	}, nil
 }

@@ -520,11 +520,12 @@ func silentOwner(t *testing.T, queued int) (attacker, victim *transport.Session,
 }
 
 // A pull of a third party's payload, named in a message that came over
-// another session, is charged to that session: a peer naming another's
+// another session, is charged to that session, and takes at most half the
+// RTRs in flight of the session to the owner: a peer naming another's
 // payloads spends its own budget, and the owner's own messages still get
 // their pulls.
 func TestThirdPartyPullChargedToSender(t *testing.T) {
-	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Limits: Limits{Pulls: 1}})
+	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Limits: Limits{Pulls: 2}})
 	owner, toOwner, rtrs := silentOwner(t, 4) // the owner takes RTRs and does not answer yet
 	fwd, toFwd := pipePair(t)                 // a peer that names the owner's payloads
 	_, fwdConn := transporttest.Conns(t, fwd, toFwd)
@@ -553,18 +554,19 @@ func TestThirdPartyPullChargedToSender(t *testing.T) {
 
 	first := pull(fromFwd)
 	waitFor(t, rtrs, "the forwarded pull's RTR")
+	require.Equal(t, 1, chargedPulls(toFwd), "the forwarder pays")
 	fctx, fcancel := context.WithCancel(fromFwd)
 	second := pull(fctx)
-	require.Eventually(t, waiting(toFwd), testTimeout, time.Millisecond, "the forwarder's second pull waits on the forwarder's budget")
+	require.Eventually(t, waiting(toOwner), testTimeout, time.Millisecond,
+		"the forwarder's second pull waits: forwarded pulls hold half the owner's session's RTRs")
+	require.Equal(t, 1, chargedPulls(toFwd), "the forwarder's own budget has room")
 	fcancel()
-	var te *TransferError
-	require.ErrorAs(t, waitFor(t, second, "the second forwarded pull's end"), &te)
-	require.Equal(t, TransferExhausted, te.Kind)
+	require.Equal(t, TransferExhausted, kindOfErr(t, waitFor(t, second, "the second forwarded pull's end")))
 
-	// The owner's own message: its session's budget is untouched.
+	// The owner's own message takes the other half.
 	own := pull(fromOwner)
 	waitFor(t, rtrs, "the owner's own pull's RTR")
-	require.Equal(t, 1, chargedPulls(toOwner), "the owner's session pays for its own pull alone")
+	require.Equal(t, 2, chargedPulls(toOwner), "the owner's session: its own pull and the forwarded one's RTR")
 	require.Equal(t, 1, chargedPulls(toFwd))
 
 	cancel()

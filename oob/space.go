@@ -1006,9 +1006,16 @@ func Reclaim(s *transport.Session, d Descriptor) {
 // Discard gives back the range of this process's receive space that d
 // names, for a payload the receiver refuses without taking it (over a size
 // limit, in a message it cannot decode): the owner may write there again.
-// Other descriptors, and ranges this process cannot vouch for, are ignored.
-func Discard(d Descriptor) {
+// ctx is the context of the call whose message named d: only a message of
+// the space's own peer gives its range back (another that learned the
+// space's id must not free, or mark stale, the owner's writes). Other
+// descriptors, and ranges this process cannot vouch for, are ignored; what
+// is ignored goes back when the call ends.
+func Discard(ctx context.Context, d Descriptor) {
 	if d.Space == 0 {
+		return
+	}
+	if arrived := transport.SessionFromContext(ctx); arrived == nil || arrived.PeerID() != d.Owner {
 		return
 	}
 	sp, err := landedSpace(d)

@@ -588,8 +588,13 @@ func TestSpaceDescriptorFromAnotherPeer(t *testing.T) {
 	require.ErrorAs(t, err, &te)
 	require.Equal(t, TransferInvalid, te.Kind)
 	require.ErrorContains(t, err, "came from")
+	d.SpaceGen = 1 << 62
+	Discard(fromOther, d) // nor freed, nor marked given back
+	d.SpaceGen = 0
 	sp.mu.Lock()
 	require.Empty(t, sp.inUse, "nothing taken")
+	require.Empty(t, sp.pending, "nothing given back")
+	require.Empty(t, sp.last, "no write marked stale")
 	sp.mu.Unlock()
 
 	fromOwner := peer.NewContext(context.Background(), &peer.Peer{Addr: ownerConn.RemoteAddr()})

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/peer"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/internal/leaktest"
@@ -236,7 +237,8 @@ func TestWritesEndedMany(t *testing.T) {
 // a space closed with its session is not in the space (the receiver pulls
 // by token instead).
 func TestDiscardStaleAndClosed(t *testing.T) {
-	cs, ss := tcpPair(t, transport.WithTrustPeers(true))
+	opts := []transport.Option{transport.WithMode(transport.ModeTCP), transport.WithTrustPeers(true)}
+	_, cs, ss, _, sc := lanePair(t, opts, opts)
 	sp, ps := requestSpace(t, cs, ss, 26)
 	client := ss.Peer().ID
 	d := writtenInto(t, ps, client, 4096)
@@ -248,10 +250,12 @@ func TestDiscardStaleAndClosed(t *testing.T) {
 	sp.mu.Lock()
 	sp.held = true // hold the notices queued from here on
 	sp.mu.Unlock()
-	Discard(d)
+	fromClient := peer.NewContext(context.Background(), &peer.Peer{Addr: sc.RemoteAddr()}) // the client's call
+	Discard(fromClient, d)
 	fresh := writtenInto(t, ps, client, 4096)
 	fresh2 := writtenInto(t, ps, client, 4096)
-	Discard(fresh)
+	Discard(context.Background(), fresh2) // no call's session: nothing given back
+	Discard(fromClient, fresh)
 	sp.mu.Lock()
 	pending := slices.Clone(sp.pending)
 	sp.mu.Unlock()
