@@ -137,7 +137,9 @@ func checkPosixSegment(comp []byte) error {
 	if err != nil {
 		return fmt.Errorf("%w: its posix segment: %w", ErrBadKey, err)
 	}
-	if !fi.Mode().IsRegular() || uint64(fi.Size()) < length {
+	// UCX packs the length it mapped, the file's rounded up to pages.
+	page := uint64(os.Getpagesize())
+	if !fi.Mode().IsRegular() || fi.Size() < 0 || (uint64(fi.Size())+page-1)/page*page < length {
 		return fmt.Errorf("%w: its posix segment is a %v of %d bytes, the key says %d", ErrBadKey, fi.Mode().Type(), fi.Size(), length)
 	}
 	if id&posixProcFS != 0 {

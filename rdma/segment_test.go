@@ -126,9 +126,12 @@ func TestCheckSegment(t *testing.T) {
 		return f
 	}
 	seg := open(posixFilePfx+"1234", 8192)
+	odd := open(posixFilePfx+"5678", 4097) // UCX maps, and packs, whole pages
 	other := open("model.bin", 8192)
 	pid := os.Getpid()
 	require.NoError(t, checkSegment("posix", posixKey(pid, int(seg.Fd()), 8192)))
+	page := os.Getpagesize()
+	require.NoError(t, checkSegment("posix", posixKey(pid, int(odd.Fd()), uint64((4097+page-1)/page*page))))
 	require.NoError(t, checkSegment("tcp", nil), "other domains are UCX's to check")
 
 	shmid, err := unix.SysvShmGet(unix.IPC_PRIVATE, 8192, unix.IPC_CREAT|0o600)
@@ -149,7 +152,7 @@ func TestCheckSegment(t *testing.T) {
 		"closed descriptor":    {"posix", posixKey(pid, 1<<29, 8192), "does not open"},
 		"dead process":         {"posix", posixKey(1<<30-1, 3, 8192), "does not open"},
 		"not a UCX segment":    {"posix", posixKey(pid, int(other.Fd()), 8192), "no UCX segment"},
-		"longer than its file": {"posix", posixKey(pid, int(seg.Fd()), 8193), "the key says 8193"},
+		"longer than its file": {"posix", posixKey(pid, int(seg.Fd()), 8192+uint64(os.Getpagesize())), "of 8192 bytes"},
 		"empty":                {"posix", posixKey(pid, int(seg.Fd()), 0), "empty"},
 		"short":                {"posix", posixKey(pid, int(seg.Fd()), 8192)[:16], "16 bytes"},
 		"directory path":       {"posix", dirKey, "directory path"},
