@@ -150,8 +150,14 @@ func (l *Listener) listenUCX() error {
 
 // expectsUCX reports whether a UCX connection request may be a client's: a
 // handshake whose client proved its id waits for its upgrade, or such a
-// session for a lane.
+// session for a lane, and a slot is free to serve its endpoint.
 func (l *Listener) expectsUCX() bool {
+	if len(l.ucxServing) == cap(l.ucxServing) {
+		// Every slot holds an endpoint yet to send its token: a client's
+		// request turned away now is made again (upgradeUCX), where one
+		// taken would be closed.
+		return false
+	}
 	l.pendMu.Lock()
 	n := l.proven
 	l.pendMu.Unlock()
