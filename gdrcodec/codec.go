@@ -196,7 +196,7 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	// context is the background's, and a failed walk gives back no receive
 	// space on its word (the client does when its call ends).
 	ctx := decodeContext(v)
-	p, err := collectPulls(ctx, m, c.oob, c.options())
+	p, err := collectPulls(ctx, m, c.oob && !unprovenServerReceive(v), c.options())
 	if err == nil {
 		if c.oob && serverRequest(v, m) {
 			// gRPC decodes a unary request before any interceptor runs and

@@ -281,6 +281,15 @@ func (c *recvCall) done(v any, err error) error {
 	return err
 }
 
+// unprovenServerReceive reports whether v is being received by a server
+// stream whose connection did not negotiate the gdr codec: its messages
+// name no payload to pull (the stream interceptor refuses such calls; this
+// holds whatever content type picked the codec).
+func unprovenServerReceive(v any) bool {
+	c, ok := recvCalls.Load(v)
+	return ok && c.(*recvCall).server && sessionRefusal(c.(*recvCall).ctx) != nil
+}
+
 // decodeContext is the context of v's pulls: its call's, if known.
 func decodeContext(v any) context.Context {
 	if c, ok := recvCalls.Load(v); ok {
@@ -942,7 +951,7 @@ func refusal(ctx context.Context) error {
 func refusalOf(ctx context.Context, contentTypes []string) error {
 	gdr := false
 	for _, ct := range contentTypes {
-		if strings.HasSuffix(ct, "+"+Name) {
+		if isGDRContentType(ct) {
 			gdr = true
 		}
 	}
@@ -954,6 +963,17 @@ func refusalOf(ctx context.Context, contentTypes []string) error {
 		return status.Errorf(codes.FailedPrecondition, "gdrpc: this server cannot serve %q calls: gdrcodec.Register was not called at start-up", Name)
 	}
 	return sessionRefusal(ctx)
+}
+
+// isGDRContentType reports whether a gRPC server picks the gdr codec for a
+// call with content type ct: as gRPC reads it, "application/grpc", then "+"
+// or ";", then the codec's name.
+func isGDRContentType(ct string) bool {
+	const base = "application/grpc"
+	if len(ct) <= len(base) || !strings.HasPrefix(ct, base) {
+		return false
+	}
+	return (ct[len(base)] == '+' || ct[len(base)] == ';') && ct[len(base)+1:] == Name
 }
 
 // sessionRefusal returns why the gdr codec may not serve the call of ctx, a

@@ -1,17 +1,25 @@
 package gdrcodec_test
 
 import (
+	"bytes"
+	"cmp"
 	"context"
+	"crypto/tls"
+	"encoding/binary"
 	"io"
 	"net"
+	"net/http"
+	"strconv"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/net/http2"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/examples/tensor"
@@ -212,4 +220,47 @@ func TestSecondServerStreamRequest(t *testing.T) {
 		}
 	}
 	require.Eventually(t, func() bool { return devicebuf.Live().HostBuffers == live }, 10*time.Second, time.Millisecond, "a second message's inline payload is held")
+}
+
+// rawCall sends msg as the one request message of method over HTTP/2
+// without TLS, with the content type ct, as a gRPC client that is no
+// grpc-go might, and returns the response's grpc-status.
+func rawCall(t *testing.T, addr, method, ct string, msg proto.Message) string {
+	t.Helper()
+	b, err := proto.Marshal(msg)
+	require.NoError(t, err)
+	body := binary.BigEndian.AppendUint32([]byte{0}, uint32(len(b)))
+	body = append(body, b...)
+	tr := &http2.Transport{AllowHTTP: true, DialTLSContext: func(ctx context.Context, network, addr string, _ *tls.Config) (net.Conn, error) {
+		return (&net.Dialer{}).DialContext(ctx, network, addr)
+	}}
+	defer tr.CloseIdleConnections()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+addr+method, bytes.NewReader(body))
+	require.NoError(t, err)
+	req.Header.Set("content-type", ct)
+	req.Header.Set("te", "trailers")
+	resp, err := tr.RoundTrip(req)
+	require.NoError(t, err)
+	_, _ = io.Copy(io.Discard, resp.Body)
+	require.NoError(t, resp.Body.Close())
+	return cmp.Or(resp.Trailer.Get("grpc-status"), resp.Header.Get("grpc-status"))
+}
+
+// gRPC picks a codec by the content type's subtype after "+" or ";": a
+// plain client that names the gdr codec either way, on a unary or a
+// streaming method, gets FailedPrecondition, and nothing is pulled or
+// allocated for the payload it names.
+func TestPlainClientGDRContentTypes(t *testing.T) {
+	cc, alloc := tcpConn(t)
+	for _, ct := range []string{"application/grpc+gdr", "application/grpc;gdr"} {
+		for _, method := range []string{tensorpb.TensorService_Digest_FullMethodName, tensorpb.TensorService_Upload_FullMethodName} {
+			forged, token := forgedTensor(t, 1<<20)
+			code := rawCall(t, cc.Target(), method, ct, forged)
+			require.Equal(t, strconv.Itoa(int(codes.FailedPrecondition)), code, "%s %s", ct, method)
+			require.True(t, oob.Offered(token), "%s %s: the server pulled the payload a plain client named", ct, method)
+			require.Zero(t, alloc.n.Load(), "%s %s: the server allocated for it", ct, method)
+		}
+	}
 }
