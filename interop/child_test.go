@@ -204,13 +204,22 @@ func childServer(opts []transport.Option) int {
 	return 0
 }
 
+// holdClientTimeout bounds a hold-client's call: sixty-four of them dial at
+// once (TestKeepAliveAfterLoad), and on a loaded machine a dial's handshake
+// may run out of its 10 s more than once before one succeeds.
+const holdClientTimeout = 4 * testTimeout
+
 func childClient(role string, opts []transport.Option, paths *pathCounter) int {
 	var n int
 	if _, err := fmt.Sscan(os.Getenv(envSize), &n); err != nil {
 		fmt.Println("FAIL size:", err)
 		return 1
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	timeout := testTimeout
+	if role == "hold-client" {
+		timeout = holdClientTimeout
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	d := dialer.New(gdrpc.WithSessionOptions(withEngine(opts)...))
 	cc, err := grpc.NewClient("passthrough:///"+os.Getenv(envAddr), d.DialOptions(nil)...)
@@ -446,7 +455,13 @@ func startChild(t testing.TB, role string, wrap []string, env ...string) *child 
 // the child exits or prints "FAIL" first.
 func (c *child) waitLine(prefix string) string {
 	c.t.Helper()
-	timer := time.NewTimer(testTimeout)
+	return c.waitLineFor(prefix, testTimeout)
+}
+
+// waitLineFor is waitLine bounded by d.
+func (c *child) waitLineFor(prefix string, d time.Duration) string {
+	c.t.Helper()
+	timer := time.NewTimer(d)
 	defer timer.Stop()
 	for {
 		for _, l := range c.out.lines() {
@@ -468,7 +483,7 @@ func (c *child) waitLine(prefix string) string {
 			}
 			c.t.Fatalf("child exited (%v) before printing %q; stdout:\n%s\nstderr:\n%s", c.err, prefix, c.out.String(), c.stderr.String())
 		case <-timer.C:
-			c.t.Fatalf("no %q from the child in %v; stdout:\n%s\nstderr:\n%s", prefix, testTimeout, c.out.String(), c.stderr.String())
+			c.t.Fatalf("no %q from the child in %v; stdout:\n%s\nstderr:\n%s", prefix, d, c.out.String(), c.stderr.String())
 		}
 	}
 }

@@ -88,7 +88,7 @@ func TestKeepAliveAfterLoad(t *testing.T) {
 				kids[i] = startChild(t, "hold-client", nil, envUCX+"="+tc.ucx, ka, envAddr+"="+addr, envSize+"="+strconv.Itoa(size))
 			}
 			for _, k := range kids {
-				k.waitLine("CALLED") // after its call succeeded; fails on its FAIL
+				k.waitLineFor("CALLED", holdClientTimeout) // after its call succeeded; fails on its FAIL
 			}
 			time.Sleep(hold) // the span observed: the sessions stay open and ping
 
