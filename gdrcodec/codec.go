@@ -77,7 +77,10 @@ var (
 // registry must not change while RPCs run, so call Register once, at start-up,
 // before the process creates any gRPC server or client; it is never called from an
 // init function, nor by DialOptions, ServerOptions or the net/rpc codecs. A server
-// needs it: without it, gdr calls fail with FailedPrecondition. A ClientConn made
+// needs it: without it, gdr calls fail with FailedPrecondition. A server also
+// needs ServerOptions (or listener.ServerOptions): without their interceptors
+// and stats handler the codec decodes a unary request without knowing its
+// connection, so it would pull what a plain peer's request names. A ClientConn made
 // with DialOptions does not (its codec is set per ClientConn), though the options
 // Register sets apply to it. Later calls only replace the options, which is safe
 // at any time.
