@@ -55,13 +55,6 @@ type Limits struct {
 	// owner answers an RTR within its own transfer timeout, so the default
 	// ends only sessions whose owner does not. If zero, the transfer timeout.
 	Abandoned time.Duration
-	// SentBytes bounds the bytes of payloads this process's responses
-	// offered to one peer (a process) that the peer has not pulled yet:
-	// past it, the oldest of them leave the outbox and their pulls fail as
-	// unknown (NotFound). An honest client pulls a response's payloads as
-	// it decodes the response; one that never does would otherwise pin them
-	// for their lease. If zero, DefaultSentBytes.
-	SentBytes int64
 	// SpaceBytes bounds the receive space this process advertises to its
 	// peers, all sessions together (TransferConfig.ReceiveSpace and
 	// ReceiveSpaceLimit bound one session's): a space that would go over it
@@ -78,7 +71,6 @@ const (
 	DefaultPulls     = 1024
 	DefaultPushes    = 16
 	DefaultPushQueue = 1024
-	DefaultSentBytes = 4 << 30
 	// DefaultSpaceBytes is Limits.SpaceBytes unless set: four sessions'
 	// spaces grown to DefaultReceiveSpaceLimit.
 	DefaultSpaceBytes = 4 * DefaultReceiveSpaceLimit
@@ -102,9 +94,6 @@ func (l Limits) withDefaults(timeout time.Duration) Limits {
 	l.Pushes = min(l.Pushes, transport.MaxControlHandlers/2)
 	if l.PushQueue <= 0 {
 		l.PushQueue = DefaultPushQueue
-	}
-	if l.SentBytes <= 0 {
-		l.SentBytes = DefaultSentBytes
 	}
 	if l.Abandoned <= 0 {
 		l.Abandoned = timeout

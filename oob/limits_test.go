@@ -591,39 +591,3 @@ func kindOfErr(t *testing.T, err error) TransferErrorKind {
 	require.ErrorAs(t, err, &te)
 	return te.Kind
 }
-
-// What a peer has not pulled of the payloads of the responses sent to it
-// stays within Limits.SentBytes: past it the oldest leave the outbox, and
-// their pulls fail as unknown.
-func TestSentBytesBound(t *testing.T) {
-	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Limits: Limits{SentBytes: 2 << 10}})
-	_, server := pipePair(t)
-	offer := func() Token {
-		d := Offer(Source{Bytes: make([]byte, 1<<10)}, OfferOptions{})
-		t.Cleanup(func() { Withdraw(d.Token) })
-		SentToward(server, []Token{d.Token})
-		return d.Token
-	}
-	first, second := offer(), offer()
-	require.True(t, Offered(first) && Offered(second), "within the bound")
-	third := offer()
-	require.False(t, Offered(first), "the oldest left")
-	require.True(t, Offered(second) && Offered(third))
-
-	// A pull of the one that left fails as unknown; one that is pulled
-	// leaves the count.
-	d := Descriptor{Owner: transport.LocalID(), Token: first, Length: 1 << 10, Kind: devicebuf.Host, Device: -1}
-	_, err := FetchBytes(testContext(t), d, make([]byte, 1<<10))
-	require.Equal(t, TransferNotFound, kindOfErr(t, err))
-	d.Token = second
-	_, err = FetchBytes(testContext(t), d, make([]byte, 1<<10))
-	require.NoError(t, err)
-	fourth := offer()
-	require.True(t, Offered(third) && Offered(fourth), "the pulled one no longer counts")
-	Withdraw(third)
-	Withdraw(fourth)
-	box.mu.Lock()
-	defer box.mu.Unlock()
-	require.Zero(t, box.towardBytes[server.PeerID()], "bytes left counted")
-	require.Empty(t, box.toward[server.PeerID()])
-}

@@ -1,13 +1,10 @@
 package oob
 
 import (
-	"cmp"
 	"context"
 	"crypto/rand"
 	"errors"
 	"fmt"
-	"maps"
-	"slices"
 	"sync"
 	"time"
 
@@ -67,7 +64,6 @@ type outboxEntry struct {
 	left   chan struct{} // closed once the entry left and no pull reads src any more
 	timer  *time.Timer
 	toward *transport.ID // the process the descriptor was sent to (SentToward), if known
-	seq    uint64        // the order of offers: the oldest sent toward a peer go first (Limits.SentBytes)
 }
 
 // sourceUse is one pull's use of an outbox entry's source. The entry's
@@ -132,13 +128,9 @@ type outbox struct {
 	// them, until those uses ended: a Withdraw of their token waits for that.
 	leaving map[Token]*outboxEntry
 	toward  map[transport.ID]map[Token]struct{} // entries by the process they were sent to
-	// towardBytes are the bytes of those entries, by process.
-	towardBytes map[transport.ID]int64
-	seq         uint64
 }
 
-var box = &outbox{entries: make(map[Token]*outboxEntry), leaving: make(map[Token]*outboxEntry),
-	toward: make(map[transport.ID]map[Token]struct{}), towardBytes: make(map[transport.ID]int64)}
+var box = &outbox{entries: make(map[Token]*outboxEntry), leaving: make(map[Token]*outboxEntry), toward: make(map[transport.ID]map[Token]struct{})}
 
 // Offer puts src in this process's outbox and returns the descriptor that names
 // it. The outbox takes its own reference on a Buffer source and drops it when
@@ -156,8 +148,6 @@ func Offer(src Source, opt OfferOptions) Descriptor {
 	e := &outboxEntry{src: src, held: opt.Held, uses: make(map[*sourceUse]struct{}), left: make(chan struct{})}
 	tok := d.Token
 	box.mu.Lock()
-	box.seq++
-	e.seq = box.seq
 	box.entries[d.Token] = e
 	// Set under the lock: a short lease may fire before Offer returns, and
 	// Withdraw reads the timer once it holds the lock.
@@ -321,10 +311,8 @@ func (b *outbox) removeLocked(t Token, e *outboxEntry) []*sourceUse {
 	if e.toward != nil {
 		if m := b.toward[*e.toward]; m != nil {
 			delete(m, t)
-			b.towardBytes[*e.toward] -= int64(e.src.Len())
 			if len(m) == 0 {
 				delete(b.toward, *e.toward)
-				delete(b.towardBytes, *e.toward)
 			}
 		}
 	}
@@ -358,13 +346,9 @@ func (b *outbox) leave(t Token, e *outboxEntry, uses []*sourceUse) {
 // server's response to the client that called). Those still in the outbox
 // when no live session to that process remains leave it then, whatever their
 // lease: nobody else holds their descriptors, and the process that does can
-// no longer pull. What that process has not pulled stays within
-// Limits.SentBytes: past it, the oldest entries sent to it leave (their pulls
-// fail as unknown), so that a peer that never pulls the payloads of the
-// responses it gets pins no more. Tokens that already left are ignored.
+// no longer pull. Tokens that already left are ignored.
 func SentToward(s *transport.Session, ts []Token) {
 	peer := s.PeerID()
-	limit := cfgOf(s).Limits.SentBytes
 	box.mu.Lock()
 	for _, t := range ts {
 		e := box.entries[t]
@@ -378,36 +362,11 @@ func SentToward(s *transport.Session, ts []Token) {
 			box.toward[peer] = m
 		}
 		m[t] = struct{}{}
-		box.towardBytes[peer] += int64(e.src.Len())
 	}
-	over := box.overLocked(peer, limit)
 	box.mu.Unlock()
-	for _, t := range over {
-		Withdraw(t)
-	}
 	// The last session to the peer may have closed before the entries were
 	// bound to it.
 	releaseOrphans(peer)
-}
-
-// overLocked returns the oldest entries sent to peer whose leaving brings
-// what it has not pulled within limit (box.mu held).
-func (b *outbox) overLocked(peer transport.ID, limit int64) []Token {
-	excess := b.towardBytes[peer] - limit
-	if excess <= 0 {
-		return nil
-	}
-	ts := slices.Collect(maps.Keys(b.toward[peer]))
-	slices.SortFunc(ts, func(x, y Token) int { return cmp.Compare(b.entries[x].seq, b.entries[y].seq) })
-	var out []Token
-	for _, t := range ts {
-		if excess <= 0 {
-			break
-		}
-		out = append(out, t)
-		excess -= int64(b.entries[t].src.Len())
-	}
-	return out
 }
 
 // releaseOrphans withdraws the entries sent to peer when no live session to
