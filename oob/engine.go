@@ -526,13 +526,13 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 		return nil, PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid, Err: err}
 	}
 	arrived := transport.SessionFromContext(ctx)
-	if d.Space != 0 && arrived == nil {
-		// Whose message named the range is unknown: the payload is pulled
-		// by its token, which the owner keeps for replays.
-		d = d.withoutSpace()
-	}
 	if d.Space != 0 {
-		if arrived.PeerID() != d.Owner {
+		// A context without a session (a caller of this package's own, or
+		// a client without the dialer's stats handler) takes the range on
+		// the descriptor's word, checked against the owner it names: a
+		// response written into space has no token to pull by. The codec
+		// passes a call's context, whose session must be the owner's.
+		if arrived != nil && arrived.PeerID() != d.Owner {
 			// Only the owner writes into the space this process advertised
 			// to it, and only its own messages name what it wrote there: a
 			// space id that reached another peer must not let that peer

@@ -180,7 +180,18 @@ func reservePull(ctx context.Context, payer, via *transport.Session, t Token, n 
 	var v *sessionBounds // via's, for a third party's pull
 	relayMax := 0
 	if via != payer {
-		v = &stateOf(via).bounds
+		// Both live, or no pull: the bounds of sessions the engine no
+		// longer serves are one shared value, which the lock order by
+		// session id below would take twice, or in either order.
+		pa, ok := sessions.Load(payer)
+		if !ok {
+			return nil, sessionError(t, payer, ctx, closedErr(payer))
+		}
+		va, ok := sessions.Load(via)
+		if !ok {
+			return nil, sessionError(t, via, ctx, closedErr(via))
+		}
+		b, v = &pa.(*attached).bounds, &va.(*attached).bounds
 		relayMax = max(cfgOf(via).Limits.Pulls/2, 1)
 	}
 	// Lock order: two sessions' bounds by session id, then the process's.

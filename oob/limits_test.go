@@ -591,3 +591,20 @@ func kindOfErr(t *testing.T, err error) TransferErrorKind {
 	require.ErrorAs(t, err, &te)
 	return te.Kind
 }
+
+// A third party's pull through, or charged to, sessions that closed fails at
+// once: the bounds of sessions the engine no longer serves are one shared
+// value, never locked twice.
+func TestThirdPartyPullClosedSessions(t *testing.T) {
+	_, a := pipePair(t)
+	_, b := pipePair(t)
+	require.NoError(t, a.Close())
+	require.NoError(t, b.Close())
+	require.Eventually(t, func() bool { return !served(a) && !served(b) }, testTimeout, time.Millisecond)
+	errc := make(chan error, 1)
+	go func() {
+		_, err := reservePull(testContext(t), a, b, Token{}, 1<<10)
+		errc <- err
+	}()
+	require.Equal(t, TransferUnavailable, kindOfErr(t, waitFor(t, errc, "the reservation's end")))
+}
