@@ -103,6 +103,8 @@ func TestUCXEndpointsBounded(t *testing.T) {
 	require.Eventually(t, func() bool {
 		return refused.Load() == int32(idle-maxHandshakes) && goroutinesIn(serving) == maxHandshakes
 	}, handTimeout, 5*time.Millisecond, "at most maxHandshakes endpoints served, the rest closed")
+	_, err = rc.Worker().Dial(ctx, l.UCXAddr().String())
+	require.ErrorIs(t, err, rdma.ErrRejected, "while every slot is taken the listener turns requests away (a client dials again)")
 
 	for _, ep := range eps {
 		_ = ep.Close()
