@@ -169,9 +169,10 @@ func (e *Event) Close() error {
 
 // Record captures in e the copies queued on s so far: e completes when they do. The buffers
 // of those copies stay retained until a later Synchronize of s.
-func (s *Stream) Record(e *Event) error {
-	return s.withEvent(e, "cuEventRecord", func(st driver.Stream, ev driver.Event) error { return s.d.EventRecord(ev, st) })
-}
+func (s *Stream) Record(e *Event) error { return s.withEvent(e, "cuEventRecord", s.record) }
+
+// record is Record's driver call.
+func (s *Stream) record(st driver.Stream, ev driver.Event) error { return s.d.EventRecord(ev, st) }
 
 // Wait orders the copies queued on s after this call behind the work e captured, without
 // blocking the caller.
@@ -188,6 +189,11 @@ func (s *Stream) withEvent(e *Event, op string, call func(driver.Stream, driver.
 	if s.isClosed() {
 		return fmt.Errorf("devicebuf: stream: %w", net.ErrClosed)
 	}
+	return s.callWithEvent(e, op, call)
+}
+
+// callWithEvent is withEvent for a caller that holds s.life and checked s.
+func (s *Stream) callWithEvent(e *Event, op string, call func(driver.Stream, driver.Event) error) error {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
 	if e.closed {
@@ -229,23 +235,15 @@ func (s *Stream) SynchronizeBy(ev *Event) error {
 	return nil
 }
 
-// settle records ev on s (life held) and returns once ev completed.
+// settle records ev on s (life held, s checked) and returns once ev
+// completed.
 func (s *Stream) settle(ev *Event) error {
-	ev.mu.RLock()
-	defer ev.mu.RUnlock()
-	if ev.closed {
-		return fmt.Errorf("devicebuf: event: %w", net.ErrClosed)
-	}
-	if err := s.d.EventRecord(ev.e, s.s); err != nil {
-		return fmt.Errorf("devicebuf: cuEventRecord: %w", err)
+	if err := s.callWithEvent(ev, "cuEventRecord", s.record); err != nil {
+		return err
 	}
 	for pause := settleSleep; ; pause = min(2*pause, settleSleepMax) {
-		done, err := s.d.EventQuery(ev.e)
-		if err != nil {
-			return fmt.Errorf("devicebuf: cuEventQuery: %w", err)
-		}
-		if done {
-			return nil
+		if done, err := ev.Query(); done || err != nil {
+			return err
 		}
 		time.Sleep(pause)
 	}

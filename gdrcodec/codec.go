@@ -198,8 +198,8 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	// A server's unary request has no call yet (serverRequest): its
 	// context is the background's, and a failed walk gives back no receive
 	// space on its word (the client does when its call ends).
-	ctx := decodeContext(v)
-	p, err := collectPulls(ctx, m, c.oob && !unprovenServerReceive(v), c.options())
+	ctx, unproven := decodeContext(v)
+	p, err := collectPulls(ctx, m, c.oob && !unproven, c.options())
 	if err == nil {
 		if c.oob && serverRequest(v, m) {
 			// gRPC decodes a unary request before any interceptor runs and
@@ -761,7 +761,7 @@ func (c *collected) count() error {
 	return nil
 }
 
-// fail records err, the first one stopping the message.
+// fail records err (if not nil), the first one stopping the message.
 func (c *collected) fail(err error) {
 	if c.err == nil {
 		c.err = err
@@ -770,19 +770,17 @@ func (c *collected) fail(err error) {
 
 func (c *collected) collect(m protoreflect.Message) {
 	if db, ok := m.Interface().(*gdrv1.DeviceBuffer); ok {
-		if c.err != nil {
-			discardLanded(c.ctx, db, c.outOfBand)
-			return
+		var j job
+		if c.err == nil {
+			c.fail(c.count())
 		}
-		if err := c.count(); err != nil {
+		if c.err == nil {
+			var err error
+			j, err = deviceBufferJob(db, c.outOfBand, c.o)
 			c.fail(err)
-			discardLanded(c.ctx, db, c.outOfBand)
-			return
 		}
-		j, err := deviceBufferJob(db, c.outOfBand, c.o)
 		switch {
-		case err != nil:
-			c.fail(err)
+		case c.err != nil:
 			discardLanded(c.ctx, db, c.outOfBand)
 		case j.run != nil:
 			c.jobs = append(c.jobs, j)
@@ -936,7 +934,8 @@ func (c *collected) bytesJobs(m protoreflect.Message, fd protoreflect.FieldDescr
 // field of a refused message, as forget does a DeviceBuffer's.
 func forgetBytes(m protoreflect.Message, fd protoreflect.FieldDescriptor, v protoreflect.Value) {
 	named := func(b []byte) bool {
-		return len(b) > len(bytesMagic) && bytes.HasPrefix(b, bytesMagic) && b[len(bytesMagic)] == markDescriptor
+		mark, _, ok := bytesMarked(b)
+		return ok && mark == markDescriptor
 	}
 	if fd.IsList() {
 		l := v.List()
@@ -952,18 +951,27 @@ func forgetBytes(m protoreflect.Message, fd protoreflect.FieldDescriptor, v prot
 	}
 }
 
-func (c *collected) bytesJob(b []byte, set func([]byte)) error {
+// bytesMarked returns the marker of b, a marked bytes field's value, and
+// what follows it; ok is false for a value the sender did not mark.
+func bytesMarked(b []byte) (mark byte, rest []byte, ok bool) {
 	if !bytes.HasPrefix(b, bytesMagic) || len(b) == len(bytesMagic) {
+		return 0, nil, false
+	}
+	return b[len(bytesMagic)], b[len(bytesMagic)+1:], true
+}
+
+func (c *collected) bytesJob(b []byte, set func([]byte)) error {
+	mark, rest, ok := bytesMarked(b)
+	if !ok {
 		return nil
 	}
-	rest := b[len(bytesMagic)+1:]
-	switch b[len(bytesMagic)] {
+	switch mark {
 	case markEscaped:
 		set(rest)
 		return nil
 	case markDescriptor:
 	default:
-		return codecError(codes.InvalidArgument, "marked bytes field with unknown marker %d", b[len(bytesMagic)])
+		return codecError(codes.InvalidArgument, "marked bytes field with unknown marker %d", mark)
 	}
 	var db gdrv1.DeviceBuffer
 	if err := proto.Unmarshal(rest, &db); err != nil {

@@ -281,21 +281,19 @@ func (c *recvCall) done(v any, err error) error {
 	return err
 }
 
-// unprovenServerReceive reports whether v is being received by a server
-// stream whose connection did not negotiate the gdr codec: its messages
-// name no payload to pull (the stream interceptor refuses such calls; this
-// holds whatever content type picked the codec).
-func unprovenServerReceive(v any) bool {
+// decodeContext returns the context of v's pulls, its call's if known, and
+// whether v is received by a server stream whose connection did not
+// negotiate the gdr codec: such a message names no payload to pull (the
+// stream interceptor refuses those calls; this holds whatever content type
+// picked the codec).
+func decodeContext(v any) (ctx context.Context, unproven bool) {
 	c, ok := recvCalls.Load(v)
-	return ok && c.(*recvCall).server && sessionRefusal(c.(*recvCall).ctx) != nil
-}
-
-// decodeContext is the context of v's pulls: its call's, if known.
-func decodeContext(v any) context.Context {
-	if c, ok := recvCalls.Load(v); ok {
-		return c.(*recvCall).context()
+	if !ok {
+		return context.Background(), false
 	}
-	return context.Background()
+	rc := c.(*recvCall)
+	ctx = rc.context()
+	return ctx, rc.server && sessionRefusal(ctx) != nil
 }
 
 // serverRequest reports whether v, a message being decoded, is taken for a

@@ -178,7 +178,7 @@ func reservePull(ctx context.Context, payer, via *transport.Session, t Token, n 
 	}
 	b := &stateOf(s).bounds
 	var v *sessionBounds // via's, for a third party's pull
-	relayMax := 0
+	viaPulls, relayMax := 0, 0
 	if via != payer {
 		// Both live, or no pull: the bounds of sessions the engine no
 		// longer serves are one shared value, which the lock order by
@@ -192,7 +192,8 @@ func reservePull(ctx context.Context, payer, via *transport.Session, t Token, n 
 			return nil, sessionError(t, via, ctx, closedErr(via))
 		}
 		b, v = &pa.(*attached).bounds, &va.(*attached).bounds
-		relayMax = max(cfgOf(via).Limits.Pulls/2, 1)
+		viaPulls = cfgOf(via).Limits.Pulls
+		relayMax = max(viaPulls/2, 1)
 	}
 	// Lock order: two sessions' bounds by session id, then the process's.
 	first, second := b, v
@@ -220,7 +221,7 @@ func reservePull(ctx context.Context, payer, via *transport.Session, t Token, n 
 		// own limit.
 		ok := b.pulls < lim.Pulls && uint64(b.pullBytes)+n <= uint64(lim.PullBytes) && uint64(pullTotal.bytes)+n <= uint64(lim.TotalPullBytes)
 		if v != nil {
-			ok = ok && v.pulls < cfgOf(via).Limits.Pulls && v.relayed < relayMax
+			ok = ok && v.pulls < viaPulls && v.relayed < relayMax
 		}
 		if ok {
 			b.pulls++

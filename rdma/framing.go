@@ -181,13 +181,12 @@ func keyDomains(packed []byte, info string) ([]string, error) {
 	}
 	mdMap := binary.LittleEndian.Uint64(pk.rkey)
 	var out []string
-	for _, m := range laneDomain.FindAllStringSubmatch(info, -1) {
-		i, err := strconv.Atoi(m[1])
-		if err != nil || i >= 64 || mdMap&(1<<i) == 0 || slices.Contains(out, m[2]) {
-			continue
+	for i, component := range laneComponents(info) {
+		if mdMap&(1<<i) != 0 && !slices.Contains(out, component) {
+			out = append(out, component)
 		}
-		out = append(out, m[2])
 	}
+	slices.Sort(out)
 	return out, nil
 }
 
