@@ -79,10 +79,13 @@ var (
 // init function, nor by DialOptions, ServerOptions or the net/rpc codecs. A server
 // needs it: without it, gdr calls fail with FailedPrecondition. A server also
 // needs ServerOptions (or listener.ServerOptions): without their interceptors
-// and stats handler the codec decodes a unary request without knowing its
-// connection, so it would pull what a plain peer's request names. A ClientConn made
-// with DialOptions does not (its codec is set per ClientConn), though the options
-// Register sets apply to it. Later calls only replace the options, which is safe
+// and stats handler the codec cannot tell which connection a message came
+// over, so it refuses every payload a message names by reference (the call
+// fails with an error that names ServerOptions) rather than pull it on the
+// word of a peer that may have proved nothing. The same holds for a client
+// that names the gdr codec without DialOptions. A ClientConn made with
+// DialOptions does not need Register (its codec is set per ClientConn), though
+// the options Register sets apply to it. Later calls only replace the options, which is safe
 // at any time.
 func Register(opts ...Option) {
 	current.Store(newOptions(opts))
@@ -198,10 +201,17 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	// A server's unary request has no call yet (serverRequest): its
 	// context is the background's, and a failed walk gives back no receive
 	// space on its word (the client does when its call ends).
-	ctx, unproven := decodeContext(v)
-	p, err := collectPulls(ctx, m, c.oob && !unproven, c.options())
+	ctx, from := decodeContext(v)
+	request := c.oob && from == untrackedSender && serverRequest(v, m)
+	switch {
+	case !c.oob:
+		from = plainSender
+	case request:
+		from = gdrSender // pulled once serverStats knows the call's connection
+	}
+	p, err := collectPulls(ctx, m, from, c.options())
 	if err == nil {
-		if c.oob && serverRequest(v, m) {
+		if request {
 			// gRPC decodes a unary request before any interceptor runs and
 			// tells a codec nothing of the call, not even its connection:
 			// the pulls wait for serverStats, told of the request right
@@ -629,8 +639,8 @@ type job struct {
 // resolve places the payloads of m, a received message: inline ones are
 // attached as they are found, out-of-band ones pulled, within the receive
 // limit and MaxPayloads. On a failure m keeps none of them.
-func resolve(ctx context.Context, m protoreflect.Message, outOfBand bool, o *options) error {
-	p, err := collectPulls(ctx, m, outOfBand, o)
+func resolve(ctx context.Context, m protoreflect.Message, from sender, o *options) error {
+	p, err := collectPulls(ctx, m, from, o)
 	if err != nil {
 		return err
 	}
@@ -644,14 +654,37 @@ type pulls struct {
 	jobs []job
 }
 
+// sender is what the walk of a received message takes its sender for.
+type sender uint8
+
+const (
+	// plainSender: a message of the proto codec, or of a peer that proved
+	// no identity. Its payloads are inline; one it names by reference is
+	// refused, and a marked bytes field is taken as it came.
+	plainSender sender = iota
+	// gdrSender: a message of the gdr codec whose call gdrpc tracks. The
+	// payloads it names are pulled.
+	gdrSender
+	// untrackedSender: a message of the gdr codec decoded outside any
+	// call gdrpc's options track (a server without ServerOptions, a client
+	// without DialOptions). Nothing says which connection it came over, so
+	// a payload it names by reference is refused, not pulled on the word
+	// of whoever sent it.
+	untrackedSender
+)
+
+// errUntracked refuses a payload named by reference in a message that no
+// gdrpc call option tracks.
+var errUntracked = codecError(codes.FailedPrecondition, "a message names an out-of-band payload, but its call has no gdrpc call options to say which connection it came over: a server needs gdrcodec.ServerOptions (or listener.ServerOptions), a client gdrcodec.DialOptions")
+
 // collectPulls attaches the inline payloads of m, a received message, and
 // returns its out-of-band ones to pull, within the receive limit and
-// MaxPayloads. outOfBand is false for a plain peer's message: a payload it
-// names by token is refused. On a failure m keeps none of its payloads; ctx
-// is the call's, whose session says whether the ranges of receive space the
-// message names may be given back (oob.Discard).
-func collectPulls(ctx context.Context, m protoreflect.Message, outOfBand bool, o *options) (*pulls, error) {
-	c := collected{ctx: ctx, outOfBand: outOfBand, o: o}
+// MaxPayloads; from says what the walk takes its sender for. On a failure
+// m keeps none of its payloads; ctx is the call's, whose session says
+// whether the ranges of receive space the message names may be given back
+// (oob.Discard).
+func collectPulls(ctx context.Context, m protoreflect.Message, from sender, o *options) (*pulls, error) {
+	c := collected{ctx: ctx, from: from, o: o}
 	c.collect(m)
 	err := c.err
 	if err == nil {
@@ -745,9 +778,9 @@ func firstStatus(errs []error) error {
 // owner wrote those payloads already, and nothing else would free their
 // ranges before the session ends.
 type collected struct {
-	ctx       context.Context // the call's (oob.Discard)
-	outOfBand bool
-	o         *options
+	ctx      context.Context // the call's (oob.Discard)
+	from     sender
+	o        *options
 	jobs      []job
 	payloads  int
 	err       error // the first error; the message is refused
@@ -776,12 +809,12 @@ func (c *collected) collect(m protoreflect.Message) {
 		}
 		if c.err == nil {
 			var err error
-			j, err = deviceBufferJob(db, c.outOfBand, c.o)
+			j, err = deviceBufferJob(db, c.from, c.o)
 			c.fail(err)
 		}
 		switch {
 		case c.err != nil:
-			discardLanded(c.ctx, db, c.outOfBand)
+			discardLanded(c.ctx, db, c.from)
 		case j.run != nil:
 			c.jobs = append(c.jobs, j)
 		}
@@ -797,7 +830,7 @@ func (c *collected) collect(m protoreflect.Message) {
 		switch v := m.Get(fd); {
 		case marked(fd):
 			switch {
-			case !c.outOfBand:
+			case c.from == plainSender:
 			case c.err == nil:
 				c.fail(c.bytesJobs(m, fd, v)) // they name no receive space
 			default:
@@ -823,9 +856,9 @@ func (c *collected) collect(m protoreflect.Message) {
 // discardLanded gives back the range of receive space that db, a payload of
 // a refused message, names (oob.Discard), if it names one the sender may,
 // and forgets what named the payload.
-func discardLanded(ctx context.Context, db *gdrv1.DeviceBuffer, outOfBand bool) {
-	if !outOfBand {
-		return // a plain peer's: no space was advertised to it
+func discardLanded(ctx context.Context, db *gdrv1.DeviceBuffer, from sender) {
+	if from != gdrSender {
+		return // no space was advertised to a plain peer; an untracked call has no session
 	}
 	if d, ok, err := ParseDescriptor(db); err == nil && ok {
 		oob.Discard(ctx, d)
@@ -851,10 +884,13 @@ func receiveAllocator(o *options) devicebuf.Allocator {
 }
 
 // deviceBufferJob attaches the inline payload of db, or returns the job
-// that pulls the payload it names; mayPull is false for a plain peer's
-// message (the proto codec), which may carry inline payloads alone.
-func deviceBufferJob(db *gdrv1.DeviceBuffer, mayPull bool, o *options) (job, error) {
-	if !mayPull && (len(db.GetOwner()) != 0 || len(db.GetToken()) != 0) {
+// that pulls the payload it names; only a gdrSender's message may name one.
+func deviceBufferJob(db *gdrv1.DeviceBuffer, from sender, o *options) (job, error) {
+	named := len(db.GetOwner()) != 0 || len(db.GetToken()) != 0
+	if named && from == untrackedSender {
+		return job{}, errUntracked
+	}
+	if named && from != gdrSender {
 		// A plain peer proved no identity: nothing is pulled on its word,
 		// from this process's outbox or any peer's, nor allocated for it.
 		return job{}, codecError(codes.InvalidArgument, "a DeviceBuffer names an out-of-band payload (owner, token), which only the %q codec over a gdrpc connection carries; send the payload inline", Name)
@@ -970,6 +1006,9 @@ func (c *collected) bytesJob(b []byte, set func([]byte)) error {
 		set(rest)
 		return nil
 	case markDescriptor:
+		if c.from == untrackedSender {
+			return errUntracked
+		}
 	default:
 		return codecError(codes.InvalidArgument, "marked bytes field with unknown marker %d", mark)
 	}

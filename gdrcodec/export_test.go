@@ -1,6 +1,8 @@
 package gdrcodec
 
 import (
+	"context"
+
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/proto"
 )
@@ -15,7 +17,17 @@ func MarshalForTest(m proto.Message) ([]byte, error) {
 	return data.Materialize(), nil
 }
 
-// UnmarshalForTest decodes b with the gdr codec, as a server would.
+// UnmarshalForTest decodes b with the gdr codec as the receive of a call
+// that gdrpc's options track, with no session in its context (a payload it
+// names is pulled over whichever session reaches its owner).
 func UnmarshalForTest(b []byte, m proto.Message) error {
+	rc := expectReceive(context.Background(), m, false)
+	defer rc.closeCall()
+	return rc.done(m, UnmarshalUntrackedForTest(b, m))
+}
+
+// UnmarshalUntrackedForTest decodes b with the gdr codec as a receive that
+// no gdrpc option tracks.
+func UnmarshalUntrackedForTest(b []byte, m proto.Message) error {
 	return (&codec{name: Name, oob: true}).Unmarshal(mem.BufferSlice{mem.SliceBuffer(b)}, m)
 }

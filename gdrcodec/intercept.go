@@ -282,18 +282,22 @@ func (c *recvCall) done(v any, err error) error {
 }
 
 // decodeContext returns the context of v's pulls, its call's if known, and
-// whether v is received by a server stream whose connection did not
-// negotiate the gdr codec: such a message names no payload to pull (the
-// stream interceptor refuses those calls; this holds whatever content type
-// picked the codec).
-func decodeContext(v any) (ctx context.Context, unproven bool) {
+// what the gdr codec's walk of v takes its sender for: untrackedSender where
+// no call of gdrpc's options receives v (a server's unary request is one
+// until serverRequest says otherwise), plainSender where a server stream's
+// connection did not negotiate the gdr codec (the stream interceptor refuses
+// those calls; this holds whatever content type picked the codec).
+func decodeContext(v any) (context.Context, sender) {
 	c, ok := recvCalls.Load(v)
 	if !ok {
-		return context.Background(), false
+		return context.Background(), untrackedSender
 	}
 	rc := c.(*recvCall)
-	ctx = rc.context()
-	return ctx, rc.server && sessionRefusal(ctx) != nil
+	ctx := rc.context()
+	if rc.server && sessionRefusal(ctx) != nil {
+		return ctx, plainSender
+	}
+	return ctx, gdrSender
 }
 
 // serverRequest reports whether v, a message being decoded, is taken for a

@@ -227,7 +227,11 @@ func (c *netrpcConn) readBody(v any) error {
 	if err := proto.Unmarshal(p, m); err != nil || !carries {
 		return err
 	}
-	return resolve(c.ctx, m.ProtoReflect(), c.c.oob, c.c.options())
+	from := plainSender
+	if c.c.oob {
+		from = gdrSender
+	}
+	return resolve(c.ctx, m.ProtoReflect(), from, c.c.options())
 }
 
 // NewClientCodec returns a net/rpc client codec over rwc (a gdrpc conn from

@@ -21,7 +21,9 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
@@ -263,4 +265,52 @@ func TestPlainClientGDRContentTypes(t *testing.T) {
 			require.Zero(t, alloc.n.Load(), "%s %s: the server allocated for it", ct, method)
 		}
 	}
+}
+
+// A server that registered the gdr codec but left ServerOptions out cannot
+// tell which connection a unary request or a stream's message came over: a
+// message that names a payload by token fails, from a plain client and from
+// a gdrpc client alike, with an error that names ServerOptions, and nothing
+// is pulled or allocated for it.
+func TestServerWithoutServerOptions(t *testing.T) {
+	require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
+	alloc := &countingAllocator{Allocator: devicebuf.NewHostAllocator()}
+	gdrcodec.Register(gdrcodec.WithReceiveAllocator(alloc))
+	t.Cleanup(func() { gdrcodec.Register() })
+	lis, err := listener.Listen("127.0.0.1:0")
+	require.NoError(t, err)
+	gs := grpc.NewServer(grpc.Creds(transport.NewCredentials(insecure.NewCredentials())))
+	tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
+	served := make(chan error, 1)
+	go func() { served <- gs.Serve(lis) }()
+	t.Cleanup(func() {
+		gs.Stop()
+		require.NoError(t, <-served)
+	})
+
+	for _, method := range []string{tensorpb.TensorService_Digest_FullMethodName, tensorpb.TensorService_Upload_FullMethodName} {
+		forged, token := forgedTensor(t, 1<<20)
+		code := rawCall(t, lis.Addr().String(), method, "application/grpc+gdr", forged)
+		require.Equal(t, strconv.Itoa(int(codes.Internal)), code, method)
+		require.True(t, oob.Offered(token), "%s: the server pulled the payload a plain client named", method)
+	}
+
+	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), dialer.New(gdrpc.WithTransport(transport.ModeTCP)).DialOptions(insecure.NewCredentials())...)
+	require.NoError(t, err)
+	defer cc.Close()
+	client := tensorpb.NewTensorServiceClient(cc)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	req := &tensorpb.Tensor{Data: gdrcodec.New(devicebuf.HostFromBytes(pattern(1<<20, 3)))}
+	defer gdrcodec.ReleaseAll(req)
+	_, err = client.Digest(ctx, req)
+	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+	require.ErrorContains(t, err, "gdrcodec.ServerOptions")
+	st, err := client.Upload(ctx)
+	require.NoError(t, err)
+	require.NoError(t, st.Send(req))
+	_, err = st.CloseAndRecv()
+	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+	require.ErrorContains(t, err, "gdrcodec.ServerOptions")
+	require.Zero(t, alloc.n.Load(), "the server allocated for a payload it could not place")
 }
