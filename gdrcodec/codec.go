@@ -781,9 +781,9 @@ type collected struct {
 	ctx      context.Context // the call's (oob.Discard)
 	from     sender
 	o        *options
-	jobs      []job
-	payloads  int
-	err       error // the first error; the message is refused
+	jobs     []job
+	payloads int
+	err      error // the first error; the message is refused
 }
 
 // count counts one more payload of the message.
