@@ -231,3 +231,64 @@ func sendAndWait(ctx context.Context, t *testing.T, st tensorpb.TensorService_Up
 		t.Fatal("the server did not receive the message")
 	}
 }
+
+// A client that takes its responses and never pulls their payloads (here one
+// that names the gdr codec without gdrpc's DialOptions, whose decode refuses
+// them) leaves at most Limits.UnpulledBytes of them in the server's outbox:
+// its next response waits for room within its call, which fails when the
+// call's deadline comes. Another client, which pulls, is not held back by
+// it, and no more than it pulls itself: more calls in flight than the limit
+// holds all get their bytes.
+func TestUnpulledResponsesBounded(t *testing.T) {
+	r := newRig(t, transport.ModeTCP, nil)
+	const limit = 3 << 20
+	oob.SetTransferConfig(oob.TransferConfig{Timeout: 20 * time.Second, Limits: oob.Limits{UnpulledBytes: limit}})
+	id := transport.NewIdentity() // the taker's, another process's
+	peer := id.ID()
+	offered := oob.ReadStats().Offered
+
+	d := dialer.New(gdrpc.WithTransport(transport.ModeTCP), processEngine, gdrpc.WithSessionOptions(transport.WithIdentity(id)))
+	cc, err := grpc.NewClient(r.cc.Target(), grpc.WithContextDialer(d.DialContext),
+		grpc.WithTransportCredentials(transport.NewCredentials(insecure.NewCredentials())),
+		grpc.WithDefaultCallOptions(grpc.CallContentSubtype(gdrcodec.Name)))
+	require.NoError(t, err)
+	defer cc.Close()
+	taker := tensorpb.NewTensorServiceClient(cc)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for i := range 3 {
+		_, err := taker.Make(ctx, &tensorpb.Sized{Size: 1 << 20, Seed: uint32(i)})
+		require.ErrorContains(t, err, "gdrcodec.DialOptions", "call %d", i)
+	}
+	require.Equal(t, int64(limit), oob.Unpulled(peer))
+	require.Equal(t, offered+3, oob.ReadStats().Offered)
+	short, cancelShort := context.WithTimeout(ctx, 500*time.Millisecond)
+	_, err = taker.Make(short, &tensorpb.Sized{Size: 1 << 20, Seed: 9})
+	cancelShort()
+	require.Equal(t, codes.DeadlineExceeded, status.Code(err), "%v", err)
+	require.Eventually(t, func() bool { return oob.ReadStats().Offered == offered+3 }, 5*time.Second, time.Millisecond,
+		"the held-back response's payload left the outbox")
+	require.Equal(t, int64(limit), oob.Unpulled(peer))
+
+	// A client that pulls, eight calls in flight over the limit's three.
+	errs := make(chan error, 8)
+	for i := range 8 {
+		go func() {
+			resp, err := r.client.Make(ctx, &tensorpb.Sized{Size: 1 << 20, Seed: uint32(10 + i)})
+			if err == nil {
+				_, n, cerr := tensor.Checksum(resp, 0)
+				gdrcodec.ReleaseAll(resp)
+				if err = cerr; err == nil && n != 1<<20 {
+					err = io.ErrUnexpectedEOF
+				}
+			}
+			errs <- err
+		}()
+	}
+	for range 8 {
+		require.NoError(t, <-errs)
+	}
+	require.Equal(t, int64(limit), oob.Unpulled(peer))
+	cc.Close() // the taker's session ends: what it left goes
+	require.Eventually(t, func() bool { return oob.Unpulled(peer) == 0 && oob.ReadStats().Offered == offered }, 5*time.Second, time.Millisecond)
+}

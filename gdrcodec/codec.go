@@ -168,6 +168,10 @@ func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 	if out == nil {
 		return bodies.Marshal(v)
 	}
+	if err := w.to.admit(w.offers); err != nil {
+		w.abort()
+		return nil, codecError(codes.ResourceExhausted, "%v", err)
+	}
 	data, err := bodies.Marshal(out.Interface())
 	if err != nil {
 		w.abort()

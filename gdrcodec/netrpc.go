@@ -391,7 +391,7 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 		// The reply's payloads may land in receive space the client
 		// advertised; a reply whose write fails leaves its ranges taken
 		// until the session, whose conn just failed, ends.
-		bindTo(s, nil, m)
+		bindTo(c.ctx, s, nil, m)
 	}
 	err := c.write(r.Seq, r.ServiceMethod, r.Error, body, nil)
 	takeDestination(m) // not marshaled: forget it

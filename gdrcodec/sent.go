@@ -61,9 +61,11 @@ func replayable(cc *grpc.ClientConn, method string) bool {
 }
 
 // destination is where a server's outgoing message goes: the session of its
-// call, and the call's record, which keeps the payloads written into the
-// peer's receive space until the message is reported sent.
+// call, the context that bounds its send, and the call's record, which keeps
+// the payloads written into the peer's receive space until the message is
+// reported sent.
 type destination struct {
+	ctx  context.Context
 	s    *transport.Session
 	call *callMessages // nil outside a server call with the stats handler
 }
@@ -77,18 +79,19 @@ var destinations = newExpiring[*destination](oob.DefaultLease)
 // payloads into receive space that peer advertised (oob.OfferTo).
 func bindDestination(ctx context.Context, v any) {
 	c, _ := ctx.Value(callKey{}).(*callMessages)
-	bindTo(transport.SessionFromContext(ctx), c, v)
+	bindTo(ctx, transport.SessionFromContext(ctx), c, v)
 }
 
-// bindTo notes that v goes to the peer of s, on call if not nil.
-func bindTo(s *transport.Session, call *callMessages, v any) {
+// bindTo notes that v goes to the peer of s, on call if not nil, its send
+// bounded by ctx.
+func bindTo(ctx context.Context, s *transport.Session, call *callMessages, v any) {
 	if s == nil {
 		return
 	}
 	if m := messageV2Of(v); m == nil || !mayCarry(m.ProtoReflect().Descriptor()) {
 		return
 	}
-	destinations.put(v, &destination{s: s, call: call})
+	destinations.put(v, &destination{ctx: ctx, s: s, call: call})
 }
 
 func takeDestination(v any) *destination {
@@ -104,6 +107,17 @@ func (d *destination) clientCall() uint64 {
 	d.call.mu.Lock()
 	defer d.call.mu.Unlock()
 	return d.call.clientCall
+}
+
+// admit binds ts, the payloads of v's marshaling left in the outbox for the
+// peer to pull, to the peer once it has pulled enough of what it was sent
+// before (oob.SendToward): a response waits here, within its call, rather
+// than pile up in the outbox of a peer that does not pull.
+func (d *destination) admit(ts []oob.Token) error {
+	if d == nil || len(ts) == 0 {
+		return nil
+	}
+	return oob.SendToward(d.ctx, d.s, ts)
 }
 
 // landed records ds, v's payloads written into the peer's receive space,

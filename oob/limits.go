@@ -63,6 +63,18 @@ type Limits struct {
 	// open many sessions. If zero, DefaultSpaceBytes, or the engine's
 	// TransferConfig.ReceiveSpace or ReceiveSpaceLimit where that is larger.
 	SpaceBytes int64
+	// UnpulledBytes bounds the payloads this process sent toward one peer
+	// process (a server's responses) that wait in its outbox for the peer to
+	// pull them: a peer that takes its responses and never pulls them would
+	// otherwise pin them until their lease ends (DefaultLease). A response
+	// whose payloads would go over it waits, before it is sent, for the
+	// peer's pulls, within its call's context, and the call fails when that
+	// ends first (like gRPC's flow control, whose window a client that does
+	// not read holds the sender to); a response larger than UnpulledBytes on
+	// its own is sent once nothing else waits unpulled toward the peer.
+	// Payloads written into the peer's receive space do not count. If zero,
+	// DefaultPullBytes (4 GiB).
+	UnpulledBytes int64
 }
 
 // Defaults of Limits.
@@ -97,6 +109,9 @@ func (l Limits) withDefaults(timeout time.Duration) Limits {
 	}
 	if l.Abandoned <= 0 {
 		l.Abandoned = timeout
+	}
+	if l.UnpulledBytes <= 0 {
+		l.UnpulledBytes = DefaultPullBytes
 	}
 	return l
 }

@@ -608,3 +608,50 @@ func TestThirdPartyPullClosedSessions(t *testing.T) {
 	}()
 	require.Equal(t, TransferUnavailable, kindOfErr(t, waitFor(t, errc, "the reservation's end")))
 }
+
+// A peer that leaves the payloads it was sent unpulled holds the sender's
+// next message back, within that message's context, once they reach
+// Limits.UnpulledBytes; a pull or a withdrawal makes room, and a message
+// larger than the limit on its own goes once nothing else waits unpulled.
+func TestUnpulledBytesBound(t *testing.T) {
+	const limit = 1 << 20
+	setTransferConfig(t, TransferConfig{Limits: Limits{UnpulledBytes: limit}})
+	_, ss := pipePair(t)
+	peer := ss.PeerID()
+	offer := func(n int) Descriptor {
+		d := Offer(Source{Bytes: bytes.Repeat([]byte{byte(n >> 12)}, n)}, OfferOptions{})
+		t.Cleanup(func() { Withdraw(d.Token) })
+		return d
+	}
+	ctx := testContext(t)
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+
+	d1 := offer(768 << 10)
+	require.NoError(t, SendToward(cancelled, ss, []Token{d1.Token}), "room for the first")
+	require.Equal(t, int64(768<<10), Unpulled(peer))
+	d2 := offer(512 << 10)
+	require.ErrorIs(t, SendToward(cancelled, ss, []Token{d2.Token}), context.Canceled, "past the limit")
+	require.Equal(t, int64(768<<10), Unpulled(peer), "a message held back counts for nothing")
+
+	sent := make(chan error, 1)
+	go func() { sent <- SendToward(ctx, ss, []Token{d2.Token}) }()
+	b, _, err := FetchNew(ctx, d1, devicebuf.NewHostAllocator().Alloc)
+	require.NoError(t, err)
+	got, err := b.HostBytes()
+	require.NoError(t, err)
+	require.Equal(t, bytes.Repeat([]byte{768 >> 2}, 768<<10), got)
+	b.Release()
+	require.NoError(t, <-sent, "the pull of the first made room")
+	require.Equal(t, int64(512<<10), Unpulled(peer))
+
+	d3 := offer(2 * limit)
+	require.Error(t, SendToward(cancelled, ss, []Token{d3.Token}), "larger than the limit while another waits")
+	go func() { sent <- SendToward(ctx, ss, []Token{d3.Token}) }()
+	Withdraw(d2.Token)
+	require.NoError(t, <-sent, "larger than the limit, alone")
+	require.Equal(t, int64(2*limit), Unpulled(peer))
+	require.NoError(t, ss.Close())
+	require.Zero(t, Unpulled(peer), "the last session to the peer closed")
+	require.False(t, Offered(d3.Token))
+}

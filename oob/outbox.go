@@ -127,10 +127,18 @@ type outbox struct {
 	// leaving are the entries that left the outbox while pulls still used
 	// them, until those uses ended: a Withdraw of their token waits for that.
 	leaving map[Token]*outboxEntry
-	toward  map[transport.ID]map[Token]struct{} // entries by the process they were sent to
+	toward  map[transport.ID]*sentTo // entries by the process they were sent to
 }
 
-var box = &outbox{entries: make(map[Token]*outboxEntry), leaving: make(map[Token]*outboxEntry), toward: make(map[transport.ID]map[Token]struct{})}
+// sentTo is what the outbox holds of the payloads sent toward one peer
+// process.
+type sentTo struct {
+	tokens map[Token]struct{}
+	bytes  int64         // the entries' payload bytes (Limits.UnpulledBytes)
+	room   chan struct{} // closed when bytes fall; nil when no SendToward waits
+}
+
+var box = &outbox{entries: make(map[Token]*outboxEntry), leaving: make(map[Token]*outboxEntry), toward: make(map[transport.ID]*sentTo)}
 
 // Offer puts src in this process's outbox and returns the descriptor that names
 // it. The outbox takes its own reference on a Buffer source and drops it when
@@ -309,9 +317,14 @@ func (b *outbox) removeLocked(t Token, e *outboxEntry) []*sourceUse {
 	delete(b.entries, t)
 	e.dead = true
 	if e.toward != nil {
-		if m := b.toward[*e.toward]; m != nil {
-			delete(m, t)
-			if len(m) == 0 {
+		if st := b.toward[*e.toward]; st != nil {
+			delete(st.tokens, t)
+			st.bytes -= int64(e.src.Len())
+			if st.room != nil {
+				close(st.room)
+				st.room = nil
+			}
+			if len(st.tokens) == 0 {
 				delete(b.toward, *e.toward)
 			}
 		}
@@ -346,27 +359,87 @@ func (b *outbox) leave(t Token, e *outboxEntry, uses []*sourceUse) {
 // server's response to the client that called). Those still in the outbox
 // when no live session to that process remains leave it then, whatever their
 // lease: nobody else holds their descriptors, and the process that does can
-// no longer pull. Tokens that already left are ignored.
+// no longer pull. Tokens that already left, or were bound already
+// (SendToward), are ignored.
 func SentToward(s *transport.Session, ts []Token) {
 	peer := s.PeerID()
 	box.mu.Lock()
 	for _, t := range ts {
-		e := box.entries[t]
-		if e == nil || e.toward != nil {
-			continue
+		if e := box.entries[t]; e != nil && e.toward == nil {
+			box.bindLocked(t, e, peer)
 		}
-		e.toward = &peer
-		m := box.toward[peer]
-		if m == nil {
-			m = make(map[Token]struct{})
-			box.toward[peer] = m
-		}
-		m[t] = struct{}{}
 	}
 	box.mu.Unlock()
 	// The last session to the peer may have closed before the entries were
 	// bound to it.
 	releaseOrphans(peer)
+}
+
+// SendToward is SentToward for ts, the payloads of one message about to be
+// sent to the peer of s, once the payloads sent toward that process and not
+// pulled leave room for them within Limits.UnpulledBytes: until then it
+// waits for the peer's pulls, and fails when ctx ends first. A message
+// larger than the limit on its own goes once nothing else waits unpulled
+// toward the peer.
+func SendToward(ctx context.Context, s *transport.Session, ts []Token) error {
+	peer := s.PeerID()
+	limit := cfgOf(s).Limits.UnpulledBytes
+	box.mu.Lock()
+	for {
+		var n int64
+		for _, t := range ts {
+			if e := box.entries[t]; e != nil && e.toward == nil {
+				n += int64(e.src.Len())
+			}
+		}
+		st := box.toward[peer]
+		if st == nil || st.bytes == 0 || st.bytes+n <= limit {
+			break
+		}
+		if st.room == nil {
+			st.room = make(chan struct{})
+		}
+		room, unpulled := st.room, st.bytes
+		box.mu.Unlock()
+		select {
+		case <-room:
+		case <-ctx.Done():
+			return fmt.Errorf("oob: the peer left %d bytes of payloads sent to it unpulled, and %d more would go over Limits.UnpulledBytes (%d): %w", unpulled, n, limit, context.Cause(ctx))
+		}
+		box.mu.Lock()
+	}
+	for _, t := range ts {
+		if e := box.entries[t]; e != nil && e.toward == nil {
+			box.bindLocked(t, e, peer)
+		}
+	}
+	box.mu.Unlock()
+	releaseOrphans(peer)
+	return nil
+}
+
+// bindLocked binds e, the entry of t, to peer, the process its descriptor
+// went to.
+func (b *outbox) bindLocked(t Token, e *outboxEntry, peer transport.ID) {
+	e.toward = &peer
+	st := b.toward[peer]
+	if st == nil {
+		st = &sentTo{tokens: make(map[Token]struct{})}
+		b.toward[peer] = st
+	}
+	st.tokens[t] = struct{}{}
+	st.bytes += int64(e.src.Len())
+}
+
+// Unpulled returns the payload bytes this process's outbox holds, sent
+// toward peer and not pulled.
+func Unpulled(peer transport.ID) int64 {
+	box.mu.Lock()
+	defer box.mu.Unlock()
+	if st := box.toward[peer]; st != nil {
+		return st.bytes
+	}
+	return 0
 }
 
 // releaseOrphans withdraws the entries sent to peer when no live session to
@@ -376,9 +449,12 @@ func releaseOrphans(peer transport.ID) {
 		return
 	}
 	box.mu.Lock()
-	ts := make([]Token, 0, len(box.toward[peer]))
-	for t := range box.toward[peer] {
-		ts = append(ts, t)
+	var ts []Token
+	if st := box.toward[peer]; st != nil {
+		ts = make([]Token, 0, len(st.tokens))
+		for t := range st.tokens {
+			ts = append(ts, t)
+		}
 	}
 	box.mu.Unlock()
 	for _, t := range ts {
