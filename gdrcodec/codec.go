@@ -679,7 +679,7 @@ const (
 
 // errUntracked refuses a payload named by reference in a message that no
 // gdrpc call option tracks.
-var errUntracked = codecError(codes.FailedPrecondition, "a message names an out-of-band payload, but its call has no gdrpc call options to say which connection it came over: a server needs gdrcodec.ServerOptions (or listener.ServerOptions), a client gdrcodec.DialOptions")
+var errUntracked = codecError(codes.FailedPrecondition, "a message names an out-of-band payload, but its call has no gdrpc call options to say which connection it came over: a server needs gdrcodec.ServerOptions (or listener.ServerOptions), with no interceptor before theirs that receives a stream's messages; a client needs gdrcodec.DialOptions")
 
 // collectPulls attaches the inline payloads of m, a received message, and
 // returns its out-of-band ones to pull, within the receive limit and

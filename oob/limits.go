@@ -69,11 +69,13 @@ type Limits struct {
 	// otherwise pin them until their lease ends (DefaultLease). A response
 	// whose payloads would go over it waits, before it is sent, for the
 	// peer's pulls, within its call's context, and the call fails when that
-	// ends first (like gRPC's flow control, whose window a client that does
-	// not read holds the sender to); a response larger than UnpulledBytes on
-	// its own is sent once nothing else waits unpulled toward the peer.
-	// Payloads written into the peer's receive space do not count. If zero,
-	// DefaultPullBytes (4 GiB).
+	// ends, or its session closes, first (like gRPC's flow control, whose
+	// window a client that does not read holds the sender to). Responses go
+	// in the order they began to wait; one larger than UnpulledBytes on its
+	// own goes once nothing else waits unpulled toward the peer. Payloads
+	// written into the peer's receive space do not count. The limit of the
+	// session a response goes over applies to the count of its peer
+	// process. If zero, DefaultPullBytes (4 GiB).
 	UnpulledBytes int64
 }
 

@@ -611,8 +611,11 @@ func TestThirdPartyPullClosedSessions(t *testing.T) {
 
 // A peer that leaves the payloads it was sent unpulled holds the sender's
 // next message back, within that message's context, once they reach
-// Limits.UnpulledBytes; a pull or a withdrawal makes room, and a message
-// larger than the limit on its own goes once nothing else waits unpulled.
+// Limits.UnpulledBytes; a pull or a withdrawal makes room. Messages go in
+// the order they began to wait: a message larger than the limit on its own
+// goes once nothing else waits unpulled, and smaller ones that would fit
+// meanwhile wait behind it. A message one of whose payloads left the outbox
+// while it waited fails, and so does one whose session closed.
 func TestUnpulledBytesBound(t *testing.T) {
 	const limit = 1 << 20
 	setTransferConfig(t, TransferConfig{Limits: Limits{UnpulledBytes: limit}})
@@ -622,6 +625,14 @@ func TestUnpulledBytesBound(t *testing.T) {
 		d := Offer(Source{Bytes: bytes.Repeat([]byte{byte(n >> 12)}, n)}, OfferOptions{})
 		t.Cleanup(func() { Withdraw(d.Token) })
 		return d
+	}
+	waiting := func(n int) func() bool {
+		return func() bool {
+			box.mu.Lock()
+			defer box.mu.Unlock()
+			st := box.toward[peer]
+			return st != nil && len(st.waiting) == n
+		}
 	}
 	ctx := testContext(t)
 	cancelled, cancel := context.WithCancel(ctx)
@@ -645,13 +656,42 @@ func TestUnpulledBytesBound(t *testing.T) {
 	require.NoError(t, <-sent, "the pull of the first made room")
 	require.Equal(t, int64(512<<10), Unpulled(peer))
 
+	// First come, first sent.
 	d3 := offer(2 * limit)
-	require.Error(t, SendToward(cancelled, ss, []Token{d3.Token}), "larger than the limit while another waits")
 	go func() { sent <- SendToward(ctx, ss, []Token{d3.Token}) }()
+	require.Eventually(t, waiting(1), 10*time.Second, time.Millisecond)
+	d4 := offer(128 << 10)
+	require.Error(t, SendToward(cancelled, ss, []Token{d4.Token}), "room for it, but a larger message waits before it")
+	small := make(chan error, 1)
+	go func() { small <- SendToward(ctx, ss, []Token{d4.Token}) }()
+	require.Eventually(t, waiting(2), 10*time.Second, time.Millisecond)
 	Withdraw(d2.Token)
 	require.NoError(t, <-sent, "larger than the limit, alone")
 	require.Equal(t, int64(2*limit), Unpulled(peer))
+	require.Eventually(t, waiting(1), 10*time.Second, time.Millisecond)
+	Withdraw(d3.Token)
+	require.NoError(t, <-small)
+	require.Equal(t, int64(128<<10), Unpulled(peer))
+
+	// A payload that leaves the outbox while its message waits.
+	d5, d6 := offer(limit), offer(4096)
+	go func() { sent <- SendToward(ctx, ss, []Token{d5.Token, d6.Token}) }()
+	require.Eventually(t, waiting(1), 10*time.Second, time.Millisecond)
+	Withdraw(d6.Token) // as its lease ending would
+	Withdraw(d4.Token)
+	require.ErrorContains(t, <-sent, "left the outbox")
+	require.Zero(t, Unpulled(peer))
+
+	// The session closes while a message waits.
+	d7 := offer(limit)
+	require.NoError(t, SendToward(ctx, ss, []Token{d7.Token}))
+	go func() { sent <- SendToward(ctx, ss, []Token{d5.Token}) }()
+	require.Eventually(t, waiting(1), 10*time.Second, time.Millisecond)
 	require.NoError(t, ss.Close())
+	require.ErrorContains(t, <-sent, "the session closed")
 	require.Zero(t, Unpulled(peer), "the last session to the peer closed")
-	require.False(t, Offered(d3.Token))
+	require.False(t, Offered(d7.Token))
+	box.mu.Lock()
+	require.NotContains(t, box.toward, peer, "nothing kept for the peer")
+	box.mu.Unlock()
 }

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -63,6 +64,7 @@ type outboxEntry struct {
 	freed  bool          // src was freed (freeLocked)
 	left   chan struct{} // closed once the entry left and no pull reads src any more
 	timer  *time.Timer
+	lease  time.Duration
 	toward *transport.ID // the process the descriptor was sent to (SentToward), if known
 }
 
@@ -131,11 +133,45 @@ type outbox struct {
 }
 
 // sentTo is what the outbox holds of the payloads sent toward one peer
-// process.
+// process, and the messages waiting to be sent to it.
 type sentTo struct {
 	tokens map[Token]struct{}
-	bytes  int64         // the entries' payload bytes (Limits.UnpulledBytes)
-	room   chan struct{} // closed when bytes fall; nil when no SendToward waits
+	bytes  int64 // the entries' payload bytes (Limits.UnpulledBytes)
+	// waiting are the SendToward calls waiting for room, first come
+	// first: a message goes only once those before it went, so a large one
+	// is not starved by small ones that fit in between.
+	waiting []*sendWaiter
+	room    chan struct{} // closed when bytes fall or waiting changes; nil when nobody waits
+}
+
+// sendWaiter is one SendToward call in a sentTo's queue, told apart by its
+// address (not zero-sized: pointers to those may be equal).
+type sendWaiter struct{ _ byte }
+
+// wake tells the waiting SendToward calls to look again.
+func (st *sentTo) wake() {
+	if st.room != nil {
+		close(st.room)
+		st.room = nil
+	}
+}
+
+// sentToLocked returns what the outbox keeps for peer, made if need be.
+func (b *outbox) sentToLocked(peer transport.ID) *sentTo {
+	st := b.toward[peer]
+	if st == nil {
+		st = &sentTo{tokens: make(map[Token]struct{})}
+		b.toward[peer] = st
+	}
+	return st
+}
+
+// forgetIdleLocked drops st, peer's, once it holds no entry and no call
+// waits in it.
+func (b *outbox) forgetIdleLocked(peer transport.ID, st *sentTo) {
+	if len(st.tokens) == 0 && len(st.waiting) == 0 && b.toward[peer] == st {
+		delete(b.toward, peer)
+	}
 }
 
 var box = &outbox{entries: make(map[Token]*outboxEntry), leaving: make(map[Token]*outboxEntry), toward: make(map[transport.ID]*sentTo)}
@@ -153,7 +189,7 @@ func Offer(src Source, opt OfferOptions) Descriptor {
 	if lease <= 0 {
 		lease = DefaultLease
 	}
-	e := &outboxEntry{src: src, held: opt.Held, uses: make(map[*sourceUse]struct{}), left: make(chan struct{})}
+	e := &outboxEntry{src: src, held: opt.Held, uses: make(map[*sourceUse]struct{}), left: make(chan struct{}), lease: lease}
 	tok := d.Token
 	box.mu.Lock()
 	box.entries[d.Token] = e
@@ -320,13 +356,8 @@ func (b *outbox) removeLocked(t Token, e *outboxEntry) []*sourceUse {
 		if st := b.toward[*e.toward]; st != nil {
 			delete(st.tokens, t)
 			st.bytes -= int64(e.src.Len())
-			if st.room != nil {
-				close(st.room)
-				st.room = nil
-			}
-			if len(st.tokens) == 0 {
-				delete(b.toward, *e.toward)
-			}
+			st.wake()
+			b.forgetIdleLocked(*e.toward, st)
 		}
 	}
 	b.leaving[t] = e
@@ -377,56 +408,97 @@ func SentToward(s *transport.Session, ts []Token) {
 
 // SendToward is SentToward for ts, the payloads of one message about to be
 // sent to the peer of s, once the payloads sent toward that process and not
-// pulled leave room for them within Limits.UnpulledBytes: until then it
-// waits for the peer's pulls, and fails when ctx ends first. A message
-// larger than the limit on its own goes once nothing else waits unpulled
-// toward the peer.
+// pulled leave room for them within Limits.UnpulledBytes, and the messages
+// that waited for room before this one went: until then it waits for the
+// peer's pulls, and fails when ctx ends or s closes first. A message larger
+// than the limit on its own goes once nothing else waits unpulled toward the
+// peer. The lease of ts starts again once they are bound: it bounds how long
+// the peer has to pull them, not how long they waited. SendToward fails if
+// one of ts left the outbox meanwhile.
 func SendToward(ctx context.Context, s *transport.Session, ts []Token) error {
 	peer := s.PeerID()
 	limit := cfgOf(s).Limits.UnpulledBytes
 	box.mu.Lock()
+	var me *sendWaiter
 	for {
 		var n int64
 		for _, t := range ts {
-			if e := box.entries[t]; e != nil && e.toward == nil {
+			e := box.entries[t]
+			if e == nil {
+				box.leaveQueueLocked(peer, me)
+				box.mu.Unlock()
+				return fmt.Errorf("oob: a payload of the message left the outbox (withdrawn or expired) while it waited to be sent")
+			}
+			if e.toward == nil {
 				n += int64(e.src.Len())
 			}
 		}
-		st := box.toward[peer]
-		if st == nil || st.bytes == 0 || st.bytes+n <= limit {
+		st := box.sentToLocked(peer)
+		first := len(st.waiting) == 0 || st.waiting[0] == me
+		if first && (st.bytes == 0 || st.bytes+n <= limit) {
 			break
+		}
+		if me == nil {
+			me = &sendWaiter{}
+			st.waiting = append(st.waiting, me)
 		}
 		if st.room == nil {
 			st.room = make(chan struct{})
 		}
 		room, unpulled := st.room, st.bytes
 		box.mu.Unlock()
+		var err error
 		select {
 		case <-room:
 		case <-ctx.Done():
-			return fmt.Errorf("oob: the peer left %d bytes of payloads sent to it unpulled, and %d more would go over Limits.UnpulledBytes (%d): %w", unpulled, n, limit, context.Cause(ctx))
+			err = context.Cause(ctx)
+		case <-s.Done():
+			err = errors.New("the session closed")
 		}
 		box.mu.Lock()
-	}
-	for _, t := range ts {
-		if e := box.entries[t]; e != nil && e.toward == nil {
-			box.bindLocked(t, e, peer)
+		if err != nil {
+			box.leaveQueueLocked(peer, me)
+			box.mu.Unlock()
+			return fmt.Errorf("oob: the peer left %d bytes of payloads sent to it unpulled, and %d more would go over Limits.UnpulledBytes (%d): %w", unpulled, n, limit, err)
 		}
 	}
+	box.leaveQueueLocked(peer, me)
+	for _, t := range ts {
+		if e := box.entries[t]; e.toward == nil {
+			box.bindLocked(t, e, peer)
+			if e.timer.Stop() { // else it fired: its Withdraw waits for the lock
+				e.timer.Reset(e.lease)
+			}
+		}
+	}
+	box.forgetIdleLocked(peer, box.toward[peer])
 	box.mu.Unlock()
 	releaseOrphans(peer)
 	return nil
+}
+
+// leaveQueueLocked takes w (nil: none) out of peer's queue of waiting
+// messages.
+func (b *outbox) leaveQueueLocked(peer transport.ID, w *sendWaiter) {
+	if w == nil {
+		return
+	}
+	st := b.toward[peer]
+	if st == nil {
+		return
+	}
+	if i := slices.Index(st.waiting, w); i >= 0 {
+		st.waiting = slices.Delete(st.waiting, i, i+1)
+		st.wake()
+	}
+	b.forgetIdleLocked(peer, st)
 }
 
 // bindLocked binds e, the entry of t, to peer, the process its descriptor
 // went to.
 func (b *outbox) bindLocked(t Token, e *outboxEntry, peer transport.ID) {
 	e.toward = &peer
-	st := b.toward[peer]
-	if st == nil {
-		st = &sentTo{tokens: make(map[Token]struct{})}
-		b.toward[peer] = st
-	}
+	st := b.sentToLocked(peer)
 	st.tokens[t] = struct{}{}
 	st.bytes += int64(e.src.Len())
 }
