@@ -35,6 +35,15 @@ const (
 	maxNetRPCHeader = 64 << 10
 )
 
+// MaxNetRPCPending bounds the requests of one net/rpc server connection
+// whose replies are not written yet. net/rpc starts a handler for every
+// request it reads, and the codec keeps each request's message (and its
+// received payloads) until the reply: past the bound the server reads no
+// further request until a reply is written, so a client that pipelines
+// requests and reads no reply holds the connection's TCP window, not the
+// server's memory.
+const MaxNetRPCPending = 1024
+
 // frameChunk is how much of a frame is allocated before its bytes arrive.
 const frameChunk = 64 << 10
 
@@ -44,6 +53,12 @@ type netrpcConn struct {
 	w   *bufio.Writer
 	wmu sync.Mutex
 	c   codec
+	// broken is why the reading lost its place in the stream (a frame
+	// refused before its bytes were read, a read that failed part-way);
+	// every later read returns it: what follows would be read from inside
+	// a frame, its bytes taken for messages of their own. Only the reading
+	// goroutine (net/rpc has one per codec) touches it.
+	broken error
 	// ctx bounds the pulls of received payloads; Close cancels it.
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -104,6 +119,13 @@ func (c *netrpcConn) write(seq uint64, method, errMsg string, body any, h *hold)
 			return err
 		}
 		defer data.Free()
+		if data.Len() > maxNetRPCFrame {
+			// The peer would refuse it and end the connection: its inline
+			// payloads (under the eager threshold, or every payload over a
+			// connection that is no gdrpc session) are too large for one
+			// body.
+			return fmt.Errorf("gdrcodec: net/rpc body of %d bytes, at most %d; send large payloads out-of-band", data.Len(), maxNetRPCFrame)
+		}
 		msg = data
 	}
 	hdr := binary.AppendUvarint(nil, seq)
@@ -128,14 +150,34 @@ func (c *netrpcConn) write(seq uint64, method, errMsg string, body any, h *hold)
 
 // frameLen reads the length of the next frame, at most limit.
 func (c *netrpcConn) frameLen(limit int) (int, error) {
+	if c.broken != nil {
+		return 0, c.broken
+	}
 	n, err := binary.ReadUvarint(c.r)
 	if err != nil {
-		return 0, err
+		return 0, c.lost(err)
 	}
 	if n > uint64(limit) {
-		return 0, fmt.Errorf("gdrcodec: net/rpc frame of %d bytes, at most %d", n, limit)
+		return 0, c.lost(fmt.Errorf("gdrcodec: net/rpc frame of %d bytes, at most %d", n, limit))
 	}
 	return int(n), nil
+}
+
+// lost records err, after which the reading is no longer at the start of a
+// frame (or the stream ended), as the answer to every later read, and
+// returns it.
+func (c *netrpcConn) lost(err error) error {
+	c.broken = err
+	return err
+}
+
+// cut is lost for a read that failed inside a frame: an end of the stream
+// there is unexpected.
+func (c *netrpcConn) cut(err error) error {
+	if err == io.EOF {
+		err = io.ErrUnexpectedEOF
+	}
+	return c.lost(err)
 }
 
 // readFrame reads the next frame, of at most limit bytes. Its buffer grows
@@ -154,10 +196,7 @@ func (c *netrpcConn) readFrame(limit int) ([]byte, error) {
 		k, err := io.ReadFull(c.r, p[len(p):min(cap(p), n)])
 		p = p[:len(p)+k]
 		if err != nil {
-			if err == io.EOF {
-				err = io.ErrUnexpectedEOF
-			}
-			return nil, err
+			return nil, c.cut(err)
 		}
 	}
 	return p, nil
@@ -170,10 +209,7 @@ func (c *netrpcConn) skipFrame(limit int) error {
 		return err
 	}
 	if _, err := io.CopyN(io.Discard, c.r, int64(n)); err != nil {
-		if err == io.EOF {
-			err = io.ErrUnexpectedEOF
-		}
-		return err
+		return c.cut(err)
 	}
 	return nil
 }
@@ -316,12 +352,16 @@ func (c *clientCodec) Close() error {
 // outbox keeps its own reference until the client pulled it); a method that
 // keeps a received buffer takes it with Detach. A request whose seq is that
 // of one not answered yet ends the connection, once the replies of the
-// requests before it are written. A method that returns an error
+// requests before it are written. At most MaxNetRPCPending requests wait for
+// their replies at once; the next is read once a reply is written. A body
+// frame over 64 MiB ends the connection. A method that returns an error
 // releases what it attached to its reply itself: net/rpc then writes no
 // reply body, and the codec never sees it. opts apply to this codec alone;
 // without them it follows Register's.
 func NewServerCodec(rwc io.ReadWriteCloser, opts ...Option) rpc.ServerCodec {
-	return &serverCodec{netrpcConn: newNetRPCConn(rwc, opts), args: map[uint64]any{}}
+	c := &serverCodec{netrpcConn: newNetRPCConn(rwc, opts), args: map[uint64]any{}}
+	c.replied = sync.NewCond(&c.mu)
+	return c
 }
 
 type serverCodec struct {
@@ -335,6 +375,11 @@ type serverCodec struct {
 	// received message, released with the reply (nil until its body is
 	// decoded, and for a body that is not a message).
 	args map[uint64]any
+	// replied is signalled when a reply is written or the codec closes:
+	// ReadRequestHeader waits on it while MaxNetRPCPending requests wait
+	// for their replies.
+	replied *sync.Cond
+	closed  bool
 }
 
 // ReadRequestHeader refuses a request whose seq is that of one not answered
@@ -347,6 +392,11 @@ func (c *serverCodec) ReadRequestHeader(r *rpc.Request) error {
 	if c.refused != nil {
 		return c.refused
 	}
+	c.mu.Lock()
+	for len(c.args) >= MaxNetRPCPending && !c.closed {
+		c.replied.Wait()
+	}
+	c.mu.Unlock()
 	seq, method, _, err := c.readHeader()
 	if err != nil {
 		return err
@@ -407,6 +457,7 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 	c.mu.Lock()
 	args := c.args[r.Seq]
 	delete(c.args, r.Seq)
+	c.replied.Signal() // one reader waits, at most
 	c.mu.Unlock()
 	for _, v := range []any{args, body} {
 		if m := messageV2Of(v); m != nil {
@@ -416,4 +467,10 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 	return err
 }
 
-func (c *serverCodec) Close() error { return c.close() }
+func (c *serverCodec) Close() error {
+	c.mu.Lock()
+	c.closed = true
+	c.replied.Broadcast()
+	c.mu.Unlock()
+	return c.close()
+}

@@ -338,3 +338,125 @@ func TestNetRPCPlainConnection(t *testing.T) {
 	require.Equal(t, 4096, b.Len())
 	ReleaseAll(&got)
 }
+
+type countingEcho struct{ calls *atomic.Int64 }
+
+func (s countingEcho) Echo(_, _ *gdrv1.DeviceBuffer) error { s.calls.Add(1); return nil }
+
+// A body frame refused for its length, before its bytes were read, ends the
+// connection: net/rpc goes on reading after a body's error, and what came
+// next would be read from inside the refused body, bytes a client forwarded
+// taken for requests of their own. The same for a body the server skips (an
+// unknown method) and a client reading replies.
+func TestNetRPCRefusedFrameEndsReading(t *testing.T) {
+	oversized := func(seq uint64, method string) []byte {
+		f := frame(seq, method, "", nil)
+		f = f[:len(f)-1] // the empty body's length
+		f = binary.AppendUvarint(f, maxNetRPCFrame+1)
+		return append(f, frame(seq+1, "Svc.Echo", "", nil)...) // inside the body
+	}
+	for _, method := range []string{"Svc.Echo", "Svc.Missing"} {
+		t.Run(method, func(t *testing.T) {
+			var calls atomic.Int64
+			srv := rpc.NewServer()
+			require.NoError(t, srv.RegisterName("Svc", countingEcho{&calls}))
+			cli, sv := net.Pipe()
+			defer cli.Close()
+			served := make(chan struct{})
+			go func() { srv.ServeCodec(NewServerCodec(sv)); close(served) }()
+			go func() { _, _ = cli.Write(oversized(1, method)) }()
+			c := NewClientCodec(cli)
+			require.NoError(t, cli.SetReadDeadline(time.Now().Add(20*time.Second)))
+			var r rpc.Response
+			require.NoError(t, c.ReadResponseHeader(&r))
+			require.Equal(t, uint64(1), r.Seq)
+			require.NotEmpty(t, r.Error, "the refused request's reply")
+			require.NoError(t, c.ReadResponseBody(nil))
+			r = rpc.Response{}
+			require.Error(t, c.ReadResponseHeader(&r), "a reply to bytes inside the refused body")
+			<-served
+			require.Zero(t, calls.Load(), "a request read from inside a refused body ran")
+		})
+	}
+
+	t.Run("client", func(t *testing.T) {
+		cli, sv := net.Pipe()
+		defer cli.Close()
+		defer sv.Close()
+		go func() { _, _ = sv.Write(oversized(1, "")) }()
+		c := NewClientCodec(cli)
+		var r rpc.Response
+		require.NoError(t, c.ReadResponseHeader(&r))
+		err := c.ReadResponseBody(nil)
+		require.ErrorContains(t, err, "at most")
+		r = rpc.Response{}
+		require.ErrorIs(t, c.ReadResponseHeader(&r), err, "the reading stays lost")
+	})
+}
+
+// A body too large for the peer to take is refused before anything is
+// written: the peer would end the connection.
+func TestNetRPCOversizedBodyNotWritten(t *testing.T) {
+	c := newHookConn(t)
+	var wrote atomic.Bool
+	c.onWrite = func() { wrote.Store(true) }
+	cc := NewClientCodec(c, WithEagerThreshold(1<<30)).(*clientCodec) // the payload goes inline
+	big := &gdrv1.DeviceBuffer{}
+	Attach(big, devicebuf.HostFromBytes(make([]byte, maxNetRPCFrame+1)))
+	defer ReleaseAll(big)
+	err := cc.WriteRequest(&rpc.Request{Seq: 1, ServiceMethod: "Svc.Echo"}, big)
+	require.ErrorContains(t, err, "at most")
+	require.False(t, wrote.Load(), "bytes of a body the peer would refuse were written")
+	cc.mu.Lock()
+	require.Empty(t, cc.held, "a request never sent holds nothing")
+	cc.mu.Unlock()
+}
+
+// blockingEcho's calls wait for release; each notes how many requests of the
+// connection waited for their replies when it started.
+type blockingEcho struct {
+	codec   *serverCodec
+	release chan struct{}
+	started atomic.Int64
+	most    atomic.Int64
+}
+
+func (s *blockingEcho) Echo(_, _ *gdrv1.DeviceBuffer) error {
+	s.codec.mu.Lock()
+	n := int64(len(s.codec.args))
+	s.codec.mu.Unlock()
+	for m := s.most.Load(); n > m && !s.most.CompareAndSwap(m, n); m = s.most.Load() {
+	}
+	s.started.Add(1)
+	<-s.release
+	return nil
+}
+
+// A client that pipelines requests and reads no reply gets at most
+// MaxNetRPCPending of them read and served at once; the rest wait in the
+// connection, and all are answered once replies go out.
+func TestNetRPCPendingBounded(t *testing.T) {
+	cli, sv := net.Pipe()
+	defer cli.Close()
+	sc := NewServerCodec(sv).(*serverCodec)
+	svc := &blockingEcho{codec: sc, release: make(chan struct{})}
+	srv := rpc.NewServer()
+	require.NoError(t, srv.RegisterName("Svc", svc))
+	served := make(chan struct{})
+	go func() { srv.ServeCodec(sc); close(served) }()
+	client := rpc.NewClientWithCodec(NewClientCodec(cli))
+	const n = MaxNetRPCPending + 16
+	done := make(chan *rpc.Call, n)
+	for range n {
+		go client.Go("Svc.Echo", &gdrv1.DeviceBuffer{}, &gdrv1.DeviceBuffer{}, done)
+	}
+	require.Eventually(t, func() bool { return svc.started.Load() >= MaxNetRPCPending }, 20*time.Second, time.Millisecond)
+	close(svc.release)
+	for range n {
+		require.NoError(t, (<-done).Error)
+	}
+	require.Equal(t, int64(n), svc.started.Load())
+	require.LessOrEqual(t, svc.most.Load(), int64(MaxNetRPCPending), "requests read while as many waited for replies")
+	require.NoError(t, client.Close())
+	<-served
+}

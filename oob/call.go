@@ -173,7 +173,8 @@ func parseCallEnded(b []byte) (id uint64, took map[spaceRange]bool, err error) {
 // a call that ended, except the ranges the call took, and remembers the call
 // so that nothing more is written for it.
 func handleCallEnded(s *transport.Session, payload []byte) {
-	if !served(s) {
+	a := stateOf(s) // once: the session may close meanwhile
+	if a == closedState {
 		return // a closed session's: it has no spaces, and its state is shared
 	}
 	id, took, err := parseCallEnded(payload)
@@ -181,7 +182,7 @@ func handleCallEnded(s *transport.Session, payload []byte) {
 		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
 		return
 	}
-	st := &stateOf(s).space
+	st := &a.space
 	st.mu.Lock()
 	st.ended.add(id)
 	st.mu.Unlock()
