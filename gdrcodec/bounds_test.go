@@ -265,7 +265,12 @@ func TestUnpulledResponsesBounded(t *testing.T) {
 	short, cancelShort := context.WithTimeout(ctx, 500*time.Millisecond)
 	_, err = taker.Make(short, &tensorpb.Sized{Size: 1 << 20, Seed: 9})
 	cancelShort()
-	require.Equal(t, codes.DeadlineExceeded, status.Code(err), "%v", err)
+	// The deadline ends the call on both sides; the server's end of the
+	// wait may reach the client first.
+	if status.Code(err) != codes.DeadlineExceeded {
+		require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+		require.ErrorContains(t, err, "Limits.UnpulledBytes")
+	}
 	require.Eventually(t, func() bool { return oob.ReadStats().Offered == offered+3 }, 5*time.Second, time.Millisecond,
 		"the held-back response's payload left the outbox")
 	require.Equal(t, int64(limit), oob.Unpulled(peer))

@@ -186,7 +186,17 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 			return nil, fmt.Errorf("handshake: UCX offered over a non-TCP connection")
 		}
 		uaddr := net.JoinHostPort(host, strconv.Itoa(int(w.UCXPort)))
-		ep, uerr := upgradeUCX(hctx, rctx, uaddr, w.Token)
+		uctx, cancel := hctx, context.CancelFunc(func() {})
+		if w.FallbackOK && cfg.mode != ModeUCX {
+			// A listener that keeps turning the upgrade away (every
+			// endpoint slot taken) must leave the handshake time to fall
+			// back to TCP.
+			if dl, ok := hctx.Deadline(); ok {
+				uctx, cancel = context.WithTimeout(hctx, time.Until(dl)/2)
+			}
+		}
+		ep, uerr := upgradeUCX(uctx, rctx, uaddr, w.Token)
+		cancel()
 		if uerr != nil {
 			if !w.FallbackOK || cfg.mode == ModeUCX {
 				return nil, fmt.Errorf("handshake: UCX upgrade to %s: %w", uaddr, uerr)
@@ -217,16 +227,11 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 	return newSession(setup)
 }
 
-// upgradeUCX dials the server's UCX listener and proves the session with its
-// token.
-func upgradeUCX(ctx context.Context, rctx *rdma.Context, addr string, token ID) (*rdma.Endpoint, error) {
-	w := rctx.Worker()
-	if w == nil {
-		return nil, fmt.Errorf("UCX context has no worker: %w", rdma.ErrNotSupported)
-	}
-	// The server's UCX listener takes the request once the server checked
-	// the proof, which this dial may overtake: a rejected request is made
-	// again, with a growing pause, until ctx ends.
+// dialAdmitted dials a gdrpc UCX listener at addr, making a request it
+// turned away again, with a growing pause, until ctx ends: the listener
+// takes requests only while a proven handshake or lane waits for one, and
+// while it has an endpoint slot free.
+func dialAdmitted(ctx context.Context, w *rdma.Worker, addr string) (*rdma.Endpoint, error) {
 	pause := time.Millisecond
 	ep, err := w.Dial(ctx, addr)
 	for errors.Is(err, rdma.ErrRejected) {
@@ -240,6 +245,19 @@ func upgradeUCX(ctx context.Context, rctx *rdma.Context, addr string, token ID) 
 		pause = min(2*pause, 100*time.Millisecond)
 		ep, err = w.Dial(ctx, addr)
 	}
+	return ep, err
+}
+
+// upgradeUCX dials the server's UCX listener and proves the session with its
+// token.
+func upgradeUCX(ctx context.Context, rctx *rdma.Context, addr string, token ID) (*rdma.Endpoint, error) {
+	w := rctx.Worker()
+	if w == nil {
+		return nil, fmt.Errorf("UCX context has no worker: %w", rdma.ErrNotSupported)
+	}
+	// The server's UCX listener takes the request once the server checked
+	// the proof, which this dial may overtake.
+	ep, err := dialAdmitted(ctx, w, addr)
 	if err != nil {
 		return nil, err
 	}

@@ -334,7 +334,7 @@ func (s *Session) openLane(ctx context.Context, role byte) (*laneConn, error) {
 		if w == nil {
 			return nil, fmt.Errorf("gdrpc: open lane: UCX context has no worker: %w", rdma.ErrNotSupported)
 		}
-		ep, err = w.Dial(ctx, addr)
+		ep, err = dialAdmitted(ctx, w, addr)
 	} else {
 		var d net.Dialer
 		ep, err = d.DialContext(ctx, "tcp", addr)

@@ -505,11 +505,13 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 	if err != nil {
 		return nil, fmt.Errorf("handshake: %w", err)
 	}
-	if pu != nil {
-		l.prove(pu)
-	}
+	// The lane slot first: once pu is proven the client's endpoint is
+	// acknowledged, and its first lane may follow at once.
 	if slot != nil {
 		slot.prove()
+	}
+	if pu != nil {
+		l.prove(pu)
 	}
 
 	setup := sessionSetup{

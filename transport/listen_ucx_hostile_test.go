@@ -239,3 +239,31 @@ func TestLaneSlotForgottenWithGRPCStream(t *testing.T) {
 	requireLive(t, s)
 	require.Zero(t, lane(roleControl), "no lane once the gRPC stream is there")
 }
+
+// TestUpgradeRejectedFallsBack: while every endpoint slot of the UCX
+// listener is taken (endpoints that never send their token), a client whose
+// server allows it falls back to a TCP session within its handshake
+// timeout, rather than spend the whole of it dialing again.
+func TestUpgradeRejectedFallsBack(t *testing.T) {
+	defer func(n int) { maxHandshakes = n }(maxHandshakes)
+	maxHandshakes = 2
+	rc := internalUCX(t)
+	l, err := Listen("127.0.0.1:0", WithRDMAContext(rc), WithTrustPeers(true), WithHandshakeTimeout(time.Minute))
+	require.NoError(t, err)
+	defer l.Close()
+	handClient(t, l.Addr().String(), ModeAuto, Caps{UCX: true}, true) // stalls before its decision, the window open
+	require.Eventually(t, l.expectsUCX, handTimeout, time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+	defer cancel()
+	for range maxHandshakes {
+		ep, err := rc.Worker().Dial(ctx, l.UCXAddr().String())
+		require.NoError(t, err)
+		defer ep.Close()
+	}
+	require.Eventually(t, func() bool { return len(l.ucxServing) == maxHandshakes }, handTimeout, time.Millisecond)
+
+	s, err := Dial(ctx, l.Addr().String(), WithRDMAContext(rc), WithTrustPeers(true), WithHandshakeTimeout(3*time.Second))
+	require.NoError(t, err, "the client falls back to TCP")
+	defer s.Close()
+	require.Equal(t, "tcp", s.Transport())
+}
