@@ -232,68 +232,46 @@ func sendAndWait(ctx context.Context, t *testing.T, st tensorpb.TensorService_Up
 	}
 }
 
-// A client that takes its responses and never pulls their payloads (here one
-// that names the gdr codec without gdrpc's DialOptions, whose decode refuses
-// them) leaves at most Limits.UnpulledBytes of them in the server's outbox:
-// its next response waits for room within its call, which fails when the
-// call's deadline comes. Another client, which pulls, is not held back by
-// it, and no more than it pulls itself: more calls in flight than the limit
-// holds all get their bytes.
+// A server stream whose client reads slowly runs at most
+// Limits.UnpulledBytes ahead of it: its next message waits for the client's
+// pulls rather than pile up in the outbox. The client's other calls to that
+// server are not held back meanwhile, and once it reads on, the stream
+// delivers every message, byte-exact.
 func TestUnpulledResponsesBounded(t *testing.T) {
 	r := newRig(t, transport.ModeTCP, nil)
-	const limit = 3 << 20
+	const size, limit = 1 << 20, 2 << 20
 	oob.SetTransferConfig(oob.TransferConfig{Timeout: 20 * time.Second, Limits: oob.Limits{UnpulledBytes: limit}})
-	id := transport.NewIdentity() // the taker's, another process's
-	peer := id.ID()
-	offered := oob.ReadStats().Offered
-
-	d := dialer.New(gdrpc.WithTransport(transport.ModeTCP), processEngine, gdrpc.WithSessionOptions(transport.WithIdentity(id)))
-	cc, err := grpc.NewClient(r.cc.Target(), grpc.WithContextDialer(d.DialContext),
-		grpc.WithTransportCredentials(transport.NewCredentials(insecure.NewCredentials())),
-		grpc.WithDefaultCallOptions(grpc.CallContentSubtype(gdrcodec.Name)))
-	require.NoError(t, err)
-	defer cc.Close()
-	taker := tensorpb.NewTensorServiceClient(cc)
+	peer := transport.LocalID() // the client is this process
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	for i := range 3 {
-		_, err := taker.Make(ctx, &tensorpb.Sized{Size: 1 << 20, Seed: uint32(i)})
-		require.ErrorContains(t, err, "gdrcodec.DialOptions", "call %d", i)
+	check := func(m *tensorpb.Tensor, seed uint32) {
+		t.Helper()
+		sum, n, err := tensor.Checksum(m, 0)
+		require.NoError(t, err)
+		gdrcodec.ReleaseAll(m)
+		require.Equal(t, uint64(size), n)
+		require.Equal(t, tensor.ChecksumBytes(pattern(size, seed)), sum, "message of seed %d", seed)
 	}
-	require.Equal(t, int64(limit), oob.Unpulled(peer))
-	require.Equal(t, offered+3, oob.ReadStats().Offered)
-	short, cancelShort := context.WithTimeout(ctx, 500*time.Millisecond)
-	_, err = taker.Make(short, &tensorpb.Sized{Size: 1 << 20, Seed: 9})
-	cancelShort()
-	// The deadline ends the call on both sides; the server's end of the
-	// wait may reach the client first.
-	if status.Code(err) != codes.DeadlineExceeded {
-		require.Equal(t, codes.Internal, status.Code(err), "%v", err)
-		require.ErrorContains(t, err, "Limits.UnpulledBytes")
-	}
-	require.Eventually(t, func() bool { return oob.ReadStats().Offered == offered+3 }, 5*time.Second, time.Millisecond,
-		"the held-back response's payload left the outbox")
-	require.Equal(t, int64(limit), oob.Unpulled(peer))
 
-	// A client that pulls, eight calls in flight over the limit's three.
-	errs := make(chan error, 8)
-	for i := range 8 {
-		go func() {
-			resp, err := r.client.Make(ctx, &tensorpb.Sized{Size: 1 << 20, Seed: uint32(10 + i)})
-			if err == nil {
-				_, n, cerr := tensor.Checksum(resp, 0)
-				gdrcodec.ReleaseAll(resp)
-				if err = cerr; err == nil && n != 1<<20 {
-					err = io.ErrUnexpectedEOF
-				}
-			}
-			errs <- err
-		}()
+	st, err := r.client.Download(ctx, &tensorpb.Sized{Size: size, Seed: 20}) // four messages
+	require.NoError(t, err)
+	m, err := st.Recv()
+	require.NoError(t, err)
+	check(m, 20)
+	require.Eventually(t, func() bool { return oob.Unpulled(peer) == limit }, 10*time.Second, time.Millisecond,
+		"the two messages after the one read wait unpulled")
+
+	resp, err := r.client.Make(ctx, &tensorpb.Sized{Size: size, Seed: 30})
+	require.NoError(t, err, "another call while the stream waits")
+	check(resp, 30)
+	require.Equal(t, int64(limit), oob.Unpulled(peer), "the stream's fourth message was held back")
+
+	for i := range uint32(3) {
+		m, err := st.Recv()
+		require.NoError(t, err)
+		check(m, 21+i)
 	}
-	for range 8 {
-		require.NoError(t, <-errs)
-	}
-	require.Equal(t, int64(limit), oob.Unpulled(peer))
-	cc.Close() // the taker's session ends: what it left goes
-	require.Eventually(t, func() bool { return oob.Unpulled(peer) == 0 && oob.ReadStats().Offered == offered }, 5*time.Second, time.Millisecond)
+	_, err = st.Recv()
+	require.ErrorIs(t, err, io.EOF)
+	require.Eventually(t, func() bool { return oob.Unpulled(peer) == 0 }, 10*time.Second, time.Millisecond)
 }

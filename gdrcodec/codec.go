@@ -39,6 +39,7 @@ type options struct {
 	eager   int
 	alloc   devicebuf.Allocator
 	maxRecv int64 // WithMaxReceivePayload (limits.go)
+	pending int   // WithNetRPCPending (netrpc.go)
 	logger  *slog.Logger
 }
 

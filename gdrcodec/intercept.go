@@ -799,6 +799,9 @@ type callMessages struct {
 	// clientCall is the client's number for the call (oob.CallHeader), 0
 	// if it gave none: what lands in its space is written for that call.
 	clientCall uint64
+	// flow counts what the call's responses left in the outbox unpulled
+	// (Limits.UnpulledBytes).
+	flow oob.Flow
 }
 
 // decoded ends the call's count in decoding, if it has one.

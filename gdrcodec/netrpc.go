@@ -35,14 +35,34 @@ const (
 	maxNetRPCHeader = 64 << 10
 )
 
-// MaxNetRPCPending bounds the requests of one net/rpc server connection
-// whose replies are not written yet. net/rpc starts a handler for every
-// request it reads, and the codec keeps each request's message (and its
-// received payloads) until the reply: past the bound the server reads no
-// further request until a reply is written, so a client that pipelines
-// requests and reads no reply holds the connection's TCP window, not the
-// server's memory.
-const MaxNetRPCPending = 1024
+// DefaultNetRPCPending bounds the requests of one net/rpc server connection
+// whose replies are not written yet, unless WithNetRPCPending says
+// otherwise. net/rpc starts a handler for every request it reads, and the
+// codec keeps each request's message (and its received payloads) until the
+// reply: past the bound the server reads no further request until a reply
+// is written, so a client that pipelines requests and reads no reply holds
+// the connection's TCP window, not the server's memory.
+const DefaultNetRPCPending = 1024
+
+// WithNetRPCPending sets how many requests of one net/rpc server connection
+// may wait for their replies before the codec reads no further one (see
+// DefaultNetRPCPending); n < 0 lifts the bound. A service whose handlers
+// wait for later requests of the same connection (long polls that another
+// call releases: a net/rpc Client sends every call over one connection)
+// needs a bound above the calls it keeps waiting. If zero,
+// DefaultNetRPCPending.
+func WithNetRPCPending(n int) Option { return func(o *options) { o.pending = n } }
+
+// netRPCPending is the bound WithNetRPCPending set, or -1 for none.
+func (o *options) netRPCPending() int {
+	switch {
+	case o.pending > 0:
+		return o.pending
+	case o.pending < 0:
+		return -1
+	}
+	return DefaultNetRPCPending
+}
 
 // frameChunk is how much of a frame is allocated before its bytes arrive.
 const frameChunk = 64 << 10
@@ -93,13 +113,20 @@ func (c *netrpcConn) close() error {
 	return c.rwc.Close()
 }
 
+// unwritten is the error of a message refused before any of its bytes
+// went out: the connection is still good for the next.
+type unwritten struct{ err error }
+
+func (e unwritten) Error() string { return e.err.Error() }
+func (e unwritten) Unwrap() error { return e.err }
+
 // write sends one message, its body's payloads held by h (nil: none). An
 // error message too long for a header is cut short; a method name too long
-// is an error.
+// is an error. An error before any byte went out is an unwritten.
 func (c *netrpcConn) write(seq uint64, method, errMsg string, body any, h *hold) error {
 	const room = maxNetRPCHeader - 3*binary.MaxVarintLen64
 	if len(method) > room {
-		return fmt.Errorf("gdrcodec: net/rpc method name of %d bytes, at most %d", len(method), room)
+		return unwritten{fmt.Errorf("gdrcodec: net/rpc method name of %d bytes, at most %d", len(method), room)}
 	}
 	if len(method)+len(errMsg) > room {
 		cut := room - len(method)
@@ -112,11 +139,11 @@ func (c *netrpcConn) write(seq uint64, method, errMsg string, body any, h *hold)
 	if body != nil {
 		m := messageV2Of(body)
 		if m == nil {
-			return fmt.Errorf("gdrcodec: net/rpc body %T is not a proto.Message", body)
+			return unwritten{fmt.Errorf("gdrcodec: net/rpc body %T is not a proto.Message", body)}
 		}
 		data, err := c.c.marshal(m, h)
 		if err != nil {
-			return err
+			return unwritten{err}
 		}
 		defer data.Free()
 		if data.Len() > maxNetRPCFrame {
@@ -124,7 +151,7 @@ func (c *netrpcConn) write(seq uint64, method, errMsg string, body any, h *hold)
 			// payloads (under the eager threshold, or every payload over a
 			// connection that is no gdrpc session) are too large for one
 			// body.
-			return fmt.Errorf("gdrcodec: net/rpc body of %d bytes, at most %d; send large payloads out-of-band", data.Len(), maxNetRPCFrame)
+			return unwritten{fmt.Errorf("gdrcodec: net/rpc body of %d bytes, at most %d; send large payloads out-of-band", data.Len(), maxNetRPCFrame)}
 		}
 		msg = data
 	}
@@ -352,8 +379,9 @@ func (c *clientCodec) Close() error {
 // outbox keeps its own reference until the client pulled it); a method that
 // keeps a received buffer takes it with Detach. A request whose seq is that
 // of one not answered yet ends the connection, once the replies of the
-// requests before it are written. At most MaxNetRPCPending requests wait for
-// their replies at once; the next is read once a reply is written. A body
+// requests before it are written. At most DefaultNetRPCPending requests
+// (WithNetRPCPending) wait for their replies at once; the next is read once
+// a reply is written. A body
 // frame over 64 MiB ends the connection. A method that returns an error
 // releases what it attached to its reply itself: net/rpc then writes no
 // reply body, and the codec never sees it. opts apply to this codec alone;
@@ -376,8 +404,8 @@ type serverCodec struct {
 	// decoded, and for a body that is not a message).
 	args map[uint64]any
 	// replied is signalled when a reply is written or the codec closes:
-	// ReadRequestHeader waits on it while MaxNetRPCPending requests wait
-	// for their replies.
+	// ReadRequestHeader waits on it while as many requests as the bound
+	// (WithNetRPCPending) wait for their replies.
 	replied *sync.Cond
 	closed  bool
 }
@@ -393,7 +421,7 @@ func (c *serverCodec) ReadRequestHeader(r *rpc.Request) error {
 		return c.refused
 	}
 	c.mu.Lock()
-	for len(c.args) >= MaxNetRPCPending && !c.closed {
+	for n := c.c.options().netRPCPending(); n > 0 && len(c.args) >= n && !c.closed; {
 		c.replied.Wait()
 	}
 	c.mu.Unlock()
@@ -453,6 +481,13 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 		} else {
 			sentOver(s, m)
 		}
+	}
+	var refused unwritten
+	if errors.As(err, &refused) && body != nil {
+		// net/rpc drops a reply's write error, and its client would wait
+		// for this seq for ever: it gets the error instead, in a reply
+		// without a body.
+		err = c.write(r.Seq, r.ServiceMethod, "gdrcodec: the reply could not be sent: "+refused.err.Error(), nil, nil)
 	}
 	c.mu.Lock()
 	args := c.args[r.Seq]

@@ -433,7 +433,7 @@ func (s *blockingEcho) Echo(_, _ *gdrv1.DeviceBuffer) error {
 }
 
 // A client that pipelines requests and reads no reply gets at most
-// MaxNetRPCPending of them read and served at once; the rest wait in the
+// DefaultNetRPCPending of them read and served at once; the rest wait in the
 // connection, and all are answered once replies go out.
 func TestNetRPCPendingBounded(t *testing.T) {
 	cli, sv := net.Pipe()
@@ -445,18 +445,75 @@ func TestNetRPCPendingBounded(t *testing.T) {
 	served := make(chan struct{})
 	go func() { srv.ServeCodec(sc); close(served) }()
 	client := rpc.NewClientWithCodec(NewClientCodec(cli))
-	const n = MaxNetRPCPending + 16
+	const n = DefaultNetRPCPending + 16
 	done := make(chan *rpc.Call, n)
 	for range n {
 		go client.Go("Svc.Echo", &gdrv1.DeviceBuffer{}, &gdrv1.DeviceBuffer{}, done)
 	}
-	require.Eventually(t, func() bool { return svc.started.Load() >= MaxNetRPCPending }, 20*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return svc.started.Load() >= DefaultNetRPCPending }, 20*time.Second, time.Millisecond)
 	close(svc.release)
 	for range n {
 		require.NoError(t, (<-done).Error)
 	}
 	require.Equal(t, int64(n), svc.started.Load())
-	require.LessOrEqual(t, svc.most.Load(), int64(MaxNetRPCPending), "requests read while as many waited for replies")
+	require.LessOrEqual(t, svc.most.Load(), int64(DefaultNetRPCPending), "requests read while as many waited for replies")
 	require.NoError(t, client.Close())
 	<-served
+}
+
+type bigReply struct{}
+
+func (bigReply) Get(_, out *gdrv1.DeviceBuffer) error {
+	b := devicebuf.HostFromBytes(make([]byte, maxNetRPCFrame+1))
+	Attach(out, b)
+	b.Release()
+	return nil
+}
+
+// A reply the codec refuses to write (a body over 64 MiB, its payload
+// inline) reaches its caller as an error: net/rpc drops a reply's write
+// error, and the call would wait for ever.
+func TestNetRPCUnsendableReplyAnswered(t *testing.T) {
+	cli, sv := net.Pipe()
+	defer cli.Close()
+	srv := rpc.NewServer()
+	require.NoError(t, srv.RegisterName("Svc", bigReply{}))
+	go srv.ServeCodec(NewServerCodec(sv, WithEagerThreshold(1<<30)))
+	client := rpc.NewClientWithCodec(NewClientCodec(cli))
+	defer client.Close()
+	var out gdrv1.DeviceBuffer
+	call := client.Go("Svc.Get", &gdrv1.DeviceBuffer{}, &out, nil)
+	select {
+	case <-call.Done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the call was never answered")
+	}
+	require.ErrorContains(t, call.Error, "the reply could not be sent")
+	require.ErrorContains(t, client.Call("Svc.Get", &gdrv1.DeviceBuffer{}, &out), "the reply could not be sent", "the connection still serves")
+}
+
+type longPoll struct{ release chan struct{} }
+
+func (p *longPoll) Wait(_, _ *gdrv1.DeviceBuffer) error   { <-p.release; return nil }
+func (p *longPoll) Notify(_, _ *gdrv1.DeviceBuffer) error { close(p.release); return nil }
+
+// A service whose calls wait for a later call of the same connection sets
+// the bound of pending requests above the calls it keeps waiting.
+func TestNetRPCPendingOption(t *testing.T) {
+	const waits = 8
+	cli, sv := net.Pipe()
+	defer cli.Close()
+	srv := rpc.NewServer()
+	require.NoError(t, srv.RegisterName("Svc", &longPoll{release: make(chan struct{})}))
+	go srv.ServeCodec(NewServerCodec(sv, WithNetRPCPending(waits+1)))
+	client := rpc.NewClientWithCodec(NewClientCodec(cli))
+	defer client.Close()
+	done := make(chan *rpc.Call, waits)
+	for range waits {
+		client.Go("Svc.Wait", &gdrv1.DeviceBuffer{}, &gdrv1.DeviceBuffer{}, done)
+	}
+	require.NoError(t, client.Call("Svc.Notify", &gdrv1.DeviceBuffer{}, &gdrv1.DeviceBuffer{}))
+	for range waits {
+		require.NoError(t, (<-done).Error)
+	}
 }

@@ -110,14 +110,16 @@ func (d *destination) clientCall() uint64 {
 }
 
 // admit binds ts, the payloads of v's marshaling left in the outbox for the
-// peer to pull, to the peer once it has pulled enough of what it was sent
-// before (oob.SendToward): a response waits here, within its call, rather
-// than pile up in the outbox of a peer that does not pull.
+// peer to pull, to the peer, once the call's earlier messages leave room
+// (oob.Flow.Send): a server stream's next message waits here, within its
+// call, rather than run ahead of a client that does not read it. Messages
+// sent outside a server call with the stats handler (net/rpc replies, one
+// to a request) are not held.
 func (d *destination) admit(ts []oob.Token) error {
-	if d == nil || len(ts) == 0 {
+	if d == nil || d.call == nil || len(ts) == 0 {
 		return nil
 	}
-	return oob.SendToward(d.ctx, d.s, ts)
+	return d.call.flow.Send(d.ctx, d.s, ts)
 }
 
 // landed records ds, v's payloads written into the peer's receive space,

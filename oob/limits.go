@@ -63,19 +63,17 @@ type Limits struct {
 	// open many sessions. If zero, DefaultSpaceBytes, or the engine's
 	// TransferConfig.ReceiveSpace or ReceiveSpaceLimit where that is larger.
 	SpaceBytes int64
-	// UnpulledBytes bounds the payloads this process sent toward one peer
-	// process (a server's responses) that wait in its outbox for the peer to
-	// pull them: a peer that takes its responses and never pulls them would
-	// otherwise pin them until their lease ends (DefaultLease). A response
-	// whose payloads would go over it waits, before it is sent, for the
-	// peer's pulls, within its call's context, and the call fails when that
-	// ends, or its session closes, first (like gRPC's flow control, whose
-	// window a client that does not read holds the sender to). Responses go
-	// in the order they began to wait; one larger than UnpulledBytes on its
-	// own goes once nothing else waits unpulled toward the peer. Payloads
-	// written into the peer's receive space do not count. The limit of the
-	// session a response goes over applies to the count of its peer
-	// process. If zero, DefaultPullBytes (4 GiB).
+	// UnpulledBytes bounds what one call's messages (a server stream's
+	// responses) leave in this process's outbox for the peer to pull: a
+	// stream whose client reads slowly, or not at all, would otherwise run
+	// ahead and pin its payloads until their lease ends (DefaultLease). The
+	// call's next message waits, before it is sent, for the peer's pulls,
+	// within the call's context and its session (as gRPC's flow control
+	// holds a stream's sender to a client that does not read it); a message
+	// larger than UnpulledBytes on its own goes once nothing of its call
+	// waits unpulled. Each call counts alone, so one the client leaves
+	// unread holds back none of its other calls. Payloads written into the
+	// peer's receive space do not count. If zero, DefaultUnpulledBytes.
 	UnpulledBytes int64
 }
 
@@ -85,6 +83,8 @@ const (
 	DefaultPulls     = 1024
 	DefaultPushes    = 16
 	DefaultPushQueue = 1024
+	// DefaultUnpulledBytes is Limits.UnpulledBytes unless set.
+	DefaultUnpulledBytes = 1 << 30
 	// DefaultSpaceBytes is Limits.SpaceBytes unless set: four sessions'
 	// spaces grown to DefaultReceiveSpaceLimit.
 	DefaultSpaceBytes = 4 * DefaultReceiveSpaceLimit
@@ -113,7 +113,7 @@ func (l Limits) withDefaults(timeout time.Duration) Limits {
 		l.Abandoned = timeout
 	}
 	if l.UnpulledBytes <= 0 {
-		l.UnpulledBytes = DefaultPullBytes
+		l.UnpulledBytes = DefaultUnpulledBytes
 	}
 	return l
 }

@@ -609,13 +609,13 @@ func TestThirdPartyPullClosedSessions(t *testing.T) {
 	require.Equal(t, TransferUnavailable, kindOfErr(t, waitFor(t, errc, "the reservation's end")))
 }
 
-// A peer that leaves the payloads it was sent unpulled holds the sender's
-// next message back, within that message's context, once they reach
-// Limits.UnpulledBytes; a pull or a withdrawal makes room. Messages go in
-// the order they began to wait: a message larger than the limit on its own
-// goes once nothing else waits unpulled, and smaller ones that would fit
-// meanwhile wait behind it. A message one of whose payloads left the outbox
-// while it waited fails, and so does one whose session closed.
+// A call whose peer leaves the payloads of its messages unpulled has its
+// next message held back, within the message's context, once they reach
+// Limits.UnpulledBytes; a pull or a withdrawal makes room. Another call to
+// the same peer is not held back by it. A message larger than the limit on
+// its own goes once nothing of its call waits unpulled. A message one of
+// whose payloads left the outbox while it waited fails, and so does one
+// whose session closed.
 func TestUnpulledBytesBound(t *testing.T) {
 	const limit = 1 << 20
 	setTransferConfig(t, TransferConfig{Limits: Limits{UnpulledBytes: limit}})
@@ -626,27 +626,30 @@ func TestUnpulledBytesBound(t *testing.T) {
 		t.Cleanup(func() { Withdraw(d.Token) })
 		return d
 	}
-	waiting := func(n int) func() bool {
+	waiting := func(f *Flow) func() bool {
 		return func() bool {
 			box.mu.Lock()
 			defer box.mu.Unlock()
-			st := box.toward[peer]
-			return st != nil && len(st.waiting) == n
+			return f.room != nil
 		}
 	}
 	ctx := testContext(t)
 	cancelled, cancel := context.WithCancel(ctx)
 	cancel()
 
+	var call, other Flow
 	d1 := offer(768 << 10)
-	require.NoError(t, SendToward(cancelled, ss, []Token{d1.Token}), "room for the first")
-	require.Equal(t, int64(768<<10), Unpulled(peer))
+	require.NoError(t, call.Send(cancelled, ss, []Token{d1.Token}), "room for the first")
+	require.Equal(t, int64(768<<10), call.Unpulled())
 	d2 := offer(512 << 10)
-	require.ErrorIs(t, SendToward(cancelled, ss, []Token{d2.Token}), context.Canceled, "past the limit")
-	require.Equal(t, int64(768<<10), Unpulled(peer), "a message held back counts for nothing")
+	require.ErrorIs(t, call.Send(cancelled, ss, []Token{d2.Token}), context.Canceled, "past the limit")
+	require.Equal(t, int64(768<<10), call.Unpulled(), "a message held back counts for nothing")
+	d3 := offer(512 << 10)
+	require.NoError(t, other.Send(cancelled, ss, []Token{d3.Token}), "another call to the same peer")
+	require.Equal(t, int64(1280<<10), Unpulled(peer))
 
 	sent := make(chan error, 1)
-	go func() { sent <- SendToward(ctx, ss, []Token{d2.Token}) }()
+	go func() { sent <- call.Send(ctx, ss, []Token{d2.Token}) }()
 	b, _, err := FetchNew(ctx, d1, devicebuf.NewHostAllocator().Alloc)
 	require.NoError(t, err)
 	got, err := b.HostBytes()
@@ -654,42 +657,35 @@ func TestUnpulledBytesBound(t *testing.T) {
 	require.Equal(t, bytes.Repeat([]byte{768 >> 2}, 768<<10), got)
 	b.Release()
 	require.NoError(t, <-sent, "the pull of the first made room")
-	require.Equal(t, int64(512<<10), Unpulled(peer))
+	require.Equal(t, int64(512<<10), call.Unpulled())
 
-	// First come, first sent.
-	d3 := offer(2 * limit)
-	go func() { sent <- SendToward(ctx, ss, []Token{d3.Token}) }()
-	require.Eventually(t, waiting(1), 10*time.Second, time.Millisecond)
-	d4 := offer(128 << 10)
-	require.Error(t, SendToward(cancelled, ss, []Token{d4.Token}), "room for it, but a larger message waits before it")
-	small := make(chan error, 1)
-	go func() { small <- SendToward(ctx, ss, []Token{d4.Token}) }()
-	require.Eventually(t, waiting(2), 10*time.Second, time.Millisecond)
+	// Larger than the limit, alone.
+	d4 := offer(2 * limit)
+	go func() { sent <- call.Send(ctx, ss, []Token{d4.Token}) }()
+	require.Eventually(t, waiting(&call), 10*time.Second, time.Millisecond)
 	Withdraw(d2.Token)
-	require.NoError(t, <-sent, "larger than the limit, alone")
-	require.Equal(t, int64(2*limit), Unpulled(peer))
-	require.Eventually(t, waiting(1), 10*time.Second, time.Millisecond)
-	Withdraw(d3.Token)
-	require.NoError(t, <-small)
-	require.Equal(t, int64(128<<10), Unpulled(peer))
+	require.NoError(t, <-sent)
+	require.Equal(t, int64(2*limit), call.Unpulled())
 
 	// A payload that leaves the outbox while its message waits.
-	d5, d6 := offer(limit), offer(4096)
-	go func() { sent <- SendToward(ctx, ss, []Token{d5.Token, d6.Token}) }()
-	require.Eventually(t, waiting(1), 10*time.Second, time.Millisecond)
+	d5, d6 := offer(4096), offer(4096)
+	go func() { sent <- call.Send(ctx, ss, []Token{d5.Token, d6.Token}) }()
+	require.Eventually(t, waiting(&call), 10*time.Second, time.Millisecond)
 	Withdraw(d6.Token) // as its lease ending would
 	Withdraw(d4.Token)
 	require.ErrorContains(t, <-sent, "left the outbox")
-	require.Zero(t, Unpulled(peer))
+	require.Zero(t, call.Unpulled())
 
 	// The session closes while a message waits.
 	d7 := offer(limit)
-	require.NoError(t, SendToward(ctx, ss, []Token{d7.Token}))
-	go func() { sent <- SendToward(ctx, ss, []Token{d5.Token}) }()
-	require.Eventually(t, waiting(1), 10*time.Second, time.Millisecond)
+	require.NoError(t, call.Send(ctx, ss, []Token{d7.Token}))
+	go func() { sent <- call.Send(ctx, ss, []Token{d5.Token}) }()
+	require.Eventually(t, waiting(&call), 10*time.Second, time.Millisecond)
 	require.NoError(t, ss.Close())
 	require.ErrorContains(t, <-sent, "the session closed")
 	require.Zero(t, Unpulled(peer), "the last session to the peer closed")
+	require.Zero(t, call.Unpulled())
+	require.Zero(t, other.Unpulled())
 	require.False(t, Offered(d7.Token))
 	box.mu.Lock()
 	require.NotContains(t, box.toward, peer, "nothing kept for the peer")

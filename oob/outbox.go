@@ -5,7 +5,6 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
-	"slices"
 	"sync"
 	"time"
 
@@ -66,6 +65,7 @@ type outboxEntry struct {
 	timer  *time.Timer
 	lease  time.Duration
 	toward *transport.ID // the process the descriptor was sent to (SentToward), if known
+	flow   *Flow         // the call whose message named it (Flow.Send), if any
 }
 
 // sourceUse is one pull's use of an outbox entry's source. The entry's
@@ -133,44 +133,28 @@ type outbox struct {
 }
 
 // sentTo is what the outbox holds of the payloads sent toward one peer
-// process, and the messages waiting to be sent to it.
+// process.
 type sentTo struct {
 	tokens map[Token]struct{}
-	bytes  int64 // the entries' payload bytes (Limits.UnpulledBytes)
-	// waiting are the SendToward calls waiting for room, first come
-	// first: a message goes only once those before it went, so a large one
-	// is not starved by small ones that fit in between.
-	waiting []*sendWaiter
-	room    chan struct{} // closed when bytes fall or waiting changes; nil when nobody waits
+	bytes  int64 // the entries' payload bytes
 }
 
-// sendWaiter is one SendToward call in a sentTo's queue, told apart by its
-// address (not zero-sized: pointers to those may be equal).
-type sendWaiter struct{ _ byte }
-
-// wake tells the waiting SendToward calls to look again.
-func (st *sentTo) wake() {
-	if st.room != nil {
-		close(st.room)
-		st.room = nil
-	}
+// A Flow counts the payloads of one call's messages (a server stream's
+// responses) that wait in the outbox for the peer to pull them, and holds
+// the call's next message back while they would go over
+// Limits.UnpulledBytes: as gRPC's flow control holds a stream's sender to a
+// client that does not read it, without holding the peer's other calls.
+// The zero value is ready to use; box.mu guards it.
+type Flow struct {
+	bytes int64
+	room  chan struct{} // closed when bytes fall; nil when no Send waits
 }
 
-// sentToLocked returns what the outbox keeps for peer, made if need be.
-func (b *outbox) sentToLocked(peer transport.ID) *sentTo {
-	st := b.toward[peer]
-	if st == nil {
-		st = &sentTo{tokens: make(map[Token]struct{})}
-		b.toward[peer] = st
-	}
-	return st
-}
-
-// forgetIdleLocked drops st, peer's, once it holds no entry and no call
-// waits in it.
-func (b *outbox) forgetIdleLocked(peer transport.ID, st *sentTo) {
-	if len(st.tokens) == 0 && len(st.waiting) == 0 && b.toward[peer] == st {
-		delete(b.toward, peer)
+// wake tells a waiting Send to look again.
+func (f *Flow) wake() {
+	if f.room != nil {
+		close(f.room)
+		f.room = nil
 	}
 }
 
@@ -352,12 +336,17 @@ func ReadStats() Stats {
 func (b *outbox) removeLocked(t Token, e *outboxEntry) []*sourceUse {
 	delete(b.entries, t)
 	e.dead = true
+	if f := e.flow; f != nil {
+		f.bytes -= int64(e.src.Len())
+		f.wake()
+	}
 	if e.toward != nil {
 		if st := b.toward[*e.toward]; st != nil {
 			delete(st.tokens, t)
 			st.bytes -= int64(e.src.Len())
-			st.wake()
-			b.forgetIdleLocked(*e.toward, st)
+			if len(st.tokens) == 0 {
+				delete(b.toward, *e.toward)
+			}
 		}
 	}
 	b.leaving[t] = e
@@ -391,7 +380,7 @@ func (b *outbox) leave(t Token, e *outboxEntry, uses []*sourceUse) {
 // when no live session to that process remains leave it then, whatever their
 // lease: nobody else holds their descriptors, and the process that does can
 // no longer pull. Tokens that already left, or were bound already
-// (SendToward), are ignored.
+// (Flow.Send), are ignored.
 func SentToward(s *transport.Session, ts []Token) {
 	peer := s.PeerID()
 	box.mu.Lock()
@@ -406,26 +395,23 @@ func SentToward(s *transport.Session, ts []Token) {
 	releaseOrphans(peer)
 }
 
-// SendToward is SentToward for ts, the payloads of one message about to be
-// sent to the peer of s, once the payloads sent toward that process and not
-// pulled leave room for them within Limits.UnpulledBytes, and the messages
-// that waited for room before this one went: until then it waits for the
-// peer's pulls, and fails when ctx ends or s closes first. A message larger
-// than the limit on its own goes once nothing else waits unpulled toward the
-// peer. The lease of ts starts again once they are bound: it bounds how long
-// the peer has to pull them, not how long they waited. SendToward fails if
-// one of ts left the outbox meanwhile.
-func SendToward(ctx context.Context, s *transport.Session, ts []Token) error {
+// Send is SentToward for ts, the payloads of one message of f's call about
+// to be sent to the peer of s, once the payloads of f's earlier messages
+// that the peer has not pulled leave room for them within
+// Limits.UnpulledBytes: until then it waits for the peer's pulls, and fails
+// when ctx ends or s closes first. A message larger than the limit on its
+// own goes once nothing of f's waits unpulled. The lease of ts starts again
+// once they are bound: it bounds how long the peer has to pull them, not
+// how long they waited. Send fails if one of ts left the outbox meanwhile.
+func (f *Flow) Send(ctx context.Context, s *transport.Session, ts []Token) error {
 	peer := s.PeerID()
 	limit := cfgOf(s).Limits.UnpulledBytes
 	box.mu.Lock()
-	var me *sendWaiter
 	for {
 		var n int64
 		for _, t := range ts {
 			e := box.entries[t]
 			if e == nil {
-				box.leaveQueueLocked(peer, me)
 				box.mu.Unlock()
 				return fmt.Errorf("oob: a payload of the message left the outbox (withdrawn or expired) while it waited to be sent")
 			}
@@ -433,19 +419,13 @@ func SendToward(ctx context.Context, s *transport.Session, ts []Token) error {
 				n += int64(e.src.Len())
 			}
 		}
-		st := box.sentToLocked(peer)
-		first := len(st.waiting) == 0 || st.waiting[0] == me
-		if first && (st.bytes == 0 || st.bytes+n <= limit) {
+		if f.bytes == 0 || f.bytes+n <= limit {
 			break
 		}
-		if me == nil {
-			me = &sendWaiter{}
-			st.waiting = append(st.waiting, me)
+		if f.room == nil {
+			f.room = make(chan struct{})
 		}
-		if st.room == nil {
-			st.room = make(chan struct{})
-		}
-		room, unpulled := st.room, st.bytes
+		room, unpulled := f.room, f.bytes
 		box.mu.Unlock()
 		var err error
 		select {
@@ -455,50 +435,43 @@ func SendToward(ctx context.Context, s *transport.Session, ts []Token) error {
 		case <-s.Done():
 			err = errors.New("the session closed")
 		}
-		box.mu.Lock()
 		if err != nil {
-			box.leaveQueueLocked(peer, me)
-			box.mu.Unlock()
-			return fmt.Errorf("oob: the peer left %d bytes of payloads sent to it unpulled, and %d more would go over Limits.UnpulledBytes (%d): %w", unpulled, n, limit, err)
+			return fmt.Errorf("oob: the peer left %d bytes of this call's earlier payloads unpulled, and %d more would go over Limits.UnpulledBytes (%d): %w", unpulled, n, limit, err)
 		}
+		box.mu.Lock()
 	}
-	box.leaveQueueLocked(peer, me)
 	for _, t := range ts {
 		if e := box.entries[t]; e.toward == nil {
 			box.bindLocked(t, e, peer)
+			e.flow = f
+			f.bytes += int64(e.src.Len())
 			if e.timer.Stop() { // else it fired: its Withdraw waits for the lock
 				e.timer.Reset(e.lease)
 			}
 		}
 	}
-	box.forgetIdleLocked(peer, box.toward[peer])
 	box.mu.Unlock()
 	releaseOrphans(peer)
 	return nil
 }
 
-// leaveQueueLocked takes w (nil: none) out of peer's queue of waiting
-// messages.
-func (b *outbox) leaveQueueLocked(peer transport.ID, w *sendWaiter) {
-	if w == nil {
-		return
-	}
-	st := b.toward[peer]
-	if st == nil {
-		return
-	}
-	if i := slices.Index(st.waiting, w); i >= 0 {
-		st.waiting = slices.Delete(st.waiting, i, i+1)
-		st.wake()
-	}
-	b.forgetIdleLocked(peer, st)
+// Unpulled returns f's payload bytes that wait in the outbox for the peer to
+// pull them.
+func (f *Flow) Unpulled() int64 {
+	box.mu.Lock()
+	defer box.mu.Unlock()
+	return f.bytes
 }
 
 // bindLocked binds e, the entry of t, to peer, the process its descriptor
 // went to.
 func (b *outbox) bindLocked(t Token, e *outboxEntry, peer transport.ID) {
 	e.toward = &peer
-	st := b.sentToLocked(peer)
+	st := b.toward[peer]
+	if st == nil {
+		st = &sentTo{tokens: make(map[Token]struct{})}
+		b.toward[peer] = st
+	}
 	st.tokens[t] = struct{}{}
 	st.bytes += int64(e.src.Len())
 }
