@@ -468,7 +468,8 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 	if m != nil {
 		// The reply's payloads may land in receive space the client
 		// advertised; a reply whose write fails leaves its ranges taken
-		// until the session, whose conn just failed, ends.
+		// until the session ends (the conn failed with it, or, for a
+		// body too large to send, the caller gets an error instead).
 		bindTo(c.ctx, s, nil, m)
 	}
 	err := c.write(r.Seq, r.ServiceMethod, r.Error, body, nil)
