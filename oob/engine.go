@@ -1923,7 +1923,7 @@ func pushLane(ctx context.Context, s *transport.Session, link *transport.Link, m
 	} else if src.kind() == devicebuf.Host {
 		err = pushLaneHost(ctx, s, link, &f, src, u)
 	} else {
-		err = eachCopy(src, u, cfgOf(s).StagingChunk, func(p []byte) error {
+		err = eachCopy(s, src, u, cfgOf(s).StagingChunk, func(p []byte) error {
 			for len(p) > 0 {
 				f.n = uint64(min(len(p), laneFrameMax))
 				if f.n > f.total-f.off {
@@ -1999,13 +1999,14 @@ func pushLaneHost(ctx context.Context, s *transport.Session, link *transport.Lin
 		}
 	}
 	bp := laneCopies.Get().(*[]byte)
-	defer laneCopies.Put(bp)
+	var err error
+	defer func() { afterLane(s, err, func() { laneCopies.Put(bp) }) }()
 	for f.off < f.total {
 		f.n = min(f.total-f.off, laneFrameMax)
-		if err := u.begin(); err != nil {
+		if err = u.begin(); err != nil {
 			return err
 		}
-		err := link.WriteLaneFrameFrom(ctx, f.total, f.marshal(), host[f.off:f.off+f.n], laneQuick, func(rest []byte) []byte {
+		err = link.WriteLaneFrameFrom(ctx, f.total, f.marshal(), host[f.off:f.off+f.n], laneQuick, func(rest []byte) []byte {
 			defer u.finish()
 			if len(rest) > 0 {
 				laneCopied()
@@ -2020,23 +2021,52 @@ func pushLaneHost(ctx context.Context, s *transport.Session, link *transport.Lin
 			return err // nothing written: the lane is intact
 		}
 		abort(s, fmt.Errorf("%w: bulk lane write: %w", transport.ErrPeerGone, err))
-		return errLaneBroken
+		err = errLaneBroken
+		return err
 	}
 	return nil
 }
 
+// afterLane runs release, which gives back a buffer a lane write read from,
+// now, or, where err says a write broke part-way (errLaneBroken: a UCX send
+// cut short by its deadline may still be reading the buffer), once s's
+// connections are released: a buffer given back at once could be unmapped
+// under the send, or refilled with another transfer's bytes that the send
+// then carries.
+func afterLane(s *transport.Session, err error, release func()) {
+	if !errors.Is(err, errLaneBroken) {
+		release()
+		return
+	}
+	go func() {
+		<-s.Released()
+		release()
+	}()
+}
+
 // eachCopy hands fn the bytes of src, a device payload, in order, in pieces
 // of at most chunk bytes that it copies, under u, into a host buffer of its
-// own: fn, which may wait for the peer, reads only the copy, so the outbox
-// entry's leaving waits for one copy at most.
-func eachCopy(src Source, u *sourceUse, chunk int, fn func([]byte) error) error {
-	return chunked(src.Len(), chunk, func(bounce *devicebuf.Buffer, off, n int) error {
-		if err := u.read(func() error { return copyRange(bounce, 0, src.Buffer, off, n) }); err != nil {
-			return err
+// own: fn, which may wait for the peer over s's lanes, reads only the copy,
+// so the outbox entry's leaving waits for one copy at most.
+func eachCopy(s *transport.Session, src Source, u *sourceUse, chunk int, fn func([]byte) error) error {
+	n := src.Len()
+	chunk = min(chunk, n)
+	if chunk == 0 {
+		return nil
+	}
+	bounce, err := devicebuf.NewHostAllocator().Alloc(chunk)
+	if err != nil {
+		return err
+	}
+	defer func() { afterLane(s, err, func() { bounce.Release() }) }()
+	for off := 0; off < n && err == nil; off += chunk {
+		k := min(chunk, n-off)
+		if err = u.read(func() error { return copyRange(bounce, 0, src.Buffer, off, k) }); err == nil {
+			hb, _ := bounce.HostBytes()
+			err = fn(hb[:k])
 		}
-		hb, _ := bounce.HostBytes()
-		return fn(hb[:n])
-	})
+	}
+	return err
 }
 
 // laneCopied runs when pushLaneHost finishes a frame from a copy; tests

@@ -3,6 +3,8 @@ package oob
 import (
 	"bytes"
 	"context"
+	"fmt"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -177,4 +179,19 @@ func bulkResult(t *testing.T, p *pull) error {
 		t.Fatal("no outcome for the pull")
 	}
 	return nil
+}
+
+// A buffer a lane write broke off from part-way (a UCX send cut short by
+// its deadline may still read it) is given back only once the session's
+// connections are released; any other is given back at once.
+func TestAfterLaneWaitsForRelease(t *testing.T) {
+	_, ss := pipePair(t)
+	var now, later atomic.Bool
+	afterLane(ss, nil, func() { now.Store(true) })
+	require.True(t, now.Load(), "nothing in flight: given back at once")
+	afterLane(ss, fmt.Errorf("push: %w", errLaneBroken), func() { later.Store(true) })
+	require.False(t, later.Load(), "given back while the broken lane's send may read it")
+	require.NoError(t, ss.Close())
+	<-ss.Released()
+	require.Eventually(t, later.Load, 10*time.Second, time.Millisecond, "given back once the session is released")
 }

@@ -322,6 +322,12 @@ func (s *Session) closedErr() error {
 	return fmt.Errorf("gdrpc: session %d closed: %w: %w", s.id, net.ErrClosed, err)
 }
 
+// Released is closed once the session's connections, its lanes among them,
+// are closed and released: a write on them that returned before its bytes
+// went (a UCX send cut short by its deadline stays in flight, reading its
+// buffer) reads that buffer no more.
+func (s *Session) Released() <-chan struct{} { return s.muxClosed }
+
 // Close closes the session and everything on it: its streams, the underlying
 // connection, its registry entry. It is idempotent and waits for the
 // session's own goroutines and for the underlying connection to be released
