@@ -1376,7 +1376,7 @@ func readInto(r io.Reader, dst *devicebuf.Buffer, chunk int) error {
 		_, err = io.ReadFull(r, b)
 		return err
 	}
-	return chunked(dst.Len(), chunk, func(bounce *devicebuf.Buffer, off, n int) error {
+	return chunked(nil, dst.Len(), chunk, func(bounce *devicebuf.Buffer, off, n int) error {
 		hb, _ := bounce.HostBytes()
 		if _, err := io.ReadFull(r, hb[:n]); err != nil {
 			return err
@@ -1971,7 +1971,7 @@ func eachPiece(src Source, chunk int, fn func([]byte) error) error {
 		}
 		return fn(hb)
 	default:
-		return chunked(b.Len(), chunk, func(bounce *devicebuf.Buffer, off, n int) error {
+		return chunked(nil, b.Len(), chunk, func(bounce *devicebuf.Buffer, off, n int) error {
 			if err := copyRange(bounce, 0, b, off, n); err != nil {
 				return err
 			}
@@ -2034,7 +2034,7 @@ func pushLaneHost(ctx context.Context, s *transport.Session, link *transport.Lin
 // under the send, or refilled with another transfer's bytes that the send
 // then carries.
 func afterLane(s *transport.Session, err error, release func()) {
-	if !errors.Is(err, errLaneBroken) {
+	if s == nil || !errors.Is(err, errLaneBroken) {
 		release()
 		return
 	}
@@ -2049,24 +2049,13 @@ func afterLane(s *transport.Session, err error, release func()) {
 // own: fn, which may wait for the peer over s's lanes, reads only the copy,
 // so the outbox entry's leaving waits for one copy at most.
 func eachCopy(s *transport.Session, src Source, u *sourceUse, chunk int, fn func([]byte) error) error {
-	n := src.Len()
-	chunk = min(chunk, n)
-	if chunk == 0 {
-		return nil
-	}
-	bounce, err := devicebuf.NewHostAllocator().Alloc(chunk)
-	if err != nil {
-		return err
-	}
-	defer func() { afterLane(s, err, func() { bounce.Release() }) }()
-	for off := 0; off < n && err == nil; off += chunk {
-		k := min(chunk, n-off)
-		if err = u.read(func() error { return copyRange(bounce, 0, src.Buffer, off, k) }); err == nil {
-			hb, _ := bounce.HostBytes()
-			err = fn(hb[:k])
+	return chunked(s, src.Len(), chunk, func(bounce *devicebuf.Buffer, off, n int) error {
+		if err := u.read(func() error { return copyRange(bounce, 0, src.Buffer, off, n) }); err != nil {
+			return err
 		}
-	}
-	return err
+		hb, _ := bounce.HostBytes()
+		return fn(hb[:n])
+	})
 }
 
 // laneCopied runs when pushLaneHost finishes a frame from a copy; tests
@@ -2079,8 +2068,10 @@ var laneCopies = sync.Pool{New: func() any {
 	return &b
 }}
 
-// chunked runs fn over [0, n) in staging-chunk pieces with one host bounce buffer.
-func chunked(n, chunk int, fn func(bounce *devicebuf.Buffer, off, n int) error) error {
+// chunked runs fn over [0, n) in staging-chunk pieces with one host bounce
+// buffer, given back as afterLane says where fn writes it on s's lanes (s
+// nil: it does not).
+func chunked(s *transport.Session, n, chunk int, fn func(bounce *devicebuf.Buffer, off, n int) error) (err error) {
 	chunk = min(chunk, n)
 	if chunk == 0 {
 		return nil
@@ -2089,9 +2080,9 @@ func chunked(n, chunk int, fn func(bounce *devicebuf.Buffer, off, n int) error) 
 	if err != nil {
 		return err
 	}
-	defer bounce.Release()
+	defer func() { afterLane(s, err, func() { bounce.Release() }) }()
 	for off := 0; off < n; off += chunk {
-		if err := fn(bounce, off, min(chunk, n-off)); err != nil {
+		if err = fn(bounce, off, min(chunk, n-off)); err != nil {
 			return err
 		}
 	}
