@@ -207,7 +207,7 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	// context is the background's, and a failed walk gives back no receive
 	// space on its word (the client does when its call ends).
 	ctx, from := decodeContext(v)
-	request := c.oob && from == untrackedSender && serverRequest(v, m)
+	request := c.oob && from == untrackedSender && serverRequest(m)
 	switch {
 	case !c.oob:
 		from = plainSender

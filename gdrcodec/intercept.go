@@ -300,13 +300,10 @@ func decodeContext(v any) (context.Context, sender) {
 	return ctx, gdrSender
 }
 
-// serverRequest reports whether v, a message being decoded, is taken for a
-// server's unary request: it has no recvCall, and a server with
+// serverRequest reports whether m, a message being decoded that no
+// recvCall receives, is taken for a server's unary request: a server with
 // ServerOptions is decoding a request of its type.
-func serverRequest(v any, m protoreflect.Message) bool {
-	if _, ok := recvCalls.Load(v); ok {
-		return false
-	}
+func serverRequest(m protoreflect.Message) bool {
 	return decoding.has(m.Descriptor().FullName())
 }
 
@@ -419,7 +416,7 @@ func receiveFailed(v any, err error) error {
 		return err
 	}
 	m := messageV2Of(v)
-	if m == nil || !serverRequest(v, m.ProtoReflect()) {
+	if m == nil || !serverRequest(m.ProtoReflect()) {
 		return err
 	}
 	failures.put(v, st)

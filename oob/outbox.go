@@ -129,14 +129,7 @@ type outbox struct {
 	// leaving are the entries that left the outbox while pulls still used
 	// them, until those uses ended: a Withdraw of their token waits for that.
 	leaving map[Token]*outboxEntry
-	toward  map[transport.ID]*sentTo // entries by the process they were sent to
-}
-
-// sentTo is what the outbox holds of the payloads sent toward one peer
-// process.
-type sentTo struct {
-	tokens map[Token]struct{}
-	bytes  int64 // the entries' payload bytes
+	toward  map[transport.ID]map[Token]struct{} // entries by the process they were sent to
 }
 
 // A Flow counts the payloads of one call's messages (a server stream's
@@ -158,7 +151,7 @@ func (f *Flow) wake() {
 	}
 }
 
-var box = &outbox{entries: make(map[Token]*outboxEntry), leaving: make(map[Token]*outboxEntry), toward: make(map[transport.ID]*sentTo)}
+var box = &outbox{entries: make(map[Token]*outboxEntry), leaving: make(map[Token]*outboxEntry), toward: make(map[transport.ID]map[Token]struct{})}
 
 // Offer puts src in this process's outbox and returns the descriptor that names
 // it. The outbox takes its own reference on a Buffer source and drops it when
@@ -341,10 +334,9 @@ func (b *outbox) removeLocked(t Token, e *outboxEntry) []*sourceUse {
 		f.wake()
 	}
 	if e.toward != nil {
-		if st := b.toward[*e.toward]; st != nil {
-			delete(st.tokens, t)
-			st.bytes -= int64(e.src.Len())
-			if len(st.tokens) == 0 {
+		if m := b.toward[*e.toward]; m != nil {
+			delete(m, t)
+			if len(m) == 0 {
 				delete(b.toward, *e.toward)
 			}
 		}
@@ -455,25 +447,16 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, ts []Token) error
 	return nil
 }
 
-// Unpulled returns f's payload bytes that wait in the outbox for the peer to
-// pull them.
-func (f *Flow) Unpulled() int64 {
-	box.mu.Lock()
-	defer box.mu.Unlock()
-	return f.bytes
-}
-
 // bindLocked binds e, the entry of t, to peer, the process its descriptor
 // went to.
 func (b *outbox) bindLocked(t Token, e *outboxEntry, peer transport.ID) {
 	e.toward = &peer
-	st := b.toward[peer]
-	if st == nil {
-		st = &sentTo{tokens: make(map[Token]struct{})}
-		b.toward[peer] = st
+	m := b.toward[peer]
+	if m == nil {
+		m = make(map[Token]struct{})
+		b.toward[peer] = m
 	}
-	st.tokens[t] = struct{}{}
-	st.bytes += int64(e.src.Len())
+	m[t] = struct{}{}
 }
 
 // Unpulled returns the payload bytes this process's outbox holds, sent
@@ -481,10 +464,11 @@ func (b *outbox) bindLocked(t Token, e *outboxEntry, peer transport.ID) {
 func Unpulled(peer transport.ID) int64 {
 	box.mu.Lock()
 	defer box.mu.Unlock()
-	if st := box.toward[peer]; st != nil {
-		return st.bytes
+	var n int64
+	for t := range box.toward[peer] {
+		n += int64(box.entries[t].src.Len())
 	}
-	return 0
+	return n
 }
 
 // releaseOrphans withdraws the entries sent to peer when no live session to
@@ -494,12 +478,9 @@ func releaseOrphans(peer transport.ID) {
 		return
 	}
 	box.mu.Lock()
-	var ts []Token
-	if st := box.toward[peer]; st != nil {
-		ts = make([]Token, 0, len(st.tokens))
-		for t := range st.tokens {
-			ts = append(ts, t)
-		}
+	ts := make([]Token, 0, len(box.toward[peer]))
+	for t := range box.toward[peer] {
+		ts = append(ts, t)
 	}
 	box.mu.Unlock()
 	for _, t := range ts {

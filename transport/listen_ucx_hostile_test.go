@@ -57,19 +57,29 @@ func goroutinesIn(fn string) int {
 	}
 }
 
+// heldOpenUCX returns a listener (with opts) serving at most two endpoints
+// before their token, whose UCX window a proven client in mode holds open
+// by stalling before its upgrade decision, and the UCX context it uses.
+func heldOpenUCX(t *testing.T, mode Mode, opts ...Option) (*Listener, *rdma.Context) {
+	t.Helper()
+	defer func(n int) { maxHandshakes = n }(maxHandshakes)
+	maxHandshakes = 2 // read by Listen alone
+	rc := internalUCX(t)
+	l, err := Listen("127.0.0.1:0", append([]Option{WithRDMAContext(rc), WithHandshakeTimeout(time.Minute)}, opts...)...)
+	require.NoError(t, err)
+	t.Cleanup(func() { l.Close() })
+	handClient(t, l.Addr().String(), mode, Caps{UCX: true}, true)
+	require.Eventually(t, l.expectsUCX, handTimeout, time.Millisecond, "the proven handshake opens the UCX listener")
+	return l, rc
+}
+
 // TestUCXEndpointsBounded: while a proven client stalls before its upgrade
 // (which holds the UCX listener open to everyone), endpoints that never send
 // their token are served by at most maxHandshakes goroutines; the others are
 // closed at once, and the slots come back when the idle endpoints go.
 func TestUCXEndpointsBounded(t *testing.T) {
-	defer func(n int) { maxHandshakes = n }(maxHandshakes)
-	maxHandshakes = 2
-	rc := internalUCX(t)
-	l, err := Listen("127.0.0.1:0", WithRDMAContext(rc), WithMode(ModeUCX), WithHandshakeTimeout(time.Minute))
-	require.NoError(t, err)
-	defer l.Close()
-	handClient(t, l.Addr().String(), ModeUCX, Caps{UCX: true}, true) // stalls before its decision
-	require.Eventually(t, l.expectsUCX, handTimeout, time.Millisecond, "the proven handshake opens the UCX listener")
+	l, rc := heldOpenUCX(t, ModeUCX, WithMode(ModeUCX))
+	slots := cap(l.ucxServing)
 
 	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
 	defer cancel()
@@ -101,9 +111,9 @@ func TestUCXEndpointsBounded(t *testing.T) {
 	}
 	const serving = "(*Listener).serveUCX("
 	require.Eventually(t, func() bool {
-		return refused.Load() == int32(idle-maxHandshakes) && goroutinesIn(serving) == maxHandshakes
+		return refused.Load() == int32(idle-slots) && goroutinesIn(serving) == slots
 	}, handTimeout, 5*time.Millisecond, "at most maxHandshakes endpoints served, the rest closed")
-	_, err = rc.Worker().Dial(ctx, l.UCXAddr().String())
+	_, err := rc.Worker().Dial(ctx, l.UCXAddr().String())
 	require.ErrorIs(t, err, rdma.ErrRejected, "while every slot is taken the listener turns requests away (a client dials again)")
 
 	for _, ep := range eps {
@@ -245,22 +255,16 @@ func TestLaneSlotForgottenWithGRPCStream(t *testing.T) {
 // server allows it falls back to a TCP session within its handshake
 // timeout, rather than spend the whole of it dialing again.
 func TestUpgradeRejectedFallsBack(t *testing.T) {
-	defer func(n int) { maxHandshakes = n }(maxHandshakes)
-	maxHandshakes = 2
-	rc := internalUCX(t)
-	l, err := Listen("127.0.0.1:0", WithRDMAContext(rc), WithTrustPeers(true), WithHandshakeTimeout(time.Minute))
-	require.NoError(t, err)
-	defer l.Close()
-	handClient(t, l.Addr().String(), ModeAuto, Caps{UCX: true}, true) // stalls before its decision, the window open
-	require.Eventually(t, l.expectsUCX, handTimeout, time.Millisecond)
+	l, rc := heldOpenUCX(t, ModeAuto, WithTrustPeers(true))
 	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
 	defer cancel()
-	for range maxHandshakes {
+	slots := cap(l.ucxServing)
+	for range slots {
 		ep, err := rc.Worker().Dial(ctx, l.UCXAddr().String())
 		require.NoError(t, err)
 		defer ep.Close()
 	}
-	require.Eventually(t, func() bool { return len(l.ucxServing) == maxHandshakes }, handTimeout, time.Millisecond)
+	require.Eventually(t, func() bool { return len(l.ucxServing) == slots }, handTimeout, time.Millisecond)
 
 	s, err := Dial(ctx, l.Addr().String(), WithRDMAContext(rc), WithTrustPeers(true), WithHandshakeTimeout(3*time.Second))
 	require.NoError(t, err, "the client falls back to TCP")
