@@ -275,3 +275,76 @@ func TestUnpulledResponsesBounded(t *testing.T) {
 	require.ErrorIs(t, err, io.EOF)
 	require.Eventually(t, func() bool { return oob.Unpulled(peer) == 0 }, 10*time.Second, time.Millisecond)
 }
+
+// TestEndedCallWithdrawsResponse: a client call that fails after its
+// response came (here the client refuses the payload's size) tells the
+// server, which withdraws the response's payload from its outbox rather
+// than pin it for its lease (oob.DefaultLease, two minutes).
+func TestEndedCallWithdrawsResponse(t *testing.T) {
+	r := newRig(t, transport.ModeTCP, nil)
+	peer := transport.LocalID() // the client is this process
+	gdrcodec.Register(gdrcodec.WithMaxReceivePayload(1 << 20))
+	t.Cleanup(func() { gdrcodec.Register() })
+	_, err := r.client.Make(context.Background(), &tensorpb.Sized{Size: 2 << 20, Seed: 1})
+	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+	require.Eventually(t, func() bool { return oob.Unpulled(peer) == 0 && oob.ReadStats().Offered == 0 }, 10*time.Second, time.Millisecond,
+		"the response's payload left the outbox")
+
+	// A stream the client leaves after its first message.
+	ctx, cancel := context.WithCancel(context.Background())
+	st, err := r.client.Download(ctx, &tensorpb.Sized{Size: 256 << 10, Seed: 2})
+	require.NoError(t, err)
+	m, err := st.Recv()
+	require.NoError(t, err)
+	gdrcodec.ReleaseAll(m)
+	cancel()
+	require.Eventually(t, func() bool { return oob.Unpulled(peer) == 0 && oob.ReadStats().Offered == 0 }, 10*time.Second, time.Millisecond,
+		"the stream's unread messages left the outbox")
+}
+
+// TestPeerUnpulledResponsesBounded: a client that leaves responses
+// unpulled gets an error, at once, for a call whose response would take
+// what it left over oob.Limits.PeerUnpulledBytes.
+func TestPeerUnpulledResponsesBounded(t *testing.T) {
+	r := newRig(t, transport.ModeTCP, nil)
+	const size = 1 << 20
+	oob.SetTransferConfig(oob.TransferConfig{Timeout: 20 * time.Second, Limits: oob.Limits{PeerUnpulledBytes: 2 * size}})
+	peer := transport.LocalID()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+
+	st, err := r.client.Download(ctx, &tensorpb.Sized{Size: size, Seed: 20}) // four messages
+	require.NoError(t, err)
+	m, err := st.Recv()
+	require.NoError(t, err)
+	gdrcodec.ReleaseAll(m)
+	require.Eventually(t, func() bool { return oob.Unpulled(peer) == 2*size }, 10*time.Second, time.Millisecond,
+		"the stream's next two messages wait unpulled, the third for them")
+
+	_, err = r.client.Make(ctx, &tensorpb.Sized{Size: size, Seed: 30})
+	// gRPC reports a response it failed to marshal as Internal.
+	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+	require.ErrorContains(t, err, "would go over Limits.PeerUnpulledBytes")
+	small, err := r.client.Make(ctx, &tensorpb.Sized{Size: 1024, Seed: 31})
+	require.NoError(t, err, "a response sent inline takes nothing of the bound")
+	gdrcodec.ReleaseAll(small)
+
+	for i := range uint32(3) {
+		m, err := st.Recv()
+		require.NoError(t, err)
+		sum, n, err := tensor.Checksum(m, 0)
+		require.NoError(t, err)
+		gdrcodec.ReleaseAll(m)
+		require.Equal(t, uint64(size), n)
+		require.Equal(t, tensor.ChecksumBytes(pattern(size, 21+i)), sum)
+	}
+	_, err = st.Recv()
+	require.ErrorIs(t, err, io.EOF)
+	resp, err := r.client.Make(ctx, &tensorpb.Sized{Size: size, Seed: 32})
+	require.NoError(t, err, "with the stream read, there is room again")
+	sum, _, err := tensor.Checksum(resp, 0)
+	require.NoError(t, err)
+	gdrcodec.ReleaseAll(resp)
+	require.Equal(t, tensor.ChecksumBytes(pattern(size, 32)), sum)
+	require.Eventually(t, func() bool { return oob.Unpulled(peer) == 0 }, 10*time.Second, time.Millisecond)
+}

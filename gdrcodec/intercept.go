@@ -229,6 +229,17 @@ type recvCall struct {
 	// name payloads to pull there.
 	openOn *transport.Session
 	closed bool
+	// answered: a client call's response headers came, so response
+	// messages may have gone, their payloads waiting in the server's
+	// outbox (oob.Call.Ended).
+	answered bool
+}
+
+// headersCame reports whether a client call's response headers came.
+func (c *recvCall) headersCame() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.answered
 }
 
 // openOver marks c's call open on s, the session an attempt's response
@@ -384,6 +395,7 @@ func (clientStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			// pull over this connection's session, and only over it. (Marked
 			// as its request went, a call waiting to be retried would hold a
 			// session it never pulls over.)
+			rc.answered = true
 			if sess := transport.SessionFromPeer(p); sess != nil {
 				rc.openOver(sess)
 			}
@@ -534,7 +546,7 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 		if err != nil {
 			// The response, if one came, came over the session its header
 			// did (clientStats): a call is not retried once headers came.
-			call.Ended(transport.SessionFromContext(rc.context()))
+			call.Ended(transport.SessionFromContext(rc.context()), rc.headersCame())
 		}
 		sending.sent(req)
 		if sending.h != h {
@@ -630,7 +642,7 @@ func (s *heldStream) end() {
 			h.leave()
 		}
 		if !s.complete.Load() {
-			s.call.Ended(transport.SessionFromContext(s.h.rc.context()))
+			s.call.Ended(transport.SessionFromContext(s.h.rc.context()), s.h.rc.headersCame())
 		}
 	})
 }

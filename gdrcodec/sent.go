@@ -112,14 +112,18 @@ func (d *destination) clientCall() uint64 {
 // admit binds ts, the payloads of v's marshaling left in the outbox for the
 // peer to pull, to the peer, once the call's earlier messages leave room
 // (oob.Flow.Send): a server stream's next message waits here, within its
-// call, rather than run ahead of a client that does not read it. Messages
-// sent outside a server call with the stats handler (net/rpc replies, one
-// to a request) are not held.
+// call, rather than run ahead of a client that does not read it. A message
+// sent outside a server call with the stats handler (a net/rpc reply, one
+// to a request) is a call of its own with nothing unpulled: it never waits,
+// and fails when what the peer left unpulled is over its bound.
 func (d *destination) admit(ts []oob.Token) error {
-	if d == nil || d.call == nil || len(ts) == 0 {
+	if d == nil || len(ts) == 0 {
 		return nil
 	}
-	return d.call.flow.Send(d.ctx, d.s, ts)
+	if d.call == nil {
+		return new(oob.Flow).Send(d.ctx, d.s, 0, ts)
+	}
+	return d.call.flow.Send(d.ctx, d.s, d.clientCall(), ts)
 }
 
 // landed records ds, v's payloads written into the peer's receive space,

@@ -31,7 +31,8 @@ const CallHeader = "gdrpc-call"
 
 // maxCallTaken bounds the ranges one CALL-ENDED names: a call that took more
 // (a long stream whose buffers the application still holds) sends none, and
-// what it left behind stays with the server until the session ends.
+// what it left behind stays with the server until the session ends (in its
+// outbox, until their lease ends at the latest).
 const maxCallTaken = 1024
 
 // maxEndedCalls bounds the numbers of ended calls a server remembers per
@@ -106,10 +107,14 @@ func (c *Call) note(r spaceRange) bool {
 
 // Ended tells the server on s that the call ended, maybe without taking every
 // response it was sent: the server takes back the ranges it wrote for the
-// call that the call did not take. Only the first Ended of a call counts; it
+// call that the call did not take, and withdraws from its outbox what it
+// sent for the call and nobody pulled. answered says whether the server's
+// response headers came (a response message may have gone); without them
+// and without a space advertised over s, the server holds nothing for the
+// call and nothing is sent. Only the first Ended of a call counts; it
 // returns at once (the message goes on a goroutine).
-func (c *Call) Ended(s *transport.Session) {
-	if c == nil || s == nil || !advertisesOver(s) {
+func (c *Call) Ended(s *transport.Session, answered bool) {
+	if c == nil || s == nil || (!answered && !advertisesOver(s)) {
 		return
 	}
 	c.mu.Lock()
@@ -189,6 +194,7 @@ func handleCallEnded(s *transport.Session, payload []byte) {
 	for _, ps := range peerSpacesOf(s) {
 		ps.reclaimCall(id, took)
 	}
+	withdrawCall(s.PeerID(), id)
 }
 
 // callEnded reports whether the peer ended call id (st.mu not held).

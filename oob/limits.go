@@ -75,6 +75,18 @@ type Limits struct {
 	// unread holds back none of its other calls. Payloads written into the
 	// peer's receive space do not count. If zero, DefaultUnpulledBytes.
 	UnpulledBytes int64
+	// PeerUnpulledBytes bounds what this process's outbox holds sent toward
+	// one peer process and not pulled, all its calls together: a client
+	// that takes responses and never pulls their payloads would otherwise
+	// pin them, call after call, until their leases end. A message of a
+	// call with nothing unpulled (a unary response, a stream's first) that
+	// would go over it fails at once (gRPC reports a response it could not
+	// marshal as Internal, with the error in its message); a stream's
+	// next message waits for the stream's own earlier ones, as for
+	// UnpulledBytes. An honest client pulls what it decodes and withdraws
+	// what its ended calls left (CALL-ENDED), so this bounds only payloads
+	// under way. If zero, DefaultPeerUnpulledBytes.
+	PeerUnpulledBytes int64
 }
 
 // Defaults of Limits.
@@ -85,6 +97,9 @@ const (
 	DefaultPushQueue = 1024
 	// DefaultUnpulledBytes is Limits.UnpulledBytes unless set.
 	DefaultUnpulledBytes = 1 << 30
+	// DefaultPeerUnpulledBytes is Limits.PeerUnpulledBytes unless set: four
+	// calls' worth of DefaultUnpulledBytes.
+	DefaultPeerUnpulledBytes = 4 * DefaultUnpulledBytes
 	// DefaultSpaceBytes is Limits.SpaceBytes unless set: four sessions'
 	// spaces grown to DefaultReceiveSpaceLimit.
 	DefaultSpaceBytes = 4 * DefaultReceiveSpaceLimit
@@ -114,6 +129,9 @@ func (l Limits) withDefaults(timeout time.Duration) Limits {
 	}
 	if l.UnpulledBytes <= 0 {
 		l.UnpulledBytes = DefaultUnpulledBytes
+	}
+	if l.PeerUnpulledBytes <= 0 {
+		l.PeerUnpulledBytes = DefaultPeerUnpulledBytes
 	}
 	return l
 }

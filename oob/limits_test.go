@@ -644,17 +644,17 @@ func TestUnpulledBytesBound(t *testing.T) {
 
 	var call, other Flow
 	d1 := offer(768 << 10)
-	require.NoError(t, call.Send(cancelled, ss, []Token{d1.Token}), "room for the first")
+	require.NoError(t, call.Send(cancelled, ss, 0, []Token{d1.Token}), "room for the first")
 	require.Equal(t, int64(768<<10), unpulled(&call))
 	d2 := offer(512 << 10)
-	require.ErrorIs(t, call.Send(cancelled, ss, []Token{d2.Token}), context.Canceled, "past the limit")
+	require.ErrorIs(t, call.Send(cancelled, ss, 0, []Token{d2.Token}), context.Canceled, "past the limit")
 	require.Equal(t, int64(768<<10), unpulled(&call), "a message held back counts for nothing")
 	d3 := offer(512 << 10)
-	require.NoError(t, other.Send(cancelled, ss, []Token{d3.Token}), "another call to the same peer")
+	require.NoError(t, other.Send(cancelled, ss, 0, []Token{d3.Token}), "another call to the same peer")
 	require.Equal(t, int64(1280<<10), Unpulled(peer))
 
 	sent := make(chan error, 1)
-	go func() { sent <- call.Send(ctx, ss, []Token{d2.Token}) }()
+	go func() { sent <- call.Send(ctx, ss, 0, []Token{d2.Token}) }()
 	b, _, err := FetchNew(ctx, d1, devicebuf.NewHostAllocator().Alloc)
 	require.NoError(t, err)
 	got, err := b.HostBytes()
@@ -666,7 +666,7 @@ func TestUnpulledBytesBound(t *testing.T) {
 
 	// Larger than the limit, alone.
 	d4 := offer(2 * limit)
-	go func() { sent <- call.Send(ctx, ss, []Token{d4.Token}) }()
+	go func() { sent <- call.Send(ctx, ss, 0, []Token{d4.Token}) }()
 	require.Eventually(t, waiting(&call), 10*time.Second, time.Millisecond)
 	Withdraw(d2.Token)
 	require.NoError(t, <-sent)
@@ -674,7 +674,7 @@ func TestUnpulledBytesBound(t *testing.T) {
 
 	// A payload that leaves the outbox while its message waits.
 	d5, d6 := offer(4096), offer(4096)
-	go func() { sent <- call.Send(ctx, ss, []Token{d5.Token, d6.Token}) }()
+	go func() { sent <- call.Send(ctx, ss, 0, []Token{d5.Token, d6.Token}) }()
 	require.Eventually(t, waiting(&call), 10*time.Second, time.Millisecond)
 	Withdraw(d6.Token) // as its lease ending would
 	Withdraw(d4.Token)
@@ -683,8 +683,8 @@ func TestUnpulledBytesBound(t *testing.T) {
 
 	// The session closes while a message waits.
 	d7 := offer(limit)
-	require.NoError(t, call.Send(ctx, ss, []Token{d7.Token}))
-	go func() { sent <- call.Send(ctx, ss, []Token{d5.Token}) }()
+	require.NoError(t, call.Send(ctx, ss, 0, []Token{d7.Token}))
+	go func() { sent <- call.Send(ctx, ss, 0, []Token{d5.Token}) }()
 	require.Eventually(t, waiting(&call), 10*time.Second, time.Millisecond)
 	require.NoError(t, ss.Close())
 	require.ErrorContains(t, <-sent, "the session closed")
@@ -695,4 +695,95 @@ func TestUnpulledBytesBound(t *testing.T) {
 	box.mu.Lock()
 	require.NotContains(t, box.toward, peer, "nothing kept for the peer")
 	box.mu.Unlock()
+}
+
+// TestPeerUnpulledBytesBound: what one peer process left unpulled, all its
+// calls together, is bounded. A call with nothing unpulled fails at once
+// past the bound (a peer that pulls nothing never makes room); a call with
+// earlier messages unpulled waits for them.
+func TestPeerUnpulledBytesBound(t *testing.T) {
+	const limit = 1 << 20
+	setTransferConfig(t, TransferConfig{Limits: Limits{UnpulledBytes: 4 * limit, PeerUnpulledBytes: limit}})
+	_, ss := pipePair(t)
+	peer := ss.PeerID()
+	offer := func(n int) Descriptor {
+		d := Offer(Source{Bytes: bytes.Repeat([]byte{byte(n >> 12)}, n)}, OfferOptions{})
+		t.Cleanup(func() { Withdraw(d.Token) })
+		return d
+	}
+	ctx := testContext(t)
+
+	var stream, unary Flow
+	d1 := offer(768 << 10)
+	require.NoError(t, stream.Send(ctx, ss, 0, []Token{d1.Token}))
+	d2 := offer(512 << 10)
+	err := unary.Send(ctx, ss, 0, []Token{d2.Token})
+	require.ErrorContains(t, err, "Limits.PeerUnpulledBytes", "a call with nothing unpulled fails at once")
+	require.True(t, Offered(d2.Token), "the caller withdraws what it offered")
+	require.Equal(t, int64(768<<10), Unpulled(peer), "the refused message counts for nothing")
+	d3 := offer(128 << 10)
+	require.NoError(t, unary.Send(ctx, ss, 0, []Token{d3.Token}), "within the bound")
+	require.Equal(t, int64(896<<10), Unpulled(peer))
+
+	// The stream's next message waits for the stream's own pulls.
+	sent := make(chan error, 1)
+	go func() { sent <- stream.Send(ctx, ss, 0, []Token{d2.Token}) }()
+	require.Eventually(t, func() bool {
+		box.mu.Lock()
+		defer box.mu.Unlock()
+		return stream.room != nil
+	}, 10*time.Second, time.Millisecond)
+	b, _, err := FetchNew(ctx, d1, devicebuf.NewHostAllocator().Alloc)
+	require.NoError(t, err)
+	got, err := b.HostBytes()
+	require.NoError(t, err)
+	require.Equal(t, bytes.Repeat([]byte{768 >> 2}, 768<<10), got)
+	b.Release()
+	require.NoError(t, <-sent, "the pull of the stream's first made room")
+	require.Equal(t, int64(640<<10), Unpulled(peer))
+
+	// Larger than the bound on its own: it goes once nothing is unpulled.
+	var big Flow
+	d4 := offer(2 * limit)
+	require.ErrorContains(t, big.Send(ctx, ss, 0, []Token{d4.Token}), "Limits.PeerUnpulledBytes")
+	Withdraw(d2.Token)
+	Withdraw(d3.Token)
+	require.Zero(t, Unpulled(peer))
+	require.NoError(t, big.Send(ctx, ss, 0, []Token{d4.Token}))
+	require.Equal(t, int64(2*limit), Unpulled(peer))
+}
+
+// TestCallEndedWithdrawsUnpulled: a client that ends a call tells the
+// server, whose outbox withdraws what it sent for that call and nobody
+// pulled, rather than keep it for the lease; a message of the call not sent
+// yet then fails. The server's other calls to that client keep theirs.
+func TestCallEndedWithdrawsUnpulled(t *testing.T) {
+	cs, ss := pipePair(t)
+	peer := ss.PeerID()
+	offer := func() Descriptor {
+		d := Offer(Source{Bytes: bytes.Repeat([]byte{7}, 64<<10)}, OfferOptions{})
+		t.Cleanup(func() { Withdraw(d.Token) })
+		return d
+	}
+	ctx := testContext(t)
+	var ended, other Flow
+	d1, d2, d3 := offer(), offer(), offer()
+	require.NoError(t, ended.Send(ctx, ss, 42, []Token{d1.Token, d2.Token}))
+	require.NoError(t, other.Send(ctx, ss, 43, []Token{d3.Token}))
+	require.Equal(t, int64(192<<10), Unpulled(peer))
+
+	(&Call{ID: 42}).Ended(cs, true)
+	require.Eventually(t, func() bool { return !Offered(d1.Token) && !Offered(d2.Token) }, 10*time.Second, time.Millisecond,
+		"the ended call's payloads leave the outbox")
+	require.True(t, Offered(d3.Token), "another call's stay")
+	require.Equal(t, int64(64<<10), Unpulled(peer))
+
+	d4 := offer()
+	require.ErrorContains(t, ended.Send(ctx, ss, 42, []Token{d4.Token}), "ended call 42")
+	require.False(t, Offered(d4.Token), "a message of the ended call is withdrawn")
+	require.Equal(t, int64(64<<10), Unpulled(peer))
+	_, _, err := FetchNew(ctx, d1, devicebuf.NewHostAllocator().Alloc)
+	var te *TransferError
+	require.ErrorAs(t, err, &te)
+	require.Equal(t, TransferNotFound, te.Kind)
 }

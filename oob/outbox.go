@@ -66,6 +66,7 @@ type outboxEntry struct {
 	lease  time.Duration
 	toward *transport.ID // the process the descriptor was sent to (SentToward), if known
 	flow   *Flow         // the call whose message named it (Flow.Send), if any
+	call   uint64        // that peer's number for the call (Flow.Send), or 0
 }
 
 // sourceUse is one pull's use of an outbox entry's source. The entry's
@@ -129,7 +130,16 @@ type outbox struct {
 	// leaving are the entries that left the outbox while pulls still used
 	// them, until those uses ended: a Withdraw of their token waits for that.
 	leaving map[Token]*outboxEntry
-	toward  map[transport.ID]map[Token]struct{} // entries by the process they were sent to
+	toward  map[transport.ID]*sentEntries // entries by the process they were sent to
+}
+
+// sentEntries are the outbox entries sent toward one process and not yet
+// pulled: what Limits.PeerUnpulledBytes bounds, and what a CALL-ENDED of
+// that process names by call.
+type sentEntries struct {
+	tokens map[Token]struct{}
+	bytes  int64                         // their payloads' bytes
+	calls  map[uint64]map[Token]struct{} // those sent for a numbered call, by number
 }
 
 // A Flow counts the payloads of one call's messages (a server stream's
@@ -151,7 +161,7 @@ func (f *Flow) wake() {
 	}
 }
 
-var box = &outbox{entries: make(map[Token]*outboxEntry), leaving: make(map[Token]*outboxEntry), toward: make(map[transport.ID]map[Token]struct{})}
+var box = &outbox{entries: make(map[Token]*outboxEntry), leaving: make(map[Token]*outboxEntry), toward: make(map[transport.ID]*sentEntries)}
 
 // Offer puts src in this process's outbox and returns the descriptor that names
 // it. The outbox takes its own reference on a Buffer source and drops it when
@@ -334,9 +344,16 @@ func (b *outbox) removeLocked(t Token, e *outboxEntry) []*sourceUse {
 		f.wake()
 	}
 	if e.toward != nil {
-		if m := b.toward[*e.toward]; m != nil {
-			delete(m, t)
-			if len(m) == 0 {
+		if p := b.toward[*e.toward]; p != nil {
+			delete(p.tokens, t)
+			p.bytes -= int64(e.src.Len())
+			if c := p.calls[e.call]; c != nil {
+				delete(c, t)
+				if len(c) == 0 {
+					delete(p.calls, e.call)
+				}
+			}
+			if len(p.tokens) == 0 {
 				delete(b.toward, *e.toward)
 			}
 		}
@@ -378,7 +395,7 @@ func SentToward(s *transport.Session, ts []Token) {
 	box.mu.Lock()
 	for _, t := range ts {
 		if e := box.entries[t]; e != nil && e.toward == nil {
-			box.bindLocked(t, e, peer)
+			box.bindLocked(t, e, peer, 0)
 		}
 	}
 	box.mu.Unlock()
@@ -388,16 +405,28 @@ func SentToward(s *transport.Session, ts []Token) {
 }
 
 // Send is SentToward for ts, the payloads of one message of f's call about
-// to be sent to the peer of s, once the payloads of f's earlier messages
-// that the peer has not pulled leave room for them within
-// Limits.UnpulledBytes: until then it waits for the peer's pulls, and fails
-// when ctx ends or s closes first. A message larger than the limit on its
-// own goes once nothing of f's waits unpulled. The lease of ts starts again
-// once they are bound: it bounds how long the peer has to pull them, not
-// how long they waited. Send fails if one of ts left the outbox meanwhile.
-func (f *Flow) Send(ctx context.Context, s *transport.Session, ts []Token) error {
+// to be sent to the peer of s, call being the peer's number for the call
+// (oob.CallHeader; 0 if it gave none): a CALL-ENDED of the peer for that
+// call withdraws what it has not pulled. The message goes once it stays
+// within two bounds:
+//   - Limits.UnpulledBytes, on what f's earlier messages left unpulled: the
+//     message waits for the peer's pulls of them, and fails when ctx ends or
+//     s closes first. A message larger than the limit on its own goes once
+//     nothing of f's waits unpulled.
+//   - Limits.PeerUnpulledBytes, on what all messages sent toward the peer
+//     process left unpulled: a message of a call that has nothing unpulled
+//     (a unary response, a stream's first) fails at once when it would go
+//     over it, for the peer has shown no sign of pulling what it was sent;
+//     one whose call has earlier messages unpulled waits for them as above.
+//     A message larger than the limit on its own goes once nothing sent
+//     toward the peer waits unpulled.
+//
+// The lease of ts starts again once they are bound: it bounds how long the
+// peer has to pull them, not how long they waited. Send fails if one of ts
+// left the outbox meanwhile, or if the peer ended the call.
+func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts []Token) error {
 	peer := s.PeerID()
-	limit := cfgOf(s).Limits.UnpulledBytes
+	lim := cfgOf(s).Limits
 	box.mu.Lock()
 	for {
 		var n int64
@@ -411,7 +440,19 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, ts []Token) error
 				n += int64(e.src.Len())
 			}
 		}
-		if f.bytes == 0 || f.bytes+n <= limit {
+		if n == 0 {
+			break // every payload is bound already: nothing more to count
+		}
+		var sent int64 // toward the peer, unpulled
+		if p := box.toward[peer]; p != nil {
+			sent = p.bytes
+		}
+		overPeer := sent > 0 && sent+n > lim.PeerUnpulledBytes
+		if overPeer && f.bytes == 0 {
+			box.mu.Unlock()
+			return fmt.Errorf("oob: the peer left %d bytes of what it was sent unpulled, and %d more would go over Limits.PeerUnpulledBytes (%d)", sent, n, lim.PeerUnpulledBytes)
+		}
+		if !overPeer && (f.bytes == 0 || f.bytes+n <= lim.UnpulledBytes) {
 			break
 		}
 		if f.room == nil {
@@ -428,13 +469,16 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, ts []Token) error
 			err = errors.New("the session closed")
 		}
 		if err != nil {
-			return fmt.Errorf("oob: the peer left %d bytes of this call's earlier payloads unpulled, and %d more would go over Limits.UnpulledBytes (%d): %w", unpulled, n, limit, err)
+			if overPeer {
+				return fmt.Errorf("oob: the peer left %d bytes unpulled (%d of them this call's), and %d more would go over Limits.PeerUnpulledBytes (%d): %w", sent, unpulled, n, lim.PeerUnpulledBytes, err)
+			}
+			return fmt.Errorf("oob: the peer left %d bytes of this call's earlier payloads unpulled, and %d more would go over Limits.UnpulledBytes (%d): %w", unpulled, n, lim.UnpulledBytes, err)
 		}
 		box.mu.Lock()
 	}
 	for _, t := range ts {
 		if e := box.entries[t]; e.toward == nil {
-			box.bindLocked(t, e, peer)
+			box.bindLocked(t, e, peer, call)
 			e.flow = f
 			f.bytes += int64(e.src.Len())
 			if e.timer.Stop() { // else it fired: its Withdraw waits for the lock
@@ -443,20 +487,40 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, ts []Token) error
 		}
 	}
 	box.mu.Unlock()
+	// Checked once bound: a CALL-ENDED handled from here on finds them
+	// (handleCallEnded notes the call, then withdraws what is bound to it).
+	if stateOf(s).space.callEnded(call) {
+		for _, t := range ts {
+			Withdraw(t)
+		}
+		return fmt.Errorf("oob: the peer ended call %d before its message was sent", call)
+	}
 	releaseOrphans(peer)
 	return nil
 }
 
 // bindLocked binds e, the entry of t, to peer, the process its descriptor
-// went to.
-func (b *outbox) bindLocked(t Token, e *outboxEntry, peer transport.ID) {
-	e.toward = &peer
-	m := b.toward[peer]
-	if m == nil {
-		m = make(map[Token]struct{})
-		b.toward[peer] = m
+// went to, for the peer's call (0: none named).
+func (b *outbox) bindLocked(t Token, e *outboxEntry, peer transport.ID, call uint64) {
+	e.toward, e.call = &peer, call
+	p := b.toward[peer]
+	if p == nil {
+		p = &sentEntries{tokens: make(map[Token]struct{})}
+		b.toward[peer] = p
 	}
-	m[t] = struct{}{}
+	p.tokens[t] = struct{}{}
+	p.bytes += int64(e.src.Len())
+	if call != 0 {
+		if p.calls == nil {
+			p.calls = make(map[uint64]map[Token]struct{})
+		}
+		c := p.calls[call]
+		if c == nil {
+			c = make(map[Token]struct{})
+			p.calls[call] = c
+		}
+		c[t] = struct{}{}
+	}
 }
 
 // Unpulled returns the payload bytes this process's outbox holds, sent
@@ -464,11 +528,27 @@ func (b *outbox) bindLocked(t Token, e *outboxEntry, peer transport.ID) {
 func Unpulled(peer transport.ID) int64 {
 	box.mu.Lock()
 	defer box.mu.Unlock()
-	var n int64
-	for t := range box.toward[peer] {
-		n += int64(box.entries[t].src.Len())
+	if p := box.toward[peer]; p != nil {
+		return p.bytes
 	}
-	return n
+	return 0
+}
+
+// withdrawCall withdraws what the outbox holds sent toward peer for its
+// call id and not pulled: the peer ended the call (CALL-ENDED) and will
+// pull none of it.
+func withdrawCall(peer transport.ID, id uint64) {
+	box.mu.Lock()
+	var ts []Token
+	if p := box.toward[peer]; p != nil {
+		for t := range p.calls[id] {
+			ts = append(ts, t)
+		}
+	}
+	box.mu.Unlock()
+	for _, t := range ts {
+		Withdraw(t)
+	}
 }
 
 // releaseOrphans withdraws the entries sent to peer when no live session to
@@ -478,9 +558,11 @@ func releaseOrphans(peer transport.ID) {
 		return
 	}
 	box.mu.Lock()
-	ts := make([]Token, 0, len(box.toward[peer]))
-	for t := range box.toward[peer] {
-		ts = append(ts, t)
+	var ts []Token
+	if p := box.toward[peer]; p != nil {
+		for t := range p.tokens {
+			ts = append(ts, t)
+		}
 	}
 	box.mu.Unlock()
 	for _, t := range ts {
