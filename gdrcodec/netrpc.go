@@ -120,21 +120,29 @@ type unwritten struct{ err error }
 func (e unwritten) Error() string { return e.err.Error() }
 func (e unwritten) Unwrap() error { return e.err }
 
+// headerRoom is what a header frame leaves for a method name and an error
+// message together.
+const headerRoom = maxNetRPCHeader - 3*binary.MaxVarintLen64
+
+// cut returns s cut to at most n bytes, not inside a rune.
+func cut(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	for n > 0 && !utf8.RuneStart(s[n]) {
+		n--
+	}
+	return s[:n]
+}
+
 // write sends one message, its body's payloads held by h (nil: none). An
 // error message too long for a header is cut short; a method name too long
 // is an error. An error before any byte went out is an unwritten.
 func (c *netrpcConn) write(seq uint64, method, errMsg string, body any, h *hold) error {
-	const room = maxNetRPCHeader - 3*binary.MaxVarintLen64
-	if len(method) > room {
-		return unwritten{fmt.Errorf("gdrcodec: net/rpc method name of %d bytes, at most %d", len(method), room)}
+	if len(method) > headerRoom {
+		return unwritten{fmt.Errorf("gdrcodec: net/rpc method name of %d bytes, at most %d", len(method), headerRoom)}
 	}
-	if len(method)+len(errMsg) > room {
-		cut := room - len(method)
-		for cut > 0 && !utf8.RuneStart(errMsg[cut]) {
-			cut--
-		}
-		errMsg = errMsg[:cut]
-	}
+	errMsg = cut(errMsg, headerRoom-len(method))
 	var msg mem.BufferSlice // the body's buffers, written as they are
 	if body != nil {
 		m := messageV2Of(body)
@@ -460,6 +468,11 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 	if r.Error != "" {
 		body = nil
 	}
+	// A request's method name may fill its header frame, leaving the reply
+	// no room: net/rpc's client matches a reply by seq alone, so the name
+	// it echoes is cut rather than the reply refused (its caller would wait
+	// for ever: net/rpc drops a reply's write error).
+	method := cut(r.ServiceMethod, headerRoom/2)
 	var s *transport.Session
 	if nc, ok := c.rwc.(net.Conn); ok {
 		s = transport.SessionOf(nc)
@@ -472,7 +485,7 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 		// body too large to send, the caller gets an error instead).
 		bindTo(c.ctx, s, nil, m)
 	}
-	err := c.write(r.Seq, r.ServiceMethod, r.Error, body, nil)
+	err := c.write(r.Seq, method, r.Error, body, nil)
 	takeDestination(m) // not marshaled: forget it
 	if m != nil {
 		// Payloads offered to be pulled leave the outbox with the last
@@ -488,7 +501,7 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 		// net/rpc drops a reply's write error, and its client would wait
 		// for this seq for ever: it gets the error instead, in a reply
 		// without a body.
-		err = c.write(r.Seq, r.ServiceMethod, "gdrcodec: the reply could not be sent: "+refused.err.Error(), nil, nil)
+		err = c.write(r.Seq, method, "gdrcodec: the reply could not be sent: "+refused.err.Error(), nil, nil)
 	}
 	c.mu.Lock()
 	args := c.args[r.Seq]

@@ -517,3 +517,23 @@ func TestNetRPCPendingOption(t *testing.T) {
 		require.NoError(t, (<-done).Error)
 	}
 }
+
+// A request whose method name fills its header frame still gets its error
+// reply ("can't find service"), the name it echoes cut: net/rpc drops a
+// reply's write error, and its caller would wait for ever.
+func TestNetRPCLongMethodAnswered(t *testing.T) {
+	cli, sv := net.Pipe()
+	defer cli.Close()
+	go rpc.NewServer().ServeCodec(NewServerCodec(sv))
+	method := "Svc." + strings.Repeat("x", maxNetRPCHeader-16)
+	require.Greater(t, len(method), headerRoom, "a name the reply has no room for")
+	go func() { _, _ = cli.Write(frame(7, method, "", nil)) }()
+	require.NoError(t, cli.SetReadDeadline(time.Now().Add(20*time.Second)))
+	c := NewClientCodec(cli)
+	var r rpc.Response
+	require.NoError(t, c.ReadResponseHeader(&r))
+	require.NoError(t, c.ReadResponseBody(nil))
+	require.Equal(t, uint64(7), r.Seq)
+	require.Contains(t, r.Error, "can't find")
+	require.True(t, strings.HasPrefix(method, r.ServiceMethod))
+}
