@@ -609,6 +609,25 @@ func TestThirdPartyPullClosedSessions(t *testing.T) {
 	require.Equal(t, TransferUnavailable, kindOfErr(t, waitFor(t, errc, "the reservation's end")))
 }
 
+// offerFilled offers n bytes of byte(n>>12); the offer is withdrawn when
+// the test ends.
+func offerFilled(t *testing.T, n int) Descriptor {
+	d := Offer(Source{Bytes: bytes.Repeat([]byte{byte(n >> 12)}, n)}, OfferOptions{})
+	t.Cleanup(func() { Withdraw(d.Token) })
+	return d
+}
+
+// pullFilled pulls d, offered by offerFilled, and checks its bytes.
+func pullFilled(ctx context.Context, t *testing.T, d Descriptor) {
+	t.Helper()
+	b, _, err := FetchNew(ctx, d, devicebuf.NewHostAllocator().Alloc)
+	require.NoError(t, err)
+	defer b.Release()
+	got, err := b.HostBytes()
+	require.NoError(t, err)
+	require.Equal(t, bytes.Repeat([]byte{byte(d.Length >> 12)}, int(d.Length)), got)
+}
+
 // A call whose peer leaves the payloads of its messages unpulled has its
 // next message held back, within the message's context, once they reach
 // Limits.UnpulledBytes; a pull or a withdrawal makes room. Another call to
@@ -621,11 +640,7 @@ func TestUnpulledBytesBound(t *testing.T) {
 	setTransferConfig(t, TransferConfig{Limits: Limits{UnpulledBytes: limit}})
 	_, ss := pipePair(t)
 	peer := ss.PeerID()
-	offer := func(n int) Descriptor {
-		d := Offer(Source{Bytes: bytes.Repeat([]byte{byte(n >> 12)}, n)}, OfferOptions{})
-		t.Cleanup(func() { Withdraw(d.Token) })
-		return d
-	}
+	offer := func(n int) Descriptor { return offerFilled(t, n) }
 	unpulled := func(f *Flow) int64 {
 		box.mu.Lock()
 		defer box.mu.Unlock()
@@ -655,12 +670,7 @@ func TestUnpulledBytesBound(t *testing.T) {
 
 	sent := make(chan error, 1)
 	go func() { sent <- call.Send(ctx, ss, 0, []Token{d2.Token}) }()
-	b, _, err := FetchNew(ctx, d1, devicebuf.NewHostAllocator().Alloc)
-	require.NoError(t, err)
-	got, err := b.HostBytes()
-	require.NoError(t, err)
-	require.Equal(t, bytes.Repeat([]byte{768 >> 2}, 768<<10), got)
-	b.Release()
+	pullFilled(ctx, t, d1)
 	require.NoError(t, <-sent, "the pull of the first made room")
 	require.Equal(t, int64(512<<10), unpulled(&call))
 
@@ -706,11 +716,7 @@ func TestPeerUnpulledBytesBound(t *testing.T) {
 	setTransferConfig(t, TransferConfig{Limits: Limits{UnpulledBytes: 4 * limit, PeerUnpulledBytes: limit}})
 	_, ss := pipePair(t)
 	peer := ss.PeerID()
-	offer := func(n int) Descriptor {
-		d := Offer(Source{Bytes: bytes.Repeat([]byte{byte(n >> 12)}, n)}, OfferOptions{})
-		t.Cleanup(func() { Withdraw(d.Token) })
-		return d
-	}
+	offer := func(n int) Descriptor { return offerFilled(t, n) }
 	ctx := testContext(t)
 
 	var stream, unary Flow
@@ -733,12 +739,7 @@ func TestPeerUnpulledBytesBound(t *testing.T) {
 		defer box.mu.Unlock()
 		return stream.room != nil
 	}, 10*time.Second, time.Millisecond)
-	b, _, err := FetchNew(ctx, d1, devicebuf.NewHostAllocator().Alloc)
-	require.NoError(t, err)
-	got, err := b.HostBytes()
-	require.NoError(t, err)
-	require.Equal(t, bytes.Repeat([]byte{768 >> 2}, 768<<10), got)
-	b.Release()
+	pullFilled(ctx, t, d1)
 	require.NoError(t, <-sent, "the pull of the stream's first made room")
 	require.Equal(t, int64(640<<10), Unpulled(peer))
 
