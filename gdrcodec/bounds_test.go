@@ -302,9 +302,10 @@ func TestEndedCallWithdrawsResponse(t *testing.T) {
 		"the stream's unread messages left the outbox")
 }
 
-// TestPeerUnpulledResponsesBounded: a client that leaves responses
-// unpulled gets an error, at once, for a call whose response would take
-// what it left over oob.Limits.PeerUnpulledBytes.
+// TestPeerUnpulledResponsesBounded: a response that would take what its
+// client left unpulled over oob.Limits.PeerUnpulledBytes waits for the
+// client's pulls: a call that gives up first takes nothing with it, and one
+// that waits goes once the client reads its stream.
 func TestPeerUnpulledResponsesBounded(t *testing.T) {
 	r := newRig(t, transport.ModeTCP, nil)
 	const size = 1 << 20
@@ -312,39 +313,64 @@ func TestPeerUnpulledResponsesBounded(t *testing.T) {
 	peer := transport.LocalID()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
+	waiting := func(n int) func() bool { return func() bool { return oob.ReadStats().Waiting == n } }
+	check := func(m *tensorpb.Tensor, seed uint32) {
+		t.Helper()
+		sum, n, err := tensor.Checksum(m, 0)
+		require.NoError(t, err)
+		gdrcodec.ReleaseAll(m)
+		require.Equal(t, uint64(size), n)
+		require.Equal(t, tensor.ChecksumBytes(pattern(size, seed)), sum, "message of seed %d", seed)
+	}
 
 	st, err := r.client.Download(ctx, &tensorpb.Sized{Size: size, Seed: 20}) // four messages
 	require.NoError(t, err)
 	m, err := st.Recv()
 	require.NoError(t, err)
-	gdrcodec.ReleaseAll(m)
-	require.Eventually(t, func() bool { return oob.Unpulled(peer) == 2*size }, 10*time.Second, time.Millisecond,
-		"the stream's next two messages wait unpulled, the third for them")
+	check(m, 20)
+	require.Eventually(t, waiting(1), 10*time.Second, time.Millisecond, "the stream's fourth message waits")
+	require.Equal(t, int64(2*size), oob.Unpulled(peer))
 
-	_, err = r.client.Make(ctx, &tensorpb.Sized{Size: size, Seed: 30})
-	// gRPC reports a response it failed to marshal as Internal.
-	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
-	require.ErrorContains(t, err, "would go over Limits.PeerUnpulledBytes")
+	// A call that gives up while its response waits.
+	gaveUp, giveUp := context.WithCancel(ctx)
+	made := make(chan error, 1)
+	go func() {
+		_, err := r.client.Make(gaveUp, &tensorpb.Sized{Size: size, Seed: 30})
+		made <- err
+	}()
+	require.Eventually(t, waiting(2), 10*time.Second, time.Millisecond, "the response waits")
+	giveUp()
+	require.Equal(t, codes.Canceled, status.Code(<-made))
+	require.Eventually(t, func() bool { return oob.ReadStats().Waiting == 1 && oob.ReadStats().Offered == 3 }, 10*time.Second, time.Millisecond,
+		"its payload left the outbox")
+
 	small, err := r.client.Make(ctx, &tensorpb.Sized{Size: 1024, Seed: 31})
 	require.NoError(t, err, "a response sent inline takes nothing of the bound")
 	gdrcodec.ReleaseAll(small)
 
+	// A call that waits goes once the client reads its stream.
+	type result struct {
+		m   *tensorpb.Tensor
+		err error
+	}
+	results := make(chan result, 1)
+	go func() {
+		m, err := r.client.Make(ctx, &tensorpb.Sized{Size: size, Seed: 32})
+		results <- result{m, err}
+	}()
+	require.Eventually(t, waiting(2), 10*time.Second, time.Millisecond)
 	for i := range uint32(3) {
 		m, err := st.Recv()
 		require.NoError(t, err)
-		sum, n, err := tensor.Checksum(m, 0)
-		require.NoError(t, err)
-		gdrcodec.ReleaseAll(m)
-		require.Equal(t, uint64(size), n)
-		require.Equal(t, tensor.ChecksumBytes(pattern(size, 21+i)), sum)
+		check(m, 21+i)
 	}
 	_, err = st.Recv()
 	require.ErrorIs(t, err, io.EOF)
-	resp, err := r.client.Make(ctx, &tensorpb.Sized{Size: size, Seed: 32})
-	require.NoError(t, err, "with the stream read, there is room again")
-	sum, _, err := tensor.Checksum(resp, 0)
-	require.NoError(t, err)
-	gdrcodec.ReleaseAll(resp)
-	require.Equal(t, tensor.ChecksumBytes(pattern(size, 32)), sum)
-	require.Eventually(t, func() bool { return oob.Unpulled(peer) == 0 }, 10*time.Second, time.Millisecond)
+	res := <-results
+	require.NoError(t, res.err)
+	check(res.m, 32)
+	require.Eventually(t, func() bool {
+		st := oob.ReadStats()
+		return oob.Unpulled(peer) == 0 && st.Offered == 0 && st.Waiting == 0
+	}, 10*time.Second, time.Millisecond)
 }

@@ -235,11 +235,15 @@ type recvCall struct {
 	answered bool
 }
 
-// headersCame reports whether a client call's response headers came.
-func (c *recvCall) headersCame() bool {
+// mayBeAnswered reports whether a client call that failed may have left
+// response messages behind in the server's outbox: its response headers
+// came, or it gave up (ctx, the caller's, ended) while they may have been
+// on their way. A call the server failed outright (its status alone, no
+// headers) left nothing.
+func mayBeAnswered(ctx context.Context, c *recvCall) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.answered
+	return c.answered || ctx.Err() != nil
 }
 
 // openOver marks c's call open on s, the session an attempt's response
@@ -546,7 +550,7 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 		if err != nil {
 			// The response, if one came, came over the session its header
 			// did (clientStats): a call is not retried once headers came.
-			call.Ended(transport.SessionFromContext(rc.context()), rc.headersCame())
+			call.Ended(transport.SessionFromContext(rc.context()), mayBeAnswered(ctx, rc))
 		}
 		sending.sent(req)
 		if sending.h != h {
@@ -573,7 +577,7 @@ func StreamClientInterceptor() grpc.StreamClientInterceptor {
 		// then the pulls of its messages end too.
 		pulls, cancel := context.WithCancel(ctx)
 		rc := &recvCall{ctx: pulls}
-		s := &heldStream{h: &hold{rc: rc}, cancel: cancel, call: call, serverStreams: desc.ServerStreams}
+		s := &heldStream{ctx: ctx, h: &hold{rc: rc}, cancel: cancel, call: call, serverStreams: desc.ServerStreams}
 		finished := grpc.OnFinish(func(err error) {
 			if err == nil {
 				s.complete.Store(true) // the server's status came, OK, after its last message
@@ -610,6 +614,7 @@ func numberCall(ctx context.Context) (context.Context, *oob.Call) {
 
 type heldStream struct {
 	grpc.ClientStream
+	ctx           context.Context // the caller's
 	h             *hold              // its rc: the call's context, with its current attempt's peer
 	cancel        context.CancelFunc // ends the pulls of the stream's messages
 	call          *oob.Call
@@ -642,7 +647,7 @@ func (s *heldStream) end() {
 			h.leave()
 		}
 		if !s.complete.Load() {
-			s.call.Ended(transport.SessionFromContext(s.h.rc.context()), s.h.rc.headersCame())
+			s.call.Ended(transport.SessionFromContext(s.h.rc.context()), mayBeAnswered(s.ctx, s.h.rc))
 		}
 	})
 }

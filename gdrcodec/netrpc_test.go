@@ -291,27 +291,33 @@ func TestNetRPCDuplicateSeq(t *testing.T) {
 
 // TestNetRPCUnpulledRepliesBounded: a net/rpc client that takes replies and
 // never pulls their payloads (it decodes them into a message without the
-// fields) gets an error reply once what it left unpulled would go over
-// oob.Limits.PeerUnpulledBytes, instead of pinning payloads call after call.
+// fields) has its next reply wait once what it left unpulled would go over
+// oob.Limits.PeerUnpulledBytes, instead of pinning payloads call after
+// call; its connection's close ends the wait and frees what it left.
 func TestNetRPCUnpulledRepliesBounded(t *testing.T) {
 	const size = 1 << 20
 	oob.SetTransferConfig(oob.TransferConfig{Timeout: 20 * time.Second, Limits: oob.Limits{PeerUnpulledBytes: 2 * size}})
-	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
-	client := netRPCPair(t, []gdrpc.Option{gdrpc.WithTransport(transport.ModeTCP), processEngine}, nil)
 	peer := transport.LocalID() // the client is this process
+	t.Cleanup(func() {
+		// After netRPCPair's cleanup, which closes the client.
+		require.Eventually(t, func() bool {
+			st := oob.ReadStats()
+			return oob.Unpulled(peer) == 0 && st.Offered == 0 && st.Waiting == 0
+		}, 10*time.Second, time.Millisecond)
+		oob.SetTransferConfig(oob.TransferConfig{})
+	})
+	client := netRPCPair(t, []gdrpc.Option{gdrpc.WithTransport(transport.ModeTCP), processEngine}, nil)
 
 	for i := range 2 {
 		require.NoError(t, client.Call("Tensors.Make", &tensorpb.Sized{Size: size, Seed: 4}, &emptypb.Empty{}), "call %d", i)
 	}
 	require.Equal(t, int64(2*size), oob.Unpulled(peer))
-	err := client.Call("Tensors.Make", &tensorpb.Sized{Size: size, Seed: 4}, &emptypb.Empty{})
-	require.ErrorContains(t, err, "would go over Limits.PeerUnpulledBytes")
-	require.Equal(t, int64(2*size), oob.Unpulled(peer), "the refused reply's payload left the outbox")
-
-	var got tensorpb.Tensor
-	require.NoError(t, client.Call("Tensors.Make", &tensorpb.Sized{Size: 1024, Seed: 5}, &got), "a reply sent inline")
-	p, err := tensor.Bytes(got.Data)
-	require.NoError(t, err)
-	requireBytes(t, pattern(1024, 5), p)
-	gdrcodec.ReleaseAll(&got)
+	call := client.Go("Tensors.Make", &tensorpb.Sized{Size: size, Seed: 4}, &emptypb.Empty{}, nil)
+	require.Eventually(t, func() bool { return oob.ReadStats().Waiting == 1 }, 10*time.Second, time.Millisecond)
+	require.Equal(t, int64(2*size), oob.Unpulled(peer), "the third reply waits")
+	select {
+	case <-call.Done:
+		t.Fatalf("the third call returned: %v", call.Error)
+	default:
+	}
 }

@@ -108,10 +108,10 @@ func (c *Call) note(r spaceRange) bool {
 // Ended tells the server on s that the call ended, maybe without taking every
 // response it was sent: the server takes back the ranges it wrote for the
 // call that the call did not take, and withdraws from its outbox what it
-// sent for the call and nobody pulled. answered says whether the server's
-// response headers came (a response message may have gone); without them
-// and without a space advertised over s, the server holds nothing for the
-// call and nothing is sent. Only the first Ended of a call counts; it
+// sent for the call and nobody pulled. answered says whether a response
+// message may have gone (its headers came, or the call gave up while they
+// may have been on their way); if not, and no space was advertised over s,
+// the server holds nothing for the call and nothing is sent. Only the first Ended of a call counts; it
 // returns at once (the message goes on a goroutine).
 func (c *Call) Ended(s *transport.Session, answered bool) {
 	if c == nil || s == nil || (!answered && !advertisesOver(s)) {

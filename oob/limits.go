@@ -78,14 +78,15 @@ type Limits struct {
 	// PeerUnpulledBytes bounds what this process's outbox holds sent toward
 	// one peer process and not pulled, all its calls together: a client
 	// that takes responses and never pulls their payloads would otherwise
-	// pin them, call after call, until their leases end. A message of a
-	// call with nothing unpulled (a unary response, a stream's first) that
-	// would go over it fails at once (gRPC reports a response it could not
-	// marshal as Internal, with the error in its message); a stream's
-	// next message waits for the stream's own earlier ones, as for
-	// UnpulledBytes. An honest client pulls what it decodes and withdraws
-	// what its ended calls left (CALL-ENDED), so this bounds only payloads
-	// under way. If zero, DefaultPeerUnpulledBytes.
+	// pin them, call after call, until their leases end. A message that
+	// would go over it waits, before it is sent, for the peer's pulls of
+	// any call's payloads, within its call's context, its session and its
+	// payloads' lease (DefaultLease); a message larger than the bound on its
+	// own goes once nothing sent toward the peer waits unpulled. An honest
+	// client pulls what it decodes and withdraws what its ended calls left
+	// (CALL-ENDED), so its calls wait here only while it leaves that much
+	// of its streams unread. Payloads written into the peer's receive space
+	// do not count. If zero, DefaultPeerUnpulledBytes.
 	PeerUnpulledBytes int64
 }
 

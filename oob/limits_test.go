@@ -708,50 +708,57 @@ func TestUnpulledBytesBound(t *testing.T) {
 }
 
 // TestPeerUnpulledBytesBound: what one peer process left unpulled, all its
-// calls together, is bounded. A call with nothing unpulled fails at once
-// past the bound (a peer that pulls nothing never makes room); a call with
-// earlier messages unpulled waits for them.
+// calls together, is bounded: past the bound a message waits for the
+// peer's pulls of any call's payloads, within its context and its
+// payloads' lease. A message larger than the bound on its own goes once
+// nothing is unpulled.
 func TestPeerUnpulledBytesBound(t *testing.T) {
 	const limit = 1 << 20
 	setTransferConfig(t, TransferConfig{Limits: Limits{UnpulledBytes: 4 * limit, PeerUnpulledBytes: limit}})
 	_, ss := pipePair(t)
 	peer := ss.PeerID()
-	offer := func(n int) Descriptor { return offerFilled(t, n) }
 	ctx := testContext(t)
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+	waiting := func() bool { return ReadStats().Waiting == 1 }
 
-	var stream, unary Flow
-	d1 := offer(768 << 10)
+	var stream, unary, other, big, late Flow
+	d1 := offerFilled(t, 768<<10)
 	require.NoError(t, stream.Send(ctx, ss, 0, []Token{d1.Token}))
-	d2 := offer(512 << 10)
-	err := unary.Send(ctx, ss, 0, []Token{d2.Token})
-	require.ErrorContains(t, err, "Limits.PeerUnpulledBytes", "a call with nothing unpulled fails at once")
-	require.True(t, Offered(d2.Token), "the caller withdraws what it offered")
-	require.Equal(t, int64(768<<10), Unpulled(peer), "the refused message counts for nothing")
-	d3 := offer(128 << 10)
+	d2 := offerFilled(t, 512<<10)
+	err := unary.Send(cancelled, ss, 0, []Token{d2.Token})
+	require.ErrorIs(t, err, context.Canceled)
+	require.ErrorContains(t, err, "would go over Limits.PeerUnpulledBytes")
+	require.Equal(t, int64(768<<10), Unpulled(peer), "a message held back counts for nothing")
+	d3 := offerFilled(t, 128<<10)
 	require.NoError(t, unary.Send(ctx, ss, 0, []Token{d3.Token}), "within the bound")
-	require.Equal(t, int64(896<<10), Unpulled(peer))
 
-	// The stream's next message waits for the stream's own pulls.
+	// Another call's message waits for a pull of any call's payload.
 	sent := make(chan error, 1)
-	go func() { sent <- stream.Send(ctx, ss, 0, []Token{d2.Token}) }()
-	require.Eventually(t, func() bool {
-		box.mu.Lock()
-		defer box.mu.Unlock()
-		return stream.room != nil
-	}, 10*time.Second, time.Millisecond)
+	go func() { sent <- other.Send(ctx, ss, 0, []Token{d2.Token}) }()
+	require.Eventually(t, waiting, 10*time.Second, time.Millisecond)
 	pullFilled(ctx, t, d1)
-	require.NoError(t, <-sent, "the pull of the stream's first made room")
+	require.NoError(t, <-sent, "the pull of the stream's payload made room")
 	require.Equal(t, int64(640<<10), Unpulled(peer))
 
-	// Larger than the bound on its own: it goes once nothing is unpulled.
-	var big Flow
-	d4 := offer(2 * limit)
-	require.ErrorContains(t, big.Send(ctx, ss, 0, []Token{d4.Token}), "Limits.PeerUnpulledBytes")
-	Withdraw(d2.Token)
-	Withdraw(d3.Token)
-	require.Zero(t, Unpulled(peer))
-	require.NoError(t, big.Send(ctx, ss, 0, []Token{d4.Token}))
+	// Larger than the bound on its own.
+	d4 := offerFilled(t, 2*limit)
+	go func() { sent <- big.Send(ctx, ss, 0, []Token{d4.Token}) }()
+	require.Eventually(t, waiting, 10*time.Second, time.Millisecond)
+	pullFilled(ctx, t, d2)
+	pullFilled(ctx, t, d3)
+	require.NoError(t, <-sent, "it goes once nothing is unpulled")
 	require.Equal(t, int64(2*limit), Unpulled(peer))
+
+	// A payload that leaves the outbox while its message waits.
+	d5 := offerFilled(t, 4096)
+	go func() { sent <- late.Send(ctx, ss, 0, []Token{d5.Token}) }()
+	require.Eventually(t, waiting, 10*time.Second, time.Millisecond)
+	Withdraw(d5.Token) // as its lease ending would
+	require.ErrorContains(t, <-sent, "left the outbox")
+	require.Zero(t, ReadStats().Waiting)
+	require.Equal(t, int64(2*limit), Unpulled(peer))
+	require.Zero(t, late.bytes)
 }
 
 // TestCallEndedWithdrawsUnpulled: a client that ends a call tells the

@@ -131,6 +131,7 @@ type outbox struct {
 	// them, until those uses ended: a Withdraw of their token waits for that.
 	leaving map[Token]*outboxEntry
 	toward  map[transport.ID]*sentEntries // entries by the process they were sent to
+	waiting int                           // Flow.Sends waiting for room
 }
 
 // sentEntries are the outbox entries sent toward one process and not yet
@@ -140,6 +141,7 @@ type sentEntries struct {
 	tokens map[Token]struct{}
 	bytes  int64                         // their payloads' bytes
 	calls  map[uint64]map[Token]struct{} // those sent for a numbered call, by number
+	room   chan struct{}                 // closed when bytes fall; nil when no Send waits
 }
 
 // A Flow counts the payloads of one call's messages (a server stream's
@@ -290,7 +292,10 @@ func (e *outboxEntry) freeLocked() bool {
 // Stats is a snapshot of the engine in this process, for diagnostics and
 // leak checks.
 type Stats struct {
-	Offered  int // payloads in the outbox: offered, not yet withdrawn or expired
+	Offered int // payloads in the outbox: offered, not yet withdrawn or expired
+	// Waiting are the messages whose payloads wait in the outbox for the
+	// peer to pull earlier ones (Limits.UnpulledBytes, PeerUnpulledBytes).
+	Waiting  int
 	Pulls    int // pulls under way (their destinations not yet settled)
 	Sessions int // sessions the engine serves
 	Spaces   int // receive spaces this process advertised, alive (their session open, or ranges held)
@@ -308,6 +313,7 @@ func ReadStats() Stats {
 	var st Stats
 	box.mu.Lock()
 	st.Offered = len(box.entries)
+	st.Waiting = box.waiting
 	box.mu.Unlock()
 	pulls.Lock()
 	st.Pulls = len(pulls.m)
@@ -340,13 +346,19 @@ func (b *outbox) removeLocked(t Token, e *outboxEntry) []*sourceUse {
 	delete(b.entries, t)
 	e.dead = true
 	if f := e.flow; f != nil {
-		f.bytes -= int64(e.src.Len())
+		if e.toward != nil { // else it waited to be sent: it counted for nothing
+			f.bytes -= int64(e.src.Len())
+		}
 		f.wake()
 	}
 	if e.toward != nil {
 		if p := b.toward[*e.toward]; p != nil {
 			delete(p.tokens, t)
 			p.bytes -= int64(e.src.Len())
+			if p.room != nil {
+				close(p.room)
+				p.room = nil
+			}
 			if c := p.calls[e.call]; c != nil {
 				delete(c, t)
 				if len(c) == 0 {
@@ -407,23 +419,19 @@ func SentToward(s *transport.Session, ts []Token) {
 // Send is SentToward for ts, the payloads of one message of f's call about
 // to be sent to the peer of s, call being the peer's number for the call
 // (oob.CallHeader; 0 if it gave none): a CALL-ENDED of the peer for that
-// call withdraws what it has not pulled. The message goes once it stays
-// within two bounds:
-//   - Limits.UnpulledBytes, on what f's earlier messages left unpulled: the
-//     message waits for the peer's pulls of them, and fails when ctx ends or
-//     s closes first. A message larger than the limit on its own goes once
-//     nothing of f's waits unpulled.
-//   - Limits.PeerUnpulledBytes, on what all messages sent toward the peer
-//     process left unpulled: a message of a call that has nothing unpulled
-//     (a unary response, a stream's first) fails at once when it would go
-//     over it, for the peer has shown no sign of pulling what it was sent;
-//     one whose call has earlier messages unpulled waits for them as above.
-//     A message larger than the limit on its own goes once nothing sent
-//     toward the peer waits unpulled.
+// call withdraws what it has not pulled. The message waits, before it is
+// sent, while it would take
+//   - what f's earlier messages left unpulled over Limits.UnpulledBytes,
+//     for the peer's pulls of them (as gRPC's flow control holds a stream's
+//     sender to a client that does not read it), or
+//   - what all messages sent toward the peer process left unpulled over
+//     Limits.PeerUnpulledBytes, for the peer's pulls of any of them.
 //
-// The lease of ts starts again once they are bound: it bounds how long the
-// peer has to pull them, not how long they waited. Send fails if one of ts
-// left the outbox meanwhile, or if the peer ended the call.
+// It fails when ctx ends, s closes, or one of ts leaves the outbox (its
+// lease ends) first. A message larger than a limit on its own goes once
+// nothing the limit counts waits unpulled. The lease of ts starts again
+// once they are bound: it bounds how long the peer has to pull them, not
+// how long they waited. Send also fails if the peer ended the call.
 func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts []Token) error {
 	peer := s.PeerID()
 	lim := cfgOf(s).Limits
@@ -433,53 +441,61 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 		for _, t := range ts {
 			e := box.entries[t]
 			if e == nil {
+				f.disown(ts)
 				box.mu.Unlock()
 				return fmt.Errorf("oob: a payload of the message left the outbox (withdrawn or expired) while it waited to be sent")
 			}
 			if e.toward == nil {
 				n += int64(e.src.Len())
+				e.flow = f // its leaving wakes f's wait
 			}
 		}
 		if n == 0 {
 			break // every payload is bound already: nothing more to count
 		}
-		var sent int64 // toward the peer, unpulled
-		if p := box.toward[peer]; p != nil {
-			sent = p.bytes
-		}
-		overPeer := sent > 0 && sent+n > lim.PeerUnpulledBytes
-		if overPeer && f.bytes == 0 {
-			box.mu.Unlock()
-			return fmt.Errorf("oob: the peer left %d bytes of what it was sent unpulled, and %d more would go over Limits.PeerUnpulledBytes (%d)", sent, n, lim.PeerUnpulledBytes)
-		}
-		if !overPeer && (f.bytes == 0 || f.bytes+n <= lim.UnpulledBytes) {
+		p := box.toward[peer]
+		overPeer := p != nil && p.bytes > 0 && p.bytes+n > lim.PeerUnpulledBytes
+		overCall := f.bytes > 0 && f.bytes+n > lim.UnpulledBytes
+		if !overPeer && !overCall {
 			break
 		}
 		if f.room == nil {
 			f.room = make(chan struct{})
 		}
+		var peerRoom chan struct{} // nil: not waited on
+		sent := int64(0)
+		if overPeer {
+			if p.room == nil {
+				p.room = make(chan struct{})
+			}
+			peerRoom, sent = p.room, p.bytes
+		}
 		room, unpulled := f.room, f.bytes
+		box.waiting++
 		box.mu.Unlock()
 		var err error
 		select {
 		case <-room:
+		case <-peerRoom:
 		case <-ctx.Done():
 			err = context.Cause(ctx)
 		case <-s.Done():
 			err = errors.New("the session closed")
 		}
+		box.mu.Lock()
+		box.waiting--
 		if err != nil {
+			f.disown(ts)
+			box.mu.Unlock()
 			if overPeer {
 				return fmt.Errorf("oob: the peer left %d bytes unpulled (%d of them this call's), and %d more would go over Limits.PeerUnpulledBytes (%d): %w", sent, unpulled, n, lim.PeerUnpulledBytes, err)
 			}
 			return fmt.Errorf("oob: the peer left %d bytes of this call's earlier payloads unpulled, and %d more would go over Limits.UnpulledBytes (%d): %w", unpulled, n, lim.UnpulledBytes, err)
 		}
-		box.mu.Lock()
 	}
 	for _, t := range ts {
 		if e := box.entries[t]; e.toward == nil {
 			box.bindLocked(t, e, peer, call)
-			e.flow = f
 			f.bytes += int64(e.src.Len())
 			if e.timer.Stop() { // else it fired: its Withdraw waits for the lock
 				e.timer.Reset(e.lease)
@@ -497,6 +513,16 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 	}
 	releaseOrphans(peer)
 	return nil
+}
+
+// disown undoes what a failed Send of ts set: their entries not sent are
+// no longer f's. box.mu is held.
+func (f *Flow) disown(ts []Token) {
+	for _, t := range ts {
+		if e := box.entries[t]; e != nil && e.toward == nil && e.flow == f {
+			e.flow = nil
+		}
+	}
 }
 
 // bindLocked binds e, the entry of t, to peer, the process its descriptor
