@@ -614,7 +614,7 @@ func numberCall(ctx context.Context) (context.Context, *oob.Call) {
 
 type heldStream struct {
 	grpc.ClientStream
-	ctx           context.Context // the caller's
+	ctx           context.Context    // the caller's
 	h             *hold              // its rc: the call's context, with its current attempt's peer
 	cancel        context.CancelFunc // ends the pulls of the stream's messages
 	call          *oob.Call
