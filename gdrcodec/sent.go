@@ -114,8 +114,11 @@ func (d *destination) clientCall() uint64 {
 // (oob.Flow.Send): a server stream's next message waits here, within its
 // call, rather than run ahead of a client that does not read it. A message
 // sent outside a server call with the stats handler (a net/rpc reply, one
-// to a request) is a call of its own with nothing unpulled: it never waits,
-// and fails when what the peer left unpulled is over its bound.
+// to a request) is a call of its own: it waits only for the peer's bound
+// (oob.Limits.PeerUnpulledBytes), until its session closes or its
+// payloads' lease ends, and the replies after it on its connection wait
+// behind it (net/rpc writes them in turn), as an honest client's reader
+// pulls the replies before it.
 func (d *destination) admit(ts []oob.Token) error {
 	if d == nil || len(ts) == 0 {
 		return nil

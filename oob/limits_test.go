@@ -761,6 +761,41 @@ func TestPeerUnpulledBytesBound(t *testing.T) {
 	require.Zero(t, late.bytes)
 }
 
+// TestPeerUnpulledFirstComeFirstServed: messages waiting for room within
+// Limits.PeerUnpulledBytes go in the order they came: a small one does not
+// pass a large one that waits before it, and once the first goes, the next
+// goes too if it fits beside it.
+func TestPeerUnpulledFirstComeFirstServed(t *testing.T) {
+	const limit = 1 << 20
+	setTransferConfig(t, TransferConfig{Limits: Limits{PeerUnpulledBytes: limit}})
+	_, ss := pipePair(t)
+	peer := ss.PeerID()
+	ctx := testContext(t)
+	waiting := func(n int) func() bool { return func() bool { return ReadStats().Waiting == n } }
+
+	var a, b, large, small Flow
+	d1, d2 := offerFilled(t, 512<<10), offerFilled(t, 512<<10)
+	require.NoError(t, a.Send(ctx, ss, 0, []Token{d1.Token}))
+	require.NoError(t, b.Send(ctx, ss, 0, []Token{d2.Token}))
+	largeSent, smallSent := make(chan error, 1), make(chan error, 1)
+	go func() { largeSent <- large.Send(ctx, ss, 0, []Token{offerFilled(t, 768<<10).Token}) }()
+	require.Eventually(t, waiting(1), 10*time.Second, time.Millisecond)
+	go func() { smallSent <- small.Send(ctx, ss, 0, []Token{offerFilled(t, 128<<10).Token}) }()
+	require.Eventually(t, waiting(2), 10*time.Second, time.Millisecond)
+
+	pullFilled(ctx, t, d1)
+	require.Eventually(t, func() bool { return Unpulled(peer) == 512<<10 }, 10*time.Second, time.Millisecond)
+	require.Equal(t, 2, ReadStats().Waiting, "room for the small one only: it waits behind the large one")
+	require.Empty(t, largeSent)
+	require.Empty(t, smallSent)
+
+	pullFilled(ctx, t, d2)
+	require.NoError(t, <-largeSent)
+	require.NoError(t, <-smallSent, "it fits beside the large one")
+	require.Equal(t, int64(896<<10), Unpulled(peer))
+	require.Zero(t, ReadStats().Waiting)
+}
+
 // TestCallEndedWithdrawsUnpulled: a client that ends a call tells the
 // server, whose outbox withdraws what it sent for that call and nobody
 // pulled, rather than keep it for the lease; a message of the call not sent

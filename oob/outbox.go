@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -67,6 +68,9 @@ type outboxEntry struct {
 	toward *transport.ID // the process the descriptor was sent to (SentToward), if known
 	flow   *Flow         // the call whose message named it (Flow.Send), if any
 	call   uint64        // that peer's number for the call (Flow.Send), or 0
+	// waiter is the call whose message names it while the message waits
+	// to be sent (Flow.Send): the entry's leaving wakes it.
+	waiter *Flow
 }
 
 // sourceUse is one pull's use of an outbox entry's source. The entry's
@@ -141,7 +145,69 @@ type sentEntries struct {
 	tokens map[Token]struct{}
 	bytes  int64                         // their payloads' bytes
 	calls  map[uint64]map[Token]struct{} // those sent for a numbered call, by number
-	room   chan struct{}                 // closed when bytes fall; nil when no Send waits
+	// waiters are the messages waiting for room within
+	// Limits.PeerUnpulledBytes, first come first served: only the first is
+	// woken, once it fits, so a message is neither starved by smaller ones
+	// nor are all woken at each pull.
+	waiters []*peerWaiter
+}
+
+// peerWaiter is a message waiting in sentEntries.waiters.
+type peerWaiter struct {
+	n, limit int64         // its payloads' bytes; the bound of its session
+	ready    chan struct{} // closed when it is first and fits
+}
+
+// fits reports whether w's message fits within its bound beside what p
+// holds: a message larger than the bound fits once p holds nothing.
+func (p *sentEntries) fits(w *peerWaiter) bool {
+	return p.bytes == 0 || p.bytes+w.n <= w.limit
+}
+
+// wakeLocked wakes the first waiter once it fits. box.mu is held.
+func (p *sentEntries) wakeLocked() {
+	if len(p.waiters) == 0 {
+		return
+	}
+	if w := p.waiters[0]; p.fits(w) {
+		select {
+		case <-w.ready:
+		default:
+			close(w.ready)
+		}
+	}
+}
+
+// leaveQueueLocked takes w out of p's waiters and wakes the next. box.mu is
+// held.
+func (b *outbox) leaveQueueLocked(peer transport.ID, p *sentEntries, w *peerWaiter) {
+	if p == nil {
+		return
+	}
+	if i := slices.Index(p.waiters, w); i >= 0 {
+		p.waiters = slices.Delete(p.waiters, i, i+1)
+	}
+	p.wakeLocked()
+	b.dropIfEmptyLocked(peer, p)
+}
+
+// dropIfEmptyLocked forgets p, peer's, once it holds nothing and nobody
+// waits in it. box.mu is held.
+func (b *outbox) dropIfEmptyLocked(peer transport.ID, p *sentEntries) {
+	if len(p.tokens) == 0 && len(p.waiters) == 0 && b.toward[peer] == p {
+		delete(b.toward, peer)
+	}
+}
+
+// sentTo returns what the outbox holds sent toward peer, made if need be.
+// box.mu is held.
+func (b *outbox) sentTo(peer transport.ID) *sentEntries {
+	p := b.toward[peer]
+	if p == nil {
+		p = &sentEntries{tokens: make(map[Token]struct{})}
+		b.toward[peer] = p
+	}
+	return p
 }
 
 // A Flow counts the payloads of one call's messages (a server stream's
@@ -346,28 +412,24 @@ func (b *outbox) removeLocked(t Token, e *outboxEntry) []*sourceUse {
 	delete(b.entries, t)
 	e.dead = true
 	if f := e.flow; f != nil {
-		if e.toward != nil { // else it waited to be sent: it counted for nothing
-			f.bytes -= int64(e.src.Len())
-		}
+		f.bytes -= int64(e.src.Len())
+		f.wake()
+	}
+	if f := e.waiter; f != nil {
 		f.wake()
 	}
 	if e.toward != nil {
 		if p := b.toward[*e.toward]; p != nil {
 			delete(p.tokens, t)
 			p.bytes -= int64(e.src.Len())
-			if p.room != nil {
-				close(p.room)
-				p.room = nil
-			}
 			if c := p.calls[e.call]; c != nil {
 				delete(c, t)
 				if len(c) == 0 {
 					delete(p.calls, e.call)
 				}
 			}
-			if len(p.tokens) == 0 {
-				delete(b.toward, *e.toward)
-			}
+			p.wakeLocked()
+			b.dropIfEmptyLocked(*e.toward, p)
 		}
 	}
 	b.leaving[t] = e
@@ -435,42 +497,71 @@ func SentToward(s *transport.Session, ts []Token) {
 func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts []Token) error {
 	peer := s.PeerID()
 	lim := cfgOf(s).Limits
+	var w *peerWaiter // once queued in the peer's waiters
 	box.mu.Lock()
+	fail := func(err error) error { // box.mu held
+		f.disown(ts)
+		if w != nil {
+			box.leaveQueueLocked(peer, box.toward[peer], w)
+		}
+		box.mu.Unlock()
+		return err
+	}
 	for {
 		var n int64
 		for _, t := range ts {
 			e := box.entries[t]
 			if e == nil {
-				f.disown(ts)
-				box.mu.Unlock()
-				return fmt.Errorf("oob: a payload of the message left the outbox (withdrawn or expired) while it waited to be sent")
+				return fail(fmt.Errorf("oob: a payload of the message left the outbox (withdrawn or expired) while it waited to be sent"))
 			}
 			if e.toward == nil {
 				n += int64(e.src.Len())
-				e.flow = f // its leaving wakes f's wait
+				e.waiter = f
 			}
 		}
 		if n == 0 {
 			break // every payload is bound already: nothing more to count
 		}
-		p := box.toward[peer]
-		overPeer := p != nil && p.bytes > 0 && p.bytes+n > lim.PeerUnpulledBytes
+		var peerRoom chan struct{} // nil: not waited on
 		overCall := f.bytes > 0 && f.bytes+n > lim.UnpulledBytes
-		if !overPeer && !overCall {
-			break
+		if overCall && w != nil {
+			// Its own call holds it back: it must not hold back the
+			// peer's other calls meanwhile.
+			box.leaveQueueLocked(peer, box.toward[peer], w)
+			w = nil
+		}
+		if !overCall {
+			// The call's own bound holds: the message takes its turn
+			// among the peer's.
+			p := box.toward[peer]
+			if w == nil && (p == nil || len(p.waiters) == 0 && p.fits(&peerWaiter{n: n, limit: lim.PeerUnpulledBytes})) {
+				break
+			}
+			if w == nil {
+				w = &peerWaiter{limit: lim.PeerUnpulledBytes, ready: make(chan struct{})}
+				p.waiters = append(p.waiters, w)
+			}
+			w.n = n
+			if p.waiters[0] == w && p.fits(w) {
+				p.waiters = p.waiters[1:] // its turn: the next is woken once it is bound
+				w = nil
+				break
+			}
+			select {
+			case <-w.ready: // woken, and no longer fits: wait again
+				w.ready = make(chan struct{})
+			default:
+			}
+			peerRoom = w.ready
 		}
 		if f.room == nil {
 			f.room = make(chan struct{})
 		}
-		var peerRoom chan struct{} // nil: not waited on
-		sent := int64(0)
-		if overPeer {
-			if p.room == nil {
-				p.room = make(chan struct{})
-			}
-			peerRoom, sent = p.room, p.bytes
-		}
 		room, unpulled := f.room, f.bytes
+		var sent int64
+		if p := box.toward[peer]; p != nil {
+			sent = p.bytes
+		}
 		box.waiting++
 		box.mu.Unlock()
 		var err error
@@ -485,22 +576,24 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 		box.mu.Lock()
 		box.waiting--
 		if err != nil {
-			f.disown(ts)
-			box.mu.Unlock()
-			if overPeer {
-				return fmt.Errorf("oob: the peer left %d bytes unpulled (%d of them this call's), and %d more would go over Limits.PeerUnpulledBytes (%d): %w", sent, unpulled, n, lim.PeerUnpulledBytes, err)
+			if overCall {
+				return fail(fmt.Errorf("oob: the peer left %d bytes of this call's earlier payloads unpulled, and %d more would go over Limits.UnpulledBytes (%d): %w", unpulled, n, lim.UnpulledBytes, err))
 			}
-			return fmt.Errorf("oob: the peer left %d bytes of this call's earlier payloads unpulled, and %d more would go over Limits.UnpulledBytes (%d): %w", unpulled, n, lim.UnpulledBytes, err)
+			return fail(fmt.Errorf("oob: the peer left %d bytes unpulled (%d of them this call's), and %d more would go over Limits.PeerUnpulledBytes (%d), or earlier messages wait for room: %w", sent, unpulled, n, lim.PeerUnpulledBytes, err))
 		}
 	}
 	for _, t := range ts {
 		if e := box.entries[t]; e.toward == nil {
 			box.bindLocked(t, e, peer, call)
+			e.flow, e.waiter = f, nil
 			f.bytes += int64(e.src.Len())
 			if e.timer.Stop() { // else it fired: its Withdraw waits for the lock
 				e.timer.Reset(e.lease)
 			}
 		}
+	}
+	if p := box.toward[peer]; p != nil {
+		p.wakeLocked() // the next waiter, if it fits beside this message
 	}
 	box.mu.Unlock()
 	// Checked once bound: a CALL-ENDED handled from here on finds them
@@ -519,8 +612,8 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 // no longer f's. box.mu is held.
 func (f *Flow) disown(ts []Token) {
 	for _, t := range ts {
-		if e := box.entries[t]; e != nil && e.toward == nil && e.flow == f {
-			e.flow = nil
+		if e := box.entries[t]; e != nil && e.waiter == f {
+			e.waiter = nil
 		}
 	}
 }
@@ -529,11 +622,7 @@ func (f *Flow) disown(ts []Token) {
 // went to, for the peer's call (0: none named).
 func (b *outbox) bindLocked(t Token, e *outboxEntry, peer transport.ID, call uint64) {
 	e.toward, e.call = &peer, call
-	p := b.toward[peer]
-	if p == nil {
-		p = &sentEntries{tokens: make(map[Token]struct{})}
-		b.toward[peer] = p
-	}
+	p := b.sentTo(peer)
 	p.tokens[t] = struct{}{}
 	p.bytes += int64(e.src.Len())
 	if call != 0 {
