@@ -4,7 +4,9 @@ import (
 	"context"
 	"crypto/rand"
 	"io"
+	"net"
 	"runtime"
+	"sync"
 	"testing"
 	"time"
 
@@ -373,4 +375,85 @@ func TestPeerUnpulledResponsesBounded(t *testing.T) {
 		st := oob.ReadStats()
 		return oob.Unpulled(peer) == 0 && st.Offered == 0 && st.Waiting == 0
 	}, 10*time.Second, time.Millisecond)
+}
+
+// gatedListener hands out conns whose writes wait while its gate is shut:
+// what the server sends is held back, what it receives is not.
+type gatedListener struct {
+	net.Listener
+	mu     sync.Mutex
+	closed chan struct{} // nil while open
+}
+
+func (l *gatedListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	return &gatedConn{Conn: c, l: l}, nil
+}
+
+func (l *gatedListener) shut() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed == nil {
+		l.closed = make(chan struct{})
+	}
+}
+
+func (l *gatedListener) open() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed != nil {
+		close(l.closed)
+		l.closed = nil
+	}
+}
+
+type gatedConn struct {
+	net.Conn
+	l *gatedListener
+}
+
+func (c *gatedConn) Write(p []byte) (int, error) {
+	c.l.mu.Lock()
+	closed := c.l.closed
+	c.l.mu.Unlock()
+	if closed != nil {
+		<-closed
+	}
+	return c.Conn.Write(p)
+}
+
+func (c *gatedConn) Session() *transport.Session { return transport.SessionOf(c.Conn) }
+
+// TestGivenUpCallWithdrawsResponse: a client call that gives up before its
+// response's headers arrive, while the server has sent the response, tells
+// the server, which withdraws the response's payload rather than pin it
+// for its lease.
+func TestGivenUpCallWithdrawsResponse(t *testing.T) {
+	var gate *gatedListener
+	r := newRigWrapped(t, transport.ModeTCP, nil, nil, func(l net.Listener) net.Listener {
+		gate = &gatedListener{Listener: l}
+		return gate
+	})
+	t.Cleanup(gate.open) // before the rig's cleanup stops the server
+	peer := transport.LocalID()
+	warm, err := r.client.Make(context.Background(), &tensorpb.Sized{Size: 1024, Seed: 1})
+	require.NoError(t, err, "the connection is up")
+	gdrcodec.ReleaseAll(warm)
+
+	gate.shut()
+	ctx, cancel := context.WithCancel(context.Background())
+	made := make(chan error, 1)
+	go func() {
+		_, err := r.client.Make(ctx, &tensorpb.Sized{Size: 1 << 20, Seed: 2})
+		made <- err
+	}()
+	require.Eventually(t, func() bool { return oob.Unpulled(peer) == 1<<20 }, 10*time.Second, time.Millisecond,
+		"the response is sent, its headers held back")
+	cancel()
+	require.Equal(t, codes.Canceled, status.Code(<-made))
+	require.Eventually(t, func() bool { return oob.Unpulled(peer) == 0 && oob.ReadStats().Offered == 0 }, 10*time.Second, time.Millisecond,
+		"the response's payload left the outbox")
 }

@@ -140,6 +140,13 @@ func newRig(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer,
 // rig's own: their stats handlers run first.
 func newRigWith(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer, serverOpts []grpc.ServerOption, opts ...gdrpc.Option) *rig {
 	t.Helper()
+	return newRigWrapped(t, mode, srv, serverOpts, nil, opts...)
+}
+
+// newRigWrapped is newRigWith with the server serving the listener wrap
+// makes of gdrpc's (nil: gdrpc's itself).
+func newRigWrapped(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer, serverOpts []grpc.ServerOption, wrap func(net.Listener) net.Listener, opts ...gdrpc.Option) *rig {
+	t.Helper()
 	if mode == transport.ModeUCX {
 		requireUCX(t)
 	}
@@ -151,8 +158,12 @@ func newRigWith(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceSer
 	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
 
 	opts = append([]gdrpc.Option{gdrpc.WithTransport(mode), processEngine}, opts...)
+	var lis net.Listener
 	lis, err := listener.Listen("127.0.0.1:0", opts...)
 	require.NoError(t, err)
+	if wrap != nil {
+		lis = wrap(lis)
+	}
 	gs := grpc.NewServer(slices.Concat(serverOpts, listener.ServerOptions(insecure.NewCredentials()))...)
 	if srv == nil {
 		srv = &tensor.Server{}
