@@ -100,6 +100,21 @@ func Buffer(db *gdrv1.DeviceBuffer) (*devicebuf.Buffer, bool) {
 	return a.buf, true
 }
 
+// retained is Buffer with a reference of the caller's taken on the buffer,
+// which it releases: a marshal reads the buffer through it, so that a
+// release of the message meanwhile (the same message sent on another call,
+// whose end releases it) does not free the memory under the read.
+func retained(db *gdrv1.DeviceBuffer) (*devicebuf.Buffer, bool) {
+	attached.Lock()
+	defer attached.Unlock()
+	a := attached.m[weak.Make(db)]
+	if a == nil {
+		return nil, false
+	}
+	a.buf.Retain()
+	return a.buf, true
+}
+
 // Detach removes db's buffer and hands the caller db's reference to it.
 func Detach(db *gdrv1.DeviceBuffer) *devicebuf.Buffer {
 	if db == nil {

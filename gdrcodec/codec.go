@@ -157,8 +157,12 @@ func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 		return bodies.Marshal(v)
 	}
 	w := &rewriter{oob: c.oob, eager: c.options().eager, hold: h}
+	w.kept = w.kept0[:0]
+	defer w.release()
 	if c.oob {
-		w.to = takeDestination(v)
+		if w.to = takeDestination(v); w.to == sharedMessage {
+			return nil, errSharedMessage
+		}
 		w.reqCtx, w.reqTo = w.hold.attempt()
 	}
 	out, err := w.message(m)
@@ -364,6 +368,10 @@ const (
 // ---- marshal: replacing payloads by descriptors ------------------------------
 
 type rewriter struct {
+	// kept are the buffers the message's walk read, each with a reference
+	// of the rewriter's until the body is marshaled (release).
+	kept   []*devicebuf.Buffer
+	kept0  [2]*devicebuf.Buffer // kept's first, without an allocation
 	oob    bool
 	eager  int
 	hold   *hold
@@ -387,6 +395,14 @@ func (w *rewriter) abort() {
 	for _, d := range w.reqLanded {
 		oob.Reclaim(w.reqTo, d)
 	}
+}
+
+// release gives back the references on the buffers the walk read.
+func (w *rewriter) release() {
+	for _, b := range w.kept {
+		b.Release()
+	}
+	w.kept = nil
 }
 
 func (w *rewriter) outOfBand(n int) bool { return w.oob && n >= w.eager }
@@ -559,10 +575,15 @@ func (w *rewriter) bytesField(b []byte) ([]byte, bool) {
 
 // deviceBuffer returns the DeviceBuffer to send for db, or nil to send db as is.
 func (w *rewriter) deviceBuffer(db *gdrv1.DeviceBuffer) (*gdrv1.DeviceBuffer, error) {
-	b, ok := Buffer(db)
+	b, ok := retained(db)
 	if !ok {
+		if db.GetLength() > 0 && len(db.GetInline()) == 0 && len(db.GetToken()) == 0 {
+			// Its receiver would refuse it; the mistake is the sender's.
+			return nil, codecError(codes.FailedPrecondition, "a DeviceBuffer of %d bytes with no payload attached: its buffer was released or detached (a server releases a response's buffers once it is sent: send each message once, or Attach a buffer again)", db.GetLength())
+		}
 		return nil, nil
 	}
+	w.kept = append(w.kept, b)
 	if w.outOfBand(b.Len()) {
 		return descriptorMessage(w.offer(oob.Source{Buffer: b}, true)), nil
 	}

@@ -1,14 +1,20 @@
 package gdrcodec_test
 
 import (
+	"bytes"
 	"context"
+	"errors"
+	"fmt"
 	"log/slog"
 	"runtime"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
 
 	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
@@ -152,4 +158,89 @@ func TestSquattedPoolServesLaterCalls(t *testing.T) {
 	st = pool.Stats()
 	require.Zero(t, st.Regions, "idle regions go back")
 	require.Equal(t, int64(4), st.Freed)
+}
+
+// cachedServer answers every Make with the same message.
+type cachedServer struct {
+	tensor.Server
+	m *tensorpb.Tensor
+}
+
+func (s *cachedServer) Make(context.Context, *tensorpb.Sized) (*tensorpb.Tensor, error) {
+	return s.m, nil
+}
+
+// newCached returns a cachedServer whose message holds n bytes of seed's
+// pattern.
+func newCached(n int, seed uint32) *cachedServer {
+	b := devicebuf.HostFromBytes(pattern(n, seed))
+	defer b.Release()
+	return &cachedServer{m: &tensorpb.Tensor{Data: gdrcodec.New(b)}}
+}
+
+// A server releases a response's buffers once it is sent, so a handler
+// that returns one message twice gets, the second time, an error that says
+// so, rather than a DeviceBuffer without its payload that its receiver
+// refuses (inline) or that names nothing.
+func TestResponseSentTwice(t *testing.T) {
+	for _, n := range []int{1000, 1 << 20} {
+		t.Run(fmt.Sprintf("size=%d", n), func(t *testing.T) {
+			r := newRig(t, transport.ModeTCP, newCached(n, 3))
+			got, err := r.client.Make(context.Background(), &tensorpb.Sized{})
+			require.NoError(t, err)
+			p, err := tensor.Bytes(got.Data)
+			require.NoError(t, err)
+			require.Equal(t, pattern(n, 3), p)
+			gdrcodec.ReleaseAll(got)
+
+			_, err = r.client.Make(context.Background(), &tensorpb.Sized{})
+			require.ErrorContains(t, err, fmt.Sprintf("a DeviceBuffer of %d bytes with no payload attached", n))
+			require.Zero(t, gdrcodec.Attached())
+		})
+	}
+}
+
+// One message returned by two calls at once: neither call's destination
+// (the peer its payload is bound to, the receive space it may land in) may
+// serve the other's, so a marshal that cannot tell them apart fails with an
+// error that says why; a call that goes gets its bytes exact.
+func TestResponseOnTwoCallsAtOnce(t *testing.T) {
+	const n = 1 << 20
+	var bound sync.WaitGroup
+	bound.Add(2)
+	both := func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+		resp, err := handler(ctx, req) // gdrpc's interceptor, inside, binds resp to its call
+		bound.Done()
+		bound.Wait()
+		return resp, err
+	}
+	r := newRigWith(t, transport.ModeTCP, newCached(n, 4), []grpc.ServerOption{grpc.ChainUnaryInterceptor(both)})
+	errs := make(chan error, 2)
+	for range 2 {
+		go func() {
+			got, err := r.client.Make(context.Background(), &tensorpb.Sized{})
+			if err == nil {
+				p, perr := tensor.Bytes(got.Data)
+				gdrcodec.ReleaseAll(got)
+				if perr == nil && !bytes.Equal(pattern(n, 4), p) {
+					perr = errors.New("the payload's bytes differ")
+				}
+				err = perr
+			}
+			errs <- err
+		}()
+	}
+	var shared int
+	for range 2 {
+		err := <-errs
+		switch {
+		case err == nil:
+		case strings.Contains(err.Error(), "a message was sent on two calls at once"):
+			shared++
+		default:
+			require.ErrorContains(t, err, "no payload attached", "the other call may find the buffer released")
+		}
+	}
+	require.GreaterOrEqual(t, shared, 1)
+	require.Eventually(t, func() bool { return gdrcodec.Attached() == 0 && oob.ReadStats().Offered == 0 }, 10*time.Second, time.Millisecond)
 }

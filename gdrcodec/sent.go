@@ -4,6 +4,7 @@ import (
 	"context"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 
 	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
@@ -91,8 +92,22 @@ func bindTo(ctx context.Context, s *transport.Session, call *callMessages, v any
 	if m := messageV2Of(v); m == nil || !mayCarry(m.ProtoReflect().Descriptor()) {
 		return
 	}
-	destinations.put(v, &destination{ctx: ctx, s: s, call: call})
+	if !destinations.putNew(v, &destination{ctx: ctx, s: s, call: call}) {
+		// Another call sends v too and has not marshaled it yet: neither
+		// destination can be trusted to be the marshal's own, and a
+		// payload written into one peer's receive space, or bound to it,
+		// while its descriptor goes to another would reach the wrong
+		// peer. The marshal that finds this fails.
+		destinations.put(v, sharedMessage)
+	}
 }
+
+// sharedMessage is the destination of a message that two calls were
+// sending at once (bindTo).
+var sharedMessage = &destination{}
+
+// errSharedMessage fails the marshal of a message sent on two calls at once.
+var errSharedMessage = codecError(codes.FailedPrecondition, "a message was sent on two calls at once: a server releases a response's buffers once it is sent, so send each call a message of its own")
 
 func takeDestination(v any) *destination {
 	d, _ := destinations.take(v)
