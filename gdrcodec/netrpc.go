@@ -478,15 +478,19 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 		s = transport.SessionOf(nc)
 	}
 	m := messageV2Of(body)
+	var reply *callMessages // what the reply's marshal wrote into the client's receive space
 	if m != nil {
 		// The reply's payloads may land in receive space the client
-		// advertised; a reply whose write fails leaves its ranges taken
-		// until the session ends (the conn failed with it, or, for a
-		// body too large to send, the caller gets an error instead).
-		bindTo(c.ctx, s, nil, m)
+		// advertised. A reply refused before any of it went out gives
+		// those ranges back; one whose write failed on the way leaves
+		// them taken until the session ends (the conn failed with it, and
+		// the client may hold what it read).
+		reply = &callMessages{}
+		bindTo(c.ctx, s, reply, m)
 	}
 	err := c.write(r.Seq, method, r.Error, body, nil)
 	takeDestination(m) // not marshaled: forget it
+	var refused unwritten
 	if m != nil {
 		// Payloads offered to be pulled leave the outbox with the last
 		// session to the client, or at once when nobody got the reply.
@@ -495,8 +499,13 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 		} else {
 			sentOver(s, m)
 		}
+		if errors.As(err, &refused) {
+			reply.mu.Lock()
+			landed := reply.landed[m]
+			reply.mu.Unlock()
+			landed.reclaim()
+		}
 	}
-	var refused unwritten
 	if errors.As(err, &refused) && body != nil {
 		// net/rpc drops a reply's write error, and its client would wait
 		// for this seq for ever: it gets the error instead, in a reply

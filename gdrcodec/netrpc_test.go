@@ -48,11 +48,20 @@ func (Tensors) Fail(r *tensorpb.Sized, t *tensorpb.Summary) error { return error
 // when nil); both go when the test ends.
 func netRPCPair(t *testing.T, server, client []gdrpc.Option) *rpc.Client {
 	t.Helper()
+	return netRPCPairServing(t, nil, server, client)
+}
+
+// netRPCPairServing is netRPCPair with rcvr's methods served too.
+func netRPCPairServing(t *testing.T, rcvr any, server, client []gdrpc.Option) *rpc.Client {
+	t.Helper()
 	if client == nil {
 		client = server
 	}
 	srv := rpc.NewServer()
 	require.NoError(t, srv.Register(Tensors{}))
+	if rcvr != nil {
+		require.NoError(t, srv.Register(rcvr))
+	}
 	lis, err := listener.Listen("127.0.0.1:0", server...)
 	require.NoError(t, err)
 	done := make(chan struct{})
@@ -320,4 +329,48 @@ func TestNetRPCUnpulledRepliesBounded(t *testing.T) {
 		t.Fatalf("the third call returned: %v", call.Error)
 	default:
 	}
+}
+
+// Mixed is a net/rpc service whose reply carries a payload out-of-band and
+// another inline.
+type Mixed struct{ data, blob int }
+
+func (m *Mixed) Get(r *tensorpb.Sized, t *tensorpb.Tensor) error {
+	b := devicebuf.HostFromBytes(pattern(m.data, r.Seed))
+	defer b.Release()
+	*t = tensorpb.Tensor{Data: gdrcodec.New(b), Blob: pattern(m.blob, r.Seed)}
+	return nil
+}
+
+// A reply the server codec refuses before writing a byte of it (its inline
+// payload makes its body over 64 MiB) gives back the receive space its
+// other payload was written into: the client never learns of that write.
+func TestNetRPCRefusedReplyGivesSpaceBack(t *testing.T) {
+	requireUCX(t)
+	require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
+	const eager = 70 << 20
+	gdrcodec.Register(gdrcodec.WithEagerThreshold(eager))
+	t.Cleanup(func() { gdrcodec.Register() })
+	counter := &advertisedCounter{}
+	trusted := []gdrpc.Option{gdrpc.WithTransport(transport.ModeUCX), gdrpc.WithTrustPeers()}
+	client := netRPCPairServing(t, &Mixed{data: 80 << 20, blob: 65 << 20}, trusted,
+		append(trusted, gdrpc.WithReceiveSpace(256<<20), gdrpc.WithMetrics(counter)))
+
+	var got tensorpb.Tensor
+	require.NoError(t, client.Call("Tensors.Make", &tensorpb.Sized{Size: eager, Seed: 1}, &got), "pulled: it prompts the space")
+	gdrcodec.ReleaseAll(&got)
+	waitPeerSpace(t)
+	err := client.Call("Mixed.Get", &tensorpb.Sized{Seed: 2}, &tensorpb.Tensor{})
+	require.ErrorContains(t, err, "the reply could not be sent")
+	require.Equal(t, int64(1), counter.pulled.Load())
+	require.Zero(t, counter.landed.Load())
+	require.Zero(t, oob.ReadStats().PeerTaken, "the refused reply's range is given back")
+
+	const n = 200 << 20 // it fits only where the refused reply's 80 MiB went
+	require.NoError(t, client.Call("Tensors.Make", &tensorpb.Sized{Size: n, Seed: 3}, &got))
+	p, err := tensor.Bytes(got.Data)
+	require.NoError(t, err)
+	requireBytes(t, pattern(n, 3), p)
+	gdrcodec.ReleaseAll(&got)
+	require.Equal(t, int64(1), counter.landed.Load(), "the space had room for it")
 }
