@@ -159,13 +159,19 @@ func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 	w := &rewriter{oob: c.oob, eager: c.options().eager, hold: h}
 	w.kept = w.kept0[:0]
 	defer w.release()
+	shared := false
 	if c.oob {
-		if w.to = takeDestination(v); w.to == sharedMessage {
-			return nil, errSharedMessage
+		w.to = takeDestination(v)
+		if shared = w.to == sharedMessage; shared {
+			w.to = nil // maybe another call's: no receive space, no binding
 		}
 		w.reqCtx, w.reqTo = w.hold.attempt()
 	}
 	out, err := w.message(m)
+	if err == nil && shared && len(w.kept) > 0 {
+		// Its buffers go once the other call sent it.
+		err = errSharedMessage
+	}
 	if err != nil {
 		w.abort()
 		return nil, err

@@ -72,7 +72,11 @@ func (e *expiring[V]) store(k any, v V, replace bool) bool {
 }
 
 // take removes and returns what was noted for k.
-func (e *expiring[V]) take(k any) (V, bool) {
+func (e *expiring[V]) take(k any) (V, bool) { return e.takeUnless(k, nil) }
+
+// takeUnless returns what was noted for k, and removes it unless keep (if
+// not nil) says to leave it for later takes.
+func (e *expiring[V]) takeUnless(k any, keep func(V) bool) (V, bool) {
 	var zero V
 	if e.n.Load() == 0 {
 		return zero, false
@@ -83,7 +87,9 @@ func (e *expiring[V]) take(k any) (V, bool) {
 	if !ok {
 		return zero, false
 	}
-	delete(e.m, k)
-	e.n.Store(int64(len(e.m)))
+	if keep == nil || !keep(en.v) {
+		delete(e.m, k)
+		e.n.Store(int64(len(e.m)))
+	}
 	return en.v, true
 }

@@ -93,24 +93,27 @@ func bindTo(ctx context.Context, s *transport.Session, call *callMessages, v any
 		return
 	}
 	if !destinations.putNew(v, &destination{ctx: ctx, s: s, call: call}) {
-		// Another call sends v too and has not marshaled it yet: neither
-		// destination can be trusted to be the marshal's own, and a
-		// payload written into one peer's receive space, or bound to it,
-		// while its descriptor goes to another would reach the wrong
-		// peer. The marshal that finds this fails.
+		// Another call sends v too and has not marshaled it yet. A marshal
+		// sees only the message, so no destination can be told to be its
+		// own from then on, and a payload written into one peer's receive
+		// space, or bound to it, while its descriptor goes to another
+		// would reach the wrong peer: v is marked shared until the mark's
+		// lease ends, and its marshals take no destination.
 		destinations.put(v, sharedMessage)
 	}
 }
 
 // sharedMessage is the destination of a message that two calls were
-// sending at once (bindTo).
+// sending at once (bindTo): it stays, whoever takes it, until its lease
+// ends.
 var sharedMessage = &destination{}
 
-// errSharedMessage fails the marshal of a message sent on two calls at once.
-var errSharedMessage = codecError(codes.FailedPrecondition, "a message was sent on two calls at once: a server releases a response's buffers once it is sent, so send each call a message of its own")
+// errSharedMessage fails the marshal of a message with buffers that was
+// sent on two calls at once.
+var errSharedMessage = codecError(codes.FailedPrecondition, "a message with buffers attached was sent on two calls at once: a server releases a response's buffers once it is sent, so send each call a message of its own")
 
 func takeDestination(v any) *destination {
-	d, _ := destinations.take(v)
+	d, _ := destinations.takeUnless(v, func(d *destination) bool { return d == sharedMessage })
 	return d
 }
 

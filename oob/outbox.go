@@ -519,8 +519,11 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 				e.waiter = f
 			}
 		}
-		if n == 0 {
-			break // every payload is bound already: nothing more to count
+		if n == 0 { // every payload is bound already: nothing more to count
+			if w != nil {
+				box.leaveQueueLocked(peer, box.toward[peer], w)
+			}
+			break
 		}
 		var peerRoom chan struct{} // nil: not waited on
 		overCall := f.bytes > 0 && f.bytes+n > lim.UnpulledBytes
