@@ -234,6 +234,42 @@ func sendAndWait(ctx context.Context, t *testing.T, st tensorpb.TensorService_Up
 	}
 }
 
+// checkSized checks that m holds size bytes of seed's pattern, and
+// releases it.
+func checkSized(t *testing.T, m *tensorpb.Tensor, size int, seed uint32) {
+	t.Helper()
+	sum, n, err := tensor.Checksum(m, 0)
+	require.NoError(t, err)
+	gdrcodec.ReleaseAll(m)
+	require.Equal(t, uint64(size), n)
+	require.Equal(t, tensor.ChecksumBytes(pattern(size, seed)), sum, "message of seed %d", seed)
+}
+
+// downloadFirst starts a Download of four messages of size bytes, seeds 20
+// to 23, and checks the first.
+func downloadFirst(ctx context.Context, t *testing.T, r *rig, size int) grpc.ServerStreamingClient[tensorpb.Tensor] {
+	t.Helper()
+	st, err := r.client.Download(ctx, &tensorpb.Sized{Size: uint64(size), Seed: 20})
+	require.NoError(t, err)
+	m, err := st.Recv()
+	require.NoError(t, err)
+	checkSized(t, m, size, 20)
+	return st
+}
+
+// downloadRest reads and checks the other three messages of downloadFirst's
+// stream, then its end.
+func downloadRest(t *testing.T, st grpc.ServerStreamingClient[tensorpb.Tensor], size int) {
+	t.Helper()
+	for i := range uint32(3) {
+		m, err := st.Recv()
+		require.NoError(t, err)
+		checkSized(t, m, size, 21+i)
+	}
+	_, err := st.Recv()
+	require.ErrorIs(t, err, io.EOF)
+}
+
 // A server stream whose client reads slowly runs at most
 // Limits.UnpulledBytes ahead of it: its next message waits for the client's
 // pulls rather than pile up in the outbox. The client's other calls to that
@@ -246,20 +282,8 @@ func TestUnpulledResponsesBounded(t *testing.T) {
 	peer := transport.LocalID() // the client is this process
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	check := func(m *tensorpb.Tensor, seed uint32) {
-		t.Helper()
-		sum, n, err := tensor.Checksum(m, 0)
-		require.NoError(t, err)
-		gdrcodec.ReleaseAll(m)
-		require.Equal(t, uint64(size), n)
-		require.Equal(t, tensor.ChecksumBytes(pattern(size, seed)), sum, "message of seed %d", seed)
-	}
-
-	st, err := r.client.Download(ctx, &tensorpb.Sized{Size: size, Seed: 20}) // four messages
-	require.NoError(t, err)
-	m, err := st.Recv()
-	require.NoError(t, err)
-	check(m, 20)
+	check := func(m *tensorpb.Tensor, seed uint32) { t.Helper(); checkSized(t, m, size, seed) }
+	st := downloadFirst(ctx, t, r, size)
 	require.Eventually(t, func() bool { return oob.Unpulled(peer) == limit }, 10*time.Second, time.Millisecond,
 		"the two messages after the one read wait unpulled")
 
@@ -268,13 +292,7 @@ func TestUnpulledResponsesBounded(t *testing.T) {
 	check(resp, 30)
 	require.Equal(t, int64(limit), oob.Unpulled(peer), "the stream's fourth message was held back")
 
-	for i := range uint32(3) {
-		m, err := st.Recv()
-		require.NoError(t, err)
-		check(m, 21+i)
-	}
-	_, err = st.Recv()
-	require.ErrorIs(t, err, io.EOF)
+	downloadRest(t, st, size)
 	require.Eventually(t, func() bool { return oob.Unpulled(peer) == 0 }, 10*time.Second, time.Millisecond)
 }
 
@@ -316,20 +334,8 @@ func TestPeerUnpulledResponsesBounded(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	waiting := func(n int) func() bool { return func() bool { return oob.ReadStats().Waiting == n } }
-	check := func(m *tensorpb.Tensor, seed uint32) {
-		t.Helper()
-		sum, n, err := tensor.Checksum(m, 0)
-		require.NoError(t, err)
-		gdrcodec.ReleaseAll(m)
-		require.Equal(t, uint64(size), n)
-		require.Equal(t, tensor.ChecksumBytes(pattern(size, seed)), sum, "message of seed %d", seed)
-	}
-
-	st, err := r.client.Download(ctx, &tensorpb.Sized{Size: size, Seed: 20}) // four messages
-	require.NoError(t, err)
-	m, err := st.Recv()
-	require.NoError(t, err)
-	check(m, 20)
+	check := func(m *tensorpb.Tensor, seed uint32) { t.Helper(); checkSized(t, m, size, seed) }
+	st := downloadFirst(ctx, t, r, size)
 	require.Eventually(t, waiting(1), 10*time.Second, time.Millisecond, "the stream's fourth message waits")
 	require.Equal(t, int64(2*size), oob.Unpulled(peer))
 
@@ -361,13 +367,7 @@ func TestPeerUnpulledResponsesBounded(t *testing.T) {
 		results <- result{m, err}
 	}()
 	require.Eventually(t, waiting(2), 10*time.Second, time.Millisecond)
-	for i := range uint32(3) {
-		m, err := st.Recv()
-		require.NoError(t, err)
-		check(m, 21+i)
-	}
-	_, err = st.Recv()
-	require.ErrorIs(t, err, io.EOF)
+	downloadRest(t, st, size)
 	res := <-results
 	require.NoError(t, res.err)
 	check(res.m, 32)
