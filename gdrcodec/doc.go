@@ -19,7 +19,8 @@
 // Received payloads land where WithReceiveAllocator says (host memory unless
 // told otherwise, a GPU with devicebuf.NewCUDAAllocator). On a server with
 // ServerOptions, a request's buffers are released when the call ends and a
-// response's once it was sent.
+// response's once it was sent: a handler returns each call a message of its
+// own (one sent twice, or on two calls at once, fails the call).
 //
 // Register is called once, at start-up, before any gRPC server or client of the
 // process exists: it is the only code here that writes gRPC's codec registry.

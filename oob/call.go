@@ -23,7 +23,10 @@ import (
 // of what it wrote for that call, and writes nothing more for it. Writes
 // are named by range and number (Descriptor.SpaceGen), since control
 // messages are handled concurrently: a notice about an earlier write into a
-// range must not free a later one.
+// range must not free a later one. The same notice withdraws from the
+// server's outbox what it sent for the call and nobody pulled (Flow.Send
+// notes the call), so a client sends one, space or none, whenever a
+// response of the call may have gone.
 
 // CallHeader is the metadata key that carries a client call's number to the
 // server, in hexadecimal.
