@@ -130,13 +130,13 @@ func (d *destination) clientCall() uint64 {
 // admit binds ts, the payloads of v's marshaling left in the outbox for the
 // peer to pull, to the peer, once the call's earlier messages leave room
 // (oob.Flow.Send): a server stream's next message waits here, within its
-// call, rather than run ahead of a client that does not read it. A message
-// sent outside a server call with the stats handler (a net/rpc reply, one
-// to a request) is a call of its own: it waits only for the peer's bound
-// (oob.Limits.PeerUnpulledBytes), until its session closes or its
-// payloads' lease ends, and the replies after it on its connection wait
-// behind it (net/rpc writes them in turn), as an honest client's reader
-// pulls the replies before it.
+// call, rather than run ahead of a client that does not read it. A net/rpc
+// reply has a record of its own (one message to a request), and so does a
+// message of a call gdrpc's stats handler did not tag: such a message waits
+// only for the peer's bound (oob.Limits.PeerUnpulledBytes), until its
+// session closes or its payloads' lease ends. A net/rpc connection's later
+// replies wait behind it (net/rpc writes them in turn), as an honest
+// client's reader pulls the replies before it.
 func (d *destination) admit(ts []oob.Token) error {
 	if d == nil || len(ts) == 0 {
 		return nil
