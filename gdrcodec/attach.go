@@ -87,7 +87,17 @@ var leaked atomic.Int64
 // Buffer returns the buffer attached to db: the one Attach gave it, or for a
 // received message, the payload that arrived. The buffer stays owned by db: use
 // it while db is attached, Retain it to keep it longer.
-func Buffer(db *gdrv1.DeviceBuffer) (*devicebuf.Buffer, bool) {
+func Buffer(db *gdrv1.DeviceBuffer) (*devicebuf.Buffer, bool) { return lookup(db, false) }
+
+// retained is Buffer with a reference of the caller's taken on the buffer,
+// which it releases: a marshal reads the buffer through it, so that a
+// release of the message meanwhile (the same message sent on another call,
+// whose end releases it) does not free the memory under the read.
+func retained(db *gdrv1.DeviceBuffer) (*devicebuf.Buffer, bool) { return lookup(db, true) }
+
+// lookup returns the buffer attached to db, with a reference of the
+// caller's taken under the attachments' lock if retain.
+func lookup(db *gdrv1.DeviceBuffer, retain bool) (*devicebuf.Buffer, bool) {
 	if db == nil {
 		return nil, false
 	}
@@ -97,21 +107,9 @@ func Buffer(db *gdrv1.DeviceBuffer) (*devicebuf.Buffer, bool) {
 	if a == nil {
 		return nil, false
 	}
-	return a.buf, true
-}
-
-// retained is Buffer with a reference of the caller's taken on the buffer,
-// which it releases: a marshal reads the buffer through it, so that a
-// release of the message meanwhile (the same message sent on another call,
-// whose end releases it) does not free the memory under the read.
-func retained(db *gdrv1.DeviceBuffer) (*devicebuf.Buffer, bool) {
-	attached.Lock()
-	defer attached.Unlock()
-	a := attached.m[weak.Make(db)]
-	if a == nil {
-		return nil, false
+	if retain {
+		a.buf.Retain()
 	}
-	a.buf.Retain()
 	return a.buf, true
 }
 

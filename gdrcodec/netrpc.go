@@ -124,8 +124,8 @@ func (e unwritten) Unwrap() error { return e.err }
 // message together.
 const headerRoom = maxNetRPCHeader - 3*binary.MaxVarintLen64
 
-// cut returns s cut to at most n bytes, not inside a rune.
-func cut(s string, n int) string {
+// truncate returns s cut to at most n bytes, not inside a rune.
+func truncate(s string, n int) string {
 	if len(s) <= n {
 		return s
 	}
@@ -142,7 +142,7 @@ func (c *netrpcConn) write(seq uint64, method, errMsg string, body any, h *hold)
 	if len(method) > headerRoom {
 		return unwritten{fmt.Errorf("gdrcodec: net/rpc method name of %d bytes, at most %d", len(method), headerRoom)}
 	}
-	errMsg = cut(errMsg, headerRoom-len(method))
+	errMsg = truncate(errMsg, headerRoom-len(method))
 	var msg mem.BufferSlice // the body's buffers, written as they are
 	if body != nil {
 		m := messageV2Of(body)
@@ -472,7 +472,7 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 	// no room: net/rpc's client matches a reply by seq alone, so the name
 	// it echoes is cut rather than the reply refused (its caller would wait
 	// for ever: net/rpc drops a reply's write error).
-	method := cut(r.ServiceMethod, headerRoom/2)
+	method := truncate(r.ServiceMethod, headerRoom/2)
 	var s *transport.Session
 	if nc, ok := c.rwc.(net.Conn); ok {
 		s = transport.SessionOf(nc)

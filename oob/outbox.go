@@ -158,10 +158,10 @@ type peerWaiter struct {
 	ready    chan struct{} // closed when it is first and fits
 }
 
-// fits reports whether w's message fits within its bound beside what p
-// holds: a message larger than the bound fits once p holds nothing.
-func (p *sentEntries) fits(w *peerWaiter) bool {
-	return p.bytes == 0 || p.bytes+w.n <= w.limit
+// fits reports whether a message of n bytes fits within limit beside what
+// p holds: a message larger than the limit fits once p holds nothing.
+func (p *sentEntries) fits(n, limit int64) bool {
+	return p.bytes == 0 || p.bytes+n <= limit
 }
 
 // wakeLocked wakes the first waiter once it fits. box.mu is held.
@@ -169,7 +169,7 @@ func (p *sentEntries) wakeLocked() {
 	if len(p.waiters) == 0 {
 		return
 	}
-	if w := p.waiters[0]; p.fits(w) {
+	if w := p.waiters[0]; p.fits(w.n, w.limit) {
 		select {
 		case <-w.ready:
 		default:
@@ -537,7 +537,7 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 			// The call's own bound holds: the message takes its turn
 			// among the peer's.
 			p := box.toward[peer]
-			if w == nil && (p == nil || len(p.waiters) == 0 && p.fits(&peerWaiter{n: n, limit: lim.PeerUnpulledBytes})) {
+			if w == nil && (p == nil || len(p.waiters) == 0 && p.fits(n, lim.PeerUnpulledBytes)) {
 				break
 			}
 			if w == nil {
@@ -545,7 +545,7 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 				p.waiters = append(p.waiters, w)
 			}
 			w.n = n
-			if p.waiters[0] == w && p.fits(w) {
+			if p.waiters[0] == w && p.fits(w.n, w.limit) {
 				p.waiters = p.waiters[1:] // its turn: the next is woken once it is bound
 				w = nil
 				break
@@ -656,10 +656,15 @@ func Unpulled(peer transport.ID) int64 {
 // call id and not pulled: the peer ended the call (CALL-ENDED) and will
 // pull none of it.
 func withdrawCall(peer transport.ID, id uint64) {
+	withdrawSent(peer, func(p *sentEntries) map[Token]struct{} { return p.calls[id] })
+}
+
+// withdrawSent withdraws the entries sent toward peer that pick names.
+func withdrawSent(peer transport.ID, pick func(*sentEntries) map[Token]struct{}) {
 	box.mu.Lock()
 	var ts []Token
 	if p := box.toward[peer]; p != nil {
-		for t := range p.calls[id] {
+		for t := range pick(p) {
 			ts = append(ts, t)
 		}
 	}
@@ -675,17 +680,7 @@ func releaseOrphans(peer transport.ID) {
 	if len(liveSessions(peer)) > 0 {
 		return
 	}
-	box.mu.Lock()
-	var ts []Token
-	if p := box.toward[peer]; p != nil {
-		for t := range p.tokens {
-			ts = append(ts, t)
-		}
-	}
-	box.mu.Unlock()
-	for _, t := range ts {
-		Withdraw(t)
-	}
+	withdrawSent(peer, func(p *sentEntries) map[Token]struct{} { return p.tokens })
 }
 
 // releaseSentTo runs when s closes: the entries sent to its peer go when s
