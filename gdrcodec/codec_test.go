@@ -18,6 +18,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
@@ -131,21 +133,21 @@ type rig struct {
 var processEngine = gdrpc.WithSessionOptions(transport.WithEngine(oob.Engine()))
 
 // newRig starts a TensorService on a gdrpc listener in mode and dials it.
-func newRig(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer, opts ...gdrpc.Option) *rig {
+func newRig(t testing.TB, mode transport.Mode, srv tensorpb.TensorServiceServer, opts ...gdrpc.Option) *rig {
 	t.Helper()
 	return newRigWith(t, mode, srv, nil, opts...)
 }
 
 // newRigWith is newRig with server options of gRPC's added, before the
 // rig's own: their stats handlers run first.
-func newRigWith(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer, serverOpts []grpc.ServerOption, opts ...gdrpc.Option) *rig {
+func newRigWith(t testing.TB, mode transport.Mode, srv tensorpb.TensorServiceServer, serverOpts []grpc.ServerOption, opts ...gdrpc.Option) *rig {
 	t.Helper()
 	return newRigWrapped(t, mode, srv, serverOpts, nil, opts...)
 }
 
 // newRigWrapped is newRigWith with the server serving the listener wrap
 // makes of gdrpc's (nil: gdrpc's itself).
-func newRigWrapped(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer, serverOpts []grpc.ServerOption, wrap func(net.Listener) net.Listener, opts ...gdrpc.Option) *rig {
+func newRigWrapped(t testing.TB, mode transport.Mode, srv tensorpb.TensorServiceServer, serverOpts []grpc.ServerOption, wrap func(net.Listener) net.Listener, opts ...gdrpc.Option) *rig {
 	t.Helper()
 	if mode == transport.ModeUCX {
 		requireUCX(t)
@@ -169,6 +171,7 @@ func newRigWrapped(t *testing.T, mode transport.Mode, srv tensorpb.TensorService
 		srv = &tensor.Server{}
 	}
 	tensorpb.RegisterTensorServiceServer(gs, srv)
+	healthpb.RegisterHealthServer(gs, health.NewServer()) // a service whose messages carry no payloads
 	served := make(chan error, 1)
 	go func() { served <- gs.Serve(lis) }()
 

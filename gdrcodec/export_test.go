@@ -31,3 +31,18 @@ func UnmarshalForTest(b []byte, m proto.Message) error {
 func UnmarshalUntrackedForTest(b []byte, m proto.Message) error {
 	return (&codec{name: Name, oob: true}).Unmarshal(mem.BufferSlice{mem.SliceBuffer(b)}, m)
 }
+
+// TrackedForTest returns how many messages the codec's call bookkeeping
+// notes now: being received (recvCalls) and being sent (holds).
+func TrackedForTest() (receiving, sending int) {
+	recvCalls.Range(func(any, any) bool { receiving++; return true })
+	holds.Range(func(any, any) bool { sending++; return true })
+	return receiving, sending
+}
+
+// CallNotedForTest reports whether the server call of ctx has the codec's
+// record.
+func CallNotedForTest(ctx context.Context) bool {
+	_, ok := ctx.Value(callKey{}).(*callMessages)
+	return ok
+}

@@ -465,29 +465,56 @@ func (r *requestTypes) has(t protoreflect.FullName) bool {
 	return r.n[t] > 0 || r.n[""] > 0
 }
 
-var requestTypeCache sync.Map // full method name -> protoreflect.FullName, for known methods
+// A method is what the protobuf registry says of a gRPC method: its request
+// type, and whether its messages cannot carry a payload either way (plain),
+// so that its calls need none of the codec's bookkeeping.
+type method struct {
+	request protoreflect.FullName
+	plain   bool
+}
 
-// requestType returns the type of the request of method ("/pkg.Service/Method")
-// as the protobuf registry knows it, or "".
-func requestType(method string) protoreflect.FullName {
-	if t, ok := requestTypeCache.Load(method); ok {
-		return t.(protoreflect.FullName)
+var methods sync.Map // full method name -> method, for methods the registry knows
+
+// lookupMethod returns what the registry says of method ("/pkg.Service/Method"),
+// or false where it does not know the method.
+func lookupMethod(name string) (method, bool) {
+	if m, ok := methods.Load(name); ok {
+		return m.(method), true
 	}
-	var t protoreflect.FullName
-	service, name, ok := strings.Cut(strings.TrimPrefix(method, "/"), "/")
-	if ok {
-		if d, err := protoregistry.GlobalFiles.FindDescriptorByName(protoreflect.FullName(service)); err == nil {
-			if sd, ok := d.(protoreflect.ServiceDescriptor); ok {
-				if md := sd.Methods().ByName(protoreflect.Name(name)); md != nil {
-					t = md.Input().FullName()
-				}
-			}
-		}
+	service, mname, ok := strings.Cut(strings.TrimPrefix(name, "/"), "/")
+	if !ok {
+		return method{}, false
 	}
-	if t != "" { // methods nobody registered are not kept: any name can arrive
-		requestTypeCache.Store(method, t)
+	d, err := protoregistry.GlobalFiles.FindDescriptorByName(protoreflect.FullName(service))
+	if err != nil {
+		return method{}, false
 	}
-	return t
+	sd, ok := d.(protoreflect.ServiceDescriptor)
+	if !ok {
+		return method{}, false
+	}
+	md := sd.Methods().ByName(protoreflect.Name(mname))
+	if md == nil {
+		return method{}, false
+	}
+	// Methods nobody registered are not kept: any name can arrive.
+	m := method{request: md.Input().FullName(), plain: !mayCarry(md.Input()) && !mayCarry(md.Output())}
+	methods.Store(name, m)
+	return m, true
+}
+
+// requestType returns the type of the request of method as the protobuf
+// registry knows it, or "".
+func requestType(name string) protoreflect.FullName {
+	m, _ := lookupMethod(name)
+	return m.request
+}
+
+// canCarry reports whether v is a message whose type can carry a payload:
+// the calls' bookkeeping skips those that cannot.
+func canCarry(v any) bool {
+	m := messageV2Of(v)
+	return m != nil && mayCarry(m.ProtoReflect().Descriptor())
 }
 
 // failures holds the failed pulls of requests decoded on a server until the
@@ -536,8 +563,15 @@ func (h *hold) release() {
 // while the response was being decoded, where gRPC reports Internal. It
 // numbers the call (numberCall), and a call that fails tells the server,
 // which takes back the receive space of a response the call never decoded.
+// A call whose request and response types cannot carry a payload needs none
+// of this and goes straight to the invoker.
 func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		if !canCarry(req) && !canCarry(reply) {
+			// Nothing to hold, pull or number: the server's response can
+			// name no payload this call would decode.
+			return invoker(plainCall(ctx), method, req, reply, cc, opts...)
+		}
 		ctx, call := numberCall(ctx)
 		rc := expectReceive(ctx, reply, false)
 		h := &hold{rc: rc}
@@ -600,16 +634,21 @@ func StreamClientInterceptor() grpc.StreamClientInterceptor {
 // note what they took of this process's receive space (oob.WithCall), and
 // the server notes what it wrote there for the call.
 func numberCall(ctx context.Context) (context.Context, *oob.Call) {
-	if len(metadata.ValueFromOutgoingContext(ctx, oob.CallHeader)) > 0 {
-		// A number another process gave (a proxy forwarding its incoming
-		// metadata) names none of this process's calls.
-		md, _ := metadata.FromOutgoingContext(ctx) // a copy
-		delete(md, oob.CallHeader)
-		ctx = metadata.NewOutgoingContext(ctx, md)
-	}
+	ctx = plainCall(ctx)
 	call := oob.NewCall()
 	ctx = metadata.AppendToOutgoingContext(ctx, oob.CallHeader, strconv.FormatUint(call.ID, 16))
 	return oob.WithCall(ctx, call), call
+}
+
+// plainCall returns ctx without a call number another process gave (a proxy
+// forwarding its incoming metadata): it names none of this process's calls.
+func plainCall(ctx context.Context) context.Context {
+	if len(metadata.ValueFromOutgoingContext(ctx, oob.CallHeader)) == 0 {
+		return ctx
+	}
+	md, _ := metadata.FromOutgoingContext(ctx) // a copy
+	delete(md, oob.CallHeader)
+	return metadata.NewOutgoingContext(ctx, md)
 }
 
 type heldStream struct {
@@ -653,6 +692,9 @@ func (s *heldStream) end() {
 }
 
 func (s *heldStream) SendMsg(m any) error {
+	if !canCarry(m) {
+		return s.ClientStream.SendMsg(m)
+	}
 	sending := send(m, s.h)
 	err := s.ClientStream.SendMsg(m)
 	sending.sent(m)
@@ -674,8 +716,13 @@ func (s *heldStream) SendMsg(m any) error {
 }
 
 func (s *heldStream) RecvMsg(m any) error {
-	rc := expectReceive(s.h.rc.context(), m, false)
-	err := rc.done(m, s.ClientStream.RecvMsg(m))
+	var err error
+	if canCarry(m) {
+		rc := expectReceive(s.h.rc.context(), m, false)
+		err = rc.done(m, s.ClientStream.RecvMsg(m))
+	} else {
+		err = s.ClientStream.RecvMsg(m)
+	}
 	if err == io.EOF || err == nil && !s.serverStreams {
 		s.complete.Store(true) // a single response, received, ends the stream
 	}
@@ -771,6 +818,9 @@ func streamServerInterceptor(srv any, ss grpc.ServerStream, _ *grpc.StreamServer
 type requestStream struct{ grpc.ServerStream }
 
 func (s *requestStream) RecvMsg(m any) error {
+	if !canCarry(m) {
+		return s.ServerStream.RecvMsg(m)
+	}
 	rc := expectReceive(s.Context(), m, true)
 	return rc.done(m, s.ServerStream.RecvMsg(m))
 }
@@ -778,6 +828,9 @@ func (s *requestStream) RecvMsg(m any) error {
 // SendMsg lets the message's marshaling write its payloads into receive
 // space the client advertised.
 func (s *requestStream) SendMsg(m any) error {
+	if !canCarry(m) {
+		return s.ServerStream.SendMsg(m)
+	}
 	bindDestination(s.Context(), m)
 	err := s.ServerStream.SendMsg(m)
 	takeDestination(m) // not marshaled (SendMsg failed first): forget it
@@ -843,6 +896,9 @@ func failedRequest(ctx context.Context, req any) *status.Status {
 }
 
 func (serverStats) TagRPC(ctx context.Context, info *stats.RPCTagInfo) context.Context {
+	if m, ok := lookupMethod(info.FullMethodName); ok && m.plain {
+		return ctx // its messages carry no payloads: nothing to give back, pull or bound
+	}
 	return context.WithValue(ctx, callKey{}, &callMessages{method: info.FullMethodName})
 }
 
@@ -875,7 +931,7 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			return
 		}
 		c.mu.Lock()
-		if c.single && c.request == nil {
+		if c.single && c.request == nil && canCarry(s.Payload) {
 			c.request = s.Payload
 			singleRequests.Store(s.Payload, struct{}{})
 		}
@@ -905,6 +961,9 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			c.mu.Unlock()
 		}
 	case *stats.OutPayload:
+		if !canCarry(s.Payload) {
+			return
+		}
 		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
 			c.mu.Lock()
 			delete(c.landed, s.Payload) // the client has them now
