@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -32,11 +33,24 @@ import (
 // server, in hexadecimal.
 const CallHeader = "gdrpc-call"
 
-// maxCallTaken bounds the ranges one CALL-ENDED names: a call that took more
-// (a long stream whose buffers the application still holds) sends none, and
-// what it left behind stays with the server until the session ends (in its
-// outbox, until their lease ends at the latest).
+// maxCallTaken bounds the ranges one CALL-ENDED names. A call names only the
+// ranges it still holds (those given back need no naming: the owner takes
+// them back either way, and a notice about a write it already ended frees
+// nothing); a call that holds more (a long stream whose buffers the
+// application keeps) sends a CALL-ENDED that names none and says so
+// (takenUnknown): the owner then withdraws what it sent for the call and
+// writes nothing more for it, but takes back no range, and the ranges the
+// call never took stay with the client until the session ends.
 const maxCallTaken = 1024
+
+// maxCallNoted bounds the ranges a call notes before it sorts out those it
+// gave back (Call.tidy): one that notes more without giving them back
+// stops noting, and its CALL-ENDED names none.
+const maxCallNoted = 2 * maxCallTaken
+
+// takenUnknown is the count of a CALL-ENDED that names no range because the
+// call could not name all it holds.
+const takenUnknown = 0xffff
 
 // maxEndedCalls bounds the numbers of ended calls a server remembers per
 // session, so that it writes nothing for a call that ended before its
@@ -48,8 +62,10 @@ const maxEndedCalls = 1024
 type Call struct {
 	ID uint64
 
-	mu       sync.Mutex
-	took     []spaceRange
+	mu   sync.Mutex
+	took []spaceRange
+	// overflow: a range went unnoted (maxCallNoted): the call cannot name
+	// all it holds.
 	overflow bool
 	ended    bool
 }
@@ -100,12 +116,51 @@ func (c *Call) note(r spaceRange) bool {
 	if c.ended {
 		return false
 	}
-	if len(c.took) >= maxCallTaken {
+	if len(c.took) >= maxCallNoted {
 		c.overflow = true
 		return true
 	}
 	c.took = append(c.took, r)
 	return true
+}
+
+// tidy forgets the ranges the call noted and gave back since, once it noted
+// more than a CALL-ENDED names. It takes no lock of a space while it holds
+// c.mu (note runs under a space's lock and takes c.mu).
+func (c *Call) tidy() {
+	if c == nil {
+		return
+	}
+	c.mu.Lock()
+	if len(c.took) <= maxCallTaken {
+		c.mu.Unlock()
+		return
+	}
+	took := slices.Clone(c.took)
+	c.mu.Unlock()
+	gone := map[spaceRange]bool{}
+	for _, r := range took {
+		if !holds(r) {
+			gone[r] = true // given back: it stays so
+		}
+	}
+	c.mu.Lock()
+	c.took = slices.DeleteFunc(c.took, func(r spaceRange) bool { return gone[r] })
+	c.mu.Unlock()
+}
+
+// holds reports whether the application holds write r into a space of this
+// process's.
+func holds(r spaceRange) bool {
+	v, ok := spaces.Load(r.space)
+	if !ok {
+		return false // the space went with its session
+	}
+	sp := v.(*space)
+	sp.mu.Lock()
+	defer sp.mu.Unlock()
+	h, ok := sp.inUse[r.off]
+	return ok && h.gen == r.gen
 }
 
 // Ended tells the server on s that the call ended, maybe without taking every
@@ -120,14 +175,10 @@ func (c *Call) Ended(s *transport.Session, answered bool) {
 	if c == nil || s == nil || (!answered && !advertisesOver(s)) {
 		return
 	}
-	c.mu.Lock()
-	if c.ended || c.overflow {
-		c.mu.Unlock()
+	msg, first := c.end()
+	if !first {
 		return
 	}
-	c.ended = true // from here on the call takes nothing (note)
-	msg := callEnded(c.ID, c.took)
-	c.mu.Unlock()
 	go func() {
 		ctx, cancel := context.WithTimeout(sessionContext(s), cfgOf(s).Timeout)
 		defer cancel()
@@ -135,6 +186,20 @@ func (c *Call) Ended(s *transport.Session, answered bool) {
 			cfgOf(s).Logger.Debug("call end not sent", "session", s.ID(), "call", c.ID, "err", err)
 		}
 	}()
+}
+
+// end marks the call ended and returns its CALL-ENDED, or false if it ended
+// before.
+func (c *Call) end() ([]byte, bool) {
+	c.tidy()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.ended {
+		return nil, false
+	}
+	c.ended = true // from here on the call takes nothing (note)
+	unknown := c.overflow || len(c.took) > maxCallTaken // it holds more than a CALL-ENDED names
+	return callEnded(c.ID, c.took, unknown), true
 }
 
 // advertisesOver reports whether this process advertised a space over s.
@@ -146,11 +211,15 @@ func advertisesOver(s *transport.Session) bool {
 }
 
 // callEnded is a CALL-ENDED: version, the call's number, and the writes it
-// took (space id, offset and write number each).
-func callEnded(id uint64, took []spaceRange) []byte {
+// took (space id, offset and write number each), or, where unknown, the
+// count takenUnknown and none.
+func callEnded(id uint64, took []spaceRange, unknown bool) []byte {
 	b := make([]byte, 0, 1+8+2+24*len(took))
 	b = append(b, wireVersion)
 	b = binary.BigEndian.AppendUint64(b, id)
+	if unknown {
+		return binary.BigEndian.AppendUint16(b, takenUnknown)
+	}
 	b = binary.BigEndian.AppendUint16(b, uint16(len(took)))
 	for _, r := range took {
 		b = binary.BigEndian.AppendUint64(b, r.space)
@@ -160,32 +229,47 @@ func callEnded(id uint64, took []spaceRange) []byte {
 	return b
 }
 
-func parseCallEnded(b []byte) (id uint64, took map[spaceRange]bool, err error) {
+// parseCallEnded returns a CALL-ENDED's call and the writes it took, or
+// unknown where the call could not name them.
+func parseCallEnded(b []byte) (id uint64, took map[spaceRange]bool, unknown bool, err error) {
 	r := &wire.Reader{B: b}
 	if v := r.U8("version"); r.Err == nil && v != wireVersion {
-		return 0, nil, fmt.Errorf("malformed CALL-ENDED: version %d", v)
+		return 0, nil, false, fmt.Errorf("malformed CALL-ENDED: version %d", v)
 	}
 	id = r.U64("call")
 	n := int(r.U16("count"))
-	if r.Err == nil && (n > maxCallTaken || id == 0) {
-		return 0, nil, fmt.Errorf("malformed CALL-ENDED: call %d, %d ranges (at most %d)", id, n, maxCallTaken)
+	if r.Err == nil && id == 0 {
+		return 0, nil, false, errors.New("malformed CALL-ENDED: call 0")
+	}
+	if n == takenUnknown {
+		if err := r.Finish("CALL-ENDED"); err != nil {
+			return 0, nil, false, err
+		}
+		return id, nil, true, nil
+	}
+	if r.Err == nil && n > maxCallTaken {
+		return 0, nil, false, fmt.Errorf("malformed CALL-ENDED: call %d, %d ranges (at most %d)", id, n, maxCallTaken)
 	}
 	took = make(map[spaceRange]bool, n)
 	for range n {
 		took[spaceRange{r.U64("space"), r.U64("offset"), r.U64("write")}] = true
 	}
-	return id, took, r.Finish("CALL-ENDED")
+	if err := r.Finish("CALL-ENDED"); err != nil {
+		return 0, nil, false, err
+	}
+	return id, took, false, nil
 }
 
 // handleCallEnded takes back what this side wrote into the peer's spaces for
-// a call that ended, except the ranges the call took, and remembers the call
-// so that nothing more is written for it.
+// a call that ended, except the ranges the call took (nothing, where the
+// call could not name them), withdraws what it sent for the call and nobody
+// pulled, and remembers the call so that nothing more is written for it.
 func handleCallEnded(s *transport.Session, payload []byte) {
 	a := stateOf(s) // once: the session may close meanwhile
 	if a == closedState {
 		return // a closed session's: it has no spaces, and its state is shared
 	}
-	id, took, err := parseCallEnded(payload)
+	id, took, unknown, err := parseCallEnded(payload)
 	if err != nil {
 		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
 		return
@@ -194,8 +278,10 @@ func handleCallEnded(s *transport.Session, payload []byte) {
 	st.mu.Lock()
 	st.ended.add(id)
 	st.mu.Unlock()
-	for _, ps := range peerSpacesOf(s) {
-		ps.reclaimCall(id, took)
+	if !unknown { // a call that could not name what it holds leaves every range: none is safe to take
+		for _, ps := range peerSpacesOf(s) {
+			ps.reclaimCall(id, took)
+		}
 	}
 	withdrawCall(s.PeerID(), id)
 }

@@ -540,6 +540,7 @@ func fetchLanded(ctx context.Context, d Descriptor, call *Call) (*devicebuf.Buff
 	}
 	sp.inUse[off] = h
 	sp.mu.Unlock()
+	call.tidy()
 	ptr, release := sp.region.Ptr()+uintptr(off), func() { sp.giveBack(off) }
 	if d.SpaceEvent == 0 {
 		return devicebuf.Wrap(ptr, int(n), sp.region.Kind(), sp.region.Device(), release), sp, nil

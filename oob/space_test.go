@@ -1,6 +1,7 @@
 package oob
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"maps"
@@ -116,19 +117,28 @@ func TestPeerSpaceCallEnded(t *testing.T) {
 // CALL-ENDED round-trips; malformed ones are refused.
 func TestCallEndedMessage(t *testing.T) {
 	took := []spaceRange{{1, 0, 5}, {2, 4096, 6}}
-	id, got, err := parseCallEnded(callEnded(42, took))
+	id, got, unknown, err := parseCallEnded(callEnded(42, took, false))
 	require.NoError(t, err)
 	require.Equal(t, uint64(42), id)
 	require.Equal(t, map[spaceRange]bool{{1, 0, 5}: true, {2, 4096, 6}: true}, got)
+	require.False(t, unknown)
+	id, got, unknown, err = parseCallEnded(callEnded(43, took, true))
+	require.NoError(t, err)
+	require.Equal(t, uint64(43), id)
+	require.Empty(t, got, "a call that cannot name what it holds names nothing")
+	require.True(t, unknown)
 	for name, b := range map[string][]byte{
-		"empty":    nil,
-		"version":  append([]byte{9}, callEnded(1, nil)[1:]...),
-		"call 0":   callEnded(0, nil),
-		"short":    callEnded(1, took)[:20],
-		"trailing": append(callEnded(1, nil), 0),
-		"too many": callEnded(1, make([]spaceRange, maxCallTaken+1)),
+		"empty":                       nil,
+		"version":                     append([]byte{9}, callEnded(1, nil, false)[1:]...),
+		"call 0":                      callEnded(0, nil, false),
+		"call 0, unknown":             callEnded(0, nil, true),
+		"short":                       callEnded(1, took, false)[:20],
+		"trailing":                    append(callEnded(1, nil, false), 0),
+		"unknown, ranges":             append(callEnded(1, nil, true), callEnded(1, took, false)[11:]...),
+		"too many":                    callEnded(1, make([]spaceRange, maxCallTaken+1), false),
+		"too many, short of the mark": callEnded(1, make([]spaceRange, takenUnknown-1), false),
 	} {
-		_, _, err := parseCallEnded(b)
+		_, _, _, err := parseCallEnded(b)
 		require.Error(t, err, name)
 	}
 }
@@ -509,11 +519,11 @@ func TestCallEndedPerSession(t *testing.T) {
 		ps.writers.Done()
 		written[ss] = ps
 	}
-	for _, bad := range [][]byte{nil, {1}, callEnded(0, nil), append(callEnded(7, nil), 1)} {
+	for _, bad := range [][]byte{nil, {1}, callEnded(0, nil, false), append(callEnded(7, nil, false), 1)} {
 		handleCallEnded(ss1, bad)
 	}
 	require.Len(t, written[ss1].taken, 1, "malformed CALL-ENDEDs free nothing")
-	handleCallEnded(ss1, callEnded(7, nil))
+	handleCallEnded(ss1, callEnded(7, nil, false))
 	require.Empty(t, written[ss1].taken)
 	require.Len(t, written[ss2].taken, 1, "the other session's call 7")
 	require.True(t, stateOf(ss1).space.callEnded(7))
@@ -524,16 +534,114 @@ func TestCallEndedPerSession(t *testing.T) {
 	written[ss1].writers.Done()
 }
 
+// A CALL-ENDED that cannot name what its call holds takes back no range of
+// the call's, but withdraws what was sent for it and nobody pulled, and
+// nothing more is written for it.
+func TestCallEndedUnknownTakesNothingBack(t *testing.T) {
+	_, ss := tcpPair(t, transport.WithTrustPeers(true))
+	m := &spaceMsg{rtr: rtr{Req: 9, Length: 1 << 20, Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}}
+	handleSpace(ss, m.marshal())
+	ps := peerSpaceByID(ss, m.Req)
+	require.NotNil(t, ps)
+	off, gen, ok := ps.take(4096, 44)
+	require.True(t, ok)
+	require.True(t, ps.endWrite(off, gen, true))
+	ps.writers.Done()
+	d := Offer(Source{Bytes: bytes.Repeat([]byte{7}, 64<<10)}, OfferOptions{})
+	t.Cleanup(func() { Withdraw(d.Token) })
+	var flow Flow
+	require.NoError(t, flow.Send(testContext(t), ss, 44, []Token{d.Token}))
+
+	handleCallEnded(ss, callEnded(44, nil, true))
+	require.Contains(t, ps.taken, off, "the call may hold the range")
+	require.False(t, Offered(d.Token), "what nobody pulled is withdrawn")
+	require.True(t, stateOf(ss).space.callEnded(44))
+	require.True(t, ps.give(off, 4096, gen), "the client gives the range back itself")
+}
+
 func FuzzParseCallEnded(f *testing.F) {
-	f.Add(callEnded(42, []spaceRange{{1, 0, 5}, {2, 4096, 6}}))
+	f.Add(callEnded(42, []spaceRange{{1, 0, 5}, {2, 4096, 6}}, false))
+	f.Add(callEnded(42, nil, true))
 	f.Fuzz(func(t *testing.T, b []byte) {
-		id, took, err := parseCallEnded(b)
+		id, took, unknown, err := parseCallEnded(b)
 		if err != nil {
 			return
 		}
 		require.NotZero(t, id)
 		require.LessOrEqual(t, len(took), maxCallTaken)
+		if unknown {
+			require.Empty(t, took)
+		}
 	})
+}
+
+// A call that took more ranges than a CALL-ENDED names, and gave most of
+// them back, names the ones it holds; one that holds more names none and
+// says so, and one that ended takes nothing more.
+func TestCallEndedNamesHeldRanges(t *testing.T) {
+	cs, _ := tcpPair(t)
+	owner := cs.Peer().ID
+	const ranges = maxCallTaken + 8
+	sp := makeSpace(11, cs, devicebuf.HostFromBytes(make([]byte, ranges*spaceAlign)), PathRDMA)
+	spaces.Store(sp.id, sp)
+	t.Cleanup(func() { spaces.Delete(sp.id) })
+	gen := uint64(0) // the owner numbers its writes
+	landed := func(i int) Descriptor {
+		gen++
+		return Descriptor{Owner: owner, Token: Token{1}, Length: spaceAlign, Kind: devicebuf.Host, Device: -1,
+			Space: sp.id, SpaceOffset: uint64(i) * spaceAlign, SpacePath: PathRDMA, SpaceGen: gen}
+	}
+	take := func(call *Call, i int) *devicebuf.Buffer {
+		b, _, err := fetchLanded(context.Background(), landed(i), call)
+		require.NoError(t, err)
+		return b
+	}
+	ended := func(call *Call) (map[spaceRange]bool, bool) {
+		msg, first := call.end()
+		require.True(t, first)
+		_, again := call.end()
+		require.False(t, again, "a call ends once")
+		id, took, unknown, err := parseCallEnded(msg)
+		require.NoError(t, err)
+		require.Equal(t, call.ID, id)
+		return took, unknown
+	}
+
+	// Every range taken and given back but the last two.
+	call := &Call{ID: 5}
+	var kept []*devicebuf.Buffer
+	for i := range ranges {
+		b := take(call, i)
+		if i < ranges-2 {
+			require.NoError(t, b.Release())
+		} else {
+			kept = append(kept, b)
+		}
+	}
+	took, unknown := ended(call)
+	require.False(t, unknown)
+	require.LessOrEqual(t, len(took), maxCallTaken)
+	require.True(t, took[spaceRange{sp.id, (ranges - 2) * spaceAlign, ranges - 1}], "a range still held")
+	require.True(t, took[spaceRange{sp.id, (ranges - 1) * spaceAlign, ranges}], "a range still held")
+	_, _, err := fetchLanded(context.Background(), landed(0), call) // a later write into a range given back
+	require.ErrorIs(t, err, errCallEnded)
+	for _, b := range kept {
+		require.NoError(t, b.Release())
+	}
+
+	// Held, all of them: more than a CALL-ENDED names.
+	call = &Call{ID: 6}
+	var held []*devicebuf.Buffer
+	for i := range maxCallTaken + 1 {
+		held = append(held, take(call, i))
+	}
+	took, unknown = ended(call)
+	require.True(t, unknown)
+	require.Empty(t, took)
+	for _, b := range held {
+		require.NoError(t, b.Release())
+	}
+	markClosed(sp)
 }
 
 // A space whose IPC handle does not open (garbage from the peer) is not
