@@ -197,9 +197,10 @@ func (c *Call) end() ([]byte, bool) {
 	if c.ended {
 		return nil, false
 	}
-	c.ended = true // from here on the call takes nothing (note)
-	unknown := c.overflow || len(c.took) > maxCallTaken // it holds more than a CALL-ENDED names
-	return callEnded(c.ID, c.took, unknown), true
+	// From here on the call takes nothing (note). One that holds more than
+	// a CALL-ENDED names says so instead.
+	c.ended = true
+	return callEnded(c.ID, c.took, c.overflow || len(c.took) > maxCallTaken), true
 }
 
 // advertisesOver reports whether this process advertised a space over s.
