@@ -509,15 +509,7 @@ func TestCallEndedPerSession(t *testing.T) {
 	_, ss2 := tcpPair(t, transport.WithTrustPeers(true))
 	written := map[*transport.Session]*peerSpace{}
 	for i, ss := range []*transport.Session{ss1, ss2} {
-		m := &spaceMsg{rtr: rtr{Req: uint64(5 + i), Length: 1 << 20, Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}}
-		handleSpace(ss, m.marshal())
-		ps := peerSpaceByID(ss, m.Req)
-		require.NotNil(t, ps)
-		off, gen, ok := ps.take(4096, 7)
-		require.True(t, ok)
-		require.True(t, ps.endWrite(off, gen, true))
-		ps.writers.Done()
-		written[ss] = ps
+		written[ss], _, _ = writtenForCall(t, ss, uint64(5+i), 7)
 	}
 	for _, bad := range [][]byte{nil, {1}, callEnded(0, nil, false), append(callEnded(7, nil, false), 1)} {
 		handleCallEnded(ss1, bad)
@@ -534,19 +526,28 @@ func TestCallEndedPerSession(t *testing.T) {
 	written[ss1].writers.Done()
 }
 
+// writtenForCall takes the space id the peer of ss advertises (a SPACE
+// handled on ss) and writes a range of it for client call: the owner's side
+// of a response written into receive space.
+func writtenForCall(t *testing.T, ss *transport.Session, id, call uint64) (ps *peerSpace, off, gen uint64) {
+	t.Helper()
+	m := &spaceMsg{rtr: rtr{Req: id, Length: 1 << 20, Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}}
+	handleSpace(ss, m.marshal())
+	ps = peerSpaceByID(ss, m.Req)
+	require.NotNil(t, ps)
+	off, gen, ok := ps.take(4096, call)
+	require.True(t, ok)
+	require.True(t, ps.endWrite(off, gen, true))
+	ps.writers.Done()
+	return ps, off, gen
+}
+
 // A CALL-ENDED that cannot name what its call holds takes back no range of
 // the call's, but withdraws what was sent for it and nobody pulled, and
 // nothing more is written for it.
 func TestCallEndedUnknownTakesNothingBack(t *testing.T) {
 	_, ss := tcpPair(t, transport.WithTrustPeers(true))
-	m := &spaceMsg{rtr: rtr{Req: 9, Length: 1 << 20, Offers: PathRDMA, RAddr: 4096, RKey: []byte{1}}}
-	handleSpace(ss, m.marshal())
-	ps := peerSpaceByID(ss, m.Req)
-	require.NotNil(t, ps)
-	off, gen, ok := ps.take(4096, 44)
-	require.True(t, ok)
-	require.True(t, ps.endWrite(off, gen, true))
-	ps.writers.Done()
+	ps, off, gen := writtenForCall(t, ss, 9, 44)
 	d := Offer(Source{Bytes: bytes.Repeat([]byte{7}, 64<<10)}, OfferOptions{})
 	t.Cleanup(func() { Withdraw(d.Token) })
 	var flow Flow
