@@ -564,7 +564,9 @@ func (h *hold) release() {
 // numbers the call (numberCall), and a call that fails tells the server,
 // which takes back the receive space of a response the call never decoded.
 // A call whose request and response types cannot carry a payload needs none
-// of this and goes straight to the invoker.
+// of this and goes straight to the invoker: client and server are taken to
+// share the method's schema (a server whose newer response type gained a
+// payload field writes for such a call as for one of a plain gRPC client).
 func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		if !canCarry(req) && !canCarry(reply) {
@@ -794,7 +796,7 @@ func unaryServerInterceptor(ctx context.Context, req any, _ *grpc.UnaryServerInf
 		return nil, st.Err()
 	}
 	resp, err := handler(ctx, req)
-	if err == nil && resp != nil {
+	if err == nil && canCarry(resp) {
 		bindDestination(ctx, resp)
 		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
 			c.mu.Lock()

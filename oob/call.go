@@ -18,10 +18,13 @@ import (
 // decoded the response and released the buffer. A response the client never
 // decodes (its call was cancelled or ran out of time first, or gRPC refused
 // the message) leaves ranges nobody gives back. So a client numbers its calls
-// (the gdrpc-call header, CallHeader), notes the writes each call took, and,
-// when a call ends without having taken every response, tells the server
-// which writes the call did take (CALL-ENDED): the server takes back the rest
-// of what it wrote for that call, and writes nothing more for it. Writes
+// (the gdrpc-call header, CallHeader; a unary call whose messages cannot
+// carry a payload needs none), notes the writes each call took, and, when a
+// call ends without having taken every response, tells the server which
+// writes the call still holds (CALL-ENDED): the server takes back the rest
+// of what it wrote for that call, and writes nothing more for it (a call
+// that holds more than a CALL-ENDED names says so, and the server then
+// takes back nothing). Writes
 // are named by range and number (Descriptor.SpaceGen), since control
 // messages are handled concurrently: a notice about an earlier write into a
 // range must not free a later one. The same notice withdraws from the
@@ -62,8 +65,14 @@ const maxEndedCalls = 1024
 type Call struct {
 	ID uint64
 
-	mu   sync.Mutex
+	mu sync.Mutex
+	// took are the writes the call took, less some it gave back since
+	// (tidy): a CALL-ENDED needs only those it still holds.
 	took []spaceRange
+	// tidyAt is the length of took at which tidy looks for writes given
+	// back next: twice what the last look kept, so that a call that keeps
+	// what it took is not looked over on every fetch.
+	tidyAt int
 	// overflow: a range went unnoted (maxCallNoted): the call cannot name
 	// all it holds.
 	overflow bool
@@ -77,9 +86,9 @@ type spaceRange struct{ space, off, gen uint64 }
 var callNumbers atomic.Uint64
 
 // NewCall returns the record of a client call about to start. Every call
-// gets one: a call made before the process advertised its first space (a
-// stream whose first pull prompts the advertisement) may have later
-// responses written into it.
+// that may receive a payload gets one: a call made before the process
+// advertised its first space (a stream whose first pull prompts the
+// advertisement) may have later responses written into it.
 func NewCall() *Call {
 	return &Call{ID: callNumbers.Add(1)}
 }
@@ -105,8 +114,9 @@ var errCallEnded = errors.New("the call ended before its payload in receive spac
 
 // note records a range of space that a payload of the call takes. It
 // reports false once the call ended: its CALL-ENDED, which did not name the
-// range, gives the range back to the server, and the payload must not be
-// handed out (a message decoded while the call was cancelled).
+// range, leaves the range to the server (the SPACE-FREE the caller then
+// queues makes sure), and the payload must not be handed out (a message
+// decoded while the call was cancelled).
 func (c *Call) note(r spaceRange) bool {
 	if c == nil {
 		return true
@@ -125,47 +135,64 @@ func (c *Call) note(r spaceRange) bool {
 }
 
 // tidy forgets the ranges the call noted and gave back since, once it noted
-// more than a CALL-ENDED names. It takes no lock of a space while it holds
-// c.mu (note runs under a space's lock and takes c.mu).
-func (c *Call) tidy() {
+// more than a CALL-ENDED names and twice what the last look kept. It takes
+// no lock of a space while it holds c.mu (note runs under a space's lock and
+// takes c.mu), and each space's lock once.
+func (c *Call) tidy() { c.forget(false) }
+
+// forget forgets the ranges the call noted and gave back since: all of
+// them where all, otherwise as tidy says.
+func (c *Call) forget(all bool) {
 	if c == nil {
 		return
 	}
 	c.mu.Lock()
-	if len(c.took) <= maxCallTaken {
+	if c.overflow || !all && len(c.took) <= max(maxCallTaken, c.tidyAt) {
+		// Within what a CALL-ENDED names, or past naming anything.
 		c.mu.Unlock()
 		return
 	}
-	took := slices.Clone(c.took)
+	bySpace := map[uint64][]spaceRange{}
+	for _, r := range c.took {
+		bySpace[r.space] = append(bySpace[r.space], r)
+	}
 	c.mu.Unlock()
 	gone := map[spaceRange]bool{}
-	for _, r := range took {
-		if !holds(r) {
-			gone[r] = true // given back: it stays so
-		}
+	for id, rs := range bySpace {
+		givenBack(id, rs, gone)
 	}
 	c.mu.Lock()
 	c.took = slices.DeleteFunc(c.took, func(r spaceRange) bool { return gone[r] })
+	// Looked over again once it has twice what it holds, and before note
+	// stops noting.
+	c.tidyAt = min(maxCallNoted-1, 2*len(c.took))
 	c.mu.Unlock()
 }
 
-// holds reports whether the application holds write r into a space of this
-// process's.
-func holds(r spaceRange) bool {
-	v, ok := spaces.Load(r.space)
+// givenBack adds to gone the writes of rs, into this process's space id,
+// that the application no longer holds: given back, they stay so.
+func givenBack(id uint64, rs []spaceRange, gone map[spaceRange]bool) {
+	v, ok := spaces.Load(id)
 	if !ok {
-		return false // the space went with its session
+		for _, r := range rs {
+			gone[r] = true // the space went with its session
+		}
+		return
 	}
 	sp := v.(*space)
 	sp.mu.Lock()
 	defer sp.mu.Unlock()
-	h, ok := sp.inUse[r.off]
-	return ok && h.gen == r.gen
+	for _, r := range rs {
+		if h, ok := sp.inUse[r.off]; !ok || h.gen != r.gen {
+			gone[r] = true
+		}
+	}
 }
 
 // Ended tells the server on s that the call ended, maybe without taking every
 // response it was sent: the server takes back the ranges it wrote for the
-// call that the call did not take, and withdraws from its outbox what it
+// call that the call does not name (none, where it holds more than a
+// CALL-ENDED names), and withdraws from its outbox what it
 // sent for the call and nobody pulled. answered says whether a response
 // message may have gone (its headers came, or the call gave up while they
 // may have been on their way); if not, and no space was advertised over s,
@@ -191,7 +218,7 @@ func (c *Call) Ended(s *transport.Session, answered bool) {
 // end marks the call ended and returns its CALL-ENDED, or false if it ended
 // before.
 func (c *Call) end() ([]byte, bool) {
-	c.tidy()
+	c.forget(true) // it names no more than it holds
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.ended {

@@ -576,26 +576,36 @@ func FuzzParseCallEnded(f *testing.F) {
 	})
 }
 
-// A call that took more ranges than a CALL-ENDED names, and gave most of
-// them back, names the ones it holds; one that holds more names none and
-// says so, and one that ended takes nothing more.
+// A call names in its CALL-ENDED the ranges it holds, not those it gave
+// back, however many it took; one that holds more than a CALL-ENDED names
+// names none and says so; one that ended takes nothing more.
 func TestCallEndedNamesHeldRanges(t *testing.T) {
 	cs, _ := tcpPair(t)
 	owner := cs.Peer().ID
-	const ranges = maxCallTaken + 8
+	const ranges = 8 + maxCallTaken + 1 // eight for the first call, one more than a CALL-ENDED names for the second
 	sp := makeSpace(11, cs, devicebuf.HostFromBytes(make([]byte, ranges*spaceAlign)), PathRDMA)
 	spaces.Store(sp.id, sp)
-	t.Cleanup(func() { spaces.Delete(sp.id) })
+	var held []*devicebuf.Buffer
+	t.Cleanup(func() {
+		markClosed(sp) // the releases send no SPACE-FREE; the last frees the region
+		for _, b := range held {
+			require.NoError(t, b.Release())
+		}
+		spaces.Delete(sp.id)
+	})
 	gen := uint64(0) // the owner numbers its writes
-	landed := func(i int) Descriptor {
+	take := func(call *Call, i int) (*devicebuf.Buffer, spaceRange, error) {
 		gen++
-		return Descriptor{Owner: owner, Token: Token{1}, Length: spaceAlign, Kind: devicebuf.Host, Device: -1,
+		d := Descriptor{Owner: owner, Token: Token{1}, Length: spaceAlign, Kind: devicebuf.Host, Device: -1,
 			Space: sp.id, SpaceOffset: uint64(i) * spaceAlign, SpacePath: PathRDMA, SpaceGen: gen}
+		b, _, err := fetchLanded(context.Background(), d, call)
+		return b, spaceRange{sp.id, d.SpaceOffset, gen}, err
 	}
-	take := func(call *Call, i int) *devicebuf.Buffer {
-		b, _, err := fetchLanded(context.Background(), landed(i), call)
+	hold := func(call *Call, i int) spaceRange {
+		b, r, err := take(call, i)
 		require.NoError(t, err)
-		return b
+		held = append(held, b)
+		return r
 	}
 	ended := func(call *Call) (map[spaceRange]bool, bool) {
 		msg, first := call.end()
@@ -608,41 +618,31 @@ func TestCallEndedNamesHeldRanges(t *testing.T) {
 		return took, unknown
 	}
 
-	// Every range taken and given back but the last two.
+	// Two ranges held from the start and two taken last; in between, more
+	// than a call notes without looking over what it gave back (2,048),
+	// each given back at once.
 	call := &Call{ID: 5}
-	var kept []*devicebuf.Buffer
-	for i := range ranges {
-		b := take(call, i)
-		if i < ranges-2 {
-			require.NoError(t, b.Release())
-		} else {
-			kept = append(kept, b)
-		}
-	}
-	took, unknown := ended(call)
-	require.False(t, unknown)
-	require.LessOrEqual(t, len(took), maxCallTaken)
-	require.True(t, took[spaceRange{sp.id, (ranges - 2) * spaceAlign, ranges - 1}], "a range still held")
-	require.True(t, took[spaceRange{sp.id, (ranges - 1) * spaceAlign, ranges}], "a range still held")
-	_, _, err := fetchLanded(context.Background(), landed(0), call) // a later write into a range given back
-	require.ErrorIs(t, err, errCallEnded)
-	for _, b := range kept {
+	want := map[spaceRange]bool{hold(call, 0): true, hold(call, 1): true}
+	for i := range 2*maxCallNoted + 10 {
+		b, _, err := take(call, 2+i%6)
+		require.NoError(t, err)
 		require.NoError(t, b.Release())
 	}
+	want[hold(call, 2)], want[hold(call, 3)] = true, true
+	took, unknown := ended(call)
+	require.False(t, unknown)
+	require.Equal(t, want, took, "the ranges still held, and only those")
+	_, _, err := take(call, 4) // a later write into a range given back
+	require.ErrorIs(t, err, errCallEnded)
 
 	// Held, all of them: more than a CALL-ENDED names.
 	call = &Call{ID: 6}
-	var held []*devicebuf.Buffer
-	for i := range maxCallTaken + 1 {
-		held = append(held, take(call, i))
+	for i := 8; i < ranges; i++ {
+		hold(call, i)
 	}
 	took, unknown = ended(call)
 	require.True(t, unknown)
 	require.Empty(t, took)
-	for _, b := range held {
-		require.NoError(t, b.Release())
-	}
-	markClosed(sp)
 }
 
 // A space whose IPC handle does not open (garbage from the peer) is not
