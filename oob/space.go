@@ -88,9 +88,14 @@ type space struct {
 	// the range's payload is in place once it completes.
 	events []*devicebuf.Event
 
-	mu     sync.Mutex
-	inUse  map[uint64]heldRange // offset -> the ranges the application holds
-	closed bool                 // the session ended: nothing more lands; freed once inUse empties
+	mu    sync.Mutex
+	inUse map[uint64]heldRange // offset -> the ranges the application holds
+	// heldBlocks has a bit per spaceAlign bytes of the space, set where a
+	// range in inUse lies: a landed payload's check against what the
+	// application holds looks at its own blocks, not at every held range.
+	// Made at the first range taken.
+	heldBlocks []uint64
+	closed     bool // the session ended: nothing more lands; freed once inUse empties
 
 	withdrawn     chan struct{} // closed when the owner answered the withdrawal
 	withdrawnOnce sync.Once
@@ -489,12 +494,65 @@ func (sp *space) heldOverlapLocked(off, n uint64) error {
 	if sp.closed {
 		return fmt.Errorf("receive space %#x closed with its session: %w", sp.id, errNotInSpace)
 	}
+	if !sp.anyHeldLocked(off, n) {
+		return nil
+	}
 	for o, h := range sp.inUse {
 		if off < o+h.n && o < off+n {
 			return fmt.Errorf("range [%d, +%d) of receive space %#x overlaps [%d, +%d), which the application holds: %w", off, n, sp.id, o, h.n, errNotInSpace)
 		}
 	}
-	return nil
+	return fmt.Errorf("range [%d, +%d) of receive space %#x overlaps a range the application holds: %w", off, n, sp.id, errNotInSpace)
+}
+
+// heldWords calls f with each word of sp.heldBlocks that has bits of the
+// blocks of [off, +n), an aligned range inside the space, and the mask of
+// those bits, until f returns false (sp.mu held).
+func (sp *space) heldWords(off, n uint64, f func(w *uint64, mask uint64) bool) {
+	lo, hi := off/spaceAlign, (off+n-1)/spaceAlign // blocks, hi included
+	for w := lo / 64; w <= hi/64; w++ {
+		mask := ^uint64(0)
+		if w == lo/64 {
+			mask &= ^uint64(0) << (lo % 64)
+		}
+		if w == hi/64 {
+			mask &= ^uint64(0) >> (63 - hi%64)
+		}
+		if !f(&sp.heldBlocks[w], mask) {
+			return
+		}
+	}
+}
+
+// anyHeldLocked reports whether a held range lies in [off, +n), an aligned
+// range inside the space (sp.mu held).
+func (sp *space) anyHeldLocked(off, n uint64) bool {
+	if sp.heldBlocks == nil {
+		return false
+	}
+	found := false
+	sp.heldWords(off, n, func(w *uint64, mask uint64) bool {
+		found = *w&mask != 0
+		return !found
+	})
+	return found
+}
+
+// markHeldLocked sets (held) or clears the blocks of [off, +n), an aligned
+// range inside the space (sp.mu held).
+func (sp *space) markHeldLocked(off, n uint64, held bool) {
+	if sp.heldBlocks == nil {
+		blocks := (uint64(sp.region.Len()) + spaceAlign - 1) / spaceAlign
+		sp.heldBlocks = make([]uint64, (blocks+63)/64)
+	}
+	sp.heldWords(off, n, func(w *uint64, mask uint64) bool {
+		if held {
+			*w |= mask
+		} else {
+			*w &^= mask
+		}
+		return true
+	})
 }
 
 // staleLocked reports whether write gen into the range at off was given
@@ -539,6 +597,7 @@ func fetchLanded(ctx context.Context, d Descriptor, call *Call) (*devicebuf.Buff
 		return nil, nil, errCallEnded
 	}
 	sp.inUse[off] = h
+	sp.markHeldLocked(off, n, true)
 	sp.mu.Unlock()
 	call.tidy()
 	ptr, release := sp.region.Ptr()+uintptr(off), func() { sp.giveBack(off) }
@@ -576,8 +635,11 @@ func awaitOwner(ctx context.Context, ev *devicebuf.Event, timeout time.Duration)
 // closes) and which sends what was given back meanwhile too.
 func (sp *space) giveBack(off uint64) {
 	sp.mu.Lock()
-	h := sp.inUse[off]
-	delete(sp.inUse, off)
+	h, ok := sp.inUse[off]
+	if ok {
+		delete(sp.inUse, off)
+		sp.markHeldLocked(h.off, h.n, false)
+	}
 	free := sp.closed && len(sp.inUse) == 0
 	sp.queueFreeLocked(h)
 	sp.mu.Unlock()

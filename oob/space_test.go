@@ -6,6 +6,7 @@ import (
 	"errors"
 	"maps"
 	"math"
+	"math/rand/v2"
 	"slices"
 	"sync"
 	"testing"
@@ -715,4 +716,52 @@ func TestSpaceDescriptorFromAnotherPeer(t *testing.T) {
 	require.Equal(t, mem[8192:8192+4096], got)
 	markClosed(sp) // the release sends no SPACE-FREE
 	require.NoError(t, b.Release())
+}
+
+// The blocks a space marks as held agree with the ranges the application
+// holds: a landed payload overlaps a held range exactly when its blocks
+// meet a marked one, across word boundaries, as ranges come and go.
+func TestHeldBlocks(t *testing.T) {
+	const blocks = 300 // a few words of bits, the last one partial
+	sp := &space{id: 1, region: devicebuf.HostFromBytes(make([]byte, blocks*spaceAlign-100)), inUse: map[uint64]heldRange{}}
+	t.Cleanup(func() { require.NoError(t, sp.region.Release()) })
+	overlaps := func(off, n uint64) bool {
+		for o, h := range sp.inUse {
+			if off < o+h.n && o < off+n {
+				return true
+			}
+		}
+		return false
+	}
+	rng := rand.New(rand.NewPCG(1, 2))
+	size := uint64(sp.region.Len())
+	randomRange := func() (uint64, uint64) {
+		off := rng.Uint64N(blocks) * spaceAlign
+		n := 1 + rng.Uint64N(80*spaceAlign)
+		if rng.IntN(2) == 0 { // a length at a block's edge
+			k := rng.Uint64N(70)
+			n = max(1, k*spaceAlign+rng.Uint64N(3)-1)
+		}
+		return off, min(n, size-off)
+	}
+	for range 20000 {
+		off, n := randomRange()
+		require.Equal(t, overlaps(off, n), sp.anyHeldLocked(off, n), "[%d, +%d)", off, n)
+		switch held := len(sp.inUse); {
+		case held > 0 && rng.IntN(2) == 0:
+			for o, h := range sp.inUse { // let one go
+				delete(sp.inUse, o)
+				sp.markHeldLocked(h.off, h.n, false)
+				break
+			}
+		case !overlaps(off, n):
+			sp.inUse[off] = heldRange{off, n, 0}
+			sp.markHeldLocked(off, n, true)
+		}
+	}
+	for o, h := range sp.inUse {
+		delete(sp.inUse, o)
+		sp.markHeldLocked(h.off, h.n, false)
+	}
+	require.Equal(t, make([]uint64, len(sp.heldBlocks)), sp.heldBlocks, "every bit cleared")
 }
