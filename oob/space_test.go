@@ -738,9 +738,9 @@ func TestHeldBlocks(t *testing.T) {
 	randomRange := func() (uint64, uint64) {
 		off := rng.Uint64N(blocks) * spaceAlign
 		n := 1 + rng.Uint64N(80*spaceAlign)
-		if rng.IntN(2) == 0 { // a length at a block's edge
-			k := rng.Uint64N(70)
-			n = max(1, k*spaceAlign+rng.Uint64N(3)-1)
+		if rng.IntN(2) == 0 { // a length at a block's edge: one short, on it, one past
+			k := rng.Int64N(70)
+			n = uint64(max(1, k*spaceAlign+rng.Int64N(3)-1))
 		}
 		return off, min(n, size-off)
 	}
@@ -764,4 +764,34 @@ func TestHeldBlocks(t *testing.T) {
 		sp.markHeldLocked(h.off, h.n, false)
 	}
 	require.Equal(t, make([]uint64, len(sp.heldBlocks)), sp.heldBlocks, "every bit cleared")
+}
+
+// A payload may not land in any block of a range the application holds,
+// its last included, and once the range is given back every block of it
+// takes payloads again: what fetchLanded and a release mark and clear.
+func TestFetchLandedMultiBlockHeld(t *testing.T) {
+	cs, _ := tcpPair(t)
+	sp := makeSpace(13, cs, devicebuf.HostFromBytes(make([]byte, 64<<10)), PathRDMA)
+	spaces.Store(sp.id, sp)
+	t.Cleanup(func() { spaces.Delete(sp.id) })
+	d := func(off, n uint64) Descriptor {
+		return Descriptor{Owner: cs.Peer().ID, Token: Token{1}, Length: n, Kind: devicebuf.Host, Device: -1, Space: sp.id, SpaceOffset: off, SpacePath: PathRDMA}
+	}
+	held, _, err := fetchLanded(context.Background(), d(4*spaceAlign, 2*spaceAlign+1), nil) // blocks 4 to 6
+	require.NoError(t, err)
+	for _, b := range []uint64{4, 5, 6} {
+		_, _, err = fetchLanded(context.Background(), d(b*spaceAlign, spaceAlign), nil)
+		require.ErrorIs(t, err, errNotInSpace, "block %d of the held range", b)
+	}
+	require.NoError(t, held.Release())
+	var again []*devicebuf.Buffer
+	for _, b := range []uint64{4, 5, 6} {
+		buf, _, err := fetchLanded(context.Background(), d(b*spaceAlign, spaceAlign), nil)
+		require.NoError(t, err, "block %d, given back", b)
+		again = append(again, buf)
+	}
+	markClosed(sp) // the releases send no SPACE-FREE; the last frees the region
+	for _, buf := range again {
+		require.NoError(t, buf.Release())
+	}
 }
