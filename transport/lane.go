@@ -278,6 +278,46 @@ func (s *Session) wantWide() bool {
 	return true
 }
 
+// openControlAndBulk opens the session's control and bulk lanes at once:
+// the server takes each lane by its role, in whatever order they come, and
+// a UCX endpoint takes milliseconds to connect. The first to fail ends the
+// other's dial, its error is the one returned, and every lane opened is
+// closed.
+func (s *Session) openControlAndBulk(ctx context.Context) (control, bulk net.Conn, err error) {
+	type opened struct {
+		role byte
+		c    *laneConn
+		err  error
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan opened, 2)
+	for _, role := range []byte{roleControl, roleBulk} {
+		go func() {
+			c, err := s.openLane(ctx, role)
+			done <- opened{role, c, err}
+		}()
+	}
+	var lanes [2]*laneConn // control, bulk
+	for range 2 {
+		o := <-done
+		if o.err != nil && err == nil {
+			err = o.err // the first failure; the other's may be the cancel below
+			cancel()
+		}
+		if o.role == roleControl {
+			lanes[0] = o.c
+		} else {
+			lanes[1] = o.c
+		}
+	}
+	if err != nil {
+		s.closeLanes()
+		return nil, nil, err
+	}
+	return lanes[0], lanes[1], nil
+}
+
 // openWideLane opens the wide lane (client). Where it could not be dialed or
 // the server refused it, it returns nil and no error: the session runs
 // without one. Any other failure is the session's: the caller gave up; the

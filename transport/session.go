@@ -182,13 +182,9 @@ func newSession(st sessionSetup) (*Session, error) {
 		ctx, cancel := context.WithTimeout(cmp.Or(st.ctx, context.Background()), st.cfg.handshakeTimeout)
 		var c, b, w net.Conn
 		if s.useLane() {
-			if c, err = s.openLane(ctx, roleControl); err == nil {
-				if b, err = s.openLane(ctx, roleBulk); err != nil {
+			if c, b, err = s.openControlAndBulk(ctx); err == nil && s.wantWide() {
+				if w, err = s.openWideLane(ctx); err != nil {
 					s.closeLanes()
-				} else if s.wantWide() {
-					if w, err = s.openWideLane(ctx); err != nil {
-						s.closeLanes()
-					}
 				}
 			}
 		} else {
