@@ -89,7 +89,7 @@ func bindTo(ctx context.Context, s *transport.Session, call *callMessages, v any
 	if s == nil {
 		return
 	}
-	if m := messageV2Of(v); m == nil || !mayCarry(m.ProtoReflect().Descriptor()) {
+	if !canCarry(v) {
 		return
 	}
 	if !destinations.putNew(v, &destination{ctx: ctx, s: s, call: call}) {

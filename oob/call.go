@@ -134,15 +134,12 @@ func (c *Call) note(r spaceRange) bool {
 	return true
 }
 
-// tidy forgets the ranges the call noted and gave back since, once it noted
-// more than a CALL-ENDED names and twice what the last look kept. It takes
-// no lock of a space while it holds c.mu (note runs under a space's lock and
-// takes c.mu), and each space's lock once.
-func (c *Call) tidy() { c.forget(false) }
-
-// forget forgets the ranges the call noted and gave back since: all of
-// them where all, otherwise as tidy says.
-func (c *Call) forget(all bool) {
+// tidy forgets the ranges the call noted and gave back since: where all,
+// every one of them; otherwise once it noted more than a CALL-ENDED names
+// and twice what the last look kept. It takes no lock of a space while it
+// holds c.mu (note runs under a space's lock and takes c.mu), and each
+// space's lock once.
+func (c *Call) tidy(all bool) {
 	if c == nil {
 		return
 	}
@@ -218,7 +215,7 @@ func (c *Call) Ended(s *transport.Session, answered bool) {
 // end marks the call ended and returns its CALL-ENDED, or false if it ended
 // before.
 func (c *Call) end() ([]byte, bool) {
-	c.forget(true) // it names no more than it holds
+	c.tidy(true) // it names no more than it holds
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.ended {

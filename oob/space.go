@@ -599,7 +599,7 @@ func fetchLanded(ctx context.Context, d Descriptor, call *Call) (*devicebuf.Buff
 	sp.inUse[off] = h
 	sp.markHeldLocked(off, n, true)
 	sp.mu.Unlock()
-	call.tidy()
+	call.tidy(false)
 	ptr, release := sp.region.Ptr()+uintptr(off), func() { sp.giveBack(off) }
 	if d.SpaceEvent == 0 {
 		return devicebuf.Wrap(ptr, int(n), sp.region.Kind(), sp.region.Device(), release), sp, nil

@@ -298,24 +298,20 @@ func (s *Session) openControlAndBulk(ctx context.Context) (control, bulk net.Con
 			done <- opened{role, c, err}
 		}()
 	}
-	var lanes [2]*laneConn // control, bulk
+	lanes := make(map[byte]*laneConn, 2)
 	for range 2 {
 		o := <-done
 		if o.err != nil && err == nil {
 			err = o.err // the first failure; the other's may be the cancel below
 			cancel()
 		}
-		if o.role == roleControl {
-			lanes[0] = o.c
-		} else {
-			lanes[1] = o.c
-		}
+		lanes[o.role] = o.c
 	}
 	if err != nil {
 		s.closeLanes()
 		return nil, nil, err
 	}
-	return lanes[0], lanes[1], nil
+	return lanes[roleControl], lanes[roleBulk], nil
 }
 
 // openWideLane opens the wide lane (client). Where it could not be dialed or
