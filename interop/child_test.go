@@ -204,9 +204,10 @@ func childServer(opts []transport.Option) int {
 	return 0
 }
 
-// holdClientTimeout bounds a hold-client's call: sixty-four of them dial at
-// once (TestKeepAliveAfterLoad), and on a loaded machine a dial's handshake
-// may run out of its 10 s more than once before one succeeds.
+// holdClientTimeout bounds a hold-client's call: sixteen of them dial at
+// once beside the others' sessions (TestKeepAliveAfterLoad), and on a loaded
+// machine a dial's handshake may run out of its 10 s more than once before
+// one succeeds.
 const holdClientTimeout = 4 * testTimeout
 
 func childClient(role string, opts []transport.Option, paths *pathCounter) int {
