@@ -32,11 +32,25 @@ const Name = "gdr"
 // DefaultEagerThreshold: payloads shorter than this travel inline.
 const DefaultEagerThreshold = 64 << 10
 
+// StreamEagerThreshold: over a session whose payloads travel as bytes on its
+// bulk lane (a TCP session: no RDMA, no CUDA IPC), payloads shorter than this
+// travel inline too, as long as those of one message from
+// DefaultEagerThreshold up add up to at most StreamInlineBudget. There a pull
+// costs a round trip more than the call (its request, then the bytes) and
+// moves them no faster than gRPC does, so inline is the faster way up to a
+// few hundred KiB. An explicit WithEagerThreshold applies to every session
+// instead.
+const (
+	StreamEagerThreshold = 256 << 10
+	StreamInlineBudget   = 1 << 20
+)
+
 // Option configures the codecs.
 type Option func(*options)
 
 type options struct {
 	eager   int
+	eagerOf bool // eager was given (WithEagerThreshold): it applies over every session
 	alloc   devicebuf.Allocator
 	maxRecv int64 // WithMaxReceivePayload (limits.go)
 	pending int   // WithNetRPCPending (netrpc.go)
@@ -44,9 +58,12 @@ type options struct {
 }
 
 // WithEagerThreshold sets the payload size from which the gdr codec moves a
-// payload out-of-band; shorter ones travel inline. If zero, 64 KiB; negative
-// sends everything out-of-band (tests).
-func WithEagerThreshold(n int) Option { return func(o *options) { o.eager = n } }
+// payload out-of-band, over every session; shorter ones travel inline. If
+// zero, DefaultEagerThreshold, and StreamEagerThreshold over TCP sessions;
+// negative sends everything out-of-band (tests).
+func WithEagerThreshold(n int) Option {
+	return func(o *options) { o.eager, o.eagerOf = n, n != 0 }
+}
 
 // WithReceiveAllocator sets where received DeviceBuffer payloads land: host
 // memory, a GPU (devicebuf.NewCUDAAllocator), or a pool of the user's. If nil,
@@ -128,6 +145,27 @@ type codec struct {
 	name string
 	oob  bool
 	o    *options // nil: Register's
+	// sess is the session a net/rpc conn's codec runs over; nil for gRPC's,
+	// whose messages find theirs through the call.
+	sess *transport.Session
+}
+
+// via returns the session the message w walks goes over, where known: a
+// net/rpc conn's, a server's response's, or a client's request's.
+func (c *codec) via(w *rewriter) *transport.Session {
+	switch {
+	case c.sess != nil:
+		return c.sess
+	case w.to != nil:
+		return w.to.s
+	}
+	return w.reqTo
+}
+
+// streamsPayloads reports whether s moves payloads as bytes on its bulk lane
+// (StreamEagerThreshold).
+func streamsPayloads(s *transport.Session) bool {
+	return s != nil && s.Transport() == "tcp"
 }
 
 // options returns the codec's options: its own (DialOptions with options),
@@ -156,7 +194,8 @@ func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 	if !mayCarry(m.Descriptor()) {
 		return bodies.Marshal(v)
 	}
-	w := &rewriter{oob: c.oob, eager: c.options().eager, hold: h}
+	o := c.options()
+	w := &rewriter{oob: c.oob, eager: o.eager, hold: h}
 	w.kept = w.kept0[:0]
 	defer w.release()
 	shared := false
@@ -166,6 +205,9 @@ func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 			w.to = nil // maybe another call's: no receive space, no binding
 		}
 		w.reqCtx, w.reqTo = w.hold.attempt()
+		if !o.eagerOf && streamsPayloads(c.via(w)) {
+			w.streamEager, w.streamBudget = StreamEagerThreshold, StreamInlineBudget
+		}
 	}
 	out, err := w.message(m)
 	if err == nil && shared && len(w.kept) > 0 {
@@ -384,6 +426,11 @@ type rewriter struct {
 	offers []oob.Token
 	to     *destination     // where the message goes, when the server's interceptors know it
 	landed []oob.Descriptor // payloads written into the receiver's advertised space
+	// Over a TCP session, payloads from eager up to streamEager travel
+	// inline while streamBudget, what is left of StreamInlineBudget, holds
+	// them (outOfBand).
+	streamEager  int
+	streamBudget int
 	// A request's call and the session gRPC picked for it, and the
 	// payloads written into the space its server advertised over it.
 	reqCtx    context.Context
@@ -411,7 +458,20 @@ func (w *rewriter) release() {
 	w.kept = nil
 }
 
-func (w *rewriter) outOfBand(n int) bool { return w.oob && n >= w.eager }
+// outOfBand decides whether a payload of n bytes in memory of kind k travels
+// out-of-band; one it keeps inline under the stream threshold takes its
+// share of the budget. GPU payloads keep the eager threshold: CUDA IPC may
+// move them between processes of one host, over a TCP session too.
+func (w *rewriter) outOfBand(n int, k devicebuf.Kind) bool {
+	switch {
+	case !w.oob || n < w.eager:
+		return false
+	case k == devicebuf.Host && n < w.streamEager && n <= w.streamBudget:
+		w.streamBudget -= n
+		return false
+	}
+	return true
+}
 
 // offer puts src in the outbox, or, where landable and the message's
 // destination is known, writes it into the receiver's advertised space: a
@@ -562,7 +622,7 @@ func (w *rewriter) field(parent protoreflect.Message, fd protoreflect.FieldDescr
 
 // bytesField returns what a marked bytes field carries on the wire.
 func (w *rewriter) bytesField(b []byte) ([]byte, bool) {
-	if w.outOfBand(len(b)) {
+	if w.outOfBand(len(b), devicebuf.Host) {
 		d := w.offer(oob.Source{Bytes: b}, false) // the bytes encoding names no receive space
 		desc, err := proto.Marshal(descriptorMessage(d))
 		if err != nil {
@@ -590,7 +650,7 @@ func (w *rewriter) deviceBuffer(db *gdrv1.DeviceBuffer) (*gdrv1.DeviceBuffer, er
 		return nil, nil
 	}
 	w.kept = append(w.kept, b)
-	if w.outOfBand(b.Len()) {
+	if w.outOfBand(b.Len(), b.Kind()) {
 		return descriptorMessage(w.offer(oob.Source{Buffer: b}, true)), nil
 	}
 	out := &gdrv1.DeviceBuffer{Length: uint64(b.Len()), Kind: kindOf(b.Kind()), Device: int32(b.Device()), DeviceUuid: b.DeviceUUID()}

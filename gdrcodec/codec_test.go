@@ -200,11 +200,13 @@ func TestOutOfBand(t *testing.T) {
 	for _, mode := range []transport.Mode{transport.ModeTCP, transport.ModeUCX} {
 		t.Run("transport="+string(mode), func(t *testing.T) {
 			r := newRig(t, mode, nil)
-			wantPath := "stream"
+			// Over a TCP session host payloads travel inline up to the
+			// stream threshold, where a pull's round trip costs more.
+			wantPath, threshold := "stream", gdrcodec.StreamEagerThreshold
 			if mode == transport.ModeUCX {
-				wantPath = "rdma"
+				wantPath, threshold = "rdma", gdrcodec.DefaultEagerThreshold
 			}
-			all := sizes
+			all := append(slices.Clone(sizes), gdrcodec.StreamEagerThreshold-1, gdrcodec.StreamEagerThreshold)
 			if !testing.Short() {
 				all = append(all, 256<<20)
 			}
@@ -240,7 +242,7 @@ func TestOutOfBand(t *testing.T) {
 						gdrcodec.ReleaseAll(got)
 					}
 					paths := r.paths.reset()
-					if n >= gdrcodec.DefaultEagerThreshold {
+					if n >= threshold {
 						require.Equal(t, map[string]int{wantPath: 4}, paths, "client and server pulls")
 					} else {
 						require.Empty(t, paths, "below the eager threshold payloads travel inline")

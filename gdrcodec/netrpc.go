@@ -98,7 +98,7 @@ func newNetRPCConn(rwc io.ReadWriteCloser, opts []Option) netrpcConn {
 	ctx := context.Background()
 	if nc, ok := rwc.(net.Conn); ok {
 		if s := transport.SessionOf(nc); s != nil && s.Speaks(Name) {
-			c.oob = true
+			c.oob, c.sess = true, s
 		}
 		// Pulls take the conn's own session first, as a gRPC call's do.
 		ctx = peer.NewContext(ctx, &peer.Peer{Addr: nc.RemoteAddr(), LocalAddr: nc.LocalAddr()})

@@ -41,7 +41,7 @@ func TestConcurrentCalls(t *testing.T) {
 							if w%2 == 0 { // Echo: the request's parts go up and come back
 								var parts []*gdrv1.DeviceBuffer
 								var want [][]byte
-								for i, n := range []int{100<<10 + w, 1<<20 + r} {
+								for i, n := range []int{gdrcodec.StreamEagerThreshold + w, 1<<20 + r} { // out-of-band over every session
 									p := pattern(n, seed+uint32(i))
 									want = append(want, p)
 									b := devicebuf.HostFromBytes(p)

@@ -33,7 +33,7 @@ func TestKeepAliveAfterLoad(t *testing.T) {
 		clients = 64
 		// clientWave is how many clients dial at once.
 		clientWave = 16
-		size       = 64 << 10 // out-of-band (the eager threshold)
+		size       = gdrcodec.StreamEagerThreshold // out-of-band over every session
 		interval   = time.Second
 		timeout    = transport.DefaultKeepAliveTimeout
 		// hold is how long the clients keep their sessions open once all

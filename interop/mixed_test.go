@@ -153,7 +153,11 @@ func TestMixedPeers(t *testing.T) {
 								require.Equal(t, n, len(p))
 								require.True(t, bytes.Equal(pattern(n, uint32(n)), p), "payload differs")
 								pulls := paths.reset()
-								if c.oob && n >= gdrcodec.DefaultEagerThreshold {
+								threshold := gdrcodec.DefaultEagerThreshold
+								if wantPath == "stream" {
+									threshold = gdrcodec.StreamEagerThreshold // a TCP session's
+								}
+								if c.oob && n >= threshold {
 									require.Equal(t, map[string]int{wantPath: 1}, pulls, "the gdrpc client pulls out-of-band")
 								} else {
 									require.Empty(t, pulls, "inline")

@@ -76,7 +76,7 @@ func TestRetryReplaysOutOfBand(t *testing.T) {
 			cc := dialClient(t, srv.addr, opts, nil, grpc.WithDefaultServiceConfig(retryConfig))
 			client := tensorpb.NewTensorServiceClient(cc)
 			wantPath := map[string]string{"ucx": "rdma", "tcp": "stream"}[tc.want()]
-			sizes := []int{64 << 10, 1<<20 + 3}
+			sizes := []int{gdrcodec.StreamEagerThreshold, 1<<20 + 3} // out-of-band over every session
 			if !testing.Short() {
 				sizes = append(sizes, 16<<20)
 			}

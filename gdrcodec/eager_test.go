@@ -1,0 +1,96 @@
+package gdrcodec_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc"
+	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/examples/tensor"
+	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
+	"github.com/gdrpc/gdrpc/gdrcodec"
+	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// streamPart is the size of echoStreamParts' payloads: under
+// StreamEagerThreshold, and five of them fit in StreamInlineBudget, six not.
+const streamPart = 200 << 10
+
+// echoStreamParts echoes a message of six streamPart payloads and checks the
+// bytes that came back.
+func echoStreamParts(t *testing.T, r *rig) {
+	t.Helper()
+	parts := make([]*gdrv1.DeviceBuffer, 6)
+	var want []byte
+	for i := range parts {
+		p := pattern(streamPart, uint32(i))
+		want = append(want, p...)
+		b := devicebuf.HostFromBytes(p)
+		parts[i] = gdrcodec.New(b)
+		b.Release()
+	}
+	in := &tensorpb.Tensor{Name: "parts", Parts: parts}
+	out, err := r.client.Echo(context.Background(), in)
+	require.NoError(t, err)
+	require.Len(t, out.Parts, len(parts))
+	var got []byte
+	for _, db := range out.Parts {
+		p, err := tensor.Bytes(db)
+		require.NoError(t, err)
+		got = append(got, p...)
+	}
+	requireBytes(t, want, got)
+	gdrcodec.ReleaseAll(in)
+	gdrcodec.ReleaseAll(out)
+}
+
+// Over a TCP session, host payloads under StreamEagerThreshold travel inline
+// while those of one message fit in StreamInlineBudget; the rest go
+// out-of-band. TestOutOfBand checks a single payload on either side of the
+// threshold.
+func TestStreamEagerThreshold(t *testing.T) {
+	require.Less(t, 5*streamPart, gdrcodec.StreamInlineBudget)
+	require.Greater(t, 6*streamPart, gdrcodec.StreamInlineBudget)
+	r := newRig(t, transport.ModeTCP, nil)
+	echoStreamParts(t, r)
+	require.Equal(t, map[string]int{"stream": 2}, r.paths.reset(), "one payload of the request and one of the response out-of-band")
+}
+
+// An eager threshold the application set applies over TCP sessions too.
+func TestStreamEagerThresholdExplicit(t *testing.T) {
+	gdrcodec.Register(gdrcodec.WithEagerThreshold(gdrcodec.DefaultEagerThreshold))
+	t.Cleanup(func() { gdrcodec.Register() })
+	r := newRig(t, transport.ModeTCP, nil)
+	echoStreamParts(t, r)
+	require.Equal(t, map[string]int{"stream": 12}, r.paths.reset(), "every payload out-of-band")
+}
+
+// net/rpc over a TCP session follows the same threshold: its codec knows the
+// conn's session.
+func TestNetRPCStreamEagerThreshold(t *testing.T) {
+	client, server := &advertisedCounter{}, &advertisedCounter{}
+	tcp := gdrpc.WithTransport(transport.ModeTCP)
+	c := netRPCPair(t, []gdrpc.Option{tcp, gdrpc.WithMetrics(server)}, []gdrpc.Option{tcp, gdrpc.WithMetrics(client)})
+	for _, n := range []int{gdrcodec.StreamEagerThreshold - 1, gdrcodec.StreamEagerThreshold} {
+		want := pattern(n, 6)
+		b := devicebuf.HostFromBytes(want)
+		req := &tensorpb.Tensor{Data: gdrcodec.New(b)}
+		b.Release()
+		var sum tensorpb.Summary
+		require.NoError(t, c.Call("Tensors.Digest", req, &sum))
+		require.Equal(t, tensor.ChecksumBytes(want), sum.Crc32C)
+		gdrcodec.ReleaseAll(req)
+
+		var got tensorpb.Tensor
+		require.NoError(t, c.Call("Tensors.Make", &tensorpb.Sized{Size: uint64(n), Seed: 6}, &got))
+		p, err := tensor.Bytes(got.Data)
+		require.NoError(t, err)
+		requireBytes(t, want, p)
+		gdrcodec.ReleaseAll(&got)
+	}
+	require.Equal(t, int64(1), server.pulled.Load(), "the server pulled the request at the threshold alone")
+	require.Equal(t, int64(1), client.pulled.Load(), "the client pulled the reply at the threshold alone")
+}
