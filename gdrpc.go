@@ -70,7 +70,8 @@ type Config struct {
 func WithTrustPeers() Option { return func(c *Config) { c.TrustPeers = true } }
 
 // WithTransport chooses what sessions run over: ModeAuto (the default), ModeUCX
-// or ModeTCP.
+// or ModeTCP. ModeUCX says the peers are trusted, as WithTrustPeers does: a
+// UCX session exposes the whole process to its peer (README, Security).
 func WithTransport(m Mode) Option { return func(c *Config) { c.Transport = m } }
 
 // WithLogger sends the sessions' and transfers' log records to l.
@@ -175,7 +176,7 @@ type Mode = transport.Mode
 // The modes.
 const (
 	ModeAuto = transport.ModeAuto // UCX when both ends have it and trust each other, else TCP
-	ModeUCX  = transport.ModeUCX  // UCX or fail
+	ModeUCX  = transport.ModeUCX  // UCX or fail; says the peers are trusted
 	ModeTCP  = transport.ModeTCP  // TCP only
 )
 

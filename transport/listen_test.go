@@ -235,6 +235,18 @@ func TestModeMismatch(t *testing.T) {
 	t.Setenv(transport.EnvTransport, "bogus")
 	_, err = transport.Dial(ctx, l3.Addr().String())
 	require.ErrorContains(t, err, "unknown transport mode")
+
+	// It asks for UCX only where the code trusts the peers: UCX exposes the
+	// process to them.
+	t.Setenv(transport.EnvTransport, "ucx")
+	s3, err := transport.Dial(ctx, l3.Addr().String(), transport.WithRDMAContext(rc), trust)
+	require.NoError(t, err)
+	defer s3.Close()
+	require.Equal(t, "ucx", s3.Transport())
+	_, err = transport.Dial(ctx, l3.Addr().String(), transport.WithRDMAContext(rc))
+	require.ErrorContains(t, err, "GDRPC_TRANSPORT=ucx in a process that does not trust its peers")
+	_, err = transport.Listen("127.0.0.1:0", transport.WithRDMAContext(rc))
+	require.ErrorContains(t, err, "GDRPC_TRANSPORT=ucx in a process that does not trust its peers")
 }
 
 // TestDefaultsUpgrade: with no options but trusted peers (auto mode,

@@ -30,7 +30,10 @@ const (
 )
 
 // EnvTransport is the environment variable that sets the mode when no
-// WithMode option is given: "ucx", "tcp" or "auto".
+// WithMode option is given: "ucx", "tcp" or "auto". It asks for "ucx" only in
+// a process that trusts its peers (WithTrustPeers): elsewhere sessions and
+// listeners fail to start, rather than take an environment's word that the
+// peers are trusted.
 const EnvTransport = "GDRPC_TRANSPORT"
 
 // Defaults of the options.
@@ -175,16 +178,22 @@ func newConfig(opts []Option) (*config, error) {
 			o(c)
 		}
 	}
+	fromEnv := false
 	if !c.modeSet || c.mode == "" {
 		c.mode = ModeAuto
 		if env := os.Getenv(EnvTransport); env != "" {
-			c.mode = Mode(env)
+			c.mode, fromEnv = Mode(env), true
 		}
 	}
 	switch c.mode {
 	case ModeAuto, ModeUCX, ModeTCP:
 	default:
 		return nil, fmt.Errorf("gdrpc: unknown transport mode %q (want auto, ucx or tcp)", c.mode)
+	}
+	if fromEnv && c.mode == ModeUCX && !c.trustPeers {
+		// The code asked for nothing; an environment must not turn a
+		// process's peers trusted (ModeUCX says they are).
+		return nil, fmt.Errorf("gdrpc: %s=ucx in a process that does not trust its peers: a UCX session lets its peer reach the whole process (see ModeAuto); trust them in code (WithTrustPeers) or unset it", EnvTransport)
 	}
 	if c.mode == ModeAuto && !c.trustPeers {
 		// A UCX connection lets its peer write anywhere in this process (see
