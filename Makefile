@@ -1,15 +1,21 @@
 # gdrpc: make demo | make test | make bench | make lint | make proto
 GO       ?= go
 PKGS     ?= ./...
-APT_PKGS := libucx-dev ucx-utils pkg-config protobuf-compiler iproute2 python3-grpcio
+APT_PKGS := gcc libucx-dev ucx-utils pkg-config protobuf-compiler iproute2 python3-grpcio
+GO_MIN   := 1.26
 export PATH := $(PATH):$(shell $(GO) env GOPATH)/bin
 
 .PHONY: all deps build abi test test-nordma bench bench-twohosts lint proto demo gdrinfo
 
 all: build
 
-# deps installs the system packages the build and tests need, only those missing.
+# deps checks the Go toolchain and installs the system packages the build and tests
+# need, only those missing (gcc among them: the UCX binding is cgo).
 deps:
+	@v=$$($(GO) env GOVERSION 2>/dev/null | sed 's/^go//'); \
+	if [ -z "$$v" ] || [ "$$(printf '%s\n' $(GO_MIN) "$$v" | sort -V | head -n1)" != "$(GO_MIN)" ]; then \
+		echo "gdrpc needs Go $(GO_MIN) or later (found: $${v:-none}); see https://go.dev/dl" >&2; exit 1; \
+	fi
 	@missing=""; for p in $(APT_PKGS); do \
 		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
 	done; \

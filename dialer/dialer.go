@@ -47,8 +47,9 @@ func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error)
 // (gdrcodec.DialOptions: the gdr codec for every call of the ClientConn and
 // the interceptors that keep request payloads available until the call ends;
 // it registers nothing with gRPC). codecOpts (gdrcodec.WithReceiveAllocator,
-// WithMaxReceivePayload, ...) apply to the calls of this ClientConn alone;
-// without them the codec follows gdrcodec.Register's. The AuthInfo of a
+// WithMaxReceivePayload, ...) apply to the calls of this ClientConn alone, in
+// place of all of gdrcodec.Register's (what they leave out takes its
+// default); without them the codec follows gdrcodec.Register's. The AuthInfo of a
 // call's peer (grpc.Peer) is creds' own, and gdrpc.SessionFromPeer finds the
 // session.
 func (d *Dialer) DialOptions(creds credentials.TransportCredentials, codecOpts ...gdrcodec.Option) []grpc.DialOption {

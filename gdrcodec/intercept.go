@@ -740,9 +740,11 @@ func (s *heldStream) RecvMsg(m any) error {
 // codec, set for every call of the ClientConn (grpc.ForceCodecV2: gRPC's codec
 // registry is not touched, so it needs no Register), and UnaryClientInterceptor
 // and StreamClientInterceptor, chained, with a stats handler that tells a
-// unary call which connection its response came over. opts (the receive allocator, the eager
-// threshold, the receive limit) apply to this ClientConn's calls alone;
-// without them the codec follows Register's. dialer.Dialer.DialOptions
+// unary call which connection its response came over. opts (the receive
+// allocator, the eager threshold, the receive limit) apply to this
+// ClientConn's calls alone, in place of all of Register's: an option Register
+// set and opts leave out takes its default here. Without opts the codec
+// follows Register's, as they are at each call. dialer.Dialer.DialOptions
 // includes these options.
 func DialOptions(opts ...Option) []grpc.DialOption {
 	c := gdrCodec

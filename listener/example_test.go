@@ -29,8 +29,12 @@ func (s *digestServer) Digest(ctx context.Context, t *tensorpb.Tensor) (*tensorp
 	// The session the call came over: TCP here, since ModeAuto moves a
 	// session onto UCX only between peers that trust each other
 	// (gdrpc.WithTrustPeers on both sides).
-	sess := gdrpc.SessionFromContext(ctx)
-	fmt.Printf("handler: %d bytes in %s memory, session over %s\n", b.Len(), b.Kind(), sess.Transport())
+	// A plain gRPC client's call came over no session.
+	over := "no session (a plain gRPC client)"
+	if sess := gdrpc.SessionFromContext(ctx); sess != nil {
+		over = "session over " + sess.Transport()
+	}
+	fmt.Printf("handler: %d bytes in %s memory, %s\n", b.Len(), b.Kind(), over)
 	return s.Server.Digest(ctx, t)
 }
 

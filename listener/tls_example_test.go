@@ -34,7 +34,11 @@ func (tlsHealth) Check(ctx context.Context, _ *healthpb.HealthCheckRequest) (*he
 	// call's context.
 	p, _ := peer.FromContext(ctx)
 	ti := p.AuthInfo.(credentials.TLSInfo)
-	fmt.Printf("handler: %s, session over %s\n", tls.VersionName(ti.State.Version), gdrpc.SessionFromContext(ctx).Transport())
+	over := "no session (a plain gRPC client)"
+	if sess := gdrpc.SessionFromContext(ctx); sess != nil {
+		over = "session over " + sess.Transport()
+	}
+	fmt.Printf("handler: %s, %s\n", tls.VersionName(ti.State.Version), over)
 	return &healthpb.HealthCheckResponse{Status: healthpb.HealthCheckResponse_SERVING}, nil
 }
 

@@ -164,16 +164,19 @@ func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA error, info rdm
 		ps = append(ps, Path{Name: "cuda-ipc", Reason: "no CUDA: " + cudaErr.Error()})
 	}
 	// rdma: UCX present; device memory takes part only if UCX can register it.
+	// Like cuda-ipc it needs UCX sessions, which run between peers that trust
+	// each other alone.
+	const trusted = "between processes that trust each other (gdrpc.WithTrustPeers on both ends; other sessions run over TCP, payloads by the stream path): "
 	switch {
 	case ucxErr != nil:
 		ps = append(ps, Path{Name: "rdma", Reason: "no UCX: " + ucxErr.Error()})
 	case ucxCUDA == nil:
-		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host and GPU memory: UCX registers CUDA memory and moves it itself " +
+		ps = append(ps, Path{Name: "rdma", Available: true, Reason: trusted + "host and GPU memory: UCX registers CUDA memory and moves it itself " +
 			"where a session's lane reaches GPU memory without the CPU (GPUDirect RDMA over InfiniBand/RoCE, its cuda_ipc on one host); " +
 			"GPU to GPU on one device takes it (its cuda_ipc keeps its mappings), between two devices of this host cuda-ipc does, " +
 			"each the faster there; " + oneHost() + "; " + overTCP(info)})
 	default:
-		ps = append(ps, Path{Name: "rdma", Available: true, Reason: "host memory only: " + ucxCUDA.Error() + "; " + oneHost() + "; " + overTCP(info)})
+		ps = append(ps, Path{Name: "rdma", Available: true, Reason: trusted + "host memory only: " + ucxCUDA.Error() + "; " + oneHost() + "; " + overTCP(info)})
 	}
 	// staged: UCX and CUDA, device memory through pinned host bounce buffers.
 	var missing []string

@@ -97,7 +97,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	reqSpace := fs.String("request-space", "0", "receive space the server advertises to a trusted client for its requests' payloads (gdrpc.WithReceiveSpace on the listener), a size or 0 for none; the re-executed server gets it, and across hosts give it to -server (op push)")
 	fs.DurationVar(&o.callLimit, "call-timeout", time.Minute, "bound of each measured call")
 	fs.BoolVar(&o.ordered, "stream-ordered", false, "client: take payloads that land in GPU receive space before their copy ends (gdrpc.WithStreamOrdered) and order a stream of the calling goroutine after each; a goroutine's calls end after its stream has caught up, so with -inflight 1 every call includes its copy (needs -recv cuda, -op pull)")
-	fs.BoolVar(&o.trust, "trust-peers", false, "set TransferConfig.TrustPeers on both ends: pool-region keys and puts over shared memory; give the same on both ends")
+	fs.BoolVar(&o.trust, "trust-peers", false, "gdrpc.WithTrustPeers on both ends: UCX sessions (auto mode), their RDMA and CUDA IPC paths and receive spaces; without it sessions run over TCP and payloads take the stream path")
 	fs.BoolVar(&o.baselines, "baselines", true, "measure the baselines (plain gRPC, ucx_perftest, dtod, naive); false measures gdrpc alone, e.g. for -cpuprofile")
 	fs.BoolVar(&o.verbose, "v", false, "log the UCX lanes of the gdrpc session")
 	fs.BoolVar(&o.child, "child", false, "internal: server half of a same-host run")
