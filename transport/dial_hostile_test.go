@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"io"
 	"net"
 	"sync"
@@ -143,6 +144,74 @@ func TestListenerBoundsHandshakes(t *testing.T) {
 	s, err = Dial(ctx, l.Addr().String(), WithMode(ModeTCP))
 	require.NoError(t, err)
 	require.NoError(t, s.Close())
+}
+
+// A peer that completes handshakes and opens no gRPC stream holds at most
+// maxHandshakes sessions of the listener at once: one more is closed at
+// once, and once a session's gRPC conn reached Accept its slot is free.
+func TestListenerBoundsSessionsAwaitingGRPC(t *testing.T) {
+	defer func(n int) { maxHandshakes = n }(maxHandshakes)
+	maxHandshakes = 4
+	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithHandshakeTimeout(time.Minute))
+	require.NoError(t, err)
+	defer l.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+	defer cancel()
+	dial := func() *Session {
+		t.Helper()
+		s, err := Dial(ctx, l.Addr().String(), WithMode(ModeTCP))
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = s.Close() })
+		return s
+	}
+	var idle []*Session
+	for range maxHandshakes {
+		idle = append(idle, dial())
+	}
+	require.Eventually(t, func() bool { return len(l.awaiting) == maxHandshakes }, handTimeout, time.Millisecond)
+	// Their lane slots wait for gRPC lanes over TCP: no UCX listener of the
+	// process takes connection requests for them.
+	require.False(t, lanesExpected(), "a TCP session's lane slot opened UCX listeners")
+
+	// One more: the server closes it rather than keep it, before or after
+	// the client's lanes were taken (Dial fails, or the session ends).
+	if extra, err := Dial(ctx, l.Addr().String(), WithMode(ModeTCP)); err == nil {
+		defer extra.Close()
+		select {
+		case <-extra.Done():
+		case <-time.After(handTimeout):
+			t.Fatal("a session past the bound was kept")
+		}
+	} else {
+		// Its lane was refused, or closed with the session.
+		require.True(t, errors.Is(err, errLaneRefused) || errors.Is(err, io.EOF), "dial: %v", err)
+	}
+	require.Len(t, l.awaiting, maxHandshakes)
+	for _, s := range idle {
+		require.NoError(t, s.Err(), "a session within the bound was closed")
+	}
+
+	// One of them opens its gRPC stream: Accept gets it and its slot frees.
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		if c, err := l.Accept(); err == nil {
+			accepted <- c
+		}
+	}()
+	cc, err := idle[0].Conn(ctx)
+	require.NoError(t, err)
+	defer cc.Close()
+	select {
+	case sc := <-accepted:
+		defer sc.Close()
+	case <-time.After(handTimeout):
+		t.Fatal("the session's gRPC conn never reached Accept")
+	}
+	require.Eventually(t, func() bool { return len(l.awaiting) == maxHandshakes-1 }, handTimeout, time.Millisecond)
+	// And a new session fits again.
+	next := dial()
+	require.Eventually(t, func() bool { return len(l.awaiting) == maxHandshakes }, handTimeout, time.Millisecond)
+	require.NoError(t, next.Err())
 }
 
 // readAnnounced reads exactly what was announced, in pieces of any size.

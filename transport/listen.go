@@ -44,6 +44,7 @@ type Listener struct {
 
 	handshakes chan struct{} // a slot per connection before its handshake ends
 	ucxServing chan struct{} // a slot per UCX endpoint before it is handed on
+	awaiting   chan struct{} // a slot per session until Accept took its gRPC conn
 }
 
 // maxHandshakes bounds the connections a listener serves before they end
@@ -52,7 +53,9 @@ type Listener struct {
 // who reaches the port can open them. Past it, accepting waits for a slot;
 // connections wait in the kernel's backlog meanwhile. It bounds the UCX
 // endpoints being served before they reach their session likewise: past it,
-// a new endpoint is closed at once. A variable for tests.
+// a new endpoint is closed at once; and the sessions that wait for their
+// client's gRPC stream and for Accept: past it, a new session is closed at
+// once. A variable for tests.
 var maxHandshakes = 1024
 
 var _ net.Listener = (*Listener)(nil)
@@ -97,6 +100,7 @@ func Listen(addr string, opts ...Option) (*Listener, error) {
 
 		handshakes: make(chan struct{}, maxHandshakes),
 		ucxServing: make(chan struct{}, maxHandshakes),
+		awaiting:   make(chan struct{}, maxHandshakes),
 	}
 	l.log = cfg.logger.With("component", "gdrpc/listener", "addr", tl.Addr().String())
 	if cfg.mode != ModeTCP {
@@ -289,6 +293,10 @@ func (l *Listener) deliver(c net.Conn) {
 	}
 }
 
+// errTooManyAwaiting closes a session past the listener's bound on those
+// that wait for their gRPC stream.
+var errTooManyAwaiting = errors.New("gdrpc: too many sessions of the listener wait for their gRPC stream")
+
 // serveTCP tells gdrpc from plain clients, runs the handshake, and hands the
 // session's gRPC conn to Accept once the client opened it.
 func (l *Listener) serveTCP(c net.Conn) {
@@ -296,6 +304,19 @@ func (l *Listener) serveTCP(c net.Conn) {
 	s := l.handshakeTCP(c)
 	<-l.handshakes
 	if s == nil {
+		return
+	}
+	// Its handshake slot is free (its lanes need slots of their own), so
+	// this bound keeps a peer that completes handshakes and opens no gRPC
+	// stream from holding sessions (their connections, lanes, goroutines)
+	// without one, until each times out.
+	select {
+	case l.awaiting <- struct{}{}:
+		defer func() { <-l.awaiting }()
+	default:
+		s.closeWith(errTooManyAwaiting)
+		_ = s.Close()
+		l.log.Debug("session closed: too many wait for their gRPC stream", "session", s.id, "peer", s.peer.ID)
 		return
 	}
 	// A session exists here to carry gRPC: one whose client opens no gRPC
@@ -507,7 +528,9 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 	}
 	// The lane slot first: once pu is proven the client's endpoint is
 	// acknowledged, and its first lane may follow at once.
-	if slot != nil {
+	if slot != nil && canUCX {
+		// Only a session that may run over UCX may have lanes there: a
+		// TCP session's slot opens no UCX listener of this process.
 		slot.prove()
 	}
 	if pu != nil {

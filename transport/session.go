@@ -210,13 +210,15 @@ func newSession(st sessionSetup) (*Session, error) {
 	} else {
 		s.handler = noHandler{s}
 	}
+	if st.laneSlot != nil && s.useLane() {
+		s.laneSlot = st.laneSlot // before the registry shares s: a close forgets it
+	}
 	// In the registry before a lane can find the session: a lane that fails
 	// closes the session, and the close must find it there to take it out.
 	registryAdd(s)
 	s.cfg.metrics.SessionUp(s.transport, s.client)
 	if st.laneSlot != nil {
 		if s.useLane() {
-			s.laneSlot = st.laneSlot
 			st.laneSlot.fill(s)
 		} else {
 			st.laneSlot.fill(nil)
