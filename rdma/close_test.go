@@ -5,11 +5,14 @@ import (
 	"errors"
 	"io"
 	"net"
+	"strings"
 	"testing"
 	"time"
 
-	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/internal/leaktest"
+	"github.com/gdrpc/gdrpc/rdma"
 )
 
 func TestEndpointCloseTwiceAndUseAfterClose(t *testing.T) {
@@ -62,7 +65,18 @@ func TestCloseWakesBlockedCalls(t *testing.T) {
 		}
 		errc <- err
 	}()
-	time.Sleep(50 * time.Millisecond) // let both block; correctness does not depend on it
+	// Both blocked: each parked in its call, waiting for the endpoint.
+	blocked := func(call string) bool {
+		for _, g := range leaktest.Goroutines(call) {
+			if strings.Contains(g, "[select") {
+				return true
+			}
+		}
+		return false
+	}
+	require.Eventually(t, func() bool {
+		return blocked("rdma.(*Endpoint).Read(") && blocked("rdma.(*Endpoint).Write(")
+	}, 10*time.Second, time.Millisecond, "Read and Write never blocked")
 	require.NoError(t, client.Close())
 	for range 2 {
 		select {
@@ -101,15 +115,24 @@ func TestListenerCloseAndReject(t *testing.T) {
 	require.NotZero(t, l.Addr().(*rdma.Addr).Port)
 	require.Equal(t, "ucx", l.Addr().Network())
 
-	var seen net.Addr
-	l.SetFilter(func(remote net.Addr) bool { seen = remote; return false })
+	seen := make(chan net.Addr, 1)
+	l.SetFilter(func(remote net.Addr) bool {
+		select {
+		case seen <- remote:
+		default:
+		}
+		return false
+	})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	start := time.Now()
 	_, err = c.Worker().Dial(ctx, l.Addr().String())
-	require.Error(t, err)
-	require.Less(t, time.Since(start), promptBound)
-	require.NotNil(t, seen)
+	require.ErrorIs(t, err, rdma.ErrRejected, "the filter's refusal, not the dial's deadline")
+	select {
+	case remote := <-seen:
+		require.NotNil(t, remote)
+	default:
+		t.Fatal("the filter saw no connection request")
+	}
 	l.SetFilter(nil)
 
 	accErr := make(chan error, 1)
