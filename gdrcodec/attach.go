@@ -1,6 +1,7 @@
 package gdrcodec
 
 import (
+	"log/slog"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -77,7 +78,11 @@ func reportLeak(wp weak.Pointer[gdrv1.DeviceBuffer]) {
 		return
 	}
 	leaked.Add(1)
-	opts().logger.Warn("gdrcodec: a DeviceBuffer message was garbage-collected with its payload attached; the payload's memory is not freed: release messages with ReleaseAll, or take their buffers with Detach",
+	log := opts().logger
+	if log == nil {
+		log = slog.Default()
+	}
+	log.Warn("gdrcodec: a DeviceBuffer message was garbage-collected with its payload attached; the payload's memory is not freed: release messages with ReleaseAll, or take their buffers with Detach",
 		"bytes", a.buf.Len(), "kind", a.buf.Kind().String())
 }
 

@@ -72,8 +72,9 @@ func WithEagerThreshold(n int) Option {
 func WithReceiveAllocator(a devicebuf.Allocator) Option { return func(o *options) { o.alloc = a } }
 
 // WithLogger sets where the codecs report what needs a person's attention: a
-// message garbage-collected with a buffer still attached (a leak: see Attach).
-// If nil, nothing is logged.
+// message garbage-collected with a buffer still attached (a leak: the
+// buffer is never freed). A leak belongs to no connection, so only Register's logger
+// counts; if nil, slog.Default() at the time of the report.
 func WithLogger(l *slog.Logger) Option { return func(o *options) { o.logger = l } }
 
 var (
@@ -123,9 +124,6 @@ func newOptions(opts []Option) *options {
 	}
 	if o.eager == 0 {
 		o.eager = DefaultEagerThreshold
-	}
-	if o.logger == nil {
-		o.logger = slog.New(slog.DiscardHandler)
 	}
 	return o
 }

@@ -15,7 +15,8 @@
 //
 // Attach a devicebuf.Buffer to an outgoing DeviceBuffer with Attach (or New);
 // read a received one with Buffer, take it over with Detach, and give the memory
-// back with ReleaseAll: the garbage collector never frees it (see Attach).
+// back with ReleaseAll: the garbage collector never frees it, and a message
+// collected with a buffer still attached is logged as a leak (WithLogger).
 // Received payloads land where WithReceiveAllocator says (host memory unless
 // told otherwise, a GPU with devicebuf.NewCUDAAllocator). On a server with
 // ServerOptions, a request's buffers are released when the call ends and a

@@ -100,6 +100,33 @@ func TestCollectedAttachmentIsReported(t *testing.T) {
 	require.Equal(t, devicebuf.Counters{}, devicebuf.Live().Sub(base))
 }
 
+// Without a logger of Register's, a leak goes to slog.Default(): it needs a
+// person's attention, as one the application configured.
+func TestCollectedAttachmentLoggedByDefault(t *testing.T) {
+	logs := &recordingHandler{records: make(chan slog.Record, 1)}
+	defer slog.SetDefault(slog.Default())
+	slog.SetDefault(slog.New(logs))
+	gdrcodec.Register()
+	b, err := devicebuf.NewHostAllocator().Alloc(777)
+	require.NoError(t, err)
+	func() {
+		msg := &tensorpb.Tensor{Data: gdrcodec.New(b)} // dropped without ReleaseAll
+		require.NotNil(t, msg.Data)
+	}()
+	leaksMade.Add(1)
+	require.Eventually(t, func() bool {
+		runtime.GC()
+		select {
+		case rec := <-logs.records:
+			return rec.Level == slog.LevelWarn && strings.Contains(rec.Message, "garbage-collected")
+		default:
+			return false
+		}
+	}, 10*time.Second, time.Millisecond, "the collected message is reported to slog.Default()")
+	require.NoError(t, b.Release())
+	require.NoError(t, b.Release()) // the leaked reference, which this test knows of
+}
+
 type recordingHandler struct{ records chan slog.Record }
 
 func (h *recordingHandler) Enabled(context.Context, slog.Level) bool { return true }
