@@ -37,7 +37,9 @@ type attachment struct {
 // bytes travel with it (out-of-band with the gdr codec, inline otherwise).
 // Attach takes its own reference to b, which db holds until ReleaseAll or
 // Detach; the caller keeps theirs. A buffer attached before is released. db's
-// length and kind are set from b.
+// length and kind are set from b. b's contents must not change until the
+// call that sends it ended: its receiver may pull the payload after Send
+// returned, and again where gRPC replays the message.
 func Attach(db *gdrv1.DeviceBuffer, b *devicebuf.Buffer) {
 	b.Retain()
 	setAttachment(db, b)
