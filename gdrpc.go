@@ -160,7 +160,9 @@ func WithReceiveSpaceLimit(n int) Option {
 // Buffer.WaitOn(stream) (its kernels queue behind the copy, the CPU never
 // waits) or waits with Buffer.Wait. devicebuf's copies wait by themselves.
 // Payloads that came another way are complete on arrival, as without this
-// option. Off by default: a received buffer's bytes are in place.
+// option. Off by default: a received buffer's bytes are in place. It is a
+// client's option: a Listener's sessions ignore it (a server's request is in
+// place before its handler runs).
 func WithStreamOrdered() Option { return func(c *Config) { c.StreamOrdered = true } }
 
 // WithSessionOptions applies package transport's options to the sessions,

@@ -561,7 +561,7 @@ func (h *hold) release() {
 // releases what the response brought when the call fails (the caller never
 // sees it), and returns the status of an out-of-band transfer that failed
 // while the response was being decoded, where gRPC reports Internal. It
-// numbers the call (numberCall), and a call that fails tells the server,
+// numbers the call in its metadata, and a call that fails tells the server,
 // which takes back the receive space of a response the call never decoded.
 // A call whose request and response types cannot carry a payload needs none
 // of this and goes straight to the invoker: client and server are taken to
