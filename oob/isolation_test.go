@@ -61,7 +61,7 @@ func intercept(t *testing.T, typ byte, s *transport.Session, fn func(payload []b
 	engine := controlHandlers[typ]
 	controlHandlers[typ] = func(from *transport.Session, payload []byte) {
 		if from == s {
-			fn(payload)
+			runHook(func() bool { fn(payload); return true })
 			return
 		}
 		engine(from, payload)

@@ -39,7 +39,7 @@ func interceptControl(tb testing.TB, typ byte, fn func(s *transport.Session, pay
 	controlMu.Lock()
 	orig := controlHandlers[typ]
 	controlHandlers[typ] = func(s *transport.Session, p []byte) {
-		if !fn(s, p) && orig != nil {
+		if !runHook(func() bool { return fn(s, p) }) && orig != nil {
 			orig(s, p)
 		}
 	}
@@ -49,6 +49,23 @@ func interceptControl(tb testing.TB, typ byte, fn func(s *transport.Session, pay
 		controlHandlers[typ] = orig
 		controlMu.Unlock()
 	})
+}
+
+// runHook runs fn, a test's hook called on a session's goroutine, on a
+// goroutine of its own and waits for it: an assertion that fails in it
+// (FailNow: runtime.Goexit) fails the test and ends that goroutine, not the
+// session's handler, whose end would stall the session and hide the failure
+// behind a timeout. A hook that failed counts as having handled the message.
+func runHook(fn func() bool) bool {
+	handled, returned := false, false
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		handled = fn()
+		returned = true
+	}()
+	<-done
+	return handled || !returned
 }
 
 // stallBulk makes the bulk streams that reach s wait, unread, until release
