@@ -176,10 +176,12 @@ func TestNetRPCSameMessageTwoCodecs(t *testing.T) {
 		b := NewClientCodec(newHookConn(t), WithEagerThreshold(-1)).(*clientCodec)
 		body := outOfBand()
 		var wg sync.WaitGroup
-		for _, c := range []*clientCodec{a, b} {
-			wg.Go(func() { require.NoError(t, c.WriteRequest(&rpc.Request{Seq: 1, ServiceMethod: "S.M"}, body)) })
+		errs := make([]error, 2)
+		for i, c := range []*clientCodec{a, b} {
+			wg.Go(func() { errs[i] = c.WriteRequest(&rpc.Request{Seq: 1, ServiceMethod: "S.M"}, body) })
 		}
 		wg.Wait()
+		require.NoError(t, errors.Join(errs...))
 		require.Equal(t, 1, heldPayloads(a, 1), "codec A's request")
 		require.Equal(t, 1, heldPayloads(b, 1), "codec B's request")
 		require.NoError(t, a.Close())

@@ -64,13 +64,12 @@ func netRPCPairServing(t *testing.T, rcvr any, server, client []gdrpc.Option) *r
 	}
 	lis, err := listener.Listen("127.0.0.1:0", server...)
 	require.NoError(t, err)
-	done := make(chan struct{})
+	done := make(chan error, 1) // why accepting ended
 	go func() {
-		defer close(done)
 		for {
 			c, err := lis.Accept()
 			if err != nil {
-				require.ErrorIs(t, err, net.ErrClosed)
+				done <- err
 				return
 			}
 			go srv.ServeCodec(gdrcodec.NewServerCodec(c))
@@ -82,7 +81,7 @@ func netRPCPairServing(t *testing.T, rcvr any, server, client []gdrpc.Option) *r
 	t.Cleanup(func() {
 		require.NoError(t, c.Close())
 		require.NoError(t, lis.Close())
-		<-done
+		require.ErrorIs(t, <-done, net.ErrClosed)
 	})
 	return c
 }
