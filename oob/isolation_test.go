@@ -527,7 +527,8 @@ func TestLocalOwnerUnknownTokenAllocatesNothing(t *testing.T) {
 	defer Withdraw(d.Token)
 	d.Length++ // the right token, the wrong length
 	_, _, err = FetchNew(testContext(t), d, alloc)
-	require.Error(t, err)
+	require.ErrorAs(t, err, &te)
+	require.Equal(t, TransferInvalid, te.Kind, "%v", err)
 	require.Zero(t, allocs, "allocated for a length the payload does not have")
 	d.Length--
 	b, path, err := FetchNew(testContext(t), d, alloc)

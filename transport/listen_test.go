@@ -42,7 +42,7 @@ func TestListenerClose(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 	_, err = transport.Dial(ctx, l.Addr().String(), transport.WithMode(transport.ModeTCP))
-	require.Error(t, err)
+	require.ErrorIs(t, err, syscall.ECONNREFUSED)
 }
 
 // TestListenerCloseUCX: Close also closes the UCX listener it owns.
