@@ -129,6 +129,32 @@ type poolBlock struct {
 	ci  int // class index; -1 for an oversize region
 }
 
+// Payload pools' classes (NewPayloadPool): every power of two from the smallest
+// payload that travels out-of-band by default to the largest a class serves.
+const (
+	payloadClassMin = 64 << 10
+	payloadClassMax = 8 << 30
+)
+
+// NewPayloadPool returns a pool for received payloads of any size in memory from backing
+// (devicebuf.NewCUDAAllocator for a GPU): blocks of every power of two from 64 KiB to
+// 8 GiB, each reused by later payloads of its class (on a GPU, so is a sender's CUDA IPC
+// mapping of it), and a region of its own for a payload over 8 GiB. maxBytes bounds the
+// memory it holds, blocks in use and idle ones: an allocation that does not fit fails
+// with ErrExhausted, so size it for the largest payloads in flight at once. It is what
+// gdrcodec.WithReceiveAllocator wants for GPU memory: a bare CUDA allocator allocates,
+// frees, and has the sender map anew, every payload.
+func NewPayloadPool(backing Allocator, maxBytes int64) (*Pool, error) {
+	if backing == nil || maxBytes <= 0 {
+		return nil, fmt.Errorf("devicebuf: payload pool needs a backing allocator and a positive bound (got %v, %d bytes)", backing, maxBytes)
+	}
+	var classes []int
+	for c := payloadClassMin; c <= payloadClassMax; c <<= 1 {
+		classes = append(classes, c)
+	}
+	return NewPool(PoolConfig{Backing: backing, Classes: classes, MaxBytes: maxBytes, Oversize: true})
+}
+
 // NewPool returns a pool configured by cfg. It creates no region until the first Alloc.
 func NewPool(cfg PoolConfig) (*Pool, error) {
 	if cfg.Backing == nil && cfg.Regions == nil {

@@ -359,3 +359,40 @@ func BenchmarkPoolAllocRelease(b *testing.B) {
 		})
 	}
 }
+
+// A payload pool serves any payload size a receive may ask for from the GPU it
+// is given: a class for each power of two, blocks reused, the bound enforced.
+func TestPayloadPool(t *testing.T) {
+	devicebuftest.Install(t, 1)
+	base := devicebuf.Live()
+	gpu, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	_, err = devicebuf.NewPayloadPool(nil, 1<<30)
+	require.Error(t, err)
+	_, err = devicebuf.NewPayloadPool(gpu, 0)
+	require.Error(t, err)
+
+	p, err := devicebuf.NewPayloadPool(gpu, 512<<20)
+	require.NoError(t, err)
+	for _, n := range []int{1, 64<<10 + 1, 100 << 20, 200 << 20} {
+		b, err := p.Alloc(n)
+		require.NoError(t, err, "%d bytes", n)
+		require.Equal(t, devicebuf.CUDA, b.Kind())
+		require.Equal(t, n, b.Len())
+		first := b.Ptr()
+		b.Release()
+		b, err = p.Alloc(n)
+		require.NoError(t, err)
+		require.Equal(t, first, b.Ptr(), "a %d-byte block was not reused", n)
+		b.Release()
+	}
+	// 100 MiB and 200 MiB took classes of 128 and 256 MiB: 384 MiB of 512 held
+	// idle, so 256 MiB more frees idle regions to fit; 600 MiB never fits.
+	b, err := p.Alloc(256 << 20)
+	require.NoError(t, err)
+	b.Release()
+	_, err = p.Alloc(600 << 20)
+	require.ErrorIs(t, err, devicebuf.ErrExhausted)
+	require.NoError(t, p.Close())
+	require.Equal(t, devicebuf.Counters{}, devicebuf.Live().Sub(base))
+}

@@ -66,7 +66,8 @@ func WithEagerThreshold(n int) Option {
 }
 
 // WithReceiveAllocator sets where received DeviceBuffer payloads land: host
-// memory, a GPU (devicebuf.NewCUDAAllocator), or a pool of the user's. If nil,
+// memory, a GPU (devicebuf.NewPayloadPool over devicebuf.NewCUDAAllocator,
+// whose blocks later payloads reuse), or a pool of the user's. If nil,
 // the registered host pool of the default UCX context (plain host memory where
 // there is no UCX).
 func WithReceiveAllocator(a devicebuf.Allocator) Option { return func(o *options) { o.alloc = a } }

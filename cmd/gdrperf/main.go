@@ -303,11 +303,7 @@ func registerCodec(o *options, cuda devicebuf.Allocator) (func(), error) {
 		gdrcodec.Register()
 		return func() {}, nil
 	}
-	var classes []int
-	for s := 64 << 10; s <= 8<<30; s <<= 1 {
-		classes = append(classes, s)
-	}
-	pool, err := devicebuf.NewPool(devicebuf.PoolConfig{Backing: cuda, Classes: classes, MaxBytes: 32 << 30, Oversize: true})
+	pool, err := devicebuf.NewPayloadPool(cuda, 32<<30)
 	if err != nil {
 		return nil, err
 	}
