@@ -11,6 +11,7 @@ import (
 	"text/tabwriter"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -194,7 +195,7 @@ func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA error, info rdm
 	default:
 		ps = append(ps, Path{Name: "staged", Reason: strings.Join(missing, "; ")})
 	}
-	ps = append(ps, Path{Name: "stream", Available: true, Reason: "bytes over the session's stream (always)"})
+	ps = append(ps, Path{Name: "stream", Available: true, Reason: fmt.Sprintf("bytes over the session's bulk lane (always); over a TCP session (peers not trusted) host payloads under %d KiB travel inline instead", gdrcodec.StreamEagerThreshold>>10)})
 	return ps
 }
 
