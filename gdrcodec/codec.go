@@ -32,14 +32,16 @@ const Name = "gdr"
 // DefaultEagerThreshold: payloads shorter than this travel inline.
 const DefaultEagerThreshold = 64 << 10
 
-// StreamEagerThreshold: over a session whose payloads travel as bytes on its
-// bulk lane (a TCP session: no RDMA, no CUDA IPC), payloads shorter than this
-// travel inline too, as long as those of one message from
-// DefaultEagerThreshold up add up to at most StreamInlineBudget. There a pull
-// costs a round trip more than the call (its request, then the bytes) and
-// moves them no faster than gRPC does, so inline is the faster way up to a
-// few hundred KiB. An explicit WithEagerThreshold applies to every session
-// instead.
+// StreamEagerThreshold: over a TCP session (peers that do not trust each
+// other, or ModeTCP), where host payloads travel as bytes on the session's
+// bulk lane, host payloads shorter than this travel inline too, as long as
+// all of one message's inline payloads, those under DefaultEagerThreshold
+// included, add up to at most StreamInlineBudget: a message carries no more
+// inline than it would have otherwise, or than the budget. There a pull
+// costs a round trip more than the call (its request, then the bytes), so
+// inline is the faster way up to a few hundred KiB. GPU payloads keep
+// DefaultEagerThreshold (CUDA IPC may move them over a TCP session too), and
+// an explicit WithEagerThreshold applies to every session instead.
 const (
 	StreamEagerThreshold = 256 << 10
 	StreamInlineBudget   = 1 << 20
@@ -59,8 +61,9 @@ type options struct {
 
 // WithEagerThreshold sets the payload size from which the gdr codec moves a
 // payload out-of-band, over every session; shorter ones travel inline. If
-// zero, DefaultEagerThreshold, and StreamEagerThreshold over TCP sessions;
-// negative sends everything out-of-band (tests).
+// zero, DefaultEagerThreshold, and for host payloads over TCP sessions
+// StreamEagerThreshold within StreamInlineBudget; negative sends everything
+// out-of-band (tests).
 func WithEagerThreshold(n int) Option {
 	return func(o *options) { o.eager, o.eagerOf = n, n != 0 }
 }
@@ -205,7 +208,8 @@ func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 		}
 		w.reqCtx, w.reqTo = w.hold.attempt()
 		if !o.eagerOf && streamsPayloads(c.via(w)) {
-			w.streamEager, w.streamBudget = StreamEagerThreshold, StreamInlineBudget
+			w.streamEager = StreamEagerThreshold
+			w.streamBudget = StreamInlineBudget - inlineUnder(m, o.eager)
 		}
 	}
 	out, err := w.message(m)
@@ -530,6 +534,57 @@ func (w *rewriter) message(m protoreflect.Message) (protoreflect.Message, error)
 		}
 	}
 	return out, nil
+}
+
+// inlineUnder returns the bytes of m's payloads shorter than eager, which
+// travel inline over any session: attached buffers, DeviceBuffers' inline
+// bytes and marked bytes fields, wherever they are in m.
+func inlineUnder(m protoreflect.Message, eager int) int {
+	if db, ok := m.Interface().(*gdrv1.DeviceBuffer); ok {
+		n := len(db.GetInline())
+		if b, ok := Buffer(db); ok {
+			n = b.Len()
+		}
+		if n >= eager {
+			return 0
+		}
+		return n
+	}
+	if !mayCarry(m.Descriptor()) {
+		return 0
+	}
+	total := 0
+	for _, fd := range carryingFields(m) {
+		if !m.Has(fd) {
+			continue
+		}
+		if sub := valueMessage(fd); !marked(fd) && (sub == nil || !mayCarry(sub)) {
+			continue
+		}
+		each := func(v protoreflect.Value) {
+			if marked(fd) {
+				if n := len(v.Bytes()); n < eager {
+					total += n
+				}
+				return
+			}
+			total += inlineUnder(v.Message(), eager)
+		}
+		switch v := m.Get(fd); {
+		case fd.IsList():
+			for i := range v.List().Len() {
+				each(v.List().Get(i))
+			}
+		case fd.IsMap():
+			v.Map().Range(func(_ protoreflect.MapKey, e protoreflect.Value) bool {
+				each(e)
+				return true
+			})
+		default:
+			each(v)
+		}
+	}
+	return total
 }
 
 func shallowCopy(m protoreflect.Message) protoreflect.Message {

@@ -59,6 +59,42 @@ func TestStreamEagerThreshold(t *testing.T) {
 	require.Equal(t, map[string]int{"stream": 2}, r.paths.reset(), "one payload of the request and one of the response out-of-band")
 }
 
+// The budget counts the payloads that travel inline anyway: a message whose
+// payloads under DefaultEagerThreshold fill it sends its larger ones
+// out-of-band, as it did before the stream threshold (a message that fit
+// under gRPC's receive limit still does).
+func TestStreamInlineBudgetCountsSmallPayloads(t *testing.T) {
+	const small = gdrcodec.DefaultEagerThreshold - 1
+	n := gdrcodec.StreamInlineBudget/small + 1 // their bytes over the budget
+	parts := make([]*gdrv1.DeviceBuffer, 0, n+1)
+	var want []byte
+	for i := range n + 1 {
+		size := small
+		if i == n {
+			size = streamPart // under StreamEagerThreshold, over the budget left
+		}
+		p := pattern(size, uint32(i))
+		want = append(want, p...)
+		b := devicebuf.HostFromBytes(p)
+		parts = append(parts, gdrcodec.New(b))
+		b.Release()
+	}
+	r := newRig(t, transport.ModeTCP, nil)
+	in := &tensorpb.Tensor{Name: "parts", Parts: parts}
+	out, err := r.client.Echo(context.Background(), in)
+	require.NoError(t, err)
+	var got []byte
+	for _, db := range out.Parts {
+		p, err := tensor.Bytes(db)
+		require.NoError(t, err)
+		got = append(got, p...)
+	}
+	requireBytes(t, want, got)
+	gdrcodec.ReleaseAll(in)
+	gdrcodec.ReleaseAll(out)
+	require.Equal(t, map[string]int{"stream": 2}, r.paths.reset(), "the large payload out-of-band each way")
+}
+
 // An eager threshold the application set applies over TCP sessions too.
 func TestStreamEagerThresholdExplicit(t *testing.T) {
 	gdrcodec.Register(gdrcodec.WithEagerThreshold(gdrcodec.DefaultEagerThreshold))

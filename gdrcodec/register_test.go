@@ -73,7 +73,7 @@ func registerScenario() error {
 	defer plainCC.Close()
 	plain := tensorpb.NewTensorServiceClient(plainCC)
 
-	const n = 128 << 10 // out-of-band with the gdr codec
+	const n = 2 * gdrcodec.StreamEagerThreshold // out-of-band with the gdr codec, over any session
 	blob := pattern(n, 5)
 	want := tensor.ChecksumBytes(blob)
 	// A marked bytes field: inline with the proto codec, out-of-band with gdr.

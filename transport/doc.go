@@ -25,7 +25,8 @@
 // connections to gRPC unchanged.
 //
 // The mode is ModeAuto by default, or set by WithMode or the environment
-// variable GDRPC_TRANSPORT=ucx|tcp. ModeAuto moves onto UCX only when
+// variable GDRPC_TRANSPORT=ucx|tcp (ucx only where WithTrustPeers says the
+// peers are trusted). ModeAuto moves onto UCX only when
 // WithTrustPeers says the peers are trusted: a UCX connection lets
 // its peer write anywhere in this process. The chosen transport shows in
 // Session.Transport, in the network of the conns' addresses ("gdrpc+ucx",

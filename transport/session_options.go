@@ -97,7 +97,7 @@ func WithMetrics(m SessionMetrics) Option {
 }
 
 // WithMode sets the transport mode. If not given, the environment variable
-// GDRPC_TRANSPORT decides, and if that is unset, ModeAuto.
+// GDRPC_TRANSPORT decides (EnvTransport), and if that is unset, ModeAuto.
 func WithMode(m Mode) Option {
 	return func(c *config) { c.mode, c.modeSet = m, true }
 }

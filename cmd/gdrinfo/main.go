@@ -167,7 +167,7 @@ func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA error, info rdm
 	// rdma: UCX present; device memory takes part only if UCX can register it.
 	// Like cuda-ipc it needs UCX sessions, which run between peers that trust
 	// each other alone.
-	const trusted = "between processes that trust each other (gdrpc.WithTrustPeers on both ends; other sessions run over TCP, payloads by the stream path): "
+	const trusted = "between processes that trust each other (gdrpc.WithTrustPeers, or WithTransport(ModeUCX), which says as much, on both ends; other sessions run over TCP, payloads by the stream path): "
 	switch {
 	case ucxErr != nil:
 		ps = append(ps, Path{Name: "rdma", Reason: "no UCX: " + ucxErr.Error()})

@@ -22,9 +22,11 @@
 //     path where UCX cannot register GPU memory): an in-process device-to-host
 //     copy, and the ratio to min(that copy, ucx_perftest).
 //
-// Payloads below the codec's eager threshold (64 KiB) travel inline (path
-// "inline"): such a row compares the latency of a small unary call, gdrpc's
-// conn against plain gRPC over TCP, between two processes.
+// Payloads below the codec's eager threshold travel inline (path "inline"):
+// 64 KiB, and over a TCP session (the default without -trust-peers) host
+// payloads under 256 KiB (gdrcodec.StreamEagerThreshold). Such a row compares
+// a unary call that carries its payload in the message, gdrpc's conn against
+// plain gRPC over TCP, between two processes.
 //
 // Every size is verified once (the first call checks the received bytes or
 // the server's CRC-32C) before the timed calls. gdrpc MiB/s is size / call
