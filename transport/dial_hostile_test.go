@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
-	"errors"
 	"io"
 	"net"
 	"sync"
@@ -147,8 +146,9 @@ func TestListenerBoundsHandshakes(t *testing.T) {
 }
 
 // A peer that completes handshakes and opens no gRPC stream holds at most
-// maxHandshakes sessions of the listener at once: one more is closed at
-// once, and once a session's gRPC conn reached Accept its slot is free.
+// maxHandshakes sessions of the listener at once: past them the one that
+// waited longest is closed, its lane slot forgotten; a session whose gRPC
+// conn came counts no more.
 func TestListenerBoundsSessionsAwaitingGRPC(t *testing.T) {
 	defer func(n int) { maxHandshakes = n }(maxHandshakes)
 	maxHandshakes = 4
@@ -168,37 +168,38 @@ func TestListenerBoundsSessionsAwaitingGRPC(t *testing.T) {
 	for range maxHandshakes {
 		idle = append(idle, dial())
 	}
-	require.Eventually(t, func() bool { return len(l.awaiting) == maxHandshakes }, handTimeout, time.Millisecond)
+	require.Eventually(t, func() bool { return l.awaitingSessions() == maxHandshakes }, handTimeout, time.Millisecond)
 	// Their lane slots wait for gRPC lanes over TCP: no UCX listener of the
 	// process takes connection requests for them.
 	require.False(t, lanesExpected(), "a TCP session's lane slot opened UCX listeners")
 
-	// One more: the server closes it rather than keep it, before or after
-	// the client's lanes were taken (Dial fails, or the session ends).
-	if extra, err := Dial(ctx, l.Addr().String(), WithMode(ModeTCP)); err == nil {
-		defer extra.Close()
-		select {
-		case <-extra.Done():
-		case <-time.After(handTimeout):
-			t.Fatal("a session past the bound was kept")
-		}
-	} else {
-		// Its lane was refused, or closed with the session.
-		require.True(t, errors.Is(err, errLaneRefused) || errors.Is(err, io.EOF), "dial: %v", err)
+	// One more: the oldest is closed, and its lane slot forgotten.
+	extra := dial()
+	select {
+	case <-idle[0].Done():
+	case <-time.After(handTimeout):
+		t.Fatal("the session that waited longest was kept past the bound")
 	}
-	require.Len(t, l.awaiting, maxHandshakes)
-	for _, s := range idle {
-		require.NoError(t, s.Err(), "a session within the bound was closed")
+	require.Equal(t, maxHandshakes, l.awaitingSessions())
+	require.Eventually(t, func() bool {
+		laneWaiting.Lock()
+		defer laneWaiting.Unlock()
+		_, ok := laneWaiting.m[idle[0].token]
+		return !ok
+	}, handTimeout, time.Millisecond, "the closed session's lane slot is left")
+	for _, s := range append(idle[1:], extra) {
+		require.NoError(t, s.Err(), "a session other than the oldest was closed")
 	}
 
-	// One of them opens its gRPC stream: Accept gets it and its slot frees.
+	// One of them opens its gRPC stream: Accept gets it, and it counts no
+	// more.
 	accepted := make(chan net.Conn, 1)
 	go func() {
 		if c, err := l.Accept(); err == nil {
 			accepted <- c
 		}
 	}()
-	cc, err := idle[0].Conn(ctx)
+	cc, err := idle[1].Conn(ctx)
 	require.NoError(t, err)
 	defer cc.Close()
 	select {
@@ -207,11 +208,8 @@ func TestListenerBoundsSessionsAwaitingGRPC(t *testing.T) {
 	case <-time.After(handTimeout):
 		t.Fatal("the session's gRPC conn never reached Accept")
 	}
-	require.Eventually(t, func() bool { return len(l.awaiting) == maxHandshakes-1 }, handTimeout, time.Millisecond)
-	// And a new session fits again.
-	next := dial()
-	require.Eventually(t, func() bool { return len(l.awaiting) == maxHandshakes }, handTimeout, time.Millisecond)
-	require.NoError(t, next.Err())
+	require.Eventually(t, func() bool { return l.awaitingSessions() == maxHandshakes-1 }, handTimeout, time.Millisecond)
+	require.NoError(t, idle[1].Err())
 }
 
 // readAnnounced reads exactly what was announced, in pieces of any size.

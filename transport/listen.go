@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -44,7 +45,9 @@ type Listener struct {
 
 	handshakes chan struct{} // a slot per connection before its handshake ends
 	ucxServing chan struct{} // a slot per UCX endpoint before it is handed on
-	awaiting   chan struct{} // a slot per session until Accept took its gRPC conn
+
+	awaitMu  sync.Mutex
+	awaiting []*Session // sessions waiting for their gRPC stream, oldest first
 }
 
 // maxHandshakes bounds the connections a listener serves before they end
@@ -54,8 +57,8 @@ type Listener struct {
 // connections wait in the kernel's backlog meanwhile. It bounds the UCX
 // endpoints being served before they reach their session likewise: past it,
 // a new endpoint is closed at once; and the sessions that wait for their
-// client's gRPC stream and for Accept: past it, a new session is closed at
-// once. A variable for tests.
+// client's gRPC stream: past it, the one that waited longest is closed. A
+// variable for tests.
 var maxHandshakes = 1024
 
 var _ net.Listener = (*Listener)(nil)
@@ -100,7 +103,6 @@ func Listen(addr string, opts ...Option) (*Listener, error) {
 
 		handshakes: make(chan struct{}, maxHandshakes),
 		ucxServing: make(chan struct{}, maxHandshakes),
-		awaiting:   make(chan struct{}, maxHandshakes),
 	}
 	l.log = cfg.logger.With("component", "gdrpc/listener", "addr", tl.Addr().String())
 	if cfg.mode != ModeTCP {
@@ -293,9 +295,46 @@ func (l *Listener) deliver(c net.Conn) {
 	}
 }
 
-// errTooManyAwaiting closes a session past the listener's bound on those
-// that wait for their gRPC stream.
-var errTooManyAwaiting = errors.New("gdrpc: too many sessions of the listener wait for their gRPC stream")
+// errTooManyAwaiting closes a session that waited for its gRPC stream
+// longest when maxHandshakes others wait too.
+var errTooManyAwaiting = errors.New("gdrpc: the client opened no gRPC stream while too many sessions of the listener waited for theirs")
+
+// await counts s among the sessions that wait for their gRPC stream until
+// the returned function runs. Its handshake slot is free by then (its lanes
+// need slots of their own), so this bound keeps a peer that completes
+// handshakes and opens no gRPC stream from holding sessions (connections,
+// lanes, goroutines) without one until each times out. Past maxHandshakes
+// the one that waited longest is closed, not the newest: an honest client
+// opens its stream at once, so a peer would have to complete that many
+// handshakes within that time to push one out.
+func (l *Listener) await(s *Session) (done func()) {
+	l.awaitMu.Lock()
+	var oldest *Session
+	if len(l.awaiting) >= maxHandshakes {
+		oldest = l.awaiting[0]
+		l.awaiting = slices.Delete(l.awaiting, 0, 1)
+	}
+	l.awaiting = append(l.awaiting, s)
+	l.awaitMu.Unlock()
+	if oldest != nil {
+		oldest.closeWith(errTooManyAwaiting)
+		l.log.Debug("session closed: too many wait for their gRPC stream", "session", oldest.id, "peer", oldest.peer.ID)
+	}
+	return func() {
+		l.awaitMu.Lock()
+		if i := slices.Index(l.awaiting, s); i >= 0 {
+			l.awaiting = slices.Delete(l.awaiting, i, i+1)
+		}
+		l.awaitMu.Unlock()
+	}
+}
+
+// awaitingSessions returns how many sessions wait for their gRPC stream.
+func (l *Listener) awaitingSessions() int {
+	l.awaitMu.Lock()
+	defer l.awaitMu.Unlock()
+	return len(l.awaiting)
+}
 
 // serveTCP tells gdrpc from plain clients, runs the handshake, and hands the
 // session's gRPC conn to Accept once the client opened it.
@@ -306,25 +345,14 @@ func (l *Listener) serveTCP(c net.Conn) {
 	if s == nil {
 		return
 	}
-	// Its handshake slot is free (its lanes need slots of their own), so
-	// this bound keeps a peer that completes handshakes and opens no gRPC
-	// stream from holding sessions (their connections, lanes, goroutines)
-	// without one, until each times out.
-	select {
-	case l.awaiting <- struct{}{}:
-		defer func() { <-l.awaiting }()
-	default:
-		s.closeWith(errTooManyAwaiting)
-		_ = s.Close()
-		l.log.Debug("session closed: too many wait for their gRPC stream", "session", s.id, "peer", s.peer.ID)
-		return
-	}
 	// A session exists here to carry gRPC: one whose client opens no gRPC
 	// stream would never reach gRPC (nor its limits on connections), and
 	// control messages alone would keep it from the idle timeout.
+	done := l.await(s)
 	ctx, cancel := context.WithTimeout(l.ctx, l.cfg.handshakeTimeout)
 	gc, err := s.Conn(ctx)
 	cancel()
+	done()
 	if err != nil {
 		if errors.Is(err, context.DeadlineExceeded) {
 			s.closeWith(fmt.Errorf("gdrpc: the client opened no gRPC stream within %v", l.cfg.handshakeTimeout))
