@@ -84,7 +84,9 @@ func reportLeak(wp weak.Pointer[gdrv1.DeviceBuffer]) {
 	if log == nil {
 		log = slog.Default()
 	}
-	log.Warn("gdrcodec: a DeviceBuffer message was garbage-collected with its payload attached; the payload's memory is not freed: release messages with ReleaseAll, or take their buffers with Detach",
+	// Not on this goroutine: it runs every cleanup of the process, and a
+	// handler that blocks must not hold them up.
+	go log.Warn("gdrcodec: a DeviceBuffer message was garbage-collected with its payload attached; the payload's memory is not freed: release messages with ReleaseAll, or take their buffers with Detach",
 		"bytes", a.buf.Len(), "kind", a.buf.Kind().String())
 }
 

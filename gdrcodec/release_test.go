@@ -5,6 +5,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"log"
 	"log/slog"
 	"runtime"
 	"strings"
@@ -103,8 +105,14 @@ func TestCollectedAttachmentIsReported(t *testing.T) {
 // Without a logger of Register's, a leak goes to slog.Default(): it needs a
 // person's attention, as one the application configured.
 func TestCollectedAttachmentLoggedByDefault(t *testing.T) {
-	logs := &recordingHandler{records: make(chan slog.Record, 1)}
-	defer slog.SetDefault(slog.Default())
+	logs := &recordingHandler{records: make(chan slog.Record, 16)}
+	// SetDefault redirects package log too; restoring the default logger
+	// does not undo that.
+	defer func(l *slog.Logger, w io.Writer, flags int) {
+		slog.SetDefault(l)
+		log.SetOutput(w)
+		log.SetFlags(flags)
+	}(slog.Default(), log.Writer(), log.Flags())
 	slog.SetDefault(slog.New(logs))
 	gdrcodec.Register()
 	b, err := devicebuf.NewHostAllocator().Alloc(777)
@@ -118,7 +126,14 @@ func TestCollectedAttachmentLoggedByDefault(t *testing.T) {
 		runtime.GC()
 		select {
 		case rec := <-logs.records:
-			return rec.Level == slog.LevelWarn && strings.Contains(rec.Message, "garbage-collected")
+			var bytes string
+			rec.Attrs(func(a slog.Attr) bool {
+				if a.Key == "bytes" {
+					bytes = a.Value.String()
+				}
+				return true
+			})
+			return rec.Level == slog.LevelWarn && strings.Contains(rec.Message, "garbage-collected") && bytes == "777"
 		default:
 			return false
 		}
