@@ -208,8 +208,7 @@ func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 		}
 		w.reqCtx, w.reqTo = w.hold.attempt()
 		if !o.eagerOf && streamsPayloads(c.via(w)) {
-			w.streamEager = StreamEagerThreshold
-			w.streamBudget = StreamInlineBudget - inlineUnder(m, o.eager)
+			w.streamEager, w.root = StreamEagerThreshold, m
 		}
 	}
 	out, err := w.message(m)
@@ -431,9 +430,12 @@ type rewriter struct {
 	landed []oob.Descriptor // payloads written into the receiver's advertised space
 	// Over a TCP session, payloads from eager up to streamEager travel
 	// inline while streamBudget, what is left of StreamInlineBudget, holds
-	// them (outOfBand).
+	// them (outOfBand); root is the message walked, whose payloads under
+	// eager the budget counts once one of them is a candidate (budgeted).
 	streamEager  int
 	streamBudget int
+	budgeted     bool
+	root         protoreflect.Message
 	// A request's call and the session gRPC picked for it, and the
 	// payloads written into the space its server advertised over it.
 	reqCtx    context.Context
@@ -469,11 +471,17 @@ func (w *rewriter) outOfBand(n int, k devicebuf.Kind) bool {
 	switch {
 	case !w.oob || n < w.eager:
 		return false
-	case k == devicebuf.Host && n < w.streamEager && n <= w.streamBudget:
-		w.streamBudget -= n
-		return false
+	case k != devicebuf.Host || n >= w.streamEager:
+		return true
 	}
-	return true
+	if !w.budgeted {
+		w.streamBudget, w.budgeted = StreamInlineBudget-inlineUnder(w.root, w.eager), true
+	}
+	if n > w.streamBudget {
+		return true
+	}
+	w.streamBudget -= n
+	return false
 }
 
 // offer puts src in the outbox, or, where landable and the message's
