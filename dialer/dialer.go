@@ -57,7 +57,7 @@ func (d *Dialer) DialOptions(creds credentials.TransportCredentials, codecOpts .
 		grpc.WithContextDialer(d.DialContext),
 		grpc.WithTransportCredentials(transport.NewCredentials(creds)),
 		grpc.WithWriteBufferSize(transport.GRPCBufferSize),
-		grpc.WithReadBufferSize(transport.GRPCBufferSize),
+		grpc.WithReadBufferSize(transport.GRPCReadBufferSize),
 		grpc.WithInitialWindowSize(transport.DefaultWindow),
 		grpc.WithInitialConnWindowSize(transport.DefaultWindow),
 	}, gdrcodec.DialOptions(codecOpts...)...)

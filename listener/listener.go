@@ -50,7 +50,7 @@ func ServerOptions(creds credentials.TransportCredentials) []grpc.ServerOption {
 	return append([]grpc.ServerOption{
 		grpc.Creds(transport.NewCredentials(creds)),
 		grpc.WriteBufferSize(transport.GRPCBufferSize),
-		grpc.ReadBufferSize(transport.GRPCBufferSize),
+		grpc.ReadBufferSize(transport.GRPCReadBufferSize),
 		grpc.InitialWindowSize(transport.DefaultWindow),
 		grpc.InitialConnWindowSize(transport.DefaultWindow),
 		grpc.NumStreamWorkers(uint32(runtime.GOMAXPROCS(0))),

@@ -44,10 +44,15 @@ const (
 	DefaultIdleTimeout       = 2 * time.Minute
 	// DefaultWindow is the yamux per-stream receive window.
 	DefaultWindow = 16 << 20
-	// GRPCBufferSize is the gRPC read and write buffer size that suits a
-	// gdrpc conn: it carries whole messages per write (a yamux frame, a UCX
-	// stream send), so larger buffers mean fewer, larger writes.
+	// GRPCBufferSize is the gRPC write buffer size that suits a gdrpc conn:
+	// it carries whole messages per write (a yamux frame, a UCX stream send),
+	// so larger buffers mean fewer, larger writes.
 	GRPCBufferSize = 256 << 10
+	// GRPCReadBufferSize is the gRPC read buffer size of a gdrpc conn,
+	// gRPC's own default. gRPC holds it for a connection's life, idle or
+	// not, on both ends, and a larger one made no call faster: 256 KiB made
+	// an idle connection over a TCP session cost 562 KiB, against 134 KiB.
+	GRPCReadBufferSize = 32 << 10
 )
 
 // Option configures Dial, Listen and the sessions they make.
