@@ -61,6 +61,7 @@ func (e *Endpoint) drain(all bool) {
 				return
 			}
 			e.grow(size)
+			e.w.grown = e.w.grown || size > ringInitial
 		}
 		var buf []byte
 		if end := e.head + e.n; end < len(e.in) {
@@ -94,6 +95,29 @@ func (e *Endpoint) streamRead(buf []byte, record func(k int)) bool {
 		notify(e.rnotify)
 	}
 	return more != 0
+}
+
+// shrinkRings gives back the inbound rings that grew past ringInitial and
+// are empty, as the driver goes idle (w.mu held, so no drain fills one): a
+// burst grows an endpoint's ring up to ringMax, which it kept for its life
+// (4 MiB of a UCX session's gRPC lane after one stream of 1 MiB messages).
+// The next data gets a ring of ringInitial.
+func (w *Worker) shrinkRings() {
+	if !w.grown {
+		return
+	}
+	w.grown = false
+	for _, e := range w.eps {
+		e.mu.Lock()
+		switch {
+		case len(e.in) <= ringInitial:
+		case e.n == 0:
+			e.in, e.head = nil, 0
+		default:
+			w.grown = true // not read yet: the next idle spell tries again
+		}
+		e.mu.Unlock()
+	}
 }
 
 // grow runs with mu held.

@@ -69,3 +69,13 @@ func (k *RemoteKey) Copying() bool {
 	}
 	return true
 }
+
+// RingLen is the size of e's inbound ring.
+func (e *Endpoint) RingLen() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return len(e.in)
+}
+
+// RingInitial is an inbound ring's first size.
+const RingInitial = ringInitial

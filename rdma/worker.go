@@ -102,6 +102,7 @@ type Worker struct {
 
 	// driver only
 	lastScan   time.Time
+	grown      bool      // an endpoint's inbound ring is past ringInitial (mu held: drain and shrinkRings)
 	polled     bool      // the driver's last serve found nothing, and it polls on
 	yielded    bool      // and yielded its core
 	spinning   bool      // the driver polled since the last work
@@ -246,6 +247,7 @@ func (w *Worker) run() {
 			markCloexec(true)
 			w.lastScan = now
 		}
+		w.shrinkRings()
 		timeout := sleepTimeout
 		switch {
 		case w.stopping:
