@@ -17,7 +17,7 @@ import (
 )
 
 const (
-	ringInitial = 64 << 10 // first inbound buffer of an endpoint
+	ringInitial = 32 << 10 // first inbound buffer of an endpoint
 	ringMax     = 4 << 20  // inbound buffer above which draining UCX stops until Read catches up
 	smallWrite  = 64 << 10 // writes up to this size are copied and sent without waiting
 	maxInflight = 4 << 20  // copied bytes in flight per endpoint before Write waits
