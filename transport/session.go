@@ -87,7 +87,7 @@ type Session struct {
 
 	rtt atomic.Int64
 
-	// What keeps the session from being idle (watchIdle): inUse counts what
+	// What keeps the session from being idle (idleFor): inUse counts what
 	// holds it open (the gRPC stream once taken), traffic what it carried
 	// (control messages, streams opened).
 	inUse   atomic.Int32
@@ -224,17 +224,20 @@ func newSession(st sessionSetup) (*Session, error) {
 			st.laneSlot.fill(nil)
 		}
 	}
-	if s.cfg.idleTimeout > 0 {
-		s.wg.Add(1)
-		go s.watchIdle()
-	}
-	s.wg.Add(6)
+	s.wg.Add(4)
 	go s.monitor()
 	go s.acceptLoop()
 	go s.keepalive()
 	go s.controlReader()
-	go s.frameLaneReader(&s.bulk, "bulk lane")
-	go s.frameLaneReader(&s.wide, "wide lane")
+	if s.useLane() {
+		s.wg.Add(1)
+		go s.frameLaneReader(&s.bulk, "bulk lane")
+		if s.transport == "ucx" && !s.peer.SameHost {
+			// Only such a session may get a wide lane (serveLane).
+			s.wg.Add(1)
+			go s.frameLaneReader(&s.wide, "wide lane")
+		}
+	}
 	s.log.Debug("session up", "role", role, "transport", s.transport,
 		"peer", s.peer.ID.String(), "same_host", s.peer.SameHost,
 		"local", s.localAddr.String(), "remote", s.remoteAddr.String())
@@ -411,18 +414,34 @@ func (s *Session) closeGracefully() {
 }
 
 // monitor closes the session when the multiplexer dies (peer closed, I/O
-// error, write timeout) or the UCX endpoint fails.
+// error, write timeout) or the UCX endpoint fails, and once it has been idle
+// for the idle timeout (idleFor).
 func (s *Session) monitor() {
 	defer s.wg.Done()
 	var epDone <-chan struct{}
 	if s.ep != nil {
 		epDone = s.ep.Done()
 	}
-	select {
-	case <-s.done:
-		return
-	case <-s.mux.CloseChan():
-	case <-epDone:
+	var idle idleWatch
+	var tick <-chan time.Time
+	if d := s.cfg.idleTimeout; d > 0 {
+		t := time.NewTicker(max(d/4, time.Millisecond))
+		defer t.Stop()
+		tick, idle = t.C, idleWatch{since: time.Now(), seen: s.traffic.Load()}
+	}
+	for dead := false; !dead; {
+		select {
+		case <-s.done:
+			return
+		case <-s.mux.CloseChan():
+			dead = true
+		case <-epDone:
+			dead = true
+		case now := <-tick:
+			if s.idleFor(&idle, now) {
+				return
+			}
+		}
 	}
 	cause := s.under.firstErr()
 	if s.ep != nil && s.ep.Err() != nil {
@@ -435,33 +454,29 @@ func (s *Session) monitor() {
 	s.closeWith(fmt.Errorf("%w: %w", ErrPeerGone, cause))
 }
 
-// watchIdle closes the session once it has been idle for the idle timeout:
-// nothing holds it open and it carried nothing. It looks four times per
-// timeout.
-func (s *Session) watchIdle() {
-	defer s.wg.Done()
-	d := s.cfg.idleTimeout
-	tick := time.NewTicker(max(d/4, time.Millisecond))
-	defer tick.Stop()
-	idleSince, seen := time.Now(), s.traffic.Load()
-	for {
-		select {
-		case <-s.done:
-			return
-		case now := <-tick.C:
-			busy := s.inUse.Load() > 0
-			if n := s.traffic.Load(); busy || n != seen {
-				idleSince, seen = now, n
-			}
-			if check := s.cfg.idleCheck; check != nil {
-				check(s, busy)
-			}
-			if !busy && now.Sub(idleSince) >= d {
-				s.closeWith(fmt.Errorf("%w for %v", ErrIdle, d))
-				return
-			}
-		}
+// idleWatch is what monitor knows of a session's idleness: since when it
+// carried nothing, and its traffic count then.
+type idleWatch struct {
+	since time.Time
+	seen  uint64
+}
+
+// idleFor takes a look, at now, at whether the session has been idle for the
+// idle timeout (nothing holds it open and it carried nothing), four times per
+// timeout, and closes it if so (it reports whether it did).
+func (s *Session) idleFor(w *idleWatch, now time.Time) bool {
+	busy := s.inUse.Load() > 0
+	if n := s.traffic.Load(); busy || n != w.seen {
+		w.since, w.seen = now, n
 	}
+	if check := s.cfg.idleCheck; check != nil {
+		check(s, busy)
+	}
+	if d := s.cfg.idleTimeout; !busy && now.Sub(w.since) >= d {
+		s.closeWith(fmt.Errorf("%w for %v", ErrIdle, d))
+		return true
+	}
+	return false
 }
 
 // open opens a stream with a role.
