@@ -41,8 +41,9 @@ type Endpoint struct {
 	stalled  bool // draining stopped: the ring is full
 	drainReq bool // a drain is queued
 	term     error
-	eof      bool // term: the peer closed; Read returns io.EOF
-	local    bool // Close was called
+	eof      bool      // term: the peer closed; Read returns io.EOF
+	local    bool      // Close was called
+	filledAt time.Time // when data last went into a grown inbound ring (shrinkRings)
 	peerErr  error
 	inflight int
 	onErr    func(error)

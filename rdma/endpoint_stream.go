@@ -18,10 +18,13 @@ import (
 
 const (
 	ringInitial = 32 << 10 // first inbound buffer of an endpoint
+	// ringLinger is how long a grown ring stays empty and unfilled before
+	// the driver gives it back (shrinkRings): bursts a moment apart reuse it.
+	ringLinger  = time.Second
 	ringMax     = 4 << 20  // inbound buffer above which draining UCX stops until Read catches up
 	smallWrite  = 64 << 10 // writes up to this size are copied and sent without waiting
 	maxInflight = 4 << 20  // copied bytes in flight per endpoint before Write waits
-	directRead  = 32 << 10 // Reads from this size wait with their buffer posted for a direct copy
+	directRead  = 32 << 10 // Reads from this size wait with their buffer posted for a direct copy (gRPC's reads of a lane are 32 KiB)
 )
 
 // drain moves received stream data from UCX into the inbound ring (worker
@@ -61,7 +64,12 @@ func (e *Endpoint) drain(all bool) {
 				return
 			}
 			e.grow(size)
-			e.w.grown = e.w.grown || size > ringInitial
+			if size > ringInitial {
+				if e.w.grown == nil {
+					e.w.grown = map[*Endpoint]struct{}{}
+				}
+				e.w.grown[e] = struct{}{}
+			}
 		}
 		var buf []byte
 		if end := e.head + e.n; end < len(e.in) {
@@ -75,6 +83,9 @@ func (e *Endpoint) drain(all bool) {
 		more := e.streamRead(buf, func(k int) {
 			e.n += k
 			e.stalled = false
+			if len(e.in) > ringInitial {
+				e.filledAt = time.Now()
+			}
 		})
 		if !more {
 			return
@@ -98,23 +109,20 @@ func (e *Endpoint) streamRead(buf []byte, record func(k int)) bool {
 }
 
 // shrinkRings gives back the inbound rings that grew past ringInitial and
-// are empty, as the driver goes idle (w.mu held, so no drain fills one): a
-// burst grows an endpoint's ring up to ringMax, which it kept for its life
-// (4 MiB of a UCX session's gRPC lane after one stream of 1 MiB messages).
-// The next data gets a ring of ringInitial.
-func (w *Worker) shrinkRings() {
-	if !w.grown {
-		return
-	}
-	w.grown = false
-	for _, e := range w.eps {
+// have been empty for ringLinger, and those of closed endpoints, whose data
+// nobody reads any more, as the driver goes idle (w.mu held, so no drain
+// fills one): a burst grows an endpoint's ring up to ringMax, which it kept
+// for its life (4 MiB of a UCX session's gRPC lane after one stream of 1 MiB
+// messages). The next data gets a ring of ringInitial.
+func (w *Worker) shrinkRings(now time.Time) {
+	for e := range w.grown {
 		e.mu.Lock()
 		switch {
 		case len(e.in) <= ringInitial:
-		case e.n == 0:
-			e.in, e.head = nil, 0
-		default:
-			w.grown = true // not read yet: the next idle spell tries again
+			delete(w.grown, e)
+		case e.local || e.n == 0 && now.Sub(e.filledAt) >= ringLinger:
+			e.in, e.head, e.n = nil, 0, 0
+			delete(w.grown, e)
 		}
 		e.mu.Unlock()
 	}

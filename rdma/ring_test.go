@@ -1,7 +1,7 @@
 package rdma_test
 
 import (
-	"bytes"
+	"encoding/binary"
 	"io"
 	"testing"
 	"time"
@@ -12,12 +12,15 @@ import (
 )
 
 // A burst that the reader takes late grows the endpoint's inbound ring; once
-// it is read and the endpoint idles, the ring goes back to its first size,
-// and later data still arrives whole.
+// it is read and the endpoint idled for a while (ringLinger), the ring goes
+// back to its first size, and later data still arrives whole.
 func TestInboundRingShrinksWhenIdle(t *testing.T) {
 	c := newContext(t, "tcp")
 	client, server := pair(t, c)
-	burst := bytes.Repeat([]byte("gdrpc ring "), 100_000) // ~1 MiB
+	burst := make([]byte, 1<<20)
+	for i := 0; i < len(burst); i += 4 {
+		binary.BigEndian.PutUint32(burst[i:], uint32(i)) // no two words alike: an offset error shows
+	}
 	written := make(chan error, 1)
 	go func() {
 		_, err := client.Write(burst)

@@ -82,6 +82,7 @@ type Worker struct {
 
 	// lock-only state
 	nextID    uint64
+	grown     map[*Endpoint]struct{} // endpoints whose inbound ring is past ringInitial (shrinkRings)
 	pending   map[uint64]*op
 	eps       map[uint64]*Endpoint
 	epByH     map[uintptr]*Endpoint
@@ -102,7 +103,6 @@ type Worker struct {
 
 	// driver only
 	lastScan   time.Time
-	grown      bool      // an endpoint's inbound ring is past ringInitial (mu held: drain and shrinkRings)
 	polled     bool      // the driver's last serve found nothing, and it polls on
 	yielded    bool      // and yielded its core
 	spinning   bool      // the driver polled since the last work
@@ -247,7 +247,7 @@ func (w *Worker) run() {
 			markCloexec(true)
 			w.lastScan = now
 		}
-		w.shrinkRings()
+		w.shrinkRings(now)
 		timeout := sleepTimeout
 		switch {
 		case w.stopping:
