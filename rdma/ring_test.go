@@ -1,3 +1,5 @@
+//go:build cgo && !nordma
+
 package rdma_test
 
 import (
