@@ -2,6 +2,7 @@ package gdrcodec_test
 
 import (
 	"context"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -19,14 +20,14 @@ import (
 // StreamEagerThreshold, and five of them fit in StreamInlineBudget, six not.
 const streamPart = 200 << 10
 
-// echoStreamParts echoes a message of six streamPart payloads and checks the
-// bytes that came back.
-func echoStreamParts(t *testing.T, r *rig) {
+// echoParts echoes a message of host payloads of the sizes given and checks
+// the bytes that came back.
+func echoParts(t *testing.T, r *rig, sizes ...int) {
 	t.Helper()
-	parts := make([]*gdrv1.DeviceBuffer, 6)
+	parts := make([]*gdrv1.DeviceBuffer, len(sizes))
 	var want []byte
-	for i := range parts {
-		p := pattern(streamPart, uint32(i))
+	for i, n := range sizes {
+		p := pattern(n, uint32(i))
 		want = append(want, p...)
 		b := devicebuf.HostFromBytes(p)
 		parts[i] = gdrcodec.New(b)
@@ -45,6 +46,12 @@ func echoStreamParts(t *testing.T, r *rig) {
 	requireBytes(t, want, got)
 	gdrcodec.ReleaseAll(in)
 	gdrcodec.ReleaseAll(out)
+}
+
+// echoStreamParts echoes a message of six streamPart payloads.
+func echoStreamParts(t *testing.T, r *rig) {
+	t.Helper()
+	echoParts(t, r, slices.Repeat([]int{streamPart}, 6)...)
 }
 
 // Over a TCP session, host payloads under StreamEagerThreshold travel inline
@@ -66,32 +73,10 @@ func TestStreamEagerThreshold(t *testing.T) {
 func TestStreamInlineBudgetCountsSmallPayloads(t *testing.T) {
 	const small = gdrcodec.DefaultEagerThreshold - 1
 	n := gdrcodec.StreamInlineBudget/small + 1 // their bytes over the budget
-	parts := make([]*gdrv1.DeviceBuffer, 0, n+1)
-	var want []byte
-	for i := range n + 1 {
-		size := small
-		if i == n {
-			size = streamPart // under StreamEagerThreshold, over the budget left
-		}
-		p := pattern(size, uint32(i))
-		want = append(want, p...)
-		b := devicebuf.HostFromBytes(p)
-		parts = append(parts, gdrcodec.New(b))
-		b.Release()
-	}
+	// The last under StreamEagerThreshold, over the budget left.
+	sizes := append(slices.Repeat([]int{small}, n), streamPart)
 	r := newRig(t, transport.ModeTCP, nil)
-	in := &tensorpb.Tensor{Name: "parts", Parts: parts}
-	out, err := r.client.Echo(context.Background(), in)
-	require.NoError(t, err)
-	var got []byte
-	for _, db := range out.Parts {
-		p, err := tensor.Bytes(db)
-		require.NoError(t, err)
-		got = append(got, p...)
-	}
-	requireBytes(t, want, got)
-	gdrcodec.ReleaseAll(in)
-	gdrcodec.ReleaseAll(out)
+	echoParts(t, r, sizes...)
 	require.Equal(t, map[string]int{"stream": 2}, r.paths.reset(), "the large payload out-of-band each way")
 }
 
