@@ -8,9 +8,11 @@ import (
 	"net"
 	"os"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/gdrpc/gdrpc/rdma"
+	"google.golang.org/grpc/mem"
 )
 
 // Lanes: on a session whose two ends allow it, the gRPC stream, the control
@@ -410,7 +412,11 @@ func (s *Session) attachLane(ep net.Conn, role byte) (*laneConn, error) {
 	}
 	s.lanes = append(s.lanes, ep)
 	s.laneMu.Unlock()
-	return &laneConn{connCommon: newConnCommon(s, role), ep: ep}, nil
+	c := &laneConn{connCommon: newConnCommon(s, role), ep: ep}
+	if tc, ok := ep.(*net.TCPConn); ok {
+		c.raw, _ = tc.SyscallConn() // nil on error: ReadOnReady reads as Read does
+	}
+	return c, nil
 }
 
 // closeLanes closes the session's lanes and refuses later ones (the session
@@ -602,13 +608,54 @@ func (s *Session) forgetLanes() {
 // every call fails with an error wrapping net.ErrClosed.
 type laneConn struct {
 	connCommon
-	ep net.Conn // *rdma.Endpoint or a TCP conn
+	ep  net.Conn        // *rdma.Endpoint or a TCP conn
+	raw syscall.RawConn // a TCP ep's, for ReadOnReady; nil for an endpoint
 }
 
 var _ net.Conn = (*laneConn)(nil)
 
 func (c *laneConn) Read(b []byte) (int, error)  { return c.do("read", c.ep.Read, b) }
 func (c *laneConn) Write(b []byte) (int, error) { return c.do("write", c.ep.Write, b) }
+
+// ReadOnReady is gRPC's optional reader of a conn (its framer's reads that
+// pin no memory): over TCP it waits for the socket to be readable before it
+// takes a buffer of bufSize from pool, so an idle gRPC lane holds none, as a
+// plain gRPC connection over TCP holds none; over a UCX endpoint it reads as
+// Read does. It returns the buffer with n > 0 bytes read, or nil and an
+// error (io.EOF once the peer closed), in the conn's terms.
+func (c *laneConn) ReadOnReady(bufSize int, pool mem.BufferPool) (*[]byte, int, error) {
+	if err := c.open("read"); err != nil {
+		return nil, 0, err
+	}
+	var buf *[]byte
+	var n int
+	var rerr error
+	if c.raw == nil {
+		buf = pool.Get(bufSize)
+		n, rerr = c.ep.Read(*buf)
+	} else if err := c.raw.Read(func(fd uintptr) bool {
+		buf = pool.Get(bufSize)
+		n, rerr = syscall.Read(int(fd), *buf)
+		if rerr == syscall.EAGAIN || rerr == syscall.EWOULDBLOCK {
+			pool.Put(buf)
+			buf = nil
+			return false // not readable yet: wait in Go's poller
+		}
+		return true
+	}); err != nil {
+		rerr = err // the poller's: a deadline, or the conn closed
+	}
+	if rerr == nil && n > 0 {
+		return buf, n, nil
+	}
+	if rerr == nil {
+		rerr = io.EOF // a read of 0 bytes: the peer closed
+	}
+	if buf != nil {
+		pool.Put(buf)
+	}
+	return nil, 0, c.mapErr("read", rerr)
+}
 
 // do runs a read or a write of the lane, its error in the conn's terms.
 func (c *laneConn) do(op string, f func([]byte) (int, error), b []byte) (int, error) {
