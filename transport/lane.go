@@ -627,13 +627,26 @@ func (c *laneConn) ReadOnReady(bufSize int, pool mem.BufferPool) (*[]byte, int, 
 	if err := c.open("read"); err != nil {
 		return nil, 0, err
 	}
+	if c.raw == nil {
+		buf := pool.Get(bufSize)
+		for {
+			n, err := c.ep.Read(*buf)
+			if err != nil {
+				err = c.mapErr("read", err)
+			}
+			switch {
+			case n > 0:
+				return buf, n, err // the bytes first, as a Read's
+			case err != nil:
+				pool.Put(buf)
+				return nil, 0, err
+			}
+		}
+	}
 	var buf *[]byte
 	var n int
 	var rerr error
-	if c.raw == nil {
-		buf = pool.Get(bufSize)
-		n, rerr = c.ep.Read(*buf)
-	} else if err := c.raw.Read(func(fd uintptr) bool {
+	if err := c.raw.Read(func(fd uintptr) bool {
 		buf = pool.Get(bufSize)
 		n, rerr = syscall.Read(int(fd), *buf)
 		if rerr == syscall.EAGAIN || rerr == syscall.EWOULDBLOCK {

@@ -178,6 +178,13 @@ func newSession(st sessionSetup) (*Session, error) {
 		return nil, fmt.Errorf("gdrpc: start multiplexer: %w", err)
 	}
 
+	// The lanes this session may get a reader for: a client's, those it
+	// opened; a server's, those a client may open through its lane slot
+	// (serveLane: a wide lane only between hosts over UCX).
+	var bulkLane, wideLane bool
+	if !s.client && st.laneSlot != nil && s.useLane() {
+		bulkLane, wideLane = true, s.transport == "ucx" && !s.peer.SameHost
+	}
 	if s.client {
 		ctx, cancel := context.WithTimeout(cmp.Or(st.ctx, context.Background()), st.cfg.handshakeTimeout)
 		var c, b, w net.Conn
@@ -196,6 +203,7 @@ func newSession(st sessionSetup) (*Session, error) {
 			return nil, fmt.Errorf("gdrpc: open control stream: %w", err)
 		}
 		s.ctrl.set(c)
+		bulkLane, wideLane = b != nil, w != nil
 		if b != nil {
 			s.bulk.set(b)
 		}
@@ -224,19 +232,22 @@ func newSession(st sessionSetup) (*Session, error) {
 			st.laneSlot.fill(nil)
 		}
 	}
-	s.wg.Add(4)
+	readers := 4
+	for _, on := range []bool{bulkLane, wideLane} {
+		if on {
+			readers++
+		}
+	}
+	s.wg.Add(readers) // at once, before any of them can end
 	go s.monitor()
 	go s.acceptLoop()
 	go s.keepalive()
 	go s.controlReader()
-	if s.useLane() {
-		s.wg.Add(1)
+	if bulkLane {
 		go s.frameLaneReader(&s.bulk, "bulk lane")
-		if s.transport == "ucx" && !s.peer.SameHost {
-			// Only such a session may get a wide lane (serveLane).
-			s.wg.Add(1)
-			go s.frameLaneReader(&s.wide, "wide lane")
-		}
+	}
+	if wideLane {
+		go s.frameLaneReader(&s.wide, "wide lane")
 	}
 	s.log.Debug("session up", "role", role, "transport", s.transport,
 		"peer", s.peer.ID.String(), "same_host", s.peer.SameHost,
