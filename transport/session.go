@@ -221,6 +221,15 @@ func newSession(st sessionSetup) (*Session, error) {
 	if st.laneSlot != nil && s.useLane() {
 		s.laneSlot = st.laneSlot // before the registry shares s: a close forgets it
 	}
+	// Counted before the registry shares s: a Close from then on waits for
+	// the goroutines below, which start whatever happened meanwhile.
+	readers := 4
+	for _, on := range []bool{bulkLane, wideLane} {
+		if on {
+			readers++
+		}
+	}
+	s.wg.Add(readers)
 	// In the registry before a lane can find the session: a lane that fails
 	// closes the session, and the close must find it there to take it out.
 	registryAdd(s)
@@ -232,13 +241,6 @@ func newSession(st sessionSetup) (*Session, error) {
 			st.laneSlot.fill(nil)
 		}
 	}
-	readers := 4
-	for _, on := range []bool{bulkLane, wideLane} {
-		if on {
-			readers++
-		}
-	}
-	s.wg.Add(readers) // at once, before any of them can end
 	go s.monitor()
 	go s.acceptLoop()
 	go s.keepalive()
