@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"sync"
 	"testing"
 
@@ -12,8 +13,8 @@ import (
 	"github.com/gdrpc/gdrpc/transport"
 )
 
-// TestManySessions: concurrent clients dial, talk and leave; every byte
-// arrives, every session leaves the registry.
+// TestManySessions: concurrent clients dial, then talk and leave at once;
+// every byte arrives, every session leaves the registry.
 func TestManySessions(t *testing.T) {
 	const clients = 16
 	for _, tc := range transportCases {
@@ -42,24 +43,40 @@ func TestManySessions(t *testing.T) {
 			defer cancel()
 			var wg sync.WaitGroup
 			errs := make(chan error, clients)
+			// Dials overlap each other but no close: Debian's UCX 1.13 can
+			// abort a process whose connection request races a closing
+			// socket (README, Known limits), which no code of gdrpc's can
+			// prevent. Over UCX, four dial at once.
+			dialing := make(chan struct{}, clients)
+			if tc.ucx != "" {
+				dialing = make(chan struct{}, 4)
+			}
+			var dialed sync.WaitGroup
+			dialed.Add(clients)
 			for i := range clients {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
 					errs <- func() error {
+						dialing <- struct{}{}
 						s, err := transport.Dial(ctx, l.Addr().String(), opts...)
-						if err != nil {
-							return err
+						var c net.Conn
+						if err == nil {
+							c, err = s.Conn(ctx)
 						}
-						defer s.Close()
-						if s.Transport() != tc.want() {
-							return fmt.Errorf("transport %s", s.Transport())
+						<-dialing
+						dialed.Done()
+						dialed.Wait()
+						if s != nil {
+							defer s.Close()
 						}
-						c, err := s.Conn(ctx)
 						if err != nil {
 							return err
 						}
 						defer c.Close()
+						if s.Transport() != tc.want() {
+							return fmt.Errorf("transport %s", s.Transport())
+						}
 						msg := []byte(fmt.Sprintf("client %d says hello", i))
 						if _, err := c.Write(msg); err != nil {
 							return err
