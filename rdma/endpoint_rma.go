@@ -50,6 +50,9 @@ type RemoteKey struct {
 	seg  unsafe.Pointer
 	use  sync.RWMutex
 	shut atomic.Bool
+	// copying counts the direct copies past the shut check: those a Close
+	// lets complete (tests wait for one).
+	copying atomic.Int32
 }
 
 // KeyDomains returns the kinds of the peer's memory domains ("tcp", "ib",
@@ -345,6 +348,8 @@ func (e *Endpoint) copyDirect(ctx context.Context, get bool, local []byte, remot
 	if key.shut.Load() {
 		return cmp.Or(e.termErr(), error(closedError("remote key")))
 	}
+	key.copying.Add(1)
+	defer key.copying.Add(-1)
 	// checkRMA bounded [remote, remote+len(local)) by the region, which lies
 	// in the segment (UnpackKey).
 	seg := unsafe.Slice((*byte)(unsafe.Add(key.seg, remote-key.region.base)), len(local))

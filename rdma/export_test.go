@@ -62,13 +62,7 @@ func (w *Worker) Submit(f func()) error { return w.submit(f) }
 func (k *RemoteKey) SegmentAt() uintptr { return uintptr(k.seg) }
 
 // Copying reports whether a direct copy with the key is under way.
-func (k *RemoteKey) Copying() bool {
-	if k.use.TryLock() {
-		k.use.Unlock()
-		return false
-	}
-	return true
-}
+func (k *RemoteKey) Copying() bool { return k.copying.Load() > 0 }
 
 // RingLen is the size of e's inbound ring.
 func (e *Endpoint) RingLen() int {
