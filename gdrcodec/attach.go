@@ -168,30 +168,45 @@ func Leaked() int64 { return leaked.Load() }
 // walkDeviceBuffers calls fn for every DeviceBuffer message set in m, m
 // itself if it is one (a method's request or response may be).
 func walkDeviceBuffers(m protoreflect.Message, fn func(*gdrv1.DeviceBuffer)) {
-	if db, ok := m.Interface().(*gdrv1.DeviceBuffer); ok {
-		fn(db)
+	walkPayloads(m, fn, nil)
+}
+
+// walkPayloads calls db for every DeviceBuffer message set in m (m itself if
+// it is one) and, unless nil, bytes for the value of every marked bytes
+// field set in m.
+func walkPayloads(m protoreflect.Message, db func(*gdrv1.DeviceBuffer), bytes func([]byte)) {
+	if d, ok := m.Interface().(*gdrv1.DeviceBuffer); ok {
+		db(d)
 		return
 	}
 	if !mayCarry(m.Descriptor()) {
 		return
 	}
 	for _, fd := range carryingFields(m) {
-		if valueMessage(fd) == nil || !m.Has(fd) {
+		bytesField := marked(fd)
+		if !m.Has(fd) || bytesField && bytes == nil || !bytesField && valueMessage(fd) == nil {
 			continue
+		}
+		each := func(v protoreflect.Value) {
+			if bytesField {
+				bytes(v.Bytes())
+			} else {
+				walkPayloads(v.Message(), db, bytes)
+			}
 		}
 		switch v := m.Get(fd); {
 		case fd.IsList():
 			l := v.List()
 			for i := 0; i < l.Len(); i++ {
-				walkDeviceBuffers(l.Get(i).Message(), fn)
+				each(l.Get(i))
 			}
 		case fd.IsMap():
 			v.Map().Range(func(_ protoreflect.MapKey, mv protoreflect.Value) bool {
-				walkDeviceBuffers(mv.Message(), fn)
+				each(mv)
 				return true
 			})
 		default:
-			walkDeviceBuffers(v.Message(), fn)
+			each(v)
 		}
 	}
 }

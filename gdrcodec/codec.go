@@ -548,50 +548,19 @@ func (w *rewriter) message(m protoreflect.Message) (protoreflect.Message, error)
 // travel inline over any session: attached buffers, DeviceBuffers' inline
 // bytes and marked bytes fields, wherever they are in m.
 func inlineUnder(m protoreflect.Message, eager int) int {
-	if db, ok := m.Interface().(*gdrv1.DeviceBuffer); ok {
+	total := 0
+	add := func(n int) {
+		if n < eager {
+			total += n
+		}
+	}
+	walkPayloads(m, func(db *gdrv1.DeviceBuffer) {
 		n := len(db.GetInline())
 		if b, ok := Buffer(db); ok {
 			n = b.Len()
 		}
-		if n >= eager {
-			return 0
-		}
-		return n
-	}
-	if !mayCarry(m.Descriptor()) {
-		return 0
-	}
-	total := 0
-	for _, fd := range carryingFields(m) {
-		if !m.Has(fd) {
-			continue
-		}
-		if sub := valueMessage(fd); !marked(fd) && (sub == nil || !mayCarry(sub)) {
-			continue
-		}
-		each := func(v protoreflect.Value) {
-			if marked(fd) {
-				if n := len(v.Bytes()); n < eager {
-					total += n
-				}
-				return
-			}
-			total += inlineUnder(v.Message(), eager)
-		}
-		switch v := m.Get(fd); {
-		case fd.IsList():
-			for i := range v.List().Len() {
-				each(v.List().Get(i))
-			}
-		case fd.IsMap():
-			v.Map().Range(func(_ protoreflect.MapKey, e protoreflect.Value) bool {
-				each(e)
-				return true
-			})
-		default:
-			each(v)
-		}
-	}
+		add(n)
+	}, func(b []byte) { add(len(b)) })
 	return total
 }
 
