@@ -283,11 +283,12 @@ func TestCUDA(t *testing.T) {
 		rs = gdrperf(t, append(args, "-recv", "host", "-transport", "ucx", "-op", op)...)
 		require.Len(t, rs, 1)
 		r = rs[0]
-		want := "staged"
-		if rc.Info().HasMemoryType(rdma.MemoryCUDA) {
-			// UCX moves GPU memory itself. The route names this side's
-			// memory: host where it receives, the GPU source where it pushes.
-			want = map[string]string{"pull": "rdma", "push": "rdma/cuda"}[op]
+		// The route is this side's: a client that pulls got puts into its
+		// host memory, however the server staged them; a client that pushes
+		// stages its GPU source, or has UCX read it.
+		want := map[string]string{"pull": "rdma", "push": "staged"}[op]
+		if op == "push" && rc.Info().HasMemoryType(rdma.MemoryCUDA) {
+			want = "rdma/cuda"
 		}
 		require.Equal(t, want, r.Path, "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
 		require.NotNil(t, r.D2HMiBs, "notes: %v", r.Notes)
