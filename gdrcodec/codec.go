@@ -390,16 +390,33 @@ func search(md protoreflect.MessageDescriptor, seen map[protoreflect.FullName]bo
 }
 
 // marked reports whether fd is a bytes field with the device_buffer option.
+// Every walk of a message asks it of the message's bytes fields: the answer
+// is kept per field (reading the option is an extension lookup, ten times a
+// map's).
 func marked(fd protoreflect.FieldDescriptor) bool {
 	if fd.Kind() != protoreflect.BytesKind || fd.IsMap() {
 		return false
 	}
-	o := fd.Options()
-	if o == nil {
-		return false
+	if v, ok := markedFields.Load(fd.FullName()); ok && v.(markedField).fd == fd {
+		return v.(markedField).marked
 	}
-	v, _ := proto.GetExtension(o, gdrv1.E_DeviceBuffer).(bool)
-	return v
+	r := false
+	if o := fd.Options(); o != nil {
+		r, _ = proto.GetExtension(o, gdrv1.E_DeviceBuffer).(bool)
+	}
+	// Kept for the first descriptor of the name, as carriers are: another
+	// of that name (a dynamic message's) reads its own options each time.
+	markedFields.LoadOrStore(fd.FullName(), markedField{fd, r})
+	return r
+}
+
+// markedFields caches marked per field name: protoreflect.FullName ->
+// markedField.
+var markedFields sync.Map
+
+type markedField struct {
+	fd     protoreflect.FieldDescriptor
+	marked bool
 }
 
 // ---- marked bytes fields on the wire -----------------------------------------
