@@ -145,6 +145,89 @@ func TestListenerBoundsHandshakes(t *testing.T) {
 	require.NoError(t, s.Close())
 }
 
+// One host's stalled connections take at most maxHandshakesPerHost of the
+// listener's handshake slots: past them a connection from that host is
+// closed at once, while another host's clients are still served; a slot
+// given back serves the host again, and the count ends with the
+// connections.
+func TestListenerBoundsHandshakesPerHost(t *testing.T) {
+	defer func(n int) { maxHandshakesPerHost = n }(maxHandshakesPerHost)
+	maxHandshakesPerHost = 2
+	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithHandshakeTimeout(time.Minute))
+	require.NoError(t, err)
+	defer l.Close()
+	from := func(ip string) net.Conn {
+		t.Helper()
+		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(ip)}}
+		c, err := d.Dial("tcp", l.Addr().String())
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = c.Close() })
+		return c
+	}
+	hdr := binary.BigEndian.AppendUint32(binary.BigEndian.AppendUint16([]byte(magic), protocolVersion), maxBodyLen)
+	var stalled []net.Conn
+	for range maxHandshakesPerHost {
+		c := from("127.0.0.1")
+		_, err := c.Write(hdr)
+		require.NoError(t, err)
+		stalled = append(stalled, c)
+	}
+	require.Eventually(t, func() bool { return len(l.handshakes) == maxHandshakesPerHost }, 10*time.Second, time.Millisecond)
+
+	// The host's next connection is closed long before the handshake
+	// timeout, without a slot.
+	c := from("127.0.0.1")
+	require.NoError(t, c.SetReadDeadline(time.Now().Add(20*time.Second)))
+	_, err = c.Read(make([]byte, 1))
+	require.ErrorIs(t, err, io.EOF)
+	require.Equal(t, maxHandshakesPerHost, len(l.handshakes))
+
+	// A plain client of another host reaches Accept.
+	accepted := make(chan net.Conn)
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				close(accepted)
+				return
+			}
+			accepted <- c
+		}
+	}()
+	servedFrom := func(ip string) {
+		t.Helper()
+		c := from(ip)
+		_, err := c.Write([]byte("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"))
+		require.NoError(t, err)
+		select {
+		case a, ok := <-accepted:
+			require.True(t, ok, "the listener closed")
+			defer a.Close()
+			require.Equal(t, c.LocalAddr().String(), a.RemoteAddr().String())
+		case <-time.After(20 * time.Second):
+			t.Fatalf("a client of %s was not served", ip)
+		}
+	}
+	servedFrom("127.0.0.2")
+
+	// A stalled connection gone, the first host is served again.
+	require.NoError(t, stalled[0].Close())
+	require.Eventually(t, func() bool { return len(l.handshakes) == maxHandshakesPerHost-1 }, 10*time.Second, time.Millisecond)
+	servedFrom("127.0.0.1")
+
+	for _, c := range stalled[1:] {
+		require.NoError(t, c.Close())
+	}
+	require.Eventually(t, func() bool {
+		l.hostMu.Lock()
+		defer l.hostMu.Unlock()
+		return len(l.perHost) == 0
+	}, 10*time.Second, time.Millisecond, "hosts counted after their connections ended")
+	require.NoError(t, l.Close())
+	_, open := <-accepted
+	require.False(t, open)
+}
+
 // A peer that completes handshakes and opens no gRPC stream holds at most
 // maxHandshakes sessions of the listener at once: past them the one that
 // waited longest is closed, its lane slot forgotten; a session whose gRPC

@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
 	"slices"
 	"strconv"
 	"sync"
@@ -44,6 +45,8 @@ type Listener struct {
 	proven  int // the pending upgrades whose client proved its id
 
 	handshakes chan struct{} // a slot per connection before its handshake ends
+	hostMu     sync.Mutex
+	perHost    map[netip.Prefix]int // connections before their handshake ends, per remote host
 	ucxServing chan struct{} // a slot per UCX endpoint before it is handed on
 
 	awaitMu  sync.Mutex
@@ -60,6 +63,15 @@ type Listener struct {
 // client's gRPC stream: past it, the one that waited longest is closed. A
 // variable for tests.
 var maxHandshakes = 1024
+
+// maxHandshakesPerHost bounds the connections of one remote host (an IPv4
+// address, an IPv6 /64) that a listener serves before their handshake ends:
+// past it a new connection from that host is closed at once, so that one
+// host cannot take every slot of maxHandshakes and keep the others' clients
+// in the backlog until its connections time out. An honest client's
+// handshake lasts a round trip or two; a session's lanes take a slot each. A
+// variable for tests.
+var maxHandshakesPerHost = 64
 
 var _ net.Listener = (*Listener)(nil)
 
@@ -100,6 +112,7 @@ func Listen(addr string, opts ...Option) (*Listener, error) {
 		ctx:      ctx,
 		cancel:   cancel,
 		pending:  map[ID]*pendingUpgrade{},
+		perHost:  map[netip.Prefix]int{},
 
 		handshakes: make(chan struct{}, maxHandshakes),
 		ucxServing: make(chan struct{}, maxHandshakes),
@@ -270,14 +283,58 @@ func (l *Listener) acceptTCP() {
 			return
 		}
 		backoff = 5 * time.Millisecond
+		host, ok := l.admitHost(c)
+		if !ok {
+			_ = c.Close()
+			l.log.Debug("connection closed: too many handshakes from its host", "remote", c.RemoteAddr().String(), "bound", maxHandshakesPerHost)
+			continue
+		}
 		select {
 		case l.handshakes <- struct{}{}:
 		case <-l.done:
+			l.leaveHost(host)
 			_ = c.Close()
 			return
 		}
 		l.wg.Add(1)
-		go l.serveTCP(c)
+		go l.serveTCP(c, host)
+	}
+}
+
+// hostOf returns the remote host of c, as maxHandshakesPerHost counts them.
+func hostOf(c net.Conn) netip.Prefix {
+	ta, ok := c.RemoteAddr().(*net.TCPAddr)
+	if !ok {
+		return netip.Prefix{}
+	}
+	ip := ta.AddrPort().Addr().Unmap()
+	bits := 32
+	if ip.Is6() {
+		bits = 64 // a host may take any address of its /64
+	}
+	p, _ := ip.Prefix(bits)
+	return p
+}
+
+// admitHost counts c against its host's bound on handshakes, or reports
+// that the host holds as many as it may.
+func (l *Listener) admitHost(c net.Conn) (netip.Prefix, bool) {
+	host := hostOf(c)
+	l.hostMu.Lock()
+	defer l.hostMu.Unlock()
+	if l.perHost[host] >= maxHandshakesPerHost {
+		return host, false
+	}
+	l.perHost[host]++
+	return host, true
+}
+
+// leaveHost gives back a connection's count of admitHost.
+func (l *Listener) leaveHost(host netip.Prefix) {
+	l.hostMu.Lock()
+	defer l.hostMu.Unlock()
+	if l.perHost[host]--; l.perHost[host] <= 0 {
+		delete(l.perHost, host)
 	}
 }
 
@@ -338,10 +395,11 @@ func (l *Listener) awaitingSessions() int {
 
 // serveTCP tells gdrpc from plain clients, runs the handshake, and hands the
 // session's gRPC conn to Accept once the client opened it.
-func (l *Listener) serveTCP(c net.Conn) {
+func (l *Listener) serveTCP(c net.Conn, host netip.Prefix) {
 	defer l.wg.Done()
 	s := l.handshakeTCP(c)
 	<-l.handshakes
+	l.leaveHost(host)
 	if s == nil {
 		return
 	}
