@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"io"
 	"net"
+	"net/netip"
 	"sync"
 	"testing"
 	"testing/iotest"
@@ -146,13 +147,14 @@ func TestListenerBoundsHandshakes(t *testing.T) {
 }
 
 // One host's stalled connections take at most maxHandshakesPerHost of the
-// listener's handshake slots: past them a connection from that host is
-// closed at once, while another host's clients are still served; a slot
-// given back serves the host again, and the count ends with the
-// connections.
+// listener's handshake slots: past them a connection of that host waits
+// (past maxQueuedPerHost it is closed at once), while another host's
+// clients are served; a slot the host gives back serves its oldest waiting
+// connection. Closing the listener closes those that wait, and the counts
+// end with the connections.
 func TestListenerBoundsHandshakesPerHost(t *testing.T) {
-	defer func(n int) { maxHandshakesPerHost = n }(maxHandshakesPerHost)
-	maxHandshakesPerHost = 2
+	defer func(n, q int) { maxHandshakesPerHost, maxQueuedPerHost = n, q }(maxHandshakesPerHost, maxQueuedPerHost)
+	maxHandshakesPerHost, maxQueuedPerHost = 2, 1
 	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithHandshakeTimeout(time.Minute))
 	require.NoError(t, err)
 	defer l.Close()
@@ -164,25 +166,35 @@ func TestListenerBoundsHandshakesPerHost(t *testing.T) {
 		t.Cleanup(func() { _ = c.Close() })
 		return c
 	}
-	hdr := binary.BigEndian.AppendUint32(binary.BigEndian.AppendUint16([]byte(magic), protocolVersion), maxBodyLen)
-	var stalled []net.Conn
-	for range maxHandshakesPerHost {
-		c := from("127.0.0.1")
-		_, err := c.Write(hdr)
+	write := func(c net.Conn, b []byte) {
+		t.Helper()
+		_, err := c.Write(b)
 		require.NoError(t, err)
-		stalled = append(stalled, c)
 	}
+	closedAtOnce := func(c net.Conn) {
+		t.Helper()
+		require.NoError(t, c.SetReadDeadline(time.Now().Add(20*time.Second))) // the handshake timeout is a minute
+		_, err := c.Read(make([]byte, 1))
+		require.ErrorIs(t, err, io.EOF)
+	}
+	hdr := binary.BigEndian.AppendUint32(binary.BigEndian.AppendUint16([]byte(magic), protocolVersion), maxBodyLen)
+	preface := []byte("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+	stall := func() net.Conn {
+		t.Helper()
+		c := from("127.0.0.1")
+		write(c, hdr)
+		return c
+	}
+	stalled := []net.Conn{stall(), stall()}
 	require.Eventually(t, func() bool { return len(l.handshakes) == maxHandshakesPerHost }, 10*time.Second, time.Millisecond)
 
-	// The host's next connection is closed long before the handshake
-	// timeout, without a slot.
-	c := from("127.0.0.1")
-	require.NoError(t, c.SetReadDeadline(time.Now().Add(20*time.Second)))
-	_, err = c.Read(make([]byte, 1))
-	require.ErrorIs(t, err, io.EOF)
+	// The host's next connection waits without a slot; the one after it is
+	// closed.
+	waiting := from("127.0.0.1")
+	write(waiting, preface)
+	closedAtOnce(from("127.0.0.1"))
 	require.Equal(t, maxHandshakesPerHost, len(l.handshakes))
 
-	// A plain client of another host reaches Accept.
 	accepted := make(chan net.Conn)
 	go func() {
 		for {
@@ -194,38 +206,45 @@ func TestListenerBoundsHandshakesPerHost(t *testing.T) {
 			accepted <- c
 		}
 	}()
-	servedFrom := func(ip string) {
+	served := func(c net.Conn) {
 		t.Helper()
-		c := from(ip)
-		_, err := c.Write([]byte("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"))
-		require.NoError(t, err)
 		select {
 		case a, ok := <-accepted:
 			require.True(t, ok, "the listener closed")
 			defer a.Close()
-			require.Equal(t, c.LocalAddr().String(), a.RemoteAddr().String())
+			require.Equal(t, c.LocalAddr().String(), a.RemoteAddr().String(), "another connection was served")
 		case <-time.After(20 * time.Second):
-			t.Fatalf("a client of %s was not served", ip)
+			t.Fatalf("%v was not served", c.LocalAddr())
 		}
 	}
-	servedFrom("127.0.0.2")
+	// A plain client of another host reaches Accept (and the waiting one
+	// does not).
+	other := from("127.0.0.2")
+	write(other, preface)
+	served(other)
 
-	// A stalled connection gone, the first host is served again.
+	// A stalled connection gone, the waiting one is served in its place.
 	require.NoError(t, stalled[0].Close())
-	require.Eventually(t, func() bool { return len(l.handshakes) == maxHandshakesPerHost-1 }, 10*time.Second, time.Millisecond)
-	servedFrom("127.0.0.1")
+	served(waiting)
+	require.Eventually(t, func() bool { return len(l.handshakes) == 1 }, 10*time.Second, time.Millisecond)
 
-	for _, c := range stalled[1:] {
-		require.NoError(t, c.Close())
-	}
+	// Closing the listener closes the connections that wait.
+	stalled[0] = stall()
+	require.Eventually(t, func() bool { return len(l.handshakes) == maxHandshakesPerHost }, 10*time.Second, time.Millisecond)
+	waiting = from("127.0.0.1")
 	require.Eventually(t, func() bool {
 		l.hostMu.Lock()
 		defer l.hostMu.Unlock()
-		return len(l.perHost) == 0
-	}, 10*time.Second, time.Millisecond, "hosts counted after their connections ended")
+		h := l.perHost[netip.MustParsePrefix("127.0.0.1/32")]
+		return h != nil && len(h.queued) == 1
+	}, 10*time.Second, time.Millisecond)
 	require.NoError(t, l.Close())
+	closedAtOnce(waiting)
 	_, open := <-accepted
 	require.False(t, open)
+	l.hostMu.Lock()
+	defer l.hostMu.Unlock()
+	require.Empty(t, l.perHost, "hosts counted after their connections ended")
 }
 
 // A peer that completes handshakes and opens no gRPC stream holds at most

@@ -46,8 +46,9 @@ type Listener struct {
 
 	handshakes chan struct{} // a slot per connection before its handshake ends
 	hostMu     sync.Mutex
-	perHost    map[netip.Prefix]int // connections before their handshake ends, per remote host
-	ucxServing chan struct{} // a slot per UCX endpoint before it is handed on
+	perHost    map[netip.Prefix]*hostSlots // guarded by hostMu
+	hostsShut  bool                        // the listener closed: queue no more; guarded by hostMu
+	ucxServing chan struct{}               // a slot per UCX endpoint before it is handed on
 
 	awaitMu  sync.Mutex
 	awaiting []*Session // sessions waiting for their gRPC stream, oldest first
@@ -65,13 +66,18 @@ type Listener struct {
 var maxHandshakes = 1024
 
 // maxHandshakesPerHost bounds the connections of one remote host (an IPv4
-// address, an IPv6 /64) that a listener serves before their handshake ends:
-// past it a new connection from that host is closed at once, so that one
-// host cannot take every slot of maxHandshakes and keep the others' clients
-// in the backlog until its connections time out. An honest client's
-// handshake lasts a round trip or two; a session's lanes take a slot each. A
-// variable for tests.
-var maxHandshakesPerHost = 64
+// address, an IPv6 /64) that a listener serves before their handshake ends,
+// so that one host cannot take every slot of maxHandshakes and keep the
+// other hosts' clients in the backlog until its connections time out. Past
+// it a new connection of the host waits, holding no slot, until one of the
+// host's ends, and is then served in its place; past maxQueuedPerHost
+// waiting ones it is closed at once. An honest client's handshake lasts a
+// round trip or two (a session's lanes take a slot each), so only a burst
+// of them waits. Variables for tests.
+var (
+	maxHandshakesPerHost = 64
+	maxQueuedPerHost     = 256
+)
 
 var _ net.Listener = (*Listener)(nil)
 
@@ -112,7 +118,7 @@ func Listen(addr string, opts ...Option) (*Listener, error) {
 		ctx:      ctx,
 		cancel:   cancel,
 		pending:  map[ID]*pendingUpgrade{},
-		perHost:  map[netip.Prefix]int{},
+		perHost:  map[netip.Prefix]*hostSlots{},
 
 		handshakes: make(chan struct{}, maxHandshakes),
 		ucxServing: make(chan struct{}, maxHandshakes),
@@ -239,6 +245,7 @@ func (l *Listener) shut() {
 		close(l.done)
 		l.cancel()
 		_ = l.tcp.Close()
+		l.shutHosts()
 		if l.ucx != nil {
 			_ = l.ucx.Close()
 		}
@@ -283,22 +290,26 @@ func (l *Listener) acceptTCP() {
 			return
 		}
 		backoff = 5 * time.Millisecond
-		host, ok := l.admitHost(c)
-		if !ok {
-			_ = c.Close()
-			l.log.Debug("connection closed: too many handshakes from its host", "remote", c.RemoteAddr().String(), "bound", maxHandshakesPerHost)
-			continue
+		host := hostOf(c)
+		if !l.admitHost(host, c) {
+			continue // queued, or closed
 		}
 		select {
 		case l.handshakes <- struct{}{}:
 		case <-l.done:
-			l.leaveHost(host)
+			l.handOn(host, false)
 			_ = c.Close()
 			return
 		}
 		l.wg.Add(1)
 		go l.serveTCP(c, host)
 	}
+}
+
+// hostSlots is what a remote host holds of a listener's handshakes.
+type hostSlots struct {
+	serving int        // its connections served before their handshake ends
+	queued  []net.Conn // its connections past maxHandshakesPerHost, oldest first
 }
 
 // hostOf returns the remote host of c, as maxHandshakesPerHost counts them.
@@ -316,25 +327,68 @@ func hostOf(c net.Conn) netip.Prefix {
 	return p
 }
 
-// admitHost counts c against its host's bound on handshakes, or reports
-// that the host holds as many as it may.
-func (l *Listener) admitHost(c net.Conn) (netip.Prefix, bool) {
-	host := hostOf(c)
+// admitHost counts c against its host's bound and reports whether it is
+// to be served now; if not, c waits in the host's queue (handOn serves it),
+// or is closed when that is full too.
+func (l *Listener) admitHost(host netip.Prefix, c net.Conn) bool {
 	l.hostMu.Lock()
 	defer l.hostMu.Unlock()
-	if l.perHost[host] >= maxHandshakesPerHost {
-		return host, false
+	h := l.perHost[host]
+	if h == nil {
+		h = &hostSlots{}
+		l.perHost[host] = h
 	}
-	l.perHost[host]++
-	return host, true
+	switch {
+	case h.serving < maxHandshakesPerHost:
+		h.serving++
+		return true
+	case len(h.queued) < maxQueuedPerHost && !l.hostsShut:
+		h.queued = append(h.queued, c)
+	default:
+		_ = c.Close()
+		l.log.Debug("connection closed: too many handshakes of its host", "remote", c.RemoteAddr().String())
+	}
+	return false
 }
 
-// leaveHost gives back a connection's count of admitHost.
-func (l *Listener) leaveHost(host netip.Prefix) {
+// handOn ends the service of one of host's connections before its handshake
+// ended. With serve, the host's longest-waiting connection takes its place,
+// its handshake slot included; otherwise, or with none waiting, the slots
+// are given back (the handshake slot only with serve: the caller holds one).
+func (l *Listener) handOn(host netip.Prefix, serve bool) {
+	l.hostMu.Lock()
+	h := l.perHost[host]
+	var next net.Conn
+	if serve && len(h.queued) > 0 {
+		next = h.queued[0]
+		h.queued[0] = nil
+		h.queued = h.queued[1:]
+	} else if h.serving--; h.serving == 0 && len(h.queued) == 0 {
+		delete(l.perHost, host)
+	}
+	l.hostMu.Unlock()
+	switch {
+	case next != nil:
+		l.wg.Add(1) // the caller's serveTCP holds the group
+		go l.serveTCP(next, host)
+	case serve:
+		<-l.handshakes
+	}
+}
+
+// shutHosts closes the connections waiting in hosts' queues.
+func (l *Listener) shutHosts() {
 	l.hostMu.Lock()
 	defer l.hostMu.Unlock()
-	if l.perHost[host]--; l.perHost[host] <= 0 {
-		delete(l.perHost, host)
+	l.hostsShut = true
+	for host, h := range l.perHost {
+		for _, c := range h.queued {
+			_ = c.Close()
+		}
+		h.queued = nil
+		if h.serving == 0 {
+			delete(l.perHost, host)
+		}
 	}
 }
 
@@ -398,8 +452,7 @@ func (l *Listener) awaitingSessions() int {
 func (l *Listener) serveTCP(c net.Conn, host netip.Prefix) {
 	defer l.wg.Done()
 	s := l.handshakeTCP(c)
-	<-l.handshakes
-	l.leaveHost(host)
+	l.handOn(host, true)
 	if s == nil {
 		return
 	}
