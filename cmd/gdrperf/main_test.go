@@ -93,6 +93,8 @@ func TestEndToEnd(t *testing.T) {
 		{name: "ucx/push", transport: "ucx", op: "push", path: "rdma"},
 		{name: "ucx/stream only", transport: "ucx", op: "pull", path: "stream", args: []string{"-paths", "stream"}},
 		{name: "tcp/push inflight", transport: "tcp", op: "push", path: "stream", args: []string{"-inflight", "3"}},
+		// The threshold reaches the re-executed server, which sends inline.
+		{name: "tcp/pull eager", transport: "tcp", op: "pull", path: "inline", args: []string{"-eager", "2MiB"}},
 		{name: "ucx/pull inflight", transport: "ucx", op: "pull", path: "rdma", args: []string{"-inflight", "3"}},
 		{name: "ucx/pull inflight conns", transport: "ucx", op: "pull", path: "rdma", args: []string{"-inflight", "3", "-conns", "2"}},
 		// The server advertises space after the first request it pulled (in
@@ -309,6 +311,7 @@ func TestFlags(t *testing.T) {
 		{name: "op", args: []string{"-op", "get"}, err: "-op"},
 		{name: "recv", args: []string{"-recv", "gpu"}, err: "-recv"},
 		{name: "paths", args: []string{"-paths", "rdma,ipc"}, err: "-paths"},
+		{name: "eager", args: []string{"-eager", "lots"}, err: "-eager"},
 		{name: "format", args: []string{"-format", "csv"}, err: "-format"},
 		{name: "iters", args: []string{"-iters", "0"}, err: "-iters"},
 		{name: "inflight", args: []string{"-inflight", "0"}, err: "-inflight"},
