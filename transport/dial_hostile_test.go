@@ -6,7 +6,6 @@ import (
 	"encoding/binary"
 	"io"
 	"net"
-	"net/netip"
 	"sync"
 	"testing"
 	"testing/iotest"
@@ -144,107 +143,6 @@ func TestListenerBoundsHandshakes(t *testing.T) {
 	s, err = Dial(ctx, l.Addr().String(), WithMode(ModeTCP))
 	require.NoError(t, err)
 	require.NoError(t, s.Close())
-}
-
-// One host's stalled connections take at most maxHandshakesPerHost of the
-// listener's handshake slots: past them a connection of that host waits
-// (past maxQueuedPerHost it is closed at once), while another host's
-// clients are served; a slot the host gives back serves its oldest waiting
-// connection. Closing the listener closes those that wait, and the counts
-// end with the connections.
-func TestListenerBoundsHandshakesPerHost(t *testing.T) {
-	defer func(n, q int) { maxHandshakesPerHost, maxQueuedPerHost = n, q }(maxHandshakesPerHost, maxQueuedPerHost)
-	maxHandshakesPerHost, maxQueuedPerHost = 2, 1
-	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithHandshakeTimeout(time.Minute))
-	require.NoError(t, err)
-	defer l.Close()
-	from := func(ip string) net.Conn {
-		t.Helper()
-		d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(ip)}}
-		c, err := d.Dial("tcp", l.Addr().String())
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = c.Close() })
-		return c
-	}
-	write := func(c net.Conn, b []byte) {
-		t.Helper()
-		_, err := c.Write(b)
-		require.NoError(t, err)
-	}
-	closedAtOnce := func(c net.Conn) {
-		t.Helper()
-		require.NoError(t, c.SetReadDeadline(time.Now().Add(20*time.Second))) // the handshake timeout is a minute
-		_, err := c.Read(make([]byte, 1))
-		require.ErrorIs(t, err, io.EOF)
-	}
-	hdr := binary.BigEndian.AppendUint32(binary.BigEndian.AppendUint16([]byte(magic), protocolVersion), maxBodyLen)
-	preface := []byte("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
-	stall := func() net.Conn {
-		t.Helper()
-		c := from("127.0.0.1")
-		write(c, hdr)
-		return c
-	}
-	stalled := []net.Conn{stall(), stall()}
-	require.Eventually(t, func() bool { return len(l.handshakes) == maxHandshakesPerHost }, 10*time.Second, time.Millisecond)
-
-	// The host's next connection waits without a slot; the one after it is
-	// closed.
-	waiting := from("127.0.0.1")
-	write(waiting, preface)
-	closedAtOnce(from("127.0.0.1"))
-	require.Equal(t, maxHandshakesPerHost, len(l.handshakes))
-
-	accepted := make(chan net.Conn)
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				close(accepted)
-				return
-			}
-			accepted <- c
-		}
-	}()
-	served := func(c net.Conn) {
-		t.Helper()
-		select {
-		case a, ok := <-accepted:
-			require.True(t, ok, "the listener closed")
-			defer a.Close()
-			require.Equal(t, c.LocalAddr().String(), a.RemoteAddr().String(), "another connection was served")
-		case <-time.After(20 * time.Second):
-			t.Fatalf("%v was not served", c.LocalAddr())
-		}
-	}
-	// A plain client of another host reaches Accept (and the waiting one
-	// does not).
-	other := from("127.0.0.2")
-	write(other, preface)
-	served(other)
-
-	// A stalled connection gone, the waiting one is served in its place.
-	require.NoError(t, stalled[0].Close())
-	served(waiting)
-	require.Eventually(t, func() bool { return len(l.handshakes) == 1 }, 10*time.Second, time.Millisecond)
-
-	// Closing the listener closes the connections that wait.
-	stalled[0] = stall()
-	require.Eventually(t, func() bool { return len(l.handshakes) == maxHandshakesPerHost }, 10*time.Second, time.Millisecond)
-	waiting = from("127.0.0.1")
-	require.Eventually(t, func() bool {
-		l.hostMu.Lock()
-		defer l.hostMu.Unlock()
-		h := l.perHost[netip.MustParsePrefix("127.0.0.1/32")]
-		return h != nil && len(h.queued) == 1
-	}, 10*time.Second, time.Millisecond)
-	require.NoError(t, l.Close())
-	closedAtOnce(waiting)
-	_, open := <-accepted
-	require.False(t, open)
-	l.hostMu.Lock()
-	defer l.hostMu.Unlock()
-	require.Empty(t, l.perHost, "hosts counted after their connections ended")
 }
 
 // A peer that completes handshakes and opens no gRPC stream holds at most

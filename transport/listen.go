@@ -45,10 +45,8 @@ type Listener struct {
 	proven  int // the pending upgrades whose client proved its id
 
 	handshakes chan struct{} // a slot per connection before its handshake ends
-	hostMu     sync.Mutex
-	perHost    map[netip.Prefix]*hostSlots // guarded by hostMu
-	hostsShut  bool                        // the listener closed: queue no more; guarded by hostMu
-	ucxServing chan struct{}               // a slot per UCX endpoint before it is handed on
+	hosts      hostShares    // the handshake slots' share-out between remote hosts
+	ucxServing chan struct{} // a slot per UCX endpoint before it is handed on
 
 	awaitMu  sync.Mutex
 	awaiting []*Session // sessions waiting for their gRPC stream, oldest first
@@ -57,27 +55,14 @@ type Listener struct {
 // maxHandshakes bounds the connections a listener serves before they end
 // their handshake (or show they are plain gRPC or a lane): each holds a
 // goroutine and its first frame for up to the handshake timeout, and anyone
-// who reaches the port can open them. Past it, accepting waits for a slot;
-// connections wait in the kernel's backlog meanwhile. It bounds the UCX
+// who reaches the port can open them. Past it, connections wait for a slot
+// in their host's queue (hostShares, which shares the slots out between
+// hosts). It bounds the UCX
 // endpoints being served before they reach their session likewise: past it,
 // a new endpoint is closed at once; and the sessions that wait for their
 // client's gRPC stream: past it, the one that waited longest is closed. A
 // variable for tests.
 var maxHandshakes = 1024
-
-// maxHandshakesPerHost bounds the connections of one remote host (an IPv4
-// address, an IPv6 /64) that a listener serves before their handshake ends,
-// so that one host cannot take every slot of maxHandshakes and keep the
-// other hosts' clients in the backlog until its connections time out. Past
-// it a new connection of the host waits, holding no slot, until one of the
-// host's ends, and is then served in its place; past maxQueuedPerHost
-// waiting ones it is closed at once. An honest client's handshake lasts a
-// round trip or two (a session's lanes take a slot each), so only a burst
-// of them waits. Variables for tests.
-var (
-	maxHandshakesPerHost = 64
-	maxQueuedPerHost     = 256
-)
 
 var _ net.Listener = (*Listener)(nil)
 
@@ -118,7 +103,7 @@ func Listen(addr string, opts ...Option) (*Listener, error) {
 		ctx:      ctx,
 		cancel:   cancel,
 		pending:  map[ID]*pendingUpgrade{},
-		perHost:  map[netip.Prefix]*hostSlots{},
+		hosts:    hostShares{hosts: map[netip.Prefix]*hostSlots{}},
 
 		handshakes: make(chan struct{}, maxHandshakes),
 		ucxServing: make(chan struct{}, maxHandshakes),
@@ -290,105 +275,7 @@ func (l *Listener) acceptTCP() {
 			return
 		}
 		backoff = 5 * time.Millisecond
-		host := hostOf(c)
-		if !l.admitHost(host, c) {
-			continue // queued, or closed
-		}
-		select {
-		case l.handshakes <- struct{}{}:
-		case <-l.done:
-			l.handOn(host, false)
-			_ = c.Close()
-			return
-		}
-		l.wg.Add(1)
-		go l.serveTCP(c, host)
-	}
-}
-
-// hostSlots is what a remote host holds of a listener's handshakes.
-type hostSlots struct {
-	serving int        // its connections served before their handshake ends
-	queued  []net.Conn // its connections past maxHandshakesPerHost, oldest first
-}
-
-// hostOf returns the remote host of c, as maxHandshakesPerHost counts them.
-func hostOf(c net.Conn) netip.Prefix {
-	ta, ok := c.RemoteAddr().(*net.TCPAddr)
-	if !ok {
-		return netip.Prefix{}
-	}
-	ip := ta.AddrPort().Addr().Unmap()
-	bits := 32
-	if ip.Is6() {
-		bits = 64 // a host may take any address of its /64
-	}
-	p, _ := ip.Prefix(bits)
-	return p
-}
-
-// admitHost counts c against its host's bound and reports whether it is
-// to be served now; if not, c waits in the host's queue (handOn serves it),
-// or is closed when that is full too.
-func (l *Listener) admitHost(host netip.Prefix, c net.Conn) bool {
-	l.hostMu.Lock()
-	defer l.hostMu.Unlock()
-	h := l.perHost[host]
-	if h == nil {
-		h = &hostSlots{}
-		l.perHost[host] = h
-	}
-	switch {
-	case h.serving < maxHandshakesPerHost:
-		h.serving++
-		return true
-	case len(h.queued) < maxQueuedPerHost && !l.hostsShut:
-		h.queued = append(h.queued, c)
-	default:
-		_ = c.Close()
-		l.log.Debug("connection closed: too many handshakes of its host", "remote", c.RemoteAddr().String())
-	}
-	return false
-}
-
-// handOn ends the service of one of host's connections before its handshake
-// ended. With serve, the host's longest-waiting connection takes its place,
-// its handshake slot included; otherwise, or with none waiting, the slots
-// are given back (the handshake slot only with serve: the caller holds one).
-func (l *Listener) handOn(host netip.Prefix, serve bool) {
-	l.hostMu.Lock()
-	h := l.perHost[host]
-	var next net.Conn
-	if serve && len(h.queued) > 0 {
-		next = h.queued[0]
-		h.queued[0] = nil
-		h.queued = h.queued[1:]
-	} else if h.serving--; h.serving == 0 && len(h.queued) == 0 {
-		delete(l.perHost, host)
-	}
-	l.hostMu.Unlock()
-	switch {
-	case next != nil:
-		l.wg.Add(1) // the caller's serveTCP holds the group
-		go l.serveTCP(next, host)
-	case serve:
-		<-l.handshakes
-	}
-}
-
-// shutHosts closes the connections waiting in hosts' queues.
-func (l *Listener) shutHosts() {
-	l.hostMu.Lock()
-	defer l.hostMu.Unlock()
-	l.hostsShut = true
-	for host, h := range l.perHost {
-		for _, c := range h.queued {
-			_ = c.Close()
-		}
-		h.queued = nil
-		if h.serving == 0 {
-			delete(l.perHost, host)
-		}
+		l.admit(c)
 	}
 }
 
@@ -452,7 +339,7 @@ func (l *Listener) awaitingSessions() int {
 func (l *Listener) serveTCP(c net.Conn, host netip.Prefix) {
 	defer l.wg.Done()
 	s := l.handshakeTCP(c)
-	l.handOn(host, true)
+	l.release(host)
 	if s == nil {
 		return
 	}
