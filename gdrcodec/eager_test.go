@@ -17,8 +17,12 @@ import (
 )
 
 // streamPart is the size of echoStreamParts' payloads: under
-// StreamEagerThreshold, and five of them fit in StreamInlineBudget, six not.
-const streamPart = 200 << 10
+// StreamEagerThreshold, and streamParts-1 of them fit in StreamInlineBudget,
+// streamParts not.
+const (
+	streamPart  = 120 << 10
+	streamParts = 9
+)
 
 // echoParts echoes a message of host payloads of the sizes given and checks
 // the bytes that came back.
@@ -48,10 +52,10 @@ func echoParts(t *testing.T, r *rig, sizes ...int) {
 	gdrcodec.ReleaseAll(out)
 }
 
-// echoStreamParts echoes a message of six streamPart payloads.
+// echoStreamParts echoes a message of streamParts payloads of streamPart.
 func echoStreamParts(t *testing.T, r *rig) {
 	t.Helper()
-	echoParts(t, r, slices.Repeat([]int{streamPart}, 6)...)
+	echoParts(t, r, slices.Repeat([]int{streamPart}, streamParts)...)
 }
 
 // Over a TCP session, host payloads under StreamEagerThreshold travel inline
@@ -59,8 +63,9 @@ func echoStreamParts(t *testing.T, r *rig) {
 // out-of-band. TestOutOfBand checks a single payload on either side of the
 // threshold.
 func TestStreamEagerThreshold(t *testing.T) {
-	require.Less(t, 5*streamPart, gdrcodec.StreamInlineBudget)
-	require.Greater(t, 6*streamPart, gdrcodec.StreamInlineBudget)
+	require.Less(t, streamPart, gdrcodec.StreamEagerThreshold)
+	require.LessOrEqual(t, (streamParts-1)*streamPart, gdrcodec.StreamInlineBudget)
+	require.Greater(t, streamParts*streamPart, gdrcodec.StreamInlineBudget)
 	r := newRig(t, transport.ModeTCP, nil)
 	echoStreamParts(t, r)
 	require.Equal(t, map[string]int{"stream": 2}, r.paths.reset(), "one payload of the request and one of the response out-of-band")
@@ -86,7 +91,7 @@ func TestStreamEagerThresholdExplicit(t *testing.T) {
 	t.Cleanup(func() { gdrcodec.Register() })
 	r := newRig(t, transport.ModeTCP, nil)
 	echoStreamParts(t, r)
-	require.Equal(t, map[string]int{"stream": 12}, r.paths.reset(), "every payload out-of-band")
+	require.Equal(t, map[string]int{"stream": 2 * streamParts}, r.paths.reset(), "every payload out-of-band")
 }
 
 // net/rpc over a TCP session follows the same threshold: its codec knows the

@@ -24,7 +24,7 @@
 //
 // Payloads below the codec's eager threshold travel inline (path "inline"):
 // 64 KiB, and over a TCP session (the default without -trust-peers) host
-// payloads under 256 KiB (gdrcodec.StreamEagerThreshold). Such a row compares
+// payloads under 128 KiB (gdrcodec.StreamEagerThreshold). Such a row compares
 // a unary call that carries its payload in the message, gdrpc's conn against
 // plain gRPC over TCP, between two processes.
 //

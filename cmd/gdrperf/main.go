@@ -93,7 +93,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.connect, "connect", "", "run only the client, against a gdrperf -server at HOST:PORT")
 	fs.StringVar(&o.perftest, "perftest", "", `ucx_perftest binary ("" looks it up in PATH, "none" skips the column)`)
 	fs.StringVar(&o.paths, "paths", "all", "out-of-band paths transfers may take: all, or a comma list of cuda-ipc, rdma (covers staged), stream (always allowed); give the same on both ends")
-	fs.StringVar(&o.eager, "eager", "", `payloads under this size travel inline in the message, over any session (gdrcodec.WithEagerThreshold, both ends); "" keeps the codec's default: 64 KiB, 256 KiB for host payloads over a TCP session`)
+	fs.StringVar(&o.eager, "eager", "", `payloads under this size travel inline in the message, over any session (gdrcodec.WithEagerThreshold, both ends); "" keeps the codec's default: 64 KiB, 128 KiB for host payloads over a TCP session`)
 	space := fs.String("receive-space", "", `receive space the client advertises to a trusted server (gdrpc.WithReceiveSpace): a size, or 0 for none; "" keeps the default`)
 	reqLimit := fs.String("request-space-limit", "0", "receive space for requests' payloads that grows with them, within this size per session (gdrpc.WithReceiveSpaceLimit on the listener; instead of -request-space), 0 for none; passed as -request-space is")
 	reqSpace := fs.String("request-space", "0", "receive space the server advertises to a trusted client for its requests' payloads (gdrpc.WithReceiveSpace on the listener), a size or 0 for none; the re-executed server gets it, and across hosts give it to -server (op push)")
