@@ -110,8 +110,9 @@ func TestDialContextBoundsLanes(t *testing.T) {
 }
 
 // Connections that stall before their handshake ends take at most
-// maxHandshakes goroutines and first frames: past that the listener
-// accepts no more until one ends, and then serves the next.
+// maxHandshakes goroutines and first frames: past that the listener serves
+// no more until one ends (they wait in their host's queue), and then serves
+// the next.
 func TestListenerBoundsHandshakes(t *testing.T) {
 	defer func(n int) { maxHandshakes = n }(maxHandshakes)
 	maxHandshakes = 4
@@ -165,10 +166,12 @@ func TestListenerBoundsSessionsAwaitingGRPC(t *testing.T) {
 		return s
 	}
 	var idle []*Session
-	for range maxHandshakes {
+	for i := range maxHandshakes {
 		idle = append(idle, dial())
+		// A dial returns before its server side counts the session: the
+		// next waits for it, so that idle[0] waited longest.
+		require.Eventually(t, func() bool { return l.awaitingSessions() == i+1 }, handTimeout, time.Millisecond)
 	}
-	require.Eventually(t, func() bool { return l.awaitingSessions() == maxHandshakes }, handTimeout, time.Millisecond)
 	// Their lane slots wait for gRPC lanes over TCP: no UCX listener of the
 	// process takes connection requests for them.
 	require.False(t, lanesExpected(), "a TCP session's lane slot opened UCX listeners")

@@ -45,7 +45,7 @@ type Listener struct {
 	proven  int // the pending upgrades whose client proved its id
 
 	handshakes chan struct{} // a slot per connection before its handshake ends
-	hosts      hostShares    // the handshake slots' share-out between remote hosts
+	hosts      *hostShares   // the handshake slots' share-out between remote hosts
 	ucxServing chan struct{} // a slot per UCX endpoint before it is handed on
 
 	awaitMu  sync.Mutex
@@ -103,7 +103,7 @@ func Listen(addr string, opts ...Option) (*Listener, error) {
 		ctx:      ctx,
 		cancel:   cancel,
 		pending:  map[ID]*pendingUpgrade{},
-		hosts:    hostShares{hosts: map[netip.Prefix]*hostSlots{}},
+		hosts:    newHostShares(),
 
 		handshakes: make(chan struct{}, maxHandshakes),
 		ucxServing: make(chan struct{}, maxHandshakes),

@@ -1,9 +1,9 @@
 package transport
 
 import (
+	"container/list"
 	"net"
 	"net/netip"
-	"slices"
 	"sync"
 )
 
@@ -11,12 +11,14 @@ import (
 // hosts, so that one host's connections that never finish their handshake
 // cannot keep the other hosts' clients waiting: a host is served at most
 // maxHandshakesPerHost connections at once, its others wait in its queue,
-// and a slot that frees goes to the waiting host that holds the fewest. The
-// queues hold at most maxQueued connections in all; past that, the host
-// with the longest queue loses its newest connection. An honest client's
-// handshake lasts a round trip or two (a session's lanes take a slot each),
-// so a burst of them from one host waits its turn rather than failing.
-// Variables for tests.
+// and a slot that frees goes to the waiting host that holds the fewest
+// (among those, the one that has waited so the longest). The queues hold
+// at most maxQueued connections in all; past that, the host with the
+// longest queue (the latest to reach that length) loses its newest
+// connection. An honest client's handshake lasts a round trip or two (a
+// session's lanes take a slot each), so a burst of them from one host waits
+// its turn rather than failing. Every step costs O(maxHandshakesPerHost) at
+// most, however many hosts wait. Variables for tests, read by Listen.
 var (
 	maxHandshakesPerHost = 64
 	maxQueued            = 4096
@@ -24,17 +26,38 @@ var (
 
 // hostShares is the share-out; the Listener's methods below use it.
 type hostShares struct {
-	mu      sync.Mutex
-	hosts   map[netip.Prefix]*hostSlots // hosts being served or waiting
-	waiting []netip.Prefix              // hosts with connections queued, in the order their queues began
-	queued  int                         // connections queued, all hosts
-	shut    bool                        // the listener closed: queue no more
+	perHost, maxQueued int // the bounds, as Listen found them
+
+	mu     sync.Mutex
+	hosts  map[netip.Prefix]*hostSlots // hosts being served or waiting
+	ready  []*list.List                // [n]: waiting hosts served n < perHost connections, in the order they came to n
+	byLen  map[int]*list.List          // [n]: hosts with n connections queued, in the order they came to n
+	queued int                         // connections queued, all hosts
+	most   int                         // the longest queue's length
+	shut   bool                        // the listener closed: queue no more
+}
+
+func newHostShares() *hostShares {
+	hs := &hostShares{
+		perHost:   maxHandshakesPerHost,
+		maxQueued: maxQueued,
+		hosts:     map[netip.Prefix]*hostSlots{},
+		byLen:     map[int]*list.List{},
+	}
+	for range hs.perHost {
+		hs.ready = append(hs.ready, list.New())
+	}
+	return hs
 }
 
 // hostSlots is what a remote host holds of a listener's handshakes.
 type hostSlots struct {
+	host    netip.Prefix
 	serving int        // its connections served before their handshake ends
 	queued  []net.Conn // its connections waiting for a slot, oldest first
+	inReady *list.Element
+	readyAt int // the index of ready that holds inReady
+	inLen   *list.Element
 }
 
 // hostOf returns the remote host of c, as the share-out counts them: an
@@ -55,11 +78,10 @@ func hostOf(c net.Conn) netip.Prefix {
 
 // admit serves a connection just accepted, or queues it behind its host's.
 func (l *Listener) admit(c net.Conn) {
-	host := hostOf(c)
-	if drop, full := l.admitLocked(c, host); drop != nil {
+	if drop, full := l.admitLocked(c, hostOf(c)); drop != nil {
 		_ = drop.Close()
 		if full {
-			l.log.Debug("connection closed: too many wait for a handshake slot", "remote", drop.RemoteAddr().String(), "queued", maxQueued)
+			l.log.Debug("connection closed: too many wait for a handshake slot", "remote", drop.RemoteAddr().String(), "queued", l.hosts.maxQueued)
 		}
 	}
 }
@@ -67,7 +89,7 @@ func (l *Listener) admit(c net.Conn) {
 // admitLocked is admit under the share-out's lock; it returns a connection
 // to close, and whether the queues were full.
 func (l *Listener) admitLocked(c net.Conn, host netip.Prefix) (drop net.Conn, full bool) {
-	hs := &l.hosts
+	hs := l.hosts
 	hs.mu.Lock()
 	defer hs.mu.Unlock()
 	if hs.shut {
@@ -75,34 +97,28 @@ func (l *Listener) admitLocked(c net.Conn, host netip.Prefix) (drop net.Conn, fu
 	}
 	h := hs.hosts[host]
 	if h == nil {
-		h = &hostSlots{}
+		h = &hostSlots{host: host}
 		hs.hosts[host] = h
 	}
-	if len(h.queued) == 0 && h.serving < maxHandshakesPerHost && l.takeSlot() {
-		l.serveLocked(h, c, host)
+	if len(h.queued) == 0 && h.serving < hs.perHost && l.takeSlot() {
+		l.serveLocked(h, c)
 		return nil, false
 	}
-	if hs.queued >= maxQueued {
-		longest := host
-		for _, w := range hs.waiting {
-			if len(hs.hosts[w].queued) > len(hs.hosts[longest].queued) {
-				longest = w
-			}
+	if hs.queued >= hs.maxQueued {
+		if hs.most == 0 {
+			return c, true // no queue at all
 		}
-		if longest == host {
-			hs.forgetIfIdle(host, h)
-			return c, true
+		longest := hs.byLen[hs.most].Back().Value.(*hostSlots)
+		if len(longest.queued) <= len(h.queued) {
+			hs.forgetIfIdle(h)
+			return c, true // its own queue is as long as any
 		}
-		lh := hs.hosts[longest]
-		drop = lh.queued[len(lh.queued)-1]
-		lh.queued = lh.queued[:len(lh.queued)-1]
-		hs.dequeued(longest, lh)
+		last := len(longest.queued) - 1
+		drop = longest.queued[last]
+		longest.queued[last] = nil
+		hs.resize(longest, longest.queued[:last])
 	}
-	if len(h.queued) == 0 {
-		hs.waiting = append(hs.waiting, host)
-	}
-	h.queued = append(h.queued, c)
-	hs.queued++
+	hs.resize(h, append(h.queued, c))
 	return drop, drop != nil
 }
 
@@ -116,73 +132,110 @@ func (l *Listener) takeSlot() bool {
 	}
 }
 
-// serveLocked serves c of host h in a handshake slot taken for it.
-func (l *Listener) serveLocked(h *hostSlots, c net.Conn, host netip.Prefix) {
-	h.serving++
+// serveLocked serves c of h in a handshake slot taken for it.
+func (l *Listener) serveLocked(h *hostSlots, c net.Conn) {
+	l.hosts.setServing(h, h.serving+1)
 	l.wg.Add(1) // by acceptTCP or a serveTCP, both in the group
-	go l.serveTCP(c, host)
+	go l.serveTCP(c, h.host)
 }
 
 // release ends the service of one of host's connections before its
 // handshake ended: its slot goes to the next connection of the waiting host
 // that holds the fewest, or back.
 func (l *Listener) release(host netip.Prefix) {
-	hs := &l.hosts
+	hs := l.hosts
 	hs.mu.Lock()
 	defer hs.mu.Unlock()
 	h := hs.hosts[host]
-	h.serving--
-	hs.forgetIfIdle(host, h)
-	next := -1
-	for i, w := range hs.waiting {
-		if wh := hs.hosts[w]; wh.serving < maxHandshakesPerHost && (next < 0 || wh.serving < hs.hosts[hs.waiting[next]].serving) {
-			next = i
+	hs.setServing(h, h.serving-1)
+	hs.forgetIfIdle(h)
+	var next *hostSlots
+	for _, r := range hs.ready {
+		if e := r.Front(); e != nil && !hs.shut {
+			next = e.Value.(*hostSlots)
+			break
 		}
 	}
-	if next < 0 || hs.shut {
+	if next == nil {
 		<-l.handshakes // ours: never waits
 		return
 	}
-	nh := hs.waiting[next]
-	w := hs.hosts[nh]
-	c := w.queued[0]
-	w.queued[0] = nil
-	w.queued = w.queued[1:]
-	l.serveLocked(w, c, nh) // counted before dequeued looks whether the host is idle
-	hs.dequeued(nh, w)
+	c := next.queued[0]
+	l.serveLocked(next, c) // counted before resize looks whether the host is idle
+	next.queued[0] = nil
+	hs.resize(next, next.queued[1:])
 }
 
-// dequeued notes that one of host's queued connections left the queue.
-func (hs *hostShares) dequeued(host netip.Prefix, h *hostSlots) {
-	hs.queued--
-	if len(h.queued) == 0 {
-		h.queued = nil
-		if i := slices.Index(hs.waiting, host); i >= 0 {
-			hs.waiting = slices.Delete(hs.waiting, i, i+1)
+// resize sets h's queue to q, one longer or shorter than it was, and keeps
+// the indexes.
+func (hs *hostShares) resize(h *hostSlots, q []net.Conn) {
+	hs.queued += len(q) - len(h.queued)
+	if h.inLen != nil {
+		hs.byLen[len(h.queued)].Remove(h.inLen)
+		if hs.byLen[len(h.queued)].Len() == 0 {
+			delete(hs.byLen, len(h.queued))
 		}
-		hs.forgetIfIdle(host, h)
+		h.inLen = nil
+	}
+	if len(q) == 0 {
+		q = nil
+	}
+	h.queued = q
+	if n := len(q); n > 0 {
+		if hs.byLen[n] == nil {
+			hs.byLen[n] = list.New()
+		}
+		h.inLen = hs.byLen[n].PushBack(h)
+		hs.most = max(hs.most, n)
+	}
+	for hs.most > 0 && hs.byLen[hs.most] == nil {
+		hs.most--
+	}
+	hs.relink(h)
+	hs.forgetIfIdle(h)
+}
+
+// setServing sets how many connections h is served, and keeps the indexes.
+func (hs *hostShares) setServing(h *hostSlots, n int) {
+	h.serving = n
+	hs.relink(h)
+}
+
+// relink files h in ready by what it is served, if it waits and may be
+// served more.
+func (hs *hostShares) relink(h *hostSlots) {
+	want := -1
+	if len(h.queued) > 0 && h.serving < hs.perHost {
+		want = h.serving
+	}
+	if h.inReady != nil && h.readyAt == want {
+		return
+	}
+	if h.inReady != nil {
+		hs.ready[h.readyAt].Remove(h.inReady)
+		h.inReady = nil
+	}
+	if want >= 0 {
+		h.inReady, h.readyAt = hs.ready[want].PushBack(h), want
 	}
 }
 
-func (hs *hostShares) forgetIfIdle(host netip.Prefix, h *hostSlots) {
+func (hs *hostShares) forgetIfIdle(h *hostSlots) {
 	if h.serving == 0 && len(h.queued) == 0 {
-		delete(hs.hosts, host)
+		delete(hs.hosts, h.host)
 	}
 }
 
 // shutHosts closes the queued connections; no more are queued.
 func (l *Listener) shutHosts() {
-	hs := &l.hosts
+	hs := l.hosts
 	hs.mu.Lock()
 	var drop []net.Conn
 	hs.shut = true
-	for _, host := range hs.waiting {
-		h := hs.hosts[host]
+	for _, h := range hs.hosts {
 		drop = append(drop, h.queued...)
-		h.queued = nil
-		hs.forgetIfIdle(host, h)
+		hs.resize(h, nil)
 	}
-	hs.waiting, hs.queued = nil, 0
 	hs.mu.Unlock()
 	for _, c := range drop {
 		_ = c.Close()

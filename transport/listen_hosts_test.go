@@ -42,7 +42,7 @@ func newHostsRig(t *testing.T) *hostsRig {
 		for c := range r.accepted {
 			_ = c.Close()
 		}
-		hs := &l.hosts
+		hs := l.hosts
 		hs.mu.Lock()
 		defer hs.mu.Unlock()
 		require.Empty(t, hs.hosts, "hosts counted after the listener closed")
@@ -110,7 +110,7 @@ func (r *hostsRig) closedAtOnce(c net.Conn) {
 
 // waits reports how many of ip's connections wait for a slot.
 func (r *hostsRig) waits(ip string) int {
-	hs := &r.l.hosts
+	hs := r.l.hosts
 	hs.mu.Lock()
 	defer hs.mu.Unlock()
 	if h := hs.hosts[netip.PrefixFrom(netip.MustParseAddr(ip), 32)]; h != nil {
@@ -202,6 +202,30 @@ func TestHandshakeQueueFull(t *testing.T) {
 	require.NoError(t, r.l.Close())
 	r.closedAtOnce(q1)
 	r.closedAtOnce(other)
+}
+
+// With the queues full, a newcomer from a fresh host takes the place of the
+// newest connection of the host that came latest to the longest length, not
+// of the one that has waited longest, which is served first when a slot
+// frees.
+func TestHandshakeQueueFullKeepsTheOldest(t *testing.T) {
+	setHostBounds(t, 2, 2, 2)
+	r := newHostsRig(t)
+	stalled := r.stall("127.0.0.1")
+	r.stall("127.0.0.1")
+	r.slots(2)
+	first := r.plain("127.0.0.3")
+	r.queued("127.0.0.3", 1)
+	second := r.stall("127.0.0.4")
+	r.queued("127.0.0.4", 1)
+
+	r.stall("127.0.0.5")
+	r.closedAtOnce(second)
+	r.queued("127.0.0.5", 1)
+	require.Equal(t, 1, r.waits("127.0.0.3"))
+
+	require.NoError(t, stalled.Close())
+	r.served(first)
 }
 
 // A burst of sessions from one host, beyond its share of slots, waits its
