@@ -12,10 +12,9 @@ import (
 // cannot keep the other hosts' clients waiting: a host is served at most
 // maxHandshakesPerHost connections at once, its others wait in its queue,
 // and a slot that frees goes to the waiting host that holds the fewest
-// (among those, the one that has waited so the longest). The queues hold
-// at most maxQueued connections in all; past that, the host with the
-// longest queue (the latest to reach that length) loses its newest
-// connection. An honest client's handshake lasts a round trip or two (a
+// (among those, the first to come to that number). The queues hold at most
+// maxQueued connections in all; past that, the host with the longest queue
+// (the latest to come to that length) loses its newest connection. An honest client's handshake lasts a round trip or two (a
 // session's lanes take a slot each), so a burst of them from one host waits
 // its turn rather than failing. Every step costs O(maxHandshakesPerHost) at
 // most, however many hosts wait. Variables for tests, read by Listen.
@@ -106,6 +105,7 @@ func (l *Listener) admitLocked(c net.Conn, host netip.Prefix) (drop net.Conn, fu
 	}
 	if hs.queued >= hs.maxQueued {
 		if hs.most == 0 {
+			hs.forgetIfIdle(h)
 			return c, true // no queue at all
 		}
 		longest := hs.byLen[hs.most].Back().Value.(*hostSlots)
