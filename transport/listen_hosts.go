@@ -34,6 +34,8 @@ type hostShares struct {
 	queued int                         // connections queued, all hosts
 	most   int                         // the longest queue's length
 	shut   bool                        // the listener closed: queue no more
+
+	serve func(c net.Conn, host netip.Prefix) // tests: what serves a connection instead of serveTCP
 }
 
 func newHostShares() *hostShares {
@@ -135,6 +137,10 @@ func (l *Listener) takeSlot() bool {
 // serveLocked serves c of h in a handshake slot taken for it.
 func (l *Listener) serveLocked(h *hostSlots, c net.Conn) {
 	l.hosts.setServing(h, h.serving+1)
+	if l.hosts.serve != nil {
+		l.hosts.serve(c, h.host)
+		return
+	}
 	l.wg.Add(1) // by acceptTCP or a serveTCP, both in the group
 	go l.serveTCP(c, h.host)
 }

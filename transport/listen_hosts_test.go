@@ -4,9 +4,13 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
+	"log/slog"
+	"math/rand/v2"
 	"net"
 	"net/netip"
+	"slices"
 	"sync"
 	"syscall"
 	"testing"
@@ -266,4 +270,116 @@ func TestHandshakeBurstFromOneHost(t *testing.T) {
 	for s := range got {
 		require.NoError(t, s.Close())
 	}
+}
+
+// hostConn is a connection of a host, as the share-out sees it.
+type hostConn struct {
+	net.Conn // nil: only RemoteAddr and Close are called
+	addr     *net.TCPAddr
+	closed   bool
+}
+
+func (c *hostConn) RemoteAddr() net.Addr { return c.addr }
+func (c *hostConn) Close() error         { c.closed = true; return nil }
+
+// The share-out's bookkeeping, driven by random admits and releases over
+// random bounds: after every step its indexes agree with the hosts' queues
+// and slots, no host waits while a slot is free, and everything drains.
+func TestHandshakeSharesRandom(t *testing.T) {
+	for seed := range 300 {
+		rng := rand.New(rand.NewPCG(uint64(seed), 7))
+		total, perHost, queued := 1+rng.IntN(8), 1+rng.IntN(4), rng.IntN(12)
+		n, m := maxHandshakesPerHost, maxQueued
+		maxHandshakesPerHost, maxQueued = perHost, queued
+		hs := newHostShares()
+		maxHandshakesPerHost, maxQueued = n, m
+		l := &Listener{handshakes: make(chan struct{}, total), hosts: hs, log: slog.New(slog.DiscardHandler)}
+		type served struct {
+			c    *hostConn
+			host netip.Prefix
+		}
+		var serving []served
+		hs.serve = func(c net.Conn, host netip.Prefix) { serving = append(serving, served{c.(*hostConn), host}) }
+		var open []*hostConn // admitted, neither served nor closed yet
+		step := func(what string) {
+			t.Helper()
+			checkShares(t, l, len(serving), fmt.Sprintf("seed %d, %s", seed, what))
+			open = slices.DeleteFunc(open, func(c *hostConn) bool {
+				return c.closed || slices.ContainsFunc(serving, func(s served) bool { return s.c == c })
+			})
+		}
+		for range 200 {
+			if rng.IntN(3) > 0 || len(serving) == 0 {
+				c := &hostConn{addr: &net.TCPAddr{IP: net.IPv4(10, 0, 0, byte(rng.IntN(6))), Port: 1}}
+				open = append(open, c)
+				l.admit(c)
+				step("admit")
+			} else {
+				i := rng.IntN(len(serving))
+				s := serving[i]
+				serving = slices.Delete(serving, i, i+1)
+				l.release(s.host)
+				step("release")
+			}
+		}
+		for len(serving) > 0 {
+			s := serving[0]
+			serving = serving[1:]
+			l.release(s.host)
+			step("drain")
+		}
+		require.Empty(t, open, "seed %d: connections neither served nor closed", seed)
+		require.Empty(t, hs.hosts, "seed %d", seed)
+	}
+}
+
+// checkShares checks the share-out's indexes against its hosts.
+func checkShares(t *testing.T, l *Listener, serving int, at string) {
+	t.Helper()
+	hs := l.hosts
+	hs.mu.Lock()
+	defer hs.mu.Unlock()
+	queued, most, slots := 0, 0, 0
+	for host, h := range hs.hosts {
+		require.Equal(t, host, h.host, at)
+		require.False(t, h.serving == 0 && len(h.queued) == 0, "%s: idle host %v kept", at, host)
+		require.LessOrEqual(t, h.serving, hs.perHost, at)
+		queued += len(h.queued)
+		most = max(most, len(h.queued))
+		slots += h.serving
+		inLen := 0
+		if l := hs.byLen[len(h.queued)]; l != nil {
+			for e := l.Front(); e != nil; e = e.Next() {
+				if e.Value.(*hostSlots) == h {
+					inLen++
+				}
+			}
+		}
+		require.Equal(t, min(len(h.queued), 1), inLen, "%s: %v filed by its queue's length", at, host)
+		inReady := 0
+		for n, r := range hs.ready {
+			for e := r.Front(); e != nil; e = e.Next() {
+				if e.Value.(*hostSlots) == h {
+					require.Equal(t, h.serving, n, "%s: %v filed under another count", at, host)
+					inReady++
+				}
+			}
+		}
+		want := 0
+		if len(h.queued) > 0 && h.serving < hs.perHost {
+			want = 1
+		}
+		require.Equal(t, want, inReady, "%s: %v filed as ready", at, host)
+		if want == 1 {
+			require.Equal(t, cap(l.handshakes), len(l.handshakes), "%s: %v waits while a slot is free", at, host)
+		}
+	}
+	for n, byLen := range hs.byLen {
+		require.Positive(t, byLen.Len(), "%s: empty list for length %d kept", at, n)
+	}
+	require.Equal(t, queued, hs.queued, at)
+	require.LessOrEqual(t, queued, hs.maxQueued, at)
+	require.Equal(t, most, hs.most, at)
+	require.Equal(t, slots, len(l.handshakes), at)
+	require.Equal(t, serving, slots, at)
 }
