@@ -68,7 +68,7 @@ func hostOf(c net.Conn) netip.Prefix {
 	if !ok {
 		return netip.Prefix{}
 	}
-	ip := ta.AddrPort().Addr().Unmap().WithZone("")
+	ip := ta.AddrPort().Addr().Unmap() // Prefix drops a zone
 	bits := 32
 	if ip.Is6() {
 		bits = 64
@@ -157,7 +157,7 @@ func (l *Listener) release(host netip.Prefix) {
 	hs.forgetIfIdle(h)
 	var next *hostSlots
 	for _, r := range hs.ready {
-		if e := r.Front(); e != nil && !hs.shut {
+		if e := r.Front(); e != nil {
 			next = e.Value.(*hostSlots)
 			break
 		}

@@ -52,7 +52,7 @@ type options struct {
 	connect   string // run only the client, against this server
 	perftest  string // ucx_perftest binary; "" looks it up, "none" skips
 	paths     string // the -paths flag, as given (passed to the child)
-	eager     string // the -eager flag, as given (passed to the child); "" keeps the codec's thresholds
+	eager     int    // -eager: the codec's inline threshold on both ends; 0 keeps the codec's thresholds
 	trust     bool   // the -trust-peers flag (passed to the child)
 	ordered   bool   // -stream-ordered: take Pending GPU payloads, order a stream after them
 	pathMask  oob.Path
@@ -93,7 +93,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.connect, "connect", "", "run only the client, against a gdrperf -server at HOST:PORT")
 	fs.StringVar(&o.perftest, "perftest", "", `ucx_perftest binary ("" looks it up in PATH, "none" skips the column)`)
 	fs.StringVar(&o.paths, "paths", "all", "out-of-band paths transfers may take: all, or a comma list of cuda-ipc, rdma (covers staged), stream (always allowed); give the same on both ends")
-	fs.StringVar(&o.eager, "eager", "", `payloads under this size travel inline in the message, over any session (gdrcodec.WithEagerThreshold, both ends); "" keeps the codec's default: 64 KiB, 128 KiB for host payloads over a TCP session`)
+	eager := fs.String("eager", "", `payloads under this size travel inline in the message, over any session (gdrcodec.WithEagerThreshold, both ends); "" keeps the codec's default: 64 KiB, 128 KiB for host payloads over a TCP session`)
 	space := fs.String("receive-space", "", `receive space the client advertises to a trusted server (gdrpc.WithReceiveSpace): a size, or 0 for none; "" keeps the default`)
 	reqLimit := fs.String("request-space-limit", "0", "receive space for requests' payloads that grows with them, within this size per session (gdrpc.WithReceiveSpaceLimit on the listener; instead of -request-space), 0 for none; passed as -request-space is")
 	reqSpace := fs.String("request-space", "0", "receive space the server advertises to a trusted client for its requests' payloads (gdrpc.WithReceiveSpace on the listener), a size or 0 for none; the re-executed server gets it, and across hosts give it to -server (op push)")
@@ -120,8 +120,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		o.srvDevice = o.device
 	}
 	var err error
-	if o.eager != "" {
-		if _, err := parseSize(o.eager); err != nil {
+	if *eager != "" {
+		if o.eager, err = parseSize(*eager); err != nil {
 			return nil, fmt.Errorf("-eager: %w", err)
 		}
 	}
@@ -307,9 +307,8 @@ func (o *options) hostAllocator() (devicebuf.Allocator, error) {
 // the pool and restores the default allocator.
 func registerCodec(o *options, cuda devicebuf.Allocator) (func(), error) {
 	var copts []gdrcodec.Option
-	if o.eager != "" {
-		n, _ := parseSize(o.eager) // checked by parseFlags
-		copts = append(copts, gdrcodec.WithEagerThreshold(n))
+	if o.eager > 0 {
+		copts = append(copts, gdrcodec.WithEagerThreshold(o.eager))
 	}
 	if o.recv != "cuda" {
 		gdrcodec.Register(copts...)
@@ -446,9 +445,12 @@ func startChild(ctx context.Context, o *options) (*child, readyInfo, error) {
 		return nil, readyInfo{}, fmt.Errorf("find this program to run the server: %w", err)
 	}
 	args := []string{"-child", "-server", "127.0.0.1:0", "-transport", o.transport, "-mem", o.mem, "-recv", o.recv,
-		"-device", strconv.Itoa(o.srvDevice), "-perftest", o.perftest, "-paths", o.paths, "-eager", o.eager,
+		"-device", strconv.Itoa(o.srvDevice), "-perftest", o.perftest, "-paths", o.paths,
 		"-call-timeout", o.callLimit.String(), "-trust-peers=" + strconv.FormatBool(o.trust), "-request-space", strconv.Itoa(o.reqSpace),
 		"-request-space-limit", strconv.Itoa(o.reqLimit)}
+	if o.eager > 0 {
+		args = append(args, "-eager", strconv.Itoa(o.eager))
+	}
 	if o.serverCPUProfile != "" {
 		args = append(args, "-cpuprofile", o.serverCPUProfile)
 	}
