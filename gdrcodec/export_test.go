@@ -46,3 +46,7 @@ func CallNotedForTest(ctx context.Context) bool {
 	_, ok := ctx.Value(callKey{}).(*callMessages)
 	return ok
 }
+
+// DestinationsForTest returns how many outgoing messages are bound to a
+// destination (bindDestination) and not yet marshaled.
+func DestinationsForTest() int { return int(destinations.n.Load()) }

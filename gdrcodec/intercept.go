@@ -791,7 +791,8 @@ func ServerOptions() []grpc.ServerOption {
 }
 
 func unaryServerInterceptor(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-	if err := refusal(ctx); err != nil {
+	gdr, err := refusal(ctx)
+	if err != nil {
 		return nil, err
 	}
 	if st := failedRequest(ctx, req); st != nil {
@@ -799,7 +800,9 @@ func unaryServerInterceptor(ctx context.Context, req any, _ *grpc.UnaryServerInf
 	}
 	resp, err := handler(ctx, req)
 	if err == nil && canCarry(resp) {
-		bindDestination(ctx, resp)
+		if gdr {
+			bindDestination(ctx, resp)
+		}
 		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
 			c.mu.Lock()
 			c.unsent = resp // released at the call's end if gRPC never sends it
@@ -810,16 +813,20 @@ func unaryServerInterceptor(ctx context.Context, req any, _ *grpc.UnaryServerInf
 }
 
 func streamServerInterceptor(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
-	if err := refusal(ss.Context()); err != nil {
+	gdr, err := refusal(ss.Context())
+	if err != nil {
 		return err
 	}
-	return handler(srv, &requestStream{ss})
+	return handler(srv, &requestStream{ServerStream: ss, gdr: gdr})
 }
 
 // requestStream pulls the payloads of the messages a server stream receives
 // within the call's life, and fails a message whose payloads could not be
 // pulled with the transfer's status.
-type requestStream struct{ grpc.ServerStream }
+type requestStream struct {
+	grpc.ServerStream
+	gdr bool // the call's codec is gdr's: its messages take destinations
+}
 
 func (s *requestStream) RecvMsg(m any) error {
 	if !canCarry(m) {
@@ -832,7 +839,7 @@ func (s *requestStream) RecvMsg(m any) error {
 // SendMsg lets the message's marshaling write its payloads into receive
 // space the client advertised.
 func (s *requestStream) SendMsg(m any) error {
-	if !canCarry(m) {
+	if !canCarry(m) || !s.gdr {
 		return s.ServerStream.SendMsg(m)
 	}
 	bindDestination(s.Context(), m)
@@ -1021,11 +1028,15 @@ func TapHandle(ctx context.Context, info *tap.Info) (context.Context, error) {
 	return ctx, refusalOf(ctx, info.Header.Get("content-type"))
 }
 
-// refusal returns why the call of ctx, a server's, may not run, or nil. It
-// reads the call's content type alone: the whole incoming metadata would be
-// copied on every call.
-func refusal(ctx context.Context) error {
-	return refusalOf(ctx, metadata.ValueFromIncomingContext(ctx, "content-type"))
+// refusal reports whether the call of ctx, a server's, uses the gdr codec,
+// and why it may not run, or nil. Only a gdr call's messages are bound to
+// their destination (bindDestination): the gdr codec's marshal takes the
+// binding, any other codec's would leave it, and the call's context with it,
+// until its lease ends. It reads the call's content type alone: the whole
+// incoming metadata would be copied on every call.
+func refusal(ctx context.Context) (gdr bool, err error) {
+	cts := metadata.ValueFromIncomingContext(ctx, "content-type")
+	return slices.ContainsFunc(cts, isGDRContentType), refusalOf(ctx, cts)
 }
 
 // refusalOf is refusal for a call whose content-type header has the values

@@ -50,7 +50,7 @@ func TestStreamPlainMessagesUnnoted(t *testing.T) {
 	require.Equal(t, []noted{{0, 0}, {1, 0}}, client.received, "a client stream's receives")
 
 	server := &probeStream{}
-	rs := &requestStream{server}
+	rs := &requestStream{ServerStream: server, gdr: true}
 	for _, m := range []any{plain, carrying} {
 		require.NoError(t, rs.RecvMsg(m))
 	}
