@@ -12,11 +12,14 @@ import (
 	encproto "google.golang.org/grpc/encoding/proto"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
+	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -81,7 +84,8 @@ func BenchmarkCodecInline(b *testing.B) {
 // payload, with a 1 KiB inline response. What the codec, the interceptors and
 // the stats handlers add to a small call shows in its allocations, against
 // plain gRPC over TCP (the proto codec, no gdrpc option) echoing the same
-// tensor with its payload in the descriptor's inline bytes.
+// tensor with its payload in the descriptor's inline bytes, and against that
+// plain client and server over a gdrpc TCP session (tcp-session-only).
 func BenchmarkUnaryCall(b *testing.B) {
 	b.Run("transport=grpc-tcp/method=Echo", func(b *testing.B) {
 		lis, err := net.Listen("tcp", "127.0.0.1:0")
@@ -92,6 +96,41 @@ func BenchmarkUnaryCall(b *testing.B) {
 		go func() { served <- gs.Serve(lis) }()
 		cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
 			grpc.WithDefaultCallOptions(grpc.ForceCodecV2(grpcProto)))
+		require.NoError(b, err)
+		defer func() {
+			cc.Close()
+			gs.Stop()
+			require.NoError(b, <-served)
+		}()
+		client := tensorpb.NewTensorServiceClient(cc)
+		req := &tensorpb.Tensor{Name: "bench", Data: &gdrv1.DeviceBuffer{Length: 1024, Inline: pattern(1024, 1)}}
+		b.SetBytes(1024)
+		b.ReportAllocs()
+		for b.Loop() {
+			got, err := client.Echo(context.Background(), req)
+			if err != nil {
+				b.Fatal(err)
+			}
+			if len(got.GetData().GetInline()) != 1024 {
+				b.Fatalf("%d bytes arrived", len(got.GetData().GetInline()))
+			}
+		}
+	})
+	// The session alone: gRPC's own codec and options over a gdrpc TCP
+	// session (its handshake, then the gRPC lane), none of the codec's
+	// interceptors or stats handlers: what the transport costs a call, apart
+	// from what the codec's layer adds (the transport=tcp rows).
+	b.Run("transport=tcp-session-only/method=Echo", func(b *testing.B) {
+		opts := []gdrpc.Option{gdrpc.WithTransport(transport.ModeTCP), processEngine}
+		lis, err := listener.Listen("127.0.0.1:0", opts...)
+		require.NoError(b, err)
+		gs := grpc.NewServer(grpc.ForceServerCodecV2(grpcProto))
+		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
+		served := make(chan error, 1)
+		go func() { served <- gs.Serve(lis) }()
+		d := dialer.New(opts...)
+		cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), grpc.WithContextDialer(d.DialContext),
+			grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithDefaultCallOptions(grpc.ForceCodecV2(grpcProto)))
 		require.NoError(b, err)
 		defer func() {
 			cc.Close()
