@@ -90,31 +90,7 @@ func BenchmarkUnaryCall(b *testing.B) {
 	b.Run("transport=grpc-tcp/method=Echo", func(b *testing.B) {
 		lis, err := net.Listen("tcp", "127.0.0.1:0")
 		require.NoError(b, err)
-		gs := grpc.NewServer(grpc.ForceServerCodecV2(grpcProto))
-		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
-		served := make(chan error, 1)
-		go func() { served <- gs.Serve(lis) }()
-		cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
-			grpc.WithDefaultCallOptions(grpc.ForceCodecV2(grpcProto)))
-		require.NoError(b, err)
-		defer func() {
-			cc.Close()
-			gs.Stop()
-			require.NoError(b, <-served)
-		}()
-		client := tensorpb.NewTensorServiceClient(cc)
-		req := &tensorpb.Tensor{Name: "bench", Data: &gdrv1.DeviceBuffer{Length: 1024, Inline: pattern(1024, 1)}}
-		b.SetBytes(1024)
-		b.ReportAllocs()
-		for b.Loop() {
-			got, err := client.Echo(context.Background(), req)
-			if err != nil {
-				b.Fatal(err)
-			}
-			if len(got.GetData().GetInline()) != 1024 {
-				b.Fatalf("%d bytes arrived", len(got.GetData().GetInline()))
-			}
-		}
+		benchPlainEcho(b, lis)
 	})
 	// The session alone: gRPC's own codec and options over a gdrpc TCP
 	// session (its handshake, then the gRPC lane), none of the codec's
@@ -124,32 +100,7 @@ func BenchmarkUnaryCall(b *testing.B) {
 		opts := []gdrpc.Option{gdrpc.WithTransport(transport.ModeTCP), processEngine}
 		lis, err := listener.Listen("127.0.0.1:0", opts...)
 		require.NoError(b, err)
-		gs := grpc.NewServer(grpc.ForceServerCodecV2(grpcProto))
-		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
-		served := make(chan error, 1)
-		go func() { served <- gs.Serve(lis) }()
-		d := dialer.New(opts...)
-		cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), grpc.WithContextDialer(d.DialContext),
-			grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithDefaultCallOptions(grpc.ForceCodecV2(grpcProto)))
-		require.NoError(b, err)
-		defer func() {
-			cc.Close()
-			gs.Stop()
-			require.NoError(b, <-served)
-		}()
-		client := tensorpb.NewTensorServiceClient(cc)
-		req := &tensorpb.Tensor{Name: "bench", Data: &gdrv1.DeviceBuffer{Length: 1024, Inline: pattern(1024, 1)}}
-		b.SetBytes(1024)
-		b.ReportAllocs()
-		for b.Loop() {
-			got, err := client.Echo(context.Background(), req)
-			if err != nil {
-				b.Fatal(err)
-			}
-			if len(got.GetData().GetInline()) != 1024 {
-				b.Fatalf("%d bytes arrived", len(got.GetData().GetInline()))
-			}
-		}
+		benchPlainEcho(b, lis, grpc.WithContextDialer(dialer.New(opts...).DialContext))
 	})
 	for _, mode := range []transport.Mode{transport.ModeTCP, transport.ModeUCX} {
 		b.Run("transport="+string(mode), func(b *testing.B) {
@@ -192,5 +143,37 @@ func BenchmarkUnaryCall(b *testing.B) {
 				}
 			})
 		})
+	}
+}
+
+// benchPlainEcho serves TensorService on lis with gRPC's own proto codec and
+// no gdrpc option, and measures a plain client's Echo of a tensor whose 1 KiB
+// payload is in the descriptor's inline bytes, the client dialing with
+// dialOpts.
+func benchPlainEcho(b *testing.B, lis net.Listener, dialOpts ...grpc.DialOption) {
+	gs := grpc.NewServer(grpc.ForceServerCodecV2(grpcProto))
+	tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
+	served := make(chan error, 1)
+	go func() { served <- gs.Serve(lis) }()
+	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), append(dialOpts,
+		grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithDefaultCallOptions(grpc.ForceCodecV2(grpcProto)))...)
+	require.NoError(b, err)
+	defer func() {
+		cc.Close()
+		gs.Stop()
+		require.NoError(b, <-served)
+	}()
+	client := tensorpb.NewTensorServiceClient(cc)
+	req := &tensorpb.Tensor{Name: "bench", Data: &gdrv1.DeviceBuffer{Length: 1024, Inline: pattern(1024, 1)}}
+	b.SetBytes(1024)
+	b.ReportAllocs()
+	for b.Loop() {
+		got, err := client.Echo(context.Background(), req)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if len(got.GetData().GetInline()) != 1024 {
+			b.Fatalf("%d bytes arrived", len(got.GetData().GetInline()))
+		}
 	}
 }
