@@ -53,5 +53,7 @@ func TestProtoCodecCallsBindNothing(t *testing.T) {
 	require.True(t, ok)
 	require.Equal(t, 4096, buf.Len())
 	gdrcodec.ReleaseAll(got)
-	require.Equal(t, before, gdrcodec.DestinationsForTest())
+	// At most as many as before: its binding's put may also sweep out an
+	// earlier test's expired ones.
+	require.LessOrEqual(t, gdrcodec.DestinationsForTest(), before)
 }
