@@ -24,16 +24,16 @@ import (
 func TestProtoCodecCallsBindNothing(t *testing.T) {
 	r := newRig(t, transport.ModeTCP, nil)
 	ctx := context.Background()
-	proto := grpc.ForceCodecV2(grpcProto)
+	protoCodec := grpc.ForceCodecV2(grpcProto)
 	before := gdrcodec.DestinationsForTest()
 	payload := pattern(4096, 7)
 	for i := range 8 {
-		got, err := r.client.Echo(ctx, &tensorpb.Tensor{Name: "p", Data: &gdrv1.DeviceBuffer{Length: uint64(len(payload)), Inline: payload}}, proto)
+		got, err := r.client.Echo(ctx, &tensorpb.Tensor{Name: "p", Data: &gdrv1.DeviceBuffer{Length: uint64(len(payload)), Inline: payload}}, protoCodec)
 		require.NoError(t, err, "call %d", i)
 		require.Equal(t, payload, got.GetData().GetInline(), "call %d", i)
 		require.Equal(t, before, gdrcodec.DestinationsForTest(), "call %d left a binding", i)
 	}
-	st, err := r.client.Download(ctx, &tensorpb.Sized{Size: 4096, Seed: 3}, proto)
+	st, err := r.client.Download(ctx, &tensorpb.Sized{Size: 4096, Seed: 3}, protoCodec)
 	require.NoError(t, err)
 	for i := range uint32(4) {
 		got, err := st.Recv()
@@ -51,7 +51,11 @@ func TestProtoCodecCallsBindNothing(t *testing.T) {
 	require.NoError(t, err)
 	buf, ok := gdrcodec.Buffer(got.GetData())
 	require.True(t, ok)
-	require.Equal(t, 4096, buf.Len())
+	arrived, err := buf.HostBytes()
+	require.NoError(t, err)
+	want := make([]byte, 4096)
+	tensor.Fill(want, 5)
+	require.Equal(t, want, arrived)
 	gdrcodec.ReleaseAll(got)
 	// At most as many as before: its binding's put may also sweep out an
 	// earlier test's expired ones.
