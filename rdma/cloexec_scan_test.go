@@ -26,6 +26,33 @@ func inheritablePipe(t testing.TB) [2]int {
 	return p
 }
 
+// pauseMarking keeps the process's marker (markCloexec) from scanning until
+// the test ends. The Default context's worker lives as long as the process,
+// and its driver asks for a scan whenever it goes idle: such a scan marks
+// every descriptor opened since UCX was loaded, the inheritable ones a test
+// opens to watch its own scanner included. It waits for a scan under way to
+// end; meanwhile, as while paused, the driver's requests are dropped, and
+// others wait for the scan that resuming runs.
+func pauseMarking(t testing.TB) {
+	t.Helper()
+	for {
+		cloexec.mu.Lock()
+		if !cloexec.running {
+			break
+		}
+		cloexec.mu.Unlock()
+		<-markCloexec(false) // the running scan, or the next, covers it
+	}
+	cloexec.running = true
+	cloexec.mu.Unlock()
+	t.Cleanup(func() {
+		cloexec.mu.Lock()
+		cloexec.running = false
+		cloexec.mu.Unlock()
+		<-markCloexec(false)
+	})
+}
+
 // isCloexec reports whether fd has FD_CLOEXEC set.
 func isCloexec(t testing.TB, fd int) bool {
 	t.Helper()
@@ -37,6 +64,7 @@ func isCloexec(t testing.TB, fd int) bool {
 // TestCloexecScanner runs each case with close_range (the default on Linux)
 // and with the listing of /proc/self/fd that kernels without it get.
 func TestCloexecScanner(t *testing.T) {
+	pauseMarking(t)
 	for _, listing := range []bool{false, true} {
 		t.Run(fmt.Sprintf("listing=%v", listing), func(t *testing.T) {
 			t.Run("marks descriptors opened after the baseline", func(t *testing.T) {
@@ -96,6 +124,7 @@ func TestCloexecScanner(t *testing.T) {
 // opened without close-on-exec since then is UCX's to it, and marked.
 func TestCloexecScanAfterLoad(t *testing.T) {
 	_ = load()
+	pauseMarking(t)
 	p := inheritablePipe(t)
 	ucxFDs.scan()
 	require.True(t, isCloexec(t, p[0]))
@@ -106,6 +135,7 @@ func TestCloexecScanAfterLoad(t *testing.T) {
 // /proc/self/fd with) leaves the scanner blind: it marks nothing, rather
 // than every descriptor the user has, stdio included.
 func TestCloexecBlindBaseline(t *testing.T) {
+	pauseMarking(t)
 	var lim unix.Rlimit
 	require.NoError(t, unix.Getrlimit(unix.RLIMIT_NOFILE, &lim))
 	low := lim
