@@ -1025,7 +1025,7 @@ func (serverStats) HandleConn(context.Context, stats.ConnStats)                 
 // reads the request: gRPC takes one tap handle per server, so a server that
 // wants this installs it with grpc.InTapHandle, or calls it from its own.
 func TapHandle(ctx context.Context, info *tap.Info) (context.Context, error) {
-	return ctx, refusalOf(ctx, info.Header.Get("content-type"))
+	return ctx, refusalOf(ctx, slices.ContainsFunc(info.Header.Get("content-type"), isGDRContentType))
 }
 
 // refusal reports whether the call of ctx, a server's, uses the gdr codec,
@@ -1035,19 +1035,12 @@ func TapHandle(ctx context.Context, info *tap.Info) (context.Context, error) {
 // until its lease ends. It reads the call's content type alone: the whole
 // incoming metadata would be copied on every call.
 func refusal(ctx context.Context) (gdr bool, err error) {
-	cts := metadata.ValueFromIncomingContext(ctx, "content-type")
-	return slices.ContainsFunc(cts, isGDRContentType), refusalOf(ctx, cts)
+	gdr = slices.ContainsFunc(metadata.ValueFromIncomingContext(ctx, "content-type"), isGDRContentType)
+	return gdr, refusalOf(ctx, gdr)
 }
 
-// refusalOf is refusal for a call whose content-type header has the values
-// contentTypes.
-func refusalOf(ctx context.Context, contentTypes []string) error {
-	gdr := false
-	for _, ct := range contentTypes {
-		if isGDRContentType(ct) {
-			gdr = true
-		}
-	}
+// refusalOf is refusal for a call that uses the gdr codec if gdr.
+func refusalOf(ctx context.Context, gdr bool) error {
 	if !gdr {
 		return nil
 	}

@@ -106,14 +106,13 @@ func (l *Listener) admitLocked(c net.Conn, host netip.Prefix) (drop net.Conn, fu
 		return nil, false
 	}
 	if hs.queued >= hs.maxQueued {
-		if hs.most == 0 {
-			hs.forgetIfIdle(h)
-			return c, true // no queue at all
+		var longest *hostSlots
+		if hs.most > 0 {
+			longest = hs.byLen[hs.most].Back().Value.(*hostSlots)
 		}
-		longest := hs.byLen[hs.most].Back().Value.(*hostSlots)
-		if len(longest.queued) <= len(h.queued) {
+		if longest == nil || len(longest.queued) <= len(h.queued) {
 			hs.forgetIfIdle(h)
-			return c, true // its own queue is as long as any
+			return c, true // no queue at all, or its own is as long as any
 		}
 		last := len(longest.queued) - 1
 		drop = longest.queued[last]
