@@ -3,7 +3,9 @@ package gdrcodec
 import (
 	"fmt"
 
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/mem"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -35,26 +37,43 @@ func newBodyPool() mem.BufferPool {
 	return p
 }
 
+// callField is the field that carries a unary request's call number (what
+// oob.CallHeader carries for a stream) in the gdr codec's body: first, before
+// the message's own fields, where a receiver of the gdr codec takes it off
+// before it decodes the message. A header costs both ends of every call
+// more than the body's few bytes (gRPC copies and encodes the outgoing
+// metadata, and the server builds it into the call's). Protobuf reserves
+// the numbers 19000 to 19999 to its implementations, so no message declares
+// this one.
+const callField protowire.Number = 19061
+
 // Marshal encodes v: into a buffer of its own below gRPC's pooling threshold,
 // else into one of bodyPool's, which gRPC gives back once it sent the body.
-func (bodyCodec) Marshal(v any) (mem.BufferSlice, error) {
+func (b bodyCodec) Marshal(v any) (mem.BufferSlice, error) { return b.marshal(v, 0) }
+
+// marshal is Marshal with call, unless 0, first in the body (callField).
+func (bodyCodec) marshal(v any, call uint64) (mem.BufferSlice, error) {
 	vv := messageV2Of(v)
 	if vv == nil {
 		return nil, fmt.Errorf("proto: failed to marshal, message is %T, want proto.Message", v)
 	}
+	var head []byte
+	if call != 0 {
+		head = protowire.AppendVarint(protowire.AppendTag(make([]byte, 0, 16), callField, protowire.VarintType), call)
+	}
 	// UseCachedSize reuses the size just computed: v must not change
 	// meanwhile, as for gRPC's codec.
-	size := proto.Size(vv)
+	size := len(head) + proto.Size(vv)
 	opts := proto.MarshalOptions{UseCachedSize: true}
 	if mem.IsBelowBufferPoolingThreshold(size) {
-		buf, err := opts.Marshal(vv)
+		buf, err := opts.MarshalAppend(append(make([]byte, 0, size), head...), vv)
 		if err != nil {
 			return nil, err
 		}
 		return mem.BufferSlice{mem.SliceBuffer(buf)}, nil
 	}
 	buf := bodyPool.Get(size)
-	if _, err := opts.MarshalAppend((*buf)[:0], vv); err != nil {
+	if _, err := opts.MarshalAppend(append((*buf)[:0], head...), vv); err != nil {
 		bodyPool.Put(buf)
 		return nil, err
 	}
@@ -63,12 +82,29 @@ func (bodyCodec) Marshal(v any) (mem.BufferSlice, error) {
 
 // Unmarshal decodes data into v, gathering a body that arrived in several
 // buffers (HTTP/2 frames) into one of bodyPool's first.
-func (bodyCodec) Unmarshal(data mem.BufferSlice, v any) error {
+func (b bodyCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	_, err := b.unmarshal(data, v, false)
+	return err
+}
+
+// unmarshal is Unmarshal that, if numbered, first takes off a call number
+// the body begins with (callField) and returns it, or 0.
+func (bodyCodec) unmarshal(data mem.BufferSlice, v any, numbered bool) (call uint64, err error) {
 	vv := messageV2Of(v)
 	if vv == nil {
-		return fmt.Errorf("failed to unmarshal, message is %T, want proto.Message", v)
+		return 0, fmt.Errorf("failed to unmarshal, message is %T, want proto.Message", v)
 	}
 	buf := data.MaterializeToBuffer(bodyPool)
 	defer buf.Free()
-	return proto.Unmarshal(buf.ReadOnlyData(), vv)
+	body := buf.ReadOnlyData()
+	if numbered {
+		if num, typ, n := protowire.ConsumeTag(body); n > 0 && num == callField && typ == protowire.VarintType {
+			c, m := protowire.ConsumeVarint(body[n:])
+			if m < 0 {
+				return 0, codecError(codes.InvalidArgument, "the body's call number is malformed: %v", protowire.ParseError(m))
+			}
+			call, body = c, body[n+m:]
+		}
+	}
+	return call, proto.Unmarshal(body, vv)
 }

@@ -6,9 +6,12 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/encoding"
 	encproto "google.golang.org/grpc/encoding/proto"
 	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
@@ -56,6 +59,50 @@ func TestBodyCodecAsGRPCs(t *testing.T) {
 	_, err := bodies.Marshal(struct{}{})
 	require.Error(t, err)
 	require.Error(t, bodies.Unmarshal(pieces([]byte{1}), struct{}{}))
+}
+
+// TestBodyCallNumber: a call number goes first in the body, across the
+// pool's tiers; a numbered decode takes it off and returns it, leaving the
+// message as sent (no unknown field), and a body without one decodes to 0.
+// A plain decode (the proto replacement's, a plain peer's) keeps it as an
+// unknown field. A malformed number is refused with InvalidArgument.
+func TestBodyCallNumber(t *testing.T) {
+	for _, n := range []int{0, 1000, 32<<10 + 1, 1 << 20} {
+		for _, call := range []uint64{1, 0x1234, 1<<64 - 1} {
+			t.Run(fmt.Sprintf("%d/%x", n, call), func(t *testing.T) {
+				msg := wrapperspb.Bytes(bodyPattern(n))
+				data, err := bodies.marshal(msg, call)
+				require.NoError(t, err)
+				wire := data.Materialize()
+				data.Free()
+				plain, err := proto.Marshal(msg)
+				require.NoError(t, err)
+				require.True(t, bytes.HasSuffix(wire, plain), "the message's own bytes follow the number")
+				require.Greater(t, len(wire), len(plain), "no number")
+
+				out := new(wrapperspb.BytesValue)
+				got, err := bodies.unmarshal(pieces(wire), out, true)
+				require.NoError(t, err)
+				require.Equal(t, call, got)
+				require.True(t, proto.Equal(msg, out), "decoded message differs from the one sent")
+				require.Empty(t, out.ProtoReflect().GetUnknown(), "the number stayed in the message")
+
+				got, err = bodies.unmarshal(pieces(plain), out, true)
+				require.NoError(t, err)
+				require.Zero(t, got, "a body without a number")
+				require.True(t, proto.Equal(msg, out))
+
+				require.NoError(t, bodies.Unmarshal(pieces(wire), out))
+				require.True(t, bytes.Equal(msg.GetValue(), out.GetValue()), "the plain decode lost the message")
+				require.NotEmpty(t, out.ProtoReflect().GetUnknown(), "a plain decode dropped the number")
+			})
+		}
+	}
+	head := protowire.AppendTag(nil, callField, protowire.VarintType)
+	for _, bad := range [][]byte{head, append(head, 0x80), append(head, bytes.Repeat([]byte{0xff}, 10)...)} {
+		_, err := bodies.unmarshal(pieces(bad), new(wrapperspb.BytesValue), true)
+		require.Equal(t, codes.InvalidArgument, status.Code(err), "%x: %v", bad, err)
+	}
 }
 
 // BenchmarkBody marshals a message whose body is a little over 32 KiB (an

@@ -193,9 +193,13 @@ func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 	if vv == nil {
 		return nil, fmt.Errorf("gdrcodec: cannot marshal %T, want proto.Message", v)
 	}
+	var call uint64 // the number of a unary request's call, which its body carries
+	if c.oob {
+		call = h.callNumber()
+	}
 	m := vv.ProtoReflect()
 	if !mayCarry(m.Descriptor()) {
-		return bodies.Marshal(v)
+		return bodies.marshal(v, call)
 	}
 	o := c.options()
 	w := &rewriter{oob: c.oob, eager: o.eager, hold: h}
@@ -222,13 +226,13 @@ func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 		return nil, err
 	}
 	if out == nil {
-		return bodies.Marshal(v)
+		return bodies.marshal(v, call)
 	}
 	if err := w.to.admit(w.offers); err != nil {
 		w.abort()
 		return nil, codecError(codes.ResourceExhausted, "%v", err)
 	}
-	data, err := bodies.Marshal(out.Interface())
+	data, err := bodies.marshal(out.Interface(), call)
 	if err != nil {
 		w.abort()
 		return nil, err
@@ -251,8 +255,21 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 		// never released.
 		ReleaseAll(vv)
 	}
-	if err := bodies.Unmarshal(data, v); err != nil || !carries {
+	// Only the gdr codec's bodies carry a call number: the proto
+	// replacement decodes what plain peers send, as gRPC's own codec does.
+	call, err := bodies.unmarshal(data, v, c.oob)
+	if err != nil {
 		return err
+	}
+	if !carries {
+		if call != 0 && vv != nil {
+			if _, tracked := recvCalls.Load(v); !tracked && serverRequest(vv.ProtoReflect()) {
+				// A request that cannot carry a payload, for a response
+				// that can: the call's number is all serverStats takes.
+				pendingPulls.put(v, &pulls{m: vv.ProtoReflect(), call: call})
+			}
+		}
+		return nil
 	}
 	if _, again := singleRequests.Load(v); again {
 		return codecError(codes.InvalidArgument, "a second request message on a call that takes one")
@@ -277,6 +294,7 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 			// the pulls wait for serverStats, told of the request right
 			// after this decode with the call's context, which runs them
 			// only for a call over a gdrpc session.
+			p.call = call
 			pendingPulls.put(v, p)
 			return nil
 		}
@@ -793,6 +811,9 @@ func resolve(ctx context.Context, m protoreflect.Message, from sender, o *option
 type pulls struct {
 	m    protoreflect.Message
 	jobs []job
+	// call is the client's number for the call of a server's unary
+	// request, which the request's body carried (callField), or 0.
+	call uint64
 }
 
 // sender is what the walk of a received message takes its sender for.

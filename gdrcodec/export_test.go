@@ -41,10 +41,15 @@ func TrackedForTest() (receiving, sending int) {
 }
 
 // CallNotedForTest reports whether the server call of ctx has the codec's
-// record.
-func CallNotedForTest(ctx context.Context) bool {
-	_, ok := ctx.Value(callKey{}).(*callMessages)
-	return ok
+// record, and the client's number for the call it holds (0: none).
+func CallNotedForTest(ctx context.Context) (noted bool, clientCall uint64) {
+	c, ok := ctx.Value(callKey{}).(*callMessages)
+	if !ok {
+		return false, 0
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return true, c.clientCall
 }
 
 // DestinationsForTest returns how many outgoing messages are bound to a

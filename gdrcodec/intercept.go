@@ -43,6 +43,9 @@ type hold struct {
 	// landed until the call ends.
 	rc     *recvCall
 	landed map[*transport.Session][]oob.Descriptor
+	// call is the number of a unary call, which the gdr codec's marshal of
+	// its request writes in the body (callField); 0 for the others.
+	call uint64
 	// users counts the other calls sending, right now, a message whose
 	// payloads this hold keeps (one message sent on several calls at once:
 	// gRPC marshals it for each, and only the message names the hold);
@@ -522,6 +525,15 @@ func canCarry(v any) bool {
 // moves them to their call.
 var failures = newExpiring[*status.Status](time.Minute)
 
+// callNumber returns the call number a request marshaled under h carries
+// in its body, or 0 (no hold, a stream's).
+func (h *hold) callNumber() uint64 {
+	if h == nil {
+		return 0
+	}
+	return h.call
+}
+
 func holdOf(v any) *hold {
 	if e, ok := holds.Load(v); ok {
 		return e.(*sending).h
@@ -574,10 +586,17 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 			// name no payload this call would decode.
 			return invoker(plainCall(ctx), method, req, reply, cc, opts...)
 		}
-		ctx, call := numberCall(ctx)
+		call := oob.NewCall()
+		ctx = oob.WithCall(plainCall(ctx), call)
 		rc := expectReceive(ctx, reply, false)
-		h := &hold{rc: rc}
+		h := &hold{rc: rc, call: call.ID}
 		sending := send(req, h)
+		if sending.h != h {
+			// Another call is sending req: its marshals put that call's
+			// number in the body, so this one names its own in a header,
+			// which the server takes first.
+			ctx = metadata.AppendToOutgoingContext(ctx, oob.CallHeader, strconv.FormatUint(call.ID, 16))
+		}
 		err := rc.done(reply, invoker(context.WithValue(ctx, recvKey{}, rc), method, req, reply, cc, opts...))
 		rc.closeCall()
 		if m := messageV2Of(reply); err != nil && m != nil {
@@ -632,9 +651,11 @@ func StreamClientInterceptor() grpc.StreamClientInterceptor {
 	}
 }
 
-// numberCall gives a client call a number (oob.CallHeader): the call's pulls
-// note what they took of this process's receive space (oob.WithCall), and
-// the server notes what it wrote there for the call.
+// numberCall gives a client stream a number (oob.CallHeader): the call's
+// pulls note what they took of this process's receive space (oob.WithCall),
+// and the server notes what it wrote there for the call. A unary call's
+// number goes in its request's body instead (callField): a stream may have
+// the server send before the client does.
 func numberCall(ctx context.Context) (context.Context, *oob.Call) {
 	ctx = plainCall(ctx)
 	call := oob.NewCall()
@@ -937,11 +958,22 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			c.mu.Unlock()
 		}
 	case *stats.InPayload:
+		p, pending := pendingPulls.take(s.Payload)
 		c, _ := ctx.Value(callKey{}).(*callMessages)
 		if c == nil {
+			if pending {
+				// The request of a method whose messages carry no payload,
+				// with a call number its client need not have sent (the
+				// codec decoded it while another method decoded a request
+				// of its type): nothing is written for the call.
+				p.drop()
+			}
 			return
 		}
 		c.mu.Lock()
+		if pending && c.clientCall == 0 {
+			c.clientCall = p.call // the request's body's; a header's comes first
+		}
 		if c.single && c.request == nil && canCarry(s.Payload) {
 			c.request = s.Payload
 			singleRequests.Store(s.Payload, struct{}{})
@@ -950,7 +982,7 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		c.mu.Unlock()
 		if m := messageV2Of(s.Payload); m != nil && mayCarry(m.ProtoReflect().Descriptor()) {
 			st, _ := failures.take(s.Payload)
-			if p, ok := pendingPulls.take(s.Payload); ok {
+			if pending {
 				st = pullRequest(ctx, p)
 			}
 			c.mu.Lock()

@@ -2,6 +2,8 @@ package gdrcodec_test
 
 import (
 	"context"
+	"io"
+	"strconv"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -16,19 +18,22 @@ import (
 )
 
 // callSeen is what a server interceptor saw of one call: the call number
-// in its metadata, the codec's record of it, and the messages the codec's
-// bookkeeping noted in this process (the client's end is here too) while
-// the call was in flight.
+// in its metadata, the codec's record of it and the client's number the
+// record holds (a header's or the request body's), and the messages the
+// codec's bookkeeping noted in this process (the client's end is here too)
+// while the call was in flight.
 type callSeen struct {
 	number             []string
 	noted              bool
+	call               uint64
 	receiving, sending int
 }
 
 func recordCalls(seen chan<- callSeen) []grpc.ServerOption {
 	see := func(ctx context.Context) {
 		r, s := gdrcodec.TrackedForTest()
-		seen <- callSeen{metadata.ValueFromIncomingContext(ctx, oob.CallHeader), gdrcodec.CallNotedForTest(ctx), r, s}
+		noted, call := gdrcodec.CallNotedForTest(ctx)
+		seen <- callSeen{metadata.ValueFromIncomingContext(ctx, oob.CallHeader), noted, call, r, s}
 	}
 	return []grpc.ServerOption{
 		grpc.ChainUnaryInterceptor(func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
@@ -48,8 +53,9 @@ func recordCalls(seen chan<- callSeen) []grpc.ServerOption {
 // such messages is numbered, for its types are not known as it starts, but
 // its messages are not noted); a number
 // forwarded from another process's call (a proxy passing its incoming
-// metadata on) is still dropped. A call whose response can carry one, on the
-// same connection, is numbered and noted as before.
+// metadata on) is still dropped. A unary call whose response can carry one,
+// on the same connection, is numbered in its request's body, not in a
+// header, and noted as before.
 func TestPlainMethodUntracked(t *testing.T) {
 	seen := make(chan callSeen, 4)
 	r := newRigWith(t, transport.ModeTCP, nil, recordCalls(seen))
@@ -77,10 +83,40 @@ func TestPlainMethodUntracked(t *testing.T) {
 	require.NoError(t, err)
 	gdrcodec.ReleaseAll(tensor)
 	got = <-seen
-	require.Len(t, got.number, 1)
-	require.NotEqual(t, forwarded, got.number[0], "a forwarded number went on")
+	require.Empty(t, got.number, "a unary call's number went in a header, or a forwarded one went on")
 	require.True(t, got.noted)
+	require.NotZero(t, got.call, "the request's body named no call")
+	require.NotEqual(t, uint64(1<<64-1), got.call, "a forwarded number went on")
 	require.Equal(t, 1, got.receiving, "the response being received")
+	made := got.call
+
+	echoed, err := r.client.Echo(ctx, &tensorpb.Tensor{Name: "echo"})
+	require.NoError(t, err)
+	require.Equal(t, "echo", echoed.GetName())
+	gdrcodec.ReleaseAll(echoed)
+	got = <-seen
+	require.Empty(t, got.number, "a unary call's number went in a header, or a forwarded one went on")
+	require.NotZero(t, got.call, "the request's body named no call")
+	require.NotEqual(t, uint64(1<<64-1), got.call, "a forwarded number went on")
+	require.NotEqual(t, made, got.call, "two calls took one number")
+
+	down, err := r.client.Download(ctx, &tensorpb.Sized{Size: 1, Seed: 1})
+	require.NoError(t, err)
+	for {
+		m, err := down.Recv()
+		if err == io.EOF {
+			break
+		}
+		require.NoError(t, err)
+		gdrcodec.ReleaseAll(m)
+	}
+	got = <-seen
+	require.Len(t, got.number, 1, "a stream is numbered in a header")
+	require.NotEqual(t, forwarded, got.number[0], "a forwarded number went on")
+	n, err := strconv.ParseUint(got.number[0], 16, 64)
+	require.NoError(t, err)
+	require.Equal(t, n, got.call, "the record holds another number than the stream's header")
+
 	receiving, sending := gdrcodec.TrackedForTest()
 	require.Zero(t, receiving+sending, "notes left after the calls")
 }

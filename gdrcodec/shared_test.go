@@ -2,6 +2,7 @@ package gdrcodec_test
 
 import (
 	"context"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -31,6 +32,10 @@ type sharedOrder struct {
 	tensor.Server
 	aIn, bSent, aDone, stop chan struct{}
 	sentOnce                sync.Once
+	// numbers has what Digest saw of each call's number: its header's
+	// (the joining call's) and the one the server's record holds.
+	mu      sync.Mutex
+	numbers map[string]callSeen
 }
 
 func newSharedOrder() *sharedOrder {
@@ -55,7 +60,15 @@ func (o *sharedOrder) wait(c chan struct{}) error {
 }
 
 func (o *sharedOrder) Digest(ctx context.Context, t *tensorpb.Tensor) (*tensorpb.Summary, error) {
-	if md, _ := metadata.FromIncomingContext(ctx); which(md) == "a" {
+	md, _ := metadata.FromIncomingContext(ctx)
+	noted, call := gdrcodec.CallNotedForTest(ctx)
+	o.mu.Lock()
+	if o.numbers == nil {
+		o.numbers = map[string]callSeen{}
+	}
+	o.numbers[which(md)] = callSeen{number: md.Get(oob.CallHeader), noted: noted, call: call}
+	o.mu.Unlock()
+	if which(md) == "a" {
 		close(o.aIn)
 		if err := o.wait(o.bSent); err != nil {
 			return nil, err
@@ -164,6 +177,21 @@ func TestSameMessageOnTwoCalls(t *testing.T) {
 				require.NoError(t, <-aErr, "a")
 				close(o.aDone)
 				require.NoError(t, <-bErr, "b: its payload outlived a's end")
+				if second == "unary" {
+					// a's marshals name a's number in the body, b's too
+					// (they find a's hold): b names its own in a header,
+					// which the server takes first.
+					o.mu.Lock()
+					a, b := o.numbers["a"], o.numbers["b"]
+					o.mu.Unlock()
+					require.Empty(t, a.number, "the first call's number went in a header")
+					require.Len(t, b.number, 1, "the joining call named no number of its own")
+					n, err := strconv.ParseUint(b.number[0], 16, 64)
+					require.NoError(t, err)
+					require.Equal(t, n, b.call, "the server took the body's number over the header's")
+					require.NotZero(t, a.call)
+					require.NotEqual(t, a.call, b.call, "both calls took one number")
+				}
 			})
 		}
 	}

@@ -18,8 +18,9 @@ import (
 // decoded the response and released the buffer. A response the client never
 // decodes (its call was cancelled or ran out of time first, or gRPC refused
 // the message) leaves ranges nobody gives back. So a client numbers its calls
-// (the gdrpc-call header, CallHeader; a unary call whose messages cannot
-// carry a payload needs none), notes the writes each call took, and, when a
+// (a stream in the gdrpc-call header, CallHeader; the gdr codec puts a unary
+// call's number in its request's body, and a unary call whose messages
+// cannot carry a payload needs none), notes the writes each call took, and, when a
 // call ends without having taken every response, tells the server which
 // writes the call still holds (CALL-ENDED): the server takes back the rest
 // of what it wrote for that call, and writes nothing more for it (a call
