@@ -415,6 +415,7 @@ func (s *Session) attachLane(ep net.Conn, role byte) (*laneConn, error) {
 	c := &laneConn{connCommon: newConnCommon(s, role), ep: ep}
 	if tc, ok := ep.(*net.TCPConn); ok {
 		c.raw, _ = tc.SyscallConn() // nil on error: ReadOnReady reads as Read does
+		c.ready.fn = c.ready.read
 	}
 	return c, nil
 }
@@ -610,6 +611,34 @@ type laneConn struct {
 	connCommon
 	ep  net.Conn        // *rdma.Endpoint or a TCP conn
 	raw syscall.RawConn // a TCP ep's, for ReadOnReady; nil for an endpoint
+	// ready is ReadOnReady's read of raw, kept with the conn so that a read
+	// allocates nothing (a closure over its results would escape to the
+	// heap on every read). gRPC reads a conn from one goroutine at a time.
+	ready readyRead
+}
+
+// readyRead is one ReadOnReady of a TCP lane: what it asks for, what the
+// read found, and the callback raw.Read runs, made once.
+type readyRead struct {
+	size int
+	pool mem.BufferPool
+	buf  *[]byte
+	n    int
+	err  error
+	fn   func(fd uintptr) bool
+}
+
+// read is the raw conn's callback: it takes a buffer only once the socket
+// has bytes, and gives it back when it had none after all.
+func (r *readyRead) read(fd uintptr) bool {
+	r.buf = r.pool.Get(r.size)
+	r.n, r.err = syscall.Read(int(fd), *r.buf)
+	if r.err == syscall.EAGAIN || r.err == syscall.EWOULDBLOCK {
+		r.pool.Put(r.buf)
+		r.buf = nil
+		return false // not readable yet: wait in Go's poller
+	}
+	return true
 }
 
 var _ net.Conn = (*laneConn)(nil)
@@ -622,7 +651,8 @@ func (c *laneConn) Write(b []byte) (int, error) { return c.do("write", c.ep.Writ
 // takes a buffer of bufSize from pool, so an idle gRPC lane holds none, as a
 // plain gRPC connection over TCP holds none; over a UCX endpoint it reads as
 // Read does. It returns the buffer with n > 0 bytes read, or nil and an
-// error (io.EOF once the peer closed), in the conn's terms.
+// error (io.EOF once the peer closed), in the conn's terms. One goroutine at
+// a time calls it, as gRPC's reader does.
 func (c *laneConn) ReadOnReady(bufSize int, pool mem.BufferPool) (*[]byte, int, error) {
 	if err := c.open("read"); err != nil {
 		return nil, 0, err
@@ -643,21 +673,13 @@ func (c *laneConn) ReadOnReady(bufSize int, pool mem.BufferPool) (*[]byte, int, 
 			}
 		}
 	}
-	var buf *[]byte
-	var n int
-	var rerr error
-	if err := c.raw.Read(func(fd uintptr) bool {
-		buf = pool.Get(bufSize)
-		n, rerr = syscall.Read(int(fd), *buf)
-		if rerr == syscall.EAGAIN || rerr == syscall.EWOULDBLOCK {
-			pool.Put(buf)
-			buf = nil
-			return false // not readable yet: wait in Go's poller
-		}
-		return true
-	}); err != nil {
-		rerr = err // the poller's: a deadline, or the conn closed
+	r := &c.ready
+	r.size, r.pool, r.buf, r.n, r.err = bufSize, pool, nil, 0, nil
+	if err := c.raw.Read(r.fn); err != nil {
+		r.err = err // the poller's: a deadline, or the conn closed
 	}
+	buf, n, rerr := r.buf, r.n, r.err
+	r.pool, r.buf, r.err = nil, nil, nil // nothing of this read stays reachable from the conn
 	if rerr == nil && n > 0 {
 		return buf, n, nil
 	}

@@ -71,3 +71,31 @@ type countingPool struct {
 
 func (p *countingPool) Get(n int) *[]byte { p.out++; return p.BufferPool.Get(n) }
 func (p *countingPool) Put(b *[]byte)     { p.out--; p.BufferPool.Put(b) }
+
+// fixedPool hands out one buffer, over and over: a pool that allocates
+// nothing.
+type fixedPool struct{ buf *[]byte }
+
+func (p fixedPool) Get(int) *[]byte { return p.buf }
+func (p fixedPool) Put(*[]byte)     {}
+
+// A read of the gRPC lane over TCP allocates nothing: gRPC's reader calls
+// ReadOnReady a few times per call, and a closure over the read's results
+// would put them on the heap each time.
+func TestLaneReadOnReadyAllocatesNothing(t *testing.T) {
+	st := dialPair(t, transportCases[0].options(t))
+	rr := st.sc.(readyReader)
+	buf := make([]byte, 32<<10)
+	pool := fixedPool{&buf}
+	msg := []byte("f")
+	allocs := testing.AllocsPerRun(200, func() {
+		if _, err := st.cc.Write(msg); err != nil {
+			t.Fatal(err)
+		}
+		got, n, err := rr.ReadOnReady(len(buf), pool)
+		if err != nil || n != 1 || (*got)[0] != 'f' {
+			t.Fatalf("read %d bytes (%v)", n, err)
+		}
+	})
+	require.Zero(t, allocs, "allocations per read and write")
+}
