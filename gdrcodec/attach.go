@@ -187,27 +187,32 @@ func walkPayloads(m protoreflect.Message, db func(*gdrv1.DeviceBuffer), bytes fu
 		if !m.Has(fd) || bytesField && bytes == nil || !bytesField && valueMessage(fd) == nil {
 			continue
 		}
-		each := func(v protoreflect.Value) {
-			if bytesField {
-				bytes(v.Bytes())
-			} else {
-				walkPayloads(v.Message(), db, bytes)
-			}
-		}
 		switch v := m.Get(fd); {
 		case fd.IsList():
 			l := v.List()
 			for i := 0; i < l.Len(); i++ {
-				each(l.Get(i))
+				walkValue(l.Get(i), bytesField, db, bytes)
 			}
 		case fd.IsMap():
+			// A callback of its own: one that Range's escape took along
+			// would put the common case's state on the heap too.
 			v.Map().Range(func(_ protoreflect.MapKey, mv protoreflect.Value) bool {
-				each(mv)
+				walkValue(mv, bytesField, db, bytes)
 				return true
 			})
 		default:
-			each(v)
+			walkValue(v, bytesField, db, bytes)
 		}
+	}
+}
+
+// walkValue is walkPayloads for v, one value of a field: a marked bytes
+// field's if bytesField, else a message.
+func walkValue(v protoreflect.Value, bytesField bool, db func(*gdrv1.DeviceBuffer), bytes func([]byte)) {
+	if bytesField {
+		bytes(v.Bytes())
+	} else {
+		walkPayloads(v.Message(), db, bytes)
 	}
 }
 

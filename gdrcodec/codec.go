@@ -202,8 +202,8 @@ func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 		return bodies.marshal(v, call)
 	}
 	o := c.options()
-	w := &rewriter{oob: c.oob, eager: o.eager, hold: h}
-	w.kept = w.kept0[:0]
+	var kept [2]*devicebuf.Buffer // w.kept's first, without an allocation
+	w := &rewriter{oob: c.oob, eager: o.eager, hold: h, kept: kept[:0]}
 	defer w.release()
 	shared := false
 	if c.oob {
@@ -294,8 +294,9 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 			// the pulls wait for serverStats, told of the request right
 			// after this decode with the call's context, which runs them
 			// only for a call over a gdrpc session.
-			p.call = call
-			pendingPulls.put(v, p)
+			pending := p // on the heap for this branch alone
+			pending.call = call
+			pendingPulls.put(v, &pending)
 			return nil
 		}
 		err = p.run(ctx)
@@ -457,7 +458,6 @@ type rewriter struct {
 	// kept are the buffers the message's walk read, each with a reference
 	// of the rewriter's until the body is marshaled (release).
 	kept   []*devicebuf.Buffer
-	kept0  [2]*devicebuf.Buffer // kept's first, without an allocation
 	oob    bool
 	eager  int
 	hold   *hold
@@ -659,19 +659,26 @@ func (w *rewriter) field(parent protoreflect.Message, fd protoreflect.FieldDescr
 			k protoreflect.MapKey
 			v protoreflect.Value
 		}
-		var changedKVs []kv
-		var err error
+		// The entries are gathered first and walked after: a Range
+		// callback that took w along would put every marshal's rewriter on
+		// the heap (the callback escapes).
+		entries := make([]kv, 0, mp.Len())
 		mp.Range(func(k protoreflect.MapKey, e protoreflect.Value) bool {
-			var ne protoreflect.Value
-			var changed bool
-			ne, changed, err = w.value(fd, e)
-			if changed {
-				changedKVs = append(changedKVs, kv{k, ne})
-			}
-			return err == nil
+			entries = append(entries, kv{k, e})
+			return true
 		})
-		if err != nil || len(changedKVs) == 0 {
-			return v, false, err
+		var changedKVs []kv
+		for _, e := range entries {
+			ne, changed, err := w.value(fd, e.v)
+			if err != nil {
+				return v, false, err
+			}
+			if changed {
+				changedKVs = append(changedKVs, kv{e.k, ne})
+			}
+		}
+		if len(changedKVs) == 0 {
+			return v, false, nil
 		}
 		nm := parent.New().NewField(fd).Map()
 		mp.Range(func(k protoreflect.MapKey, e protoreflect.Value) bool {
@@ -845,17 +852,17 @@ var errUntracked = codecError(codes.FailedPrecondition, "a message names an out-
 // m keeps none of its payloads; ctx is the call's, whose session says
 // whether the ranges of receive space the message names may be given back
 // (oob.Discard).
-func collectPulls(ctx context.Context, m protoreflect.Message, from sender, o *options) (*pulls, error) {
+func collectPulls(ctx context.Context, m protoreflect.Message, from sender, o *options) (pulls, error) {
 	c := collected{ctx: ctx, from: from, o: o}
 	c.collect(m)
 	err := c.err
 	if err == nil {
 		err = withinLimit(c.jobs, o.maxReceivePayload())
 	}
-	p := &pulls{m: m, jobs: c.jobs}
+	p := pulls{m: m, jobs: c.jobs}
 	if err != nil {
 		p.discard(ctx)
-		return nil, err
+		return pulls{}, err
 	}
 	return p, nil
 }
@@ -1005,14 +1012,24 @@ func (c *collected) collect(m protoreflect.Message) {
 				c.collect(l.Get(i).Message())
 			}
 		case fd.IsMap():
-			v.Map().Range(func(_ protoreflect.MapKey, v protoreflect.Value) bool {
-				c.collect(v.Message())
-				return true
-			})
+			c.collectMap(v.Map())
 		default:
 			c.collect(v.Message())
 		}
 	}
+}
+
+// collectMap collects the values of mp, a map of messages. Its walk works
+// on a copy of c on the heap: Range's callback escapes, and were it to
+// capture c itself, every message's walk would allocate its collected.
+func (c *collected) collectMap(mp protoreflect.Map) {
+	sub := new(collected)
+	*sub = *c
+	mp.Range(func(_ protoreflect.MapKey, v protoreflect.Value) bool {
+		sub.collect(v.Message())
+		return true
+	})
+	*c = *sub
 }
 
 // discardLanded gives back the range of receive space that db, a payload of

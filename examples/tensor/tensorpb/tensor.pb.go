@@ -34,7 +34,9 @@ type Tensor struct {
 	// A plain bytes field marked for out-of-band transfer.
 	Blob []byte `protobuf:"bytes,4,opt,name=blob,proto3" json:"blob,omitempty"`
 	// More payloads: repeated fields work too.
-	Parts         []*gdrv1.DeviceBuffer `protobuf:"bytes,5,rep,name=parts,proto3" json:"parts,omitempty"`
+	Parts []*gdrv1.DeviceBuffer `protobuf:"bytes,5,rep,name=parts,proto3" json:"parts,omitempty"`
+	// And maps' values.
+	Named         map[string]*gdrv1.DeviceBuffer `protobuf:"bytes,6,rep,name=named,proto3" json:"named,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -100,6 +102,13 @@ func (x *Tensor) GetBlob() []byte {
 func (x *Tensor) GetParts() []*gdrv1.DeviceBuffer {
 	if x != nil {
 		return x.Parts
+	}
+	return nil
+}
+
+func (x *Tensor) GetNamed() map[string]*gdrv1.DeviceBuffer {
+	if x != nil {
+		return x.Named
 	}
 	return nil
 }
@@ -231,13 +240,18 @@ var File_tensor_proto protoreflect.FileDescriptor
 
 const file_tensor_proto_rawDesc = "" +
 	"\n" +
-	"\ftensor.proto\x12\x15gdrpc.examples.tensor\x1a\x10gdr/v1/gdr.proto\"\xa2\x01\n" +
+	"\ftensor.proto\x12\x15gdrpc.examples.tensor\x1a\x10gdr/v1/gdr.proto\"\xb2\x02\n" +
 	"\x06Tensor\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
 	"\x05shape\x18\x02 \x03(\x03R\x05shape\x12(\n" +
 	"\x04data\x18\x03 \x01(\v2\x14.gdr.v1.DeviceBufferR\x04data\x12\x18\n" +
 	"\x04blob\x18\x04 \x01(\fB\x04\xf8\x87\x19\x01R\x04blob\x12*\n" +
-	"\x05parts\x18\x05 \x03(\v2\x14.gdr.v1.DeviceBufferR\x05parts\"K\n" +
+	"\x05parts\x18\x05 \x03(\v2\x14.gdr.v1.DeviceBufferR\x05parts\x12>\n" +
+	"\x05named\x18\x06 \x03(\v2(.gdrpc.examples.tensor.Tensor.NamedEntryR\x05named\x1aN\n" +
+	"\n" +
+	"NamedEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12*\n" +
+	"\x05value\x18\x02 \x01(\v2\x14.gdr.v1.DeviceBufferR\x05value:\x028\x01\"K\n" +
 	"\aSummary\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
 	"\x05bytes\x18\x02 \x01(\x04R\x05bytes\x12\x16\n" +
@@ -265,31 +279,34 @@ func file_tensor_proto_rawDescGZIP() []byte {
 	return file_tensor_proto_rawDescData
 }
 
-var file_tensor_proto_msgTypes = make([]protoimpl.MessageInfo, 3)
+var file_tensor_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
 var file_tensor_proto_goTypes = []any{
 	(*Tensor)(nil),             // 0: gdrpc.examples.tensor.Tensor
 	(*Summary)(nil),            // 1: gdrpc.examples.tensor.Summary
 	(*Sized)(nil),              // 2: gdrpc.examples.tensor.Sized
-	(*gdrv1.DeviceBuffer)(nil), // 3: gdr.v1.DeviceBuffer
+	nil,                        // 3: gdrpc.examples.tensor.Tensor.NamedEntry
+	(*gdrv1.DeviceBuffer)(nil), // 4: gdr.v1.DeviceBuffer
 }
 var file_tensor_proto_depIdxs = []int32{
-	3, // 0: gdrpc.examples.tensor.Tensor.data:type_name -> gdr.v1.DeviceBuffer
-	3, // 1: gdrpc.examples.tensor.Tensor.parts:type_name -> gdr.v1.DeviceBuffer
-	0, // 2: gdrpc.examples.tensor.TensorService.Echo:input_type -> gdrpc.examples.tensor.Tensor
-	0, // 3: gdrpc.examples.tensor.TensorService.Digest:input_type -> gdrpc.examples.tensor.Tensor
-	2, // 4: gdrpc.examples.tensor.TensorService.Make:input_type -> gdrpc.examples.tensor.Sized
-	0, // 5: gdrpc.examples.tensor.TensorService.Upload:input_type -> gdrpc.examples.tensor.Tensor
-	2, // 6: gdrpc.examples.tensor.TensorService.Download:input_type -> gdrpc.examples.tensor.Sized
-	0, // 7: gdrpc.examples.tensor.TensorService.Echo:output_type -> gdrpc.examples.tensor.Tensor
-	1, // 8: gdrpc.examples.tensor.TensorService.Digest:output_type -> gdrpc.examples.tensor.Summary
-	0, // 9: gdrpc.examples.tensor.TensorService.Make:output_type -> gdrpc.examples.tensor.Tensor
-	1, // 10: gdrpc.examples.tensor.TensorService.Upload:output_type -> gdrpc.examples.tensor.Summary
-	0, // 11: gdrpc.examples.tensor.TensorService.Download:output_type -> gdrpc.examples.tensor.Tensor
-	7, // [7:12] is the sub-list for method output_type
-	2, // [2:7] is the sub-list for method input_type
-	2, // [2:2] is the sub-list for extension type_name
-	2, // [2:2] is the sub-list for extension extendee
-	0, // [0:2] is the sub-list for field type_name
+	4, // 0: gdrpc.examples.tensor.Tensor.data:type_name -> gdr.v1.DeviceBuffer
+	4, // 1: gdrpc.examples.tensor.Tensor.parts:type_name -> gdr.v1.DeviceBuffer
+	3, // 2: gdrpc.examples.tensor.Tensor.named:type_name -> gdrpc.examples.tensor.Tensor.NamedEntry
+	4, // 3: gdrpc.examples.tensor.Tensor.NamedEntry.value:type_name -> gdr.v1.DeviceBuffer
+	0, // 4: gdrpc.examples.tensor.TensorService.Echo:input_type -> gdrpc.examples.tensor.Tensor
+	0, // 5: gdrpc.examples.tensor.TensorService.Digest:input_type -> gdrpc.examples.tensor.Tensor
+	2, // 6: gdrpc.examples.tensor.TensorService.Make:input_type -> gdrpc.examples.tensor.Sized
+	0, // 7: gdrpc.examples.tensor.TensorService.Upload:input_type -> gdrpc.examples.tensor.Tensor
+	2, // 8: gdrpc.examples.tensor.TensorService.Download:input_type -> gdrpc.examples.tensor.Sized
+	0, // 9: gdrpc.examples.tensor.TensorService.Echo:output_type -> gdrpc.examples.tensor.Tensor
+	1, // 10: gdrpc.examples.tensor.TensorService.Digest:output_type -> gdrpc.examples.tensor.Summary
+	0, // 11: gdrpc.examples.tensor.TensorService.Make:output_type -> gdrpc.examples.tensor.Tensor
+	1, // 12: gdrpc.examples.tensor.TensorService.Upload:output_type -> gdrpc.examples.tensor.Summary
+	0, // 13: gdrpc.examples.tensor.TensorService.Download:output_type -> gdrpc.examples.tensor.Tensor
+	9, // [9:14] is the sub-list for method output_type
+	4, // [4:9] is the sub-list for method input_type
+	4, // [4:4] is the sub-list for extension type_name
+	4, // [4:4] is the sub-list for extension extendee
+	0, // [0:4] is the sub-list for field type_name
 }
 
 func init() { file_tensor_proto_init() }
@@ -303,7 +320,7 @@ func file_tensor_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_tensor_proto_rawDesc), len(file_tensor_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   3,
+			NumMessages:   4,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
