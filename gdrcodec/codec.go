@@ -18,6 +18,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/protoadapt"
 	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/reflect/protoregistry"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
@@ -326,12 +327,42 @@ var deviceBufferName = (&gdrv1.DeviceBuffer{}).ProtoReflect().Descriptor().FullN
 // mayCarry reports whether messages of type md can hold a DeviceBuffer or a
 // marked bytes field anywhere inside.
 func mayCarry(md protoreflect.MessageDescriptor) bool {
+	if v, ok := knownTypes.Load(md); ok {
+		return v.(*knownType).carries
+	}
 	if v, ok := carries.Load(md.FullName()); ok {
 		return v.(bool)
 	}
 	r := search(md, map[protoreflect.FullName]bool{})
 	carries.Store(md.FullName(), r)
+	if inGlobalRegistry(md) {
+		knownTypes.Store(md, &knownType{carries: r, c: newCarrier(md)})
+	}
 	return r
+}
+
+// knownTypes holds, by descriptor, what carries and carriers hold by name,
+// for the message types of the global registry alone (generated messages'):
+// a descriptor key hashes as a pointer, where a name hashes its bytes, and
+// a walk asks several times per message. Dynamic descriptors, which a
+// process may make anew at will, would grow it without bound; they keep
+// the name caches. protoreflect.MessageDescriptor -> *knownType.
+var knownTypes sync.Map
+
+type knownType struct {
+	carries bool
+	c       *carrier
+}
+
+// knownFields is knownTypes for marked: protoreflect.FieldDescriptor ->
+// bool, for the fields of registered types.
+var knownFields sync.Map
+
+// inGlobalRegistry reports whether d is the global registry's descriptor of
+// its name.
+func inGlobalRegistry(d protoreflect.Descriptor) bool {
+	r, err := protoregistry.GlobalFiles.FindDescriptorByName(d.FullName())
+	return err == nil && r == d
 }
 
 // A carrier is what the codec knows of a message type: the fields that may
@@ -354,7 +385,9 @@ var carriers sync.Map // protoreflect.FullName -> *carrier
 func carryingFields(m protoreflect.Message) []protoreflect.FieldDescriptor {
 	md := m.Descriptor()
 	var c *carrier
-	if v, ok := carriers.Load(md.FullName()); ok && v.(*carrier).md == md {
+	if v, ok := knownTypes.Load(md); ok {
+		c = v.(*knownType).c
+	} else if v, ok := carriers.Load(md.FullName()); ok && v.(*carrier).md == md {
 		c = v.(*carrier)
 	} else {
 		c = newCarrier(md)
@@ -363,6 +396,9 @@ func carryingFields(m protoreflect.Message) []protoreflect.FieldDescriptor {
 			// carrier's fields belong to its own descriptor, so another
 			// one of that name (a dynamic message's) gets one made anew.
 			carriers.LoadOrStore(md.FullName(), c)
+		}
+		if inGlobalRegistry(md) {
+			knownTypes.Store(md, &knownType{carries: mayCarry(md), c: c})
 		}
 	}
 	if !c.ext {
@@ -417,6 +453,9 @@ func marked(fd protoreflect.FieldDescriptor) bool {
 	if fd.Kind() != protoreflect.BytesKind || fd.IsMap() {
 		return false
 	}
+	if v, ok := knownFields.Load(fd); ok {
+		return v.(bool)
+	}
 	if v, ok := markedFields.Load(fd.FullName()); ok && v.(markedField).fd == fd {
 		return v.(markedField).marked
 	}
@@ -427,6 +466,9 @@ func marked(fd protoreflect.FieldDescriptor) bool {
 	// Kept for the first descriptor of the name, as carriers are: another
 	// of that name (a dynamic message's) reads its own options each time.
 	markedFields.LoadOrStore(fd.FullName(), markedField{fd, r})
+	if md, ok := fd.Parent().(protoreflect.MessageDescriptor); ok && inGlobalRegistry(md) {
+		knownFields.Store(fd, r)
+	}
 	return r
 }
 
