@@ -61,6 +61,8 @@ type allocation struct {
 	export  atomic.Pointer[exportEntry] // the IPC handle exported for this allocation
 	freed   bool                        // set under exports' lock once export was set and the memory went
 	arrival atomic.Pointer[Event]       // while not nil, the bytes are in place once it completes (WrapArriving)
+	// uncounted: the live counters leave out its handles (HostView).
+	uncounted bool
 }
 
 func newAllocation(kind Kind, dev int, free func()) *allocation {
@@ -75,7 +77,9 @@ func (a *allocation) newHandle(ptr uintptr, n int) *Buffer {
 	b := &Buffer{ptr: ptr, n: n, a: a}
 	b.refs.Store(1)
 	a.handles.Add(1)
-	live.buffers[a.kind].Add(1)
+	if !a.uncounted {
+		live.buffers[a.kind].Add(1)
+	}
 	return b
 }
 
@@ -90,7 +94,9 @@ func (a *allocation) tryNewHandle(ptr uintptr, n int) *Buffer {
 		if a.handles.CompareAndSwap(h, h+1) {
 			b := &Buffer{ptr: ptr, n: n, a: a}
 			b.refs.Store(1)
-			live.buffers[a.kind].Add(1)
+			if !a.uncounted {
+				live.buffers[a.kind].Add(1)
+			}
 			return b
 		}
 	}
@@ -106,7 +112,9 @@ func (a *allocation) newRoot(ptr uintptr, n int) *Buffer {
 }
 
 func (a *allocation) dropHandle() {
-	live.buffers[a.kind].Add(-1)
+	if !a.uncounted {
+		live.buffers[a.kind].Add(-1)
+	}
 	if a.handles.Add(-1) != 0 {
 		return
 	}
@@ -247,8 +255,17 @@ func Wrap(ptr uintptr, n int, kind Kind, device int, release func()) *Buffer {
 // kept by C (the Go runtime may reuse its pages once unreachable, which a registration
 // would not see). Use it for data the caller owns, such as received bytes; use a host
 // allocator or a Pool for memory that RDMA will touch. Release does not free p.
-func HostFromBytes(p []byte) *Buffer {
+func HostFromBytes(p []byte) *Buffer { return hostFromBytes(p, false) }
+
+// HostView is HostFromBytes for bytes that whatever holds them keeps and the
+// garbage collector frees with it (a received message's inline payload): Live
+// does not count its handles, so a view nobody releases is no leak. Release
+// it all the same where the code knows it is done.
+func HostView(p []byte) *Buffer { return hostFromBytes(p, true) }
+
+func hostFromBytes(p []byte, uncounted bool) *Buffer {
 	a := newAllocation(Host, -1, nil)
+	a.uncounted = uncounted
 	a.goMem = true
 	a.host = p[:len(p):len(p)]
 	if len(p) > 0 {

@@ -5,6 +5,7 @@ import (
 	"runtime"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 	"weak"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
@@ -14,23 +15,46 @@ import (
 )
 
 // Attachments: a DeviceBuffer message is generated code, so the devicebuf.Buffer
-// it stands for lives in a side table keyed by a weak pointer to the message.
-// Attached buffers are released explicitly, never by the garbage collector:
-// memory a GPU or a NIC can see runs out long before a collection comes. gdrpc
-// releases what a server call received when the call ends and a sent response
-// once it was sent (ServerOptions; the net/rpc server codec likewise), and what a
-// failed client call received; the application releases the rest with
-// ReleaseAll or takes a buffer with Detach. A message collected with a buffer
-// still attached is a leak: it is logged (WithLogger) and the buffer is not
-// freed.
+// it stands for lives in a side table keyed by the message's address, each
+// entry holding a weak pointer to its message: an address the collector gave
+// to a new message after the old one died names no attachment of the new one
+// (the old one's weak pointer is nil by then), and a lookup takes no weak
+// pointer of its own (one of a message that had none would cost a runtime
+// record per message walked). Attached buffers are released explicitly, never
+// by the garbage collector: memory a GPU or a NIC can see runs out long before
+// a collection comes. gdrpc releases what a server call received when the
+// call ends and a sent response once it was sent (ServerOptions; the net/rpc
+// server codec likewise), and what a failed client call received; the
+// application releases the rest with ReleaseAll or takes a buffer with Detach.
+// A message collected with a buffer still attached is a leak: it is logged
+// (WithLogger) and the buffer is not freed.
+//
+// A payload that arrived inline stays in the message's inline bytes, which
+// the garbage collector frees with the message: nothing is attached for it
+// (a side-table entry, a weak pointer and a cleanup would cost a small call
+// more than its bytes). Buffer hands out a view of those bytes
+// (devicebuf.HostView), which needs no release.
 var attached = struct {
 	sync.Mutex
-	m map[weak.Pointer[gdrv1.DeviceBuffer]]*attachment
-}{m: make(map[weak.Pointer[gdrv1.DeviceBuffer]]*attachment)}
+	m map[uintptr]*attachment
+}{m: make(map[uintptr]*attachment)}
 
 type attachment struct {
+	db      weak.Pointer[gdrv1.DeviceBuffer] // the message buf is attached to
+	key     uintptr                          // its address: the entry's key
 	buf     *devicebuf.Buffer
 	cleanup runtime.Cleanup // reports the message collected with buf attached
+}
+
+// addr is db's key in attached.
+func addr(db *gdrv1.DeviceBuffer) uintptr { return uintptr(unsafe.Pointer(db)) }
+
+// attachmentOf returns db's attachment, or nil; attached's lock is held.
+func attachmentOf(db *gdrv1.DeviceBuffer) *attachment {
+	if a := attached.m[addr(db)]; a != nil && a.db.Value() == db {
+		return a
+	}
+	return nil
 }
 
 // Attach makes b the payload of db: when a message holding db is marshaled, b's
@@ -56,12 +80,13 @@ func New(b *devicebuf.Buffer) *gdrv1.DeviceBuffer {
 }
 
 func setAttachment(db *gdrv1.DeviceBuffer, b *devicebuf.Buffer) {
-	wp := weak.Make(db)
-	a := &attachment{buf: b}
+	a := &attachment{db: weak.Make(db), key: addr(db), buf: b}
 	attached.Lock()
-	old := attached.m[wp]
-	attached.m[wp] = a
-	a.cleanup = runtime.AddCleanup(db, reportLeak, wp)
+	old := attachmentOf(db)
+	// An entry of a message that died at this address stays out of the
+	// table: its cleanup, due to run, reports it.
+	attached.m[addr(db)] = a
+	a.cleanup = runtime.AddCleanup(db, reportLeak, a)
 	attached.Unlock()
 	if old != nil {
 		old.cleanup.Stop()
@@ -71,14 +96,12 @@ func setAttachment(db *gdrv1.DeviceBuffer, b *devicebuf.Buffer) {
 
 // reportLeak runs once a message is collected with a buffer still attached. It
 // forgets the attachment and logs it; the buffer stays allocated.
-func reportLeak(wp weak.Pointer[gdrv1.DeviceBuffer]) {
+func reportLeak(a *attachment) {
 	attached.Lock()
-	a := attached.m[wp]
-	delete(attached.m, wp)
-	attached.Unlock()
-	if a == nil {
-		return
+	if attached.m[a.key] == a {
+		delete(attached.m, a.key)
 	}
+	attached.Unlock()
 	leaked.Add(1)
 	log := opts().logger
 	if log == nil {
@@ -95,13 +118,34 @@ var leaked atomic.Int64
 
 // Buffer returns the buffer attached to db: the one Attach gave it, or for a
 // received message, the payload that arrived. The buffer stays owned by db: use
-// it while db is attached, Retain it to keep it longer.
-func Buffer(db *gdrv1.DeviceBuffer) (*devicebuf.Buffer, bool) { return lookup(db, false) }
+// it while db is attached, Retain it to keep it longer. A payload in db's
+// inline bytes (one that arrived inline, or that the sender put there) comes
+// as a view of those bytes (devicebuf.HostView), made at each call, which
+// needs no release.
+func Buffer(db *gdrv1.DeviceBuffer) (*devicebuf.Buffer, bool) {
+	if b, ok := lookup(db, false); ok {
+		return b, true
+	}
+	if db == nil || !inlinePayload(db) {
+		return nil, false
+	}
+	return devicebuf.HostView(db.Inline), true
+}
 
-// retained is Buffer with a reference of the caller's taken on the buffer,
-// which it releases: a marshal reads the buffer through it, so that a
-// release of the message meanwhile (the same message sent on another call,
-// whose end releases it) does not free the memory under the read.
+// inlinePayload reports whether db holds its payload in its inline bytes,
+// as the decode checked them: as long as its length says.
+func inlinePayload(db *gdrv1.DeviceBuffer) bool {
+	return len(db.Inline) > 0 && uint64(len(db.Inline)) == db.Length
+}
+
+// attachedBuffer is Buffer for attached buffers alone: the codec's walks
+// make no view of inline bytes.
+func attachedBuffer(db *gdrv1.DeviceBuffer) (*devicebuf.Buffer, bool) { return lookup(db, false) }
+
+// retained is attachedBuffer with a reference of the caller's taken on the
+// buffer, which it releases: a marshal reads the buffer through it, so that
+// a release of the message meanwhile (the same message sent on another
+// call, whose end releases it) does not free the memory under the read.
 func retained(db *gdrv1.DeviceBuffer) (*devicebuf.Buffer, bool) { return lookup(db, true) }
 
 // lookup returns the buffer attached to db, with a reference of the
@@ -112,7 +156,7 @@ func lookup(db *gdrv1.DeviceBuffer, retain bool) (*devicebuf.Buffer, bool) {
 	}
 	attached.Lock()
 	defer attached.Unlock()
-	a := attached.m[weak.Make(db)]
+	a := attachmentOf(db)
 	if a == nil {
 		return nil, false
 	}
@@ -122,15 +166,28 @@ func lookup(db *gdrv1.DeviceBuffer, retain bool) (*devicebuf.Buffer, bool) {
 	return a.buf, true
 }
 
-// Detach removes db's buffer and hands the caller db's reference to it.
+// Detach removes db's buffer and hands the caller db's reference to it. A
+// payload in db's inline bytes is handed over as a view of them
+// (devicebuf.HostView), and db keeps no inline bytes after.
 func Detach(db *gdrv1.DeviceBuffer) *devicebuf.Buffer {
+	if b := detach(db); b != nil || db == nil || !inlinePayload(db) {
+		return b
+	}
+	b := devicebuf.HostView(db.Inline)
+	db.Inline = nil
+	return b
+}
+
+// detach is Detach for attached buffers alone: inline bytes stay.
+func detach(db *gdrv1.DeviceBuffer) *devicebuf.Buffer {
 	if db == nil {
 		return nil
 	}
-	wp := weak.Make(db)
 	attached.Lock()
-	a := attached.m[wp]
-	delete(attached.m, wp)
+	a := attachmentOf(db)
+	if a != nil {
+		delete(attached.m, a.key)
+	}
 	attached.Unlock()
 	if a == nil {
 		return nil
@@ -142,13 +199,14 @@ func Detach(db *gdrv1.DeviceBuffer) *devicebuf.Buffer {
 // ReleaseAll detaches and releases every buffer attached anywhere in m: call it
 // when done with a received message a call returned to you (or with a sent one
 // whose buffers you no longer need) to return the memory to its pool. Nothing
-// else frees it.
+// else frees it. Inline bytes stay in the message, which still holds them
+// (the garbage collector frees them with it).
 func ReleaseAll(m proto.Message) {
 	if m == nil {
 		return
 	}
 	walkDeviceBuffers(m.ProtoReflect(), func(db *gdrv1.DeviceBuffer) {
-		if b := Detach(db); b != nil {
+		if b := detach(db); b != nil {
 			b.Release()
 		}
 	})

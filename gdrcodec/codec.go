@@ -622,9 +622,10 @@ func (w *rewriter) message(m protoreflect.Message) (protoreflect.Message, error)
 	return out, nil
 }
 
-// inlineUnder returns the bytes of m's payloads shorter than eager, which
-// travel inline over any session: attached buffers, DeviceBuffers' inline
-// bytes and marked bytes fields, wherever they are in m.
+// inlineUnder returns the bytes of m's payloads that travel inline over any
+// session: attached buffers and marked bytes fields shorter than eager, and
+// DeviceBuffers' inline bytes of any length (a payload that arrived inline,
+// sent on as it is), wherever they are in m.
 func inlineUnder(m protoreflect.Message, eager int) int {
 	total := 0
 	add := func(n int) {
@@ -633,11 +634,11 @@ func inlineUnder(m protoreflect.Message, eager int) int {
 		}
 	}
 	walkPayloads(m, func(db *gdrv1.DeviceBuffer) {
-		n := len(db.GetInline())
-		if b, ok := Buffer(db); ok {
-			n = b.Len()
+		if b, ok := attachedBuffer(db); ok {
+			add(b.Len())
+		} else {
+			total += len(db.GetInline())
 		}
-		add(n)
 	}, func(b []byte) { add(len(b)) })
 	return total
 }
@@ -763,6 +764,8 @@ func (w *rewriter) deviceBuffer(db *gdrv1.DeviceBuffer) (*gdrv1.DeviceBuffer, er
 			// Its receiver would refuse it; the mistake is the sender's.
 			return nil, codecError(codes.FailedPrecondition, "a DeviceBuffer of %d bytes with no payload attached: its buffer was released or detached (a server releases a response's buffers once it is sent: send each message once, or Attach a buffer again)", db.GetLength())
 		}
+		// Sent as it is: inline bytes (a payload that arrived inline, sent
+		// on, or put there by the sender), or none.
 		return nil, nil
 	}
 	w.kept = append(w.kept, b)
@@ -1136,7 +1139,9 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer, from sender, o *options) (job, erro
 		case db.Length == 0:
 			b = devicebuf.HostFromBytes(nil) // an empty payload: nothing to allocate, as for an empty pull
 		case alloc.Kind() == devicebuf.Host:
-			b = devicebuf.HostFromBytes(db.Inline) // the message's own copy: no second one
+			// The message's own copy stays where it is: Buffer makes a
+			// view of it when asked.
+			return job{}, nil
 		default:
 			src := devicebuf.HostFromBytes(db.Inline)
 			b, err = alloc.Alloc(len(db.Inline))

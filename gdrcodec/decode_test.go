@@ -84,7 +84,14 @@ func TestMaxPayloads(t *testing.T) {
 	}
 	var got tensorpb.Tensor
 	require.NoError(t, decode(t, m, &got))
-	require.Equal(t, attached+gdrcodec.MaxPayloads, gdrcodec.Attached())
+	require.Equal(t, attached, gdrcodec.Attached(), "an inline payload stays in its message: nothing to attach")
+	for i, db := range got.Parts {
+		b, ok := gdrcodec.Buffer(db)
+		require.True(t, ok, "part %d", i)
+		hb, err := b.HostBytes()
+		require.NoError(t, err)
+		require.Equal(t, []byte{1}, hb, "part %d", i)
+	}
 	gdrcodec.ReleaseAll(&got)
 	require.Equal(t, attached, gdrcodec.Attached())
 

@@ -18,7 +18,10 @@
 // back with ReleaseAll: the garbage collector never frees it, and a message
 // collected with a buffer still attached is logged as a leak (WithLogger).
 // Received payloads land where WithReceiveAllocator says (host memory unless
-// told otherwise, a GPU with devicebuf.NewCUDAAllocator). On a server with
+// told otherwise, a GPU with devicebuf.NewCUDAAllocator). One that arrived
+// inline into host memory stays in the message's inline bytes, which the
+// garbage collector frees with the message: Buffer hands out a view of them,
+// released with the rest. On a server with
 // ServerOptions, a request's buffers are released when the call ends and a
 // response's once it was sent: a handler returns each call a message of its
 // own (one sent twice, or on two calls at once, fails the call).

@@ -987,12 +987,12 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			}
 			c.mu.Lock()
 			walkDeviceBuffers(m.ProtoReflect(), func(db *gdrv1.DeviceBuffer) {
-				if _, ok := Buffer(db); ok {
+				if _, ok := attachedBuffer(db); ok {
 					c.held = append(c.held, db)
 				}
 			})
 			if len(c.held) >= max(c.pruneHeld, maxNoted) {
-				c.held = slices.DeleteFunc(c.held, func(db *gdrv1.DeviceBuffer) bool { _, ok := Buffer(db); return !ok })
+				c.held = slices.DeleteFunc(c.held, func(db *gdrv1.DeviceBuffer) bool { _, ok := attachedBuffer(db); return !ok })
 				c.pruneHeld = 2 * len(c.held)
 			}
 			if st != nil {
@@ -1031,7 +1031,7 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			}
 			c.mu.Unlock()
 			for _, db := range held {
-				if b := Detach(db); b != nil {
+				if b := detach(db); b != nil {
 					b.Release()
 				}
 			}

@@ -24,6 +24,7 @@ import (
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
+	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
 	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -303,4 +304,96 @@ func TestResponseOnTwoCallsAtOnce(t *testing.T) {
 			require.Eventually(t, func() bool { return gdrcodec.Attached() == 0 && oob.ReadStats().Offered == 0 }, 10*time.Second, time.Millisecond)
 		})
 	}
+}
+
+// A payload that arrives inline stays in its message: the decode attaches
+// nothing and makes no buffer. Buffer hands out a view of the bytes, made at
+// each call (callers at once each get one of their own), which the live
+// counters leave out; ReleaseAll leaves the bytes, and Detach hands a view
+// over and leaves the message without them.
+func TestInlinePayloadStaysInItsMessage(t *testing.T) {
+	base, attached := devicebuf.Live(), gdrcodec.Attached()
+	payload := pattern(1000, 3)
+	var got tensorpb.Tensor
+	require.NoError(t, decode(t, &tensorpb.Tensor{Data: &gdrv1.DeviceBuffer{Length: 1000, Inline: payload}}, &got))
+	require.Equal(t, attached, gdrcodec.Attached(), "the decode attached the inline payload")
+	require.Equal(t, devicebuf.Counters{}, devicebuf.Live().Sub(base), "the decode made a buffer")
+
+	views := make(chan *devicebuf.Buffer, 8)
+	var wg sync.WaitGroup
+	for range cap(views) {
+		wg.Go(func() {
+			if b, ok := gdrcodec.Buffer(got.Data); ok {
+				views <- b
+			}
+		})
+	}
+	wg.Wait()
+	close(views)
+	n := 0
+	for b := range views {
+		n++
+		hb, err := b.HostBytes()
+		require.NoError(t, err)
+		require.Equal(t, payload, hb)
+	}
+	require.Equal(t, cap(views), n, "a caller got no payload")
+	require.Equal(t, attached, gdrcodec.Attached(), "a view was attached")
+	require.Equal(t, devicebuf.Counters{}, devicebuf.Live().Sub(base), "views were counted live")
+
+	gdrcodec.ReleaseAll(&got)
+	require.Equal(t, payload, got.Data.GetInline(), "ReleaseAll took the message's own bytes")
+
+	taken := gdrcodec.Detach(got.Data)
+	require.NotNil(t, taken)
+	hb, err := taken.HostBytes()
+	require.NoError(t, err)
+	require.Equal(t, payload, hb)
+	require.Empty(t, got.Data.GetInline(), "Detach left the bytes in the message")
+	_, ok := gdrcodec.Buffer(got.Data)
+	require.False(t, ok, "a payload after Detach")
+	require.NoError(t, taken.Release())
+	require.Equal(t, devicebuf.Counters{}, devicebuf.Live().Sub(base))
+}
+
+// An attachment lives by its message's address and dies with the message:
+// many messages attached and dropped in turn, some at addresses the
+// collector gave out again, each report their own leak once, and the table
+// holds none of them after; a message at a reused address has no
+// attachment until one is made for it.
+func TestAttachmentsByAddress(t *testing.T) {
+	logs := &recordingHandler{records: make(chan slog.Record, 1024)}
+	gdrcodec.Register(gdrcodec.WithLogger(slog.New(logs)))
+	t.Cleanup(func() { gdrcodec.Register() })
+	base, attached, leaks := devicebuf.Live(), gdrcodec.Attached(), gdrcodec.Leaked()
+	const n = 200
+	bufs := make([]*devicebuf.Buffer, n)
+	for i := range bufs {
+		bufs[i] = devicebuf.HostFromBytes([]byte{byte(i)})
+		func() {
+			db := gdrcodec.New(bufs[i]) // dropped without ReleaseAll
+			b, ok := gdrcodec.Buffer(db)
+			require.True(t, ok)
+			require.Same(t, bufs[i], b)
+		}()
+		if i%20 == 0 {
+			runtime.GC()
+		}
+		fresh := &gdrv1.DeviceBuffer{Length: 1}
+		_, ok := gdrcodec.Buffer(fresh)
+		require.False(t, ok, "a new message has an attachment")
+		require.Nil(t, gdrcodec.Detach(fresh))
+	}
+	leaksMade.Add(n)
+	require.Eventually(t, func() bool {
+		runtime.GC()
+		return gdrcodec.Leaked() == leaks+n
+	}, 10*time.Second, time.Millisecond, "leaks reported: %d of %d", gdrcodec.Leaked()-leaks, n)
+	require.Equal(t, attached, gdrcodec.Attached(), "entries of collected messages left")
+	for _, b := range bufs {
+		require.False(t, b.Released(), "a leaked attachment's buffer was freed")
+		require.NoError(t, b.Release()) // the caller's reference
+		require.NoError(t, b.Release()) // the leaked one, which this test knows of
+	}
+	require.Equal(t, devicebuf.Counters{}, devicebuf.Live().Sub(base))
 }
