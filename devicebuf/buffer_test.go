@@ -164,3 +164,29 @@ func TestHostFromBytes(t *testing.T) {
 	require.NoError(t, e.Release())
 	requireLive(t, base)
 }
+
+// A HostView is a HostFromBytes that Live leaves out, slices of it too:
+// the bytes are Go memory whatever holds them keeps, so a view nobody
+// releases is no leak. It reads and releases as any host buffer.
+func TestHostView(t *testing.T) {
+	base := devicebuf.Live()
+	p := []byte("an inline payload")
+	v := devicebuf.HostView(p)
+	require.True(t, v.GoMemory())
+	require.Equal(t, devicebuf.Host, v.Kind())
+	got, err := v.HostBytes()
+	require.NoError(t, err)
+	require.Equal(t, p, got)
+	s, err := v.Slice(3, 6)
+	require.NoError(t, err)
+	got, err = s.HostBytes()
+	require.NoError(t, err)
+	require.Equal(t, []byte("inline"), got)
+	requireLive(t, base) // neither the view nor its slice is counted
+	require.NoError(t, s.Release())
+	require.NoError(t, v.Release())
+	require.True(t, v.Released())
+	requireLive(t, base)
+	_ = devicebuf.HostView(p) // dropped unreleased: nothing to give back
+	requireLive(t, base)
+}
