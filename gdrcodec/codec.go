@@ -263,12 +263,13 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 		return err
 	}
 	if !carries {
-		if call != 0 && vv != nil {
-			if _, tracked := recvCalls.Load(v); !tracked && serverRequest(vv.ProtoReflect()) {
-				// A request that cannot carry a payload, for a response
-				// that can: the call's number is all serverStats takes.
-				pendingPulls.put(v, &pulls{m: vv.ProtoReflect(), call: call})
-			}
+		if call == 0 {
+			return nil
+		}
+		if _, tracked := recvCalls.Load(v); !tracked && serverRequest(vv.ProtoReflect()) {
+			// A request that cannot carry a payload, for a response that
+			// can: the call's number is all serverStats takes.
+			pendingPulls.put(v, &pulls{m: vv.ProtoReflect(), call: call})
 		}
 		return nil
 	}

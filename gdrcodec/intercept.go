@@ -595,7 +595,7 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 			// Another call is sending req: its marshals put that call's
 			// number in the body, so this one names its own in a header,
 			// which the server takes first.
-			ctx = metadata.AppendToOutgoingContext(ctx, oob.CallHeader, strconv.FormatUint(call.ID, 16))
+			ctx = withCallHeader(ctx, call)
 		}
 		err := rc.done(reply, invoker(context.WithValue(ctx, recvKey{}, rc), method, req, reply, cc, opts...))
 		rc.closeCall()
@@ -657,10 +657,14 @@ func StreamClientInterceptor() grpc.StreamClientInterceptor {
 // number goes in its request's body instead (callField): a stream may have
 // the server send before the client does.
 func numberCall(ctx context.Context) (context.Context, *oob.Call) {
-	ctx = plainCall(ctx)
 	call := oob.NewCall()
-	ctx = metadata.AppendToOutgoingContext(ctx, oob.CallHeader, strconv.FormatUint(call.ID, 16))
-	return oob.WithCall(ctx, call), call
+	return withCallHeader(oob.WithCall(plainCall(ctx), call), call), call
+}
+
+// withCallHeader returns ctx with call's number in its outgoing metadata
+// (oob.CallHeader).
+func withCallHeader(ctx context.Context, call *oob.Call) context.Context {
+	return metadata.AppendToOutgoingContext(ctx, oob.CallHeader, strconv.FormatUint(call.ID, 16))
 }
 
 // plainCall returns ctx without a call number another process gave (a proxy
