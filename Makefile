@@ -87,6 +87,8 @@ proto: deps
 		--go_out=. --go_opt=module=github.com/gdrpc/gdrpc \
 		--go-grpc_out=. --go-grpc_opt=module=github.com/gdrpc/gdrpc \
 		examples/tensor/tensorpb/tensor.proto
+	protoc -I gdrcodec/proto -I gdrcodec/internal/nestedpb --go_out=. --go_opt=module=github.com/gdrpc/gdrpc \
+		gdrcodec/internal/nestedpb/nested.proto
 
 demo: deps
 	$(GO) run ./examples/demo

@@ -52,7 +52,12 @@ const callField protowire.Number = 19061
 func (b bodyCodec) Marshal(v any) (mem.BufferSlice, error) { return b.marshal(v, 0) }
 
 // marshal is Marshal with call, unless 0, first in the body (callField).
-func (bodyCodec) marshal(v any, call uint64) (mem.BufferSlice, error) {
+func (b bodyCodec) marshal(v any, call uint64) (mem.BufferSlice, error) {
+	return b.marshalPatched(v, call, nil)
+}
+
+// marshalPatched is marshal with patches appended to v's encoding.
+func (bodyCodec) marshalPatched(v any, call uint64, patches []patch) (mem.BufferSlice, error) {
 	vv := messageV2Of(v)
 	if vv == nil {
 		return nil, fmt.Errorf("proto: failed to marshal, message is %T, want proto.Message", v)
@@ -64,16 +69,31 @@ func (bodyCodec) marshal(v any, call uint64) (mem.BufferSlice, error) {
 	// UseCachedSize reuses the size just computed: v must not change
 	// meanwhile, as for gRPC's codec.
 	size := len(head) + proto.Size(vv)
+	var sizes [maxPatches][maxPatchDepth]int
+	for i := range patches {
+		if patches[i].out != nil {
+			size += patches[i].size(&sizes[i])
+		}
+	}
 	opts := proto.MarshalOptions{UseCachedSize: true}
+	encode := func(b []byte) ([]byte, error) {
+		b, err := opts.MarshalAppend(append(b, head...), vv)
+		for i := range patches {
+			if err == nil && patches[i].out != nil {
+				b, err = patches[i].appendTo(b, &sizes[i])
+			}
+		}
+		return b, err
+	}
 	if mem.IsBelowBufferPoolingThreshold(size) {
-		buf, err := opts.MarshalAppend(append(make([]byte, 0, size), head...), vv)
+		buf, err := encode(make([]byte, 0, size))
 		if err != nil {
 			return nil, err
 		}
 		return mem.BufferSlice{mem.SliceBuffer(buf)}, nil
 	}
 	buf := bodyPool.Get(size)
-	if _, err := opts.MarshalAppend(append((*buf)[:0], head...), vv); err != nil {
+	if _, err := encode((*buf)[:0]); err != nil {
 		bodyPool.Put(buf)
 		return nil, err
 	}

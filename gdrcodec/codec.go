@@ -15,6 +15,7 @@ import (
 	encproto "google.golang.org/grpc/encoding/proto"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/protoadapt"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -203,8 +204,7 @@ func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 		return bodies.marshal(v, call)
 	}
 	o := c.options()
-	var kept [2]*devicebuf.Buffer // w.kept's first, without an allocation
-	w := &rewriter{oob: c.oob, eager: o.eager, hold: h, kept: kept[:0]}
+	w := &rewriter{oob: c.oob, eager: o.eager, hold: h}
 	defer w.release()
 	shared := false
 	if c.oob {
@@ -217,8 +217,17 @@ func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 			w.streamEager, w.root = StreamEagerThreshold, m
 		}
 	}
-	out, err := w.message(m)
-	if err == nil && shared && len(w.kept) > 0 {
+	var out protoreflect.Message
+	var err error
+	var path [maxPatchDepth]protowire.Number
+	patched := w.findPatches(m, &path, 0)
+	if patched {
+		err = w.patch()
+	} else {
+		w.npatches = 0
+		out, err = w.message(m)
+	}
+	if err == nil && shared && w.first != nil {
 		// Its buffers go once the other call sent it.
 		err = errSharedMessage
 	}
@@ -226,14 +235,19 @@ func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 		w.abort()
 		return nil, err
 	}
-	if out == nil {
+	if out == nil && w.npatches == 0 {
 		return bodies.marshal(v, call)
 	}
 	if err := w.to.admit(w.offers); err != nil {
 		w.abort()
 		return nil, codecError(codes.ResourceExhausted, "%v", err)
 	}
-	data, err := bodies.marshal(out.Interface(), call)
+	var data mem.BufferSlice
+	if patched {
+		data, err = bodies.marshalPatched(v, call, w.patches[:w.npatches])
+	} else {
+		data, err = bodies.marshal(out.Interface(), call)
+	}
 	if err != nil {
 		w.abort()
 		return nil, err
@@ -498,8 +512,12 @@ const (
 // ---- marshal: replacing payloads by descriptors ------------------------------
 
 type rewriter struct {
-	// kept are the buffers the message's walk read, each with a reference
-	// of the rewriter's until the body is marshaled (release).
+	// first and kept are the buffers the message's walk read, each with a
+	// reference of the rewriter's until the body is marshaled (release).
+	// The first has a field of its own: most messages carry one payload,
+	// and a slice's array would be allocated for every marshal (a
+	// rewriter's fields all leave its marshal's frame as one).
+	first  *devicebuf.Buffer
 	kept   []*devicebuf.Buffer
 	oob    bool
 	eager  int
@@ -520,6 +538,154 @@ type rewriter struct {
 	reqCtx    context.Context
 	reqTo     *transport.Session
 	reqLanded []oob.Descriptor
+	// patches are the message's payloads replaced by appending to its
+	// body (findPatches), the first npatches of them.
+	patches  [maxPatches]patch
+	npatches int
+}
+
+// A patch is a DeviceBuffer of the message being marshaled, reached from it
+// through singular message fields alone (path, the fields' numbers), that
+// holds no more than Attach sets (its length and kind): what it sends (out)
+// follows the message's own encoding as another occurrence of those fields,
+// which every protobuf decoder merges into the first (the encoding's rule
+// for a message field that occurs twice), so that the receiver reads out
+// alone, as from a rewritten copy of the message. Unlike a copy, it costs no
+// reflection and no allocation.
+type patch struct {
+	path  [maxPatchDepth]protowire.Number
+	depth int
+	db    *gdrv1.DeviceBuffer
+	out   *gdrv1.DeviceBuffer // nil: sent as it is
+	// zeroLength and zeroKind: db sets a field that out leaves at zero,
+	// which the patch then sets to zero explicitly (for such fields the
+	// last occurrence wins, a zero one too).
+	zeroLength, zeroKind bool
+}
+
+// The numbers of the DeviceBuffer fields that Attach sets.
+var (
+	lengthField = deviceBufferField("length")
+	kindField   = deviceBufferField("kind")
+)
+
+func deviceBufferField(name protoreflect.Name) protowire.Number {
+	fd := (&gdrv1.DeviceBuffer{}).ProtoReflect().Descriptor().Fields().ByName(name)
+	if fd == nil {
+		panic("gdrcodec: DeviceBuffer has no field " + string(name))
+	}
+	return fd.Number()
+}
+
+// attachedOnly reports whether db holds its length and kind at most: any
+// other field, known or not, would make its encoding longer.
+func attachedOnly(db *gdrv1.DeviceBuffer) bool {
+	n := 0
+	if db.Length != 0 {
+		n += protowire.SizeTag(lengthField) + protowire.SizeVarint(db.Length)
+	}
+	if db.Kind != 0 {
+		n += protowire.SizeTag(kindField) + protowire.SizeVarint(uint64(db.Kind))
+	}
+	return proto.Size(db) == n
+}
+
+// The most payloads a message may have, and the deepest they may be, to be
+// patched; other messages are rewritten in a copy.
+const maxPatches, maxPatchDepth = 4, 4
+
+// findPatches notes in w.patches the payloads of m, the message marshaled
+// (depth 0) or one inside it reached through path[:depth], and reports whether
+// they can all be patched: each one a DeviceBuffer as Attach leaves it
+// (attachedOnly) under singular message fields, and no marked bytes field
+// set. It reads the message alone.
+func (w *rewriter) findPatches(m protoreflect.Message, path *[maxPatchDepth]protowire.Number, depth int) bool {
+	if depth == 0 {
+		if _, ok := m.Interface().(*gdrv1.DeviceBuffer); ok {
+			return false // the message itself is the payload
+		}
+	}
+	if !mayCarry(m.Descriptor()) {
+		return true
+	}
+	for _, fd := range carryingFields(m) {
+		if !m.Has(fd) {
+			continue
+		}
+		if marked(fd) {
+			return false
+		}
+		if sub := valueMessage(fd); sub == nil || !mayCarry(sub) {
+			continue
+		}
+		if fd.IsList() || fd.IsMap() || fd.Kind() != protoreflect.MessageKind || depth == maxPatchDepth {
+			return false
+		}
+		path[depth] = fd.Number()
+		v := m.Get(fd).Message()
+		db, ok := v.Interface().(*gdrv1.DeviceBuffer)
+		if !ok {
+			if !w.findPatches(v, path, depth+1) {
+				return false
+			}
+			continue
+		}
+		if w.npatches == maxPatches || !attachedOnly(db) {
+			return false
+		}
+		w.patches[w.npatches] = patch{path: *path, depth: depth + 1, db: db}
+		w.npatches++
+	}
+	return true
+}
+
+// patch finds what each patch sends, as message does for a copy.
+func (w *rewriter) patch() error {
+	for i := range w.npatches {
+		out, err := w.deviceBuffer(w.patches[i].db)
+		if err != nil {
+			return err
+		}
+		p := &w.patches[i]
+		p.out = out
+		if out != nil {
+			p.zeroLength = p.db.Length != 0 && out.Length == 0
+			p.zeroKind = p.db.Kind != 0 && out.Kind == 0
+		}
+	}
+	return nil
+}
+
+// size returns the bytes p adds to a body, and sets sizes[d] to what
+// follows the tag and length of path[d].
+func (p *patch) size(sizes *[maxPatchDepth]int) int {
+	n := proto.Size(p.out)
+	if p.zeroLength {
+		n += protowire.SizeTag(lengthField) + 1
+	}
+	if p.zeroKind {
+		n += protowire.SizeTag(kindField) + 1
+	}
+	for d := p.depth - 1; d >= 0; d-- {
+		sizes[d] = n
+		n = protowire.SizeTag(p.path[d]) + protowire.SizeBytes(n)
+	}
+	return n
+}
+
+// appendTo appends p's encoding to b; sizes are p.size's.
+func (p *patch) appendTo(b []byte, sizes *[maxPatchDepth]int) ([]byte, error) {
+	for d := range p.depth {
+		b = protowire.AppendVarint(protowire.AppendTag(b, p.path[d], protowire.BytesType), uint64(sizes[d]))
+	}
+	b, err := proto.MarshalOptions{UseCachedSize: true}.MarshalAppend(b, p.out)
+	if p.zeroLength {
+		b = protowire.AppendVarint(protowire.AppendTag(b, lengthField, protowire.VarintType), 0)
+	}
+	if p.zeroKind {
+		b = protowire.AppendVarint(protowire.AppendTag(b, kindField, protowire.VarintType), 0)
+	}
+	return b, err
 }
 
 func (w *rewriter) abort() {
@@ -536,10 +702,13 @@ func (w *rewriter) abort() {
 
 // release gives back the references on the buffers the walk read.
 func (w *rewriter) release() {
+	if w.first != nil {
+		w.first.Release()
+	}
 	for _, b := range w.kept {
 		b.Release()
 	}
-	w.kept = nil
+	w.first, w.kept = nil, nil
 }
 
 // outOfBand decides whether a payload of n bytes in memory of kind k travels
@@ -769,7 +938,11 @@ func (w *rewriter) deviceBuffer(db *gdrv1.DeviceBuffer) (*gdrv1.DeviceBuffer, er
 		// on, or put there by the sender), or none.
 		return nil, nil
 	}
-	w.kept = append(w.kept, b)
+	if w.first == nil {
+		w.first = b
+	} else {
+		w.kept = append(w.kept, b)
+	}
 	if w.outOfBand(b.Len(), b.Kind()) {
 		return descriptorMessage(w.offer(oob.Source{Buffer: b}, true)), nil
 	}
@@ -867,6 +1040,9 @@ type pulls struct {
 	// call is the client's number for the call of a server's unary
 	// request, which the request's body carried (callField), or 0.
 	call uint64
+	// attaches: m has payloads attached, or will once the jobs ran (a
+	// message whose payloads all stayed inline in host memory has none).
+	attaches bool
 }
 
 // sender is what the walk of a received message takes its sender for.
@@ -905,7 +1081,7 @@ func collectPulls(ctx context.Context, m protoreflect.Message, from sender, o *o
 	if err == nil {
 		err = withinLimit(c.jobs, o.maxReceivePayload())
 	}
-	p := pulls{m: m, jobs: c.jobs}
+	p := pulls{m: m, jobs: c.jobs, attaches: c.attached || len(c.jobs) > 0}
 	if err != nil {
 		p.discard(ctx)
 		return pulls{}, err
@@ -998,6 +1174,7 @@ type collected struct {
 	o        *options
 	jobs     []job
 	payloads int
+	attached bool  // an inline payload was attached (copied where the receive allocator places it)
 	err      error // the first error; the message is refused
 }
 
@@ -1023,8 +1200,10 @@ func (c *collected) collect(m protoreflect.Message) {
 			c.fail(c.count())
 		}
 		if c.err == nil {
+			var attached bool
 			var err error
-			j, err = deviceBufferJob(db, c.from, c.o)
+			j, attached, err = deviceBufferJob(db, c.from, c.o)
+			c.attached = c.attached || attached
 			c.fail(err)
 		}
 		switch {
@@ -1108,32 +1287,33 @@ func receiveAllocator(o *options) devicebuf.Allocator {
 	return oob.DefaultHostPool()
 }
 
-// deviceBufferJob attaches the inline payload of db, or returns the job
-// that pulls the payload it names; only a gdrSender's message may name one.
-func deviceBufferJob(db *gdrv1.DeviceBuffer, from sender, o *options) (job, error) {
+// deviceBufferJob attaches the inline payload of db where the receive
+// allocator places it (attached), or returns the job that pulls the payload
+// it names; only a gdrSender's message may name one.
+func deviceBufferJob(db *gdrv1.DeviceBuffer, from sender, o *options) (j job, attached bool, err error) {
 	named := len(db.GetOwner()) != 0 || len(db.GetToken()) != 0
 	if named && from == untrackedSender {
-		return job{}, errUntracked
+		return job{}, false, errUntracked
 	}
 	if named && from != gdrSender {
 		// A plain peer proved no identity: nothing is pulled on its word,
 		// from this process's outbox or any peer's, nor allocated for it.
-		return job{}, codecError(codes.InvalidArgument, "a DeviceBuffer names an out-of-band payload (owner, token), which only the %q codec over a gdrpc connection carries; send the payload inline", Name)
+		return job{}, false, codecError(codes.InvalidArgument, "a DeviceBuffer names an out-of-band payload (owner, token), which only the %q codec over a gdrpc connection carries; send the payload inline", Name)
 	}
 	d, outOfBand, err := ParseDescriptor(db)
 	if err != nil {
-		return job{}, codecError(codes.InvalidArgument, "%v", err)
+		return job{}, false, codecError(codes.InvalidArgument, "%v", err)
 	}
 	alloc := receiveAllocator(o)
 	if !outOfBand {
 		if uint64(len(db.Inline)) != db.Length {
-			return job{}, codecError(codes.InvalidArgument, "inline payload of %d bytes, descriptor says %d", len(db.Inline), db.Length)
+			return job{}, false, codecError(codes.InvalidArgument, "inline payload of %d bytes, descriptor says %d", len(db.Inline), db.Length)
 		}
 		if db.Kind != gdrv1.Kind_KIND_HOST && db.Kind != gdrv1.Kind_KIND_CUDA {
-			return job{}, codecError(codes.InvalidArgument, "inline payload of unknown kind %d", db.Kind)
+			return job{}, false, codecError(codes.InvalidArgument, "inline payload of unknown kind %d", db.Kind)
 		}
 		if db.Length == 0 && db.Kind == gdrv1.Kind_KIND_HOST {
-			return job{}, nil // an empty DeviceBuffer: nothing attached
+			return job{}, false, nil // an empty DeviceBuffer: nothing attached
 		}
 		var b *devicebuf.Buffer
 		switch {
@@ -1142,7 +1322,7 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer, from sender, o *options) (job, erro
 		case alloc.Kind() == devicebuf.Host:
 			// The message's own copy stays where it is: Buffer makes a
 			// view of it when asked.
-			return job{}, nil
+			return job{}, false, nil
 		default:
 			src := devicebuf.HostFromBytes(db.Inline)
 			b, err = alloc.Alloc(len(db.Inline))
@@ -1153,12 +1333,12 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer, from sender, o *options) (job, erro
 			}
 			src.Release()
 			if err != nil {
-				return job{}, codecError(codes.ResourceExhausted, "place inline payload: %v", err)
+				return job{}, false, codecError(codes.ResourceExhausted, "place inline payload: %v", err)
 			}
 		}
 		setAttachment(db, b)
 		db.Inline = nil
-		return job{}, nil
+		return job{}, true, nil
 	}
 	return job{
 		n: d.Length,
@@ -1177,7 +1357,7 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer, from sender, o *options) (job, erro
 			oob.Discard(ctx, d)
 			forget(db)
 		},
-	}, nil
+	}, false, nil
 }
 
 func (c *collected) bytesJobs(m protoreflect.Message, fd protoreflect.FieldDescriptor, v protoreflect.Value) error {

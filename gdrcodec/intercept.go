@@ -907,6 +907,16 @@ type callMessages struct {
 	flow oob.Flow
 }
 
+// hold notes the payloads attached to m, a message the call received, in
+// held. c.mu is held.
+func (c *callMessages) hold(m protoreflect.Message) {
+	walkDeviceBuffers(m, func(db *gdrv1.DeviceBuffer) {
+		if _, ok := attachedBuffer(db); ok {
+			c.held = append(c.held, db)
+		}
+	})
+}
+
 // decoded ends the call's count in decoding, if it has one.
 func (c *callMessages) decoded() {
 	if c.decoding {
@@ -990,11 +1000,11 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 				st = pullRequest(ctx, p)
 			}
 			c.mu.Lock()
-			walkDeviceBuffers(m.ProtoReflect(), func(db *gdrv1.DeviceBuffer) {
-				if _, ok := attachedBuffer(db); ok {
-					c.held = append(c.held, db)
-				}
-			})
+			if !pending || p.attaches {
+				// A request whose payloads all stayed inline in host
+				// memory has nothing attached to look for.
+				c.hold(m.ProtoReflect())
+			}
 			if len(c.held) >= max(c.pruneHeld, maxNoted) {
 				c.held = slices.DeleteFunc(c.held, func(db *gdrv1.DeviceBuffer) bool { _, ok := attachedBuffer(db); return !ok })
 				c.pruneHeld = 2 * len(c.held)

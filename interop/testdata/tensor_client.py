@@ -121,7 +121,9 @@ def check_make(channel, size, seed, blob):
         if num == 1:
             name = v
         elif num == 3:
-            data = v
+            # A message field that occurs again merges into what came
+            # before, as its encodings concatenated would parse.
+            data = (data or b"") + v
         elif num == 4:
             blob_bytes = v
     where = "blob" if blob else "data"
