@@ -349,6 +349,9 @@ func pullRequest(ctx context.Context, p *pulls) *status.Status {
 		p.drop()
 		return status.Convert(err)
 	}
+	if len(p.jobs) == 0 {
+		return nil // its payloads were inline
+	}
 	if err := p.run(oob.ForServerRequest(ctx)); err != nil {
 		return status.Convert(err)
 	}
