@@ -618,7 +618,9 @@ func (w *rewriter) findPatches(m protoreflect.Message, path *[maxPatchDepth]prot
 		if sub := valueMessage(fd); sub == nil || !mayCarry(sub) {
 			continue
 		}
-		if fd.IsList() || fd.IsMap() || fd.Kind() != protoreflect.MessageKind || depth == maxPatchDepth {
+		if fd.IsList() || fd.IsMap() || fd.Kind() != protoreflect.MessageKind || fd.IsExtension() || depth == maxPatchDepth {
+			// An extension may belong to a message of the legacy message-set
+			// encoding, which a field appended in the plain one would break.
 			return false
 		}
 		path[depth] = fd.Number()
