@@ -910,9 +910,9 @@ type callMessages struct {
 	flow oob.Flow
 }
 
-// hold notes the payloads attached to m, a message the call received, in
+// noteHeld notes the payloads attached to m, a message the call received, in
 // held. c.mu is held.
-func (c *callMessages) hold(m protoreflect.Message) {
+func (c *callMessages) noteHeld(m protoreflect.Message) {
 	walkDeviceBuffers(m, func(db *gdrv1.DeviceBuffer) {
 		if _, ok := attachedBuffer(db); ok {
 			c.held = append(c.held, db)
@@ -1006,7 +1006,7 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			if !pending || p.attaches {
 				// A request whose payloads all stayed inline in host
 				// memory has nothing attached to look for.
-				c.hold(m.ProtoReflect())
+				c.noteHeld(m.ProtoReflect())
 			}
 			if len(c.held) >= max(c.pruneHeld, maxNoted) {
 				c.held = slices.DeleteFunc(c.held, func(db *gdrv1.DeviceBuffer) bool { _, ok := attachedBuffer(db); return !ok })
