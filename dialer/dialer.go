@@ -28,16 +28,7 @@ func New(opts ...gdrpc.Option) *Dialer {
 // gRPC runs on. Closing the conn closes the session. It has the signature of
 // grpc.WithContextDialer.
 func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error) {
-	s, err := transport.Dial(ctx, addr, d.opts...)
-	if err != nil {
-		return nil, err
-	}
-	c, err := s.Conn(ctx)
-	if err != nil {
-		_ = s.Close()
-		return nil, err
-	}
-	return c, nil
+	return transport.DialConn(ctx, addr, d.opts...)
 }
 
 // DialOptions returns the options a gRPC client needs to run over gdrpc: the

@@ -24,6 +24,33 @@ func Dial(ctx context.Context, addr string, opts ...Option) (*Session, error) {
 	if err != nil {
 		return nil, err
 	}
+	return dial(ctx, addr, cfg)
+}
+
+// DialConn is Dial followed by the session's Conn, the stream gRPC runs on,
+// for less: the lane under that stream opens together with the session's
+// control and bulk lanes instead of after them, and a lane over UCX takes
+// milliseconds to connect. Closing the conn closes the session
+// (SessionOf finds it).
+func DialConn(ctx context.Context, addr string, opts ...Option) (net.Conn, error) {
+	cfg, err := newConfig(opts)
+	if err != nil {
+		return nil, err
+	}
+	cfg.grpcWithLanes = true
+	s, err := dial(ctx, addr, cfg)
+	if err != nil {
+		return nil, err
+	}
+	c, err := s.Conn(ctx)
+	if err != nil {
+		_ = s.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+func dial(ctx context.Context, addr string, cfg *config) (*Session, error) {
 	var rctx *rdma.Context
 	if cfg.mode != ModeTCP {
 		var uerr error

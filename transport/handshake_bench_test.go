@@ -4,6 +4,9 @@ import (
 	"context"
 	"net"
 	"testing"
+
+	"github.com/gdrpc/gdrpc/internal/testenv"
+	"github.com/gdrpc/gdrpc/rdma"
 )
 
 // BenchmarkHandshake measures a whole session setup over an in-memory pipe:
@@ -30,5 +33,39 @@ func BenchmarkHandshake(b *testing.B) {
 		}
 		_ = c.Close()
 		_ = s.Close()
+	}
+}
+
+// BenchmarkSessionSetup measures what a gRPC client's dial costs, both ends
+// in one process over loopback: the handshake, the move to UCX where the
+// mode asks for it, the session's lanes, up to the conn gRPC runs on and the
+// server's end of it; then both sessions close.
+func BenchmarkSessionSetup(b *testing.B) {
+	for _, mode := range []Mode{ModeTCP, ModeUCX} {
+		b.Run("transport="+string(mode), func(b *testing.B) {
+			if mode == ModeUCX {
+				testenv.Need(b, "ucx", rdma.Available())
+			}
+			opts := []Option{WithEngine(testEngine{}), WithMode(mode), WithTrustPeers(true), WithKeepAlive(-1, 0)}
+			l, err := Listen("127.0.0.1:0", opts...)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer l.Close()
+			ctx := context.Background()
+			b.ReportAllocs()
+			for b.Loop() {
+				c, err := DialConn(ctx, l.Addr().String(), opts...)
+				if err != nil {
+					b.Fatal(err)
+				}
+				sc, err := l.Accept()
+				if err != nil {
+					b.Fatal(err)
+				}
+				_ = c.Close()
+				_ = sc.Close()
+			}
+		})
 	}
 }

@@ -280,40 +280,57 @@ func (s *Session) wantWide() bool {
 	return true
 }
 
-// openControlAndBulk opens the session's control and bulk lanes at once:
-// the server takes each lane by its role, in whatever order they come, and
-// a UCX endpoint takes milliseconds to connect. The first to fail ends the
-// other's dial, its error is the one returned, and every lane opened is
-// closed.
-func (s *Session) openControlAndBulk(ctx context.Context) (control, bulk net.Conn, err error) {
+// openLanes opens the session's control and bulk lanes at once, the server
+// taking each lane by its role in whatever order they come, and, when grpc
+// (DialConn), its gRPC lane too: a UCX endpoint takes milliseconds to
+// connect. The gRPC lane's connection is made meanwhile, but it names its
+// session and role only once the other two are open: a server forgets the
+// session's lanes once its gRPC stream is there (forgetLanes). The first to
+// fail ends the others, its error is the one returned, and every lane
+// opened is closed.
+func (s *Session) openLanes(ctx context.Context, grpc bool) (control, bulk, grpcLane net.Conn, err error) {
 	type opened struct {
 		role byte
 		c    *laneConn
 		err  error
 	}
+	roles := []byte{roleControl, roleBulk, roleGRPC}
+	if !grpc {
+		roles = roles[:2]
+	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	done := make(chan opened, 2)
-	for _, role := range []byte{roleControl, roleBulk} {
+	done := make(chan opened, len(roles))
+	othersOpen := make(chan struct{}) // closed once control and bulk are
+	for _, role := range roles {
+		var after <-chan struct{}
+		if role == roleGRPC {
+			after = othersOpen
+		}
 		go func() {
-			c, err := s.openLane(ctx, role)
+			c, err := s.openLaneAfter(ctx, role, after)
 			done <- opened{role, c, err}
 		}()
 	}
-	lanes := make(map[byte]*laneConn, 2)
-	for range 2 {
+	lanes := make(map[byte]net.Conn, len(roles))
+	for range roles {
 		o := <-done
 		if o.err != nil && err == nil {
-			err = o.err // the first failure; the other's may be the cancel below
+			err = o.err // the first failure; the others' may be the cancel below
 			cancel()
 		}
-		lanes[o.role] = o.c
+		if o.c != nil {
+			lanes[o.role] = o.c
+			if o.role != roleGRPC && lanes[roleControl] != nil && lanes[roleBulk] != nil {
+				close(othersOpen)
+			}
+		}
 	}
 	if err != nil {
 		s.closeLanes()
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
-	return lanes[roleControl], lanes[roleBulk], nil
+	return lanes[roleControl], lanes[roleBulk], lanes[roleGRPC], nil
 }
 
 // openWideLane opens the wide lane (client). Where it could not be dialed or
@@ -359,6 +376,12 @@ var (
 // the session with its token (client): the UCX or TCP listener, as the
 // session runs, and the TCP one for the wide lane.
 func (s *Session) openLane(ctx context.Context, role byte) (*laneConn, error) {
+	return s.openLaneAfter(ctx, role, nil)
+}
+
+// openLaneAfter is openLane that, once its connection is made, waits for
+// after (if not nil) to close before it names the session and role.
+func (s *Session) openLaneAfter(ctx context.Context, role byte, after <-chan struct{}) (*laneConn, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.handshakeTimeout)
 	defer cancel()
 	var ep net.Conn
@@ -379,6 +402,14 @@ func (s *Session) openLane(ctx context.Context, role byte) (*laneConn, error) {
 	}
 	if err != nil {
 		return nil, fmt.Errorf("gdrpc: open lane to %s: %w: %w", addr, errLaneUndialed, ctxErr(ctx, err))
+	}
+	if after != nil {
+		select {
+		case <-after:
+		case <-ctx.Done():
+			_ = ep.Close()
+			return nil, fmt.Errorf("gdrpc: open lane to %s: %w: %w", addr, errLaneUndialed, ctx.Err())
+		}
 	}
 	unbind := bindDeadline(ctx, ep)
 	msg := append(append([]byte(laneMagic), s.token[:]...), role)

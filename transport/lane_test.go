@@ -3,6 +3,7 @@ package transport
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -32,6 +33,13 @@ func init() {
 // both sessions and their gRPC conns.
 func lanePair(t testing.TB, serverOpts, clientOpts []Option) (l *Listener, cs, ss *Session, cc, sc net.Conn) {
 	t.Helper()
+	return lanePairDialing(t, serverOpts, clientOpts, false)
+}
+
+// lanePairDialing is lanePair, its client dialing with DialConn where
+// dialConn says so (else Dial, then Conn).
+func lanePairDialing(t testing.TB, serverOpts, clientOpts []Option, dialConn bool) (l *Listener, cs, ss *Session, cc, sc net.Conn) {
+	t.Helper()
 	l, err := Listen("127.0.0.1:0", append([]Option{WithEngine(testEngine{})}, serverOpts...)...)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = l.Close() })
@@ -43,11 +51,20 @@ func lanePair(t testing.TB, serverOpts, clientOpts []Option) (l *Listener, cs, s
 			accepted <- c
 		}
 	}()
-	cs, err = Dial(ctx, l.Addr().String(), append([]Option{WithEngine(testEngine{})}, clientOpts...)...)
-	require.NoError(t, err)
+	clientOpts = append([]Option{WithEngine(testEngine{})}, clientOpts...)
+	if dialConn {
+		cc, err = DialConn(ctx, l.Addr().String(), clientOpts...)
+		require.NoError(t, err)
+		cs = SessionOf(cc)
+		require.NotNil(t, cs)
+	} else {
+		cs, err = Dial(ctx, l.Addr().String(), clientOpts...)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = cs.Close() })
+		cc, err = cs.Conn(ctx)
+		require.NoError(t, err)
+	}
 	t.Cleanup(func() { _ = cs.Close() })
-	cc, err = cs.Conn(ctx)
-	require.NoError(t, err)
 	select {
 	case sc = <-accepted:
 	case <-ctx.Done():
@@ -62,7 +79,8 @@ func lanePair(t testing.TB, serverOpts, clientOpts []Option) (l *Listener, cs, s
 // TestLanes: the gRPC and control streams of a UCX session run on lanes when
 // both ends allow it and on multiplexed streams when either does not; bytes
 // and control messages cross either way, and closing the client's gRPC conn
-// ends both sessions.
+// ends both sessions. The same holds for a client dialing with DialConn,
+// whose gRPC lane opens together with its other lanes.
 func TestLanes(t *testing.T) {
 	ucx := func(t *testing.T) []Option {
 		return []Option{WithRDMAContext(internalUCX(t)), WithMode(ModeUCX)}
@@ -84,79 +102,89 @@ func TestLanes(t *testing.T) {
 		{"tcp/server-off", off(tcp), tcp, "tcp", false},
 		{"tcp/client-off", tcp, off(tcp), "tcp", false},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			_, cs, ss, cc, sc := lanePair(t, tc.server(t), tc.client(t))
-			require.Equal(t, tc.transport, cs.Transport())
-			_, clientLane := cc.(*laneConn)
-			_, serverLane := sc.(*laneConn)
-			require.Equal(t, tc.lane, clientLane, "client conn %T", cc)
-			require.Equal(t, tc.lane, serverLane, "server conn %T", sc)
-			for _, s := range []*Session{cs, ss} {
-				<-s.ctrl.ready
-				_, ctrlLane := s.ctrl.c.(*laneConn)
-				require.Equal(t, tc.lane, ctrlLane, "control conn %T", s.ctrl.c)
-				if tc.lane {
-					select {
-					case <-s.bulk.ready: // the server's may come after the gRPC lane
-					case <-time.After(10 * time.Second):
-						t.Fatal("no bulk lane")
-					}
-				} else {
-					select {
-					case <-s.bulk.ready:
-						t.Fatal("a bulk lane without lanes")
-					default:
-					}
-				}
-				require.False(t, s.WideLane(), "a wide lane on one host")
+		for _, dialConn := range []bool{false, true} {
+			name := tc.name
+			if dialConn {
+				name += "/dialconn"
 			}
-			// A control message crosses each way.
-			for _, d := range [][2]*Session{{cs, ss}, {ss, cs}} {
-				inbox := controlInbox(d[1])
-				require.NoError(t, d[0].link.SendControl(context.Background(), testCtlEcho, []byte("rtr")))
-				select {
-				case p := <-inbox:
-					require.Equal(t, "rtr", string(p))
-				case <-time.After(10 * time.Second):
-					t.Fatal("control message lost")
-				}
-			}
-			require.Equal(t, "gdrpc+"+tc.transport, cc.LocalAddr().Network())
-
-			msg := []byte("over the lane")
-			_, err := cc.Write(msg)
-			require.NoError(t, err)
-			buf := make([]byte, len(msg))
-			require.NoError(t, sc.SetReadDeadline(time.Now().Add(10*time.Second)))
-			_, err = io.ReadFull(sc, buf)
-			require.NoError(t, err)
-			require.Equal(t, msg, buf)
-
-			// A second Conn on the client is refused either way.
-			_, err = cs.Conn(context.Background())
-			require.ErrorIs(t, err, ErrConnTaken)
-
-			// Closing the client's conn: the server reads the end, and both
-			// sessions close. The test engine does not linger (the oob
-			// engine waits for transfers, not for reads), so the server's
-			// session may close, the client's having closed, before its
-			// read saw the lane's end: then the read ends with the session.
-			require.NoError(t, cc.Close())
-			_, err = sc.Read(buf)
-			if !errors.Is(err, io.EOF) {
-				require.ErrorIs(t, err, net.ErrClosed)
-			}
-			for _, s := range []*Session{cs, ss} {
-				select {
-				case <-s.Done():
-				case <-time.After(10 * time.Second):
-					t.Fatal("session still up after its gRPC conn closed")
-				}
-			}
-			_, err = cc.Write(msg)
-			require.ErrorIs(t, err, net.ErrClosed)
-		})
+			t.Run(name, func(t *testing.T) { testLanes(t, tc.server(t), tc.client(t), tc.transport, tc.lane, dialConn) })
+		}
 	}
+}
+
+// testLanes is a case of TestLanes: the session runs over transport, with
+// lanes where lane says, its client dialing with DialConn where dialConn does.
+func testLanes(t *testing.T, serverOpts, clientOpts []Option, transport string, lane, dialConn bool) {
+	_, cs, ss, cc, sc := lanePairDialing(t, serverOpts, clientOpts, dialConn)
+	require.Equal(t, transport, cs.Transport())
+	_, clientLane := cc.(*laneConn)
+	_, serverLane := sc.(*laneConn)
+	require.Equal(t, lane, clientLane, "client conn %T", cc)
+	require.Equal(t, lane, serverLane, "server conn %T", sc)
+	for _, s := range []*Session{cs, ss} {
+		<-s.ctrl.ready
+		_, ctrlLane := s.ctrl.c.(*laneConn)
+		require.Equal(t, lane, ctrlLane, "control conn %T", s.ctrl.c)
+		if lane {
+			select {
+			case <-s.bulk.ready: // the server's may come after the gRPC lane
+			case <-time.After(10 * time.Second):
+				t.Fatal("no bulk lane")
+			}
+		} else {
+			select {
+			case <-s.bulk.ready:
+				t.Fatal("a bulk lane without lanes")
+			default:
+			}
+		}
+		require.False(t, s.WideLane(), "a wide lane on one host")
+	}
+	// A control message crosses each way.
+	for _, d := range [][2]*Session{{cs, ss}, {ss, cs}} {
+		inbox := controlInbox(d[1])
+		require.NoError(t, d[0].link.SendControl(context.Background(), testCtlEcho, []byte("rtr")))
+		select {
+		case p := <-inbox:
+			require.Equal(t, "rtr", string(p))
+		case <-time.After(10 * time.Second):
+			t.Fatal("control message lost")
+		}
+	}
+	require.Equal(t, "gdrpc+"+transport, cc.LocalAddr().Network())
+
+	msg := []byte("over the lane")
+	_, err := cc.Write(msg)
+	require.NoError(t, err)
+	buf := make([]byte, len(msg))
+	require.NoError(t, sc.SetReadDeadline(time.Now().Add(10*time.Second)))
+	_, err = io.ReadFull(sc, buf)
+	require.NoError(t, err)
+	require.Equal(t, msg, buf)
+
+	// A second Conn on the client is refused either way.
+	_, err = cs.Conn(context.Background())
+	require.ErrorIs(t, err, ErrConnTaken)
+
+	// Closing the client's conn: the server reads the end, and both
+	// sessions close. The test engine does not linger (the oob
+	// engine waits for transfers, not for reads), so the server's
+	// session may close, the client's having closed, before its
+	// read saw the lane's end: then the read ends with the session.
+	require.NoError(t, cc.Close())
+	_, err = sc.Read(buf)
+	if !errors.Is(err, io.EOF) {
+		require.ErrorIs(t, err, net.ErrClosed)
+	}
+	for _, s := range []*Session{cs, ss} {
+		select {
+		case <-s.Done():
+		case <-time.After(10 * time.Second):
+			t.Fatal("session still up after its gRPC conn closed")
+		}
+	}
+	_, err = cc.Write(msg)
+	require.ErrorIs(t, err, net.ErrClosed)
 }
 
 // TestLanesRefused: a lane that names no session, repeats a role already
@@ -429,4 +457,86 @@ func requireLive(t *testing.T, s *Session) {
 		t.Fatalf("the session closed: %v", s.Err())
 	default:
 	}
+}
+
+// TestGRPCLaneNamedLast: a client opening its gRPC lane together with its
+// control and bulk lanes (DialConn) connects it meanwhile but names its
+// session and role on it only once the other two are open, for a server
+// forgets a session's lanes once its gRPC stream is there (forgetLanes;
+// releases before this one refused lanes that came later). Here a server
+// holds back its answers to the control and bulk lanes until all three
+// connections are made, and finds no byte on the third before it answers.
+func TestGRPCLaneNamedLast(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	s := &Session{client: true, transport: "tcp", laneAddr: ln.Addr().String(), token: ID{1, 2, 3}, cfg: &config{handshakeTimeout: handTimeout}}
+	type lane struct {
+		c    net.Conn
+		role byte
+	}
+	served := make(chan error, 1)
+	go func() {
+		served <- func() error {
+			var conns []net.Conn
+			for range 3 {
+				c, err := ln.Accept()
+				if err != nil {
+					return err
+				}
+				t.Cleanup(func() { _ = c.Close() })
+				conns = append(conns, c)
+			}
+			// Two of them name their roles, control and bulk; the third
+			// must not until they are answered.
+			named := map[byte]net.Conn{}
+			var silent net.Conn
+			for _, c := range conns {
+				msg := make([]byte, len(laneMagic)+len(s.token)+1)
+				// The lanes that name themselves do so as they connect.
+				if err := c.SetReadDeadline(time.Now().Add(time.Second)); err != nil {
+					return err
+				}
+				if _, err := io.ReadFull(c, msg); err != nil {
+					var ne net.Error
+					if errors.As(err, &ne) && ne.Timeout() && silent == nil {
+						silent = c
+						continue
+					}
+					return err
+				}
+				named[msg[len(msg)-1]] = c
+			}
+			if silent == nil || named[roleControl] == nil || named[roleBulk] == nil {
+				return fmt.Errorf("lanes named before the control and bulk lanes opened: %v", named)
+			}
+			for _, role := range []byte{roleControl, roleBulk} {
+				if _, err := named[role].Write([]byte{upgradeAckOK}); err != nil {
+					return err
+				}
+			}
+			msg := make([]byte, len(laneMagic)+len(s.token)+1)
+			if err := silent.SetReadDeadline(time.Now().Add(handTimeout)); err != nil {
+				return err
+			}
+			if _, err := io.ReadFull(silent, msg); err != nil {
+				return err
+			}
+			if msg[len(msg)-1] != roleGRPC {
+				return fmt.Errorf("the last lane named role %#x", msg[len(msg)-1])
+			}
+			_, err := silent.Write([]byte{upgradeAckOK})
+			return err
+		}()
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+	defer cancel()
+	control, bulk, grpcLane, err := s.openLanes(ctx, true)
+	require.NoError(t, err)
+	require.NoError(t, <-served)
+	for _, c := range []net.Conn{control, bulk, grpcLane} {
+		require.NotNil(t, c)
+	}
+	require.Equal(t, byte(roleGRPC), grpcLane.(*laneConn).role)
+	s.closeLanes()
 }

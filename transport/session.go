@@ -80,6 +80,7 @@ type Session struct {
 	wide frameLane // the wide lane, for large transfers, where the session has one (lane.go)
 
 	grpcTaken atomic.Bool
+	grpcLane  net.Conn      // client: the gRPC lane newSession opened (DialConn), until Conn takes it
 	grpcCh    chan net.Conn // server: the gRPC stream once the client opened it
 
 	ctrl    onceConn      // the control stream (a multiplexed stream or a lane)
@@ -189,7 +190,10 @@ func newSession(st sessionSetup) (*Session, error) {
 		ctx, cancel := context.WithTimeout(cmp.Or(st.ctx, context.Background()), st.cfg.handshakeTimeout)
 		var c, b, w net.Conn
 		if s.useLane() {
-			if c, b, err = s.openControlAndBulk(ctx); err == nil && s.wantWide() {
+			// A wide lane comes before the gRPC lane (takeLaneSession):
+			// then the gRPC lane waits for Conn.
+			grpcToo := st.cfg.grpcWithLanes && !s.wantWide()
+			if c, b, s.grpcLane, err = s.openLanes(ctx, grpcToo); err == nil && s.wantWide() {
 				if w, err = s.openWideLane(ctx); err != nil {
 					s.closeLanes()
 				}
@@ -633,11 +637,14 @@ func (s *Session) Conn(ctx context.Context) (net.Conn, error) {
 		if !s.grpcTaken.CompareAndSwap(false, true) {
 			return nil, ErrConnTaken
 		}
-		var c net.Conn
+		c := s.grpcLane
+		s.grpcLane = nil
 		var err error
-		if s.useLane() {
+		switch {
+		case c != nil:
+		case s.useLane():
 			c, err = s.openLane(ctx, roleGRPC)
-		} else {
+		default:
 			c, err = s.open(ctx, roleGRPC)
 		}
 		if err != nil {

@@ -78,6 +78,9 @@ type config struct {
 	noLane           bool
 	engine           Engine
 	trustPeers       bool
+	// grpcWithLanes: a client opens its gRPC lane with its control and bulk
+	// lanes, in newSession (DialConn), rather than in Conn.
+	grpcWithLanes bool
 }
 
 // SessionMetrics receives session events. Implementations must be cheap and
