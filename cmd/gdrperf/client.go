@@ -217,6 +217,15 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 	if err := out.flush(); err != nil {
 		return err
 	}
+	if o.connects > 0 {
+		r, err := b.measureConnects(ctx)
+		if err != nil {
+			return fmt.Errorf("-connects: %w", err)
+		}
+		if err := writeConnects(stdout, o.format, r); err != nil {
+			return err
+		}
+	}
 	if len(failed) > 0 {
 		return fmt.Errorf("gdrpc not measured for %s (see the notes)", strings.Join(failed, ", "))
 	}

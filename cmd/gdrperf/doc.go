@@ -82,13 +82,19 @@
 //	        [-transport auto|ucx|tcp] [-mem host|cuda] [-recv host|cuda] [-device 0] [-server-device N]
 //	        [-paths all|cuda-ipc,rdma,stream] [-format table|json] [-server ADDR | -connect ADDR]
 //	        [-perftest PATH|none] [-call-timeout 1m] [-busy N] [-receive-space SIZE|0] [-request-space SIZE]
-//	        [-request-space-limit SIZE]
+//	        [-request-space-limit SIZE] [-connects N]
 //	        [-stream-ordered]
 //	        [-baselines=false] [-cpuprofile F] [-server-cpuprofile F] [-trace F] [-server-trace F] [-v]
 //
 // -busy N runs N CPU-bound processes beside client and server for the whole
 // run, each spinning one core: small calls under contention, as in a service
 // that shares its cores with other work.
+//
+// -connects N then times N new connections each way, alternating: a new
+// ClientConn up to the response of its first call (a 1 KiB Make), gdrpc's
+// with its session's handshake, move to UCX and lanes, against plain gRPC's
+// over TCP; a line under the table (medians and p90), or a JSON object
+// after the rows.
 //
 // The exit status is 1 when gdrpc could not be measured for some size (the
 // notes say why); a missing baseline is only a note.

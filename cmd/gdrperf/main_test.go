@@ -314,6 +314,7 @@ func TestFlags(t *testing.T) {
 		{name: "eager", args: []string{"-eager", "lots"}, err: "-eager"},
 		{name: "format", args: []string{"-format", "csv"}, err: "-format"},
 		{name: "iters", args: []string{"-iters", "0"}, err: "-iters"},
+		{name: "connects", args: []string{"-connects", "-1"}, err: "-connects"},
 		{name: "inflight", args: []string{"-inflight", "0"}, err: "-inflight"},
 		{name: "inflight list", args: []string{"-inflight", "1,x"}, err: "-inflight"},
 		{name: "inflight twice", args: []string{"-inflight", "4,1,4"}, err: "twice"},
@@ -562,4 +563,41 @@ func childProcesses(t *testing.T) int {
 		}
 	}
 	return n
+}
+
+// TestConnects: -connects times new connections after the table, each way:
+// a line under the table, or a JSON object after the rows; the gdrpc
+// connections run over the session the transport asks for, and the buffers
+// of their calls go back to the pools.
+func TestConnects(t *testing.T) {
+	for _, transport := range []string{"tcp", "ucx"} {
+		t.Run(transport, func(t *testing.T) {
+			if transport == "ucx" {
+				requireUCX(t)
+			}
+			base := poolsInUse()
+			args := []string{"-sizes", "4KiB", "-iters", "1", "-warmup", "0", "-transport", transport, "-perftest", "none", "-connects", "3"}
+			var out, errb bytes.Buffer
+			code := realMain(append([]string{"-format", "json"}, args...), strings.NewReader(""), &out, &errb)
+			require.Equal(t, 0, code, errb.String())
+			lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+			require.Len(t, lines, 2, "a row, then the connections' object")
+			var r connectsResult
+			require.NoError(t, json.Unmarshal([]byte(lines[1]), &r))
+			require.Equal(t, 3, r.Connects)
+			require.Equal(t, transport, r.Transport)
+			require.Positive(t, r.GDRPCMs)
+			require.GreaterOrEqual(t, r.GDRPCP90Ms, r.GDRPCMs)
+			require.Positive(t, r.GRPCMs)
+			require.GreaterOrEqual(t, r.GRPCP90Ms, r.GRPCMs)
+			require.NotNil(t, r.XGRPC)
+			require.InDelta(t, r.GDRPCMs/r.GRPCMs, *r.XGRPC, 1e-9)
+
+			out.Reset()
+			code = realMain(args, strings.NewReader(""), &out, &errb)
+			require.Equal(t, 0, code, errb.String())
+			require.Regexp(t, `(?m)^# first call on a new connection \(-connects 3, alternating; 1 KiB Make\): gdrpc [0-9.]+ ms median, p90 [0-9.]+ \(session over `+transport+`\), plain gRPC over TCP [0-9.]+ ms, p90 [0-9.]+: [0-9.]+x plain gRPC's time$`, out.String())
+			require.Equal(t, base, poolsInUse(), "buffers not given back to the host pools")
+		})
+	}
 }
