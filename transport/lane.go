@@ -283,11 +283,11 @@ func (s *Session) wantWide() bool {
 // openLanes opens the session's control and bulk lanes at once, the server
 // taking each lane by its role in whatever order they come, and, when grpc
 // (DialConn), its gRPC lane too: a UCX endpoint takes milliseconds to
-// connect. The gRPC lane's connection is made meanwhile, but it names its
-// session and role only once the other two are open: a server forgets the
-// session's lanes once its gRPC stream is there (forgetLanes). The first to
-// fail ends the others, its error is the one returned, and every lane
-// opened is closed.
+// connect. The gRPC lane's endpoint connects meanwhile, but it names its
+// session and role only once the other two are open (openLaneAfter): a
+// server forgets the session's lanes once its gRPC stream is there
+// (forgetLanes). The first to fail ends the others, its error is the one
+// returned, and every lane opened is closed.
 func (s *Session) openLanes(ctx context.Context, grpc bool) (control, bulk, grpcLane net.Conn, err error) {
 	type opened struct {
 		role byte
@@ -379,8 +379,11 @@ func (s *Session) openLane(ctx context.Context, role byte) (*laneConn, error) {
 	return s.openLaneAfter(ctx, role, nil)
 }
 
-// openLaneAfter is openLane that, once its connection is made, waits for
-// after (if not nil) to close before it names the session and role.
+// openLaneAfter is openLane that waits for after (if not nil) to close
+// before it names the session and role: a UCX endpoint connects meanwhile,
+// a TCP connection only then, for until it names them it holds one of the
+// server's handshake slots for its host, which the lanes it waits for may
+// be queued behind.
 func (s *Session) openLaneAfter(ctx context.Context, role byte, after <-chan struct{}) (*laneConn, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.handshakeTimeout)
 	defer cancel()
@@ -390,25 +393,38 @@ func (s *Session) openLaneAfter(ctx context.Context, role byte, after <-chan str
 	if role == roleWide {
 		addr = s.tcpLaneAddr
 	}
-	if s.transport == "ucx" && role != roleWide {
+	overUCX := s.transport == "ucx" && role != roleWide
+	wait := func() error {
+		if after == nil {
+			return nil
+		}
+		select {
+		case <-after:
+			return nil
+		case <-ctx.Done():
+			return fmt.Errorf("gdrpc: open lane to %s: %w: %w", addr, errLaneUndialed, ctx.Err())
+		}
+	}
+	if overUCX {
 		w := s.rctx.Worker()
 		if w == nil {
 			return nil, fmt.Errorf("gdrpc: open lane: UCX context has no worker: %w", rdma.ErrNotSupported)
 		}
 		ep, err = dialAdmitted(ctx, w, addr)
 	} else {
+		if err := wait(); err != nil {
+			return nil, err
+		}
 		var d net.Dialer
 		ep, err = d.DialContext(ctx, "tcp", addr)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("gdrpc: open lane to %s: %w: %w", addr, errLaneUndialed, ctxErr(ctx, err))
 	}
-	if after != nil {
-		select {
-		case <-after:
-		case <-ctx.Done():
+	if overUCX {
+		if err := wait(); err != nil {
 			_ = ep.Close()
-			return nil, fmt.Errorf("gdrpc: open lane to %s: %w: %w", addr, errLaneUndialed, ctx.Err())
+			return nil, err
 		}
 	}
 	unbind := bindDeadline(ctx, ep)

@@ -3,10 +3,10 @@ package transport
 import (
 	"context"
 	"errors"
-	"fmt"
 	"io"
 	"net"
 	"os"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -459,84 +459,147 @@ func requireLive(t *testing.T, s *Session) {
 	}
 }
 
-// TestGRPCLaneNamedLast: a client opening its gRPC lane together with its
-// control and bulk lanes (DialConn) connects it meanwhile but names its
-// session and role on it only once the other two are open, for a server
-// forgets a session's lanes once its gRPC stream is there (forgetLanes;
-// releases before this one refused lanes that came later). Here a server
-// holds back its answers to the control and bulk lanes until all three
-// connections are made, and finds no byte on the third before it answers.
-func TestGRPCLaneNamedLast(t *testing.T) {
+// laneListener takes lane connections on a TCP listener of its own and
+// hands each one, with the role it names, to named; accepted counts the
+// connections made.
+type laneListener struct {
+	ln       net.Listener
+	named    chan namedLane
+	accepted atomic.Int32
+}
+
+type namedLane struct {
+	c    net.Conn
+	role byte
+	err  error
+}
+
+func newLaneListener(t *testing.T) *laneListener {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	defer ln.Close()
-	s := &Session{client: true, transport: "tcp", laneAddr: ln.Addr().String(), token: ID{1, 2, 3}, cfg: &config{handshakeTimeout: handTimeout}}
-	type lane struct {
-		c    net.Conn
-		role byte
-	}
-	served := make(chan error, 1)
+	l := &laneListener{ln: ln, named: make(chan namedLane, 8)}
+	t.Cleanup(func() { _ = ln.Close() })
 	go func() {
-		served <- func() error {
-			var conns []net.Conn
-			for range 3 {
-				c, err := ln.Accept()
-				if err != nil {
-					return err
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			l.accepted.Add(1)
+			t.Cleanup(func() { _ = c.Close() })
+			go func() {
+				msg := make([]byte, len(laneMagic)+len(ID{})+1)
+				err := c.SetReadDeadline(time.Now().Add(handTimeout))
+				if err == nil {
+					_, err = io.ReadFull(c, msg)
 				}
-				t.Cleanup(func() { _ = c.Close() })
-				conns = append(conns, c)
-			}
-			// Two of them name their roles, control and bulk; the third
-			// must not until they are answered.
-			named := map[byte]net.Conn{}
-			var silent net.Conn
-			for _, c := range conns {
-				msg := make([]byte, len(laneMagic)+len(s.token)+1)
-				// The lanes that name themselves do so as they connect.
-				if err := c.SetReadDeadline(time.Now().Add(time.Second)); err != nil {
-					return err
-				}
-				if _, err := io.ReadFull(c, msg); err != nil {
-					var ne net.Error
-					if errors.As(err, &ne) && ne.Timeout() && silent == nil {
-						silent = c
-						continue
-					}
-					return err
-				}
-				named[msg[len(msg)-1]] = c
-			}
-			if silent == nil || named[roleControl] == nil || named[roleBulk] == nil {
-				return fmt.Errorf("lanes named before the control and bulk lanes opened: %v", named)
-			}
-			for _, role := range []byte{roleControl, roleBulk} {
-				if _, err := named[role].Write([]byte{upgradeAckOK}); err != nil {
-					return err
-				}
-			}
-			msg := make([]byte, len(laneMagic)+len(s.token)+1)
-			if err := silent.SetReadDeadline(time.Now().Add(handTimeout)); err != nil {
-				return err
-			}
-			if _, err := io.ReadFull(silent, msg); err != nil {
-				return err
-			}
-			if msg[len(msg)-1] != roleGRPC {
-				return fmt.Errorf("the last lane named role %#x", msg[len(msg)-1])
-			}
-			_, err := silent.Write([]byte{upgradeAckOK})
-			return err
-		}()
+				l.named <- namedLane{c, msg[len(msg)-1], err}
+			}()
+		}
 	}()
-	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
-	defer cancel()
-	control, bulk, grpcLane, err := s.openLanes(ctx, true)
-	require.NoError(t, err)
-	require.NoError(t, <-served)
-	for _, c := range []net.Conn{control, bulk, grpcLane} {
-		require.NotNil(t, c)
+	return l
+}
+
+// next returns the next lane that named its role.
+func (l *laneListener) next(t *testing.T) namedLane {
+	t.Helper()
+	select {
+	case n := <-l.named:
+		require.NoError(t, n.err)
+		return n
+	case <-time.After(handTimeout):
+		t.Fatal("no lane named its role")
+		return namedLane{}
 	}
-	require.Equal(t, byte(roleGRPC), grpcLane.(*laneConn).role)
+}
+
+// laneClient is a client session of transport "tcp" whose lanes go to l.
+func laneClient(l *laneListener) *Session {
+	return &Session{client: true, transport: "tcp", laneAddr: l.ln.Addr().String(), token: ID{1, 2, 3}, cfg: &config{handshakeTimeout: handTimeout}}
+}
+
+type openedLanes struct {
+	control, bulk, grpc net.Conn
+	err                 error
+}
+
+// TestGRPCLaneNamedLast: a client opening its gRPC lane together with its
+// control and bulk lanes (DialConn) names its session and role on it only
+// once the other two are open, for a server forgets a session's lanes once
+// its gRPC stream is there (forgetLanes; releases before this one refused
+// lanes that came later); over TCP it does not even connect it before, for
+// a silent connection would hold one of the server's handshake slots for
+// its host. Here the server answers the control and bulk lanes only once
+// both named themselves, and the gRPC lane is the third to come.
+func TestGRPCLaneNamedLast(t *testing.T) {
+	l := newLaneListener(t)
+	s := laneClient(l)
+	opened := make(chan openedLanes, 1)
+	go func() {
+		var o openedLanes
+		o.control, o.bulk, o.grpc, o.err = s.openLanes(context.Background(), true)
+		opened <- o
+	}()
+	first, second := l.next(t), l.next(t)
+	require.ElementsMatch(t, []byte{roleControl, roleBulk}, []byte{first.role, second.role}, "the gRPC lane named itself before the others were open")
+	require.EqualValues(t, 2, l.accepted.Load(), "the gRPC lane connected before the others were open")
+	for _, n := range []namedLane{first, second} {
+		_, err := n.c.Write([]byte{upgradeAckOK})
+		require.NoError(t, err)
+	}
+	third := l.next(t)
+	require.Equal(t, byte(roleGRPC), third.role)
+	_, err := third.c.Write([]byte{upgradeAckOK})
+	require.NoError(t, err)
+	o := <-opened
+	require.NoError(t, o.err)
+	require.Equal(t, byte(roleControl), o.control.(*laneConn).role)
+	require.Equal(t, byte(roleBulk), o.bulk.(*laneConn).role)
+	require.Equal(t, byte(roleGRPC), o.grpc.(*laneConn).role)
 	s.closeLanes()
+}
+
+// TestLanesOneRefused: when the server refuses one of the lanes opened
+// together, the others are closed and the gRPC lane is never opened; the
+// error says the lane was refused.
+func TestLanesOneRefused(t *testing.T) {
+	l := newLaneListener(t)
+	s := laneClient(l)
+	opened := make(chan openedLanes, 1)
+	go func() {
+		var o openedLanes
+		o.control, o.bulk, o.grpc, o.err = s.openLanes(context.Background(), true)
+		opened <- o
+	}()
+	first, second := l.next(t), l.next(t)
+	ack := func(n namedLane) byte {
+		if n.role == roleBulk {
+			return 0 // refused
+		}
+		return upgradeAckOK
+	}
+	for _, n := range []namedLane{first, second} {
+		_, err := n.c.Write([]byte{ack(n)})
+		require.NoError(t, err)
+	}
+	var o openedLanes
+	select {
+	case o = <-opened:
+	case <-time.After(handTimeout):
+		t.Fatal("openLanes did not return")
+	}
+	require.ErrorIs(t, o.err, errLaneRefused)
+	require.Nil(t, o.control)
+	require.Nil(t, o.bulk)
+	require.Nil(t, o.grpc)
+	// The control lane the server took is closed: it reads the end.
+	for _, n := range []namedLane{first, second} {
+		if n.role != roleControl {
+			continue
+		}
+		require.NoError(t, n.c.SetReadDeadline(time.Now().Add(handTimeout)))
+		_, err := n.c.Read(make([]byte, 1))
+		require.ErrorIs(t, err, io.EOF)
+	}
+	require.EqualValues(t, 2, l.accepted.Load(), "the gRPC lane connected though its session failed")
 }

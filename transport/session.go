@@ -192,8 +192,8 @@ func newSession(st sessionSetup) (*Session, error) {
 		if s.useLane() {
 			// A wide lane comes before the gRPC lane (takeLaneSession):
 			// then the gRPC lane waits for Conn.
-			grpcToo := st.cfg.grpcWithLanes && !s.wantWide()
-			if c, b, s.grpcLane, err = s.openLanes(ctx, grpcToo); err == nil && s.wantWide() {
+			wide := s.wantWide()
+			if c, b, s.grpcLane, err = s.openLanes(ctx, st.cfg.grpcWithLanes && !wide); err == nil && wide {
 				if w, err = s.openWideLane(ctx); err != nil {
 					s.closeLanes()
 				}
@@ -642,6 +642,13 @@ func (s *Session) Conn(ctx context.Context) (net.Conn, error) {
 		var err error
 		switch {
 		case c != nil:
+			// Opened with the session, which may have closed since (its
+			// close closed the lane).
+			select {
+			case <-s.done:
+				return nil, s.closedErr()
+			default:
+			}
 		case s.useLane():
 			c, err = s.openLane(ctx, roleGRPC)
 		default:
