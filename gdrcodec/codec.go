@@ -220,7 +220,10 @@ func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 	var out protoreflect.Message
 	var err error
 	var path [maxPatchDepth]protowire.Number
-	patched := w.findPatches(m, &path, 0)
+	// Only the gdr codec's receivers are gdrpc's decoders, which merge a
+	// field that occurs twice: some of other languages' keep the last
+	// occurrence instead, and would lose what the first held.
+	patched := c.oob && w.findPatches(m, &path, 0)
 	if patched {
 		err = w.patch()
 	} else {
@@ -550,8 +553,9 @@ type rewriter struct {
 // follows the message's own encoding as another occurrence of those fields,
 // which every protobuf decoder merges into the first (the encoding's rule
 // for a message field that occurs twice), so that the receiver reads out
-// alone, as from a rewritten copy of the message. Unlike a copy, it costs no
-// reflection and no allocation.
+// alone, as from a rewritten copy of the message. Unlike a copy, it needs no
+// new messages nor setting fields through reflection. The gdr codec alone
+// patches: its peers decode with gdrpc.
 type patch struct {
 	path  [maxPatchDepth]protowire.Number
 	depth int

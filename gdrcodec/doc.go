@@ -8,10 +8,11 @@
 // Unmarshal pulls the bytes through a gdrpc session to the owner (RDMA write,
 // CUDA IPC, staged GPU copies, or a bulk stream) into memory it registered, before
 // the message reaches the application. Shorter payloads travel inline.
-// A body is standard protobuf: a DeviceBuffer reached through singular message
-// fields is written after the message's own fields, as another occurrence of
-// those fields, which every conforming decoder merges into the message's own
-// (a decoder that keeps only one occurrence of a message field would miss it).
+// With the gdr codec, a DeviceBuffer reached through singular message fields is
+// written after the message's own fields, as another occurrence of those
+// fields, which protobuf's decoders merge into the message's own; the proto
+// replacement writes a copy of the message with its payloads in place, as
+// some decoders of other languages keep only the last occurrence of a field.
 //
 // Register also replaces the "proto" codec with one that behaves like gRPC's for
 // every ordinary message and sends attached device buffers inline, so a plain

@@ -102,6 +102,19 @@ func TestPatchedBodies(t *testing.T) {
 			body.Free()
 			require.Equal(t, tc.patched, bytes.HasPrefix(data, plain), "patched")
 
+			// The proto replacement codec, whose peers may decode with other
+			// languages' libraries, never patches; its body reads as the
+			// same message.
+			protoBody, err := (&codec{name: "proto"}).Marshal(m)
+			require.NoError(t, err)
+			protoData := protoBody.Materialize()
+			protoBody.Free()
+			require.False(t, bytes.HasPrefix(protoData, plain), "the proto codec patched")
+			fromGDR, fromProto := &nestedpb.Outer{}, &nestedpb.Outer{}
+			require.NoError(t, proto.Unmarshal(data, fromGDR))
+			require.NoError(t, proto.Unmarshal(protoData, fromProto))
+			require.True(t, proto.Equal(fromGDR, fromProto), "the two bodies read differently")
+
 			// A plain decoder and the codec's read the same message.
 			for _, decode := range []func(*nestedpb.Outer) error{
 				func(got *nestedpb.Outer) error { return proto.Unmarshal(data, got) },
