@@ -217,19 +217,20 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 	if err := out.flush(); err != nil {
 		return err
 	}
+	var errs []error
+	if len(failed) > 0 {
+		errs = append(errs, fmt.Errorf("gdrpc not measured for %s (see the notes)", strings.Join(failed, ", ")))
+	}
 	if o.connects > 0 {
 		r, err := b.measureConnects(ctx)
+		if err == nil {
+			err = writeConnects(stdout, o.format, r)
+		}
 		if err != nil {
-			return fmt.Errorf("-connects: %w", err)
-		}
-		if err := writeConnects(stdout, o.format, r); err != nil {
-			return err
+			errs = append(errs, fmt.Errorf("-connects: %w", err))
 		}
 	}
-	if len(failed) > 0 {
-		return fmt.Errorf("gdrpc not measured for %s (see the notes)", strings.Join(failed, ", "))
-	}
-	return nil
+	return errors.Join(errs...)
 }
 
 // limits raises gRPC's message size limits on both clients.

@@ -20,7 +20,7 @@ import (
 )
 
 // firstCallSize is the payload of the call a new connection makes first
-// (-connects): a small call, whose time is the connection's setup.
+// (-connects): a small call, whose time is mostly the connection's setup.
 const firstCallSize = 1 << 10
 
 // connectsResult is what -connects measured: the time from a new ClientConn
@@ -38,31 +38,37 @@ type connectsResult struct {
 }
 
 // measureConnects makes b.o.connects new connections each way, one at a
-// time, alternating, each closed once its first call returned.
+// time, alternating which way goes first, each closed once its first call
+// returned.
 func (b *bench) measureConnects(ctx context.Context) (*connectsResult, error) {
 	pat := pattern(firstCallSize)
 	d := dialer.New(b.o.faceOptions()...)
 	gdrpcOpts := append(d.DialOptions(insecure.NewCredentials()), limits)
+	plainOpts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials()), limits}
 	var gdr, plain []time.Duration
 	res := &connectsResult{Connects: b.o.connects}
-	for range b.o.connects {
-		var p peer.Peer
+	viaGDRPC := func() error {
 		took, err := firstCall(ctx, b.info.GDRPC, gdrpcOpts, func(cctx context.Context, cc *grpc.ClientConn) error {
+			var p peer.Peer
 			t, err := tensorpb.NewTensorServiceClient(cc).Make(cctx, &tensorpb.Sized{Size: firstCallSize, Seed: seedFor(firstCallSize)}, grpc.Peer(&p))
 			if err == nil {
 				err = checkTensor(t, pat)
 			}
 			gdrcodec.ReleaseAll(t)
+			res.Transport = "not gdrpc"
+			if s := transport.SessionFromPeer(&p); s != nil {
+				res.Transport = s.Transport()
+			}
 			return err
 		})
 		if err != nil {
-			return nil, fmt.Errorf("gdrpc connection: %w", err)
+			return fmt.Errorf("gdrpc connection: %w", err)
 		}
-		gdr, res.Transport = append(gdr, took), "not gdrpc"
-		if s := transport.SessionFromPeer(&p); s != nil {
-			res.Transport = s.Transport()
-		}
-		took, err = firstCall(ctx, b.info.GRPC, []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials()), limits}, func(cctx context.Context, cc *grpc.ClientConn) error {
+		gdr = append(gdr, took)
+		return nil
+	}
+	viaPlain := func() error {
+		took, err := firstCall(ctx, b.info.GRPC, plainOpts, func(cctx context.Context, cc *grpc.ClientConn) error {
 			out := new(wrapperspb.BytesValue)
 			err := cc.Invoke(cctx, methodMake, wrapperspb.UInt64(firstCallSize), out)
 			if err == nil && len(out.GetValue()) != firstCallSize {
@@ -71,9 +77,21 @@ func (b *bench) measureConnects(ctx context.Context) (*connectsResult, error) {
 			return err
 		})
 		if err != nil {
-			return nil, fmt.Errorf("plain gRPC connection: %w", err)
+			return fmt.Errorf("plain gRPC connection: %w", err)
 		}
 		plain = append(plain, took)
+		return nil
+	}
+	for i := range b.o.connects {
+		ways := []func() error{viaGDRPC, viaPlain}
+		if i%2 == 1 {
+			ways[0], ways[1] = ways[1], ways[0]
+		}
+		for _, way := range ways {
+			if err := way(); err != nil {
+				return nil, err
+			}
+		}
 	}
 	ms := func(ds []time.Duration, q float64) float64 {
 		s := slices.Sorted(slices.Values(ds))
