@@ -523,6 +523,18 @@ type openedLanes struct {
 	err                 error
 }
 
+// openAllLanes opens s's control, bulk and gRPC lanes together, as DialConn
+// does, and hands over what came of it.
+func openAllLanes(s *Session) <-chan openedLanes {
+	opened := make(chan openedLanes, 1)
+	go func() {
+		var o openedLanes
+		o.control, o.bulk, o.grpc, o.err = s.openLanes(context.Background(), true)
+		opened <- o
+	}()
+	return opened
+}
+
 // TestGRPCLaneNamedLast: a client opening its gRPC lane together with its
 // control and bulk lanes (DialConn) names its session and role on it only
 // once the other two are open, for a server forgets a session's lanes once
@@ -534,12 +546,7 @@ type openedLanes struct {
 func TestGRPCLaneNamedLast(t *testing.T) {
 	l := newLaneListener(t)
 	s := laneClient(l)
-	opened := make(chan openedLanes, 1)
-	go func() {
-		var o openedLanes
-		o.control, o.bulk, o.grpc, o.err = s.openLanes(context.Background(), true)
-		opened <- o
-	}()
+	opened := openAllLanes(s)
 	first, second := l.next(t), l.next(t)
 	require.ElementsMatch(t, []byte{roleControl, roleBulk}, []byte{first.role, second.role}, "the gRPC lane named itself before the others were open")
 	require.EqualValues(t, 2, l.accepted.Load(), "the gRPC lane connected before the others were open")
@@ -565,12 +572,7 @@ func TestGRPCLaneNamedLast(t *testing.T) {
 func TestLanesOneRefused(t *testing.T) {
 	l := newLaneListener(t)
 	s := laneClient(l)
-	opened := make(chan openedLanes, 1)
-	go func() {
-		var o openedLanes
-		o.control, o.bulk, o.grpc, o.err = s.openLanes(context.Background(), true)
-		opened <- o
-	}()
+	opened := openAllLanes(s)
 	first, second := l.next(t), l.next(t)
 	ack := func(n namedLane) byte {
 		if n.role == roleBulk {
