@@ -57,6 +57,7 @@ func lanePairDialing(t testing.TB, serverOpts, clientOpts []Option, dialConn boo
 		require.NoError(t, err)
 		cs = SessionOf(cc)
 		require.NotNil(t, cs)
+		t.Cleanup(func() { _ = cs.Close() })
 	} else {
 		cs, err = Dial(ctx, l.Addr().String(), clientOpts...)
 		require.NoError(t, err)
@@ -64,7 +65,6 @@ func lanePairDialing(t testing.TB, serverOpts, clientOpts []Option, dialConn boo
 		cc, err = cs.Conn(ctx)
 		require.NoError(t, err)
 	}
-	t.Cleanup(func() { _ = cs.Close() })
 	select {
 	case sc = <-accepted:
 	case <-ctx.Done():
