@@ -561,11 +561,13 @@ type patch struct {
 	depth int
 	db    *gdrv1.DeviceBuffer
 	out   *gdrv1.DeviceBuffer // nil: sent as it is
-	// zeroLength and zeroKind: db sets a field that out leaves at zero,
-	// which the patch then sets to zero explicitly (for such fields the
-	// last occurrence wins, a zero one too).
-	zeroLength, zeroKind bool
 }
+
+// zeroLength and zeroKind report whether db sets a field that out leaves at
+// zero, which the patch then sets to zero explicitly (for such fields the
+// last occurrence wins, a zero one too).
+func (p *patch) zeroLength() bool { return p.db.Length != 0 && p.out.Length == 0 }
+func (p *patch) zeroKind() bool   { return p.db.Kind != 0 && p.out.Kind == 0 }
 
 // The numbers of the DeviceBuffer fields that Attach sets.
 var (
@@ -652,12 +654,7 @@ func (w *rewriter) patch() error {
 		if err != nil {
 			return err
 		}
-		p := &w.patches[i]
-		p.out = out
-		if out != nil {
-			p.zeroLength = p.db.Length != 0 && out.Length == 0
-			p.zeroKind = p.db.Kind != 0 && out.Kind == 0
-		}
+		w.patches[i].out = out
 	}
 	return nil
 }
@@ -666,10 +663,10 @@ func (w *rewriter) patch() error {
 // follows the tag and length of path[d].
 func (p *patch) size(sizes *[maxPatchDepth]int) int {
 	n := proto.Size(p.out)
-	if p.zeroLength {
+	if p.zeroLength() {
 		n += protowire.SizeTag(lengthField) + 1
 	}
-	if p.zeroKind {
+	if p.zeroKind() {
 		n += protowire.SizeTag(kindField) + 1
 	}
 	for d := p.depth - 1; d >= 0; d-- {
@@ -685,10 +682,10 @@ func (p *patch) appendTo(b []byte, sizes *[maxPatchDepth]int) ([]byte, error) {
 		b = protowire.AppendVarint(protowire.AppendTag(b, p.path[d], protowire.BytesType), uint64(sizes[d]))
 	}
 	b, err := proto.MarshalOptions{UseCachedSize: true}.MarshalAppend(b, p.out)
-	if p.zeroLength {
+	if p.zeroLength() {
 		b = protowire.AppendVarint(protowire.AppendTag(b, lengthField, protowire.VarintType), 0)
 	}
-	if p.zeroKind {
+	if p.zeroKind() {
 		b = protowire.AppendVarint(protowire.AppendTag(b, kindField, protowire.VarintType), 0)
 	}
 	return b, err
