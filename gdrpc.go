@@ -70,8 +70,9 @@ type Config struct {
 func WithTrustPeers() Option { return func(c *Config) { c.TrustPeers = true } }
 
 // WithTransport chooses what sessions run over: ModeAuto (the default), ModeUCX
-// or ModeTCP. ModeUCX says the peers are trusted, as WithTrustPeers does: a
-// UCX session exposes the whole process to its peer (README, Security).
+// or ModeTCP. ModeUCX accepts what a UCX session exposes (the whole process,
+// README, Security), so use it only between trusted peers; the trusted paths
+// and receive spaces still need WithTrustPeers.
 func WithTransport(m Mode) Option { return func(c *Config) { c.Transport = m } }
 
 // WithLogger sends the sessions' and transfers' log records to l.

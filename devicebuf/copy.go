@@ -137,12 +137,12 @@ type queued struct {
 	pins *runtime.Pinner // Go memory of the copy, pinned; nil if none
 }
 
-// NewStream creates a stream on CUDA device dev, not ordered with the legacy default stream.
-// dev == -1 makes a host-only stream (no CUDA needed) on which only host-to-host copies may
+// NewStream creates a stream on CUDA device number device, not ordered with the legacy
+// default stream. device == -1 makes a host-only stream (no CUDA needed) on which only host-to-host copies may
 // be queued.
 func NewStream(device int) (*Stream, error) { return newStream(device, false) }
 
-// NewCopyStream creates a stream on CUDA device dev whose copies are ordered after work on
+// NewCopyStream creates a stream on CUDA device number device whose copies are ordered after work on
 // the legacy default stream, as Copy's are.
 func NewCopyStream(device int) (*Stream, error) {
 	if device < 0 {

@@ -136,7 +136,7 @@ const (
 	WritesOrderingAllDevices = driver.WritesOrderingAllDevices
 )
 
-// Attributes reads device dev's GPUDirect RDMA attributes.
+// Attributes reads the GPUDirect RDMA attributes of CUDA device number device.
 func Attributes(device int) (DeviceAttrs, error) {
 	d, err := checkDevice(device)
 	if err != nil {
@@ -161,8 +161,8 @@ func readAttrs(d driver.Driver, dev int) (DeviceAttrs, error) {
 	return a, nil
 }
 
-// NeedsRDMAFlush reports whether data that an RDMA NIC wrote into device memory of dev must
-// be flushed (FlushRDMAWrites) before a consumer on dev may read it: true where the device
+// NeedsRDMAFlush reports whether data that an RDMA NIC wrote into the memory of CUDA device
+// number device must be flushed (FlushRDMAWrites) before a consumer on it may read it: true where the device
 // does not order GPUDirect RDMA writes for its own context (WritesOrdering below Owner).
 func NeedsRDMAFlush(device int) (bool, error) {
 	d, err := checkDevice(device)
@@ -176,8 +176,8 @@ func NeedsRDMAFlush(device int) (bool, error) {
 	return a.WritesOrdering < WritesOrderingOwner, nil
 }
 
-// FlushRDMAWrites makes GPUDirect RDMA writes into device memory of dev that completed
-// before the call visible to work on dev that follows it. It calls
+// FlushRDMAWrites makes GPUDirect RDMA writes into the memory of CUDA device number device
+// that completed before the call visible to work on that device that follows it. It calls
 // cuFlushGPUDirectRDMAWrites only where the device's WritesOrdering says a consumer on the
 // owning device needs it; where the device orders writes itself it does nothing. A device
 // that neither orders writes nor offers a host-side flush gives an error wrapping
@@ -209,7 +209,7 @@ type cudaAllocator struct {
 	uuid string
 }
 
-// NewCUDAAllocator returns an allocator of device memory on CUDA device dev (cuMemAlloc,
+// NewCUDAAllocator returns an allocator of memory on CUDA device number device (cuMemAlloc,
 // with CU_POINTER_ATTRIBUTE_SYNC_MEMOPS set so that RDMA sees completed copies). Without a
 // driver it returns an error wrapping ErrNotSupported.
 func NewCUDAAllocator(device int) (Allocator, error) {
@@ -258,7 +258,7 @@ type DeviceInfo struct {
 	Attrs             DeviceAttrs `json:"attrs"`
 }
 
-// Describe returns what the CUDA driver reports about device dev.
+// Describe returns what the CUDA driver reports about CUDA device number device.
 func Describe(device int) (DeviceInfo, error) {
 	d, err := checkDevice(device)
 	if err != nil {

@@ -19,7 +19,7 @@ type Dialer struct {
 }
 
 // New returns a Dialer whose sessions and transfers follow opts (package
-// gdrpc's options: trust, transport, logging, metrics, limits).
+// gdrpc's options: trust, transport, logging, metrics, limits and the rest).
 func New(opts ...gdrpc.Option) *Dialer {
 	return &Dialer{opts: face.SessionOptions(opts)}
 }

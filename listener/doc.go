@@ -14,7 +14,7 @@
 // peer.AuthInfo is then the credentials' own (credentials.TLSInfo). A handler
 // finds the session its call came over with gdrpc.SessionFromContext. Listen
 // takes package gdrpc's options (trust, transport, logger, metrics,
-// limits), which apply to this listener's sessions alone.
+// limits and the rest), which apply to this listener's sessions alone.
 // The examples run a server with the example tensor service, and one with
 // TLS.
 //

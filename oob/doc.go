@@ -12,8 +12,9 @@
 // payload, one length, until the owner withdraws it or its lease ends.
 //
 // The engine plugs into sessions through transport.Engine: sessions made with
-// transport.WithEngine(oob.Engine()) carry its control messages and bulk
-// frames (packages dialer and listener set it up). Sessions hold their
+// transport.WithEngine(oob.New(cfg)), or oob.Engine() for the process's
+// configuration, carry its control messages and bulk frames (packages
+// dialer and listener make one per Dialer and Listener). Sessions hold their
 // share of its bounds (Limits); a session's trust (transport.WithTrustPeers)
 // decides which paths its peer may use.
 //

@@ -87,8 +87,9 @@ type TransferConfig struct {
 	// StagingChunk is the chunk size of staged (GPU via host) transfers. If zero,
 	// DefaultStagingChunk.
 	StagingChunk int
-	// PoolBytes bounds the registered host memory the engine keeps for
-	// destinations and staging. A destination the full pool cannot give
+	// PoolBytes bounds the registered host memory kept for destinations
+	// and staging: the process's host pool, so only SetTransferConfig's, set
+	// before the pool's first use, counts. A destination the full pool cannot give
 	// comes from Go memory, and staging falls back to the stream path. If
 	// zero, 2 GiB.
 	PoolBytes int64

@@ -23,7 +23,8 @@ const (
 	// peer reaches only what the out-of-band engine offers it.
 	ModeAuto Mode = "auto"
 	// ModeUCX requires UCX: a session that cannot run over UCX fails. Asking
-	// for it says the peers are trusted (see ModeAuto).
+	// for it accepts that exposure (see ModeAuto); the paths meant for trusted
+	// peers still need WithTrustPeers.
 	ModeUCX Mode = "ucx"
 	// ModeTCP never uses UCX: the session runs over the bootstrap TCP connection.
 	ModeTCP Mode = "tcp"

@@ -74,7 +74,7 @@
 // client and the server are separate processes. Across hosts: run
 // "gdrperf -server HOST:PORT" on one (plain gRPC then listens on PORT+1 and
 // ucx_perftest on PORT+2) and "gdrperf -connect HOST:PORT" on the other, with
-// the same -transport and -mem on both.
+// the same -transport, -mem, -paths and -trust-peers on both.
 //
 // Usage:
 //
@@ -82,7 +82,7 @@
 //	        [-transport auto|ucx|tcp] [-mem host|cuda] [-recv host|cuda] [-device 0] [-server-device N]
 //	        [-paths all|cuda-ipc,rdma,stream] [-format table|json] [-server ADDR | -connect ADDR]
 //	        [-perftest PATH|none] [-call-timeout 1m] [-busy N] [-receive-space SIZE|0] [-request-space SIZE]
-//	        [-request-space-limit SIZE] [-connects N]
+//	        [-request-space-limit SIZE] [-connects N] [-trust-peers] [-eager SIZE]
 //	        [-stream-ordered]
 //	        [-baselines=false] [-cpuprofile F] [-server-cpuprofile F] [-trace F] [-server-trace F] [-v]
 //
