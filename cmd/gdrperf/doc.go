@@ -66,9 +66,11 @@
 // the payload: with N in flight, how far a call under load is from what
 // gRPC alone takes under that load.
 //
-// The table's first line names the run's settings, the GOMAXPROCS of both
-// processes among them: on a host whose idle cores are slow to wake, a call
-// takes markedly less time with few Ps (README, Performance).
+// The table's first line names the run's settings, among them the GOMAXPROCS
+// of both processes and the CPUs each may run on (cpus=, as taskset sets
+// them): on a host whose idle cores are slow to wake, a call takes markedly
+// less time with few Ps, or with both processes on a few cores (README,
+// Performance).
 //
 // Same host (the default): the tool re-executes itself as the server, so the
 // client and the server are separate processes. Across hosts: run

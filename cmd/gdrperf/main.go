@@ -426,7 +426,11 @@ func runServer(ctx context.Context, o *options, stdin io.Reader, stdout io.Write
 		if info.PerftestNote != "" {
 			fmt.Fprintf(stdout, " (%s)", info.PerftestNote)
 		}
-		fmt.Fprintf(stdout, "; GOMAXPROCS %d\n", info.Procs)
+		fmt.Fprintf(stdout, "; GOMAXPROCS %d", info.Procs)
+		if info.CPUs != "" {
+			fmt.Fprintf(stdout, ", CPUs %s", info.CPUs)
+		}
+		fmt.Fprintln(stdout)
 	}, logf)
 }
 

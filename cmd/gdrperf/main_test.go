@@ -193,7 +193,7 @@ func TestTable(t *testing.T) {
 	require.Equal(t, 0, code, errb.String())
 	s := out.String()
 	require.Contains(t, s, "gdrpc session over tcp")
-	require.Contains(t, s, fmt.Sprintf(" gomaxprocs=%d (server 1);", runtime.GOMAXPROCS(0)))
+	require.Contains(t, s, fmt.Sprintf(" gomaxprocs=%d (server 1) cpus=%s (server %[2]s);", runtime.GOMAXPROCS(0), allowedCPUs()))
 	require.Regexp(t, `(?m)^\s*size\s+path\s+gdrpc MiB/s\s+call µs\s+xfer MiB/s\s+grpc-tcp MiB/s\s+x grpc\s+ucx_perftest MiB/s\s+x perftest\s+rpc 1KiB µs\s+call/\(rpc\+copy\)\s*$`, s)
 	require.Regexp(t, `(?m)^\s*256KiB\s+stream\s+[0-9.,]+\s+[0-9.,]+\s+[0-9.,]+\s+[0-9.,]+\s+[0-9.]+x\s+-\s+-\s+[0-9.,]+\s+[0-9.]+x\s*$`, s)
 	require.Contains(t, s, "# note: 256KiB: ucx_perftest skipped")

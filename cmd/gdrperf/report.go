@@ -41,14 +41,22 @@ func (r *reporter) header(b *bench) {
 	if b.lanes != "" {
 		session += " (" + b.lanes + ")"
 	}
-	// A call's time depends on GOMAXPROCS where idle cores are slow to wake
-	// (README, Performance): a run names both processes'.
+	// A call's time depends on GOMAXPROCS and on the cores a process may
+	// run on where idle cores are slow to wake (README, Performance): a run
+	// names both processes'.
 	procs := strconv.Itoa(runtime.GOMAXPROCS(0))
 	if b.info.Procs > 0 {
 		procs += fmt.Sprintf(" (server %d)", b.info.Procs)
 	}
-	fmt.Fprintf(r.w, "# gdrperf op=%s mem=%s recv=%s transport=%s paths=%s iters=%d warmup=%d inflight=%s conns=%d gomaxprocs=%s; gdrpc session over %s\n",
-		o.op, o.mem, o.recv, o.transport, o.paths, o.iters, o.warmup, counts(o.inflights), o.conns, procs, session)
+	cpus := ""
+	if c := allowedCPUs(); c != "" {
+		cpus = " cpus=" + c
+		if b.info.CPUs != "" {
+			cpus += " (server " + b.info.CPUs + ")"
+		}
+	}
+	fmt.Fprintf(r.w, "# gdrperf op=%s mem=%s recv=%s transport=%s paths=%s iters=%d warmup=%d inflight=%s conns=%d gomaxprocs=%s%s; gdrpc session over %s\n",
+		o.op, o.mem, o.recv, o.transport, o.paths, o.iters, o.warmup, counts(o.inflights), o.conns, procs, cpus, session)
 	what := "client calls Make, pulls the server's payload"
 	if o.op == "push" {
 		what = "client calls Digest, the server pulls the client's payload"

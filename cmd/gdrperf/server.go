@@ -47,6 +47,7 @@ type readyInfo struct {
 	PerftestPort int    `json:"perftest_port"` // ucx_perftest server port; 0: none
 	PerftestNote string `json:"perftest_note,omitempty"`
 	Procs        int    `json:"gomaxprocs,omitempty"` // the server's GOMAXPROCS; 0: not announced
+	CPUs         string `json:"cpus,omitempty"`       // the CPUs the server may run on ("0-3"); "": not announced
 }
 
 // payloads keeps, per size, the buffers the server sends and receives into,
@@ -298,7 +299,7 @@ func serve(ctx context.Context, o *options, ready func(readyInfo), logf func(str
 	wg.Go(func() { errs <- gs.Serve(lis) })
 	wg.Go(func() { errs <- bs.Serve(bl) })
 
-	info := readyInfo{GDRPC: lis.Addr().String(), GRPC: bl.Addr().String(), Procs: runtime.GOMAXPROCS(0)}
+	info := readyInfo{GDRPC: lis.Addr().String(), GRPC: bl.Addr().String(), Procs: runtime.GOMAXPROCS(0), CPUs: allowedCPUs()}
 	if bin, note := perftestBinary(o.perftest); bin != "" {
 		pp := port + 2
 		if port == 0 {
