@@ -138,12 +138,12 @@ type queued struct {
 }
 
 // NewStream creates a stream on CUDA device number device, not ordered with the legacy
-// default stream. device == -1 makes a host-only stream (no CUDA needed) on which only host-to-host copies may
-// be queued.
+// default stream. device == -1 makes a host-only stream (no CUDA needed) on which only
+// host-to-host copies may be queued.
 func NewStream(device int) (*Stream, error) { return newStream(device, false) }
 
-// NewCopyStream creates a stream on CUDA device number device whose copies are ordered after work on
-// the legacy default stream, as Copy's are.
+// NewCopyStream creates a stream on CUDA device number device whose copies are ordered
+// after work on the legacy default stream, as Copy's are.
 func NewCopyStream(device int) (*Stream, error) {
 	if device < 0 {
 		return nil, fmt.Errorf("devicebuf: copy stream on device %d", device)

@@ -162,8 +162,9 @@ func readAttrs(d driver.Driver, dev int) (DeviceAttrs, error) {
 }
 
 // NeedsRDMAFlush reports whether data that an RDMA NIC wrote into the memory of CUDA device
-// number device must be flushed (FlushRDMAWrites) before a consumer on it may read it: true where the device
-// does not order GPUDirect RDMA writes for its own context (WritesOrdering below Owner).
+// number device must be flushed (FlushRDMAWrites) before a consumer on it may read it: true
+// where the device does not order GPUDirect RDMA writes for its own context (WritesOrdering
+// below Owner).
 func NeedsRDMAFlush(device int) (bool, error) {
 	d, err := checkDevice(device)
 	if err != nil {

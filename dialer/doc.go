@@ -13,7 +13,8 @@
 // ClientConn alone. Pass TLS credentials to it instead of nil for TLS. New takes package gdrpc's options: gdrpc.WithTrustPeers
 // (sessions run over TCP unless the peers trust each other, then over UCX
 // where both ends have it), the transport, logger, metrics, limits,
-// transfer timeout and the others of package gdrpc; they apply to this Dialer's sessions alone. A call's
+// transfer timeout and the others of package gdrpc; they apply to this
+// Dialer's sessions alone. A call's
 // session is found from its peer (grpc.Peer and gdrpc.SessionFromPeer). The package example runs a client against the
 // example tensor service; package listener's examples show the server and TLS.
 //
