@@ -129,9 +129,9 @@ var ipcCache = struct {
 }{m: map[ipcKey]*ipcMapping{}}
 
 // OpenIPC maps a peer's allocation named by h on CUDA device number device and returns a
-// Buffer covering the whole allocation (Slice it at the offset ExportIPC returned). Mappings are cached per
-// allocation: opening the same handle again shares the mapping, and it is closed when the
-// last Buffer returned for it is released.
+// Buffer covering the whole allocation (Slice it at the offset ExportIPC returned).
+// Mappings are cached per allocation: opening the same handle again shares the mapping, and
+// it is closed when the last Buffer returned for it is released.
 //
 // A handle this process exported (the CUDA driver refuses to open those) gives a Buffer onto
 // the exporting allocation itself, on the exporter's device, which keeps the allocation
