@@ -10,13 +10,14 @@
 // DialOptions selects the out-of-band codec for every call of the ClientConn,
 // so a client needs no gdrcodec.Register; codec options given to it (the
 // receive allocator: where payloads land, such as a GPU) apply to that
-// ClientConn alone. Pass TLS credentials to it instead of nil for TLS. New takes package gdrpc's options: gdrpc.WithTrustPeers
-// (sessions run over TCP unless the peers trust each other, then over UCX
-// where both ends have it), the transport, logger, metrics, limits,
-// transfer timeout and the others of package gdrpc; they apply to this
-// Dialer's sessions alone. A call's
-// session is found from its peer (grpc.Peer and gdrpc.SessionFromPeer). The package example runs a client against the
-// example tensor service; package listener's examples show the server and TLS.
+// ClientConn alone. Pass TLS credentials to it instead of nil for TLS. New
+// takes package gdrpc's options: gdrpc.WithTrustPeers (sessions run over TCP
+// unless the peers trust each other, then over UCX where both ends have it),
+// the transport, logger, metrics, limits, transfer timeout and the others of
+// package gdrpc; they apply to this Dialer's sessions alone. A call's session
+// is found from its peer (grpc.Peer and gdrpc.SessionFromPeer). The package
+// example runs a client against the example tensor service; package listener's
+// examples show the server and TLS.
 //
 // A ClientConn to one address carries its calls over one connection; a
 // client that keeps
