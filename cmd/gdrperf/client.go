@@ -95,6 +95,7 @@ type result struct {
 	VsRPCCopy       *float64 `json:"call_vs_rpc_plus_copy,omitempty"` // call time / (1 KiB RPC + copy), both with as many in flight
 	Fallbacks       []string `json:"fallbacks,omitempty"`
 	Notes           []string `json:"notes,omitempty"`
+	Run             int      `json:"run,omitempty"` // with -runs above 1, which run measured the row
 }
 
 func ratio(a float64, b *float64) *float64 {
@@ -152,15 +153,46 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 	if err != nil {
 		return err
 	}
-	defer unregister() // after the connections close (deferred below)
+	defer unregister() // after the connections close
 	m := &collector{}
 	o.metrics = m
 
-	b := &bench{o: o, metrics: m, alloc: alloc, cuda: cuda, logf: logf}
+	var runs [][]*result
+	var errs []error
+	for run := 1; run <= o.runs; run++ {
+		b := &bench{o: o, metrics: m, alloc: alloc, cuda: cuda, logf: logf}
+		if o.runs > 1 && o.format == "table" {
+			fmt.Fprintf(stdout, "# run %d of %d\n", run, o.runs) // JSON rows carry theirs
+		}
+		rs, err := b.run(ctx, stdout, run, run == o.runs)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if err != nil && o.runs > 1 {
+			err = fmt.Errorf("run %d: %w", run, err)
+		}
+		if err != nil {
+			errs = append(errs, err)
+		}
+		runs = append(runs, rs)
+	}
+	if o.runs > 1 {
+		if err := writeSummary(stdout, o, runs); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// run measures every size and count in flight once, with a server of its
+// own (unless -connect names one) and new connections, writes the table,
+// and, on the last run, times new connections (-connects).
+func (b *bench) run(ctx context.Context, stdout io.Writer, run int, last bool) ([]*result, error) {
+	o, logf := b.o, b.logf
 	if o.connect == "" {
 		ch, info, err := startChild(ctx, o)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		defer func() {
 			if err := ch.stop(); err != nil {
@@ -171,11 +203,11 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 	} else {
 		host, ps, err := net.SplitHostPort(o.connect)
 		if err != nil {
-			return fmt.Errorf("-connect %q: %w", o.connect, err)
+			return nil, fmt.Errorf("-connect %q: %w", o.connect, err)
 		}
 		port, err := strconv.Atoi(ps)
 		if err != nil || port <= 0 || port > 65533 {
-			return fmt.Errorf("-connect %q: want a port from 1 to 65533", o.connect)
+			return nil, fmt.Errorf("-connect %q: want a port from 1 to 65533", o.connect)
 		}
 		b.info = readyInfo{GDRPC: o.connect, GRPC: net.JoinHostPort(host, strconv.Itoa(port+1)), PerftestPort: port + 2}
 		b.host = host
@@ -187,41 +219,46 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 
 	pool, err := dialGDRPC(o, b.info.GDRPC)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer pool.Close()
 	b.gdrpc = tensorpb.NewTensorServiceClient(pool)
 	if b.plain, err = dialPlain(b.info.GRPC); err != nil {
-		return err
+		return nil, err
 	}
 	defer b.plain.Close()
 
 	out := newReporter(stdout, o)
+	var rs []*result
 	var failed []string
 	for i, size := range o.sizes {
 		for j, n := range o.inflights {
 			o.inflight = n
 			r := b.measure(ctx, size)
 			if ctx.Err() != nil {
-				return ctx.Err()
+				return rs, ctx.Err()
+			}
+			if o.runs > 1 {
+				r.Run = run
 			}
 			if i == 0 && j == 0 {
 				out.header(b)
 			}
 			out.row(r)
+			rs = append(rs, r)
 			if r.GDRPCMiBs == 0 {
 				failed = append(failed, fmt.Sprintf("%s (%d in flight)", r.Size, n))
 			}
 		}
 	}
 	if err := out.flush(); err != nil {
-		return err
+		return rs, err
 	}
 	var errs []error
 	if len(failed) > 0 {
 		errs = append(errs, fmt.Errorf("gdrpc not measured for %s (see the notes)", strings.Join(failed, ", ")))
 	}
-	if o.connects > 0 {
+	if last && o.connects > 0 {
 		r, err := b.measureConnects(ctx)
 		if err == nil {
 			err = writeConnects(stdout, o.format, r)
@@ -230,7 +267,7 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 			errs = append(errs, fmt.Errorf("-connects: %w", err))
 		}
 	}
-	return errors.Join(errs...)
+	return rs, errors.Join(errs...)
 }
 
 // limits raises gRPC's message size limits on both clients.

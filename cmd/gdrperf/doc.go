@@ -84,7 +84,7 @@
 //	        [-transport auto|ucx|tcp] [-mem host|cuda] [-recv host|cuda] [-device 0] [-server-device N]
 //	        [-paths all|cuda-ipc,rdma,stream] [-format table|json] [-server ADDR | -connect ADDR]
 //	        [-perftest PATH|none] [-call-timeout 1m] [-busy N] [-receive-space SIZE|0] [-request-space SIZE]
-//	        [-request-space-limit SIZE] [-connects N] [-trust-peers] [-eager SIZE]
+//	        [-request-space-limit SIZE] [-connects N] [-runs N] [-trust-peers] [-eager SIZE]
 //	        [-stream-ordered]
 //	        [-baselines=false] [-cpuprofile F] [-server-cpuprofile F] [-trace F] [-server-trace F] [-v]
 //
@@ -97,6 +97,14 @@
 // with its session's handshake, move to UCX and lanes, against plain gRPC's
 // over TCP; a line under the table (medians and p90), or a JSON object
 // after the rows.
+//
+// -runs N measures everything N times, each run with a server process of
+// its own (unless -connect names one) and new connections, and prints each
+// run's table, then a table of the medians over the runs: a call's time, the
+// ratios and call/(rpc+copy) with their ranges. With -format json a run's
+// rows carry "run", and an object per size marked "summary" follows them.
+// Where a process's threads land changes its figures from one run to the
+// next (README, Performance): compare the medians of several runs.
 //
 // The exit status is 1 when gdrpc could not be measured for some size (the
 // notes say why); a missing baseline is only a note.

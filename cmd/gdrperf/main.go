@@ -41,6 +41,7 @@ type options struct {
 	reqLimit  int           // -request-space-limit: 0 none (spaces for requests that grow)
 	busy      int           // CPU-bound processes beside the run (-busy)
 	connects  int           // -connects: new connections to time, each way
+	runs      int           // -runs: whole measurements, each with a server and connections of its own
 	spin      bool          // this process is one of them
 	metrics   gdrpc.Metrics // transfer events of the client's dialer (nil: none)
 	mem       string        // host, cuda: where the sender's payload lives
@@ -82,6 +83,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.conns, "conns", 1, "gdrpc client connections the calls spread over (a dialer.Pool: each call goes over the connection with the fewest in flight; each connection is a session of its own)")
 	inflight := fs.String("inflight", "1", "calls in flight at once, or a comma list (a row per value and size, e.g. 1,4,8): above 1, that many goroutines make -iters calls each and the rates are aggregate throughput (bytes over wall time) instead of medians per call")
 	fs.IntVar(&o.connects, "connects", 0, "after the table, time this many new connections each way, alternating: a new ClientConn up to its first call's response (a 1 KiB Make), gdrpc (the session's setup included) against plain gRPC over TCP; medians and p90")
+	fs.IntVar(&o.runs, "runs", 1, "measure everything this many times, each run with a server process (unless -connect) and connections of its own, then print the medians over the runs with their ranges: where a run's threads land changes its figures, so compare medians of several runs (-connects times the last run's; -server-cpuprofile and -server-trace keep the last run's server)")
 	fs.IntVar(&o.busy, "busy", 0, "run this many CPU-bound processes (each spins one core) beside client and server for the whole run: calls under contention, as in a service sharing its cores")
 	fs.BoolVar(&o.spin, "spin", false, "spin on one core until stdin closes (the processes -busy starts)")
 	fs.StringVar(&o.transport, "transport", "auto", "gdrpc transport: auto, ucx or tcp")
@@ -180,6 +182,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, fmt.Errorf("-warmup %d: want 0 or more", o.warmup)
 	case o.connects < 0:
 		return nil, fmt.Errorf("-connects %d: want 0 or more", o.connects)
+	case o.runs < 1:
+		return nil, fmt.Errorf("-runs %d: want at least 1", o.runs)
 	case o.conns < 1 || o.conns > o.inflight:
 		return nil, fmt.Errorf("-conns %d: want 1 to the largest -inflight (%d)", o.conns, o.inflight)
 	case o.reqSpace > 0 && o.reqLimit > 0:

@@ -199,6 +199,61 @@ func TestTable(t *testing.T) {
 	require.Contains(t, s, "# note: 256KiB: ucx_perftest skipped")
 }
 
+// TestRuns: -runs measures everything again, each run with a server process
+// and connections of its own, then gives each figure's median over the runs
+// and its range: JSON objects marked summary after the runs' rows, or a table
+// under the runs' tables. No server process is left, and the calls' buffers
+// go back to the pools.
+func TestRuns(t *testing.T) {
+	before, base := childProcesses(t), poolsInUse()
+	args := []string{"-runs", "3", "-sizes", "4KiB,8KiB", "-iters", "2", "-warmup", "0", "-transport", "tcp", "-perftest", "none"}
+	var out, errb bytes.Buffer
+	code := realMain(append([]string{"-format", "json"}, args...), strings.NewReader(""), &out, &errb)
+	require.Equal(t, 0, code, errb.String())
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	require.Len(t, lines, 3*2+2, "two rows per run, then a summary per size")
+	rows := make([]result, 6)
+	for i := range rows {
+		require.NoError(t, json.Unmarshal([]byte(lines[i]), &rows[i]))
+		require.Equal(t, i/2+1, rows[i].Run, "row %d", i)
+	}
+	for j, line := range lines[6:] {
+		var s summaryRow
+		require.NoError(t, json.Unmarshal([]byte(line), &s))
+		require.True(t, s.Summary)
+		require.Equal(t, []int{4 << 10, 8 << 10}[j], s.SizeBytes)
+		require.Equal(t, []string{"inline"}, s.Paths)
+		var calls, vs []float64
+		for run := range 3 {
+			r := rows[2*run+j]
+			require.Equal(t, s.SizeBytes, r.SizeBytes)
+			require.NotNil(t, r.CallMicros)
+			require.NotNil(t, r.VsRPCCopy)
+			calls, vs = append(calls, *r.CallMicros), append(vs, *r.VsRPCCopy)
+		}
+		require.Equal(t, spread{Median: median(calls), Min: slices.Min(calls), Max: slices.Max(calls), Runs: 3}, *s.Call)
+		require.Equal(t, spread{Median: median(vs), Min: slices.Min(vs), Max: slices.Max(vs), Runs: 3}, *s.VsRPCCopy)
+		require.Nil(t, s.VsPerf, "no run measured it")
+	}
+
+	out.Reset()
+	code = realMain(args, strings.NewReader(""), &out, &errb)
+	require.Equal(t, 0, code, errb.String())
+	table := out.String()
+	for run := 1; run <= 3; run++ {
+		require.Regexp(t, fmt.Sprintf(`(?m)^# run %d of 3$`, run), table)
+	}
+	require.Equal(t, 3, strings.Count(table, "# gdrperf op=pull"), "each run's table has its header")
+	_, summary, ok := strings.Cut(table, "# medians over 3 runs")
+	require.True(t, ok)
+	require.Regexp(t, `(?m)^\s*size\s+path\s+gdrpc MiB/s\s+call µs\s+x grpc\s+x perftest\s+rpc 1KiB µs\s+call/\(rpc\+copy\)\s*$`, summary)
+	for _, size := range []string{"4KiB", "8KiB"} {
+		require.Regexp(t, `(?m)^\s*`+size+`\s+inline\s+[0-9.,]+\s+[0-9.,]+ \([0-9.,]+-[0-9.,]+\)\s+[0-9.]+x \([0-9.]+x-[0-9.]+x\)\s+-\s+[0-9.,]+\s+[0-9.]+x \([0-9.]+x-[0-9.]+x\)\s*$`, summary)
+	}
+	require.Equal(t, before, childProcesses(t), "server processes left")
+	require.Equal(t, base, poolsInUse(), "buffers not given back to the host pools")
+}
+
 func TestCUDA(t *testing.T) {
 	var out, errb bytes.Buffer
 	// CUDA IPC and UCX sessions are for trusted peers only; without a receive
@@ -315,6 +370,7 @@ func TestFlags(t *testing.T) {
 		{name: "format", args: []string{"-format", "csv"}, err: "-format"},
 		{name: "iters", args: []string{"-iters", "0"}, err: "-iters"},
 		{name: "connects", args: []string{"-connects", "-1"}, err: "-connects"},
+		{name: "runs", args: []string{"-runs", "0"}, err: "-runs"},
 		{name: "inflight", args: []string{"-inflight", "0"}, err: "-inflight"},
 		{name: "inflight list", args: []string{"-inflight", "1,x"}, err: "-inflight"},
 		{name: "inflight twice", args: []string{"-inflight", "4,1,4"}, err: "twice"},

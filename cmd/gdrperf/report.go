@@ -205,3 +205,133 @@ func (r *reporter) flush() error {
 	}
 	return nil
 }
+
+// spread is a figure over the runs that measured it: the median and the
+// range.
+type spread struct {
+	Median float64 `json:"median"`
+	Min    float64 `json:"min"`
+	Max    float64 `json:"max"`
+	Runs   int     `json:"runs"`
+}
+
+// spreadOf returns the spread of the figures f finds in rs; nil where no
+// run measured it.
+func spreadOf(rs []*result, f func(*result) *float64) *spread {
+	var xs []float64
+	for _, r := range rs {
+		if v := f(r); v != nil {
+			xs = append(xs, *v)
+		}
+	}
+	if len(xs) == 0 {
+		return nil
+	}
+	return &spread{Median: median(xs), Min: slices.Min(xs), Max: slices.Max(xs), Runs: len(xs)}
+}
+
+// summaryRow is one size's figures, at one count in flight, over the runs
+// of -runs.
+type summaryRow struct {
+	Summary   bool     `json:"summary"` // true: tells these objects from a run's rows
+	SizeBytes int      `json:"size_bytes"`
+	Size      string   `json:"size"`
+	Inflight  int      `json:"inflight"`
+	Paths     []string `json:"paths"` // the paths the runs' payloads took, each once
+	GDRPCMiBs *spread  `json:"gdrpc_mib_s"`
+	Call      *spread  `json:"call_us"`
+	VsGRPC    *spread  `json:"gdrpc_vs_grpc_tcp"`
+	VsPerf    *spread  `json:"gdrpc_vs_ucx_perftest"`
+	RPC       *spread  `json:"rpc_1kib_us"`
+	VsRPCCopy *spread  `json:"call_vs_rpc_plus_copy"`
+}
+
+// summarize groups the rows of runs by size and count in flight, in the
+// order the runs measured them, leaving out rows gdrpc did not measure.
+func summarize(runs [][]*result) []summaryRow {
+	type key struct{ size, inflight int }
+	var order []key
+	rows := map[key][]*result{}
+	for _, rs := range runs {
+		for _, r := range rs {
+			k := key{r.SizeBytes, r.Inflight}
+			if _, ok := rows[k]; !ok {
+				order = append(order, k)
+				rows[k] = nil
+			}
+			if r.GDRPCMiBs > 0 {
+				rows[k] = append(rows[k], r)
+			}
+		}
+	}
+	out := make([]summaryRow, 0, len(order))
+	for _, k := range order {
+		rs := rows[k]
+		s := summaryRow{Summary: true, SizeBytes: k.size, Size: formatSize(k.size), Inflight: k.inflight}
+		for _, r := range rs {
+			if !slices.Contains(s.Paths, r.Path) {
+				s.Paths = append(s.Paths, r.Path)
+			}
+		}
+		s.GDRPCMiBs = spreadOf(rs, func(r *result) *float64 { return &r.GDRPCMiBs })
+		s.Call = spreadOf(rs, func(r *result) *float64 { return r.CallMicros })
+		s.VsGRPC = spreadOf(rs, func(r *result) *float64 { return r.VsGRPCTCP })
+		s.VsPerf = spreadOf(rs, func(r *result) *float64 { return r.VsUCXPerftest })
+		s.RPC = spreadOf(rs, func(r *result) *float64 { return r.RPCMicros })
+		s.VsRPCCopy = spreadOf(rs, func(r *result) *float64 { return r.VsRPCCopy })
+		out = append(out, s)
+	}
+	return out
+}
+
+// writeSummary writes the medians over the runs of -runs, with their
+// ranges, after the runs' tables: as a table, or as JSON objects marked
+// "summary".
+func writeSummary(w io.Writer, o *options, runs [][]*result) error {
+	rows := summarize(runs)
+	if o.format == "json" {
+		enc := json.NewEncoder(w)
+		for _, s := range rows {
+			if err := enc.Encode(s); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	fmt.Fprintf(w, "# medians over %d runs, (min-max); a figure's median and range over the runs that measured it, (n runs) where fewer did\n", o.runs)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	cols := []string{"size", "path", "gdrpc MiB/s", "call µs", "x grpc", "x perftest", "rpc 1KiB µs", "call/(rpc+copy)"}
+	if len(o.inflights) > 1 {
+		cols = slices.Insert(cols, 1, "inflight")
+	}
+	fmt.Fprintln(tw, strings.Join(cols, "\t")+"\t")
+	for _, s := range rows {
+		path := strings.Join(s.Paths, ",")
+		if path == "" {
+			path = "-"
+		}
+		cells := []string{s.Size, path, s.GDRPCMiBs.cell(num, false, o.runs), s.Call.cell(num, true, o.runs), s.VsGRPC.cell(rat, true, o.runs), s.VsPerf.cell(rat, true, o.runs), s.RPC.cell(num, false, o.runs), s.VsRPCCopy.cell(rat, true, o.runs)}
+		if len(o.inflights) > 1 {
+			cells = slices.Insert(cells, 1, strconv.Itoa(s.Inflight))
+		}
+		fmt.Fprintln(tw, strings.Join(cells, "\t")+"\t")
+	}
+	return tw.Flush()
+}
+
+// cell prints a spread for the summary table: the median, with the range
+// where withRange is, and the number of runs where fewer than all measured
+// it.
+func (s *spread) cell(format func(*float64) string, withRange bool, runs int) string {
+	if s == nil {
+		return "-"
+	}
+	c := format(&s.Median)
+	if withRange && s.Runs > 1 {
+		c += " (" + format(&s.Min) + "-" + format(&s.Max) + ")"
+	}
+	if s.Runs < runs {
+		c += fmt.Sprintf(" (%d runs)", s.Runs)
+	}
+	return c
+}
