@@ -157,16 +157,16 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 	m := &collector{}
 	o.metrics = m
 
-	var runs [][]*result
+	var runs [][]*result // the runs that ended
 	var errs []error
-	for run := 1; run <= o.runs; run++ {
+	for run := 1; run <= o.runs && ctx.Err() == nil; run++ {
 		b := &bench{o: o, metrics: m, alloc: alloc, cuda: cuda, logf: logf}
 		if o.runs > 1 && o.format == "table" {
 			fmt.Fprintf(stdout, "# run %d of %d\n", run, o.runs) // JSON rows carry theirs
 		}
 		rs, err := b.run(ctx, stdout, run, run == o.runs)
 		if ctx.Err() != nil {
-			return ctx.Err()
+			break
 		}
 		if err != nil && o.runs > 1 {
 			err = fmt.Errorf("run %d: %w", run, err)
@@ -176,10 +176,15 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 		}
 		runs = append(runs, rs)
 	}
-	if o.runs > 1 {
+	if o.runs > 1 && len(runs) > 1 {
+		// Interrupted (a signal, a timeout around the tool), the runs that
+		// ended still give their medians.
 		if err := writeSummary(stdout, o, runs); err != nil {
 			errs = append(errs, err)
 		}
+	}
+	if err := ctx.Err(); err != nil {
+		return err
 	}
 	return errors.Join(errs...)
 }

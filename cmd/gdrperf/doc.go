@@ -104,7 +104,9 @@
 // ratios and call/(rpc+copy) with their ranges. With -format json a run's
 // rows carry "run", and an object per size marked "summary" follows them.
 // Where a process's threads land changes its figures from one run to the
-// next (README, Performance): compare the medians of several runs.
+// next (README, Performance): compare the medians of several runs. Cut
+// short (a signal, a timeout around the tool), it still prints the medians
+// over the runs that ended.
 //
 // The exit status is 1 when gdrpc could not be measured for some size (the
 // notes say why); a missing baseline is only a note.

@@ -3,8 +3,10 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -252,6 +254,40 @@ func TestRuns(t *testing.T) {
 	}
 	require.Equal(t, before, childProcesses(t), "server processes left")
 	require.Equal(t, base, poolsInUse(), "buffers not given back to the host pools")
+}
+
+// A run of -runs cut short (a signal, a timeout around the tool) still
+// gives the medians over the runs that ended, and says it was interrupted.
+func TestRunsInterrupted(t *testing.T) {
+	before := childProcesses(t)
+	o, err := parseFlags([]string{"-runs", "4", "-sizes", "4KiB", "-iters", "2", "-warmup", "0", "-transport", "tcp", "-perftest", "none"}, io.Discard)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	out := &cancelAt{mark: "# run 3 of 4", cancel: cancel}
+	err = runClient(ctx, o, out, t.Logf)
+	require.ErrorIs(t, err, context.Canceled)
+	s := out.String()
+	_, summary, ok := strings.Cut(s, "# medians over 2 runs (interrupted: -runs 4)")
+	require.True(t, ok, s)
+	require.Regexp(t, `(?m)^\s*4KiB\s+inline\s+[0-9.,]+\s+[0-9.,]+ \([0-9.,]+-[0-9.,]+\)`, summary)
+	require.NotContains(t, s, "# run 4 of 4")
+	require.Equal(t, before, childProcesses(t), "server processes left")
+}
+
+// cancelAt collects what is written and calls cancel once mark was written.
+type cancelAt struct {
+	bytes.Buffer
+	mark   string
+	cancel func()
+}
+
+func (c *cancelAt) Write(p []byte) (int, error) {
+	n, err := c.Buffer.Write(p)
+	if strings.Contains(c.String(), c.mark) {
+		c.cancel()
+	}
+	return n, err
 }
 
 func TestCUDA(t *testing.T) {

@@ -298,7 +298,11 @@ func writeSummary(w io.Writer, o *options, runs [][]*result) error {
 		}
 		return nil
 	}
-	fmt.Fprintf(w, "# medians over %d runs, (min-max); a figure's median and range over the runs that measured it, (n runs) where fewer did\n", o.runs)
+	over := fmt.Sprintf("%d runs", len(runs))
+	if len(runs) < o.runs {
+		over += fmt.Sprintf(" (interrupted: -runs %d)", o.runs)
+	}
+	fmt.Fprintf(w, "# medians over %s, (min-max); a figure's median and range over the runs that measured it, (n runs) where fewer did\n", over)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	cols := []string{"size", "path", "gdrpc MiB/s", "call µs", "x grpc", "x perftest", "rpc 1KiB µs", "call/(rpc+copy)"}
 	if len(o.inflights) > 1 {
@@ -310,7 +314,8 @@ func writeSummary(w io.Writer, o *options, runs [][]*result) error {
 		if path == "" {
 			path = "-"
 		}
-		cells := []string{s.Size, path, s.GDRPCMiBs.cell(num, false, o.runs), s.Call.cell(num, true, o.runs), s.VsGRPC.cell(rat, true, o.runs), s.VsPerf.cell(rat, true, o.runs), s.RPC.cell(num, false, o.runs), s.VsRPCCopy.cell(rat, true, o.runs)}
+		n := len(runs)
+		cells := []string{s.Size, path, s.GDRPCMiBs.cell(num, false, n), s.Call.cell(num, true, n), s.VsGRPC.cell(rat, true, n), s.VsPerf.cell(rat, true, n), s.RPC.cell(num, false, n), s.VsRPCCopy.cell(rat, true, n)}
 		if len(o.inflights) > 1 {
 			cells = slices.Insert(cells, 1, strconv.Itoa(s.Inflight))
 		}
