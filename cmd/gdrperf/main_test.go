@@ -208,7 +208,8 @@ func TestTable(t *testing.T) {
 // go back to the pools.
 func TestRuns(t *testing.T) {
 	before, base := childProcesses(t), poolsInUse()
-	args := []string{"-runs", "3", "-sizes", "4KiB,8KiB", "-iters", "2", "-warmup", "0", "-transport", "tcp", "-perftest", "none"}
+	// 4 KiB travels inline; 256 KiB is pulled over the bulk lane, timed.
+	args := []string{"-runs", "3", "-sizes", "4KiB,256KiB", "-iters", "2", "-warmup", "0", "-transport", "tcp", "-perftest", "none"}
 	var out, errb bytes.Buffer
 	code := realMain(append([]string{"-format", "json"}, args...), strings.NewReader(""), &out, &errb)
 	require.Equal(t, 0, code, errb.String())
@@ -223,19 +224,28 @@ func TestRuns(t *testing.T) {
 		var s summaryRow
 		require.NoError(t, json.Unmarshal([]byte(line), &s))
 		require.True(t, s.Summary)
-		require.Equal(t, []int{4 << 10, 8 << 10}[j], s.SizeBytes)
-		require.Equal(t, []string{"inline"}, s.Paths)
-		var calls, vs []float64
+		require.Equal(t, []int{4 << 10, 256 << 10}[j], s.SizeBytes)
+		require.Equal(t, []string{[]string{"inline", "stream"}[j]}, s.Paths)
+		var calls, vs, xfers []float64
 		for run := range 3 {
 			r := rows[2*run+j]
 			require.Equal(t, s.SizeBytes, r.SizeBytes)
 			require.NotNil(t, r.CallMicros)
 			require.NotNil(t, r.VsRPCCopy)
 			calls, vs = append(calls, *r.CallMicros), append(vs, *r.VsRPCCopy)
+			if r.TransferMiBs > 0 {
+				xfers = append(xfers, r.TransferMiBs)
+			}
 		}
 		require.Equal(t, spread{Median: median(calls), Min: slices.Min(calls), Max: slices.Max(calls), Runs: 3}, *s.Call)
 		require.Equal(t, spread{Median: median(vs), Min: slices.Min(vs), Max: slices.Max(vs), Runs: 3}, *s.VsRPCCopy)
 		require.Nil(t, s.VsPerf, "no run measured it")
+		if j == 0 {
+			require.Nil(t, s.Transfer, "inline: no transfer")
+		} else {
+			require.Len(t, xfers, 3, "each run timed the pulls")
+			require.Equal(t, spread{Median: median(xfers), Min: slices.Min(xfers), Max: slices.Max(xfers), Runs: 3}, *s.Transfer)
+		}
 	}
 
 	out.Reset()
@@ -248,10 +258,11 @@ func TestRuns(t *testing.T) {
 	require.Equal(t, 3, strings.Count(table, "# gdrperf op=pull"), "each run's table has its header")
 	_, summary, ok := strings.Cut(table, "# medians over 3 runs")
 	require.True(t, ok)
-	require.Regexp(t, `(?m)^\s*size\s+path\s+gdrpc MiB/s\s+call µs\s+x grpc\s+x perftest\s+rpc 1KiB µs\s+call/\(rpc\+copy\)\s*$`, summary)
-	for _, size := range []string{"4KiB", "8KiB"} {
-		require.Regexp(t, `(?m)^\s*`+size+`\s+inline\s+[0-9.,]+\s+[0-9.,]+ \([0-9.,]+-[0-9.,]+\)\s+[0-9.]+x \([0-9.]+x-[0-9.]+x\)\s+-\s+[0-9.,]+\s+[0-9.]+x \([0-9.]+x-[0-9.]+x\)\s*$`, summary)
-	}
+	require.Regexp(t, `(?m)^\s*size\s+path\s+gdrpc MiB/s\s+call µs\s+xfer MiB/s\s+x grpc\s+x perftest\s+rpc 1KiB µs\s+call/\(rpc\+copy\)\s*$`, summary)
+	spreadCell := `[0-9.,]+ \([0-9.,]+-[0-9.,]+\)`
+	ratioCell := `[0-9.]+x \([0-9.]+x-[0-9.]+x\)`
+	require.Regexp(t, `(?m)^\s*4KiB\s+inline\s+[0-9.,]+\s+`+spreadCell+`\s+-\s+`+ratioCell+`\s+-\s+[0-9.,]+\s+`+ratioCell+`\s*$`, summary)
+	require.Regexp(t, `(?m)^\s*256KiB\s+stream\s+[0-9.,]+\s+`+spreadCell+`\s+`+spreadCell+`\s+`+ratioCell+`\s+-\s+[0-9.,]+\s+`+ratioCell+`\s*$`, summary)
 	require.Equal(t, before, childProcesses(t), "server processes left")
 	require.Equal(t, base, poolsInUse(), "buffers not given back to the host pools")
 }

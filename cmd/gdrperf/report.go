@@ -240,6 +240,7 @@ type summaryRow struct {
 	Paths     []string `json:"paths"` // the paths the runs' payloads took, each once
 	GDRPCMiBs *spread  `json:"gdrpc_mib_s"`
 	Call      *spread  `json:"call_us"`
+	Transfer  *spread  `json:"transfer_mib_s"`
 	VsGRPC    *spread  `json:"gdrpc_vs_grpc_tcp"`
 	VsPerf    *spread  `json:"gdrpc_vs_ucx_perftest"`
 	RPC       *spread  `json:"rpc_1kib_us"`
@@ -275,6 +276,12 @@ func summarize(runs [][]*result) []summaryRow {
 		}
 		s.GDRPCMiBs = spreadOf(rs, func(r *result) *float64 { return &r.GDRPCMiBs })
 		s.Call = spreadOf(rs, func(r *result) *float64 { return r.CallMicros })
+		s.Transfer = spreadOf(rs, func(r *result) *float64 {
+			if r.TransferMiBs == 0 {
+				return nil // no transfer timed: the payload was inline or landed in space
+			}
+			return &r.TransferMiBs
+		})
 		s.VsGRPC = spreadOf(rs, func(r *result) *float64 { return r.VsGRPCTCP })
 		s.VsPerf = spreadOf(rs, func(r *result) *float64 { return r.VsUCXPerftest })
 		s.RPC = spreadOf(rs, func(r *result) *float64 { return r.RPCMicros })
@@ -304,7 +311,7 @@ func writeSummary(w io.Writer, o *options, runs [][]*result) error {
 	}
 	fmt.Fprintf(w, "# medians over %s, (min-max); a figure's median and range over the runs that measured it, (n runs) where fewer did\n", over)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	cols := []string{"size", "path", "gdrpc MiB/s", "call µs", "x grpc", "x perftest", "rpc 1KiB µs", "call/(rpc+copy)"}
+	cols := []string{"size", "path", "gdrpc MiB/s", "call µs", "xfer MiB/s", "x grpc", "x perftest", "rpc 1KiB µs", "call/(rpc+copy)"}
 	if len(o.inflights) > 1 {
 		cols = slices.Insert(cols, 1, "inflight")
 	}
@@ -315,7 +322,7 @@ func writeSummary(w io.Writer, o *options, runs [][]*result) error {
 			path = "-"
 		}
 		n := len(runs)
-		cells := []string{s.Size, path, s.GDRPCMiBs.cell(num, false, n), s.Call.cell(num, true, n), s.VsGRPC.cell(rat, true, n), s.VsPerf.cell(rat, true, n), s.RPC.cell(num, false, n), s.VsRPCCopy.cell(rat, true, n)}
+		cells := []string{s.Size, path, s.GDRPCMiBs.cell(num, false, n), s.Call.cell(num, true, n), s.Transfer.cell(num, true, n), s.VsGRPC.cell(rat, true, n), s.VsPerf.cell(rat, true, n), s.RPC.cell(num, false, n), s.VsRPCCopy.cell(rat, true, n)}
 		if len(o.inflights) > 1 {
 			cells = slices.Insert(cells, 1, strconv.Itoa(s.Inflight))
 		}
