@@ -157,15 +157,20 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 	m := &collector{}
 	o.metrics = m
 
-	var runs [][]*result // the runs that ended
+	var runs [][]*result // the runs that ended, each with its rows
 	var errs []error
 	for run := 1; run <= o.runs && ctx.Err() == nil; run++ {
 		b := &bench{o: o, metrics: m, alloc: alloc, cuda: cuda, logf: logf}
 		if o.runs > 1 && o.format == "table" {
-			fmt.Fprintf(stdout, "# run %d of %d\n", run, o.runs) // JSON rows carry theirs
+			fmt.Fprintf(stdout, "# run %d of %d\n", run, o.runs) // a JSON row names its run in "run"
 		}
 		rs, err := b.run(ctx, stdout, run, run == o.runs)
 		if ctx.Err() != nil {
+			// Cut short: a run that measured every row ended all the same
+			// (the signal came while it wound down).
+			if len(rs) == len(o.sizes)*len(o.inflights) {
+				runs = append(runs, rs)
+			}
 			break
 		}
 		if err != nil && o.runs > 1 {
@@ -174,11 +179,16 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 		if err != nil {
 			errs = append(errs, err)
 		}
+		if len(rs) == 0 {
+			// Nothing measured (no server, no connection): the next run
+			// would fail the same way.
+			break
+		}
 		runs = append(runs, rs)
 	}
 	if o.runs > 1 && len(runs) > 1 {
-		// Interrupted (a signal, a timeout around the tool), the runs that
-		// ended still give their medians.
+		// Also when cut short (a signal, a timeout around the tool): the
+		// medians over the runs that ended.
 		if err := writeSummary(stdout, o, runs); err != nil {
 			errs = append(errs, err)
 		}

@@ -100,13 +100,15 @@
 //
 // -runs N measures everything N times, each run with a server process of
 // its own (unless -connect names one) and new connections, and prints each
-// run's table, then a table of the medians over the runs: a call's time, the
-// ratios and call/(rpc+copy) with their ranges. With -format json a run's
-// rows carry "run", and an object per size marked "summary" follows them.
-// Where a process's threads land changes its figures from one run to the
-// next (README, Performance): compare the medians of several runs. Cut
-// short (a signal, a timeout around the tool), it still prints the medians
-// over the runs that ended.
+// run's table, then one of the medians over the runs, a row per size and
+// count in flight: gdrpc MiB/s and the 1 KiB RPC as medians, the call's
+// time, xfer and the ratios with their ranges. With -format json a run's
+// rows carry "run", and objects {"summary": {...}} follow them. Where a
+// process's threads land changes its figures from one run to the next
+// (README, Performance): compare the medians of several runs. Cut short (a
+// signal, a timeout around the tool), it still prints the medians over the
+// runs that ended, where two did; a run that measured nothing (no server, no
+// connection) ends the series.
 //
 // The exit status is 1 when gdrpc could not be measured for some size (the
 // notes say why); a missing baseline is only a note.

@@ -221,9 +221,12 @@ func TestRuns(t *testing.T) {
 		require.Equal(t, i/2+1, rows[i].Run, "row %d", i)
 	}
 	for j, line := range lines[6:] {
-		var s summaryRow
-		require.NoError(t, json.Unmarshal([]byte(line), &s))
-		require.True(t, s.Summary)
+		var sum struct{ Summary *summaryRow }
+		require.NoError(t, json.Unmarshal([]byte(line), &sum))
+		s := sum.Summary
+		require.NotNil(t, s, "a summary object after the rows")
+		require.Equal(t, 3, s.Runs)
+		require.Equal(t, 3, s.Asked)
 		require.Equal(t, []int{4 << 10, 256 << 10}[j], s.SizeBytes)
 		require.Equal(t, []string{[]string{"inline", "stream"}[j]}, s.Paths)
 		var calls, vs, xfers []float64
@@ -259,12 +262,23 @@ func TestRuns(t *testing.T) {
 	_, summary, ok := strings.Cut(table, "# medians over 3 runs")
 	require.True(t, ok)
 	require.Regexp(t, `(?m)^\s*size\s+path\s+gdrpc MiB/s\s+call µs\s+xfer MiB/s\s+x grpc\s+x perftest\s+rpc 1KiB µs\s+call/\(rpc\+copy\)\s*$`, summary)
-	spreadCell := `[0-9.,]+ \([0-9.,]+-[0-9.,]+\)`
-	ratioCell := `[0-9.]+x \([0-9.]+x-[0-9.]+x\)`
+	// A figure a run missed adds "(2 runs)".
+	spreadCell := `[0-9.,]+ \([0-9.,]+-[0-9.,]+\)( \([12] runs?\))?`
+	ratioCell := `[0-9.]+x \([0-9.]+x-[0-9.]+x\)( \([12] runs?\))?`
 	require.Regexp(t, `(?m)^\s*4KiB\s+inline\s+[0-9.,]+\s+`+spreadCell+`\s+-\s+`+ratioCell+`\s+-\s+[0-9.,]+\s+`+ratioCell+`\s*$`, summary)
 	require.Regexp(t, `(?m)^\s*256KiB\s+stream\s+[0-9.,]+\s+`+spreadCell+`\s+`+spreadCell+`\s+`+ratioCell+`\s+-\s+[0-9.,]+\s+`+ratioCell+`\s*$`, summary)
+	require.Contains(t, table, "# medians over 3 runs;")
 	require.Equal(t, before, childProcesses(t), "server processes left")
 	require.Equal(t, base, poolsInUse(), "buffers not given back to the host pools")
+
+	// A run that measured nothing (no server to reach) ends the series: the
+	// others would fail the same way.
+	out.Reset()
+	errb.Reset()
+	code = realMain([]string{"-runs", "3", "-connect", "127.0.0.1:x", "-sizes", "4KiB", "-perftest", "none"}, strings.NewReader(""), &out, &errb)
+	require.Equal(t, 1, code)
+	require.Equal(t, 1, strings.Count(errb.String(), "want a port"), errb.String())
+	require.NotContains(t, out.String(), "# run 2 of 3")
 }
 
 // A run of -runs cut short (a signal, a timeout around the tool) still
@@ -279,11 +293,60 @@ func TestRunsInterrupted(t *testing.T) {
 	err = runClient(ctx, o, out, t.Logf)
 	require.ErrorIs(t, err, context.Canceled)
 	s := out.String()
-	_, summary, ok := strings.Cut(s, "# medians over 2 runs (interrupted: -runs 4)")
+	_, summary, ok := strings.Cut(s, "# medians over the 2 of 4 runs that ended;")
 	require.True(t, ok, s)
 	require.Regexp(t, `(?m)^\s*4KiB\s+inline\s+[0-9.,]+\s+[0-9.,]+ \([0-9.,]+-[0-9.,]+\)`, summary)
 	require.NotContains(t, s, "# run 4 of 4")
 	require.Equal(t, before, childProcesses(t), "server processes left")
+}
+
+// The summary of -runs, fed rows by hand: rows grouped by size and count in
+// flight; each figure the median and range over the runs that measured it,
+// a row gdrpc did not measure left out; ranges only where the runs differ.
+func TestSummary(t *testing.T) {
+	f := func(v float64) *float64 { return &v }
+	row := func(size, inflight int, mibs float64, call, vsGRPC, rpc float64) *result {
+		return &result{SizeBytes: size, Size: formatSize(size), Inflight: inflight, Path: "rdma", GDRPCMiBs: mibs,
+			CallMicros: f(call), VsGRPCTCP: f(vsGRPC), RPCMicros: f(rpc), VsRPCCopy: f(call / (rpc + 10)), TransferMiBs: 2 * mibs}
+	}
+	unmeasured := &result{SizeBytes: 1 << 20, Size: "1MiB", Inflight: 4, Path: "", Notes: []string{"failed"}}
+	runs := [][]*result{
+		{row(1<<20, 1, 100, 50, 2, 30), row(1<<20, 4, 400, 60, 3, 40)},
+		{row(1<<20, 1, 300, 70, 4, 30), unmeasured},
+		{row(1<<20, 1, 200, 90, 3, 30), row(1<<20, 4, 400, 60, 5, 40)},
+	}
+	rows := summarize(runs, 4)
+	require.Len(t, rows, 2, "one row per size and count in flight")
+	one, four := rows[0], rows[1]
+	require.Equal(t, []int{1, 4}, []int{one.Inflight, four.Inflight})
+	require.Equal(t, 3, one.Runs)
+	require.Equal(t, 4, one.Asked)
+	require.Equal(t, spread{Median: 200, Min: 100, Max: 300, Runs: 3}, *one.GDRPCMiBs)
+	require.Equal(t, spread{Median: 70, Min: 50, Max: 90, Runs: 3}, *one.Call)
+	require.Equal(t, spread{Median: 400, Min: 200, Max: 600, Runs: 3}, *one.Transfer)
+	require.Equal(t, spread{Median: 3, Min: 2, Max: 4, Runs: 3}, *one.VsGRPC)
+	require.Equal(t, spread{Median: 30, Min: 30, Max: 30, Runs: 3}, *one.RPC)
+	require.Equal(t, spread{Median: 400, Min: 400, Max: 400, Runs: 2}, *four.GDRPCMiBs, "the run that measured nothing is left out")
+	require.Equal(t, spread{Median: 4, Min: 3, Max: 5, Runs: 2}, *four.VsGRPC)
+	require.Nil(t, one.VsPerf)
+	require.Equal(t, []string{"rdma"}, four.Paths)
+
+	o := &options{runs: 4, inflights: []int{1, 4}, mem: "host", recv: "host", format: "table"}
+	var out bytes.Buffer
+	require.NoError(t, writeSummary(&out, o, runs))
+	s := out.String()
+	require.Contains(t, s, "# medians over the 3 of 4 runs that ended;")
+	require.Regexp(t, `(?m)^\s*1MiB\s+1\s+rdma\s+200\s+70 \(50-90\)\s+400 \(200-600\)\s+3\.00x \(2\.00x-4\.00x\)\s+-\s+30\s+[0-9.]+x \([0-9.]+x-[0-9.]+x\)\s*$`, s)
+	require.Regexp(t, `(?m)^\s*1MiB\s+4\s+rdma\s+400 \(2 runs\)\s+60 \(2 runs\)\s+800 \(2 runs\)\s+4\.00x \(3\.00x-5\.00x\) \(2 runs\)\s+-\s+40 \(2 runs\)\s+[0-9.]+x \(2 runs\)\s*$`, s, "equal figures print no range")
+
+	o.format = "json"
+	out.Reset()
+	require.NoError(t, writeSummary(&out, o, runs))
+	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
+	require.Len(t, lines, 2)
+	var got struct{ Summary summaryRow }
+	require.NoError(t, json.Unmarshal([]byte(lines[0]), &got))
+	require.Equal(t, one, got.Summary)
 }
 
 // cancelAt collects what is written and calls cancel once mark was written.

@@ -231,25 +231,31 @@ func spreadOf(rs []*result, f func(*result) *float64) *spread {
 }
 
 // summaryRow is one size's figures, at one count in flight, over the runs
-// of -runs.
+// of -runs: each figure's median and range over the runs that measured it.
 type summaryRow struct {
-	Summary   bool     `json:"summary"` // true: tells these objects from a run's rows
 	SizeBytes int      `json:"size_bytes"`
 	Size      string   `json:"size"`
 	Inflight  int      `json:"inflight"`
+	Runs      int      `json:"runs"`  // the runs that ended, this row's or not
+	Asked     int      `json:"asked"` // -runs
 	Paths     []string `json:"paths"` // the paths the runs' payloads took, each once
-	GDRPCMiBs *spread  `json:"gdrpc_mib_s"`
-	Call      *spread  `json:"call_us"`
-	Transfer  *spread  `json:"transfer_mib_s"`
-	VsGRPC    *spread  `json:"gdrpc_vs_grpc_tcp"`
-	VsPerf    *spread  `json:"gdrpc_vs_ucx_perftest"`
-	RPC       *spread  `json:"rpc_1kib_us"`
-	VsRPCCopy *spread  `json:"call_vs_rpc_plus_copy"`
+	// The figures of a run's row (nil where no run measured one).
+	GDRPCMiBs *spread `json:"gdrpc_mib_s"`
+	Call      *spread `json:"call_us"`
+	Transfer  *spread `json:"transfer_mib_s"`
+	VsGRPC    *spread `json:"gdrpc_vs_grpc_tcp"`
+	VsPerf    *spread `json:"gdrpc_vs_ucx_perftest"`
+	RPC       *spread `json:"rpc_1kib_us"`
+	VsRPCCopy *spread `json:"call_vs_rpc_plus_copy"`
+	VsD2HPut  *spread `json:"gdrpc_vs_min_d2h_put,omitempty"`
+	VsDtoD    *spread `json:"gdrpc_vs_dtod,omitempty"` // against the peer copy with -server-device another GPU
+	VsNaive   *spread `json:"gdrpc_vs_naive,omitempty"`
 }
 
 // summarize groups the rows of runs by size and count in flight, in the
-// order the runs measured them, leaving out rows gdrpc did not measure.
-func summarize(runs [][]*result) []summaryRow {
+// order the runs measured them, out of the rows gdrpc measured: a size no
+// run measured keeps its row, with no figures.
+func summarize(runs [][]*result, asked int) []summaryRow {
 	type key struct{ size, inflight int }
 	var order []key
 	rows := map[key][]*result{}
@@ -268,7 +274,7 @@ func summarize(runs [][]*result) []summaryRow {
 	out := make([]summaryRow, 0, len(order))
 	for _, k := range order {
 		rs := rows[k]
-		s := summaryRow{Summary: true, SizeBytes: k.size, Size: formatSize(k.size), Inflight: k.inflight}
+		s := summaryRow{SizeBytes: k.size, Size: formatSize(k.size), Inflight: k.inflight, Runs: len(runs), Asked: asked, Paths: []string{}}
 		for _, r := range rs {
 			if !slices.Contains(s.Paths, r.Path) {
 				s.Paths = append(s.Paths, r.Path)
@@ -286,20 +292,25 @@ func summarize(runs [][]*result) []summaryRow {
 		s.VsPerf = spreadOf(rs, func(r *result) *float64 { return r.VsUCXPerftest })
 		s.RPC = spreadOf(rs, func(r *result) *float64 { return r.RPCMicros })
 		s.VsRPCCopy = spreadOf(rs, func(r *result) *float64 { return r.VsRPCCopy })
+		s.VsD2HPut = spreadOf(rs, func(r *result) *float64 { return r.VsD2HPut })
+		s.VsDtoD = spreadOf(rs, func(r *result) *float64 { return r.VsDtoD })
+		s.VsNaive = spreadOf(rs, func(r *result) *float64 { return r.VsNaive })
 		out = append(out, s)
 	}
 	return out
 }
 
-// writeSummary writes the medians over the runs of -runs, with their
-// ranges, after the runs' tables: as a table, or as JSON objects marked
-// "summary".
+// writeSummary writes, after the runs' tables, the medians over the runs
+// that ended (runs): as a table, or as JSON objects {"summary": ...}, whose
+// shape differs from a run's rows.
 func writeSummary(w io.Writer, o *options, runs [][]*result) error {
-	rows := summarize(runs)
+	rows := summarize(runs, o.runs)
 	if o.format == "json" {
 		enc := json.NewEncoder(w)
 		for _, s := range rows {
-			if err := enc.Encode(s); err != nil {
+			if err := enc.Encode(struct {
+				Summary summaryRow `json:"summary"`
+			}{s}); err != nil {
 				return err
 			}
 		}
@@ -307,24 +318,41 @@ func writeSummary(w io.Writer, o *options, runs [][]*result) error {
 	}
 	over := fmt.Sprintf("%d runs", len(runs))
 	if len(runs) < o.runs {
-		over += fmt.Sprintf(" (interrupted: -runs %d)", o.runs)
+		over = fmt.Sprintf("the %d of %d runs that ended", len(runs), o.runs)
 	}
-	fmt.Fprintf(w, "# medians over %s, (min-max); a figure's median and range over the runs that measured it, (n runs) where fewer did\n", over)
+	fmt.Fprintf(w, "# medians over %s; call µs, xfer and the ratios with their range, (min-max); (k runs): fewer runs measured the figure\n", over)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	cols := []string{"size", "path", "gdrpc MiB/s", "call µs", "xfer MiB/s", "x grpc", "x perftest", "rpc 1KiB µs", "call/(rpc+copy)"}
 	if len(o.inflights) > 1 {
 		cols = slices.Insert(cols, 1, "inflight")
 	}
+	d2h := o.mem == "cuda" && o.recv == "host"
+	dtod := o.mem == "cuda" && o.recv == "cuda"
+	switch {
+	case d2h:
+		cols = append(cols, "x min(d2h,put)")
+	case dtod && o.srvDevice != o.device:
+		cols = append(cols, "x peer", "x naive")
+	case dtod:
+		cols = append(cols, "x dtod", "x naive")
+	}
 	fmt.Fprintln(tw, strings.Join(cols, "\t")+"\t")
+	all := len(runs)
 	for _, s := range rows {
 		path := strings.Join(s.Paths, ",")
 		if path == "" {
 			path = "-"
 		}
-		n := len(runs)
-		cells := []string{s.Size, path, s.GDRPCMiBs.cell(num, false, n), s.Call.cell(num, true, n), s.Transfer.cell(num, true, n), s.VsGRPC.cell(rat, true, n), s.VsPerf.cell(rat, true, n), s.RPC.cell(num, false, n), s.VsRPCCopy.cell(rat, true, n)}
+		cells := []string{s.Size, path, s.GDRPCMiBs.cell(num, false, all), s.Call.cell(num, true, all), s.Transfer.cell(num, true, all),
+			s.VsGRPC.cell(rat, true, all), s.VsPerf.cell(rat, true, all), s.RPC.cell(num, false, all), s.VsRPCCopy.cell(rat, true, all)}
 		if len(o.inflights) > 1 {
 			cells = slices.Insert(cells, 1, strconv.Itoa(s.Inflight))
+		}
+		switch {
+		case d2h:
+			cells = append(cells, s.VsD2HPut.cell(rat, true, all))
+		case dtod:
+			cells = append(cells, s.VsDtoD.cell(rat, true, all), s.VsNaive.cell(rat, true, all))
 		}
 		fmt.Fprintln(tw, strings.Join(cells, "\t")+"\t")
 	}
@@ -332,17 +360,20 @@ func writeSummary(w io.Writer, o *options, runs [][]*result) error {
 }
 
 // cell prints a spread for the summary table: the median, with the range
-// where withRange is, and the number of runs where fewer than all measured
-// it.
-func (s *spread) cell(format func(*float64) string, withRange bool, runs int) string {
+// where withRange is and the runs' figures differ, and how many runs
+// measured it where fewer than all (of the runs that ended) did.
+func (s *spread) cell(format func(*float64) string, withRange bool, all int) string {
 	if s == nil {
 		return "-"
 	}
 	c := format(&s.Median)
-	if withRange && s.Runs > 1 {
+	if withRange && s.Runs > 1 && s.Min < s.Max {
 		c += " (" + format(&s.Min) + "-" + format(&s.Max) + ")"
 	}
-	if s.Runs < runs {
+	switch {
+	case s.Runs == 1 && all > 1:
+		c += " (1 run)"
+	case s.Runs < all:
 		c += fmt.Sprintf(" (%d runs)", s.Runs)
 	}
 	return c
