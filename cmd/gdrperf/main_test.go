@@ -86,8 +86,13 @@ func TestEndToEnd(t *testing.T) {
 		transport string
 		op        string
 		path      string // of the out-of-band size
-		perftest  bool
-		args      []string
+		// orRendezvous: some calls of the out-of-band size may also take
+		// the rendezvous (path "rdma"). A space's advertisement and its
+		// SPACE-FREEs travel on the control lane beside the calls: on a
+		// loaded machine a measured call may find no room in it yet.
+		orRendezvous bool
+		perftest     bool
+		args         []string
 	}{
 		{name: "tcp/pull", transport: "tcp", op: "pull", path: "stream"},
 		{name: "tcp/push", transport: "tcp", op: "push", path: "stream"},
@@ -101,9 +106,9 @@ func TestEndToEnd(t *testing.T) {
 		{name: "ucx/pull inflight conns", transport: "ucx", op: "pull", path: "rdma", args: []string{"-inflight", "3", "-conns", "2"}},
 		// The server advertises space after the first request it pulled (in
 		// the warm-up): the measured requests land there.
-		{name: "ucx/push request space", transport: "ucx", op: "push", path: "rdma@space", args: []string{"-trust-peers", "-request-space", "16MiB", "-warmup", "4"}},
+		{name: "ucx/push request space", transport: "ucx", op: "push", path: "rdma@space", orRendezvous: true, args: []string{"-trust-peers", "-request-space", "16MiB", "-warmup", "4"}},
 		// Spaces that grow, from the Listener's option through the engine.
-		{name: "ucx/push request space limit", transport: "ucx", op: "push", path: "rdma@space", args: []string{"-trust-peers", "-request-space-limit", "16MiB", "-warmup", "4"}},
+		{name: "ucx/push request space limit", transport: "ucx", op: "push", path: "rdma@space", orRendezvous: true, args: []string{"-trust-peers", "-request-space-limit", "16MiB", "-warmup", "4"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -125,7 +130,13 @@ func TestEndToEnd(t *testing.T) {
 			}{{4 << 10, "inline"}, {1 << 20, tc.path}} {
 				r := rs[i]
 				require.Equal(t, want.size, r.SizeBytes)
-				require.Equal(t, want.path, r.Path, "notes: %v", r.Notes)
+				if tc.orRendezvous && want.size == 1<<20 {
+					paths := strings.Split(r.Path, "+")
+					require.Contains(t, paths, want.path, "notes: %v", r.Notes)
+					require.Subset(t, []string{want.path, "rdma"}, paths, "notes: %v", r.Notes)
+				} else {
+					require.Equal(t, want.path, r.Path, "notes: %v", r.Notes)
+				}
 				require.Equal(t, tc.transport, r.Transport)
 				require.Equal(t, tc.op, r.Op)
 				require.Equal(t, inflight(tc.args), r.Inflight)
