@@ -574,7 +574,16 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 		case <-ctx.Done():
 			err = context.Cause(ctx)
 		case <-s.Done():
-			err = errors.New("the session closed")
+		}
+		if err == nil {
+			select {
+			case <-s.Done():
+				// Also when room came with the close: the peer's unpulled
+				// payloads leave with its last session, which wakes this
+				// wait, but the message has no session to go over.
+				err = errors.New("the session closed")
+			default:
+			}
 		}
 		box.mu.Lock()
 		box.waiting--
