@@ -350,6 +350,19 @@ func TestSummary(t *testing.T) {
 	require.Regexp(t, `(?m)^\s*1MiB\s+1\s+rdma\s+200\s+70 \(50-90\)\s+400 \(200-600\)\s+3\.00x \(2\.00x-4\.00x\)\s+-\s+30\s+[0-9.]+x \([0-9.]+x-[0-9.]+x\)\s*$`, s)
 	require.Regexp(t, `(?m)^\s*1MiB\s+4\s+rdma\s+400 \(2 runs\)\s+60 \(2 runs\)\s+800 \(2 runs\)\s+4\.00x \(3\.00x-5\.00x\) \(2 runs\)\s+-\s+40 \(2 runs\)\s+[0-9.]+x \(2 runs\)\s*$`, s, "equal figures print no range")
 
+	// GPU to GPU: the GPU baselines' ratios follow, as in a run's table.
+	for _, tc := range []struct {
+		device int
+		cols   string
+	}{{0, `x dtod\s+x naive`}, {1, `x peer\s+x naive`}} {
+		gpu := *o
+		gpu.mem, gpu.recv, gpu.srvDevice = "cuda", "cuda", tc.device
+		out.Reset()
+		require.NoError(t, writeSummary(&out, &gpu, runs))
+		require.Regexp(t, `(?m)call/\(rpc\+copy\)\s+`+tc.cols+`\s*$`, out.String())
+		require.Regexp(t, `(?m)^\s*1MiB\s+1\s+rdma.*\s+-\s+-\s*$`, out.String(), "no run measured them")
+	}
+
 	o.format = "json"
 	out.Reset()
 	require.NoError(t, writeSummary(&out, o, runs))

@@ -85,21 +85,40 @@ func (r *reporter) header(b *bench) {
 	}
 	fmt.Fprintf(r.w, "# call/(rpc+copy): gdrpc call time / (plain gRPC unary call of 1 KiB + in-process copy of the payload, %s to %s memory; GPU to GPU: the dtod copy): 1.00x is one RPC plus one copy; with N in flight, the call µs column over a plain 1 KiB call under the same load plus one copy\n", o.mem, o.recv)
 	cols = append(cols, "rpc 1KiB µs", "call/(rpc+copy)")
-	if o.mem == "cuda" && o.recv == "host" {
+	switch o.gpuBaseline() {
+	case "d2h":
 		fmt.Fprintf(r.w, "# d2h: in-process GPU to registered host memory copy; x min: gdrpc / min(d2h, ucx_perftest), the staged path's ceiling\n")
-		cols = append(cols, "d2h MiB/s", "x min(d2h,put)")
+	case "peer":
+		fmt.Fprintf(r.w, "# server on GPU %d, client on GPU %d; peer: in-process copy between them (cuMemcpyPeer) in the payload's direction\n", o.srvDevice, o.device)
+		fmt.Fprintf(r.w, "# naive: device to host, plain gRPC bytes over TCP, host to device\n")
+	case "dtod":
+		fmt.Fprintf(r.w, "# dtod: in-process device-to-device copy, one after another; naive: device to host, plain gRPC bytes over TCP, host to device, same calls\n")
 	}
-	if o.mem == "cuda" && o.recv == "cuda" {
-		if o.srvDevice != o.device {
-			fmt.Fprintf(r.w, "# server on GPU %d, client on GPU %d; peer: in-process copy between them (cuMemcpyPeer) in the payload's direction\n", o.srvDevice, o.device)
-			fmt.Fprintf(r.w, "# naive: device to host, plain gRPC bytes over TCP, host to device\n")
-			cols = append(cols, "peer MiB/s", "x peer", "naive MiB/s", "x naive")
-		} else {
-			fmt.Fprintf(r.w, "# dtod: in-process device-to-device copy, one after another; naive: device to host, plain gRPC bytes over TCP, host to device, same calls\n")
-			cols = append(cols, "dtod MiB/s", "x dtod", "naive MiB/s", "x naive")
-		}
-	}
+	cols = append(cols, gpuColumns[o.gpuBaseline()]...)
 	fmt.Fprintln(r.tw, strings.Join(cols, "\t")+"\t")
+}
+
+// gpuBaseline names the GPU baselines a run sets gdrpc against, by where its
+// payloads live and land: "d2h" (GPU to host memory: the staged path's
+// ceiling), "peer" (GPU to another GPU), "dtod" (GPU to GPU on one device),
+// or "" (host memory, none).
+func (o *options) gpuBaseline() string {
+	switch {
+	case o.mem != "cuda":
+		return ""
+	case o.recv == "host":
+		return "d2h"
+	case o.srvDevice != o.device:
+		return "peer"
+	}
+	return "dtod"
+}
+
+// gpuColumns are the columns of each GPU baseline, rate and ratio in turn.
+var gpuColumns = map[string][]string{
+	"d2h":  {"d2h MiB/s", "x min(d2h,put)"},
+	"peer": {"peer MiB/s", "x peer", "naive MiB/s", "x naive"},
+	"dtod": {"dtod MiB/s", "x dtod", "naive MiB/s", "x naive"},
 }
 
 // num prints a rate: whole numbers with thousands separators, and three
@@ -166,10 +185,10 @@ func (r *reporter) row(res *result) {
 		cols = slices.Insert(cols, 1, strconv.Itoa(res.Inflight))
 	}
 	cols = append(cols, num(res.RPCMicros), rat(res.VsRPCCopy))
-	if r.o.mem == "cuda" && r.o.recv == "host" {
+	switch r.o.gpuBaseline() {
+	case "d2h":
 		cols = append(cols, num(res.D2HMiBs), rat(res.VsD2HPut))
-	}
-	if r.o.mem == "cuda" && r.o.recv == "cuda" {
+	case "peer", "dtod":
 		cols = append(cols, num(res.DtoDMiBs), rat(res.VsDtoD), num(res.NaiveMiBs), rat(res.VsNaive))
 	}
 	fmt.Fprintln(r.tw, strings.Join(cols, "\t")+"\t")
@@ -326,15 +345,11 @@ func writeSummary(w io.Writer, o *options, runs [][]*result) error {
 	if len(o.inflights) > 1 {
 		cols = slices.Insert(cols, 1, "inflight")
 	}
-	d2h := o.mem == "cuda" && o.recv == "host"
-	dtod := o.mem == "cuda" && o.recv == "cuda"
-	switch {
-	case d2h:
-		cols = append(cols, "x min(d2h,put)")
-	case dtod && o.srvDevice != o.device:
-		cols = append(cols, "x peer", "x naive")
-	case dtod:
-		cols = append(cols, "x dtod", "x naive")
+	gpu := o.gpuBaseline()
+	for i, c := range gpuColumns[gpu] {
+		if i%2 == 1 { // the ratios, not the baselines' rates
+			cols = append(cols, c)
+		}
 	}
 	fmt.Fprintln(tw, strings.Join(cols, "\t")+"\t")
 	all := len(runs)
@@ -348,10 +363,10 @@ func writeSummary(w io.Writer, o *options, runs [][]*result) error {
 		if len(o.inflights) > 1 {
 			cells = slices.Insert(cells, 1, strconv.Itoa(s.Inflight))
 		}
-		switch {
-		case d2h:
+		switch gpu {
+		case "d2h":
 			cells = append(cells, s.VsD2HPut.cell(rat, true, all))
-		case dtod:
+		case "peer", "dtod":
 			cells = append(cells, s.VsDtoD.cell(rat, true, all), s.VsNaive.cell(rat, true, all))
 		}
 		fmt.Fprintln(tw, strings.Join(cells, "\t")+"\t")
