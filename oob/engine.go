@@ -418,6 +418,12 @@ func (p *pull) settled() {
 			p.after[i]()
 		}
 		p.dst.Release()
+		// A frame lane's reader keeps the transfers the owner began and left
+		// until their next frame or the lane's end, and with them p: p must
+		// not keep what it no longer counts (Go memory lives while referenced).
+		pulls.Lock()
+		p.dst, p.after = nil, nil
+		pulls.Unlock()
 	})
 }
 

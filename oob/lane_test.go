@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"runtime"
 	"sync/atomic"
 	"testing"
 	"time"
+	"weak"
 
 	"github.com/stretchr/testify/require"
 
@@ -102,6 +104,35 @@ func TestBulkLaneSettleBetweenFrames(t *testing.T) {
 		t.Fatalf("a settled pull got an outcome: %v", err)
 	default:
 	}
+	requireLive(t, ss)
+}
+
+// TestBulkLaneStalledTransferHoldsNoDestination: a transfer the owner began
+// on the bulk lane and then left (a FIN that failed the pull, or nothing at
+// all) stays open on the reader until its next frame or the lane's end; the
+// settled pull's destination does not stay with it, so a peer cannot keep
+// received memory alive past the bounds that no longer count it.
+func TestBulkLaneStalledTransferHoldsNoDestination(t *testing.T) {
+	ss, cs, newPull := bulkLanePair(t)
+	ctx := context.Background()
+	// Go memory, as a pull for a []byte field gets: only references keep it.
+	p, w := func() (*pull, weak.Pointer[byte]) {
+		buf := make([]byte, 1<<20)
+		return makePull(ss, devicebuf.HostFromBytes(buf)), weak.Make(&buf[0])
+	}()
+	p.list()
+	f := laneFrame{kind: laneData, req: p.req, total: 1 << 20, n: 1}
+	require.NoError(t, stateOf(cs).link.WriteLaneFrame(ctx, f.total, f.marshal(), []byte("x")))
+	// Frames are read in order: once the next transfer is in, so is the piece.
+	next := newPull(3)
+	g := laneFrame{kind: laneData, req: next.req, total: 3, n: 3}
+	require.NoError(t, stateOf(cs).link.WriteLaneFrame(ctx, g.total, g.marshal(), []byte("end")))
+	require.NoError(t, bulkResult(t, next))
+	p.settled()
+	require.Eventually(t, func() bool {
+		runtime.GC()
+		return w.Value() == nil
+	}, 10*time.Second, 10*time.Millisecond, "the lane reader keeps a settled pull's destination")
 	requireLive(t, ss)
 }
 
