@@ -422,10 +422,15 @@ func TestOwnerStallsBeforeFIN(t *testing.T) {
 				require.Nil(t, got)
 				require.Equal(t, wantCode, status.Code(err), "%v", err)
 				require.Contains(t, srv.out.String(), "STALLING after push", "the owner wrote the bytes")
-				if cancelled != nil {
+				switch dl, ok := ctx.Deadline(); {
+				case cancelled != nil:
 					at := <-cancelled
 					require.Less(t, time.Since(at), slack, "the call outlived its cancellation")
-				} else {
+				case bound == "call-deadline" && ok:
+					// The deadline was set before the client was made.
+					require.False(t, time.Now().Before(dl), "the call ended %v before its deadline", time.Until(dl))
+					require.Less(t, time.Since(dl), slack, "the call outlived its deadline")
+				default:
 					require.GreaterOrEqual(t, elapsed, limit-50*time.Millisecond)
 					require.Less(t, elapsed, limit+slack, "the call outlived its bound of %v", limit)
 				}

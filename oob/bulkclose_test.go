@@ -5,6 +5,7 @@ import (
 	"context"
 	"io"
 	"net"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -86,9 +87,6 @@ func TestAwaitBulkClose(t *testing.T) {
 // multiplexer a stream per RTR for a minute; an honest receiver's pushes
 // end with the stream.
 func TestBulkStreamLeftOpenEndsSession(t *testing.T) {
-	// Long enough for the honest fetch on a loaded machine; the attacker's
-	// session ends after it.
-	setTransferConfig(t, TransferConfig{Timeout: 2 * time.Second})
 	var attacker atomic.Pointer[transport.Session]
 	read := make(chan struct{}, 1)
 	controlMu.Lock()
@@ -120,7 +118,12 @@ func TestBulkStreamLeftOpenEndsSession(t *testing.T) {
 	b.Release()
 	requireLive(t, cs)
 
-	_, cs, owner, _, _ := lanePair(t, tcp, tcp)
+	// The attacker's pair alone has a short transfer timeout: the honest
+	// fetch above keeps the default, whatever the machine's load.
+	short := func() []transport.Option {
+		return append(slices.Clip(tcp), transport.WithEngine(New(TransferConfig{Timeout: 2 * time.Second})))
+	}
+	_, cs, owner, _, _ := lanePair(t, short(), short())
 	attacker.Store(cs)
 	d = Offer(Source{Bytes: want}, OfferOptions{Held: true})
 	defer Withdraw(d.Token)

@@ -122,8 +122,11 @@ func settleWritesWithin(s *transport.Session, flush func(context.Context) error,
 		case <-s.Done():
 		case <-t.C:
 			// Ended, as when the session ends by itself: its puts are no
-			// longer waited for.
-			abort(s, fmt.Errorf("gdrpc: the peer's puts did not complete within %v of a failed transfer", bound))
+			// longer waited for. A flush that returned as the bound passed
+			// (both ready, select picks either) ended in time.
+			if ctx.Err() == nil {
+				abort(s, fmt.Errorf("gdrpc: the peer's puts did not complete within %v of a failed transfer", bound))
+			}
 		case <-ctx.Done():
 		}
 		cancel()

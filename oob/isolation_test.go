@@ -478,7 +478,7 @@ func sizeName(n int) string {
 // leave the session up.
 func TestSettleWritesBounded(t *testing.T) {
 	c, _ := pipePair(t)
-	settleWritesWithin(c, func(context.Context) error { return nil }, time.Millisecond)
+	settleWritesWithin(c, func(context.Context) error { return nil }, time.Minute)
 	requireLive(t, c)
 
 	stuck := func(ctx context.Context) error { <-ctx.Done(); return ctx.Err() }
