@@ -116,7 +116,7 @@ func childEnvFor(tc transportCase) []string {
 func TestKeepAliveStoppedPeer(t *testing.T) {
 	// The timeout is live from the dial on: a loaded machine (the race
 	// detector, other packages' tests) must not miss a pong before the stop.
-	const interval, timeout = 100 * time.Millisecond, 2 * time.Second
+	const interval, timeout = 100 * time.Millisecond, 4 * time.Second
 	for _, tc := range transportCases {
 		t.Run(tc.name, func(t *testing.T) {
 			opts := tc.options(t, transport.WithKeepAlive(interval, timeout))
@@ -138,9 +138,10 @@ func TestKeepAliveStoppedPeer(t *testing.T) {
 				_, err := c.Read(make([]byte, 1))
 				readErr <- err
 			}()
+			require.NoError(t, s.Err(), "the session ended before the peer stopped")
 			require.NoError(t, cmd.Process.Signal(syscall.SIGSTOP))
 			start := time.Now()
-			bound := interval + 2*timeout + time.Second // slack for a loaded 2-core CI
+			bound := interval + 2*timeout + 5*time.Second // slack for a loaded 2-core CI
 			select {
 			case <-s.Done():
 			case <-time.After(bound):
