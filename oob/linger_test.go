@@ -81,7 +81,11 @@ func TestLingerHeldForOpenCall(t *testing.T) {
 	SentToward(s, []Token{d.Token})
 
 	Receiving(c)
-	cd, sd := lingerAsync(stateOf(c)), lingerAsync(stateOf(s))
+	// The owner lingers once the hold reached it: a client slower than
+	// LingerIdle to ask loses the session, which is not what this tests.
+	cd := lingerAsync(stateOf(c))
+	require.Eventually(t, stateOf(s).peerHolds, 10*time.Second, time.Millisecond, "the client's hold")
+	sd := lingerAsync(stateOf(s))
 	requireLingers(t, sd, s, "the owner closed a session held for an open call")
 	got := make([]byte, len(payload))
 	_, err := FetchBytes(testContext(t), d, got)
