@@ -76,17 +76,18 @@ type Limits struct {
 	// peer's receive space do not count. If zero, DefaultUnpulledBytes.
 	UnpulledBytes int64
 	// PeerUnpulledBytes bounds what this process's outbox holds sent toward
-	// one peer process and not pulled, all its calls together: a client
-	// that takes responses and never pulls their payloads would otherwise
-	// pin them, call after call, until their leases end. A message that
-	// would go over it waits, before it is sent, for the peer's pulls of
+	// one peer (one identity: a process may open sessions under many, so it
+	// bounds a peer, not the outbox) and not pulled, all its calls together: a
+	// client that takes responses and never pulls their payloads would
+	// otherwise pin them, call after call, until their leases end. A message
+	// that would go over it waits, before it is sent, for the peer's pulls of
 	// any call's payloads, within its call's context, its session and its
 	// payloads' lease (DefaultLease); a message larger than the bound on its
 	// own goes once nothing sent toward the peer waits unpulled. An honest
 	// client pulls what it decodes and withdraws what its ended calls left
-	// (CALL-ENDED), so its calls wait here only while it leaves that much
-	// of its streams unread. Payloads written into the peer's receive space
-	// do not count. If zero, DefaultPeerUnpulledBytes.
+	// (CALL-ENDED), so its calls wait here only while it leaves that much of
+	// its streams unread. Payloads written into the peer's receive space do
+	// not count. If zero, DefaultPeerUnpulledBytes.
 	PeerUnpulledBytes int64
 }
 
