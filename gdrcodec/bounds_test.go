@@ -457,3 +457,98 @@ func TestGivenUpCallWithdrawsResponse(t *testing.T) {
 	require.Eventually(t, func() bool { return oob.Unpulled(peer) == 0 && oob.ReadStats().Offered == 0 }, 10*time.Second, time.Millisecond,
 		"the response's payload left the outbox")
 }
+
+// uploadGate is an Upload that takes no message until open is closed, or
+// fails the call without taking any when fail is closed first: a server
+// that reads a client stream late, or never.
+type uploadGate struct {
+	tensor.Server
+	open, fail chan struct{}
+}
+
+func (s *uploadGate) Upload(st tensorpb.TensorService_UploadServer) error {
+	select {
+	case <-s.open:
+		return s.Server.Upload(st)
+	case <-s.fail:
+		return status.Error(codes.FailedPrecondition, "not reading")
+	}
+}
+
+// A client stream runs at most Limits.UnpulledBytes ahead of the server's
+// pulls: while the server takes none, the next message waits in the
+// outbox (oob.Stats.Waiting) before it is sent, and goes once the server
+// pulled the earlier ones; a server that ends the stream meanwhile ends the
+// wait with io.EOF, its status coming from CloseAndRecv. Nothing stays in
+// the outbox either way.
+func TestClientStreamWaitsForPulls(t *testing.T) {
+	for _, ends := range []bool{false, true} {
+		name := map[bool]string{false: "server reads late", true: "server ends the stream"}[ends]
+		t.Run(name, func(t *testing.T) {
+			srv := &uploadGate{open: make(chan struct{}), fail: make(chan struct{})}
+			r := newRig(t, transport.ModeTCP, srv)
+			oob.SetTransferConfig(oob.TransferConfig{Timeout: 20 * time.Second, Limits: oob.Limits{UnpulledBytes: 2 << 20}})
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			st, err := r.client.Upload(ctx)
+			require.NoError(t, err)
+			var sum uint32
+			var total uint64
+			message := func(seed uint32) *tensorpb.Tensor {
+				src := devicebuf.HostFromBytes(pattern(1<<20, seed))
+				m := &tensorpb.Tensor{Data: gdrcodec.New(src)}
+				src.Release()
+				var n uint64
+				sum, n, err = tensor.Checksum(m, sum)
+				require.NoError(t, err)
+				total += n
+				return m
+			}
+			// 1 MiB payloads out of band, under a 2 MiB bound: the third
+			// goes (two wait unpulled), the fourth waits.
+			for seed := range uint32(3) {
+				m := message(seed)
+				require.NoError(t, st.Send(m))
+				gdrcodec.ReleaseAll(m)
+			}
+			require.Equal(t, 3, oob.ReadStats().Offered)
+			fourth := message(3)
+			defer gdrcodec.ReleaseAll(fourth)
+			sent := make(chan error, 1)
+			go func() { sent <- st.Send(fourth) }()
+			require.Eventually(t, func() bool { return oob.ReadStats().Waiting == 1 }, 10*time.Second, time.Millisecond,
+				"the fourth message waits for the server's pulls")
+			select {
+			case err := <-sent:
+				t.Fatalf("a message went while the server pulled nothing: %v", err)
+			default:
+			}
+			result := func() error {
+				select {
+				case err := <-sent:
+					return err
+				case <-ctx.Done():
+					t.Fatal("the waiting message neither went nor failed")
+				}
+				return nil
+			}
+			if ends {
+				close(srv.fail)
+				require.ErrorIs(t, result(), io.EOF)
+				_, err = st.CloseAndRecv()
+				require.Equal(t, codes.FailedPrecondition, status.Code(err), "%v", err)
+			} else {
+				close(srv.open)
+				require.NoError(t, result())
+				got, err := st.CloseAndRecv()
+				require.NoError(t, err)
+				require.Equal(t, total, got.Bytes)
+				require.Equal(t, sum, got.Crc32C)
+			}
+			require.Eventually(t, func() bool {
+				st := oob.ReadStats()
+				return st.Offered == 0 && st.Waiting == 0
+			}, 10*time.Second, time.Millisecond, "payloads left in the outbox")
+		})
+	}
+}

@@ -57,6 +57,10 @@ type hold struct {
 	// pruneTokens and pruneWrites are the counts of noted tokens and writes
 	// past which those gone already are forgotten (a long stream's).
 	pruneTokens, pruneWrites int
+	// flow counts the payloads the call's messages left in the outbox that
+	// leave after their first pull (not held), for a stream's next message
+	// to wait for the server's pulls (heldStream.SendMsg).
+	flow oob.Flow
 }
 
 // attempt returns the call's context and the session of its current
@@ -236,6 +240,10 @@ type recvCall struct {
 	// messages may have gone, their payloads waiting in the server's
 	// outbox (oob.Call.Ended).
 	answered bool
+	// trailed is closed when an attempt's trailers came (the server ended
+	// the stream): a client stream's send waiting for the server's pulls
+	// gives up (heldStream.SendMsg). nil for a unary call.
+	trailed chan struct{}
 }
 
 // mayBeAnswered reports whether a client call that failed may have left
@@ -383,6 +391,17 @@ func (clientStats) HandleConn(context.Context, stats.ConnStats) {}
 
 func (clientStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 	switch s.(type) {
+	case *stats.InTrailer:
+		if rc, ok := ctx.Value(recvKey{}).(*recvCall); ok && rc.trailed != nil {
+			rc.mu.Lock()
+			select {
+			case <-rc.trailed:
+			default:
+				close(rc.trailed)
+			}
+			rc.mu.Unlock()
+		}
+		return
 	case *stats.OutHeader, *stats.InHeader:
 		// The attempt's connection: known as its headers go, so that a call
 		// that ends before the response's headers arrive still knows where
@@ -559,7 +578,9 @@ func (h *hold) add(t oob.Token) {
 	h.mu.Unlock()
 	if done {
 		oob.Withdraw(t)
+		return
 	}
+	h.flow.Track([]oob.Token{t})
 }
 
 func (h *hold) release() {
@@ -634,7 +655,7 @@ func StreamClientInterceptor() grpc.StreamClientInterceptor {
 		// gRPC says when the stream is over, however it ends (OnFinish):
 		// then the pulls of its messages end too.
 		pulls, cancel := context.WithCancel(ctx)
-		rc := &recvCall{ctx: pulls}
+		rc := &recvCall{ctx: pulls, trailed: make(chan struct{})}
 		s := &heldStream{ctx: ctx, h: &hold{rc: rc}, cancel: cancel, call: call, serverStreams: desc.ServerStreams}
 		finished := grpc.OnFinish(func(err error) {
 			if err == nil {
@@ -725,6 +746,9 @@ func (s *heldStream) SendMsg(m any) error {
 	if !canCarry(m) {
 		return s.ClientStream.SendMsg(m)
 	}
+	if err := s.waitForPulls(); err != nil {
+		return err
+	}
 	sending := send(m, s.h)
 	err := s.ClientStream.SendMsg(m)
 	sending.sent(m)
@@ -743,6 +767,37 @@ func (s *heldStream) SendMsg(m any) error {
 		}
 	}
 	return err
+}
+
+// waitForPulls holds the stream's next message back while its earlier
+// messages left more than oob.Limits.UnpulledBytes in the outbox for the
+// server to pull, as gRPC's flow control holds a sender back: a server that
+// reads the stream and never pulls would otherwise pin every payload sent
+// until its lease ends. It gives up as SendMsg does when the stream is over:
+// io.EOF once the server ended it (RecvMsg returns the status), the
+// context's status once the caller's context ended.
+func (s *heldStream) waitForPulls() error {
+	ctx := s.h.rc.context() // ends with the stream
+	sess := transport.SessionFromContext(ctx)
+	if !s.h.flow.Over(sess) {
+		return nil
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-s.h.rc.trailed:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	if err := s.h.flow.Wait(ctx, sess); err == nil {
+		return nil
+	}
+	if err := s.ctx.Err(); err != nil {
+		return status.FromContextError(err).Err()
+	}
+	return io.EOF
 }
 
 func (s *heldStream) RecvMsg(m any) error {

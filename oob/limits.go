@@ -72,8 +72,13 @@ type Limits struct {
 	// holds a stream's sender to a client that does not read it); a message
 	// larger than UnpulledBytes on its own goes once nothing of its call
 	// waits unpulled. Each call counts alone, so one the client leaves
-	// unread holds back none of its other calls. Payloads written into the
-	// peer's receive space do not count. If zero, DefaultUnpulledBytes.
+	// unread holds back none of its other calls. A client stream's messages
+	// (whose payloads gRPC cannot replay) are bound likewise, from the other
+	// side: the next waits while the earlier ones left more than
+	// UnpulledBytes unpulled (Flow.Wait), for a server that reads a stream
+	// and never pulls would otherwise pin its payloads in the client.
+	// Payloads written into the peer's receive space do not count. If zero,
+	// DefaultUnpulledBytes.
 	UnpulledBytes int64
 	// PeerUnpulledBytes bounds what this process's outbox holds sent toward
 	// one peer (one identity: a process may open sessions under many, so it

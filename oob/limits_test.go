@@ -729,6 +729,48 @@ func TestUnpulledBytesBound(t *testing.T) {
 	box.mu.Unlock()
 }
 
+// TestFlowTrackWait: a client call's Flow counts the payloads of its
+// messages that leave after their first pull (Track), not held ones nor ones
+// another Flow counts, and Wait holds its next message back while they are
+// over Limits.UnpulledBytes: until a pull or a withdrawal takes them under,
+// or the wait's context ends.
+func TestFlowTrackWait(t *testing.T) {
+	const limit = 1 << 20
+	setTransferConfig(t, TransferConfig{Limits: Limits{UnpulledBytes: limit}})
+	unpulled := func(f *Flow) int64 {
+		box.mu.Lock()
+		defer box.mu.Unlock()
+		return f.bytes
+	}
+	ctx := testContext(t)
+	var f, other Flow
+	d1, d2, d3 := offerFilled(t, 768<<10), offerFilled(t, 512<<10), offerFilled(t, 512<<10)
+	held := Offer(Source{Bytes: make([]byte, 2*limit)}, OfferOptions{Held: true})
+	defer Withdraw(held.Token)
+	other.Track([]Token{d2.Token})
+	f.Track([]Token{d1.Token, d2.Token, held.Token, d1.Token})
+	require.Equal(t, int64(768<<10), unpulled(&f), "d1 once; d2 is another's; a held payload stays after its pulls")
+	require.False(t, f.Over(nil))
+	require.NoError(t, f.Wait(ctx, nil))
+	f.Track([]Token{d3.Token})
+	require.True(t, f.Over(nil))
+
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+	require.ErrorIs(t, f.Wait(cancelled, nil), context.Canceled)
+	waited := make(chan error, 1)
+	go func() { waited <- f.Wait(ctx, nil) }()
+	require.Eventually(t, func() bool { return ReadStats().Waiting == 1 }, 10*time.Second, time.Millisecond)
+	pullFilled(ctx, t, d1)
+	require.NoError(t, <-waited, "the pull of the first made room")
+	require.Equal(t, int64(512<<10), unpulled(&f))
+	require.Zero(t, ReadStats().Waiting)
+	Withdraw(d3.Token)
+	Withdraw(d2.Token)
+	require.Zero(t, unpulled(&f))
+	require.Zero(t, unpulled(&other))
+}
+
 // TestPeerUnpulledBytesBound: what one peer process left unpulled, all its
 // calls together, is bounded: past the bound a message waits for the
 // peer's pulls of any call's payloads, within its context and its

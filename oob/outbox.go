@@ -620,6 +620,63 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 	return nil
 }
 
+// Track counts in f the payloads of ts still in the outbox that no peer is
+// known to hold the descriptors of (a client's requests: gRPC picks their
+// connection after they are marshaled) until they leave it, for Wait. Held
+// payloads (OfferOptions.Held) stay after their pulls and are not counted;
+// nor is one counted by a Flow already.
+func (f *Flow) Track(ts []Token) {
+	box.mu.Lock()
+	defer box.mu.Unlock()
+	for _, t := range ts {
+		if e := box.entries[t]; e != nil && !e.held && e.flow == nil && e.toward == nil {
+			e.flow = f
+			f.bytes += int64(e.src.Len())
+		}
+	}
+}
+
+// Over reports whether the payloads f counts that wait in the outbox add up
+// to more than Limits.UnpulledBytes (of the engine serving s, or the
+// process's when s is nil): whether Wait would wait.
+func (f *Flow) Over(s *transport.Session) bool {
+	limit := cfgOf(s).Limits.UnpulledBytes
+	box.mu.Lock()
+	defer box.mu.Unlock()
+	return f.bytes > limit
+}
+
+// Wait returns once the payloads f counts that wait in the outbox for the
+// peer's pulls add up to at most Limits.UnpulledBytes (of the engine serving
+// s, or the process's when s is nil), or fails when ctx ends first: a client
+// stream's next message waits here for the server's pulls of the earlier
+// ones (Track), as Send holds a server stream's.
+func (f *Flow) Wait(ctx context.Context, s *transport.Session) error {
+	limit := cfgOf(s).Limits.UnpulledBytes
+	box.mu.Lock()
+	defer box.mu.Unlock()
+	for f.bytes > limit {
+		if f.room == nil {
+			f.room = make(chan struct{})
+		}
+		room, unpulled := f.room, f.bytes
+		box.waiting++
+		box.mu.Unlock()
+		var err error
+		select {
+		case <-room:
+		case <-ctx.Done():
+			err = context.Cause(ctx)
+		}
+		box.mu.Lock()
+		box.waiting--
+		if err != nil {
+			return fmt.Errorf("oob: the peer left %d bytes of this call's earlier payloads unpulled, over Limits.UnpulledBytes (%d): %w", unpulled, limit, err)
+		}
+	}
+	return nil
+}
+
 // disown undoes what a failed Send of ts set: their entries not sent are
 // no longer f's. box.mu is held.
 func (f *Flow) disown(ts []Token) {
