@@ -448,7 +448,35 @@ func (sp *space) markClosedLocked() {
 	sp.closed = true
 }
 
+// free gives sp's memory back. A space whose owner never said it writes
+// into it no more (its session died, or the owner did not answer the
+// withdrawal in time) may still take a write the owner began before the
+// end: its memory goes back once the session's connections are released
+// (no UCX put lands after its endpoint closed) and every copy the owner
+// recorded on its events completed, within the transfer timeout, so that a
+// late write does not land in what the allocator hands out next.
 func (sp *space) free() {
+	select {
+	case <-sp.withdrawn:
+	default:
+		if sp.s != nil {
+			go func() {
+				<-sp.s.Released()
+				ctx, cancel := context.WithTimeout(context.Background(), cfgOf(sp.s).Timeout)
+				defer cancel()
+				for _, ev := range sp.events {
+					_ = ev.Await(ctx) // a dead owner's copy may never complete: bounded
+				}
+				sp.release()
+			}()
+			return
+		}
+	}
+	sp.release()
+}
+
+// release frees sp's events, registration and memory.
+func (sp *space) release() {
 	for _, ev := range sp.events {
 		_ = ev.Close()
 	}

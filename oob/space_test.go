@@ -419,6 +419,30 @@ func TestSpaceWithdrawWaitsForWrites(t *testing.T) {
 	}
 }
 
+// A space's memory goes back at once when its owner answered the
+// withdrawal (it writes no more), and otherwise (its session died) only
+// once the session's connections are released, so that a write the owner
+// began before the end does not land in what the allocator hands out next.
+func TestSpaceFreedAfterOwnerStopped(t *testing.T) {
+	cs, ss := tcpPair(t, transport.WithTrustPeers(true))
+	region := func() *devicebuf.Buffer {
+		b, err := devicebuf.NewHostAllocator().Alloc(1 << 20)
+		require.NoError(t, err)
+		return b
+	}
+	withdrawn := makeSpace(1, ss, region(), PathRDMA)
+	withdrawn.withdrawnOnce.Do(func() { close(withdrawn.withdrawn) })
+	withdrawn.close()
+	require.True(t, withdrawn.region.Released(), "an answered withdrawal frees the space at once")
+
+	died := makeSpace(2, ss, region(), PathRDMA)
+	died.close()
+	require.False(t, died.region.Released(), "freed while the session's connections may still take a write")
+	require.NoError(t, cs.Close())
+	<-ss.Released()
+	require.Eventually(t, died.region.Released, 10*time.Second, time.Millisecond, "freed once the session was released")
+}
+
 // Growing spaces hold four payloads of the size of the pull that prompted
 // them, at least DefaultReceiveSpace or a quarter of their limit; a session
 // advertises another only when its spaces cannot hold two payloads of a
