@@ -758,7 +758,10 @@ func (w *rewriter) offer(src oob.Source, landable bool) oob.Descriptor {
 	}
 	w.offers = append(w.offers, d.Token)
 	if w.hold != nil {
-		w.hold.add(d.Token)
+		// A payload written into the server's request space stays offered
+		// until the server's application gives its range back: the call's
+		// stream does not wait for that.
+		w.hold.add(d.Token, d.Space == 0)
 	}
 	return d
 }

@@ -563,7 +563,10 @@ func holdOf(v any) *hold {
 	return nil
 }
 
-func (h *hold) add(t oob.Token) {
+// add keeps t in the outbox until h's call ends (or its first pull, for a
+// call that cannot replay it); pulled says whether its peer pulls it, so
+// that the call's stream waits for that (flow).
+func (h *hold) add(t oob.Token, pulled bool) {
 	h.mu.Lock()
 	done := h.done
 	if !done {
@@ -580,7 +583,9 @@ func (h *hold) add(t oob.Token) {
 		oob.Withdraw(t)
 		return
 	}
-	h.flow.Track([]oob.Token{t})
+	if pulled {
+		h.flow.Track([]oob.Token{t})
+	}
 }
 
 func (h *hold) release() {

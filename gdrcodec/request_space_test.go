@@ -448,3 +448,64 @@ func TestRequestSpaceStreamEndedByGRPC(t *testing.T) {
 		require.Eventually(t, func() bool { return oob.ReadStats().Offered == 0 }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
 	})
 }
+
+// keepAll keeps every message of an upload until the stream's end, as a
+// handler that gathers a stream's tensors before it uses them does.
+type keepAll struct{ tensor.Server }
+
+func (*keepAll) Upload(st tensorpb.TensorService_UploadServer) error {
+	var kept []*tensorpb.Tensor
+	defer func() {
+		for _, m := range kept {
+			gdrcodec.ReleaseAll(m)
+		}
+	}()
+	for {
+		m, err := st.Recv()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return err
+		}
+		kept = append(kept, m)
+	}
+	var sum uint32
+	var n uint64
+	for _, m := range kept {
+		var k uint64
+		var err error
+		if sum, k, err = tensor.Checksum(m, sum); err != nil {
+			return status.Error(codes.Internal, err.Error())
+		}
+		n += k
+	}
+	return st.SendAndClose(&tensorpb.Summary{Bytes: n, Crc32C: sum})
+}
+
+// The payloads a client stream writes into the server's request space wait
+// for no pull: a server that keeps them until the stream's end holds the
+// stream back no matter how far past Limits.UnpulledBytes they add up.
+func TestRequestSpaceStreamKeptByServer(t *testing.T) {
+	const mib = 1 << 20
+	r := requestSpaceRig(t, &keepAll{}, 8*mib)
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpace: 8 * mib,
+		Limits: oob.Limits{UnpulledBytes: mib}})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	st, err := r.client.Upload(ctx)
+	require.NoError(t, err)
+	var want uint32
+	for i := range 4 {
+		want = crc32.Update(want, crc32.MakeTable(crc32.Castagnoli), pattern(mib, uint32(70+i)))
+		req := tensorOf(mib, uint32(70+i))
+		require.NoError(t, st.Send(req))
+		gdrcodec.ReleaseAll(req)
+	}
+	sum, err := st.CloseAndRecv()
+	require.NoError(t, err)
+	require.Equal(t, uint64(4*mib), sum.Bytes)
+	require.Equal(t, want, sum.Crc32C)
+	require.Equal(t, map[string]int{"rdma@space": 4}, r.paths.reset())
+	waitNothingTaken(t)
+}

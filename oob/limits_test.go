@@ -769,6 +769,25 @@ func TestFlowTrackWait(t *testing.T) {
 	Withdraw(d2.Token)
 	require.Zero(t, unpulled(&f))
 	require.Zero(t, unpulled(&other))
+
+	// A payload a call's Send binds to a peer (the same message sent as a
+	// server's response too) counts for that call alone.
+	_, ss := pipePair(t)
+	d4 := offerFilled(t, 2*limit)
+	f.Track([]Token{d4.Token})
+	require.True(t, f.Over(ss))
+	var response Flow
+	require.NoError(t, response.Send(ctx, ss, 0, []Token{d4.Token}))
+	require.Zero(t, unpulled(&f))
+	require.Equal(t, int64(2*limit), unpulled(&response))
+
+	// The wait ends with the session.
+	d5 := offerFilled(t, 2*limit)
+	f.Track([]Token{d5.Token})
+	go func() { waited <- f.Wait(ctx, ss) }()
+	require.Eventually(t, func() bool { return ReadStats().Waiting == 1 }, 10*time.Second, time.Millisecond)
+	require.NoError(t, ss.Close())
+	require.ErrorContains(t, <-waited, "the session closed")
 }
 
 // TestPeerUnpulledBytesBound: what one peer process left unpulled, all its

@@ -597,6 +597,12 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 	for _, t := range ts {
 		if e := box.entries[t]; e.toward == nil {
 			box.bindLocked(t, e, peer, call)
+			if prev := e.flow; prev != nil && prev != f {
+				// Counted by another call (Track: the same message sent as a
+				// client's request too): this call's now.
+				prev.bytes -= int64(e.src.Len())
+				prev.wake()
+			}
 			e.flow, e.waiter = f, nil
 			f.bytes += int64(e.src.Len())
 			if e.timer.Stop() { // else it fired: its Withdraw waits for the lock
@@ -648,11 +654,15 @@ func (f *Flow) Over(s *transport.Session) bool {
 
 // Wait returns once the payloads f counts that wait in the outbox for the
 // peer's pulls add up to at most Limits.UnpulledBytes (of the engine serving
-// s, or the process's when s is nil), or fails when ctx ends first: a client
-// stream's next message waits here for the server's pulls of the earlier
-// ones (Track), as Send holds a server stream's.
+// s, or the process's when s is nil), or fails when ctx ends or s closes
+// first: a client stream's next message waits here for the server's pulls
+// of the earlier ones (Track), as Send holds a server stream's.
 func (f *Flow) Wait(ctx context.Context, s *transport.Session) error {
 	limit := cfgOf(s).Limits.UnpulledBytes
+	var closed <-chan struct{} // nil: no session to watch
+	if s != nil {
+		closed = s.Done()
+	}
 	box.mu.Lock()
 	defer box.mu.Unlock()
 	for f.bytes > limit {
@@ -667,6 +677,8 @@ func (f *Flow) Wait(ctx context.Context, s *transport.Session) error {
 		case <-room:
 		case <-ctx.Done():
 			err = context.Cause(ctx)
+		case <-closed:
+			err = errors.New("the session closed")
 		}
 		box.mu.Lock()
 		box.waiting--

@@ -460,9 +460,10 @@ func (sp *space) free() {
 	case <-sp.withdrawn:
 	default:
 		if sp.s != nil {
+			timeout := cfgOf(sp.s).Timeout // the engine's, while it may still serve s
 			go func() {
 				<-sp.s.Released()
-				ctx, cancel := context.WithTimeout(context.Background(), cfgOf(sp.s).Timeout)
+				ctx, cancel := context.WithTimeout(context.Background(), timeout)
 				defer cancel()
 				for _, ev := range sp.events {
 					_ = ev.Await(ctx) // a dead owner's copy may never complete: bounded

@@ -209,6 +209,8 @@ func TestFetchLandedBoundsOwnersCopy(t *testing.T) {
 	require.NoError(t, err)
 	markClosed(sp) // the release sends no SPACE-FREE, and frees the region and its event
 	require.NoError(t, b.Release())
+	require.NoError(t, cs.Close())
+	require.Eventually(t, region.Released, 10*time.Second, time.Millisecond, "the region freed once the session was released")
 	require.NoError(t, owner.Close())
 }
 
