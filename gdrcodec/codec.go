@@ -9,6 +9,7 @@ import (
 	"runtime/trace"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/encoding"
@@ -59,6 +60,8 @@ type options struct {
 	alloc   devicebuf.Allocator
 	maxRecv int64 // WithMaxReceivePayload (limits.go)
 	pending int   // WithNetRPCPending (netrpc.go)
+	// writeTimeout is WithNetRPCWriteTimeout's (netrpc.go).
+	writeTimeout time.Duration
 	logger  *slog.Logger
 }
 

@@ -11,12 +11,14 @@ import (
 	"net/rpc"
 	"slices"
 	"sync"
+	"time"
 	"unicode/utf8"
 
 	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -52,6 +54,24 @@ const DefaultNetRPCPending = 1024
 // needs a bound above the calls it keeps waiting. If zero,
 // DefaultNetRPCPending.
 func WithNetRPCPending(n int) Option { return func(o *options) { o.pending = n } }
+
+// WithNetRPCWriteTimeout bounds how long one message's write to a net/rpc
+// connection may wait for the peer to read before the codec ends the
+// connection. A peer that stops reading would otherwise hold the write, and
+// with it every later one (net/rpc writes one message at a time) and, on a
+// server, every request waiting for its reply, for as long as the
+// connection lives. If zero, oob.DefaultTransferTimeout.
+func WithNetRPCWriteTimeout(d time.Duration) Option {
+	return func(o *options) { o.writeTimeout = d }
+}
+
+// netRPCWriteTimeout is the bound WithNetRPCWriteTimeout set, or its default.
+func (o *options) netRPCWriteTimeout() time.Duration {
+	if o.writeTimeout > 0 {
+		return o.writeTimeout
+	}
+	return oob.DefaultTransferTimeout
+}
 
 // netRPCPending is the bound WithNetRPCPending set, or -1 for none.
 func (o *options) netRPCPending() int {
@@ -170,6 +190,23 @@ func (c *netrpcConn) write(seq uint64, method, errMsg string, body any, h *hold)
 	hdr = append(hdr, errMsg...)
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
+	nc, bounded := c.rwc.(net.Conn)
+	if bounded {
+		_ = nc.SetWriteDeadline(time.Now().Add(c.c.options().netRPCWriteTimeout()))
+		defer nc.SetWriteDeadline(time.Time{})
+	}
+	err := c.writeFrames(hdr, msg)
+	if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() {
+		// The peer stopped reading. The writer's error sticks, so every
+		// later write fails at once; the connection's end fails the reads.
+		_ = c.close()
+		return fmt.Errorf("gdrcodec: net/rpc peer read nothing for %v: %w", c.c.options().netRPCWriteTimeout(), err)
+	}
+	return err
+}
+
+// writeFrames writes a header frame and a body frame (c.wmu held).
+func (c *netrpcConn) writeFrames(hdr []byte, msg mem.BufferSlice) error {
 	for _, frame := range []mem.BufferSlice{{mem.SliceBuffer(hdr)}, msg} {
 		if _, err := c.w.Write(binary.AppendUvarint(nil, uint64(frame.Len()))); err != nil {
 			return err

@@ -539,3 +539,34 @@ func TestNetRPCLongMethodAnswered(t *testing.T) {
 	require.Contains(t, r.Error, "can't find")
 	require.True(t, strings.HasPrefix(method, r.ServiceMethod))
 }
+
+type echoes struct{}
+
+func (echoes) Echo(in, out *gdrv1.DeviceBuffer) error { return nil }
+
+// A client that sends requests and stops reading replies holds a reply's
+// write no longer than the write timeout: the connection then ends, every
+// request waiting for its reply is let go, and the server's loop returns.
+func TestNetRPCWriteTimeoutEndsConnection(t *testing.T) {
+	cli, sv := net.Pipe() // a write waits for the peer's read
+	defer cli.Close()
+	sc := NewServerCodec(sv, WithNetRPCWriteTimeout(100*time.Millisecond)).(*serverCodec)
+	srv := rpc.NewServer()
+	require.NoError(t, srv.RegisterName("Svc", echoes{}))
+	served := make(chan struct{})
+	go func() { srv.ServeCodec(sc); close(served) }()
+	cc := NewClientCodec(cli)
+	for seq := range uint64(4) {
+		require.NoError(t, cc.WriteRequest(&rpc.Request{Seq: seq, ServiceMethod: "Svc.Echo"}, &gdrv1.DeviceBuffer{}))
+	}
+	select {
+	case <-served:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the server still serves a client that reads nothing")
+	}
+	sc.mu.Lock()
+	require.Empty(t, sc.args, "requests kept")
+	sc.mu.Unlock()
+	var r rpc.Response
+	require.Error(t, cc.ReadResponseHeader(&r), "the connection ended")
+}
