@@ -62,7 +62,7 @@ type options struct {
 	pending int   // WithNetRPCPending (netrpc.go)
 	// writeTimeout is WithNetRPCWriteTimeout's (netrpc.go).
 	writeTimeout time.Duration
-	logger  *slog.Logger
+	logger       *slog.Logger
 }
 
 // WithEagerThreshold sets the payload size from which the gdr codec moves a
