@@ -382,13 +382,7 @@ func TestRequestSpaceStreamRetried(t *testing.T) {
 	refuse.Store(true)
 	st, err := c.Upload(context.Background())
 	require.NoError(t, err)
-	var want uint32
-	for i := range 2 {
-		want = crc32.Update(want, crc32.MakeTable(crc32.Castagnoli), pattern(mib, uint32(90+i)))
-		req := tensorOf(mib, uint32(90+i))
-		require.NoError(t, st.Send(req))
-		gdrcodec.ReleaseAll(req)
-	}
+	want := sendTensors(t, st, mib, 2, 90)
 	sum, err := st.CloseAndRecv()
 	require.NoError(t, err)
 	require.False(t, refuse.Load(), "the first attempt was refused")
@@ -495,17 +489,25 @@ func TestRequestSpaceStreamKeptByServer(t *testing.T) {
 	defer cancel()
 	st, err := r.client.Upload(ctx)
 	require.NoError(t, err)
-	var want uint32
-	for i := range 4 {
-		want = crc32.Update(want, crc32.MakeTable(crc32.Castagnoli), pattern(mib, uint32(70+i)))
-		req := tensorOf(mib, uint32(70+i))
-		require.NoError(t, st.Send(req))
-		gdrcodec.ReleaseAll(req)
-	}
+	want := sendTensors(t, st, mib, 4, 70)
 	sum, err := st.CloseAndRecv()
 	require.NoError(t, err)
 	require.Equal(t, uint64(4*mib), sum.Bytes)
 	require.Equal(t, want, sum.Crc32C)
 	require.Equal(t, map[string]int{"rdma@space": 4}, r.paths.reset())
 	waitNothingTaken(t)
+}
+
+// sendTensors sends count tensors of n bytes on st, of the patterns of seeds
+// seed, seed+1, ..., and returns their CRC-32C, as the server computes it.
+func sendTensors(t *testing.T, st tensorpb.TensorService_UploadClient, n, count int, seed uint32) uint32 {
+	t.Helper()
+	var want uint32
+	for i := range uint32(count) {
+		want = crc32.Update(want, crc32.MakeTable(crc32.Castagnoli), pattern(n, seed+i))
+		req := tensorOf(n, seed+i)
+		require.NoError(t, st.Send(req))
+		gdrcodec.ReleaseAll(req)
+	}
+	return want
 }
