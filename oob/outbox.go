@@ -210,15 +210,17 @@ func (b *outbox) sentTo(peer transport.ID) *sentEntries {
 	return p
 }
 
-// A Flow counts the payloads of one call's messages (a server stream's
-// responses) that wait in the outbox for the peer to pull them, and holds
-// the call's next message back while they would go over
-// Limits.UnpulledBytes: as gRPC's flow control holds a stream's sender to a
-// client that does not read it, without holding the peer's other calls.
-// The zero value is ready to use; box.mu guards it.
+// A Flow counts the payloads of one call's messages that wait in the outbox
+// for the peer to pull them, and holds the call's next message back while
+// they would go over Limits.UnpulledBytes: as gRPC's flow control holds a
+// stream's sender to a peer that does not read it, without holding the
+// peer's other calls. A server stream's responses go through Send, which
+// binds them to the client; a client stream's requests, whose connection
+// gRPC picks after they are marshaled, are counted by Track and waited for
+// by Wait. The zero value is ready to use; box.mu guards it.
 type Flow struct {
 	bytes int64
-	room  chan struct{} // closed when bytes fall; nil when no Send waits
+	room  chan struct{} // closed when bytes fall; nil when nothing waits
 }
 
 // wake tells a waiting Send to look again.
