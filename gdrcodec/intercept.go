@@ -588,6 +588,21 @@ func (h *hold) add(t oob.Token, pulled bool) {
 	}
 }
 
+// keeps reports whether h keeps any payload.
+func (h *hold) keeps() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return len(h.tokens) > 0
+}
+
+// gone reports whether every payload h keeps left the outbox (withdrawn,
+// or its lease ended); a hold whose payloads are not offered yet is not.
+func (h *hold) gone() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return len(h.tokens) > 0 && !slices.ContainsFunc(h.tokens, oob.Offered)
+}
+
 func (h *hold) release() {
 	h.mu.Lock()
 	ts := h.tokens

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/rpc"
 	"slices"
@@ -357,6 +358,11 @@ type clientCodec struct {
 	mu     sync.Mutex
 	held   map[uint64]*hold // by seq: the payloads of requests not answered yet
 	closed bool
+	// pruneHeld is the count of held requests past which those whose
+	// payloads all left the outbox (their lease ended) are forgotten: a
+	// server that answers a seq before its request was written (net/rpc
+	// registers the call first) leaves that request's hold unanswered.
+	pruneHeld int
 }
 
 // WriteRequest files the request's hold before it writes: the reply may be
@@ -368,6 +374,10 @@ func (c *clientCodec) WriteRequest(r *rpc.Request, body any) error {
 	_, dup := c.held[r.Seq]
 	if !c.closed && !dup {
 		c.held[r.Seq] = h
+		if len(c.held) >= max(c.pruneHeld, maxNoted) {
+			maps.DeleteFunc(c.held, func(_ uint64, h *hold) bool { return h.gone() })
+			c.pruneHeld = 2 * len(c.held)
+		}
 	}
 	closed := c.closed
 	c.mu.Unlock()
@@ -378,7 +388,8 @@ func (c *clientCodec) WriteRequest(r *rpc.Request, body any) error {
 		return fmt.Errorf("gdrcodec: net/rpc request with seq %d while an earlier one with that seq is not answered yet", r.Seq)
 	}
 	err := c.write(r.Seq, r.ServiceMethod, "", body, h)
-	if err != nil {
+	if err != nil || !h.keeps() {
+		// Failed, or nothing to keep for the reply.
 		c.mu.Lock()
 		if c.held[r.Seq] == h {
 			delete(c.held, r.Seq)

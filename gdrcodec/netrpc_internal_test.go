@@ -147,6 +147,36 @@ func TestNetRPCReplyBeforeWriteReturns(t *testing.T) {
 	require.Equal(t, base, oob.ReadStats().Offered, "the answered request's payload is still in the outbox")
 }
 
+// A request holds its payloads until its reply; one that has none is not
+// held at all, and held requests whose payloads all left the outbox (their
+// lease ended: a server that answered a seq before its request was
+// written, or never) are forgotten once many are held.
+func TestNetRPCHeldRequestsPruned(t *testing.T) {
+	conn := newHookConn(t)
+	c := NewClientCodec(conn, WithEagerThreshold(-1)).(*clientCodec)
+	defer c.Close()
+	require.NoError(t, c.WriteRequest(&rpc.Request{Seq: 0, ServiceMethod: "S.M"}, &gdrv1.DeviceBuffer{}))
+	require.Zero(t, heldSeqs(c), "a request without payloads is held")
+	var expired []oob.Token
+	for seq := uint64(1); seq < maxNoted; seq++ {
+		body := outOfBand()
+		require.NoError(t, c.WriteRequest(&rpc.Request{Seq: seq, ServiceMethod: "S.M"}, body))
+		ReleaseAll(body)
+		c.mu.Lock()
+		expired = append(expired, c.held[seq].tokens...)
+		c.mu.Unlock()
+	}
+	require.Equal(t, maxNoted-1, heldSeqs(c))
+	for _, tok := range expired {
+		oob.Withdraw(tok) // as their lease ending does
+	}
+	body := outOfBand()
+	defer ReleaseAll(body)
+	require.NoError(t, c.WriteRequest(&rpc.Request{Seq: maxNoted, ServiceMethod: "S.M"}, body))
+	require.Equal(t, 1, heldSeqs(c), "requests whose payloads left the outbox are still held")
+	require.Equal(t, 1, heldPayloads(c, maxNoted))
+}
+
 // net/rpc's Client.Close does not wait for a request being written: what
 // the request offered leaves the outbox with Close, and a request written
 // after Close fails.
