@@ -19,7 +19,6 @@ import (
 	"google.golang.org/grpc/peer"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -56,22 +55,52 @@ const DefaultNetRPCPending = 1024
 // DefaultNetRPCPending.
 func WithNetRPCPending(n int) Option { return func(o *options) { o.pending = n } }
 
-// WithNetRPCWriteTimeout bounds how long one message's write to a net/rpc
-// connection may wait for the peer to read before the codec ends the
-// connection. A peer that stops reading would otherwise hold the write, and
-// with it every later one (net/rpc writes one message at a time) and, on a
-// server, every request waiting for its reply, for as long as the
-// connection lives. If zero, oob.DefaultTransferTimeout.
+// DefaultNetRPCWriteTimeout is how long a net/rpc server connection's write
+// may go on with the client reading none of it before the codec ends the
+// connection, unless WithNetRPCWriteTimeout says otherwise. A client that
+// stops reading would otherwise hold a reply's write, every later reply
+// (net/rpc writes one at a time) and every request waiting for its reply,
+// with its payloads, for as long as the connection lives. It is well past
+// what an honest client's reader may spend between two reads: the pulls of
+// a reply's payloads, each bounded by the transfer timeout
+// (oob.DefaultTransferTimeout).
+const DefaultNetRPCWriteTimeout = 5 * time.Minute
+
+// WithNetRPCWriteTimeout sets how long a write to a net/rpc connection may
+// go on with the peer reading none of it before the codec ends the
+// connection; d < 0 lifts the bound. A server codec has
+// DefaultNetRPCWriteTimeout unless set; a client codec has none unless set
+// (a server that reads no request holds a client's write by design while
+// as many wait for their replies as its own bound allows, see
+// WithNetRPCPending).
 func WithNetRPCWriteTimeout(d time.Duration) Option {
 	return func(o *options) { o.writeTimeout = d }
 }
 
-// netRPCWriteTimeout is the bound WithNetRPCWriteTimeout set, or its default.
-func (o *options) netRPCWriteTimeout() time.Duration {
-	if o.writeTimeout > 0 {
-		return o.writeTimeout
+// progressWriter writes to a connection in pieces, each with a deadline of
+// idle from when it starts: a write fails once the peer read none of it for
+// idle, however long the whole write takes while the peer reads.
+type progressWriter struct {
+	nc   net.Conn
+	idle time.Duration
+}
+
+// progressPiece is the most a progressWriter writes under one deadline.
+const progressPiece = 64 << 10
+
+func (w *progressWriter) Write(p []byte) (int, error) {
+	n := 0
+	for len(p) > 0 {
+		k := min(len(p), progressPiece)
+		_ = w.nc.SetWriteDeadline(time.Now().Add(w.idle))
+		m, err := w.nc.Write(p[:k])
+		n += m
+		if err != nil {
+			return n, err
+		}
+		p = p[k:]
 	}
-	return oob.DefaultTransferTimeout
+	return n, nil
 }
 
 // netRPCPending is the bound WithNetRPCPending set, or -1 for none.
@@ -103,6 +132,9 @@ type netrpcConn struct {
 	// ctx bounds the pulls of received payloads; Close cancels it.
 	ctx    context.Context
 	cancel context.CancelFunc
+	// idle is how long a write may go on with the peer reading none of it
+	// (progressWriter), or 0.
+	idle time.Duration
 }
 
 // newNetRPCConn needs no Register: net/rpc does not use gRPC's codec
@@ -111,21 +143,31 @@ type netrpcConn struct {
 // over any other conn (a plain peer the listener handed over, a pipe) they
 // go inline, and a body that names a payload by owner and token is refused
 // before anything is pulled or allocated for it.
-func newNetRPCConn(rwc io.ReadWriteCloser, opts []Option) netrpcConn {
+// newNetRPCConn's writes to a net.Conn end the connection once the peer read
+// none of them for idle (0: never; see WithNetRPCWriteTimeout, which
+// overrides it).
+func newNetRPCConn(rwc io.ReadWriteCloser, opts []Option, idle time.Duration) netrpcConn {
 	c := codec{name: Name}
 	if len(opts) > 0 {
 		c.o = newOptions(opts)
 	}
+	if d := c.options().writeTimeout; d != 0 {
+		idle = max(d, 0)
+	}
 	ctx := context.Background()
+	var out io.Writer = rwc
 	if nc, ok := rwc.(net.Conn); ok {
 		if s := transport.SessionOf(nc); s != nil && s.Speaks(Name) {
 			c.oob, c.sess = true, s
 		}
 		// Pulls take the conn's own session first, as a gRPC call's do.
 		ctx = peer.NewContext(ctx, &peer.Peer{Addr: nc.RemoteAddr(), LocalAddr: nc.LocalAddr()})
+		if idle > 0 {
+			out = &progressWriter{nc: nc, idle: idle}
+		}
 	}
 	ctx, cancel := context.WithCancel(ctx)
-	return netrpcConn{rwc: rwc, r: bufio.NewReader(rwc), w: bufio.NewWriter(rwc), c: c, ctx: ctx, cancel: cancel}
+	return netrpcConn{rwc: rwc, r: bufio.NewReader(rwc), w: bufio.NewWriter(out), c: c, ctx: ctx, cancel: cancel, idle: idle}
 }
 
 // close ends the pulls under way and closes the connection.
@@ -191,17 +233,12 @@ func (c *netrpcConn) write(seq uint64, method, errMsg string, body any, h *hold)
 	hdr = append(hdr, errMsg...)
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
-	nc, bounded := c.rwc.(net.Conn)
-	if bounded {
-		_ = nc.SetWriteDeadline(time.Now().Add(c.c.options().netRPCWriteTimeout()))
-		defer nc.SetWriteDeadline(time.Time{})
-	}
 	err := c.writeFrames(hdr, msg)
-	if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() {
+	if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() && c.idle > 0 {
 		// The peer stopped reading. The writer's error sticks, so every
 		// later write fails at once; the connection's end fails the reads.
 		_ = c.close()
-		return fmt.Errorf("gdrcodec: net/rpc peer read nothing for %v: %w", c.c.options().netRPCWriteTimeout(), err)
+		return fmt.Errorf("gdrcodec: the net/rpc peer read nothing for %v: %w", c.idle, err)
 	}
 	return err
 }
@@ -350,7 +387,7 @@ func (c *netrpcConn) readBody(v any) error {
 // opts (the receive allocator, limits) apply to this codec alone; without
 // them it follows Register's.
 func NewClientCodec(rwc io.ReadWriteCloser, opts ...Option) rpc.ClientCodec {
-	return &clientCodec{netrpcConn: newNetRPCConn(rwc, opts), held: map[uint64]*hold{}}
+	return &clientCodec{netrpcConn: newNetRPCConn(rwc, opts, 0), held: map[uint64]*hold{}}
 }
 
 type clientCodec struct {
@@ -443,7 +480,7 @@ func (c *clientCodec) Close() error {
 // reply body, and the codec never sees it. opts apply to this codec alone;
 // without them it follows Register's.
 func NewServerCodec(rwc io.ReadWriteCloser, opts ...Option) rpc.ServerCodec {
-	c := &serverCodec{netrpcConn: newNetRPCConn(rwc, opts), args: map[uint64]any{}}
+	c := &serverCodec{netrpcConn: newNetRPCConn(rwc, opts, DefaultNetRPCWriteTimeout), args: map[uint64]any{}}
 	c.replied = sync.NewCond(&c.mu)
 	return c
 }

@@ -600,3 +600,46 @@ func TestNetRPCWriteTimeoutEndsConnection(t *testing.T) {
 	var r rpc.Response
 	require.Error(t, cc.ReadResponseHeader(&r), "the connection ended")
 }
+
+// deadlineLog is a connection that records the write deadline each Write
+// found, and the length of each Write.
+type deadlineLog struct {
+	net.Conn
+	deadline time.Time
+	writes   []int
+	at       []time.Time
+}
+
+func (c *deadlineLog) SetWriteDeadline(t time.Time) error { c.deadline = t; return nil }
+func (c *deadlineLog) Write(p []byte) (int, error) {
+	c.writes, c.at = append(c.writes, len(p)), append(c.at, c.deadline)
+	return len(p), nil
+}
+
+// A write's deadline bounds how long the peer may read none of it, not how
+// long the whole write takes: a progressWriter writes in pieces, each with
+// a deadline of its own. A server codec bounds its writes by default, a
+// client codec only when told to.
+func TestNetRPCWriteDeadlinePerPiece(t *testing.T) {
+	conn := &deadlineLog{}
+	w := &progressWriter{nc: conn, idle: time.Minute}
+	before := time.Now()
+	n, err := w.Write(make([]byte, 2*progressPiece+100))
+	require.NoError(t, err)
+	require.Equal(t, 2*progressPiece+100, n)
+	require.Equal(t, []int{progressPiece, progressPiece, 100}, conn.writes)
+	for i, dl := range conn.at {
+		require.False(t, dl.Before(before.Add(time.Minute)), "piece %d's deadline", i)
+		if i > 0 {
+			require.False(t, dl.Before(conn.at[i-1]), "piece %d's deadline is earlier than the one before", i)
+		}
+	}
+
+	cli, sv := net.Pipe()
+	defer cli.Close()
+	defer sv.Close()
+	require.Equal(t, DefaultNetRPCWriteTimeout, NewServerCodec(sv).(*serverCodec).idle)
+	require.Zero(t, NewClientCodec(cli).(*clientCodec).idle)
+	require.Equal(t, time.Second, NewClientCodec(cli, WithNetRPCWriteTimeout(time.Second)).(*clientCodec).idle)
+	require.Zero(t, NewServerCodec(sv, WithNetRPCWriteTimeout(-1)).(*serverCodec).idle)
+}
