@@ -43,7 +43,8 @@ const (
 // codec keeps each request's message (and its received payloads) until the
 // reply: past the bound the server reads no further request until a reply
 // is written, so a client that pipelines requests and reads no reply holds
-// the connection's TCP window, not the server's memory.
+// the connection's window and that many requests, until the reply it does
+// not read ends the connection (DefaultNetRPCWriteTimeout).
 const DefaultNetRPCPending = 1024
 
 // WithNetRPCPending sets how many requests of one net/rpc server connection
