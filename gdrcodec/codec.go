@@ -60,8 +60,10 @@ type options struct {
 	alloc   devicebuf.Allocator
 	maxRecv int64 // WithMaxReceivePayload (limits.go)
 	pending int   // WithNetRPCPending (netrpc.go)
-	// writeTimeout is WithNetRPCWriteTimeout's (netrpc.go).
+	// writeTimeout is WithNetRPCWriteTimeout's, pendingBytes
+	// WithNetRPCPendingBytes's (netrpc.go).
 	writeTimeout time.Duration
+	pendingBytes int64
 	logger       *slog.Logger
 }
 

@@ -104,6 +104,33 @@ func (w *progressWriter) Write(p []byte) (int, error) {
 	return n, nil
 }
 
+// DefaultNetRPCPendingBytes bounds the bodies, in bytes as they came, of
+// the requests of one net/rpc server connection whose replies are not
+// written yet, unless WithNetRPCPendingBytes says otherwise: a body may
+// carry up to 64 MiB inline (payloads under the eager threshold, or every
+// payload over a connection that is no gdrpc session), and the count alone
+// (DefaultNetRPCPending) would let one connection hold 64 GiB of them while
+// its handlers run. Past it the server reads no further request until a
+// reply is written; a request is always read when none waits.
+const DefaultNetRPCPendingBytes = 1 << 30
+
+// WithNetRPCPendingBytes sets how many bytes of request bodies one net/rpc
+// server connection may hold while their replies are not written (see
+// DefaultNetRPCPendingBytes); n < 0 lifts the bound. If zero,
+// DefaultNetRPCPendingBytes.
+func WithNetRPCPendingBytes(n int64) Option { return func(o *options) { o.pendingBytes = n } }
+
+// netRPCPendingBytes is the bound WithNetRPCPendingBytes set, or -1 for none.
+func (o *options) netRPCPendingBytes() int64 {
+	switch {
+	case o.pendingBytes > 0:
+		return o.pendingBytes
+	case o.pendingBytes < 0:
+		return -1
+	}
+	return DefaultNetRPCPendingBytes
+}
+
 // netRPCPending is the bound WithNetRPCPending set, or -1 for none.
 func (o *options) netRPCPending() int {
 	switch {
@@ -136,6 +163,9 @@ type netrpcConn struct {
 	// idle is how long a write may go on with the peer reading none of it
 	// (progressWriter), or 0.
 	idle time.Duration
+	// bodyLen is the length of the last body read into memory (readBody),
+	// 0 after one skipped. Only the reading goroutine touches it.
+	bodyLen int
 }
 
 // newNetRPCConn needs no Register: net/rpc does not use gRPC's codec
@@ -356,10 +386,12 @@ func (c *netrpcConn) readHeader() (seq uint64, method, errMsg string, err error)
 
 // readBody decodes the next body into v (nil: discard), pulling its payloads.
 func (c *netrpcConn) readBody(v any) error {
+	c.bodyLen = 0
 	if v == nil {
 		return c.skipFrame(maxNetRPCFrame)
 	}
 	p, err := c.readFrame(maxNetRPCFrame)
+	c.bodyLen = len(p)
 	if err != nil {
 		return err
 	}
@@ -481,7 +513,7 @@ func (c *clientCodec) Close() error {
 // reply body, and the codec never sees it. opts apply to this codec alone;
 // without them it follows Register's.
 func NewServerCodec(rwc io.ReadWriteCloser, opts ...Option) rpc.ServerCodec {
-	c := &serverCodec{netrpcConn: newNetRPCConn(rwc, opts, DefaultNetRPCWriteTimeout), args: map[uint64]any{}}
+	c := &serverCodec{netrpcConn: newNetRPCConn(rwc, opts, DefaultNetRPCWriteTimeout), args: map[uint64]any{}, sizes: map[uint64]int64{}}
 	c.replied = sync.NewCond(&c.mu)
 	return c
 }
@@ -497,6 +529,10 @@ type serverCodec struct {
 	// received message, released with the reply (nil until its body is
 	// decoded, and for a body that is not a message).
 	args map[uint64]any
+	// sizes are the lengths of the bodies of args, by seq, and held their
+	// sum: what WithNetRPCPendingBytes bounds.
+	sizes map[uint64]int64
+	held  int64
 	// replied is signalled when a reply is written or the codec closes:
 	// ReadRequestHeader waits on it while as many requests as the bound
 	// (WithNetRPCPending) wait for their replies.
@@ -515,7 +551,8 @@ func (c *serverCodec) ReadRequestHeader(r *rpc.Request) error {
 		return c.refused
 	}
 	c.mu.Lock()
-	for n := c.c.options().netRPCPending(); n > 0 && len(c.args) >= n && !c.closed; {
+	n, b := c.c.options().netRPCPending(), c.c.options().netRPCPendingBytes()
+	for !c.closed && (n > 0 && len(c.args) >= n || b > 0 && c.held >= b && len(c.args) > 0) {
 		c.replied.Wait()
 	}
 	c.mu.Unlock()
@@ -539,7 +576,17 @@ func (c *serverCodec) ReadRequestHeader(r *rpc.Request) error {
 }
 
 func (c *serverCodec) ReadRequestBody(body any) error {
-	if err := c.readBody(body); err != nil {
+	err := c.readBody(body)
+	if n := int64(c.bodyLen); n > 0 {
+		// Held until the reply, which net/rpc writes whatever the read gave.
+		c.mu.Lock()
+		if _, ok := c.args[c.seq]; ok {
+			c.sizes[c.seq] = n
+			c.held += n
+		}
+		c.mu.Unlock()
+	}
+	if err != nil {
 		return err
 	}
 	if m := messageV2Of(body); m != nil {
@@ -601,6 +648,8 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 	c.mu.Lock()
 	args := c.args[r.Seq]
 	delete(c.args, r.Seq)
+	c.held -= c.sizes[r.Seq]
+	delete(c.sizes, r.Seq)
 	c.replied.Signal() // one reader waits, at most
 	c.mu.Unlock()
 	for _, v := range []any{args, body} {

@@ -493,6 +493,49 @@ func TestNetRPCPendingBounded(t *testing.T) {
 	<-served
 }
 
+// A connection's pending requests are bounded in bytes too: with bodies of
+// 1 MiB (their payloads inline, the connection no gdrpc session) under a
+// 3.5 MiB bound, at most four wait for their replies at once; all are
+// answered once the handlers return.
+func TestNetRPCPendingBytesBounded(t *testing.T) {
+	cli, sv := net.Pipe()
+	defer cli.Close()
+	sc := NewServerCodec(sv, WithNetRPCPendingBytes(3<<20+1<<19)).(*serverCodec)
+	svc := &blockingEcho{codec: sc, release: make(chan struct{})}
+	srv := rpc.NewServer()
+	require.NoError(t, srv.RegisterName("Svc", svc))
+	served := make(chan struct{})
+	go func() { srv.ServeCodec(sc); close(served) }()
+	client := rpc.NewClientWithCodec(NewClientCodec(cli))
+	const n = 8
+	done := make(chan *rpc.Call, n)
+	for range n {
+		b := devicebuf.HostFromBytes(make([]byte, 1<<20))
+		in := New(b)
+		b.Release()
+		defer ReleaseAll(in)
+		go client.Go("Svc.Echo", in, &gdrv1.DeviceBuffer{}, done) // its write waits while the server reads no request
+	}
+	require.Eventually(t, func() bool { return svc.started.Load() >= 4 }, 20*time.Second, time.Millisecond)
+	sc.mu.Lock()
+	held := sc.held
+	sc.mu.Unlock()
+	require.Greater(t, held, int64(3<<20), "the bodies held")
+	close(svc.release)
+	for range n {
+		require.NoError(t, (<-done).Error)
+	}
+	require.Equal(t, int64(n), svc.started.Load())
+	require.LessOrEqual(t, svc.most.Load(), int64(4), "requests read while their bodies held the bound")
+	require.Eventually(t, func() bool { // the last reply's bookkeeping follows its write
+		sc.mu.Lock()
+		defer sc.mu.Unlock()
+		return sc.held == 0 && len(sc.sizes) == 0
+	}, 10*time.Second, time.Millisecond, "bodies still counted once every reply went")
+	require.NoError(t, client.Close())
+	<-served
+}
+
 type bigReply struct{}
 
 func (bigReply) Get(_, out *gdrv1.DeviceBuffer) error {
