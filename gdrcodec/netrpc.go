@@ -122,24 +122,22 @@ func WithNetRPCPendingBytes(n int64) Option { return func(o *options) { o.pendin
 
 // netRPCPendingBytes is the bound WithNetRPCPendingBytes set, or -1 for none.
 func (o *options) netRPCPendingBytes() int64 {
-	switch {
-	case o.pendingBytes > 0:
-		return o.pendingBytes
-	case o.pendingBytes < 0:
-		return -1
-	}
-	return DefaultNetRPCPendingBytes
+	return optionalBound(o.pendingBytes, DefaultNetRPCPendingBytes)
 }
 
 // netRPCPending is the bound WithNetRPCPending set, or -1 for none.
-func (o *options) netRPCPending() int {
+func (o *options) netRPCPending() int { return optionalBound(o.pending, DefaultNetRPCPending) }
+
+// optionalBound is a bound an option set: set itself, -1 (none) when set is
+// below zero, or def when set is zero.
+func optionalBound[T int | int64](set, def T) T {
 	switch {
-	case o.pending > 0:
-		return o.pending
-	case o.pending < 0:
+	case set > 0:
+		return set
+	case set < 0:
 		return -1
 	}
-	return DefaultNetRPCPending
+	return def
 }
 
 // frameChunk is how much of a frame is allocated before its bytes arrive.

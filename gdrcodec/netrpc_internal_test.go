@@ -464,19 +464,27 @@ func (s *blockingEcho) Echo(_, _ *gdrv1.DeviceBuffer) error {
 	return nil
 }
 
+// blockingServer serves blockingEcho as "Svc" over a pipe with a server
+// codec made with opts, and returns a client over the pipe's other end;
+// served is closed once the server's loop returned.
+func blockingServer(t *testing.T, opts ...Option) (sc *serverCodec, svc *blockingEcho, client *rpc.Client, served chan struct{}) {
+	t.Helper()
+	cli, sv := net.Pipe()
+	t.Cleanup(func() { cli.Close() })
+	sc = NewServerCodec(sv, opts...).(*serverCodec)
+	svc = &blockingEcho{codec: sc, release: make(chan struct{})}
+	srv := rpc.NewServer()
+	require.NoError(t, srv.RegisterName("Svc", svc))
+	served = make(chan struct{})
+	go func() { srv.ServeCodec(sc); close(served) }()
+	return sc, svc, rpc.NewClientWithCodec(NewClientCodec(cli)), served
+}
+
 // A client that pipelines requests and reads no reply gets at most
 // DefaultNetRPCPending of them read and served at once; the rest wait in the
 // connection, and all are answered once replies go out.
 func TestNetRPCPendingBounded(t *testing.T) {
-	cli, sv := net.Pipe()
-	defer cli.Close()
-	sc := NewServerCodec(sv).(*serverCodec)
-	svc := &blockingEcho{codec: sc, release: make(chan struct{})}
-	srv := rpc.NewServer()
-	require.NoError(t, srv.RegisterName("Svc", svc))
-	served := make(chan struct{})
-	go func() { srv.ServeCodec(sc); close(served) }()
-	client := rpc.NewClientWithCodec(NewClientCodec(cli))
+	_, svc, client, served := blockingServer(t)
 	const n = DefaultNetRPCPending + 16
 	done := make(chan *rpc.Call, n)
 	for range n {
@@ -498,15 +506,7 @@ func TestNetRPCPendingBounded(t *testing.T) {
 // 3.5 MiB bound, at most four wait for their replies at once; all are
 // answered once the handlers return.
 func TestNetRPCPendingBytesBounded(t *testing.T) {
-	cli, sv := net.Pipe()
-	defer cli.Close()
-	sc := NewServerCodec(sv, WithNetRPCPendingBytes(3<<20+1<<19)).(*serverCodec)
-	svc := &blockingEcho{codec: sc, release: make(chan struct{})}
-	srv := rpc.NewServer()
-	require.NoError(t, srv.RegisterName("Svc", svc))
-	served := make(chan struct{})
-	go func() { srv.ServeCodec(sc); close(served) }()
-	client := rpc.NewClientWithCodec(NewClientCodec(cli))
+	sc, svc, client, served := blockingServer(t, WithNetRPCPendingBytes(3<<20+1<<19))
 	const n = 8
 	done := make(chan *rpc.Call, n)
 	for range n {
