@@ -666,7 +666,7 @@ func TestUnpulledBytesBound(t *testing.T) {
 	unpulled := func(f *Flow) int64 {
 		box.mu.Lock()
 		defer box.mu.Unlock()
-		return f.bytes
+		return f.bytes.Load()
 	}
 	waiting := func(f *Flow) func() bool {
 		return func() bool {
@@ -740,7 +740,7 @@ func TestFlowTrackWait(t *testing.T) {
 	unpulled := func(f *Flow) int64 {
 		box.mu.Lock()
 		defer box.mu.Unlock()
-		return f.bytes
+		return f.bytes.Load()
 	}
 	ctx := testContext(t)
 	var f, other Flow
@@ -841,7 +841,7 @@ func TestPeerUnpulledBytesBound(t *testing.T) {
 	require.ErrorContains(t, <-sent, "left the outbox")
 	require.Zero(t, ReadStats().Waiting)
 	require.Equal(t, int64(2*limit), Unpulled(peer))
-	require.Zero(t, late.bytes)
+	require.Zero(t, late.bytes.Load())
 }
 
 // TestPeerUnpulledFirstComeFirstServed: messages waiting for room within

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
@@ -219,7 +220,8 @@ func (b *outbox) sentTo(peer transport.ID) *sentEntries {
 // gRPC picks after they are marshaled, are counted by Track and waited for
 // by Wait. The zero value is ready to use; box.mu guards it.
 type Flow struct {
-	bytes int64
+	// bytes is written with box.mu held; Over reads it without.
+	bytes atomic.Int64
 	room  chan struct{} // closed when bytes fall; nil when nothing waits
 }
 
@@ -414,7 +416,7 @@ func (b *outbox) removeLocked(t Token, e *outboxEntry) []*sourceUse {
 	delete(b.entries, t)
 	e.dead = true
 	if f := e.flow; f != nil {
-		f.bytes -= int64(e.src.Len())
+		f.bytes.Add(-int64(e.src.Len()))
 		f.wake()
 	}
 	if f := e.waiter; f != nil {
@@ -528,7 +530,7 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 			break
 		}
 		var peerRoom chan struct{} // nil: not waited on
-		overCall := f.bytes > 0 && f.bytes+n > lim.UnpulledBytes
+		overCall := f.bytes.Load() > 0 && f.bytes.Load()+n > lim.UnpulledBytes
 		if overCall && w != nil {
 			// Its own call holds it back: it must not hold back the
 			// peer's other calls meanwhile.
@@ -562,7 +564,7 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 		if f.room == nil {
 			f.room = make(chan struct{})
 		}
-		room, unpulled := f.room, f.bytes
+		room, unpulled := f.room, f.bytes.Load()
 		var sent int64
 		if p := box.toward[peer]; p != nil {
 			sent = p.bytes
@@ -602,11 +604,11 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 			if prev := e.flow; prev != nil && prev != f {
 				// Counted by another call (Track: the same message sent as a
 				// client's request too): this call's now.
-				prev.bytes -= int64(e.src.Len())
+				prev.bytes.Add(-int64(e.src.Len()))
 				prev.wake()
 			}
 			e.flow, e.waiter = f, nil
-			f.bytes += int64(e.src.Len())
+			f.bytes.Add(int64(e.src.Len()))
 			if e.timer.Stop() { // else it fired: its Withdraw waits for the lock
 				e.timer.Reset(e.lease)
 			}
@@ -639,7 +641,7 @@ func (f *Flow) Track(ts []Token) {
 	for _, t := range ts {
 		if e := box.entries[t]; e != nil && !e.held && e.flow == nil && e.toward == nil {
 			e.flow = f
-			f.bytes += int64(e.src.Len())
+			f.bytes.Add(int64(e.src.Len()))
 		}
 	}
 }
@@ -648,10 +650,8 @@ func (f *Flow) Track(ts []Token) {
 // to more than Limits.UnpulledBytes (of the engine serving s, or the
 // process's when s is nil): whether Wait would wait.
 func (f *Flow) Over(s *transport.Session) bool {
-	limit := cfgOf(s).Limits.UnpulledBytes
-	box.mu.Lock()
-	defer box.mu.Unlock()
-	return f.bytes > limit
+	n := f.bytes.Load() // no lock: a stream's every send asks
+	return n > 0 && n > cfgOf(s).Limits.UnpulledBytes
 }
 
 // Wait returns once the payloads f counts that wait in the outbox for the
@@ -667,11 +667,11 @@ func (f *Flow) Wait(ctx context.Context, s *transport.Session) error {
 	}
 	box.mu.Lock()
 	defer box.mu.Unlock()
-	for f.bytes > limit {
+	for f.bytes.Load() > limit {
 		if f.room == nil {
 			f.room = make(chan struct{})
 		}
-		room, unpulled := f.room, f.bytes
+		room, unpulled := f.room, f.bytes.Load()
 		box.waiting++
 		box.mu.Unlock()
 		var err error
