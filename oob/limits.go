@@ -94,6 +94,17 @@ type Limits struct {
 	// its streams unread. Payloads written into the peer's receive space do
 	// not count. If zero, DefaultPeerUnpulledBytes.
 	PeerUnpulledBytes int64
+	// TotalUnpulledBytes bounds what this process's outbox holds sent toward
+	// all peers together and not pulled: identities cost a peer nothing, so
+	// PeerUnpulledBytes alone does not bound what peers that take responses
+	// and never pull them pin. A message that would go over it waits, as for
+	// PeerUnpulledBytes, once it is its peer's turn, for pulls of any peer's
+	// payloads (or their leases ending); such messages go in the order they
+	// came, and a message larger than the bound on its own goes once nothing
+	// waits unpulled. Peers that fill it hold every peer's out-of-band
+	// responses back until their payloads' leases end: the price of a bound
+	// on memory, as for TotalPullBytes. If zero, twice PeerUnpulledBytes.
+	TotalUnpulledBytes int64
 }
 
 // Defaults of Limits.
@@ -139,6 +150,9 @@ func (l Limits) withDefaults(timeout time.Duration) Limits {
 	}
 	if l.PeerUnpulledBytes <= 0 {
 		l.PeerUnpulledBytes = DefaultPeerUnpulledBytes
+	}
+	if l.TotalUnpulledBytes <= 0 {
+		l.TotalUnpulledBytes = 2 * l.PeerUnpulledBytes
 	}
 	return l
 }

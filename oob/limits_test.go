@@ -879,6 +879,90 @@ func TestPeerUnpulledFirstComeFirstServed(t *testing.T) {
 	require.Zero(t, ReadStats().Waiting)
 }
 
+// TestTotalUnpulledBytesBound: what all peers left unpulled together is
+// bounded, for a process may open sessions under as many identities as it
+// likes: past Limits.TotalUnpulledBytes a message waits for pulls of any
+// peer's payloads, within its context and its session. Such messages go in
+// the order they came, across peers and within one, and a message larger
+// than the bound on its own goes once nothing is unpulled.
+func TestTotalUnpulledBytesBound(t *testing.T) {
+	const limit = 1 << 20
+	setTransferConfig(t, TransferConfig{Limits: Limits{PeerUnpulledBytes: 4 * limit, TotalUnpulledBytes: limit}})
+	_, a := pipePair(t)
+	_, b := pipePair(t)
+	_, c := pipePair(t)
+	require.NotEqual(t, a.PeerID(), b.PeerID())
+	ctx := testContext(t)
+	waiting := func(n int) func() bool { return func() bool { return ReadStats().Waiting == n } }
+	send := func(s *transport.Session, d Descriptor) chan error {
+		sent := make(chan error, 1)
+		go func() { sent <- new(Flow).Send(ctx, s, 0, []Token{d.Token}) }()
+		return sent
+	}
+
+	d1 := offerFilled(t, 768<<10)
+	require.NoError(t, new(Flow).Send(ctx, a, 0, []Token{d1.Token}))
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+	d2 := offerFilled(t, 512<<10)
+	err := new(Flow).Send(cancelled, b, 0, []Token{d2.Token})
+	require.ErrorIs(t, err, context.Canceled)
+	require.ErrorContains(t, err, "would go over Limits.TotalUnpulledBytes")
+	require.Zero(t, Unpulled(b.PeerID()), "a message held back counts for nothing")
+	require.Zero(t, ReadStats().Waiting)
+
+	// Another peer's message waits, and so do the messages after it, of
+	// its peer and of a third one, though they would fit on their own.
+	bFirst := send(b, d2)
+	require.Eventually(t, waiting(1), 10*time.Second, time.Millisecond)
+	d3, d4 := offerFilled(t, 128<<10), offerFilled(t, 128<<10)
+	bSecond := send(b, d3)
+	require.Eventually(t, waiting(2), 10*time.Second, time.Millisecond)
+	cFirst := send(c, d4)
+	require.Eventually(t, waiting(3), 10*time.Second, time.Millisecond)
+	require.Equal(t, int64(768<<10), ReadStats().Unpulled)
+	require.Empty(t, bFirst)
+	require.Empty(t, bSecond)
+	require.Empty(t, cFirst)
+
+	// A pull of the first peer's payload makes room for all three.
+	pullFilled(ctx, t, d1)
+	require.NoError(t, <-bFirst)
+	require.NoError(t, <-bSecond)
+	require.NoError(t, <-cFirst)
+	require.Equal(t, int64(640<<10), Unpulled(b.PeerID()))
+	require.Equal(t, int64(128<<10), Unpulled(c.PeerID()))
+	require.Equal(t, int64(768<<10), ReadStats().Unpulled)
+	require.Zero(t, ReadStats().Waiting)
+
+	// Larger than the bound on its own: it goes once nothing is unpulled.
+	d5 := offerFilled(t, 2*limit)
+	big := send(a, d5)
+	require.Eventually(t, waiting(1), 10*time.Second, time.Millisecond)
+	for _, d := range []Descriptor{d2, d3, d4} {
+		pullFilled(ctx, t, d)
+	}
+	require.NoError(t, <-big)
+	require.Equal(t, int64(2*limit), ReadStats().Unpulled)
+
+	// The wait ends with the waiting message's session; the next goes on
+	// waiting.
+	d6, d7 := offerFilled(t, 4096), offerFilled(t, 4096)
+	gone := send(b, d6)
+	require.Eventually(t, waiting(1), 10*time.Second, time.Millisecond)
+	next := send(c, d7)
+	require.Eventually(t, waiting(2), 10*time.Second, time.Millisecond)
+	require.NoError(t, b.Close())
+	require.ErrorContains(t, <-gone, "the session closed")
+	require.Eventually(t, waiting(1), 10*time.Second, time.Millisecond)
+	pullFilled(ctx, t, d5)
+	require.NoError(t, <-next)
+	require.Equal(t, int64(4096), ReadStats().Unpulled)
+	pullFilled(ctx, t, d7)
+	require.Zero(t, ReadStats().Unpulled)
+	require.Zero(t, ReadStats().Waiting)
+}
+
 // TestCallEndedWithdrawsUnpulled: a client that ends a call tells the
 // server, whose outbox withdraws what it sent for that call and nobody
 // pulled, rather than keep it for the lease; a message of the call not sent

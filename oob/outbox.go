@@ -137,6 +137,12 @@ type outbox struct {
 	leaving map[Token]*outboxEntry
 	toward  map[transport.ID]*sentEntries // entries by the process they were sent to
 	waiting int                           // Flow.Sends waiting for room
+	// sent are the payload bytes of all peers' sentEntries: what
+	// Limits.TotalUnpulledBytes bounds. totalWaiters are the messages first
+	// in their peer's waiters and within its bound that wait for room within
+	// it, first come first served as a peer's waiters are.
+	sent         int64
+	totalWaiters []*peerWaiter
 }
 
 // sentEntries are the outbox entries sent toward one process and not yet
@@ -153,10 +159,39 @@ type sentEntries struct {
 	waiters []*peerWaiter
 }
 
-// peerWaiter is a message waiting in sentEntries.waiters.
+// peerWaiter is a message waiting in sentEntries.waiters, and in
+// outbox.totalWaiters once it is first there and fits its peer's bound.
 type peerWaiter struct {
-	n, limit int64         // its payloads' bytes; the bound of its session
+	n, limit int64         // its payloads' bytes; the peer's bound of its session
+	total    int64         // the process's bound of its session (Limits.TotalUnpulledBytes)
 	ready    chan struct{} // closed when it is first and fits
+}
+
+// fitsTotalLocked reports whether a message of n bytes fits within limit
+// beside what all peers hold: a message larger than the limit fits once
+// nothing is held. box.mu is held.
+func (b *outbox) fitsTotalLocked(n, limit int64) bool {
+	return b.sent == 0 || b.sent+n <= limit
+}
+
+// wakeTotalLocked wakes the first of totalWaiters once it fits. box.mu is
+// held.
+func (b *outbox) wakeTotalLocked() {
+	if len(b.totalWaiters) == 0 {
+		return
+	}
+	if w := b.totalWaiters[0]; b.fitsTotalLocked(w.n, w.total) {
+		w.wake()
+	}
+}
+
+// wake closes w.ready unless it is closed. box.mu is held.
+func (w *peerWaiter) wake() {
+	select {
+	case <-w.ready:
+	default:
+		close(w.ready)
+	}
 }
 
 // fits reports whether a message of n bytes fits within limit beside what
@@ -171,17 +206,17 @@ func (p *sentEntries) wakeLocked() {
 		return
 	}
 	if w := p.waiters[0]; p.fits(w.n, w.limit) {
-		select {
-		case <-w.ready:
-		default:
-			close(w.ready)
-		}
+		w.wake()
 	}
 }
 
-// leaveQueueLocked takes w out of p's waiters and wakes the next. box.mu is
-// held.
+// leaveQueueLocked takes w out of p's waiters and of totalWaiters, and wakes
+// the next of each. box.mu is held.
 func (b *outbox) leaveQueueLocked(peer transport.ID, p *sentEntries, w *peerWaiter) {
+	if i := slices.Index(b.totalWaiters, w); i >= 0 {
+		b.totalWaiters = slices.Delete(b.totalWaiters, i, i+1)
+		b.wakeTotalLocked()
+	}
 	if p == nil {
 		return
 	}
@@ -364,8 +399,12 @@ func (e *outboxEntry) freeLocked() bool {
 type Stats struct {
 	Offered int // payloads in the outbox: offered, not yet withdrawn or expired
 	// Waiting are the messages whose payloads wait in the outbox for the
-	// peer to pull earlier ones (Limits.UnpulledBytes, PeerUnpulledBytes).
-	Waiting  int
+	// peer to pull earlier ones (Limits.UnpulledBytes, PeerUnpulledBytes,
+	// TotalUnpulledBytes).
+	Waiting int
+	// Unpulled are the payload bytes in the outbox sent toward peers and
+	// not pulled, all peers together (Limits.TotalUnpulledBytes bounds them).
+	Unpulled int64
 	Pulls    int // pulls under way (their destinations not yet settled)
 	Sessions int // sessions the engine serves
 	Spaces   int // receive spaces this process advertised, alive (their session open, or ranges held)
@@ -384,6 +423,7 @@ func ReadStats() Stats {
 	box.mu.Lock()
 	st.Offered = len(box.entries)
 	st.Waiting = box.waiting
+	st.Unpulled = box.sent
 	box.mu.Unlock()
 	pulls.Lock()
 	st.Pulls = len(pulls.m)
@@ -426,6 +466,7 @@ func (b *outbox) removeLocked(t Token, e *outboxEntry) []*sourceUse {
 		if p := b.toward[*e.toward]; p != nil {
 			delete(p.tokens, t)
 			p.bytes -= int64(e.src.Len())
+			b.sent -= int64(e.src.Len())
 			if c := p.calls[e.call]; c != nil {
 				delete(c, t)
 				if len(c) == 0 {
@@ -433,6 +474,7 @@ func (b *outbox) removeLocked(t Token, e *outboxEntry) []*sourceUse {
 				}
 			}
 			p.wakeLocked()
+			b.wakeTotalLocked()
 			b.dropIfEmptyLocked(*e.toward, p)
 		}
 	}
@@ -537,22 +579,38 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 			box.leaveQueueLocked(peer, box.toward[peer], w)
 			w = nil
 		}
+		overTotal := false
 		if !overCall {
 			// The call's own bound holds: the message takes its turn
-			// among the peer's.
+			// among the peer's, then among all peers'.
 			p := box.toward[peer]
-			if w == nil && (p == nil || len(p.waiters) == 0 && p.fits(n, lim.PeerUnpulledBytes)) {
+			if w == nil && (p == nil || len(p.waiters) == 0 && p.fits(n, lim.PeerUnpulledBytes)) &&
+				len(box.totalWaiters) == 0 && box.fitsTotalLocked(n, lim.TotalUnpulledBytes) {
 				break
 			}
 			if w == nil {
-				w = &peerWaiter{limit: lim.PeerUnpulledBytes, ready: make(chan struct{})}
+				p = box.sentTo(peer)
+				w = &peerWaiter{limit: lim.PeerUnpulledBytes, total: lim.TotalUnpulledBytes, ready: make(chan struct{})}
 				p.waiters = append(p.waiters, w)
 			}
 			w.n = n
 			if p.waiters[0] == w && p.fits(w.n, w.limit) {
-				p.waiters = p.waiters[1:] // its turn: the next is woken once it is bound
-				w = nil
-				break
+				// Its turn among the peer's. It stays first there while it
+				// waits for room among all peers', so that none of the
+				// peer's later messages passes it.
+				i := slices.Index(box.totalWaiters, w)
+				if (i == 0 || i < 0 && len(box.totalWaiters) == 0) && box.fitsTotalLocked(w.n, w.total) {
+					if i == 0 {
+						box.totalWaiters = box.totalWaiters[1:]
+					}
+					p.waiters = p.waiters[1:] // the next of each is woken once it is bound
+					w = nil
+					break
+				}
+				if i < 0 {
+					box.totalWaiters = append(box.totalWaiters, w)
+				}
+				overTotal = true
 			}
 			select {
 			case <-w.ready: // woken, and no longer fits: wait again
@@ -564,7 +622,7 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 		if f.room == nil {
 			f.room = make(chan struct{})
 		}
-		room, unpulled := f.room, f.bytes.Load()
+		room, unpulled, all := f.room, f.bytes.Load(), box.sent
 		var sent int64
 		if p := box.toward[peer]; p != nil {
 			sent = p.bytes
@@ -595,6 +653,9 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 			if overCall {
 				return fail(fmt.Errorf("oob: the peer left %d bytes of this call's earlier payloads unpulled, and %d more would go over Limits.UnpulledBytes (%d): %w", unpulled, n, lim.UnpulledBytes, err))
 			}
+			if overTotal {
+				return fail(fmt.Errorf("oob: peers left %d bytes unpulled in all (%d of them this peer's), and %d more would go over Limits.TotalUnpulledBytes (%d), or earlier messages wait for room: %w", all, sent, n, lim.TotalUnpulledBytes, err))
+			}
 			return fail(fmt.Errorf("oob: the peer left %d bytes unpulled (%d of them this call's), and %d more would go over Limits.PeerUnpulledBytes (%d), or earlier messages wait for room: %w", sent, unpulled, n, lim.PeerUnpulledBytes, err))
 		}
 	}
@@ -617,6 +678,7 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 	if p := box.toward[peer]; p != nil {
 		p.wakeLocked() // the next waiter, if it fits beside this message
 	}
+	box.wakeTotalLocked()
 	box.mu.Unlock()
 	// Checked once bound: a CALL-ENDED handled from here on finds them
 	// (handleCallEnded notes the call, then withdraws what is bound to it).
@@ -708,6 +770,7 @@ func (b *outbox) bindLocked(t Token, e *outboxEntry, peer transport.ID, call uin
 	p := b.sentTo(peer)
 	p.tokens[t] = struct{}{}
 	p.bytes += int64(e.src.Len())
+	b.sent += int64(e.src.Len())
 	if call != 0 {
 		if p.calls == nil {
 			p.calls = make(map[uint64]map[Token]struct{})
