@@ -104,18 +104,20 @@ func (w *progressWriter) Write(p []byte) (int, error) {
 	return n, nil
 }
 
-// DefaultNetRPCPendingBytes bounds the bodies, in bytes as they came, of
-// the requests of one net/rpc server connection whose replies are not
-// written yet, unless WithNetRPCPendingBytes says otherwise: a body may
-// carry up to 64 MiB inline (payloads under the eager threshold, or every
-// payload over a connection that is no gdrpc session), and the count alone
-// (DefaultNetRPCPending) would let one connection hold 64 GiB of them while
-// its handlers run. Past it the server reads no further request until a
-// reply is written; a request is always read when none waits.
+// DefaultNetRPCPendingBytes bounds the bytes of the requests of one net/rpc
+// server connection whose replies are not written yet (their bodies as they
+// came, and the payloads they named out-of-band), unless
+// WithNetRPCPendingBytes says otherwise: a body may carry up to 64 MiB
+// inline (payloads under the eager threshold, or every payload over a
+// connection that is no gdrpc session) and name up to the receive limit
+// more, and the count alone (DefaultNetRPCPending) would let one connection
+// hold 1,024 of them while its handlers run. Past it the server reads no
+// further request until a reply is written; a request is always read when
+// none waits.
 const DefaultNetRPCPendingBytes = 1 << 30
 
-// WithNetRPCPendingBytes sets how many bytes of request bodies one net/rpc
-// server connection may hold while their replies are not written (see
+// WithNetRPCPendingBytes sets how many bytes of requests one net/rpc server
+// connection may hold while their replies are not written (see
 // DefaultNetRPCPendingBytes); n < 0 lifts the bound. If zero,
 // DefaultNetRPCPendingBytes.
 func WithNetRPCPendingBytes(n int64) Option { return func(o *options) { o.pendingBytes = n } }
@@ -162,7 +164,9 @@ type netrpcConn struct {
 	// (progressWriter), or 0.
 	idle time.Duration
 	// bodyLen is the length of the last body read into memory (readBody),
-	// 0 after one skipped. Only the reading goroutine touches it.
+	// 0 after one skipped, with the lengths of the payloads its message
+	// named out-of-band (pulled, or taken from the receive space). Only the
+	// reading goroutine touches it.
 	bodyLen int
 }
 
@@ -408,7 +412,14 @@ func (c *netrpcConn) readBody(v any) error {
 	if c.c.oob {
 		from = gdrSender
 	}
-	return resolve(c.ctx, m.ProtoReflect(), from, c.c.options())
+	pulls, err := collectPulls(c.ctx, m.ProtoReflect(), from, c.c.options())
+	if err != nil {
+		return err
+	}
+	for _, j := range pulls.jobs {
+		c.bodyLen += int(j.n) // within the receive limit: no overflow
+	}
+	return pulls.run(c.ctx)
 }
 
 // NewClientCodec returns a net/rpc client codec over rwc (a gdrpc conn from
@@ -527,8 +538,8 @@ type serverCodec struct {
 	// received message, released with the reply (nil until its body is
 	// decoded, and for a body that is not a message).
 	args map[uint64]any
-	// sizes are the lengths of the bodies of args, by seq, and held their
-	// sum: what WithNetRPCPendingBytes bounds.
+	// sizes are the lengths of the requests of args (bodies and payloads),
+	// by seq, and held their sum: what WithNetRPCPendingBytes bounds.
 	sizes map[uint64]int64
 	held  int64
 	// replied is signalled when a reply is written or the codec closes:

@@ -1,6 +1,7 @@
 package gdrcodec
 
 import (
+	"bytes"
 	"crypto/rand"
 	"encoding/binary"
 	"errors"
@@ -451,9 +452,15 @@ type blockingEcho struct {
 	release chan struct{}
 	started atomic.Int64
 	most    atomic.Int64
+	pulled  atomic.Int64 // requests whose 1 MiB payload was attached, all its bytes alike
 }
 
-func (s *blockingEcho) Echo(_, _ *gdrv1.DeviceBuffer) error {
+func (s *blockingEcho) Echo(in, _ *gdrv1.DeviceBuffer) error {
+	if b, ok := attachedBuffer(in); ok && b.Len() == 1<<20 {
+		if got, err := b.HostBytes(); err == nil && bytes.Equal(got, bytes.Repeat(got[:1], 1<<20)) {
+			s.pulled.Add(1)
+		}
+	}
 	s.codec.mu.Lock()
 	n := int64(len(s.codec.args))
 	s.codec.mu.Unlock()
@@ -470,6 +477,12 @@ func (s *blockingEcho) Echo(_, _ *gdrv1.DeviceBuffer) error {
 func blockingServer(t *testing.T, opts ...Option) (sc *serverCodec, svc *blockingEcho, client *rpc.Client, served chan struct{}) {
 	t.Helper()
 	cli, sv := net.Pipe()
+	return blockingServerOver(t, cli, sv, opts...)
+}
+
+// blockingServerOver is blockingServer over the conns cli and sv.
+func blockingServerOver(t *testing.T, cli, sv net.Conn, opts ...Option) (sc *serverCodec, svc *blockingEcho, client *rpc.Client, served chan struct{}) {
+	t.Helper()
 	t.Cleanup(func() { cli.Close() })
 	sc = NewServerCodec(sv, opts...).(*serverCodec)
 	svc = &blockingEcho{codec: sc, release: make(chan struct{})}
@@ -532,6 +545,40 @@ func TestNetRPCPendingBytesBounded(t *testing.T) {
 		defer sc.mu.Unlock()
 		return sc.held == 0 && len(sc.sizes) == 0
 	}, 10*time.Second, time.Millisecond, "bodies still counted once every reply went")
+	require.NoError(t, client.Close())
+	<-served
+}
+
+// The bound counts the payloads a request named out-of-band too, pulled
+// while its body was read: with 1 MiB payloads pulled over a gdrpc session
+// (bodies of a few bytes) under a 3.5 MiB bound, at most four requests wait
+// for their replies at once.
+func TestNetRPCPendingPulledBytesBounded(t *testing.T) {
+	engine := transport.WithEngine(oob.Engine())
+	cs, ss := transporttest.PairWith(t, []transport.Option{engine}, []transport.Option{engine})
+	cli, sv := transporttest.Conns(t, cs, ss)
+	sc, svc, client, served := blockingServerOver(t, cli, sv, WithNetRPCPendingBytes(3<<20+1<<19))
+	const n = 8
+	done := make(chan *rpc.Call, n)
+	for i := range n {
+		b := devicebuf.HostFromBytes(bytes.Repeat([]byte{byte(i)}, 1<<20))
+		in := New(b)
+		b.Release()
+		defer ReleaseAll(in)
+		go client.Go("Svc.Echo", in, &gdrv1.DeviceBuffer{}, done)
+	}
+	require.Eventually(t, func() bool { return svc.started.Load() >= 4 }, 20*time.Second, time.Millisecond)
+	sc.mu.Lock()
+	held := sc.held
+	sc.mu.Unlock()
+	require.Greater(t, held, int64(4<<20), "the payloads held")
+	close(svc.release)
+	for range n {
+		require.NoError(t, (<-done).Error)
+	}
+	require.Equal(t, int64(n), svc.started.Load())
+	require.Equal(t, int64(n), svc.pulled.Load(), "every request's payload arrived out-of-band, byte for byte")
+	require.LessOrEqual(t, svc.most.Load(), int64(4), "requests read while their payloads held the bound")
 	require.NoError(t, client.Close())
 	<-served
 }
