@@ -514,73 +514,59 @@ func TestNetRPCPendingBounded(t *testing.T) {
 	<-served
 }
 
-// A connection's pending requests are bounded in bytes too: with bodies of
-// 1 MiB (their payloads inline, the connection no gdrpc session) under a
-// 3.5 MiB bound, at most four wait for their replies at once; all are
-// answered once the handlers return.
+// A connection's pending requests are bounded in bytes too, their bodies
+// and the payloads they named out-of-band (pulled while the body was read):
+// with 1 MiB payloads, inline over a pipe (no gdrpc session) or pulled over a
+// session, under a 3.5 MiB bound, at most four requests wait for their
+// replies at once; all are answered once the handlers return.
 func TestNetRPCPendingBytesBounded(t *testing.T) {
-	sc, svc, client, served := blockingServer(t, WithNetRPCPendingBytes(3<<20+1<<19))
-	const n = 8
-	done := make(chan *rpc.Call, n)
-	for range n {
-		b := devicebuf.HostFromBytes(make([]byte, 1<<20))
-		in := New(b)
-		b.Release()
-		defer ReleaseAll(in)
-		go client.Go("Svc.Echo", in, &gdrv1.DeviceBuffer{}, done) // its write waits while the server reads no request
+	for _, tc := range []struct {
+		name   string
+		conns  func(t *testing.T) (cli, sv net.Conn)
+		pulled bool
+	}{
+		{"inline", func(*testing.T) (net.Conn, net.Conn) { return net.Pipe() }, false},
+		{"pulled", func(t *testing.T) (net.Conn, net.Conn) {
+			engine := transport.WithEngine(oob.Engine())
+			cs, ss := transporttest.PairWith(t, []transport.Option{engine}, []transport.Option{engine})
+			return transporttest.Conns(t, cs, ss)
+		}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cli, sv := tc.conns(t)
+			sc, svc, client, served := blockingServerOver(t, cli, sv, WithNetRPCPendingBytes(3<<20+1<<19))
+			const n = 8
+			done := make(chan *rpc.Call, n)
+			for i := range n {
+				b := devicebuf.HostFromBytes(bytes.Repeat([]byte{byte(i)}, 1<<20))
+				in := New(b)
+				b.Release()
+				defer ReleaseAll(in)
+				go client.Go("Svc.Echo", in, &gdrv1.DeviceBuffer{}, done) // its write waits while the server reads no request
+			}
+			require.Eventually(t, func() bool { return svc.started.Load() >= 4 }, 20*time.Second, time.Millisecond)
+			sc.mu.Lock()
+			held := sc.held
+			sc.mu.Unlock()
+			require.Greater(t, held, int64(4<<20), "the requests held")
+			close(svc.release)
+			for range n {
+				require.NoError(t, (<-done).Error)
+			}
+			require.Equal(t, int64(n), svc.started.Load())
+			if tc.pulled {
+				require.Equal(t, int64(n), svc.pulled.Load(), "every request's payload arrived out-of-band, byte for byte")
+			}
+			require.LessOrEqual(t, svc.most.Load(), int64(4), "requests read while they held the bound")
+			require.Eventually(t, func() bool { // the last reply's bookkeeping follows its write
+				sc.mu.Lock()
+				defer sc.mu.Unlock()
+				return sc.held == 0 && len(sc.sizes) == 0
+			}, 10*time.Second, time.Millisecond, "requests still counted once every reply went")
+			require.NoError(t, client.Close())
+			<-served
+		})
 	}
-	require.Eventually(t, func() bool { return svc.started.Load() >= 4 }, 20*time.Second, time.Millisecond)
-	sc.mu.Lock()
-	held := sc.held
-	sc.mu.Unlock()
-	require.Greater(t, held, int64(3<<20), "the bodies held")
-	close(svc.release)
-	for range n {
-		require.NoError(t, (<-done).Error)
-	}
-	require.Equal(t, int64(n), svc.started.Load())
-	require.LessOrEqual(t, svc.most.Load(), int64(4), "requests read while their bodies held the bound")
-	require.Eventually(t, func() bool { // the last reply's bookkeeping follows its write
-		sc.mu.Lock()
-		defer sc.mu.Unlock()
-		return sc.held == 0 && len(sc.sizes) == 0
-	}, 10*time.Second, time.Millisecond, "bodies still counted once every reply went")
-	require.NoError(t, client.Close())
-	<-served
-}
-
-// The bound counts the payloads a request named out-of-band too, pulled
-// while its body was read: with 1 MiB payloads pulled over a gdrpc session
-// (bodies of a few bytes) under a 3.5 MiB bound, at most four requests wait
-// for their replies at once.
-func TestNetRPCPendingPulledBytesBounded(t *testing.T) {
-	engine := transport.WithEngine(oob.Engine())
-	cs, ss := transporttest.PairWith(t, []transport.Option{engine}, []transport.Option{engine})
-	cli, sv := transporttest.Conns(t, cs, ss)
-	sc, svc, client, served := blockingServerOver(t, cli, sv, WithNetRPCPendingBytes(3<<20+1<<19))
-	const n = 8
-	done := make(chan *rpc.Call, n)
-	for i := range n {
-		b := devicebuf.HostFromBytes(bytes.Repeat([]byte{byte(i)}, 1<<20))
-		in := New(b)
-		b.Release()
-		defer ReleaseAll(in)
-		go client.Go("Svc.Echo", in, &gdrv1.DeviceBuffer{}, done)
-	}
-	require.Eventually(t, func() bool { return svc.started.Load() >= 4 }, 20*time.Second, time.Millisecond)
-	sc.mu.Lock()
-	held := sc.held
-	sc.mu.Unlock()
-	require.Greater(t, held, int64(4<<20), "the payloads held")
-	close(svc.release)
-	for range n {
-		require.NoError(t, (<-done).Error)
-	}
-	require.Equal(t, int64(n), svc.started.Load())
-	require.Equal(t, int64(n), svc.pulled.Load(), "every request's payload arrived out-of-band, byte for byte")
-	require.LessOrEqual(t, svc.most.Load(), int64(4), "requests read while their payloads held the bound")
-	require.NoError(t, client.Close())
-	<-served
 }
 
 type bigReply struct{}
