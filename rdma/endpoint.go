@@ -48,8 +48,9 @@ type Endpoint struct {
 	inflight int
 	onErr    func(error)
 	errFired bool
-	lanes    string   // TransportInfo once it showed lanes to the peer (KeyDomains)
-	rmaDoms  []string // rmaDomains(lanes), once asked
+	lanes    string    // TransportInfo once it showed lanes to the peer (KeyDomains)
+	lanesAt  time.Time // when lanes was read
+	rmaDoms  []string  // rmaDomains(lanes), once asked
 
 	done      chan struct{}
 	closeDone chan struct{} // the UCX endpoint is released

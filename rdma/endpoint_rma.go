@@ -20,6 +20,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 )
 
@@ -63,11 +64,18 @@ type RemoteKey struct {
 // An empty result means UCX would emulate the put with active messages that
 // the peer applies.
 func (e *Endpoint) KeyDomains(packed []byte) ([]string, error) {
-	info, err := e.laneInfo()
+	pk, err := decodeKey(packed)
+	if err != nil {
+		return nil, err
+	}
+	if err := validateRkey(pk.rkey); err != nil {
+		return nil, err
+	}
+	lanes, err := e.keyLanes(pk.rkey)
 	if err != nil {
 		return nil, fmt.Errorf("rdma: key domains: %w", err)
 	}
-	return keyDomains(packed, info)
+	return keyDomains(pk.rkey, lanes), nil
 }
 
 // RMADomains returns the components of the peer's memory domains that the
@@ -80,7 +88,7 @@ func (e *Endpoint) RMADomains() ([]string, error) {
 	if doms != nil {
 		return slices.Clone(doms), nil
 	}
-	info, err := e.laneInfo()
+	info, err := e.laneInfo(false)
 	if err != nil {
 		return nil, fmt.Errorf("rdma: lanes: %w", err)
 	}
@@ -89,28 +97,60 @@ func (e *Endpoint) RMADomains() ([]string, error) {
 		doms = []string{}
 	}
 	e.mu.Lock()
-	e.rmaDoms = doms
+	if e.lanes == info { // else read again meanwhile
+		e.rmaDoms = doms
+	}
 	e.mu.Unlock()
 	return slices.Clone(doms), nil
 }
 
-// laneInfo returns ucp_ep_print_info's text for the endpoint, asked once:
-// lanes do not change after wireup.
-func (e *Endpoint) laneInfo() (string, error) {
+// laneRefresh is how long the lanes read last stand for a key that names
+// memory domains they do not reach (keyLanes): UCX adds lanes once wireup
+// completes, and an endpoint asked earlier shows only those of its
+// connection's setup.
+const laneRefresh = time.Second
+
+// laneInfo returns ucp_ep_print_info's text for the endpoint, read once
+// and again, with refresh, when laneRefresh passed since.
+func (e *Endpoint) laneInfo(refresh bool) (string, error) {
 	e.mu.Lock()
-	info := e.lanes
+	info, at := e.lanes, e.lanesAt
 	e.mu.Unlock()
-	if info != "" {
+	if info != "" && (!refresh || time.Since(at) < laneRefresh) {
 		return info, nil
 	}
-	info = e.TransportInfo()
-	if !strings.Contains(info, "->") {
+	fresh := e.TransportInfo()
+	if !strings.Contains(fresh, "->") {
+		if info != "" {
+			return info, nil // the endpoint is going: what it showed stands
+		}
 		return "", cmp.Or(e.termErr(), errors.New("the endpoint shows no lanes"))
 	}
 	e.mu.Lock()
-	e.lanes = info
+	if fresh != e.lanes {
+		e.lanes, e.rmaDoms = fresh, nil
+	}
+	e.lanesAt = time.Now()
 	e.mu.Unlock()
-	return info, nil
+	return fresh, nil
+}
+
+// keyLanes returns the components of the peer's memory domains that e's
+// lanes reach, by index, read again (within laneRefresh) when rkey, a key
+// validateRkey accepted, names domains they do not.
+func (e *Endpoint) keyLanes(rkey []byte) (map[int]string, error) {
+	info, err := e.laneInfo(false)
+	if err != nil {
+		return nil, err
+	}
+	lanes := laneComponents(info)
+	if rkeyDomains(rkey)&^laneMask(lanes) == 0 {
+		return lanes, nil
+	}
+	if info, err = e.laneInfo(true); err != nil {
+		return nil, err
+	}
+	return laneComponents(info), nil
 }
 
 // UnpackKey unpacks a key made by the peer's Memory.PackKey. The framing is
@@ -123,13 +163,19 @@ func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
 	if err := validateRkey(pk.rkey); err != nil {
 		return nil, err
 	}
-	if err := e.checkSegments(pk.rkey); err != nil {
+	lanes, err := e.keyLanes(pk.rkey)
+	if err != nil {
 		return nil, fmt.Errorf("rdma: unpack key: %w", err)
 	}
-	// UCX reads each transport's key at that transport's size, whatever
-	// size byte the peer wrote: zeroes after the copy keep a short last
-	// component's reads inside this allocation.
-	pk.rkey = append(make([]byte, 0, len(pk.rkey)+rkeySlack), pk.rkey...)
+	// UCX unpacks, and attaches, a component for every memory domain of the
+	// peer it reaches, lanes or not; only those of lanes are known by kind,
+	// and so checked: the others go.
+	pk.rkey = laneKey(pk.rkey, lanes)
+	if err := rkeyComponents(pk.rkey, func(md int, comp []byte) error {
+		return checkSegment(lanes[md], comp)
+	}); err != nil {
+		return nil, fmt.Errorf("rdma: unpack key: %w", err)
+	}
 	k := &RemoteKey{e: e, region: pk}
 	var uerr error
 	direct := pk.memType == MemoryHost && pk.length > 0 && pk.length <= math.MaxInt && e.w.ctx.opts.direct && goTakesFaults()
@@ -168,20 +214,6 @@ func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
 		return nil, fmt.Errorf("rdma: unpack key: %w", err)
 	}
 	return k, nil
-}
-
-// checkSegments reports why UCX must not unpack rkey on e: a shared-memory
-// segment it names, in a memory domain a lane of e reaches, that would not
-// attach (checkSegment).
-func (e *Endpoint) checkSegments(rkey []byte) error {
-	info, err := e.laneInfo()
-	if err != nil {
-		return err
-	}
-	components := laneComponents(info)
-	return rkeyComponents(rkey, func(md int, comp []byte) error {
-		return checkSegment(components[md], comp)
-	})
 }
 
 // Direct reports whether puts and gets with the key are copies this process

@@ -134,11 +134,48 @@ func validateRkey(b []byte) error {
 // byte counts at most 255).
 const rkeySlack = 256
 
+// rkeyDomains returns the bitmap of memory domains b, an rkey, carries.
+func rkeyDomains(b []byte) uint64 { return binary.LittleEndian.Uint64(b) }
+
+// laneMask returns the bitmap of the memory domains in lanes.
+func laneMask(lanes map[int]string) uint64 {
+	var m uint64
+	for i := range lanes {
+		m |= 1 << i
+	}
+	return m
+}
+
+// laneKey returns a copy of b, an rkey validateRkey accepted, that carries
+// the components of the memory domains in lanes alone, followed by
+// rkeySlack zeroes (UCX reads each transport's key at that transport's
+// size, whatever size byte the peer wrote: they keep a short last
+// component's reads inside the copy). What follows the components (system
+// device and distances) is kept as it came: it does not depend on them.
+func laneKey(b []byte, lanes map[int]string) []byte {
+	out := make([]byte, 9, len(b)+rkeySlack)
+	out[8] = b[8]
+	var kept uint64
+	p := 9
+	for m := rkeyDomains(b); m != 0; m &= m - 1 {
+		md := bits.TrailingZeros64(m)
+		n := int(b[p])
+		if _, ok := lanes[md]; ok {
+			kept |= 1 << md
+			out = append(out, b[p:p+1+n]...)
+		}
+		p += 1 + n
+	}
+	out = append(out, b[p:]...)
+	binary.LittleEndian.PutUint64(out, kept)
+	return out
+}
+
 // rkeyComponents calls fn with each memory domain index that b, an rkey
 // validateRkey accepted, carries and the bytes of its transport's key, in
 // order, until fn returns an error.
 func rkeyComponents(b []byte, fn func(md int, comp []byte) error) error {
-	mdMap := binary.LittleEndian.Uint64(b)
+	mdMap := rkeyDomains(b)
 	p := 9
 	for ; mdMap != 0; mdMap &= mdMap - 1 {
 		n := int(b[p])
@@ -168,26 +205,19 @@ var laneDomain = regexp.MustCompile(`->\s*md\[(\d+)\]/([A-Za-z0-9_]+)/`)
 
 // keyDomains returns the components (UCX memory domain kinds: "tcp", "ib",
 // "sysv", "posix", "cma", "cuda_ipc", ...) of the peer's memory domains that
-// the packed key carries and that a lane in info (ucp_ep_print_info's text)
-// reaches: the transports a put with the key may take. A key carrying none of
+// rkey, a key validateRkey accepted, carries and that lanes (laneComponents)
+// reach: the transports a put with the key may take. A key carrying none of
 // them makes UCX emulate the put with active messages the peer applies.
-func keyDomains(packed []byte, info string) ([]string, error) {
-	pk, err := decodeKey(packed)
-	if err != nil {
-		return nil, err
-	}
-	if err := validateRkey(pk.rkey); err != nil {
-		return nil, err
-	}
-	mdMap := binary.LittleEndian.Uint64(pk.rkey)
+func keyDomains(rkey []byte, lanes map[int]string) []string {
+	mdMap := rkeyDomains(rkey)
 	var out []string
-	for i, component := range laneComponents(info) {
+	for i, component := range lanes {
 		if mdMap&(1<<i) != 0 && !slices.Contains(out, component) {
 			out = append(out, component)
 		}
 	}
 	slices.Sort(out)
-	return out, nil
+	return out
 }
 
 // rmaLane matches a lane of ucp_ep_print_info's text that carries rma_bw and

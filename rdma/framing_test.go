@@ -2,6 +2,7 @@ package rdma
 
 import (
 	"bytes"
+	"encoding/binary"
 	"encoding/hex"
 	"testing"
 
@@ -114,4 +115,28 @@ func TestRMADomains(t *testing.T) {
 `
 	require.Equal(t, []string{"ib"}, rmaDomains(nic))
 	require.Empty(t, rmaDomains(""))
+}
+
+// laneKey keeps the components of lane domains alone, in order, with what
+// follows them, and zeroed slack after the copy.
+func TestLaneKey(t *testing.T) {
+	rk := binary.LittleEndian.AppendUint64(nil, 1<<1|1<<2|1<<4)
+	rk = append(rk, 3)                   // memory type
+	rk = append(rk, 2, 0xa1, 0xa2)       // md 1
+	rk = append(rk, 3, 0xb1, 0xb2, 0xb3) // md 2
+	rk = append(rk, 1, 0xc1)             // md 4
+	rk = append(rk, 0xee, 0x10, 0x20)    // system device and a distance
+	require.NoError(t, validateRkey(rk))
+	got := laneKey(rk, map[int]string{1: "tcp", 4: "cma", 7: "ib"})
+	want := binary.LittleEndian.AppendUint64(nil, 1<<1|1<<4)
+	want = append(want, 3, 2, 0xa1, 0xa2, 1, 0xc1, 0xee, 0x10, 0x20)
+	require.Equal(t, want, got)
+	require.GreaterOrEqual(t, cap(got)-len(got), rkeySlack)
+	require.Equal(t, make([]byte, cap(got)-len(got)), got[len(got):cap(got)])
+	require.NoError(t, validateRkey(got))
+
+	none := laneKey(rk, map[int]string{7: "ib"})
+	require.Equal(t, uint64(0), rkeyDomains(none))
+	require.Equal(t, []byte{3, 0xee, 0x10, 0x20}, none[8:])
+	require.Equal(t, []string{"cma", "tcp"}, keyDomains(rk, map[int]string{1: "tcp", 4: "cma", 7: "ib"}))
 }

@@ -91,3 +91,69 @@ func TestUnpackKeyDeadSegment(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, k.Close())
 }
+
+// UCX unpacks a component of a key for every memory domain of the peer it
+// reaches, lanes or not, and only those of lanes are known by kind, so
+// checked: the others never reach UCX. With shared memory's error handling
+// off, sysv and posix are no lanes but stay reachable; a key naming a sysv
+// segment that does not attach unpacks without it (UCX's unpack would crash
+// on it), and a live segment's key is no direct copy.
+func TestUnpackKeyKeepsLaneDomains(t *testing.T) {
+	testenv.Need(t, "ucx", rdma.Available())
+	c, err := rdma.NewContext()
+	require.NoError(t, err)
+	defer c.Close()
+	probe, _ := pair(t, c)
+	sysv, tcp := laneMD(t, probe, "sysv"), laneMD(t, probe, "tcp")
+	if sysv < 0 || tcp < 0 {
+		t.Skipf("no sysv and tcp lanes: %s", probe.TransportInfo())
+	}
+
+	nc, err := rdma.NewContext(rdma.WithConfig("MM_ERROR_HANDLING", "n"))
+	require.NoError(t, err)
+	defer nc.Close()
+	client, _ := pair(t, nc)
+	if laneMD(t, client, "sysv") >= 0 || laneMD(t, client, "tcp") != tcp {
+		t.Skipf("sysv is still a lane, or tcp moved: %s", client.TransportInfo())
+	}
+	const addr, n = 0x10000000, 4096
+	bad := binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(nil, 0x7fff_fff0), addr)
+	rk := binary.LittleEndian.AppendUint64(nil, 1<<tcp|1<<sysv)
+	rk = append(rk, 0)
+	for md := range 64 {
+		switch md {
+		case tcp:
+			rk = append(rk, 0)
+		case sysv:
+			rk = append(rk, byte(len(bad)))
+			rk = append(rk, bad...)
+		}
+	}
+	forged := make([]byte, 28, 28+len(rk))
+	copy(forged, "GDRK")
+	forged[4] = 1
+	binary.BigEndian.PutUint64(forged[8:], addr)
+	binary.BigEndian.PutUint64(forged[16:], n)
+	binary.BigEndian.PutUint32(forged[24:], uint32(len(rk)))
+	forged = append(forged, rk...)
+	doms, err := client.KeyDomains(forged)
+	require.NoError(t, err)
+	require.Equal(t, []string{"tcp"}, doms)
+	k, err := client.UnpackKey(forged)
+	require.NoError(t, err, "the sysv component goes, the tcp one stays")
+	require.False(t, k.Direct())
+	require.NoError(t, k.Close())
+
+	m, err := nc.Alloc(1 << 20)
+	require.NoError(t, err)
+	defer m.Close()
+	packed, err := m.PackKey()
+	require.NoError(t, err)
+	doms, err = client.KeyDomains(packed)
+	require.NoError(t, err)
+	require.Equal(t, []string{"tcp"}, doms)
+	k, err = client.UnpackKey(packed)
+	require.NoError(t, err)
+	require.False(t, k.Direct(), "a segment of no lane is not attached")
+	require.NoError(t, k.Close())
+}
