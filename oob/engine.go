@@ -615,6 +615,16 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 			err := allocate()
 			return dst, err
 		}
+		if payer != nil {
+			// A peer's message naming this process's own payload: its copy
+			// is charged to the session the message came over, as a pull
+			// through another session would be.
+			release, err := reservePull(ctx, payer, payer, d.Token, d.Length)
+			if err != nil {
+				return nil, PathNone, err
+			}
+			defer release()
+		}
 		if path, err := fetchLocal(d, made); err != nil {
 			return fail(path, err)
 		}

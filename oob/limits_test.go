@@ -614,6 +614,46 @@ func kindOfErr(t *testing.T, err error) TransferErrorKind {
 	return te.Kind
 }
 
+// A peer's message that names a payload of this process's own (a held
+// request it was sent, say) is copied here with no session to the owner: the
+// copy is charged to the session the message came over, within its limits,
+// as a pull through another session would be. The application's own local
+// pulls are not charged.
+func TestLocalOwnerPullCharged(t *testing.T) {
+	setTransferConfig(t, TransferConfig{Timeout: testTimeout, Limits: Limits{PullBytes: 1 << 20, TotalPullBytes: 1 << 20, Pulls: 1}})
+	attacker, victim := pipePair(t)
+	_, victimConn := transporttest.Conns(t, attacker, victim)
+	fromPeer := peer.NewContext(testContext(t), &peer.Peer{Addr: victimConn.RemoteAddr()})
+	allocs := 0
+	alloc := func(k int) (*devicebuf.Buffer, error) {
+		allocs++
+		require.Equal(t, 1, chargedPulls(victim), "the copy is charged to the session the message came over")
+		return devicebuf.HostFromBytes(make([]byte, k)), nil
+	}
+
+	big := Offer(Source{Bytes: bytes.Repeat([]byte{7}, 8<<20)}, OfferOptions{Held: true})
+	defer Withdraw(big.Token)
+	_, _, err := FetchNew(fromPeer, big, alloc)
+	require.Equal(t, TransferExhausted, kindOfErr(t, err), "8 MiB over Limits.PullBytes")
+	require.Zero(t, allocs)
+
+	small := Offer(Source{Bytes: bytes.Repeat([]byte{9}, 512<<10)}, OfferOptions{Held: true})
+	defer Withdraw(small.Token)
+	b, path, err := FetchNew(fromPeer, small, alloc)
+	require.NoError(t, err)
+	require.Equal(t, PathLocal, path)
+	got, err := b.HostBytes()
+	require.NoError(t, err)
+	require.Equal(t, bytes.Repeat([]byte{9}, 512<<10), got)
+	b.Release()
+	require.Equal(t, 1, allocs)
+	require.Zero(t, chargedPulls(victim), "given back once copied")
+
+	b, _, err = FetchNew(testContext(t), big, devicebuf.NewHostAllocator().Alloc)
+	require.NoError(t, err, "the application's own pull")
+	b.Release()
+}
+
 // A third party's pull through, or charged to, sessions that closed fails at
 // once: the bounds of sessions the engine no longer serves are one shared
 // value, never locked twice.
