@@ -478,7 +478,16 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 		}
 		return events
 	}
-	rate, err := b.timeCalls(ctx, size, call, func() { take() })
+	rate, err := b.timeCalls(ctx, size, call, func() {
+		take()
+		if b.o.op == "push" && b.o.trust && (b.o.reqSpace > 0 || b.o.reqLimit > 0) {
+			// The server advertises its space for requests once it pulled
+			// one (the warm-up's): the measured requests are to land there.
+			if err := awaitPeerSpace(ctx, 10*time.Second); err != nil {
+				r.Notes = append(r.Notes, err.Error())
+			}
+		}
+	})
 	if err != nil {
 		return err
 	}
@@ -517,6 +526,23 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 	sessions.Range(func(any, any) bool { r.Sessions++; return true })
 	r.GDRPCMiBs = rate
 	r.TransferMiBs = medianRate(size, xfers)
+	return nil
+}
+
+// awaitPeerSpace waits until a peer advertised receive space to this
+// process, for at most limit or until ctx ends.
+func awaitPeerSpace(ctx context.Context, limit time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, limit)
+	defer cancel()
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	for oob.ReadStats().PeerSpaces == 0 {
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("the server advertised no space for requests within %v", limit)
+		case <-tick.C:
+		}
+	}
 	return nil
 }
 
@@ -666,6 +692,7 @@ func (b *bench) measureCopy(size int) (float64, error) {
 func (b *bench) measurePlain(ctx context.Context, size int, pat []byte) (float64, error) {
 	crc := uint64(tensor.ChecksumBytes(pat))
 	return b.timeCalls(ctx, size, func(cctx context.Context, _ int, first bool) (func() error, error) {
+		defer trace.StartRegion(cctx, "gdrperf.grpc").End()
 		if b.o.op == "pull" {
 			out := new(wrapperspb.BytesValue)
 			err := b.plain.Invoke(cctx, methodMake, wrapperspb.UInt64(uint64(size)), out)

@@ -109,7 +109,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.BoolVar(&o.child, "child", false, "internal: server half of a same-host run")
 	fs.StringVar(&o.cpuprofile, "cpuprofile", "", "write this process's CPU profile to the file")
 	fs.StringVar(&o.serverCPUProfile, "server-cpuprofile", "", "write the re-executed server's CPU profile to the file")
-	fs.StringVar(&o.trace, "trace", "", "write this process's execution trace to the file (go tool trace: where calls wait)")
+	fs.StringVar(&o.trace, "trace", "", "write this process's execution trace to the file (go tool trace: where calls wait; gdrtrace breaks a call down, its regions gdrperf.call for gdrpc's calls, gdrperf.grpc for plain gRPC's)")
 	fs.StringVar(&o.serverTrace, "server-trace", "", "write the re-executed server's execution trace to the file")
 	if err := fs.Parse(args); err != nil {
 		return nil, err

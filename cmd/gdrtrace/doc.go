@@ -2,14 +2,18 @@
 // those gdrperf writes with -trace and -server-trace: how long the calling
 // goroutine ran, waited (and for what) or sat runnable; how many times a
 // goroutine was made runnable by another while the call ran (the hand-offs
-// a call costs), in either process; and the calls into C (UCX, the CUDA
-// driver) and syscalls made meanwhile.
+// a call costs), in either process; how many idle Ps were given a thread
+// meanwhile (threads woken: on a virtual machine each may cost the wake-up
+// of an idle core) and which goroutines yielded; and the calls into C (UCX,
+// the CUDA driver) and syscalls made meanwhile.
 //
 //	gdrperf -mem cuda -trust-peers -sizes 64MiB -iters 50 -warmup 10 -perftest none -baselines=false -trace c.trace -server-trace s.trace
 //	gdrtrace -skip 10 c.trace s.trace
 //
 // Calls are the regions named by -region in the first trace (gdrperf marks
-// each measured call "gdrperf.call"). The second trace's events are placed
+// each of gdrpc's calls "gdrperf.call", and each of plain gRPC's
+// "gdrperf.grpc": -region gdrperf.grpc breaks down the baseline's calls of
+// the same run). The second trace's events are placed
 // in the first one's calls by time, which holds for traces taken on one host
 // at the same time. Tracing slows the calls it watches: use it for where the
 // time goes, and gdrperf without tracing for how long calls take.

@@ -65,10 +65,14 @@ func readFile(path, region string) (*events, error) {
 
 // events is what one trace holds for the breakdown: the calls (regions of
 // the given type, with the calling goroutine's states inside them), every
-// hand-off (a goroutine made runnable by another), and every cgo call.
+// hand-off (a goroutine made runnable by another), every yield (a running
+// goroutine put back in a run queue), every P started (an idle P given a
+// thread: a thread woken to run goroutines) and every cgo call.
 type events struct {
 	calls    []*call
 	handoffs []handoff
+	yields   []handoff // by: where it yielded; reason: why
+	starts   []trace.Time
 	cgo      []cgoCall
 }
 
@@ -133,6 +137,12 @@ func read(r io.Reader, region string) (*events, error) {
 			}
 		case trace.EventStateTransition:
 			st := e.StateTransition()
+			if st.Resource.Kind == trace.ResourceProc {
+				if from, to := st.Proc(); from == trace.ProcIdle && to == trace.ProcRunning {
+					ev.starts = append(ev.starts, e.Time())
+				}
+				continue
+			}
 			if st.Resource.Kind != trace.ResourceGoroutine {
 				continue
 			}
@@ -154,6 +164,9 @@ func read(r io.Reader, region string) (*events, error) {
 					ev.cgo = append(ev.cgo, c)
 					delete(inCgo, g)
 				}
+			}
+			if from == trace.GoRunning && to == trace.GoRunnable {
+				ev.yields = append(ev.yields, handoff{at: e.Time(), by: frames(st.Stack, 2), reason: st.Reason})
 			}
 			if from == trace.GoWaiting && to == trace.GoRunnable {
 				reason := strings.TrimPrefix(state[g], "waiting: ")
@@ -208,6 +221,17 @@ func median[T int | time.Duration](d []T) T {
 	return d[len(d)/2]
 }
 
+func mean(d []int) float64 {
+	if len(d) == 0 {
+		return 0
+	}
+	sum := 0
+	for _, x := range d {
+		sum += x
+	}
+	return float64(sum) / float64(len(d))
+}
+
 func us(d time.Duration) string { return fmt.Sprintf("%.1f", float64(d)/float64(time.Microsecond)) }
 
 type row struct {
@@ -258,6 +282,30 @@ func report(out io.Writer, calls []*call, traces []*events, names []string, top 
 			rows = append(rows, row{key: k, perc: float64(n) / float64(len(calls))})
 		}
 		table(out, "", []string{"per call", "made runnable by -> what it waited for"}, rows, top, func(r row) []string {
+			return []string{fmt.Sprintf("%.2f", r.perc), r.key}
+		})
+
+		slices.Sort(ev.starts)
+		ss := within(calls, len(ev.starts), func(j int) trace.Time { return ev.starts[j] })
+		per = per[:0]
+		for _, s := range ss {
+			per = append(per, s[1]-s[0])
+		}
+		fmt.Fprintf(out, "\n%s: %d Ps started per call (median; %.2f mean: an idle P given a thread, which a host may charge a wake-up of an idle core for)\n", names[i], median(per), mean(per))
+
+		slices.SortFunc(ev.yields, func(a, b handoff) int { return int(a.at - b.at) })
+		ys := within(calls, len(ev.yields), func(j int) trace.Time { return ev.yields[j].at })
+		clear(kinds)
+		for _, y := range ys {
+			for _, x := range ev.yields[y[0]:y[1]] {
+				kinds[x.reason+" in "+x.by]++
+			}
+		}
+		rows = rows[:0]
+		for k, n := range kinds {
+			rows = append(rows, row{key: k, perc: float64(n) / float64(len(calls))})
+		}
+		table(out, fmt.Sprintf("\n%s: yields during the calls (a running goroutine put back in a run queue)", names[i]), []string{"per call", "why, where"}, rows, top, func(r row) []string {
 			return []string{fmt.Sprintf("%.2f", r.perc), r.key}
 		})
 

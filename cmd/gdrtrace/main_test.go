@@ -5,6 +5,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"runtime"
 	"runtime/trace"
 	"strings"
 	"testing"
@@ -16,7 +17,11 @@ import (
 // traced runs n calls, each a region in which the caller hands a request to
 // a server goroutine and waits for its reply (two hand-offs), under the
 // execution tracer, and returns the trace.
-func traced(t *testing.T, n int) []byte {
+func traced(t *testing.T, n int) []byte { return tracedYielding(t, n, false) }
+
+// tracedYielding is traced with, when yield is set, the caller yielding its
+// P once in each call.
+func tracedYielding(t *testing.T, n int, yield bool) []byte {
 	t.Helper()
 	var buf bytes.Buffer
 	require.NoError(t, trace.Start(&buf))
@@ -32,6 +37,9 @@ func traced(t *testing.T, n int) []byte {
 		r := trace.StartRegion(context.Background(), "gdrperf.call")
 		req <- i
 		got := <-resp
+		if yield {
+			runtime.Gosched()
+		}
 		r.End()
 		require.Equal(t, i+1, got)
 	}
@@ -57,8 +65,8 @@ func TestRead(t *testing.T) {
 		for _, x := range ev.handoffs[h[0]:h[1]] {
 			// Each channel operation wakes whichever of the two waited
 			// for it first: either may make the other runnable.
-			caller := strings.HasSuffix(x.by, "gdrtrace.traced") && strings.HasSuffix(x.reason, "gdrtrace.traced.func1")
-			server := strings.HasSuffix(x.by, "gdrtrace.traced.func1") && strings.HasSuffix(x.reason, "gdrtrace.traced")
+			caller := strings.HasSuffix(x.by, "gdrtrace.tracedYielding") && strings.HasSuffix(x.reason, "gdrtrace.tracedYielding.func1")
+			server := strings.HasSuffix(x.by, "gdrtrace.tracedYielding.func1") && strings.HasSuffix(x.reason, "gdrtrace.tracedYielding")
 			if caller || server {
 				pair++
 			}
@@ -66,6 +74,28 @@ func TestRead(t *testing.T) {
 	}
 	require.Equal(t, 2, median(per), "hand-offs per call")
 	require.GreaterOrEqual(t, pair, 76, "hand-offs between the caller and the server goroutine in 40 calls of two each")
+}
+
+// Each yield inside a call is counted, with its reason and place.
+func TestYields(t *testing.T) {
+	ev, err := read(bytes.NewReader(tracedYielding(t, 20, true)), "gdrperf.call")
+	require.NoError(t, err)
+	ys := within(ev.calls, len(ev.yields), func(i int) xtrace.Time { return ev.yields[i].at })
+	for i, y := range ys {
+		n := 0
+		for _, x := range ev.yields[y[0]:y[1]] {
+			if x.reason == "runtime.Gosched" && strings.Contains(x.by, "gdrtrace.tracedYielding") {
+				n++
+			}
+		}
+		require.Equal(t, 1, n, "call %d", i)
+	}
+	var out bytes.Buffer
+	dir := t.TempDir()
+	p := filepath.Join(dir, "c.trace")
+	require.NoError(t, os.WriteFile(p, tracedYielding(t, 20, true), 0o644))
+	require.NoError(t, run([]string{p}, &out))
+	require.Regexp(t, `1\.00\s+runtime\.Gosched in runtime\.Gosched < gdrtrace\.tracedYielding`, out.String())
 }
 
 func TestReport(t *testing.T) {
@@ -78,6 +108,8 @@ func TestReport(t *testing.T) {
 	require.Contains(t, s, "25 calls: median")
 	require.Contains(t, s, "waiting: chan ")
 	require.Equal(t, 2, strings.Count(s, "2 hand-offs per call"), s)
+	require.Equal(t, 2, strings.Count(s, "Ps started per call"), s)
+	require.Equal(t, 2, strings.Count(s, "yields during the calls"), s)
 }
 
 func TestRunErrors(t *testing.T) {
