@@ -25,6 +25,7 @@ import (
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
+	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 	"github.com/gdrpc/gdrpc/transport/transporttest"
@@ -549,6 +550,72 @@ func TestClientStreamWaitsForPulls(t *testing.T) {
 				st := oob.ReadStats()
 				return st.Offered == 0 && st.Waiting == 0
 			}, 10*time.Second, time.Millisecond, "payloads left in the outbox")
+		})
+	}
+}
+
+// A client-streaming call whose server sends its response and then fails
+// the call, or sends a second response, returns an error and no response
+// (generated code drops the message): the payload the codec attached to it
+// goes back to the receive pool, as a failed unary call's does.
+func TestClientStreamFailedResponseReleased(t *testing.T) {
+	for _, twice := range []bool{false, true} {
+		t.Run(map[bool]string{false: "status after the response", true: "two responses"}[twice], func(t *testing.T) {
+			pool, err := devicebuf.NewPool(devicebuf.PoolConfig{MaxBytes: 64 << 20})
+			require.NoError(t, err)
+			defer pool.Close()
+			handler := func(_ any, ss grpc.ServerStream) error {
+				for {
+					var in tensorpb.Tensor
+					if err := ss.RecvMsg(&in); err == io.EOF {
+						break
+					} else if err != nil {
+						return err
+					}
+					gdrcodec.ReleaseAll(&in)
+				}
+				for range map[bool]int{false: 1, true: 2}[twice] {
+					b := devicebuf.HostFromBytes(pattern(1<<20, 7))
+					resp := &tensorpb.Tensor{Data: gdrcodec.New(b)}
+					b.Release()
+					if err := ss.SendMsg(resp); err != nil {
+						return err
+					}
+				}
+				if twice {
+					return nil
+				}
+				return status.Error(codes.Aborted, "the handler failed after its response")
+			}
+			opts := []gdrpc.Option{gdrpc.WithTransport(transport.ModeTCP), processEngine}
+			lis, err := listener.Listen("127.0.0.1:0", opts...)
+			require.NoError(t, err)
+			gs := grpc.NewServer(listener.ServerOptions(insecure.NewCredentials())...)
+			// Registered as streaming both ways: the server may send twice.
+			gs.RegisterService(&grpc.ServiceDesc{ServiceName: "test.Up", HandlerType: (*any)(nil),
+				Streams: []grpc.StreamDesc{{StreamName: "Up", Handler: handler, ClientStreams: true, ServerStreams: true}}}, struct{}{})
+			served := make(chan error, 1)
+			go func() { served <- gs.Serve(lis) }()
+			cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
+				dialer.New(opts...).DialOptions(insecure.NewCredentials(), gdrcodec.WithReceiveAllocator(pool))...)
+			require.NoError(t, err)
+			defer func() {
+				cc.Close()
+				gs.Stop()
+				require.NoError(t, <-served)
+			}()
+			want := map[bool]codes.Code{false: codes.Aborted, true: codes.Internal}[twice]
+			for range 3 {
+				cs, err := cc.NewStream(context.Background(), &grpc.StreamDesc{StreamName: "Up", ClientStreams: true}, "/test.Up/Up")
+				require.NoError(t, err)
+				require.NoError(t, cs.SendMsg(&tensorpb.Tensor{Name: "x"}))
+				require.NoError(t, cs.CloseSend())
+				m := new(tensorpb.Tensor)
+				require.Equal(t, want, status.Code(cs.RecvMsg(m)))
+				_, attached := gdrcodec.Buffer(m.GetData())
+				require.False(t, attached, "the dropped response keeps no buffer")
+				require.Zero(t, pool.Stats().InUse, "the response's payload went back to the pool")
+			}
 		})
 	}
 }

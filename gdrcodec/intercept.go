@@ -831,6 +831,15 @@ func (s *heldStream) RecvMsg(m any) error {
 	if err == io.EOF || err == nil && !s.serverStreams {
 		s.complete.Store(true) // a single response, received, ends the stream
 	}
+	if err != nil && !s.serverStreams {
+		// The caller gets no response: the stream's status came after it,
+		// or a second message did (gRPC reads into m again to see the
+		// stream end). What the codec attached to m goes, as a failed unary
+		// call's response does.
+		if mm := messageV2Of(m); mm != nil {
+			ReleaseAll(mm)
+		}
+	}
 	if err != nil || !s.serverStreams {
 		// gRPC need not finish a stream of a single response when the
 		// response came: its end is here.
