@@ -78,7 +78,9 @@ func WithEagerThreshold(n int) Option {
 
 // WithReceiveAllocator sets where received DeviceBuffer payloads land: host
 // memory, a GPU (devicebuf.NewPayloadPool over devicebuf.NewCUDAAllocator,
-// whose blocks later payloads reuse), or a pool of the user's. If nil,
+// whose blocks later payloads reuse), or a pool of the user's. The payloads
+// that came inline in one message share one allocation of an allocator that
+// is not host memory, each a view starting 256-byte aligned. If nil,
 // the registered host pool of the default UCX context (plain host memory where
 // there is no UCX).
 func WithReceiveAllocator(a devicebuf.Allocator) Option { return func(o *options) { o.alloc = a } }
@@ -1026,6 +1028,10 @@ func ParseDescriptor(db *gdrv1.DeviceBuffer) (oob.Descriptor, bool, error) {
 type job struct {
 	n   uint64 // the payload's length: what run allocates
 	run func(ctx context.Context) error
+	// place, if not nil, is an inline payload for the receive allocator,
+	// which is not host memory: the message's inline payloads share one
+	// allocation (collected.placeInline), with no run.
+	place *gdrv1.DeviceBuffer
 	// discarded, if not nil, runs instead of run when the message is refused
 	// or another of its pulls failed first (a payload already in this
 	// process's receive space gives its range back).
@@ -1088,6 +1094,9 @@ var errUntracked = codecError(codes.FailedPrecondition, "a message names an out-
 func collectPulls(ctx context.Context, m protoreflect.Message, from sender, o *options) (pulls, error) {
 	c := collected{ctx: ctx, from: from, o: o}
 	c.collect(m)
+	if c.err == nil && len(c.inline) > 0 {
+		c.fail(c.placeInline())
+	}
 	err := c.err
 	if err == nil {
 		err = withinLimit(c.jobs, o.maxReceivePayload())
@@ -1185,9 +1194,63 @@ type collected struct {
 	o        *options
 	jobs     []job
 	payloads int
-	attached bool  // an inline payload was attached (copied where the receive allocator places it)
-	err      error // the first error; the message is refused
+	attached bool                  // an inline payload was attached (copied where the receive allocator places it)
+	inline   []*gdrv1.DeviceBuffer // inline payloads to place in the receive allocator (placeInline)
+	err      error                 // the first error; the message is refused
 }
+
+// inlineAlign is where each of a message's inline payloads starts in their
+// shared allocation: as a CUDA allocation of its own would.
+const inlineAlign = 256
+
+// placeInline copies the message's inline payloads into one allocation of
+// the receive allocator, which is not host memory, and attaches a view of
+// it to each: a block, a copy and a registration for each of thousands of
+// one-byte payloads would take far more of the allocator than the message
+// carries. A payload kept after its siblings were released keeps their
+// allocation with it (at most the message's own size, aligned).
+func (c *collected) placeInline() error {
+	staging := c.inline[0].Inline // one payload: copied as it is
+	if len(c.inline) > 1 {
+		total := 0
+		for _, db := range c.inline {
+			total += alignInline(len(db.Inline))
+		}
+		staging = make([]byte, total)
+		off := 0
+		for _, db := range c.inline {
+			copy(staging[off:], db.Inline)
+			off += alignInline(len(db.Inline))
+		}
+	}
+	total := len(staging)
+	dst, err := receiveAllocator(c.o).Alloc(total)
+	if err != nil {
+		return codecError(codes.ResourceExhausted, "place %d inline payloads (%d bytes): %v", len(c.inline), total, err)
+	}
+	defer dst.Release() // the views keep it
+	src := devicebuf.HostView(staging)
+	err = devicebuf.Copy(dst, src)
+	src.Release()
+	if err != nil {
+		return codecError(codes.ResourceExhausted, "place %d inline payloads: %v", len(c.inline), err)
+	}
+	off := 0
+	for _, db := range c.inline {
+		v, err := dst.Slice(off, len(db.Inline))
+		if err != nil {
+			return err // within dst by construction
+		}
+		off += alignInline(len(db.Inline))
+		setAttachment(db, v)
+		db.Inline = nil
+	}
+	c.attached = true
+	return nil
+}
+
+// alignInline rounds n up to inlineAlign.
+func alignInline(n int) int { return (n + inlineAlign - 1) &^ (inlineAlign - 1) }
 
 // count counts one more payload of the message.
 func (c *collected) count() error {
@@ -1220,6 +1283,8 @@ func (c *collected) collect(m protoreflect.Message) {
 		switch {
 		case c.err != nil:
 			discardLanded(c.ctx, db, c.from)
+		case j.place != nil:
+			c.inline = append(c.inline, j.place)
 		case j.run != nil:
 			c.jobs = append(c.jobs, j)
 		}
@@ -1335,17 +1400,7 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer, from sender, o *options) (j job, at
 			// view of it when asked.
 			return job{}, false, nil
 		default:
-			src := devicebuf.HostFromBytes(db.Inline)
-			b, err = alloc.Alloc(len(db.Inline))
-			if err == nil {
-				if err = devicebuf.Copy(b, src); err != nil {
-					b.Release()
-				}
-			}
-			src.Release()
-			if err != nil {
-				return job{}, false, codecError(codes.ResourceExhausted, "place inline payload: %v", err)
-			}
+			return job{place: db}, false, nil
 		}
 		setAttachment(db, b)
 		db.Inline = nil

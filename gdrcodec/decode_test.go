@@ -1,6 +1,7 @@
 package gdrcodec_test
 
 import (
+	"bytes"
 	"crypto/rand"
 	"testing"
 
@@ -186,4 +187,44 @@ func TestRefusedMessageForgetsLaterTokens(t *testing.T) {
 		require.Nil(t, db.GetToken(), "payload %d's token", i)
 		require.Nil(t, db.GetOwner(), "payload %d's owner", i)
 	}
+}
+
+// A message's inline payloads placed in a receive allocator that is not
+// host memory share one allocation, each a view of its own, aligned: a
+// block, a copy and a registration for each of thousands of one-byte
+// payloads would take far more of the allocator (a pool's blocks are 64 KiB
+// and up) than the message carries. The allocation goes once every view
+// went, a payload detached from the message included.
+func TestInlinePayloadsShareAllocation(t *testing.T) {
+	g := inlineIntoGPU(t)
+	allocs := g.Allocations()
+	m := &tensorpb.Tensor{}
+	for i := range gdrcodec.MaxPayloads {
+		m.Parts = append(m.Parts, &gdrv1.DeviceBuffer{Kind: gdrv1.Kind_KIND_CUDA, Length: 1 + uint64(i%3), Inline: bytes.Repeat([]byte{byte(i)}, 1+i%3)})
+	}
+	var got tensorpb.Tensor
+	require.NoError(t, decode(t, m, &got))
+	require.Equal(t, allocs+1, g.Allocations(), "one allocation for the message's inline payloads")
+	var base uintptr
+	for i, db := range got.Parts {
+		b, ok := gdrcodec.Buffer(db)
+		require.True(t, ok, "part %d", i)
+		require.Equal(t, devicebuf.CUDA, b.Kind())
+		require.Equal(t, 1+i%3, b.Len())
+		if i == 0 {
+			base = b.Ptr()
+		}
+		require.Equal(t, base+uintptr(256*i), b.Ptr(), "part %d starts where a CUDA allocation of its own would", i)
+		host := devicebuf.HostFromBytes(make([]byte, b.Len()))
+		require.NoError(t, devicebuf.Copy(host, b))
+		p, err := host.HostBytes()
+		require.NoError(t, err)
+		require.Equal(t, bytes.Repeat([]byte{byte(i)}, 1+i%3), p, "part %d", i)
+		host.Release()
+	}
+	kept := gdrcodec.Detach(got.Parts[7])
+	gdrcodec.ReleaseAll(&got)
+	require.Equal(t, allocs+1, g.Allocations(), "a payload kept keeps the allocation")
+	require.NoError(t, kept.Release())
+	require.Equal(t, allocs, g.Allocations())
 }
