@@ -618,7 +618,9 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 		if payer != nil {
 			// A peer's message naming this process's own payload: its copy
 			// is charged to the session the message came over, as a pull
-			// through another session would be.
+			// through another session would be, within its timeout.
+			ctx, cancel := context.WithTimeout(ctx, cfgOf(payer).Timeout)
+			defer cancel()
 			release, err := reservePull(ctx, payer, payer, d.Token, d.Length)
 			if err != nil {
 				return nil, PathNone, err
@@ -1683,6 +1685,9 @@ func pushRDMA(ctx context.Context, s *transport.Session, ep *rdma.Endpoint, m *r
 		return PathRDMA, fmt.Errorf("unpack the receiver's key: %w", err)
 	}
 	defer done()
+	if err := checkDomains(key.Domains(), s.TrustsPeer()); err != nil {
+		return PathRDMA, err
+	}
 	defer func() {
 		if err != nil {
 			settleWrites(s, ep) // before the key goes and before any FIN(failed)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"runtime/trace"
 	"sync"
 	"time"
@@ -128,7 +129,7 @@ func (l Limits) withDefaults(timeout time.Duration) Limits {
 		l.PullBytes = DefaultPullBytes
 	}
 	if l.TotalPullBytes <= 0 {
-		l.TotalPullBytes = 2 * l.PullBytes
+		l.TotalPullBytes = 2 * min(l.PullBytes, math.MaxInt64/2)
 	}
 	if l.Pulls <= 0 {
 		l.Pulls = DefaultPulls
@@ -152,7 +153,7 @@ func (l Limits) withDefaults(timeout time.Duration) Limits {
 		l.PeerUnpulledBytes = DefaultPeerUnpulledBytes
 	}
 	if l.TotalUnpulledBytes <= 0 {
-		l.TotalUnpulledBytes = 2 * l.PeerUnpulledBytes
+		l.TotalUnpulledBytes = 2 * min(l.PeerUnpulledBytes, math.MaxInt64/2) // a bound lifted stays lifted
 	}
 	return l
 }

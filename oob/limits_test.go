@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"math"
 	"net"
 	"runtime"
 	"sync"
@@ -1001,6 +1002,49 @@ func TestTotalUnpulledBytesBound(t *testing.T) {
 	pullFilled(ctx, t, d7)
 	require.Zero(t, ReadStats().Unpulled)
 	require.Zero(t, ReadStats().Waiting)
+}
+
+// A message first among all peers' waiters that stops fitting its own
+// peer's bound (payloads bound toward that peer without waiting, SentToward)
+// waits for its peer alone: other peers' messages go once the total has room.
+func TestTotalUnpulledWaiterOverPeerBound(t *testing.T) {
+	const k = 1 << 10
+	setTransferConfig(t, TransferConfig{Limits: Limits{PeerUnpulledBytes: 600 * k, TotalUnpulledBytes: 1024 * k}})
+	_, a := pipePair(t)
+	_, x := pipePair(t)
+	_, y := pipePair(t)
+	ctx := testContext(t)
+	waiting := func(n int) func() bool { return func() bool { return ReadStats().Waiting == n } }
+	send := func(s *transport.Session, d Descriptor) chan error {
+		sent := make(chan error, 1)
+		go func() { sent <- new(Flow).Send(ctx, s, 0, []Token{d.Token}) }()
+		return sent
+	}
+	d1 := offerFilled(t, 768*k)
+	require.NoError(t, new(Flow).Send(ctx, a, 0, []Token{d1.Token}))
+	dx, dy, dz := offerFilled(t, 512*k), offerFilled(t, 128*k), offerFilled(t, 200*k)
+	xSent := send(x, dx)
+	require.Eventually(t, waiting(1), 10*time.Second, time.Millisecond)
+	ySent := send(y, dy)
+	require.Eventually(t, waiting(2), 10*time.Second, time.Millisecond)
+	SentToward(x, []Token{dz.Token}) // x's message no longer fits beside it
+	pullFilled(ctx, t, d1)
+	require.NoError(t, <-ySent, "the total has room: y's message does not wait behind x's")
+	require.Equal(t, 1, ReadStats().Waiting)
+	pullFilled(ctx, t, dz)
+	require.NoError(t, <-xSent)
+	require.Equal(t, int64(640*k), ReadStats().Unpulled)
+}
+
+// A bound lifted with the largest value stays lifted in the totals that
+// default to twice it.
+func TestLimitsDefaultsSaturate(t *testing.T) {
+	l := Limits{PullBytes: math.MaxInt64, PeerUnpulledBytes: math.MaxInt64}.withDefaults(time.Second)
+	require.Equal(t, int64(math.MaxInt64-1), l.TotalPullBytes)
+	require.Equal(t, int64(math.MaxInt64-1), l.TotalUnpulledBytes)
+	l = Limits{}.withDefaults(time.Second)
+	require.Equal(t, int64(2*DefaultPullBytes), l.TotalPullBytes)
+	require.Equal(t, int64(2*DefaultPeerUnpulledBytes), l.TotalUnpulledBytes)
 }
 
 // TestCallEndedWithdrawsUnpulled: a client that ends a call tells the

@@ -594,11 +594,11 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 				p.waiters = append(p.waiters, w)
 			}
 			w.n = n
+			i := slices.Index(box.totalWaiters, w)
 			if p.waiters[0] == w && p.fits(w.n, w.limit) {
 				// Its turn among the peer's. It stays first there while it
 				// waits for room among all peers', so that none of the
 				// peer's later messages passes it.
-				i := slices.Index(box.totalWaiters, w)
 				if (i == 0 || i < 0 && len(box.totalWaiters) == 0) && box.fitsTotalLocked(w.n, w.total) {
 					if i == 0 {
 						box.totalWaiters = box.totalWaiters[1:]
@@ -611,6 +611,12 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 					box.totalWaiters = append(box.totalWaiters, w)
 				}
 				overTotal = true
+			} else if i >= 0 {
+				// It no longer fits its peer's bound (payloads bound toward
+				// the peer without waiting, SentToward): it waits for its
+				// peer's pulls, not ahead of other peers' messages.
+				box.totalWaiters = slices.Delete(box.totalWaiters, i, i+1)
+				box.wakeTotalLocked()
 			}
 			select {
 			case <-w.ready: // woken, and no longer fits: wait again

@@ -29,6 +29,7 @@ type RemoteKey struct {
 	e        *Endpoint
 	h        C.ucp_rkey_h // lock-only: the worker's lock guards it; nil once destroyed
 	region   packedKey
+	domains  []string // keyDomains of what UCX unpacked (Domains)
 	once     sync.Once
 	closeErr error
 
@@ -108,7 +109,7 @@ func (e *Endpoint) RMADomains() ([]string, error) {
 // memory domains they do not reach (keyLanes): UCX adds lanes once wireup
 // completes, and an endpoint asked earlier shows only those of its
 // connection's setup.
-const laneRefresh = time.Second
+const laneRefresh = 100 * time.Millisecond
 
 // laneInfo returns ucp_ep_print_info's text for the endpoint, read once
 // and again, with refresh, when laneRefresh passed since.
@@ -176,7 +177,7 @@ func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
 	}); err != nil {
 		return nil, fmt.Errorf("rdma: unpack key: %w", err)
 	}
-	k := &RemoteKey{e: e, region: pk}
+	k := &RemoteKey{e: e, region: pk, domains: keyDomains(pk.rkey, lanes)}
 	var uerr error
 	direct := pk.memType == MemoryHost && pk.length > 0 && pk.length <= math.MaxInt && e.w.ctx.opts.direct && goTakesFaults()
 	err = e.w.call(func() {
@@ -219,6 +220,11 @@ func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
 // Direct reports whether puts and gets with the key are copies this process
 // makes into the peer's shared-memory segment (WithDirectCopies).
 func (k *RemoteKey) Direct() bool { return k.seg != nil }
+
+// Domains returns the kinds of the peer's memory domains the key carries,
+// as UCX unpacked it: those of the lanes its unpack read (KeyDomains of the
+// same key may have read the lanes at another time, before wireup ended).
+func (k *RemoteKey) Domains() []string { return slices.Clone(k.domains) }
 
 // Close releases the key: puts and gets that start later fail, those already
 // started complete, and UCX's key goes when the last of them has. It is

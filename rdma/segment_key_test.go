@@ -142,6 +142,7 @@ func TestUnpackKeyKeepsLaneDomains(t *testing.T) {
 	k, err := client.UnpackKey(forged)
 	require.NoError(t, err, "the sysv component goes, the tcp one stays")
 	require.False(t, k.Direct())
+	require.Equal(t, []string{"tcp"}, k.Domains())
 	require.NoError(t, k.Close())
 
 	m, err := nc.Alloc(1 << 20)

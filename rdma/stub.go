@@ -108,4 +108,7 @@ func (k *RemoteKey) Close() error { return nil }
 // Direct reports false: there are no direct copies in this build.
 func (k *RemoteKey) Direct() bool { return false }
 
+// Domains returns nil in this build.
+func (k *RemoteKey) Domains() []string { return nil }
+
 var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()

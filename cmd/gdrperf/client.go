@@ -480,7 +480,7 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 	}
 	rate, err := b.timeCalls(ctx, size, call, func() {
 		take()
-		if b.o.op == "push" && b.o.trust && (b.o.reqSpace > 0 || b.o.reqLimit > 0) {
+		if b.o.op == "push" && b.o.trust && (b.o.reqSpace > 0 || b.o.reqLimit > 0) && b.o.warmup > 0 {
 			// The server advertises its space for requests once it pulled
 			// one (the warm-up's): the measured requests are to land there.
 			if err := awaitPeerSpace(ctx, 10*time.Second); err != nil {

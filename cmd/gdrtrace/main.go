@@ -305,7 +305,7 @@ func report(out io.Writer, calls []*call, traces []*events, names []string, top 
 		for k, n := range kinds {
 			rows = append(rows, row{key: k, perc: float64(n) / float64(len(calls))})
 		}
-		table(out, fmt.Sprintf("\n%s: yields during the calls (a running goroutine put back in a run queue)", names[i]), []string{"per call", "why, where"}, rows, top, func(r row) []string {
+		table(out, fmt.Sprintf("\n%s: yields during the calls (a running goroutine put back in a run queue: it yielded, or was preempted)", names[i]), []string{"per call", "why, where"}, rows, top, func(r row) []string {
 			return []string{fmt.Sprintf("%.2f", r.perc), r.key}
 		})
 
