@@ -31,15 +31,17 @@ build:
 	$(GO) build -tags nordma $(PKGS)
 
 # abi checks rdma/ucxabi.h, gdrpc's own declarations of the UCX ABI, against the UCX
-# development headers; missing headers fail it.
+# development headers; missing headers fail it (elsewhere the check skips
+# without them unless GDRPC_REQUIRE names ucx-headers).
 abi: deps
-	GDRPC_REQUIRE=ucx $(GO) test -count=1 -run '^TestUCXABI' ./rdma
+	GDRPC_REQUIRE=ucx,ucx-headers $(GO) test -count=1 -run '^TestUCXABI' ./rdma
 
-# test demands UCX: a missing UCX fails instead of skipping.
+# test demands UCX and its headers (make deps installs both): a missing UCX
+# fails instead of skipping.
 test: deps build abi
 	$(GO) vet $(PKGS)
 	CGO_ENABLED=0 $(GO) vet $(PKGS)
-	GDRPC_REQUIRE=ucx $(GO) test -race -timeout 25m $(PKGS)
+	GDRPC_REQUIRE=ucx,ucx-headers $(GO) test -race -timeout 25m $(PKGS)
 	CGO_ENABLED=0 $(GO) test -timeout 10m $(PKGS)
 
 bench: deps

@@ -31,7 +31,7 @@ func TestUCXABI(t *testing.T) {
 	probe := filepath.Join(t.TempDir(), "probe.c")
 	require.NoError(t, os.WriteFile(probe, []byte("#include <ucp/api/ucp.h>\n"), 0o644))
 	if out, err := runCC(cc, append(slices.Clone(cflags), "-fsyntax-only", probe)...); err != nil {
-		testenv.Need(t, "ucx", fmt.Errorf("UCX headers not found (%v): %s", err, out))
+		testenv.Need(t, "ucx-headers", fmt.Errorf("UCX headers not found (%v): %s", err, out))
 	}
 
 	dir := filepath.Join("testdata", "ucxabi")

@@ -16,7 +16,7 @@ import (
 )
 
 // Required reports whether GDRPC_REQUIRE (comma-separated) names what (ucx,
-// cuda, python, netns...): a missing prerequisite then fails the test instead
+// ucx-headers, cuda, python, netns...): a missing prerequisite then fails the test instead
 // of skipping it.
 func Required(what string) bool {
 	for w := range strings.SplitSeq(os.Getenv("GDRPC_REQUIRE"), ",") {
