@@ -223,6 +223,49 @@ const LingerIdle = 500 * time.Millisecond
 // that keep it up ended.
 const lingerPoll = 20 * time.Millisecond
 
+// maxLingering bounds the sessions to one peer that linger at once: a peer
+// that keeps them busy (pulls through them, or holds) while it rotates
+// connections would otherwise keep each for the transfer timeout, its
+// sockets and goroutines with it. A session that starts lingering past it
+// ends the linger of the oldest.
+const maxLingering = 16
+
+// lingerers are the sessions lingering, by peer, oldest first.
+var lingerers = struct {
+	sync.Mutex
+	m map[transport.ID][]*attached
+}{m: map[transport.ID][]*attached{}}
+
+// startLinger files a among its peer's lingering sessions, and ends the
+// linger of the oldest once they are more than maxLingering.
+func startLinger(a *attached) {
+	peer := a.s.PeerID()
+	lingerers.Lock()
+	defer lingerers.Unlock()
+	l := append(lingerers.m[peer], a)
+	if len(l) > maxLingering {
+		close(l[0].cutLinger)
+		l = l[1:]
+	}
+	lingerers.m[peer] = l
+}
+
+// endLinger takes a out of its peer's lingering sessions.
+func endLinger(a *attached) {
+	peer := a.s.PeerID()
+	lingerers.Lock()
+	defer lingerers.Unlock()
+	l := lingerers.m[peer]
+	if i := slices.Index(l, a); i >= 0 {
+		l = slices.Delete(l, i, i+1)
+	}
+	if len(l) == 0 {
+		delete(lingerers.m, peer)
+	} else {
+		lingerers.m[peer] = l
+	}
+}
+
 // activity is a session's out-of-band use.
 type activity struct {
 	inflight atomic.Int64 // pulls and pushes under way
@@ -247,6 +290,7 @@ func busy(s *transport.Session) func() {
 //   - this side saw no out-of-band transfer for LingerIdle, has no open call
 //     (Receiving), and the peer does not hold the session;
 //   - the session died;
+//   - more than maxLingering sessions to the peer linger, a is the oldest;
 //   - or the transfer timeout ran out, whatever the peer says or keeps doing.
 //
 // A side with open calls asks the peer to hold the session (ctlHold) and
@@ -261,6 +305,8 @@ func lingerForTransfers(a *attached) {
 		return
 	}
 	a.lingering.Store(true)
+	startLinger(a)
+	defer endLinger(a)
 	act := &a.act
 	act.last.Store(max(act.last.Load(), time.Now().UnixNano()))
 	deadline := time.Now().Add(cfgOf(s).Timeout)
@@ -276,6 +322,9 @@ func lingerForTransfers(a *attached) {
 		}
 		select {
 		case <-s.Done():
+			return
+		case <-a.cutLinger:
+			cfgOf(s).Logger.Debug("session's linger cut: more sessions to its peer linger", "session", s.ID(), "max", maxLingering)
 			return
 		case <-t.C:
 		}
@@ -318,6 +367,12 @@ func handleRelease(s *transport.Session, payload []byte) { recordLinger(s, paylo
 
 func recordLinger(s *transport.Session, payload []byte, hold uint64) {
 	if !served(s) {
+		return
+	}
+	if s.IsClient() {
+		// Only a client's calls hold a session (Receiving): a server's word
+		// would keep this client's session up for nothing.
+		cfgOf(s).Logger.Debug("dropping a server's linger word", "session", s.ID())
 		return
 	}
 	seq, err := parseLinger(payload)
@@ -1411,7 +1466,6 @@ func readInto(r io.Reader, dst *devicebuf.Buffer, chunk int) error {
 // serves s, resolved once: the session may close, and leave the engine's map,
 // while the push runs.
 func serveRTR(s *transport.Session, m *rtr, c *TransferConfig) {
-	defer busy(s)()
 	ctx, cancel := context.WithTimeout(sessionContext(s), c.Timeout)
 	defer cancel()
 	ctx, endTask := traceTask(ctx, "gdrpc.push")
@@ -1424,6 +1478,9 @@ func serveRTR(s *transport.Session, m *rtr, c *TransferConfig) {
 	if err != nil {
 		f.Status, f.Msg = st, err.Error()
 	} else {
+		// Only a push of a payload the outbox holds keeps a lingering
+		// session up: an RTR for any token would.
+		defer busy(s)()
 		start := time.Now()
 		f.Path, err = push(pctx, s, m, e.src, u, c)
 		if !box.checkin(m.Token, e, u, err == nil) {

@@ -174,3 +174,84 @@ func countLingerHandled(t *testing.T) *atomic.Int64 {
 	})
 	return &n
 }
+
+// A server's words and RTRs for payloads the client never offered keep no
+// client session up: only a client's calls hold one, and only pushes of
+// payloads the outbox holds are transfers.
+func TestLingerNotHeldByServer(t *testing.T) {
+	c, s := shortPair(t, time.Minute)
+	ctx := testContext(t)
+	require.NoError(t, sendControl(ctx, s, ctlHold, lingerMsg(1)))
+	handled := countLingerHandled(t)
+	require.NoError(t, sendControl(ctx, s, ctlHold, lingerMsg(2)))
+	require.Eventually(t, func() bool { return handled.Load() == 1 }, 10*time.Second, time.Millisecond)
+	require.False(t, stateOf(c).peerHolds(), "a server's hold")
+
+	start := time.Now()
+	done := lingerAsync(stateOf(c))
+	stop := make(chan struct{})
+	defer close(stop)
+	go func() { // RTRs for tokens never offered, faster than LingerIdle
+		tick := time.NewTicker(LingerIdle / 5)
+		defer tick.Stop()
+		for req := uint64(1); ; req++ {
+			m := &rtr{Req: req, Token: newToken(), Length: 4096, Offers: PathStream}
+			if sendControl(ctx, s, ctlRTR, m.marshal()) != nil {
+				return
+			}
+			select {
+			case <-stop:
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	requireReturns(t, done, "client")
+	require.Less(t, time.Since(start), 5*time.Second, "the linger waited for the server's made-up transfers")
+}
+
+// At most maxLingering sessions to one peer linger at once: a peer that
+// holds each (or keeps it busy) while it rotates connections ends the linger
+// of the oldest with each new one.
+func TestLingeringBoundedPerPeer(t *testing.T) {
+	client := transport.NewIdentity()
+	var servers []*transport.Session
+	for range maxLingering + 1 {
+		c, s := transporttest.PairWith(t,
+			[]transport.Option{transport.WithIdentity(client), transport.WithEngine(New(TransferConfig{Timeout: time.Minute}))},
+			[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(TransferConfig{Timeout: time.Minute}))})
+		require.NoError(t, sendControl(testContext(t), c, ctlHold, lingerMsg(1)))
+		require.Eventually(t, stateOf(s).peerHolds, 10*time.Second, time.Millisecond)
+		servers = append(servers, s)
+	}
+	lingering := func(n int) func() bool {
+		return func() bool {
+			lingerers.Lock()
+			defer lingerers.Unlock()
+			return len(lingerers.m[servers[0].PeerID()]) == n
+		}
+	}
+	var dones []<-chan struct{}
+	for i, s := range servers[:maxLingering] { // in order: the first is the oldest
+		dones = append(dones, lingerAsync(stateOf(s)))
+		require.Eventually(t, lingering(i+1), 10*time.Second, time.Millisecond)
+	}
+	last := lingerAsync(stateOf(servers[maxLingering]))
+	requireReturns(t, dones[0], "oldest server session")
+	for i, d := range dones[1:] {
+		select {
+		case <-d:
+			t.Fatalf("session %d stopped lingering: only the oldest goes", i+1)
+		default:
+		}
+	}
+	for _, s := range servers {
+		require.NoError(t, s.Close())
+	}
+	for _, d := range append(dones[1:], last) {
+		requireReturns(t, d, "server")
+	}
+	lingerers.Lock()
+	defer lingerers.Unlock()
+	require.Empty(t, lingerers.m[servers[0].PeerID()])
+}

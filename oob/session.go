@@ -41,7 +41,7 @@ var codecs = []string{"gdr"}
 func (engine) Codecs() []string { return codecs }
 
 func (e engine) Attach(s *transport.Session, link *transport.Link) transport.Handler {
-	a := &attached{s: s, link: link, eng: e}
+	a := &attached{s: s, link: link, eng: e, cutLinger: make(chan struct{})}
 	sessions.Store(s, a)
 	return a
 }
@@ -57,6 +57,9 @@ type attached struct {
 
 	// lingering: the session's gRPC conn closed and Linger runs.
 	lingering atomic.Bool
+	// cutLinger is closed when the linger must end now: too many sessions
+	// to the peer linger (maxLingering).
+	cutLinger chan struct{}
 	// openCalls are this side's client calls whose messages may still name
 	// payloads to pull over the session (Receiving).
 	openCalls atomic.Int64
