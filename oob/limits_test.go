@@ -1034,6 +1034,25 @@ func TestTotalUnpulledWaiterOverPeerBound(t *testing.T) {
 	pullFilled(ctx, t, dz)
 	require.NoError(t, <-xSent)
 	require.Equal(t, int64(640*k), ReadStats().Unpulled)
+
+	// The same where the room the total gets fits y's message and not x's:
+	// nothing wakes x, which must have left the queue when it stopped
+	// fitting its peer's bound.
+	pullFilled(ctx, t, dx)
+	pullFilled(ctx, t, dy)
+	d2a, d2b := offerFilled(t, 500*k), offerFilled(t, 268*k)
+	SentToward(a, []Token{d2a.Token, d2b.Token})
+	dx, dy, dz = offerFilled(t, 512*k), offerFilled(t, 128*k), offerFilled(t, 200*k)
+	xSent = send(x, dx)
+	require.Eventually(t, waiting(1), 10*time.Second, time.Millisecond)
+	ySent = send(y, dy)
+	require.Eventually(t, waiting(2), 10*time.Second, time.Millisecond)
+	SentToward(x, []Token{dz.Token})
+	pullFilled(ctx, t, d2b) // the total holds 700 KiB: room for y's 128, not x's 512
+	require.NoError(t, <-ySent, "y's message does not wait behind one that waits for its own peer")
+	pullFilled(ctx, t, dz)
+	pullFilled(ctx, t, d2a)
+	require.NoError(t, <-xSent)
 }
 
 // A bound lifted with the largest value stays lifted in the totals that

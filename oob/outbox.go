@@ -518,6 +518,15 @@ func SentToward(s *transport.Session, ts []Token) {
 			box.bindLocked(t, e, peer, 0)
 		}
 	}
+	if p := box.toward[peer]; p != nil && len(p.waiters) > 0 {
+		// The peer's first message may no longer fit beside what was bound:
+		// it waits for the peer's pulls, not ahead of other peers' messages.
+		w := p.waiters[0]
+		if i := slices.Index(box.totalWaiters, w); i >= 0 && !p.fits(w.n, w.limit) {
+			box.totalWaiters = slices.Delete(box.totalWaiters, i, i+1)
+			box.wakeTotalLocked()
+		}
+	}
 	box.mu.Unlock()
 	// The last session to the peer may have closed before the entries were
 	// bound to it.
