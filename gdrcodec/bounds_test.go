@@ -9,6 +9,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"weak"
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
@@ -16,6 +17,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/gdrpc/gdrpc"
@@ -554,68 +556,148 @@ func TestClientStreamWaitsForPulls(t *testing.T) {
 	}
 }
 
+// serveUp serves handler as /test.Up/Up, streaming both ways (so that the
+// server may send twice), and returns a client whose responses land in
+// pool; both go when the test ends.
+func serveUp(t *testing.T, handler grpc.StreamHandler, pool *devicebuf.Pool) *grpc.ClientConn {
+	t.Helper()
+	opts := []gdrpc.Option{gdrpc.WithTransport(transport.ModeTCP), processEngine}
+	lis, err := listener.Listen("127.0.0.1:0", opts...)
+	require.NoError(t, err)
+	gs := grpc.NewServer(listener.ServerOptions(insecure.NewCredentials())...)
+	gs.RegisterService(&grpc.ServiceDesc{ServiceName: "test.Up", HandlerType: (*any)(nil),
+		Streams: []grpc.StreamDesc{{StreamName: "Up", Handler: handler, ClientStreams: true, ServerStreams: true}}}, struct{}{})
+	served := make(chan error, 1)
+	go func() { served <- gs.Serve(lis) }()
+	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
+		dialer.New(opts...).DialOptions(insecure.NewCredentials(), gdrcodec.WithReceiveAllocator(pool))...)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		cc.Close()
+		gs.Stop()
+		require.NoError(t, <-served)
+	})
+	return cc
+}
+
+// upHandler reads the client's stream, then sends n responses of 1 MiB
+// and ends the call with err.
+func upHandler(n int, err error) grpc.StreamHandler {
+	return func(_ any, ss grpc.ServerStream) error {
+		for {
+			var in tensorpb.Tensor
+			if err := ss.RecvMsg(&in); err == io.EOF {
+				break
+			} else if err != nil {
+				return err
+			}
+			gdrcodec.ReleaseAll(&in)
+		}
+		for range n {
+			b := devicebuf.HostFromBytes(pattern(1<<20, 7))
+			resp := &tensorpb.Tensor{Data: gdrcodec.New(b)}
+			b.Release()
+			if err := ss.SendMsg(resp); err != nil {
+				return err
+			}
+		}
+		return err
+	}
+}
+
+// openUp opens a client-streaming call of /test.Up/Up, sends one message
+// and closes its side.
+func openUp(t *testing.T, cc *grpc.ClientConn) grpc.ClientStream {
+	t.Helper()
+	cs, err := cc.NewStream(context.Background(), &grpc.StreamDesc{StreamName: "Up", ClientStreams: true}, "/test.Up/Up")
+	require.NoError(t, err)
+	require.NoError(t, cs.SendMsg(&tensorpb.Tensor{Name: "x"}))
+	require.NoError(t, cs.CloseSend())
+	return cs
+}
+
 // A client-streaming call whose server sends its response and then fails
 // the call, or sends a second response, returns an error and no response
 // (generated code drops the message): the payload the codec attached to it
-// goes back to the receive pool, as a failed unary call's does.
+// goes back to the receive pool, as a failed unary call's does. A receive
+// after the response came (gRPC's "until a non-nil error") leaves the
+// response, the caller's, as it is.
 func TestClientStreamFailedResponseReleased(t *testing.T) {
-	for _, twice := range []bool{false, true} {
-		t.Run(map[bool]string{false: "status after the response", true: "two responses"}[twice], func(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		handler grpc.StreamHandler
+		want    codes.Code
+	}{
+		{"status after the response", upHandler(1, status.Error(codes.Aborted, "the handler failed after its response")), codes.Aborted},
+		{"two responses", upHandler(2, nil), codes.Internal},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
 			pool, err := devicebuf.NewPool(devicebuf.PoolConfig{MaxBytes: 64 << 20})
 			require.NoError(t, err)
 			defer pool.Close()
-			handler := func(_ any, ss grpc.ServerStream) error {
-				for {
-					var in tensorpb.Tensor
-					if err := ss.RecvMsg(&in); err == io.EOF {
-						break
-					} else if err != nil {
-						return err
-					}
-					gdrcodec.ReleaseAll(&in)
-				}
-				for range map[bool]int{false: 1, true: 2}[twice] {
-					b := devicebuf.HostFromBytes(pattern(1<<20, 7))
-					resp := &tensorpb.Tensor{Data: gdrcodec.New(b)}
-					b.Release()
-					if err := ss.SendMsg(resp); err != nil {
-						return err
-					}
-				}
-				if twice {
-					return nil
-				}
-				return status.Error(codes.Aborted, "the handler failed after its response")
-			}
-			opts := []gdrpc.Option{gdrpc.WithTransport(transport.ModeTCP), processEngine}
-			lis, err := listener.Listen("127.0.0.1:0", opts...)
-			require.NoError(t, err)
-			gs := grpc.NewServer(listener.ServerOptions(insecure.NewCredentials())...)
-			// Registered as streaming both ways: the server may send twice.
-			gs.RegisterService(&grpc.ServiceDesc{ServiceName: "test.Up", HandlerType: (*any)(nil),
-				Streams: []grpc.StreamDesc{{StreamName: "Up", Handler: handler, ClientStreams: true, ServerStreams: true}}}, struct{}{})
-			served := make(chan error, 1)
-			go func() { served <- gs.Serve(lis) }()
-			cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
-				dialer.New(opts...).DialOptions(insecure.NewCredentials(), gdrcodec.WithReceiveAllocator(pool))...)
-			require.NoError(t, err)
-			defer func() {
-				cc.Close()
-				gs.Stop()
-				require.NoError(t, <-served)
-			}()
-			want := map[bool]codes.Code{false: codes.Aborted, true: codes.Internal}[twice]
+			cc := serveUp(t, tc.handler, pool)
 			for range 3 {
-				cs, err := cc.NewStream(context.Background(), &grpc.StreamDesc{StreamName: "Up", ClientStreams: true}, "/test.Up/Up")
-				require.NoError(t, err)
-				require.NoError(t, cs.SendMsg(&tensorpb.Tensor{Name: "x"}))
-				require.NoError(t, cs.CloseSend())
 				m := new(tensorpb.Tensor)
-				require.Equal(t, want, status.Code(cs.RecvMsg(m)))
+				require.Equal(t, tc.want, status.Code(openUp(t, cc).RecvMsg(m)))
 				_, attached := gdrcodec.Buffer(m.GetData())
 				require.False(t, attached, "the dropped response keeps no buffer")
 				require.Zero(t, pool.Stats().InUse, "the response's payload went back to the pool")
 			}
 		})
+	}
+	t.Run("receive after the response", func(t *testing.T) {
+		pool, err := devicebuf.NewPool(devicebuf.PoolConfig{MaxBytes: 64 << 20})
+		require.NoError(t, err)
+		defer pool.Close()
+		cs := openUp(t, serveUp(t, upHandler(1, nil), pool))
+		m := new(tensorpb.Tensor)
+		require.NoError(t, cs.RecvMsg(m))
+		b, attached := gdrcodec.Buffer(m.GetData())
+		require.True(t, attached)
+		require.ErrorIs(t, cs.RecvMsg(m), io.EOF)
+		_, attached = gdrcodec.Buffer(m.GetData())
+		require.True(t, attached, "the response the caller holds keeps its payload")
+		require.False(t, b.Released())
+		require.Equal(t, 1, pool.Stats().InUse)
+		gdrcodec.ReleaseAll(m)
+		require.Zero(t, pool.Stats().InUse)
+	})
+}
+
+// A response whose body starts with a call number (a server's own, or a
+// hostile server's) names nothing of the client's: decoded while this
+// process's server decodes a request of the same type, it is not taken for
+// that request and kept for its pulls, whatever it carries.
+func TestClientIgnoresCallNumberInResponse(t *testing.T) {
+	odd := grpc.UnknownServiceHandler(func(_ any, st grpc.ServerStream) error {
+		var in tensorpb.Sized
+		if err := st.RecvMsg(&in); err != nil {
+			return err
+		}
+		out := &tensorpb.Sized{}
+		u := protowire.AppendVarint(protowire.AppendTag(nil, 19061, protowire.VarintType), 777) // a call number
+		u = protowire.AppendBytes(protowire.AppendTag(u, 1000, protowire.BytesType), make([]byte, 64<<10))
+		out.ProtoReflect().SetUnknown(u)
+		return st.SendMsg(out)
+	})
+	r := newRigWith(t, transport.ModeTCP, nil, []grpc.ServerOption{odd})
+	// A call of this process's server that sent its headers and no request:
+	// the server decodes a Sized.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	_, err := r.cc.NewStream(ctx, &grpc.StreamDesc{ClientStreams: true, ServerStreams: true}, "/gdrpc.examples.tensor.TensorService/Make")
+	require.NoError(t, err)
+	sized := (&tensorpb.Sized{}).ProtoReflect().Descriptor().FullName()
+	require.Eventually(t, func() bool { return gdrcodec.DecodingForTest(sized) }, 10*time.Second, time.Millisecond)
+
+	var ws []weak.Pointer[tensorpb.Sized]
+	for range 20 {
+		reply := &tensorpb.Sized{}
+		require.NoError(t, r.cc.Invoke(context.Background(), "/odd.S/Get", &tensorpb.Sized{Size: 1}, reply))
+		ws = append(ws, weak.Make(reply))
+	}
+	runtime.GC()
+	for i, w := range ws {
+		require.True(t, w.Value() == nil, "response %d is kept", i)
 	}
 }

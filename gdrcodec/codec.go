@@ -102,6 +102,9 @@ var (
 	// gdrCodec is the out-of-band codec: clients name it per ClientConn
 	// (grpc.ForceCodecV2); servers find it by content-subtype once Register ran.
 	gdrCodec = &codec{name: Name, oob: true}
+	// gdrClientCodec is gdrCodec for ClientConns (DialOptions without
+	// options).
+	gdrClientCodec = &codec{name: Name, oob: true, client: true}
 )
 
 // Register registers the gdr codec with gRPC and replaces the proto codec with one
@@ -156,7 +159,12 @@ func opts() *options {
 type codec struct {
 	name string
 	oob  bool
-	o    *options // nil: Register's
+	// client: a ClientConn's (DialOptions), which decodes responses alone:
+	// a call number in one names nothing of this process's (a server's
+	// request, whose number serverStats takes, is decoded by the
+	// registry's codec).
+	client bool
+	o      *options // nil: Register's
 	// sess is the session a net/rpc conn's codec runs over; nil for gRPC's,
 	// whose messages find theirs through the call.
 	sess *transport.Session
@@ -287,7 +295,7 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 		return err
 	}
 	if !carries {
-		if call == 0 {
+		if call == 0 || c.client {
 			return nil
 		}
 		if _, tracked := recvCalls.Load(v); !tracked && serverRequest(vv.ProtoReflect()) {
@@ -305,7 +313,7 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	// context is the background's, and a failed walk gives back no receive
 	// space on its word (the client does when its call ends).
 	ctx, from := decodeContext(v)
-	request := c.oob && from == untrackedSender && serverRequest(m)
+	request := c.oob && !c.client && from == untrackedSender && serverRequest(m)
 	switch {
 	case !c.oob:
 		from = plainSender
@@ -1094,12 +1102,12 @@ var errUntracked = codecError(codes.FailedPrecondition, "a message names an out-
 func collectPulls(ctx context.Context, m protoreflect.Message, from sender, o *options) (pulls, error) {
 	c := collected{ctx: ctx, from: from, o: o}
 	c.collect(m)
-	if c.err == nil && len(c.inline) > 0 {
-		c.fail(c.placeInline())
-	}
 	err := c.err
 	if err == nil {
 		err = withinLimit(c.jobs, o.maxReceivePayload())
+	}
+	if err == nil && len(c.inline) > 0 {
+		err = c.placeInline() // once the message is known to be taken
 	}
 	p := pulls{m: m, jobs: c.jobs, attaches: c.attached || len(c.jobs) > 0}
 	if err != nil {
@@ -1205,10 +1213,12 @@ const inlineAlign = 256
 
 // placeInline copies the message's inline payloads into one allocation of
 // the receive allocator, which is not host memory, and attaches a view of
-// it to each: a block, a copy and a registration for each of thousands of
-// one-byte payloads would take far more of the allocator than the message
-// carries. A payload kept after its siblings were released keeps their
-// allocation with it (at most the message's own size, aligned).
+// it to each, each starting a multiple of inlineAlign bytes from the
+// allocation's start (CUDA's allocations and a payload pool's blocks are
+// aligned themselves): a block, a copy and a registration for each of
+// thousands of one-byte payloads would take far more of the allocator than
+// the message carries. A payload kept after its siblings were released
+// keeps their allocation with it (at most the message's own size, aligned).
 func (c *collected) placeInline() error {
 	staging := c.inline[0].Inline // one payload: copied as it is
 	if len(c.inline) > 1 {
@@ -1233,13 +1243,13 @@ func (c *collected) placeInline() error {
 	err = devicebuf.Copy(dst, src)
 	src.Release()
 	if err != nil {
-		return codecError(codes.ResourceExhausted, "place %d inline payloads: %v", len(c.inline), err)
+		return codecError(codes.Internal, "place %d inline payloads: %v", len(c.inline), err)
 	}
 	off := 0
 	for _, db := range c.inline {
 		v, err := dst.Slice(off, len(db.Inline))
 		if err != nil {
-			return err // within dst by construction
+			return codecError(codes.Internal, "place inline payloads: %v", err) // within dst by construction
 		}
 		off += alignInline(len(db.Inline))
 		setAttachment(db, v)

@@ -5,6 +5,7 @@ import (
 
 	"google.golang.org/grpc/mem"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
 )
 
 // MarshalForTest marshals m with the gdr codec, as a client would.
@@ -55,3 +56,7 @@ func CallNotedForTest(ctx context.Context) (noted bool, clientCall uint64) {
 // DestinationsForTest returns how many outgoing messages are bound to a
 // destination (bindDestination) and not yet marshaled.
 func DestinationsForTest() int { return int(destinations.n.Load()) }
+
+// DecodingForTest reports whether the server decodes a unary request of the
+// type named now (its call began, its request not yet decoded).
+func DecodingForTest(name protoreflect.FullName) bool { return decoding.has(name) }

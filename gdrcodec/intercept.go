@@ -821,6 +821,7 @@ func (s *heldStream) waitForPulls() error {
 }
 
 func (s *heldStream) RecvMsg(m any) error {
+	received := s.complete.Load() // a single response came: m may be it, the caller's
 	var err error
 	if canCarry(m) {
 		rc := expectReceive(s.h.rc.context(), m, false)
@@ -831,11 +832,12 @@ func (s *heldStream) RecvMsg(m any) error {
 	if err == io.EOF || err == nil && !s.serverStreams {
 		s.complete.Store(true) // a single response, received, ends the stream
 	}
-	if err != nil && !s.serverStreams {
+	if err != nil && err != io.EOF && !received && !s.serverStreams {
 		// The caller gets no response: the stream's status came after it,
 		// or a second message did (gRPC reads into m again to see the
 		// stream end). What the codec attached to m goes, as a failed unary
-		// call's response does.
+		// call's response does. A receive after the response came (to see
+		// the stream end) leaves m, the caller's response, alone.
 		if mm := messageV2Of(m); mm != nil {
 			ReleaseAll(mm)
 		}
@@ -859,9 +861,9 @@ func (s *heldStream) RecvMsg(m any) error {
 // follows Register's, as they are at each call. dialer.Dialer.DialOptions
 // includes these options.
 func DialOptions(opts ...Option) []grpc.DialOption {
-	c := gdrCodec
+	c := gdrClientCodec
 	if len(opts) > 0 {
-		c = &codec{name: Name, oob: true, o: newOptions(opts)}
+		c = &codec{name: Name, oob: true, client: true, o: newOptions(opts)}
 	}
 	return []grpc.DialOption{
 		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(c)),
