@@ -920,6 +920,20 @@ func TestPeerUnpulledFirstComeFirstServed(t *testing.T) {
 	require.Zero(t, ReadStats().Waiting)
 }
 
+// waitingFor returns a condition: n messages wait for room (Stats.Waiting).
+func waitingFor(n int) func() bool { return func() bool { return ReadStats().Waiting == n } }
+
+// sendingOver returns a function that sends a message of d's payload over
+// s, as a call of its own, on a goroutine, within ctx; its channel gets the
+// outcome.
+func sendingOver(ctx context.Context) func(s *transport.Session, d Descriptor) chan error {
+	return func(s *transport.Session, d Descriptor) chan error {
+		sent := make(chan error, 1)
+		go func() { sent <- new(Flow).Send(ctx, s, 0, []Token{d.Token}) }()
+		return sent
+	}
+}
+
 // TestTotalUnpulledBytesBound: what all peers left unpulled together is
 // bounded, for a process may open sessions under as many identities as it
 // likes: past Limits.TotalUnpulledBytes a message waits for pulls of any
@@ -934,12 +948,7 @@ func TestTotalUnpulledBytesBound(t *testing.T) {
 	_, c := pipePair(t)
 	require.NotEqual(t, a.PeerID(), b.PeerID())
 	ctx := testContext(t)
-	waiting := func(n int) func() bool { return func() bool { return ReadStats().Waiting == n } }
-	send := func(s *transport.Session, d Descriptor) chan error {
-		sent := make(chan error, 1)
-		go func() { sent <- new(Flow).Send(ctx, s, 0, []Token{d.Token}) }()
-		return sent
-	}
+	waiting, send := waitingFor, sendingOver(ctx)
 
 	d1 := offerFilled(t, 768<<10)
 	require.NoError(t, new(Flow).Send(ctx, a, 0, []Token{d1.Token}))
@@ -1014,12 +1023,7 @@ func TestTotalUnpulledWaiterOverPeerBound(t *testing.T) {
 	_, x := pipePair(t)
 	_, y := pipePair(t)
 	ctx := testContext(t)
-	waiting := func(n int) func() bool { return func() bool { return ReadStats().Waiting == n } }
-	send := func(s *transport.Session, d Descriptor) chan error {
-		sent := make(chan error, 1)
-		go func() { sent <- new(Flow).Send(ctx, s, 0, []Token{d.Token}) }()
-		return sent
-	}
+	waiting, send := waitingFor, sendingOver(ctx)
 	d1 := offerFilled(t, 768*k)
 	require.NoError(t, new(Flow).Send(ctx, a, 0, []Token{d1.Token}))
 	dx, dy, dz := offerFilled(t, 512*k), offerFilled(t, 128*k), offerFilled(t, 200*k)

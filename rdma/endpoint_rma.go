@@ -65,14 +65,7 @@ type RemoteKey struct {
 // An empty result means UCX would emulate the put with active messages that
 // the peer applies.
 func (e *Endpoint) KeyDomains(packed []byte) ([]string, error) {
-	pk, err := decodeKey(packed)
-	if err != nil {
-		return nil, err
-	}
-	if err := validateRkey(pk.rkey); err != nil {
-		return nil, err
-	}
-	lanes, err := e.keyLanes(pk.rkey)
+	pk, lanes, err := e.keyLanes(packed)
 	if err != nil {
 		return nil, fmt.Errorf("rdma: key domains: %w", err)
 	}
@@ -136,35 +129,36 @@ func (e *Endpoint) laneInfo(refresh bool) (string, error) {
 	return fresh, nil
 }
 
-// keyLanes returns the components of the peer's memory domains that e's
-// lanes reach, by index, read again (within laneRefresh) when rkey, a key
-// validateRkey accepted, names domains they do not.
-func (e *Endpoint) keyLanes(rkey []byte) (map[int]string, error) {
+// keyLanes decodes and validates packed, a key made by the peer's
+// Memory.PackKey, and returns it with the components of the peer's memory
+// domains that e's lanes reach, by index, read again (within laneRefresh)
+// when the key names domains they do not.
+func (e *Endpoint) keyLanes(packed []byte) (packedKey, map[int]string, error) {
+	pk, err := decodeKey(packed)
+	if err != nil {
+		return pk, nil, err
+	}
+	if err := validateRkey(pk.rkey); err != nil {
+		return pk, nil, err
+	}
 	info, err := e.laneInfo(false)
 	if err != nil {
-		return nil, err
+		return pk, nil, err
 	}
 	lanes := laneComponents(info)
-	if rkeyDomains(rkey)&^laneMask(lanes) == 0 {
-		return lanes, nil
+	if rkeyDomains(pk.rkey)&^laneMask(lanes) == 0 {
+		return pk, lanes, nil
 	}
 	if info, err = e.laneInfo(true); err != nil {
-		return nil, err
+		return pk, nil, err
 	}
-	return laneComponents(info), nil
+	return pk, laneComponents(info), nil
 }
 
 // UnpackKey unpacks a key made by the peer's Memory.PackKey. The framing is
 // validated; the key is valid on this endpoint only.
 func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
-	pk, err := decodeKey(packed)
-	if err != nil {
-		return nil, err
-	}
-	if err := validateRkey(pk.rkey); err != nil {
-		return nil, err
-	}
-	lanes, err := e.keyLanes(pk.rkey)
+	pk, lanes, err := e.keyLanes(packed)
 	if err != nil {
 		return nil, fmt.Errorf("rdma: unpack key: %w", err)
 	}
