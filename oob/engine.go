@@ -227,8 +227,11 @@ const lingerPoll = 20 * time.Millisecond
 // that keeps them busy (pulls through them, or holds) while it rotates
 // connections would otherwise keep each for the transfer timeout, its
 // sockets and goroutines with it. A session that starts lingering past it
-// ends the linger of the oldest.
-const maxLingering = 16
+// ends the linger of the oldest that no call of this side's own keeps up
+// (those the application bounds): a server ends the oldest its clients
+// hold, so more than maxLingering connections of one client that a GOAWAY
+// closes at once may lose the payloads of their unread messages.
+const maxLingering = 64
 
 // lingerers are the sessions lingering, by peer, oldest first.
 var lingerers = struct {
@@ -244,8 +247,10 @@ func startLinger(a *attached) {
 	defer lingerers.Unlock()
 	l := append(lingerers.m[peer], a)
 	if len(l) > maxLingering {
-		close(l[0].cutLinger)
-		l = l[1:]
+		if i := slices.IndexFunc(l, func(o *attached) bool { return o.openCalls.Load() == 0 }); i >= 0 {
+			close(l[i].cutLinger)
+			l = slices.Delete(l, i, i+1)
+		}
 	}
 	lingerers.m[peer] = l
 }
@@ -304,7 +309,9 @@ func lingerForTransfers(a *attached) {
 	if !s.Speaks("gdr") {
 		return
 	}
-	a.lingering.Store(true)
+	if !a.lingering.CompareAndSwap(false, true) {
+		return // lingering already
+	}
 	startLinger(a)
 	defer endLinger(a)
 	act := &a.act
@@ -369,9 +376,10 @@ func recordLinger(s *transport.Session, payload []byte, hold uint64) {
 	if !served(s) {
 		return
 	}
-	if s.IsClient() {
-		// Only a client's calls hold a session (Receiving): a server's word
-		// would keep this client's session up for nothing.
+	if a := stateOf(s); a.receives.Load() {
+		// Only a client's calls hold a session (Receiving), and this side
+		// makes them: the peer serves them, and its word would keep the
+		// session up for nothing.
 		cfgOf(s).Logger.Debug("dropping a server's linger word", "session", s.ID())
 		return
 	}
@@ -402,6 +410,9 @@ func Received(s *transport.Session) { addOpenCalls(s, -1) }
 
 func addOpenCalls(s *transport.Session, n int64) {
 	if a, ok := sessions.Load(s); ok {
+		if n > 0 {
+			a.(*attached).receives.Store(true)
+		}
 		a.(*attached).openCalls.Add(n)
 	}
 }

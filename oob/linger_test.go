@@ -181,10 +181,12 @@ func countLingerHandled(t *testing.T) *atomic.Int64 {
 func TestLingerNotHeldByServer(t *testing.T) {
 	c, s := shortPair(t, time.Minute)
 	ctx := testContext(t)
-	require.NoError(t, sendControl(ctx, s, ctlHold, lingerMsg(1)))
+	Receiving(c) // the client's call, over (the server's word counts only where the peer makes calls)
+	Received(c)
 	handled := countLingerHandled(t)
+	require.NoError(t, sendControl(ctx, s, ctlHold, lingerMsg(1)))
 	require.NoError(t, sendControl(ctx, s, ctlHold, lingerMsg(2)))
-	require.Eventually(t, func() bool { return handled.Load() == 1 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return handled.Load() == 2 }, 10*time.Second, time.Millisecond)
 	require.False(t, stateOf(c).peerHolds(), "a server's hold")
 
 	start := time.Now()
@@ -212,8 +214,51 @@ func TestLingerNotHeldByServer(t *testing.T) {
 
 // At most maxLingering sessions to one peer linger at once: a peer that
 // holds each (or keeps it busy) while it rotates connections ends the linger
-// of the oldest with each new one.
+// of the oldest with each new one. A session that this side's own open call
+// keeps up is not ended (the application bounds those calls).
 func TestLingeringBoundedPerPeer(t *testing.T) {
+	t.Run("held by the peer", testLingeringHeld)
+	t.Run("own open calls", func(t *testing.T) {
+		server := transport.NewIdentity()
+		var clients []*transport.Session
+		for range maxLingering + 1 {
+			c, _ := transporttest.PairWith(t,
+				[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(TransferConfig{Timeout: time.Minute}))},
+				[]transport.Option{transport.WithIdentity(server), transport.WithEngine(New(TransferConfig{Timeout: time.Minute}))})
+			Receiving(c)
+			clients = append(clients, c)
+		}
+		var dones []<-chan struct{}
+		for i, c := range clients {
+			dones = append(dones, lingerAsync(stateOf(c)))
+			require.Eventually(t, lingeringTo(server.ID(), i+1), 10*time.Second, time.Millisecond)
+		}
+		for i, d := range dones {
+			select {
+			case <-d:
+				t.Fatalf("session %d stopped lingering with its call open", i)
+			default:
+			}
+		}
+		for _, c := range clients {
+			Received(c)
+		}
+		for _, d := range dones {
+			requireReturns(t, d, "client")
+		}
+	})
+}
+
+// lingeringTo returns a condition: n sessions to peer linger.
+func lingeringTo(peer transport.ID, n int) func() bool {
+	return func() bool {
+		lingerers.Lock()
+		defer lingerers.Unlock()
+		return len(lingerers.m[peer]) == n
+	}
+}
+
+func testLingeringHeld(t *testing.T) {
 	client := transport.NewIdentity()
 	var servers []*transport.Session
 	for range maxLingering + 1 {
@@ -224,17 +269,10 @@ func TestLingeringBoundedPerPeer(t *testing.T) {
 		require.Eventually(t, stateOf(s).peerHolds, 10*time.Second, time.Millisecond)
 		servers = append(servers, s)
 	}
-	lingering := func(n int) func() bool {
-		return func() bool {
-			lingerers.Lock()
-			defer lingerers.Unlock()
-			return len(lingerers.m[servers[0].PeerID()]) == n
-		}
-	}
 	var dones []<-chan struct{}
 	for i, s := range servers[:maxLingering] { // in order: the first is the oldest
 		dones = append(dones, lingerAsync(stateOf(s)))
-		require.Eventually(t, lingering(i+1), 10*time.Second, time.Millisecond)
+		require.Eventually(t, lingeringTo(client.ID(), i+1), 10*time.Second, time.Millisecond)
 	}
 	last := lingerAsync(stateOf(servers[maxLingering]))
 	requireReturns(t, dones[0], "oldest server session")
@@ -254,4 +292,15 @@ func TestLingeringBoundedPerPeer(t *testing.T) {
 	lingerers.Lock()
 	defer lingerers.Unlock()
 	require.Empty(t, lingerers.m[servers[0].PeerID()])
+}
+
+// The words of the side that makes the gRPC calls count whichever side
+// dialed: a gRPC client over a conn its listener accepted holds the session
+// at the end that dialed and serves it.
+func TestLingerHeldByAcceptingClient(t *testing.T) {
+	c, s := shortPair(t, time.Minute)
+	Receiving(s) // the accepting side's call
+	defer Received(s)
+	require.NoError(t, sendControl(testContext(t), s, ctlHold, lingerMsg(1)))
+	require.Eventually(t, stateOf(c).peerHolds, 10*time.Second, time.Millisecond, "the accepting client's hold")
 }

@@ -61,8 +61,10 @@ type attached struct {
 	// to the peer linger (maxLingering).
 	cutLinger chan struct{}
 	// openCalls are this side's client calls whose messages may still name
-	// payloads to pull over the session (Receiving).
+	// payloads to pull over the session (Receiving); receives is set once
+	// this side made one (it is the gRPC client, whichever side dialed).
 	openCalls atomic.Int64
+	receives  atomic.Bool
 	// peerLinger is the peer's latest ctlHold or ctlRelease: its sequence
 	// number shifted left by one, the low bit set for a hold.
 	peerLinger atomic.Uint64
