@@ -295,7 +295,8 @@ func busy(s *transport.Session) func() {
 //   - this side saw no out-of-band transfer for LingerIdle, has no open call
 //     (Receiving), and the peer does not hold the session;
 //   - the session died;
-//   - more than maxLingering sessions to the peer linger, a is the oldest;
+//   - more than maxLingering sessions to the peer linger, and a is the
+//     oldest of them that no call of this side's keeps up;
 //   - or the transfer timeout ran out, whatever the peer says or keeps doing.
 //
 // A side with open calls asks the peer to hold the session (ctlHold) and
