@@ -1046,17 +1046,6 @@ type job struct {
 	discarded func(ctx context.Context)
 }
 
-// resolve places the payloads of m, a received message: inline ones are
-// attached as they are found, out-of-band ones pulled, within the receive
-// limit and MaxPayloads. On a failure m keeps none of them.
-func resolve(ctx context.Context, m protoreflect.Message, from sender, o *options) error {
-	p, err := collectPulls(ctx, m, from, o)
-	if err != nil {
-		return err
-	}
-	return p.run(ctx)
-}
-
 // pulls are the out-of-band payloads of a received message still to pull;
 // its inline payloads are attached already.
 type pulls struct {
