@@ -27,7 +27,6 @@ import (
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
-	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 	"github.com/gdrpc/gdrpc/transport/transporttest"
@@ -556,27 +555,16 @@ func TestClientStreamWaitsForPulls(t *testing.T) {
 	}
 }
 
-// serveUp serves handler as /test.Up/Up, streaming both ways (so that the
-// server may send twice), and returns a client whose responses land in
-// pool; both go when the test ends.
+// serveUp serves handler as /test.Up/Up (any method the tensor service
+// lacks, streaming both ways: the server may send twice), and returns a
+// client whose responses land in pool; both go when the test ends.
 func serveUp(t *testing.T, handler grpc.StreamHandler, pool *devicebuf.Pool) *grpc.ClientConn {
 	t.Helper()
-	opts := []gdrpc.Option{gdrpc.WithTransport(transport.ModeTCP), processEngine}
-	lis, err := listener.Listen("127.0.0.1:0", opts...)
+	addr := serveTensors(t, &tensor.Server{}, grpc.UnknownServiceHandler(handler))
+	d := dialer.New(gdrpc.WithTransport(transport.ModeTCP), processEngine)
+	cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(insecure.NewCredentials(), gdrcodec.WithReceiveAllocator(pool))...)
 	require.NoError(t, err)
-	gs := grpc.NewServer(listener.ServerOptions(insecure.NewCredentials())...)
-	gs.RegisterService(&grpc.ServiceDesc{ServiceName: "test.Up", HandlerType: (*any)(nil),
-		Streams: []grpc.StreamDesc{{StreamName: "Up", Handler: handler, ClientStreams: true, ServerStreams: true}}}, struct{}{})
-	served := make(chan error, 1)
-	go func() { served <- gs.Serve(lis) }()
-	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(),
-		dialer.New(opts...).DialOptions(insecure.NewCredentials(), gdrcodec.WithReceiveAllocator(pool))...)
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		cc.Close()
-		gs.Stop()
-		require.NoError(t, <-served)
-	})
+	t.Cleanup(func() { cc.Close() })
 	return cc
 }
 

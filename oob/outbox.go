@@ -210,13 +210,19 @@ func (p *sentEntries) wakeLocked() {
 	}
 }
 
-// leaveQueueLocked takes w out of p's waiters and of totalWaiters, and wakes
-// the next of each. box.mu is held.
-func (b *outbox) leaveQueueLocked(peer transport.ID, p *sentEntries, w *peerWaiter) {
+// leaveTotalLocked takes w out of totalWaiters, if it is there, and wakes
+// the next. box.mu is held.
+func (b *outbox) leaveTotalLocked(w *peerWaiter) {
 	if i := slices.Index(b.totalWaiters, w); i >= 0 {
 		b.totalWaiters = slices.Delete(b.totalWaiters, i, i+1)
 		b.wakeTotalLocked()
 	}
+}
+
+// leaveQueueLocked takes w out of p's waiters and of totalWaiters, and wakes
+// the next of each. box.mu is held.
+func (b *outbox) leaveQueueLocked(peer transport.ID, p *sentEntries, w *peerWaiter) {
+	b.leaveTotalLocked(w)
 	if p == nil {
 		return
 	}
@@ -521,10 +527,8 @@ func SentToward(s *transport.Session, ts []Token) {
 	if p := box.toward[peer]; p != nil && len(p.waiters) > 0 {
 		// The peer's first message may no longer fit beside what was bound:
 		// it waits for the peer's pulls, not ahead of other peers' messages.
-		w := p.waiters[0]
-		if i := slices.Index(box.totalWaiters, w); i >= 0 && !p.fits(w.n, w.limit) {
-			box.totalWaiters = slices.Delete(box.totalWaiters, i, i+1)
-			box.wakeTotalLocked()
+		if w := p.waiters[0]; !p.fits(w.n, w.limit) {
+			box.leaveTotalLocked(w)
 		}
 	}
 	box.mu.Unlock()
@@ -620,12 +624,11 @@ func (f *Flow) Send(ctx context.Context, s *transport.Session, call uint64, ts [
 					box.totalWaiters = append(box.totalWaiters, w)
 				}
 				overTotal = true
-			} else if i >= 0 {
-				// It no longer fits its peer's bound (payloads bound toward
-				// the peer without waiting, SentToward): it waits for its
-				// peer's pulls, not ahead of other peers' messages.
-				box.totalWaiters = slices.Delete(box.totalWaiters, i, i+1)
-				box.wakeTotalLocked()
+			} else {
+				// It does not fit its peer's bound (any more: payloads bound
+				// toward the peer without waiting, SentToward): it waits for
+				// its peer's pulls, not ahead of other peers' messages.
+				box.leaveTotalLocked(w)
 			}
 			select {
 			case <-w.ready: // woken, and no longer fits: wait again
