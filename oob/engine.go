@@ -223,16 +223,6 @@ const LingerIdle = 500 * time.Millisecond
 // that keep it up ended.
 const lingerPoll = 20 * time.Millisecond
 
-// maxLingering bounds the sessions to one peer that linger at once: a peer
-// that keeps them busy (pulls through them, or holds) while it rotates
-// connections would otherwise keep each for the transfer timeout, its
-// sockets and goroutines with it. A session that starts lingering past it
-// ends the linger of the oldest that no call of this side's own keeps up
-// (those the application bounds): a server ends the oldest its clients
-// hold, so more than maxLingering connections of one client that a GOAWAY
-// closes at once may lose the payloads of their unread messages.
-const maxLingering = 64
-
 // lingerers are the sessions lingering, by peer, oldest first.
 var lingerers = struct {
 	sync.Mutex
@@ -240,13 +230,15 @@ var lingerers = struct {
 }{m: map[transport.ID][]*attached{}}
 
 // startLinger files a among its peer's lingering sessions, and ends the
-// linger of the oldest once they are more than maxLingering.
+// linger of the oldest once they are more than a's session's
+// Limits.PeerLingeringSessions.
 func startLinger(a *attached) {
 	peer := a.s.PeerID()
+	bound := cfgOf(a.s).Limits.PeerLingeringSessions
 	lingerers.Lock()
 	defer lingerers.Unlock()
 	l := append(lingerers.m[peer], a)
-	if len(l) > maxLingering {
+	if len(l) > bound {
 		if i := slices.IndexFunc(l, func(o *attached) bool { return o.openCalls.Load() == 0 }); i >= 0 {
 			close(l[i].cutLinger)
 			l = slices.Delete(l, i, i+1)
@@ -295,8 +287,8 @@ func busy(s *transport.Session) func() {
 //   - this side saw no out-of-band transfer for LingerIdle, has no open call
 //     (Receiving), and the peer does not hold the session;
 //   - the session died;
-//   - more than maxLingering sessions to the peer linger, and a is the
-//     oldest of them that no call of this side's keeps up;
+//   - more than Limits.PeerLingeringSessions sessions to the peer linger,
+//     and a is the oldest of them that no call of this side's keeps up;
 //   - or the transfer timeout ran out, whatever the peer says or keeps doing.
 //
 // A side with open calls asks the peer to hold the session (ctlHold) and
@@ -332,7 +324,7 @@ func lingerForTransfers(a *attached) {
 		case <-s.Done():
 			return
 		case <-a.cutLinger:
-			cfgOf(s).Logger.Debug("session's linger cut: more sessions to its peer linger", "session", s.ID(), "max", maxLingering)
+			cfgOf(s).Logger.Debug("session's linger cut: more sessions to its peer linger", "session", s.ID(), "max", cfgOf(s).Limits.PeerLingeringSessions)
 			return
 		case <-t.C:
 		}

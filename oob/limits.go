@@ -106,6 +106,17 @@ type Limits struct {
 	// responses back until their payloads' leases end: the price of a bound
 	// on memory, as for TotalPullBytes. If zero, twice PeerUnpulledBytes.
 	TotalUnpulledBytes int64
+	// PeerLingeringSessions bounds the sessions to one peer that linger at
+	// once after gRPC closed their connections (see LingerIdle): a peer that
+	// keeps each busy, or holds it, while it rotates connections would
+	// otherwise keep every old session up for the transfer timeout, its
+	// sockets and goroutines with it. A session that starts lingering past
+	// the bound ends the linger of the oldest that no call of this side's own
+	// keeps up (the application bounds those), whose peer may then fail to
+	// pull what it had not yet pulled. A server whose clients each close
+	// more connections at once, with unread messages on each, raises it. If
+	// zero, DefaultPeerLingeringSessions.
+	PeerLingeringSessions int
 }
 
 // Defaults of Limits.
@@ -122,6 +133,9 @@ const (
 	// DefaultSpaceBytes is Limits.SpaceBytes unless set: four sessions'
 	// spaces grown to DefaultReceiveSpaceLimit.
 	DefaultSpaceBytes = 4 * DefaultReceiveSpaceLimit
+	// DefaultPeerLingeringSessions is Limits.PeerLingeringSessions unless
+	// set.
+	DefaultPeerLingeringSessions = 64
 )
 
 func (l Limits) withDefaults(timeout time.Duration) Limits {
@@ -154,6 +168,9 @@ func (l Limits) withDefaults(timeout time.Duration) Limits {
 	}
 	if l.TotalUnpulledBytes <= 0 {
 		l.TotalUnpulledBytes = 2 * min(l.PeerUnpulledBytes, math.MaxInt64/2) // a bound lifted stays lifted
+	}
+	if l.PeerLingeringSessions <= 0 {
+		l.PeerLingeringSessions = DefaultPeerLingeringSessions
 	}
 	return l
 }

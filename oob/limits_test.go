@@ -1068,6 +1068,7 @@ func TestLimitsDefaultsSaturate(t *testing.T) {
 	l = Limits{}.withDefaults(time.Second)
 	require.Equal(t, int64(2*DefaultPullBytes), l.TotalPullBytes)
 	require.Equal(t, int64(2*DefaultPeerUnpulledBytes), l.TotalUnpulledBytes)
+	require.Equal(t, DefaultPeerLingeringSessions, l.PeerLingeringSessions)
 }
 
 // TestCallEndedWithdrawsUnpulled: a client that ends a call tells the

@@ -212,7 +212,8 @@ func TestLingerNotHeldByServer(t *testing.T) {
 	require.Less(t, time.Since(start), 5*time.Second, "the linger waited for the server's made-up transfers")
 }
 
-// At most maxLingering sessions to one peer linger at once: a peer that
+// At most Limits.PeerLingeringSessions sessions to one peer linger at once
+// (lingerBound here; the default is larger only): a peer that
 // holds each (or keeps it busy) while it rotates connections ends the linger
 // of the oldest with each new one. A session that this side's own open call
 // keeps up is not ended (the application bounds those calls).
@@ -221,10 +222,10 @@ func TestLingeringBoundedPerPeer(t *testing.T) {
 	t.Run("own open calls", func(t *testing.T) {
 		server := transport.NewIdentity()
 		var clients []*transport.Session
-		for range maxLingering + 1 {
+		for range lingerBound + 1 {
 			c, _ := transporttest.PairWith(t,
-				[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(TransferConfig{Timeout: time.Minute}))},
-				[]transport.Option{transport.WithIdentity(server), transport.WithEngine(New(TransferConfig{Timeout: time.Minute}))})
+				[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(lingerConfig))},
+				[]transport.Option{transport.WithIdentity(server), transport.WithEngine(New(lingerConfig))})
 			Receiving(c)
 			clients = append(clients, c)
 		}
@@ -249,6 +250,12 @@ func TestLingeringBoundedPerPeer(t *testing.T) {
 	})
 }
 
+// lingerBound is the Limits.PeerLingeringSessions of lingerConfig, the
+// engines' of TestLingeringBoundedPerPeer.
+const lingerBound = 5
+
+var lingerConfig = TransferConfig{Timeout: time.Minute, Limits: Limits{PeerLingeringSessions: lingerBound}}
+
 // lingeringTo returns a condition: n sessions to peer linger.
 func lingeringTo(peer transport.ID, n int) func() bool {
 	return func() bool {
@@ -261,20 +268,20 @@ func lingeringTo(peer transport.ID, n int) func() bool {
 func testLingeringHeld(t *testing.T) {
 	client := transport.NewIdentity()
 	var servers []*transport.Session
-	for range maxLingering + 1 {
+	for range lingerBound + 1 {
 		c, s := transporttest.PairWith(t,
-			[]transport.Option{transport.WithIdentity(client), transport.WithEngine(New(TransferConfig{Timeout: time.Minute}))},
-			[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(TransferConfig{Timeout: time.Minute}))})
+			[]transport.Option{transport.WithIdentity(client), transport.WithEngine(New(lingerConfig))},
+			[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(lingerConfig))})
 		require.NoError(t, sendControl(testContext(t), c, ctlHold, lingerMsg(1)))
 		require.Eventually(t, stateOf(s).peerHolds, 10*time.Second, time.Millisecond)
 		servers = append(servers, s)
 	}
 	var dones []<-chan struct{}
-	for i, s := range servers[:maxLingering] { // in order: the first is the oldest
+	for i, s := range servers[:lingerBound] { // in order: the first is the oldest
 		dones = append(dones, lingerAsync(stateOf(s)))
 		require.Eventually(t, lingeringTo(client.ID(), i+1), 10*time.Second, time.Millisecond)
 	}
-	last := lingerAsync(stateOf(servers[maxLingering]))
+	last := lingerAsync(stateOf(servers[lingerBound]))
 	requireReturns(t, dones[0], "oldest server session")
 	for i, d := range dones[1:] {
 		select {
