@@ -10,7 +10,8 @@ import (
 var testHooks struct {
 	mu      sync.Mutex
 	control func(s *Session, typ byte, payload []byte)
-	bulk    func(s *Session, c net.Conn) // nil: bulk streams are closed at once
+	bulk    func(s *Session, c net.Conn)       // nil: bulk streams are closed at once
+	lane    func(s *Session, c net.Conn) error // nil: frame lanes are left unread
 	closed  func(s *Session)
 }
 
@@ -55,9 +56,15 @@ func (h testHandler) Bulk(c net.Conn) {
 	_ = c.Close()
 }
 
-func (testHandler) Lane(net.Conn) error { return nil }
-func (testHandler) Linger()             {}
-func (testHandler) Join()               {}
+func (h testHandler) Lane(c net.Conn) error {
+	if fn := hookOf(&testHooks.lane); fn != nil {
+		return fn(h.s, c)
+	}
+	return nil
+}
+
+func (testHandler) Linger() {}
+func (testHandler) Join()   {}
 
 func (h testHandler) Closed() {
 	if fn := hookOf(&testHooks.closed); fn != nil {

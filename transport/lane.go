@@ -225,7 +225,13 @@ func (s *Session) frameLaneReader(l *frameLane, name string) {
 		select {
 		case <-s.done:
 		default:
-			s.closeWith(fmt.Errorf("%w: %s: %w", ErrPeerGone, name, err))
+			if errors.Is(err, io.EOF) {
+				// The peer closed the lane: it ended the session (the lanes
+				// of a closing session end in any order).
+				s.closeWith(ErrPeerGone)
+			} else {
+				s.closeWith(fmt.Errorf("%w: %s: %w", ErrPeerGone, name, err))
+			}
 		}
 	}
 }

@@ -1,0 +1,75 @@
+package transport
+
+import (
+	"bytes"
+	"log/slog"
+	"net"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/rdma"
+)
+
+// lockedBuffer is a bytes.Buffer safe for a logger's concurrent writes.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// TestPeerCloseLogsNoLoss: a peer that closes its session (a client's
+// ClientConn.Close, its process exiting) ends whichever of the session's
+// streams reaches the end first, a frame lane among them. The other side logs
+// that at debug level, as the session closed by its peer, not as a session
+// lost at info level.
+func TestPeerCloseLogsNoLoss(t *testing.T) {
+	setHook(t, &testHooks.lane, func(_ *Session, c net.Conn) error {
+		// As the out-of-band engine's reader: until the lane fails, and
+		// then its error as it came.
+		buf := make([]byte, 4096)
+		for {
+			if _, err := c.Read(buf); err != nil {
+				return err
+			}
+		}
+	})
+	for _, mode := range []Mode{ModeTCP, ModeUCX} {
+		t.Run(string(mode), func(t *testing.T) {
+			if mode == ModeUCX && rdma.Available() != nil {
+				t.Skip("no UCX")
+			}
+			var logs lockedBuffer
+			logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+			_, cs, ss, _, _ := lanePair(t, []Option{WithMode(mode), WithLogger(logger)}, []Option{WithMode(mode)})
+			select {
+			case <-ss.bulk.ready:
+			case <-time.After(10 * time.Second):
+				t.Fatal("the server's bulk lane never came up")
+			}
+			require.NoError(t, cs.Close())
+			select {
+			case <-ss.Done():
+			case <-time.After(10 * time.Second):
+				t.Fatal("the server's session outlived its peer's close")
+			}
+			require.Eventually(t, func() bool { return strings.Contains(logs.String(), "session closed") || strings.Contains(logs.String(), "session lost") }, 10*time.Second, time.Millisecond, logs.String())
+			require.NotContains(t, logs.String(), "session lost", "the server's log")
+			require.NotContains(t, logs.String(), "level=INFO", "the server's log")
+		})
+	}
+}
