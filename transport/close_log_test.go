@@ -67,7 +67,9 @@ func TestPeerCloseLogsNoLoss(t *testing.T) {
 			case <-time.After(10 * time.Second):
 				t.Fatal("the server's session outlived its peer's close")
 			}
-			require.Eventually(t, func() bool { return strings.Contains(logs.String(), "session closed") || strings.Contains(logs.String(), "session lost") }, 10*time.Second, time.Millisecond, logs.String())
+			require.Eventually(t, func() bool {
+				return strings.Contains(logs.String(), "session closed") || strings.Contains(logs.String(), "session lost")
+			}, 10*time.Second, time.Millisecond, logs.String())
 			require.NotContains(t, logs.String(), "session lost", "the server's log")
 			require.NotContains(t, logs.String(), "level=INFO", "the server's log")
 		})
