@@ -471,6 +471,25 @@ func encodeReject(code uint8, msg string) []byte {
 	return frame(w.b)
 }
 
+// notGDRPC is the error for a peer that began with got instead of the magic,
+// naming what the peer speaks where its first bytes tell: a gRPC endpoint
+// that gdrpc does not serve (a server on net.Listen sends HTTP/2's SETTINGS
+// first), HTTP/1 or TLS.
+func notGDRPC(got []byte) error {
+	var hint string
+	switch {
+	case len(got) >= 6 && got[3] == 0x4 && got[4]&^0x1 == 0 && got[5]&0x7f == 0:
+		// An HTTP/2 frame header: a SETTINGS frame (type 4, flags none or
+		// ACK) on stream 0.
+		hint = ": the peer speaks HTTP/2, as a gRPC server on a plain listener does; serve it with listener.Listen, or dial it without gdrpc"
+	case bytes.HasPrefix(got, []byte("HTTP/")):
+		hint = ": the peer speaks HTTP/1"
+	case len(got) >= 3 && (got[0] == 0x15 || got[0] == 0x16) && got[1] == 0x3:
+		hint = ": the peer speaks TLS"
+	}
+	return fmt.Errorf("%w: got %q%s", ErrNotGDRPC, got, hint)
+}
+
 // readFrame reads one frame whose magic has not been read yet if magicRead is
 // false. It returns the version and the body. A frame of another version is
 // returned with its body so the caller can look for a reject.
@@ -488,7 +507,7 @@ func readFrame(r io.Reader, magicRead bool) (uint16, []byte, error) {
 		return 0, nil, err
 	}
 	if string(hdr[:len(magic)]) != magic {
-		return 0, nil, fmt.Errorf("%w: got %q", ErrNotGDRPC, hdr[:len(magic)])
+		return 0, nil, notGDRPC(hdr[:len(magic)])
 	}
 	version := binary.BigEndian.Uint16(hdr[len(magic):])
 	n := binary.BigEndian.Uint32(hdr[len(magic)+2:])

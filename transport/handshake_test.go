@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/grpc"
 )
 
 func sampleCaps() Caps {
@@ -428,4 +429,24 @@ func FuzzClientHandshake(f *testing.F) {
 			t.Fatalf("a session from a welcome that no key signed for this hello")
 		}
 	})
+}
+
+// TestDialPlainGRPCServer: dialing a gRPC server that is not on a gdrpc
+// listener fails at once with an error that says so, not with the bare bad
+// magic.
+func TestDialPlainGRPCServer(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	gs := grpc.NewServer()
+	served := make(chan error, 1)
+	go func() { served <- gs.Serve(lis) }()
+	defer func() {
+		gs.Stop()
+		require.NoError(t, <-served)
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, err = Dial(ctx, lis.Addr().String(), WithMode(ModeTCP))
+	require.ErrorIs(t, err, ErrNotGDRPC)
+	require.ErrorContains(t, err, "the peer speaks HTTP/2, as a gRPC server on a plain listener does")
 }
