@@ -72,7 +72,11 @@ func Attach(db *gdrv1.DeviceBuffer, b *devicebuf.Buffer) {
 	db.Inline = nil
 }
 
-// New returns a DeviceBuffer message with b attached.
+// New returns a DeviceBuffer message with b attached (Attach): the message
+// takes its own reference to b, given back by ReleaseAll of a message that
+// holds it (a gdrpc server does that for its responses once gRPC sent them).
+// The caller still releases its own, with b.Release(), once it has no more
+// use for b: typically right after New.
 func New(b *devicebuf.Buffer) *gdrv1.DeviceBuffer {
 	db := &gdrv1.DeviceBuffer{}
 	Attach(db, b)

@@ -1382,6 +1382,12 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer, from sender, o *options) (j job, at
 	alloc := receiveAllocator(o)
 	if !outOfBand {
 		if uint64(len(db.Inline)) != db.Length {
+			if len(db.Inline) == 0 {
+				// The likeliest cause: a Go client attached a buffer
+				// (New, Attach) and marshaled it with gRPC's own proto
+				// codec, which knows nothing of attachments.
+				return job{}, false, codecError(codes.InvalidArgument, "a DeviceBuffer of %d bytes arrived with no inline bytes and names no out-of-band payload: a plain gRPC client puts the payload in inline; a Go client that attaches buffers (gdrcodec.New) calls gdrcodec.Register or dials with gdrpc's dialer", db.Length)
+			}
 			return job{}, false, codecError(codes.InvalidArgument, "inline payload of %d bytes, descriptor says %d", len(db.Inline), db.Length)
 		}
 		if db.Kind != gdrv1.Kind_KIND_HOST && db.Kind != gdrv1.Kind_KIND_CUDA {

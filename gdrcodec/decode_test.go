@@ -130,6 +130,19 @@ func TestEmptyAndUnknownInlinePayloads(t *testing.T) {
 	require.Equal(t, allocs, g.Allocations())
 }
 
+// A DeviceBuffer with a length and neither inline bytes nor an out-of-band
+// payload (what gRPC's own proto codec makes of a buffer attached with New)
+// is refused with a status that says how a client sends a payload.
+func TestLengthWithoutPayloadExplained(t *testing.T) {
+	var got tensorpb.Tensor
+	err := decode(t, &tensorpb.Tensor{Data: &gdrv1.DeviceBuffer{Length: 4 << 20}}, &got)
+	require.Equal(t, codes.InvalidArgument, status.Code(err), "%v", err)
+	require.ErrorContains(t, err, "a DeviceBuffer of 4194304 bytes arrived with no inline bytes")
+	require.ErrorContains(t, err, "gdrcodec.Register")
+	err = decode(t, &tensorpb.Tensor{Data: &gdrv1.DeviceBuffer{Length: 4, Inline: []byte{1}}}, &got)
+	require.ErrorContains(t, err, "inline payload of 1 bytes, descriptor says 4")
+}
+
 // A message whose pulls fail keeps no token or owner in its descriptors: a
 // handler that logs or forwards what it received (a server stream's gets the
 // message with the error) does not leak the capabilities it named.
