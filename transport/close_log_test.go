@@ -14,19 +14,20 @@ import (
 	"github.com/gdrpc/gdrpc/rdma"
 )
 
-// lockedBuffer is a bytes.Buffer safe for a logger's concurrent writes.
-type lockedBuffer struct {
+// LogBuffer is a bytes.Buffer safe for a logger's concurrent writes, for the
+// tests of this package and of transport_test.
+type LogBuffer struct {
 	mu sync.Mutex
 	b  bytes.Buffer
 }
 
-func (l *lockedBuffer) Write(p []byte) (int, error) {
+func (l *LogBuffer) Write(p []byte) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.b.Write(p)
 }
 
-func (l *lockedBuffer) String() string {
+func (l *LogBuffer) String() string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.b.String()
@@ -53,7 +54,7 @@ func TestPeerCloseLogsNoLoss(t *testing.T) {
 			if mode == ModeUCX && rdma.Available() != nil {
 				t.Skip("no UCX")
 			}
-			var logs lockedBuffer
+			var logs LogBuffer
 			logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 			_, cs, ss, _, _ := lanePair(t, []Option{WithMode(mode), WithLogger(logger)}, []Option{WithMode(mode)})
 			select {
