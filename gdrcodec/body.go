@@ -126,5 +126,8 @@ func (bodyCodec) unmarshal(data mem.BufferSlice, v any, numbered bool) (call uin
 			call, body = c, body[n+m:]
 		}
 	}
+	if err := precount(body, vv.ProtoReflect().Descriptor()); err != nil {
+		return call, err
+	}
 	return call, proto.Unmarshal(body, vv)
 }

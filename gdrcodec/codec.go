@@ -64,6 +64,7 @@ type options struct {
 	// WithNetRPCPendingBytes's (netrpc.go).
 	writeTimeout time.Duration
 	pendingBytes int64
+	maxBody      int // WithNetRPCMaxBody (netrpc.go)
 	logger       *slog.Logger
 }
 
@@ -292,7 +293,9 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	// replacement decodes what plain peers send, as gRPC's own codec does.
 	call, err := bodies.unmarshal(data, v, c.oob)
 	if err != nil {
-		return err
+		// A status (too many payloads, a malformed call number) reaches
+		// the caller as the others do; a decoding error stays gRPC's.
+		return receiveFailed(v, err)
 	}
 	if !carries {
 		if call == 0 || c.client {

@@ -3,6 +3,8 @@ package gdrcodec_test
 import (
 	"bytes"
 	"crypto/rand"
+	"runtime"
+	"strconv"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -240,4 +242,35 @@ func TestInlinePayloadsShareAllocation(t *testing.T) {
 	require.Equal(t, allocs+1, g.Allocations(), "a payload kept keeps the allocation")
 	require.NoError(t, kept.Release())
 	require.Equal(t, allocs, g.Allocations())
+}
+
+// A body with more than MaxPayloads DeviceBuffers on the wire is refused
+// before it is decoded, with the status the walk after the decode gives,
+// whatever field holds them: a repeated field, a map, or both; the decode
+// of a body of empty ones would allocate a hundred times its size first.
+func TestPayloadsCountedBeforeDecode(t *testing.T) {
+	const n = 1 << 20
+	body := bytes.Repeat([]byte{0x2a, 0x00}, n/2) // Tensor.parts (5), an empty element each
+	runtime.GC()
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	err := gdrcodec.UnmarshalForTest(body, &tensorpb.Tensor{})
+	runtime.ReadMemStats(&after)
+	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+	require.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(4*n), "bytes allocated decoding a %d-byte body", n)
+
+	m := &tensorpb.Tensor{Named: map[string]*gdrv1.DeviceBuffer{}}
+	for i := range gdrcodec.MaxPayloads - 1 {
+		m.Parts = append(m.Parts, &gdrv1.DeviceBuffer{})
+		if i < 2 {
+			m.Named[strconv.Itoa(i)] = &gdrv1.DeviceBuffer{}
+		}
+	}
+	err = decode(t, m, &tensorpb.Tensor{})
+	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+	delete(m.Named, "1")
+	var got tensorpb.Tensor
+	require.NoError(t, decode(t, m, &got))
+	require.Len(t, got.Parts, gdrcodec.MaxPayloads-1)
+	gdrcodec.ReleaseAll(&got)
 }

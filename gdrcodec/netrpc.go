@@ -29,13 +29,38 @@ import (
 //
 // with header = uvarint(seq) uvarint(len(method)) method uvarint(len(error)) error.
 
-// maxNetRPCFrame bounds a body on the wire (payloads travel out-of-band;
-// only descriptors and small fields are here), maxNetRPCHeader a header (a
-// method name and an error message).
+// maxNetRPCFrame bounds a body on the wire whatever WithNetRPCMaxBody says,
+// maxNetRPCHeader a header (a method name and an error message).
 const (
-	maxNetRPCFrame  = 64 << 20
+	maxNetRPCFrame  = 1 << 30
 	maxNetRPCHeader = 64 << 10
 )
+
+// DefaultNetRPCMaxBody bounds the body of a net/rpc request or reply, as it
+// is on the wire, unless WithNetRPCMaxBody says otherwise: gRPC's default
+// bound on a message it receives. The body carries a message's descriptors
+// and small fields; its payloads travel out-of-band over a gdrpc session
+// from the eager threshold on, and inline below it, or every one over a
+// conn that is no gdrpc session. The bound on the body is what bounds the
+// memory a peer's message makes the codec allocate as it decodes it: a
+// protobuf message takes up to a hundred times its size once decoded (a
+// repeated field of empty messages, two bytes each on the wire).
+const DefaultNetRPCMaxBody = 4 << 20
+
+// WithNetRPCMaxBody sets the largest body a net/rpc codec reads and writes
+// (see DefaultNetRPCMaxBody), at most 1 GiB: a body over it that arrives
+// ends the connection, for what follows would be read from inside it, and
+// one that would be sent fails its call instead. Give both ends the same.
+// If zero, DefaultNetRPCMaxBody.
+func WithNetRPCMaxBody(n int) Option { return func(o *options) { o.maxBody = n } }
+
+// netRPCMaxBody is the bound WithNetRPCMaxBody set, or its default.
+func (o *options) netRPCMaxBody() int {
+	if o.maxBody <= 0 {
+		return DefaultNetRPCMaxBody
+	}
+	return min(o.maxBody, maxNetRPCFrame)
+}
 
 // DefaultNetRPCPending bounds the requests of one net/rpc server connection
 // whose replies are not written yet, unless WithNetRPCPending says
@@ -107,10 +132,10 @@ func (w *progressWriter) Write(p []byte) (int, error) {
 // DefaultNetRPCPendingBytes bounds the bytes of the requests of one net/rpc
 // server connection whose replies are not written yet (their bodies as they
 // came, and the payloads they named out-of-band), unless
-// WithNetRPCPendingBytes says otherwise: a body may carry up to 64 MiB
+// WithNetRPCPendingBytes says otherwise: a body may carry its bound's worth
 // inline (payloads under the eager threshold, or every payload over a
-// connection that is no gdrpc session) and name up to the receive limit
-// more, and the count alone (DefaultNetRPCPending) would let one connection
+// connection that is no gdrpc session; DefaultNetRPCMaxBody) and name up to
+// the receive limit more, and the count alone (DefaultNetRPCPending) would let one connection
 // hold 1,024 of them while its handlers run. Past it the server reads no
 // further request until a reply is written; a request is always read when
 // none waits.
@@ -250,12 +275,12 @@ func (c *netrpcConn) write(seq uint64, method, errMsg string, body any, h *hold)
 			return unwritten{err}
 		}
 		defer data.Free()
-		if data.Len() > maxNetRPCFrame {
+		if limit := c.c.options().netRPCMaxBody(); data.Len() > limit {
 			// The peer would refuse it and end the connection: its inline
 			// payloads (under the eager threshold, or every payload over a
 			// connection that is no gdrpc session) are too large for one
 			// body.
-			return unwritten{fmt.Errorf("gdrcodec: net/rpc body of %d bytes, at most %d; send large payloads out-of-band", data.Len(), maxNetRPCFrame)}
+			return unwritten{fmt.Errorf("gdrcodec: net/rpc body of %d bytes, at most %d (gdrcodec.WithNetRPCMaxBody); send large payloads out-of-band", data.Len(), limit)}
 		}
 		msg = data
 	}
@@ -390,9 +415,9 @@ func (c *netrpcConn) readHeader() (seq uint64, method, errMsg string, err error)
 func (c *netrpcConn) readBody(v any) error {
 	c.bodyLen = 0
 	if v == nil {
-		return c.skipFrame(maxNetRPCFrame)
+		return c.skipFrame(c.c.options().netRPCMaxBody())
 	}
-	p, err := c.readFrame(maxNetRPCFrame)
+	p, err := c.readFrame(c.c.options().netRPCMaxBody())
 	c.bodyLen = len(p)
 	if err != nil {
 		return err
@@ -404,6 +429,9 @@ func (c *netrpcConn) readBody(v any) error {
 	carries := mayCarry(m.ProtoReflect().Descriptor())
 	if carries {
 		ReleaseAll(m) // as codec.Unmarshal: the decode resets m
+		if err := precount(p, m.ProtoReflect().Descriptor()); err != nil {
+			return err
+		}
 	}
 	if err := proto.Unmarshal(p, m); err != nil || !carries {
 		return err
@@ -517,7 +545,7 @@ func (c *clientCodec) Close() error {
 // requests before it are written. At most DefaultNetRPCPending requests
 // (WithNetRPCPending) wait for their replies at once; the next is read once
 // a reply is written. A body
-// frame over 64 MiB ends the connection. A method that returns an error
+// frame over DefaultNetRPCMaxBody (WithNetRPCMaxBody) ends the connection. A method that returns an error
 // releases what it attached to its reply itself: net/rpc then writes no
 // reply body, and the codec never sees it. opts apply to this codec alone;
 // without them it follows Register's.

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/rpc"
@@ -19,6 +20,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
 	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
@@ -257,7 +259,7 @@ func TestNetRPCReplyWriteFails(t *testing.T) {
 func TestNetRPCFrameBounds(t *testing.T) {
 	conn := newHookConn(t)
 	conn.reading = make(chan int, 16)
-	s := NewServerCodec(conn)
+	s := NewServerCodec(conn, WithNetRPCMaxBody(64<<20))
 	defer s.Close()
 	read := make(chan error, 1)
 	go func() {
@@ -385,7 +387,7 @@ func TestNetRPCRefusedFrameEndsReading(t *testing.T) {
 	oversized := func(seq uint64, method string) []byte {
 		f := frame(seq, method, "", nil)
 		f = f[:len(f)-1] // the empty body's length
-		f = binary.AppendUvarint(f, maxNetRPCFrame+1)
+		f = binary.AppendUvarint(f, DefaultNetRPCMaxBody+1)
 		return append(f, frame(seq+1, "Svc.Echo", "", nil)...) // inside the body
 	}
 	for _, method := range []string{"Svc.Echo", "Svc.Missing"} {
@@ -435,7 +437,7 @@ func TestNetRPCOversizedBodyNotWritten(t *testing.T) {
 	c.onWrite = func() { wrote.Store(true) }
 	cc := NewClientCodec(c, WithEagerThreshold(1<<30)).(*clientCodec) // the payload goes inline
 	big := &gdrv1.DeviceBuffer{}
-	Attach(big, devicebuf.HostFromBytes(make([]byte, maxNetRPCFrame+1)))
+	Attach(big, devicebuf.HostFromBytes(make([]byte, DefaultNetRPCMaxBody+1)))
 	defer ReleaseAll(big)
 	err := cc.WriteRequest(&rpc.Request{Seq: 1, ServiceMethod: "Svc.Echo"}, big)
 	require.ErrorContains(t, err, "at most")
@@ -572,13 +574,13 @@ func TestNetRPCPendingBytesBounded(t *testing.T) {
 type bigReply struct{}
 
 func (bigReply) Get(_, out *gdrv1.DeviceBuffer) error {
-	b := devicebuf.HostFromBytes(make([]byte, maxNetRPCFrame+1))
+	b := devicebuf.HostFromBytes(make([]byte, DefaultNetRPCMaxBody+1))
 	Attach(out, b)
 	b.Release()
 	return nil
 }
 
-// A reply the codec refuses to write (a body over 64 MiB, its payload
+// A reply the codec refuses to write (a body over 4 MiB, its payload
 // inline) reaches its caller as an error: net/rpc drops a reply's write
 // error, and the call would wait for ever.
 func TestNetRPCUnsendableReplyAnswered(t *testing.T) {
@@ -718,4 +720,69 @@ func TestNetRPCWriteDeadlinePerPiece(t *testing.T) {
 	require.Zero(t, NewClientCodec(cli).(*clientCodec).idle)
 	require.Equal(t, time.Second, NewClientCodec(cli, WithNetRPCWriteTimeout(time.Second)).(*clientCodec).idle)
 	require.Zero(t, NewServerCodec(sv, WithNetRPCWriteTimeout(-1)).(*serverCodec).idle)
+}
+
+// A body of empty DeviceBuffers (two bytes each on the wire, a couple of
+// hundred bytes each once decoded) is refused before it is decoded: the
+// decode of a frame of them would allocate a hundred times its size before the walk
+// after it counted MaxPayloads.
+func TestNetRPCPayloadsCountedBeforeDecode(t *testing.T) {
+	const n = 1 << 20
+	body := bytes.Repeat([]byte{0x2a, 0x00}, n/2) // Tensor.parts (5), an empty element each
+	c := NewServerCodec(readOnly{bytes.NewReader(frame(1, "Svc.M", "", body))}).(*serverCodec)
+	defer c.Close()
+	var r rpc.Request
+	require.NoError(t, c.ReadRequestHeader(&r))
+	runtime.GC()
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	err := c.ReadRequestBody(&tensorpb.Tensor{})
+	runtime.ReadMemStats(&after)
+	require.ErrorContains(t, err, "more than 4096 payloads")
+	require.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(4*n), "bytes allocated decoding a %d-byte body", n)
+}
+
+type copier struct{}
+
+func (copier) Copy(in, out *gdrv1.DeviceBuffer) error {
+	b, ok := Buffer(in)
+	if !ok {
+		return errors.New("no payload arrived")
+	}
+	Attach(out, b)
+	return nil
+}
+
+// A body over DefaultNetRPCMaxBody (payloads inline, as over a conn that is
+// no gdrpc session) goes where both ends raised the bound
+// (WithNetRPCMaxBody), and is refused before it is written where the
+// sender's is the default.
+func TestNetRPCMaxBody(t *testing.T) {
+	const n = DefaultNetRPCMaxBody + 1<<20
+	payload := make([]byte, n)
+	_, _ = rand.Read(payload)
+	cli, sv := net.Pipe()
+	defer cli.Close()
+	srv := rpc.NewServer()
+	require.NoError(t, srv.RegisterName("Svc", copier{}))
+	raised := []Option{WithEagerThreshold(1 << 30), WithNetRPCMaxBody(2 * n)}
+	go srv.ServeCodec(NewServerCodec(sv, raised...))
+	client := rpc.NewClientWithCodec(NewClientCodec(cli, raised...))
+	defer client.Close()
+	src := devicebuf.HostFromBytes(payload)
+	in := New(src)
+	src.Release()
+	defer ReleaseAll(in)
+	var out gdrv1.DeviceBuffer
+	require.NoError(t, client.Call("Svc.Copy", in, &out))
+	b, ok := Buffer(&out)
+	require.True(t, ok)
+	got, err := b.HostBytes()
+	require.NoError(t, err)
+	require.True(t, bytes.Equal(payload, got), "the payload arrived changed")
+	ReleaseAll(&out)
+
+	c := NewClientCodec(newHookConn(t), WithEagerThreshold(1<<30))
+	defer c.Close()
+	require.ErrorContains(t, c.WriteRequest(&rpc.Request{Seq: 1, ServiceMethod: "Svc.Copy"}, in), fmt.Sprintf("at most %d", DefaultNetRPCMaxBody))
 }

@@ -342,7 +342,7 @@ func (m *Mixed) Get(r *tensorpb.Sized, t *tensorpb.Tensor) error {
 }
 
 // A reply the server codec refuses before writing a byte of it (its inline
-// payload makes its body over 64 MiB) gives back the receive space its
+// payload makes its body over the bound, 4 MiB) gives back the receive space its
 // other payload was written into: the client never learns of that write.
 func TestNetRPCRefusedReplyGivesSpaceBack(t *testing.T) {
 	requireUCX(t)
