@@ -11,6 +11,7 @@ import (
 	"runtime"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -494,4 +495,44 @@ func requireBytes(t testing.TB, want, got []byte) {
 		i++
 	}
 	t.Fatalf("payload differs: want %d bytes, got %d; first difference at byte %d", len(want), len(got), i)
+}
+
+// A plain client's request with more than MaxPayloads DeviceBuffers is
+// refused with ResourceExhausted before it is decoded, and its handler
+// never runs; the connection goes on serving.
+func TestPlainClientTooManyPayloads(t *testing.T) {
+	lis, err := listener.Listen("127.0.0.1:0")
+	require.NoError(t, err)
+	var handled atomic.Int64
+	gs := grpc.NewServer(listener.ServerOptions(insecure.NewCredentials())...)
+	tensorpb.RegisterTensorServiceServer(gs, &countingTensors{Server: &tensor.Server{}, calls: &handled})
+	go gs.Serve(lis)
+	defer gs.Stop()
+	cc, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	require.NoError(t, err)
+	defer cc.Close()
+	c := tensorpb.NewTensorServiceClient(cc)
+	m := &tensorpb.Tensor{}
+	for range gdrcodec.MaxPayloads + 1 {
+		m.Parts = append(m.Parts, &gdrv1.DeviceBuffer{})
+	}
+	_, err = c.Digest(context.Background(), m)
+	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+	require.ErrorContains(t, err, "more than 4096 payloads")
+	require.Zero(t, handled.Load(), "the handler ran")
+	m.Parts = m.Parts[:1]
+	_, err = c.Digest(context.Background(), m)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), handled.Load())
+}
+
+// countingTensors counts the Digest calls its handler runs.
+type countingTensors struct {
+	*tensor.Server
+	calls *atomic.Int64
+}
+
+func (s *countingTensors) Digest(ctx context.Context, m *tensorpb.Tensor) (*tensorpb.Summary, error) {
+	s.calls.Add(1)
+	return s.Server.Digest(ctx, m)
 }
