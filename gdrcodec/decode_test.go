@@ -3,6 +3,7 @@ package gdrcodec_test
 import (
 	"bytes"
 	"crypto/rand"
+	"fmt"
 	"runtime"
 	"strconv"
 	"testing"
@@ -10,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
@@ -258,6 +260,20 @@ func TestPayloadsCountedBeforeDecode(t *testing.T) {
 	runtime.ReadMemStats(&after)
 	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
 	require.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(4*n), "bytes allocated decoding a %d-byte body", n)
+
+	// Map entries with their keys alone: the decoder makes each an empty
+	// DeviceBuffer.
+	body = body[:0]
+	for i := 0; len(body) < n; i++ {
+		key := protowire.AppendString(protowire.AppendTag(nil, 1, protowire.BytesType), fmt.Sprintf("%07d", i))
+		body = protowire.AppendBytes(protowire.AppendTag(body, 6, protowire.BytesType), key) // Tensor.named
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	err = gdrcodec.UnmarshalForTest(body, &tensorpb.Tensor{})
+	runtime.ReadMemStats(&after)
+	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+	require.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(4*n), "bytes allocated decoding a %d-byte body of map keys", n)
 
 	m := &tensorpb.Tensor{Named: map[string]*gdrv1.DeviceBuffer{}}
 	for i := range gdrcodec.MaxPayloads - 1 {

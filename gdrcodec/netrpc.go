@@ -48,16 +48,22 @@ const (
 const DefaultNetRPCMaxBody = 4 << 20
 
 // WithNetRPCMaxBody sets the largest body a net/rpc codec reads and writes
-// (see DefaultNetRPCMaxBody), at most 1 GiB: a body over it that arrives
-// ends the connection, for what follows would be read from inside it, and
-// one that would be sent fails its call instead. Give both ends the same.
-// If zero, DefaultNetRPCMaxBody.
+// (see DefaultNetRPCMaxBody), at most 1 GiB, the framing's own bound, which
+// n < 0 sets: a body over it that arrives ends the connection, for what
+// follows would be read from inside it, and one that would be sent fails its
+// call instead. Give both ends the same: to the codecs, or to Register for
+// codecs made without options (options given to a codec replace all of
+// Register's). Peers of releases before this option sent bodies of up to
+// 64 MiB. If zero, DefaultNetRPCMaxBody.
 func WithNetRPCMaxBody(n int) Option { return func(o *options) { o.maxBody = n } }
 
 // netRPCMaxBody is the bound WithNetRPCMaxBody set, or its default.
 func (o *options) netRPCMaxBody() int {
-	if o.maxBody <= 0 {
+	switch {
+	case o.maxBody == 0:
 		return DefaultNetRPCMaxBody
+	case o.maxBody < 0:
+		return maxNetRPCFrame
 	}
 	return min(o.maxBody, maxNetRPCFrame)
 }
@@ -426,19 +432,23 @@ func (c *netrpcConn) readBody(v any) error {
 	if m == nil {
 		return fmt.Errorf("gdrcodec: net/rpc body %T is not a proto.Message", v)
 	}
-	carries := mayCarry(m.ProtoReflect().Descriptor())
+	md := m.ProtoReflect().Descriptor()
+	carries := mayCarry(md)
+	from := plainSender
+	if c.c.oob {
+		from = gdrSender
+	}
 	if carries {
 		ReleaseAll(m) // as codec.Unmarshal: the decode resets m
-		if err := precount(p, m.ProtoReflect().Descriptor()); err != nil {
+		if err := precount(p, md); err != nil {
+			// As a refused walk does: a reply's payloads that landed in
+			// this side's receive space are not taken back otherwise.
+			discardLandedOnWire(c.ctx, p, md, from)
 			return err
 		}
 	}
 	if err := proto.Unmarshal(p, m); err != nil || !carries {
 		return err
-	}
-	from := plainSender
-	if c.c.oob {
-		from = gdrSender
 	}
 	pulls, err := collectPulls(c.ctx, m.ProtoReflect(), from, c.c.options())
 	if err != nil {

@@ -782,6 +782,10 @@ func TestNetRPCMaxBody(t *testing.T) {
 	require.True(t, bytes.Equal(payload, got), "the payload arrived changed")
 	ReleaseAll(&out)
 
+	require.Equal(t, maxNetRPCFrame, newOptions([]Option{WithNetRPCMaxBody(-1)}).netRPCMaxBody(), "n < 0: the framing's bound")
+	require.Equal(t, maxNetRPCFrame, newOptions([]Option{WithNetRPCMaxBody(2 << 30)}).netRPCMaxBody())
+	require.Equal(t, DefaultNetRPCMaxBody, newOptions(nil).netRPCMaxBody())
+
 	c := NewClientCodec(newHookConn(t), WithEagerThreshold(1<<30))
 	defer c.Close()
 	require.ErrorContains(t, c.WriteRequest(&rpc.Request{Seq: 1, ServiceMethod: "Svc.Copy"}, in), fmt.Sprintf("at most %d", DefaultNetRPCMaxBody))

@@ -19,6 +19,7 @@ import (
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
+	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
 	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
@@ -372,4 +373,39 @@ func TestNetRPCRefusedReplyGivesSpaceBack(t *testing.T) {
 	requireBytes(t, pattern(n, 3), p)
 	gdrcodec.ReleaseAll(&got)
 	require.Equal(t, int64(1), counter.landed.Load(), "the space had room for it")
+}
+
+// Crowded replies with a payload of data bytes, out-of-band, and
+// MaxPayloads empty ones: one too many for the client.
+type Crowded struct{ data int }
+
+func (c *Crowded) Get(r *tensorpb.Sized, t *tensorpb.Tensor) error {
+	b := devicebuf.HostFromBytes(pattern(c.data, r.Seed))
+	defer b.Release()
+	*t = tensorpb.Tensor{Data: gdrcodec.New(b), Parts: make([]*gdrv1.DeviceBuffer, gdrcodec.MaxPayloads)}
+	for i := range t.Parts {
+		t.Parts[i] = &gdrv1.DeviceBuffer{}
+	}
+	return nil
+}
+
+// A reply the client refuses before decoding it (more than MaxPayloads
+// payloads) gives back the receive space its payload was written into:
+// net/rpc has no end of call that would, and its client, which stops
+// reading at a body's error, leaves the session up until it is closed.
+func TestNetRPCRefusedReplyBodyGivesSpaceBack(t *testing.T) {
+	requireUCX(t)
+	require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
+	trusted := []gdrpc.Option{gdrpc.WithTransport(transport.ModeUCX), gdrpc.WithTrustPeers()}
+	client := netRPCPairServing(t, &Crowded{data: 80 << 20}, trusted, append(trusted, gdrpc.WithReceiveSpace(256<<20)))
+
+	var got tensorpb.Tensor
+	require.NoError(t, client.Call("Tensors.Make", &tensorpb.Sized{Size: 1 << 20, Seed: 1}, &got), "pulled: it prompts the space")
+	gdrcodec.ReleaseAll(&got)
+	waitPeerSpace(t)
+	err := client.Call("Crowded.Get", &tensorpb.Sized{Seed: 2}, &tensorpb.Tensor{})
+	require.ErrorContains(t, err, "more than 4096 payloads")
+	require.NotZero(t, oob.ReadStats().PeerSpaces, "the session is still up")
+	require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond, "the refused reply's range is given back: %+v", oob.ReadStats())
+
 }

@@ -1,12 +1,17 @@
 package gdrcodec
 
 import (
+	"context"
+
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
+
+	"github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
 )
 
-// prescanDepth bounds how deep precount follows nested messages, as
+// prescanDepth bounds how deep a scan follows nested messages, as
 // protobuf's decoder bounds its own recursion (protowire's default limit).
 const prescanDepth = 10000
 
@@ -14,27 +19,50 @@ const prescanDepth = 10000
 // that holds more than MaxPayloads DeviceBuffers. Decoding builds every
 // element first: an empty DeviceBuffer takes two bytes on the wire and a
 // couple of hundred bytes of heap, so a body of empty elements (the
-// message-size limit's worth, 64 MiB for net/rpc) would have the decoder
-// allocate a hundred times its size before the walk after it (collected)
-// counted them. It counts each DeviceBuffer on the wire, in the fields that
-// may hold one, nested messages and maps among them; the walk after the
-// decode still counts what this leaves out (groups, extensions, the marked
-// bytes fields that name a payload), so that MaxPayloads holds either way.
-// A body it cannot parse is left for the decoder to refuse.
+// message-size limit's worth) would have the decoder allocate a hundred
+// times its size before the walk after it (collected) counted them. It
+// counts each DeviceBuffer on the wire, in the fields that may hold one,
+// nested messages and maps among them (a map entry with a DeviceBuffer
+// value counts whether or not the value is on the wire: the decoder makes
+// an empty one for an entry without); the walk after the decode still
+// counts what this leaves out (groups, extensions, the marked bytes fields
+// that name a payload), so that MaxPayloads holds either way. An encoding
+// that repeats a singular field counts each time, though the decoder merges
+// the repeats into one. A body it cannot parse is left for the decoder to
+// refuse.
 func precount(b []byte, md protoreflect.MessageDescriptor) error {
 	if len(b)/2 <= MaxPayloads || !mayCarry(md) || md.FullName() == deviceBufferName {
 		return nil // each DeviceBuffer takes two bytes at least: a tag and a length
 	}
 	budget := MaxPayloads
-	if !precountMessage(b, md, &budget, 0) {
+	if !scanDeviceBuffers(b, md, 0, func([]byte) bool { budget--; return budget >= 0 }) {
 		return codecError(codes.ResourceExhausted, "the message carries more than %d payloads (gdrcodec.MaxPayloads)", MaxPayloads)
 	}
 	return nil
 }
 
-// precountMessage takes the DeviceBuffers of b, an encoded message of type md,
-// from budget, and reports false once it would go below zero.
-func precountMessage(b []byte, md protoreflect.MessageDescriptor, budget *int, depth int) bool {
+// discardLandedOnWire gives back, as the walk of a refused message does
+// (discardLanded), the receive space that the DeviceBuffers of b, a body of
+// a message of type md that precount refused, name: decoding one at a time,
+// so that the refusal's purpose holds.
+func discardLandedOnWire(ctx context.Context, b []byte, md protoreflect.MessageDescriptor, from sender) {
+	if from != gdrSender {
+		return
+	}
+	var db gdrv1.DeviceBuffer
+	scanDeviceBuffers(b, md, 0, func(v []byte) bool {
+		db.Reset()
+		if v != nil && proto.Unmarshal(v, &db) == nil && db.Space != 0 {
+			discardLanded(ctx, &db, from)
+		}
+		return true
+	})
+}
+
+// scanDeviceBuffers calls fn with the encoding of each DeviceBuffer of b, an
+// encoded message of type md (nil for a map entry without its value), and
+// reports false once fn does.
+func scanDeviceBuffers(b []byte, md protoreflect.MessageDescriptor, depth int, fn func(v []byte) bool) bool {
 	if depth > prescanDepth {
 		return true // the decoder refuses it
 	}
@@ -60,15 +88,26 @@ func precountMessage(b []byte, md protoreflect.MessageDescriptor, budget *int, d
 		if fd == nil || typ != protowire.BytesType || fd.Kind() != protoreflect.MessageKind {
 			continue // a scalar, a packed list, a group or an unknown field
 		}
-		sub := fd.Message() // a map's entry, for a map
 		switch {
-		case sub.FullName() == deviceBufferName:
-			if *budget--; *budget < 0 {
+		case fd.Message().FullName() == deviceBufferName:
+			if !fn(value) {
 				return false
 			}
-		case fd.IsMap() && !carriesValues(fd):
-		case fd.IsMap() || mayCarry(sub):
-			if !precountMessage(value, sub, budget, depth+1) {
+		case fd.IsMap():
+			v := fd.MapValue()
+			switch {
+			case v.Kind() != protoreflect.MessageKind:
+			case v.Message().FullName() == deviceBufferName:
+				if !fn(mapValue(value)) {
+					return false
+				}
+			case mayCarry(v.Message()):
+				if !scanDeviceBuffers(mapValue(value), v.Message(), depth+1, fn) {
+					return false
+				}
+			}
+		case mayCarry(fd.Message()):
+			if !scanDeviceBuffers(value, fd.Message(), depth+1, fn) {
 				return false
 			}
 		}
@@ -76,9 +115,23 @@ func precountMessage(b []byte, md protoreflect.MessageDescriptor, budget *int, d
 	return true
 }
 
-// carriesValues reports whether the values of fd, a map field, are
-// DeviceBuffers or messages that may hold one.
-func carriesValues(fd protoreflect.FieldDescriptor) bool {
-	v := fd.MapValue()
-	return v.Kind() == protoreflect.MessageKind && (v.Message().FullName() == deviceBufferName || mayCarry(v.Message()))
+// mapValue returns the encoded value of entry, an encoded map entry (its
+// last, as the decoder takes it), or nil where it has none.
+func mapValue(entry []byte) []byte {
+	var value []byte
+	for len(entry) > 0 {
+		num, typ, n := protowire.ConsumeTag(entry)
+		if n < 0 {
+			return value
+		}
+		entry = entry[n:]
+		if n = protowire.ConsumeFieldValue(num, typ, entry); n < 0 {
+			return value
+		}
+		if num == 2 && typ == protowire.BytesType {
+			value, _ = protowire.ConsumeBytes(entry)
+		}
+		entry = entry[n:]
+	}
+	return value
 }
