@@ -141,8 +141,8 @@ func (w *progressWriter) Write(p []byte) (int, error) {
 // WithNetRPCPendingBytes says otherwise: a body may carry its bound's worth
 // inline (payloads under the eager threshold, or every payload over a
 // connection that is no gdrpc session; DefaultNetRPCMaxBody) and name up to
-// the receive limit more, and the count alone (DefaultNetRPCPending) would let one connection
-// hold 1,024 of them while its handlers run. Past it the server reads no
+// the receive limit more, and the count alone (DefaultNetRPCPending) would
+// let one connection hold 1,024 of them while its handlers run. Past it the server reads no
 // further request until a reply is written; a request is always read when
 // none waits.
 const DefaultNetRPCPendingBytes = 1 << 30
@@ -554,8 +554,8 @@ func (c *clientCodec) Close() error {
 // of one not answered yet ends the connection, once the replies of the
 // requests before it are written. At most DefaultNetRPCPending requests
 // (WithNetRPCPending) wait for their replies at once; the next is read once
-// a reply is written. A body
-// frame over DefaultNetRPCMaxBody (WithNetRPCMaxBody) ends the connection. A method that returns an error
+// a reply is written. A body frame over DefaultNetRPCMaxBody
+// (WithNetRPCMaxBody) ends the connection. A method that returns an error
 // releases what it attached to its reply itself: net/rpc then writes no
 // reply body, and the codec never sees it. opts apply to this codec alone;
 // without them it follows Register's.
