@@ -31,14 +31,19 @@ const prescanDepth = 10000
 // the repeats into one. A body it cannot parse is left for the decoder to
 // refuse.
 func precount(b []byte, md protoreflect.MessageDescriptor) error {
-	if len(b)/2 <= MaxPayloads || !mayCarry(md) || md.FullName() == deviceBufferName {
-		return nil // each DeviceBuffer takes two bytes at least: a tag and a length
-	}
-	budget := MaxPayloads
-	if !scanDeviceBuffers(b, md, 0, func([]byte) bool { budget--; return budget >= 0 }) {
+	if !within(b, md, MaxPayloads) {
 		return codecError(codes.ResourceExhausted, "the message carries more than %d payloads (gdrcodec.MaxPayloads)", MaxPayloads)
 	}
 	return nil
+}
+
+// within reports whether b, an encoded message of type md, holds at most
+// limit DeviceBuffers on the wire (precount).
+func within(b []byte, md protoreflect.MessageDescriptor, limit int) bool {
+	if len(b)/2 <= limit || !mayCarry(md) || md.FullName() == deviceBufferName {
+		return true // each DeviceBuffer takes two bytes at least: a tag and a length
+	}
+	return scanDeviceBuffers(b, md, 0, func([]byte) bool { limit--; return limit >= 0 })
 }
 
 // discardLandedOnWire gives back, as the walk of a refused message does
