@@ -2,7 +2,9 @@ package dialer
 
 import (
 	"context"
+	"fmt"
 	"net"
+	"sync"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
@@ -16,6 +18,10 @@ import (
 // Dialer makes gdrpc sessions for gRPC.
 type Dialer struct {
 	opts []transport.Option
+
+	mu       sync.Mutex
+	sessions map[*transport.Session]struct{} // those it made, until Close; released ones are pruned at each dial
+	closed   bool
 }
 
 // New returns a Dialer whose sessions and transfers follow opts (package
@@ -26,9 +32,67 @@ func New(opts ...gdrpc.Option) *Dialer {
 
 // DialContext dials a gdrpc session to addr (host:port) and returns the conn
 // gRPC runs on. Closing the conn closes the session. It has the signature of
-// grpc.WithContextDialer.
+// grpc.WithContextDialer. It fails once Close was called.
 func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error) {
-	return transport.DialConn(ctx, addr, d.opts...)
+	if d.isClosed() {
+		return nil, errClosed
+	}
+	c, err := transport.DialConn(ctx, addr, d.opts...)
+	if err != nil {
+		return nil, err
+	}
+	s := transport.SessionOf(c)
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		_ = c.Close()
+		_ = s.Close()
+		return nil, errClosed
+	}
+	for o := range d.sessions {
+		select {
+		case <-o.Released():
+			delete(d.sessions, o)
+		default:
+		}
+	}
+	if d.sessions == nil {
+		d.sessions = map[*transport.Session]struct{}{}
+	}
+	d.sessions[s] = struct{}{}
+	d.mu.Unlock()
+	return c, nil
+}
+
+// errClosed is what a Dialer's dials return once it was closed.
+var errClosed = fmt.Errorf("gdrpc: dialer closed: %w", net.ErrClosed)
+
+func (d *Dialer) isClosed() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.closed
+}
+
+// Close closes the sessions this Dialer made that are still up, and the
+// connections of ClientConns on them, and returns once they are closed and
+// released; later dials fail. gRPC's ClientConn.Close does not wait for its
+// connection to close: a client process that exits right after it cuts its
+// sessions short (a UCX session's server then sees its peer lost rather than
+// closed). Closing the ClientConns, then the Dialer, ends them cleanly. A
+// session whose peer does not answer takes up to 2 s to close; the sessions
+// close at once.
+func (d *Dialer) Close() error {
+	d.mu.Lock()
+	d.closed = true
+	sessions := d.sessions
+	d.sessions = nil
+	d.mu.Unlock()
+	var wg sync.WaitGroup
+	for s := range sessions {
+		wg.Go(func() { _ = s.Close() })
+	}
+	wg.Wait()
+	return nil
 }
 
 // DialOptions returns the options a gRPC client needs to run over gdrpc: the

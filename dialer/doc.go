@@ -25,6 +25,10 @@
 // sends each call over the least busy of several connections, each a session
 // of its own, and which generated clients take in place of a ClientConn.
 //
+// A client process closes its ClientConns, then its Dialer (Close), before
+// it exits: Close returns once the Dialer's sessions are closed, which
+// ClientConn.Close does not wait for.
+//
 // It is thin: it owns no protocol logic (package transport does) and never
 // touches UCX or device memory.
 package dialer

@@ -51,7 +51,9 @@ func childOptions() ([]transport.Option, error) {
 //     "ADDR <addr>", exits when stdin closes;
 //   - "plain-grpc-server": the same with plain gRPC over TCP;
 //   - "grpc-client": calls the test service at GDRPC_TEST_ADDR with 1 MiB,
-//     checks the echo and prints "OK transport=<t> samehost=<bool>".
+//     checks the echo and prints "OK transport=<t> samehost=<bool>", having
+//     closed its ClientConn and then its Dialer where
+//     GDRPC_TEST_DIALER_CLOSE is set.
 func runChild(role string) int {
 	opts, err := childOptions()
 	if err != nil {
@@ -106,6 +108,11 @@ func runChild(role string) int {
 		if string(resp.GetPayload().GetBody()) != string(body) {
 			fmt.Println("ERR payload differs")
 			return 1
+		}
+		if os.Getenv("GDRPC_TEST_DIALER_CLOSE") != "" {
+			// A clean exit: the ClientConn, then the Dialer.
+			_ = cc.Close()
+			_ = d.Close()
 		}
 		fmt.Printf("OK transport=%s samehost=%v\n", sess.Transport(), sess.Peer().SameHost)
 		return 0

@@ -1,37 +1,17 @@
 package transport
 
 import (
-	"bytes"
 	"log/slog"
 	"net"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/rdma"
 )
-
-// LogBuffer is a bytes.Buffer safe for a logger's concurrent writes, for the
-// tests of this package and of transport_test.
-type LogBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *LogBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *LogBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 // TestPeerCloseLogsNoLoss: a peer that closes its session (a client's
 // ClientConn.Close, its process exiting) ends whichever of the session's
@@ -54,7 +34,7 @@ func TestPeerCloseLogsNoLoss(t *testing.T) {
 			if mode == ModeUCX && rdma.Available() != nil {
 				t.Skip("no UCX")
 			}
-			var logs LogBuffer
+			var logs testenv.LogBuffer
 			logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 			_, cs, ss, _, _ := lanePair(t, []Option{WithMode(mode), WithLogger(logger)}, []Option{WithMode(mode)})
 			select {

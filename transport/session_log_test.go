@@ -7,6 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -15,7 +16,7 @@ import (
 func TestLogsShowTransport(t *testing.T) {
 	for _, tc := range transportCases {
 		t.Run(tc.name, func(t *testing.T) {
-			var buf transport.LogBuffer
+			var buf testenv.LogBuffer
 			logger := slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
 			dialPair(t, tc.options(t, transport.WithLogger(logger)))
 			var up []string

@@ -5,15 +5,35 @@ package testenv
 
 import (
 	"bufio"
+	"bytes"
 	"io"
 	"os"
 	"os/exec"
 	"runtime"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
 )
+
+// LogBuffer is a bytes.Buffer safe for a logger's concurrent writes.
+type LogBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *LogBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *LogBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
 
 // Required reports whether GDRPC_REQUIRE (comma-separated) names what (ucx,
 // ucx-headers, cuda, python, netns...): a missing prerequisite then fails the test instead
