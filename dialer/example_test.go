@@ -37,6 +37,7 @@ func Example() {
 	// WithMetrics, ...). Sessions run over TCP unless the peers trust each
 	// other (gdrpc.WithTrustPeers): then over UCX, where both ends have it.
 	d := dialer.New()
+	defer d.Close() // after cc.Close: returns once the session closed
 	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), d.DialOptions(nil)...)
 	if err != nil {
 		log.Fatal(err)
@@ -82,6 +83,7 @@ func ExampleNewPool() {
 	defer srv.Stop()
 
 	d := dialer.New()
+	defer d.Close()
 	pool, err := dialer.NewPool("passthrough:///"+lis.Addr().String(), 4, d.DialOptions(nil)...)
 	if err != nil {
 		log.Fatal(err)

@@ -150,6 +150,7 @@ func run(w io.Writer) error {
 	// gdrpc: the gdrpc dialer; its options bring the gdr codec and its interceptors.
 	pathLog := &paths{}
 	d := dialer.New(gdrpc.WithTrustPeers(), gdrpc.WithMetrics(pathLog)) // the server is this program
+	defer d.Close()                                                     // after gc.Close: its session closes cleanly
 	opts := d.DialOptions(insecure.NewCredentials())
 	gc, err := grpc.NewClient("passthrough:///"+addr, opts...)
 	if err != nil {
