@@ -3,12 +3,14 @@ package dialer_test
 import (
 	"log/slog"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	testpb "google.golang.org/grpc/interop/grpc_testing"
+	"google.golang.org/grpc/peer"
 
 	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/dialer"
@@ -53,4 +55,46 @@ func TestDialerClosed(t *testing.T) {
 	_, err := d.DialContext(t.Context(), "127.0.0.1:1")
 	require.ErrorContains(t, err, "dialer closed")
 	require.NoError(t, d.Close())
+}
+
+// Close returns once every session the Dialer made is closed, whether its
+// ClientConn was closed first or not, and a Close called meanwhile returns
+// only then too.
+func TestDialerCloseWaits(t *testing.T) {
+	for _, tc := range []transportCase{transportCases[0], transportCases[2]} {
+		t.Run(tc.name, func(t *testing.T) {
+			addr, _ := start(t, tc, testService{})
+			d := dialer.New(gdrpc.WithSessionOptions(tc.options(t)...))
+			var sessions []*gdrpc.Session
+			for i := range 2 {
+				cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(nil)...)
+				require.NoError(t, err)
+				var p peer.Peer
+				_, err = testpb.NewTestServiceClient(cc).UnaryCall(t.Context(), &testpb.SimpleRequest{Payload: &testpb.Payload{Body: pattern(1024)}}, grpc.Peer(&p))
+				require.NoError(t, err)
+				s := gdrpc.SessionFromPeer(&p)
+				require.NotNil(t, s)
+				sessions = append(sessions, s)
+				if i == 0 {
+					require.NoError(t, cc.Close()) // closing gracefully
+				} else {
+					defer cc.Close() // still up when the Dialer closes
+				}
+			}
+			var wg sync.WaitGroup
+			for range 2 {
+				wg.Go(func() {
+					require.NoError(t, d.Close())
+					for i, s := range sessions {
+						select {
+						case <-s.Released():
+						default:
+							t.Errorf("session %d still up when Close returned", i)
+						}
+					}
+				})
+			}
+			wg.Wait()
+		})
+	}
 }

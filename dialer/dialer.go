@@ -19,9 +19,13 @@ import (
 type Dialer struct {
 	opts []transport.Option
 
-	mu       sync.Mutex
-	sessions map[*transport.Session]struct{} // those it made, until Close; released ones are pruned at each dial
-	closed   bool
+	mu sync.Mutex
+	// sessions are those it made, with their conns, until Close; released
+	// ones are pruned at each dial.
+	sessions  map[*transport.Session]net.Conn
+	closed    bool
+	dialing   sync.WaitGroup // dials under way, which Close waits for
+	closeOnce sync.Once
 }
 
 // New returns a Dialer whose sessions and transfers follow opts (package
@@ -34,9 +38,14 @@ func New(opts ...gdrpc.Option) *Dialer {
 // gRPC runs on. Closing the conn closes the session. It has the signature of
 // grpc.WithContextDialer. It fails once Close was called.
 func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error) {
-	if d.isClosed() {
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
 		return nil, errClosed
 	}
+	d.dialing.Add(1) // before Close's Wait: Close sets closed first
+	d.mu.Unlock()
+	defer d.dialing.Done()
 	c, err := transport.DialConn(ctx, addr, d.opts...)
 	if err != nil {
 		return nil, err
@@ -45,8 +54,7 @@ func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error)
 	d.mu.Lock()
 	if d.closed {
 		d.mu.Unlock()
-		_ = c.Close()
-		_ = s.Close()
+		closeSession(s, c)
 		return nil, errClosed
 	}
 	for o := range d.sessions {
@@ -57,9 +65,9 @@ func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error)
 		}
 	}
 	if d.sessions == nil {
-		d.sessions = map[*transport.Session]struct{}{}
+		d.sessions = map[*transport.Session]net.Conn{}
 	}
-	d.sessions[s] = struct{}{}
+	d.sessions[s] = c
 	d.mu.Unlock()
 	return c, nil
 }
@@ -67,32 +75,44 @@ func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error)
 // errClosed is what a Dialer's dials return once it was closed.
 var errClosed = fmt.Errorf("gdrpc: dialer closed: %w", net.ErrClosed)
 
-func (d *Dialer) isClosed() bool {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.closed
-}
-
-// Close closes the sessions this Dialer made that are still up, and the
-// connections of ClientConns on them, and returns once they are closed and
-// released; later dials fail. gRPC's ClientConn.Close does not wait for its
-// connection to close: a client process that exits right after it cuts its
-// sessions short (a UCX session's server then sees its peer lost rather than
-// closed). Closing the ClientConns, then the Dialer, ends them cleanly. A
-// session whose peer does not answer takes up to 2 s to close; the sessions
-// close at once.
+// Close closes the connections of the Dialer's sessions that gRPC has not
+// closed yet, and returns once every session it made is closed and its
+// goroutines ended; later dials fail, and a dial under way (within its
+// handshake timeout) closes what it made before Close returns. gRPC's
+// ClientConn.Close does not wait for its connection to close: a client
+// process that exits right after it cuts its sessions short (a UCX session's
+// server then sees its peer lost rather than closed). Closing the
+// ClientConns, then the Dialer, ends them cleanly: a session closes as its
+// connection's close closes it, once its out-of-band transfers are over
+// (LingerIdle, 500 ms, after the last one, at most the transfer timeout)
+// and the peer read what was sent (at most 2 s more). The sessions close
+// concurrently; a Close called meanwhile returns with the first.
 func (d *Dialer) Close() error {
 	d.mu.Lock()
 	d.closed = true
-	sessions := d.sessions
-	d.sessions = nil
 	d.mu.Unlock()
-	var wg sync.WaitGroup
-	for s := range sessions {
-		wg.Go(func() { _ = s.Close() })
-	}
-	wg.Wait()
+	d.closeOnce.Do(func() {
+		d.dialing.Wait()
+		d.mu.Lock()
+		sessions := d.sessions
+		d.sessions = nil
+		d.mu.Unlock()
+		var wg sync.WaitGroup
+		for s, c := range sessions {
+			wg.Go(func() { closeSession(s, c) })
+		}
+		wg.Wait()
+	})
 	return nil
+}
+
+// closeSession closes c, the gRPC conn of s (a second close of it does
+// nothing), which closes s gracefully, and waits until s is closed and its
+// goroutines ended.
+func closeSession(s *transport.Session, c net.Conn) {
+	_ = c.Close()
+	<-s.Released()
+	_ = s.Close() // closed already: it waits for the session's goroutines
 }
 
 // DialOptions returns the options a gRPC client needs to run over gdrpc: the
