@@ -136,8 +136,9 @@ func (w *progressWriter) Write(p []byte) (int, error) {
 }
 
 // DefaultNetRPCPendingBytes bounds the bytes of the requests of one net/rpc
-// server connection whose replies are not written yet (their bodies as they
-// came, and the payloads they named out-of-band), unless
+// server connection whose replies are not written yet (their bodies, or what
+// their messages hold once decoded where that is more, and the payloads they
+// named out-of-band), unless
 // WithNetRPCPendingBytes says otherwise: a body may carry its bound's worth
 // inline (payloads under the eager threshold, or every payload over a
 // connection that is no gdrpc session; DefaultNetRPCMaxBody) and name up to
@@ -195,9 +196,10 @@ type netrpcConn struct {
 	// (progressWriter), or 0.
 	idle time.Duration
 	// bodyLen is the length of the last body read into memory (readBody),
-	// 0 after one skipped, with the lengths of the payloads its message
-	// named out-of-band (pulled, or taken from the receive space). Only the
-	// reading goroutine touches it.
+	// or what its message holds once decoded where that is more
+	// (decodedSize), 0 after one skipped, with the lengths of the payloads
+	// its message named out-of-band (pulled, or taken from the receive
+	// space). Only the reading goroutine touches it.
 	bodyLen int
 }
 
@@ -447,8 +449,14 @@ func (c *netrpcConn) readBody(v any) error {
 			return err
 		}
 	}
-	if err := proto.Unmarshal(p, m); err != nil || !carries {
+	if err := proto.Unmarshal(p, m); err != nil {
 		return err
+	}
+	// What the request holds once decoded, which the pending bound counts:
+	// up to a hundred times its body (decodedSize).
+	c.bodyLen = max(c.bodyLen, decodedSize(m.ProtoReflect()))
+	if !carries {
+		return nil
 	}
 	pulls, err := collectPulls(c.ctx, m.ProtoReflect(), from, c.c.options())
 	if err != nil {

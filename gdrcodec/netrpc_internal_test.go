@@ -18,6 +18,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
@@ -789,4 +790,35 @@ func TestNetRPCMaxBody(t *testing.T) {
 	c := NewClientCodec(newHookConn(t), WithEagerThreshold(1<<30))
 	defer c.Close()
 	require.ErrorContains(t, c.WriteRequest(&rpc.Request{Seq: 1, ServiceMethod: "Svc.Copy"}, in), fmt.Sprintf("at most %d", DefaultNetRPCMaxBody))
+}
+
+// A pending request counts what it holds once decoded against
+// WithNetRPCPendingBytes, not its body alone: a packed list of one-byte
+// varints takes eight times its body, a list of empty messages far more.
+func TestNetRPCPendingCountsDecoded(t *testing.T) {
+	const n = 1 << 20
+	for _, tc := range []struct {
+		name  string
+		body  []byte
+		arg   func() proto.Message
+		least int64
+	}{
+		{"packed", append(append([]byte{0x12}, binary.AppendUvarint(nil, n)...), bytes.Repeat([]byte{1}, n)...), // Tensor.shape
+			func() proto.Message { return &tensorpb.Tensor{} }, 8 * n},
+		{"empty messages", bytes.Repeat([]byte{0x0a, 0x00}, n/2), // ListValue.values
+			func() proto.Message { return &structpb.ListValue{} }, 16 * n},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := NewServerCodec(readOnly{bytes.NewReader(frame(1, "Svc.M", "", tc.body))}).(*serverCodec)
+			defer c.Close()
+			var r rpc.Request
+			require.NoError(t, c.ReadRequestHeader(&r))
+			require.NoError(t, c.ReadRequestBody(tc.arg()))
+			c.mu.Lock()
+			held := c.held
+			c.mu.Unlock()
+			t.Logf("counted %d bytes for a %d-byte body", held, len(tc.body))
+			require.GreaterOrEqual(t, held, tc.least, "what the pending bound counts for a %d-byte body", len(tc.body))
+		})
+	}
 }
