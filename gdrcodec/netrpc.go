@@ -196,11 +196,13 @@ type netrpcConn struct {
 	// (progressWriter), or 0.
 	idle time.Duration
 	// bodyLen is the length of the last body read into memory (readBody),
-	// or what its message holds once decoded where that is more
-	// (decodedSize), 0 after one skipped, with the lengths of the payloads
+	// or what its message holds once decoded where that is more and
+	// countDecoded is set (a server's, whose pending bound counts it:
+	// decodedSize), 0 after one skipped, with the lengths of the payloads
 	// its message named out-of-band (pulled, or taken from the receive
 	// space). Only the reading goroutine touches it.
-	bodyLen int
+	bodyLen      int
+	countDecoded bool
 }
 
 // newNetRPCConn needs no Register: net/rpc does not use gRPC's codec
@@ -454,7 +456,9 @@ func (c *netrpcConn) readBody(v any) error {
 	}
 	// What the request holds once decoded, which the pending bound counts:
 	// up to a hundred times its body (decodedSize).
-	c.bodyLen = max(c.bodyLen, decodedSize(m.ProtoReflect()))
+	if c.countDecoded {
+		c.bodyLen = max(c.bodyLen, decodedSize(m.ProtoReflect()))
+	}
 	if !carries {
 		return nil
 	}
@@ -569,6 +573,7 @@ func (c *clientCodec) Close() error {
 // without them it follows Register's.
 func NewServerCodec(rwc io.ReadWriteCloser, opts ...Option) rpc.ServerCodec {
 	c := &serverCodec{netrpcConn: newNetRPCConn(rwc, opts, DefaultNetRPCWriteTimeout), args: map[uint64]any{}, sizes: map[uint64]int64{}}
+	c.countDecoded = true
 	c.replied = sync.NewCond(&c.mu)
 	return c
 }

@@ -56,9 +56,8 @@ func discardLandedOnWire(ctx context.Context, b []byte, md protoreflect.MessageD
 	}
 	var db gdrv1.DeviceBuffer
 	scanDeviceBuffers(b, md, 0, func(v []byte) bool {
-		db.Reset()
-		if v != nil && proto.Unmarshal(v, &db) == nil && db.Space != 0 {
-			discardLanded(ctx, &db, from)
+		if proto.Unmarshal(v, &db) == nil { // resets db first
+			discardLanded(ctx, &db, from) // which ignores what names no space
 		}
 		return true
 	})
