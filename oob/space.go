@@ -758,25 +758,48 @@ func handleSpace(s *transport.Session, payload []byte) {
 		return
 	}
 	a := stateOf(s)
-	if a.link == nil || !s.TrustsPeer() {
-		// A closed session's (closedState is shared), or a peer this side
-		// would not write into with puts it cannot bound.
-		cfgOf(s).Logger.Debug("receive space refused", "session", s.ID())
+	if a.link == nil {
+		return // a closed session's (closedState is shared)
+	}
+	if !s.TrustsPeer() {
+		// A peer this side would not write into with puts it cannot bound.
+		refuseSpace(s, m.Req, "the peer is not trusted")
 		return
 	}
 	st := &a.space
 	st.mu.Lock()
-	defer st.mu.Unlock()
-	if len(st.peer) >= maxSpaces || st.stopped || st.peerWithdrawing || slices.ContainsFunc(st.peer, func(p *peerSpace) bool { return p.id == m.Req }) {
-		cfgOf(s).Logger.Debug("receive space refused: too many, its id taken, or the peer withdraws its spaces", "session", s.ID())
+	if slices.ContainsFunc(st.peer, func(p *peerSpace) bool { return p.id == m.Req }) {
+		st.mu.Unlock()
+		// Not answered: the answer would end the space of that id, which
+		// this side took.
+		cfgOf(s).Logger.Debug("receive space refused: its id is taken", "session", s.ID(), "space", m.Req)
 		return
 	}
+	if len(st.peer) >= maxSpaces || st.stopped || st.peerWithdrawing {
+		st.mu.Unlock()
+		refuseSpace(s, m.Req, "too many, the session ends, or the peer withdraws its spaces")
+		return
+	}
+	defer st.mu.Unlock()
 	ps := &peerSpace{id: m.Req, tmpl: m.rtr, free: []span{{0, m.Length}}, taken: map[uint64]*write{}, events: m.Events, eventOf: map[uint64]int{}}
 	ps.opened = make([]*devicebuf.Event, len(m.Events))
 	for i := range m.Events {
 		ps.freeEvents = append(ps.freeEvents, len(m.Events)-1-i)
 	}
 	st.peer = append(st.peer, ps)
+}
+
+// refuseSpace answers a SPACE this side does not take with a SPACE-WITHDRAWN
+// of its id: its receiver gives the space's memory back at once, and
+// advertises no more over s, where it would otherwise keep the space, never
+// written into, until the session ends. (A receiver of an earlier release
+// takes the answer as the end of a withdrawal it never began, and keeps the
+// space.)
+func refuseSpace(s *transport.Session, id uint64, why string) {
+	cfgOf(s).Logger.Debug("receive space refused", "session", s.ID(), "space", id, "why", why)
+	ctx, cancel := context.WithTimeout(sessionContext(s), spaceWithdrawBound)
+	defer cancel()
+	_ = sendControl(ctx, s, ctlSpaceWithdrawn, rangeNotice(id, 0, 0))
 }
 
 // handleSpaceFree takes back a range of the space this process wrote into.
@@ -942,8 +965,27 @@ func handleSpaceWithdrawn(s *transport.Session, payload []byte) {
 		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
 		return
 	}
-	if sp := ownSpaceByID(stateOf(s), id); sp != nil {
-		sp.withdrawnOnce.Do(func() { close(sp.withdrawn) })
+	a := stateOf(s)
+	sp := ownSpaceByID(a, id)
+	if sp == nil {
+		return
+	}
+	sp.withdrawnOnce.Do(func() { close(sp.withdrawn) })
+	st := &a.space
+	st.mu.Lock()
+	asked := st.withdrawing
+	if !asked {
+		// Unasked: the owner refused the space (refuseSpace), or says it
+		// writes into it no more. Nothing lands in it from here on, its
+		// memory goes back once the application gave back what it holds,
+		// and no other space is advertised over s.
+		st.own = slices.DeleteFunc(st.own, func(o *space) bool { return o == sp })
+		st.failed = true
+	}
+	st.mu.Unlock()
+	if !asked {
+		cfgOf(s).Logger.Debug("receive space refused by its owner", "session", s.ID(), "space", id)
+		sp.close()
 	}
 }
 

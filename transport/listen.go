@@ -26,6 +26,7 @@ import (
 type Listener struct {
 	cfg  *config
 	log  *slog.Logger
+	plog *peerLog // per-connection failures any peer can cause
 	tcp  net.Listener
 	ucx  *rdma.Listener
 	rctx *rdma.Context
@@ -47,6 +48,9 @@ type Listener struct {
 	handshakes chan struct{} // a slot per connection before its handshake ends
 	hosts      *hostShares   // the handshake slots' share-out between remote hosts
 	ucxServing chan struct{} // a slot per UCX endpoint before it is handed on
+	ucxMu      sync.Mutex
+	ucxHosts   map[netip.Prefix]int // ucxServing's slots by remote host (hostOfAddr)
+	ucxPerHost int                  // the slots one host may hold: its share of the handshakes'
 
 	awaitMu  sync.Mutex
 	awaiting []*Session // sessions waiting for their gRPC stream, oldest first
@@ -107,8 +111,11 @@ func Listen(addr string, opts ...Option) (*Listener, error) {
 
 		handshakes: make(chan struct{}, maxHandshakes),
 		ucxServing: make(chan struct{}, maxHandshakes),
+		ucxHosts:   map[netip.Prefix]int{},
 	}
+	l.ucxPerHost = l.hosts.perHost
 	l.log = cfg.logger.With("component", "gdrpc/listener", "addr", tl.Addr().String())
+	l.plog = newPeerLog(l.log, peerLogEvery)
 	if cfg.mode != ModeTCP {
 		uerr := l.listenUCX()
 		if uerr != nil {
@@ -153,14 +160,15 @@ func (l *Listener) listenUCX() error {
 	// taken only while a handshake whose client proved its id waits for its
 	// endpoint, or such a session for its lanes, not whenever someone
 	// reaches the port.
-	ul.SetFilter(func(net.Addr) bool { return l.expectsUCX() })
+	ul.SetFilter(l.admitsUCX)
 	l.ucx, l.rctx = ul, rctx
 	return nil
 }
 
 // expectsUCX reports whether a UCX connection request may be a client's: a
 // handshake whose client proved its id waits for its upgrade, or such a
-// session for a lane, and a slot is free to serve its endpoint.
+// session for a lane, and a slot is free to serve its endpoint (admitsUCX
+// checks the requesting host's share too).
 func (l *Listener) expectsUCX() bool {
 	if len(l.ucxServing) == cap(l.ucxServing) {
 		// Every slot holds an endpoint yet to send its token: a client's
@@ -172,6 +180,47 @@ func (l *Listener) expectsUCX() bool {
 	n := l.proven
 	l.pendMu.Unlock()
 	return n > 0 || lanesExpected()
+}
+
+// admitsUCX is the UCX listener's filter: a request is taken while a client
+// is expected (expectsUCX) and the requesting host holds fewer than its share
+// of the slots, so that one host's endpoints that never send a token cannot
+// take every slot and keep the other hosts' clients off UCX.
+func (l *Listener) admitsUCX(remote net.Addr) bool {
+	if !l.expectsUCX() {
+		return false
+	}
+	host := hostOfAddr(remote)
+	l.ucxMu.Lock()
+	defer l.ucxMu.Unlock()
+	return l.ucxHosts[host] < l.ucxPerHost
+}
+
+// takeUCXSlot takes a slot for an endpoint from host, or reports that none
+// is free: every slot taken, or host's share. The filter checked both when
+// the request came, but requests that came together pass it together.
+func (l *Listener) takeUCXSlot(host netip.Prefix) bool {
+	l.ucxMu.Lock()
+	defer l.ucxMu.Unlock()
+	if l.ucxHosts[host] >= l.ucxPerHost {
+		return false
+	}
+	select {
+	case l.ucxServing <- struct{}{}:
+	default:
+		return false
+	}
+	l.ucxHosts[host]++
+	return true
+}
+
+func (l *Listener) releaseUCXSlot(host netip.Prefix) {
+	l.ucxMu.Lock()
+	defer l.ucxMu.Unlock()
+	<-l.ucxServing
+	if l.ucxHosts[host]--; l.ucxHosts[host] <= 0 {
+		delete(l.ucxHosts, host)
+	}
 }
 
 // Addr returns the TCP address clients dial.
@@ -295,7 +344,11 @@ func (l *Listener) deliver(c net.Conn) {
 
 // errTooManyAwaiting closes a session that waited for its gRPC stream
 // longest when maxHandshakes others wait too.
-var errTooManyAwaiting = errors.New("gdrpc: the client opened no gRPC stream while too many sessions of the listener waited for theirs")
+var errTooManyAwaiting = fmt.Errorf("%w while too many sessions of the listener waited for theirs", errNoGRPCStream)
+
+// errNoGRPCStream closes a session whose client opened no gRPC stream in
+// time: a peer can cause it with each handshake, so it is logged at Debug.
+var errNoGRPCStream = errors.New("gdrpc: the client opened no gRPC stream")
 
 // await counts s among the sessions that wait for their gRPC stream until
 // the returned function runs. Its handshake slot is free by then (its lanes
@@ -316,7 +369,6 @@ func (l *Listener) await(s *Session) (done func()) {
 	l.awaitMu.Unlock()
 	if oldest != nil {
 		oldest.closeWith(errTooManyAwaiting)
-		l.log.Debug("session closed: too many wait for their gRPC stream", "session", oldest.id, "peer", oldest.peer.ID)
 	}
 	return func() {
 		l.awaitMu.Lock()
@@ -353,8 +405,7 @@ func (l *Listener) serveTCP(c net.Conn, host netip.Prefix) {
 	done()
 	if err != nil {
 		if errors.Is(err, context.DeadlineExceeded) {
-			s.closeWith(fmt.Errorf("gdrpc: the client opened no gRPC stream within %v", l.cfg.handshakeTimeout))
-			l.log.Debug("session closed: no gRPC stream", "session", s.id, "peer", s.peer.ID)
+			s.closeWith(fmt.Errorf("%w within %v", errNoGRPCStream, l.cfg.handshakeTimeout))
 		}
 		_ = s.Close()
 		return
@@ -389,14 +440,14 @@ func (l *Listener) handshakeTCP(c net.Conn) *Session {
 		}
 		unbind()
 		_ = c.Close()
-		l.log.Warn("not a gdrpc, HTTP/2 or TLS client; closed", "remote", c.RemoteAddr().String(), "first_bytes", fmt.Sprintf("%q", first[:]))
+		l.plog.Warn("not a gdrpc, HTTP/2 or TLS client; closed", "remote", c.RemoteAddr().String(), "first_bytes", fmt.Sprintf("%q", first[:]))
 		return nil
 	}
 	s, err := serverHandshake(hctx, l.cfg, c, true, l)
 	unbind()
 	if err != nil {
 		_ = c.Close()
-		l.log.Warn("handshake failed", "remote", c.RemoteAddr().String(), "err", err)
+		l.plog.Warn("handshake failed", "remote", c.RemoteAddr().String(), "err", err)
 		return nil
 	}
 	return s
@@ -418,7 +469,7 @@ func (l *Listener) acceptLane(c net.Conn, got []byte, unbind func()) {
 		_ = c.Close()
 	}
 	if err != nil {
-		l.log.Warn("lane refused", "remote", c.RemoteAddr().String(), "err", err)
+		l.plog.Warn("lane refused", "remote", c.RemoteAddr().String(), "err", err)
 	}
 }
 
@@ -448,6 +499,9 @@ func NewServerSession(ctx context.Context, conn net.Conn, opts ...Option) (*Sess
 func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead bool, l *Listener) (*Session, error) {
 	version, body, err := readFrame(conn, magicRead)
 	if err != nil {
+		if err == io.EOF || err == io.ErrUnexpectedEOF { // the header's read, as ReadFull returns them
+			err = fmt.Errorf("%w: peer closed the connection before its hello", ErrPeerGone)
+		}
 		if errors.Is(err, ErrMalformed) {
 			_, _ = conn.Write(encodeReject(rejectMalformed, err.Error()))
 		}
@@ -597,7 +651,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 			if needUCX {
 				return nil, errors.New("handshake: client fell back to TCP but transport ucx is required")
 			}
-			cfg.logger.Info("client could not upgrade to UCX; session stays on TCP", "remote", conn.RemoteAddr().String())
+			l.plog.Info("client could not upgrade to UCX; session stays on TCP", "remote", conn.RemoteAddr().String())
 			cfg.metrics.Fallback("client could not upgrade to UCX")
 		default:
 			return nil, fmt.Errorf("handshake: %w", wire.Malformed("unknown decision byte %d", d[0]))
@@ -700,27 +754,32 @@ func (l *Listener) acceptUCX() {
 			}
 			continue
 		}
-		// The filter lets in anyone while some client is expected, and an
-		// endpoint holds a goroutine until it presents a token: past
-		// maxHandshakes of them, a new one is closed rather than queued.
-		select {
-		case l.ucxServing <- struct{}{}:
-		default:
-			_ = ep.Close()
-			l.log.Warn("UCX endpoint closed: too many before their token", "remote", ep.RemoteAddr().String(), "limit", cap(l.ucxServing))
+		// The filter lets in any host with room in its share while some
+		// client is expected, and an endpoint holds a goroutine until it
+		// presents a token: past maxHandshakes of them, or its host's share,
+		// a new one is closed rather than queued. Its close may wait for the
+		// peer (a graceful close, up to rdma's linger): not in this loop.
+		host := hostOfAddr(ep.RemoteAddr())
+		if !l.takeUCXSlot(host) {
+			l.wg.Add(1)
+			go func() {
+				defer l.wg.Done()
+				_ = ep.Close()
+			}()
+			l.plog.Warn("UCX endpoint closed: too many before their token", "remote", ep.RemoteAddr().String(), "limit", cap(l.ucxServing), "per_host", l.ucxPerHost)
 			continue
 		}
 		l.wg.Add(1)
-		go l.serveUCX(ep)
+		go l.serveUCX(ep, host)
 	}
 }
 
 // serveUCX checks the token a client sends first on a new UCX endpoint and
 // hands the endpoint to the handshake waiting for it, once that handshake
 // checked the client's proof.
-func (l *Listener) serveUCX(ep *rdma.Endpoint) {
+func (l *Listener) serveUCX(ep *rdma.Endpoint, host netip.Prefix) {
 	defer l.wg.Done()
-	defer func() { <-l.ucxServing }()
+	defer l.releaseUCXSlot(host)
 	hctx, cancel := context.WithTimeout(l.ctx, l.cfg.handshakeTimeout)
 	defer cancel()
 	unbind := bindDeadline(hctx, ep)
@@ -742,7 +801,7 @@ func (l *Listener) serveUCX(ep *rdma.Endpoint) {
 		unbind()
 		_, _ = ep.Write([]byte{0})
 		_ = ep.Close()
-		l.log.Warn("UCX endpoint with an unknown token; closed", "remote", ep.RemoteAddr().String())
+		l.plog.Warn("UCX endpoint with an unknown token; closed", "remote", ep.RemoteAddr().String())
 		return
 	}
 	select {
@@ -756,7 +815,7 @@ func (l *Listener) serveUCX(ep *rdma.Endpoint) {
 		unbind()
 		_, _ = ep.Write([]byte{0})
 		_ = ep.Close()
-		l.log.Warn("UCX endpoint for a handshake whose client did not prove its id; closed", "remote", ep.RemoteAddr().String())
+		l.plog.Warn("UCX endpoint for a handshake whose client did not prove its id; closed", "remote", ep.RemoteAddr().String())
 		return
 	}
 	_, err := ep.Write([]byte{upgradeAckOK})

@@ -5,6 +5,8 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+
+	"github.com/gdrpc/gdrpc/rdma"
 )
 
 // A listener shares its handshake slots (maxHandshakes) out between remote
@@ -63,12 +65,26 @@ type hostSlots struct {
 
 // hostOf returns the remote host of c, as the share-out counts them: an
 // IPv4 address, an IPv6 /64 (a host may take any address of its /64).
-func hostOf(c net.Conn) netip.Prefix {
-	ta, ok := c.RemoteAddr().(*net.TCPAddr)
-	if !ok {
+func hostOf(c net.Conn) netip.Prefix { return hostOfAddr(c.RemoteAddr()) }
+
+// hostOfAddr returns the host of a TCP or UCX address as hostOf counts them;
+// addresses of other kinds, or none, count as one host.
+func hostOfAddr(a net.Addr) netip.Prefix {
+	var ip netip.Addr
+	switch a := a.(type) {
+	case *net.TCPAddr:
+		if a != nil {
+			ip = a.AddrPort().Addr()
+		}
+	case *rdma.Addr:
+		if a != nil {
+			ip, _ = netip.AddrFromSlice(a.IP)
+		}
+	}
+	if !ip.IsValid() {
 		return netip.Prefix{}
 	}
-	ip := ta.AddrPort().Addr().Unmap() // Prefix drops a zone
+	ip = ip.Unmap() // Prefix drops a zone
 	bits := 32
 	if ip.Is6() {
 		bits = 64

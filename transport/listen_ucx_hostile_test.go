@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"net"
+	"net/netip"
 	"runtime"
 	"strings"
 	"sync"
@@ -62,8 +63,14 @@ func goroutinesIn(fn string) int {
 // by stalling before its upgrade decision, and the UCX context it uses.
 func heldOpenUCX(t *testing.T, mode Mode, opts ...Option) (*Listener, *rdma.Context) {
 	t.Helper()
+	return heldOpenUCXSlots(t, 2, mode, opts...)
+}
+
+// heldOpenUCXSlots is heldOpenUCX with slots endpoints served at most.
+func heldOpenUCXSlots(t *testing.T, slots int, mode Mode, opts ...Option) (*Listener, *rdma.Context) {
+	t.Helper()
 	defer func(n int) { maxHandshakes = n }(maxHandshakes)
-	maxHandshakes = 2 // read by Listen alone
+	maxHandshakes = slots // read by Listen alone
 	rc := internalUCX(t)
 	l, err := Listen("127.0.0.1:0", append([]Option{WithRDMAContext(rc), WithHandshakeTimeout(time.Minute)}, opts...)...)
 	require.NoError(t, err)
@@ -125,6 +132,79 @@ func TestUCXEndpointsBounded(t *testing.T) {
 	require.NoError(t, err)
 	defer s.Close()
 	require.Equal(t, "ucx", s.Transport())
+}
+
+// TestUCXSlotsSharedPerHost: the endpoints one host opens and never send a
+// token are served at most its share of the slots (maxHandshakesPerHost),
+// however many slots are free: the others are turned away or closed, and the
+// filter still takes requests from other hosts. The share comes back when the
+// endpoints go.
+func TestUCXSlotsSharedPerHost(t *testing.T) {
+	defer func(n int) { maxHandshakesPerHost = n }(maxHandshakesPerHost)
+	maxHandshakesPerHost = 2 // read by Listen alone
+	l, rc := heldOpenUCXSlots(t, 8, ModeUCX, WithMode(ModeUCX))
+	require.Equal(t, 2, l.ucxPerHost)
+
+	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+	defer cancel()
+	const idle = 6
+	var refused atomic.Int32
+	var readers sync.WaitGroup
+	var eps []*rdma.Endpoint
+	defer func() {
+		for _, ep := range eps {
+			_ = ep.Close()
+		}
+		readers.Wait()
+	}()
+	for range idle {
+		ep, err := rc.Worker().Dial(ctx, l.UCXAddr().String())
+		if err != nil {
+			require.ErrorIs(t, err, rdma.ErrRejected)
+			refused.Add(1)
+			continue
+		}
+		eps = append(eps, ep)
+		readers.Add(1)
+		go func() {
+			defer readers.Done()
+			var b [1]byte
+			if _, err := ep.Read(b[:]); err != nil && ctx.Err() == nil {
+				refused.Add(1)
+			}
+		}()
+	}
+	const serving = "(*Listener).serveUCX("
+	require.Eventually(t, func() bool {
+		return refused.Load() == idle-2 && goroutinesIn(serving) == 2
+	}, handTimeout, 5*time.Millisecond, "one host is served its share, the rest refused")
+	require.Equal(t, 2, len(l.ucxServing), "6 slots are still free")
+	require.False(t, l.admitsUCX(&rdma.Addr{IP: net.ParseIP("127.0.0.1")}), "the host's share is taken")
+	require.True(t, l.admitsUCX(&rdma.Addr{IP: net.ParseIP("192.0.2.7")}), "another host's request is taken")
+	require.True(t, l.admitsUCX(&rdma.Addr{IP: net.ParseIP("2001:db8::1")}), "another host's request is taken")
+
+	for _, ep := range eps {
+		_ = ep.Close()
+	}
+	require.Eventually(t, func() bool {
+		l.ucxMu.Lock()
+		defer l.ucxMu.Unlock()
+		return goroutinesIn(serving) == 0 && len(l.ucxServing) == 0 && len(l.ucxHosts) == 0
+	}, handTimeout, 5*time.Millisecond, "the share comes back when the idle endpoints go")
+	require.True(t, l.admitsUCX(&rdma.Addr{IP: net.ParseIP("127.0.0.1")}))
+}
+
+// TestHostOfAddr: TCP and UCX addresses of one host count as one host, an
+// IPv6 host as its /64, and addresses of no known kind as one host.
+func TestHostOfAddr(t *testing.T) {
+	tcp := &net.TCPAddr{IP: net.ParseIP("10.0.0.1"), Port: 1}
+	require.Equal(t, netip.MustParsePrefix("10.0.0.1/32"), hostOfAddr(tcp))
+	require.Equal(t, hostOfAddr(tcp), hostOfAddr(&rdma.Addr{IP: net.ParseIP("10.0.0.1"), Port: 2}))
+	require.Equal(t, hostOfAddr(tcp), hostOfAddr(&net.TCPAddr{IP: net.ParseIP("::ffff:10.0.0.1")}), "an IPv4-mapped address")
+	require.Equal(t, netip.MustParsePrefix("2001:db8::/64"), hostOfAddr(&rdma.Addr{IP: net.ParseIP("2001:db8::ffff:1")}))
+	require.Equal(t, netip.Prefix{}, hostOfAddr(nil))
+	require.Equal(t, netip.Prefix{}, hostOfAddr((*rdma.Addr)(nil)))
+	require.Equal(t, netip.Prefix{}, hostOfAddr(&net.UnixAddr{Name: "x"}))
 }
 
 // TestUCXUpgradeNeedsProof: a client that sent its hello and no proof gets

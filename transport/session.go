@@ -401,6 +401,8 @@ func (s *Session) closeWith(cause error) {
 		s.log.Debug("session closed by peer")
 	case errors.Is(cause, ErrIdle):
 		s.log.Debug("session closed: idle", "idle_timeout", s.cfg.idleTimeout)
+	case errors.Is(cause, errNoGRPCStream):
+		s.log.Debug("session closed", "err", cause)
 	default:
 		s.log.Info("session lost", "err", cause)
 	}

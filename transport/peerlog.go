@@ -1,0 +1,61 @@
+package transport
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"time"
+)
+
+// peerLog logs what anyone who reaches a listener can cause once per
+// connection (a failed handshake, a refused lane, an endpoint closed): each
+// kind of line at its level at most once per every, the others of that kind
+// at Debug, and the next one logged at its level says how many were held
+// back. A peer then cannot fill the log at the rate it opens connections,
+// while an operator still sees each kind of failure and how often it came.
+type peerLog struct {
+	log   *slog.Logger
+	every time.Duration
+
+	mu    sync.Mutex
+	kinds map[string]*peerLogKind // by message: the listener's own, a fixed set
+}
+
+type peerLogKind struct {
+	at   time.Time // when one was last logged at its level
+	held int       // logged at Debug since
+}
+
+// peerLogEvery is how often a listener logs each kind of per-connection
+// failure at its level.
+const peerLogEvery = 10 * time.Second
+
+func newPeerLog(log *slog.Logger, every time.Duration) *peerLog {
+	return &peerLog{log: log, every: every, kinds: map[string]*peerLogKind{}}
+}
+
+func (p *peerLog) Warn(msg string, args ...any) { p.logAt(slog.LevelWarn, msg, args...) }
+func (p *peerLog) Info(msg string, args ...any) { p.logAt(slog.LevelInfo, msg, args...) }
+
+func (p *peerLog) logAt(level slog.Level, msg string, args ...any) {
+	now := time.Now()
+	p.mu.Lock()
+	k := p.kinds[msg]
+	if k == nil {
+		k = &peerLogKind{}
+		p.kinds[msg] = k
+	}
+	if !k.at.IsZero() && now.Sub(k.at) < p.every {
+		k.held++
+		p.mu.Unlock()
+		p.log.Debug(msg, args...)
+		return
+	}
+	held, since := k.held, k.at
+	k.at, k.held = now, 0
+	p.mu.Unlock()
+	if held > 0 {
+		args = append(args, "more_at_debug", held, "since", since.Format(time.RFC3339))
+	}
+	p.log.Log(context.Background(), level, msg, args...)
+}

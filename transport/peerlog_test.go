@@ -1,0 +1,111 @@
+package transport
+
+import (
+	"log/slog"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/internal/testenv"
+)
+
+// TestJunkConnectionsLogLimited: connections that anyone who reaches the
+// port can open and fail (junk bytes, a lane with an unknown token, a
+// hello cut short) are logged once per kind at Warn, the rest at Debug,
+// instead of one Warn line each.
+func TestJunkConnectionsLogLimited(t *testing.T) {
+	var logs testenv.LogBuffer
+	logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithLogger(logger))
+	require.NoError(t, err)
+	defer l.Close()
+	kinds := []struct {
+		send []byte
+		msg  string
+	}{
+		{[]byte("xxxxxx"), "not a gdrpc, HTTP/2 or TLS client"},
+		{append([]byte(laneMagic), make([]byte, 17)...), "lane refused"},
+		{[]byte(magic), "handshake failed"},
+	}
+	const per = 40
+	for _, k := range kinds {
+		for range per {
+			c, err := net.Dial("tcp", l.Addr().String())
+			require.NoError(t, err)
+			_, err = c.Write(k.send)
+			require.NoError(t, err)
+			require.NoError(t, c.Close())
+		}
+	}
+	lines := func(msg string) (warn, debug int) {
+		for _, line := range strings.Split(logs.String(), "\n") {
+			if !strings.Contains(line, msg) {
+				continue
+			}
+			switch {
+			case strings.Contains(line, "level=WARN"):
+				warn++
+			case strings.Contains(line, "level=DEBUG"):
+				debug++
+			default:
+				t.Errorf("logged at another level: %s", line)
+			}
+		}
+		return warn, debug
+	}
+	for _, k := range kinds {
+		require.Eventually(t, func() bool {
+			w, d := lines(k.msg)
+			return w+d == per
+		}, 10*time.Second, time.Millisecond, "every connection logged: %s", k.msg)
+		w, _ := lines(k.msg)
+		require.Equal(t, 1, w, "%s: one line at Warn", k.msg)
+	}
+	require.NotContains(t, logs.String(), "handshake: EOF")
+	require.Contains(t, logs.String(), "peer closed the connection before its hello")
+}
+
+// TestUnservedSessionLogsDebug: a session whose client completed its
+// handshake and opened no gRPC stream (any peer can, with a fresh key) is
+// closed and logged at Debug, not as a session lost at Info.
+func TestUnservedSessionLogsDebug(t *testing.T) {
+	var logs testenv.LogBuffer
+	logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithLogger(logger), WithHandshakeTimeout(200*time.Millisecond))
+	require.NoError(t, err)
+	defer l.Close()
+	const n = 3
+	for range n {
+		handClient(t, l.Addr().String(), ModeTCP, Caps{}, true)
+	}
+	require.Eventually(t, func() bool {
+		return strings.Count(logs.String(), "opened no gRPC stream") == n
+	}, 10*time.Second, time.Millisecond, logs.String())
+	require.NotContains(t, logs.String(), "session lost")
+	require.NotContains(t, logs.String(), "level=INFO")
+	require.NotContains(t, logs.String(), "level=WARN")
+}
+
+// TestPeerLogHeldBack: a kind of line logged again within the interval goes
+// to Debug, and the next one at its level says how many did.
+func TestPeerLogHeldBack(t *testing.T) {
+	var logs testenv.LogBuffer
+	p := newPeerLog(slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})), time.Hour)
+	p.Warn("a", "n", 1)
+	p.Warn("a", "n", 2)
+	p.Warn("a", "n", 3)
+	p.Info("b")
+	require.Equal(t, 1, strings.Count(logs.String(), "level=WARN msg=a n=1\n"))
+	require.Equal(t, 1, strings.Count(logs.String(), "level=DEBUG msg=a n=2\n"))
+	require.Equal(t, 1, strings.Count(logs.String(), "level=INFO msg=b\n"), "each kind has its own interval")
+	p.mu.Lock()
+	p.kinds["a"].at = time.Now().Add(-2 * time.Hour) // the interval is over
+	p.mu.Unlock()
+	p.Warn("a", "n", 4)
+	require.Contains(t, logs.String(), "level=WARN msg=a n=4 more_at_debug=2 since=")
+	p.Warn("a", "n", 5)
+	require.Contains(t, logs.String(), "level=DEBUG msg=a n=5\n")
+}
