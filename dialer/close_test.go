@@ -1,6 +1,7 @@
 package dialer_test
 
 import (
+	"context"
 	"log/slog"
 	"strings"
 	"sync"
@@ -16,6 +17,7 @@ import (
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -95,6 +97,43 @@ func TestDialerCloseWaits(t *testing.T) {
 				})
 			}
 			wg.Wait()
+		})
+	}
+}
+
+// Shutdown whose context ended cuts the sessions' graceful close short (a
+// session that carried the gdr codec lingers oob.LingerIdle after its conn
+// closed, for pulls still to come), returns the context's error once they
+// are closed, and a Close after it returns at once.
+func TestDialerShutdownCuts(t *testing.T) {
+	for _, tc := range []transportCase{transportCases[0], transportCases[2]} {
+		t.Run(tc.name, func(t *testing.T) {
+			addr, _ := start(t, tc, testService{})
+			d := dialer.New(gdrpc.WithSessionOptions(tc.options(t)...))
+			cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(nil)...)
+			require.NoError(t, err)
+			defer cc.Close()
+			var p peer.Peer
+			_, err = testpb.NewTestServiceClient(cc).UnaryCall(t.Context(), &testpb.SimpleRequest{Payload: &testpb.Payload{Body: pattern(1024)}}, grpc.Peer(&p))
+			require.NoError(t, err)
+			s := gdrpc.SessionFromPeer(&p)
+			require.NotNil(t, s)
+			require.True(t, s.Speaks("gdr"), "the session lingers when closed gracefully")
+
+			ctx, cancel := context.WithCancel(t.Context())
+			cancel()
+			start := time.Now()
+			require.ErrorIs(t, d.Shutdown(ctx), context.Canceled)
+			took := time.Since(start)
+			select {
+			case <-s.Released():
+			default:
+				t.Fatal("session still up when Shutdown returned")
+			}
+			require.Less(t, took, oob.LingerIdle, "the linger was cut")
+			require.NoError(t, d.Close())
+			_, err = d.DialContext(t.Context(), addr)
+			require.ErrorContains(t, err, "dialer closed")
 		})
 	}
 }

@@ -26,6 +26,11 @@ type Dialer struct {
 	closed    bool
 	dialing   sync.WaitGroup // dials under way, which Close waits for
 	closeOnce sync.Once
+	// ended is closed once the sessions are; cut, by a Shutdown whose
+	// context ended, to close them without waiting for their linger.
+	// Made by ends.
+	ended, cut chan struct{}
+	cutOnce    sync.Once
 }
 
 // New returns a Dialer whose sessions and transfers follow opts (package
@@ -53,8 +58,9 @@ func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error)
 	s := transport.SessionOf(c)
 	d.mu.Lock()
 	if d.closed {
+		_, cut := d.endsLocked()
 		d.mu.Unlock()
-		closeSession(s, c)
+		closeSession(s, c, cut)
 		return nil, errClosed
 	}
 	for o := range d.sessions {
@@ -87,32 +93,65 @@ var errClosed = fmt.Errorf("gdrpc: dialer closed: %w", net.ErrClosed)
 // (LingerIdle, 500 ms, after the last one, at most the transfer timeout)
 // and the peer read what was sent (at most 2 s more). The sessions close
 // concurrently; a Close called meanwhile returns with the first.
-func (d *Dialer) Close() error {
+func (d *Dialer) Close() error { return d.Shutdown(context.Background()) }
+
+// Shutdown is Close bounded by ctx: once ctx is done, the sessions still
+// closing are closed at once, out-of-band transfers under way on them fail,
+// and Shutdown returns ctx's error once they are closed (a UCX endpoint
+// whose peer does not answer takes up to 2 s). A Close or Shutdown called
+// meanwhile returns with the first, or at its own context's end, which
+// cuts the sessions short for both. Dials under way are waited for (each
+// within its handshake timeout).
+func (d *Dialer) Shutdown(ctx context.Context) error {
 	d.mu.Lock()
 	d.closed = true
+	ended, cut := d.endsLocked()
 	d.mu.Unlock()
-	d.closeOnce.Do(func() {
-		d.dialing.Wait()
-		d.mu.Lock()
-		sessions := d.sessions
-		d.sessions = nil
-		d.mu.Unlock()
-		var wg sync.WaitGroup
-		for s, c := range sessions {
-			wg.Go(func() { closeSession(s, c) })
-		}
-		wg.Wait()
-	})
-	return nil
+	d.closeOnce.Do(func() { go d.closeAll(ended, cut) })
+	select {
+	case <-ended:
+		return nil
+	case <-ctx.Done():
+	}
+	d.cutOnce.Do(func() { close(cut) })
+	<-ended
+	return ctx.Err()
+}
+
+// endsLocked returns d.ended and d.cut, made at the first call (d.mu held).
+func (d *Dialer) endsLocked() (ended, cut chan struct{}) {
+	if d.ended == nil {
+		d.ended, d.cut = make(chan struct{}), make(chan struct{})
+	}
+	return d.ended, d.cut
+}
+
+// closeAll waits for the dials under way, closes the sessions concurrently,
+// and closes ended once all are closed.
+func (d *Dialer) closeAll(ended, cut chan struct{}) {
+	defer close(ended)
+	d.dialing.Wait()
+	d.mu.Lock()
+	sessions := d.sessions
+	d.sessions = nil
+	d.mu.Unlock()
+	var wg sync.WaitGroup
+	for s, c := range sessions {
+		wg.Go(func() { closeSession(s, c, cut) })
+	}
+	wg.Wait()
 }
 
 // closeSession closes c, the gRPC conn of s (a second close of it does
 // nothing), which closes s gracefully, and waits until s is closed and its
-// goroutines ended.
-func closeSession(s *transport.Session, c net.Conn) {
+// goroutines ended, or closes s at once when cut is closed first.
+func closeSession(s *transport.Session, c net.Conn, cut <-chan struct{}) {
 	_ = c.Close()
-	<-s.Released()
-	_ = s.Close() // closed already: it waits for the session's goroutines
+	select {
+	case <-s.Released():
+	case <-cut:
+	}
+	_ = s.Close() // waits for the session's goroutines
 }
 
 // DialOptions returns the options a gRPC client needs to run over gdrpc: the
