@@ -431,8 +431,9 @@ func newSpaceID() uint64 {
 func (sp *space) close() {
 	spaces.Delete(sp.id)
 	sp.mu.Lock()
+	already := sp.closed // by the session's end and a refusal both: freed once
 	sp.markClosedLocked()
-	free := len(sp.inUse) == 0
+	free := !already && len(sp.inUse) == 0
 	sp.mu.Unlock()
 	if free {
 		sp.free()
@@ -669,7 +670,7 @@ func (sp *space) giveBack(off uint64) {
 		delete(sp.inUse, off)
 		sp.markHeldLocked(h.off, h.n, false)
 	}
-	free := sp.closed && len(sp.inUse) == 0
+	free := ok && sp.closed && len(sp.inUse) == 0 // the last range held: freed once
 	sp.queueFreeLocked(h)
 	sp.mu.Unlock()
 	if free {

@@ -196,15 +196,15 @@ func (l *Listener) admitsUCX(remote net.Addr) bool {
 	return l.ucxHosts[host] < l.ucxPerHost
 }
 
-// takeUCXSlot takes a slot for an endpoint from host, or reports that none
-// is free: every slot taken, or host's share. The filter checked both when
-// the request came, but requests that came together pass it together.
+// takeUCXSlot takes a slot for an endpoint from host, or reports that every
+// slot is taken. Requests that came together pass the filter together, so a
+// host may be served past its share by what waited in UCX's accept backlog
+// at once: those are served (an honest client's burst, whose surplus closed
+// would fail its upgrade or lane rather than be dialed again), and the
+// filter turns the host away until it is back within its share.
 func (l *Listener) takeUCXSlot(host netip.Prefix) bool {
 	l.ucxMu.Lock()
 	defer l.ucxMu.Unlock()
-	if l.ucxHosts[host] >= l.ucxPerHost {
-		return false
-	}
 	select {
 	case l.ucxServing <- struct{}{}:
 	default:
@@ -369,6 +369,8 @@ func (l *Listener) await(s *Session) (done func()) {
 	l.awaitMu.Unlock()
 	if oldest != nil {
 		oldest.closeWith(errTooManyAwaiting)
+		// An honest session pushed out by someone's many handshakes.
+		l.plog.Warn("session closed: too many wait for their gRPC stream", "session", oldest.id, "peer", oldest.peer.ID, "limit", maxHandshakes)
 	}
 	return func() {
 		l.awaitMu.Lock()
@@ -447,7 +449,7 @@ func (l *Listener) handshakeTCP(c net.Conn) *Session {
 	unbind()
 	if err != nil {
 		_ = c.Close()
-		l.plog.Warn("handshake failed", "remote", c.RemoteAddr().String(), "err", err)
+		l.plog.WarnErr("handshake failed", err, "remote", c.RemoteAddr().String())
 		return nil
 	}
 	return s
@@ -469,7 +471,7 @@ func (l *Listener) acceptLane(c net.Conn, got []byte, unbind func()) {
 		_ = c.Close()
 	}
 	if err != nil {
-		l.plog.Warn("lane refused", "remote", c.RemoteAddr().String(), "err", err)
+		l.plog.WarnErr("lane refused", err, "remote", c.RemoteAddr().String())
 	}
 }
 
@@ -500,7 +502,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 	version, body, err := readFrame(conn, magicRead)
 	if err != nil {
 		if err == io.EOF || err == io.ErrUnexpectedEOF { // the header's read, as ReadFull returns them
-			err = fmt.Errorf("%w: peer closed the connection before its hello", ErrPeerGone)
+			err = fmt.Errorf("%w: peer closed the connection before its hello: %w", ErrPeerGone, err)
 		}
 		if errors.Is(err, ErrMalformed) {
 			_, _ = conn.Write(encodeReject(rejectMalformed, err.Error()))
@@ -754,19 +756,14 @@ func (l *Listener) acceptUCX() {
 			}
 			continue
 		}
-		// The filter lets in any host with room in its share while some
-		// client is expected, and an endpoint holds a goroutine until it
-		// presents a token: past maxHandshakes of them, or its host's share,
-		// a new one is closed rather than queued. Its close may wait for the
-		// peer (a graceful close, up to rdma's linger): not in this loop.
+		// The filter lets in any host within its share while some client
+		// is expected, and an endpoint holds a goroutine until it presents
+		// a token: past maxHandshakes of them, a new one is closed rather
+		// than queued.
 		host := hostOfAddr(ep.RemoteAddr())
 		if !l.takeUCXSlot(host) {
-			l.wg.Add(1)
-			go func() {
-				defer l.wg.Done()
-				_ = ep.Close()
-			}()
-			l.plog.Warn("UCX endpoint closed: too many before their token", "remote", ep.RemoteAddr().String(), "limit", cap(l.ucxServing), "per_host", l.ucxPerHost)
+			_ = ep.Close()
+			l.plog.Warn("UCX endpoint closed: too many before their token", "remote", ep.RemoteAddr().String(), "limit", cap(l.ucxServing))
 			continue
 		}
 		l.wg.Add(1)

@@ -136,9 +136,9 @@ func TestUCXEndpointsBounded(t *testing.T) {
 
 // TestUCXSlotsSharedPerHost: the endpoints one host opens and never send a
 // token are served at most its share of the slots (maxHandshakesPerHost),
-// however many slots are free: the others are turned away or closed, and the
-// filter still takes requests from other hosts. The share comes back when the
-// endpoints go.
+// however many slots are free: its other requests are turned away (a client
+// dials again), while the filter still takes requests from other hosts. The
+// share comes back when the endpoints go.
 func TestUCXSlotsSharedPerHost(t *testing.T) {
 	defer func(n int) { maxHandshakesPerHost = n }(maxHandshakesPerHost)
 	maxHandshakesPerHost = 2 // read by Listen alone
@@ -173,11 +173,14 @@ func TestUCXSlotsSharedPerHost(t *testing.T) {
 				refused.Add(1)
 			}
 		}()
+		// Served before the next request comes (requests that come
+		// together pass the filter together, and are served).
+		require.Eventually(t, func() bool { return len(l.ucxServing) == len(eps) }, handTimeout, time.Millisecond)
 	}
 	const serving = "(*Listener).serveUCX("
 	require.Eventually(t, func() bool {
 		return refused.Load() == idle-2 && goroutinesIn(serving) == 2
-	}, handTimeout, 5*time.Millisecond, "one host is served its share, the rest refused")
+	}, handTimeout, 5*time.Millisecond, "one host is served its share, the rest turned away")
 	require.Equal(t, 2, len(l.ucxServing), "6 slots are still free")
 	require.False(t, l.admitsUCX(&rdma.Addr{IP: net.ParseIP("127.0.0.1")}), "the host's share is taken")
 	require.True(t, l.admitsUCX(&rdma.Addr{IP: net.ParseIP("192.0.2.7")}), "another host's request is taken")

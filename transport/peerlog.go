@@ -2,7 +2,9 @@ package transport
 
 import (
 	"context"
+	"errors"
 	"log/slog"
+	"net"
 	"sync"
 	"time"
 )
@@ -18,7 +20,7 @@ type peerLog struct {
 	every time.Duration
 
 	mu    sync.Mutex
-	kinds map[string]*peerLogKind // by message: the listener's own, a fixed set
+	kinds map[string]*peerLogKind // by message (and class of error): a fixed set
 }
 
 type peerLogKind struct {
@@ -34,16 +36,41 @@ func newPeerLog(log *slog.Logger, every time.Duration) *peerLog {
 	return &peerLog{log: log, every: every, kinds: map[string]*peerLogKind{}}
 }
 
-func (p *peerLog) Warn(msg string, args ...any) { p.logAt(slog.LevelWarn, msg, args...) }
-func (p *peerLog) Info(msg string, args ...any) { p.logAt(slog.LevelInfo, msg, args...) }
+func (p *peerLog) Warn(msg string, args ...any) { p.logAt(slog.LevelWarn, msg, msg, args...) }
+func (p *peerLog) Info(msg string, args ...any) { p.logAt(slog.LevelInfo, msg, msg, args...) }
 
-func (p *peerLog) logAt(level slog.Level, msg string, args ...any) {
+// WarnErr is Warn for a failure err, each class of error (errClass) a kind
+// of its own: a flood of junk does not hide an honest client's version or
+// identity rejects, nor this side's own faults.
+func (p *peerLog) WarnErr(msg string, err error, args ...any) {
+	p.logAt(slog.LevelWarn, msg+"\x00"+errClass(err), msg, append(args, "err", err)...)
+}
+
+// errClass names the class of a handshake or lane error.
+func errClass(err error) string {
+	var ne net.Error
+	switch {
+	case errors.Is(err, ErrPeerGone):
+		return "peer gone"
+	case errors.Is(err, ErrVersion):
+		return "version"
+	case errors.Is(err, ErrIdentity):
+		return "identity"
+	case errors.Is(err, ErrMalformed), errors.Is(err, ErrNotGDRPC):
+		return "malformed"
+	case errors.Is(err, context.DeadlineExceeded), errors.As(err, &ne) && ne.Timeout():
+		return "timeout"
+	}
+	return "other"
+}
+
+func (p *peerLog) logAt(level slog.Level, kind, msg string, args ...any) {
 	now := time.Now()
 	p.mu.Lock()
-	k := p.kinds[msg]
+	k := p.kinds[kind]
 	if k == nil {
 		k = &peerLogKind{}
-		p.kinds[msg] = k
+		p.kinds[kind] = k
 	}
 	if !k.at.IsZero() && now.Sub(k.at) < p.every {
 		k.held++

@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"fmt"
 	"log/slog"
 	"net"
 	"strings"
@@ -64,8 +65,18 @@ func TestJunkConnectionsLogLimited(t *testing.T) {
 		w, _ := lines(k.msg)
 		require.Equal(t, 1, w, "%s: one line at Warn", k.msg)
 	}
-	require.NotContains(t, logs.String(), "handshake: EOF")
 	require.Contains(t, logs.String(), "peer closed the connection before its hello")
+	// Another class of failure has its own Warn: a hello whose header
+	// announces no body.
+	c, err := net.Dial("tcp", l.Addr().String())
+	require.NoError(t, err)
+	_, err = c.Write(append([]byte(magic), 0, 1, 0, 0, 0, 0))
+	require.NoError(t, err)
+	require.NoError(t, c.Close())
+	require.Eventually(t, func() bool {
+		w, _ := lines("handshake failed")
+		return w == 2
+	}, 10*time.Second, time.Millisecond, "a malformed hello logged at Warn")
 }
 
 // TestUnservedSessionLogsDebug: a session whose client completed its
@@ -74,7 +85,7 @@ func TestJunkConnectionsLogLimited(t *testing.T) {
 func TestUnservedSessionLogsDebug(t *testing.T) {
 	var logs testenv.LogBuffer
 	logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithLogger(logger), WithHandshakeTimeout(200*time.Millisecond))
+	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithLogger(logger), WithHandshakeTimeout(time.Second))
 	require.NoError(t, err)
 	defer l.Close()
 	const n = 3
@@ -108,4 +119,13 @@ func TestPeerLogHeldBack(t *testing.T) {
 	require.Contains(t, logs.String(), "level=WARN msg=a n=4 more_at_debug=2 since=")
 	p.Warn("a", "n", 5)
 	require.Contains(t, logs.String(), "level=DEBUG msg=a n=5\n")
+
+	// WarnErr: each class of error on its own interval.
+	gone := fmt.Errorf("%w: x", ErrPeerGone)
+	p.WarnErr("h", gone)
+	p.WarnErr("h", gone)
+	p.WarnErr("h", &VersionError{Remote: 9})
+	p.WarnErr("h", &IdentityError{Reason: "y"})
+	require.Equal(t, 3, strings.Count(logs.String(), "level=WARN msg=h "), logs.String())
+	require.Equal(t, 1, strings.Count(logs.String(), "level=DEBUG msg=h "), logs.String())
 }
