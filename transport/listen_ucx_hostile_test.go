@@ -80,6 +80,42 @@ func heldOpenUCXSlots(t *testing.T, slots int, mode Mode, opts ...Option) (*List
 	return l, rc
 }
 
+// idleUCXEndpoints dials n endpoints to l's UCX listener from rc that never
+// send a token, each read until it fails, and returns the count of those
+// the listener turned away or closed (counted as it happens) and those it
+// took; taken, if set, runs after each one taken. They are closed when the
+// test ends.
+func idleUCXEndpoints(t *testing.T, ctx context.Context, rc *rdma.Context, l *Listener, n int, taken func(int)) (*atomic.Int32, []*rdma.Endpoint) {
+	t.Helper()
+	var refused atomic.Int32
+	var readers sync.WaitGroup
+	var eps []*rdma.Endpoint
+	t.Cleanup(func() {
+		for _, ep := range eps {
+			_ = ep.Close()
+		}
+		readers.Wait()
+	})
+	for range n {
+		ep, err := rc.Worker().Dial(ctx, l.UCXAddr().String())
+		if err != nil {
+			refused.Add(1)
+			continue
+		}
+		eps = append(eps, ep)
+		readers.Go(func() {
+			var b [1]byte
+			if _, err := ep.Read(b[:]); err != nil && ctx.Err() == nil {
+				refused.Add(1)
+			}
+		})
+		if taken != nil {
+			taken(len(eps))
+		}
+	}
+	return &refused, eps
+}
+
 // TestUCXEndpointsBounded: while a proven client stalls before its upgrade
 // (which holds the UCX listener open to everyone), endpoints that never send
 // their token are served by at most maxHandshakes goroutines; the others are
@@ -91,31 +127,7 @@ func TestUCXEndpointsBounded(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
 	defer cancel()
 	const idle = 16
-	var refused atomic.Int32 // endpoints the listener closed, or never took
-	var readers sync.WaitGroup
-	var eps []*rdma.Endpoint
-	defer func() {
-		for _, ep := range eps {
-			_ = ep.Close()
-		}
-		readers.Wait()
-	}()
-	for range idle {
-		ep, err := rc.Worker().Dial(ctx, l.UCXAddr().String())
-		if err != nil {
-			refused.Add(1)
-			continue
-		}
-		eps = append(eps, ep)
-		readers.Add(1)
-		go func() {
-			defer readers.Done()
-			var b [1]byte
-			if _, err := ep.Read(b[:]); err != nil && ctx.Err() == nil {
-				refused.Add(1)
-			}
-		}()
-	}
+	refused, eps := idleUCXEndpoints(t, ctx, rc, l, idle, nil)
 	const serving = "(*Listener).serveUCX("
 	require.Eventually(t, func() bool {
 		return refused.Load() == int32(idle-slots) && goroutinesIn(serving) == slots
@@ -148,35 +160,12 @@ func TestUCXSlotsSharedPerHost(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
 	defer cancel()
 	const idle = 6
-	var refused atomic.Int32
-	var readers sync.WaitGroup
-	var eps []*rdma.Endpoint
-	defer func() {
-		for _, ep := range eps {
-			_ = ep.Close()
-		}
-		readers.Wait()
-	}()
-	for range idle {
-		ep, err := rc.Worker().Dial(ctx, l.UCXAddr().String())
-		if err != nil {
-			require.ErrorIs(t, err, rdma.ErrRejected)
-			refused.Add(1)
-			continue
-		}
-		eps = append(eps, ep)
-		readers.Add(1)
-		go func() {
-			defer readers.Done()
-			var b [1]byte
-			if _, err := ep.Read(b[:]); err != nil && ctx.Err() == nil {
-				refused.Add(1)
-			}
-		}()
+	refused, eps := idleUCXEndpoints(t, ctx, rc, l, idle, func(taken int) {
 		// Served before the next request comes (requests that come
 		// together pass the filter together, and are served).
-		require.Eventually(t, func() bool { return len(l.ucxServing) == len(eps) }, handTimeout, time.Millisecond)
-	}
+		require.Eventually(t, func() bool { return len(l.ucxServing) == taken }, handTimeout, time.Millisecond)
+	})
+	require.Len(t, eps, 2, "the others turned away by the filter")
 	const serving = "(*Listener).serveUCX("
 	require.Eventually(t, func() bool {
 		return refused.Load() == idle-2 && goroutinesIn(serving) == 2
