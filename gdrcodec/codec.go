@@ -281,6 +281,12 @@ func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 
 func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	defer trace.StartRegion(context.Background(), "gdrpc.unmarshal").End()
+	if _, again := singleRequests.Load(v); again {
+		// Before anything is released, decoded or filed for it: gRPC
+		// decodes a second message into the first's value only to refuse
+		// the call, and nothing takes back what is filed for that decode.
+		return codecError(codes.InvalidArgument, "a second request message on a call that takes one")
+	}
 	vv := messageV2Of(v)
 	carries := vv != nil && mayCarry(vv.ProtoReflect().Descriptor())
 	if carries {
@@ -307,9 +313,6 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 			pendingPulls.put(v, &pulls{m: vv.ProtoReflect(), call: call})
 		}
 		return nil
-	}
-	if _, again := singleRequests.Load(v); again {
-		return codecError(codes.InvalidArgument, "a second request message on a call that takes one")
 	}
 	m := vv.ProtoReflect()
 	// A server's unary request has no call yet (serverRequest): its
@@ -1199,6 +1202,12 @@ type collected struct {
 	err      error                 // the first error; the message is refused
 }
 
+// fieldSets is held by a bytes pull setting its field: the pulls of a
+// message run at once (runJobs), and a field set is a map write in a dynamic
+// message or an extension, which Go does not survive concurrently. One for
+// all messages: a set takes a moment, once per payload.
+var fieldSets sync.Mutex
+
 // inlineAlign is where each of a message's inline payloads starts in their
 // shared allocation: as a CUDA allocation of its own would.
 const inlineAlign = 256
@@ -1438,13 +1447,21 @@ func (c *collected) bytesJobs(m protoreflect.Message, fd protoreflect.FieldDescr
 	if fd.IsList() {
 		l := v.List()
 		for i := 0; i < l.Len(); i++ {
-			if err := c.bytesJob(l.Get(i).Bytes(), func(b []byte) { l.Set(i, protoreflect.ValueOfBytes(b)) }); err != nil {
+			if err := c.bytesJob(l.Get(i).Bytes(), func(b []byte) {
+				fieldSets.Lock()
+				defer fieldSets.Unlock()
+				l.Set(i, protoreflect.ValueOfBytes(b))
+			}); err != nil {
 				return err
 			}
 		}
 		return nil
 	}
-	return c.bytesJob(v.Bytes(), func(b []byte) { m.Set(fd, protoreflect.ValueOfBytes(b)) })
+	return c.bytesJob(v.Bytes(), func(b []byte) {
+		fieldSets.Lock()
+		defer fieldSets.Unlock()
+		m.Set(fd, protoreflect.ValueOfBytes(b))
+	})
 }
 
 // forgetBytes clears the descriptors in v, the value of fd, a marked bytes

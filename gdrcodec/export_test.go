@@ -60,3 +60,8 @@ func DestinationsForTest() int { return int(destinations.n.Load()) }
 // DecodingForTest reports whether the server decodes a unary request of the
 // type named now (its call began, its request not yet decoded).
 func DecodingForTest(name protoreflect.FullName) bool { return decoding.has(name) }
+
+// FiledDecodesForTest returns how many decoded messages the codec keeps
+// process-wide for a stats event to take (a failed decode's status, a
+// request's call number and pulls).
+func FiledDecodesForTest() int64 { return failures.n.Load() + pendingPulls.n.Load() }

@@ -1077,7 +1077,7 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		if pending && c.clientCall == 0 {
 			c.clientCall = p.call // the request's body's; a header's comes first
 		}
-		if c.single && c.request == nil && canCarry(s.Payload) {
+		if c.single && c.request == nil {
 			c.request = s.Payload
 			singleRequests.Store(s.Payload, struct{}{})
 		}
