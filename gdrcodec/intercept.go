@@ -3,6 +3,7 @@ package gdrcodec
 import (
 	"context"
 	"io"
+	"reflect"
 	"slices"
 	"strconv"
 	"strings"
@@ -348,6 +349,19 @@ var pendingPulls = func() *expiring[*pulls] {
 // same message once more, to see that the client sent no second one: that
 // decode, which no stats event follows, must attach and pull nothing.
 var singleRequests sync.Map
+
+// isSingleRequest reports whether v, a pointer, is in singleRequests.
+func isSingleRequest(v any) bool {
+	_, ok := singleRequests.Load(v)
+	return ok
+}
+
+// isPointer reports whether v is a non-nil pointer: a key singleRequests can
+// hold (a value of another kind may not be hashable, and a map of it would
+// panic).
+func isPointer(v any) bool {
+	return v != nil && reflect.TypeOf(v).Kind() == reflect.Pointer
+}
 
 // pullRequest runs p, the pulls of the unary request of the call of ctx,
 // within the call's life, and returns the status of a failed pull, or nil. A call that did not come over a gdrpc session which negotiated the
@@ -1077,7 +1091,7 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		if pending && c.clientCall == 0 {
 			c.clientCall = p.call // the request's body's; a header's comes first
 		}
-		if c.single && c.request == nil {
+		if c.single && c.request == nil && isPointer(s.Payload) {
 			c.request = s.Payload
 			singleRequests.Store(s.Payload, struct{}{})
 		}
