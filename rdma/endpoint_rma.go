@@ -138,7 +138,7 @@ func (e *Endpoint) keyLanes(packed []byte) (packedKey, map[int]string, error) {
 	if err != nil {
 		return pk, nil, err
 	}
-	if err := validateRkey(pk.rkey); err != nil {
+	if err := validateRkey(pk.rkey, pk.memType); err != nil {
 		return pk, nil, err
 	}
 	info, err := e.laneInfo(false)

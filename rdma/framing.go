@@ -97,11 +97,15 @@ func (k *packedKey) contains(addr uint64, n int) bool {
 
 // validateRkey checks the structure of UCX's packed rkey before UCX parses
 // it: ucp_ep_rkey_unpack takes no length and trusts the buffer. The layout
-// (UCX 1.13 to 1.16): a little-endian uint64 bitmap of memory domains, one
+// (UCX 1.13 to 1.18): a little-endian uint64 bitmap of memory domains, one
 // byte of memory type, then for each bit set one byte of length and that many
 // bytes of the transport's key; a short trailer (system device information)
-// may follow.
-func validateRkey(b []byte) error {
+// may follow. The memory type must be mt, the one the key's header names:
+// gdrpc maps memory as host or CUDA alone, naming the type to UCX, whose
+// values for them (UCS_MEMORY_TYPE_HOST, _CUDA) are MemoryType's; and UCX's
+// newer protocol selection indexes arrays by the type unchecked, so another
+// value is a read past their end.
+func validateRkey(b []byte, mt MemoryType) error {
 	const maxTrailer = 64
 	if len(b) < 9 {
 		return fmt.Errorf("%w: rkey of %d bytes", ErrBadKey, len(b))
@@ -110,8 +114,8 @@ func validateRkey(b []byte) error {
 	if mdMap == 0 {
 		return fmt.Errorf("%w: rkey names no memory domain", ErrBadKey)
 	}
-	if b[8] >= 32 {
-		return fmt.Errorf("%w: rkey memory type %d", ErrBadKey, b[8])
+	if b[8] != byte(mt) {
+		return fmt.Errorf("%w: rkey memory type %d, the key's header says %v", ErrBadKey, b[8], mt)
 	}
 	p := 9
 	for ; mdMap != 0; mdMap &= mdMap - 1 {

@@ -31,7 +31,7 @@ func TestKeyFraming(t *testing.T) {
 	for _, k := range sampleKeys(t) {
 		pk, err := decodeKey(k)
 		require.NoError(t, err)
-		require.NoError(t, validateRkey(pk.rkey))
+		require.NoError(t, validateRkey(pk.rkey, pk.memType))
 		require.Equal(t, k, encodeKey(pk))
 		require.True(t, pk.contains(0x7f0000001000, 4096))
 		require.True(t, pk.contains(0x7f0000002000, 0))
@@ -70,6 +70,8 @@ func TestKeyFraming(t *testing.T) {
 		{"short", "0b00000000"},
 		{"no domain", "000000000000000000"},
 		{"memory type", "01000000000000004000"},
+		{"memory type not the header's", "01000000000000000100"},
+		{"memory type past UCX's", "01000000000000001600"},
 		{"domain length past end", "01000000000000000005aabb"},
 		{"missing domain", "03000000000000000000"},
 		{"long trailer", "01000000000000000000" + hex.EncodeToString(make([]byte, 65))},
@@ -78,7 +80,7 @@ func TestKeyFraming(t *testing.T) {
 		t.Run("rkey "+tt.name, func(t *testing.T) {
 			b, err := hex.DecodeString(tt.rkey)
 			require.NoError(t, err)
-			require.ErrorIs(t, validateRkey(b), ErrBadKey)
+			require.ErrorIs(t, validateRkey(b, MemoryHost), ErrBadKey)
 		})
 	}
 }
@@ -98,7 +100,7 @@ func FuzzKeyFraming(f *testing.F) {
 		if !bytes.Equal(encodeKey(pk), b) {
 			t.Fatalf("re-encoding differs")
 		}
-		_ = validateRkey(pk.rkey)
+		_ = validateRkey(pk.rkey, pk.memType)
 	})
 }
 
@@ -121,22 +123,23 @@ func TestRMADomains(t *testing.T) {
 // follows them, and zeroed slack after the copy.
 func TestLaneKey(t *testing.T) {
 	rk := binary.LittleEndian.AppendUint64(nil, 1<<1|1<<2|1<<4)
-	rk = append(rk, 3)                   // memory type
+	rk = append(rk, 1)                   // memory type: CUDA
 	rk = append(rk, 2, 0xa1, 0xa2)       // md 1
 	rk = append(rk, 3, 0xb1, 0xb2, 0xb3) // md 2
 	rk = append(rk, 1, 0xc1)             // md 4
 	rk = append(rk, 0xee, 0x10, 0x20)    // system device and a distance
-	require.NoError(t, validateRkey(rk))
+	require.NoError(t, validateRkey(rk, MemoryCUDA))
+	require.ErrorIs(t, validateRkey(rk, MemoryHost), ErrBadKey)
 	got := laneKey(rk, map[int]string{1: "tcp", 4: "cma", 7: "ib"})
 	want := binary.LittleEndian.AppendUint64(nil, 1<<1|1<<4)
-	want = append(want, 3, 2, 0xa1, 0xa2, 1, 0xc1, 0xee, 0x10, 0x20)
+	want = append(want, 1, 2, 0xa1, 0xa2, 1, 0xc1, 0xee, 0x10, 0x20)
 	require.Equal(t, want, got)
 	require.GreaterOrEqual(t, cap(got)-len(got), rkeySlack)
 	require.Equal(t, make([]byte, cap(got)-len(got)), got[len(got):cap(got)])
-	require.NoError(t, validateRkey(got))
+	require.NoError(t, validateRkey(got, MemoryCUDA))
 
 	none := laneKey(rk, map[int]string{7: "ib"})
 	require.Equal(t, uint64(0), rkeyDomains(none))
-	require.Equal(t, []byte{3, 0xee, 0x10, 0x20}, none[8:])
+	require.Equal(t, []byte{1, 0xee, 0x10, 0x20}, none[8:])
 	require.Equal(t, []string{"cma", "tcp"}, keyDomains(rk, map[int]string{1: "tcp", 4: "cma", 7: "ib"}))
 }
