@@ -473,17 +473,37 @@ func (p *pull) settled() {
 			<-reading // bounded: a read into dst has a deadline and dies with the session
 		}
 		p.dropBounce()
-		for i := len(p.after) - 1; i >= 0; i-- {
-			p.after[i]()
+		if p.exposed() {
+			select {
+			case <-p.s.Done():
+				// The session ended before the owner answered: a put it
+				// began may still land in dst until the session's
+				// endpoint is released (UCX copies what arrives to the
+				// address it names), so dst goes back only then.
+				go func() {
+					<-p.s.Released()
+					p.release()
+				}()
+				return
+			default:
+			}
 		}
-		p.dst.Release()
-		// A frame lane's reader keeps the transfers the owner began and left
-		// until their next frame or the lane's end, and with them p: p must
-		// not keep what it no longer counts (Go memory lives while referenced).
-		pulls.Lock()
-		p.dst, p.after = nil, nil
-		pulls.Unlock()
+		p.release()
 	})
+}
+
+// release gives back p's destination and what the pull held for it.
+func (p *pull) release() {
+	for i := len(p.after) - 1; i >= 0; i-- {
+		p.after[i]()
+	}
+	p.dst.Release()
+	// A frame lane's reader keeps the transfers the owner began and left
+	// until their next frame or the lane's end, and with them p: p must
+	// not keep what it no longer counts (Go memory lives while referenced).
+	pulls.Lock()
+	p.dst, p.after = nil, nil
+	pulls.Unlock()
 }
 
 // detach takes p off the list, so that no bulk reader begins to write into
@@ -903,7 +923,17 @@ func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devi
 	giveUp := func() bool { p.abandon(); return false }
 	// Nothing more is read into dst, and the read under way ends now (the
 	// session died, or the reader handed dst over): settled waits for it.
-	settleNow := func() bool { p.settled(); return true }
+	// Where the session died before the owner answered, a put it began may
+	// still land in dst until the session's endpoint is released: dst is
+	// the caller's again only then (bounded: a UCX endpoint lingers up to
+	// 2 s).
+	settleNow := func() bool {
+		p.settled()
+		if p.exposed() {
+			<-s.Released()
+		}
+		return true
+	}
 
 	r = trace.StartRegion(ctx, "gdrpc.rtr")
 	err = sendControl(ctx, s, ctlRTR, m.marshal())

@@ -515,15 +515,28 @@ func (e *Endpoint) rma(ctx context.Context, get bool, local uintptr, n int, m *M
 		op.stop.Store(true)
 		ctxErr = fmt.Errorf("rdma: %s: %w", op.name(), ctx.Err())
 	case <-e.done:
+		// No further piece is issued (issueNext), and the endpoint's close
+		// or failure completes those in flight: until then UCX may still
+		// read the local memory, which the caller would reuse at once.
+		t := time.NewTimer(lingerTimeout + time.Second)
+		defer t.Stop()
+		select {
+		case err := <-op.res:
+			return cmp.Or(err, e.termErr())
+		case <-t.C:
+			return e.termErr()
+		}
 	}
 	select {
 	case err := <-op.res:
 		return cmp.Or(ctxErr, err)
 	case <-e.done:
+		t := time.NewTimer(lingerTimeout + time.Second)
+		defer t.Stop()
 		select {
 		case err := <-op.res:
 			return cmp.Or(ctxErr, err)
-		default:
+		case <-t.C:
 		}
 		return cmp.Or(ctxErr, e.termErr())
 	}
@@ -566,6 +579,12 @@ func (op *rmaOp) issueNext() {
 	if op.failed == nil && (op.key.h == nil || op.key.closed && op.next == 0) {
 		// Keys go with their endpoint: when it failed, say why.
 		op.failed = cmp.Or(op.e.termErr(), error(closedError("remote key")))
+	}
+	if op.failed == nil && op.next > 0 {
+		// The endpoint ended (closed here, failed, or closed by the peer):
+		// no further piece, so that the caller gets its memory back once
+		// those in flight complete.
+		op.failed = op.e.termErr()
 	}
 	if op.failed != nil || op.stop.Load() {
 		op.scheduled = false

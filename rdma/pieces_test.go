@@ -72,3 +72,29 @@ func waitQueued(t *testing.T, w *rdma.Worker, k int) {
 		runtime.Gosched()
 	}
 }
+
+// TestPutReturnsWithItsSource: an endpoint closed while a put in pieces is
+// under way issues no further piece, and Put returns only once UCX reads
+// its source no more: what the caller writes there afterwards never reaches
+// the target.
+func TestPutReturnsWithItsSource(t *testing.T) {
+	c := newContext(t, "tcp")
+	client, _ := pair(t, c)
+	const n = 64 << 20
+	m, _, rk := exposed(t, c, client, n)
+	src := bytes.Repeat([]byte{0xab}, n)
+	ret := make(chan error, 1)
+	go func() { ret <- client.PutBytes(t.Context(), src, uint64(m.Addr()), rk) }()
+	require.Eventually(t, func() bool { return m.Bytes()[0] == 0xab }, 10*time.Second, 10*time.Microsecond, "the first piece landed")
+	closed := make(chan struct{})
+	go func() {
+		_ = client.Close() // graceful: what was issued goes, with the FIN after it
+		close(closed)
+	}()
+	<-ret
+	for i := range src {
+		src[i] = 0xcd // the caller's again
+	}
+	<-closed
+	require.Zero(t, bytes.Count(m.Bytes(), []byte{0xcd}), "bytes read from the source after Put returned")
+}
