@@ -281,7 +281,7 @@ func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 
 func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	defer trace.StartRegion(context.Background(), "gdrpc.unmarshal").End()
-	if isPointer(v) && isSingleRequest(v) {
+	if !c.client && isPointer(v) && isSingleRequest(v) {
 		// Before anything is released, decoded or filed for it: gRPC
 		// decodes a second message into the first's value only to refuse
 		// the call, and nothing takes back what is filed for that decode.

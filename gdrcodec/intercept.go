@@ -350,6 +350,25 @@ var pendingPulls = func() *expiring[*pulls] {
 // decode, which no stats event follows, must attach and pull nothing.
 var singleRequests sync.Map
 
+// endSingleRequest takes the request of the call of ctx out of
+// singleRequests once gRPC's receive of it returned (its decode of a second
+// message, if any, is over): the handler may use the message as it likes
+// from then on, a decode into it for another call or as a reply included.
+// The call's end does it where no interceptor of this package runs.
+func endSingleRequest(ctx context.Context) {
+	c, _ := ctx.Value(callKey{}).(*callMessages)
+	if c == nil {
+		return
+	}
+	c.mu.Lock()
+	r := c.request
+	c.request = nil
+	c.mu.Unlock()
+	if r != nil {
+		singleRequests.Delete(r)
+	}
+}
+
 // isSingleRequest reports whether v, a pointer, is in singleRequests.
 func isSingleRequest(v any) bool {
 	_, ok := singleRequests.Load(v)
@@ -919,6 +938,7 @@ func ServerOptions() []grpc.ServerOption {
 }
 
 func unaryServerInterceptor(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	endSingleRequest(ctx)
 	gdr, err := refusal(ctx)
 	if err != nil {
 		return nil, err
@@ -957,6 +977,7 @@ type requestStream struct {
 }
 
 func (s *requestStream) RecvMsg(m any) error {
+	defer endSingleRequest(s.Context())
 	if !canCarry(m) {
 		return s.ServerStream.RecvMsg(m)
 	}

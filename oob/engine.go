@@ -441,6 +441,9 @@ type pull struct {
 	// latest, so an owner that stops sending mid-transfer pins nothing
 	// past the pull's life.
 	bounce atomic.Pointer[devicebuf.Buffer]
+	// released is closed once dst went back, its registration for the owner
+	// undone (release).
+	released chan struct{}
 }
 
 var pulls = struct {
@@ -452,7 +455,7 @@ var pulls = struct {
 // makePull makes the pull of a payload into dst through s; dst is released
 // when the pull settles.
 func makePull(s *transport.Session, dst *devicebuf.Buffer) *pull {
-	return &pull{s: s, dst: dst, fin: make(chan *fin, 1), bulk: make(chan error, 1)}
+	return &pull{s: s, dst: dst, fin: make(chan *fin, 1), bulk: make(chan error, 1), released: make(chan struct{})}
 }
 
 // list registers p under a fresh request id, for the owner's FIN and bulk
@@ -494,6 +497,7 @@ func (p *pull) settled() {
 
 // release gives back p's destination and what the pull held for it.
 func (p *pull) release() {
+	defer close(p.released)
 	for i := len(p.after) - 1; i >= 0; i-- {
 		p.after[i]()
 	}
@@ -555,6 +559,7 @@ func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, erro
 		return PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid,
 			Err: fmt.Errorf("destination of %d bytes for a payload of %d", dst.Len(), d.Length)}
 	}
+	ctx = context.WithValue(ctx, callerDstKey{}, true)
 	b, path, err := FetchNew(ctx, d, func(int) (*devicebuf.Buffer, error) { return dst.Retain(), nil })
 	if err != nil {
 		return path, err
@@ -596,6 +601,15 @@ func FetchBytes(ctx context.Context, d Descriptor, p []byte) (Path, error) {
 // Otherwise as Fetch.
 func FetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.Buffer, error)) (*devicebuf.Buffer, Path, error) {
 	return fetchNew(ctx, d, alloc, nil)
+}
+
+// callerDstKey marks the context of a Fetch: its destination is the
+// caller's, who may reuse it as soon as Fetch returns.
+type callerDstKey struct{}
+
+func callerOwnsDst(ctx context.Context) bool {
+	owns, _ := ctx.Value(callerDstKey{}).(bool)
+	return owns
 }
 
 // FetchFrom is FetchNew with a receive allocator: the destination comes from
@@ -924,13 +938,18 @@ func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devi
 	// Nothing more is read into dst, and the read under way ends now (the
 	// session died, or the reader handed dst over): settled waits for it.
 	// Where the session died before the owner answered, a put it began may
-	// still land in dst until the session's endpoint is released: dst is
-	// the caller's again only then (bounded: a UCX endpoint lingers up to
-	// 2 s).
+	// still land in dst until the session's endpoints are released and
+	// dst's registration undone (settled waits for both on a goroutine):
+	// a dst the caller gave (Fetch) is the caller's again only then, or at
+	// the end of the caller's context, as when it gives up. A dst the pull
+	// made, or one behind staging, is the pull's until then anyway.
 	settleNow := func() bool {
 		p.settled()
-		if p.exposed() {
-			<-s.Released()
+		if p.exposed() && staging == nil && callerOwnsDst(ctx) {
+			select {
+			case <-p.released:
+			case <-ctx.Done():
+			}
 		}
 		return true
 	}

@@ -522,7 +522,7 @@ func (e *Endpoint) rma(ctx context.Context, get bool, local uintptr, n int, m *M
 		defer t.Stop()
 		select {
 		case err := <-op.res:
-			return cmp.Or(err, e.termErr())
+			return err // every piece completed, or why one did not
 		case <-t.C:
 			return e.termErr()
 		}
@@ -580,7 +580,7 @@ func (op *rmaOp) issueNext() {
 		// Keys go with their endpoint: when it failed, say why.
 		op.failed = cmp.Or(op.e.termErr(), error(closedError("remote key")))
 	}
-	if op.failed == nil && op.next > 0 {
+	if op.failed == nil {
 		// The endpoint ended (closed here, failed, or closed by the peer):
 		// no further piece, so that the caller gets its memory back once
 		// those in flight complete.

@@ -91,10 +91,13 @@ func TestPutReturnsWithItsSource(t *testing.T) {
 		_ = client.Close() // graceful: what was issued goes, with the FIN after it
 		close(closed)
 	}()
-	<-ret
+	err := <-ret
 	for i := range src {
 		src[i] = 0xcd // the caller's again
 	}
 	<-closed
+	if err == nil {
+		t.Skip("every piece was issued before the close began: nothing to show")
+	}
 	require.Zero(t, bytes.Count(m.Bytes(), []byte{0xcd}), "bytes read from the source after Put returned")
 }
