@@ -553,7 +553,10 @@ func (p *pull) dropBounce() {
 // Fetch pulls the payload d names into dst (d.Length bytes) and returns the path
 // it took. It blocks until the bytes are in place, ctx ends, the transfer
 // timeout passes, or the session to the owner dies. On an error the destination
-// stays reserved until the owner can no longer write into it.
+// stays reserved until the owner can no longer write into it; where the
+// session died before the owner answered, Fetch returns only then (its
+// endpoints released, up to their close's linger), or at ctx's end: after
+// ctx's end, as after its timeout, a write the owner began may still land.
 func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, error) {
 	if uint64(dst.Len()) != d.Length {
 		return PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid,
