@@ -69,8 +69,24 @@ func StartChild(tb testing.TB, timeout time.Duration, prefix []string, env ...st
 	if err := cmd.Start(); err != nil {
 		tb.Fatal(err)
 	}
+	// Wait closes the stdout pipe once the child exited, so it waits for the
+	// reader to see the end first: a child that prints its line and exits at
+	// once would otherwise lose the line to the close.
+	line := make(chan string, 1)
+	read := make(chan struct{})
+	go func() {
+		defer close(read)
+		sc := bufio.NewScanner(stdout)
+		if sc.Scan() {
+			line <- sc.Text()
+		} else {
+			line <- "EOF"
+		}
+		_, _ = io.Copy(io.Discard, stdout)
+	}()
 	waited := make(chan struct{})
 	go func() {
+		<-read
 		_ = cmd.Wait()
 		close(waited)
 	}()
@@ -80,16 +96,6 @@ func StartChild(tb testing.TB, timeout time.Duration, prefix []string, env ...st
 		_ = cmd.Process.Kill()
 		<-waited
 	})
-	line := make(chan string, 1)
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		if sc.Scan() {
-			line <- sc.Text()
-		} else {
-			line <- "EOF"
-		}
-		_, _ = io.Copy(io.Discard, stdout)
-	}()
 	select {
 	case l := <-line:
 		return cmd, l
