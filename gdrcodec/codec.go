@@ -281,7 +281,7 @@ func (c *codec) marshal(v any, h *hold) (mem.BufferSlice, error) {
 
 func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	defer trace.StartRegion(context.Background(), "gdrpc.unmarshal").End()
-	if !c.client && isPointer(v) && isSingleRequest(v) {
+	if !c.client && isSingleRequest(v) {
 		// Before anything is released, decoded or filed for it: gRPC
 		// decodes a second message into the first's value only to refuse
 		// the call, and nothing takes back what is filed for that decode.
@@ -1202,7 +1202,7 @@ type collected struct {
 	err      error                 // the first error; the message is refused
 }
 
-// fieldSets is held by a bytes pull setting its field: the pulls of a
+// fieldSets is held by a bytes job setting its field: the pulls of a
 // message run at once (runJobs), and a field set is a map write in a dynamic
 // message or an extension, which Go does not survive concurrently. One for
 // all messages: a set takes a moment, once per payload.
@@ -1447,21 +1447,13 @@ func (c *collected) bytesJobs(m protoreflect.Message, fd protoreflect.FieldDescr
 	if fd.IsList() {
 		l := v.List()
 		for i := 0; i < l.Len(); i++ {
-			if err := c.bytesJob(l.Get(i).Bytes(), func(b []byte) {
-				fieldSets.Lock()
-				defer fieldSets.Unlock()
-				l.Set(i, protoreflect.ValueOfBytes(b))
-			}); err != nil {
+			if err := c.bytesJob(l.Get(i).Bytes(), func(b []byte) { l.Set(i, protoreflect.ValueOfBytes(b)) }); err != nil {
 				return err
 			}
 		}
 		return nil
 	}
-	return c.bytesJob(v.Bytes(), func(b []byte) {
-		fieldSets.Lock()
-		defer fieldSets.Unlock()
-		m.Set(fd, protoreflect.ValueOfBytes(b))
-	})
+	return c.bytesJob(v.Bytes(), func(b []byte) { m.Set(fd, protoreflect.ValueOfBytes(b)) })
 }
 
 // forgetBytes clears the descriptors in v, the value of fd, a marked bytes
@@ -1494,7 +1486,12 @@ func bytesMarked(b []byte) (mark byte, rest []byte, ok bool) {
 	return b[len(bytesMagic)], b[len(bytesMagic)+1:], true
 }
 
-func (c *collected) bytesJob(b []byte, set func([]byte)) error {
+func (c *collected) bytesJob(b []byte, setField func([]byte)) error {
+	set := func(p []byte) { // from the job, which runs beside the message's others
+		fieldSets.Lock()
+		defer fieldSets.Unlock()
+		setField(p)
+	}
 	mark, rest, ok := bytesMarked(b)
 	if !ok {
 		return nil

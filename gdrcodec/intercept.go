@@ -369,8 +369,11 @@ func endSingleRequest(ctx context.Context) {
 	}
 }
 
-// isSingleRequest reports whether v, a pointer, is in singleRequests.
+// isSingleRequest reports whether v is in singleRequests.
 func isSingleRequest(v any) bool {
+	if !isPointer(v) {
+		return false
+	}
 	_, ok := singleRequests.Load(v)
 	return ok
 }

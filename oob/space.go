@@ -798,6 +798,12 @@ func handleSpace(s *transport.Session, payload []byte) {
 // space.)
 func refuseSpace(s *transport.Session, id uint64, why string) {
 	cfgOf(s).Logger.Debug("receive space refused", "session", s.ID(), "space", id, "why", why)
+	sendWithdrawn(s, id)
+}
+
+// sendWithdrawn tells the receiver of space id over s that this side writes
+// into it no more (SPACE-WITHDRAWN), within spaceWithdrawBound.
+func sendWithdrawn(s *transport.Session, id uint64) {
 	ctx, cancel := context.WithTimeout(sessionContext(s), spaceWithdrawBound)
 	defer cancel()
 	_ = sendControl(ctx, s, ctlSpaceWithdrawn, rangeNotice(id, 0, 0))
@@ -954,9 +960,7 @@ func handleSpaceWithdraw(s *transport.Session, payload []byte) {
 	if ps := peerSpaceByID(s, id); ps != nil {
 		ps.withdraw()
 	}
-	ctx, cancel := context.WithTimeout(sessionContext(s), spaceWithdrawBound)
-	defer cancel()
-	_ = sendControl(ctx, s, ctlSpaceWithdrawn, rangeNotice(id, 0, 0))
+	sendWithdrawn(s, id)
 }
 
 // handleSpaceWithdrawn takes the owner's answer to a withdrawal.

@@ -514,30 +514,22 @@ func (e *Endpoint) rma(ctx context.Context, get bool, local uintptr, n int, m *M
 		// issued.
 		op.stop.Store(true)
 		ctxErr = fmt.Errorf("rdma: %s: %w", op.name(), ctx.Err())
-	case <-e.done:
-		// No further piece is issued (issueNext), and the endpoint's close
-		// or failure completes those in flight: until then UCX may still
-		// read the local memory, which the caller would reuse at once.
-		t := time.NewTimer(lingerTimeout + time.Second)
-		defer t.Stop()
-		select {
-		case err := <-op.res:
-			return err // every piece completed, or why one did not
-		case <-t.C:
-			return e.termErr()
-		}
-	}
-	select {
-	case err := <-op.res:
-		return cmp.Or(ctxErr, err)
-	case <-e.done:
-		t := time.NewTimer(lingerTimeout + time.Second)
-		defer t.Stop()
 		select {
 		case err := <-op.res:
 			return cmp.Or(ctxErr, err)
-		case <-t.C:
+		case <-e.done:
 		}
+	case <-e.done:
+	}
+	// The endpoint ended: no further piece is issued (issueNext), and its
+	// close or failure completes those in flight, until when UCX may still
+	// read the local memory, which the caller would reuse at once.
+	t := time.NewTimer(lingerTimeout + time.Second)
+	defer t.Stop()
+	select {
+	case err := <-op.res:
+		return cmp.Or(ctxErr, err) // every piece completed, or why one did not
+	case <-t.C:
 		return cmp.Or(ctxErr, e.termErr())
 	}
 }
