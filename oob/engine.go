@@ -1668,6 +1668,11 @@ var keysBySession = struct {
 	m map[*transport.Session]*remoteKeys
 }{m: map[*transport.Session]*remoteKeys{}}
 
+// peerInProcess reports whether s's other end is in this process, whose keys
+// name this process's memory by right (Session.PeerInProcess; tests take
+// another process's place through it).
+var peerInProcess = (*transport.Session).PeerInProcess
+
 // remoteKey returns the unpacked key for packed and the function that ends its
 // use by the caller. Unpacking is a round trip to the endpoint's worker: it
 // runs outside keysBySession's lock, so that a busy worker stalls only its own
@@ -1686,7 +1691,11 @@ func remoteKey(s *transport.Session, ep *rdma.Endpoint, packed []byte) (*rdma.Re
 		return nil, nil, closedErr(s)
 	default:
 	}
-	k, err := ep.UnpackKey(packed)
+	unpack := ep.UnpackForeignKey // a trusted peer's key, too, names its own memory only
+	if peerInProcess(s) {
+		unpack = ep.UnpackKey // both ends' memory is this process's
+	}
+	k, err := unpack(packed)
 	if err != nil {
 		return nil, nil, err
 	}

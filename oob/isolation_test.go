@@ -183,10 +183,24 @@ func TestFINForPathNotOffered(t *testing.T) {
 // destination, one that names a shared-memory segment of the owner's own
 // (here: another transfer's destination in the owner's host pool). On shared
 // memory the owner writes into the segment itself, wherever the key says: it
-// must not put with such a key unless it trusts its peers, and falls back to
-// the stream path.
+// must not put with such a key, and falls back to the stream path. Peers it
+// trusts may name shared memory, but only their own: a trusted peer in
+// another process (the test's pair taken for one) is refused the owner's.
 func TestForgedKeyWritesOwnMemory(t *testing.T) {
-	cs, ss := ucxPair(t, "posix,sysv,cma,tcp")
+	t.Run("untrusted", func(t *testing.T) {
+		cs, ss := ucxPair(t, "posix,sysv,cma,tcp")
+		testForgedKeyWritesOwnMemory(t, cs, ss)
+	})
+	t.Run("trusted", func(t *testing.T) {
+		cs, ss := ucxPair(t, "posix,sysv,cma,tcp", transport.WithTrustPeers(true))
+		require.True(t, cs.PeerInProcess())
+		peerInProcess = func(*transport.Session) bool { return false }
+		t.Cleanup(func() { peerInProcess = (*transport.Session).PeerInProcess })
+		testForgedKeyWritesOwnMemory(t, cs, ss)
+	})
+}
+
+func testForgedKeyWritesOwnMemory(t *testing.T, cs, ss *transport.Session) {
 	const n = 256 << 10
 	payload := bytes.Repeat([]byte("payload "), n/8)
 	d := Offer(Source{Bytes: payload}, OfferOptions{})

@@ -163,7 +163,7 @@ func startChild(t *testing.T, tls string) *child {
 	ch.ep, err = ch.ctx.Worker().Dial(testCtx(t), f[1])
 	require.NoError(t, err)
 	t.Cleanup(func() { ch.ep.Close() })
-	ch.key, err = ch.ep.UnpackKey(packed)
+	ch.key, err = ch.ep.UnpackForeignKey(packed) // the child's segment: another process's
 	require.NoError(t, err)
 	t.Cleanup(func() { ch.key.Close() })
 	return ch

@@ -157,7 +157,17 @@ func (e *Endpoint) keyLanes(packed []byte) (packedKey, map[int]string, error) {
 
 // UnpackKey unpacks a key made by the peer's Memory.PackKey. The framing is
 // validated; the key is valid on this endpoint only.
-func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
+func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) { return e.unpackKey(packed, false) }
+
+// UnpackForeignKey is UnpackKey for a peer that is another process: a key
+// naming a shared-memory segment that this process made is refused
+// (ErrBadKey), for attached it would have this process's puts land in its
+// own memory. A peer in this very process takes UnpackKey.
+func (e *Endpoint) UnpackForeignKey(packed []byte) (*RemoteKey, error) {
+	return e.unpackKey(packed, true)
+}
+
+func (e *Endpoint) unpackKey(packed []byte, foreign bool) (*RemoteKey, error) {
 	pk, lanes, err := e.keyLanes(packed)
 	if err != nil {
 		return nil, fmt.Errorf("rdma: unpack key: %w", err)
@@ -167,7 +177,7 @@ func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
 	// and so checked: the others go.
 	pk.rkey = laneKey(pk.rkey, lanes)
 	if err := rkeyComponents(pk.rkey, func(md int, comp []byte) error {
-		return checkSegment(lanes[md], comp)
+		return checkSegment(lanes[md], comp, foreign)
 	}); err != nil {
 		return nil, fmt.Errorf("rdma: unpack key: %w", err)
 	}

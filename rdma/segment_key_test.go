@@ -90,6 +90,11 @@ func TestUnpackKeyDeadSegment(t *testing.T) {
 	k, err := client.UnpackKey(packed)
 	require.NoError(t, err)
 	require.NoError(t, k.Close())
+	// The same key, for an endpoint whose peer is another process: the
+	// segment is this process's own.
+	_, err = client.UnpackForeignKey(packed)
+	require.ErrorIs(t, err, rdma.ErrBadKey)
+	require.ErrorContains(t, err, "this process's own")
 }
 
 // UCX unpacks a component of a key for every memory domain of the peer it

@@ -97,17 +97,23 @@ const (
 // releases the key it failed to make), so a receiver that died after its RTR,
 // or a forged key, would take the owner down. Checked here, the segment's end
 // between this check and UCX's attach is left: a window of microseconds.
-func checkSegment(component string, comp []byte) error {
+//
+// With foreign set the key must name the peer's memory, not this process's:
+// a posix segment under this process's id, or a sysv segment it created, is
+// refused, for this process's puts would land in its own memory (another
+// peer's receive space, a pool of its own). UCX's shm_open mode names a
+// posix segment without its creator; that mode is not UCX's default.
+func checkSegment(component string, comp []byte, foreign bool) error {
 	switch component {
 	case "posix":
-		return checkPosixSegment(comp)
+		return checkPosixSegment(comp, foreign)
 	case "sysv":
-		return checkSysvSegment(comp)
+		return checkSysvSegment(comp, foreign)
 	}
 	return nil
 }
 
-func checkPosixSegment(comp []byte) error {
+func checkPosixSegment(comp []byte, foreign bool) error {
 	if len(comp) < posixKeyBytes {
 		return fmt.Errorf("%w: posix segment key of %d bytes", ErrBadKey, len(comp))
 	}
@@ -120,7 +126,11 @@ func checkPosixSegment(comp []byte) error {
 	var path string
 	switch {
 	case id&posixProcFS != 0:
-		path = fmt.Sprintf("/proc/%d/fd/%d", mmid&(1<<posixPIDBits-1), mmid>>posixPIDBits)
+		pid := mmid & (1<<posixPIDBits - 1)
+		if foreign && pid == uint64(os.Getpid()) {
+			return fmt.Errorf("%w: its posix segment is this process's own", ErrBadKey)
+		}
+		path = fmt.Sprintf("/proc/%d/fd/%d", pid, mmid>>posixPIDBits)
 	case id&posixShmOpen != 0:
 		path = fmt.Sprintf("/dev/shm/%s%x", posixFilePfx, mmid)
 	default:
@@ -157,7 +167,7 @@ func checkPosixSegment(comp []byte) error {
 	return nil
 }
 
-func checkSysvSegment(comp []byte) error {
+func checkSysvSegment(comp []byte, foreign bool) error {
 	if len(comp) < sysvKeyBytes {
 		return fmt.Errorf("%w: sysv segment key of %d bytes", ErrBadKey, len(comp))
 	}
@@ -168,6 +178,9 @@ func checkSysvSegment(comp []byte) error {
 	var ds unix.SysvShmDesc
 	if _, err := unix.SysvShmCtl(int(id), unix.IPC_STAT, &ds); err != nil {
 		return fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
+	}
+	if foreign && int(ds.Cpid) == os.Getpid() {
+		return fmt.Errorf("%w: its sysv segment %d is this process's own", ErrBadKey, id)
 	}
 	return nil
 }

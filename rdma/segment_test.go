@@ -129,10 +129,10 @@ func TestCheckSegment(t *testing.T) {
 	odd := open(posixFilePfx+"5678", 4097) // UCX maps, and packs, whole pages
 	other := open("model.bin", 8192)
 	pid := os.Getpid()
-	require.NoError(t, checkSegment("posix", posixKey(pid, int(seg.Fd()), 8192)))
+	require.NoError(t, checkSegment("posix", posixKey(pid, int(seg.Fd()), 8192), false))
 	page := os.Getpagesize()
-	require.NoError(t, checkSegment("posix", posixKey(pid, int(odd.Fd()), uint64((4097+page-1)/page*page))))
-	require.NoError(t, checkSegment("tcp", nil), "other domains are UCX's to check")
+	require.NoError(t, checkSegment("posix", posixKey(pid, int(odd.Fd()), uint64((4097+page-1)/page*page)), false))
+	require.NoError(t, checkSegment("tcp", nil, true), "other domains are UCX's to check")
 
 	shmid, err := unix.SysvShmGet(unix.IPC_PRIVATE, 8192, unix.IPC_CREAT|0o600)
 	require.NoError(t, err)
@@ -140,7 +140,15 @@ func TestCheckSegment(t *testing.T) {
 	sysv := func(id uint32) []byte {
 		return binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(nil, id), 0x10000000)
 	}
-	require.NoError(t, checkSegment("sysv", sysv(uint32(shmid))))
+	require.NoError(t, checkSegment("sysv", sysv(uint32(shmid)), false))
+
+	// Segments this process made, named by a peer that is another process.
+	err = checkSegment("posix", posixKey(pid, int(seg.Fd()), 8192), true)
+	require.ErrorIs(t, err, ErrBadKey)
+	require.ErrorContains(t, err, "this process's own")
+	err = checkSegment("sysv", sysv(uint32(shmid)), true)
+	require.ErrorIs(t, err, ErrBadKey)
+	require.ErrorContains(t, err, "this process's own")
 
 	dirKey := posixKey(pid, 3, 8192)
 	binary.LittleEndian.PutUint64(dirKey, 0x1234) // no procfs, no shm_open: a path follows
@@ -161,7 +169,7 @@ func TestCheckSegment(t *testing.T) {
 		"negative sysv id":     {"sysv", sysv(math.MaxUint32), "segment id"},
 		"short sysv":           {"sysv", sysv(uint32(shmid))[:8], "8 bytes"},
 	} {
-		err := checkSegment(tc.component, tc.key)
+		err := checkSegment(tc.component, tc.key, false)
 		require.ErrorIs(t, err, ErrBadKey, name)
 		require.ErrorContains(t, err, tc.why, name)
 	}

@@ -72,6 +72,7 @@ func (e *Endpoint) UnpackKey(packed []byte) (*RemoteKey, error) {
 	}
 	return nil, errBuild
 }
+func (e *Endpoint) UnpackForeignKey(packed []byte) (*RemoteKey, error) { return e.UnpackKey(packed) }
 func (e *Endpoint) KeyDomains(packed []byte) ([]string, error) {
 	if _, err := decodeKey(packed); err != nil {
 		return nil, err

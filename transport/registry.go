@@ -1,24 +1,39 @@
 package transport
 
-import "sync"
+import (
+	"crypto/sha256"
+	"sync"
+)
 
 // The process-wide registry: peer process id -> live sessions. A session
 // enters when its handshake completes and leaves when it closes, for any
 // reason, before its Done channel is closed.
+//
+// It also counts the live sessions by handshake digest. Both ends of a
+// session to this very process hold the same digest, and no two other
+// sessions do: each side's nonce in it is fresh (identity.go). So a digest
+// held twice names a session whose peer is this process (PeerInProcess).
 var registry = struct {
 	sync.Mutex
-	m map[ID][]*Session
-}{m: map[ID][]*Session{}}
+	m          map[ID][]*Session
+	handshakes map[[sha256.Size]byte]int
+}{m: map[ID][]*Session{}, handshakes: map[[sha256.Size]byte]int{}}
 
 func registryAdd(s *Session) {
 	registry.Lock()
 	defer registry.Unlock()
 	registry.m[s.peer.ID] = append(registry.m[s.peer.ID], s)
+	registry.handshakes[s.handshake]++
 }
 
 func registryRemove(s *Session) {
 	registry.Lock()
 	defer registry.Unlock()
+	if n := registry.handshakes[s.handshake]; n > 1 {
+		registry.handshakes[s.handshake] = n - 1
+	} else {
+		delete(registry.handshakes, s.handshake)
+	}
 	l := registry.m[s.peer.ID]
 	for i, x := range l {
 		if x == s {
@@ -31,6 +46,25 @@ func registryRemove(s *Session) {
 	} else {
 		registry.m[s.peer.ID] = l
 	}
+}
+
+// PeerInProcess reports whether s's peer is this very process: the other end
+// of s is a session of this process, whatever identity each end has. Each end
+// enters the registry before it sends or reads anything over the session, so
+// what arrives over s finds the answer settled; once true it stays true. A
+// peer in another process can make it true by no message: the digest holds a
+// nonce of this process's, fresh for s.
+func (s *Session) PeerInProcess() bool {
+	if s.inProcess.Load() {
+		return true
+	}
+	registry.Lock()
+	in := registry.handshakes[s.handshake] > 1
+	registry.Unlock()
+	if in {
+		s.inProcess.Store(true)
+	}
+	return in
 }
 
 // SessionsTo returns the live sessions to the peer process id, oldest first.

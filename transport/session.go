@@ -61,6 +61,7 @@ type Session struct {
 	peer      Peer
 	token     ID
 	handshake [sha256.Size]byte // sessionHash of the handshake
+	inProcess atomic.Bool       // PeerInProcess found the other end here
 	transport string            // "ucx" or "tcp"
 	under     *underConn
 	ep        *rdma.Endpoint

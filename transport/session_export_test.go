@@ -8,3 +8,10 @@ var LeakChecks []func() error
 // TLSCredsForTest returns server and client TLS credentials for a
 // self-signed certificate of "gdrpc.test".
 var TLSCredsForTest = tlsCredsForTest
+
+// HandshakesHeld is how many handshake digests the registry counts.
+func HandshakesHeld() int {
+	registry.Lock()
+	defer registry.Unlock()
+	return len(registry.handshakes)
+}

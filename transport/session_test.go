@@ -357,3 +357,12 @@ func TestControlHandlersReused(t *testing.T) {
 	// always waiting for it (a goroutine per message: 64).
 	require.Less(t, len(ids), messages/2, "goroutines that handled %d messages: %v", messages, ids)
 }
+
+// TestPeerInProcessIdentities: the ends of a session inside this process
+// know it whatever identity each has.
+func TestPeerInProcessIdentities(t *testing.T) {
+	client, server := pipePair(t)
+	require.NotEqual(t, client.PeerID(), server.PeerID())
+	require.True(t, client.PeerInProcess())
+	require.True(t, server.PeerInProcess())
+}

@@ -1,0 +1,43 @@
+package transport_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/transport"
+)
+
+// TestPeerInProcess: both ends of a session inside this process know it,
+// and keep knowing it after the other end closed; a session to another
+// process does not. The registry's count of handshakes empties with the
+// sessions. (TestPeerInProcessIdentities: ends of distinct identities.)
+func TestPeerInProcess(t *testing.T) {
+	for _, tc := range transportCases {
+		t.Run(tc.name, func(t *testing.T) {
+			opts := tc.options(t)
+			held := transport.HandshakesHeld()
+			st := dialPair(t, opts)
+			require.True(t, st.client.PeerInProcess())
+			require.True(t, st.server.PeerInProcess())
+			require.NoError(t, st.server.Close())
+			<-st.server.Done()
+			require.True(t, st.client.PeerInProcess(), "the answer stays once found")
+			require.NoError(t, st.client.Close())
+			<-st.client.Done()
+			require.Equal(t, held, transport.HandshakesHeld())
+
+			_, addr := startChild(t, "echo-server", childEnvFor(tc)...)
+			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			defer cancel()
+			s, err := transport.Dial(ctx, addr, opts...)
+			require.NoError(t, err)
+			defer s.Close()
+			c, err := s.Conn(ctx)
+			require.NoError(t, err)
+			roundTrip(t, c, "hello") // the child's end is up
+			require.False(t, s.PeerInProcess())
+		})
+	}
+}
