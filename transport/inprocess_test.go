@@ -11,14 +11,14 @@ import (
 
 // TestPeerInProcess: both ends of a session inside this process know it,
 // and keep knowing it after the other end closed; a session to another
-// process does not. The registry's count of handshakes empties with the
-// sessions. (TestPeerInProcessIdentities: ends of distinct identities.)
+// process does not. The registry counts the pair's digest down as each end
+// closes. (TestPeerInProcessIdentities: ends of distinct identities.)
 func TestPeerInProcess(t *testing.T) {
 	for _, tc := range transportCases {
 		t.Run(tc.name, func(t *testing.T) {
 			opts := tc.options(t)
-			held := transport.HandshakesHeld()
 			st := dialPair(t, opts)
+			require.Equal(t, 2, transport.HandshakeHeld(st.client))
 			require.True(t, st.client.PeerInProcess())
 			require.True(t, st.server.PeerInProcess())
 			require.NoError(t, st.server.Close())
@@ -26,7 +26,7 @@ func TestPeerInProcess(t *testing.T) {
 			require.True(t, st.client.PeerInProcess(), "the answer stays once found")
 			require.NoError(t, st.client.Close())
 			<-st.client.Done()
-			require.Equal(t, held, transport.HandshakesHeld())
+			require.Zero(t, transport.HandshakeHeld(st.client))
 
 			_, addr := startChild(t, "echo-server", childEnvFor(tc)...)
 			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)

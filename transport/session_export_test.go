@@ -9,9 +9,10 @@ var LeakChecks []func() error
 // self-signed certificate of "gdrpc.test".
 var TLSCredsForTest = tlsCredsForTest
 
-// HandshakesHeld is how many handshake digests the registry counts.
-func HandshakesHeld() int {
+// HandshakeHeld is how many live sessions of this process hold s's
+// handshake digest.
+func HandshakeHeld(s *Session) int {
 	registry.Lock()
 	defer registry.Unlock()
-	return len(registry.handshakes)
+	return registry.handshakes[s.handshake]
 }
