@@ -1,7 +1,6 @@
 package transport_test
 
 import (
-	"context"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -28,15 +27,7 @@ func TestPeerInProcess(t *testing.T) {
 			<-st.client.Done()
 			require.Zero(t, transport.HandshakeHeld(st.client))
 
-			_, addr := startChild(t, "echo-server", childEnvFor(tc)...)
-			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
-			defer cancel()
-			s, err := transport.Dial(ctx, addr, opts...)
-			require.NoError(t, err)
-			defer s.Close()
-			c, err := s.Conn(ctx)
-			require.NoError(t, err)
-			roundTrip(t, c, "hello") // the child's end is up
+			_, s, _ := dialEchoChild(t, tc, opts)
 			require.False(t, s.PeerInProcess())
 		})
 	}

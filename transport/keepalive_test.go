@@ -94,6 +94,23 @@ func startChild(tb testing.TB, role string, env ...string) (*exec.Cmd, string) {
 	return cmd, addr
 }
 
+// dialEchoChild starts an echo-server child for tc, dials it with opts and
+// echoes one message over the session's conn: the child's end is up. The
+// session closes when the test ends.
+func dialEchoChild(t *testing.T, tc transportCase, opts []transport.Option) (*exec.Cmd, *transport.Session, net.Conn) {
+	t.Helper()
+	cmd, addr := startChild(t, "echo-server", childEnvFor(tc)...)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	s, err := transport.Dial(ctx, addr, opts...)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = s.Close() })
+	c, err := s.Conn(ctx)
+	require.NoError(t, err)
+	roundTrip(t, c, "hello")
+	return cmd, s, c
+}
+
 func roundTrip(t *testing.T, c net.Conn, msg string) {
 	t.Helper()
 	require.NoError(t, c.SetDeadline(time.Now().Add(testTimeout)))
@@ -120,16 +137,8 @@ func TestKeepAliveStoppedPeer(t *testing.T) {
 	for _, tc := range transportCases {
 		t.Run(tc.name, func(t *testing.T) {
 			opts := tc.options(t, transport.WithKeepAlive(interval, timeout))
-			cmd, addr := startChild(t, "echo-server", childEnvFor(tc)...)
-			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
-			defer cancel()
-			s, err := transport.Dial(ctx, addr, opts...)
-			require.NoError(t, err)
-			defer s.Close()
+			cmd, s, c := dialEchoChild(t, tc, opts)
 			require.Equal(t, tc.want(), s.Transport())
-			c, err := s.Conn(ctx)
-			require.NoError(t, err)
-			roundTrip(t, c, "hello")
 			require.Contains(t, transport.SessionsTo(s.Peer().ID), s)
 			require.NotZero(t, waitRTT(t, s))
 
@@ -178,15 +187,7 @@ func TestPeerKilled(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			// Keepalive off: the broken connection alone must be noticed.
 			opts := tc.options(t, transport.WithKeepAlive(-1, 0))
-			cmd, addr := startChild(t, "echo-server", childEnvFor(tc)...)
-			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
-			defer cancel()
-			s, err := transport.Dial(ctx, addr, opts...)
-			require.NoError(t, err)
-			defer s.Close()
-			c, err := s.Conn(ctx)
-			require.NoError(t, err)
-			roundTrip(t, c, "hello")
+			cmd, s, c := dialEchoChild(t, tc, opts)
 			readErr := make(chan error, 1)
 			go func() {
 				_, err := c.Read(make([]byte, 1))
