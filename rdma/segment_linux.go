@@ -99,7 +99,8 @@ const (
 // between this check and UCX's attach is left: a window of microseconds.
 //
 // With foreign set the key must name the peer's memory, not this process's:
-// a posix segment under this process's id, or a sysv segment it created, is
+// a posix segment under this process's id or one of its threads', or a sysv
+// segment it created, is
 // refused, for this process's puts would land in its own memory (another
 // peer's receive space, a pool of its own). UCX's shm_open mode names a
 // posix segment without its creator; that mode is not UCX's default.
@@ -127,7 +128,7 @@ func checkPosixSegment(comp []byte, foreign bool) error {
 	switch {
 	case id&posixProcFS != 0:
 		pid := mmid & (1<<posixPIDBits - 1)
-		if foreign && pid == uint64(os.Getpid()) {
+		if foreign && ownTask(pid) {
 			return fmt.Errorf("%w: its posix segment is this process's own", ErrBadKey)
 		}
 		path = fmt.Sprintf("/proc/%d/fd/%d", pid, mmid>>posixPIDBits)
@@ -165,6 +166,16 @@ func checkPosixSegment(comp []byte, foreign bool) error {
 		}
 	}
 	return nil
+}
+
+// ownTask reports whether id is this process's id or one of its threads':
+// /proc/<id>/fd of any of them is this process's descriptor table.
+func ownTask(id uint64) bool {
+	if id == uint64(os.Getpid()) {
+		return true
+	}
+	_, err := os.Stat(fmt.Sprintf("/proc/self/task/%d", id))
+	return err == nil
 }
 
 func checkSysvSegment(comp []byte, foreign bool) error {

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"syscall"
 	"testing"
 	"unsafe"
@@ -147,6 +148,22 @@ func TestCheckSegment(t *testing.T) {
 	require.ErrorIs(t, err, ErrBadKey)
 	require.ErrorContains(t, err, "this process's own")
 	err = checkSegment("sysv", sysv(uint32(shmid)), true)
+	require.ErrorIs(t, err, ErrBadKey)
+	require.ErrorContains(t, err, "this process's own")
+	// The descriptor named through a thread of this process: /proc/<tid>/fd
+	// is the same table.
+	tasks, err := os.ReadDir("/proc/self/task")
+	require.NoError(t, err)
+	tid := 0
+	for _, e := range tasks {
+		if n, _ := strconv.Atoi(e.Name()); n != pid {
+			tid = n
+			break
+		}
+	}
+	require.NotZero(t, tid, "a Go process runs more than one thread")
+	require.NoError(t, checkSegment("posix", posixKey(tid, int(seg.Fd()), 8192), false), "the thread's table holds the segment")
+	err = checkSegment("posix", posixKey(tid, int(seg.Fd()), 8192), true)
 	require.ErrorIs(t, err, ErrBadKey)
 	require.ErrorContains(t, err, "this process's own")
 

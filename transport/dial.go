@@ -195,6 +195,7 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 		token:     w.Token,
 		transport: "tcp",
 		conn:      conn,
+		boot:      connAddrs(conn),
 		handshake: sessionHash(helloBody, body, proofFrame[frameHeaderLen:]),
 		ctx:       hctx,
 	}

@@ -626,6 +626,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		transport: "tcp",
 		conn:      conn,
 		laneSlot:  slot,
+		boot:      connAddrs(conn),
 		handshake: sessionHash(body, welcomeBody, proofBody),
 	}
 	if canUCX {

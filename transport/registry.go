@@ -9,57 +9,66 @@ import (
 // enters when its handshake completes and leaves when it closes, for any
 // reason, before its Done channel is closed.
 //
-// It also counts the live sessions by handshake digest. Both ends of a
-// session to this very process hold the same digest, and no two other
-// sessions do: each side's nonce in it is fresh (identity.go). So a digest
-// held twice names a session whose peer is this process (PeerInProcess).
+// It also files the live sessions by handshake digest, for PeerInProcess.
 var registry = struct {
 	sync.Mutex
 	m          map[ID][]*Session
-	handshakes map[[sha256.Size]byte]int
-}{m: map[ID][]*Session{}, handshakes: map[[sha256.Size]byte]int{}}
+	handshakes map[[sha256.Size]byte][]*Session
+}{m: map[ID][]*Session{}, handshakes: map[[sha256.Size]byte][]*Session{}}
 
 func registryAdd(s *Session) {
 	registry.Lock()
 	defer registry.Unlock()
 	registry.m[s.peer.ID] = append(registry.m[s.peer.ID], s)
-	registry.handshakes[s.handshake]++
+	registry.handshakes[s.handshake] = append(registry.handshakes[s.handshake], s)
 }
 
 func registryRemove(s *Session) {
 	registry.Lock()
 	defer registry.Unlock()
-	if n := registry.handshakes[s.handshake]; n > 1 {
-		registry.handshakes[s.handshake] = n - 1
-	} else {
+	if l := removeSession(registry.handshakes[s.handshake], s); len(l) == 0 {
 		delete(registry.handshakes, s.handshake)
+	} else {
+		registry.handshakes[s.handshake] = l
 	}
-	l := registry.m[s.peer.ID]
-	for i, x := range l {
-		if x == s {
-			l = append(l[:i:i], l[i+1:]...)
-			break
-		}
-	}
-	if len(l) == 0 {
+	if l := removeSession(registry.m[s.peer.ID], s); len(l) == 0 {
 		delete(registry.m, s.peer.ID)
 	} else {
 		registry.m[s.peer.ID] = l
 	}
 }
 
+// removeSession returns l without s, in a new array: SessionsTo's callers
+// may hold the old one.
+func removeSession(l []*Session, s *Session) []*Session {
+	for i, x := range l {
+		if x == s {
+			return append(l[:i:i], l[i+1:]...)
+		}
+	}
+	return l
+}
+
 // PeerInProcess reports whether s's peer is this very process: the other end
-// of s is a session of this process, whatever identity each end has. Each end
-// enters the registry before it sends or reads anything over the session, so
-// what arrives over s finds the answer settled; once true it stays true. A
-// peer in another process can make it true by no message: the digest holds a
-// nonce of this process's, fresh for s.
+// of s is a live session of this process, whatever identity each end has.
+// That end holds the same handshake digest, which carries a fresh nonce of
+// each side, and ran its handshake over the same connection: each end's
+// local address is the other's remote one. A peer that relays this process's
+// own handshake to its own listener gives two sessions one digest, over two
+// connections that do not mirror each other. Each end enters the registry
+// before the engine sends or reads a control message over it, so what
+// arrives over s finds the answer settled; once true it stays true.
 func (s *Session) PeerInProcess() bool {
 	if s.inProcess.Load() {
 		return true
 	}
 	registry.Lock()
-	in := registry.handshakes[s.handshake] > 1
+	in := false
+	for _, o := range registry.handshakes[s.handshake] {
+		if o != s && o.client != s.client && o.bootLocal == s.bootRemote && o.bootRemote == s.bootLocal {
+			in = true
+		}
+	}
 	registry.Unlock()
 	if in {
 		s.inProcess.Store(true)

@@ -69,6 +69,7 @@ type Session struct {
 	mux       *yamux.Session
 
 	localAddr, remoteAddr net.Addr
+	bootLocal, bootRemote string // the handshake's connection's addresses (PeerInProcess)
 	laneAddr              string // client: where to dial the lanes ("" for none)
 	tcpLaneAddr           string // client: the server's TCP listener, where a wide lane is dialed
 
@@ -113,6 +114,7 @@ type sessionSetup struct {
 	peer        Peer
 	token       ID
 	handshake   [sha256.Size]byte // sessionHash of the handshake
+	boot        [2]string         // the handshake connection's local and remote addresses
 	transport   string
 	conn        net.Conn // TCP conn, pipe or UCX endpoint
 	ep          *rdma.Endpoint
@@ -121,6 +123,17 @@ type sessionSetup struct {
 	tcpLaneAddr string          // client: the server's TCP listener (the address dialed), for a wide lane
 	laneSlot    *laneSlot       // server: where the lanes find the session
 	ctx         context.Context // client: bounds opening the control stream and lanes (the dial's handshake)
+}
+
+// connAddrs returns c's local and remote addresses as strings ("" for none).
+func connAddrs(c net.Conn) [2]string {
+	var a [2]string
+	for i, addr := range []net.Addr{c.LocalAddr(), c.RemoteAddr()} {
+		if addr != nil {
+			a[i] = addr.Network() + " " + addr.String()
+		}
+	}
+	return a
 }
 
 // yamuxLogger sends yamux's log lines to slog at debug level.
@@ -139,6 +152,8 @@ func newSession(st sessionSetup) (*Session, error) {
 		peer:        st.peer,
 		token:       st.token,
 		handshake:   st.handshake,
+		bootLocal:   st.boot[0],
+		bootRemote:  st.boot[1],
 		transport:   st.transport,
 		under:       newUnderConn(st.conn),
 		ep:          st.ep,
