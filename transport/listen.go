@@ -47,9 +47,10 @@ type Listener struct {
 
 	handshakes chan struct{} // a slot per connection before its handshake ends
 	hosts      *hostShares   // the handshake slots' share-out between remote hosts
-	ucxServing chan struct{} // a slot per UCX endpoint before it is handed on
 	ucxMu      sync.Mutex
-	ucxHosts   map[netip.Prefix]int // ucxServing's slots by remote host (hostOfAddr)
+	ucxSlots   int                  // a slot per UCX endpoint before it is handed on
+	ucxHeld    int                  // the slots taken
+	ucxHosts   map[netip.Prefix]int // the slots taken, by remote host (hostOfAddr)
 	ucxPerHost int                  // the slots one host may hold: its share of the handshakes'
 
 	awaitMu  sync.Mutex
@@ -110,7 +111,7 @@ func Listen(addr string, opts ...Option) (*Listener, error) {
 		hosts:    newHostShares(),
 
 		handshakes: make(chan struct{}, maxHandshakes),
-		ucxServing: make(chan struct{}, maxHandshakes),
+		ucxSlots:   maxHandshakes,
 		ucxHosts:   map[netip.Prefix]int{},
 	}
 	l.ucxPerHost = l.hosts.perHost
@@ -170,7 +171,10 @@ func (l *Listener) listenUCX() error {
 // session for a lane, and a slot is free to serve its endpoint (admitsUCX
 // checks the requesting host's share too).
 func (l *Listener) expectsUCX() bool {
-	if len(l.ucxServing) == cap(l.ucxServing) {
+	l.ucxMu.Lock()
+	full := l.ucxHeld == l.ucxSlots
+	l.ucxMu.Unlock()
+	if full {
 		// Every slot holds an endpoint yet to send its token: a client's
 		// request turned away now is made again (upgradeUCX), where one
 		// taken would be closed.
@@ -205,11 +209,10 @@ func (l *Listener) admitsUCX(remote net.Addr) bool {
 func (l *Listener) takeUCXSlot(host netip.Prefix) bool {
 	l.ucxMu.Lock()
 	defer l.ucxMu.Unlock()
-	select {
-	case l.ucxServing <- struct{}{}:
-	default:
+	if l.ucxHeld == l.ucxSlots {
 		return false
 	}
+	l.ucxHeld++
 	l.ucxHosts[host]++
 	return true
 }
@@ -217,7 +220,7 @@ func (l *Listener) takeUCXSlot(host netip.Prefix) bool {
 func (l *Listener) releaseUCXSlot(host netip.Prefix) {
 	l.ucxMu.Lock()
 	defer l.ucxMu.Unlock()
-	<-l.ucxServing
+	l.ucxHeld--
 	if l.ucxHosts[host]--; l.ucxHosts[host] <= 0 {
 		delete(l.ucxHosts, host)
 	}
@@ -764,7 +767,7 @@ func (l *Listener) acceptUCX() {
 		host := hostOfAddr(ep.RemoteAddr())
 		if !l.takeUCXSlot(host) {
 			_ = ep.Close()
-			l.plog.Warn("UCX endpoint closed: too many before their token", "remote", ep.RemoteAddr().String(), "limit", cap(l.ucxServing))
+			l.plog.Warn("UCX endpoint closed: too many before their token", "remote", ep.RemoteAddr().String(), "limit", l.ucxSlots)
 			continue
 		}
 		l.wg.Add(1)

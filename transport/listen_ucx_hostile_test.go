@@ -122,7 +122,7 @@ func idleUCXEndpoints(t *testing.T, ctx context.Context, rc *rdma.Context, l *Li
 // closed at once, and the slots come back when the idle endpoints go.
 func TestUCXEndpointsBounded(t *testing.T) {
 	l, rc := heldOpenUCX(t, ModeUCX, WithMode(ModeUCX))
-	slots := cap(l.ucxServing)
+	slots := l.ucxSlots
 
 	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
 	defer cancel()
@@ -138,7 +138,7 @@ func TestUCXEndpointsBounded(t *testing.T) {
 	for _, ep := range eps {
 		_ = ep.Close()
 	}
-	require.Eventually(t, func() bool { return goroutinesIn(serving) == 0 && len(l.ucxServing) == 0 },
+	require.Eventually(t, func() bool { return goroutinesIn(serving) == 0 && l.ucxSlotsHeld() == 0 },
 		handTimeout, 5*time.Millisecond, "the slots come back when the idle endpoints go")
 	s, err := Dial(ctx, l.Addr().String(), WithRDMAContext(rc), WithMode(ModeUCX))
 	require.NoError(t, err)
@@ -163,14 +163,14 @@ func TestUCXSlotsSharedPerHost(t *testing.T) {
 	refused, eps := idleUCXEndpoints(t, ctx, rc, l, idle, func(taken int) {
 		// Served before the next request comes (requests that come
 		// together pass the filter together, and are served).
-		require.Eventually(t, func() bool { return len(l.ucxServing) == taken }, handTimeout, time.Millisecond)
+		require.Eventually(t, func() bool { return l.ucxSlotsHeld() == taken }, handTimeout, time.Millisecond)
 	})
 	require.Len(t, eps, 2, "the others turned away by the filter")
 	const serving = "(*Listener).serveUCX("
 	require.Eventually(t, func() bool {
 		return refused.Load() == idle-2 && goroutinesIn(serving) == 2
 	}, handTimeout, 5*time.Millisecond, "one host is served its share, the rest turned away")
-	require.Equal(t, 2, len(l.ucxServing), "6 slots are still free")
+	require.Equal(t, 2, l.ucxSlotsHeld(), "6 slots are still free")
 	require.False(t, l.admitsUCX(&rdma.Addr{IP: net.ParseIP("127.0.0.1")}), "the host's share is taken")
 	require.True(t, l.admitsUCX(&rdma.Addr{IP: net.ParseIP("192.0.2.7")}), "another host's request is taken")
 	require.True(t, l.admitsUCX(&rdma.Addr{IP: net.ParseIP("2001:db8::1")}), "another host's request is taken")
@@ -181,7 +181,7 @@ func TestUCXSlotsSharedPerHost(t *testing.T) {
 	require.Eventually(t, func() bool {
 		l.ucxMu.Lock()
 		defer l.ucxMu.Unlock()
-		return goroutinesIn(serving) == 0 && len(l.ucxServing) == 0 && len(l.ucxHosts) == 0
+		return goroutinesIn(serving) == 0 && l.ucxHeld == 0 && len(l.ucxHosts) == 0
 	}, handTimeout, 5*time.Millisecond, "the share comes back when the idle endpoints go")
 	require.True(t, l.admitsUCX(&rdma.Addr{IP: net.ParseIP("127.0.0.1")}))
 }
@@ -330,16 +330,23 @@ func TestUpgradeRejectedFallsBack(t *testing.T) {
 	l, rc := heldOpenUCX(t, ModeAuto, WithTrustPeers(true))
 	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
 	defer cancel()
-	slots := cap(l.ucxServing)
+	slots := l.ucxSlots
 	for range slots {
 		ep, err := rc.Worker().Dial(ctx, l.UCXAddr().String())
 		require.NoError(t, err)
 		defer ep.Close()
 	}
-	require.Eventually(t, func() bool { return len(l.ucxServing) == slots }, handTimeout, time.Millisecond)
+	require.Eventually(t, func() bool { return l.ucxSlotsHeld() == slots }, handTimeout, time.Millisecond)
 
 	s, err := Dial(ctx, l.Addr().String(), WithRDMAContext(rc), WithTrustPeers(true), WithHandshakeTimeout(3*time.Second))
 	require.NoError(t, err, "the client falls back to TCP")
 	defer s.Close()
 	require.Equal(t, "tcp", s.Transport())
+}
+
+// ucxSlotsHeld is how many UCX endpoint slots l has taken.
+func (l *Listener) ucxSlotsHeld() int {
+	l.ucxMu.Lock()
+	defer l.ucxMu.Unlock()
+	return l.ucxHeld
 }

@@ -38,8 +38,7 @@ func registryRemove(s *Session) {
 	}
 }
 
-// removeSession returns l without s, in a new array: SessionsTo's callers
-// may hold the old one.
+// removeSession returns l without s, in a new array (l stays as it was).
 func removeSession(l []*Session, s *Session) []*Session {
 	for i, x := range l {
 		if x == s {
@@ -65,7 +64,7 @@ func (s *Session) PeerInProcess() bool {
 	registry.Lock()
 	in := false
 	for _, o := range registry.handshakes[s.handshake] {
-		if o != s && o.client != s.client && o.bootLocal == s.bootRemote && o.bootRemote == s.bootLocal {
+		if o != s && o.client != s.client && o.boot == [2]string{s.boot[1], s.boot[0]} {
 			in = true
 		}
 	}

@@ -62,6 +62,7 @@ type Session struct {
 	token     ID
 	handshake [sha256.Size]byte // sessionHash of the handshake
 	inProcess atomic.Bool       // PeerInProcess found the other end here
+	boot      [2]string         // the handshake connection's local and remote addresses
 	transport string            // "ucx" or "tcp"
 	under     *underConn
 	ep        *rdma.Endpoint
@@ -69,7 +70,6 @@ type Session struct {
 	mux       *yamux.Session
 
 	localAddr, remoteAddr net.Addr
-	bootLocal, bootRemote string // the handshake's connection's addresses (PeerInProcess)
 	laneAddr              string // client: where to dial the lanes ("" for none)
 	tcpLaneAddr           string // client: the server's TCP listener, where a wide lane is dialed
 
@@ -152,8 +152,7 @@ func newSession(st sessionSetup) (*Session, error) {
 		peer:        st.peer,
 		token:       st.token,
 		handshake:   st.handshake,
-		bootLocal:   st.boot[0],
-		bootRemote:  st.boot[1],
+		boot:        st.boot,
 		transport:   st.transport,
 		under:       newUnderConn(st.conn),
 		ep:          st.ep,
