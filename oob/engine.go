@@ -552,11 +552,13 @@ func (p *pull) dropBounce() {
 
 // Fetch pulls the payload d names into dst (d.Length bytes) and returns the path
 // it took. It blocks until the bytes are in place, ctx ends, the transfer
-// timeout passes, or the session to the owner dies. On an error the destination
-// stays reserved until the owner can no longer write into it; where the
-// session died before the owner answered, Fetch returns only then (its
-// endpoints released, up to their close's linger), or at ctx's end: after
-// ctx's end, as after its timeout, a write the owner began may still land.
+// timeout passes, or the session to the owner dies. On an error it returns
+// once the owner can no longer write into dst: where the owner answered
+// while bytes it began to send still arrive, once they stopped (the
+// transfer timeout bounds their read); where the session died before the
+// owner answered, once its endpoints are released (up to their close's
+// linger); or at ctx's end: after ctx's end, as after its timeout, a write
+// the owner began may still land.
 func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, error) {
 	if uint64(dst.Len()) != d.Length {
 		return PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid,
@@ -588,7 +590,8 @@ func ForServerRequest(ctx context.Context) context.Context {
 	return context.WithValue(ctx, serverRequestKey{}, true)
 }
 
-// FetchBytes pulls the payload d names into p (Go memory, d.Length bytes).
+// FetchBytes pulls the payload d names into p (Go memory, d.Length bytes),
+// as Fetch.
 func FetchBytes(ctx context.Context, d Descriptor, p []byte) (Path, error) {
 	dst := devicebuf.HostFromBytes(p)
 	defer dst.Release()
@@ -928,12 +931,25 @@ func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devi
 	p.offers = m.Offers
 	// Every exit from here lets go of p once, by letGo unless a branch says
 	// otherwise: a pull that succeeded but whose destination a bulk reader
-	// still writes into fails.
+	// still writes into fails. A destination the caller gave (Fetch) is the
+	// caller's again as soon as Fetch returns, to reuse as it likes: while
+	// a bulk reader the owner left (a stalled frame or stream, then a FIN)
+	// still writes into it, Fetch returns only once the reader stopped (its
+	// deadline bounds that), or at the end of ctx.
 	letGo := p.letGo
 	defer func() {
-		if !letGo() && err == nil {
+		if letGo() {
+			return
+		}
+		if err == nil {
 			err = &TransferError{Token: d.Token, Kind: TransferInvalid,
 				Err: fmt.Errorf("bulk data still arriving for a transfer the owner answered by %v", path)}
+		}
+		if callerOwnsDst(ctx) {
+			select {
+			case <-p.released:
+			case <-ctx.Done():
+			}
 		}
 	}()
 	// The caller gave up: the pull settles on a goroutine of the session.

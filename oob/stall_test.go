@@ -1,12 +1,15 @@
 package oob
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"net"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
@@ -32,21 +35,25 @@ func reservedPulls(s *transport.Session) int {
 
 // An owner that sends part of a pull's bytes on a bulk stream or the bulk
 // lane, stalls, and then answers with a FIN (failed, or ok for a path the
-// pull did not offer) does not hold the caller: Fetch returns with the FIN,
-// long before the bulk reader's deadline (the transfer timeout). The
-// destination stays reserved until the reader stopped, and goes then.
+// pull did not offer) fails the pull, but a destination the caller gave
+// (Fetch, FetchBytes) is the caller's again once Fetch returns: Fetch waits
+// for the bulk reader to stop writing into it. Here the owner finishes its
+// frame, or closes its stream, once the pull is off the list (the FIN came
+// and the pull waits for the reader), long before the reader's deadline.
 func TestStalledBulkThenFIN(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
 		lanes bool
+		bytes bool // FetchBytes into a Go slice, not Fetch into a Buffer
 		st    finStatus
 		path  Path
 		err   string
 	}{
-		{"multiplexed/fin-failed", false, finFailed, PathNone, "owner refused: nope"},
-		{"multiplexed/fin-ok-unoffered-path", false, finOK, PathRDMA, "not offered"},
-		{"lane/fin-failed", true, finFailed, PathNone, "owner refused: nope"},
-		{"lane/fin-ok-unoffered-path", true, finOK, PathRDMA, "not offered"},
+		{"multiplexed/fin-failed", false, false, finFailed, PathNone, "owner refused: nope"},
+		{"multiplexed/fin-ok-unoffered-path", false, false, finOK, PathRDMA, "not offered"},
+		{"lane/fin-failed", true, false, finFailed, PathNone, "owner refused: nope"},
+		{"lane/fin-ok-unoffered-path", true, false, finOK, PathRDMA, "not offered"},
+		{"lane/fin-failed/bytes", true, true, finFailed, PathNone, "owner refused: nope"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			const timeout = 5 * time.Second
@@ -63,7 +70,7 @@ func TestStalledBulkThenFIN(t *testing.T) {
 				if tc.lanes {
 					// A frame of laneFrameMax bytes, of which half arrives.
 					f := laneFrame{kind: laneData, req: m.Req, total: m.Length, n: laneFrameMax}
-					_, err = link.Lane().Write(append(f.marshal(), make([]byte, laneFrameMax/2)...))
+					_, err = link.Lane().Write(append(f.marshal(), bytes.Repeat([]byte{0xAA}, laneFrameMax/2)...))
 					require.NoError(t, err)
 					stalled <- link.Lane()
 				} else {
@@ -82,31 +89,34 @@ func TestStalledBulkThenFIN(t *testing.T) {
 			_, cs, ss, _, _ := lanePair(t, opts, opts)
 			owner.Store(ss)
 			require.Equal(t, tc.lanes, stateOf(ss).link.Lane() != nil)
+			finished := finishStalled(t, stalled, tc.lanes)
 
 			const n = 1 << 20
-			dst, err := devicebuf.NewHostAllocator().Alloc(n)
-			require.NoError(t, err)
+			p := make([]byte, n)
+			dst := devicebuf.HostFromBytes(p)
+			d := Descriptor{Owner: cs.Peer().ID, Token: newToken(), Length: n, Kind: devicebuf.Host, Device: -1}
 			ctx, cancel := context.WithTimeout(context.Background(), timeout)
 			defer cancel()
 			start := time.Now()
-			_, err = Fetch(ctx, Descriptor{Owner: cs.Peer().ID, Token: newToken(), Length: n, Kind: devicebuf.Host, Device: -1}, dst)
+			var err error
+			if tc.bytes {
+				_, err = FetchBytes(ctx, d, p)
+			} else {
+				_, err = Fetch(ctx, d, dst)
+			}
 			elapsed := time.Since(start)
 			require.ErrorContains(t, err, tc.err)
-			require.Less(t, elapsed, timeout/2, "Fetch waited for the stalled bulk reader")
-
-			// The reader may still write into the destination: it stays
-			// reserved until the reader stops.
-			dst.Release()
-			require.False(t, dst.Released(), "the destination went while a reader wrote into it")
-			require.Equal(t, 1, reservedPulls(cs), "the pull's reservation")
-			c := waitFor(t, stalled, "the stalled transfer")
+			require.Zero(t, reservedPulls(cs), "Fetch returned while the owner's reader wrote into the destination")
+			require.Less(t, elapsed, timeout/2, "Fetch waited for the reader's deadline")
+			require.NoError(t, waitFor(t, finished, "the owner's rest of the transfer"))
 			if tc.lanes {
-				_, err = c.Write(make([]byte, laneFrameMax/2)) // the rest of the frame: the lane carries on
-				require.NoError(t, err)
-			} else {
-				require.NoError(t, c.Close())
+				// The rest of the frame landed before Fetch returned, and
+				// nothing lands after: the lane carries on.
+				require.Equal(t, bytes.Repeat([]byte{0xAA}, laneFrameMax/2), p[:laneFrameMax/2])
+				require.Equal(t, bytes.Repeat([]byte{0xBB}, laneFrameMax/2), p[laneFrameMax/2:laneFrameMax])
 			}
-			require.Eventually(t, func() bool { return dst.Released() && reservedPulls(cs) == 0 }, testTimeout, time.Millisecond, "the pull settles once the reader stopped")
+			dst.Release()
+			require.True(t, dst.Released(), "the pull kept the destination after Fetch returned")
 			require.Zero(t, numPulls())
 			requireLive(t, cs)
 			requireLive(t, ss)
@@ -114,9 +124,37 @@ func TestStalledBulkThenFIN(t *testing.T) {
 	}
 }
 
+// finishStalled takes the transfer the owner stalled, and once its pull is
+// off the list (the caller's Fetch got the FIN and waits for the reader)
+// sends the rest of the lane's frame, or closes the bulk stream. The
+// returned channel gets the outcome.
+func finishStalled(t *testing.T, stalled <-chan net.Conn, lane bool) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		var c net.Conn
+		select {
+		case c = <-stalled:
+		case <-time.After(testTimeout):
+			done <- errors.New("the owner stalled no transfer")
+			return
+		}
+		if !assert.Eventually(t, func() bool { return numPulls() == 0 }, testTimeout, time.Millisecond, "the pull leaves the list") {
+			done <- errors.New("the pull stayed listed")
+			return
+		}
+		if lane {
+			_, err := c.Write(bytes.Repeat([]byte{0xBB}, laneFrameMax/2))
+			done <- err
+			return
+		}
+		done <- c.Close()
+	}()
+	return done
+}
+
 // A FIN ok for a path the owner writes by itself (offered), while a bulk
-// reader it started still writes into the destination, fails the pull at
-// once: the destination is not the caller's while the reader may write.
+// reader it started still writes into the destination, fails the pull; Fetch
+// returns once the reader stopped, for the destination is the caller's then.
 func TestStalledBulkThenFINOfferedPath(t *testing.T) {
 	const timeout = 5 * time.Second
 	setTransferConfig(t, TransferConfig{Timeout: timeout})
@@ -147,13 +185,14 @@ func TestStalledBulkThenFINOfferedPath(t *testing.T) {
 	const n = 1 << 20
 	dst, err := HostPool(rc).Alloc(n)
 	require.NoError(t, err)
+	finished := finishStalled(t, stalled, false)
 	start := time.Now()
 	_, err = Fetch(testContext(t), Descriptor{Owner: cs.Peer().ID, Token: newToken(), Length: n, Kind: devicebuf.Host, Device: -1}, dst)
 	require.ErrorContains(t, err, "bulk data still arriving")
-	require.Less(t, time.Since(start), timeout/2, "Fetch waited for the stalled bulk reader")
+	require.Zero(t, reservedPulls(cs), "Fetch returned while the owner's reader wrote into the destination")
+	require.Less(t, time.Since(start), timeout/2, "Fetch waited for the reader's deadline")
+	require.NoError(t, waitFor(t, finished, "the stream's close"))
 	dst.Release()
-	require.False(t, dst.Released(), "the destination went while a reader wrote into it")
-	require.NoError(t, (<-stalled).Close())
-	require.Eventually(t, func() bool { return dst.Released() && reservedPulls(cs) == 0 }, testTimeout, time.Millisecond, "the pull settles once the reader stopped")
+	require.True(t, dst.Released(), "the pull kept the destination after Fetch returned")
 	requireLive(t, cs)
 }
