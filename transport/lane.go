@@ -495,6 +495,12 @@ func serveLane(ep net.Conn, token ID, role byte, wait time.Duration) error {
 	var c *laneConn
 	switch {
 	case err != nil:
+	case isEndpoint(ep) && s.transport != "ucx":
+		// A TCP session's peer is not trusted with UCX: its handshake opened
+		// no UCX listener, and a lane must not keep an endpoint that another
+		// client's handshake let in for a moment (the listeners' lane slots
+		// are the process's).
+		err = errors.New("a lane over UCX on a TCP session")
 	case role == roleGRPC && !s.grpcTaken.CompareAndSwap(false, true):
 		err = fmt.Errorf("the session's gRPC stream: %w", errLaneTaken)
 	case role == roleWide && s.transport != "ucx":

@@ -350,3 +350,71 @@ func (l *Listener) ucxSlotsHeld() int {
 	defer l.ucxMu.Unlock()
 	return l.ucxHeld
 }
+
+// TestTCPSessionRefusesUCXLane: a process runs a TCP listener for untrusted
+// peers and a UCX listener for trusted ones. While a trusted client's
+// handshake holds the UCX listener open, an untrusted peer whose session on
+// the other listener runs over TCP dials the UCX listener and names its own
+// session's token as a lane. The lane is refused (ack 0): a TCP session
+// keeps no UCX endpoint into this process, whatever window let one in.
+func TestTCPSessionRefusesUCXLane(t *testing.T) {
+	rc := internalUCX(t)
+	trusted, err := Listen("127.0.0.1:0", WithRDMAContext(rc), WithMode(ModeUCX), WithTrustPeers(true), WithHandshakeTimeout(time.Minute))
+	require.NoError(t, err)
+	defer trusted.Close()
+	public, err := Listen("127.0.0.1:0", WithMode(ModeTCP))
+	require.NoError(t, err)
+	defer public.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		if c, err := public.Accept(); err == nil {
+			accepted <- c
+		}
+	}()
+
+	// A trusted client's proven handshake holds the UCX listener open.
+	handClient(t, trusted.Addr().String(), ModeUCX, Caps{UCX: true}, true)
+	require.Eventually(t, trusted.expectsUCX, handTimeout, time.Millisecond)
+
+	// The untrusted peer's TCP session, with lanes; its control lane over UCX.
+	_, w, _ := handClient(t, public.Addr().String(), ModeTCP, Caps{Lanes: true}, true)
+	require.Equal(t, "tcp", w.Transport)
+	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+	defer cancel()
+	ep, err := rc.Worker().Dial(ctx, trusted.UCXAddr().String())
+	require.NoError(t, err)
+	defer ep.Close()
+	require.NoError(t, ep.SetDeadline(time.Now().Add(handTimeout)))
+	_, err = ep.Write(append(append([]byte(laneMagic), w.Token[:]...), roleControl))
+	require.NoError(t, err)
+	var ack [1]byte
+	_, err = io.ReadFull(ep, ack[:])
+	require.NoError(t, err)
+	require.Equal(t, byte(0), ack[0], "a UCX endpoint taken as a TCP session's lane")
+
+	// Its gRPC lane over TCP opens as usual (the control lane it asked for
+	// stays taken), and the session holds no endpoint.
+	gl, err := net.Dial("tcp", public.Addr().String())
+	require.NoError(t, err)
+	defer gl.Close()
+	require.NoError(t, gl.SetDeadline(time.Now().Add(handTimeout)))
+	_, err = gl.Write(append(append([]byte(laneMagic), w.Token[:]...), roleGRPC))
+	require.NoError(t, err)
+	_, err = io.ReadFull(gl, ack[:])
+	require.NoError(t, err)
+	require.Equal(t, byte(upgradeAckOK), ack[0], "the gRPC lane over TCP")
+	var sc net.Conn
+	select {
+	case sc = <-accepted:
+	case <-time.After(handTimeout):
+		t.Fatal("no session accepted")
+	}
+	defer sc.Close()
+	s := SessionOf(sc)
+	require.Equal(t, "tcp", s.Transport())
+	s.laneMu.Lock()
+	defer s.laneMu.Unlock()
+	for _, c := range s.lanes {
+		require.False(t, isEndpoint(c), "a UCX endpoint among the TCP session's lanes")
+	}
+}
