@@ -629,6 +629,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		transport: "tcp",
 		conn:      conn,
 		laneSlot:  slot,
+		lossLog:   l.plog,
 		boot:      connAddrs(conn),
 		handshake: sessionHash(body, welcomeBody, proofBody),
 	}

@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"net"
@@ -128,4 +129,35 @@ func TestPeerLogHeldBack(t *testing.T) {
 	p.WarnErr("h", &IdentityError{Reason: "y"})
 	require.Equal(t, 3, strings.Count(logs.String(), "level=WARN msg=h "), logs.String())
 	require.Equal(t, 1, strings.Count(logs.String(), "level=DEBUG msg=h "), logs.String())
+}
+
+// TestLostSessionsLogLimited: a peer that completes handshakes with fresh
+// keys and then breaks the protocol (here: a stream of unknown role) loses
+// one server session per connection; the listener logs the first loss at
+// Info and the next ones, within its interval, at Debug.
+func TestLostSessionsLogLimited(t *testing.T) {
+	var logs testenv.LogBuffer
+	logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	l, err := Listen("127.0.0.1:0", WithEngine(testEngine{}), WithMode(ModeTCP), WithLanes(false), WithLogger(logger))
+	require.NoError(t, err)
+	defer l.Close()
+	const n = 3
+	for range n {
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		cs, err := Dial(ctx, l.Addr().String(), WithEngine(testEngine{}), WithMode(ModeTCP), WithLanes(false), WithIdentity(NewIdentity()))
+		cancel()
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = cs.Close() })
+		st, err := cs.mux.OpenStream()
+		require.NoError(t, err)
+		_, _ = st.Write([]byte{'X'})
+		select {
+		case <-cs.Done():
+		case <-time.After(10 * time.Second):
+			t.Fatal("the session outlived its stream of unknown role")
+		}
+	}
+	require.Eventually(t, func() bool { return strings.Count(logs.String(), "session lost") == n }, 10*time.Second, time.Millisecond, logs.String())
+	require.Equal(t, 1, strings.Count(logs.String(), `level=INFO msg="session lost"`), logs.String())
+	require.Equal(t, n-1, strings.Count(logs.String(), `level=DEBUG msg="session lost"`), logs.String())
 }

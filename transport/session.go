@@ -58,6 +58,7 @@ type Session struct {
 	client    bool
 	cfg       *config
 	log       *slog.Logger
+	lossLog   *peerLog // server: the listener's, for a session lost (any peer can lose one)
 	peer      Peer
 	token     ID
 	handshake [sha256.Size]byte // sessionHash of the handshake
@@ -122,6 +123,7 @@ type sessionSetup struct {
 	laneAddr    string          // client: where to dial lanes (the UCX or TCP listener); "" for none
 	tcpLaneAddr string          // client: the server's TCP listener (the address dialed), for a wide lane
 	laneSlot    *laneSlot       // server: where the lanes find the session
+	lossLog     *peerLog        // server: the listener's per-peer log
 	ctx         context.Context // client: bounds opening the control stream and lanes (the dial's handshake)
 }
 
@@ -164,6 +166,7 @@ func newSession(st sessionSetup) (*Session, error) {
 		muxClosed:   make(chan struct{}),
 		laneAddr:    st.laneAddr,
 		tcpLaneAddr: st.tcpLaneAddr,
+		lossLog:     st.lossLog,
 	}
 	s.bulk.init()
 	s.wide.init()
@@ -418,6 +421,11 @@ func (s *Session) closeWith(cause error) {
 		s.log.Debug("session closed: idle", "idle_timeout", s.cfg.idleTimeout)
 	case errors.Is(cause, errNoGRPCStream):
 		s.log.Debug("session closed", "err", cause)
+	case s.lossLog != nil:
+		// A peer that completes handshakes with fresh keys loses a server
+		// session per connection if it likes: the listener's bound on
+		// such lines applies.
+		s.lossLog.Info("session lost", "session", s.id, "err", cause)
 	default:
 		s.log.Info("session lost", "err", cause)
 	}
