@@ -629,9 +629,11 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		transport: "tcp",
 		conn:      conn,
 		laneSlot:  slot,
-		lossLog:   l.plog,
 		boot:      connAddrs(conn),
 		handshake: sessionHash(body, welcomeBody, proofBody),
+	}
+	if l != nil {
+		setup.lossLog = l.plog
 	}
 	if canUCX {
 		var d [1]byte
