@@ -554,8 +554,9 @@ func (p *pull) dropBounce() {
 // it took. It blocks until the bytes are in place, ctx ends, the transfer
 // timeout passes, or the session to the owner dies. On an error it returns
 // once the owner can no longer write into dst: where the owner answered
-// while bytes it began to send still arrive, once they stopped (the
-// transfer timeout bounds their read); where the session died before the
+// while bytes it began to send still arrive, once they stopped (past ctx's
+// end or the transfer timeout, the session to the owner is ended, which
+// stops them); where the session died before the
 // owner answered, once its endpoints are released (up to their close's
 // linger); or at ctx's end: after ctx's end, as after its timeout, a write
 // the owner began may still land.
@@ -932,11 +933,14 @@ func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devi
 	// Every exit from here lets go of p once, by letGo unless a branch says
 	// otherwise: a pull that succeeded but whose destination a bulk reader
 	// still writes into fails. A destination the caller gave (Fetch) is the
-	// caller's again as soon as Fetch returns, to reuse as it likes: while
-	// a bulk reader the owner left (a stalled frame or stream, then a FIN)
-	// still writes into it, Fetch returns only once the reader stopped (its
-	// deadline bounds that), or at the end of ctx.
+	// caller's again as soon as Fetch returns, to reuse as it likes: where
+	// the owner answered while a bulk reader still writes into it (a frame
+	// or stream it stalled, then a FIN), Fetch returns once the reader
+	// stopped. The reader's deadline runs from the frame's or stream's
+	// start, which the owner chooses: at the end of ctx the session ends,
+	// which stops the reader.
 	letGo := p.letGo
+	gaveUp := false
 	defer func() {
 		if letGo() {
 			return
@@ -945,15 +949,18 @@ func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devi
 			err = &TransferError{Token: d.Token, Kind: TransferInvalid,
 				Err: fmt.Errorf("bulk data still arriving for a transfer the owner answered by %v", path)}
 		}
-		if callerOwnsDst(ctx) {
-			select {
-			case <-p.released:
-			case <-ctx.Done():
-			}
+		if !callerOwnsDst(ctx) || gaveUp {
+			return
+		}
+		select {
+		case <-p.released:
+		case <-ctx.Done():
+			abort(s, fmt.Errorf("%w: %w", transport.ErrPeerGone, errOwnerStalled))
+			<-p.released
 		}
 	}()
 	// The caller gave up: the pull settles on a goroutine of the session.
-	giveUp := func() bool { p.abandon(); return false }
+	giveUp := func() bool { gaveUp = true; p.abandon(); return false }
 	// Nothing more is read into dst, and the read under way ends now (the
 	// session died, or the reader handed dst over): settled waits for it.
 	// Where the session died before the owner answered, a put it began may
@@ -1627,6 +1634,11 @@ func pushIPC(s *transport.Session, m *rtr, src Source) error {
 	}()
 	return copyIntoIPC(remote, m, src, nil)
 }
+
+// errOwnerStalled ends a session whose owner answered a pull into the
+// caller's memory while bytes it began to send kept coming past the pull's
+// time.
+var errOwnerStalled = errors.New("gdrpc: the owner answered a pull while its bytes kept coming")
 
 // foreignIPC refuses a receiver's IPC handle that names this process's own
 // memory: a peer that echoes a handle this process exported would have the

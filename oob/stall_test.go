@@ -59,32 +59,7 @@ func TestStalledBulkThenFIN(t *testing.T) {
 			const timeout = 5 * time.Second
 			setTransferConfig(t, TransferConfig{Timeout: timeout})
 			var owner atomic.Pointer[transport.Session]
-			stalled := make(chan net.Conn, 1) // the bulk stream, or the lane, mid-transfer
-			interceptControl(t, ctlRTR, func(s *transport.Session, p []byte) bool {
-				if s != owner.Load() {
-					return false
-				}
-				m, err := parseRTR(p)
-				require.NoError(t, err)
-				link := stateOf(s).link
-				if tc.lanes {
-					// A frame of laneFrameMax bytes, of which half arrives.
-					f := laneFrame{kind: laneData, req: m.Req, total: m.Length, n: laneFrameMax}
-					_, err = link.Lane().Write(append(f.marshal(), bytes.Repeat([]byte{0xAA}, laneFrameMax/2)...))
-					require.NoError(t, err)
-					stalled <- link.Lane()
-				} else {
-					c, err := link.OpenBulk(context.Background())
-					require.NoError(t, err)
-					_, err = c.Write(append(bulkHeader(m.Req, m.Length), make([]byte, m.Length/2)...))
-					require.NoError(t, err)
-					stalled <- c
-				}
-				require.Eventually(t, func() bool { return readingInto(m.Req) }, testTimeout, time.Millisecond, "the receiver reads into the destination")
-				f := &fin{Req: m.Req, Status: tc.st, Path: tc.path, Msg: "nope"}
-				require.NoError(t, sendControl(context.Background(), s, ctlFIN, f.marshal()))
-				return true
-			})
+			stalled := stallThenFIN(t, &owner, tc.lanes, &fin{Status: tc.st, Path: tc.path, Msg: "nope"})
 			opts := []transport.Option{transport.WithMode(transport.ModeTCP), transport.WithLanes(tc.lanes)}
 			_, cs, ss, _, _ := lanePair(t, opts, opts)
 			owner.Store(ss)
@@ -195,4 +170,82 @@ func TestStalledBulkThenFINOfferedPath(t *testing.T) {
 	dst.Release()
 	require.True(t, dst.Released(), "the pull kept the destination after Fetch returned")
 	requireLive(t, cs)
+}
+
+// stallThenFIN makes owner's session answer each RTR with half of a lane
+// frame, or of a bulk stream, then, once the receiver reads into the
+// destination, with f (for the RTR's request). The stalled connection comes
+// on the channel returned.
+func stallThenFIN(t *testing.T, owner *atomic.Pointer[transport.Session], lanes bool, f *fin) <-chan net.Conn {
+	stalled := make(chan net.Conn, 1) // the bulk stream, or the lane, mid-transfer
+	interceptControl(t, ctlRTR, func(s *transport.Session, p []byte) bool {
+		if s != owner.Load() {
+			return false
+		}
+		m, err := parseRTR(p)
+		require.NoError(t, err)
+		link := stateOf(s).link
+		if lanes {
+			// A frame of laneFrameMax bytes, of which half arrives.
+			lf := laneFrame{kind: laneData, req: m.Req, total: m.Length, n: laneFrameMax}
+			_, err = link.Lane().Write(append(lf.marshal(), bytes.Repeat([]byte{0xAA}, laneFrameMax/2)...))
+			require.NoError(t, err)
+			stalled <- link.Lane()
+		} else {
+			c, err := link.OpenBulk(context.Background())
+			require.NoError(t, err)
+			_, err = c.Write(append(bulkHeader(m.Req, m.Length), make([]byte, m.Length/2)...))
+			require.NoError(t, err)
+			stalled <- c
+		}
+		require.Eventually(t, func() bool { return readingInto(m.Req) }, testTimeout, time.Millisecond, "the receiver reads into the destination")
+		answer := *f
+		answer.Req = m.Req
+		require.NoError(t, sendControl(context.Background(), s, ctlFIN, answer.marshal()))
+		return true
+	})
+	return stalled
+}
+
+// An owner that answers while its stalled frame or stream keeps the reader
+// going past the pull's time (here: the caller's context ends while Fetch
+// waits for the reader) has its session ended, which stops the reader:
+// Fetch returns with nothing left writing into the caller's memory.
+func TestStalledBulkPastPullTime(t *testing.T) {
+	for _, lanes := range []bool{true, false} {
+		t.Run(map[bool]string{true: "lane", false: "multiplexed"}[lanes], func(t *testing.T) {
+			setTransferConfig(t, TransferConfig{Timeout: time.Minute})
+			var owner atomic.Pointer[transport.Session]
+			stalled := stallThenFIN(t, &owner, lanes, &fin{Status: finFailed, Msg: "nope"})
+			opts := []transport.Option{transport.WithMode(transport.ModeTCP), transport.WithLanes(lanes)}
+			_, cs, ss, _, _ := lanePair(t, opts, opts)
+			owner.Store(ss)
+
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			taken := make(chan net.Conn, 1)
+			go func() {
+				// The owner stalled, then Fetch got the FIN and waits for
+				// the reader: the caller's time is up.
+				c := <-stalled
+				assert.Eventually(t, func() bool { return numPulls() == 0 }, testTimeout, time.Millisecond, "the pull leaves the list")
+				cancel()
+				taken <- c
+			}()
+			const n = 1 << 20
+			p := make([]byte, n)
+			_, err := FetchBytes(ctx, Descriptor{Owner: cs.Peer().ID, Token: newToken(), Length: n, Kind: devicebuf.Host, Device: -1}, p)
+			require.ErrorContains(t, err, "owner refused: nope")
+			require.Zero(t, reservedPulls(cs), "FetchBytes returned while the owner's reader wrote into the slice")
+			select {
+			case <-cs.Done():
+			case <-time.After(testTimeout):
+				t.Fatal("the session to the owner outlived the stalled transfer")
+			}
+			require.ErrorIs(t, cs.Err(), errOwnerStalled)
+			c := waitFor(t, taken, "the stalled transfer")
+			_, _ = c.Write(bytes.Repeat([]byte{0xBB}, laneFrameMax/2)) // reaches no reader
+			require.Equal(t, -1, bytes.IndexByte(p, 0xBB), "the owner's late bytes reached the caller's slice")
+		})
+	}
 }
