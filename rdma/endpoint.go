@@ -39,6 +39,7 @@ type Endpoint struct {
 	rbusy    bool   // the worker is copying into rbuf outside mu
 	rcond    sync.Cond
 	stalled  bool // draining stopped: the ring is full
+	cut      bool // the peer closed with more unread than drainMax: the rest was dropped
 	drainReq bool // a drain is queued
 	term     error
 	eof      bool      // term: the peer closed; Read returns io.EOF
@@ -162,7 +163,14 @@ func (e *Endpoint) peerFailed(status int) {
 func (e *Endpoint) peerFinished() {
 	e.unlist()
 	e.drain(true)
-	e.setTerm(errPeerClosed, true, true)
+	e.mu.Lock()
+	cut := e.cut
+	e.mu.Unlock()
+	if cut {
+		e.setTerm(errUnreadCut, false, true)
+	} else {
+		e.setTerm(errPeerClosed, true, true)
+	}
 	w := e.w
 	e.issue(func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
 		return C.rdma_ep_fin(w.cw, ce, 1, id, req)
@@ -272,10 +280,18 @@ func (e *Endpoint) OnError(f func(error)) {
 // tells the peer (its Reads then return io.EOF) for at most 2 s, then
 // releases the UCX endpoint (force close). It is idempotent; later calls
 // return errors wrapping net.ErrClosed.
-func (e *Endpoint) Close() error {
+func (e *Endpoint) Close() error { return e.close(true) }
+
+// Abort closes the endpoint at once: what was written and not yet sent is
+// dropped, and the peer is not told (its endpoint fails). It is for a peer
+// that broke the protocol: UCX goes on receiving for an endpoint that Close
+// lingers on. It is idempotent, and a no-op after Close.
+func (e *Endpoint) Abort() error { return e.close(false) }
+
+func (e *Endpoint) close(polite bool) error {
 	e.closeOnce.Do(func() {
 		e.mu.Lock()
-		graceful := e.term == nil
+		graceful := polite && e.term == nil
 		e.local = true
 		e.mu.Unlock()
 		e.setTerm(closedError("endpoint"), false, false)

@@ -10,6 +10,7 @@ import "C"
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"runtime"
 	"time"
@@ -20,15 +21,27 @@ const (
 	ringInitial = 32 << 10 // first inbound buffer of an endpoint
 	// ringLinger is how long a grown ring stays empty and unfilled before
 	// the driver gives it back (shrinkRings): bursts a moment apart reuse it.
-	ringLinger  = time.Second
-	ringMax     = 4 << 20  // inbound buffer above which draining UCX stops until Read catches up
+	ringLinger = time.Second
+	ringMax    = 4 << 20 // inbound buffer above which draining UCX stops until Read catches up
+	// drainMax bounds the inbound ring once the peer closed or failed, when
+	// what it sent is taken out of UCX before the endpoint goes: past it the
+	// rest is dropped and Read ends with errUnreadCut, not io.EOF. Readers
+	// over flow control (yamux, HTTP/2, the bulk lanes) leave far less
+	// unread; a peer that sends to an endpoint nobody reads cannot make its
+	// close copy more than this into Go memory.
+	drainMax    = 16 * ringMax
 	smallWrite  = 64 << 10 // writes up to this size are copied and sent without waiting
 	maxInflight = 4 << 20  // copied bytes in flight per endpoint before Write waits
 	directRead  = 32 << 10 // Reads from this size wait with their buffer posted for a direct copy (gRPC's reads of a lane are 32 KiB)
 )
 
+// errUnreadCut ends the reads of an endpoint whose peer closed it with more
+// unread than the endpoint keeps (drainMax): what came after was dropped.
+var errUnreadCut = fmt.Errorf("rdma: peer closed the endpoint with more than %d MiB unread; the rest was dropped", drainMax>>20)
+
 // drain moves received stream data from UCX into the inbound ring (worker
-// lock held). Unless all is set it stops when the ring reaches ringMax.
+// lock held). Unless all is set it stops when the ring reaches ringMax; with
+// all it stops at drainMax, noting the cut.
 func (e *Endpoint) drain(all bool) {
 	if e.ce == nil || e.ucpClosed {
 		return
@@ -60,6 +73,11 @@ func (e *Endpoint) drain(all bool) {
 			size := max(2*len(e.in), ringInitial)
 			if size > ringMax && !all {
 				e.stalled = true
+				e.mu.Unlock()
+				return
+			}
+			if size > drainMax {
+				e.cut = true
 				e.mu.Unlock()
 				return
 			}

@@ -73,3 +73,10 @@ func (e *Endpoint) RingLen() int {
 
 // RingInitial is an inbound ring's first size.
 const RingInitial = ringInitial
+
+// DrainMax bounds the inbound ring once the peer closed.
+const DrainMax = drainMax
+
+// ErrUnreadCut ends the reads of an endpoint whose peer closed it with more
+// unread than DrainMax.
+var ErrUnreadCut = errUnreadCut

@@ -63,6 +63,7 @@ func (e *Endpoint) TransportInfo() string              { return "" }
 func (e *Endpoint) LocalAddr() net.Addr                { return &Addr{} }
 func (e *Endpoint) RemoteAddr() net.Addr               { return &Addr{} }
 func (e *Endpoint) Close() error                       { return nil }
+func (e *Endpoint) Abort() error                       { return nil }
 func (e *Endpoint) Done() <-chan struct{}              { return closedChan }
 func (e *Endpoint) Err() error                         { return errBuild }
 func (e *Endpoint) OnError(func(error))                {}

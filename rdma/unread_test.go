@@ -1,0 +1,60 @@
+//go:build cgo && !nordma
+
+package rdma_test
+
+import (
+	"bytes"
+	"io"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/rdma"
+)
+
+// A peer that writes to an endpoint nobody reads and then closes it has what
+// it sent taken out of UCX into the endpoint's ring before the endpoint goes,
+// up to DrainMax: a reader then gets those bytes and io.EOF, or, past
+// DrainMax, the first DrainMax bytes and ErrUnreadCut, never an io.EOF that
+// hides the bytes dropped. The ring stays within DrainMax however much the
+// peer sent.
+func TestPeerCloseDrainBounded(t *testing.T) {
+	for _, tls := range []string{"tcp", "posix,sysv,cma,tcp"} {
+		for _, tc := range []struct {
+			name string
+			n    int
+		}{{"within", 2 * rdma.RingInitial << 8}, {"past", rdma.DrainMax + 32<<20}} {
+			t.Run(tls+"/"+tc.name, func(t *testing.T) {
+				c := newContext(t, tls)
+				client, server := pair(t, c)
+				sent := make([]byte, tc.n)
+				for i := range sent {
+					sent[i] = byte(i % 251)
+				}
+				require.NoError(t, client.SetWriteDeadline(time.Now().Add(time.Minute)))
+				for off := 0; off < len(sent); off += 1 << 20 {
+					_, err := client.Write(sent[off:min(off+1<<20, len(sent))])
+					require.NoError(t, err)
+				}
+				require.NoError(t, client.Close())
+				select {
+				case <-server.Done():
+				case <-time.After(time.Minute):
+					t.Fatal("the peer's close never arrived")
+				}
+				require.LessOrEqual(t, server.RingLen(), rdma.DrainMax)
+				require.NoError(t, server.SetReadDeadline(time.Now().Add(time.Minute)))
+				got, err := io.ReadAll(server)
+				if tc.n <= rdma.DrainMax {
+					require.NoError(t, err) // io.EOF
+					require.True(t, bytes.Equal(sent, got), "read %d bytes of %d, or other bytes", len(got), len(sent))
+					return
+				}
+				require.ErrorIs(t, err, rdma.ErrUnreadCut)
+				require.Len(t, got, rdma.DrainMax)
+				require.True(t, bytes.Equal(sent[:len(got)], got), "the bytes read are not the first ones sent")
+			})
+		}
+	}
+}
