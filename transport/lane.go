@@ -489,12 +489,16 @@ func (s *Session) closeLanes() {
 // (server side), the role what runs on it. It answers with the ack byte:
 // upgradeAckOK, upgradeAckTaken where another connection holds the role on
 // the session, 0 for any other refusal. The lane may arrive before the
-// handshake made the session; it waits for it for at most wait.
-func serveLane(ep net.Conn, token ID, role byte, wait time.Duration) error {
-	s, err := takeLaneSession(token, role, wait)
+// handshake made the session; it waits for it for at most wait. quiet, if
+// not nil, watches the lane, which must send nothing until the ack: a lane
+// that does is aborted.
+func serveLane(ep net.Conn, token ID, role byte, wait time.Duration, quiet *silence) error {
+	s, err := takeLaneSession(token, role, wait, quiet.broken())
 	var c *laneConn
 	switch {
 	case err != nil:
+	case !quiet.stop():
+		err = errSpokeEarly
 	case isEndpoint(ep) && s.transport != "ucx":
 		// A TCP session's peer is not trusted with UCX: its handshake opened
 		// no UCX listener, and a lane must not keep an endpoint that another
@@ -518,6 +522,10 @@ func serveLane(ep net.Conn, token ID, role byte, wait time.Duration) error {
 	}
 	if err == nil && (role == roleControl && !s.ctrl.set(c) || role == roleBulk && !s.bulk.set(c) || role == roleWide && !s.wide.set(c)) {
 		err = fmt.Errorf("the session's %q lane: %w", role, errLaneTaken)
+	}
+	if errors.Is(err, errSpokeEarly) {
+		abortConn(ep)
+		return err
 	}
 	if err != nil {
 		ack := byte(0)
@@ -601,7 +609,7 @@ func lanesExpected() bool {
 // this token. A token opens one lane of each role; once the gRPC, control
 // and bulk lanes are open it is forgotten (a wide lane comes before them or
 // not at all).
-func takeLaneSession(token ID, role byte, wait time.Duration) (*Session, error) {
+func takeLaneSession(token ID, role byte, wait time.Duration, broken <-chan struct{}) (*Session, error) {
 	bit, ok := laneRoles[role]
 	if !ok {
 		return nil, fmt.Errorf("unknown lane role %#x", role)
@@ -618,6 +626,8 @@ func takeLaneSession(token ID, role byte, wait time.Duration) (*Session, error) 
 	case <-slot.ready:
 	case <-t.C:
 		return nil, errors.New("the session of this token did not come up")
+	case <-broken:
+		return nil, errSpokeEarly
 	}
 	if slot.s == nil {
 		return nil, errors.New("the session of this token runs without lanes")

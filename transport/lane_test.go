@@ -260,7 +260,7 @@ func TestWideLaneRefused(t *testing.T) {
 				b, _ := io.ReadAll(peer)
 				got <- b
 			}()
-			err := serveLane(c, token, roleWide, time.Second)
+			err := serveLane(c, token, roleWide, time.Second, nil)
 			require.ErrorContains(t, err, tc.why)
 			require.Equal(t, []byte{0}, <-got, "a refusal, then the end")
 			_, err = c.Write([]byte("x"))
@@ -288,7 +288,7 @@ func TestWideLaneTaken(t *testing.T) {
 			n, _ := io.ReadFull(peer, b)
 			got <- b[:n]
 		}()
-		err := serveLane(c, token, roleWide, time.Second)
+		err := serveLane(c, token, roleWide, time.Second, nil)
 		return <-got, err
 	}
 	ack, err := answer()

@@ -469,7 +469,11 @@ func (l *Listener) acceptLane(c net.Conn, got []byte, unbind func()) {
 	if err == nil {
 		var token ID
 		copy(token[:], rest[:])
-		err = serveLane(c, token, rest[len(token)], l.cfg.handshakeTimeout)
+		var quiet *silence
+		if isEndpoint(c) {
+			quiet = watchSilence(c)
+		}
+		err = serveLane(c, token, rest[len(token)], l.cfg.handshakeTimeout, quiet)
 	} else {
 		_ = c.Close()
 	}
@@ -804,21 +808,30 @@ func (l *Listener) serveUCX(ep *rdma.Endpoint, host netip.Prefix) {
 	if string(msg[:len(upgradeMagic)]) != upgradeMagic || pu == nil {
 		unbind()
 		_, _ = ep.Write([]byte{0})
-		_ = ep.Close()
+		_ = ep.Abort() // what it sent after the token stays with UCX until the endpoint goes
 		l.plog.Warn("UCX endpoint with an unknown token; closed", "remote", ep.RemoteAddr().String())
 		return
 	}
+	// The client sends nothing more until the ack.
+	quiet := watchSilence(ep)
 	select {
 	case <-pu.proven:
 	case <-pu.gone:
 	case <-hctx.Done():
+	case <-quiet.broken():
+	}
+	if !quiet.stop() {
+		unbind()
+		_ = ep.Abort()
+		l.plog.Warn("UCX endpoint sent data before its ack; aborted", "remote", ep.RemoteAddr().String())
+		return
 	}
 	select {
 	case <-pu.proven:
 	default:
 		unbind()
 		_, _ = ep.Write([]byte{0})
-		_ = ep.Close()
+		_ = ep.Abort()
 		l.plog.Warn("UCX endpoint for a handshake whose client did not prove its id; closed", "remote", ep.RemoteAddr().String())
 		return
 	}

@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"os"
 	"runtime"
 	"strings"
 	"sync"
@@ -416,5 +417,59 @@ func TestTCPSessionRefusesUCXLane(t *testing.T) {
 	defer s.laneMu.Unlock()
 	for _, c := range s.lanes {
 		require.False(t, isEndpoint(c), "a UCX endpoint among the TCP session's lanes")
+	}
+}
+
+// TestUCXEndpointSpeakingEarlyAborted: a client that sent its hello and no
+// proof has a token; while another client holds the UCX listener open it
+// dials an endpoint, presents the token, as an upgrade or as a lane, and
+// then floods the endpoint instead of waiting for the ack. UCX's stream has
+// no flow control: what the listener does not read would pile up in this
+// process until the handshake timeout. The listener aborts the endpoint at
+// its first byte, and the flood's writes fail.
+func TestUCXEndpointSpeakingEarlyAborted(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		first func(token ID) []byte
+	}{
+		{"upgrade", func(token ID) []byte { return append([]byte(upgradeMagic), token[:]...) }},
+		{"lane", func(token ID) []byte { return append(append([]byte(laneMagic), token[:]...), roleControl) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rc := internalUCX(t)
+			l, err := Listen("127.0.0.1:0", WithRDMAContext(rc), WithMode(ModeUCX), WithHandshakeTimeout(time.Minute))
+			require.NoError(t, err)
+			defer l.Close()
+			_, w, _ := handClient(t, l.Addr().String(), ModeUCX, Caps{UCX: true, Lanes: true}, false)
+			handClient(t, l.Addr().String(), ModeUCX, Caps{UCX: true}, true) // holds the UCX listener open
+			require.Eventually(t, l.expectsUCX, handTimeout, time.Millisecond)
+
+			aw, err := rc.NewWorker() // the attacker's own worker: no in-process pairing
+			require.NoError(t, err)
+			defer aw.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+			defer cancel()
+			ep, err := aw.Dial(ctx, l.UCXAddr().String())
+			require.NoError(t, err)
+			defer ep.Close()
+			_, err = ep.Write(tc.first(w.Token))
+			require.NoError(t, err)
+			chunk := make([]byte, 1<<20)
+			const total = 1 << 30
+			require.NoError(t, ep.SetWriteDeadline(time.Now().Add(30*time.Second)))
+			written := 0
+			for written < total && err == nil {
+				var n int
+				n, err = ep.Write(chunk)
+				written += n
+			}
+			require.Error(t, err, "the listener took %d MiB from a client that never proved its id", written>>20)
+			require.NotErrorIs(t, err, os.ErrDeadlineExceeded, "the writes stalled instead of failing")
+			select {
+			case <-ep.Done():
+			case <-time.After(handTimeout):
+				t.Fatal("the attacker's endpoint outlived the abort")
+			}
+		})
 	}
 }

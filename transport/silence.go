@@ -1,0 +1,69 @@
+package transport
+
+import (
+	"errors"
+	"net"
+	"time"
+
+	"github.com/gdrpc/gdrpc/rdma"
+)
+
+// errSpokeEarly refuses a connection that sent data before this side
+// answered it.
+var errSpokeEarly = errors.New("the peer sent data before it was answered")
+
+// silence watches a connection that must send nothing until this side
+// answers it: a UCX endpoint after its token, whose client waits for the
+// ack. UCX's stream has no flow control of its own, so what a peer sends to
+// an endpoint nobody reads piles up in this process's memory; a byte (or
+// the end, or a failure) breaks the silence, and the endpoint is aborted.
+type silence struct {
+	c      net.Conn
+	gone   chan struct{} // closed once the watch's read returned
+	silent bool          // the read ended at stop's deadline, with nothing; set before gone closes
+}
+
+// watchSilence starts watching c: a read of one byte, which stop's deadline
+// ends.
+func watchSilence(c net.Conn) *silence {
+	q := &silence{c: c, gone: make(chan struct{})}
+	go func() {
+		defer close(q.gone)
+		var b [1]byte
+		n, err := c.Read(b[:])
+		var ne net.Error
+		q.silent = n == 0 && errors.As(err, &ne) && ne.Timeout()
+	}()
+	return q
+}
+
+// broken is closed once the watch's read returned: c sent something,
+// ended, failed, or its deadline passed. Nil for no watch.
+func (q *silence) broken() <-chan struct{} {
+	if q == nil {
+		return nil
+	}
+	return q.gone
+}
+
+// stop ends the watch, leaving c with no read deadline, and reports whether
+// c stayed silent (true for no watch).
+func (q *silence) stop() bool {
+	if q == nil {
+		return true
+	}
+	_ = q.c.SetReadDeadline(time.Unix(1, 0))
+	<-q.gone
+	_ = q.c.SetReadDeadline(time.Time{})
+	return q.silent
+}
+
+// abortConn closes c at once where it is a UCX endpoint, dropping what it
+// holds (Abort), and as usual otherwise.
+func abortConn(c net.Conn) {
+	if ep, ok := c.(*rdma.Endpoint); ok {
+		_ = ep.Abort()
+		return
+	}
+	_ = c.Close()
+}
