@@ -49,7 +49,9 @@ func (e *Endpoint) drain(all bool) {
 	for {
 		e.mu.Lock()
 		e.drainReq = false
-		if e.local {
+		if e.local || e.cut {
+			// Closed here, or cut: what the reader gets ends where the
+			// cut was made.
 			e.mu.Unlock()
 			return
 		}

@@ -646,7 +646,17 @@ size_t rdma_stream_read(rdma_ep_t *e, void *dst, size_t cap, int *more)
 			e->cur = NULL;
 		}
 	}
-	*more = 1;
+	// dst is full: more only if UCX holds more (kept in cur for the next read).
+	if (e->cur == NULL) {
+		size_t len = 0;
+		ucs_status_ptr_t p = p_ucp_stream_recv_data_nb(e->ep, &len);
+		if (p != NULL && !UCS_PTR_IS_ERR(p)) {
+			e->cur = p;
+			e->cur_off = 0;
+			e->cur_len = len;
+		}
+	}
+	*more = e->cur != NULL;
 	return done;
 }
 

@@ -496,9 +496,11 @@ func serveLane(ep net.Conn, token ID, role byte, wait time.Duration, quiet *sile
 	s, err := takeLaneSession(token, role, wait, quiet.broken())
 	var c *laneConn
 	switch {
+	case errors.Is(err, errEndedEarly):
+		err = quiet.err()
 	case err != nil:
 	case !quiet.stop():
-		err = errSpokeEarly
+		err = quiet.err()
 	case isEndpoint(ep) && s.transport != "ucx":
 		// A TCP session's peer is not trusted with UCX: its handshake opened
 		// no UCX listener, and a lane must not keep an endpoint that another
@@ -523,17 +525,17 @@ func serveLane(ep net.Conn, token ID, role byte, wait time.Duration, quiet *sile
 	if err == nil && (role == roleControl && !s.ctrl.set(c) || role == roleBulk && !s.bulk.set(c) || role == roleWide && !s.wide.set(c)) {
 		err = fmt.Errorf("the session's %q lane: %w", role, errLaneTaken)
 	}
-	if errors.Is(err, errSpokeEarly) {
-		abortConn(ep)
-		return err
-	}
 	if err != nil {
-		ack := byte(0)
-		if errors.Is(err, errLaneTaken) {
-			ack = upgradeAckTaken
+		if !errors.Is(err, errSpokeEarly) && !errors.Is(err, errEndedEarly) {
+			ack := byte(0)
+			if errors.Is(err, errLaneTaken) {
+				ack = upgradeAckTaken
+			}
+			_, _ = ep.Write([]byte{ack})
 		}
-		_, _ = ep.Write([]byte{ack})
-		_ = ep.Close()
+		// A UCX endpoint goes at once: while Close lingered, UCX would go
+		// on taking in whatever the peer sends, which nobody reads.
+		abortConn(ep)
 		return err
 	}
 	if _, err := ep.Write([]byte{upgradeAckOK}); err != nil {
@@ -627,7 +629,7 @@ func takeLaneSession(token ID, role byte, wait time.Duration, broken <-chan stru
 	case <-t.C:
 		return nil, errors.New("the session of this token did not come up")
 	case <-broken:
-		return nil, errSpokeEarly
+		return nil, errEndedEarly // serveLane tells which
 	}
 	if slot.s == nil {
 		return nil, errors.New("the session of this token runs without lanes")

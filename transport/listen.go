@@ -823,7 +823,11 @@ func (l *Listener) serveUCX(ep *rdma.Endpoint, host netip.Prefix) {
 	if !quiet.stop() {
 		unbind()
 		_ = ep.Abort()
-		l.plog.Warn("UCX endpoint sent data before its ack; aborted", "remote", ep.RemoteAddr().String())
+		if quiet.spoke {
+			l.plog.Warn("UCX endpoint sent data before its ack; aborted", "remote", ep.RemoteAddr().String())
+		} else {
+			l.log.Debug("UCX endpoint ended before its ack")
+		}
 		return
 	}
 	select {

@@ -9,8 +9,11 @@ import (
 )
 
 // errSpokeEarly refuses a connection that sent data before this side
-// answered it.
-var errSpokeEarly = errors.New("the peer sent data before it was answered")
+// answered it; errEndedEarly one that ended or failed meanwhile.
+var (
+	errSpokeEarly = errors.New("the peer sent data before it was answered")
+	errEndedEarly = errors.New("the connection ended before it was answered")
+)
 
 // silence watches a connection that must send nothing until this side
 // answers it: a UCX endpoint after its token, whose client waits for the
@@ -21,6 +24,7 @@ type silence struct {
 	c      net.Conn
 	gone   chan struct{} // closed once the watch's read returned
 	silent bool          // the read ended at stop's deadline, with nothing; set before gone closes
+	spoke  bool          // the read returned data; set before gone closes
 }
 
 // watchSilence starts watching c: a read of one byte, which stop's deadline
@@ -32,6 +36,7 @@ func watchSilence(c net.Conn) *silence {
 		var b [1]byte
 		n, err := c.Read(b[:])
 		var ne net.Error
+		q.spoke = n > 0
 		q.silent = n == 0 && errors.As(err, &ne) && ne.Timeout()
 	}()
 	return q
@@ -56,6 +61,14 @@ func (q *silence) stop() bool {
 	<-q.gone
 	_ = q.c.SetReadDeadline(time.Time{})
 	return q.silent
+}
+
+// err is why a broken silence refuses c (after stop or broken).
+func (q *silence) err() error {
+	if q.spoke {
+		return errSpokeEarly
+	}
+	return errEndedEarly
 }
 
 // abortConn closes c at once where it is a UCX endpoint, dropping what it
