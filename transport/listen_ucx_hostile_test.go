@@ -292,27 +292,9 @@ func TestLaneSlotForgottenWithGRPCStream(t *testing.T) {
 	}()
 	_, w, id := handClient(t, l.Addr().String(), ModeTCP, Caps{Lanes: true}, true)
 	require.True(t, w.Caps.Lanes)
-	lane := func(role byte) byte {
-		t.Helper()
-		c, err := net.Dial("tcp", l.Addr().String())
-		require.NoError(t, err)
-		t.Cleanup(func() { _ = c.Close() })
-		require.NoError(t, c.SetDeadline(time.Now().Add(handTimeout)))
-		_, err = c.Write(append(append([]byte(laneMagic), w.Token[:]...), role))
-		require.NoError(t, err)
-		var ack [1]byte
-		_, _ = io.ReadFull(c, ack[:])
-		return ack[0]
-	}
+	lane := func(role byte) byte { return tcpLane(t, l.Addr().String(), w.Token, role) }
 	require.Equal(t, byte(upgradeAckOK), lane(roleGRPC))
-	var sc net.Conn
-	select {
-	case sc = <-accepted:
-	case <-time.After(handTimeout):
-		t.Fatal("no session accepted")
-	}
-	defer sc.Close()
-	s := SessionOf(sc)
+	s := acceptedSession(t, accepted)
 	require.Equal(t, []*Session{s}, SessionsTo(id.ID()))
 	require.Eventually(t, func() bool {
 		laneWaiting.Lock()
@@ -395,23 +377,8 @@ func TestTCPSessionRefusesUCXLane(t *testing.T) {
 
 	// Its gRPC lane over TCP opens as usual (the control lane it asked for
 	// stays taken), and the session holds no endpoint.
-	gl, err := net.Dial("tcp", public.Addr().String())
-	require.NoError(t, err)
-	defer gl.Close()
-	require.NoError(t, gl.SetDeadline(time.Now().Add(handTimeout)))
-	_, err = gl.Write(append(append([]byte(laneMagic), w.Token[:]...), roleGRPC))
-	require.NoError(t, err)
-	_, err = io.ReadFull(gl, ack[:])
-	require.NoError(t, err)
-	require.Equal(t, byte(upgradeAckOK), ack[0], "the gRPC lane over TCP")
-	var sc net.Conn
-	select {
-	case sc = <-accepted:
-	case <-time.After(handTimeout):
-		t.Fatal("no session accepted")
-	}
-	defer sc.Close()
-	s := SessionOf(sc)
+	require.Equal(t, byte(upgradeAckOK), tcpLane(t, public.Addr().String(), w.Token, roleGRPC), "the gRPC lane over TCP")
+	s := acceptedSession(t, accepted)
 	require.Equal(t, "tcp", s.Transport())
 	s.laneMu.Lock()
 	defer s.laneMu.Unlock()
@@ -480,4 +447,34 @@ func TestUCXEndpointSpeakingEarlyAborted(t *testing.T) {
 			}
 		})
 	}
+}
+
+// tcpLane opens a lane of role for the session of token on the listener at
+// addr, by hand over TCP, and returns the server's ack (0 when none came).
+// The connection closes when the test ends.
+func tcpLane(t *testing.T, addr string, token ID, role byte) byte {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+	require.NoError(t, c.SetDeadline(time.Now().Add(handTimeout)))
+	_, err = c.Write(append(append([]byte(laneMagic), token[:]...), role))
+	require.NoError(t, err)
+	var ack [1]byte
+	_, _ = io.ReadFull(c, ack[:])
+	return ack[0]
+}
+
+// acceptedSession returns the session of the conn a listener's Accept
+// passes on accepted, closed when the test ends.
+func acceptedSession(t *testing.T, accepted <-chan net.Conn) *Session {
+	t.Helper()
+	select {
+	case sc := <-accepted:
+		t.Cleanup(func() { _ = sc.Close() })
+		return SessionOf(sc)
+	case <-time.After(handTimeout):
+		t.Fatal("no session accepted")
+	}
+	return nil
 }
