@@ -556,10 +556,10 @@ func (p *pull) dropBounce() {
 // once the owner can no longer write into dst: where the owner answered
 // while bytes it began to send still arrive, once they stopped (past ctx's
 // end or the transfer timeout, the session to the owner is ended, which
-// stops them); where the session died before the
-// owner answered, once its endpoints are released (up to their close's
-// linger); or at ctx's end: after ctx's end, as after its timeout, a write
-// the owner began may still land.
+// stops them); where the session died before the owner answered, once its
+// endpoints are released (up to their close's linger); or at ctx's end:
+// after ctx's end, as after its timeout, a write the owner began may still
+// land.
 func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, error) {
 	if uint64(dst.Len()) != d.Length {
 		return PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid,
