@@ -489,11 +489,12 @@ func (s *Session) closeLanes() {
 // (server side), the role what runs on it. It answers with the ack byte:
 // upgradeAckOK, upgradeAckTaken where another connection holds the role on
 // the session, 0 for any other refusal. The lane may arrive before the
-// handshake made the session; it waits for it for at most wait. quiet, if
-// not nil, watches the lane, which must send nothing until the ack: a lane
-// that does is aborted.
-func serveLane(ep net.Conn, token ID, role byte, wait time.Duration, quiet *silence) error {
-	s, err := takeLaneSession(token, role, wait, quiet.broken())
+// handshake made the session; it waits for it until ctx ends (the
+// handshake timeout, or the listener's close). quiet, if not nil, watches
+// the lane, which must send nothing until the ack: a lane that does is
+// aborted.
+func serveLane(ctx context.Context, l *Listener, ep net.Conn, token ID, role byte, quiet *silence) error {
+	s, err := takeLaneSession(ctx, l, token, role, quiet.broken())
 	var c *laneConn
 	switch {
 	case errors.Is(err, errEndedEarly):
@@ -558,7 +559,8 @@ type laneSlot struct {
 	once   sync.Once
 	ready  chan struct{}
 	s      *Session
-	taken  uint8 // laneRoles opened; guarded by laneWaiting
+	owner  *Listener // whose handshake made the slot: only its ports take the lanes
+	taken  uint8     // laneRoles opened; guarded by laneWaiting
 	proven bool  // counted in laneWaiting.proven; guarded by laneWaiting
 }
 
@@ -568,8 +570,8 @@ var laneWaiting = struct {
 	proven int // the slots in m whose client proved its id
 }{m: map[ID]*laneSlot{}}
 
-func expectLane(token ID) *laneSlot {
-	slot := &laneSlot{token: token, ready: make(chan struct{})}
+func expectLane(token ID, owner *Listener) *laneSlot {
+	slot := &laneSlot{token: token, owner: owner, ready: make(chan struct{})}
 	laneWaiting.Lock()
 	laneWaiting.m[token] = slot
 	laneWaiting.Unlock()
@@ -611,7 +613,7 @@ func lanesExpected() bool {
 // this token. A token opens one lane of each role; once the gRPC, control
 // and bulk lanes are open it is forgotten (a wide lane comes before them or
 // not at all).
-func takeLaneSession(token ID, role byte, wait time.Duration, broken <-chan struct{}) (*Session, error) {
+func takeLaneSession(ctx context.Context, l *Listener, token ID, role byte, broken <-chan struct{}) (*Session, error) {
 	bit, ok := laneRoles[role]
 	if !ok {
 		return nil, fmt.Errorf("unknown lane role %#x", role)
@@ -619,14 +621,17 @@ func takeLaneSession(token ID, role byte, wait time.Duration, broken <-chan stru
 	laneWaiting.Lock()
 	slot := laneWaiting.m[token]
 	laneWaiting.Unlock()
-	if slot == nil {
+	if slot == nil || slot.owner != l {
+		// A client dials its lanes where it dialed its handshake: a token
+		// of another listener's handshake is none of this one's.
 		return nil, errors.New("no session waits for a lane with this token")
 	}
-	t := time.NewTimer(wait)
-	defer t.Stop()
 	select {
 	case <-slot.ready:
-	case <-t.C:
+	case <-ctx.Done():
+		if errors.Is(ctx.Err(), context.Canceled) {
+			return nil, fmt.Errorf("the listener closed: %w", net.ErrClosed)
+		}
 		return nil, errors.New("the session of this token did not come up")
 	case <-broken:
 		return nil, errEndedEarly // serveLane tells which

@@ -250,7 +250,7 @@ func TestWideLaneRefused(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			token := newToken()
-			slot := expectLane(token)
+			slot := expectLane(token, nil)
 			defer forgetLane(token, slot)
 			tc.s.done = make(chan struct{})
 			slot.fill(tc.s)
@@ -260,7 +260,7 @@ func TestWideLaneRefused(t *testing.T) {
 				b, _ := io.ReadAll(peer)
 				got <- b
 			}()
-			err := serveLane(c, token, roleWide, time.Second, nil)
+			err := serveLane(laneWait(t), nil, c, token, roleWide, nil)
 			require.ErrorContains(t, err, tc.why)
 			require.Equal(t, []byte{0}, <-got, "a refusal, then the end")
 			_, err = c.Write([]byte("x"))
@@ -275,7 +275,7 @@ func TestWideLaneRefused(t *testing.T) {
 // which the server would send the session's large transfers.
 func TestWideLaneTaken(t *testing.T) {
 	token := newToken()
-	slot := expectLane(token)
+	slot := expectLane(token, nil)
 	defer forgetLane(token, slot)
 	s := &Session{transport: "ucx", done: make(chan struct{})}
 	s.wide.init()
@@ -288,7 +288,7 @@ func TestWideLaneTaken(t *testing.T) {
 			n, _ := io.ReadFull(peer, b)
 			got <- b[:n]
 		}()
-		err := serveLane(c, token, roleWide, time.Second, nil)
+		err := serveLane(laneWait(t), nil, c, token, roleWide, nil)
 		return <-got, err
 	}
 	ack, err := answer()
@@ -608,4 +608,12 @@ func TestLanesOneRefused(t *testing.T) {
 		}
 	}
 	require.EqualValues(t, 2, l.accepted.Load(), "the gRPC lane connected though its session failed")
+}
+
+// laneWait bounds serveLane's wait for a session, as a listener does with
+// its handshake timeout.
+func laneWait(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	t.Cleanup(cancel)
+	return ctx
 }

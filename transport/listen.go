@@ -473,7 +473,9 @@ func (l *Listener) acceptLane(c net.Conn, got []byte, unbind func()) {
 		if isEndpoint(c) {
 			quiet = watchSilence(c)
 		}
-		err = serveLane(c, token, rest[len(token)], l.cfg.handshakeTimeout, quiet)
+		ctx, cancel := context.WithTimeout(l.ctx, l.cfg.handshakeTimeout)
+		err = serveLane(ctx, l, c, token, rest[len(token)], quiet)
+		cancel()
 	} else {
 		_ = c.Close()
 	}
@@ -589,7 +591,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 	if caps.Lanes && h.Caps.Lanes {
 		// The client may dial a lane as soon as its session is up, before
 		// this side's is: the lane waits for it in this slot.
-		slot = expectLane(w.Token)
+		slot = expectLane(w.Token, l)
 		defer slot.fill(nil) // no-op once newSession filled it
 	}
 	welcomeFrame := encodeWelcome(w) // its signature is filled in below

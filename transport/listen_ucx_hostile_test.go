@@ -478,3 +478,29 @@ func acceptedSession(t *testing.T, accepted <-chan net.Conn) *Session {
 	}
 	return nil
 }
+
+// TestLaneOfAnotherListenerRefused: a client dials its lanes where it
+// dialed its handshake. A lane that names the token of another listener's
+// handshake (here: one whose client never proves its id, on listener b,
+// while the lane reaches a) is refused at once, instead of waiting on a's
+// side for b's session, past a's Close.
+func TestLaneOfAnotherListenerRefused(t *testing.T) {
+	a, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithHandshakeTimeout(time.Minute))
+	require.NoError(t, err)
+	defer a.Close()
+	b, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithHandshakeTimeout(time.Minute))
+	require.NoError(t, err)
+	defer b.Close()
+	_, w, _ := handClient(t, b.Addr().String(), ModeTCP, Caps{Lanes: true}, false)
+	require.True(t, w.Caps.Lanes)
+	c, err := net.Dial("tcp", a.Addr().String())
+	require.NoError(t, err)
+	defer c.Close()
+	require.NoError(t, c.SetDeadline(time.Now().Add(handTimeout)))
+	_, err = c.Write(append(append([]byte(laneMagic), w.Token[:]...), roleControl))
+	require.NoError(t, err)
+	var ack [1]byte
+	_, err = io.ReadFull(c, ack[:])
+	require.NoError(t, err, "no answer: the lane waits for another listener's session")
+	require.Equal(t, byte(0), ack[0], "the lane refused")
+}
