@@ -561,7 +561,7 @@ type laneSlot struct {
 	s      *Session
 	owner  *Listener // whose handshake made the slot: only its ports take the lanes
 	taken  uint8     // laneRoles opened; guarded by laneWaiting
-	proven bool  // counted in laneWaiting.proven; guarded by laneWaiting
+	proven bool      // counted in laneWaiting.proven; guarded by laneWaiting
 }
 
 var laneWaiting = struct {
