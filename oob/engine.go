@@ -1635,11 +1635,6 @@ func pushIPC(s *transport.Session, m *rtr, src Source) error {
 	return copyIntoIPC(remote, m, src, nil)
 }
 
-// errOwnerStalled ends a session whose owner answered a pull into the
-// caller's memory while bytes it began to send kept coming past the pull's
-// time.
-var errOwnerStalled = errors.New("gdrpc: the owner answered a pull while its bytes kept coming")
-
 // foreignIPC refuses a receiver's IPC handle that names this process's own
 // memory: a peer that echoes a handle this process exported would have the
 // owner write into its own memory.

@@ -382,6 +382,11 @@ func (p *pull) exposed() bool {
 // in time.
 var errOwnerSilent = errors.New("gdrpc: the owner did not answer a pull it could still write into")
 
+// errOwnerStalled ends a session whose owner answered a pull into the
+// caller's memory while bytes it began to send kept coming past the pull's
+// time.
+var errOwnerStalled = errors.New("gdrpc: the owner answered a pull while its bytes kept coming")
+
 // settleLater settles a pull whose caller gave up. A destination that is not
 // exposed is released as soon as no read into it is under way. An exposed one
 // stays reserved until the owner answers or the session dies; when the owner

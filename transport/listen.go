@@ -806,12 +806,17 @@ func (l *Listener) serveUCX(ep *rdma.Endpoint, host netip.Prefix) {
 		l.acceptLane(ep, msg[len(laneMagic):], unbind)
 		return
 	}
-	pu := l.takePending(token) // a token is good for one endpoint
-	if string(msg[:len(upgradeMagic)]) != upgradeMagic || pu == nil {
+	// refuse answers with a zero ack and aborts the endpoint: what it sent
+	// after the token would stay with UCX while a close lingered.
+	refuse := func(why string) {
 		unbind()
 		_, _ = ep.Write([]byte{0})
-		_ = ep.Abort() // what it sent after the token stays with UCX until the endpoint goes
-		l.plog.Warn("UCX endpoint with an unknown token; closed", "remote", ep.RemoteAddr().String())
+		_ = ep.Abort()
+		l.plog.Warn(why, "remote", ep.RemoteAddr().String())
+	}
+	pu := l.takePending(token) // a token is good for one endpoint
+	if string(msg[:len(upgradeMagic)]) != upgradeMagic || pu == nil {
+		refuse("UCX endpoint with an unknown token; closed")
 		return
 	}
 	// The client sends nothing more until the ack.
@@ -835,10 +840,7 @@ func (l *Listener) serveUCX(ep *rdma.Endpoint, host netip.Prefix) {
 	select {
 	case <-pu.proven:
 	default:
-		unbind()
-		_, _ = ep.Write([]byte{0})
-		_ = ep.Abort()
-		l.plog.Warn("UCX endpoint for a handshake whose client did not prove its id; closed", "remote", ep.RemoteAddr().String())
+		refuse("UCX endpoint for a handshake whose client did not prove its id; closed")
 		return
 	}
 	_, err := ep.Write([]byte{upgradeAckOK})
