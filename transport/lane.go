@@ -526,17 +526,16 @@ func serveLane(ctx context.Context, l *Listener, ep net.Conn, token ID, role byt
 	if err == nil && (role == roleControl && !s.ctrl.set(c) || role == roleBulk && !s.bulk.set(c) || role == roleWide && !s.wide.set(c)) {
 		err = fmt.Errorf("the session's %q lane: %w", role, errLaneTaken)
 	}
-	if err != nil {
-		if !errors.Is(err, errSpokeEarly) && !errors.Is(err, errEndedEarly) {
-			ack := byte(0)
-			if errors.Is(err, errLaneTaken) {
-				ack = upgradeAckTaken
-			}
-			_, _ = ep.Write([]byte{ack})
-		}
-		// A UCX endpoint goes at once: while Close lingered, UCX would go
-		// on taking in whatever the peer sends, which nobody reads.
+	switch {
+	case errors.Is(err, errSpokeEarly), errors.Is(err, errEndedEarly):
 		abortConn(ep)
+		return err
+	case err != nil:
+		ack := byte(0)
+		if errors.Is(err, errLaneTaken) {
+			ack = upgradeAckTaken
+		}
+		refuse(ep, ack, quiet)
 		return err
 	}
 	if _, err := ep.Write([]byte{upgradeAckOK}); err != nil {

@@ -806,17 +806,14 @@ func (l *Listener) serveUCX(ep *rdma.Endpoint, host netip.Prefix) {
 		l.acceptLane(ep, msg[len(laneMagic):], unbind)
 		return
 	}
-	// refuse answers with a zero ack and aborts the endpoint: what it sent
-	// after the token would stay with UCX while a close lingered.
-	refuse := func(why string) {
+	refuseEP := func(why string) {
 		unbind()
-		_, _ = ep.Write([]byte{0})
-		_ = ep.Abort()
+		refuse(ep, 0, nil)
 		l.plog.Warn(why, "remote", ep.RemoteAddr().String())
 	}
 	pu := l.takePending(token) // a token is good for one endpoint
 	if string(msg[:len(upgradeMagic)]) != upgradeMagic || pu == nil {
-		refuse("UCX endpoint with an unknown token; closed")
+		refuseEP("UCX endpoint with an unknown token; closed")
 		return
 	}
 	// The client sends nothing more until the ack.
@@ -840,7 +837,7 @@ func (l *Listener) serveUCX(ep *rdma.Endpoint, host netip.Prefix) {
 	select {
 	case <-pu.proven:
 	default:
-		refuse("UCX endpoint for a handshake whose client did not prove its id; closed")
+		refuseEP("UCX endpoint for a handshake whose client did not prove its id; closed")
 		return
 	}
 	_, err := ep.Write([]byte{upgradeAckOK})

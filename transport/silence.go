@@ -21,10 +21,11 @@ var (
 // an endpoint nobody reads piles up in this process's memory; a byte (or
 // the end, or a failure) breaks the silence, and the endpoint is aborted.
 type silence struct {
-	c      net.Conn
-	gone   chan struct{} // closed once the watch's read returned
-	silent bool          // the read ended at stop's deadline, with nothing; set before gone closes
-	spoke  bool          // the read returned data; set before gone closes
+	c       net.Conn
+	gone    chan struct{} // closed once the watch's read returned
+	silent  bool          // the read ended at stop's deadline, with nothing; set before gone closes
+	spoke   bool          // the read returned data; set before gone closes
+	stopped bool          // stop ran: c is read no more
 }
 
 // watchSilence starts watching c: a read of one byte, which stop's deadline
@@ -60,6 +61,7 @@ func (q *silence) stop() bool {
 	_ = q.c.SetReadDeadline(time.Unix(1, 0))
 	<-q.gone
 	_ = q.c.SetReadDeadline(time.Time{})
+	q.stopped = true
 	return q.silent
 }
 
@@ -69,6 +71,38 @@ func (q *silence) err() error {
 		return errSpokeEarly
 	}
 	return errEndedEarly
+}
+
+// refuseLinger bounds how long a refused UCX endpoint is given to read its
+// answer and go.
+const refuseLinger = 2 * time.Second
+
+// refuse answers c with ack and lets it go. A UCX endpoint, watched by q
+// (or by a watch of its own where q is nil or stopped), is closed once its
+// peer went, as a client told no does, and the answer reached it; one that
+// sends instead, or stays past refuseLinger, is aborted: what it sends
+// would pile up in UCX while a close lingered. An abort right after the
+// answer could drop the answer. Other conns are closed.
+func refuse(c net.Conn, ack byte, q *silence) {
+	_, _ = c.Write([]byte{ack})
+	if !isEndpoint(c) {
+		_ = c.Close()
+		return
+	}
+	if q == nil || q.stopped {
+		q = watchSilence(c)
+	}
+	t := time.NewTimer(refuseLinger)
+	defer t.Stop()
+	select {
+	case <-q.broken():
+	case <-t.C:
+	}
+	if !q.stop() && !q.spoke {
+		_ = c.Close() // the peer went: no linger
+		return
+	}
+	abortConn(c)
 }
 
 // abortConn closes c at once where it is a UCX endpoint, dropping what it
