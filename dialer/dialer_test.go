@@ -128,10 +128,21 @@ var transportCases = []transportCase{
 var plainCase = transportCase{name: "grpc-tcp", plain: true}
 
 func (tc transportCase) options(tb testing.TB) []transport.Option {
+	return tc.optionsOn(tb, ucxContext)
+}
+
+// isolated is options with a UCX context of the test's own
+// (testenv.UCXContext), for a test that kills or stops a peer process.
+func (tc transportCase) isolated(tb testing.TB) []transport.Option {
+	return tc.optionsOn(tb, testenv.UCXContext)
+}
+
+// optionsOn is options with the UCX context that contextOf returns.
+func (tc transportCase) optionsOn(tb testing.TB, contextOf func(testing.TB, string) *rdma.Context) []transport.Option {
 	if tc.ucx == "" {
 		return []transport.Option{transport.WithMode(transport.ModeTCP)}
 	}
-	return []transport.Option{transport.WithMode(transport.ModeUCX), transport.WithRDMAContext(ucxContext(tb, tc.ucx)),
+	return []transport.Option{transport.WithMode(transport.ModeUCX), transport.WithRDMAContext(contextOf(tb, tc.ucx)),
 		transport.WithLanes(!tc.noLanes)}
 }
 
@@ -288,7 +299,7 @@ func startChild(tb testing.TB, prefix []string, role string, env ...string) (*ex
 func TestPeerKilledMidStream(t *testing.T) {
 	for _, tc := range transportCases {
 		t.Run(tc.name, func(t *testing.T) {
-			opts := tc.options(t)
+			opts := tc.isolated(t)
 			cmd, line := startChild(t, nil, "grpc-server", "GDRPC_TEST_LISTEN=127.0.0.1:0", "GDRPC_TEST_UCX="+tc.ucx)
 			addr, ok := strings.CutPrefix(line, "ADDR ")
 			require.True(t, ok, line)

@@ -115,9 +115,22 @@ var transportCases = []transportCase{
 // the test when the case needs UCX and it is absent.
 func (tc transportCase) options(tb testing.TB, extra ...transport.Option) []transport.Option {
 	tb.Helper()
+	return tc.optionsOn(tb, ucxContext, extra)
+}
+
+// isolated is options with a UCX context of the test's own
+// (testenv.UCXContext), for a test that kills or stops a peer process.
+func (tc transportCase) isolated(tb testing.TB, extra ...transport.Option) []transport.Option {
+	tb.Helper()
+	return tc.optionsOn(tb, testenv.UCXContext, extra)
+}
+
+// optionsOn is options with the UCX context that contextOf returns.
+func (tc transportCase) optionsOn(tb testing.TB, contextOf func(testing.TB, string) *rdma.Context, extra []transport.Option) []transport.Option {
+	tb.Helper()
 	opts := []transport.Option{transport.WithMode(transport.ModeTCP)}
 	if tc.ucx != "" {
-		opts = []transport.Option{transport.WithMode(transport.ModeUCX), transport.WithRDMAContext(ucxContext(tb, tc.ucx))}
+		opts = []transport.Option{transport.WithMode(transport.ModeUCX), transport.WithRDMAContext(contextOf(tb, tc.ucx))}
 	}
 	return append(opts, extra...)
 }

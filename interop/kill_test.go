@@ -73,7 +73,7 @@ func TestPeerKilledMidStream(t *testing.T) {
 	for _, tc := range transportCases[:3] {
 		t.Run("transport="+tc.name, func(t *testing.T) {
 			noSessions(t)
-			opts := tc.options(t, transport.WithKeepAlive(kaInterval, kaTimeout))
+			opts := tc.isolated(t, transport.WithKeepAlive(kaInterval, kaTimeout))
 			srv := startChild(t, "server", nil, envUCX+"="+tc.ucx)
 			addr := srv.waitLine("ADDR ")
 			before := transport.ReadStats().Sessions
@@ -133,7 +133,7 @@ func TestClientKilledMidStream(t *testing.T) {
 	for _, tc := range transportCases[:3] {
 		t.Run("transport="+tc.name, func(t *testing.T) {
 			noSessions(t)
-			opts := tc.options(t, transport.WithKeepAlive(kaInterval, kaTimeout))
+			opts := tc.isolated(t, transport.WithKeepAlive(kaInterval, kaTimeout))
 			ends := &handlerEnds{ends: make(chan error, 1)}
 			tagger := &sessionTagger{sessions: make(chan *transport.Session, 1)}
 			srv := startServer(t, opts, nil, bothServices, grpc.ChainStreamInterceptor(ends.intercept), grpc.StatsHandler(tagger))
@@ -262,7 +262,7 @@ func TestOwnerKilledBeforeFIN(t *testing.T) {
 		for _, when := range []string{"before-transfer", "before-fin"} {
 			t.Run("transport="+tc.name+"/owner=server/killed="+when, func(t *testing.T) {
 				noSessions(t)
-				opts := tc.options(t, transport.WithKeepAlive(kaInterval, kaTimeout))
+				opts := tc.isolated(t, transport.WithKeepAlive(kaInterval, kaTimeout))
 				env := []string{envUCX + "=" + tc.ucx}
 				if when == "before-fin" {
 					env = append(env, envDie+"=after-push")
@@ -301,7 +301,7 @@ func TestOwnerKilledBeforeFIN(t *testing.T) {
 
 			t.Run("transport="+tc.name+"/owner=client/killed="+when, func(t *testing.T) {
 				noSessions(t)
-				opts := tc.options(t, transport.WithKeepAlive(kaInterval, kaTimeout))
+				opts := tc.isolated(t, transport.WithKeepAlive(kaInterval, kaTimeout))
 				paths := countPaths(t)
 				a := newKillingAllocator(n)
 				a.use(t)
@@ -380,7 +380,7 @@ func TestOwnerStallsBeforeFIN(t *testing.T) {
 		for _, bound := range []string{"call-deadline", "call-cancel", "transfer-timeout"} {
 			t.Run("transport="+tc.name+"/bound="+bound, func(t *testing.T) {
 				noSessions(t)
-				opts := tc.options(t)
+				opts := tc.isolated(t)
 				srv := startChild(t, "server", nil, envUCX+"="+tc.ucx, envDie+"=stall-after-push")
 				addr := srv.waitLine("ADDR ")
 				paths := countPaths(t)
@@ -449,7 +449,7 @@ func TestReconnectAfterServerRestart(t *testing.T) {
 	for _, tc := range transportCases[:3] {
 		t.Run("transport="+tc.name, func(t *testing.T) {
 			noSessions(t)
-			opts := tc.options(t, transport.WithKeepAlive(kaInterval, kaTimeout))
+			opts := tc.isolated(t, transport.WithKeepAlive(kaInterval, kaTimeout))
 			paths := countPaths(t)
 			first := startChild(t, "server", nil, envUCX+"="+tc.ucx)
 			addr := first.waitLine("ADDR ")

@@ -136,7 +136,7 @@ func TestKeepAliveStoppedPeer(t *testing.T) {
 	const interval, timeout = 100 * time.Millisecond, 4 * time.Second
 	for _, tc := range transportCases {
 		t.Run(tc.name, func(t *testing.T) {
-			opts := tc.options(t, transport.WithKeepAlive(interval, timeout))
+			opts := tc.isolated(t, transport.WithKeepAlive(interval, timeout))
 			cmd, s, c := dialEchoChild(t, tc, opts)
 			require.Equal(t, tc.want(), s.Transport())
 			require.Contains(t, transport.SessionsTo(s.Peer().ID), s)
@@ -186,7 +186,7 @@ func TestPeerKilled(t *testing.T) {
 	for _, tc := range transportCases {
 		t.Run(tc.name, func(t *testing.T) {
 			// Keepalive off: the broken connection alone must be noticed.
-			opts := tc.options(t, transport.WithKeepAlive(-1, 0))
+			opts := tc.isolated(t, transport.WithKeepAlive(-1, 0))
 			cmd, s, c := dialEchoChild(t, tc, opts)
 			readErr := make(chan error, 1)
 			go func() {

@@ -1,6 +1,7 @@
 // Package testenv holds what the test packages of gdrpc share about their
-// environment: which prerequisites GDRPC_REQUIRE demands, and child
-// processes that re-execute the test binary in a role.
+// environment: which prerequisites GDRPC_REQUIRE demands, child processes
+// that re-execute the test binary in a role, and UCX contexts of a test's
+// own.
 package testenv
 
 import (
@@ -15,6 +16,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/gdrpc/gdrpc/rdma"
 )
 
 // LogBuffer is a bytes.Buffer safe for a logger's concurrent writes.
@@ -116,6 +119,21 @@ func Need(tb testing.TB, what string, err error) {
 		tb.Fatalf("%s required (GDRPC_REQUIRE) but unavailable: %v", what, err)
 	}
 	tb.Skipf("%s unavailable: %v", what, err)
+}
+
+// UCXContext returns a UCX context with UCX_TLS tls for the calling test
+// alone, closed when the test ends. A test that kills or stops a peer
+// process over UCX takes one: a peer that dies in the middle of a send over
+// shared memory (UCX's posix and sysv transports) leaves this process's
+// shared-memory receive queue of that worker blocked for good (README,
+// known limits), and every later test on a shared context would stall.
+func UCXContext(tb testing.TB, tls string) *rdma.Context {
+	tb.Helper()
+	Need(tb, "ucx", rdma.Available())
+	c, err := rdma.NewContext(rdma.WithTransports(tls))
+	Need(tb, "ucx", err)
+	tb.Cleanup(func() { _ = c.Close() })
+	return c
 }
 
 // OpenDescriptors opens up to n descriptors (fewer when the process may not have that
