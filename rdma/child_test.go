@@ -8,6 +8,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"strconv"
@@ -377,4 +378,54 @@ func TestPeerDeathLateObservers(t *testing.T) {
 		_, err = ch.ep.Read(make([]byte, 1<<16))
 	}
 	require.ErrorAs(t, err, &ee)
+}
+
+// TestPeerDeathMidSendMMOff: with UCX_MM_ERROR_HANDLING=n (README, known
+// limits) a peer killed while it streams to this process leaves the worker
+// receiving: a new pair of endpoints on that worker still echoes. With the
+// shared-memory transports on (gdrpc's default), one of the kills here
+// leaves the worker's shared-memory receive queue blocked and the echo
+// times out (2 to 18 kills in the runs made).
+func TestPeerDeathMidSendMMOff(t *testing.T) {
+	t.Setenv("UCX_MM_ERROR_HANDLING", "n") // the parent's context and the child's
+	for i := range 30 {
+		t.Run(fmt.Sprint(i), func(t *testing.T) {
+			ch := startChild(t, "posix,sysv,cma,tcp")
+			ch.command(t, cmdStream, uint64(8+rand.IntN(200)), 1)
+			buf := make([]byte, 1<<16)
+			_, err := io.ReadFull(ch.ep, buf) // the child is streaming
+			require.NoError(t, err)
+			read := make(chan struct{})
+			go func() {
+				defer close(read)
+				for {
+					if _, err := ch.ep.Read(buf); err != nil {
+						return
+					}
+				}
+			}()
+			time.Sleep(time.Duration(rand.IntN(3000)) * time.Microsecond) // a kill at some point of the stream
+			require.NoError(t, ch.cmd.Process.Kill())
+			<-read
+
+			ctx, cancel := context.WithTimeout(context.Background(), deathBound)
+			defer cancel()
+			c, s, err := connect(ctx, ch.ctx.Worker(), ch.ctx.Worker())
+			require.NoError(t, err)
+			defer c.Close()
+			defer s.Close()
+			require.NoError(t, c.SetDeadline(time.Now().Add(deathBound)))
+			require.NoError(t, s.SetDeadline(time.Now().Add(deathBound)))
+			_, err = c.Write([]byte("ping"))
+			require.NoError(t, err)
+			got := make([]byte, 4)
+			_, err = io.ReadFull(s, got)
+			require.NoError(t, err, "the worker receives no more after the peer's death")
+			_, err = s.Write(got)
+			require.NoError(t, err)
+			_, err = io.ReadFull(c, got)
+			require.NoError(t, err)
+			require.Equal(t, "ping", string(got))
+		})
+	}
 }
