@@ -40,6 +40,12 @@ func runChild(role string) int {
 			return 1
 		}
 		return 0
+	case "streamer":
+		if err := childStreamer(os.Getenv("GDRPC_RDMA_TEST_TLS"), os.Getenv("GDRPC_RDMA_TEST_ADDR")); err != nil {
+			fmt.Fprintln(os.Stderr, "child:", err)
+			return 1
+		}
+		return 0
 	case "fds":
 		ents, err := os.ReadDir("/proc/self/fd")
 		if err != nil {
@@ -124,6 +130,30 @@ func childServer(tls string) error {
 			return nil
 		default:
 			return fmt.Errorf("bad command %q", hdr[0])
+		}
+	}
+}
+
+// childStreamer dials addr and writes pieces of a pattern (8 B to 8 KiB,
+// UCX's inline and copied sends) until it is killed: many sends over shared
+// memory, one of which the kill interrupts.
+func childStreamer(tls, addr string) error {
+	c, err := rdma.NewContext(rdma.WithTransports(tls))
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	e, err := c.Worker().Dial(ctx, addr)
+	if err != nil {
+		return err
+	}
+	defer e.Close()
+	p := pattern(8+rand.IntN(8000), 5)
+	for {
+		if _, err := e.Write(p); err != nil {
+			return err
 		}
 	}
 }

@@ -370,5 +370,8 @@ func (e *Endpoint) forceClose() {
 		e.ce = nil
 		live.endpoints.Add(-1)
 		close(e.closeDone)
+		if w.client != nil {
+			w.client.drop(w)
+		}
 	})
 }

@@ -80,3 +80,7 @@ const DrainMax = drainMax
 // ErrUnreadCut ends the reads of an endpoint whose peer closed it with more
 // unread than DrainMax.
 var ErrUnreadCut = errUnreadCut
+
+// OnListenerWorker reports whether the endpoint, accepted by l, is on l's
+// worker (not on a worker of its client's own).
+func (e *Endpoint) OnListenerWorker(l *Listener) bool { return e.w == l.w }

@@ -47,6 +47,7 @@ type Listener struct{}
 func (l *Listener) Addr() net.Addr                                { return &Addr{} }
 func (l *Listener) Accept(ctx context.Context) (*Endpoint, error) { return nil, errBuild }
 func (l *Listener) SetFilter(func(remote net.Addr) bool)          {}
+func (l *Listener) IsolateClients()                               {}
 func (l *Listener) Close() error                                  { return nil }
 
 // Endpoint is a connection to a peer worker. In this build it cannot be created.

@@ -197,7 +197,7 @@ static ucs_status_t finack_cb(void *arg, const void *header, size_t header_lengt
 	return UCS_OK;
 }
 
-int rdma_worker_create(ucp_context_h ctx, rdma_worker_t **out)
+int rdma_worker_create(ucp_context_h ctx, uint64_t client_id, rdma_worker_t **out)
 {
 	rdma_worker_t *w = calloc(1, sizeof(*w));
 	if (w == NULL) {
@@ -206,8 +206,9 @@ int rdma_worker_create(ucp_context_h ctx, rdma_worker_t **out)
 	pthread_mutex_init(&w->mu, NULL);
 	ucp_worker_params_t wp;
 	memset(&wp, 0, sizeof(wp));
-	wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+	wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_CLIENT_ID;
 	wp.thread_mode = UCS_THREAD_MODE_SERIALIZED; // any goroutine holding the worker's lock calls in
+	wp.client_id = client_id;                    // sent with each connection request (SEND_CLIENT_ID)
 	ucs_status_t st = p_ucp_worker_create(ctx, &wp, &w->w);
 	if (st != UCS_OK) {
 		free(w);
@@ -481,6 +482,19 @@ int rdma_conn_request_addr(uintptr_t req, uint8_t *ip, int *iplen, int *port)
 	return UCS_OK;
 }
 
+int rdma_conn_request_client_id(uintptr_t req, uint64_t *id)
+{
+	ucp_conn_request_attr_t a;
+	memset(&a, 0, sizeof(a));
+	a.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ID;
+	ucs_status_t st = p_ucp_conn_request_query((ucp_conn_request_h)req, &a);
+	if (st != UCS_OK) {
+		return st;
+	}
+	*id = a.client_id;
+	return UCS_OK;
+}
+
 int rdma_listener_reject(rdma_listener_t *l, uintptr_t req)
 {
 	return p_ucp_listener_reject(l->l, (ucp_conn_request_h)req);
@@ -527,7 +541,7 @@ int rdma_ep_connect(rdma_worker_t *w, uint64_t id, const uint8_t *ip, int iplen,
 	ucp_ep_params_t ep;
 	memset(&ep, 0, sizeof(ep));
 	ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR;
-	ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+	ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER | UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID;
 	ep.sockaddr.addr = (struct sockaddr *)&ss;
 	ep.sockaddr.addrlen = sl;
 	return ep_create(w, id, &ep, out);

@@ -197,7 +197,7 @@ func newContext(opts []Option, isDefault bool) (*Context, error) {
 		c.info = c.query()
 	}
 	c.protoV1 = protoV1(cfg)
-	w, err := c.newWorker(isDefault)
+	w, err := c.newWorker(isDefault, nil)
 	if err != nil {
 		C.rdma_context_destroy(c.h)
 		return nil, err
@@ -308,7 +308,7 @@ func (c *Context) Worker() *Worker { return c.def }
 
 // NewWorker creates an extra worker with its own driver goroutine.
 func (c *Context) NewWorker() (*Worker, error) {
-	return c.newWorker(false)
+	return c.newWorker(false, nil)
 }
 
 // Close closes the context's workers (and so their endpoints and listeners),

@@ -59,7 +59,7 @@ uint64_t rdma_context_memtypes(ucp_context_h ctx);
 char *rdma_context_info(ucp_context_h ctx, size_t *len); // free()
 
 // worker
-int rdma_worker_create(ucp_context_h ctx, rdma_worker_t **out);
+int rdma_worker_create(ucp_context_h ctx, uint64_t client_id, rdma_worker_t **out);
 void rdma_worker_destroy(rdma_worker_t *w);
 int rdma_worker_signal(rdma_worker_t *w);
 // set the hooks every later call on w runs under (push/pop are C function pointers)
@@ -84,6 +84,7 @@ int rdma_listener_create(rdma_worker_t *w, uint64_t id, const uint8_t *ip, int i
 void rdma_listener_destroy(rdma_listener_t *l);
 int rdma_listener_port(rdma_listener_t *l);
 int rdma_conn_request_addr(uintptr_t req, uint8_t *ip, int *iplen, int *port);
+int rdma_conn_request_client_id(uintptr_t req, uint64_t *id);
 int rdma_listener_reject(rdma_listener_t *l, uintptr_t req);
 
 // endpoints

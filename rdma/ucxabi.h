@@ -138,6 +138,7 @@ typedef struct ucp_context_attr {
 
 enum {
 	UCP_WORKER_PARAM_FIELD_THREAD_MODE = 1u << 0,
+	UCP_WORKER_PARAM_FIELD_CLIENT_ID = 1u << 8,
 };
 
 typedef struct ucp_worker_params {
@@ -235,6 +236,7 @@ enum {
 
 enum {
 	UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR = 1u << 0,
+	UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ID = 1u << 1,
 };
 
 typedef struct ucp_listener_accept_handler {
@@ -278,6 +280,7 @@ enum {
 
 enum {
 	UCP_EP_PARAMS_FLAGS_CLIENT_SERVER = 1u << 0,
+	UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID = 1u << 2,
 };
 
 typedef enum {

@@ -62,6 +62,8 @@ type Worker struct {
 	ctx       *Context
 	cw        *C.rdma_worker_t // lock-only; nil once destroyed
 	isDefault bool
+	clientID  uint64      // sent with this worker's connection requests (isolate.go)
+	client    *clientLink // a listener's worker for one client's endpoints, else nil
 
 	mu      sync.Mutex // the worker's lock
 	qmu     sync.Mutex
@@ -122,7 +124,9 @@ type op struct {
 	done func(status int)
 }
 
-func (c *Context) newWorker(isDefault bool) (*Worker, error) {
+// newWorker creates a worker; client is set for a listener's worker for one
+// client's endpoints (isolate.go).
+func (c *Context) newWorker(isDefault bool, client *clientLink) (*Worker, error) {
 	c.mu.Lock()
 	if c.closed {
 		c.mu.Unlock()
@@ -143,8 +147,10 @@ func (c *Context) newWorker(isDefault bool) (*Worker, error) {
 		listeners: map[uint64]*Listener{},
 		evs:       make([]C.rdma_event_t, eventBatch),
 		spins:     spinPolicy{max: c.opts.pollTime},
+		clientID:  newClientID(),
+		client:    client,
 	}
-	st := C.rdma_worker_create(w.ctx.h, &w.cw)
+	st := C.rdma_worker_create(w.ctx.h, C.uint64_t(w.clientID), &w.cw)
 	ucxFDs.scan()
 	if st != statusOK {
 		return nil, fmt.Errorf("rdma: create worker: %w", statusError("ucp_worker_create", st))
@@ -161,6 +167,7 @@ func (c *Context) newWorker(isDefault bool) (*Worker, error) {
 	}
 	w.pollEvents()
 	w.mu.Unlock()
+	clientWorkers.Store(w.clientID, w)
 	go w.run()
 	if !isDefault {
 		live.workers.Add(1)
@@ -713,6 +720,7 @@ func (w *Worker) close() error {
 	w.serve()
 	w.release(true) // the driver may be parked for long
 	<-w.exited      // bounded: the driver gives UCX drainTimeout to complete requests
+	clientWorkers.CompareAndDelete(w.clientID, w)
 	c := w.ctx
 	c.mu.Lock()
 	delete(c.workers, w)
@@ -818,6 +826,15 @@ type Listener struct {
 	filter   atomic.Pointer[func(net.Addr) bool]
 	once     sync.Once
 	closedCh chan struct{}
+	// waiting counts the endpoints in accq and those being accepted on a
+	// client's worker, which then go into accq: at most cap(accq), so that
+	// no send to accq blocks.
+	waiting atomic.Int32
+	qmu     sync.Mutex
+	gone    bool        // destroyed: accq is drained, and an endpoint accepted now is closed (qmu)
+	isolate atomic.Bool // IsolateClients
+	cmu     sync.Mutex
+	clients map[uint64]*clientShare // the workers of other processes' clients (isolate.go)
 }
 
 // Addr returns the listening address with the bound port.
@@ -846,16 +863,41 @@ func (l *Listener) connRequest(req uintptr) {
 		l.w.ctx.opts.logger.Debug("rdma connection request rejected by the filter", "remote", remote)
 		return
 	}
-	if len(l.accq) == cap(l.accq) {
+	if int(l.waiting.Load()) >= cap(l.accq) {
 		C.rdma_listener_reject(l.cl, C.uintptr_t(req))
 		l.w.ctx.opts.logger.Warn("rdma connection request rejected: accept backlog full", "remote", remote, "backlog", cap(l.accq))
 		return
 	}
-	e := newEndpoint(l.w)
+	l.waiting.Add(1)
+	w := l.w
+	if l.isolate.Load() {
+		if id, local := l.requestClient(req); id != 0 && !local {
+			if cw := l.clientWorker(id); cw != nil {
+				w = cw
+			}
+		}
+	}
+	if w != l.w {
+		if w.submit(func() { l.acceptOn(w, req, remote) }) == nil {
+			return
+		}
+		w.client.drop(w) // closed meanwhile (its context closes)
+	}
+	l.acceptOn(l.w, req, remote)
+}
+
+// acceptOn creates the endpoint of a connection request on w (w's lock
+// held) and queues it for Accept.
+func (l *Listener) acceptOn(w *Worker, req uintptr, remote *Addr) {
+	e := newEndpoint(w)
 	var ce *C.rdma_ep_t
-	st := C.rdma_ep_accept(l.w.cw, C.uint64_t(e.id), C.uintptr_t(req), &ce)
+	st := C.rdma_ep_accept(w.cw, C.uint64_t(e.id), C.uintptr_t(req), &ce)
 	e.marked = markCloexec(false)
 	if st != statusOK {
+		l.waiting.Add(-1)
+		if w.client != nil {
+			w.client.drop(w)
+		}
 		return
 	}
 	e.attach(ce)
@@ -866,6 +908,16 @@ func (l *Listener) connRequest(req uintptr) {
 		e.laddr = l.addr
 	}
 	e.pairUp()
+	l.qmu.Lock()
+	defer l.qmu.Unlock()
+	if l.gone {
+		// The listener closed while the endpoint was made on a client's
+		// worker: nobody takes it.
+		l.waiting.Add(-1)
+		e.fail(closedError("listener"), false)
+		e.forceClose()
+		return
+	}
 	l.accq <- e
 }
 
@@ -878,6 +930,7 @@ func (l *Listener) Accept(ctx context.Context) (*Endpoint, error) {
 	}
 	select {
 	case e := <-l.accq:
+		l.waiting.Add(-1)
 		if e.marked != nil {
 			<-e.marked // the scan covering the endpoint's descriptors
 		}
@@ -908,14 +961,27 @@ func (l *Listener) destroy() {
 	l.cl = nil
 	delete(l.w.listeners, l.id)
 	live.listeners.Add(-1)
-	for {
-		select {
-		case e := <-l.accq:
+	l.qmu.Lock()
+	l.gone = true
+	var left []*Endpoint
+	for len(l.accq) > 0 {
+		left = append(left, <-l.accq)
+		l.waiting.Add(-1)
+	}
+	l.qmu.Unlock()
+	for _, e := range left {
+		if e.w == l.w {
 			e.fail(closedError("listener"), false)
 			e.forceClose()
-		default:
-			return
+			continue
 		}
+		// On a client's worker: under its lock (a submit may serve that
+		// worker's queue here, an acceptOn taking qmu among it); a closed
+		// worker released it.
+		_ = e.w.submit(func() {
+			e.fail(closedError("listener"), false)
+			e.forceClose()
+		})
 	}
 }
 

@@ -81,6 +81,7 @@
 	FIELD(ucp_context_attr_t, name)                                              \
 	/* worker */                                                                 \
 	CONST(UCP_WORKER_PARAM_FIELD_THREAD_MODE)                                    \
+	CONST(UCP_WORKER_PARAM_FIELD_CLIENT_ID)                                      \
 	VSIZE(ucp_worker_params_t)                                                   \
 	FIELD(ucp_worker_params_t, field_mask)                                       \
 	FIELD(ucp_worker_params_t, thread_mode)                                      \
@@ -137,6 +138,7 @@
 	CONST(UCP_LISTENER_PARAM_FIELD_CONN_HANDLER)                                 \
 	CONST(UCP_LISTENER_ATTR_FIELD_SOCKADDR)                                      \
 	CONST(UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR)                               \
+	CONST(UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ID)                                 \
 	SIZE(ucp_listener_accept_handler_t)                                          \
 	FIELD(ucp_listener_accept_handler_t, cb)                                     \
 	FIELD(ucp_listener_accept_handler_t, arg)                                    \
@@ -163,6 +165,7 @@
 	CONST(UCP_EP_PARAM_FIELD_FLAGS)                                              \
 	CONST(UCP_EP_PARAM_FIELD_CONN_REQUEST)                                       \
 	CONST(UCP_EP_PARAMS_FLAGS_CLIENT_SERVER)                                     \
+	CONST(UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID)                                    \
 	SIZE(ucp_err_handling_mode_t)                                                \
 	CONST(UCP_ERR_HANDLING_MODE_NONE)                                            \
 	CONST(UCP_ERR_HANDLING_MODE_PEER)                                            \

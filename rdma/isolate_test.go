@@ -1,0 +1,103 @@
+//go:build cgo && !nordma
+
+package rdma_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/rdma"
+)
+
+// TestClientDeathIsolated: a client process killed while it streams to a
+// listener over shared memory blocks, in about a third of the kills, the
+// shared-memory receive queue of the worker its endpoint is on
+// (TestPeerDeathMidSendMMOff). The listener keeps each other process's
+// client on a worker of its own, so after every kill the listener's worker
+// still receives (a client of this process echoes through it), and the dead
+// client's worker closes once its endpoint is released.
+func TestClientDeathIsolated(t *testing.T) {
+	c := newContext(t, "posix,sysv,cma,tcp")
+	l, err := c.Worker().Listen("127.0.0.1:0")
+	require.NoError(t, err)
+	defer l.Close()
+	l.IsolateClients()
+	workers := rdma.Stats().Workers
+	for i := range 15 {
+		t.Run(fmt.Sprint(i), func(t *testing.T) {
+			cmd := exec.Command(os.Args[0], "-test.run=^$")
+			cmd.Env = append(os.Environ(), childEnv+"=streamer", "GDRPC_RDMA_TEST_TLS=posix,sysv,cma,tcp", "GDRPC_RDMA_TEST_ADDR="+l.Addr().String())
+			cmd.Stderr = os.Stderr
+			require.NoError(t, cmd.Start())
+			t.Cleanup(func() {
+				_ = cmd.Process.Kill()
+				_ = cmd.Wait()
+			})
+			ep, err := l.Accept(testCtx(t))
+			require.NoError(t, err)
+			require.False(t, ep.OnListenerWorker(l), "another process's client on the listener's worker")
+			buf := make([]byte, 1<<16)
+			_, err = io.ReadFull(ep, buf) // the child is streaming
+			require.NoError(t, err)
+			read := make(chan struct{})
+			go func() {
+				defer close(read)
+				for {
+					if _, err := ep.Read(buf); err != nil {
+						return
+					}
+				}
+			}()
+			time.Sleep(time.Duration(rand.IntN(3000)) * time.Microsecond) // a kill at some point of the stream
+			require.NoError(t, cmd.Process.Kill())
+			select {
+			case <-read:
+			case <-time.After(deathBound):
+				t.Fatal("the dead client's endpoint did not fail")
+			}
+			require.NoError(t, ep.Close())
+
+			// A client of this process: on the listener's worker.
+			ctx, cancel := context.WithTimeout(context.Background(), deathBound)
+			defer cancel()
+			accepted := make(chan *rdma.Endpoint, 1)
+			go func() {
+				s, _ := l.Accept(ctx)
+				accepted <- s
+			}()
+			cl, err := c.Worker().Dial(ctx, l.Addr().String())
+			require.NoError(t, err)
+			defer cl.Close()
+			s := <-accepted
+			require.NotNil(t, s)
+			defer s.Close()
+			require.True(t, s.OnListenerWorker(l), "a client of this process off the listener's worker")
+			require.NoError(t, cl.SetDeadline(time.Now().Add(deathBound)))
+			require.NoError(t, s.SetDeadline(time.Now().Add(deathBound)))
+			_, err = cl.Write([]byte("ping"))
+			require.NoError(t, err)
+			got := make([]byte, 4)
+			_, err = io.ReadFull(s, got)
+			require.NoError(t, err, "the listener's worker receives no more after a client's death")
+			_, err = s.Write(got)
+			require.NoError(t, err)
+			_, err = io.ReadFull(cl, got)
+			require.NoError(t, err)
+			require.Equal(t, "ping", string(got))
+		})
+	}
+	// The dead clients' workers closed with their endpoints.
+	deadline := time.Now().Add(deathBound)
+	for rdma.Stats().Workers != workers && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond) // polling an observable, bounded
+	}
+	require.Equal(t, workers, rdma.Stats().Workers, "clients' workers left")
+}
