@@ -145,7 +145,7 @@ func childStreamer(tls, addr string) error {
 	defer c.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	e, err := c.Worker().Dial(ctx, addr)
+	e, err := c.DialApart(ctx, addr) // sends the worker's client id
 	if err != nil {
 		return err
 	}
@@ -169,6 +169,13 @@ type child struct {
 
 func startChild(t *testing.T, tls string) *child {
 	t.Helper()
+	return startChildOn(t, tls, nil, nil)
+}
+
+// startChildOn is startChild dialing from c (nil: a context of its own)
+// with dial (nil: c's worker's Dial).
+func startChildOn(t *testing.T, tls string, c *rdma.Context, dial func(c *rdma.Context, ctx context.Context, addr string) (*rdma.Endpoint, error)) *child {
+	t.Helper()
 	requireUCX(t)
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), childEnv+"=server", "GDRPC_RDMA_TEST_TLS="+tls)
@@ -190,8 +197,16 @@ func startChild(t *testing.T, tls string) *child {
 	packed, err := hex.DecodeString(f[5])
 	require.NoError(t, err)
 
-	ch.ctx = newContext(t, tls)
-	ch.ep, err = ch.ctx.Worker().Dial(testCtx(t), f[1])
+	ch.ctx = c
+	if c == nil {
+		ch.ctx = newContext(t, tls)
+	}
+	if dial == nil {
+		dial = func(c *rdma.Context, ctx context.Context, addr string) (*rdma.Endpoint, error) {
+			return c.Worker().Dial(ctx, addr)
+		}
+	}
+	ch.ep, err = dial(ch.ctx, testCtx(t), f[1])
 	require.NoError(t, err)
 	t.Cleanup(func() { ch.ep.Close() })
 	ch.key, err = ch.ep.UnpackForeignKey(packed) // the child's segment: another process's

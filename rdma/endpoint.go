@@ -87,6 +87,9 @@ func (e *Endpoint) attach(ce *C.rdma_ep_t) {
 	e.w.eps[e.id] = e
 	e.w.epByH[uintptr(unsafe.Pointer(ce.ep))] = e
 	live.endpoints.Add(1)
+	if e.w.share != nil {
+		e.w.share.add(e.w)
+	}
 	e.w.unpaired++
 	e.queryAddrs()
 	e.pairUp()
@@ -370,8 +373,8 @@ func (e *Endpoint) forceClose() {
 		e.ce = nil
 		live.endpoints.Add(-1)
 		close(e.closeDone)
-		if w.client != nil {
-			w.client.drop(w)
+		if w.share != nil {
+			w.share.drop(w)
 		}
 	})
 }

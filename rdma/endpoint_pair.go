@@ -83,6 +83,12 @@ func (e *Endpoint) queryAddrs() {
 // It returns when the connection is established, fails promptly when nobody
 // listens, and is bounded by ctx.
 func (w *Worker) Dial(ctx context.Context, addr string) (*Endpoint, error) {
+	return w.dial(ctx, addr, false)
+}
+
+// dial is Dial; sendID sends the worker's client id with the request
+// (isolate.go).
+func (w *Worker) dial(ctx context.Context, addr string, sendID bool) (*Endpoint, error) {
 	ap, err := resolve(ctx, addr)
 	if err != nil {
 		return nil, fmt.Errorf("rdma: dial %s: %w", addr, err)
@@ -98,7 +104,11 @@ func (w *Worker) Dial(ctx context.Context, addr string) (*Endpoint, error) {
 		e = newEndpoint(w)
 		ip := ap.Addr().AsSlice()
 		var ce *C.rdma_ep_t
-		st := C.rdma_ep_connect(w.cw, C.uint64_t(e.id), (*C.uint8_t)(unsafe.Pointer(&ip[0])), C.int(len(ip)), C.int(ap.Port()), &ce)
+		send := C.int(0)
+		if sendID {
+			send = 1
+		}
+		st := C.rdma_ep_connect(w.cw, C.uint64_t(e.id), (*C.uint8_t)(unsafe.Pointer(&ip[0])), C.int(len(ip)), C.int(ap.Port()), send, &ce)
 		if st != statusOK {
 			e = nil
 			res <- result{nil, statusError("ucp_ep_create", st), nil}

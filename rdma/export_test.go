@@ -81,6 +81,5 @@ const DrainMax = drainMax
 // unread than DrainMax.
 var ErrUnreadCut = errUnreadCut
 
-// OnListenerWorker reports whether the endpoint, accepted by l, is on l's
-// worker (not on a worker of its client's own).
-func (e *Endpoint) OnListenerWorker(l *Listener) bool { return e.w == l.w }
+// OnWorker reports whether the endpoint is on w.
+func (e *Endpoint) OnWorker(w *Worker) bool { return e.w == w }

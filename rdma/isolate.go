@@ -8,31 +8,53 @@ package rdma
 import "C"
 
 import (
+	"context"
 	"math/rand/v2"
 	"sync"
 )
 
-// IsolateClients makes the listener keep the endpoints of later connection
-// requests from each client worker in another process on a worker of their
-// own, created at the client's first request and closed once its last
-// endpoint is released.
-func (l *Listener) IsolateClients() { l.isolate.Store(true) }
-
+// Workers kept apart. A peer process that dies in the middle of a send over
+// shared memory (UCX's posix and sysv transports) leaves the receive queue
+// of the worker it sent to blocked for good: UCX waits on the slot the peer
+// took and never marked written, so every endpoint of that worker stalls.
 // An isolating listener keeps the endpoints of each client worker in another
-// process on a worker of their own. A peer process that dies in the middle of a send
-// over shared memory (UCX's posix and sysv transports) leaves the receive
-// queue of the worker it sent to blocked for good: UCX waits on the slot the
-// peer took and never marked written. On a worker of its own, that is the
-// dead client's worker, which ends once its endpoints are released, not the
-// listener's, which every other client's connections would share. Clients
-// in this process stay on the listener's worker, where both ends of a
-// connection hand bytes over directly (endpoint_pair.go).
+// process on a worker of their own, and DialApart keeps a context's
+// endpoints to each listener address on one: a dead peer then blocks the
+// worker that ends with its own endpoints. Clients in this process stay on
+// the listener's worker, where both ends of a connection hand bytes over
+// directly (endpoint_pair.go).
 //
-// UCX sends the client's worker id with each connection request
-// (UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID). A client may name any id: naming
+// DialApart sends the client's worker id with its connection requests
+// (UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID); Worker.Dial sends none, which keeps
+// the endpoint on the listener's worker. Not every dial sends it: with the
+// id in every request, UCX 1.13 failed the assertion in its tcp connection
+// manager's send progress in 2 of 5 runs of the transport tests,
+// which turn requests away and dial again. A client may name any id: naming
 // another client's puts its endpoints beside that client's, as every
 // client's were before, and naming one of this process's workers puts them
 // on the listener's worker, as before.
+
+// IsolateClients makes the listener keep the endpoints of later connection
+// requests from each client worker in another process that sends its id
+// (DialApart) on a worker of their own, created at the client's first
+// request and closed once its last endpoint is released.
+func (l *Listener) IsolateClients() { l.isolate.Store(true) }
+
+// DialApart dials addr as Worker.Dial does, on a worker of this context
+// kept for the endpoints to that address: created at the first, closed once
+// the last is released. A listener's process that dies in the middle of a
+// send over shared memory then blocks the receive queue of that worker, not
+// of the one the context's other endpoints share. An endpoint to a listener
+// of this process gets no direct hand-over of bytes (endpoint_pair.go): its
+// peer is on another worker.
+func (c *Context) DialApart(ctx context.Context, addr string) (*Endpoint, error) {
+	w := c.peers.hold(addr)
+	if w == nil {
+		return c.Worker().dial(ctx, addr, true)
+	}
+	defer w.share.drop(w) // the hold; an endpoint holds w on its own
+	return w.dial(ctx, addr, true)
+}
 
 // clientWorkers holds the live workers of this process by their client id.
 var clientWorkers sync.Map // uint64 -> *Worker
@@ -50,13 +72,6 @@ func newClientID() uint64 {
 	}
 }
 
-// clientShare is a listener's worker for one client worker, and the
-// endpoints it holds or is accepting.
-type clientShare struct {
-	w    *Worker
-	refs int
-}
-
 // requestClient returns the client id a connection request carries (0 for
 // none) and whether it names a worker of this process and context.
 func (l *Listener) requestClient(req uintptr) (id uint64, local bool) {
@@ -71,50 +86,74 @@ func (l *Listener) requestClient(req uintptr) (id uint64, local bool) {
 	return id, false
 }
 
-// clientWorker returns the worker for client id's endpoints, creating it at
-// the client's first request, and counts one more endpoint on it (release it
-// with dropClient). Nil: keep the endpoint on the listener's worker.
-func (l *Listener) clientWorker(id uint64) *Worker {
-	l.cmu.Lock()
-	defer l.cmu.Unlock()
-	if cs := l.clients[id]; cs != nil {
-		cs.refs++
-		return cs.w
+// shares are workers kept apart for the endpoints of one peer each (a
+// listener's for each client worker, a context's for each listener it
+// dials), keyed by that peer. A worker lives while it holds an endpoint or
+// is held for one being made.
+type shares struct {
+	ctx *Context
+	mu  sync.Mutex
+	m   map[any]*share
+}
+
+// share is one peer's worker and how many endpoints and holds it has.
+type share struct {
+	w    *Worker
+	refs int
+}
+
+// shareLink ties a worker to its place in shares.
+type shareLink struct {
+	s   *shares
+	key any
+}
+
+// hold returns the worker kept for key's endpoints, creating it at the
+// first, held until release: an endpoint attached meanwhile holds it too
+// (add), until it is released (drop). Nil (logged): use another worker.
+func (s *shares) hold(key any) *Worker {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if sh := s.m[key]; sh != nil {
+		sh.refs++
+		return sh.w
 	}
-	w, err := l.w.ctx.newWorker(false, &clientLink{l: l, id: id})
+	w, err := s.ctx.newWorker(false, &shareLink{s: s, key: key})
 	if err != nil {
-		l.w.ctx.opts.logger.Warn("rdma: no worker of its own for a client; its endpoint stays on the listener's", "err", err)
+		s.ctx.opts.logger.Warn("rdma: no worker of its own for a peer; its endpoint goes on a shared one", "err", err)
 		return nil
 	}
-	if l.clients == nil {
-		l.clients = map[uint64]*clientShare{}
+	if s.m == nil {
+		s.m = map[any]*share{}
 	}
-	l.clients[id] = &clientShare{w: w, refs: 1}
+	s.m[key] = &share{w: w, refs: 1}
 	return w
 }
 
-// clientLink ties a worker to the listener that made it for a client.
-type clientLink struct {
-	l  *Listener
-	id uint64
+// add counts an endpoint attached to w, a worker of s.
+func (k *shareLink) add(w *Worker) {
+	k.s.mu.Lock()
+	defer k.s.mu.Unlock()
+	if sh := k.s.m[k.key]; sh != nil && sh.w == w {
+		sh.refs++
+	}
 }
 
-// dropClient counts one endpoint less on w, a client's worker; the last
-// closes w (on a goroutine of its own: the caller may hold w's lock).
-func (k *clientLink) drop(w *Worker) {
-	l := k.l
-	l.cmu.Lock()
-	cs := l.clients[k.id]
-	if cs == nil || cs.w != w {
-		l.cmu.Unlock()
+// drop releases a hold or an endpoint of w, a worker of s; the last closes w
+// (on a goroutine of its own: the caller may hold w's lock).
+func (k *shareLink) drop(w *Worker) {
+	k.s.mu.Lock()
+	sh := k.s.m[k.key]
+	if sh == nil || sh.w != w {
+		k.s.mu.Unlock()
 		return
 	}
-	cs.refs--
-	if cs.refs > 0 {
-		l.cmu.Unlock()
+	sh.refs--
+	if sh.refs > 0 {
+		k.s.mu.Unlock()
 		return
 	}
-	delete(l.clients, k.id)
-	l.cmu.Unlock()
+	delete(k.s.m, k.key)
+	k.s.mu.Unlock()
 	go w.close()
 }

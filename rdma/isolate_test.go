@@ -43,10 +43,12 @@ func TestClientDeathIsolated(t *testing.T) {
 			})
 			ep, err := l.Accept(testCtx(t))
 			require.NoError(t, err)
-			require.False(t, ep.OnListenerWorker(l), "another process's client on the listener's worker")
+			require.False(t, ep.OnWorker(c.Worker()), "another process's client on the listener's worker")
 			buf := make([]byte, 1<<16)
+			require.NoError(t, ep.SetReadDeadline(time.Now().Add(deathBound)))
 			_, err = io.ReadFull(ep, buf) // the child is streaming
-			require.NoError(t, err)
+			require.NoError(t, err, "the child's stream does not come")
+			require.NoError(t, ep.SetReadDeadline(time.Time{}))
 			read := make(chan struct{})
 			go func() {
 				defer close(read)
@@ -66,38 +68,99 @@ func TestClientDeathIsolated(t *testing.T) {
 			require.NoError(t, ep.Close())
 
 			// A client of this process: on the listener's worker.
-			ctx, cancel := context.WithTimeout(context.Background(), deathBound)
-			defer cancel()
-			accepted := make(chan *rdma.Endpoint, 1)
-			go func() {
-				s, _ := l.Accept(ctx)
-				accepted <- s
-			}()
-			cl, err := c.Worker().Dial(ctx, l.Addr().String())
-			require.NoError(t, err)
-			defer cl.Close()
-			s := <-accepted
-			require.NotNil(t, s)
-			defer s.Close()
-			require.True(t, s.OnListenerWorker(l), "a client of this process off the listener's worker")
-			require.NoError(t, cl.SetDeadline(time.Now().Add(deathBound)))
-			require.NoError(t, s.SetDeadline(time.Now().Add(deathBound)))
-			_, err = cl.Write([]byte("ping"))
-			require.NoError(t, err)
-			got := make([]byte, 4)
-			_, err = io.ReadFull(s, got)
-			require.NoError(t, err, "the listener's worker receives no more after a client's death")
-			_, err = s.Write(got)
-			require.NoError(t, err)
-			_, err = io.ReadFull(cl, got)
-			require.NoError(t, err)
-			require.Equal(t, "ping", string(got))
+			requireEchoVia(t, c, l)
 		})
 	}
-	// The dead clients' workers closed with their endpoints.
+	requireWorkers(t, workers, "dead clients' workers left")
+}
+
+// requireEchoVia dials l from c's worker and echoes through the pair: both
+// ends are on c's worker when l is.
+func requireEchoVia(t *testing.T, c *rdma.Context, l *rdma.Listener) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), deathBound)
+	defer cancel()
+	accepted := make(chan *rdma.Endpoint, 1)
+	go func() {
+		s, _ := l.Accept(ctx)
+		accepted <- s
+	}()
+	cl, err := c.Worker().Dial(ctx, l.Addr().String())
+	require.NoError(t, err)
+	defer cl.Close()
+	s := <-accepted
+	require.NotNil(t, s)
+	defer s.Close()
+	require.True(t, s.OnWorker(c.Worker()), "a client of this process off the listener's worker")
+	require.NoError(t, cl.SetDeadline(time.Now().Add(deathBound)))
+	require.NoError(t, s.SetDeadline(time.Now().Add(deathBound)))
+	_, err = cl.Write([]byte("ping"))
+	require.NoError(t, err)
+	got := make([]byte, 4)
+	_, err = io.ReadFull(s, got)
+	require.NoError(t, err, "the worker receives no more after a peer's death")
+	_, err = s.Write(got)
+	require.NoError(t, err)
+	_, err = io.ReadFull(cl, got)
+	require.NoError(t, err)
+	require.Equal(t, "ping", string(got))
+}
+
+// TestServerDeathIsolated: a listener's process killed while it streams to
+// this one over shared memory (TestPeerDeathMidSendMMOff) blocks the worker
+// its peer endpoint is on. DialApart keeps the endpoint on a worker of its
+// own, so after every kill the context's worker still receives, and the
+// dead listener's worker closes once the endpoint is released.
+func TestServerDeathIsolated(t *testing.T) {
+	c := newContext(t, "posix,sysv,cma,tcp")
+	l, err := c.Worker().Listen("127.0.0.1:0")
+	require.NoError(t, err)
+	defer l.Close()
+	workers := rdma.Stats().Workers
+	dialApart := func(c *rdma.Context, ctx context.Context, addr string) (*rdma.Endpoint, error) {
+		return c.DialApart(ctx, addr)
+	}
+	for i := range 15 {
+		t.Run(fmt.Sprint(i), func(t *testing.T) {
+			ch := startChildOn(t, "posix,sysv,cma,tcp", c, dialApart)
+			require.False(t, ch.ep.OnWorker(c.Worker()), "an endpoint of DialApart on the context's worker")
+			ch.command(t, cmdStream, uint64(8+rand.IntN(8000)), 1)
+			buf := make([]byte, 1<<16)
+			require.NoError(t, ch.ep.SetReadDeadline(time.Now().Add(deathBound)))
+			_, err := io.ReadFull(ch.ep, buf) // the child is streaming
+			require.NoError(t, err, "the child's stream does not come")
+			require.NoError(t, ch.ep.SetReadDeadline(time.Time{}))
+			read := make(chan struct{})
+			go func() {
+				defer close(read)
+				for {
+					if _, err := ch.ep.Read(buf); err != nil {
+						return
+					}
+				}
+			}()
+			time.Sleep(time.Duration(rand.IntN(3000)) * time.Microsecond) // a kill at some point of the stream
+			require.NoError(t, ch.cmd.Process.Kill())
+			select {
+			case <-read:
+			case <-time.After(deathBound):
+				t.Fatal("the dead listener's endpoint did not fail")
+			}
+			require.NoError(t, ch.key.Close())
+			require.NoError(t, ch.ep.Close())
+			requireEchoVia(t, c, l)
+		})
+	}
+	requireWorkers(t, workers, "dead listeners' workers left")
+}
+
+// requireWorkers waits (bounded) until the process has n workers besides
+// the default ones.
+func requireWorkers(t *testing.T, n int64, msg string) {
+	t.Helper()
 	deadline := time.Now().Add(deathBound)
-	for rdma.Stats().Workers != workers && time.Now().Before(deadline) {
+	for rdma.Stats().Workers != n && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond) // polling an observable, bounded
 	}
-	require.Equal(t, workers, rdma.Stats().Workers, "clients' workers left")
+	require.Equal(t, n, rdma.Stats().Workers, msg)
 }

@@ -38,8 +38,11 @@ type Worker struct{}
 
 func (w *Worker) Listen(addr string) (*Listener, error)                    { return nil, errBuild }
 func (w *Worker) Dial(ctx context.Context, addr string) (*Endpoint, error) { return nil, errBuild }
-func (w *Worker) Flush(ctx context.Context) error                          { return errBuild }
-func (w *Worker) Close() error                                             { return nil }
+func (c *Context) DialApart(ctx context.Context, addr string) (*Endpoint, error) {
+	return nil, errBuild
+}
+func (w *Worker) Flush(ctx context.Context) error { return errBuild }
+func (w *Worker) Close() error                    { return nil }
 
 // Listener accepts UCX connection requests. In this build it cannot be created.
 type Listener struct{}

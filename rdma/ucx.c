@@ -531,7 +531,7 @@ static int ep_create(rdma_worker_t *w, uint64_t id, ucp_ep_params_t *ep, rdma_ep
 	return UCS_OK;
 }
 
-int rdma_ep_connect(rdma_worker_t *w, uint64_t id, const uint8_t *ip, int iplen, int port, rdma_ep_t **out)
+int rdma_ep_connect(rdma_worker_t *w, uint64_t id, const uint8_t *ip, int iplen, int port, int send_id, rdma_ep_t **out)
 {
 	struct sockaddr_storage ss;
 	socklen_t sl;
@@ -541,7 +541,10 @@ int rdma_ep_connect(rdma_worker_t *w, uint64_t id, const uint8_t *ip, int iplen,
 	ucp_ep_params_t ep;
 	memset(&ep, 0, sizeof(ep));
 	ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR;
-	ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER | UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID;
+	ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+	if (send_id) {
+		ep.flags |= UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID; // the worker's client id, for an isolating listener
+	}
 	ep.sockaddr.addr = (struct sockaddr *)&ss;
 	ep.sockaddr.addrlen = sl;
 	return ep_create(w, id, &ep, out);

@@ -110,6 +110,8 @@ type Context struct {
 	cuda      atomic.Pointer[cudaHooks] // set by UseCUDA
 	protoV1   bool                      // UCX's first protocol selection is in use: no CUDA memory
 
+	peers shares // the workers DialApart keeps, by address (isolate.go)
+
 	mu      sync.Mutex
 	closed  bool
 	workers map[*Worker]struct{}
@@ -182,6 +184,7 @@ func newContext(opts []Option, isDefault bool) (*Context, error) {
 		cfg.set(k, o.config[k])
 	}
 	c := &Context{opts: o, isDefault: isDefault, workers: map[*Worker]struct{}{}, mems: map[*Memory]struct{}{}}
+	c.peers.ctx = c
 	if err := c.create(cfg); err != nil {
 		return nil, err
 	}

@@ -88,7 +88,7 @@ int rdma_conn_request_client_id(uintptr_t req, uint64_t *id);
 int rdma_listener_reject(rdma_listener_t *l, uintptr_t req);
 
 // endpoints
-int rdma_ep_connect(rdma_worker_t *w, uint64_t id, const uint8_t *ip, int iplen, int port, rdma_ep_t **out);
+int rdma_ep_connect(rdma_worker_t *w, uint64_t id, const uint8_t *ip, int iplen, int port, int send_id, rdma_ep_t **out);
 int rdma_ep_accept(rdma_worker_t *w, uint64_t id, uintptr_t req, rdma_ep_t **out);
 int rdma_ep_addrs(rdma_ep_t *e, uint8_t *lip, int *liplen, int *lport, uint8_t *rip, int *riplen, int *rport);
 int rdma_ep_close(rdma_worker_t *w, rdma_ep_t *e, uint64_t id, void **req); // force close

@@ -62,8 +62,8 @@ type Worker struct {
 	ctx       *Context
 	cw        *C.rdma_worker_t // lock-only; nil once destroyed
 	isDefault bool
-	clientID  uint64      // sent with this worker's connection requests (isolate.go)
-	client    *clientLink // a listener's worker for one client's endpoints, else nil
+	clientID  uint64     // sent with this worker's connection requests (isolate.go)
+	share     *shareLink // a worker kept for one peer's endpoints (isolate.go), else nil
 
 	mu      sync.Mutex // the worker's lock
 	qmu     sync.Mutex
@@ -124,9 +124,9 @@ type op struct {
 	done func(status int)
 }
 
-// newWorker creates a worker; client is set for a listener's worker for one
-// client's endpoints (isolate.go).
-func (c *Context) newWorker(isDefault bool, client *clientLink) (*Worker, error) {
+// newWorker creates a worker; share is set for one kept for a peer's
+// endpoints (isolate.go).
+func (c *Context) newWorker(isDefault bool, share *shareLink) (*Worker, error) {
 	c.mu.Lock()
 	if c.closed {
 		c.mu.Unlock()
@@ -148,7 +148,7 @@ func (c *Context) newWorker(isDefault bool, client *clientLink) (*Worker, error)
 		evs:       make([]C.rdma_event_t, eventBatch),
 		spins:     spinPolicy{max: c.opts.pollTime},
 		clientID:  newClientID(),
-		client:    client,
+		share:     share,
 	}
 	st := C.rdma_worker_create(w.ctx.h, C.uint64_t(w.clientID), &w.cw)
 	ucxFDs.scan()
@@ -753,6 +753,7 @@ func (w *Worker) Listen(addr string) (*Listener, error) {
 		return nil, fmt.Errorf("rdma: listen %s: %w", addr, err)
 	}
 	l := &Listener{w: w, accq: make(chan *Endpoint, acceptBacklog), closedCh: make(chan struct{})}
+	l.clients.ctx = w.ctx
 	var lerr error
 	var marked <-chan struct{}
 	err = w.call(func() {
@@ -833,8 +834,7 @@ type Listener struct {
 	qmu     sync.Mutex
 	gone    bool        // destroyed: accq is drained, and an endpoint accepted now is closed (qmu)
 	isolate atomic.Bool // IsolateClients
-	cmu     sync.Mutex
-	clients map[uint64]*clientShare // the workers of other processes' clients (isolate.go)
+	clients shares      // the workers of other processes' clients, by client id (isolate.go)
 }
 
 // Addr returns the listening address with the bound port.
@@ -872,16 +872,20 @@ func (l *Listener) connRequest(req uintptr) {
 	w := l.w
 	if l.isolate.Load() {
 		if id, local := l.requestClient(req); id != 0 && !local {
-			if cw := l.clientWorker(id); cw != nil {
+			if cw := l.clients.hold(id); cw != nil {
 				w = cw
 			}
 		}
 	}
 	if w != l.w {
-		if w.submit(func() { l.acceptOn(w, req, remote) }) == nil {
+		accept := func() {
+			l.acceptOn(w, req, remote)
+			w.share.drop(w) // the hold; the endpoint holds w now
+		}
+		if w.submit(accept) == nil {
 			return
 		}
-		w.client.drop(w) // closed meanwhile (its context closes)
+		w.share.drop(w) // closed meanwhile (its context closes)
 	}
 	l.acceptOn(l.w, req, remote)
 }
@@ -895,9 +899,6 @@ func (l *Listener) acceptOn(w *Worker, req uintptr, remote *Addr) {
 	e.marked = markCloexec(false)
 	if st != statusOK {
 		l.waiting.Add(-1)
-		if w.client != nil {
-			w.client.drop(w)
-		}
 		return
 	}
 	e.attach(ce)

@@ -162,9 +162,6 @@ func (l *Listener) listenUCX() error {
 	// endpoint, or such a session for its lanes, not whenever someone
 	// reaches the port.
 	ul.SetFilter(l.admitsUCX)
-	if l.cfg.clientWorkers {
-		ul.IsolateClients()
-	}
 	l.ucx, l.rctx = ul, rctx
 	return nil
 }

@@ -79,7 +79,6 @@ type config struct {
 	noLane           bool
 	engine           Engine
 	trustPeers       bool
-	clientWorkers    bool // a Listener's UCX listener isolates each client process (WithClientWorkers)
 	// grpcWithLanes: a client opens its gRPC lane with its control and bulk
 	// lanes, in newSession (DialConn), rather than in Conn.
 	grpcWithLanes bool
@@ -182,20 +181,6 @@ func WithWindow(n int) Option {
 // session was made by Dial and a Listener (not over a caller's conn).
 func WithLanes(on bool) Option {
 	return func(c *config) { c.noLane = !on }
-}
-
-// WithClientWorkers sets whether a Listener keeps the UCX endpoints of each
-// client process on a UCX worker of their own (rdma.Listener.IsolateClients),
-// closed once its endpoints are. A client process that dies or stops in the
-// middle of a send over shared memory then blocks that worker's receive
-// queue, which ends with the client's sessions, instead of the worker every
-// UCX session of this listener shares (README, known limits). Off by
-// default: it adds a worker, its driver goroutine and its UCX resources per
-// client process, and UCX 1.16 has failed an assertion when two workers of
-// one process churn connections (rdma's known UCX limitations); it has run
-// on UCX 1.13 only. Dial ignores it.
-func WithClientWorkers(on bool) Option {
-	return func(c *config) { c.clientWorkers = on }
 }
 
 func newConfig(opts []Option) (*config, error) {
