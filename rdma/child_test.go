@@ -437,21 +437,7 @@ func TestPeerDeathMidSendMMOff(t *testing.T) {
 		t.Run(fmt.Sprint(i), func(t *testing.T) {
 			ch := startChild(t, "posix,sysv,cma,tcp")
 			ch.command(t, cmdStream, uint64(8+rand.IntN(200)), 1)
-			buf := make([]byte, 1<<16)
-			_, err := io.ReadFull(ch.ep, buf) // the child is streaming
-			require.NoError(t, err)
-			read := make(chan struct{})
-			go func() {
-				defer close(read)
-				for {
-					if _, err := ch.ep.Read(buf); err != nil {
-						return
-					}
-				}
-			}()
-			time.Sleep(time.Duration(rand.IntN(3000)) * time.Microsecond) // a kill at some point of the stream
-			require.NoError(t, ch.cmd.Process.Kill())
-			<-read
+			killMidStream(t, ch.ep, ch.cmd)
 
 			ctx, cancel := context.WithTimeout(context.Background(), deathBound)
 			defer cancel()
@@ -459,18 +445,53 @@ func TestPeerDeathMidSendMMOff(t *testing.T) {
 			require.NoError(t, err)
 			defer c.Close()
 			defer s.Close()
-			require.NoError(t, c.SetDeadline(time.Now().Add(deathBound)))
-			require.NoError(t, s.SetDeadline(time.Now().Add(deathBound)))
-			_, err = c.Write([]byte("ping"))
-			require.NoError(t, err)
-			got := make([]byte, 4)
-			_, err = io.ReadFull(s, got)
-			require.NoError(t, err, "the worker receives no more after the peer's death")
-			_, err = s.Write(got)
-			require.NoError(t, err)
-			_, err = io.ReadFull(c, got)
-			require.NoError(t, err)
-			require.Equal(t, "ping", string(got))
+			requireEcho(t, c, s)
 		})
 	}
+}
+
+// killMidStream reads the first 64 KiB a child streams to ep, kills the
+// child at some point of the stream, and waits (bounded) until ep's reads
+// fail.
+func killMidStream(t *testing.T, ep *rdma.Endpoint, cmd *exec.Cmd) {
+	t.Helper()
+	buf := make([]byte, 1<<16)
+	require.NoError(t, ep.SetReadDeadline(time.Now().Add(deathBound)))
+	_, err := io.ReadFull(ep, buf)
+	require.NoError(t, err, "the child's stream does not come")
+	require.NoError(t, ep.SetReadDeadline(time.Time{}))
+	read := make(chan struct{})
+	go func() {
+		defer close(read)
+		for {
+			if _, err := ep.Read(buf); err != nil {
+				return
+			}
+		}
+	}()
+	time.Sleep(time.Duration(rand.IntN(3000)) * time.Microsecond) // a kill at some point of the stream
+	require.NoError(t, cmd.Process.Kill())
+	select {
+	case <-read:
+	case <-time.After(deathBound):
+		t.Fatal("the dead child's endpoint did not fail")
+	}
+}
+
+// requireEcho sends a ping from client to server and back, each way bounded
+// by deathBound: a worker whose receive queue a dead peer blocked fails it.
+func requireEcho(t *testing.T, client, server *rdma.Endpoint) {
+	t.Helper()
+	require.NoError(t, client.SetDeadline(time.Now().Add(deathBound)))
+	require.NoError(t, server.SetDeadline(time.Now().Add(deathBound)))
+	_, err := client.Write([]byte("ping"))
+	require.NoError(t, err)
+	got := make([]byte, 4)
+	_, err = io.ReadFull(server, got)
+	require.NoError(t, err, "the worker receives no more after a peer's death")
+	_, err = server.Write(got)
+	require.NoError(t, err)
+	_, err = io.ReadFull(client, got)
+	require.NoError(t, err)
+	require.Equal(t, "ping", string(got))
 }

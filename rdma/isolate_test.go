@@ -5,7 +5,6 @@ package rdma_test
 import (
 	"context"
 	"fmt"
-	"io"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -44,27 +43,7 @@ func TestClientDeathIsolated(t *testing.T) {
 			ep, err := l.Accept(testCtx(t))
 			require.NoError(t, err)
 			require.False(t, ep.OnWorker(c.Worker()), "another process's client on the listener's worker")
-			buf := make([]byte, 1<<16)
-			require.NoError(t, ep.SetReadDeadline(time.Now().Add(deathBound)))
-			_, err = io.ReadFull(ep, buf) // the child is streaming
-			require.NoError(t, err, "the child's stream does not come")
-			require.NoError(t, ep.SetReadDeadline(time.Time{}))
-			read := make(chan struct{})
-			go func() {
-				defer close(read)
-				for {
-					if _, err := ep.Read(buf); err != nil {
-						return
-					}
-				}
-			}()
-			time.Sleep(time.Duration(rand.IntN(3000)) * time.Microsecond) // a kill at some point of the stream
-			require.NoError(t, cmd.Process.Kill())
-			select {
-			case <-read:
-			case <-time.After(deathBound):
-				t.Fatal("the dead client's endpoint did not fail")
-			}
+			killMidStream(t, ep, cmd)
 			require.NoError(t, ep.Close())
 
 			// A client of this process: on the listener's worker.
@@ -92,18 +71,7 @@ func requireEchoVia(t *testing.T, c *rdma.Context, l *rdma.Listener) {
 	require.NotNil(t, s)
 	defer s.Close()
 	require.True(t, s.OnWorker(c.Worker()), "a client of this process off the listener's worker")
-	require.NoError(t, cl.SetDeadline(time.Now().Add(deathBound)))
-	require.NoError(t, s.SetDeadline(time.Now().Add(deathBound)))
-	_, err = cl.Write([]byte("ping"))
-	require.NoError(t, err)
-	got := make([]byte, 4)
-	_, err = io.ReadFull(s, got)
-	require.NoError(t, err, "the worker receives no more after a peer's death")
-	_, err = s.Write(got)
-	require.NoError(t, err)
-	_, err = io.ReadFull(cl, got)
-	require.NoError(t, err)
-	require.Equal(t, "ping", string(got))
+	requireEcho(t, cl, s)
 }
 
 // TestServerDeathIsolated: a listener's process killed while it streams to
@@ -125,27 +93,7 @@ func TestServerDeathIsolated(t *testing.T) {
 			ch := startChildOn(t, "posix,sysv,cma,tcp", c, dialApart)
 			require.False(t, ch.ep.OnWorker(c.Worker()), "an endpoint of DialApart on the context's worker")
 			ch.command(t, cmdStream, uint64(8+rand.IntN(8000)), 1)
-			buf := make([]byte, 1<<16)
-			require.NoError(t, ch.ep.SetReadDeadline(time.Now().Add(deathBound)))
-			_, err := io.ReadFull(ch.ep, buf) // the child is streaming
-			require.NoError(t, err, "the child's stream does not come")
-			require.NoError(t, ch.ep.SetReadDeadline(time.Time{}))
-			read := make(chan struct{})
-			go func() {
-				defer close(read)
-				for {
-					if _, err := ch.ep.Read(buf); err != nil {
-						return
-					}
-				}
-			}()
-			time.Sleep(time.Duration(rand.IntN(3000)) * time.Microsecond) // a kill at some point of the stream
-			require.NoError(t, ch.cmd.Process.Kill())
-			select {
-			case <-read:
-			case <-time.After(deathBound):
-				t.Fatal("the dead listener's endpoint did not fail")
-			}
+			killMidStream(t, ch.ep, ch.cmd)
 			require.NoError(t, ch.key.Close())
 			require.NoError(t, ch.ep.Close())
 			requireEchoVia(t, c, l)

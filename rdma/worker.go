@@ -127,12 +127,6 @@ type op struct {
 // newWorker creates a worker; share is set for one kept for a peer's
 // endpoints (isolate.go).
 func (c *Context) newWorker(isDefault bool, share *shareLink) (*Worker, error) {
-	c.mu.Lock()
-	if c.closed {
-		c.mu.Unlock()
-		return nil, closedError("context")
-	}
-	c.mu.Unlock()
 	w := &Worker{
 		ctx:       c,
 		isDefault: isDefault,
@@ -150,13 +144,21 @@ func (c *Context) newWorker(isDefault bool, share *shareLink) (*Worker, error) {
 		clientID:  newClientID(),
 		share:     share,
 	}
+	// Under c.mu, so that a Close of the context either closes this worker
+	// with the others or is seen before the worker is made: a worker made
+	// after the context's teardown would outlive its UCX context.
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil, closedError("context")
+	}
 	st := C.rdma_worker_create(w.ctx.h, C.uint64_t(w.clientID), &w.cw)
 	ucxFDs.scan()
 	if st != statusOK {
+		c.mu.Unlock()
 		return nil, fmt.Errorf("rdma: create worker: %w", statusError("ucp_worker_create", st))
 	}
-	w.mu.Lock()
-	c.mu.Lock()
+	w.mu.Lock() // new: nobody else holds it
 	c.workers[w] = struct{}{}
 	hooks := c.cuda.Load()
 	c.mu.Unlock()
@@ -827,12 +829,9 @@ type Listener struct {
 	filter   atomic.Pointer[func(net.Addr) bool]
 	once     sync.Once
 	closedCh chan struct{}
-	// waiting counts the endpoints in accq and those being accepted on a
-	// client's worker, which then go into accq: at most cap(accq), so that
-	// no send to accq blocks.
+	// waiting counts the endpoints in accq and the one being accepted: at
+	// most cap(accq), so that no send to accq blocks.
 	waiting atomic.Int32
-	qmu     sync.Mutex
-	gone    bool        // destroyed: accq is drained, and an endpoint accepted now is closed (qmu)
 	isolate atomic.Bool // IsolateClients
 	clients shares      // the workers of other processes' clients, by client id (isolate.go)
 }
@@ -878,20 +877,28 @@ func (l *Listener) connRequest(req uintptr) {
 		}
 	}
 	if w != l.w {
-		accept := func() {
+		// Accepted now, with l.w's lock still held, never queued: the UCX
+		// listener the request came through is freed with l.w's lock held
+		// (destroy), and UCX reads it while it accepts. The lock order is
+		// l.w's, then the client worker's; a client worker's holder never
+		// waits for another worker's lock (submit only tries it).
+		w.mu.Lock()
+		taken := w.cw != nil && !w.stopping
+		if taken {
 			l.acceptOn(w, req, remote)
-			w.share.drop(w) // the hold; the endpoint holds w now
 		}
-		if w.submit(accept) == nil {
+		w.release(taken)
+		w.share.drop(w) // the hold; an endpoint accepted holds w on its own
+		if taken {
 			return
 		}
-		w.share.drop(w) // closed meanwhile (its context closes)
 	}
 	l.acceptOn(l.w, req, remote)
 }
 
 // acceptOn creates the endpoint of a connection request on w (w's lock
-// held) and queues it for Accept.
+// held, and l.w's: destroy, which drains accq, runs with l.w's) and queues
+// it for Accept.
 func (l *Listener) acceptOn(w *Worker, req uintptr, remote *Addr) {
 	e := newEndpoint(w)
 	var ce *C.rdma_ep_t
@@ -909,16 +916,6 @@ func (l *Listener) acceptOn(w *Worker, req uintptr, remote *Addr) {
 		e.laddr = l.addr
 	}
 	e.pairUp()
-	l.qmu.Lock()
-	defer l.qmu.Unlock()
-	if l.gone {
-		// The listener closed while the endpoint was made on a client's
-		// worker: nobody takes it.
-		l.waiting.Add(-1)
-		e.fail(closedError("listener"), false)
-		e.forceClose()
-		return
-	}
 	l.accq <- e
 }
 
@@ -962,27 +959,25 @@ func (l *Listener) destroy() {
 	l.cl = nil
 	delete(l.w.listeners, l.id)
 	live.listeners.Add(-1)
-	l.qmu.Lock()
-	l.gone = true
-	var left []*Endpoint
-	for len(l.accq) > 0 {
-		left = append(left, <-l.accq)
-		l.waiting.Add(-1)
-	}
-	l.qmu.Unlock()
-	for _, e := range left {
-		if e.w == l.w {
+	// An Accept may take an endpoint meanwhile: never wait on accq.
+	for {
+		var e *Endpoint
+		select {
+		case e = <-l.accq:
+			l.waiting.Add(-1)
+		default:
+			return
+		}
+		end := func() {
 			e.fail(closedError("listener"), false)
 			e.forceClose()
+		}
+		if e.w == l.w {
+			end()
 			continue
 		}
-		// On a client's worker: under its lock (a submit may serve that
-		// worker's queue here, an acceptOn taking qmu among it); a closed
-		// worker released it.
-		_ = e.w.submit(func() {
-			e.fail(closedError("listener"), false)
-			e.forceClose()
-		})
+		// On a client's worker, under its lock; a closed worker released it.
+		_ = e.w.submit(end)
 	}
 }
 
