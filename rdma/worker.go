@@ -829,11 +829,8 @@ type Listener struct {
 	filter   atomic.Pointer[func(net.Addr) bool]
 	once     sync.Once
 	closedCh chan struct{}
-	// waiting counts the endpoints in accq and the one being accepted: at
-	// most cap(accq), so that no send to accq blocks.
-	waiting atomic.Int32
-	isolate atomic.Bool // IsolateClients
-	clients shares      // the workers of other processes' clients, by client id (isolate.go)
+	isolate  atomic.Bool // IsolateClients
+	clients  shares      // the workers of other processes' clients, by client id (isolate.go)
 }
 
 // Addr returns the listening address with the bound port.
@@ -862,12 +859,11 @@ func (l *Listener) connRequest(req uintptr) {
 		l.w.ctx.opts.logger.Debug("rdma connection request rejected by the filter", "remote", remote)
 		return
 	}
-	if int(l.waiting.Load()) >= cap(l.accq) {
+	if len(l.accq) == cap(l.accq) {
 		C.rdma_listener_reject(l.cl, C.uintptr_t(req))
 		l.w.ctx.opts.logger.Warn("rdma connection request rejected: accept backlog full", "remote", remote, "backlog", cap(l.accq))
 		return
 	}
-	l.waiting.Add(1)
 	w := l.w
 	if l.isolate.Load() {
 		if id, local := l.requestClient(req); id != 0 && !local {
@@ -896,16 +892,15 @@ func (l *Listener) connRequest(req uintptr) {
 	l.acceptOn(l.w, req, remote)
 }
 
-// acceptOn creates the endpoint of a connection request on w (w's lock
-// held, and l.w's: destroy, which drains accq, runs with l.w's) and queues
-// it for Accept.
+// acceptOn creates the endpoint of a connection request on w and queues it
+// for Accept (w's lock held, and l.w's, under which connRequest found room
+// in accq).
 func (l *Listener) acceptOn(w *Worker, req uintptr, remote *Addr) {
 	e := newEndpoint(w)
 	var ce *C.rdma_ep_t
 	st := C.rdma_ep_accept(w.cw, C.uint64_t(e.id), C.uintptr_t(req), &ce)
 	e.marked = markCloexec(false)
 	if st != statusOK {
-		l.waiting.Add(-1)
 		return
 	}
 	e.attach(ce)
@@ -928,7 +923,6 @@ func (l *Listener) Accept(ctx context.Context) (*Endpoint, error) {
 	}
 	select {
 	case e := <-l.accq:
-		l.waiting.Add(-1)
 		if e.marked != nil {
 			<-e.marked // the scan covering the endpoint's descriptors
 		}
@@ -964,7 +958,6 @@ func (l *Listener) destroy() {
 		var e *Endpoint
 		select {
 		case e = <-l.accq:
-			l.waiting.Add(-1)
 		default:
 			return
 		}
