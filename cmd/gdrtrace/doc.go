@@ -4,8 +4,12 @@
 // goroutine was made runnable by another while the call ran (the hand-offs
 // a call costs), in either process; how many idle Ps were given a thread
 // meanwhile (threads woken: on a virtual machine each may cost the wake-up
-// of an idle core) and which goroutines yielded; and the calls into C (UCX,
-// the CUDA driver) and syscalls made meanwhile.
+// of an idle core) and which goroutines yielded; the calls into C (UCX,
+// the CUDA driver) and syscalls made meanwhile; and a call's timeline across
+// both processes: when each kind of hand-off and call into C happens in a
+// call, and when the goroutine it readied got to run or the call returned
+// (medians from the call's start), which shows where a call waits for a
+// thread rather than for work.
 //
 //	gdrperf -mem cuda -trust-peers -sizes 64MiB -iters 50 -warmup 10 -perftest none -baselines=false -trace c.trace -server-trace s.trace
 //	gdrtrace -skip 10 c.trace s.trace

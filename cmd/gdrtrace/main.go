@@ -83,11 +83,12 @@ type call struct {
 }
 
 // handoff: goroutine `by` (at `where`) made a goroutine that waited for
-// `reason` runnable.
+// `reason` runnable; the goroutine ran again at `ran` (0: not in the trace).
 type handoff struct {
 	at     trace.Time
 	by     string
 	reason string
+	ran    trace.Time
 }
 
 type cgoCall struct {
@@ -109,6 +110,7 @@ func read(r io.Reader, region string) (*events, error) {
 	state := map[trace.GoID]string{}     // each goroutine's state, named for the breakdown
 	since := map[trace.GoID]trace.Time{} // since when
 	inCgo := map[trace.GoID]cgoCall{}    // cgo calls under way
+	woken := map[trace.GoID]int{}        // goroutines made runnable by another: the hand-off's index
 	settle := func(g trace.GoID, now trace.Time) {
 		if c := open[g]; c != nil && state[g] != "" {
 			c.states[state[g]] += time.Duration(now - max(since[g], c.start))
@@ -173,7 +175,12 @@ func read(r io.Reader, region string) (*events, error) {
 				if reason == "" {
 					reason = "? (waiting since before the trace began)"
 				}
+				woken[g] = len(ev.handoffs)
 				ev.handoffs = append(ev.handoffs, handoff{at: e.Time(), by: frames(e.Stack(), 2), reason: reason})
+			}
+			if i, ok := woken[g]; ok && to == trace.GoRunning {
+				ev.handoffs[i].ran = e.Time()
+				delete(woken, g)
 			}
 			state[g], since[g] = name, e.Time()
 		}
@@ -328,6 +335,94 @@ func report(out io.Writer, calls []*call, traces []*events, names []string, top 
 			return []string{fmt.Sprintf("%.1f", r.perc/1e3), us(r.med), fmt.Sprint(r.n), r.key}
 		})
 	}
+
+	fmt.Fprintln(out, "\na call's timeline: when each hand-off and call into C happens in a call, and when the goroutine made runnable ran or the call into C returned (medians, µs from the call's start, over the calls that have it; rows in a third of the calls or more)")
+	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "at\tuntil\tof calls\twhat")
+	for _, m := range timeline(calls, traces, names, 1.0/3) {
+		fmt.Fprintf(tw, "%s\t%s\t%.0f%%\t%s\n", us(m.at), us(m.until), 100*m.share, m.what)
+	}
+	tw.Flush()
+}
+
+// mark is one row of a call's timeline: a kind of event, when it first
+// happened in a call (the median over the calls that had it, from the
+// call's start) and in what share of the calls.
+type mark struct {
+	what  string
+	at    time.Duration
+	until time.Duration // median: when the goroutine made runnable ran, when the call into C returned
+	share float64
+}
+
+// timeline lines up the calls' events of every trace: for each hand-off
+// (by whom, of what) and each call into C, when it happened in a call, as a
+// median over the calls, each kind named after its trace; a kind's second
+// and later times in a call are rows of their own ("(2nd)"). Rows seen in
+// fewer than minShare of the calls are left out; the call's end closes the
+// list.
+func timeline(calls []*call, traces []*events, names []string, minShare float64) []mark {
+	at := map[string][]time.Duration{}
+	until := map[string][]time.Duration{}
+	for i, ev := range traces {
+		slices.SortFunc(ev.handoffs, func(a, b handoff) int { return int(a.at - b.at) })
+		slices.SortFunc(ev.cgo, func(a, b cgoCall) int { return int(a.at - b.at) })
+		hs := within(calls, len(ev.handoffs), func(j int) trace.Time { return ev.handoffs[j].at })
+		cs := within(calls, len(ev.cgo), func(j int) trace.Time { return ev.cgo[j].at })
+		for k, c := range calls {
+			seen := map[string]int{}
+			note := func(what string, t, end trace.Time) {
+				seen[what]++
+				if n := seen[what]; n > 1 {
+					what += fmt.Sprintf(" (%s)", ordinal(n))
+				}
+				at[what] = append(at[what], time.Duration(t-c.start))
+				if end >= t {
+					until[what] = append(until[what], time.Duration(end-c.start))
+				}
+			}
+			for _, h := range ev.handoffs[hs[k][0]:hs[k][1]] {
+				note(names[i]+": "+h.by+" -> "+h.reason, h.at, h.ran)
+			}
+			for _, x := range ev.cgo[cs[k][0]:cs[k][1]] {
+				note(names[i]+": in C or a syscall: "+x.fn, x.at, x.at+trace.Time(x.took))
+			}
+		}
+	}
+	var marks []mark
+	for what, d := range at {
+		share := float64(len(d)) / float64(len(calls))
+		if share >= minShare {
+			marks = append(marks, mark{what: what, at: median(d), until: median(until[what]), share: share})
+		}
+	}
+	slices.SortFunc(marks, func(a, b mark) int {
+		if a.at != b.at {
+			return int(a.at - b.at)
+		}
+		return strings.Compare(a.what, b.what)
+	})
+	var durs []time.Duration
+	for _, c := range calls {
+		durs = append(durs, time.Duration(c.end-c.start))
+	}
+	end := median(durs)
+	return append(marks, mark{what: "the call ends", at: end, until: end, share: 1})
+}
+
+// ordinal spells n (2 or more) as 2nd, 3rd, 4th, ...
+func ordinal(n int) string {
+	switch {
+	case n%100/10 == 1:
+		return fmt.Sprintf("%dth", n)
+	case n%10 == 2:
+		return fmt.Sprintf("%dnd", n)
+	case n%10 == 3:
+		return fmt.Sprintf("%drd", n)
+	case n%10 == 1:
+		return fmt.Sprintf("%dst", n)
+	}
+	return fmt.Sprintf("%dth", n)
 }
 
 // table prints the top rows by perc, largest first.

@@ -3,12 +3,14 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"runtime"
 	"runtime/trace"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	xtrace "golang.org/x/exp/trace"
@@ -110,6 +112,8 @@ func TestReport(t *testing.T) {
 	require.Equal(t, 2, strings.Count(s, "2 hand-offs per call"), s)
 	require.Equal(t, 2, strings.Count(s, "Ps started per call"), s)
 	require.Equal(t, 2, strings.Count(s, "yields during the calls"), s)
+	require.Contains(t, s, "a call's timeline")
+	require.Regexp(t, `\n[0-9.]+\s+[0-9.]+\s+100%\s+the call ends\n`, s)
 }
 
 func TestRunErrors(t *testing.T) {
@@ -136,5 +140,54 @@ func TestRunErrors(t *testing.T) {
 			require.Error(t, err)
 			require.Contains(t, err.Error(), tc.want)
 		})
+	}
+}
+
+// The timeline places each kind of event at its median time from the calls'
+// starts, a kind's second time in a call on a row of its own, with the share
+// of the calls that had it, and leaves out rows too few calls had.
+func TestTimeline(t *testing.T) {
+	us := func(n int) xtrace.Time { return xtrace.Time(n * 1000) }
+	var calls []*call
+	for i := range 4 {
+		calls = append(calls, &call{start: us(1000 * i), end: us(1000*i + 100 + i)})
+	}
+	client := &events{}
+	server := &events{}
+	for i, c := range calls {
+		// Every call: the server is woken 10+i µs in and runs 3 µs later;
+		// the client calls into C at 20 µs for 5 µs, and again at 30.
+		server.handoffs = append(server.handoffs, handoff{at: c.start + us(10+i), by: "reader", reason: "request", ran: c.start + us(13+i)})
+		client.cgo = append(client.cgo,
+			cgoCall{at: c.start + us(20), fn: "send", took: 5 * time.Microsecond},
+			cgoCall{at: c.start + us(30), fn: "send", took: 5 * time.Microsecond})
+		if i == 0 {
+			// Only one call of four: below a third, left out.
+			client.handoffs = append(client.handoffs, handoff{at: c.start + us(40), by: "rare", reason: "x"})
+		}
+		if i < 2 {
+			// Half the calls; never ran again within the trace.
+			server.handoffs = append(server.handoffs, handoff{at: c.start + us(50), by: "half", reason: "y"})
+		}
+	}
+	// A hand-off outside every call is no call's.
+	server.handoffs = append(server.handoffs, handoff{at: us(500), by: "between", reason: "calls"})
+	marks := timeline(calls, []*events{client, server}, []string{"c", "s"}, 1.0/3)
+	var got []string
+	for _, m := range marks {
+		got = append(got, fmt.Sprintf("%v %v %.2f %s", m.at, m.until, m.share, m.what))
+	}
+	require.Equal(t, []string{
+		"12µs 15µs 1.00 s: reader -> request",
+		"20µs 25µs 1.00 c: in C or a syscall: send",
+		"30µs 35µs 1.00 c: in C or a syscall: send (2nd)",
+		"50µs 0s 0.50 s: half -> y",
+		"102µs 102µs 1.00 the call ends",
+	}, got)
+}
+
+func TestOrdinal(t *testing.T) {
+	for n, want := range map[int]string{2: "2nd", 3: "3rd", 4: "4th", 11: "11th", 12: "12th", 13: "13th", 21: "21st", 22: "22nd", 101: "101st", 111: "111th"} {
+		require.Equal(t, want, ordinal(n), "%d", n)
 	}
 }
