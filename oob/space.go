@@ -1211,11 +1211,8 @@ func land(callCtx context.Context, s *transport.Session, src Source, call uint64
 	m := ps.tmpl
 	m.Length, m.RAddr, m.IPCOffset = n, m.RAddr+off, m.IPCOffset+off
 	defer busy(s)()
-	ctx, cancel := context.WithTimeout(sessionContext(s), c.Timeout)
-	defer cancel()
-	defer context.AfterFunc(callCtx, cancel)()
 	start := time.Now()
-	path, event, err := pushInto(ctx, s, ps, &m, off, gen, src)
+	path, event, err := pushInto(callCtx, s, ps, &m, off, gen, src)
 	c.Metrics.Transfer(TransferInfo{Path: path, Bytes: int64(n), Elapsed: time.Since(start), Err: err, Memory: src.kind(), Advertised: true, Queued: event != 0})
 	if !ps.endWrite(off, gen, err == nil) {
 		if err != nil {
@@ -1231,8 +1228,11 @@ func land(callCtx context.Context, s *transport.Session, src Source, call uint64
 
 // pushInto writes src where m says (the range at off of the space), by the
 // path the receiver advertised and nothing else. A copy that may still run
-// when pushInto returns names the receiver's event that marks its end.
-func pushInto(ctx context.Context, s *transport.Session, ps *peerSpace, m *rtr, off, gen uint64, src Source) (Path, uint32, error) {
+// when pushInto returns names the receiver's event that marks its end. Puts
+// are bounded by the transfer timeout and the lives of s and callCtx; a
+// device-to-device copy is the GPU's to finish and needs no bound, so it
+// makes no timer (a call's marshal waits for that copy to be queued).
+func pushInto(callCtx context.Context, s *transport.Session, ps *peerSpace, m *rtr, off, gen uint64, src Source) (Path, uint32, error) {
 	if m.Offers == PathCUDAIPC {
 		if !ipcAllowed(s) {
 			return PathCUDAIPC, 0, errors.New("CUDA IPC is for trusted peers on this host")
@@ -1251,6 +1251,9 @@ func pushInto(ctx context.Context, s *transport.Session, ps *peerSpace, m *rtr, 
 	}
 	// GPU memory UCX cannot move goes staged into host space: the receiver
 	// offered no chunk notices, so the puts are all it sees.
+	ctx, cancel := context.WithTimeout(sessionContext(s), cfgOf(s).Timeout)
+	defer cancel()
+	defer context.AfterFunc(callCtx, cancel)()
 	path, err := pushRDMA(ctx, s, ep, m, src)
 	return path, 0, err
 }
