@@ -358,7 +358,8 @@ type mark struct {
 // timeline lines up the calls' events of every trace: for each hand-off
 // (by whom, of what) and each call into C, when it happened in a call, as a
 // median over the calls, each kind named after its trace; a kind's second
-// and later times in a call are rows of their own ("(2nd)"). Rows seen in
+// and third times in a call are rows of their own ("(2nd)"), and so is its
+// last where it happened more often ("(last)": a poll's end). Rows seen in
 // fewer than minShare of the calls are left out; the call's end closes the
 // list.
 func timeline(calls []*call, traces []*events, names []string, minShare float64) []mark {
@@ -371,14 +372,23 @@ func timeline(calls []*call, traces []*events, names []string, minShare float64)
 		cs := within(calls, len(ev.cgo), func(j int) trace.Time { return ev.cgo[j].at })
 		for k, c := range calls {
 			seen := map[string]int{}
-			note := func(what string, t, end trace.Time) {
-				seen[what]++
-				if n := seen[what]; n > 1 {
-					what += fmt.Sprintf(" (%s)", ordinal(n))
-				}
+			type time2 struct{ t, end trace.Time }
+			last := map[string]time2{}
+			add := func(what string, t, end trace.Time) {
 				at[what] = append(at[what], time.Duration(t-c.start))
 				if end >= t {
 					until[what] = append(until[what], time.Duration(end-c.start))
+				}
+			}
+			note := func(what string, t, end trace.Time) {
+				seen[what]++
+				switch n := seen[what]; {
+				case n == 1:
+					add(what, t, end)
+				case n <= 3:
+					add(what+fmt.Sprintf(" (%s)", ordinal(n)), t, end)
+				default:
+					last[what] = time2{t, end}
 				}
 			}
 			for _, h := range ev.handoffs[hs[k][0]:hs[k][1]] {
@@ -386,6 +396,9 @@ func timeline(calls []*call, traces []*events, names []string, minShare float64)
 			}
 			for _, x := range ev.cgo[cs[k][0]:cs[k][1]] {
 				note(names[i]+": in C or a syscall: "+x.fn, x.at, x.at+trace.Time(x.took))
+			}
+			for what, l := range last {
+				add(what+" (last)", l.t, l.end)
 			}
 		}
 	}

@@ -156,11 +156,15 @@ func TestTimeline(t *testing.T) {
 	server := &events{}
 	for i, c := range calls {
 		// Every call: the server is woken 10+i µs in and runs 3 µs later;
-		// the client calls into C at 20 µs for 5 µs, and again at 30.
+		// the client calls into C at 20 µs for 5 µs, and again at 30; it
+		// polls from 60 µs, every µs, 5+i times.
 		server.handoffs = append(server.handoffs, handoff{at: c.start + us(10+i), by: "reader", reason: "request", ran: c.start + us(13+i)})
 		client.cgo = append(client.cgo,
 			cgoCall{at: c.start + us(20), fn: "send", took: 5 * time.Microsecond},
 			cgoCall{at: c.start + us(30), fn: "send", took: 5 * time.Microsecond})
+		for j := range 5 + i {
+			client.cgo = append(client.cgo, cgoCall{at: c.start + us(60+j), fn: "poll", took: 500 * time.Nanosecond})
+		}
 		if i == 0 {
 			// Only one call of four: below a third, left out.
 			client.handoffs = append(client.handoffs, handoff{at: c.start + us(40), by: "rare", reason: "x"})
@@ -182,6 +186,10 @@ func TestTimeline(t *testing.T) {
 		"20µs 25µs 1.00 c: in C or a syscall: send",
 		"30µs 35µs 1.00 c: in C or a syscall: send (2nd)",
 		"50µs 0s 0.50 s: half -> y",
+		"60µs 60.5µs 1.00 c: in C or a syscall: poll",
+		"61µs 61.5µs 1.00 c: in C or a syscall: poll (2nd)",
+		"62µs 62.5µs 1.00 c: in C or a syscall: poll (3rd)",
+		"66µs 66.5µs 1.00 c: in C or a syscall: poll (last)",
 		"102µs 102µs 1.00 the call ends",
 	}, got)
 }
