@@ -345,9 +345,9 @@ func report(out io.Writer, calls []*call, traces []*events, names []string, top 
 	tw.Flush()
 }
 
-// mark is one row of a call's timeline: a kind of event, when it first
-// happened in a call (the median over the calls that had it, from the
-// call's start) and in what share of the calls.
+// mark is one row of a call's timeline: a kind of event (or its 2nd, 3rd or
+// last time in a call), when it happened (the median over the calls that
+// had it, from the call's start) and in what share of the calls.
 type mark struct {
 	what  string
 	at    time.Duration
@@ -372,8 +372,7 @@ func timeline(calls []*call, traces []*events, names []string, minShare float64)
 		cs := within(calls, len(ev.cgo), func(j int) trace.Time { return ev.cgo[j].at })
 		for k, c := range calls {
 			seen := map[string]int{}
-			type time2 struct{ t, end trace.Time }
-			last := map[string]time2{}
+			last := map[string]span{}
 			add := func(what string, t, end trace.Time) {
 				at[what] = append(at[what], time.Duration(t-c.start))
 				if end >= t {
@@ -388,7 +387,7 @@ func timeline(calls []*call, traces []*events, names []string, minShare float64)
 				case n <= 3:
 					add(what+fmt.Sprintf(" (%s)", ordinal(n)), t, end)
 				default:
-					last[what] = time2{t, end}
+					last[what] = span{t, end}
 				}
 			}
 			for _, h := range ev.handoffs[hs[k][0]:hs[k][1]] {
@@ -398,7 +397,7 @@ func timeline(calls []*call, traces []*events, names []string, minShare float64)
 				note(names[i]+": in C or a syscall: "+x.fn, x.at, x.at+trace.Time(x.took))
 			}
 			for what, l := range last {
-				add(what+" (last)", l.t, l.end)
+				add(what+" (last)", l.start, l.end)
 			}
 		}
 	}
@@ -422,6 +421,9 @@ func timeline(calls []*call, traces []*events, names []string, minShare float64)
 	end := median(durs)
 	return append(marks, mark{what: "the call ends", at: end, until: end, share: 1})
 }
+
+// span is when an event began and ended.
+type span struct{ start, end trace.Time }
 
 // ordinal spells n (2 or more) as 2nd, 3rd, 4th, ...
 func ordinal(n int) string {

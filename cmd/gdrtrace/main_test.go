@@ -144,8 +144,9 @@ func TestRunErrors(t *testing.T) {
 }
 
 // The timeline places each kind of event at its median time from the calls'
-// starts, a kind's second time in a call on a row of its own, with the share
-// of the calls that had it, and leaves out rows too few calls had.
+// starts, a kind's second, third and last times in a call on rows of their
+// own, with the share of the calls that had it, and leaves out rows too few
+// calls had.
 func TestTimeline(t *testing.T) {
 	us := func(n int) xtrace.Time { return xtrace.Time(n * 1000) }
 	var calls []*call
