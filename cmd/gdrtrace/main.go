@@ -340,7 +340,11 @@ func report(out io.Writer, calls []*call, traces []*events, names []string, top 
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "at\tuntil\tof calls\twhat")
 	for _, m := range timeline(calls, traces, names, 1.0/3) {
-		fmt.Fprintf(tw, "%s\t%s\t%.0f%%\t%s\n", us(m.at), us(m.until), 100*m.share, m.what)
+		until := "-"
+		if m.until >= 0 {
+			until = us(m.until)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%.0f%%\t%s\n", us(m.at), until, 100*m.share, m.what)
 	}
 	tw.Flush()
 }
@@ -351,7 +355,7 @@ func report(out io.Writer, calls []*call, traces []*events, names []string, top 
 type mark struct {
 	what  string
 	at    time.Duration
-	until time.Duration // median: when the goroutine made runnable ran, when the call into C returned
+	until time.Duration // median: when the goroutine made runnable ran, when the call into C returned; -1: never in the trace
 	share float64
 }
 
@@ -359,12 +363,14 @@ type mark struct {
 // (by whom, of what) and each call into C, when it happened in a call, as a
 // median over the calls, each kind named after its trace; a kind's second
 // and third times in a call are rows of their own ("(2nd)"), and so is its
-// last where it happened more often ("(last)": a poll's end). Rows seen in
-// fewer than minShare of the calls are left out; the call's end closes the
-// list.
+// last, over the calls that had it more than once, where some call had it
+// more than three times ("(last)": a poll's end). Rows seen in fewer than
+// minShare of the calls are left out; the call's end is a row too. It
+// assumes one call at a time: the events of calls that overlap mix.
 func timeline(calls []*call, traces []*events, names []string, minShare float64) []mark {
 	at := map[string][]time.Duration{}
 	until := map[string][]time.Duration{}
+	many := map[string]bool{} // kinds some call had more than three times
 	for i, ev := range traces {
 		slices.SortFunc(ev.handoffs, func(a, b handoff) int { return int(a.at - b.at) })
 		slices.SortFunc(ev.cgo, func(a, b cgoCall) int { return int(a.at - b.at) })
@@ -381,12 +387,16 @@ func timeline(calls []*call, traces []*events, names []string, minShare float64)
 			}
 			note := func(what string, t, end trace.Time) {
 				seen[what]++
-				switch n := seen[what]; {
+				n := seen[what]
+				switch {
 				case n == 1:
 					add(what, t, end)
 				case n <= 3:
 					add(what+fmt.Sprintf(" (%s)", ordinal(n)), t, end)
 				default:
+					many[what] = true
+				}
+				if n > 1 {
 					last[what] = span{t, end}
 				}
 			}
@@ -401,25 +411,35 @@ func timeline(calls []*call, traces []*events, names []string, minShare float64)
 			}
 		}
 	}
+	for what := range at {
+		if k, ok := strings.CutSuffix(what, " (last)"); ok && !many[k] {
+			delete(at, what) // its 2nd or 3rd row says it
+		}
+	}
 	var marks []mark
 	for what, d := range at {
 		share := float64(len(d)) / float64(len(calls))
 		if share >= minShare {
-			marks = append(marks, mark{what: what, at: median(d), until: median(until[what]), share: share})
+			m := mark{what: what, at: median(d), until: -1, share: share}
+			if u := until[what]; len(u) > 0 {
+				m.until = median(u)
+			}
+			marks = append(marks, m)
 		}
 	}
+	var durs []time.Duration
+	for _, c := range calls {
+		durs = append(durs, time.Duration(c.end-c.start))
+	}
+	end := median(durs)
+	marks = append(marks, mark{what: "the call ends", at: end, until: end, share: 1})
 	slices.SortFunc(marks, func(a, b mark) int {
 		if a.at != b.at {
 			return int(a.at - b.at)
 		}
 		return strings.Compare(a.what, b.what)
 	})
-	var durs []time.Duration
-	for _, c := range calls {
-		durs = append(durs, time.Duration(c.end-c.start))
-	}
-	end := median(durs)
-	return append(marks, mark{what: "the call ends", at: end, until: end, share: 1})
+	return marks
 }
 
 // span is when an event began and ended.

@@ -75,6 +75,16 @@ func TestRead(t *testing.T) {
 		}
 	}
 	require.Equal(t, 2, median(per), "hand-offs per call")
+	// Each goroutine made runnable is seen running again afterwards (the
+	// last hand-off of the trace may not be).
+	ran := 0
+	for _, h := range ev.handoffs {
+		if h.ran != 0 {
+			require.GreaterOrEqual(t, h.ran, h.at)
+			ran++
+		}
+	}
+	require.GreaterOrEqual(t, ran, len(ev.handoffs)-1, "hand-offs whose goroutine ran afterwards")
 	require.GreaterOrEqual(t, pair, 76, "hand-offs between the caller and the server goroutine in 40 calls of two each")
 }
 
@@ -157,13 +167,15 @@ func TestTimeline(t *testing.T) {
 	server := &events{}
 	for i, c := range calls {
 		// Every call: the server is woken 10+i µs in and runs 3 µs later;
-		// the client calls into C at 20 µs for 5 µs, and again at 30; it
-		// polls from 60 µs, every µs, 5+i times.
+		// the client calls into C at 20 µs for 5 µs, and again at 30 (its
+		// last: no "(last)" row, as no call had it more than three times);
+		// it polls from 60 µs, every µs, 2+2i times (2, 4, 6, 8: the
+		// "(last)" row takes the calls that polled twice too).
 		server.handoffs = append(server.handoffs, handoff{at: c.start + us(10+i), by: "reader", reason: "request", ran: c.start + us(13+i)})
 		client.cgo = append(client.cgo,
 			cgoCall{at: c.start + us(20), fn: "send", took: 5 * time.Microsecond},
 			cgoCall{at: c.start + us(30), fn: "send", took: 5 * time.Microsecond})
-		for j := range 5 + i {
+		for j := range 2 + 2*i {
 			client.cgo = append(client.cgo, cgoCall{at: c.start + us(60+j), fn: "poll", took: 500 * time.Nanosecond})
 		}
 		if i == 0 {
@@ -186,11 +198,11 @@ func TestTimeline(t *testing.T) {
 		"12µs 15µs 1.00 s: reader -> request",
 		"20µs 25µs 1.00 c: in C or a syscall: send",
 		"30µs 35µs 1.00 c: in C or a syscall: send (2nd)",
-		"50µs 0s 0.50 s: half -> y",
+		"50µs -1ns 0.50 s: half -> y",
 		"60µs 60.5µs 1.00 c: in C or a syscall: poll",
 		"61µs 61.5µs 1.00 c: in C or a syscall: poll (2nd)",
-		"62µs 62.5µs 1.00 c: in C or a syscall: poll (3rd)",
-		"66µs 66.5µs 1.00 c: in C or a syscall: poll (last)",
+		"62µs 62.5µs 0.75 c: in C or a syscall: poll (3rd)",
+		"65µs 65.5µs 1.00 c: in C or a syscall: poll (last)",
 		"102µs 102µs 1.00 the call ends",
 	}, got)
 }
