@@ -9,7 +9,8 @@
 // both processes: when each kind of hand-off and call into C happens in a
 // call, and when the goroutine it readied got to run or the call returned
 // (medians from the call's start), which shows where a call waits for a
-// thread rather than for work.
+// thread rather than for work. The timeline assumes one call at a time
+// (gdrperf's -inflight 1): the events of calls in flight together mix.
 //
 //	gdrperf -mem cuda -trust-peers -sizes 64MiB -iters 50 -warmup 10 -perftest none -baselines=false -trace c.trace -server-trace s.trace
 //	gdrtrace -skip 10 c.trace s.trace
