@@ -194,16 +194,9 @@ func BenchmarkGPUSpaceCall(b *testing.B) {
 	gpu, err := devicebuf.NewCUDAAllocator(0)
 	require.NoError(b, err)
 	base := devicebuf.Live()
-	b.Cleanup(func() {
-		// Runs after the rig's cleanup (registered later), before the fake
-		// GPU's leak check (registered earlier): a session leaves the
-		// registry before its spaces, their mappings, events and copy
-		// stream are closed.
-		require.Eventually(b, func() bool {
-			st := oob.ReadStats()
-			return st.Spaces+st.PeerSpaces == 0 && noneAbove(devicebuf.Live().Sub(base))
-		}, 10*time.Second, time.Millisecond)
-	})
+	// Runs after the rig's cleanup (registered later), before the fake
+	// GPU's leak check (registered earlier).
+	b.Cleanup(func() { requireNothingLeft(b, base) })
 	const n = 128 << 10
 	src, err := gpu.Alloc(n)
 	require.NoError(b, err)

@@ -222,14 +222,22 @@ func fakeGPUSpaceRig(t *testing.T, streamOrdered bool) (*devicebuftest.GPU, *rig
 	return g, r, func() {
 		t.Helper()
 		require.NoError(t, r.cc.Close())
-		var sessions int
-		var st oob.Stats
-		if !assert.Eventually(t, func() bool {
-			sessions, st = transport.ReadStats().Sessions, oob.ReadStats()
-			return sessions == 0 && st.Spaces+st.PeerSpaces == 0 && noneAbove(devicebuf.Live().Sub(base))
-		}, 10*time.Second, time.Millisecond) {
-			t.Fatalf("left: %d sessions, %+v, %+v", sessions, st, devicebuf.Live().Sub(base))
-		}
+		requireNothingLeft(t, base)
+	}
+}
+
+// requireNothingLeft waits until no session, space or devicebuf object
+// beyond base is left: a session leaves the registry before its spaces,
+// their mappings, events and copy streams are closed.
+func requireNothingLeft(tb testing.TB, base devicebuf.Counters) {
+	tb.Helper()
+	var sessions int
+	var st oob.Stats
+	if !assert.Eventually(tb, func() bool {
+		sessions, st = transport.ReadStats().Sessions, oob.ReadStats()
+		return sessions == 0 && st.Spaces+st.PeerSpaces == 0 && noneAbove(devicebuf.Live().Sub(base))
+	}, 10*time.Second, time.Millisecond) {
+		tb.Fatalf("left: %d sessions, %+v, %+v", sessions, st, devicebuf.Live().Sub(base))
 	}
 }
 

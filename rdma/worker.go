@@ -955,22 +955,22 @@ func (l *Listener) destroy() {
 	live.listeners.Add(-1)
 	// An Accept may take an endpoint meanwhile: never wait on accq.
 	for {
-		var e *Endpoint
 		select {
-		case e = <-l.accq:
+		case e := <-l.accq:
+			end := func() {
+				e.fail(closedError("listener"), false)
+				e.forceClose()
+			}
+			if e.w == l.w {
+				end()
+			} else {
+				// On a client's worker, under its lock; a closed worker
+				// released it.
+				_ = e.w.submit(end)
+			}
 		default:
 			return
 		}
-		end := func() {
-			e.fail(closedError("listener"), false)
-			e.forceClose()
-		}
-		if e.w == l.w {
-			end()
-			continue
-		}
-		// On a client's worker, under its lock; a closed worker released it.
-		_ = e.w.submit(end)
 	}
 }
 
