@@ -433,6 +433,25 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 		b.drain = func(w int) error { return streams[w].Synchronize() }
 		defer func() { b.drain = nil }()
 	}
+	held := make([][]*tensorpb.Tensor, b.o.inflight) // per goroutine, with -hold: the oldest first
+	defer func() {
+		for _, ts := range held {
+			for _, t := range ts {
+				gdrcodec.ReleaseAll(t)
+			}
+		}
+	}()
+	keep := func(w int, t *tensorpb.Tensor) {
+		if b.o.hold == 0 {
+			gdrcodec.ReleaseAll(t)
+			return
+		}
+		if len(held[w]) == b.o.hold {
+			gdrcodec.ReleaseAll(held[w][0])
+			held[w] = slices.Delete(held[w], 0, 1)
+		}
+		held[w] = append(held[w], t)
+	}
 	call := func(cctx context.Context, w int, first bool) (func() error, error) {
 		defer trace.StartRegion(cctx, "gdrperf.call").End()
 		var p peer.Peer
@@ -446,7 +465,11 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 			if err == nil && streams != nil {
 				err = waitOn(t, streams[w])
 			}
-			gdrcodec.ReleaseAll(t)
+			if err == nil {
+				keep(w, t)
+			} else {
+				gdrcodec.ReleaseAll(t)
+			}
 		} else {
 			req := &tensorpb.Tensor{Name: "gdrperf", Shape: []int64{int64(size)}, Data: gdrcodec.New(src)}
 			var sum *tensorpb.Summary

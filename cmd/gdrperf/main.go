@@ -57,6 +57,7 @@ type options struct {
 	eager     int    // -eager: the codec's inline threshold on both ends; 0 keeps the codec's thresholds
 	trust     bool   // the -trust-peers flag (passed to the child)
 	ordered   bool   // -stream-ordered: take Pending GPU payloads, order a stream after them
+	hold      int    // -hold: received payloads each goroutine keeps before releasing the oldest
 	pathMask  oob.Path
 	callLimit time.Duration
 	verbose   bool
@@ -103,6 +104,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	reqSpace := fs.String("request-space", "0", "receive space the server advertises to a trusted client for its requests' payloads (gdrpc.WithReceiveSpace on the listener), a size or 0 for none; the re-executed server gets it, and across hosts give it to -server (op push)")
 	fs.DurationVar(&o.callLimit, "call-timeout", time.Minute, "bound of each measured call")
 	fs.BoolVar(&o.ordered, "stream-ordered", false, "client: take payloads that land in GPU receive space before their copy ends (gdrpc.WithStreamOrdered) and order a stream of the calling goroutine after each; a goroutine's calls end after its stream has caught up, so with -inflight 1 every call includes its copy (needs -recv cuda, -op pull)")
+	fs.IntVar(&o.hold, "hold", 0, "client, op pull: each calling goroutine keeps its last N received payloads, releasing the oldest as the next arrives, as a caller holding a window of tensors does (each holds a range of a receive space meanwhile)")
 	fs.BoolVar(&o.trust, "trust-peers", false, "gdrpc.WithTrustPeers on both ends: UCX sessions (auto mode), their RDMA and CUDA IPC paths and receive spaces; without it sessions run over TCP and payloads take the stream path")
 	fs.BoolVar(&o.baselines, "baselines", true, "measure the baselines (plain gRPC, ucx_perftest, dtod, naive); false measures gdrpc alone, e.g. for -cpuprofile")
 	fs.BoolVar(&o.verbose, "v", false, "log the UCX lanes of the gdrpc session")
@@ -194,6 +196,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, fmt.Errorf("-call-timeout %v: want a positive duration", o.callLimit)
 	case o.ordered && (o.recv != "cuda" || o.op != "pull"):
 		return nil, errors.New("-stream-ordered needs -recv cuda (or -mem cuda) and -op pull")
+	case o.hold < 0 || o.hold > 0 && o.op != "pull":
+		return nil, fmt.Errorf("-hold %d: want 0 or more, with -op pull", o.hold)
 	}
 	return o, nil
 }

@@ -443,6 +443,14 @@ func TestCUDA(t *testing.T) {
 	require.Contains(t, strings.Split(r.Path, "+"), "cuda-ipc@space", "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
 	require.Positive(t, r.GDRPCMiBs)
 
+	// A caller holding more payloads than the space has events: the
+	// copies into the space go on (TestGPUEventsShared checks the bytes).
+	rs = gdrperf(t, append(args, "-receive-space", "256MiB", "-hold", "40", "-iters", "45", "-warmup", "3")...)
+	require.Len(t, rs, 1)
+	r = rs[0]
+	require.Contains(t, strings.Split(r.Path, "+"), "cuda-ipc@space", "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
+	require.Positive(t, r.GDRPCMiBs)
+
 	// Pushed into the server's receive space for requests.
 	rs = gdrperf(t, append(args, "-op", "push", "-request-space", "64MiB", "-warmup", "4")...)
 	require.Len(t, rs, 1)
@@ -515,6 +523,8 @@ func TestFlags(t *testing.T) {
 		{name: "extra", args: []string{"x"}, err: "unexpected"},
 		{name: "stream-ordered host", args: []string{"-stream-ordered"}, err: "-recv cuda"},
 		{name: "stream-ordered push", args: []string{"-stream-ordered", "-mem", "cuda", "-op", "push"}, err: "-op pull"},
+		{name: "hold", args: []string{"-hold", "-1"}, err: "-hold"},
+		{name: "hold push", args: []string{"-hold", "4", "-op", "push"}, err: "-op pull"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

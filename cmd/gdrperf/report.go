@@ -55,8 +55,12 @@ func (r *reporter) header(b *bench) {
 			cpus += " (server " + b.info.CPUs + ")"
 		}
 	}
-	fmt.Fprintf(r.w, "# gdrperf op=%s mem=%s recv=%s transport=%s paths=%s iters=%d warmup=%d inflight=%s conns=%d gomaxprocs=%s%s; gdrpc session over %s\n",
-		o.op, o.mem, o.recv, o.transport, o.paths, o.iters, o.warmup, counts(o.inflights), o.conns, procs, cpus, session)
+	hold := ""
+	if o.hold > 0 {
+		hold = fmt.Sprintf(" hold=%d", o.hold)
+	}
+	fmt.Fprintf(r.w, "# gdrperf op=%s mem=%s recv=%s transport=%s paths=%s iters=%d warmup=%d inflight=%s conns=%d%s gomaxprocs=%s%s; gdrpc session over %s\n",
+		o.op, o.mem, o.recv, o.transport, o.paths, o.iters, o.warmup, counts(o.inflights), o.conns, hold, procs, cpus, session)
 	what := "client calls Make, pulls the server's payload"
 	if o.op == "push" {
 		what = "client calls Digest, the server pulls the client's payload"
