@@ -437,3 +437,80 @@ func readOrdered(t *testing.T, b *devicebuf.Buffer) []byte {
 	hb, _ := host.HostBytes()
 	return append([]byte(nil), hb...)
 }
+
+// A client that holds more payloads than its receive space has events (32)
+// on a GPU: the server queues every copy by CUDA IPC without waiting for
+// it, the later copies sharing the events of held ranges, and every held
+// payload is byte-exact, read back at once or, stream-ordered, by a stream
+// ordered after it.
+func TestGPUEventsShared(t *testing.T) {
+	requireCUDA(t)
+	for _, ordered := range []bool{false, true} {
+		t.Run(fmt.Sprintf("stream-ordered=%v", ordered), func(t *testing.T) {
+			gpu, err := devicebuf.NewCUDAAllocator(0)
+			require.NoError(t, err)
+			addr := startGPUServer(t, transport.ModeTCP, oob.PathCUDAIPC, 0, false, true, 0, 0)
+			pc := &pathCounter{paths: map[string]int{}}
+			oob.SetTransferConfig(oob.TransferConfig{Paths: oob.PathCUDAIPC, Metrics: pc, ReceiveSpace: 256 << 20, StreamOrdered: ordered})
+			gdrcodec.Register(gdrcodec.WithReceiveAllocator(gpu))
+			t.Cleanup(func() {
+				oob.SetTransferConfig(oob.TransferConfig{})
+				gdrcodec.Register()
+			})
+			d := dialer.New(gdrpc.WithTransport(transport.ModeTCP), processEngine, gdrpc.WithTrustPeers())
+			cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(insecure.NewCredentials())...)
+			require.NoError(t, err)
+			defer cc.Close()
+			c := tensorpb.NewTensorServiceClient(cc)
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			base := devicebuf.Live()
+			const n, held = 1<<20 + 3, 40
+			// Calls until one lands in the space: the first is pulled, and
+			// the space it prompts reaches the server meanwhile.
+			for pc.reset()["cuda-ipc@space"] == 0 {
+				require.NoError(t, ctx.Err(), "no payload landed in the receive space")
+				got, err := c.Make(ctx, &tensorpb.Sized{Size: n, Seed: 1})
+				require.NoError(t, err)
+				gdrcodec.ReleaseAll(got)
+			}
+			pc.takeQueued()
+			var got []*tensorpb.Tensor
+			defer func() {
+				for _, m := range got {
+					gdrcodec.ReleaseAll(m)
+				}
+			}()
+			for i := range held {
+				m, err := c.Make(ctx, &tensorpb.Sized{Size: n, Seed: uint32(i + 2)})
+				require.NoError(t, err)
+				got = append(got, m)
+			}
+			require.Equal(t, held, pc.takeQueued(), "copies the server queued, not waited for")
+			require.Equal(t, map[string]int{"cuda-ipc@space": held}, pc.reset())
+			for i, m := range got {
+				b, ok := gdrcodec.Buffer(m.Data)
+				require.True(t, ok)
+				require.Equal(t, devicebuf.CUDA, b.Kind())
+				var p []byte
+				if b.Pending() {
+					require.True(t, ordered, "a Pending buffer without stream-ordered completion")
+					p = readOrdered(t, b)
+				} else {
+					p, err = tensor.Bytes(m.Data) // copies back from the GPU
+					require.NoError(t, err)
+				}
+				requireBytes(t, pattern(n, uint32(i+2)), p)
+			}
+			for _, m := range got {
+				gdrcodec.ReleaseAll(m)
+			}
+			got = nil
+			require.NoError(t, cc.Close())
+			require.Eventually(t, func() bool { return oob.ReadStats().Spaces == 0 }, 10*time.Second, time.Millisecond)
+			left := devicebuf.Live().Sub(base)
+			require.Zero(t, left.CUDABuffers, "GPU buffers left: %+v", left)
+			require.Zero(t, left.IPCMappings, "IPC mappings left: %+v", left)
+		})
+	}
+}

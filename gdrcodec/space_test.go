@@ -2,6 +2,7 @@ package gdrcodec_test
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"strings"
 	"testing"
@@ -310,6 +311,54 @@ func TestReceiveSpaceStreamOrdered(t *testing.T) {
 	require.NoError(t, host.Release())
 	require.Equal(t, 2, r.paths.takeQueued())
 	closeAll()
+}
+
+// A client that holds more payloads than its space has events
+// (spaceEvents, 32): the server still queues every copy without waiting for
+// it, the later copies sharing the events of held ranges, and every payload
+// is exact, with either completion.
+func TestReceiveSpaceEventsShared(t *testing.T) {
+	for _, ordered := range []bool{false, true} {
+		t.Run(fmt.Sprintf("stream-ordered=%v", ordered), func(t *testing.T) {
+			g, r, closeAll := fakeGPUSpaceRig(t, ordered)
+			const n, held = 64<<10 + 7, 40
+			gdrcodec.ReleaseAll(makeChecked(t, r, n, 1)) // pulled: the client then advertises
+			waitPeerSpace(t)
+			r.paths.reset()
+			r.paths.takeQueued()
+			var got []*tensorpb.Tensor
+			defer func() {
+				for _, m := range got {
+					gdrcodec.ReleaseAll(m)
+				}
+			}()
+			for i := range held {
+				m, err := r.client.Make(context.Background(), &tensorpb.Sized{Size: n, Seed: uint32(i + 2)})
+				require.NoError(t, err)
+				got = append(got, m)
+			}
+			require.Equal(t, held, r.paths.takeQueued(), "copies the server queued, not waited for")
+			require.Equal(t, map[string]int{"cuda-ipc@space": held}, r.paths.reset())
+			for i, m := range got {
+				b, ok := gdrcodec.Buffer(m.Data)
+				require.True(t, ok)
+				require.Equal(t, devicebuf.CUDA, b.Kind())
+				if ordered {
+					require.NoError(t, b.Wait())
+				} else {
+					require.False(t, b.Pending())
+				}
+				p, err := g.Peek(b.Ptr(), n)
+				require.NoError(t, err)
+				requireBytes(t, pattern(n, uint32(i+2)), p)
+			}
+			for _, m := range got {
+				gdrcodec.ReleaseAll(m)
+			}
+			got = nil
+			closeAll()
+		})
+	}
 }
 
 // With the default size a session's space grows with its payloads: a

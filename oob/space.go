@@ -72,8 +72,9 @@ func defaultSpace(n, total, limit int) int {
 const spaceAlign = 4096
 
 // spaceEvents is how many CUDA IPC events a receiver offers with a CUDA IPC
-// space: as many payloads of one session may be copied without the owner
-// waiting for the copies (ranges held longer keep theirs).
+// space. An owner marks each copy it does not wait for with one, a free one
+// while there is one; once every event marks a range still held, the copies
+// share them (peerSpace.eventForLocked).
 const spaceEvents = 32
 
 // space is receive memory this process advertised to the peer of s.
@@ -190,12 +191,16 @@ type peerSpace struct {
 	writers  sync.WaitGroup // writes under way (take, until land ends)
 
 	// Copies that may still run when their message goes: the receiver's
-	// events (handles, and those opened), which are free, which range's
-	// copy each last marked, and the stream the copies queue on.
+	// events (handles, and those opened), which are free, how many held
+	// ranges each marks and which marks each range, the event a copy shares
+	// next when none is free, and the stream the copies queue on.
 	events     []devicebuf.IPCEventHandle
 	opened     []*devicebuf.Event
 	freeEvents []int
+	eventUses  []int
 	eventOf    map[uint64]int // range offset -> event index
+	nextShared int
+	eventsOff  bool // the receiver's events do not open here: copies are waited for
 	copies     *copyQueue
 }
 
@@ -784,6 +789,7 @@ func handleSpace(s *transport.Session, payload []byte) {
 	defer st.mu.Unlock()
 	ps := &peerSpace{id: m.Req, tmpl: m.rtr, free: []span{{0, m.Length}}, taken: map[uint64]*write{}, events: m.Events, eventOf: map[uint64]int{}}
 	ps.opened = make([]*devicebuf.Event, len(m.Events))
+	ps.eventUses = make([]int, len(m.Events))
 	for i := range m.Events {
 		ps.freeEvents = append(ps.freeEvents, len(m.Events)-1-i)
 	}
@@ -1051,10 +1057,7 @@ func (p *peerSpace) reclaimCall(id uint64, took map[spaceRange]bool) {
 func (p *peerSpace) giveLocked(off uint64) {
 	got := p.taken[off].n
 	delete(p.taken, off)
-	if ev, ok := p.eventOf[off]; ok {
-		delete(p.eventOf, off)
-		p.freeEvents = append(p.freeEvents, ev)
-	}
+	p.dropEventLocked(off)
 	i, _ := slices.BinarySearchFunc(p.free, off, func(f span, o uint64) int { return cmp.Compare(f.off, o) })
 	p.free = slices.Insert(p.free, i, span{off, got})
 	// Merge with the neighbours.
@@ -1287,7 +1290,7 @@ func (p *peerSpace) copyInto(s *transport.Session, m *rtr, off, gen uint64, src 
 	return 0, copyIntoIPC(mapping, m, src, stream)
 }
 
-// eventFor returns the space's copy queue and, for a GPU source, a free
+// eventFor returns the space's copy queue and, for a GPU source, a
 // receiver's event (opened the first time) with its index, recorded as the
 // range at off's. The queue is made with the first event taken: nil means
 // nothing was ever queued. A nil event means the copy must be waited for.
@@ -1298,15 +1301,14 @@ func (p *peerSpace) eventFor(s *transport.Session, off, gen uint64, dev int, src
 		return nil, nil, 0
 	}
 	w := p.taken[off]
-	if w == nil || w.gen != gen || src.Buffer == nil || src.kind() != devicebuf.CUDA || len(p.freeEvents) == 0 {
+	if w == nil || w.gen != gen || src.Buffer == nil || src.kind() != devicebuf.CUDA || len(p.events) == 0 || p.eventsOff {
 		return p.copies, nil, 0
 	}
-	i := p.freeEvents[len(p.freeEvents)-1]
+	i := p.eventForLocked()
 	if p.opened[i] == nil {
 		ev, err := devicebuf.OpenIPCEvent(p.events[i], dev)
 		if err != nil {
-			// The receiver's events do not open here: copies are waited for.
-			p.freeEvents = nil
+			p.eventsOff = true
 			cfgOf(s).Logger.Debug("receiver's event not opened", "session", s.ID(), "err", err)
 			return p.copies, nil, 0
 		}
@@ -1320,19 +1322,56 @@ func (p *peerSpace) eventFor(s *transport.Session, off, gen uint64, dev int, src
 		}
 		p.copies = q
 	}
-	p.freeEvents = p.freeEvents[:len(p.freeEvents)-1]
-	p.eventOf[off] = i
+	p.takeEventLocked(off, i)
 	return p.copies, p.opened[i], i
 }
 
-// dropEvent gives back event i, taken for the range at off by a copy that
+// eventForLocked picks the event to mark the next copy: a free one, or,
+// when every event marks a range still held, the next in turn, shared. A
+// shared event is sound because all the copies of a space queue on its one
+// stream, in order: recorded after a later copy, an event completes only
+// once every earlier copy has, so a receiver waiting on it for an earlier
+// one waits longer, never too little (p.mu held).
+func (p *peerSpace) eventForLocked() int {
+	if n := len(p.freeEvents); n > 0 {
+		return p.freeEvents[n-1]
+	}
+	return p.nextShared % len(p.events)
+}
+
+// takeEventLocked records event i, which eventForLocked picked, as the one
+// marking the range at off (p.mu held).
+func (p *peerSpace) takeEventLocked(off uint64, i int) {
+	p.dropEventLocked(off)
+	if n := len(p.freeEvents); n > 0 && p.freeEvents[n-1] == i {
+		p.freeEvents = p.freeEvents[:n-1]
+	} else {
+		p.nextShared = i + 1
+	}
+	p.eventUses[i]++
+	p.eventOf[off] = i
+}
+
+// dropEventLocked lets go of the event marking the range at off, if one
+// does; it is free once it marks no range (p.mu held).
+func (p *peerSpace) dropEventLocked(off uint64) {
+	i, ok := p.eventOf[off]
+	if !ok {
+		return
+	}
+	delete(p.eventOf, off)
+	if p.eventUses[i]--; p.eventUses[i] == 0 {
+		p.freeEvents = append(p.freeEvents, i)
+	}
+}
+
+// dropEvent lets go of event i, taken for the range at off by a copy that
 // failed.
 func (p *peerSpace) dropEvent(off uint64, i int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if j, ok := p.eventOf[off]; ok && j == i {
-		delete(p.eventOf, off)
-		p.freeEvents = append(p.freeEvents, i)
+		p.dropEventLocked(off)
 	}
 }
 

@@ -53,6 +53,62 @@ func TestPeerSpaceRanges(t *testing.T) {
 	require.Empty(t, p.taken)
 }
 
+// A copy takes a free event while there is one; once every event marks a
+// range still held, copies share them in turn, and an event is free again
+// only once no held range is marked by it: giving back a range whose event
+// another shares frees nothing.
+func TestPeerSpaceEventsShared(t *testing.T) {
+	p := testPeerSpace(8 * spaceAlign)
+	p.events = make([]devicebuf.IPCEventHandle, 3)
+	p.eventUses = make([]int, 3)
+	p.freeEvents = []int{2, 1, 0}
+	mark := func() (uint64, int) { // a range taken, written, and its copy's event
+		off, gen, ok := p.take(1, 0)
+		require.True(t, ok)
+		p.mu.Lock()
+		i := p.eventForLocked()
+		p.takeEventLocked(off, i)
+		p.mu.Unlock()
+		require.True(t, p.endWrite(off, gen, true))
+		return off, i
+	}
+	var offs []uint64
+	var got []int
+	for range 5 {
+		off, i := mark()
+		offs, got = append(offs, off), append(got, i)
+	}
+	require.Equal(t, []int{0, 1, 2, 0, 1}, got, "the free events, then each in turn")
+	require.Equal(t, []int{2, 2, 1}, p.eventUses)
+	require.Empty(t, p.freeEvents)
+
+	require.True(t, p.give(offs[0], 1, 0))
+	require.Empty(t, p.freeEvents, "event 0 still marks a held range")
+	require.True(t, p.give(offs[2], 1, 0))
+	require.Equal(t, []int{2}, p.freeEvents)
+	off, i := mark()
+	require.Equal(t, 2, i, "a free event before a shared one")
+	require.True(t, p.give(offs[3], 1, 0))
+	require.True(t, p.give(off, 1, 0))
+	require.Equal(t, []int{0, 2}, p.freeEvents)
+	require.Equal(t, []int{0, 2, 0}, p.eventUses)
+
+	// A copy that failed lets go of its event the same way.
+	off, gen, ok := p.take(1, 0)
+	require.True(t, ok)
+	p.mu.Lock()
+	i = p.eventForLocked()
+	p.takeEventLocked(off, i)
+	p.mu.Unlock()
+	p.dropEvent(off, i)
+	require.False(t, p.endWrite(off, gen, false))
+	require.True(t, p.give(offs[1], 1, 0))
+	require.True(t, p.give(offs[4], 1, 0))
+	require.ElementsMatch(t, []int{0, 1, 2}, p.freeEvents)
+	require.Equal(t, []int{0, 0, 0}, p.eventUses)
+	require.Empty(t, p.eventOf)
+}
+
 // testPeerSpace is a peer's space of n bytes, nothing taken.
 func testPeerSpace(n uint64) *peerSpace {
 	return &peerSpace{id: 1, free: []span{{0, n}}, taken: map[uint64]*write{}, eventOf: map[uint64]int{}}
