@@ -46,6 +46,11 @@
 // the space before their copies end (gdrpc.WithStreamOrdered) and orders a
 // stream of each calling goroutine after them; a goroutine's stream catches
 // up inside the timing of its last call (of every call with -inflight 1).
+// -hold N keeps each calling goroutine's last N received payloads, releasing
+// the oldest as the next arrives, as a caller holding a window of tensors
+// does: each holds its range of the space meanwhile. A range's first write
+// touches its pages for the first time, which a host may charge for; give
+// -warmup more calls than N to measure the ranges written before.
 //
 // With -inflight N, N goroutines make the calls (the warm-up's too, after the
 // verified first call), -iters each, and gdrpc, plain gRPC and the naive way
@@ -85,7 +90,7 @@
 //	        [-paths all|cuda-ipc,rdma,stream] [-format table|json] [-server ADDR | -connect ADDR]
 //	        [-perftest PATH|none] [-call-timeout 1m] [-busy N] [-receive-space SIZE|0] [-request-space SIZE]
 //	        [-request-space-limit SIZE] [-connects N] [-runs N] [-trust-peers] [-eager SIZE]
-//	        [-stream-ordered]
+//	        [-stream-ordered] [-hold N]
 //	        [-baselines=false] [-cpuprofile F] [-server-cpuprofile F] [-trace F] [-server-trace F] [-v]
 //
 // -busy N runs N CPU-bound processes beside client and server for the whole
