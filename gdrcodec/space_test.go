@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -359,6 +360,75 @@ func TestReceiveSpaceEventsShared(t *testing.T) {
 			closeAll()
 		})
 	}
+}
+
+// Shared events, stream-ordered, against the copies' order: with the
+// server's copy stream hung after 32 payloads landed, each payload queued
+// behind the hang is Pending (its event, shared with a held payload's,
+// marks its own copy, not the earlier one's), and every byte is exact once
+// the stream runs on.
+func TestReceiveSpaceEventsSharedInOrder(t *testing.T) {
+	g, r, closeAll := fakeGPUSpaceRig(t, true)
+	const n, first, more = 64<<10 + 7, 32, 8
+	before := g.Streams()
+	gdrcodec.ReleaseAll(makeChecked(t, r, n, 1)) // pulled: the client then advertises
+	waitPeerSpace(t)
+	r.paths.reset()
+	var got []*tensorpb.Tensor
+	defer func() {
+		for _, m := range got {
+			gdrcodec.ReleaseAll(m)
+		}
+	}()
+	call := func(i int) *tensorpb.Tensor {
+		m, err := r.client.Make(context.Background(), &tensorpb.Sized{Size: n, Seed: uint32(i + 2)})
+		require.NoError(t, err)
+		got = append(got, m)
+		_, ok := gdrcodec.Buffer(m.Data)
+		require.True(t, ok)
+		return m
+	}
+	for i := range first { // every event marks a held range
+		b, _ := gdrcodec.Buffer(call(i).Data)
+		require.NoError(t, b.Wait())
+	}
+	require.Equal(t, map[string]int{"cuda-ipc@space": first}, r.paths.reset())
+	// The copy queue's stream is the one stream made since the first call.
+	var made []uintptr
+	for _, h := range g.Streams() {
+		if !slices.Contains(before, h) {
+			made = append(made, h)
+		}
+	}
+	require.Len(t, made, 1, "the copy queue's stream")
+	release, err := g.Hang(made[0])
+	require.NoError(t, err)
+	defer release()
+	s, err := devicebuf.NewStream(0)
+	require.NoError(t, err)
+	for i := first; i < first+more; i++ {
+		b, _ := gdrcodec.Buffer(call(i).Data)
+		// WaitOn asks the event first: a buffer whose event is complete
+		// stops being Pending.
+		require.NoError(t, b.WaitOn(s))
+		require.True(t, b.Pending(), "payload %d, queued behind the hang, reported arrived", i)
+	}
+	require.Equal(t, more, r.paths.takeQueued()-first, "copies the server queued, not waited for")
+	release()
+	require.NoError(t, s.Synchronize())
+	require.NoError(t, s.Close())
+	for i, m := range got {
+		b, _ := gdrcodec.Buffer(m.Data)
+		require.NoError(t, b.Wait())
+		p, err := g.Peek(b.Ptr(), n)
+		require.NoError(t, err)
+		requireBytes(t, pattern(n, uint32(i+2)), p)
+	}
+	for _, m := range got {
+		gdrcodec.ReleaseAll(m)
+	}
+	got = nil
+	closeAll()
 }
 
 // With the default size a session's space grows with its payloads: a

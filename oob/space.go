@@ -1263,8 +1263,8 @@ func pushInto(callCtx context.Context, s *transport.Session, ps *peerSpace, m *r
 
 // copyInto copies src device to device where m says (the range at off),
 // through the space's mapping. A GPU source is copied on the space's stream,
-// the message not waiting for it, where a receiver's event is free to mark
-// the copy's end: its number comes back. Otherwise the copy is complete when
+// the message not waiting for it, and a receiver's event marks the copy's
+// end: its number comes back. Otherwise the copy is complete when
 // copyInto returns (0); once the space has a stream, such a copy runs on it
 // too, after any copy still queued into the same range (one whose message
 // was never sent, or whose receiver gave the range back without waiting).
@@ -1304,6 +1304,7 @@ func (p *peerSpace) eventFor(s *transport.Session, off, gen uint64, dev int, src
 	if w == nil || w.gen != gen || src.Buffer == nil || src.kind() != devicebuf.CUDA || len(p.events) == 0 || p.eventsOff {
 		return p.copies, nil, 0
 	}
+	p.dropEventLocked(off) // a range marked already (none is, today) lets go of its mark first
 	i := p.eventForLocked()
 	if p.opened[i] == nil {
 		ev, err := devicebuf.OpenIPCEvent(p.events[i], dev)
@@ -1331,7 +1332,11 @@ func (p *peerSpace) eventFor(s *transport.Session, off, gen uint64, dev int, src
 // shared event is sound because all the copies of a space queue on its one
 // stream, in order: recorded after a later copy, an event completes only
 // once every earlier copy has, so a receiver waiting on it for an earlier
-// one waits longer, never too little (p.mu held).
+// one waits longer, never too little. Longer is until the later copy ends:
+// a copy that never does (its source a payload forwarded before it arrived,
+// which never arrives) holds every copy queued after it already, and now
+// the held payloads not yet waited on whose events those copies share
+// (p.mu held).
 func (p *peerSpace) eventForLocked() int {
 	if n := len(p.freeEvents); n > 0 {
 		return p.freeEvents[n-1]
@@ -1339,10 +1344,9 @@ func (p *peerSpace) eventForLocked() int {
 	return p.nextShared % len(p.events)
 }
 
-// takeEventLocked records event i, which eventForLocked picked, as the one
-// marking the range at off (p.mu held).
+// takeEventLocked records event i, which eventForLocked just picked, as the
+// one marking the range at off, which no event marks (p.mu held).
 func (p *peerSpace) takeEventLocked(off uint64, i int) {
-	p.dropEventLocked(off)
 	if n := len(p.freeEvents); n > 0 && p.freeEvents[n-1] == i {
 		p.freeEvents = p.freeEvents[:n-1]
 	} else {

@@ -74,6 +74,7 @@ type result struct {
 	Path            string   `json:"path"`                // out-of-band path(s) the payloads took
 	Iters           int      `json:"iters"`
 	Inflight        int      `json:"inflight"`       // calls in flight at once; above 1 the rates are aggregate
+	Hold            int      `json:"hold,omitempty"` // received payloads each calling goroutine kept (-hold)
 	Conns           int      `json:"conns"`          // gdrpc client connections the calls spread over
 	Sessions        int      `json:"sessions"`       // gdrpc sessions the calls went over (as gRPC reports each call's peer)
 	GDRPCMiBs       float64  `json:"gdrpc_mib_s"`    // median over calls of size / call time
@@ -313,7 +314,7 @@ func (b *bench) callCtx(ctx context.Context, verify bool) (context.Context, cont
 
 // measure runs every method for one size.
 func (b *bench) measure(ctx context.Context, size int) *result {
-	r := &result{SizeBytes: size, Size: formatSize(size), Op: b.o.op, Mem: b.o.mem, Recv: b.o.recv, Iters: b.o.iters, Inflight: b.o.inflight, Conns: b.o.conns}
+	r := &result{SizeBytes: size, Size: formatSize(size), Op: b.o.op, Mem: b.o.mem, Recv: b.o.recv, Iters: b.o.iters, Inflight: b.o.inflight, Hold: b.o.hold, Conns: b.o.conns}
 	note := func(what string, err error) { r.Notes = append(r.Notes, what+": "+err.Error()) }
 	pat := pattern(size)
 

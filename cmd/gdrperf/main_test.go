@@ -104,6 +104,9 @@ func TestEndToEnd(t *testing.T) {
 		{name: "tcp/pull eager", transport: "tcp", op: "pull", path: "inline", args: []string{"-eager", "2MiB"}},
 		{name: "ucx/pull inflight", transport: "ucx", op: "pull", path: "rdma", args: []string{"-inflight", "3"}},
 		{name: "ucx/pull inflight conns", transport: "ucx", op: "pull", path: "rdma", args: []string{"-inflight", "3", "-conns", "2"}},
+		// Each goroutine keeps its last payloads, released by the end (the
+		// pools' check below).
+		{name: "tcp/pull hold", transport: "tcp", op: "pull", path: "stream", args: []string{"-inflight", "2", "-hold", "2", "-iters", "4"}},
 		// The server advertises space after the first request it pulled (in
 		// the warm-up): the measured requests land there.
 		{name: "ucx/push request space", transport: "ucx", op: "push", path: "rdma@space", orRendezvous: true, args: []string{"-trust-peers", "-request-space", "16MiB", "-warmup", "4"}},
@@ -140,6 +143,7 @@ func TestEndToEnd(t *testing.T) {
 				require.Equal(t, tc.transport, r.Transport)
 				require.Equal(t, tc.op, r.Op)
 				require.Equal(t, inflight(tc.args), r.Inflight)
+				require.Equal(t, argInt(tc.args, "-hold", 0), r.Hold)
 				require.Equal(t, conns(tc.args), r.Sessions, "sessions the calls went over")
 				require.Positive(t, r.GDRPCMiBs, "notes: %v", r.Notes)
 				require.NotNil(t, r.GRPCTCPMiBs, "notes: %v", r.Notes)
@@ -179,21 +183,18 @@ func TestEndToEnd(t *testing.T) {
 }
 
 // conns is the -conns value in args (1 if absent).
-func conns(args []string) int {
-	if i := slices.Index(args, "-conns"); i >= 0 {
-		n, _ := strconv.Atoi(args[i+1])
-		return n
-	}
-	return 1
-}
+func conns(args []string) int { return argInt(args, "-conns", 1) }
 
 // inflight is the -inflight value in args (1 if absent).
-func inflight(args []string) int {
-	if i := slices.Index(args, "-inflight"); i >= 0 {
+func inflight(args []string) int { return argInt(args, "-inflight", 1) }
+
+// argInt is the value of flag in args (def if absent).
+func argInt(args []string, flag string, def int) int {
+	if i := slices.Index(args, flag); i >= 0 {
 		n, _ := strconv.Atoi(args[i+1])
 		return n
 	}
-	return 1
+	return def
 }
 
 func TestTable(t *testing.T) {
@@ -448,6 +449,7 @@ func TestCUDA(t *testing.T) {
 	rs = gdrperf(t, append(args, "-receive-space", "256MiB", "-hold", "40", "-iters", "45", "-warmup", "3")...)
 	require.Len(t, rs, 1)
 	r = rs[0]
+	require.Equal(t, 40, r.Hold)
 	require.Contains(t, strings.Split(r.Path, "+"), "cuda-ipc@space", "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
 	require.Positive(t, r.GDRPCMiBs)
 

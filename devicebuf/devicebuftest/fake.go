@@ -61,7 +61,11 @@ type fakeAlloc struct {
 type fakeStream struct {
 	dev     int
 	pending []func() error
-	running bool // a synchronization took the copies in pending and runs them
+	// queued and ran count the work queued on the stream and the work done,
+	// in order: an event recorded after the queued'th piece is complete once
+	// ran reaches it.
+	queued, ran uint64
+	running     bool // a synchronization took the copies in pending and runs them
 	// progressing is set while a goroutine of the fake's runs pending, started
 	// by a look at one of the stream's events (EventQuery).
 	progressing bool
@@ -79,10 +83,18 @@ type fakeEvent struct {
 }
 
 // eventRecord is what an event (and every handle opened onto it) last captured: the stream
-// it was recorded on, whose deferred copies a wait runs.
+// it was recorded on, whose deferred copies a wait runs, and how much work was queued on it
+// then (the event is complete once that much ran).
 type eventRecord struct {
 	id     uint64
 	stream driver.Stream // 0: never recorded
+	at     uint64
+}
+
+// queueLocked queues op on st (g.mu held).
+func (st *fakeStream) queueLocked(op func() error) {
+	st.pending = append(st.pending, op)
+	st.queued++
 }
 
 // Install installs a fake CUDA driver with the given number of devices (and a matching fake
@@ -609,7 +621,7 @@ func (g *GPU) Memcpy(dir driver.Dir, dstDev int, dst uintptr, srcDev int, src ui
 		g.mu.Unlock()
 		return cuError("cuMemcpyAsync", 400, "CUDA_ERROR_INVALID_HANDLE", "unknown stream")
 	}
-	st.pending = append(st.pending, func() error { copy(d, sb); return nil })
+	st.queueLocked(func() error { copy(d, sb); return nil })
 	g.mu.Unlock()
 	return nil
 }
@@ -662,6 +674,9 @@ func (g *GPU) StreamSynchronize(s driver.Stream) error {
 	var errs []error
 	for _, op := range ops {
 		errs = append(errs, op())
+		g.mu.Lock()
+		st.ran++
+		g.mu.Unlock()
 	}
 	g.mu.Lock()
 	st.running = false
@@ -669,10 +684,24 @@ func (g *GPU) StreamSynchronize(s driver.Stream) error {
 	return errors.Join(errs...)
 }
 
+// Streams returns the handles of the fake's live streams, sorted (the
+// streams the fake makes get growing handles): a test finds a stream some
+// code made by the handle that was not there before.
+func (g *GPU) Streams() []uintptr {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	hs := make([]uintptr, 0, len(g.streams))
+	for s := range g.streams {
+		hs = append(hs, uintptr(s))
+	}
+	slices.Sort(hs)
+	return hs
+}
+
 // Hang queues on s work that does not end until release is called (a
 // kernel that spins, a device that stopped): until then the events recorded
-// on s are not complete (the fake does not order them against it), and a
-// synchronization of s blocks. stream is a devicebuf.Stream's Handle.
+// on s after it are not complete, and a synchronization of s blocks. stream
+// is a devicebuf.Stream's Handle.
 func (g *GPU) Hang(stream uintptr) (release func(), err error) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -681,7 +710,7 @@ func (g *GPU) Hang(stream uintptr) (release func(), err error) {
 		return nil, cuError("cuLaunchKernel", 400, "CUDA_ERROR_INVALID_HANDLE", "unknown stream")
 	}
 	hung := make(chan struct{})
-	st.pending = append(st.pending, func() error { <-hung; return nil })
+	st.queueLocked(func() error { <-hung; return nil })
 	var once sync.Once
 	return func() { once.Do(func() { close(hung) }) }, nil
 }
@@ -727,7 +756,7 @@ func (g *GPU) StreamWaitEvent(s driver.Stream, e driver.Event) error {
 		return err
 	}
 	if rec := ev.rec.stream; rec != 0 && rec != s {
-		st.pending = append(st.pending, func() error { return g.syncIfLive(rec) })
+		st.queueLocked(func() error { return g.syncIfLive(rec) })
 	}
 	return nil
 }
@@ -765,11 +794,11 @@ func (g *GPU) EventRecord(e driver.Event, s driver.Stream) error {
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	_, ev, err := g.streamEventLocked("cuEventRecord", s, e)
+	st, ev, err := g.streamEventLocked("cuEventRecord", s, e)
 	if err != nil {
 		return err
 	}
-	ev.rec.stream = s
+	ev.rec.stream, ev.rec.at = s, st.queued
 	return nil
 }
 
@@ -801,8 +830,8 @@ func (g *GPU) EventSynchronize(e driver.Event) error {
 	return g.syncIfLive(rec)
 }
 
-// EventQuery reports an event complete once the stream it was recorded on holds no
-// deferred copies and runs none (or is gone). The fake runs a stream's copies when that
+// EventQuery reports an event complete once the work queued on its stream before it was
+// recorded ran (or the stream is gone). The fake runs a stream's copies when that
 // stream is synchronized; a look at an event of this process alone (not interprocess)
 // also starts them, on a goroutine of the fake's, as a device runs its streams by itself,
 // and reports the event not complete yet. Looks at interprocess events start nothing:
@@ -819,7 +848,7 @@ func (g *GPU) EventQuery(e driver.Event) (bool, error) {
 	}
 	s := ev.rec.stream
 	st, live := g.streams[s]
-	if !live || len(st.pending) == 0 && !st.running {
+	if !live || st.ran >= ev.rec.at {
 		return true, nil
 	}
 	if len(st.pending) > 0 && !st.progressing && !ev.ipc {
