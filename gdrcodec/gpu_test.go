@@ -476,11 +476,7 @@ func TestGPUEventsShared(t *testing.T) {
 			}
 			pc.takeQueued()
 			var got []*tensorpb.Tensor
-			defer func() {
-				for _, m := range got {
-					gdrcodec.ReleaseAll(m)
-				}
-			}()
+			defer releaseHeld(&got)
 			for i := range held {
 				m, err := c.Make(ctx, &tensorpb.Sized{Size: n, Seed: uint32(i + 2)})
 				require.NoError(t, err)
@@ -502,10 +498,7 @@ func TestGPUEventsShared(t *testing.T) {
 				}
 				requireBytes(t, pattern(n, uint32(i+2)), p)
 			}
-			for _, m := range got {
-				gdrcodec.ReleaseAll(m)
-			}
-			got = nil
+			releaseHeld(&got)
 			require.NoError(t, cc.Close())
 			require.Eventually(t, func() bool { return oob.ReadStats().Spaces == 0 }, 10*time.Second, time.Millisecond)
 			left := devicebuf.Live().Sub(base)

@@ -328,11 +328,7 @@ func TestReceiveSpaceEventsShared(t *testing.T) {
 			r.paths.reset()
 			r.paths.takeQueued()
 			var got []*tensorpb.Tensor
-			defer func() {
-				for _, m := range got {
-					gdrcodec.ReleaseAll(m)
-				}
-			}()
+			defer releaseHeld(&got)
 			for i := range held {
 				m, err := r.client.Make(context.Background(), &tensorpb.Sized{Size: n, Seed: uint32(i + 2)})
 				require.NoError(t, err)
@@ -340,26 +336,40 @@ func TestReceiveSpaceEventsShared(t *testing.T) {
 			}
 			require.Equal(t, held, r.paths.takeQueued(), "copies the server queued, not waited for")
 			require.Equal(t, map[string]int{"cuda-ipc@space": held}, r.paths.reset())
-			for i, m := range got {
-				b, ok := gdrcodec.Buffer(m.Data)
-				require.True(t, ok)
-				require.Equal(t, devicebuf.CUDA, b.Kind())
-				if ordered {
-					require.NoError(t, b.Wait())
-				} else {
+			if !ordered {
+				for _, m := range got {
+					b, _ := gdrcodec.Buffer(m.Data)
 					require.False(t, b.Pending())
 				}
-				p, err := g.Peek(b.Ptr(), n)
-				require.NoError(t, err)
-				requireBytes(t, pattern(n, uint32(i+2)), p)
 			}
-			for _, m := range got {
-				gdrcodec.ReleaseAll(m)
-			}
-			got = nil
+			checkHeld(t, g, &got, n)
 			closeAll()
 		})
 	}
+}
+
+// checkHeld checks that each of held, Make's answers for seeds 2, 3, ...,
+// is in GPU memory and exact once it arrived (Wait), then releases them.
+func checkHeld(t *testing.T, g *devicebuftest.GPU, held *[]*tensorpb.Tensor, n int) {
+	t.Helper()
+	for i, m := range *held {
+		b, ok := gdrcodec.Buffer(m.Data)
+		require.True(t, ok)
+		require.Equal(t, devicebuf.CUDA, b.Kind())
+		require.NoError(t, b.Wait())
+		p, err := g.Peek(b.Ptr(), n)
+		require.NoError(t, err)
+		requireBytes(t, pattern(n, uint32(i+2)), p)
+	}
+	releaseHeld(held)
+}
+
+// releaseHeld releases the messages in held, which it empties.
+func releaseHeld(held *[]*tensorpb.Tensor) {
+	for _, m := range *held {
+		gdrcodec.ReleaseAll(m)
+	}
+	*held = nil
 }
 
 // Shared events, stream-ordered, against the copies' order: with the
@@ -375,11 +385,7 @@ func TestReceiveSpaceEventsSharedInOrder(t *testing.T) {
 	waitPeerSpace(t)
 	r.paths.reset()
 	var got []*tensorpb.Tensor
-	defer func() {
-		for _, m := range got {
-			gdrcodec.ReleaseAll(m)
-		}
-	}()
+	defer releaseHeld(&got)
 	call := func(i int) *tensorpb.Tensor {
 		m, err := r.client.Make(context.Background(), &tensorpb.Sized{Size: n, Seed: uint32(i + 2)})
 		require.NoError(t, err)
@@ -417,17 +423,7 @@ func TestReceiveSpaceEventsSharedInOrder(t *testing.T) {
 	release()
 	require.NoError(t, s.Synchronize())
 	require.NoError(t, s.Close())
-	for i, m := range got {
-		b, _ := gdrcodec.Buffer(m.Data)
-		require.NoError(t, b.Wait())
-		p, err := g.Peek(b.Ptr(), n)
-		require.NoError(t, err)
-		requireBytes(t, pattern(n, uint32(i+2)), p)
-	}
-	for _, m := range got {
-		gdrcodec.ReleaseAll(m)
-	}
-	got = nil
+	checkHeld(t, g, &got, n)
 	closeAll()
 }
 
