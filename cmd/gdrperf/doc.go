@@ -48,7 +48,8 @@
 // up inside the timing of its last call (of every call with -inflight 1).
 // -hold N keeps each calling goroutine's last N received payloads, releasing
 // the oldest as the next arrives, as a caller holding a window of tensors
-// does: each holds its range of the space meanwhile. A range's first write
+// does: each holds its range of the space meanwhile (N+1 ranges per
+// goroutine while the next arrives). A range's first write
 // touches its pages for the first time, which a host may charge for; give
 // -warmup more calls than N to measure the ranges written before.
 //
