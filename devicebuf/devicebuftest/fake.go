@@ -65,7 +65,6 @@ type fakeStream struct {
 	// in order: an event recorded after the queued'th piece is complete once
 	// ran reaches it.
 	queued, ran uint64
-	running     bool // a synchronization took the copies in pending and runs them
 	// progressing is set while a goroutine of the fake's runs pending, started
 	// by a look at one of the stream's events (EventQuery).
 	progressing bool
@@ -669,7 +668,7 @@ func (g *GPU) StreamSynchronize(s driver.Stream) error {
 	defer st.run.Unlock()
 	g.mu.Lock()
 	ops := st.pending
-	st.pending, st.running = nil, true
+	st.pending = nil
 	g.mu.Unlock()
 	var errs []error
 	for _, op := range ops {
@@ -678,9 +677,6 @@ func (g *GPU) StreamSynchronize(s driver.Stream) error {
 		st.ran++
 		g.mu.Unlock()
 	}
-	g.mu.Lock()
-	st.running = false
-	g.mu.Unlock()
 	return errors.Join(errs...)
 }
 
