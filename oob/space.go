@@ -191,12 +191,11 @@ type peerSpace struct {
 	writers  sync.WaitGroup // writes under way (take, until land ends)
 
 	// Copies that may still run when their message goes: the receiver's
-	// events (handles, and those opened), which are free, how many held
-	// ranges each marks and which marks each range, the event a copy shares
-	// next when none is free, and the stream the copies queue on.
+	// events (handles, and those opened), how many held ranges each marks
+	// (0: free) and which marks each range, the event a copy shares next
+	// when none is free, and the stream the copies queue on.
 	events     []devicebuf.IPCEventHandle
 	opened     []*devicebuf.Event
-	freeEvents []int
 	eventUses  []int
 	eventOf    map[uint64]int // range offset -> event index
 	nextShared int
@@ -790,9 +789,6 @@ func handleSpace(s *transport.Session, payload []byte) {
 	ps := &peerSpace{id: m.Req, tmpl: m.rtr, free: []span{{0, m.Length}}, taken: map[uint64]*write{}, events: m.Events, eventOf: map[uint64]int{}}
 	ps.opened = make([]*devicebuf.Event, len(m.Events))
 	ps.eventUses = make([]int, len(m.Events))
-	for i := range m.Events {
-		ps.freeEvents = append(ps.freeEvents, len(m.Events)-1-i)
-	}
 	st.peer = append(st.peer, ps)
 }
 
@@ -1327,8 +1323,9 @@ func (p *peerSpace) eventFor(s *transport.Session, off, gen uint64, dev int, src
 	return p.copies, p.opened[i], i
 }
 
-// eventForLocked picks the event to mark the next copy: a free one, or,
-// when every event marks a range still held, the next in turn, shared. A
+// eventForLocked picks the event to mark the next copy: the first free
+// one, or, when every event marks a range still held, the next in turn,
+// shared. A
 // shared event is sound because all the copies of a space queue on its one
 // stream, in order: recorded after a later copy, an event completes only
 // once every earlier copy has, so a receiver waiting on it for an earlier
@@ -1338,8 +1335,8 @@ func (p *peerSpace) eventFor(s *transport.Session, off, gen uint64, dev int, src
 // the held payloads not yet waited on whose events those copies share
 // (p.mu held).
 func (p *peerSpace) eventForLocked() int {
-	if n := len(p.freeEvents); n > 0 {
-		return p.freeEvents[n-1]
+	if i := slices.Index(p.eventUses, 0); i >= 0 {
+		return i
 	}
 	return p.nextShared % len(p.events)
 }
@@ -1347,9 +1344,7 @@ func (p *peerSpace) eventForLocked() int {
 // takeEventLocked records event i, which eventForLocked just picked, as the
 // one marking the range at off, which no event marks (p.mu held).
 func (p *peerSpace) takeEventLocked(off uint64, i int) {
-	if n := len(p.freeEvents); n > 0 && p.freeEvents[n-1] == i {
-		p.freeEvents = p.freeEvents[:n-1]
-	} else {
+	if p.eventUses[i] > 0 {
 		p.nextShared = i + 1
 	}
 	p.eventUses[i]++
@@ -1359,13 +1354,9 @@ func (p *peerSpace) takeEventLocked(off uint64, i int) {
 // dropEventLocked lets go of the event marking the range at off, if one
 // does; it is free once it marks no range (p.mu held).
 func (p *peerSpace) dropEventLocked(off uint64) {
-	i, ok := p.eventOf[off]
-	if !ok {
-		return
-	}
-	delete(p.eventOf, off)
-	if p.eventUses[i]--; p.eventUses[i] == 0 {
-		p.freeEvents = append(p.freeEvents, i)
+	if i, ok := p.eventOf[off]; ok {
+		delete(p.eventOf, off)
+		p.eventUses[i]--
 	}
 }
 

@@ -61,7 +61,15 @@ func TestPeerSpaceEventsShared(t *testing.T) {
 	p := testPeerSpace(8 * spaceAlign)
 	p.events = make([]devicebuf.IPCEventHandle, 3)
 	p.eventUses = make([]int, 3)
-	p.freeEvents = []int{2, 1, 0}
+	free := func() []int { // the events that mark no held range
+		var is []int
+		for i, n := range p.eventUses {
+			if n == 0 {
+				is = append(is, i)
+			}
+		}
+		return is
+	}
 	mark := func() (uint64, int) { // a range taken, written, and its copy's event
 		off, gen, ok := p.take(1, 0)
 		require.True(t, ok)
@@ -80,17 +88,17 @@ func TestPeerSpaceEventsShared(t *testing.T) {
 	}
 	require.Equal(t, []int{0, 1, 2, 0, 1}, got, "the free events, then each in turn")
 	require.Equal(t, []int{2, 2, 1}, p.eventUses)
-	require.Empty(t, p.freeEvents)
+	require.Empty(t, free())
 
 	require.True(t, p.give(offs[0], 1, 0))
-	require.Empty(t, p.freeEvents, "event 0 still marks a held range")
+	require.Empty(t, free(), "event 0 still marks a held range")
 	require.True(t, p.give(offs[2], 1, 0))
-	require.Equal(t, []int{2}, p.freeEvents)
+	require.Equal(t, []int{2}, free())
 	off, i := mark()
 	require.Equal(t, 2, i, "a free event before a shared one")
 	require.True(t, p.give(offs[3], 1, 0))
 	require.True(t, p.give(off, 1, 0))
-	require.Equal(t, []int{0, 2}, p.freeEvents)
+	require.Equal(t, []int{0, 2}, free())
 	require.Equal(t, []int{0, 2, 0}, p.eventUses)
 
 	// A copy that failed lets go of its event the same way.
@@ -104,7 +112,7 @@ func TestPeerSpaceEventsShared(t *testing.T) {
 	require.False(t, p.endWrite(off, gen, false))
 	require.True(t, p.give(offs[1], 1, 0))
 	require.True(t, p.give(offs[4], 1, 0))
-	require.ElementsMatch(t, []int{0, 1, 2}, p.freeEvents)
+	require.ElementsMatch(t, []int{0, 1, 2}, free())
 	require.Equal(t, []int{0, 0, 0}, p.eventUses)
 	require.Empty(t, p.eventOf)
 }
