@@ -412,7 +412,9 @@ func addOpenCalls(s *transport.Session, n int64) {
 
 // ---- receiver side -------------------------------------------------------------
 
-// errRTRNotSent marks a pull whose session closed before its RTR was sent.
+// errRTRNotSent marks a pull whose session closed before any of its RTR was
+// written: the owner cannot have it, so another session may carry the pull
+// into the same destination.
 var errRTRNotSent = errors.New("RTR not sent")
 
 type pull struct {
@@ -984,7 +986,14 @@ func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devi
 	err = sendControl(ctx, s, ctlRTR, m.marshal())
 	r.End()
 	if err != nil {
-		if ctx.Err() == nil {
+		if !errors.Is(err, transport.ErrNoLaneTurn) {
+			// The write failed, and the session with it, but the RTR may
+			// have reached the owner all the same, which may then write
+			// into dst: as when the session dies after the RTR went, no
+			// other session gets dst, and a dst the caller gave is the
+			// caller's again only once this session can write no more.
+			letGo = settleNow
+		} else if ctx.Err() == nil {
 			select {
 			case <-s.Done():
 				return PathNone, fmt.Errorf("%w: %w", errRTRNotSent, sessionError(d.Token, s, ctx, err))

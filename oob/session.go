@@ -2,6 +2,7 @@ package oob
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -171,7 +172,7 @@ func (a *attached) Closed() {
 func sendControl(ctx context.Context, s *transport.Session, typ byte, payload []byte) error {
 	a := stateOf(s)
 	if a.link == nil {
-		return closedErr(s)
+		return fmt.Errorf("%w: %w", transport.ErrNoLaneTurn, closedErr(s))
 	}
 	return a.link.SendControl(ctx, typ, payload)
 }

@@ -62,14 +62,17 @@ type Link struct {
 	cancel  context.CancelFunc
 }
 
-// ErrNoLaneTurn marks a lane frame of which nothing was written: the context
-// or the session ended while the frame waited for its turn on its lane.
+// ErrNoLaneTurn marks a lane frame or a control message of which nothing was
+// written: the context or the session ended while it waited for its turn on
+// its lane or the control stream.
 var ErrNoLaneTurn = errors.New("no turn on the lane")
 
 // SendControl sends one control message: [type u8][length u32 BE][payload] on
 // the control stream. Writers are serialised; a message is never interleaved
-// with another. ctx bounds the wait for the stream and for the turn to write;
-// a write that fails ends the session.
+// with another. ctx bounds the wait for the stream and for the turn to write.
+// An error wrapping ErrNoLaneTurn means nothing was written; any other error
+// is a write that failed, which ends the session, and the message may have
+// reached the peer all the same.
 func (l *Link) SendControl(ctx context.Context, typ byte, payload []byte) error {
 	return l.s.sendControl(ctx, typ, payload)
 }

@@ -739,21 +739,21 @@ func (s *Session) sendControl(ctx context.Context, typ byte, payload []byte) err
 		return fmt.Errorf("gdrpc: control payload of %d bytes (max %d)", len(payload), MaxControlPayload)
 	}
 	if err := ctx.Err(); err != nil {
-		return err
+		return fmt.Errorf("%w: %w", ErrNoLaneTurn, err)
 	}
 	select {
 	case <-s.ctrl.ready:
 	case <-s.done:
-		return s.closedErr()
+		return fmt.Errorf("%w: %w", ErrNoLaneTurn, s.closedErr())
 	case <-ctx.Done():
-		return ctx.Err()
+		return fmt.Errorf("%w: %w", ErrNoLaneTurn, ctx.Err())
 	}
 	select {
 	case s.ctrlSem <- struct{}{}:
 	case <-s.done:
-		return s.closedErr()
+		return fmt.Errorf("%w: %w", ErrNoLaneTurn, s.closedErr())
 	case <-ctx.Done():
-		return ctx.Err()
+		return fmt.Errorf("%w: %w", ErrNoLaneTurn, ctx.Err())
 	}
 	defer func() { <-s.ctrlSem }()
 	s.traffic.Add(1)

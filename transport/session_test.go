@@ -148,12 +148,17 @@ func TestControlMessages(t *testing.T) {
 	wg.Wait()
 	require.Len(t, seen, writers*each)
 
-	// ctx and session life bound SendControl.
+	// ctx and session life bound SendControl; what they stop is not written
+	// (ErrNoLaneTurn), so that a caller may send it elsewhere.
 	cctx, ccancel := context.WithCancel(context.Background())
 	ccancel()
-	require.ErrorIs(t, c.link.SendControl(cctx, testCtlEcho, nil), context.Canceled)
+	err = c.link.SendControl(cctx, testCtlEcho, nil)
+	require.ErrorIs(t, err, context.Canceled)
+	require.ErrorIs(t, err, ErrNoLaneTurn)
 	require.NoError(t, c.Close())
-	require.ErrorIs(t, c.link.SendControl(ctx, testCtlEcho, nil), net.ErrClosed)
+	err = c.link.SendControl(ctx, testCtlEcho, nil)
+	require.ErrorIs(t, err, net.ErrClosed)
+	require.ErrorIs(t, err, ErrNoLaneTurn)
 }
 
 // TestControlFrameTooLarge: a peer announcing a control message above the
