@@ -119,19 +119,23 @@ func (s *Session) writeLaneFrame(ctx context.Context, total uint64, bufs ...[]by
 	return err
 }
 
+// noTurn marks err as the reason a frame or message waiting for its turn to
+// write was not written.
+func noTurn(err error) error { return fmt.Errorf("%w: %w", ErrNoLaneTurn, err) }
+
 // laneTurn waits for l's turn, which the caller gives back (<-l.turn); an
 // error wraps ErrNoLaneTurn.
 func (s *Session) laneTurn(ctx context.Context, l *frameLane) error {
 	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("%w: %w", ErrNoLaneTurn, err)
+		return noTurn(err)
 	}
 	select {
 	case l.turn <- struct{}{}:
 		return nil
 	case <-ctx.Done():
-		return fmt.Errorf("%w: %w", ErrNoLaneTurn, ctx.Err())
+		return noTurn(ctx.Err())
 	case <-s.done:
-		return fmt.Errorf("%w: %w", ErrNoLaneTurn, s.closedErr())
+		return noTurn(s.closedErr())
 	}
 }
 

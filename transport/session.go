@@ -739,21 +739,21 @@ func (s *Session) sendControl(ctx context.Context, typ byte, payload []byte) err
 		return fmt.Errorf("gdrpc: control payload of %d bytes (max %d)", len(payload), MaxControlPayload)
 	}
 	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("%w: %w", ErrNoLaneTurn, err)
+		return noTurn(err)
 	}
 	select {
 	case <-s.ctrl.ready:
 	case <-s.done:
-		return fmt.Errorf("%w: %w", ErrNoLaneTurn, s.closedErr())
+		return noTurn(s.closedErr())
 	case <-ctx.Done():
-		return fmt.Errorf("%w: %w", ErrNoLaneTurn, ctx.Err())
+		return noTurn(ctx.Err())
 	}
 	select {
 	case s.ctrlSem <- struct{}{}:
 	case <-s.done:
-		return fmt.Errorf("%w: %w", ErrNoLaneTurn, s.closedErr())
+		return noTurn(s.closedErr())
 	case <-ctx.Done():
-		return fmt.Errorf("%w: %w", ErrNoLaneTurn, ctx.Err())
+		return noTurn(ctx.Err())
 	}
 	defer func() { <-s.ctrlSem }()
 	s.traffic.Add(1)
