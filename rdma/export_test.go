@@ -58,6 +58,10 @@ func (w *Worker) Queued() int {
 // Submit runs f with the worker's lock held, after what was submitted before.
 func (w *Worker) Submit(f func()) error { return w.submit(f) }
 
+// Later runs f in the worker's next round, after what ran in this one
+// deferred before it (worker lock held: from a function Submit runs).
+func (w *Worker) Later(f func()) { w.later(f) }
+
 // SegmentAt is where UCX attached the key's segment in this process, or 0.
 func (k *RemoteKey) SegmentAt() uintptr { return uintptr(k.seg) }
 

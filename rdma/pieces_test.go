@@ -4,6 +4,7 @@ package rdma_test
 
 import (
 	"bytes"
+	"fmt"
 	"runtime"
 	"testing"
 	"time"
@@ -76,28 +77,55 @@ func waitQueued(t *testing.T, w *rdma.Worker, k int) {
 // TestPutReturnsWithItsSource: an endpoint closed while a put in pieces is
 // under way issues no further piece, and Put returns only once UCX reads
 // its source no more: what the caller writes there afterwards never reaches
-// the target.
+// the target. The close comes right after the put issued its first pieces
+// (one a round of the worker, held while the put and the close's trigger
+// are queued), so that every run shows it.
 func TestPutReturnsWithItsSource(t *testing.T) {
 	c := newContext(t, "tcp")
-	client, _ := pair(t, c)
-	const n = 64 << 20
-	m, _, rk := exposed(t, c, client, n)
-	src := bytes.Repeat([]byte{0xab}, n)
-	ret := make(chan error, 1)
-	go func() { ret <- client.PutBytes(t.Context(), src, uint64(m.Addr()), rk) }()
-	require.Eventually(t, func() bool { return m.Bytes()[0] == 0xab }, 10*time.Second, 10*time.Microsecond, "the first piece landed")
-	closed := make(chan struct{})
-	go func() {
-		_ = client.Close() // graceful: what was issued goes, with the FIN after it
-		close(closed)
-	}()
-	err := <-ret
-	for i := range src {
-		src[i] = 0xcd // the caller's again
+	w := c.Worker()
+	const n = 16 * rdma.PieceSize
+	for _, issued := range []int{1, 3, 8} {
+		t.Run(fmt.Sprint(issued), func(t *testing.T) {
+			client, _ := pair(t, c)
+			m, _, rk := exposed(t, c, client, n)
+			clear(m.Bytes())
+			src := bytes.Repeat([]byte{0xab}, n)
+			release := w.Hold()
+			ret := make(chan error, 1)
+			go func() { ret <- client.PutBytes(t.Context(), src, uint64(m.Addr()), rk) }()
+			waitQueued(t, w, 1) // the put's first piece, issued once the worker runs
+			closed := make(chan struct{})
+			var after func(k int) func()
+			after = func(k int) func() { // runs after the put issued its k-th piece
+				return func() {
+					if k < issued {
+						w.Later(after(k + 1))
+						return
+					}
+					go func() {
+						_ = client.Close() // graceful: what was issued goes, with the FIN after it
+						close(closed)
+					}()
+					<-client.Done() // the endpoint ended before the worker's next round
+				}
+			}
+			require.NoError(t, w.Submit(after(1)))
+			release()
+			err := <-ret
+			for i := range src {
+				src[i] = 0xcd // the caller's again
+			}
+			<-closed
+			require.Error(t, err, "the put ended with its endpoint")
+			if k := bytes.Count(m.Bytes(), []byte{0xcd}); k > 0 {
+				// Where they landed says which piece read its source late.
+				first, last := bytes.IndexByte(m.Bytes(), 0xcd), bytes.LastIndexByte(m.Bytes(), 0xcd)
+				t.Fatalf("%d bytes read from the source after Put returned (%v): at %d-%d, pieces %d-%d",
+					k, err, first, last, first/rdma.PieceSize, last/rdma.PieceSize)
+			}
+			sent := issued * rdma.PieceSize
+			require.Equal(t, sent, bytes.Count(m.Bytes()[:sent], []byte{0xab}), "the pieces issued before the close arrived whole")
+			require.Equal(t, n-sent, bytes.Count(m.Bytes()[sent:], []byte{0}), "no piece was issued after the close")
+		})
 	}
-	<-closed
-	if err == nil {
-		t.Skip("every piece was issued before the close began: nothing to show")
-	}
-	require.Zero(t, bytes.Count(m.Bytes(), []byte{0xcd}), "bytes read from the source after Put returned")
 }
