@@ -157,7 +157,9 @@ func newRigWrapped(t testing.TB, mode transport.Mode, srv tensorpb.TensorService
 	// with none of an earlier test's left, whose engine would not report here.
 	require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
 	pc := &pathCounter{paths: map[string]int{}}
-	oob.SetTransferConfig(oob.TransferConfig{Metrics: pc, Timeout: 20 * time.Second})
+	// A 256 MiB pull over a TCP session under the race detector took over
+	// 20 s once, on a 2-core machine running the other packages' tests.
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: pc, Timeout: time.Minute})
 	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
 
 	opts = append([]gdrpc.Option{gdrpc.WithTransport(mode), processEngine}, opts...)

@@ -756,6 +756,11 @@ func (s *Session) sendControl(ctx context.Context, typ byte, payload []byte) err
 		return noTurn(ctx.Err())
 	}
 	defer func() { <-s.ctrlSem }()
+	select {
+	case <-s.done:
+		return noTurn(s.closedErr()) // it closed while this waited: nothing goes
+	default:
+	}
 	s.traffic.Add(1)
 	buf := make([]byte, controlHeaderLen+len(payload))
 	buf[0] = typ
