@@ -177,7 +177,7 @@ func (e *Endpoint) unpackKey(packed []byte, foreign bool) (*RemoteKey, error) {
 	// and so checked: the others go.
 	pk.rkey = laneKey(pk.rkey, lanes)
 	if err := rkeyComponents(pk.rkey, func(md int, comp []byte) error {
-		return checkSegment(lanes[md], comp, foreign)
+		return checkSegment(lanes[md], comp, foreign, pk.base, pk.length)
 	}); err != nil {
 		return nil, fmt.Errorf("rdma: unpack key: %w", err)
 	}

@@ -3,7 +3,10 @@
 package rdma_test
 
 import (
+	"bytes"
 	"encoding/binary"
+	"math"
+	"math/bits"
 	"os"
 	"regexp"
 	"strconv"
@@ -162,4 +165,71 @@ func TestUnpackKeyKeepsLaneDomains(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, k.Direct(), "a segment of no lane is not attached")
 	require.NoError(t, k.Close())
+}
+
+// keyComponents splits a packed key into its region and the components of
+// its rkey, by the peer's memory domain.
+func keyComponents(packed []byte) (comps map[int][]byte, base, n uint64) {
+	base, n = binary.BigEndian.Uint64(packed[8:]), binary.BigEndian.Uint64(packed[16:])
+	rk := packed[28:]
+	comps = map[int][]byte{}
+	p := 9
+	for mds := binary.LittleEndian.Uint64(rk); mds != 0; mds &= mds - 1 {
+		l := int(rk[p])
+		comps[bits.TrailingZeros64(mds)] = rk[p+1 : p+1+l]
+		p += 1 + l
+	}
+	return comps, base, n
+}
+
+// A put or get through a posix or sysv key reaches the region's address less
+// the address the component gives its segment in the owner, plus where this
+// process attached the segment, unbounded by UCX: a key of a live segment
+// whose component moves that address (a forged key) would reach this
+// process's other memory, and one flagged for huge pages that its file is
+// not on makes UCX's unpack fail, and crash. Both are refused.
+func TestUnpackKeyComponentOutsideRegion(t *testing.T) {
+	testenv.Need(t, "ucx", rdma.Available())
+	c, err := rdma.NewContext()
+	require.NoError(t, err)
+	defer c.Close()
+	client, _ := pair(t, c)
+	m, err := c.Alloc(1 << 20)
+	require.NoError(t, err)
+	defer m.Close()
+	packed, err := m.PackKey()
+	require.NoError(t, err)
+	comps, base, n := keyComponents(packed)
+	tried := 0
+	for _, tc := range []struct {
+		component string
+		at        int // where the component holds its segment's address in the owner
+	}{{"posix", 8}, {"sysv", 4}} {
+		md := laneMD(t, client, tc.component)
+		comp, ok := comps[md]
+		if md < 0 || !ok {
+			continue
+		}
+		tried++
+		k, err := client.UnpackKey(forgedKey(md, comp, base, n))
+		require.NoError(t, err, "%s: the component as packed", tc.component)
+		require.NoError(t, k.Close())
+		for _, shift := range []uint64{4096, 1 << 40, math.MaxUint64 - 4095} { // the last moves it down a page
+			forged := bytes.Clone(comp)
+			binary.LittleEndian.PutUint64(forged[tc.at:], binary.LittleEndian.Uint64(comp[tc.at:])+shift)
+			_, err := client.UnpackKey(forgedKey(md, forged, base, n))
+			require.ErrorIs(t, err, rdma.ErrBadKey, "%s moved by %#x", tc.component, shift)
+			require.ErrorContains(t, err, "outside its segment")
+		}
+		if tc.component == "posix" {
+			forged := bytes.Clone(comp)
+			binary.LittleEndian.PutUint64(forged, binary.LittleEndian.Uint64(comp)|1<<61) // UCT_POSIX_SEG_FLAG_HUGETLB
+			_, err := client.UnpackKey(forgedKey(md, forged, base, n))
+			require.ErrorIs(t, err, rdma.ErrBadKey)
+			require.ErrorContains(t, err, "huge pages")
+		}
+	}
+	if tried == 0 {
+		t.Skipf("no posix or sysv component on a lane: %s", client.TransportInfo())
+	}
 }

@@ -82,6 +82,7 @@ func attachedSegment(before, now []mapping, p uintptr, n int) bool {
 const (
 	posixProcFS   = 1 << 63
 	posixShmOpen  = 1 << 62
+	posixHugeTLB  = 1 << 61
 	posixFlags    = 0xf << 60
 	posixPIDBits  = 30
 	posixKeyBytes = 24 // segment id, owner's address, length
@@ -90,13 +91,21 @@ const (
 )
 
 // checkSegment reports why UCX must not unpack comp, the key of a peer's
-// memory domain of kind component: a shared-memory segment that does not
-// attach, or a file that is no UCX segment. UCX attaches a posix or sysv
-// segment as it unpacks the key, with this process's rights, and a failed
-// attach crashes ucp_ep_rkey_unpack (UCX 1.13 to 1.18: its error path
-// releases the key it failed to make), so a receiver that died after its RTR,
-// or a forged key, would take the owner down. Checked here, the segment's end
-// between this check and UCX's attach is left: a window of microseconds.
+// memory domain of kind component, for the region [base, base+length) the
+// key's header names: a shared-memory segment that does not attach, a file
+// that is no UCX segment, or a segment that does not hold the region. UCX
+// attaches a posix or sysv segment as it unpacks the key, with this
+// process's rights, and a failed attach crashes ucp_ep_rkey_unpack (UCX 1.13
+// to 1.18: its error path releases the key it failed to make), so a receiver
+// that died after its RTR, or a forged key, would take the owner down.
+// Checked here, the segment's end between this check and UCX's attach is
+// left: a window of microseconds.
+//
+// A put or get through the key reaches address a of the region at a, less
+// the address the key says the segment has in its owner, plus where this
+// process attached it, with no bound of UCX's: only a region that lies in
+// the segment as the key places it keeps those within the mapping, and so
+// within what checkRMA bounds (the region).
 //
 // With foreign set the key must name the peer's memory, not this process's:
 // a posix segment under this process's id or one of its threads', or a sysv
@@ -104,17 +113,26 @@ const (
 // refused, for this process's puts would land in its own memory (another
 // peer's receive space, a pool of its own). UCX's shm_open mode names a
 // posix segment without its creator; that mode is not UCX's default.
-func checkSegment(component string, comp []byte, foreign bool) error {
+func checkSegment(component string, comp []byte, foreign bool, base, length uint64) error {
 	switch component {
 	case "posix":
-		return checkPosixSegment(comp, foreign)
+		return checkPosixSegment(comp, foreign, base, length)
 	case "sysv":
-		return checkSysvSegment(comp, foreign)
+		return checkSysvSegment(comp, foreign, base, length)
 	}
 	return nil
 }
 
-func checkPosixSegment(comp []byte, foreign bool) error {
+// holdsRegion reports why a segment of n bytes at addr in its owner does not
+// hold [base, base+length).
+func holdsRegion(addr, n, base, length uint64) error {
+	if base < addr || base-addr > n || length > n-(base-addr) {
+		return fmt.Errorf("%w: the region [%#x, +%d) lies outside its segment [%#x, +%d)", ErrBadKey, base, length, addr, n)
+	}
+	return nil
+}
+
+func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) error {
 	if len(comp) < posixKeyBytes {
 		return fmt.Errorf("%w: posix segment key of %d bytes", ErrBadKey, len(comp))
 	}
@@ -122,6 +140,9 @@ func checkPosixSegment(comp []byte, foreign bool) error {
 	length := binary.LittleEndian.Uint64(comp[16:])
 	if length == 0 {
 		return fmt.Errorf("%w: empty posix segment", ErrBadKey)
+	}
+	if err := holdsRegion(binary.LittleEndian.Uint64(comp[8:]), length, base, regionLen); err != nil {
+		return err
 	}
 	mmid := id &^ posixFlags
 	var path string
@@ -153,6 +174,18 @@ func checkPosixSegment(comp []byte, foreign bool) error {
 	if !fi.Mode().IsRegular() || fi.Size() < 0 || (uint64(fi.Size())+page-1)/page*page < length {
 		return fmt.Errorf("%w: its posix segment is a %v of %d bytes, the key says %d", ErrBadKey, fi.Mode().Type(), fi.Size(), length)
 	}
+	if id&posixHugeTLB != 0 {
+		// UCX maps it with MAP_HUGETLB, which fails on a file of any other
+		// file system, and refuses a length whose huge pages would double
+		// it: either way its unpack fails, and crashes.
+		var fs unix.Statfs_t
+		if err := unix.Fstatfs(int(f.Fd()), &fs); err != nil {
+			return fmt.Errorf("%w: its posix segment: %w", ErrBadKey, err)
+		}
+		if fs.Type != unix.HUGETLBFS_MAGIC || fs.Bsize <= 0 || length%uint64(fs.Bsize) != 0 {
+			return fmt.Errorf("%w: its posix segment is flagged for huge pages, and is no whole number of them on hugetlbfs", ErrBadKey)
+		}
+	}
 	if id&posixProcFS != 0 {
 		// What the descriptor is open on: a UCX segment, whose name stays
 		// in the link once it was unlinked, and not any file the process
@@ -178,7 +211,7 @@ func ownTask(id uint64) bool {
 	return err == nil
 }
 
-func checkSysvSegment(comp []byte, foreign bool) error {
+func checkSysvSegment(comp []byte, foreign bool, base, length uint64) error {
 	if len(comp) < sysvKeyBytes {
 		return fmt.Errorf("%w: sysv segment key of %d bytes", ErrBadKey, len(comp))
 	}
@@ -190,8 +223,16 @@ func checkSysvSegment(comp []byte, foreign bool) error {
 	if _, err := unix.SysvShmCtl(int(id), unix.IPC_STAT, &ds); err != nil {
 		return fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
 	}
+	// IPC_STAT asks for read access only; UCX attaches for writing, which
+	// the kernel grants by the segment's mode and this process's ids and
+	// capabilities: attaching it here asks the same.
+	b, err := unix.SysvShmAttach(int(id), 0, 0)
+	if err != nil {
+		return fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
+	}
+	_ = unix.SysvShmDetach(b)
 	if foreign && int(ds.Cpid) == os.Getpid() {
 		return fmt.Errorf("%w: its sysv segment %d is this process's own", ErrBadKey, id)
 	}
-	return nil
+	return holdsRegion(binary.LittleEndian.Uint64(comp[4:]), ds.Segsz, base, length)
 }

@@ -110,9 +110,12 @@ func TestSharedCopyFault(t *testing.T) {
 // procfs mode, n bytes long.
 func posixKey(pid, fd int, n uint64) []byte {
 	k := binary.LittleEndian.AppendUint64(nil, posixProcFS|posixShmOpen|uint64(fd)<<posixPIDBits|uint64(pid))
-	k = binary.LittleEndian.AppendUint64(k, 0x10000000)
+	k = binary.LittleEndian.AppendUint64(k, keyAt)
 	return binary.LittleEndian.AppendUint64(k, n)
 }
+
+// keyAt is where the segments of the test keys lie in their owner.
+const keyAt = 0x10000000
 
 // A posix or sysv key is unpacked only when its segment attaches: a key
 // naming a descriptor that is not open, a file that is no UCX segment, or a
@@ -130,24 +133,24 @@ func TestCheckSegment(t *testing.T) {
 	odd := open(posixFilePfx+"5678", 4097) // UCX maps, and packs, whole pages
 	other := open("model.bin", 8192)
 	pid := os.Getpid()
-	require.NoError(t, checkSegment("posix", posixKey(pid, int(seg.Fd()), 8192), false))
+	require.NoError(t, checkSegment("posix", posixKey(pid, int(seg.Fd()), 8192), false, keyAt, 8192))
 	page := os.Getpagesize()
-	require.NoError(t, checkSegment("posix", posixKey(pid, int(odd.Fd()), uint64((4097+page-1)/page*page)), false))
-	require.NoError(t, checkSegment("tcp", nil, true), "other domains are UCX's to check")
+	require.NoError(t, checkSegment("posix", posixKey(pid, int(odd.Fd()), uint64((4097+page-1)/page*page)), false, keyAt+4096, 1))
+	require.NoError(t, checkSegment("tcp", nil, true, 0, 1<<20), "other domains are UCX's to check")
 
 	shmid, err := unix.SysvShmGet(unix.IPC_PRIVATE, 8192, unix.IPC_CREAT|0o600)
 	require.NoError(t, err)
 	t.Cleanup(func() { unix.SysvShmCtl(shmid, unix.IPC_RMID, nil) })
 	sysv := func(id uint32) []byte {
-		return binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(nil, id), 0x10000000)
+		return binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(nil, id), keyAt)
 	}
-	require.NoError(t, checkSegment("sysv", sysv(uint32(shmid)), false))
+	require.NoError(t, checkSegment("sysv", sysv(uint32(shmid)), false, keyAt, 8192))
 
 	// Segments this process made, named by a peer that is another process.
-	err = checkSegment("posix", posixKey(pid, int(seg.Fd()), 8192), true)
+	err = checkSegment("posix", posixKey(pid, int(seg.Fd()), 8192), true, keyAt, 8192)
 	require.ErrorIs(t, err, ErrBadKey)
 	require.ErrorContains(t, err, "this process's own")
-	err = checkSegment("sysv", sysv(uint32(shmid)), true)
+	err = checkSegment("sysv", sysv(uint32(shmid)), true, keyAt, 8192)
 	require.ErrorIs(t, err, ErrBadKey)
 	require.ErrorContains(t, err, "this process's own")
 	// The descriptor named through a thread of this process: /proc/<tid>/fd
@@ -162,11 +165,21 @@ func TestCheckSegment(t *testing.T) {
 		}
 	}
 	require.NotZero(t, tid, "a Go process runs more than one thread")
-	require.NoError(t, checkSegment("posix", posixKey(tid, int(seg.Fd()), 8192), false), "the thread's table holds the segment")
-	err = checkSegment("posix", posixKey(tid, int(seg.Fd()), 8192), true)
+	require.NoError(t, checkSegment("posix", posixKey(tid, int(seg.Fd()), 8192), false, keyAt, 8192), "the thread's table holds the segment")
+	err = checkSegment("posix", posixKey(tid, int(seg.Fd()), 8192), true, keyAt, 8192)
 	require.ErrorIs(t, err, ErrBadKey)
 	require.ErrorContains(t, err, "this process's own")
 
+	posixKeyAt := func(pid, fd int, n, at uint64) []byte {
+		k := posixKey(pid, fd, n)
+		binary.LittleEndian.PutUint64(k[8:], at)
+		return k
+	}
+	sysvAt := func(id uint32, at uint64) []byte {
+		return binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(nil, id), at)
+	}
+	hugeKey := posixKey(pid, int(seg.Fd()), 8192)
+	binary.LittleEndian.PutUint64(hugeKey, binary.LittleEndian.Uint64(hugeKey)|posixHugeTLB) // UCX would map it with MAP_HUGETLB, and fail
 	dirKey := posixKey(pid, 3, 8192)
 	binary.LittleEndian.PutUint64(dirKey, 0x1234) // no procfs, no shm_open: a path follows
 	for name, tc := range map[string]struct {
@@ -181,12 +194,21 @@ func TestCheckSegment(t *testing.T) {
 		"empty":                {"posix", posixKey(pid, int(seg.Fd()), 0), "empty"},
 		"short":                {"posix", posixKey(pid, int(seg.Fd()), 8192)[:16], "16 bytes"},
 		"directory path":       {"posix", dirKey, "directory path"},
-		"unknown shm_open":     {"posix", binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint64(nil, posixShmOpen|0xdeadbeef), 0), 4096), "does not open"},
+		"unknown shm_open":     {"posix", binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint64(nil, posixShmOpen|0xdeadbeef), keyAt), 4096), "does not open"},
 		"unknown sysv id":      {"sysv", sysv(uint32(math.MaxInt32 - 7)), "does not attach"},
 		"negative sysv id":     {"sysv", sysv(math.MaxUint32), "segment id"},
 		"short sysv":           {"sysv", sysv(uint32(shmid))[:8], "8 bytes"},
+		// The region's addresses, less the segment's in its owner, are
+		// offsets into the mapping UCX makes: one the segment does not
+		// hold would reach this process's other memory.
+		"posix region before its segment": {"posix", posixKeyAt(pid, int(seg.Fd()), 8192, keyAt+4096), "outside its segment"},
+		"posix region past its segment":   {"posix", posixKeyAt(pid, int(seg.Fd()), 8192, keyAt-8192+1), "outside its segment"},
+		"sysv region before its segment":  {"sysv", sysvAt(uint32(shmid), keyAt+1), "outside its segment"},
+		"sysv region past its segment":    {"sysv", sysvAt(uint32(shmid), keyAt-8192+1), "outside its segment"},
+		"sysv segment far below":          {"sysv", sysvAt(uint32(shmid), 0), "outside its segment"},
+		"huge pages off hugetlbfs":        {"posix", hugeKey, "huge pages"},
 	} {
-		err := checkSegment(tc.component, tc.key, false)
+		err := checkSegment(tc.component, tc.key, false, keyAt, 4096)
 		require.ErrorIs(t, err, ErrBadKey, name)
 		require.ErrorContains(t, err, tc.why, name)
 	}
