@@ -149,7 +149,27 @@ func (h noHandler) Bulk(c net.Conn) {
 	// transfer to open a bulk stream for.
 	h.s.refuseStream(c, errors.New("gdrpc: the peer opened a bulk stream on a session without out-of-band transfers"))
 }
-func (noHandler) Lane(net.Conn) error { return nil }
+
+// Lane ends the session at the lane's first byte: a session without an
+// engine runs no transfers, so an honest peer sends nothing there, and
+// what a lane left unread carries piles up in this process (UCX's stream
+// has no flow control).
+func (noHandler) Lane(c net.Conn) error {
+	var b [1]byte
+	for {
+		n, err := c.Read(b[:])
+		if n > 0 {
+			return errLaneNoEngine
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// errLaneNoEngine ends a session whose peer wrote on a lane of a session
+// without an engine.
+var errLaneNoEngine = errors.New("data on a lane of a session without an engine")
 
 // Linger gives the peer lingerNoEngine to read what the lanes still carry:
 // the ping that closes a session gracefully travels on the session's main

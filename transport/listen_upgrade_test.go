@@ -143,3 +143,52 @@ func (m *countMetrics) Fallback(reason string) {
 	defer m.mu.Unlock()
 	m.fallbacks = append(m.fallbacks, reason)
 }
+
+// A session without an engine runs no transfers: a peer that writes on its
+// bulk lane anyway ends the session at the first byte, instead of leaving
+// what it sends unread (over UCX, where nothing bounds it, it would pile up
+// in this process).
+func TestLaneWithoutEngine(t *testing.T) {
+	for _, mode := range []Mode{ModeTCP, ModeUCX} {
+		t.Run(string(mode), func(t *testing.T) {
+			opts := []Option{WithMode(mode)}
+			if mode == ModeUCX {
+				opts = append(opts, WithRDMAContext(internalUCX(t)))
+			}
+			l, err := Listen("127.0.0.1:0", opts...)
+			require.NoError(t, err)
+			defer l.Close()
+			accepted := make(chan net.Conn, 1)
+			go func() {
+				if c, err := l.Accept(); err == nil {
+					accepted <- c
+				}
+			}()
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			s, err := Dial(ctx, l.Addr().String(), opts...)
+			require.NoError(t, err)
+			defer s.Close()
+			_, err = s.Conn(ctx) // the gRPC stream: the session lives on its own
+			require.NoError(t, err)
+			var server *Session
+			select {
+			case c := <-accepted:
+				server = SessionOf(c)
+			case <-ctx.Done():
+				t.Fatal("no conn accepted")
+			}
+			require.NotNil(t, server)
+			b := s.bulkLane()
+			require.NotNil(t, b, "transport %s", s.Transport())
+			_, err = b.Write([]byte("frame"))
+			require.NoError(t, err)
+			select {
+			case <-server.Done():
+			case <-ctx.Done():
+				t.Fatal("the session outlived data on a lane it does not read")
+			}
+			require.ErrorIs(t, server.Err(), errLaneNoEngine)
+		})
+	}
+}
