@@ -83,6 +83,7 @@ type pendingUpgrade struct {
 
 	mu        sync.Mutex
 	ep        *rdma.Endpoint
+	early     *early // reads ep from its ack until the handshake takes it
 	ready     chan struct{}
 	abandoned bool
 }
@@ -654,14 +655,24 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 				return nil, fmt.Errorf("handshake: client chose UCX but its endpoint did not arrive: %w", ctx.Err())
 			}
 			pu.mu.Lock()
-			ep := pu.ep
+			ep, early := pu.ep, pu.early
 			pu.ep = nil
 			pu.mu.Unlock()
 			if ep == nil {
 				return nil, errors.New("handshake: UCX endpoint lost")
 			}
+			// What the client sent on the endpoint since its ack, which
+			// nothing else read, is the session's first bytes.
+			pre, err := early.stop()
+			if err != nil {
+				_ = ep.Close()
+				return nil, fmt.Errorf("handshake: UCX endpoint: %w", err)
+			}
 			_ = conn.Close() // the bootstrap is done
 			setup.transport, setup.conn, setup.ep, setup.rctx = "ucx", ep, ep, l.rctx
+			if len(pre) > 0 {
+				setup.conn = &readFirst{Conn: ep, pre: pre}
+			}
 		case decisionTCP:
 			if needUCX {
 				return nil, errors.New("handshake: client fell back to TCP but transport ucx is required")
@@ -853,6 +864,7 @@ func (l *Listener) serveUCX(ep *rdma.Endpoint, host netip.Prefix) {
 		return
 	}
 	pu.ep = ep
+	pu.early = readEarly(ep)
 	close(pu.ready)
 	pu.mu.Unlock()
 }

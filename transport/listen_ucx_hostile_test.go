@@ -504,3 +504,55 @@ func TestLaneOfAnotherListenerRefused(t *testing.T) {
 	require.NoError(t, err, "no answer: the lane waits for another listener's session")
 	require.Equal(t, byte(0), ack[0], "the lane refused")
 }
+
+// TestUCXEndpointFloodAfterAck: a client that proved its id, presented its
+// token and got the ack, then floods its endpoint instead of sending its
+// choice of UCX on the bootstrap connection. Nothing else reads the
+// endpoint until the handshake reads that choice, and UCX's stream has no
+// flow control: the listener reads what comes meanwhile and aborts the
+// endpoint once it passes what an honest session's start sends (maxEarly),
+// and the flood's writes fail within a small part of what the client meant
+// to send.
+func TestUCXEndpointFloodAfterAck(t *testing.T) {
+	rc := internalUCX(t)
+	l, err := Listen("127.0.0.1:0", WithRDMAContext(rc), WithMode(ModeUCX), WithHandshakeTimeout(time.Minute))
+	require.NoError(t, err)
+	defer l.Close()
+	_, w, _ := handClient(t, l.Addr().String(), ModeUCX, Caps{UCX: true}, true) // never sends its choice
+	require.Eventually(t, l.expectsUCX, handTimeout, time.Millisecond)
+
+	aw, err := rc.NewWorker() // the attacker's own worker: no in-process pairing
+	require.NoError(t, err)
+	defer aw.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+	defer cancel()
+	ep, err := aw.Dial(ctx, l.UCXAddr().String())
+	require.NoError(t, err)
+	defer ep.Close()
+	_, err = ep.Write(append([]byte(upgradeMagic), w.Token[:]...))
+	require.NoError(t, err)
+	var ack [1]byte
+	require.NoError(t, ep.SetReadDeadline(time.Now().Add(handTimeout)))
+	_, err = io.ReadFull(ep, ack[:])
+	require.NoError(t, err)
+	require.Equal(t, byte(upgradeAckOK), ack[0])
+
+	chunk := make([]byte, 1<<20)
+	const total = 1 << 30
+	require.NoError(t, ep.SetWriteDeadline(time.Now().Add(30*time.Second)))
+	written := 0
+	for written < total && err == nil {
+		var n int
+		n, err = ep.Write(chunk)
+		written += n
+	}
+	require.Error(t, err, "the listener took %d MiB before the client's choice", written>>20)
+	require.NotErrorIs(t, err, os.ErrDeadlineExceeded, "the writes stalled instead of failing")
+	t.Logf("the writes failed after %d MiB", written>>20)
+	require.Less(t, written, total/4, "the listener took %d MiB before it let go of the endpoint", written>>20)
+	select {
+	case <-ep.Done():
+	case <-time.After(handTimeout):
+		t.Fatal("the attacker's endpoint outlived the abort")
+	}
+}

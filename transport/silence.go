@@ -2,6 +2,7 @@ package transport
 
 import (
 	"errors"
+	"fmt"
 	"net"
 	"time"
 
@@ -113,4 +114,75 @@ func abortConn(c net.Conn) {
 		return
 	}
 	_ = c.Close()
+}
+
+// maxEarly bounds what a client may send on its UCX endpoint between the
+// ack and the server's reading of its choice of UCX on the bootstrap
+// connection: an honest client sends there only the start of its session
+// (yamux's first frames, the streams' first bytes, each stream within
+// yamux's initial window of 256 KiB), right after its choice.
+const maxEarly = 4 << 20
+
+// errFloodedEarly refuses a UCX endpoint whose client sent more than
+// maxEarly bytes before its session started.
+var errFloodedEarly = fmt.Errorf("the client sent more than %d bytes on its UCX endpoint before its session started", maxEarly)
+
+// early reads what a client sends on its UCX endpoint between the ack and
+// the session's start, which would otherwise pile up unread (UCX's stream
+// has no flow control): past maxEarly it aborts the endpoint.
+type early struct {
+	c    net.Conn
+	buf  []byte
+	err  error // why the reads ended, unless stop ended them
+	gone chan struct{}
+}
+
+func readEarly(c net.Conn) *early {
+	e := &early{c: c, gone: make(chan struct{})}
+	go func() {
+		defer close(e.gone)
+		var b [64 << 10]byte
+		for {
+			n, err := c.Read(b[:])
+			e.buf = append(e.buf, b[:n]...)
+			if len(e.buf) > maxEarly {
+				e.err = errFloodedEarly
+				abortConn(c)
+				return
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				return // stop's deadline
+			}
+			if err != nil {
+				e.err = err
+				return
+			}
+		}
+	}()
+	return e
+}
+
+// stop ends the reads, leaving c with no read deadline, and returns what
+// they took, which the session reads first, or why c is no longer usable.
+func (e *early) stop() ([]byte, error) {
+	_ = e.c.SetReadDeadline(time.Unix(1, 0))
+	<-e.gone
+	_ = e.c.SetReadDeadline(time.Time{})
+	return e.buf, e.err
+}
+
+// readFirst is a connection whose reads return pre before what c reads.
+type readFirst struct {
+	net.Conn
+	pre []byte
+}
+
+func (c *readFirst) Read(b []byte) (int, error) {
+	if len(c.pre) > 0 {
+		n := copy(b, c.pre)
+		c.pre = c.pre[n:]
+		return n, nil
+	}
+	return c.Conn.Read(b)
 }
