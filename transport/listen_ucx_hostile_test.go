@@ -284,12 +284,7 @@ func TestLaneSlotForgottenWithGRPCStream(t *testing.T) {
 	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP))
 	require.NoError(t, err)
 	defer l.Close()
-	accepted := make(chan net.Conn, 1)
-	go func() {
-		if c, err := l.Accept(); err == nil {
-			accepted <- c
-		}
-	}()
+	accepted := acceptOne(l)
 	_, w, id := handClient(t, l.Addr().String(), ModeTCP, Caps{Lanes: true}, true)
 	require.True(t, w.Caps.Lanes)
 	lane := func(role byte) byte { return tcpLane(t, l.Addr().String(), w.Token, role) }
@@ -417,34 +412,10 @@ func TestUCXEndpointSpeakingEarlyAborted(t *testing.T) {
 			handClient(t, l.Addr().String(), ModeUCX, Caps{UCX: true}, true) // holds the UCX listener open
 			require.Eventually(t, l.expectsUCX, handTimeout, time.Millisecond)
 
-			aw, err := rc.NewWorker() // the attacker's own worker: no in-process pairing
-			require.NoError(t, err)
-			defer aw.Close()
-			ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
-			defer cancel()
-			ep, err := aw.Dial(ctx, l.UCXAddr().String())
-			require.NoError(t, err)
-			defer ep.Close()
+			ep := attackerEndpoint(t, rc, l)
 			_, err = ep.Write(tc.first(w.Token))
 			require.NoError(t, err)
-			chunk := make([]byte, 1<<20)
-			const total = 1 << 30
-			require.NoError(t, ep.SetWriteDeadline(time.Now().Add(30*time.Second)))
-			written := 0
-			for written < total && err == nil {
-				var n int
-				n, err = ep.Write(chunk)
-				written += n
-			}
-			require.Error(t, err, "the listener took %d MiB from a client that never proved its id", written>>20)
-			require.NotErrorIs(t, err, os.ErrDeadlineExceeded, "the writes stalled instead of failing")
-			t.Logf("the writes failed after %d MiB", written>>20)
-			require.Less(t, written, total/4, "the listener took %d MiB before it let go of the endpoint", written>>20)
-			select {
-			case <-ep.Done():
-			case <-time.After(handTimeout):
-				t.Fatal("the attacker's endpoint outlived the abort")
-			}
+			floodAborted(t, ep)
 		})
 	}
 }
@@ -521,14 +492,7 @@ func TestUCXEndpointFloodAfterAck(t *testing.T) {
 	_, w, _ := handClient(t, l.Addr().String(), ModeUCX, Caps{UCX: true}, true) // never sends its choice
 	require.Eventually(t, l.expectsUCX, handTimeout, time.Millisecond)
 
-	aw, err := rc.NewWorker() // the attacker's own worker: no in-process pairing
-	require.NoError(t, err)
-	defer aw.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
-	defer cancel()
-	ep, err := aw.Dial(ctx, l.UCXAddr().String())
-	require.NoError(t, err)
-	defer ep.Close()
+	ep := attackerEndpoint(t, rc, l)
 	_, err = ep.Write(append([]byte(upgradeMagic), w.Token[:]...))
 	require.NoError(t, err)
 	var ack [1]byte
@@ -537,16 +501,40 @@ func TestUCXEndpointFloodAfterAck(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, byte(upgradeAckOK), ack[0])
 
+	floodAborted(t, ep)
+}
+
+// attackerEndpoint dials l's UCX listener from a worker of rc of its own (no
+// in-process pairing with the listener's endpoint); both end with the test.
+func attackerEndpoint(t *testing.T, rc *rdma.Context, l *Listener) *rdma.Endpoint {
+	t.Helper()
+	aw, err := rc.NewWorker()
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = aw.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+	defer cancel()
+	ep, err := aw.Dial(ctx, l.UCXAddr().String())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ep.Close() })
+	return ep
+}
+
+// floodAborted writes up to 1 GiB on ep, which the listener must abort
+// well before: the writes fail (not stall) within a quarter of it, and ep
+// ends.
+func floodAborted(t *testing.T, ep *rdma.Endpoint) {
+	t.Helper()
 	chunk := make([]byte, 1<<20)
 	const total = 1 << 30
 	require.NoError(t, ep.SetWriteDeadline(time.Now().Add(30*time.Second)))
 	written := 0
+	var err error
 	for written < total && err == nil {
 		var n int
 		n, err = ep.Write(chunk)
 		written += n
 	}
-	require.Error(t, err, "the listener took %d MiB before the client's choice", written>>20)
+	require.Error(t, err, "the listener took %d MiB", written>>20)
 	require.NotErrorIs(t, err, os.ErrDeadlineExceeded, "the writes stalled instead of failing")
 	t.Logf("the writes failed after %d MiB", written>>20)
 	require.Less(t, written, total/4, "the listener took %d MiB before it let go of the endpoint", written>>20)

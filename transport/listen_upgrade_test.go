@@ -158,12 +158,7 @@ func TestLaneWithoutEngine(t *testing.T) {
 			l, err := Listen("127.0.0.1:0", opts...)
 			require.NoError(t, err)
 			defer l.Close()
-			accepted := make(chan net.Conn, 1)
-			go func() {
-				if c, err := l.Accept(); err == nil {
-					accepted <- c
-				}
-			}()
+			accepted := acceptOne(l)
 			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 			defer cancel()
 			s, err := Dial(ctx, l.Addr().String(), opts...)
@@ -191,4 +186,15 @@ func TestLaneWithoutEngine(t *testing.T) {
 			require.ErrorIs(t, server.Err(), errLaneNoEngine)
 		})
 	}
+}
+
+// acceptOne accepts l's next conn, if one comes, into the channel it returns.
+func acceptOne(l *Listener) <-chan net.Conn {
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		if c, err := l.Accept(); err == nil {
+			accepted <- c
+		}
+	}()
+	return accepted
 }
