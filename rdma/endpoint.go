@@ -40,6 +40,7 @@ type Endpoint struct {
 	rcond    sync.Cond
 	stalled  bool // draining stopped: the ring is full
 	cut      bool // the peer closed with more unread than drainMax: the rest was dropped
+	finished bool // the peer's FIN came: what it sends after is dropped, never read
 	drainReq bool // a drain is queued
 	term     error
 	eof      bool      // term: the peer closed; Read returns io.EOF
@@ -168,16 +169,14 @@ func (e *Endpoint) peerFinished() {
 	e.drain(true)
 	e.mu.Lock()
 	cut := e.cut
+	e.finished = true // Reads end where the FIN came (io.EOF), whatever follows it
 	e.mu.Unlock()
 	if cut {
 		e.setTerm(errUnreadCut, false, true)
 	} else {
 		e.setTerm(errPeerClosed, true, true)
 	}
-	w := e.w
-	e.issue(func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
-		return C.rdma_ep_fin(w.cw, ce, 1, id, req)
-	}, func(int) {})
+	e.issueFIN(true, func(int) {})
 }
 
 func (e *Endpoint) termErr() error {
@@ -334,9 +333,6 @@ func (e *Endpoint) closeUCP(graceful bool) {
 	flush := func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
 		return C.rdma_ep_flush(w.cw, ce, id, req)
 	}
-	fin := func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
-		return C.rdma_ep_fin(w.cw, ce, 0, id, req)
-	}
 	then := func(next func()) func(int) {
 		return func(st int) {
 			if st != statusOK {
@@ -347,8 +343,20 @@ func (e *Endpoint) closeUCP(graceful bool) {
 		}
 	}
 	e.issue(flush, then(func() {
-		e.issue(fin, then(func() {}))
+		e.issueFIN(false, then(func() {}))
 	}))
+}
+
+// issueFIN sends the peer a FIN, or with ack the FIN-ACK that answers one
+// (worker lock held).
+func (e *Endpoint) issueFIN(ack bool, done func(int)) {
+	w, a := e.w, C.int(0)
+	if ack {
+		a = 1
+	}
+	e.issue(func(ce *C.rdma_ep_t, id C.uint64_t, req *unsafe.Pointer) C.int {
+		return C.rdma_ep_fin(w.cw, ce, a, id, req)
+	}, done)
 }
 
 // forceClose releases the UCX endpoint (worker lock held); UCX completes its

@@ -49,9 +49,9 @@ func (e *Endpoint) drain(all bool) {
 	for {
 		e.mu.Lock()
 		e.drainReq = false
-		if e.local || e.cut {
-			// Closed here, or cut: what the reader gets ends where the
-			// cut was made.
+		if e.local || e.cut || e.finished {
+			// Closed here, cut, or finished by the peer: what the reader
+			// gets ends where the close, the cut or the FIN was made.
 			e.mu.Unlock()
 			return
 		}

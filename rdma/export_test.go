@@ -2,7 +2,10 @@
 
 package rdma
 
-import "time"
+import (
+	"fmt"
+	"time"
+)
 
 // Paired reports whether the endpoint's peer endpoint is on its worker.
 func (e *Endpoint) Paired() (p bool) {
@@ -87,3 +90,23 @@ var ErrUnreadCut = errUnreadCut
 
 // OnWorker reports whether the endpoint is on w.
 func (e *Endpoint) OnWorker(w *Worker) bool { return e.w == w }
+
+// SendFIN sends the peer the FIN that a graceful close sends, without
+// closing e: a peer that announces its close and goes on sending.
+func (e *Endpoint) SendFIN() error {
+	res := make(chan int, 1)
+	if err := e.w.submit(func() { e.issueFIN(false, func(st int) { res <- st }) }); err != nil {
+		return err
+	}
+	if st := <-res; st != statusOK {
+		return fmt.Errorf("rdma: FIN: status %d", st)
+	}
+	return nil
+}
+
+// Buffered is how many received bytes e holds for its Reads.
+func (e *Endpoint) Buffered() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.n
+}
