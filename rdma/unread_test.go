@@ -58,3 +58,35 @@ func TestPeerCloseDrainBounded(t *testing.T) {
 		}
 	}
 }
+
+// TestNoDataAfterFIN: a peer that announced its close (FIN) and goes on
+// sending gets none of it read: the reads end at the FIN with io.EOF, as a
+// net.Conn's must, and what follows is not kept.
+func TestNoDataAfterFIN(t *testing.T) {
+	for _, tr := range transports {
+		t.Run(tr.name, func(t *testing.T) {
+			c := newContext(t, tr.tls)
+			client, server := pair(t, c)
+			_, err := server.Write([]byte("before"))
+			require.NoError(t, err)
+			require.NoError(t, server.SendFIN())
+			got, err := io.ReadAll(client)
+			require.NoError(t, err) // ReadAll stops at io.EOF
+			require.Equal(t, "before", string(got))
+
+			_, err = server.Write([]byte("late bytes"))
+			require.NoError(t, err)
+			require.NoError(t, server.Flush(testCtx(t)))
+			// A round of the client's worker after the bytes reached it:
+			// its progress handles their arrival before the round's end.
+			round := make(chan struct{})
+			w := c.Worker()
+			require.NoError(t, w.Submit(func() { w.Later(func() { close(round) }) }))
+			<-round
+			require.Zero(t, client.Buffered(), "bytes kept from after the FIN")
+			n, err := client.Read(make([]byte, 64))
+			require.Equal(t, 0, n)
+			require.ErrorIs(t, err, io.EOF)
+		})
+	}
+}
