@@ -1325,8 +1325,7 @@ func (p *peerSpace) eventFor(s *transport.Session, off, gen uint64, dev int, src
 
 // eventForLocked picks the event to mark the next copy: the first free
 // one, or, when every event marks a range still held, the next in turn,
-// shared. A
-// shared event is sound because all the copies of a space queue on its one
+// shared. A shared event is sound because all the copies of a space queue on its one
 // stream, in order: recorded after a later copy, an event completes only
 // once every earlier copy has, so a receiver waiting on it for an earlier
 // one waits longer, never too little. Longer is until the later copy ends:

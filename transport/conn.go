@@ -247,8 +247,9 @@ func SessionOf(c net.Conn) *Session {
 	return nil
 }
 
-// replayConn is a raw TCP conn whose first bytes were read to tell gdrpc from
-// HTTP/2; it returns them again before reading on.
+// replayConn is a connection whose first bytes were read already (a raw TCP
+// conn's, to tell gdrpc from HTTP/2; a UCX endpoint's, while nothing else
+// read it: readEarly); it returns them again before reading on.
 type replayConn struct {
 	net.Conn
 	mu  sync.Mutex

@@ -671,7 +671,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 			_ = conn.Close() // the bootstrap is done
 			setup.transport, setup.conn, setup.ep, setup.rctx = "ucx", ep, ep, l.rctx
 			if len(pre) > 0 {
-				setup.conn = &readFirst{Conn: ep, pre: pre}
+				setup.conn = &replayConn{Conn: ep, buf: pre}
 			}
 		case decisionTCP:
 			if needUCX {

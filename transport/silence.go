@@ -59,9 +59,7 @@ func (q *silence) stop() bool {
 	if q == nil {
 		return true
 	}
-	_ = q.c.SetReadDeadline(time.Unix(1, 0))
-	<-q.gone
-	_ = q.c.SetReadDeadline(time.Time{})
+	interruptRead(q.c, q.gone)
 	q.stopped = true
 	return q.silent
 }
@@ -166,23 +164,14 @@ func readEarly(c net.Conn) *early {
 // stop ends the reads, leaving c with no read deadline, and returns what
 // they took, which the session reads first, or why c is no longer usable.
 func (e *early) stop() ([]byte, error) {
-	_ = e.c.SetReadDeadline(time.Unix(1, 0))
-	<-e.gone
-	_ = e.c.SetReadDeadline(time.Time{})
+	interruptRead(e.c, e.gone)
 	return e.buf, e.err
 }
 
-// readFirst is a connection whose reads return pre before what c reads.
-type readFirst struct {
-	net.Conn
-	pre []byte
-}
-
-func (c *readFirst) Read(b []byte) (int, error) {
-	if len(c.pre) > 0 {
-		n := copy(b, c.pre)
-		c.pre = c.pre[n:]
-		return n, nil
-	}
-	return c.Conn.Read(b)
+// interruptRead ends the read of c that a goroutine runs until gone closes,
+// by a deadline in the past, and leaves c with no read deadline.
+func interruptRead(c net.Conn, gone <-chan struct{}) {
+	_ = c.SetReadDeadline(time.Unix(1, 0))
+	<-gone
+	_ = c.SetReadDeadline(time.Time{})
 }
