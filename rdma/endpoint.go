@@ -86,7 +86,7 @@ func newEndpoint(w *Worker) *Endpoint {
 func (e *Endpoint) attach(ce *C.rdma_ep_t) {
 	e.ce = ce
 	e.w.eps[e.id] = e
-	e.w.epByH[uintptr(unsafe.Pointer(ce.ep))] = e
+	e.w.epByH[e.handle()] = e
 	live.endpoints.Add(1)
 	if e.w.share != nil {
 		e.w.share.add(e.w)
@@ -94,6 +94,15 @@ func (e *Endpoint) attach(ce *C.rdma_ep_t) {
 	e.w.unpaired++
 	e.queryAddrs()
 	e.pairUp()
+}
+
+// handle is the address of e's UCX endpoint, by which FIN and FIN-ACK events
+// name it (worker lock held; 0 once released).
+func (e *Endpoint) handle() uintptr {
+	if e.ce == nil {
+		return 0
+	}
+	return uintptr(unsafe.Pointer(e.ce.ep))
 }
 
 // issue starts a request on this endpoint (worker lock held); once the UCX
@@ -375,7 +384,13 @@ func (e *Endpoint) forceClose() {
 			k.destroy()
 		}
 		delete(w.eps, e.id)
-		delete(w.epByH, uintptr(unsafe.Pointer(ce.ep)))
+		// UCX frees the endpoint before this completion is handled, and an
+		// endpoint created meanwhile (a connection request handled first)
+		// may have its address: the entry is this endpoint's to delete only
+		// while it names it.
+		if h := e.handle(); w.epByH[h] == e {
+			delete(w.epByH, h)
+		}
 		e.unpair()
 		C.rdma_ep_free(ce)
 		e.ce = nil

@@ -110,3 +110,28 @@ func (e *Endpoint) Buffered() int {
 	defer e.mu.Unlock()
 	return e.n
 }
+
+// Handle is the address of e's UCX endpoint, by which UCX's FIN and FIN-ACK
+// events name it (0 once released).
+func (e *Endpoint) Handle() (h uintptr) {
+	_ = e.w.call(func() { h = e.handle() })
+	return h
+}
+
+// EndpointAt is the endpoint that events naming UCX endpoint h reach.
+func (e *Endpoint) EndpointAt(h uintptr) (owner *Endpoint) {
+	_ = e.w.call(func() { owner = e.w.epByH[h] })
+	return owner
+}
+
+// SetEndpointAt makes events naming UCX endpoint h reach owner (nil: none),
+// as UCX giving a released endpoint's address to a new one does.
+func (e *Endpoint) SetEndpointAt(h uintptr, owner *Endpoint) {
+	_ = e.w.call(func() {
+		if owner == nil {
+			delete(e.w.epByH, h)
+			return
+		}
+		e.w.epByH[h] = owner
+	})
+}

@@ -90,3 +90,23 @@ func TestNoDataAfterFIN(t *testing.T) {
 		})
 	}
 }
+
+// UCX gives a released endpoint's address to the next endpoint it creates,
+// possibly before the first one's close completion is handled: that
+// completion leaves the FIN and FIN-ACK events naming the address to the
+// new endpoint, whose peer's close would otherwise never reach it.
+func TestClosedEndpointLeavesReusedHandle(t *testing.T) {
+	c := newContext(t, "tcp")
+	w := c.Worker()
+	old, _ := pairOn(t, w, newWorker(t, c))
+	newer, _ := pairOn(t, w, newWorker(t, c))
+	h := old.Handle()
+	require.NotZero(t, h)
+	require.True(t, old.EndpointAt(h) == old, "events naming the endpoint reach another")
+	newer.SetEndpointAt(h, newer)
+	t.Cleanup(func() { newer.SetEndpointAt(h, nil) })
+	require.NoError(t, old.Close())
+	<-old.Done()
+	require.Zero(t, old.Handle(), "the UCX endpoint was not released")
+	require.True(t, newer.EndpointAt(h) == newer, "the closed endpoint took the entry of the one now at its address")
+}
