@@ -3,6 +3,7 @@ package devicebuf
 import (
 	"fmt"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"github.com/gdrpc/gdrpc/devicebuf/internal/driver"
@@ -61,6 +62,7 @@ type allocation struct {
 	export  atomic.Pointer[exportEntry] // the IPC handle exported for this allocation
 	freed   bool                        // set under exports' lock once export was set and the memory went
 	arrival atomic.Pointer[Event]       // while not nil, the bytes are in place once it completes (WrapArriving)
+	within  time.Duration               // how long a wait for arrival may take (0: no bound)
 	// uncounted: the live counters leave out its handles (HostView).
 	uncounted bool
 }

@@ -252,30 +252,63 @@ func (s *Stream) settle(ev *Event) error {
 // WrapArriving is Wrap for CUDA memory whose bytes are still arriving: they are in place once
 // arrival completes. The Buffer reports Pending until a wait; Copy and CopyAsync wait for it
 // themselves, and code that reads the memory any other way (kernels of the application)
-// must Wait or WaitOn first. arrival must outlive the Buffer.
-func WrapArriving(ptr uintptr, n int, device int, release func(), arrival *Event) *Buffer {
+// must Wait, Await or WaitOn first. A wait gives up with an error wrapping ErrNotArrived once
+// it took within (0: no bound): arrival may be another process's event, recorded behind work
+// that never ends. arrival must outlive the Buffer.
+func WrapArriving(ptr uintptr, n int, device int, release func(), arrival *Event, within time.Duration) *Buffer {
 	b := Wrap(ptr, n, CUDA, device, release)
 	if arrival != nil {
+		b.a.within = within
 		b.a.arrival.Store(arrival)
 	}
 	return b
 }
+
+// ErrNotArrived: a Pending buffer's bytes did not arrive within the bound WrapArriving gave.
+var ErrNotArrived = errors.New("devicebuf: the buffer's bytes did not arrive in time")
 
 // Pending reports whether the buffer's bytes may still be arriving (WrapArriving): nothing
 // may read them before Wait or, on a stream, before work queued after WaitOn.
 func (b *Buffer) Pending() bool { return b.a.arrival.Load() != nil }
 
 // Wait returns once the buffer's bytes are in place (at once for a buffer that is not
-// Pending).
-func (b *Buffer) Wait() error {
+// Pending), or with an error wrapping ErrNotArrived once WrapArriving's bound passed.
+func (b *Buffer) Wait() error { return b.Await(context.Background()) }
+
+// Await is Wait bounded by ctx too: it returns an error wrapping ctx's once ctx ends first.
+func (b *Buffer) Await(ctx context.Context) error {
 	ev := b.a.arrival.Load()
 	if ev == nil {
 		return nil
 	}
-	if err := ev.Synchronize(); err != nil {
-		return err
+	if done, err := ev.Query(); err != nil || !done {
+		if err != nil {
+			return err
+		}
+		if err := b.awaitArrival(ctx, ev); err != nil {
+			return err
+		}
 	}
 	b.a.arrival.CompareAndSwap(ev, nil)
+	return nil
+}
+
+// awaitArrival waits for ev, the arrival of b's bytes, within ctx and b's bound.
+func (b *Buffer) awaitArrival(ctx context.Context, ev *Event) error {
+	if b.a.within <= 0 && ctx.Done() == nil {
+		return ev.Synchronize()
+	}
+	if b.a.within > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeoutCause(ctx, b.a.within, fmt.Errorf("%w within %v", ErrNotArrived, b.a.within))
+		defer cancel()
+	}
+	if err := ev.Await(ctx); err != nil {
+		if cause := context.Cause(ctx); errors.Is(cause, ErrNotArrived) {
+			return cause
+		}
+		return err
+	}
 	return nil
 }
 

@@ -38,7 +38,7 @@ func TestIPCEventArrival(t *testing.T) {
 		dst = cudaKind(0).alloc(t, n)
 		require.NoError(t, devicebuf.CopyAsync(sender, dst, src))
 		require.NoError(t, sender.Record(sendEvent))
-		b = devicebuf.WrapArriving(dst.Ptr(), n, 0, nil, recvEvent)
+		b = devicebuf.WrapArriving(dst.Ptr(), n, 0, nil, recvEvent, 0)
 		t.Cleanup(func() {
 			require.NoError(t, b.Release())
 			require.NoError(t, dst.Release())

@@ -74,7 +74,7 @@ func TestGPUAdoptedStream(t *testing.T) {
 	if err := sender.Record(recv); err != nil { // in one process the sender records the event itself
 		t.Fatal(err)
 	}
-	b := WrapArriving(dst.Ptr(), n, 0, nil, recv)
+	b := WrapArriving(dst.Ptr(), n, 0, nil, recv, 0)
 	defer b.Release()
 	app, err := AdoptStream(0, uintptr(raw))
 	if err != nil {

@@ -188,3 +188,58 @@ func TestCopyQueueBackToBack(t *testing.T) {
 	r.check(0, first)
 	r.check(1, second)
 }
+
+// A source whose bytes are still arriving (a payload received stream-ordered
+// and sent on) is waited for within its bound before its copy is queued: the
+// space's stream never waits on another process's event, so a copy of a
+// source that never arrives fails, and neither the space's later copies nor
+// its close wait for that source.
+func TestCopyQueueSourceNeverArrives(t *testing.T) {
+	r := newCopyQueueRig(t, 2)
+	other, err := devicebuf.NewCopyStream(0)
+	require.NoError(t, err)
+	unhang, err := r.g.Hang(other.Handle())
+	require.NoError(t, err)
+	defer unhang()
+	arrival, _, err := devicebuf.NewIPCEvent(0)
+	require.NoError(t, err)
+	require.NoError(t, other.Record(arrival))
+	mem, err := r.gpu.Alloc(rangeLen)
+	require.NoError(t, err)
+	src := devicebuf.WrapArriving(mem.Ptr(), rangeLen, 0, func() { mem.Release() }, arrival, 50*time.Millisecond)
+	ev, _, err := devicebuf.NewIPCEvent(0)
+	require.NoError(t, err)
+	require.ErrorIs(t, r.q.copyInto(r.mapping, &rtr{IPCOffset: 0, Length: rangeLen}, src, ev), devicebuf.ErrNotArrived)
+	require.NoError(t, src.Release())
+
+	// The next copy, into the other range, goes through.
+	want := rangePattern(1)
+	next := devicebuf.HostFromBytes(want)
+	defer next.Release()
+	gsrc, err := r.gpu.Alloc(rangeLen)
+	require.NoError(t, err)
+	require.NoError(t, devicebuf.Copy(gsrc, next))
+	require.NoError(t, r.q.copyInto(r.mapping, &rtr{IPCOffset: rangeLen, Length: rangeLen}, gsrc, ev))
+	require.NoError(t, gsrc.Release())
+	require.NoError(t, ev.Synchronize())
+	got := make([]byte, rangeLen)
+	view, err := r.mapping.Slice(rangeLen, rangeLen)
+	require.NoError(t, err)
+	hostGot := devicebuf.HostFromBytes(got)
+	require.NoError(t, devicebuf.Copy(hostGot, view))
+	require.NoError(t, hostGot.Release())
+	require.NoError(t, view.Release())
+	require.True(t, bytes.Equal(want, got), "the next copy's bytes")
+
+	closed := make(chan struct{})
+	go func() { r.close(); close(closed) }()
+	select {
+	case <-closed:
+	case <-time.After(time.Minute):
+		t.Fatal("the queue's close waits for a source that never arrives")
+	}
+	unhang()
+	require.NoError(t, other.Close())
+	require.NoError(t, ev.Close())
+	require.NoError(t, arrival.Close())
+}

@@ -575,7 +575,11 @@ func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, erro
 	defer b.Release()
 	if b != dst {
 		// The payload was in this process's receive space already: copy it
-		// into dst; the release gives the range back.
+		// into dst once it is there (stream-ordered, it may still be
+		// arriving); the release gives the range back.
+		if err := b.Await(ctx); err != nil {
+			return path, &TransferError{Token: d.Token, Err: fmt.Errorf("the payload's arrival in receive space: %w", err)}
+		}
 		if err := devicebuf.Copy(dst, b); err != nil {
 			return path, &TransferError{Token: d.Token, Err: fmt.Errorf("copy from receive space: %w", err)}
 		}
@@ -901,6 +905,11 @@ func copyFromSource(dst *devicebuf.Buffer, src Source, stream *devicebuf.Stream)
 	}
 	if stream == nil {
 		return devicebuf.Copy(dst, b)
+	}
+	// A source still arriving is waited for within its bound, not by the
+	// stream: that is a receive space's, shared by its copies (copyQueue).
+	if err := b.Wait(); err != nil {
+		return err
 	}
 	if err := devicebuf.CopyAsync(stream, dst, b); err != nil {
 		return err

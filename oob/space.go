@@ -643,7 +643,7 @@ func fetchLanded(ctx context.Context, d Descriptor, call *Call) (*devicebuf.Buff
 		// A client's option: a server's request is in place before its
 		// handler runs, so a client's call never returns while its request's
 		// copy still runs (unless the server never took it).
-		return devicebuf.WrapArriving(ptr, int(n), sp.region.Device(), release, ev), sp, nil
+		return devicebuf.WrapArriving(ptr, int(n), sp.region.Device(), release, ev, cfgOf(sp.s).Timeout), sp, nil
 	}
 	if err := awaitOwner(ctx, ev, cfgOf(sp.s).Timeout); err != nil {
 		release()
@@ -1456,6 +1456,13 @@ func (q *copyQueue) copyInto(mapping *devicebuf.Buffer, m *rtr, src *devicebuf.B
 	}
 	defer dst.Release()
 	defer trace.StartRegion(context.Background(), "gdrpc.ipc-copy-queue").End()
+	// A source still arriving (received stream-ordered, sent on) is waited
+	// for here, within its bound: the stream is the space's, and a wait on
+	// another process's event there would hold up every copy into the space
+	// and its close for as long as that process's work runs.
+	if err := src.Wait(); err != nil {
+		return err
+	}
 	if err := devicebuf.CopyAsync(q.stream, dst, src); err != nil {
 		return err
 	}

@@ -278,6 +278,74 @@ func TestFetchLandedBoundsOwnersCopy(t *testing.T) {
 	require.NoError(t, owner.Close())
 }
 
+// Stream-ordered, a payload in receive space is handed out before the
+// owner's copy into it ended, but every wait for that copy is bounded as the
+// default's is: by the transfer timeout, and by the caller's context where
+// there is one. Fetch, which copies the payload into the caller's buffer,
+// gives up with an error and gives the range back when the owner's copy
+// never ends (its event recorded behind work that does not).
+func TestFetchStreamOrderedBoundsOwnersCopy(t *testing.T) {
+	g := devicebuftest.Install(t, 1)
+	setTransferConfig(t, TransferConfig{Timeout: 50 * time.Millisecond, StreamOrdered: true})
+	cs, _ := tcpPair(t)
+	require.True(t, cs.IsClient(), "stream-ordered payloads are a client's")
+	gpu, err := devicebuf.NewCUDAAllocator(0)
+	require.NoError(t, err)
+	region, err := gpu.Alloc(64 << 10)
+	require.NoError(t, err)
+	sp := makeSpace(19, cs, region, PathCUDAIPC)
+	ev, _, err := devicebuf.NewIPCEvent(0)
+	require.NoError(t, err)
+	sp.events = []*devicebuf.Event{ev}
+	spaces.Store(sp.id, sp)
+	t.Cleanup(func() { spaces.Delete(sp.id) })
+	d := Descriptor{Owner: cs.Peer().ID, Token: Token{1}, Length: 4096, Kind: devicebuf.CUDA, Device: 0,
+		Space: sp.id, SpacePath: PathCUDAIPC, SpaceEvent: 1}
+	owner, err := devicebuf.NewCopyStream(0)
+	require.NoError(t, err)
+	unhang, err := g.Hang(owner.Handle())
+	require.NoError(t, err)
+	defer unhang()
+	require.NoError(t, owner.Record(ev))
+	dst, err := gpu.Alloc(4096)
+	require.NoError(t, err)
+	defer dst.Release()
+	inUse := func() int {
+		sp.mu.Lock()
+		defer sp.mu.Unlock()
+		return len(sp.inUse)
+	}
+
+	start := time.Now()
+	_, err = Fetch(context.Background(), d, dst)
+	require.ErrorIs(t, err, devicebuf.ErrNotArrived, "the transfer timeout")
+	require.Less(t, time.Since(start), 10*time.Second)
+	require.Zero(t, inUse(), "the range went back")
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err = Fetch(ctx, d, dst)
+	require.ErrorIs(t, err, context.Canceled, "the caller's context")
+	require.Zero(t, inUse(), "the range went back")
+
+	// The buffer itself, handed out Pending: its waits end the same way.
+	b, _, err := fetchLanded(context.Background(), d, nil)
+	require.NoError(t, err)
+	require.True(t, b.Pending())
+	require.ErrorIs(t, b.Wait(), devicebuf.ErrNotArrived)
+	require.ErrorIs(t, devicebuf.Copy(dst, b), devicebuf.ErrNotArrived)
+	require.ErrorIs(t, b.Await(ctx), context.Canceled)
+	require.True(t, b.Pending(), "a wait that gave up leaves the buffer Pending")
+	unhang()
+	require.NoError(t, owner.Synchronize())
+	require.NoError(t, b.Wait())
+	require.False(t, b.Pending())
+	markClosed(sp) // the release sends no SPACE-FREE, and frees the region and its event
+	require.NoError(t, b.Release())
+	require.NoError(t, cs.Close())
+	require.Eventually(t, region.Released, 10*time.Second, time.Millisecond, "the region freed once the session was released")
+	require.NoError(t, owner.Close())
+}
+
 // A descriptor naming advertised space gets an error for every range the
 // receiver cannot vouch for, and the space is left as it was.
 func TestFetchLandedRefusesBadRanges(t *testing.T) {
