@@ -1198,7 +1198,7 @@ func (serverStats) HandleConn(context.Context, stats.ConnStats)                 
 // reads the request: gRPC takes one tap handle per server, so a server that
 // wants this installs it with grpc.InTapHandle, or calls it from its own.
 func TapHandle(ctx context.Context, info *tap.Info) (context.Context, error) {
-	return ctx, refusalOf(ctx, slices.ContainsFunc(info.Header.Get("content-type"), isGDRContentType))
+	return ctx, refusalOf(ctx, usesGDR(info.Header.Get("content-type")))
 }
 
 // refusal reports whether the call of ctx, a server's, uses the gdr codec,
@@ -1208,7 +1208,7 @@ func TapHandle(ctx context.Context, info *tap.Info) (context.Context, error) {
 // until its lease ends. It reads the call's content type alone: the whole
 // incoming metadata would be copied on every call.
 func refusal(ctx context.Context) (gdr bool, err error) {
-	gdr = slices.ContainsFunc(metadata.ValueFromIncomingContext(ctx, "content-type"), isGDRContentType)
+	gdr = usesGDR(metadata.ValueFromIncomingContext(ctx, "content-type"))
 	return gdr, refusalOf(ctx, gdr)
 }
 
@@ -1222,6 +1222,17 @@ func refusalOf(ctx context.Context, gdr bool) error {
 		return status.Errorf(codes.FailedPrecondition, "gdrpc: this server cannot serve %q calls: gdrcodec.Register was not called at start-up", Name)
 	}
 	return sessionRefusal(ctx)
+}
+
+// usesGDR reports whether a gRPC server decodes a call whose content-type
+// headers are cts with the gdr codec. gRPC keeps the valid ones alone in
+// the call's metadata and takes the last of them, so a gdr header followed
+// by a plain one makes a call of the proto codec: one that took the gdr
+// header for the call's would bind its response to a destination that
+// codec's marshal never takes, and a peer could leave such bindings, each
+// holding a message and its call's context, until their lease.
+func usesGDR(cts []string) bool {
+	return len(cts) > 0 && isGDRContentType(cts[len(cts)-1])
 }
 
 // isGDRContentType reports whether a gRPC server picks the gdr codec for a
