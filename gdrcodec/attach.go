@@ -61,9 +61,14 @@ func attachmentOf(db *gdrv1.DeviceBuffer) *attachment {
 // bytes travel with it (out-of-band with the gdr codec, inline otherwise).
 // Attach takes its own reference to b, which db holds until ReleaseAll or
 // Detach; the caller keeps theirs. A buffer attached before is released. db's
-// length and kind are set from b. b's contents must not change until the
-// call that sends it ended: its receiver may pull the payload after Send
-// returned, and again where gRPC replays the message.
+// length and kind are set from b. b's contents must not change while its
+// receiver may still pull them: after Send returned, again where gRPC
+// replays the message, and, for a server's response, after the server's
+// call ended (the client pulls once the response reached it). gdrpc holds a
+// reference of its own until then: a buffer of a pool goes back to the pool
+// only once that reference is released too, so a server that writes each
+// response into a buffer it allocates for it, and keeps no reference of its
+// own to write into later, never changes a payload still to be pulled.
 func Attach(db *gdrv1.DeviceBuffer, b *devicebuf.Buffer) {
 	b.Retain()
 	setAttachment(db, b)
