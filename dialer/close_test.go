@@ -2,7 +2,9 @@ package dialer_test
 
 import (
 	"context"
+	"errors"
 	"log/slog"
+	"net"
 	"strings"
 	"sync"
 	"testing"
@@ -134,6 +136,60 @@ func TestDialerShutdownCuts(t *testing.T) {
 			require.NoError(t, d.Close())
 			_, err = d.DialContext(t.Context(), addr)
 			require.ErrorContains(t, err, "dialer closed")
+		})
+	}
+}
+
+// Close and Shutdown cancel a dial under way rather than wait for it: to a
+// server that accepts the TCP connection and never answers, the dial would
+// take its whole handshake timeout (a minute here). Both return at once; the
+// dial fails with an error wrapping net.ErrClosed, and leaves no session.
+func TestDialerCloseCancelsDials(t *testing.T) {
+	for _, shutdown := range []bool{false, true} {
+		t.Run(map[bool]string{false: "Close", true: "Shutdown"}[shutdown], func(t *testing.T) {
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			require.NoError(t, err)
+			accepted := make(chan net.Conn, 1)
+			go func() {
+				if c, err := ln.Accept(); err == nil {
+					accepted <- c
+				}
+			}()
+			t.Cleanup(func() { ln.Close() })
+			sessions := transport.ReadStats().Sessions
+			d := dialer.New(gdrpc.WithTransport(transport.ModeTCP),
+				gdrpc.WithSessionOptions(transport.WithHandshakeTimeout(time.Minute)))
+			dialed := make(chan error, 1)
+			go func() {
+				c, err := d.DialContext(context.Background(), ln.Addr().String())
+				if c != nil {
+					c.Close()
+				}
+				dialed <- err
+			}()
+			var c net.Conn
+			select {
+			case c = <-accepted: // the dial waits for the server's answer
+			case <-time.After(testTimeout):
+				t.Fatal("the dial never connected")
+			}
+			defer c.Close()
+			start := time.Now()
+			if shutdown {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+				defer cancel()
+				require.NoError(t, d.Shutdown(ctx))
+			} else {
+				require.NoError(t, d.Close())
+			}
+			require.Less(t, time.Since(start), 10*time.Second, "closing waited for the dial")
+			select {
+			case err := <-dialed:
+				require.True(t, errors.Is(err, net.ErrClosed), "the dial's error: %v", err)
+			default:
+				t.Fatal("the dial was still under way when closing returned")
+			}
+			require.Equal(t, sessions, transport.ReadStats().Sessions, "sessions left")
 		})
 	}
 }

@@ -22,9 +22,13 @@ type Dialer struct {
 	mu sync.Mutex
 	// sessions are those it made, with their conns, until Close; released
 	// ones are pruned at each dial.
-	sessions  map[*transport.Session]net.Conn
-	closed    bool
-	dialing   sync.WaitGroup // dials under way, which Close waits for
+	sessions map[*transport.Session]net.Conn
+	closed   bool
+	dialing  sync.WaitGroup // dials under way, which Close cancels and waits for
+	// stop, made at the first dial (d.mu held) and cancelled by Close, is
+	// what the dials under way are cancelled by.
+	stop      context.Context
+	stopDials context.CancelFunc
 	closeOnce sync.Once
 	// ended is closed once the sessions are; cut, by a Shutdown whose
 	// context ended, to close them without waiting for their linger.
@@ -49,10 +53,20 @@ func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error)
 		return nil, errClosed
 	}
 	d.dialing.Add(1) // before Close's Wait: Close sets closed first
+	if d.stop == nil {
+		d.stop, d.stopDials = context.WithCancel(context.Background())
+	}
+	stop := d.stop
 	d.mu.Unlock()
 	defer d.dialing.Done()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	defer context.AfterFunc(stop, cancel)()
 	c, err := transport.DialConn(ctx, addr, d.opts...)
 	if err != nil {
+		if stop.Err() != nil {
+			return nil, fmt.Errorf("%w (the dial under way: %w)", errClosed, err)
+		}
 		return nil, err
 	}
 	s := transport.SessionOf(c)
@@ -83,8 +97,8 @@ var errClosed = fmt.Errorf("gdrpc: dialer closed: %w", net.ErrClosed)
 
 // Close closes the connections of the Dialer's sessions that gRPC has not
 // closed yet, and returns once every session it made is closed and its
-// goroutines ended; later dials fail, and a dial under way (within its
-// handshake timeout) closes what it made before Close returns. gRPC's
+// goroutines ended; later dials fail, and a dial under way is cancelled
+// and closes what it made before Close returns. gRPC's
 // ClientConn.Close does not wait for its connection to close: a client
 // process that exits right after it cuts its sessions short (a UCX session's
 // server then sees its peer lost rather than closed). Closing the
@@ -100,11 +114,14 @@ func (d *Dialer) Close() error { return d.Shutdown(context.Background()) }
 // and Shutdown returns ctx's error once they are closed (a UCX endpoint
 // whose peer does not answer takes up to 2 s). A Close or Shutdown called
 // meanwhile returns with the first, or at its own context's end, which
-// cuts the sessions short for both. Dials under way are waited for (each
-// within its handshake timeout).
+// cuts the sessions short for both. Dials under way are cancelled (they
+// fail with an error wrapping net.ErrClosed) and waited for.
 func (d *Dialer) Shutdown(ctx context.Context) error {
 	d.mu.Lock()
 	d.closed = true
+	if d.stopDials != nil {
+		d.stopDials()
+	}
 	ended, cut := d.endsLocked()
 	d.mu.Unlock()
 	d.closeOnce.Do(func() { go d.closeAll(ended, cut) })
