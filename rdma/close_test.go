@@ -262,3 +262,19 @@ func TestDefaultContext(t *testing.T) {
 // promptBound is how long a failing Dial may take: well under the contexts
 // the tests give it, with room for a loaded CI machine.
 const promptBound = 12 * time.Second
+
+// No IPv6 address reaches UCX (ErrIPv6): listening or dialing on one fails
+// before UCX is called; a name is taken by its IPv4 address.
+func TestIPv6Refused(t *testing.T) {
+	c := newContext(t, "tcp")
+	for _, addr := range []string{"[::1]:0", "[::]:0", "[fe80::1%lo]:0"} {
+		_, err := c.Worker().Listen(addr)
+		require.ErrorIs(t, err, rdma.ErrIPv6, addr)
+		_, err = c.Worker().Dial(testCtx(t), strings.Replace(addr, ":0", ":1", 1))
+		require.ErrorIs(t, err, rdma.ErrIPv6, addr)
+	}
+	l, err := c.Worker().Listen("localhost:0")
+	require.NoError(t, err)
+	require.True(t, l.Addr().(*rdma.Addr).IP.To4() != nil, "listening on %v", l.Addr())
+	require.NoError(t, l.Close())
+}

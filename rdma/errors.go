@@ -13,6 +13,13 @@ import (
 // (for example register CUDA memory). It is wrapped with the reason.
 var ErrNotSupported = errors.New("rdma: not supported")
 
+// ErrIPv6 reports an IPv6 address given to Listen or Dial. UCX's sockaddr
+// connections are made over IPv4 alone: with Debian's UCX 1.13 an endpoint
+// over IPv6 loopback was rejected by its peer and the process's heap was
+// found corrupted when its worker was destroyed (glibc aborted), so no IPv6
+// address reaches UCX.
+var ErrIPv6 = errors.New("rdma: IPv6 addresses are not supported (UCX endpoints are made over IPv4)")
+
 // ErrRejected reports a connection request the listener turned away
 // (UCS_ERR_REJECTED): a dial returns it wrapped.
 var ErrRejected = errors.New("rdma: connection rejected by the listener")

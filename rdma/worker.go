@@ -15,6 +15,7 @@ import (
 	"net/netip"
 	"os"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -787,9 +788,14 @@ func (w *Worker) Listen(addr string) (*Listener, error) {
 	return l, nil
 }
 
+// resolve returns addr's IPv4 address and port: a name is looked up and its
+// first IPv4 address taken; an IPv6 address gets ErrIPv6.
 func resolve(ctx context.Context, addr string) (netip.AddrPort, error) {
 	if ap, err := netip.ParseAddrPort(addr); err == nil {
-		return netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port()), nil
+		if ip := ap.Addr().Unmap(); ip.Is4() {
+			return netip.AddrPortFrom(ip, ap.Port()), nil
+		}
+		return netip.AddrPort{}, ErrIPv6
 	}
 	host, port, err := net.SplitHostPort(addr)
 	if err != nil {
@@ -802,12 +808,15 @@ func resolve(ctx context.Context, addr string) (netip.AddrPort, error) {
 	if host == "" {
 		return netip.AddrPortFrom(netip.IPv4Unspecified(), uint16(pn)), nil
 	}
-	ips, err := net.DefaultResolver.LookupNetIP(ctx, "ip", host)
+	if ip, err := netip.ParseAddr(strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")); err == nil && !ip.Unmap().Is4() {
+		return netip.AddrPort{}, ErrIPv6
+	}
+	ips, err := net.DefaultResolver.LookupNetIP(ctx, "ip4", host)
 	if err != nil {
 		return netip.AddrPort{}, err
 	}
 	if len(ips) == 0 {
-		return netip.AddrPort{}, fmt.Errorf("no address for %s", host)
+		return netip.AddrPort{}, fmt.Errorf("no IPv4 address for %s", host)
 	}
 	return netip.AddrPortFrom(ips[0].Unmap(), uint16(pn)), nil
 }

@@ -506,6 +506,13 @@ func NewServerSession(ctx context.Context, conn net.Conn, opts ...Option) (*Sess
 	return s, nil
 }
 
+// remoteIPv4 reports whether conn's peer is at an IPv4 address (or one
+// mapped into IPv6).
+func remoteIPv4(conn net.Conn) bool {
+	ta, ok := conn.RemoteAddr().(*net.TCPAddr)
+	return ok && ta.IP.To4() != nil
+}
+
 // serverHandshake reads the hello (its magic already read if magicRead),
 // answers, and, when it offered UCX, waits for the client's decision.
 func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead bool, l *Listener) (*Session, error) {
@@ -536,7 +543,11 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 	}
 
 	haveUCX := l != nil && l.ucx != nil
-	canUCX := haveUCX && h.Caps.UCX && h.Mode != ModeTCP && cfg.mode != ModeTCP
+	// UCX endpoints are made over IPv4 alone (rdma.ErrIPv6): a client that
+	// came over IPv6 would dial the UCX listener at an address it does not
+	// listen on.
+	overIPv4 := remoteIPv4(conn)
+	canUCX := haveUCX && h.Caps.UCX && h.Mode != ModeTCP && cfg.mode != ModeTCP && overIPv4
 	needUCX := h.Mode == ModeUCX || cfg.mode == ModeUCX
 	if needUCX && !canUCX {
 		var why string
@@ -545,6 +556,8 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 			why = "one side requires transport ucx, the other transport tcp"
 		case !haveUCX:
 			why = "transport ucx required but the server has no UCX listener"
+		case !overIPv4:
+			why = "transport ucx required but the client came over IPv6, and UCX sessions are made over IPv4"
 		default:
 			why = "transport ucx required but the client has no UCX"
 		}

@@ -268,3 +268,52 @@ func roundTripPair(t *testing.T, p *setup) {
 	go func() { _, _ = io.Copy(p.sc, p.sc) }()
 	roundTrip(t, p.cc, "over the default transport")
 }
+
+// UCX endpoints are made over IPv4 alone: a listener on every address
+// (":port") gives a trusted client that reached it over IPv6 a TCP session
+// at once, without an upgrade that would dial its UCX listener where it does
+// not listen, and a client requiring UCX over IPv6 a rejection that says
+// why. Over IPv4 the same listener upgrades.
+func TestUCXSessionsOverIPv4(t *testing.T) {
+	if ln, err := net.Listen("tcp", "[::1]:0"); err != nil {
+		t.Skip("no IPv6 loopback:", err)
+	} else {
+		ln.Close()
+	}
+	rc := ucxContext(t, ucxTCP)
+	auto := []transport.Option{transport.WithRDMAContext(rc), transport.WithTrustPeers(true)}
+	l, err := transport.Listen(":0", auto...)
+	require.NoError(t, err)
+	defer l.Close()
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+		}
+	}()
+	_, port, err := net.SplitHostPort(l.Addr().String())
+	require.NoError(t, err)
+	dial := func(host string, opts ...transport.Option) (string, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		c, err := transport.DialConn(ctx, net.JoinHostPort(host, port), opts...)
+		if err != nil {
+			return "", err
+		}
+		s := transport.SessionOf(c)
+		defer s.Close()
+		defer c.Close()
+		return s.Transport(), nil
+	}
+	mode, err := dial("127.0.0.1", auto...)
+	require.NoError(t, err)
+	require.Equal(t, "ucx", mode, "over IPv4")
+	mode, err = dial("::1", auto...)
+	require.NoError(t, err)
+	require.Equal(t, "tcp", mode, "over IPv6")
+	_, err = dial("::1", append(auto, transport.WithMode(transport.ModeUCX))...)
+	require.ErrorContains(t, err, "the client came over IPv6")
+}
