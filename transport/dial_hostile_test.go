@@ -215,6 +215,49 @@ func TestListenerBoundsSessionsAwaitingGRPC(t *testing.T) {
 	require.NoError(t, idle[1].Err())
 }
 
+// Sessions whose gRPC stream came while the server does not accept (its
+// Serve not started, or stalled) stay counted until Accept takes them: past
+// maxHandshakes the one that waited longest is closed, so they cannot pile
+// up. Accept then returns the conns of the sessions still up.
+func TestListenerBoundsSessionsAwaitingAccept(t *testing.T) {
+	defer func(n int) { maxHandshakes = n }(maxHandshakes)
+	maxHandshakes = 4
+	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithHandshakeTimeout(time.Minute))
+	require.NoError(t, err)
+	defer l.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+	defer cancel()
+	var sessions []*Session
+	for i := range maxHandshakes + 1 {
+		c, err := DialConn(ctx, l.Addr().String(), WithMode(ModeTCP))
+		require.NoError(t, err)
+		s := SessionOf(c)
+		t.Cleanup(func() { _ = c.Close(); _ = s.Close() })
+		sessions = append(sessions, s)
+		if i < maxHandshakes {
+			// The next waits for this one to count, so that sessions[0]
+			// waited longest.
+			require.Eventually(t, func() bool { return l.awaitingSessions() == i+1 }, handTimeout, time.Millisecond)
+		}
+	}
+	select {
+	case <-sessions[0].Done():
+	case <-time.After(handTimeout):
+		t.Fatal("the session that waited longest for Accept was kept past the bound")
+	}
+	require.Equal(t, maxHandshakes, l.awaitingSessions())
+	for i, s := range sessions[1:] {
+		require.NoError(t, s.Err(), "session %d was closed", i+1)
+	}
+	for range maxHandshakes {
+		c, err := l.Accept()
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = c.Close() })
+		require.NoError(t, SessionOf(c).Err(), "Accept returned a closed session's conn")
+	}
+	require.Eventually(t, func() bool { return l.awaitingSessions() == 0 }, handTimeout, time.Millisecond)
+}
+
 // readAnnounced reads exactly what was announced, in pieces of any size.
 func TestReadAnnounced(t *testing.T) {
 	for _, n := range []int{0, 1, 1023, 1024, 1025, 4097, 70_000} {

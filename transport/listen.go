@@ -346,19 +346,20 @@ func (l *Listener) deliver(c net.Conn) {
 	}
 }
 
-// errTooManyAwaiting closes a session that waited for its gRPC stream
-// longest when maxHandshakes others wait too.
-var errTooManyAwaiting = fmt.Errorf("%w while too many sessions of the listener waited for theirs", errNoGRPCStream)
+// errTooManyAwaiting closes a session that waited for its gRPC stream (or
+// for Accept) longest when maxHandshakes others wait too.
+var errTooManyAwaiting = errors.New("gdrpc: too many sessions of the listener waited for their gRPC stream or for Accept")
 
 // errNoGRPCStream closes a session whose client opened no gRPC stream in
 // time: a peer can cause it with each handshake, so it is logged at Debug.
 var errNoGRPCStream = errors.New("gdrpc: the client opened no gRPC stream")
 
-// await counts s among the sessions that wait for their gRPC stream until
-// the returned function runs. Its handshake slot is free by then (its lanes
-// need slots of their own), so this bound keeps a peer that completes
-// handshakes and opens no gRPC stream from holding sessions (connections,
-// lanes, goroutines) without one until each times out. Past maxHandshakes
+// await counts s among the sessions that wait for their gRPC stream, then
+// for Accept, until the returned function runs. Its handshake slot is free
+// by then (its lanes need slots of their own), so this bound keeps a peer
+// that completes handshakes and opens no gRPC stream from holding sessions
+// (connections, lanes, goroutines) without one until each times out, and
+// sessions from piling up while the server does not accept. Past maxHandshakes
 // the one that waited longest is closed, not the newest: an honest client
 // opens its stream at once, so a peer would have to complete that many
 // handshakes within that time to push one out.
@@ -374,7 +375,7 @@ func (l *Listener) await(s *Session) (done func()) {
 	if oldest != nil {
 		oldest.closeWith(errTooManyAwaiting)
 		// An honest session pushed out by someone's many handshakes.
-		l.plog.Warn("session closed: too many wait for their gRPC stream", "session", oldest.id, "peer", oldest.peer.ID, "limit", maxHandshakes)
+		l.plog.Warn("session closed: too many wait for their gRPC stream or for Accept", "session", oldest.id, "peer", oldest.peer.ID, "limit", maxHandshakes)
 	}
 	return func() {
 		l.awaitMu.Lock()
@@ -405,10 +406,10 @@ func (l *Listener) serveTCP(c net.Conn, host netip.Prefix) {
 	// stream would never reach gRPC (nor its limits on connections), and
 	// control messages alone would keep it from the idle timeout.
 	done := l.await(s)
+	defer done()
 	ctx, cancel := context.WithTimeout(l.ctx, l.cfg.handshakeTimeout)
 	gc, err := s.Conn(ctx)
 	cancel()
-	done()
 	if err != nil {
 		if errors.Is(err, context.DeadlineExceeded) {
 			s.closeWith(fmt.Errorf("%w within %v", errNoGRPCStream, l.cfg.handshakeTimeout))
@@ -417,7 +418,15 @@ func (l *Listener) serveTCP(c net.Conn, host netip.Prefix) {
 		return
 	}
 	s.forgetLanes()
-	l.deliver(gc)
+	// Still counted until Accept takes it: sessions that a server not (yet)
+	// accepting lets pile up are bounded as those without a stream are.
+	select {
+	case l.acceptCh <- gc:
+	case <-l.done:
+		_ = gc.Close()
+	case <-s.Done(): // pushed out by newer ones (await)
+		_ = gc.Close()
+	}
 }
 
 // handshakeTCP serves a connection until its handshake ends. It returns the

@@ -419,7 +419,7 @@ func (s *Session) closeWith(cause error) {
 		s.log.Debug("session closed by peer")
 	case errors.Is(cause, ErrIdle):
 		s.log.Debug("session closed: idle", "idle_timeout", s.cfg.idleTimeout)
-	case errors.Is(cause, errNoGRPCStream):
+	case errors.Is(cause, errNoGRPCStream), errors.Is(cause, errTooManyAwaiting):
 		s.log.Debug("session closed", "err", cause)
 	case s.lossLog != nil:
 		// A peer that completes handshakes with fresh keys loses a server
