@@ -45,7 +45,7 @@ func DialConn(ctx context.Context, addr string, opts ...Option) (net.Conn, error
 	c, err := s.Conn(ctx)
 	if err != nil {
 		_ = s.Close()
-		return nil, err
+		return nil, fmt.Errorf("gdrpc: dial %s: the gRPC stream: %w", addr, err)
 	}
 	return c, nil
 }
