@@ -53,7 +53,7 @@ func BenchmarkPull(b *testing.B) {
 					defer cc.Close()
 					c := tensorpb.NewTensorServiceClient(cc)
 					call = func() error {
-						t, err := c.Make(ctx, &tensorpb.Sized{Size: uint64(size), Seed: seedFor(size)})
+						t, err := c.Make(ctx, &tensorpb.Sized{Size: uint64(size)})
 						gdrcodec.ReleaseAll(t)
 						return err
 					}

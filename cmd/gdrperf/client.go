@@ -93,7 +93,7 @@ type result struct {
 	VsD2HPut        *float64 `json:"gdrpc_vs_min_d2h_put,omitempty"`  // against min(d2h, ucx_perftest): the staged path's ceiling
 	RPCMicros       *float64 `json:"rpc_1kib_us,omitempty"`           // plain gRPC unary call with 1 KiB, median; with N in flight the mean call under load
 	CopyMiBs        *float64 `json:"copy_mib_s,omitempty"`            // in-process copy of the payload, -mem to -recv memory
-	VsRPCCopy       *float64 `json:"call_vs_rpc_plus_copy,omitempty"` // call time / (1 KiB RPC + copy), both with as many in flight
+	VsRPCCopy       *float64 `json:"call_vs_rpc_plus_copy,omitempty"` // call time / (1 KiB RPC + copy), the call and the RPC with as many in flight, the copy alone
 	Fallbacks       []string `json:"fallbacks,omitempty"`
 	Notes           []string `json:"notes,omitempty"`
 	Run             int      `json:"run,omitempty"` // with -runs above 1, which run measured the row
@@ -122,18 +122,13 @@ type bench struct {
 	cuda    devicebuf.Allocator // nil for -mem host
 
 	gdrpc    tensorpb.TensorServiceClient // over a dialer.Pool of -conns connections
-	plain    *grpc.ClientConn
+	plains   []*grpc.ClientConn // the baselines' connections, as many as -conns
 	host     string // the server's host, for ucx_perftest
 	info     readyInfo
 	perfBin  string
 	perfNote string
 
 	logf func(string, ...any)
-
-	// rpcFloor is a plain 1 KiB unary call by calls in flight, measured once
-	// for each: with one, the median call; with N, the mean call under load
-	// (N calls' time over the batch's rate), as the call µs column.
-	rpcFloor map[int]time.Duration
 
 	// drain, when set, runs after each goroutine of a batch made its calls
 	// (and, with one goroutine, after each call), inside the timing: with
@@ -239,10 +234,14 @@ func (b *bench) run(ctx context.Context, stdout io.Writer, run int, last bool) (
 	}
 	defer pool.Close()
 	b.gdrpc = tensorpb.NewTensorServiceClient(pool)
-	if b.plain, err = dialPlain(b.info.GRPC); err != nil {
-		return nil, err
+	for range o.conns {
+		cc, err := dialPlain(b.info.GRPC)
+		if err != nil {
+			return nil, err
+		}
+		defer cc.Close()
+		b.plains = append(b.plains, cc)
 	}
-	defer b.plain.Close()
 
 	out := newReporter(stdout, o)
 	var rs []*result
@@ -365,18 +364,12 @@ func (b *bench) measureBaselines(ctx context.Context, size int, pat []byte, r *r
 			r.UCXPerftestMiBs = &pr.MiBs
 		}
 	}
-	if b.rpcFloor[b.o.inflight] == 0 {
-		if v, err := b.timeCalls(ctx, 1<<10, b.plainMake(1<<10), nil); err != nil {
-			note("rpc 1KiB", err)
-		} else {
-			if b.rpcFloor == nil {
-				b.rpcFloor = make(map[int]time.Duration)
-			}
-			b.rpcFloor[b.o.inflight] = time.Duration(float64(b.o.inflight<<10) / (v * (1 << 20)) * float64(time.Second))
-		}
-	}
-	if f := b.rpcFloor[b.o.inflight]; f > 0 {
-		us := float64(f) / float64(time.Microsecond)
+	// Measured for every row, next to the row's other figures: a floor taken
+	// once would set a later row against a reading of another moment.
+	if v, err := b.timeCalls(ctx, 1<<10, b.plainMake(1<<10), nil); err != nil {
+		note("rpc 1KiB", err)
+	} else {
+		us := float64(b.o.inflight<<10) / (v * (1 << 20)) * 1e6
 		r.RPCMicros = &us
 	}
 	if !(b.o.mem == "cuda" && b.o.recv == "cuda") { // there the dtod column is the copy
@@ -453,23 +446,52 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 		}
 		held[w] = append(held[w], t)
 	}
+	// Pull: each call asks for the next variant of the payload in turn and
+	// its payload is checked once its time is taken (check, in batch): the
+	// first call's whole, the others' windows at its start, middle and end.
+	// Its release follows the check.
+	wins := make([][]window, variants)
+	for v := range variants {
+		want := pat
+		if v > 0 {
+			want = variantPattern(size, v)
+		}
+		wins[v] = windowsOf(want)
+	}
+	turn := make([]int, b.o.inflight) // per goroutine: its calls so far
 	call := func(cctx context.Context, w int, first bool) (func() error, error) {
 		defer trace.StartRegion(cctx, "gdrperf.call").End()
 		var p peer.Peer
 		var err error
+		var check func() error
 		if b.o.op == "pull" {
-			var t *tensorpb.Tensor
-			t, err = b.gdrpc.Make(cctx, &tensorpb.Sized{Size: uint64(size), Seed: seedFor(size)}, grpc.Peer(&p))
-			if err == nil && first {
-				err = checkTensor(t, pat)
+			v := turn[w] % variants
+			turn[w]++
+			if first {
+				v = 0 // the one whose whole pattern is at hand
 			}
+			var t *tensorpb.Tensor
+			t, err = b.gdrpc.Make(cctx, &tensorpb.Sized{Size: uint64(size), Seed: uint32(v)}, grpc.Peer(&p))
 			if err == nil && streams != nil {
 				err = waitOn(t, streams[w])
 			}
-			if err == nil {
-				keep(w, t)
-			} else {
+			if err != nil {
 				gdrcodec.ReleaseAll(t)
+			} else {
+				check = func() error {
+					var err error
+					if first {
+						err = checkTensor(t, pat)
+					} else {
+						err = checkWindows(t, size, wins[v])
+					}
+					if err != nil {
+						gdrcodec.ReleaseAll(t)
+						return fmt.Errorf("payload variant %d: %w", v, err)
+					}
+					keep(w, t)
+					return nil
+				}
 			}
 		} else {
 			req := &tensorpb.Tensor{Name: "gdrperf", Shape: []int64{int64(size)}, Data: gdrcodec.New(src)}
@@ -490,7 +512,7 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 		if s := transport.SessionFromPeer(&p); s != nil {
 			sessions.LoadOrStore(s.ID(), true) // a read once the session is known
 		}
-		return nil, err
+		return check, err
 	}
 	// The warm-up's transfers are not counted; every fallback is reported.
 	take := func() []oob.TransferInfo {
@@ -516,6 +538,18 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 		return err
 	}
 	events := take()
+	if b.o.op == "push" {
+		// The timed requests went unchecked (the server checksums a request
+		// only when asked to, in the call's time): one more, checked after
+		// them, takes their path.
+		cctx, cancel := b.callCtx(ctx, true)
+		_, err := call(cctx, 0, true)
+		cancel()
+		take()
+		if err != nil {
+			return fmt.Errorf("the checked call after the timed ones: %w", err)
+		}
+	}
 	var xfers []time.Duration
 	paths := map[string]bool{}
 	seen := 0
@@ -633,6 +667,62 @@ var (
 	laneRole = regexp.MustCompile(`^(rma_bw|rma|amo|am_bw|am|tag|stream|ka|wireup|rkey_ptr)(?:#\d+)?$`)
 )
 
+// window is bytes of a payload's pattern at an offset.
+type window struct {
+	off  int
+	want []byte
+}
+
+// windowLen is the length of each window checkWindows reads.
+const windowLen = 4 << 10
+
+// windowsOf returns the windows of p that checkWindows compares: its first,
+// middle and last windowLen bytes (all of p when it is shorter than three).
+func windowsOf(p []byte) []window {
+	if len(p) <= 3*windowLen {
+		return []window{{0, p}}
+	}
+	var ws []window
+	for _, off := range []int{0, len(p)/2 - windowLen/2, len(p) - windowLen} {
+		ws = append(ws, window{off, p[off : off+windowLen]})
+	}
+	return ws
+}
+
+// checkWindows compares the windows ws of a received payload of size bytes
+// with the pattern's (device windows are copied to the host for it).
+func checkWindows(t *tensorpb.Tensor, size int, ws []window) error {
+	b, ok := gdrcodec.Buffer(t.GetData())
+	if !ok {
+		got, err := tensor.Bytes(t.GetData())
+		if err != nil {
+			return err
+		}
+		b = devicebuf.HostFromBytes(got)
+		defer b.Release()
+	}
+	if b.Len() != size {
+		return fmt.Errorf("received payload of %d bytes, want %d", b.Len(), size)
+	}
+	for _, w := range ws {
+		got := make([]byte, len(w.want))
+		dst := devicebuf.HostFromBytes(got)
+		v, err := b.Slice(w.off, len(w.want))
+		if err == nil {
+			err = devicebuf.Copy(dst, v)
+			v.Release()
+		}
+		dst.Release()
+		if err != nil {
+			return err
+		}
+		if !bytes.Equal(got, w.want) {
+			return fmt.Errorf("received payload differs from the pattern in bytes %d-%d", w.off, w.off+len(w.want))
+		}
+	}
+	return nil
+}
+
 // checkTensor compares a received payload with the pattern (device payloads
 // are copied to the host for it).
 func checkTensor(t *tensorpb.Tensor, pat []byte) error {
@@ -649,8 +739,8 @@ func checkTensor(t *tensorpb.Tensor, pat []byte) error {
 // measurePlain times the same call over plain gRPC on TCP.
 // plainMake is a plain gRPC call of Make for size bytes, unchecked.
 func (b *bench) plainMake(size int) callFunc {
-	return func(cctx context.Context, _ int, _ bool) (func() error, error) {
-		return nil, b.plain.Invoke(cctx, methodMake, wrapperspb.UInt64(uint64(size)), new(wrapperspb.BytesValue))
+	return func(cctx context.Context, w int, _ bool) (func() error, error) {
+		return nil, b.plainConn(w).Invoke(cctx, methodMake, wrapperspb.UInt64(uint64(size)), new(wrapperspb.BytesValue))
 	}
 }
 
@@ -715,25 +805,30 @@ func (b *bench) measureCopy(size int) (float64, error) {
 
 func (b *bench) measurePlain(ctx context.Context, size int, pat []byte) (float64, error) {
 	crc := uint64(tensor.ChecksumBytes(pat))
-	return b.timeCalls(ctx, size, func(cctx context.Context, _ int, first bool) (func() error, error) {
+	return b.timeCalls(ctx, size, func(cctx context.Context, w int, first bool) (func() error, error) {
 		defer trace.StartRegion(cctx, "gdrperf.grpc").End()
 		if b.o.op == "pull" {
 			out := new(wrapperspb.BytesValue)
-			err := b.plain.Invoke(cctx, methodMake, wrapperspb.UInt64(uint64(size)), out)
+			err := b.plainConn(w).Invoke(cctx, methodMake, wrapperspb.UInt64(uint64(size)), out)
 			if err == nil && first && !bytes.Equal(out.GetValue(), pat) {
 				err = errors.New("received payload differs from the one sent")
 			}
 			return nil, err
 		}
-		return nil, b.pushPlain(cctx, methodPush, pat, first, crc)
+		return nil, b.pushPlain(cctx, w, methodPush, pat, first, crc)
 	}, nil)
 }
 
-// pushPlain sends p in a plain gRPC bytes field to method and, on the first
-// call, checks the server's CRC-32C of what arrived.
-func (b *bench) pushPlain(ctx context.Context, method string, p []byte, first bool, crc uint64) error {
+// plainConn is the baselines' connection for worker w: the workers share
+// the -conns connections as gdrpc's pool spreads calls over its own.
+func (b *bench) plainConn(w int) *grpc.ClientConn { return b.plains[w%len(b.plains)] }
+
+// pushPlain sends p in a plain gRPC bytes field to method on worker w's
+// connection and, on the first call, checks the server's CRC-32C of what
+// arrived.
+func (b *bench) pushPlain(ctx context.Context, w int, method string, p []byte, first bool, crc uint64) error {
 	out := new(wrapperspb.UInt64Value)
-	err := b.plain.Invoke(ctx, method, wrapperspb.Bytes(p), out)
+	err := b.plainConn(w).Invoke(ctx, method, wrapperspb.Bytes(p), out)
 	if err == nil && first && out.GetValue() != crc {
 		err = fmt.Errorf("the server's CRC-32C is %#x, want %#x", out.GetValue(), crc)
 	}
@@ -920,7 +1015,7 @@ func (b *bench) measureNaive(ctx context.Context, size int, pat []byte) (float64
 		dev := devs[w]
 		if b.o.op == "pull" {
 			out := new(wrapperspb.BytesValue)
-			if err := b.plain.Invoke(cctx, methodMakeNaive, wrapperspb.UInt64(uint64(size)), out); err != nil {
+			if err := b.plainConn(w).Invoke(cctx, methodMakeNaive, wrapperspb.UInt64(uint64(size)), out); err != nil {
 				return nil, err
 			}
 			if err := copyIn(dev, out.GetValue()); err != nil || !first {
@@ -941,7 +1036,7 @@ func (b *bench) measureNaive(ctx context.Context, size int, pat []byte) (float64
 		if err := copyOut(host, dev); err != nil {
 			return nil, err
 		}
-		return nil, b.pushPlain(cctx, methodPushNaive, host, first, crc)
+		return nil, b.pushPlain(cctx, w, methodPushNaive, host, first, crc)
 	}, nil)
 }
 

@@ -28,8 +28,16 @@
 // a unary call that carries its payload in the message, gdrpc's conn against
 // plain gRPC over TCP, between two processes.
 //
-// Every size is verified once (the first call checks the received bytes or
-// the server's CRC-32C) before the timed calls. gdrpc MiB/s is size / call
+// Every call's payload is checked once its time was taken, outside it. With
+// -op pull the calls ask for one of two payloads in turn (the server keeps
+// both), so that bytes left over from the previous call, or another call's,
+// are told from the ones asked for: the first call's whole payload is
+// compared, the others' first, middle and last 4 KiB (copied to the host
+// for a GPU payload), and a payload is released after its check. With -op
+// push the server checksums the first request, and one more after the timed
+// ones, whole (CRC-32C); the timed requests go unchecked, since the server's
+// checksum would count in their time. A payload that differs fails the run.
+// The plain gRPC baseline checks its first call. gdrpc MiB/s is size / call
 // time (median); xfer is the out-of-band transfer alone as the transport's
 // metrics hook timed it (the receiver's pull for -op pull, the owner's write
 // for -op push). A payload the server wrote into the client's receive space
@@ -61,14 +69,16 @@
 // copies stay one after another (the device's bandwidth). -conns spreads the
 // calls over that many client connections, each a session of its own: a
 // dialer.Pool, which sends each call over the connection with the fewest in
-// flight. -inflight takes a list too (1,4,8): each size then gets
+// flight; the baselines' calls go over as many plain gRPC connections, each
+// goroutine keeping to one. -inflight takes a list too (1,4,8): each size then gets
 // a row per value, in one run, so that the single call stands beside the
 // aggregate rows and the count of calls that fills the device shows. The
 // call µs column is one call's time: the median call with one in flight, and
 // with N in flight the mean call under load (N × size / rate), which is what
 // bounds the aggregate where the device is not busy all the while.
 // call/(rpc+copy) sets it against a plain 1 KiB unary call made with as many
-// in flight (rpc 1KiB µs, timed the same way) plus one in-process copy of
+// in flight (rpc 1KiB µs, timed the same way in each row, after the row's
+// gdrpc calls) plus one in-process copy of
 // the payload: with N in flight, how far a call under load is from what
 // gRPC alone takes under that load.
 //
@@ -86,7 +96,7 @@
 //
 // Usage:
 //
-//	gdrperf [-sizes 1MiB,16MiB,64MiB] [-iters 10] [-warmup 2] [-inflight 1|1,4,8] [-conns 1] [-op pull|push]
+//	gdrperf [-sizes 1MiB,16MiB,64MiB] [-iters 10] [-warmup 10] [-inflight 1|1,4,8] [-conns 1] [-op pull|push]
 //	        [-transport auto|ucx|tcp] [-mem host|cuda] [-recv host|cuda] [-device 0] [-server-device N]
 //	        [-paths all|cuda-ipc,rdma,stream] [-format table|json] [-server ADDR | -connect ADDR]
 //	        [-perftest PATH|none] [-call-timeout 1m] [-busy N] [-receive-space SIZE|0] [-request-space SIZE]

@@ -80,7 +80,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.SetOutput(stderr)
 	sizes := fs.String("sizes", "1MiB,16MiB,64MiB", "payload sizes, comma-separated (B, KiB, MiB, GiB)")
 	fs.IntVar(&o.iters, "iters", 10, "measured calls per size and method (the median is reported)")
-	fs.IntVar(&o.warmup, "warmup", 2, "calls per size and method before measuring (the first one is verified)")
+	fs.IntVar(&o.warmup, "warmup", 10, "calls per size and method before measuring (the first one is verified)")
 	fs.IntVar(&o.conns, "conns", 1, "gdrpc client connections the calls spread over (a dialer.Pool: each call goes over the connection with the fewest in flight; each connection is a session of its own)")
 	inflight := fs.String("inflight", "1", "calls in flight at once, or a comma list (a row per value and size, e.g. 1,4,8): above 1, that many goroutines make -iters calls each and the rates are aggregate throughput (bytes over wall time) instead of medians per call")
 	fs.IntVar(&o.connects, "connects", 0, "after the table, time this many new connections each way, alternating: a new ClientConn up to its first call's response (a 1 KiB Make), gdrpc (the session's setup included) against plain gRPC over TCP; medians and p90")

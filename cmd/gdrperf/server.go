@@ -34,9 +34,21 @@ const maxMsg = 1<<31 - 1
 func seedFor(size int) uint32 { return uint32(size) ^ 0x9e3779b9 }
 
 // pattern returns the payload of a size, as both ends build it.
-func pattern(size int) []byte {
+func pattern(size int) []byte { return variantPattern(size, 0) }
+
+// variants is how many payloads of a size the server keeps for Make, each a
+// pattern of its own: a call names one (Sized.Seed), and calls in turn
+// alternate, so that a payload left over from the previous call, or another
+// call's, is told from the one asked for.
+const variants = 2
+
+// variantPattern is payload variant v of a size. tensor.Fill's pattern
+// repeats every 251 bytes from a start its seed sets (seed mod 251): the
+// variants start 97 apart, so that no byte of one equals the same byte of
+// another.
+func variantPattern(size, v int) []byte {
 	p := make([]byte, size)
-	tensor.Fill(p, seedFor(size))
+	tensor.Fill(p, (seedFor(size)%251+uint32(v)*97)%251)
 	return p
 }
 
@@ -57,38 +69,45 @@ type payloads struct {
 	cuda  devicebuf.Allocator // GPU memory for the naive baseline; nil for -mem host
 
 	mu    sync.Mutex
-	src   map[int]*devicebuf.Buffer // gdrpc payloads in alloc memory
+	src   map[[2]int]*devicebuf.Buffer // gdrpc payloads in alloc memory, by size and variant
 	plain map[int][]byte            // baseline payloads
 	sinks map[int]*devicebuf.Buffer // naive baseline: device destinations
 }
 
 func newPayloads(alloc, cuda devicebuf.Allocator) *payloads {
-	return &payloads{alloc: alloc, cuda: cuda, src: map[int]*devicebuf.Buffer{},
+	return &payloads{alloc: alloc, cuda: cuda, src: map[[2]int]*devicebuf.Buffer{},
 		plain: map[int][]byte{}, sinks: map[int]*devicebuf.Buffer{}}
 }
 
-// source returns the size's payload in alloc memory (kept for later calls).
-func (p *payloads) source(size int) (*devicebuf.Buffer, error) {
+// source returns variant v of the size's payload in alloc memory (kept for
+// later calls).
+func (p *payloads) source(size, v int) (*devicebuf.Buffer, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if b := p.src[size]; b != nil {
+	k := [2]int{size, v}
+	if b := p.src[k]; b != nil {
 		return b, nil
 	}
-	b, err := filled(p.alloc, size)
+	b, err := filledVariant(p.alloc, size, v)
 	if err != nil {
 		return nil, err
 	}
-	p.src[size] = b
+	p.src[k] = b
 	return b, nil
 }
 
 // filled allocates size bytes from alloc holding pattern(size).
 func filled(alloc devicebuf.Allocator, size int) (*devicebuf.Buffer, error) {
+	return filledVariant(alloc, size, 0)
+}
+
+// filledVariant allocates size bytes from alloc holding variantPattern(size, v).
+func filledVariant(alloc devicebuf.Allocator, size, v int) (*devicebuf.Buffer, error) {
 	b, err := alloc.Alloc(size)
 	if err != nil {
 		return nil, fmt.Errorf("allocate %d bytes: %w", size, err)
 	}
-	src := devicebuf.HostFromBytes(pattern(size))
+	src := devicebuf.HostFromBytes(variantPattern(size, v))
 	defer src.Release()
 	if err := devicebuf.Copy(b, src); err != nil {
 		b.Release()
@@ -129,12 +148,14 @@ func (p *payloads) sink(size int) (*devicebuf.Buffer, error) {
 func (p *payloads) Close() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for _, m := range []map[int]*devicebuf.Buffer{p.src, p.sinks} {
-		for k, b := range m {
-			b.Release()
-			delete(m, k)
-		}
+	for _, b := range p.src {
+		b.Release()
 	}
+	for _, b := range p.sinks {
+		b.Release()
+	}
+	clear(p.src)
+	clear(p.sinks)
 	clear(p.plain)
 }
 
@@ -149,12 +170,13 @@ func verify(ctx context.Context) bool {
 	return len(md.Get(verifyHeader)) > 0
 }
 
-// Make returns the size's payload, out-of-band, from the kept buffer.
+// Make returns the size's payload, variant Seed mod variants, out-of-band,
+// from the kept buffer.
 func (s *perfServer) Make(_ context.Context, r *tensorpb.Sized) (*tensorpb.Tensor, error) {
 	if r.GetSize() == 0 || r.GetSize() > 1<<36 {
 		return nil, status.Errorf(codes.InvalidArgument, "size %d", r.GetSize())
 	}
-	b, err := s.p.source(int(r.GetSize()))
+	b, err := s.p.source(int(r.GetSize()), int(r.GetSeed()%variants))
 	if err != nil {
 		return nil, status.Error(codes.ResourceExhausted, err.Error())
 	}
@@ -206,7 +228,7 @@ func (b baseline) MakeNaive(_ context.Context, r *wrapperspb.UInt64Value) (*wrap
 	if r.GetValue() == 0 || r.GetValue() > 1<<31-1<<20 {
 		return nil, status.Errorf(codes.InvalidArgument, "size %d", r.GetValue())
 	}
-	src, err := b.p.source(int(r.GetValue()))
+	src, err := b.p.source(int(r.GetValue()), 0)
 	if err != nil {
 		return nil, status.Error(codes.ResourceExhausted, err.Error())
 	}
