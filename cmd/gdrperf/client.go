@@ -122,8 +122,8 @@ type bench struct {
 	cuda    devicebuf.Allocator // nil for -mem host
 
 	gdrpc    tensorpb.TensorServiceClient // over a dialer.Pool of -conns connections
-	plains   []*grpc.ClientConn // the baselines' connections, as many as -conns
-	host     string // the server's host, for ucx_perftest
+	plains   []*grpc.ClientConn           // the baselines' connections, as many as -conns
+	host     string                       // the server's host, for ucx_perftest
 	info     readyInfo
 	perfBin  string
 	perfNote string

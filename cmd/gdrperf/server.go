@@ -70,8 +70,8 @@ type payloads struct {
 
 	mu    sync.Mutex
 	src   map[[2]int]*devicebuf.Buffer // gdrpc payloads in alloc memory, by size and variant
-	plain map[int][]byte            // baseline payloads
-	sinks map[int]*devicebuf.Buffer // naive baseline: device destinations
+	plain map[int][]byte               // baseline payloads
+	sinks map[int]*devicebuf.Buffer    // naive baseline: device destinations
 }
 
 func newPayloads(alloc, cuda devicebuf.Allocator) *payloads {
