@@ -43,9 +43,9 @@
 // receiver waited for it or handed the buffer out Pending). A
 // failed transfer also carries error.type, the kind of its
 // oob.TransferError ("timeout", "not_found", "unavailable",
-// "exhausted", "invalid", "canceled", "failed", or "_OTHER"), and counts its
-// full length in gdrpc.transfer.io: filter on outcome=ok for the bytes that
-// arrived.
+// "exhausted", "invalid", "canceled", "failed", or "_OTHER"), and counts
+// nothing in gdrpc.transfer.io: its length is what the peer's descriptor
+// claimed, not bytes that arrived.
 //
 //	gdrpc.transfer.fallbacks {fallback}  transfers that did not take a better path
 //

@@ -115,10 +115,9 @@ func TestTransfer(t *testing.T) {
 	m.Transfer(oob.TransferInfo{Path: oob.PathRDMA, Memory: devicebuf.Host, Pull: true, Bytes: 2 << 20, Elapsed: time.Microsecond, Advertised: true})
 
 	r := h.collect(t)
-	require.Equal(t, map[string]int64{
+	require.Equal(t, map[string]int64{ // a failed transfer's claimed length is not counted
 		pullCUDA:     64 << 20,
 		pushHost:     4 << 20,
-		pullStale:    1000,
 		landedQueued: 8 << 20,
 		landedHost:   2 << 20,
 	}, r.sum(t, "gdrpc.transfer.io", "By", true))
@@ -180,7 +179,13 @@ func TestTransferErrorType(t *testing.T) {
 			h := newHarness(t)
 			h.rec.Transfer(oob.TransferInfo{Path: oob.PathStream, Pull: true, Bytes: 10, Err: tt.err})
 			want := "advertised=false,direction=receive,error.type=" + tt.want + ",memory=host,outcome=error,path=stream,route=stream"
-			require.Equal(t, map[string]int64{want: 1}, h.collect(t).sum(t, "gdrpc.transfers", "{transfer}", true))
+			got := h.collect(t)
+			require.Equal(t, map[string]int64{want: 1}, got.sum(t, "gdrpc.transfers", "{transfer}", true))
+			// Its length is the descriptor's claim: no bytes counted, so a
+			// peer's claims cannot set (or wrap) the byte counter.
+			for k, v := range got.sum(t, "gdrpc.transfer.io", "By", true) {
+				require.Zero(t, v, "bytes counted for a failed transfer: %s", k)
+			}
 		})
 	}
 }

@@ -68,12 +68,15 @@ func transferAttrs(k transferKey) []attribute.KeyValue {
 	return append(kv, keyOutcome.String(outcomeError), keyErrorType.String(k.errorType))
 }
 
-// Transfer records one finished transfer: its bytes, one transfer and its
-// duration, under the same attributes.
+// Transfer records one finished transfer: its bytes (a successful one's),
+// one transfer and its duration, under the same attributes. A failed
+// transfer's length is what its descriptor claimed, a peer's word for bytes
+// that did not all arrive: counted, it would let a peer set a byte counter
+// (and, claiming a terabyte a time, wrap it negative).
 func (r *Recorder) Transfer(info oob.TransferInfo) {
 	o := r.transferOpts.get(transferKey{path: info.Path, memory: info.Memory, pull: info.Pull, advertise: info.Advertised, queued: info.Queued, errorType: errorType(info.Err)})
 	ctx := context.Background()
-	if info.Bytes > 0 {
+	if info.Bytes > 0 && info.Err == nil {
 		r.transferIO.Add(ctx, info.Bytes, o.add...)
 	}
 	r.transferCount.Add(ctx, 1, o.add...)

@@ -1679,7 +1679,7 @@ func copyIntoIPC(remote *devicebuf.Buffer, m *rtr, src Source, stream *devicebuf
 // ipcDestination is the range of remote, an opened allocation, that m names.
 func ipcDestination(remote *devicebuf.Buffer, m *rtr) (*devicebuf.Buffer, error) {
 	if m.IPCOffset > uint64(remote.Len()) || m.Length > uint64(remote.Len())-m.IPCOffset {
-		return nil, fmt.Errorf("IPC destination [%d, +%d) outside its allocation of %d bytes", m.IPCOffset, m.Length, remote.Len())
+		return nil, fmt.Errorf("IPC destination outside its allocation: [%d, +%d) of %d bytes", m.IPCOffset, m.Length, remote.Len())
 	}
 	return remote.Slice(int(m.IPCOffset), int(m.Length))
 }
