@@ -220,15 +220,28 @@ func markClosed(sp *space) {
 // work that does not) fails the pull within the transfer timeout, or the
 // caller's context, instead of holding the receiver, and the range goes
 // back; one that ends is waited for.
-func TestFetchLandedBoundsOwnersCopy(t *testing.T) {
+// hungSpaceRig is a client's GPU receive space of one event on the fake
+// GPU, a descriptor of a payload that landed in it, and the owner's stream,
+// whose work before the event does not end until unhang.
+type hungSpaceRig struct {
+	cs     *transport.Session
+	gpu    devicebuf.Allocator
+	region *devicebuf.Buffer
+	sp     *space
+	d      Descriptor
+	owner  *devicebuf.Stream
+	unhang func()
+}
+
+func newHungSpaceRig(t *testing.T, id uint64, cfg TransferConfig) *hungSpaceRig {
 	g := devicebuftest.Install(t, 1)
-	setTransferConfig(t, TransferConfig{Timeout: 50 * time.Millisecond})
+	setTransferConfig(t, cfg)
 	cs, _ := tcpPair(t)
 	gpu, err := devicebuf.NewCUDAAllocator(0)
 	require.NoError(t, err)
 	region, err := gpu.Alloc(64 << 10)
 	require.NoError(t, err)
-	sp := makeSpace(9, cs, region, PathCUDAIPC)
+	sp := makeSpace(id, cs, region, PathCUDAIPC)
 	ev, _, err := devicebuf.NewIPCEvent(0)
 	require.NoError(t, err)
 	sp.events = []*devicebuf.Event{ev}
@@ -236,14 +249,19 @@ func TestFetchLandedBoundsOwnersCopy(t *testing.T) {
 	t.Cleanup(func() { spaces.Delete(sp.id) })
 	d := Descriptor{Owner: cs.Peer().ID, Token: Token{1}, Length: 4096, Kind: devicebuf.CUDA, Device: 0,
 		Space: sp.id, SpacePath: PathCUDAIPC, SpaceEvent: 1}
-
 	// The owner's stream: work that does not end, then its event.
 	owner, err := devicebuf.NewCopyStream(0)
 	require.NoError(t, err)
 	unhang, err := g.Hang(owner.Handle())
 	require.NoError(t, err)
-	defer unhang()
+	t.Cleanup(unhang)
 	require.NoError(t, owner.Record(ev))
+	return &hungSpaceRig{cs: cs, gpu: gpu, region: region, sp: sp, d: d, owner: owner, unhang: unhang}
+}
+
+func TestFetchLandedBoundsOwnersCopy(t *testing.T) {
+	r := newHungSpaceRig(t, 9, TransferConfig{Timeout: 50 * time.Millisecond})
+	cs, region, sp, d, owner, unhang := r.cs, r.region, r.sp, r.d, r.owner, r.unhang
 
 	kind := func(err error) TransferErrorKind {
 		var te *TransferError
@@ -251,7 +269,7 @@ func TestFetchLandedBoundsOwnersCopy(t *testing.T) {
 		return te.Kind
 	}
 	start := time.Now()
-	_, _, err = takeLanded(context.Background(), d)
+	_, _, err := takeLanded(context.Background(), d)
 	require.ErrorIs(t, err, context.DeadlineExceeded, "the transfer timeout")
 	require.Equal(t, TransferTimeout, kind(err))
 	require.Less(t, time.Since(start), 10*time.Second)
@@ -285,29 +303,10 @@ func TestFetchLandedBoundsOwnersCopy(t *testing.T) {
 // gives up with an error and gives the range back when the owner's copy
 // never ends (its event recorded behind work that does not).
 func TestFetchStreamOrderedBoundsOwnersCopy(t *testing.T) {
-	g := devicebuftest.Install(t, 1)
-	setTransferConfig(t, TransferConfig{Timeout: 50 * time.Millisecond, StreamOrdered: true})
-	cs, _ := tcpPair(t)
+	r := newHungSpaceRig(t, 19, TransferConfig{Timeout: 50 * time.Millisecond, StreamOrdered: true})
+	cs, region, sp, d, owner, unhang := r.cs, r.region, r.sp, r.d, r.owner, r.unhang
 	require.True(t, cs.IsClient(), "stream-ordered payloads are a client's")
-	gpu, err := devicebuf.NewCUDAAllocator(0)
-	require.NoError(t, err)
-	region, err := gpu.Alloc(64 << 10)
-	require.NoError(t, err)
-	sp := makeSpace(19, cs, region, PathCUDAIPC)
-	ev, _, err := devicebuf.NewIPCEvent(0)
-	require.NoError(t, err)
-	sp.events = []*devicebuf.Event{ev}
-	spaces.Store(sp.id, sp)
-	t.Cleanup(func() { spaces.Delete(sp.id) })
-	d := Descriptor{Owner: cs.Peer().ID, Token: Token{1}, Length: 4096, Kind: devicebuf.CUDA, Device: 0,
-		Space: sp.id, SpacePath: PathCUDAIPC, SpaceEvent: 1}
-	owner, err := devicebuf.NewCopyStream(0)
-	require.NoError(t, err)
-	unhang, err := g.Hang(owner.Handle())
-	require.NoError(t, err)
-	defer unhang()
-	require.NoError(t, owner.Record(ev))
-	dst, err := gpu.Alloc(4096)
+	dst, err := r.gpu.Alloc(4096)
 	require.NoError(t, err)
 	defer dst.Release()
 	inUse := func() int {

@@ -146,18 +146,29 @@ func TestListenerBoundsHandshakes(t *testing.T) {
 	require.NoError(t, s.Close())
 }
 
+// awaitingListener is a TCP listener that lets 4 sessions wait for their
+// gRPC stream or for Accept (maxHandshakes, restored at the test's end),
+// with a context for the test's dials.
+func awaitingListener(t *testing.T) (*Listener, context.Context) {
+	n := maxHandshakes
+	maxHandshakes = 4
+	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithHandshakeTimeout(time.Minute))
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+	t.Cleanup(func() {
+		cancel()
+		l.Close()
+		maxHandshakes = n
+	})
+	return l, ctx
+}
+
 // A peer that completes handshakes and opens no gRPC stream holds at most
 // maxHandshakes sessions of the listener at once: past them the one that
 // waited longest is closed, its lane slot forgotten; a session whose gRPC
 // conn came counts no more.
 func TestListenerBoundsSessionsAwaitingGRPC(t *testing.T) {
-	defer func(n int) { maxHandshakes = n }(maxHandshakes)
-	maxHandshakes = 4
-	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithHandshakeTimeout(time.Minute))
-	require.NoError(t, err)
-	defer l.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
-	defer cancel()
+	l, ctx := awaitingListener(t)
 	dial := func() *Session {
 		t.Helper()
 		s, err := Dial(ctx, l.Addr().String(), WithMode(ModeTCP))
@@ -220,13 +231,7 @@ func TestListenerBoundsSessionsAwaitingGRPC(t *testing.T) {
 // maxHandshakes the one that waited longest is closed, so they cannot pile
 // up. Accept then returns the conns of the sessions still up.
 func TestListenerBoundsSessionsAwaitingAccept(t *testing.T) {
-	defer func(n int) { maxHandshakes = n }(maxHandshakes)
-	maxHandshakes = 4
-	l, err := Listen("127.0.0.1:0", WithMode(ModeTCP), WithHandshakeTimeout(time.Minute))
-	require.NoError(t, err)
-	defer l.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
-	defer cancel()
+	l, ctx := awaitingListener(t)
 	var sessions []*Session
 	for i := range maxHandshakes + 1 {
 		c, err := DialConn(ctx, l.Addr().String(), WithMode(ModeTCP))
