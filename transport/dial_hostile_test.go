@@ -263,6 +263,31 @@ func TestListenerBoundsSessionsAwaitingAccept(t *testing.T) {
 	require.Eventually(t, func() bool { return l.awaitingSessions() == 0 }, handTimeout, time.Millisecond)
 }
 
+// A listener's Close closes the sessions gRPC never accepted and returns
+// once they are released, their goroutines ended, as the sessions closed
+// mid-handshake are.
+func TestListenerCloseReleasesUnaccepted(t *testing.T) {
+	l, ctx := awaitingListener(t)
+	c, err := DialConn(ctx, l.Addr().String(), WithMode(ModeTCP))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close(); _ = SessionOf(c).Close() })
+	require.Eventually(t, func() bool { return l.awaitingSessions() == 1 }, handTimeout, time.Millisecond)
+	l.awaitMu.Lock()
+	s := l.awaiting[0]
+	l.awaitMu.Unlock()
+	require.NoError(t, l.Close())
+	select {
+	case <-s.Released():
+	default:
+		t.Fatal("the unaccepted session was not released when Close returned")
+	}
+	select {
+	case <-SessionOf(c).Done():
+	case <-time.After(handTimeout):
+		t.Fatal("the client's session outlived the server's")
+	}
+}
+
 // readAnnounced reads exactly what was announced, in pieces of any size.
 func TestReadAnnounced(t *testing.T) {
 	for _, n := range []int{0, 1, 1023, 1024, 1025, 4097, 70_000} {

@@ -423,7 +423,9 @@ func (l *Listener) serveTCP(c net.Conn, host netip.Prefix) {
 	select {
 	case l.acceptCh <- gc:
 	case <-l.done:
+		// Never served: closed at once, and Close waits for it (wg).
 		_ = gc.Close()
+		_ = s.Close()
 	case <-s.Done(): // pushed out by newer ones (await)
 		_ = gc.Close()
 	}
