@@ -253,8 +253,9 @@ func (s *Stream) settle(ev *Event) error {
 // arrival completes. The Buffer reports Pending until a wait; Copy and CopyAsync wait for it
 // themselves, and code that reads the memory any other way (kernels of the application)
 // must Wait, Await or WaitOn first. A wait gives up with an error wrapping ErrNotArrived once
-// it took within (0: no bound): arrival may be another process's event, recorded behind work
-// that never ends. arrival must outlive the Buffer.
+// it took within (0: no bound; the error wraps context.DeadlineExceeded too): arrival may be
+// another process's event, recorded behind work that never ends. arrival must outlive the
+// Buffer.
 func WrapArriving(ptr uintptr, n int, device int, release func(), arrival *Event, within time.Duration) *Buffer {
 	b := Wrap(ptr, n, CUDA, device, release)
 	if arrival != nil {
@@ -300,7 +301,7 @@ func (b *Buffer) awaitArrival(ctx context.Context, ev *Event) error {
 	}
 	if b.a.within > 0 {
 		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeoutCause(ctx, b.a.within, fmt.Errorf("%w within %v", ErrNotArrived, b.a.within))
+		ctx, cancel = context.WithTimeoutCause(ctx, b.a.within, fmt.Errorf("%w within %v: %w", ErrNotArrived, b.a.within, context.DeadlineExceeded))
 		defer cancel()
 	}
 	if err := ev.Await(ctx); err != nil {

@@ -2,6 +2,7 @@ package oob
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"net"
 	"sync"
@@ -239,6 +240,48 @@ func TestCopyQueueSourceNeverArrives(t *testing.T) {
 		t.Fatal("the queue's close waits for a source that never arrives")
 	}
 	unhang()
+	require.NoError(t, other.Close())
+	require.NoError(t, ev.Close())
+	require.NoError(t, arrival.Close())
+}
+
+// A source sent on while still arriving is waited for once, within its
+// bound or the call's context, whichever ends first, before anything is
+// queued into the peer's space: not a second time by the copy that stands in
+// when the queue refuses it.
+func TestPeerSpaceCopyWaitsOnce(t *testing.T) {
+	const bound = 200 * time.Millisecond
+	r := newCopyQueueRig(t, 1)
+	cs, _ := tcpPair(t)
+	other, err := devicebuf.NewCopyStream(0)
+	require.NoError(t, err)
+	unhang, err := r.g.Hang(other.Handle())
+	require.NoError(t, err)
+	defer unhang()
+	arrival, _, err := devicebuf.NewIPCEvent(0)
+	require.NoError(t, err)
+	require.NoError(t, other.Record(arrival))
+	ev, h, err := devicebuf.NewIPCEvent(0)
+	require.NoError(t, err)
+	mem, err := r.gpu.Alloc(rangeLen)
+	require.NoError(t, err)
+	src := devicebuf.WrapArriving(mem.Ptr(), rangeLen, 0, func() { mem.Release() }, arrival, bound)
+	p := &peerSpace{id: 1, taken: map[uint64]*write{0: {n: rangeLen, gen: 1}}, eventOf: map[uint64]int{},
+		mapping: r.mapping.Retain(), events: []devicebuf.IPCEventHandle{h}, opened: []*devicebuf.Event{ev},
+		eventUses: []int{0}, copies: r.q}
+	start := time.Now()
+	_, err = p.copyInto(context.Background(), cs, &rtr{IPCOffset: 0, Length: rangeLen}, 0, 1, Source{Buffer: src})
+	took := time.Since(start)
+	require.ErrorIs(t, err, devicebuf.ErrNotArrived)
+	require.Less(t, took, bound+bound/2, "the copy waited %v for a source bounded by %v", took, bound)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err = p.copyInto(ctx, cs, &rtr{IPCOffset: 0, Length: rangeLen}, 0, 1, Source{Buffer: src})
+	require.ErrorIs(t, err, context.Canceled, "the call's context")
+	require.NoError(t, src.Release())
+	p.mapping.Release()
+	unhang()
+	r.close()
 	require.NoError(t, other.Close())
 	require.NoError(t, ev.Close())
 	require.NoError(t, arrival.Close())

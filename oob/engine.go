@@ -578,7 +578,14 @@ func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, erro
 		// into dst once it is there (stream-ordered, it may still be
 		// arriving); the release gives the range back.
 		if err := b.Await(ctx); err != nil {
-			return path, &TransferError{Token: d.Token, Err: fmt.Errorf("the payload's arrival in receive space: %w", err)}
+			kind := TransferFailed
+			switch {
+			case errors.Is(err, context.DeadlineExceeded):
+				kind = TransferTimeout // the owner's copy did not complete in time
+			case errors.Is(err, context.Canceled):
+				kind = TransferCanceled
+			}
+			return path, &TransferError{Token: d.Token, Kind: kind, Err: fmt.Errorf("the payload's arrival in receive space: %w", err)}
 		}
 		if err := devicebuf.Copy(dst, b); err != nil {
 			return path, &TransferError{Token: d.Token, Err: fmt.Errorf("copy from receive space: %w", err)}

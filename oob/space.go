@@ -1236,7 +1236,7 @@ func pushInto(callCtx context.Context, s *transport.Session, ps *peerSpace, m *r
 		if !ipcAllowed(s) {
 			return PathCUDAIPC, 0, errors.New("CUDA IPC is for trusted peers on this host")
 		}
-		event, err := ps.copyInto(s, m, off, gen, src)
+		event, err := ps.copyInto(callCtx, s, m, off, gen, src)
 		return PathCUDAIPC, event, err
 	}
 	ep, rc := s.Endpoint(), s.RDMAContext()
@@ -1258,13 +1258,20 @@ func pushInto(callCtx context.Context, s *transport.Session, ps *peerSpace, m *r
 }
 
 // copyInto copies src device to device where m says (the range at off),
-// through the space's mapping. A GPU source is copied on the space's stream,
-// the message not waiting for it, and a receiver's event marks the copy's
-// end: its number comes back. Otherwise the copy is complete when
+// through the space's mapping, once src arrived (within ctx). A GPU source
+// is copied on the space's stream, the message not waiting for it, and a
+// receiver's event marks the copy's end: its number comes back. Otherwise the copy is complete when
 // copyInto returns (0); once the space has a stream, such a copy runs on it
 // too, after any copy still queued into the same range (one whose message
 // was never sent, or whose receiver gave the range back without waiting).
-func (p *peerSpace) copyInto(s *transport.Session, m *rtr, off, gen uint64, src Source) (uint32, error) {
+func (p *peerSpace) copyInto(ctx context.Context, s *transport.Session, m *rtr, off, gen uint64, src Source) (uint32, error) {
+	if b := src.Buffer; b != nil && b.Pending() {
+		// A source still arriving (received stream-ordered, sent on) is
+		// waited for once, here, within its bound and the call's life.
+		if err := b.Await(ctx); err != nil {
+			return 0, fmt.Errorf("the payload sent on did not arrive: %w", err)
+		}
+	}
 	mapping, err := p.mapped(s)
 	if err != nil {
 		return 0, err

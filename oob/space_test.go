@@ -315,15 +315,23 @@ func TestFetchStreamOrderedBoundsOwnersCopy(t *testing.T) {
 		return len(sp.inUse)
 	}
 
+	kind := func(err error) TransferErrorKind {
+		var te *TransferError
+		require.ErrorAs(t, err, &te)
+		return te.Kind
+	}
 	start := time.Now()
 	_, err = Fetch(context.Background(), d, dst)
 	require.ErrorIs(t, err, devicebuf.ErrNotArrived, "the transfer timeout")
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.Equal(t, TransferTimeout, kind(err), "classed as the default path's wait")
 	require.Less(t, time.Since(start), 10*time.Second)
 	require.Zero(t, inUse(), "the range went back")
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	_, err = Fetch(ctx, d, dst)
 	require.ErrorIs(t, err, context.Canceled, "the caller's context")
+	require.Equal(t, TransferCanceled, kind(err))
 	require.Zero(t, inUse(), "the range went back")
 
 	// The buffer itself, handed out Pending: its waits end the same way.

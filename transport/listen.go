@@ -428,6 +428,7 @@ func (l *Listener) serveTCP(c net.Conn, host netip.Prefix) {
 		_ = s.Close()
 	case <-s.Done(): // pushed out by newer ones (await)
 		_ = gc.Close()
+		_ = s.Close() // its goroutines end before the listener's Close returns
 	}
 }
 
