@@ -447,9 +447,9 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 		held[w] = append(held[w], t)
 	}
 	// Pull: each call asks for the next variant of the payload in turn and
-	// its payload is checked once its time is taken (check, in batch): the
+	// its payload is checked once its time is taken (followUp, in batch): the
 	// first call's whole, the others' windows at its start, middle and end.
-	// Its release follows the check.
+	// Its release follows the check, timed with the call.
 	wins := make([][]window, variants)
 	for v := range variants {
 		want := pat
@@ -459,11 +459,11 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 		wins[v] = windowsOf(want)
 	}
 	turn := make([]int, b.o.inflight) // per goroutine: its calls so far
-	call := func(cctx context.Context, w int, first bool) (func() error, error) {
+	call := func(cctx context.Context, w int, first bool) (*followUp, error) {
 		defer trace.StartRegion(cctx, "gdrperf.call").End()
 		var p peer.Peer
 		var err error
-		var check func() error
+		var after *followUp
 		if b.o.op == "pull" {
 			v := turn[w] % variants
 			turn[w]++
@@ -478,19 +478,20 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 			if err != nil {
 				gdrcodec.ReleaseAll(t)
 			} else {
-				check = func() error {
-					var err error
-					if first {
-						err = checkTensor(t, pat)
-					} else {
-						err = checkWindows(t, size, wins[v])
-					}
-					if err != nil {
-						gdrcodec.ReleaseAll(t)
-						return fmt.Errorf("payload variant %d: %w", v, err)
-					}
-					keep(w, t)
-					return nil
+				after = &followUp{
+					check: func() error {
+						var err error
+						if first {
+							err = checkTensor(t, pat)
+						} else {
+							err = checkWindows(t, size, wins[v])
+						}
+						if err != nil {
+							return fmt.Errorf("payload variant %d: %w", v, err)
+						}
+						return nil
+					},
+					release: func() { keep(w, t) },
 				}
 			}
 		} else {
@@ -512,7 +513,7 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 		if s := transport.SessionFromPeer(&p); s != nil {
 			sessions.LoadOrStore(s.ID(), true) // a read once the session is known
 		}
-		return check, err
+		return after, err
 	}
 	// The warm-up's transfers are not counted; every fallback is reported.
 	take := func() []oob.TransferInfo {
@@ -739,7 +740,7 @@ func checkTensor(t *tensorpb.Tensor, pat []byte) error {
 // measurePlain times the same call over plain gRPC on TCP.
 // plainMake is a plain gRPC call of Make for size bytes, unchecked.
 func (b *bench) plainMake(size int) callFunc {
-	return func(cctx context.Context, w int, _ bool) (func() error, error) {
+	return func(cctx context.Context, w int, _ bool) (*followUp, error) {
 		return nil, b.plainConn(w).Invoke(cctx, methodMake, wrapperspb.UInt64(uint64(size)), new(wrapperspb.BytesValue))
 	}
 }
@@ -805,7 +806,7 @@ func (b *bench) measureCopy(size int) (float64, error) {
 
 func (b *bench) measurePlain(ctx context.Context, size int, pat []byte) (float64, error) {
 	crc := uint64(tensor.ChecksumBytes(pat))
-	return b.timeCalls(ctx, size, func(cctx context.Context, w int, first bool) (func() error, error) {
+	return b.timeCalls(ctx, size, func(cctx context.Context, w int, first bool) (*followUp, error) {
 		defer trace.StartRegion(cctx, "gdrperf.grpc").End()
 		if b.o.op == "pull" {
 			out := new(wrapperspb.BytesValue)
@@ -835,9 +836,34 @@ func (b *bench) pushPlain(ctx context.Context, w int, method string, p []byte, f
 	return err
 }
 
-// callFunc makes one call on worker w (0 ≤ w < -inflight). It may return a
-// check to run once the call's clock stopped.
-type callFunc func(ctx context.Context, w int, first bool) (check func() error, err error)
+// callFunc makes one call on worker w (0 ≤ w < -inflight). It may return
+// what is left to do with the call's payload.
+type callFunc func(ctx context.Context, w int, first bool) (*followUp, error)
+
+// followUp is what a call leaves to do with its payload: check it once the
+// call's time was taken, outside that time, then release it, inside (an
+// application's release is part of its call). With -inflight N, where the
+// batch's wall time is what counts, the goroutines check only their first
+// verified call and their last, after the batch; the others are released
+// unchecked as they end. Either field may be nil.
+type followUp struct {
+	check   func() error
+	release func()
+}
+
+// finish checks f's payload and releases it, returning how long the release
+// took and the check's error.
+func (f *followUp) finish() (time.Duration, error) {
+	var err error
+	if f.check != nil {
+		err = f.check()
+	}
+	start := time.Now()
+	if f.release != nil {
+		f.release()
+	}
+	return time.Since(start), err
+}
 
 // timeCalls makes the warm-up calls, then the measured ones, each bounded by
 // callCtx. The first call runs alone and is verified; then, with -inflight 1,
@@ -882,8 +908,18 @@ func (b *bench) batch(ctx context.Context, call callFunc, workers, n int, verify
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	times := make([][]time.Duration, workers)
+	later := make([][]*followUp, workers) // -inflight N: the follow-ups run after the batch
 	var first error
 	var fail sync.Once
+	failed := func(w, i int, err error) {
+		fail.Do(func() {
+			first = fmt.Errorf("call %d: %w", i, err)
+			if workers > 1 {
+				first = fmt.Errorf("goroutine %d, %w", w, first)
+			}
+			cancel()
+		})
+	}
 	var wg sync.WaitGroup
 	start := time.Now()
 	for w := range workers {
@@ -892,23 +928,29 @@ func (b *bench) batch(ctx context.Context, call callFunc, workers, n int, verify
 				verified := verify && w == 0 && i == 0
 				cctx, ccancel := b.callCtx(ctx, verified)
 				t0 := time.Now()
-				check, err := call(cctx, w, verified)
+				after, err := call(cctx, w, verified)
 				if err == nil && b.drain != nil && (workers == 1 || i == n-1) {
 					err = b.drain(w)
 				}
 				d := time.Since(t0)
 				ccancel()
-				if err == nil && check != nil {
-					err = check()
+				if after != nil {
+					switch {
+					case err != nil:
+						after.finish() // released; the call's error is what counts
+					case workers == 1:
+						var took time.Duration
+						took, err = after.finish()
+						d += took
+					case verified || i == n-1:
+						later[w] = append(later[w], after)
+					default:
+						after.check = nil
+						after.finish()
+					}
 				}
 				if err != nil {
-					fail.Do(func() {
-						first = fmt.Errorf("call %d: %w", i, err)
-						if workers > 1 {
-							first = fmt.Errorf("goroutine %d, %w", w, first)
-						}
-						cancel()
-					})
+					failed(w, i, err)
 					return
 				}
 				times[w] = append(times[w], d)
@@ -917,6 +959,13 @@ func (b *bench) batch(ctx context.Context, call callFunc, workers, n int, verify
 	}
 	wg.Wait()
 	wall := time.Since(start)
+	for w, fs := range later {
+		for _, f := range fs {
+			if _, err := f.finish(); err != nil {
+				failed(w, n-1, err)
+			}
+		}
+	}
 	return slices.Concat(times...), wall, first
 }
 
@@ -1011,7 +1060,7 @@ func (b *bench) measureNaive(ctx context.Context, size int, pat []byte) (float64
 		}
 	}
 	crc := uint64(tensor.ChecksumBytes(pat))
-	return b.timeCalls(ctx, size, func(cctx context.Context, w int, first bool) (func() error, error) {
+	return b.timeCalls(ctx, size, func(cctx context.Context, w int, first bool) (*followUp, error) {
 		dev := devs[w]
 		if b.o.op == "pull" {
 			out := new(wrapperspb.BytesValue)
@@ -1021,7 +1070,7 @@ func (b *bench) measureNaive(ctx context.Context, size int, pat []byte) (float64
 			if err := copyIn(dev, out.GetValue()); err != nil || !first {
 				return nil, err
 			}
-			return func() error {
+			return &followUp{check: func() error {
 				back := make([]byte, size)
 				if err := copyOut(back, dev); err != nil {
 					return err
@@ -1030,7 +1079,7 @@ func (b *bench) measureNaive(ctx context.Context, size int, pat []byte) (float64
 					return errors.New("received payload differs from the one sent")
 				}
 				return nil
-			}, nil
+			}}, nil
 		}
 		host := make([]byte, size)
 		if err := copyOut(host, dev); err != nil {

@@ -28,12 +28,15 @@
 // a unary call that carries its payload in the message, gdrpc's conn against
 // plain gRPC over TCP, between two processes.
 //
-// Every call's payload is checked once its time was taken, outside it. With
-// -op pull the calls ask for one of two payloads in turn (the server keeps
-// both), so that bytes left over from the previous call, or another call's,
-// are told from the ones asked for: the first call's whole payload is
-// compared, the others' first, middle and last 4 KiB (copied to the host
-// for a GPU payload), and a payload is released after its check. With -op
+// Payloads are checked outside the time measured. With -op pull the calls
+// ask for one of two payloads in turn (the server keeps both), so that bytes
+// left over from the previous call, or another call's, are told from the
+// ones asked for: the first call's whole payload is compared, the others'
+// first, middle and last 4 KiB (copied to the host for a GPU payload). With
+// -inflight 1 every call's payload is checked once its time was taken, and
+// released after the check, the release timed with the call; with -inflight
+// N, whose figure is the batch's wall time, each goroutine's last call is
+// checked after the batch and the others are released unchecked. With -op
 // push the server checksums the first request, and one more after the timed
 // ones, whole (CRC-32C); the timed requests go unchecked, since the server's
 // checksum would count in their time. A payload that differs fails the run.
