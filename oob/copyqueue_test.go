@@ -190,6 +190,29 @@ func TestCopyQueueBackToBack(t *testing.T) {
 	r.check(1, second)
 }
 
+// neverArriving returns a buffer of rangeLen bytes whose arrival is another
+// stream's event recorded behind work that never ends (until unhang), its
+// waits bounded by within; the test's end unhangs the stream and closes it
+// and the event.
+func (r *copyQueueRig) neverArriving(within time.Duration) (src *devicebuf.Buffer, unhang func()) {
+	t := r.t
+	other, err := devicebuf.NewCopyStream(0)
+	require.NoError(t, err)
+	unhang, err = r.g.Hang(other.Handle())
+	require.NoError(t, err)
+	arrival, _, err := devicebuf.NewIPCEvent(0)
+	require.NoError(t, err)
+	require.NoError(t, other.Record(arrival))
+	t.Cleanup(func() {
+		unhang()
+		require.NoError(t, other.Close())
+		require.NoError(t, arrival.Close())
+	})
+	mem, err := r.gpu.Alloc(rangeLen)
+	require.NoError(t, err)
+	return devicebuf.WrapArriving(mem.Ptr(), rangeLen, 0, func() { mem.Release() }, arrival, within), unhang
+}
+
 // A source whose bytes are still arriving (a payload received stream-ordered
 // and sent on) is waited for within its bound before its copy is queued: the
 // space's stream never waits on another process's event, so a copy of a
@@ -197,17 +220,7 @@ func TestCopyQueueBackToBack(t *testing.T) {
 // its close wait for that source.
 func TestCopyQueueSourceNeverArrives(t *testing.T) {
 	r := newCopyQueueRig(t, 2)
-	other, err := devicebuf.NewCopyStream(0)
-	require.NoError(t, err)
-	unhang, err := r.g.Hang(other.Handle())
-	require.NoError(t, err)
-	defer unhang()
-	arrival, _, err := devicebuf.NewIPCEvent(0)
-	require.NoError(t, err)
-	require.NoError(t, other.Record(arrival))
-	mem, err := r.gpu.Alloc(rangeLen)
-	require.NoError(t, err)
-	src := devicebuf.WrapArriving(mem.Ptr(), rangeLen, 0, func() { mem.Release() }, arrival, 50*time.Millisecond)
+	src, unhang := r.neverArriving(50 * time.Millisecond)
 	ev, _, err := devicebuf.NewIPCEvent(0)
 	require.NoError(t, err)
 	require.ErrorIs(t, r.q.copyInto(r.mapping, &rtr{IPCOffset: 0, Length: rangeLen}, src, ev), devicebuf.ErrNotArrived)
@@ -240,9 +253,7 @@ func TestCopyQueueSourceNeverArrives(t *testing.T) {
 		t.Fatal("the queue's close waits for a source that never arrives")
 	}
 	unhang()
-	require.NoError(t, other.Close())
 	require.NoError(t, ev.Close())
-	require.NoError(t, arrival.Close())
 }
 
 // A source sent on while still arriving is waited for once, within its
@@ -253,19 +264,9 @@ func TestPeerSpaceCopyWaitsOnce(t *testing.T) {
 	const bound = 200 * time.Millisecond
 	r := newCopyQueueRig(t, 1)
 	cs, _ := tcpPair(t)
-	other, err := devicebuf.NewCopyStream(0)
-	require.NoError(t, err)
-	unhang, err := r.g.Hang(other.Handle())
-	require.NoError(t, err)
-	defer unhang()
-	arrival, _, err := devicebuf.NewIPCEvent(0)
-	require.NoError(t, err)
-	require.NoError(t, other.Record(arrival))
+	src, unhang := r.neverArriving(bound)
 	ev, h, err := devicebuf.NewIPCEvent(0)
 	require.NoError(t, err)
-	mem, err := r.gpu.Alloc(rangeLen)
-	require.NoError(t, err)
-	src := devicebuf.WrapArriving(mem.Ptr(), rangeLen, 0, func() { mem.Release() }, arrival, bound)
 	p := &peerSpace{id: 1, taken: map[uint64]*write{0: {n: rangeLen, gen: 1}}, eventOf: map[uint64]int{},
 		mapping: r.mapping.Retain(), events: []devicebuf.IPCEventHandle{h}, opened: []*devicebuf.Event{ev},
 		eventUses: []int{0}, copies: r.q}
@@ -282,7 +283,5 @@ func TestPeerSpaceCopyWaitsOnce(t *testing.T) {
 	p.mapping.Release()
 	unhang()
 	r.close()
-	require.NoError(t, other.Close())
 	require.NoError(t, ev.Close())
-	require.NoError(t, arrival.Close())
 }
