@@ -282,10 +282,11 @@ func (b *Buffer) Await(ctx context.Context) error {
 	if ev == nil {
 		return nil
 	}
-	if done, err := ev.Query(); err != nil || !done {
-		if err != nil {
-			return err
-		}
+	done, err := ev.Query() // arrived already: no wait, no timer
+	if err != nil {
+		return err
+	}
+	if !done {
 		if err := b.awaitArrival(ctx, ev); err != nil {
 			return err
 		}

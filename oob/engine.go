@@ -578,14 +578,7 @@ func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, erro
 		// into dst once it is there (stream-ordered, it may still be
 		// arriving); the release gives the range back.
 		if err := b.Await(ctx); err != nil {
-			kind := TransferFailed
-			switch {
-			case errors.Is(err, context.DeadlineExceeded):
-				kind = TransferTimeout // the owner's copy did not complete in time
-			case errors.Is(err, context.Canceled):
-				kind = TransferCanceled
-			}
-			return path, &TransferError{Token: d.Token, Kind: kind, Err: fmt.Errorf("the payload's arrival in receive space: %w", err)}
+			return path, &TransferError{Token: d.Token, Kind: waitKind(err, TransferFailed), Err: fmt.Errorf("the payload's arrival in receive space: %w", err)}
 		}
 		if err := devicebuf.Copy(dst, b); err != nil {
 			return path, &TransferError{Token: d.Token, Err: fmt.Errorf("copy from receive space: %w", err)}
@@ -808,20 +801,26 @@ func beyondPool(a devicebuf.Allocator, n int, err error) *devicebuf.Buffer {
 	return devicebuf.HostFromBytes(make([]byte, n))
 }
 
+// waitKind is the kind of a failed wait for a payload in receive space: a
+// timeout (the owner's copy did not complete in time), the end of the caller
+// or its call, or otherwise.
+func waitKind(err error, otherwise TransferErrorKind) TransferErrorKind {
+	switch {
+	case errors.Is(err, context.DeadlineExceeded):
+		return TransferTimeout
+	case errors.Is(err, errCallEnded), errors.Is(err, context.Canceled):
+		return TransferCanceled
+	}
+	return otherwise
+}
+
 // takeLanded returns the payload d names in this process's receive space,
 // noting the range in the Call of ctx.
 func takeLanded(ctx context.Context, d Descriptor) (*devicebuf.Buffer, Path, error) {
 	start := time.Now()
 	dst, sp, err := fetchLanded(ctx, d, callOf(ctx))
 	if err != nil {
-		kind := TransferInvalid
-		switch {
-		case errors.Is(err, context.DeadlineExceeded):
-			kind = TransferTimeout // the owner's copy did not complete in time
-		case errors.Is(err, errCallEnded), errors.Is(err, context.Canceled):
-			kind = TransferCanceled
-		}
-		return nil, d.SpacePath, &TransferError{Token: d.Token, Kind: kind, Err: err}
+		return nil, d.SpacePath, &TransferError{Token: d.Token, Kind: waitKind(err, TransferInvalid), Err: err}
 	}
 	if dst.Kind() == devicebuf.CUDA && d.SpacePath == PathRDMA {
 		if err := devicebuf.FlushRDMAWrites(dst.Device()); err != nil {
@@ -912,11 +911,6 @@ func copyFromSource(dst *devicebuf.Buffer, src Source, stream *devicebuf.Stream)
 	}
 	if stream == nil {
 		return devicebuf.Copy(dst, b)
-	}
-	// A source still arriving is waited for within its bound, not by the
-	// stream: that is a receive space's, shared by its copies (copyQueue).
-	if err := b.Wait(); err != nil {
-		return err
 	}
 	if err := devicebuf.CopyAsync(stream, dst, b); err != nil {
 		return err

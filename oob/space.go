@@ -1260,10 +1260,11 @@ func pushInto(callCtx context.Context, s *transport.Session, ps *peerSpace, m *r
 // copyInto copies src device to device where m says (the range at off),
 // through the space's mapping, once src arrived (within ctx). A GPU source
 // is copied on the space's stream, the message not waiting for it, and a
-// receiver's event marks the copy's end: its number comes back. Otherwise the copy is complete when
-// copyInto returns (0); once the space has a stream, such a copy runs on it
-// too, after any copy still queued into the same range (one whose message
-// was never sent, or whose receiver gave the range back without waiting).
+// receiver's event marks the copy's end: its number comes back. Otherwise
+// the copy is complete when copyInto returns (0); once the space has a
+// stream, such a copy runs on it too, after any copy still queued into the
+// same range (one whose message was never sent, or whose receiver gave the
+// range back without waiting).
 func (p *peerSpace) copyInto(ctx context.Context, s *transport.Session, m *rtr, off, gen uint64, src Source) (uint32, error) {
 	if b := src.Buffer; b != nil && b.Pending() {
 		// A source still arriving (received stream-ordered, sent on) is
@@ -1332,13 +1333,12 @@ func (p *peerSpace) eventFor(s *transport.Session, off, gen uint64, dev int, src
 
 // eventForLocked picks the event to mark the next copy: the first free
 // one, or, when every event marks a range still held, the next in turn,
-// shared. A shared event is sound because all the copies of a space queue on its one
-// stream, in order: recorded after a later copy, an event completes only
-// once every earlier copy has, so a receiver waiting on it for an earlier
-// one waits longer, never too little. Longer is until the later copy ends:
-// a copy that never does (its source a payload forwarded before it arrived,
-// which never arrives) holds every copy queued after it already, and now
-// the held payloads not yet waited on whose events those copies share
+// shared. A shared event is sound because all the copies of a space queue
+// on its one stream, in order: recorded after a later copy, an event
+// completes only once every earlier copy has, so a receiver waiting on it
+// for an earlier one waits longer, never too little: until the later copy
+// ends. No copy waits on anything but the device (a source still arriving
+// is waited for before its copy is queued), so none holds the others up
 // (p.mu held).
 func (p *peerSpace) eventForLocked() int {
 	if i := slices.Index(p.eventUses, 0); i >= 0 {
@@ -1463,10 +1463,11 @@ func (q *copyQueue) copyInto(mapping *devicebuf.Buffer, m *rtr, src *devicebuf.B
 	}
 	defer dst.Release()
 	defer trace.StartRegion(context.Background(), "gdrpc.ipc-copy-queue").End()
-	// A source still arriving (received stream-ordered, sent on) is waited
-	// for here, within its bound: the stream is the space's, and a wait on
-	// another process's event there would hold up every copy into the space
-	// and its close for as long as that process's work runs.
+	// peerSpace.copyInto waited for a source still arriving (received
+	// stream-ordered, sent on) within the call's context; the stream's
+	// guard, within the source's bound: the stream is the space's, and a wait
+	// on another process's event there would hold up every copy into the
+	// space and its close for as long as that process's work runs.
 	if err := src.Wait(); err != nil {
 		return err
 	}

@@ -39,6 +39,17 @@ func newContext(t testing.TB, tls string) *rdma.Context {
 	return c
 }
 
+// defaultContext is a UCX context on the transports UCX picks itself,
+// closed at the test's end.
+func defaultContext(t testing.TB) *rdma.Context {
+	t.Helper()
+	requireUCX(t)
+	c, err := rdma.NewContext()
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, c.Close()) })
+	return c
+}
+
 func testCtx(t testing.TB) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	t.Cleanup(cancel)

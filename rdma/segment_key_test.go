@@ -14,7 +14,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/rdma"
 )
 
@@ -50,10 +49,7 @@ func laneMD(t *testing.T, ep *rdma.Endpoint, component string) int {
 // unpack, whose error path crashes, never sees it. Keys of live segments still
 // unpack.
 func TestUnpackKeyDeadSegment(t *testing.T) {
-	testenv.Need(t, "ucx", rdma.Available())
-	c, err := rdma.NewContext()
-	require.NoError(t, err)
-	defer c.Close()
+	c := defaultContext(t)
 	client, _ := pair(t, c)
 	const addr, n = 0x10000000, 4096
 
@@ -64,7 +60,7 @@ func TestUnpackKeyDeadSegment(t *testing.T) {
 	comp := binary.LittleEndian.AppendUint64(nil, 1<<63|1<<62|uint64(1<<29)<<30|uint64(os.Getpid()))
 	comp = binary.LittleEndian.AppendUint64(comp, addr)
 	comp = binary.LittleEndian.AppendUint64(comp, n)
-	_, err = client.UnpackKey(forgedKey(posix, comp, addr, n))
+	_, err := client.UnpackKey(forgedKey(posix, comp, addr, n))
 	require.ErrorIs(t, err, rdma.ErrBadKey)
 	require.ErrorContains(t, err, "does not open")
 
@@ -107,10 +103,7 @@ func TestUnpackKeyDeadSegment(t *testing.T) {
 // segment that does not attach unpacks without it (UCX's unpack would crash
 // on it), and a live segment's key is no direct copy.
 func TestUnpackKeyKeepsLaneDomains(t *testing.T) {
-	testenv.Need(t, "ucx", rdma.Available())
-	c, err := rdma.NewContext()
-	require.NoError(t, err)
-	defer c.Close()
+	c := defaultContext(t)
 	probe, _ := pair(t, c)
 	sysv, tcp := laneMD(t, probe, "sysv"), laneMD(t, probe, "tcp")
 	if sysv < 0 || tcp < 0 {
@@ -189,10 +182,7 @@ func keyComponents(packed []byte) (comps map[int][]byte, base, n uint64) {
 // process's other memory, and one flagged for huge pages that its file is
 // not on makes UCX's unpack fail, and crash. Both are refused.
 func TestUnpackKeyComponentOutsideRegion(t *testing.T) {
-	testenv.Need(t, "ucx", rdma.Available())
-	c, err := rdma.NewContext()
-	require.NoError(t, err)
-	defer c.Close()
+	c := defaultContext(t)
 	client, _ := pair(t, c)
 	m, err := c.Alloc(1 << 20)
 	require.NoError(t, err)

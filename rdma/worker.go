@@ -15,7 +15,6 @@ import (
 	"net/netip"
 	"os"
 	"runtime"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -808,7 +807,7 @@ func resolve(ctx context.Context, addr string) (netip.AddrPort, error) {
 	if host == "" {
 		return netip.AddrPortFrom(netip.IPv4Unspecified(), uint16(pn)), nil
 	}
-	if ip, err := netip.ParseAddr(strings.TrimSuffix(strings.TrimPrefix(host, "["), "]")); err == nil && !ip.Unmap().Is4() {
+	if ip, err := netip.ParseAddr(host); err == nil && !ip.Unmap().Is4() {
 		return netip.AddrPort{}, ErrIPv6
 	}
 	ips, err := net.DefaultResolver.LookupNetIP(ctx, "ip4", host)

@@ -422,14 +422,14 @@ func (l *Listener) serveTCP(c net.Conn, host netip.Prefix) {
 	// accepting lets pile up are bounded as those without a stream are.
 	select {
 	case l.acceptCh <- gc:
+		return
 	case <-l.done:
-		// Never served: closed at once, and Close waits for it (wg).
-		_ = gc.Close()
-		_ = s.Close()
 	case <-s.Done(): // pushed out by newer ones (await)
-		_ = gc.Close()
-		_ = s.Close() // its goroutines end before the listener's Close returns
 	}
+	// Never served: closed at once, and the listener's Close waits for its
+	// goroutines to end (wg).
+	_ = gc.Close()
+	_ = s.Close()
 }
 
 // handshakeTCP serves a connection until its handshake ends. It returns the
