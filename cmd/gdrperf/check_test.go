@@ -1,7 +1,10 @@
 package main
 
 import (
+	"context"
+	"errors"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -55,4 +58,51 @@ func TestCheckWindows(t *testing.T) {
 	small := variantPattern(100, 1)
 	require.NoError(t, checkWindows(inline(small), 100, windowsOf(small)))
 	require.Error(t, checkWindows(inline(variantPattern(100, 0)), 100, windowsOf(small)))
+}
+
+// Which calls of a batch have their payload checked, one call at a time:
+// every one with -check every; with -check ends the verified first and the
+// batch's last. Every call's payload is released either way, and a failed
+// check fails the batch.
+func TestCheckEnds(t *testing.T) {
+	for _, tc := range []struct {
+		check   string
+		verify  bool
+		checked []int
+	}{
+		{"every", false, []int{0, 1, 2, 3, 4}},
+		{"ends", false, []int{4}},
+		{"ends", true, []int{0, 4}},
+	} {
+		t.Run(tc.check, func(t *testing.T) {
+			b := &bench{o: &options{check: tc.check, callLimit: time.Minute}}
+			var checked []int
+			released, calls := 0, 0
+			call := func(_ context.Context, _ int, _ bool) (*followUp, error) {
+				i := calls
+				calls++
+				return &followUp{
+					check:   func() error { checked = append(checked, i); return nil },
+					release: func() { released++ },
+				}, nil
+			}
+			times, _, err := b.batch(t.Context(), call, 1, 5, tc.verify)
+			require.NoError(t, err)
+			require.Len(t, times, 5)
+			require.Equal(t, tc.checked, checked)
+			require.Equal(t, 5, released)
+
+			// The last call's payload is wrong: the batch fails in either mode.
+			calls = 0
+			bad := func(ctx context.Context, w int, first bool) (*followUp, error) {
+				f, _ := call(ctx, w, first)
+				if calls == 5 {
+					f.check = func() error { return errors.New("payload differs") }
+				}
+				return f, nil
+			}
+			_, _, err = b.batch(t.Context(), bad, 1, 5, tc.verify)
+			require.ErrorContains(t, err, "call 4: payload differs")
+		})
+	}
 }

@@ -527,6 +527,7 @@ func TestFlags(t *testing.T) {
 		{name: "stream-ordered push", args: []string{"-stream-ordered", "-mem", "cuda", "-op", "push"}, err: "-op pull"},
 		{name: "hold", args: []string{"-hold", "-1"}, err: "-hold"},
 		{name: "hold push", args: []string{"-hold", "4", "-op", "push"}, err: "-op pull"},
+		{name: "check", args: []string{"-check", "some"}, err: "-check"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
