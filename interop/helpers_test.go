@@ -234,12 +234,30 @@ func startServer(tb testing.TB, opts []transport.Option, creds credentials.Trans
 // its transfers have been idle a moment) would carry it, on its own transport.
 func noSessions(tb testing.TB) {
 	tb.Helper()
-	deadline := time.Now().Add(testTimeout)
-	for transport.ReadStats().Sessions != 0 {
-		if time.Now().After(deadline) {
-			tb.Fatalf("%d sessions of earlier tests still registered", transport.ReadStats().Sessions)
+	settle(tb, "sessions of earlier tests", func() error {
+		if n := transport.ReadStats().Sessions; n != 0 {
+			return fmt.Errorf("%d still registered", n)
 		}
-		time.Sleep(10 * time.Millisecond) // polling for earlier sessions to close, bounded by the deadline
+		return nil
+	})
+}
+
+// settle polls check until it returns nil, and fails the test with what,
+// and check's last error, once testTimeout passed: for state that other
+// goroutines (sessions closing, releases on their way) change in their own
+// time, with nothing to wait on.
+func settle(tb testing.TB, what string, check func() error) {
+	tb.Helper()
+	deadline := time.Now().Add(testTimeout)
+	for {
+		err := check()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			tb.Fatalf("%s: %v", what, err)
+		}
+		time.Sleep(10 * time.Millisecond) // polling, bounded by the deadline
 	}
 }
 
@@ -394,6 +412,34 @@ func (p *pathCounter) Transfer(i oob.TransferInfo) {
 }
 
 func (p *pathCounter) Fallback(oob.Path, oob.Path, string) {}
+
+// succeeded returns how many pulls were counted since the last reset, after
+// checking that none failed.
+func (p *pathCounter) succeeded(tb testing.TB) int {
+	tb.Helper()
+	require.Empty(tb, p.failures())
+	n := 0
+	for _, k := range p.reset() {
+		n += k
+	}
+	return n
+}
+
+// concurrently runs f(w) for each w below workers, each on a goroutine of its
+// own, and fails the test with every error they returned.
+func concurrently(tb testing.TB, workers int, f func(w int) error) {
+	tb.Helper()
+	errs := make(chan error, workers)
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() { errs <- f(w) })
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(tb, err)
+	}
+}
 
 // reset returns the pulls counted since the last reset.
 func (p *pathCounter) reset() map[string]int {

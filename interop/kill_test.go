@@ -42,17 +42,7 @@ const (
 // goroutines, no sessions, no outbox entries, no attached buffers.
 func requireSettled(t *testing.T) {
 	t.Helper()
-	deadline := time.Now().Add(testTimeout)
-	for {
-		err := leaks(-1)
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("leaked: %v", err)
-		}
-		time.Sleep(20 * time.Millisecond) // polling for shutdown, bounded by the deadline
-	}
+	settle(t, "leaked", func() error { return leaks(-1) })
 }
 
 // waitDone waits (bounded) until the session closed and left the registry.

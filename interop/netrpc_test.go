@@ -262,17 +262,7 @@ func requirePayloadsSettled(tb testing.TB) {
 		}
 		return nil
 	}
-	deadline := time.Now().Add(testTimeout)
-	for {
-		err := check()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			tb.Fatalf("payloads still held: %v", err)
-		}
-		time.Sleep(10 * time.Millisecond) // polling for releases on the sessions' goroutines, bounded by the deadline
-	}
+	settle(tb, "payloads still held", check)
 }
 
 // memoryMaps counts the UCX memory maps and the pool regions alive.
@@ -301,17 +291,7 @@ func requireNetRPCSettled(t *testing.T, before memoryMaps) {
 		}
 		return nil
 	}
-	deadline := time.Now().Add(testTimeout)
-	for {
-		err := check()
-		if err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("left after close: %v", err)
-		}
-		time.Sleep(10 * time.Millisecond) // polling for what goes with the sessions, bounded by the deadline
-	}
+	settle(t, "left after close", check)
 }
 
 // landingCounter is a pathCounter that also counts the payloads that landed
@@ -340,13 +320,12 @@ func (c *landingCounter) Transfer(i oob.TransferInfo) {
 // receive space one peer advertised.
 func waitPeerSpace(tb testing.TB) {
 	tb.Helper()
-	deadline := time.Now().Add(testTimeout)
-	for oob.ReadStats().PeerSpaces != 1 {
-		if time.Now().After(deadline) {
-			tb.Fatalf("peers' receive spaces: %+v, want one", oob.ReadStats())
+	settle(tb, "peers' receive spaces", func() error {
+		if st := oob.ReadStats(); st.PeerSpaces != 1 {
+			return fmt.Errorf("%+v, want one", st)
 		}
-		time.Sleep(time.Millisecond) // polling for the advertisement, bounded by the deadline
-	}
+		return nil
+	})
 }
 
 // netRPCPair starts a server and dials a client for tc, checks that the
@@ -450,38 +429,22 @@ func TestNetRPCConcurrentCalls(t *testing.T) {
 			c, sess, closeAll := netRPCPair(t, tc)
 			threshold := eagerThreshold(sess.Transport())
 
-			errs := make(chan error, workers)
-			var wg sync.WaitGroup
-			for w := range workers {
-				wg.Go(func() {
-					errs <- func() error {
-						for r := range rounds {
-							seed := uint32(w*rounds + r)
-							n := 1<<10 + w // inline
-							if w%2 == 0 {
-								n = threshold + 64<<10 + w // out-of-band
-							}
-							name := fmt.Sprintf("worker=%d/round=%d", w, r)
-							if err := echo(c, name, pattern(n, 2*seed), pattern(n+1, 2*seed+1)); err != nil {
-								return err
-							}
-						}
-						return nil
-					}()
-				})
-			}
-			wg.Wait()
-			close(errs)
-			for err := range errs {
-				require.NoError(t, err)
-			}
-			require.Empty(t, paths.failures())
-			pulls := 0
-			for _, k := range paths.reset() {
-				pulls += k
-			}
+			concurrently(t, workers, func(w int) error {
+				for r := range rounds {
+					seed := uint32(w*rounds + r)
+					n := 1<<10 + w // inline
+					if w%2 == 0 {
+						n = threshold + 64<<10 + w // out-of-band
+					}
+					name := fmt.Sprintf("worker=%d/round=%d", w, r)
+					if err := echo(c, name, pattern(n, 2*seed), pattern(n+1, 2*seed+1)); err != nil {
+						return err
+					}
+				}
+				return nil
+			})
 			// Data and blob, up and down, for each call of the even workers.
-			require.Equal(t, rounds*(workers/2)*4, pulls)
+			require.Equal(t, rounds*(workers/2)*4, paths.succeeded(t))
 			requirePayloadsSettled(t)
 			closeAll()
 		})
