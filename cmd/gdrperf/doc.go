@@ -36,7 +36,11 @@
 // -inflight 1 every call's payload is checked once its time was taken, and
 // released after the check, the release timed with the call; with -inflight
 // N, whose figure is the batch's wall time, each goroutine's last call is
-// checked after the batch and the others are released unchecked. With -op
+// checked after the batch and the others are released unchecked. -check
+// ends does the same one call at a time (the batch's last call checked, the
+// others released unchecked): reading a GPU payload back is a GPU operation
+// of the client's, and on a GPU both processes share the server's next copy
+// then waits for the GPU to switch back to its context. With -op
 // push the server checksums the first request, and one more after the timed
 // ones, whole (CRC-32C); the timed requests go unchecked, since the server's
 // checksum would count in their time. A payload that differs fails the run.
