@@ -9,6 +9,7 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"errors"
 	"fmt"
 	"hash/crc32"
 	"math/big"
@@ -429,16 +430,13 @@ func (p *pathCounter) succeeded(tb testing.TB) int {
 // own, and fails the test with every error they returned.
 func concurrently(tb testing.TB, workers int, f func(w int) error) {
 	tb.Helper()
-	errs := make(chan error, workers)
+	errs := make([]error, workers)
 	var wg sync.WaitGroup
 	for w := range workers {
-		wg.Go(func() { errs <- f(w) })
+		wg.Go(func() { errs[w] = f(w) })
 	}
 	wg.Wait()
-	close(errs)
-	for err := range errs {
-		require.NoError(tb, err)
-	}
+	require.NoError(tb, errors.Join(errs...))
 }
 
 // reset returns the pulls counted since the last reset.

@@ -62,47 +62,65 @@ func TestCheckWindows(t *testing.T) {
 
 // Which calls of a batch have their payload checked, one call at a time:
 // every one with -check every; with -check ends the verified first and the
-// batch's last. Every call's payload is released either way, and a failed
-// check fails the batch.
+// measured phase's last, and in a warm-up batch none but the verified. Every
+// call's payload is released either way, its release inside the call's
+// time, and a failed check fails the batch.
 func TestCheckEnds(t *testing.T) {
+	const n = 5
 	for _, tc := range []struct {
-		check   string
-		verify  bool
-		checked []int
+		name     string
+		check    string
+		verify   bool
+		measured bool
+		checked  []int
 	}{
-		{"every", false, []int{0, 1, 2, 3, 4}},
-		{"ends", false, []int{4}},
-		{"ends", true, []int{0, 4}},
+		{name: "every", check: "every", measured: true, checked: []int{0, 1, 2, 3, 4}},
+		{name: "ends", check: "ends", measured: true, checked: []int{4}},
+		{name: "ends verified", check: "ends", verify: true, measured: true, checked: []int{0, 4}},
+		{name: "ends warm-up", check: "ends", verify: true, checked: []int{0}},
 	} {
-		t.Run(tc.check, func(t *testing.T) {
+		t.Run(tc.name, func(t *testing.T) {
 			b := &bench{o: &options{check: tc.check, callLimit: time.Minute}}
+			// A release that takes releaseTime: the call's time must hold it.
+			const releaseTime = 2 * time.Millisecond
 			var checked []int
 			released, calls := 0, 0
 			call := func(_ context.Context, _ int, _ bool) (*followUp, error) {
 				i := calls
 				calls++
 				return &followUp{
-					check:   func() error { checked = append(checked, i); return nil },
-					release: func() { released++ },
+					check: func() error { checked = append(checked, i); return nil },
+					release: func() {
+						time.Sleep(releaseTime) // stands for a release's work, not for synchronization
+						released++
+					},
 				}, nil
 			}
-			times, _, err := b.batch(t.Context(), call, 1, 5, tc.verify)
+			times, _, err := b.batch(t.Context(), call, 1, n, tc.verify, tc.measured)
 			require.NoError(t, err)
-			require.Len(t, times, 5)
+			require.Len(t, times, n)
+			for i, d := range times {
+				require.GreaterOrEqual(t, d, releaseTime, "call %d's time leaves its release out", i)
+			}
 			require.Equal(t, tc.checked, checked)
-			require.Equal(t, 5, released)
+			require.Equal(t, n, released)
 
-			// The last call's payload is wrong: the batch fails in either mode.
-			calls = 0
+			// The last call's payload is wrong: a measured batch fails in
+			// either mode, its payloads all released.
+			if !tc.measured {
+				return
+			}
+			calls, released = 0, 0
 			bad := func(ctx context.Context, w int, first bool) (*followUp, error) {
 				f, _ := call(ctx, w, first)
-				if calls == 5 {
+				if calls == n {
 					f.check = func() error { return errors.New("payload differs") }
 				}
 				return f, nil
 			}
-			_, _, err = b.batch(t.Context(), bad, 1, 5, tc.verify)
+			_, _, err = b.batch(t.Context(), bad, 1, n, tc.verify, true)
 			require.ErrorContains(t, err, "call 4: payload differs")
+			require.Equal(t, n, released)
 		})
 	}
 }

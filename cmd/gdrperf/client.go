@@ -845,8 +845,9 @@ type callFunc func(ctx context.Context, w int, first bool) (*followUp, error)
 // application's release is part of its call). With -inflight N, where the
 // batch's wall time is what counts, the goroutines check only their first
 // verified call and their last, after the batch; the others are released
-// unchecked as they end. With -check ends, one call at a time, so are they
-// (the last's check runs before its release, after its time was taken).
+// unchecked as they end. With -check ends, one call at a time, only the
+// verified call and the measured phase's last are checked (before their
+// release, after their time was taken); the others are released unchecked.
 // Either field may be nil.
 type followUp struct {
 	check   func() error
@@ -878,21 +879,21 @@ func (f *followUp) finish() (time.Duration, error) {
 func (b *bench) timeCalls(ctx context.Context, size int, call callFunc, measuring func()) (float64, error) {
 	verified := b.o.warmup == 0
 	if !verified {
-		if _, _, err := b.batch(ctx, call, 1, 1, true); err != nil {
+		if _, _, err := b.batch(ctx, call, 1, 1, true, false); err != nil {
 			return 0, err
 		}
 		rest := b.o.warmup - 1
 		if b.o.inflight > 1 {
 			rest = b.o.warmup
 		}
-		if _, _, err := b.batch(ctx, call, b.o.inflight, rest, false); err != nil {
+		if _, _, err := b.batch(ctx, call, b.o.inflight, rest, false, false); err != nil {
 			return 0, err
 		}
 	}
 	if measuring != nil {
 		measuring()
 	}
-	calls, wall, err := b.batch(ctx, call, b.o.inflight, b.o.iters, verified)
+	calls, wall, err := b.batch(ctx, call, b.o.inflight, b.o.iters, verified, true)
 	if err != nil {
 		return 0, err
 	}
@@ -904,9 +905,12 @@ func (b *bench) timeCalls(ctx context.Context, size int, call callFunc, measurin
 
 // batch runs n calls on each of workers goroutines and returns each call's
 // time and the wall time of the whole. With verify, worker 0's first call
-// is verified. The first failure stops the other goroutines' calls and is
+// is verified. measured marks the measured phase: with -check ends, one
+// call at a time, its last call is checked, and no warm-up call but the
+// verified one (whose read-back would come just before the first measured
+// call). The first failure stops the other goroutines' calls and is
 // the error returned.
-func (b *bench) batch(ctx context.Context, call callFunc, workers, n int, verify bool) ([]time.Duration, time.Duration, error) {
+func (b *bench) batch(ctx context.Context, call callFunc, workers, n int, verify, measured bool) ([]time.Duration, time.Duration, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	times := make([][]time.Duration, workers)
@@ -941,7 +945,7 @@ func (b *bench) batch(ctx context.Context, call callFunc, workers, n int, verify
 					case err != nil:
 						after.finish() // released; the call's error is what counts
 					case workers == 1:
-						if b.o.check == "ends" && !verified && i < n-1 {
+						if b.o.check == "ends" && !verified && (i < n-1 || !measured) {
 							after.check = nil
 						}
 						var took time.Duration

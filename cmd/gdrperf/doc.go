@@ -33,12 +33,13 @@
 // left over from the previous call, or another call's, are told from the
 // ones asked for: the first call's whole payload is compared, the others'
 // first, middle and last 4 KiB (copied to the host for a GPU payload). With
-// -inflight 1 every call's payload is checked once its time was taken, and
-// released after the check, the release timed with the call; with -inflight
-// N, whose figure is the batch's wall time, each goroutine's last call is
-// checked after the batch and the others are released unchecked. -check
-// ends does the same one call at a time (the batch's last call checked, the
-// others released unchecked): reading a GPU payload back is a GPU operation
+// -inflight 1 and -check every (the default) every call's payload is checked
+// once its time was taken, and released after the check, the release timed
+// with the call; with -inflight N, whose figure is the batch's wall time,
+// each goroutine's last call is checked after the batch and the others are
+// released unchecked. -check ends checks, one call at a time, only the
+// verified first call and the last measured one, and releases the others
+// unchecked (timed as well): reading a GPU payload back is a GPU operation
 // of the client's, and on a GPU both processes share the server's next copy
 // then waits for the GPU to switch back to its context. With -op
 // push the server checksums the first request, and one more after the timed

@@ -105,7 +105,7 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	reqSpace := fs.String("request-space", "0", "receive space the server advertises to a trusted client for its requests' payloads (gdrpc.WithReceiveSpace on the listener), a size or 0 for none; the re-executed server gets it, and across hosts give it to -server (op push)")
 	fs.DurationVar(&o.callLimit, "call-timeout", time.Minute, "bound of each measured call")
 	fs.BoolVar(&o.ordered, "stream-ordered", false, "client: take payloads that land in GPU receive space before their copy ends (gdrpc.WithStreamOrdered) and order a stream of the calling goroutine after each; a goroutine's calls end after its stream has caught up, so with -inflight 1 every call includes its copy (needs -recv cuda, -op pull)")
-	fs.StringVar(&o.check, "check", "every", "every: one call at a time, each call's payload is read back once its time is taken, before the next call (on one GPU this reading puts the client's GPU context between the server's copies); ends: only the first, verified call and each batch's last are read back (with -inflight N, always ends)")
+	fs.StringVar(&o.check, "check", "every", "op pull, one call at a time: every, each call's payload is read back once its time is taken, before the next call (on a GPU both processes share, this reading puts the client's GPU context between the server's copies); ends, only the verified first call and the last measured one are read back (with -inflight N each goroutine's first verified and last call are, whatever -check says)")
 	fs.IntVar(&o.hold, "hold", 0, "client, op pull: each calling goroutine keeps its last N received payloads, releasing the oldest as the next arrives, as a caller holding a window of tensors does (each holds a range of a receive space meanwhile: N+1 per goroutine while the next arrives)")
 	fs.BoolVar(&o.trust, "trust-peers", false, "gdrpc.WithTrustPeers on both ends: UCX sessions (auto mode), their RDMA and CUDA IPC paths and receive spaces; without it sessions run over TCP and payloads take the stream path")
 	fs.BoolVar(&o.baselines, "baselines", true, "measure the baselines (plain gRPC, ucx_perftest, dtod, naive); false measures gdrpc alone, e.g. for -cpuprofile")
@@ -199,6 +199,8 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, fmt.Errorf("-call-timeout %v: want a positive duration", o.callLimit)
 	case o.ordered && (o.recv != "cuda" || o.op != "pull"):
 		return nil, errors.New("-stream-ordered needs -recv cuda (or -mem cuda) and -op pull")
+	case o.check != "every" && o.op != "pull":
+		return nil, fmt.Errorf("-check %s: with -op pull (the server checksums pushed requests)", o.check)
 	case o.hold < 0 || o.hold > 0 && o.op != "pull":
 		return nil, fmt.Errorf("-hold %d: want 0 or more, with -op pull", o.hold)
 	}

@@ -528,6 +528,7 @@ func TestFlags(t *testing.T) {
 		{name: "hold", args: []string{"-hold", "-1"}, err: "-hold"},
 		{name: "hold push", args: []string{"-hold", "4", "-op", "push"}, err: "-op pull"},
 		{name: "check", args: []string{"-check", "some"}, err: "-check"},
+		{name: "check push", args: []string{"-check", "ends", "-op", "push"}, err: "-op pull"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -548,6 +549,10 @@ func TestFlags(t *testing.T) {
 	o, err = parseFlags([]string{"-mem", "cuda"}, &bytes.Buffer{})
 	require.NoError(t, err)
 	require.Equal(t, "cuda", o.recv)
+	require.Equal(t, "every", o.check)
+	o, err = parseFlags([]string{"-check", "ends"}, &bytes.Buffer{})
+	require.NoError(t, err)
+	require.Equal(t, "ends", o.check)
 }
 
 func TestSizes(t *testing.T) {
