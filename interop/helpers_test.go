@@ -29,6 +29,7 @@ import (
 	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
+	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/internal/testenv"
 	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/oob"
@@ -241,6 +242,24 @@ func noSessions(tb testing.TB) {
 		}
 		return nil
 	})
+}
+
+// oobPath is the path of out-of-band payloads over a session of transport tr
+// (Session.Transport).
+func oobPath(tb testing.TB, tr string) string {
+	tb.Helper()
+	path, ok := map[string]string{"ucx": "rdma", "tcp": "stream"}[tr]
+	require.True(tb, ok, "transport %q", tr)
+	return path
+}
+
+// eagerThreshold is the payload size from which payloads go out-of-band
+// over a session of transport tr.
+func eagerThreshold(tr string) int {
+	if tr == "tcp" {
+		return gdrcodec.StreamEagerThreshold
+	}
+	return gdrcodec.DefaultEagerThreshold
 }
 
 // settle polls check until it returns nil, and fails the test with what,

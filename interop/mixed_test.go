@@ -112,9 +112,9 @@ func TestMixedPeers(t *testing.T) {
 					require.NoError(t, err)
 					require.Equal(t, c.kind, kinds.last(t))
 					wantPath := "" // the path of out-of-band pulls
+					threshold := 0 // the size from which payloads go out-of-band
 					if sess := transport.SessionFromPeer(&p); sess != nil {
-						wantPath = map[string]string{"ucx": "rdma", "tcp": "stream"}[sess.Transport()]
-						require.NotEmpty(t, wantPath, "transport %q", sess.Transport())
+						wantPath, threshold = oobPath(t, sess.Transport()), eagerThreshold(sess.Transport())
 					}
 					if c.kind == "plain" {
 						require.Equal(t, "tcp", p.Addr.Network(), "a plain client dials TCP")
@@ -153,10 +153,6 @@ func TestMixedPeers(t *testing.T) {
 								require.Equal(t, n, len(p))
 								require.True(t, bytes.Equal(pattern(n, uint32(n)), p), "payload differs")
 								pulls := paths.reset()
-								threshold := gdrcodec.DefaultEagerThreshold
-								if wantPath == "stream" {
-									threshold = gdrcodec.StreamEagerThreshold // a TCP session's
-								}
 								if c.oob && n >= threshold {
 									require.Equal(t, map[string]int{wantPath: 1}, pulls, "the gdrpc client pulls out-of-band")
 								} else {

@@ -218,23 +218,6 @@ func netRPCOptions(tb testing.TB, tc transportCase) []gdrpc.Option {
 	return opts
 }
 
-// oobPath is the path of out-of-band payloads over a session of transport tr.
-func oobPath(tb testing.TB, tr string) string {
-	tb.Helper()
-	path, ok := map[string]string{"ucx": "rdma", "tcp": "stream"}[tr]
-	require.True(tb, ok, "transport %q", tr)
-	return path
-}
-
-// eagerThreshold is the payload size from which payloads go out-of-band
-// over a session of transport tr.
-func eagerThreshold(tr string) int {
-	if tr == "tcp" {
-		return gdrcodec.StreamEagerThreshold
-	}
-	return gdrcodec.DefaultEagerThreshold
-}
-
 // requirePayloadsSettled checks (bounded) that no payload is held any more,
 // the sessions still open: no outbox entry, no pull under way, no buffer
 // attached to a message, no range of a receive space held by the client or

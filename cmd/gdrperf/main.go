@@ -58,7 +58,7 @@ type options struct {
 	trust     bool   // the -trust-peers flag (passed to the child)
 	ordered   bool   // -stream-ordered: take Pending GPU payloads, order a stream after them
 	hold      int    // -hold: received payloads each goroutine keeps before releasing the oldest
-	check     string // -check: every, or ends (a batch's last call and the verified first)
+	check     string // -check: every, or ends (the verified first call and the last measured one)
 	pathMask  oob.Path
 	callLimit time.Duration
 	verbose   bool
