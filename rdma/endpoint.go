@@ -41,6 +41,7 @@ type Endpoint struct {
 	stalled  bool // draining stopped: the ring is full
 	cut      bool // the peer closed with more unread than drainMax: the rest was dropped
 	finished bool // the peer's FIN came: what it sends after is dropped, never read
+	finAcks  int  // FIN-ACKs sent (worker lock): one, whatever number of FINs the peer sends
 	drainReq bool // a drain is queued
 	term     error
 	eof      bool      // term: the peer closed; Read returns io.EOF
@@ -174,6 +175,14 @@ func (e *Endpoint) peerFailed(status int) {
 // everything it sent before is in UCX's queue by now. The FIN-ACK tells the
 // peer it may release its endpoint.
 func (e *Endpoint) peerFinished() {
+	e.mu.Lock()
+	again := e.finished
+	e.mu.Unlock()
+	if again {
+		// A peer closes once: a FIN after the first answers nothing, and
+		// an ack for each would let it queue requests without bound.
+		return
+	}
 	e.unlist()
 	e.drain(true)
 	e.mu.Lock()
@@ -185,6 +194,7 @@ func (e *Endpoint) peerFinished() {
 	} else {
 		e.setTerm(errPeerClosed, true, true)
 	}
+	e.finAcks++
 	e.issueFIN(true, func(int) {})
 }
 

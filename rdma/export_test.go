@@ -104,6 +104,15 @@ func (e *Endpoint) SendFIN() error {
 	return nil
 }
 
+// FINAcksSent is how many FIN-ACKs e sent its peer.
+func (e *Endpoint) FINAcksSent() (int, error) {
+	res := make(chan int, 1)
+	if err := e.w.submit(func() { res <- e.finAcks }); err != nil {
+		return 0, err
+	}
+	return <-res, nil
+}
+
 // Buffered is how many received bytes e holds for its Reads.
 func (e *Endpoint) Buffered() int {
 	e.mu.Lock()

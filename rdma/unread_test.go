@@ -91,6 +91,33 @@ func TestNoDataAfterFIN(t *testing.T) {
 	}
 }
 
+// TestOneFINAckPerPeer: a peer that sends FIN after FIN gets one FIN-ACK,
+// the first FIN's: each further one would be a request of the receiver's
+// that the peer alone decides to queue.
+func TestOneFINAckPerPeer(t *testing.T) {
+	for _, tr := range transports {
+		t.Run(tr.name, func(t *testing.T) {
+			c := newContext(t, tr.tls)
+			client, server := pair(t, c)
+			for range 5 {
+				require.NoError(t, server.SendFIN())
+			}
+			require.NoError(t, server.Flush(testCtx(t)))
+			// A round of the client's worker after the FINs reached it:
+			// its progress handles their arrival before the round's end.
+			round := make(chan struct{})
+			w := c.Worker()
+			require.NoError(t, w.Submit(func() { w.Later(func() { close(round) }) }))
+			<-round
+			n, err := client.FINAcksSent()
+			require.NoError(t, err)
+			require.Equal(t, 1, n, "FIN-ACKs sent for 5 FINs")
+			_, err = io.ReadAll(client)
+			require.NoError(t, err) // the reads end at the first FIN
+		})
+	}
+}
+
 // UCX gives a released endpoint's address to the next endpoint it creates,
 // possibly before the first one's close completion is handled: that
 // completion leaves the FIN and FIN-ACK events naming the address to the
