@@ -5,9 +5,12 @@
 // a call costs), in either process; how many idle Ps were given a thread
 // meanwhile (threads woken: on a virtual machine each may cost the wake-up
 // of an idle core) and which goroutines yielded; the calls into C (UCX,
-// the CUDA driver) and syscalls made meanwhile; and a call's timeline across
-// both processes: when each kind of hand-off and call into C happens in a
-// call, and when the goroutine it readied got to run or the call returned
+// the CUDA driver) and syscalls made meanwhile; the other regions begun
+// meanwhile, gdrpc's own steps among them (gdrpc.marshal, gdrpc.unmarshal,
+// gdrpc.ipc-copy-queue: a GPU copy's queueing, gdrpc.rtr and gdrpc.wait-fin:
+// a rendezvous); and a call's timeline across both processes: when each
+// kind of hand-off, call into C and region happens in a call, and when the
+// goroutine it readied got to run, the call returned or the region ended
 // (medians from the call's start), which shows where a call waits for a
 // thread rather than for work. The timeline assumes one call at a time
 // (gdrperf's -inflight 1): the events of calls in flight together mix.

@@ -67,13 +67,16 @@ func readFile(path, region string) (*events, error) {
 // the given type, with the calling goroutine's states inside them), every
 // hand-off (a goroutine made runnable by another), every yield (a running
 // goroutine put back in a run queue), every P started (an idle P given a
-// thread: a thread woken to run goroutines) and every cgo call.
+// thread: a thread woken to run goroutines), every cgo call and every other
+// region (gdrpc marks its own steps: gdrpc.marshal, gdrpc.unmarshal, a GPU
+// copy's queueing, a rendezvous's wait).
 type events struct {
 	calls    []*call
 	handoffs []handoff
 	yields   []handoff // by: where it yielded; reason: why
 	starts   []trace.Time
 	cgo      []cgoCall
+	regions  []cgoCall // fn: "region " and the region's type; at: its start
 }
 
 // call is one region: when, and how long its goroutine spent in each state.
@@ -91,6 +94,8 @@ type handoff struct {
 	ran    trace.Time
 }
 
+// cgoCall is a call into C or a syscall (or, in events.regions, a region):
+// when it began, what it was and how long it took.
 type cgoCall struct {
 	at   trace.Time
 	fn   string
@@ -111,6 +116,11 @@ func read(r io.Reader, region string) (*events, error) {
 	since := map[trace.GoID]trace.Time{} // since when
 	inCgo := map[trace.GoID]cgoCall{}    // cgo calls under way
 	woken := map[trace.GoID]int{}        // goroutines made runnable by another: the hand-off's index
+	type regionKey struct {
+		g   trace.GoID
+		typ string
+	}
+	regions := map[regionKey][]trace.Time{} // other regions under way: their starts, innermost last
 	settle := func(g trace.GoID, now trace.Time) {
 		if c := open[g]; c != nil && state[g] != "" {
 			c.states[state[g]] += time.Duration(now - max(since[g], c.start))
@@ -128,6 +138,9 @@ func read(r io.Reader, region string) (*events, error) {
 		case trace.EventRegionBegin:
 			if e.Region().Type == region {
 				open[e.Goroutine()] = &call{start: e.Time(), states: map[string]time.Duration{}}
+			} else {
+				k := regionKey{e.Goroutine(), e.Region().Type}
+				regions[k] = append(regions[k], e.Time())
 			}
 		case trace.EventRegionEnd:
 			g := e.Goroutine()
@@ -136,6 +149,14 @@ func read(r io.Reader, region string) (*events, error) {
 				c.end = e.Time()
 				ev.calls = append(ev.calls, c)
 				delete(open, g)
+			}
+			// A region begun before the trace did ends unmatched: it
+			// has no start to measure from.
+			if k := (regionKey{g, e.Region().Type}); len(regions[k]) > 0 && k.typ != region {
+				n := len(regions[k]) - 1
+				start := regions[k][n]
+				regions[k] = regions[k][:n]
+				ev.regions = append(ev.regions, cgoCall{at: start, fn: "region " + k.typ, took: time.Duration(e.Time() - start)})
 			}
 		case trace.EventStateTransition:
 			st := e.StateTransition()
@@ -274,6 +295,7 @@ func report(out io.Writer, calls []*call, traces []*events, names []string, top 
 	for i, ev := range traces {
 		slices.SortFunc(ev.handoffs, func(a, b handoff) int { return int(a.at - b.at) })
 		slices.SortFunc(ev.cgo, func(a, b cgoCall) int { return int(a.at - b.at) })
+		slices.SortFunc(ev.regions, func(a, b cgoCall) int { return int(a.at - b.at) })
 		hs := within(calls, len(ev.handoffs), func(j int) trace.Time { return ev.handoffs[j].at })
 		var per []int // hand-offs per call
 		kinds := map[string]int{}
@@ -316,27 +338,19 @@ func report(out io.Writer, calls []*call, traces []*events, names []string, top 
 			return []string{fmt.Sprintf("%.2f", r.perc), r.key}
 		})
 
-		cs := within(calls, len(ev.cgo), func(j int) trace.Time { return ev.cgo[j].at })
-		byFn := map[string][]time.Duration{}
-		for _, c := range cs {
-			for _, x := range ev.cgo[c[0]:c[1]] {
-				byFn[x.fn] = append(byFn[x.fn], x.took)
-			}
-		}
-		rows = rows[:0]
-		for fn, d := range byFn {
-			var sum time.Duration
-			for _, x := range d {
-				sum += x
-			}
-			rows = append(rows, row{key: fn, perc: float64(sum) / float64(len(calls)), med: median(d), n: len(d)})
-		}
+		rows = spans(calls, ev.cgo)
 		table(out, fmt.Sprintf("\n%s: calls into C and syscalls during the calls", names[i]), []string{"µs per call", "median µs", "count", "function"}, rows, top, func(r row) []string {
 			return []string{fmt.Sprintf("%.1f", r.perc/1e3), us(r.med), fmt.Sprint(r.n), r.key}
 		})
+		if len(ev.regions) > 0 {
+			rows = spans(calls, ev.regions)
+			table(out, fmt.Sprintf("\n%s: regions begun during the calls (gdrpc's own steps among them)", names[i]), []string{"µs per call", "median µs", "count", "region"}, rows, top, func(r row) []string {
+				return []string{fmt.Sprintf("%.1f", r.perc/1e3), us(r.med), fmt.Sprint(r.n), strings.TrimPrefix(r.key, "region ")}
+			})
+		}
 	}
 
-	fmt.Fprintln(out, "\na call's timeline: when each hand-off and call into C happens in a call, and when the goroutine made runnable ran or the call into C returned (medians, µs from the call's start, over the calls that have it; rows in a third of the calls or more)")
+	fmt.Fprintln(out, "\na call's timeline: when each hand-off, call into C and region happens in a call, and when the goroutine made runnable ran, the call into C returned or the region ended (medians, µs from the call's start, over the calls that have it; rows in a third of the calls or more)")
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "at\tuntil\tof calls\twhat")
 	for _, m := range timeline(calls, traces, names, 1.0/3) {
@@ -347,6 +361,27 @@ func report(out io.Writer, calls []*call, traces []*events, names []string, top 
 		fmt.Fprintf(tw, "%s\t%s\t%.0f%%\t%s\n", us(m.at), until, 100*m.share, m.what)
 	}
 	tw.Flush()
+}
+
+// spans sums, per function (or region), the spans of xs (sorted by start)
+// that begin inside the calls: time per call, median and count.
+func spans(calls []*call, xs []cgoCall) []row {
+	cs := within(calls, len(xs), func(j int) trace.Time { return xs[j].at })
+	byFn := map[string][]time.Duration{}
+	for _, c := range cs {
+		for _, x := range xs[c[0]:c[1]] {
+			byFn[x.fn] = append(byFn[x.fn], x.took)
+		}
+	}
+	var rows []row
+	for fn, d := range byFn {
+		var sum time.Duration
+		for _, x := range d {
+			sum += x
+		}
+		rows = append(rows, row{key: fn, perc: float64(sum) / float64(len(calls)), med: median(d), n: len(d)})
+	}
+	return rows
 }
 
 // mark is one row of a call's timeline: a kind of event (or its 2nd, 3rd or
@@ -374,8 +409,10 @@ func timeline(calls []*call, traces []*events, names []string, minShare float64)
 	for i, ev := range traces {
 		slices.SortFunc(ev.handoffs, func(a, b handoff) int { return int(a.at - b.at) })
 		slices.SortFunc(ev.cgo, func(a, b cgoCall) int { return int(a.at - b.at) })
+		slices.SortFunc(ev.regions, func(a, b cgoCall) int { return int(a.at - b.at) })
 		hs := within(calls, len(ev.handoffs), func(j int) trace.Time { return ev.handoffs[j].at })
 		cs := within(calls, len(ev.cgo), func(j int) trace.Time { return ev.cgo[j].at })
+		rs := within(calls, len(ev.regions), func(j int) trace.Time { return ev.regions[j].at })
 		for k, c := range calls {
 			seen := map[string]int{}
 			last := map[string]span{}
@@ -405,6 +442,9 @@ func timeline(calls []*call, traces []*events, names []string, minShare float64)
 			}
 			for _, x := range ev.cgo[cs[k][0]:cs[k][1]] {
 				note(names[i]+": in C or a syscall: "+x.fn, x.at, x.at+trace.Time(x.took))
+			}
+			for _, x := range ev.regions[rs[k][0]:rs[k][1]] {
+				note(names[i]+": "+x.fn, x.at, x.at+trace.Time(x.took))
 			}
 			for what, l := range last {
 				add(what+" (last)", l.start, l.end)

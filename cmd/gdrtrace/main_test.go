@@ -18,7 +18,8 @@ import (
 
 // traced runs n calls, each a region in which the caller hands a request to
 // a server goroutine and waits for its reply (two hand-offs), under the
-// execution tracer, and returns the trace.
+// execution tracer, and returns the trace. The server marks each reply with
+// a region of its own, "test.serve".
 func traced(t *testing.T, n int) []byte { return tracedYielding(t, n, false) }
 
 // tracedYielding is traced with, when yield is set, the caller yielding its
@@ -32,7 +33,9 @@ func tracedYielding(t *testing.T, n int, yield bool) []byte {
 	go func() {
 		defer close(done)
 		for v := range req {
+			r := trace.StartRegion(context.Background(), "test.serve")
 			resp <- v + 1
+			r.End()
 		}
 	}()
 	for i := range n {
@@ -124,6 +127,49 @@ func TestReport(t *testing.T) {
 	require.Equal(t, 2, strings.Count(s, "yields during the calls"), s)
 	require.Contains(t, s, "a call's timeline")
 	require.Regexp(t, `\n[0-9.]+\s+[0-9.]+\s+100%\s+the call ends\n`, s)
+	// The server's region, one per call, in each trace's table and on
+	// the timeline (both traces are one file here, under one name: 200%
+	// of the calls); the calls' own region is neither.
+	require.Equal(t, 2, strings.Count(s, "regions begun during the calls"), s)
+	require.Regexp(t, `\n[0-9.]+\s+[0-9.]+\s+25\s+test\.serve\n`, s)
+	require.Regexp(t, `\n[0-9.]+\s+[0-9.]+\s+200%\s+\S+c\.trace: region test\.serve\n`, s)
+	require.NotContains(t, s, "region gdrperf.call")
+}
+
+// A region's span is from its begin to its end on the same goroutine, the
+// innermost open one of its type ending first; one that ended without a
+// begin in the trace (begun before tracing started) is left out.
+func TestRegionSpans(t *testing.T) {
+	var buf bytes.Buffer
+	ctx := context.Background()
+	early := trace.StartRegion(ctx, "test.early") // begun before the trace
+	require.NoError(t, trace.Start(&buf))
+	early.End()
+	call := trace.StartRegion(ctx, "gdrperf.call")
+	outer := trace.StartRegion(ctx, "test.step")
+	inner := trace.StartRegion(ctx, "test.step")
+	time.Sleep(time.Millisecond) // a span long enough to tell inner from outer
+	inner.End()
+	time.Sleep(time.Millisecond)
+	outer.End()
+	call.End()
+	trace.Stop()
+	ev, err := read(&buf, "gdrperf.call")
+	require.NoError(t, err)
+	require.Len(t, ev.calls, 1)
+	var steps []time.Duration
+	for _, r := range ev.regions {
+		require.NotEqual(t, "region test.early", r.fn)
+		require.NotEqual(t, "region gdrperf.call", r.fn)
+		if r.fn == "region test.step" {
+			steps = append(steps, r.took)
+		}
+	}
+	require.Len(t, steps, 2)
+	// The inner one ends first, and is the shorter.
+	require.Less(t, steps[0], steps[1])
+	require.GreaterOrEqual(t, steps[0], time.Millisecond)
+	require.GreaterOrEqual(t, steps[1], 2*time.Millisecond)
 }
 
 func TestRunErrors(t *testing.T) {
