@@ -85,7 +85,9 @@
 // into a waiting Read's buffer, so no receive is ever posted and a Read
 // deadline strands nothing. Close flushes, sends a FIN (an active message) and
 // waits (at most 2 s) for the peer's FIN-ACK before the force close: the peer
-// reads everything that was written, then io.EOF. A failed peer ends every
+// reads everything that was written, then io.EOF. Only the peer's first FIN is
+// answered: a peer closes once, and what it sends after its FIN is dropped. A
+// failed peer ends every
 // pending and later operation with an *EndpointError.
 //
 // # Direct copies
