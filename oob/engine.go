@@ -1018,9 +1018,13 @@ func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devi
 	case f = <-p.fin:
 		p.answered = true
 	case <-ctx.Done():
+		// The region ends on every way out: a trace reader refuses a
+		// goroutine's regions that end out of order.
+		r.End()
 		letGo = giveUp
 		return PathNone, sessionError(d.Token, s, ctx, ctx.Err())
 	case <-s.Done():
+		r.End()
 		letGo = settleNow
 		return PathNone, sessionError(d.Token, s, ctx, s.Err())
 	}

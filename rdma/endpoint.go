@@ -30,6 +30,7 @@ type Endpoint struct {
 	rkeys     map[*RemoteKey]struct{}
 	key       string    // pairKey it is listed under in the worker's ends
 	pair      *Endpoint // the peer's endpoint when it is on this worker
+	finAcks   int       // FIN-ACKs issued: one at most, whatever number of FINs the peer sends
 
 	mu       sync.Mutex
 	in       []byte // inbound ring
@@ -41,7 +42,6 @@ type Endpoint struct {
 	stalled  bool // draining stopped: the ring is full
 	cut      bool // the peer closed with more unread than drainMax: the rest was dropped
 	finished bool // the peer's FIN came: what it sends after is dropped, never read
-	finAcks  int  // FIN-ACKs sent (worker lock): one, whatever number of FINs the peer sends
 	drainReq bool // a drain is queued
 	term     error
 	eof      bool      // term: the peer closed; Read returns io.EOF
@@ -194,7 +194,9 @@ func (e *Endpoint) peerFinished() {
 	} else {
 		e.setTerm(errPeerClosed, true, true)
 	}
-	e.finAcks++
+	if e.ce != nil && !e.ucpClosed {
+		e.finAcks++
+	}
 	e.issueFIN(true, func(int) {})
 }
 

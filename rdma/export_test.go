@@ -104,7 +104,7 @@ func (e *Endpoint) SendFIN() error {
 	return nil
 }
 
-// FINAcksSent is how many FIN-ACKs e sent its peer.
+// FINAcksSent is how many FIN-ACKs e issued to its peer.
 func (e *Endpoint) FINAcksSent() (int, error) {
 	res := make(chan int, 1)
 	if err := e.w.submit(func() { res <- e.finAcks }); err != nil {

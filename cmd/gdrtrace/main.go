@@ -342,9 +342,8 @@ func report(out io.Writer, calls []*call, traces []*events, names []string, top 
 		table(out, fmt.Sprintf("\n%s: calls into C and syscalls during the calls", names[i]), []string{"µs per call", "median µs", "count", "function"}, rows, top, func(r row) []string {
 			return []string{fmt.Sprintf("%.1f", r.perc/1e3), us(r.med), fmt.Sprint(r.n), r.key}
 		})
-		if len(ev.regions) > 0 {
-			rows = spans(calls, ev.regions)
-			table(out, fmt.Sprintf("\n%s: regions begun during the calls (gdrpc's own steps among them)", names[i]), []string{"µs per call", "median µs", "count", "region"}, rows, top, func(r row) []string {
+		if rows = spans(calls, ev.regions); len(rows) > 0 {
+			table(out, fmt.Sprintf("\n%s: regions begun during the calls (gdrpc's own steps among them; a region inside another counts in both)", names[i]), []string{"µs per call", "median µs", "count", "region"}, rows, top, func(r row) []string {
 				return []string{fmt.Sprintf("%.1f", r.perc/1e3), us(r.med), fmt.Sprint(r.n), strings.TrimPrefix(r.key, "region ")}
 			})
 		}
