@@ -1013,22 +1013,22 @@ func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devi
 		return PathNone, sessionError(d.Token, s, ctx, err)
 	}
 	var f *fin
+	var ended error // the pull's context or session ended first
 	r = trace.StartRegion(ctx, "gdrpc.wait-fin")
 	select {
 	case f = <-p.fin:
 		p.answered = true
 	case <-ctx.Done():
-		// The region ends on every way out: a trace reader refuses a
-		// goroutine's regions that end out of order.
-		r.End()
-		letGo = giveUp
-		return PathNone, sessionError(d.Token, s, ctx, ctx.Err())
+		letGo, ended = giveUp, ctx.Err()
 	case <-s.Done():
-		r.End()
-		letGo = settleNow
-		return PathNone, sessionError(d.Token, s, ctx, s.Err())
+		letGo, ended = settleNow, s.Err()
 	}
+	// Ended before any return: a trace reader refuses a goroutine's
+	// regions that end out of order.
 	r.End()
+	if ended != nil {
+		return PathNone, sessionError(d.Token, s, ctx, ended)
+	}
 	if f.Status != finOK {
 		return f.Path, finError(d.Token, f)
 	}

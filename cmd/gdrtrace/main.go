@@ -151,8 +151,9 @@ func read(r io.Reader, region string) (*events, error) {
 				delete(open, g)
 			}
 			// A region begun before the trace did ends unmatched: it
-			// has no start to measure from.
-			if k := (regionKey{g, e.Region().Type}); len(regions[k]) > 0 && k.typ != region {
+			// has no start to measure from. (The calls' own regions
+			// never have one here.)
+			if k := (regionKey{g, e.Region().Type}); len(regions[k]) > 0 {
 				n := len(regions[k]) - 1
 				start := regions[k][n]
 				regions[k] = regions[k][:n]
