@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"testing/iotest"
 	"time"
@@ -306,8 +307,9 @@ func TestReadAnnounced(t *testing.T) {
 }
 
 // Opening a stream is bounded by its context even when yamux waits: a peer
-// that acknowledges none of the streams this side opens fills yamux's 256
-// slots for streams in opening, and the next open returns at its deadline.
+// that acknowledges none of the streams this side opens fills yamux's slots
+// for streams in opening (streamBacklog), and the next open returns at its
+// deadline.
 func TestOpenStreamBounded(t *testing.T) {
 	cli, s := handPlayedPeer(t, WithKeepAlive(-1, 0), WithHandshakeTimeout(time.Minute))
 	// The peer: a multiplexer that accepts no stream (its backlog holds
@@ -319,7 +321,7 @@ func TestOpenStreamBounded(t *testing.T) {
 	peer, err := yamux.Client(cli, yc)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = peer.Close() })
-	for i := range 256 {
+	for i := range streamBacklog {
 		c, err := s.link.OpenBulk(context.Background())
 		require.NoError(t, err, "stream %d", i)
 		defer c.Close()
@@ -385,4 +387,82 @@ func handPlayedPeer(t *testing.T, opts ...Option) (cli net.Conn, s *Session) {
 	s, err = get()
 	require.NoError(t, err)
 	return cli, s
+}
+
+// A peer that opens streams faster than they are served pins at most the
+// backlog's initial windows: a stream is acknowledged, and its window opened
+// to the session's 16 MiB, only once a handler is free for it; until then it
+// takes 256 KiB at most, and streams past the backlog are reset.
+func TestStreamBacklogBounded(t *testing.T) {
+	release := make(chan struct{})
+	served := make(chan struct{}, MaxStreamHandlers+streamBacklog)
+	var victim atomic.Pointer[Session]
+	setHook(t, &testHooks.bulk, func(s *Session, c net.Conn) {
+		defer c.Close()
+		if s != victim.Load() {
+			return
+		}
+		served <- struct{}{}
+		select {
+		case <-release:
+		case <-s.Done():
+		}
+	})
+	cli, s := handPlayedPeer(t, WithEngine(testEngine{}), WithKeepAlive(-1, 0), WithHandshakeTimeout(time.Minute))
+	victim.Store(s)
+	defer close(release)
+	yc := yamux.DefaultConfig()
+	yc.AcceptBacklog = 4 * MaxStreamHandlers // the peer's own opens never wait
+	yc.EnableKeepAlive = false
+	yc.LogOutput = io.Discard
+	peer, err := yamux.Client(cli, yc)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = peer.Close() })
+	open := func() *yamux.Stream {
+		st, err := peer.OpenStream()
+		require.NoError(t, err)
+		// Refused streams may be reset before the role byte goes.
+		_, _ = st.Write([]byte{roleBulk})
+		return st
+	}
+
+	for i := range MaxStreamHandlers {
+		// One at a time: a burst of opens past the backlog is reset.
+		open()
+		select {
+		case <-served:
+		case <-time.After(20 * time.Second):
+			t.Fatalf("%d of %d handlers ran", i, MaxStreamHandlers)
+		}
+	}
+	waiting := make([]*yamux.Stream, streamBacklog)
+	for i := range waiting {
+		waiting[i] = open()
+	}
+	const past = 8
+	for i := range past {
+		st := open()
+		_ = st.SetReadDeadline(time.Now().Add(20 * time.Second))
+		_, err := st.Read(make([]byte, 1))
+		require.ErrorIs(t, err, yamux.ErrConnectionReset, "stream %d past the backlog", i)
+	}
+
+	// Each stream in the backlog takes what is left of its initial window
+	// and no more: a write past it waits until its deadline.
+	var wg sync.WaitGroup
+	wrote := make([]int, len(waiting))
+	errs := make([]error, len(waiting))
+	for i, st := range waiting {
+		wg.Go(func() {
+			_ = st.SetWriteDeadline(time.Now().Add(500 * time.Millisecond))
+			wrote[i], errs[i] = st.Write(make([]byte, 1<<20))
+		})
+	}
+	wg.Wait()
+	for i := range waiting {
+		require.ErrorIs(t, errs[i], yamux.ErrTimeout, "stream %d in the backlog took %d bytes", i, wrote[i])
+		require.Less(t, wrote[i], 256<<10, "stream %d in the backlog", i)
+	}
+	require.Len(t, served, 0, "no stream beyond the handlers was served")
+	require.NoError(t, s.Err(), "the session lives on")
 }

@@ -178,7 +178,7 @@ func newSession(st sessionSetup) (*Session, error) {
 	s.localAddr, s.remoteAddr = st.conn.LocalAddr(), st.conn.RemoteAddr()
 
 	yc := yamux.DefaultConfig()
-	yc.AcceptBacklog = 256
+	yc.AcceptBacklog = streamBacklog
 	yc.EnableKeepAlive = false // our own keepalive, with our bounds (keepalive.go)
 	yc.ConnectionWriteTimeout = st.cfg.kaTimeout
 	yc.MaxStreamWindowSize = st.cfg.window
@@ -585,20 +585,22 @@ func (s *Session) openStream(ctx context.Context) (*yamux.Stream, error) {
 
 // acceptLoop takes the streams the peer opens and hands them on by role, on
 // at most MaxStreamHandlers goroutines at once; while they are busy, further
-// streams wait in the multiplexer's backlog, and past it are reset.
+// streams wait in the multiplexer's backlog (streamBacklog), and past it are
+// reset. A stream is accepted only once a handler is free for it: accepting
+// acknowledges it and opens its window to the session's (16 MiB by default),
+// which a stream nobody reads would fill.
 func (s *Session) acceptLoop() {
 	defer s.wg.Done()
 	slots := make(chan struct{}, MaxStreamHandlers)
 	for {
-		st, err := s.mux.AcceptStream()
-		if err != nil {
-			return // the session is shutting down; monitor closes it
-		}
 		select {
 		case slots <- struct{}{}:
 		case <-s.done:
-			_ = st.Close()
 			return
+		}
+		st, err := s.mux.AcceptStream()
+		if err != nil {
+			return // the session is shutting down; monitor closes it
 		}
 		s.wg.Add(1)
 		go func() {
@@ -904,3 +906,13 @@ const MaxControlHandlers = 64
 // (a bulk stream is served until its transfer ends). An honest owner opens at
 // most one per push it runs.
 const MaxStreamHandlers = 256
+
+// streamBacklog bounds the streams the peer opened that wait for a handler,
+// unacknowledged, and those this side opened that wait for the peer's
+// acknowledgement (yamux bounds both with one setting). A stream waiting for
+// a handler holds at most yamux's initial window of what the peer sent (256
+// KiB, in a buffer up to twice that), so the backlog bounds what a peer that
+// opens streams faster than they are served pins in one session: 16 MiB. An
+// honest peer opens at most one stream per push (Limits.Pushes, at most 32)
+// beside its gRPC and control streams, and they are served at once.
+const streamBacklog = 32

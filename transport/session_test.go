@@ -276,7 +276,7 @@ func TestConnOnce(t *testing.T) {
 // A peer that opens streams and leaves them hanging holds a bounded number of
 // goroutines: further streams wait in the multiplexer's backlog.
 func TestStreamFlood(t *testing.T) {
-	const flood = MaxStreamHandlers + 200 // within the backlog beyond the handlers
+	const flood = MaxStreamHandlers + streamBacklog // the handlers and the backlog beyond them
 	release := make(chan struct{})
 	defer close(release)
 	streams := make(chan struct{}, flood)
