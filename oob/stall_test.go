@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
 	"net"
 	"sync/atomic"
 	"testing"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/transport"
+	"github.com/gdrpc/gdrpc/transport/transporttest"
 )
 
 // readingInto reports whether a bulk reader is writing into the destination
@@ -256,5 +258,96 @@ func TestStalledBulkPastPullTime(t *testing.T) {
 			_, _ = c.Write(bytes.Repeat([]byte{0xBB}, laneFrameMax/2)) // reaches no reader
 			require.Equal(t, -1, bytes.IndexByte(p, 0xBB), "the owner's late bytes reached the caller's slice")
 		})
+	}
+}
+
+// stallConn stops reading once stalled is set, until unstall closes: the
+// peer's process stopped reading its socket (hung, stopped, or hostile).
+type stallConn struct {
+	net.Conn
+	stalled atomic.Bool
+	unstall chan struct{}
+}
+
+func (c *stallConn) Read(b []byte) (int, error) {
+	if c.stalled.Load() {
+		<-c.unstall
+		return 0, io.EOF
+	}
+	return c.Conn.Read(b)
+}
+
+// A push over a multiplexed bulk stream (a session without a bulk lane)
+// whose write blocks for the keepalive timeout ends the session on the
+// pusher's own goroutine, while it holds its payload's use. The engine's
+// Closed withdraws what was sent toward the peer, that payload among them,
+// and waits for the use to end: it runs on a goroutine of its own, so the
+// push fails and the payload is withdrawn instead of both waiting for good.
+func TestPushWriteTimeoutEndsSession(t *testing.T) {
+	setTransferConfig(t, TransferConfig{Timeout: 20 * time.Second})
+	c1, c2 := net.Pipe()
+	sc := &stallConn{Conn: c1, unstall: make(chan struct{})}
+	side := func() []transport.Option {
+		return []transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(Engine()),
+			transport.WithKeepAlive(-1, 500*time.Millisecond)} // no pings: the write's timeout alone notices
+	}
+	// The client's small stream window: its reads of the bulk stream are
+	// what open it further.
+	cs, ss := transporttest.PairOver(t, sc, c2, append(side(), transport.WithWindow(256<<10)), side())
+	t.Cleanup(func() { close(sc.unstall) }) // before the sessions close
+
+	controlMu.Lock()
+	orig := bulkHandler
+	bulkHandler = func(bs *transport.Session, c net.Conn) {
+		if bs != cs {
+			orig(bs, c)
+			return
+		}
+		defer c.Close()
+		sc.stalled.Store(true)                       // the client stops reading its socket mid-push
+		_, _ = io.ReadFull(c, make([]byte, 192<<10)) // what it buffered already: the window opens once more
+		<-sc.unstall
+	}
+	controlMu.Unlock()
+	t.Cleanup(func() {
+		controlMu.Lock()
+		bulkHandler = orig
+		controlMu.Unlock()
+	})
+
+	payload := bytes.Repeat([]byte{7}, 8<<20)
+	d := Offer(Source{Bytes: payload}, OfferOptions{})
+	SentToward(ss, []Token{d.Token}) // a response's payload, sent toward the client
+	m := &rtr{Req: 1, Token: d.Token, Length: d.Length, Offers: PathStream}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	require.NoError(t, sendControl(ctx, cs, ctlRTR, m.marshal()))
+	select {
+	case <-ss.Done():
+		require.ErrorIs(t, ss.Err(), transport.ErrPeerGone)
+	case <-time.After(20 * time.Second):
+		t.Fatal("the server's session outlived its blocked write")
+	}
+	withdrawn := make(chan struct{})
+	go func() {
+		Withdraw(d.Token)
+		close(withdrawn)
+	}()
+	select {
+	case <-withdrawn:
+	case <-time.After(20 * time.Second):
+		// The sessions' cleanup would wait for good too: end the test binary
+		// here, with every goroutine's stack.
+		panic("withdrawing the pushed payload waits for the push that ended the session")
+	}
+	closed := make(chan struct{})
+	go func() {
+		_ = ss.Close()
+		close(closed)
+	}()
+	select {
+	case <-closed:
+	case <-time.After(20 * time.Second):
+		panic("closing the server's session waits for its pusher")
 	}
 }

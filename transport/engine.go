@@ -43,8 +43,10 @@ type Handler interface {
 	// session stays up while out-of-band transfers still use it.
 	Linger()
 	// Closed runs once the session closed, after it left the registry and
-	// Done was closed, on the goroutine that closed it (it must not call
-	// Close, which waits for that goroutine).
+	// Done was closed, on a goroutine of its own: the session may be closed
+	// by a goroutine of the engine's (an I/O error in one of its writes, an
+	// Abort) that holds what Closed needs. Close waits for it; Closed must
+	// not call Close.
 	Closed()
 	// Join waits for the goroutines the handler started for the session; Close
 	// calls it after Closed.

@@ -99,6 +99,7 @@ type Session struct {
 
 	done      chan struct{}
 	muxClosed chan struct{} // closed once the multiplexer and the connection are closed
+	closedRan chan struct{} // closed once the handler's Closed returned
 	closeOnce sync.Once
 	errMu     sync.Mutex
 	err       error
@@ -164,6 +165,7 @@ func newSession(st sessionSetup) (*Session, error) {
 		ctrlSem:     make(chan struct{}, 1),
 		done:        make(chan struct{}),
 		muxClosed:   make(chan struct{}),
+		closedRan:   make(chan struct{}),
 		laneAddr:    st.laneAddr,
 		tcpLaneAddr: st.tcpLaneAddr,
 		lossLog:     st.lossLog,
@@ -370,6 +372,7 @@ func (s *Session) Released() <-chan struct{} { return s.muxClosed }
 // (a UCX endpoint whose peer does not answer lingers for up to 2 s).
 func (s *Session) Close() error {
 	s.closeWith(nil)
+	<-s.closedRan
 	<-s.muxClosed
 	s.wg.Wait()
 	s.handler.Join()
@@ -430,7 +433,13 @@ func (s *Session) closeWith(cause error) {
 		s.log.Info("session lost", "err", cause)
 	}
 	s.link.end()
-	s.handler.Closed()
+	// The handler's Closed takes the engine's state, and the goroutine that
+	// closed the session may be one of the engine's that holds some of it (a
+	// push whose write failed, which holds its payload while it writes).
+	go func() {
+		defer close(s.closedRan)
+		s.handler.Closed()
+	}()
 }
 
 // gracefulCloseBound bounds how long closeGracefully waits for the peer.
