@@ -212,6 +212,23 @@ func TestLingerNotHeldByServer(t *testing.T) {
 	require.Less(t, time.Since(start), 5*time.Second, "the linger waited for the server's made-up transfers")
 }
 
+// A server's hold that came before the client's first call is dropped once
+// the call is made: the hold was recorded while the side that makes the
+// calls was not known yet, and the server's later release is dropped.
+func TestLingerServerHoldBeforeCall(t *testing.T) {
+	c, s := shortPair(t, time.Minute)
+	ctx := testContext(t)
+	handled := countLingerHandled(t)
+	require.NoError(t, sendControl(ctx, s, ctlHold, lingerMsg(1))) // right after the handshake
+	require.Eventually(t, func() bool { return handled.Load() == 1 }, 10*time.Second, time.Millisecond)
+	Receiving(c) // the client's first call
+	Received(c)
+	require.False(t, stateOf(c).peerHolds(), "the server's hold outlived the client's first call")
+	start := time.Now()
+	requireReturns(t, lingerAsync(stateOf(c)), "client")
+	require.Less(t, time.Since(start), 5*time.Second, "the server's hold kept the client's session lingering")
+}
+
 // At most Limits.PeerLingeringSessions sessions to one peer linger at once
 // (lingerBound here; the default is larger only): a peer that
 // holds each (or keeps it busy) while it rotates connections ends the linger

@@ -73,8 +73,10 @@ type attached struct {
 	lingerSeq atomic.Uint64
 }
 
-// peerHolds reports whether the peer's latest word is a hold.
-func (a *attached) peerHolds() bool { return a.peerLinger.Load()&1 == 1 }
+// peerHolds reports whether the peer's latest word is a hold. A side that
+// made calls over the session takes no word from its peer, which serves
+// them: a hold recorded before the first call counts no more.
+func (a *attached) peerHolds() bool { return !a.receives.Load() && a.peerLinger.Load()&1 == 1 }
 
 // sessions maps the sessions the engine serves, until they close, to their
 // state.
