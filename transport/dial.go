@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/gdrpc/gdrpc/internal/wire"
@@ -98,15 +99,27 @@ func NewClientSession(ctx context.Context, conn net.Conn, opts ...Option) (*Sess
 }
 
 // bindDeadline applies ctx's deadline to conn and makes ctx's end fail its
-// pending I/O. The returned func undoes both.
+// pending I/O. The returned func undoes both (once, however often it is
+// called): where ctx ended meanwhile, it waits for ctx's past deadline to be
+// set before it clears it, so that a conn kept after a handshake that ended
+// as its context did is not left failing every read.
 func bindDeadline(ctx context.Context, conn interface{ SetDeadline(time.Time) error }) func() {
 	if dl, ok := ctx.Deadline(); ok {
 		_ = conn.SetDeadline(dl)
 	}
-	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Unix(1, 0)) })
+	set := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		defer close(set)
+		_ = conn.SetDeadline(time.Unix(1, 0))
+	})
+	var once sync.Once
 	return func() {
-		stop()
-		_ = conn.SetDeadline(time.Time{})
+		once.Do(func() {
+			if !stop() {
+				<-set
+			}
+			_ = conn.SetDeadline(time.Time{})
+		})
 	}
 }
 

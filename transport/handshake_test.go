@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -449,4 +450,43 @@ func TestDialPlainGRPCServer(t *testing.T) {
 	_, err = Dial(ctx, lis.Addr().String(), WithMode(ModeTCP))
 	require.ErrorIs(t, err, ErrNotGDRPC)
 	require.ErrorContains(t, err, "the peer speaks HTTP/2, as a gRPC server on a plain listener does")
+}
+
+// deadlineConn records the last deadline set on it; past is closed once a
+// deadline in the past was set.
+type deadlineConn struct {
+	mu       sync.Mutex
+	dl       time.Time
+	past     chan struct{}
+	pastOnce sync.Once
+}
+
+func (c *deadlineConn) SetDeadline(t time.Time) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.dl = t
+	if !t.IsZero() && t.Before(time.Now()) {
+		c.pastOnce.Do(func() { close(c.past) })
+	}
+	return nil
+}
+
+// A conn whose handshake's context ended just before its deadline was
+// unbound (a session set up right at its deadline, which goes on) is left
+// with no deadline: the context's end, which sets a past one on another
+// goroutine, is waited for.
+func TestUnbindAfterContextEnd(t *testing.T) {
+	for i := range 500 {
+		c := &deadlineConn{past: make(chan struct{})}
+		ctx, cancel := context.WithCancel(context.Background())
+		unbind := bindDeadline(ctx, c)
+		cancel()
+		unbind()
+		unbind() // a second call undoes nothing more, and does not wait
+		<-c.past // the context's end set its deadline, before or after unbind
+		c.mu.Lock()
+		dl := c.dl
+		c.mu.Unlock()
+		require.True(t, dl.IsZero(), "round %d: the conn kept the deadline %v", i, dl)
+	}
 }

@@ -811,7 +811,10 @@ func (l *Listener) acceptUCX() {
 		// than queued.
 		host := hostOfAddr(ep.RemoteAddr())
 		if !l.takeUCXSlot(host) {
-			_ = ep.Close()
+			// Aborted, not closed: nothing was written on it, and a close
+			// waits up to 2 s for a peer that may not answer, which would
+			// hold this loop from every other client.
+			_ = ep.Abort()
 			l.plog.Warn("UCX endpoint closed: too many before their token", "remote", ep.RemoteAddr().String(), "limit", l.ucxSlots)
 			continue
 		}
