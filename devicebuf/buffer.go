@@ -154,25 +154,56 @@ func (b *Buffer) Released() bool { return b.refs.Load() <= 0 }
 // Slice returns a view of n bytes at offset off. The view holds its own reference onto the
 // allocation: release it separately.
 func (b *Buffer) Slice(off, n int) (*Buffer, error) {
-	if b.Released() {
-		return nil, ErrReleased
-	}
 	if off < 0 || n < 0 || off > b.n || n > b.n-off {
 		return nil, fmt.Errorf("devicebuf: slice [%d:+%d] out of range of %d bytes", off, n, b.n)
 	}
+	// b's own reference, held while the view is made: a last Release racing
+	// the Slice frees the memory before or after, never under the view.
+	if !b.tryRetain() {
+		return nil, ErrReleased
+	}
+	defer b.Release()
 	return b.a.newHandle(b.ptr+uintptr(off), n), nil
 }
 
 // Retain adds a reference and returns b. Retaining a released Buffer is a bug and panics.
 func (b *Buffer) Retain() *Buffer {
+	if !b.tryRetain() {
+		panic("devicebuf: Retain of a released Buffer")
+	}
+	return b
+}
+
+// tryRetain adds a reference unless the last one is gone, and reports whether it did.
+func (b *Buffer) tryRetain() bool {
 	for {
 		r := b.refs.Load()
 		if r <= 0 {
-			panic("devicebuf: Retain of a released Buffer")
+			return false
 		}
 		if b.refs.CompareAndSwap(r, r+1) {
-			return b
+			return true
 		}
+	}
+}
+
+// retainAll takes a reference on each of bufs for an operation on their memory, so that
+// a last Release racing it frees the memory only after it (releaseAll drops them). It
+// fails, taking none, when one of them was released.
+func retainAll(bufs ...*Buffer) bool {
+	for i, b := range bufs {
+		if !b.tryRetain() {
+			releaseAll(bufs[:i]...)
+			return false
+		}
+	}
+	return true
+}
+
+// releaseAll drops a reference on each of bufs.
+func releaseAll(bufs ...*Buffer) {
+	for _, b := range bufs {
+		_ = b.Release()
 	}
 }
 

@@ -68,6 +68,10 @@ func Copy(dst, src *Buffer) error {
 	if err != nil || dst.n == 0 {
 		return err
 	}
+	if !retainAll(dst, src) {
+		return ErrReleased
+	}
+	defer releaseAll(dst, src)
 	if p.dir == 0 {
 		return hostCopy(dst, src)
 	}
@@ -91,6 +95,10 @@ func Clear(b *Buffer) error {
 	if b.n == 0 {
 		return nil
 	}
+	if !b.tryRetain() {
+		return ErrReleased
+	}
+	defer b.Release()
 	if b.Kind() == Host {
 		hb, err := b.HostBytes()
 		if err != nil {
@@ -102,7 +110,7 @@ func Clear(b *Buffer) error {
 	if err := b.Wait(); err != nil {
 		return err
 	}
-	d, err := checkDevice(b.a.dev)
+	d, err := driverOf(b)
 	if err != nil {
 		return err
 	}
@@ -216,17 +224,24 @@ func CopyAsync(s *Stream, dst, src *Buffer) error {
 	if s.d == nil {
 		return fmt.Errorf("devicebuf: host-only stream cannot copy %s <- %s", dst, src)
 	}
+	// The references the queued copy keeps until it is known complete, taken first: a
+	// last Release racing the call fails it with ErrReleased instead.
+	if !retainAll(dst, src) {
+		return ErrReleased
+	}
 	for _, b := range [...]*Buffer{src, dst} {
 		if err := b.WaitOn(s); err != nil {
+			releaseAll(dst, src)
 			return fmt.Errorf("devicebuf: async copy %s <- %s: %w", dst, src, err)
 		}
 	}
 	s.life.RLock()
 	defer s.life.RUnlock()
 	if s.isClosed() {
+		releaseAll(dst, src)
 		return fmt.Errorf("devicebuf: stream: %w", net.ErrClosed)
 	}
-	q := queued{bufs: [2]*Buffer{dst.Retain(), src.Retain()}}
+	q := queued{bufs: [2]*Buffer{dst, src}}
 	for _, b := range q.bufs {
 		if b.a.goMem {
 			if q.pins == nil {

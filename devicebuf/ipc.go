@@ -30,9 +30,10 @@ func ExportIPC(b *Buffer) (IPCHandle, int, error) {
 	if b.Kind() != CUDA {
 		return IPCHandle{}, 0, fmt.Errorf("devicebuf: IPC export of %s memory: %w", b.Kind(), ErrNotSupported)
 	}
-	if b.Released() {
+	if !b.tryRetain() {
 		return IPCHandle{}, 0, ErrReleased
 	}
+	defer b.Release()
 	owner := b.a.region.a // the allocation whose memory b lies in (a pool region, for a block)
 	if e := owner.export.Load(); e != nil && b.ptr >= e.base {
 		return e.h, int(b.ptr - e.base), nil

@@ -412,6 +412,12 @@ func (p *Pool) allocOversize(n int) (*Buffer, error) {
 		return nil, fmt.Errorf("devicebuf: %d bytes exceed the pool's largest class (%d) and Oversize is off: %w",
 			n, p.classes[len(p.classes)-1].size, ErrExhausted)
 	}
+	if int64(n) > p.cfg.MaxBytes {
+		// Refused before rounding, which would overflow near the largest int.
+		p.stats.Exhausted++
+		p.mu.Unlock()
+		return nil, fmt.Errorf("devicebuf: %d bytes exceed the pool's MaxBytes (%d): %w", n, p.cfg.MaxBytes, ErrExhausted)
+	}
 	rs := roundPage(n)
 	var victims []*poolRegion
 	if p.total+int64(rs) > p.cfg.MaxBytes {
