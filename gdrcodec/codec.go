@@ -299,6 +299,12 @@ func (c *codec) Unmarshal(data mem.BufferSlice, v any) error {
 	// replacement decodes what plain peers send, as gRPC's own codec does.
 	call, err := bodies.unmarshal(data, v, c.oob)
 	if err != nil {
+		if !carries {
+			// Nothing was attached or pulled, and no stats event would
+			// take a status filed for a message of this type: the decode
+			// fails as a plain codec's does.
+			return err
+		}
 		// A status (too many payloads, a malformed call number) reaches
 		// the caller as the others do; a decoding error stays gRPC's.
 		return receiveFailed(v, err)

@@ -42,10 +42,12 @@ func TrackedForTest() (receiving, sending int) {
 }
 
 // CallNotedForTest reports whether the server call of ctx has the codec's
-// record, and the client's number for the call it holds (0: none).
+// record of a method whose messages may carry payloads (a plain method's
+// keeps its request alone), and the client's number for the call it holds
+// (0: none).
 func CallNotedForTest(ctx context.Context) (noted bool, clientCall uint64) {
 	c, ok := ctx.Value(callKey{}).(*callMessages)
-	if !ok {
+	if !ok || c.plain {
 		return false, 0
 	}
 	c.mu.Lock()

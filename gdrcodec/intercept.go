@@ -1020,6 +1020,7 @@ type callMessages struct {
 	held      []*gdrv1.DeviceBuffer
 	pruneHeld int
 	method    string
+	plain     bool                   // the method's messages carry no payloads (lookupMethod)
 	decoding  bool                   // a unary call, counted in decoding until its request is decoded
 	single    bool                   // the client sends one request (unary or server-streaming)
 	request   any                    // that request, once decoded (singleRequests)
@@ -1042,6 +1043,16 @@ func (c *callMessages) noteHeld(m protoreflect.Message) {
 			c.held = append(c.held, db)
 		}
 	})
+}
+
+// noteRequest notes v, a message the call received, as its request if the
+// call takes one and has none yet: a second is refused (singleRequests).
+// c.mu is held.
+func (c *callMessages) noteRequest(v any) {
+	if c.single && c.request == nil && isPointer(v) {
+		c.request = v
+		singleRequests.Store(v, struct{}{})
+	}
 }
 
 // decoded ends the call's count in decoding, if it has one.
@@ -1069,16 +1080,18 @@ func failedRequest(ctx context.Context, req any) *status.Status {
 }
 
 func (serverStats) TagRPC(ctx context.Context, info *stats.RPCTagInfo) context.Context {
-	if m, ok := lookupMethod(info.FullMethodName); ok && m.plain {
-		return ctx // its messages carry no payloads: nothing to give back, pull or bound
-	}
-	return context.WithValue(ctx, callKey{}, &callMessages{method: info.FullMethodName})
+	m, ok := lookupMethod(info.FullMethodName)
+	// A plain method's messages carry no payloads: nothing to give back,
+	// pull or bound. Its record only keeps the request of a call that takes
+	// one, so that a second request message is refused before the codec
+	// files anything for it (Unmarshal, isSingleRequest).
+	return context.WithValue(ctx, callKey{}, &callMessages{method: info.FullMethodName, plain: ok && m.plain})
 }
 
 func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 	switch s := s.(type) {
 	case *stats.InHeader:
-		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
+		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil && !c.plain {
 			if v := s.Header.Get(oob.CallHeader); len(v) == 1 {
 				n, err := strconv.ParseUint(v[0], 16, 64)
 				c.mu.Lock()
@@ -1092,7 +1105,7 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil && !s.IsClientStream {
 			c.mu.Lock()
 			c.single = true
-			if !s.IsServerStream {
+			if !s.IsServerStream && !c.plain {
 				c.decoding = true
 				decoding.add(requestType(c.method), 1)
 			}
@@ -1101,7 +1114,7 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 	case *stats.InPayload:
 		p, pending := pendingPulls.take(s.Payload)
 		c, _ := ctx.Value(callKey{}).(*callMessages)
-		if c == nil {
+		if c == nil || c.plain {
 			if pending {
 				// The request of a method whose messages carry no payload,
 				// with a call number its client need not have sent (the
@@ -1109,16 +1122,18 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 				// of its type): nothing is written for the call.
 				p.drop()
 			}
+			if c != nil {
+				c.mu.Lock()
+				c.noteRequest(s.Payload)
+				c.mu.Unlock()
+			}
 			return
 		}
 		c.mu.Lock()
 		if pending && c.clientCall == 0 {
 			c.clientCall = p.call // the request's body's; a header's comes first
 		}
-		if c.single && c.request == nil && isPointer(s.Payload) {
-			c.request = s.Payload
-			singleRequests.Store(s.Payload, struct{}{})
-		}
+		c.noteRequest(s.Payload)
 		c.decoded()
 		c.mu.Unlock()
 		if m := messageV2Of(s.Payload); m != nil && mayCarry(m.ProtoReflect().Descriptor()) {

@@ -5,14 +5,24 @@ import (
 	"io"
 	"strconv"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/types/known/emptypb"
 
+	"github.com/gdrpc/gdrpc"
+	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -119,4 +129,79 @@ func TestPlainMethodUntracked(t *testing.T) {
 
 	receiving, sending := gdrcodec.TrackedForTest()
 	require.Zero(t, receiving+sending, "notes left after the calls")
+}
+
+// A request of a type that cannot carry a payload (Make's Sized, whose
+// response can) with a malformed call number is refused, and nothing is
+// filed for it: before, the decode failed into the codec's failures, which
+// only a type that may carry takes from, and the handler ran on the
+// undecoded request.
+func TestMalformedCallNumberRefused(t *testing.T) {
+	r := newRig(t, transport.ModeTCP, nil)
+	raw := grpc.ForceCodecV2(wireCodec{})
+	desc := &grpc.StreamDesc{ClientStreams: true, ServerStreams: true}
+	malformed := append(protowire.AppendTag(nil, 19061, protowire.VarintType), 0x80) // a varint cut short
+	before := gdrcodec.FiledDecodesForTest()
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	st, err := r.cc.NewStream(ctx, desc, tensorpb.TensorService_Make_FullMethodName, raw)
+	require.NoError(t, err)
+	require.NoError(t, st.SendMsg(malformed))
+	require.NoError(t, st.CloseSend())
+	var out []byte
+	for err == nil {
+		err = st.RecvMsg(&out)
+	}
+	require.Equal(t, codes.Internal, status.Code(err), "%v", err)
+	require.Equal(t, before, gdrcodec.FiledDecodesForTest(), "a decode filed for nobody")
+}
+
+// A second request message on a call of a plain method (the health
+// service's Check) is refused before the codec files anything for it, as
+// on a method whose messages may carry payloads: while a unary call of a
+// method the protobuf registry does not know waits for its request (it may
+// decode any type), a request with a call number is filed for the stats
+// handler, and gRPC decodes the second message only to refuse the call.
+func TestPlainSecondRequestFilesNothing(t *testing.T) {
+	opts := []gdrpc.Option{gdrpc.WithTransport(transport.ModeTCP), processEngine}
+	lis, err := listener.Listen("127.0.0.1:0", opts...)
+	require.NoError(t, err)
+	gs := grpc.NewServer(listener.ServerOptions(insecure.NewCredentials())...)
+	healthpb.RegisterHealthServer(gs, health.NewServer())
+	gs.RegisterService(&grpc.ServiceDesc{ServiceName: "unregistered.Hold", HandlerType: (*any)(nil),
+		Methods: []grpc.MethodDesc{{MethodName: "Wait", Handler: func(_ any, ctx context.Context, dec func(any) error, _ grpc.UnaryServerInterceptor) (any, error) {
+			in := new(emptypb.Empty)
+			if err := dec(in); err != nil {
+				return nil, err
+			}
+			return in, nil
+		}}}}, struct{}{})
+	go gs.Serve(lis)
+	defer gs.Stop()
+	d := dialer.New(opts...)
+	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), d.DialOptions(insecure.NewCredentials())...)
+	require.NoError(t, err)
+	defer cc.Close()
+
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	raw := grpc.ForceCodecV2(wireCodec{})
+	desc := &grpc.StreamDesc{ClientStreams: true, ServerStreams: true}
+	_, err = cc.NewStream(ctx, desc, "/unregistered.Hold/Wait", raw) // headers, no request
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return gdrcodec.DecodingForTest("any.Type") }, 10*time.Second, time.Millisecond)
+
+	body := protowire.AppendVarint(protowire.AppendTag(nil, 19061, protowire.VarintType), 77) // a call number
+	before := gdrcodec.FiledDecodesForTest()
+	st, err := cc.NewStream(ctx, desc, healthpb.Health_Check_FullMethodName, raw)
+	require.NoError(t, err)
+	require.NoError(t, st.SendMsg(body))
+	require.NoError(t, st.SendMsg(body))
+	require.NoError(t, st.CloseSend())
+	var out []byte
+	for err == nil {
+		err = st.RecvMsg(&out)
+	}
+	require.NotEqual(t, codes.OK, status.Code(err), "a call with two requests went through")
+	require.Equal(t, before, gdrcodec.FiledDecodesForTest(), "a decode filed for nobody")
 }
