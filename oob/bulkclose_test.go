@@ -89,19 +89,11 @@ func TestAwaitBulkClose(t *testing.T) {
 func TestBulkStreamLeftOpenEndsSession(t *testing.T) {
 	var attacker atomic.Pointer[transport.Session]
 	read := make(chan struct{}, 1)
-	controlMu.Lock()
-	orig := bulkHandler
-	bulkHandler = func(bs *transport.Session, c net.Conn) {
-		if bs != attacker.Load() {
-			orig(bs, c)
-			return
-		}
+	serveBulkOn(t, attacker.Load, func(bs *transport.Session, c net.Conn) {
 		_, _ = io.Copy(io.Discard, c) // to the owner's half-close; never closed
 		read <- struct{}{}
 		<-bs.Done()
-	}
-	controlMu.Unlock()
-	t.Cleanup(func() { controlMu.Lock(); bulkHandler = orig; controlMu.Unlock() })
+	})
 	tcp := []transport.Option{transport.WithMode(transport.ModeTCP), transport.WithLanes(false)}
 
 	// An honest receiver: the push's stream closes, the session lives.

@@ -69,13 +69,9 @@ func runHook(fn func() bool) bool {
 	return handled || !returned
 }
 
-// stallBulk makes the bulk streams that reach s wait, unread, until release
-// is closed or s is done; each one that arrives is announced on the returned
-// channel. Call it before the sessions exist; it is undone when the test
-// ends.
-func stallBulk(tb testing.TB, s func() *transport.Session, release <-chan struct{}) <-chan struct{} {
-	tb.Helper()
-	arrived := make(chan struct{}, 4096)
+// serveBulkOn makes fn serve the bulk streams the peer of the session s
+// returns opens, in place of the engine's handler, until the test ends.
+func serveBulkOn(tb testing.TB, s func() *transport.Session, fn func(bs *transport.Session, c net.Conn)) {
 	controlMu.Lock()
 	defer controlMu.Unlock()
 	orig := bulkHandler
@@ -84,17 +80,29 @@ func stallBulk(tb testing.TB, s func() *transport.Session, release <-chan struct
 			orig(bs, c)
 			return
 		}
+		fn(bs, c)
+	}
+	tb.Cleanup(func() {
+		controlMu.Lock()
+		bulkHandler = orig
+		controlMu.Unlock()
+	})
+}
+
+// stallBulk makes the bulk streams that reach s wait, unread, until release
+// is closed or s is done; each one that arrives is announced on the returned
+// channel. Call it before the sessions exist; it is undone when the test
+// ends.
+func stallBulk(tb testing.TB, s func() *transport.Session, release <-chan struct{}) <-chan struct{} {
+	tb.Helper()
+	arrived := make(chan struct{}, 4096)
+	serveBulkOn(tb, s, func(bs *transport.Session, c net.Conn) {
 		arrived <- struct{}{}
 		select {
 		case <-release:
 		case <-bs.Done():
 		}
 		_ = c.Close()
-	}
-	tb.Cleanup(func() {
-		controlMu.Lock()
-		bulkHandler = orig
-		controlMu.Unlock()
 	})
 	return arrived
 }

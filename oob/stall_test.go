@@ -296,23 +296,11 @@ func TestPushWriteTimeoutEndsSession(t *testing.T) {
 	cs, ss := transporttest.PairOver(t, sc, c2, append(side(), transport.WithWindow(256<<10)), side())
 	t.Cleanup(func() { close(sc.unstall) }) // before the sessions close
 
-	controlMu.Lock()
-	orig := bulkHandler
-	bulkHandler = func(bs *transport.Session, c net.Conn) {
-		if bs != cs {
-			orig(bs, c)
-			return
-		}
+	serveBulkOn(t, func() *transport.Session { return cs }, func(_ *transport.Session, c net.Conn) {
 		defer c.Close()
 		sc.stalled.Store(true)                       // the client stops reading its socket mid-push
 		_, _ = io.ReadFull(c, make([]byte, 192<<10)) // what it buffered already: the window opens once more
 		<-sc.unstall
-	}
-	controlMu.Unlock()
-	t.Cleanup(func() {
-		controlMu.Lock()
-		bulkHandler = orig
-		controlMu.Unlock()
 	})
 
 	payload := bytes.Repeat([]byte{7}, 8<<20)

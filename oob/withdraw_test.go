@@ -24,22 +24,14 @@ func TestWithdrawWaitsForPushOfBytes(t *testing.T) {
 	release := make(chan struct{})
 	arrived := make(chan struct{}, 1)
 	got := make(chan []byte, 1)
-	controlMu.Lock()
-	orig := bulkHandler
-	bulkHandler = func(bs *transport.Session, c net.Conn) {
-		if bs != receiver {
-			orig(bs, c)
-			return
-		}
+	serveBulkOn(t, func() *transport.Session { return receiver }, func(_ *transport.Session, c net.Conn) {
 		arrived <- struct{}{}
 		<-release
 		_ = c.SetReadDeadline(time.Now().Add(testTimeout))
 		b, _ := io.ReadAll(c) // to the owner's close
 		_ = c.Close()
 		got <- b[min(len(b), bulkHeaderLen):]
-	}
-	controlMu.Unlock()
-	t.Cleanup(func() { controlMu.Lock(); bulkHandler = orig; controlMu.Unlock() })
+	})
 	fins := make(chan *fin, 1)
 	interceptControl(t, ctlFIN, func(s *transport.Session, p []byte) bool {
 		if s != receiver {
