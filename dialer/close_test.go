@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -194,4 +196,83 @@ func TestDialerCloseCancelsDials(t *testing.T) {
 			}
 		})
 	}
+}
+
+// slowEngine stands for an engine whose handlers still run after their
+// session was released: its first session's Closed waits for release.
+type slowEngine struct {
+	n       atomic.Int32
+	release chan struct{}
+	ran     atomic.Bool // the first session's Closed returned
+}
+
+func (e *slowEngine) Codecs() []string { return []string{"gdr"} }
+func (e *slowEngine) Attach(*transport.Session, *transport.Link) transport.Handler {
+	return &slowHandler{e: e, first: e.n.Add(1) == 1}
+}
+
+type slowHandler struct {
+	e     *slowEngine
+	first bool
+}
+
+func (h *slowHandler) Control(byte, []byte) {}
+func (h *slowHandler) Bulk(c net.Conn)      { _ = c.Close() }
+func (h *slowHandler) Lane(c net.Conn) error {
+	_, err := io.Copy(io.Discard, c)
+	return err
+}
+func (h *slowHandler) Linger() {}
+func (h *slowHandler) Closed() {
+	if h.first {
+		<-h.e.release
+		h.e.ran.Store(true)
+	}
+}
+func (h *slowHandler) Join() {}
+
+// Close waits for a session that a later dial found released and dropped
+// from the Dialer's sessions: its engine's handlers may still be running.
+func TestDialerCloseWaitsForReleasedSessions(t *testing.T) {
+	addr, _ := start(t, transportCases[2], testService{}) // tcp
+	eng := &slowEngine{release: make(chan struct{})}
+	var once sync.Once
+	release := func() { once.Do(func() { close(eng.release) }) }
+	defer release()
+	d := dialer.New(gdrpc.WithTransport(transport.ModeTCP), gdrpc.WithSessionOptions(transport.WithEngine(eng)))
+	call := func() (*grpc.ClientConn, *gdrpc.Session) {
+		cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(nil)...)
+		require.NoError(t, err)
+		var p peer.Peer
+		_, err = testpb.NewTestServiceClient(cc).EmptyCall(t.Context(), &testpb.Empty{}, grpc.Peer(&p))
+		require.NoError(t, err)
+		return cc, gdrpc.SessionFromPeer(&p)
+	}
+	cc, first := call()
+	require.NoError(t, cc.Close())
+	select {
+	case <-first.Released():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the first session was not released")
+	}
+	cc, _ = call() // this dial drops the first session from the Dialer's
+	require.NoError(t, cc.Close())
+
+	closed := make(chan struct{})
+	go func() {
+		_ = d.Close()
+		close(closed)
+	}()
+	select {
+	case <-closed:
+		t.Fatal("Close returned while the first session's handler still ran")
+	case <-time.After(time.Second): // Close returning this soon would be wrong
+	}
+	release()
+	select {
+	case <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close did not return once the handler ended")
+	}
+	require.True(t, eng.ran.Load())
 }

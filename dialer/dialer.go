@@ -21,8 +21,10 @@ type Dialer struct {
 
 	mu sync.Mutex
 	// sessions are those it made, with their conns, until Close; released
-	// ones are pruned at each dial.
+	// ones are pruned at each dial, and closed (pruned, which Close waits
+	// for: a released session's handlers may still run).
 	sessions map[*transport.Session]net.Conn
+	pruned   sync.WaitGroup
 	closed   bool
 	dialing  sync.WaitGroup // dials under way, which Close cancels and waits for
 	// stop, made at the first dial (d.mu held) and cancelled by Close, is
@@ -81,6 +83,7 @@ func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error)
 		select {
 		case <-o.Released():
 			delete(d.sessions, o)
+			d.pruned.Go(func() { _ = o.Close() })
 		default:
 		}
 	}
@@ -111,8 +114,10 @@ func (d *Dialer) Close() error { return d.Shutdown(context.Background()) }
 
 // Shutdown is Close bounded by ctx: once ctx is done, the sessions still
 // closing are closed at once, out-of-band transfers under way on them fail,
-// and Shutdown returns ctx's error once they are closed (a UCX endpoint
-// whose peer does not answer takes up to 2 s). A Close or Shutdown called
+// and Shutdown returns ctx's error once they are closed (a UCX session whose
+// peer does not answer takes up to 4 s: 2 s for its lanes, closed together,
+// and 2 s for its first endpoint; a gRPC lane already closing gracefully
+// when ctx ended takes up to 2 s before that). A Close or Shutdown called
 // meanwhile returns with the first, or at its own context's end, which
 // cuts the sessions short for both. Dials under way are cancelled (they
 // fail with an error wrapping net.ErrClosed) and waited for.
@@ -157,16 +162,21 @@ func (d *Dialer) closeAll(ended, cut chan struct{}) {
 		wg.Go(func() { closeSession(s, c, cut) })
 	}
 	wg.Wait()
+	d.pruned.Wait()
 }
 
 // closeSession closes c, the gRPC conn of s (a second close of it does
 // nothing), which closes s gracefully, and waits until s is closed and its
 // goroutines ended, or closes s at once when cut is closed first.
 func closeSession(s *transport.Session, c net.Conn, cut <-chan struct{}) {
-	_ = c.Close()
 	select {
-	case <-s.Released():
-	case <-cut:
+	case <-cut: // no graceful close, which over UCX may wait for the peer
+	default:
+		_ = c.Close()
+		select {
+		case <-s.Released():
+		case <-cut:
+		}
 	}
 	_ = s.Close() // waits for the session's goroutines
 }

@@ -484,9 +484,13 @@ func (s *Session) closeLanes() {
 	lanes := s.lanes
 	s.lanes, s.laneDone = nil, true
 	s.laneMu.Unlock()
+	// Together: a UCX lane's close waits up to 2 s for a peer that does not
+	// answer, and a session has up to four.
+	var wg sync.WaitGroup
 	for _, ep := range lanes {
-		_ = ep.Close()
+		wg.Go(func() { _ = ep.Close() })
 	}
+	wg.Wait()
 }
 
 // serveLane takes a lane a client dialed: the token names the session
