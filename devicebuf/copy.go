@@ -219,6 +219,10 @@ func CopyAsync(s *Stream, dst, src *Buffer) error {
 		if s.isClosed() {
 			return fmt.Errorf("devicebuf: stream: %w", net.ErrClosed)
 		}
+		if !retainAll(dst, src) {
+			return ErrReleased
+		}
+		defer releaseAll(dst, src)
 		return hostCopy(dst, src)
 	}
 	if s.d == nil {

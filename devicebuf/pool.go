@@ -3,6 +3,7 @@ package devicebuf
 import (
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"slices"
 	"sync"
@@ -412,7 +413,7 @@ func (p *Pool) allocOversize(n int) (*Buffer, error) {
 		return nil, fmt.Errorf("devicebuf: %d bytes exceed the pool's largest class (%d) and Oversize is off: %w",
 			n, p.classes[len(p.classes)-1].size, ErrExhausted)
 	}
-	if int64(n) > p.cfg.MaxBytes {
+	if int64(n) > p.cfg.MaxBytes || n > math.MaxInt-pageSize {
 		// Refused before rounding, which would overflow near the largest int.
 		p.stats.Exhausted++
 		p.mu.Unlock()

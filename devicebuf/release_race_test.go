@@ -92,9 +92,9 @@ func TestSliceRacingLastRelease(t *testing.T) {
 	require.Zero(t, p.Stats().InUse)
 }
 
-// A CopyAsync racing the last Release of its destination fails with
-// ErrReleased or copies into memory it holds until the copy is complete; it
-// never panics.
+// A CopyAsync racing the last Release of its destination (GPU memory, or
+// host memory, which it copies at once) fails with ErrReleased or copies
+// into memory it holds until the copy is complete; it never panics.
 func TestCopyAsyncRacingRelease(t *testing.T) {
 	devicebuftest.Install(t, 1)
 	gpu, err := devicebuf.NewCUDAAllocator(0)
@@ -105,21 +105,25 @@ func TestCopyAsyncRacingRelease(t *testing.T) {
 	src, err := devicebuf.NewHostAllocator().Alloc(64)
 	require.NoError(t, err)
 	defer src.Release()
-	dst, err := gpu.Alloc(64)
-	require.NoError(t, err)
-	defer dst.Release()
-	view := func() *devicebuf.Buffer {
-		v, err := dst.Slice(0, 64)
-		require.NoError(t, err)
-		return v
+	for name, alloc := range map[string]devicebuf.Allocator{"cuda": gpu, "host": devicebuf.NewHostAllocator()} {
+		t.Run(name, func(t *testing.T) {
+			dst, err := alloc.Alloc(64)
+			require.NoError(t, err)
+			defer dst.Release()
+			view := func() *devicebuf.Buffer {
+				v, err := dst.Slice(0, 64)
+				require.NoError(t, err)
+				return v
+			}
+			racingRelease(t, 20000, view, func(v *devicebuf.Buffer) func() {
+				if err := devicebuf.CopyAsync(s, v, src); err != nil {
+					require.ErrorIs(t, err, devicebuf.ErrReleased)
+				}
+				return nil
+			})
+			require.NoError(t, s.Synchronize())
+		})
 	}
-	racingRelease(t, 20000, view, func(v *devicebuf.Buffer) func() {
-		if err := devicebuf.CopyAsync(s, v, src); err != nil {
-			require.ErrorIs(t, err, devicebuf.ErrReleased)
-		}
-		return nil
-	})
-	require.NoError(t, s.Synchronize())
 }
 
 // An oversize allocation over MaxBytes is refused before its size is

@@ -567,8 +567,8 @@ func (s *Session) open(ctx context.Context, role byte) (*streamConn, error) {
 }
 
 // openStream opens a multiplexed stream within ctx. yamux waits, without a
-// bound of its own, while 256 of this side's streams wait for the peer's
-// acknowledgement; a stream it opens after ctx ended is closed.
+// bound of its own, while streamBacklog of this side's streams wait for the
+// peer's acknowledgement; a stream it opens after ctx ended is closed.
 func (s *Session) openStream(ctx context.Context) (*yamux.Stream, error) {
 	type opened struct {
 		st  *yamux.Stream
