@@ -52,6 +52,7 @@ type Listener struct {
 	ucxHeld    int                  // the slots taken
 	ucxHosts   map[netip.Prefix]int // the slots taken, by remote host (hostOfAddr)
 	ucxPerHost int                  // the slots one host may hold: its share of the handshakes'
+	shedding   chan struct{}        // a slot per endpoint being closed for want of a UCX slot (shed)
 
 	awaitMu  sync.Mutex
 	awaiting []*Session // sessions waiting for their gRPC stream, oldest first
@@ -114,6 +115,7 @@ func Listen(addr string, opts ...Option) (*Listener, error) {
 		handshakes: make(chan struct{}, maxHandshakes),
 		ucxSlots:   maxHandshakes,
 		ucxHosts:   map[netip.Prefix]int{},
+		shedding:   make(chan struct{}, maxShedding),
 	}
 	l.ucxPerHost = l.hosts.perHost
 	l.log = cfg.logger.With("component", "gdrpc/listener", "addr", tl.Addr().String())
@@ -811,15 +813,33 @@ func (l *Listener) acceptUCX() {
 		// than queued.
 		host := hostOfAddr(ep.RemoteAddr())
 		if !l.takeUCXSlot(host) {
-			// Aborted, not closed: nothing was written on it, and a close
-			// waits up to 2 s for a peer that may not answer, which would
-			// hold this loop from every other client.
-			_ = ep.Abort()
+			l.shed(ep)
 			l.plog.Warn("UCX endpoint closed: too many before their token", "remote", ep.RemoteAddr().String(), "limit", l.ucxSlots)
 			continue
 		}
 		l.wg.Add(1)
 		go l.serveUCX(ep, host)
+	}
+}
+
+// maxShedding bounds the endpoints a listener closes at once for want of a
+// UCX slot.
+const maxShedding = 8
+
+// shed ends ep, an endpoint the listener has no slot for. It is closed, so
+// that an honest client turned away learns it at once, on a goroutine of
+// its own: a close waits up to 2 s for a peer that does not answer, which
+// would hold the accept loop from every other client. Past maxShedding such
+// closes at once, it is aborted (its peer learns when UCX notices).
+func (l *Listener) shed(ep *rdma.Endpoint) {
+	select {
+	case l.shedding <- struct{}{}:
+		l.wg.Go(func() {
+			defer func() { <-l.shedding }()
+			_ = ep.Close()
+		})
+	default:
+		_ = ep.Abort()
 	}
 }
 
