@@ -248,8 +248,10 @@ func (e *Endpoint) retract() int {
 
 // Write sends all of p on the stream or returns an error. It honours the
 // write deadline. Up to 64 KiB are copied and sent without waiting (at most
-// 4 MiB in flight); larger writes are pinned and wait for UCX to complete. A
-// larger write that times out may still be sent: p stays pinned until then.
+// 4 MiB in flight); larger writes are pinned and wait for UCX to complete.
+// UCX cannot take back a send under way, so a larger write that times out
+// ends the endpoint (how much of p the peer got is unknown: the stream is
+// broken) and returns once UCX no longer reads p.
 func (e *Endpoint) Write(p []byte) (int, error) {
 	e.wmu.Lock()
 	defer e.wmu.Unlock()
@@ -293,10 +295,46 @@ func (e *Endpoint) Write(p []byte) (int, error) {
 		}
 		return len(p), nil
 	case <-dl:
+		select {
+		case err := <-res: // it completed meanwhile
+			if err != nil {
+				return 0, err
+			}
+			return len(p), nil
+		default:
+		}
+		e.fail(errWriteCut, false)
+		_ = e.w.submit(e.forceClose) // completes the send, with an error
+		e.awaitSend(res)
 		return 0, &timeoutError{op: "write"}
 	case <-e.done:
+		// The endpoint's close or failure completes the send (a graceful
+		// close flushes it first, and then all of p went).
+		if err, ok := e.awaitSend(res); ok && err == nil {
+			return len(p), nil
+		}
 		return 0, e.termErr()
 	}
+}
+
+// errWriteCut is why an endpoint ended whose large write timed out with its
+// send under way.
+var errWriteCut = errors.New("rdma: the stream broke: a write timed out while UCX was sending it")
+
+// awaitSend waits for the completion of a send on an endpoint that ended,
+// whose close or failure completes it: until then UCX may still read the
+// caller's buffer. It gives up (ok false) once the worker is gone, or after
+// the linger timeout and a second more, as rma does.
+func (e *Endpoint) awaitSend(res <-chan error) (err error, ok bool) {
+	t := time.NewTimer(lingerTimeout + time.Second)
+	defer t.Stop()
+	select {
+	case err := <-res:
+		return err, true
+	case <-e.w.exited:
+	case <-t.C:
+	}
+	return nil, false
 }
 
 func (e *Endpoint) writeCopy(p []byte, dl chan struct{}) (int, error) {

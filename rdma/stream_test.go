@@ -2,6 +2,7 @@ package rdma_test
 
 import (
 	"bytes"
+	"errors"
 	"io"
 	"net"
 	"os"
@@ -132,4 +133,39 @@ func TestStreamDirectReadDeadlines(t *testing.T) {
 		require.True(t, bytes.Equal(want, got), "stream bytes differ")
 		t.Logf("%d timeouts", timeouts)
 	})
+}
+
+// A large Write that times out with its send under way returns only once
+// UCX no longer reads the caller's buffer: what the caller writes into it
+// afterwards never reaches the peer. The endpoint ends (how much the peer
+// got is unknown), so nothing is sent twice by a Write that follows.
+func TestLargeWriteTimeoutReleasesBuffer(t *testing.T) {
+	c := newContext(t, "tcp")
+	client, server := pair(t, c)
+	const n = 64 << 20
+	p := bytes.Repeat([]byte{0xAA}, n)
+	require.NoError(t, client.SetWriteDeadline(time.Now().Add(time.Millisecond)))
+	_, err := client.Write(p)
+	var ne net.Error
+	if err == nil {
+		t.Skip("the write completed before its deadline")
+	}
+	require.ErrorAs(t, err, &ne)
+	require.True(t, ne.Timeout(), "%v", err)
+	for i := range p { // the caller reuses its buffer, as net.Conn allows
+		p[i] = 0x55
+	}
+	require.NoError(t, client.SetWriteDeadline(time.Time{}))
+	_, err = client.Write(p[:1])
+	require.Error(t, err, "a Write after the broken one")
+
+	got := make([]byte, n)
+	require.NoError(t, server.SetReadDeadline(time.Now().Add(20*time.Second)))
+	r, err := io.ReadFull(server, got)
+	require.Error(t, err, "the peer read all of a write that timed out, and then its stream went on")
+	require.Zero(t, bytes.Count(got[:r], []byte{0x55}), "the peer got bytes written into p after Write returned")
+	var te interface{ Timeout() bool }
+	if errors.As(err, &te) {
+		require.False(t, te.Timeout(), "the peer's read waited for the rest of the broken stream: %v", err)
+	}
 }
