@@ -341,6 +341,11 @@ func (e *Endpoint) memRMA(ctx context.Context, get bool, m *Memory, off, n int, 
 	if err := checkLocal(m, off, n); err != nil {
 		return err
 	}
+	if m.ctx != e.w.ctx {
+		// UCX takes a memory handle only on its own context's workers, and
+		// closing that context would unmap m under an operation of this one.
+		return errors.New("rdma: memory registered on another context than the endpoint's")
+	}
 	if err := e.checkRMA(key, remote, n); err != nil {
 		return err
 	}

@@ -113,6 +113,13 @@ func TestRMABounds(t *testing.T) {
 	require.NoError(t, err)
 	defer rk2.Close()
 	require.Error(t, client.Put(ctx, src, 0, 1, base, rk2))
+	// memory of another context
+	other := newContext(t, "tcp")
+	foreign, err := other.Alloc(100)
+	require.NoError(t, err)
+	defer foreign.Close()
+	require.ErrorContains(t, client.Put(ctx, foreign, 0, 1, base, rk), "another context")
+	require.ErrorContains(t, client.Get(ctx, foreign, 0, 1, base, rk), "another context")
 	// exactly the region is fine
 	require.NoError(t, client.Put(ctx, src, 0, 100, base+4096-100, rk))
 	require.NoError(t, client.Put(ctx, src, 0, 0, base, rk))
