@@ -1091,7 +1091,7 @@ func (serverStats) TagRPC(ctx context.Context, info *stats.RPCTagInfo) context.C
 func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 	switch s := s.(type) {
 	case *stats.InHeader:
-		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil && !c.plain {
+		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
 			if v := s.Header.Get(oob.CallHeader); len(v) == 1 {
 				n, err := strconv.ParseUint(v[0], 16, 64)
 				c.mu.Lock()
@@ -1114,21 +1114,12 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 	case *stats.InPayload:
 		p, pending := pendingPulls.take(s.Payload)
 		c, _ := ctx.Value(callKey{}).(*callMessages)
-		if c == nil || c.plain {
-			if pending {
-				// The request of a method whose messages carry no payload,
-				// with a call number its client need not have sent (the
-				// codec decoded it while another method decoded a request
-				// of its type): nothing is written for the call.
-				p.drop()
-			}
-			if c != nil {
-				c.mu.Lock()
-				c.noteRequest(s.Payload)
-				c.mu.Unlock()
-			}
-			return
+		if c == nil {
+			return // TagRPC gives every call a record
 		}
+		// A plain method's request goes the same way: it can carry no
+		// payload, so nothing below but its note applies to it (a call
+		// number its client need not have sent names nothing written).
 		c.mu.Lock()
 		if pending && c.clientCall == 0 {
 			c.clientCall = p.call // the request's body's; a header's comes first

@@ -539,14 +539,27 @@ func (e *Endpoint) rma(ctx context.Context, get bool, local uintptr, n int, m *M
 	// The endpoint ended: no further piece is issued (issueNext), and its
 	// close or failure completes those in flight, until when UCX may still
 	// read the local memory, which the caller would reuse at once.
+	if err, ok := e.awaitEnded(op.res); ok {
+		return cmp.Or(ctxErr, err) // every piece completed, or why one did not
+	}
+	return cmp.Or(ctxErr, e.termErr())
+}
+
+// awaitEnded waits for the outcome of an operation on an endpoint that
+// ended, whose close or failure completes it: until then UCX may still
+// read, or write, the caller's memory. It gives up (ok false) once the
+// worker is gone, which completes nothing more, or after the linger timeout
+// and a second more.
+func (e *Endpoint) awaitEnded(res <-chan error) (err error, ok bool) {
 	t := time.NewTimer(lingerTimeout + time.Second)
 	defer t.Stop()
 	select {
-	case err := <-op.res:
-		return cmp.Or(ctxErr, err) // every piece completed, or why one did not
+	case err := <-res:
+		return err, true
+	case <-e.w.exited:
 	case <-t.C:
-		return cmp.Or(ctxErr, e.termErr())
 	}
+	return nil, false
 }
 
 // rmaOp is a put or get in flight, issued in pieces of at most piece bytes,

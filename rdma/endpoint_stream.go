@@ -288,29 +288,29 @@ func (e *Endpoint) Write(p []byte) (int, error) {
 		pin.Unpin()
 		return 0, err
 	}
-	select {
-	case err := <-res:
+	sent := func(err error) (int, error) {
 		if err != nil {
 			return 0, err
 		}
 		return len(p), nil
+	}
+	select {
+	case err := <-res:
+		return sent(err)
 	case <-dl:
 		select {
 		case err := <-res: // it completed meanwhile
-			if err != nil {
-				return 0, err
-			}
-			return len(p), nil
+			return sent(err)
 		default:
 		}
 		e.fail(errWriteCut, false)
 		_ = e.w.submit(e.forceClose) // completes the send, with an error
-		e.awaitSend(res)
+		e.awaitEnded(res)
 		return 0, &timeoutError{op: "write"}
 	case <-e.done:
 		// The endpoint's close or failure completes the send (a graceful
 		// close flushes it first, and then all of p went).
-		if err, ok := e.awaitSend(res); ok && err == nil {
+		if err, ok := e.awaitEnded(res); ok && err == nil {
 			return len(p), nil
 		}
 		return 0, e.termErr()
@@ -320,22 +320,6 @@ func (e *Endpoint) Write(p []byte) (int, error) {
 // errWriteCut is why an endpoint ended whose large write timed out with its
 // send under way.
 var errWriteCut = errors.New("rdma: the stream broke: a write timed out while UCX was sending it")
-
-// awaitSend waits for the completion of a send on an endpoint that ended,
-// whose close or failure completes it: until then UCX may still read the
-// caller's buffer. It gives up (ok false) once the worker is gone, or after
-// the linger timeout and a second more, as rma does.
-func (e *Endpoint) awaitSend(res <-chan error) (err error, ok bool) {
-	t := time.NewTimer(lingerTimeout + time.Second)
-	defer t.Stop()
-	select {
-	case err := <-res:
-		return err, true
-	case <-e.w.exited:
-	case <-t.C:
-	}
-	return nil, false
-}
 
 func (e *Endpoint) writeCopy(p []byte, dl chan struct{}) (int, error) {
 	for {
