@@ -378,13 +378,6 @@ func (r *reader) caps() Caps {
 	return c
 }
 
-func (r *reader) end() error {
-	if r.Err == nil && len(r.B) != 0 {
-		r.Err = wire.Malformed("%d trailing bytes", len(r.B))
-	}
-	return r.Err
-}
-
 func modeCode(m Mode) uint8 {
 	switch m {
 	case ModeUCX:
@@ -526,7 +519,7 @@ func parseReject(body []byte) error {
 	r := &reader{wire.Reader{B: body[1:]}}
 	code := r.U8("reject code")
 	msg := r.Str("reject message")
-	if err := r.end(); err != nil {
+	if err := r.End(); err != nil {
 		return err
 	}
 	return &RejectError{Code: code, Message: msg}
@@ -548,7 +541,7 @@ func parseHello(version uint16, body []byte) (hello, error) {
 	h.Caps = r.caps()
 	r.Raw(h.Key[:], "public key")
 	r.Raw(h.Nonce[:], "nonce")
-	if err := r.end(); err != nil {
+	if err := r.End(); err != nil {
 		return hello{}, err
 	}
 	m, ok := modeFromCode(mc)
@@ -583,7 +576,7 @@ func parseWelcome(version uint16, body []byte) (welcome, error) {
 	r.Raw(m.Key[:], "public key")
 	r.Raw(m.Nonce[:], "nonce")
 	r.Raw(m.Signature[:], "signature")
-	if err := r.end(); err != nil {
+	if err := r.End(); err != nil {
 		return welcome{}, err
 	}
 	switch tc {
@@ -619,7 +612,7 @@ func parseProof(version uint16, body []byte) (proof, error) {
 	}
 	var p proof
 	r.Raw(p.Signature[:], "signature")
-	if err := r.end(); err != nil {
+	if err := r.End(); err != nil {
 		return proof{}, err
 	}
 	return p, nil

@@ -104,13 +104,18 @@ func (r *Reader) List(what string) []string {
 	return l
 }
 
-// Finish reports the first error, or trailing bytes, as a malformed what.
-func (r *Reader) Finish(what string) error {
+// End reports the first error, or bytes left after the last field.
+func (r *Reader) End() error {
 	if r.Err == nil && len(r.B) != 0 {
-		r.Err = fmt.Errorf("%d trailing bytes", len(r.B))
+		r.Err = Malformed("%d trailing bytes", len(r.B))
 	}
-	if r.Err != nil {
-		return fmt.Errorf("malformed %s: %w", what, r.Err)
+	return r.Err
+}
+
+// Finish is End, its error naming the message: malformed what.
+func (r *Reader) Finish(what string) error {
+	if err := r.End(); err != nil {
+		return fmt.Errorf("malformed %s: %w", what, err)
 	}
 	return nil
 }
