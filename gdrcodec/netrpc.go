@@ -452,6 +452,9 @@ func (c *netrpcConn) readBody(v any) error {
 		}
 	}
 	if err := proto.Unmarshal(p, m); err != nil {
+		if carries {
+			discardLandedOnWire(c.ctx, p, md, from)
+		}
 		return err
 	}
 	// What the request holds once decoded, which the pending bound counts:
@@ -474,8 +477,10 @@ func (c *netrpcConn) readBody(v any) error {
 
 // NewClientCodec returns a net/rpc client codec over rwc (a gdrpc conn from
 // dialer.Dialer.DialContext): rpc.NewClientWithCodec(gdrcodec.NewClientCodec(conn)).
-// A request's payloads stay available to the server until its reply arrives
-// or the codec closes; Close also ends the pulls of a reply under way.
+// A request's payloads stay available to the server until its reply arrives,
+// a reply cannot be read (the server went away, or sent what does not
+// parse: net/rpc then fails every pending call), the codec closes, or the
+// outbox's lease ends; Close also ends the pulls of a reply under way.
 // opts (the receive allocator, limits) apply to this codec alone; without
 // them it follows Register's.
 func NewClientCodec(rwc io.ReadWriteCloser, opts ...Option) rpc.ClientCodec {
@@ -487,6 +492,9 @@ type clientCodec struct {
 	mu     sync.Mutex
 	held   map[uint64]*hold // by seq: the payloads of requests not answered yet
 	closed bool
+	// readDone: a reply could not be read, and net/rpc reads no more: no
+	// request written from then on can get its reply.
+	readDone bool
 	// pruneHeld is the count of held requests past which those whose
 	// payloads all left the outbox (their lease ended) are forgotten: a
 	// server that answers a seq before its request was written (net/rpc
@@ -501,18 +509,20 @@ func (c *clientCodec) WriteRequest(r *rpc.Request, body any) error {
 	h := &hold{}
 	c.mu.Lock()
 	_, dup := c.held[r.Seq]
-	if !c.closed && !dup {
+	closed, readDone := c.closed, c.readDone
+	if !closed && !readDone && !dup {
 		c.held[r.Seq] = h
 		if len(c.held) >= max(c.pruneHeld, maxNoted) {
 			maps.DeleteFunc(c.held, func(_ uint64, h *hold) bool { return h.gone() })
 			c.pruneHeld = 2 * len(c.held)
 		}
 	}
-	closed := c.closed
 	c.mu.Unlock()
 	switch {
 	case closed:
 		return fmt.Errorf("gdrcodec: net/rpc client codec: %w", net.ErrClosed)
+	case readDone:
+		return errors.New("gdrcodec: net/rpc client codec: replies can no longer be read")
 	case dup:
 		return fmt.Errorf("gdrcodec: net/rpc request with seq %d while an earlier one with that seq is not answered yet", r.Seq)
 	}
@@ -532,6 +542,7 @@ func (c *clientCodec) WriteRequest(r *rpc.Request, body any) error {
 func (c *clientCodec) ReadResponseHeader(r *rpc.Response) error {
 	seq, method, errMsg, err := c.readHeader()
 	if err != nil {
+		c.readingEnded()
 		return err
 	}
 	r.Seq, r.ServiceMethod, r.Error = seq, method, errMsg
@@ -545,16 +556,33 @@ func (c *clientCodec) ReadResponseHeader(r *rpc.Response) error {
 	return nil
 }
 
-func (c *clientCodec) ReadResponseBody(body any) error { return c.readBody(body) }
+func (c *clientCodec) ReadResponseBody(body any) error {
+	err := c.readBody(body)
+	if err != nil {
+		c.readingEnded()
+	}
+	return err
+}
 
-func (c *clientCodec) Close() error {
+// readingEnded gives back the payloads of every call still waiting for its
+// reply: net/rpc's Client reads nothing after a header or body it could not
+// read, and fails those calls, but closes the codec only when the
+// application closes the Client.
+func (c *clientCodec) readingEnded() {
 	c.mu.Lock()
 	held := c.held
-	c.held, c.closed = map[uint64]*hold{}, true
+	c.held, c.readDone = map[uint64]*hold{}, true
 	c.mu.Unlock()
 	for _, h := range held {
 		h.release()
 	}
+}
+
+func (c *clientCodec) Close() error {
+	c.mu.Lock()
+	c.closed = true
+	c.mu.Unlock()
+	c.readingEnded()
 	return c.close()
 }
 
@@ -569,8 +597,13 @@ func (c *clientCodec) Close() error {
 // a reply is written. A body frame over DefaultNetRPCMaxBody
 // (WithNetRPCMaxBody) ends the connection. A method that returns an error
 // releases what it attached to its reply itself: net/rpc then writes no
-// reply body, and the codec never sees it. opts apply to this codec alone;
-// without them it follows Register's.
+// reply body, and the codec never sees it. A reply's payload that landed in
+// receive space the client advertised goes back when the client decodes it
+// and releases it; net/rpc has no end of a call to say so otherwise, so a
+// client that decodes the reply into a type without the payload's field (or
+// skips the reply) leaves its range taken until the session ends, after which
+// later replies are pulled. opts apply to this codec alone; without them it
+// follows Register's.
 func NewServerCodec(rwc io.ReadWriteCloser, opts ...Option) rpc.ServerCodec {
 	c := &serverCodec{netrpcConn: newNetRPCConn(rwc, opts, DefaultNetRPCWriteTimeout), args: map[uint64]any{}, sizes: map[uint64]int64{}}
 	c.countDecoded = true

@@ -822,3 +822,53 @@ func TestNetRPCPendingCountsDecoded(t *testing.T) {
 		})
 	}
 }
+
+// A reply that cannot be read (the server went away, or sent a body that
+// does not parse) ends net/rpc's reading: it fails every pending call but
+// closes the codec only when the application closes the Client. The
+// requests' payloads are given back then, not at Close or the lease's end,
+// and a request written after it files nothing.
+func TestNetRPCReadingEndedReleasesRequests(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		end  func(c *hookConn)
+	}{
+		{"server gone", func(c *hookConn) { c.pw.CloseWithError(io.EOF) }},
+		{"malformed body", func(c *hookConn) {
+			go c.pw.Write(frame(1, "S.M", "", []byte{0x0a, 0xff})) // a field longer than the body
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			base := oob.ReadStats().Offered
+			conn := newHookConn(t)
+			client := rpc.NewClientWithCodec(NewClientCodec(conn, WithEagerThreshold(-1)))
+			defer client.Close()
+			var calls []*rpc.Call
+			for range 2 {
+				body := outOfBand()
+				calls = append(calls, client.Go("S.M", body, &gdrv1.DeviceBuffer{}, nil))
+				ReleaseAll(body)
+			}
+			require.Equal(t, base+2, oob.ReadStats().Offered, "both requests' payloads offered")
+			tc.end(conn)
+			for _, call := range calls {
+				select {
+				case <-call.Done:
+					require.Error(t, call.Error)
+				case <-time.After(10 * time.Second):
+					t.Fatal("a call did not fail")
+				}
+			}
+			require.Equal(t, base, oob.ReadStats().Offered, "failed calls' payloads still offered: %+v", oob.ReadStats())
+
+			codec := NewClientCodec(newHookConn(t), WithEagerThreshold(-1)).(*clientCodec)
+			defer codec.Close()
+			codec.readingEnded()
+			body := outOfBand()
+			defer ReleaseAll(body)
+			require.ErrorContains(t, codec.WriteRequest(&rpc.Request{Seq: 9, ServiceMethod: "S.M"}, body), "no longer be read")
+			require.Zero(t, heldPayloads(codec, 9))
+			require.Equal(t, base, oob.ReadStats().Offered)
+		})
+	}
+}
