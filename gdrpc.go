@@ -90,8 +90,12 @@ func WithTransferTimeout(d time.Duration) Option {
 	return func(c *Config) { c.TransferTimeout = d }
 }
 
-// WithPaths restricts the transfer paths to p (the stream path is always
-// allowed); by default all.
+// WithPaths restricts the out-of-band paths a transfer may take to p; by
+// default all. Two paths can be turned off: PathCUDAIPC, and PathRDMA, which
+// covers PathStaged too (a GPU payload staged through registered host memory
+// moves by RDMA). PathStream is always allowed, and PathLocal (a payload of
+// this process) is a plain copy whatever p says. WithPaths(PathStream) sends
+// every payload over the session's stream.
 func WithPaths(p Path) Option { return func(c *Config) { c.Paths = p } }
 
 // WithKeepAlive sets how often an idle session is pinged and how long an

@@ -9,7 +9,8 @@
 // # Wiring
 //
 // Make one Recorder per process from the application's MeterProvider (nil
-// takes the global one), then hand its two halves to gdrpc:
+// takes the global one), give it to the listener and the dialer with
+// gdrpc.WithMetrics, and observe the pools you want counted with ObservePool:
 //
 //	rec, err := gdrotel.New(provider)
 //	if err != nil { ... }
@@ -34,7 +35,8 @@
 //
 // with the attributes route (oob.TransferInfo.Route: "rdma/cuda" is
 // GPUDirect RDMA, "rdma" an RDMA transfer of host memory, "cuda-ipc",
-// "staged", "stream", "local"), path (the oob.Path), direction
+// "staged", "stream"; a payload of this process decoded in this process is
+// a plain copy, not a transfer, and is not recorded), path (the oob.Path), direction
 // ("receive" on the side that pulled the bytes, "send" on the owner's), memory
 // ("host" or "cuda", this side's buffer), advertised (true for a payload the
 // owner wrote into receive space the receiver advertised, no rendezvous) and
@@ -51,7 +53,7 @@
 //
 // with wanted and took (paths) and reason.
 //
-// Sessions (Sessions):
+// Sessions:
 //
 //	gdrpc.session.active     {session}   open now (an up-down counter)
 //	gdrpc.session.opened     {session}

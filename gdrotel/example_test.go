@@ -47,6 +47,7 @@ func Example() {
 	defer srv.Stop()
 
 	d := dialer.New(gdrpc.WithMetrics(rec))
+	defer d.Close() // after cc.Close: it ends the sessions the dialer made
 	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), d.DialOptions(nil)...)
 	if err != nil {
 		log.Fatal(err)

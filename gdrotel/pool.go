@@ -18,8 +18,9 @@ const (
 	keyResult attribute.Key = "result" // of gdrpc.pool.allocations: "hit", "miss" or "exhausted"
 )
 
-// Pool is what ObservePool reads: a *devicebuf.Pool (oob.HostPool
-// returns the engine's), or anything else that counts the same way.
+// Pool is what ObservePool reads: a *devicebuf.Pool (gdrpc.HostMemory
+// returns the one received payloads and staging buffers come from), or
+// anything else that counts the same way.
 type Pool interface {
 	Stats() devicebuf.PoolStats
 }
@@ -36,6 +37,9 @@ type Pool interface {
 func (r *Recorder) ObservePool(name string, p Pool) (unregister func() error, err error) {
 	if name == "" || p == nil {
 		return nil, errors.New("gdrotel: observe pool: a name and a pool are required")
+	}
+	if r.off() {
+		return nil, errors.New("gdrotel: observe pool: the Recorder was not made by New")
 	}
 	r.poolsMu.Lock()
 	defer r.poolsMu.Unlock()

@@ -53,7 +53,9 @@ func WithMaxReasons(n int) Option {
 
 // Recorder turns gdrpc's transfer, session and pool events into OpenTelemetry
 // metrics. Its instruments are made once, by New; recording reuses attribute
-// sets made on first use. A Recorder is safe for concurrent use.
+// sets made on first use. A Recorder is safe for concurrent use. Make one
+// with New: a nil *Recorder or a zero Recorder records nothing (so that one
+// passed on after New failed cannot take a session down).
 type Recorder struct {
 	meter metric.Meter
 
@@ -123,7 +125,7 @@ func New(mp metric.MeterProvider, opts ...Option) (*Recorder, error) {
 
 	r.transferIO, err = m.Int64Counter("gdrpc.transfer.io",
 		metric.WithUnit("By"),
-		metric.WithDescription("Bytes of out-of-band transfers, by direction; a failed transfer counts its full length under outcome=error."))
+		metric.WithDescription("Bytes of successful out-of-band transfers, by direction; a failed transfer counts none (its length is what the peer claimed)."))
 	collect(err)
 	r.transferCount, err = m.Int64Counter("gdrpc.transfers",
 		metric.WithUnit("{transfer}"),
@@ -244,6 +246,10 @@ func (c *optsCache[K]) get(k K) *measureOpts {
 	return o
 }
 
+// off reports whether r was not made by New (nil, or the zero Recorder): it
+// then has no instruments, and records nothing.
+func (r *Recorder) off() bool { return r == nil || r.meter == nil }
+
 // maxReasonLen bounds the length of a reason attribute, in bytes.
 const maxReasonLen = 64
 
@@ -286,6 +292,9 @@ func newReasonSet(max int) reasonSet {
 // admit returns class if it is, or now becomes, one of the kept classes, and
 // otherValue if the set is full.
 func (s *reasonSet) admit(class string) string {
+	if class == otherValue {
+		return class // no reason to keep apart: it takes no slot
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if _, ok := s.seen[class]; ok {

@@ -15,6 +15,7 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
+	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
 	"github.com/gdrpc/gdrpc/gdrotel"
 	"github.com/gdrpc/gdrpc/oob"
@@ -121,6 +122,7 @@ func TestTransfer(t *testing.T) {
 		landedQueued: 8 << 20,
 		landedHost:   2 << 20,
 	}, r.sum(t, "gdrpc.transfer.io", "By", true))
+	require.Contains(t, r["gdrpc.transfer.io"].Description, "a failed transfer counts none", "the help text exporters ship")
 	require.Equal(t, map[string]int64{
 		pullCUDA:     1,
 		pushHost:     2,
@@ -206,6 +208,45 @@ func TestTransferFallback(t *testing.T) {
 		"reason=_OTHER,took=stream,wanted=rdma":                 2,
 		"reason=register destination,took=rdma,wanted=cuda-ipc": 1,
 	}, h.collect(t).sum(t, "gdrpc.transfer.fallbacks", "{fallback}", true))
+}
+
+// A reason with no class records as _OTHER without taking one of the
+// WithMaxReasons slots from the reasons that have one.
+func TestReasonWithoutClassTakesNoSlot(t *testing.T) {
+	h := newHarness(t, gdrotel.WithMaxReasons(1))
+	h.rec.SessionFallback("")
+	h.rec.SessionFallback(": no class")
+	h.rec.SessionFallback("UCX upgrade failed: dial: refused")
+	h.rec.TransferFallback(oob.PathRDMA, oob.PathStream, "")
+	h.rec.TransferFallback(oob.PathRDMA, oob.PathStream, "pack key: no memory")
+	r := h.collect(t)
+	require.Equal(t, map[string]int64{"reason=_OTHER": 2, "reason=UCX upgrade failed": 1},
+		r.sum(t, "gdrpc.session.fallbacks", "{fallback}", true))
+	require.Equal(t, map[string]int64{"reason=_OTHER,took=stream,wanted=rdma": 1, "reason=pack key,took=stream,wanted=rdma": 1},
+		r.sum(t, "gdrpc.transfer.fallbacks", "{fallback}", true))
+}
+
+// A Recorder not made by New (nil, as `rec, _ := gdrotel.New(...)` leaves
+// it when New fails, or the zero value) records nothing rather than panic
+// in a session's goroutine, and refuses to observe a pool.
+func TestRecorderNotMadeByNew(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		rec  *gdrotel.Recorder
+	}{{"nil", nil}, {"zero", &gdrotel.Recorder{}}} {
+		t.Run(tc.name, func(t *testing.T) {
+			var m gdrpc.Metrics = tc.rec
+			require.NotPanics(t, func() {
+				m.SessionUp("tcp", true)
+				m.SessionDown("tcp", true, nil)
+				m.SessionFallback("UCX upgrade failed: x")
+				m.Transfer(oob.TransferInfo{Path: oob.PathRDMA, Bytes: 1})
+				m.TransferFallback(oob.PathRDMA, oob.PathStream, "x: y")
+			})
+			_, err := tc.rec.ObservePool("host", &fakePool{})
+			require.ErrorContains(t, err, "not made by New")
+		})
+	}
 }
 
 func TestFallbackReasonClass(t *testing.T) {

@@ -52,6 +52,9 @@ func sessionFallbackAttrs(reason string) []attribute.KeyValue {
 
 // SessionUp records a session that opened.
 func (r *Recorder) SessionUp(transportName string, client bool) {
+	if r.off() {
+		return
+	}
 	o := r.sessionOpts.get(sessionKey{transport: transportName, client: client})
 	ctx := context.Background()
 	r.sessionActive.Add(ctx, 1, o.add...)
@@ -61,6 +64,9 @@ func (r *Recorder) SessionUp(transportName string, client bool) {
 // SessionDown records a session that closed and why, by the class of err
 // (never its text).
 func (r *Recorder) SessionDown(transportName string, client bool, err error) {
+	if r.off() {
+		return
+	}
 	k := sessionKey{transport: transportName, client: client}
 	ctx := context.Background()
 	r.sessionActive.Add(ctx, -1, r.sessionOpts.get(k).add...)
@@ -88,6 +94,9 @@ func closeOutcome(err error) string {
 // UCX. The reason is recorded by its class (see WithMaxReasons): the text
 // before its first colon.
 func (r *Recorder) SessionFallback(reason string) {
+	if r.off() {
+		return
+	}
 	class := reasonClass(reason)
 	o, ok := r.sessionFallbackOpts.lookup(class)
 	if !ok {

@@ -13,7 +13,7 @@ import (
 
 // Attribute keys of the transfer instruments.
 const (
-	keyRoute     attribute.Key = "route"      // TransferInfo.Route: "rdma/cuda", "rdma", "cuda-ipc", "staged", "stream", "local"
+	keyRoute     attribute.Key = "route"      // TransferInfo.Route: "rdma/cuda", "rdma", "cuda-ipc", "staged", "stream"
 	keyPath      attribute.Key = "path"       // the oob.Path taken
 	keyDirection attribute.Key = "direction"  // "receive" (this side pulled the bytes) or "send"
 	keyMemory    attribute.Key = "memory"     // this side's memory: "host" or "cuda"
@@ -74,6 +74,9 @@ func transferAttrs(k transferKey) []attribute.KeyValue {
 // that did not all arrive: counted, it would let a peer set a byte counter
 // (and, claiming a terabyte a time, wrap it negative).
 func (r *Recorder) Transfer(info oob.TransferInfo) {
+	if r.off() {
+		return
+	}
 	o := r.transferOpts.get(transferKey{path: info.Path, memory: info.Memory, pull: info.Pull, advertise: info.Advertised, queued: info.Queued, errorType: errorType(info.Err)})
 	ctx := context.Background()
 	if info.Bytes > 0 && info.Err == nil {
@@ -132,6 +135,9 @@ func transferFallbackAttrs(k transferFallbackKey) []attribute.KeyValue {
 // is recorded by its class (see WithMaxReasons): the text before its first
 // colon.
 func (r *Recorder) TransferFallback(wanted, took oob.Path, reason string) {
+	if r.off() {
+		return
+	}
 	k := transferFallbackKey{wanted: wanted, took: took, reason: reasonClass(reason)}
 	o, ok := r.transferFallbackOpts.lookup(k)
 	if !ok {

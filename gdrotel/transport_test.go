@@ -52,6 +52,11 @@ func TestWithTransport(t *testing.T) {
 		"advertised=false,direction=receive,memory=host,outcome=ok," + route: int64(len(payload)),
 		"advertised=false,direction=send,memory=host,outcome=ok," + route:    int64(len(payload)),
 	}, r.sum(t, "gdrpc.transfer.io", "By", true))
+	require.Equal(t, map[string]int64{ // the failed pull counts as one, of its kind
+		"advertised=false,direction=receive,memory=host,outcome=ok," + route:                                     1,
+		"advertised=false,direction=send,memory=host,outcome=ok," + route:                                        1,
+		"advertised=false,direction=receive,error.type=not_found,memory=host,outcome=error,path=none,route=none": 1,
+	}, r.sum(t, "gdrpc.transfers", "{transfer}", true))
 
 	require.NoError(t, client.Close())
 	timeout := time.After(transporttest.Timeout)

@@ -37,10 +37,19 @@ type Metrics interface {
 
 // TransferInfo describes one finished transfer.
 type TransferInfo struct {
-	Path    Path
-	Bytes   int64
+	// Path is the path the transfer took; PathNone for one that failed
+	// before it took any.
+	Path Path
+	// Bytes is the payload's length as its descriptor gives it: what moved
+	// when Err is nil, and otherwise only what the peer claimed.
+	Bytes int64
+	// Elapsed is the transfer's time on this side: from the receiver's
+	// request (or its taking a payload that landed in its space), or the
+	// owner's first write, to the end.
 	Elapsed time.Duration
-	Err     error
+	// Err is nil for a transfer that completed. On the receiver's side a
+	// failure is a *TransferError, whose Kind says what went wrong.
+	Err error
 	// Pull is true on the receiver's side (the bytes arrived here), false on the
 	// owner's (the bytes left from here).
 	Pull bool
