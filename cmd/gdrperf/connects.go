@@ -72,7 +72,7 @@ func (b *bench) measureConnects(ctx context.Context) (*connectsResult, error) {
 			out := new(wrapperspb.BytesValue)
 			err := cc.Invoke(cctx, methodMake, wrapperspb.UInt64(firstCallSize), out)
 			if err == nil && len(out.GetValue()) != firstCallSize {
-				err = fmt.Errorf("%d bytes arrived, want %d", len(out.GetValue()), firstCallSize)
+				err = mismatch("%d bytes arrived, want %d", len(out.GetValue()), firstCallSize)
 			}
 			return err
 		})
@@ -104,7 +104,7 @@ func (b *bench) measureConnects(ctx context.Context) (*connectsResult, error) {
 	}
 	res.GDRPCMs, res.GDRPCP90Ms = ms(gdr)
 	res.GRPCMs, res.GRPCP90Ms = ms(plain)
-	res.XGRPC = ratio(res.GDRPCMs, &res.GRPCMs)
+	res.XGRPC = ratio(&res.GDRPCMs, &res.GRPCMs)
 	return res, nil
 }
 

@@ -12,8 +12,12 @@
 //   - plain gRPC over TCP with a bytes field (a second, ordinary gRPC server
 //     in the server process: default proto codec, no gdrpc dialer, message
 //     size limits raised);
-//   - ucx_perftest ucp_put_bw on the same UCX transports (skipped with a note
-//     when ucx_perftest is not installed);
+//   - ucx_perftest ucp_put_bw, where the gdrpc session runs over UCX (as the
+//     run's first call found it): it measures UCX's puts, in the environment
+//     gdrpc sees (UCX_TLS and the like), so beside a session over TCP
+//     (-transport tcp, or auto without -trust-peers) it is skipped with a
+//     note saying so; skipped with a note too when ucx_perftest is not in
+//     PATH, while a -perftest PATH that is not there is an error;
 //   - with -mem cuda: an in-process device-to-device copy of the same size
 //     (with -server-device naming another GPU than -device: a peer copy
 //     between the two, in the direction the payload moves), and the naive
@@ -44,11 +48,23 @@
 // then waits for the GPU to switch back to its context. With -op
 // push the server checksums the first request, and one more after the timed
 // ones, whole (CRC-32C); the timed requests go unchecked, since the server's
-// checksum would count in their time. A payload that differs fails the run.
-// The plain gRPC baseline checks its first call. gdrpc MiB/s is size / call
-// time (median); xfer is the out-of-band transfer alone as the transport's
-// metrics hook timed it (the receiver's pull for -op pull, the owner's write
-// for -op push). A payload the server wrote into the client's receive space
+// checksum would count in their time. The plain gRPC baseline (and the naive
+// way) checks its first call. A payload that differs, gdrpc's or a
+// baseline's, fails the run: the exit status is 1 and the message is
+// printed; a baseline call that fails is only a note. The verified call
+// comes first, alone, before the warm-up and outside the time measured,
+// whatever -warmup is (the server's checksum, the comparison and noting the
+// session are no measured call's); -warmup counts the unverified calls after
+// it. gdrpc MiB/s is size / the median call time (with an even count of
+// calls, the middle two times' mean); xfer is size / the median time of the
+// out-of-band transfer alone as the transport's metrics hook timed it (the
+// receiver's pull for -op pull, the owner's write for -op push). The ratios:
+// x grpc is gdrpc MiB/s / grpc-tcp MiB/s; x perftest is gdrpc MiB/s /
+// ucx_perftest MiB/s, the whole call against UCX's puts alone; xfer/perftest
+// is xfer MiB/s / ucx_perftest MiB/s, the out-of-band transfer alone against
+// them. In JSON a figure not measured is null.
+//
+// A payload the server wrote into the client's receive space
 // while it marshaled the response (gdrpc.WithReceiveSpace, between trusted
 // peers) has no pull: its path reads "<route>@space" and it has no xfer.
 // With -op push into the server's request space, xfer is the client's own
@@ -97,10 +113,14 @@
 // Performance).
 //
 // Same host (the default): the tool re-executes itself as the server, so the
-// client and the server are separate processes. Across hosts: run
-// "gdrperf -server HOST:PORT" on one (plain gRPC then listens on PORT+1 and
-// ucx_perftest on PORT+2) and "gdrperf -connect HOST:PORT" on the other, with
-// the same -transport, -mem, -paths and -trust-peers on both.
+// client and the server are separate processes; a server process that ends
+// by a signal or with an error, or before the run did, fails the run.
+// Across hosts: run "gdrperf -server HOST:PORT" on one, PORT given (plain
+// gRPC then listens on PORT+1 and ucx_perftest on PORT+2, where -connect
+// looks for them) and "gdrperf -connect HOST:PORT" on the other, with the
+// same -transport, -mem, -paths and -trust-peers on both; -server-cpuprofile
+// and -server-trace are for the re-executed server only (give -cpuprofile or
+// -trace to gdrperf -server).
 //
 // Usage:
 //
@@ -113,8 +133,11 @@
 //	        [-baselines=false] [-cpuprofile F] [-server-cpuprofile F] [-trace F] [-server-trace F] [-v]
 //
 // -busy N runs N CPU-bound processes beside client and server for the whole
-// run, each spinning one core: small calls under contention, as in a service
-// that shares its cores with other work.
+// run (with -server or -connect, beside that end), each spinning one core:
+// small calls under contention, as in a service that shares its cores with
+// other work.
+//
+// -sizes takes each size once (1MiB and 1024KiB are one): a size names a row.
 //
 // -connects N then times N new connections each way, alternating: a new
 // ClientConn up to the response of its first call (a 1 KiB Make), gdrpc's
@@ -126,19 +149,25 @@
 // its own (unless -connect names one) and new connections, and prints each
 // run's table, then one of the medians over the runs, a row per size and
 // count in flight: gdrpc MiB/s and the 1 KiB RPC as medians, the call's
-// time, xfer and the ratios with their ranges. With -format json a run's
+// time, xfer, ucx_perftest MiB/s and the ratios (xfer/perftest among them)
+// with their ranges. With -format json a run's
 // rows carry "run", and objects {"summary": {...}} follow them. Where a
 // process's threads land changes its figures from one run to the next
 // (README, Performance): compare the medians of several runs. Cut short (a
 // signal, a timeout around the tool), it still prints the medians over the
 // runs that ended, where two did; a run that measured nothing (no server, no
-// connection) ends the series.
+// connection) ends the series. An interrupted run prints the rows it
+// measured before the signal.
 //
 // The exit status is 1 when gdrpc could not be measured for some size (the
-// notes say why); a missing baseline is only a note.
+// notes say why), when a payload differed from the one sent, or when the
+// server process of a same-host run failed; a missing baseline is only a
+// note.
 //
 // What it owns: the benchmark's processes, its baseline service and the
 // report. What it must never do: change the library's behaviour to look
 // faster (it uses only the public API a user has), or hang: every call,
-// child process and spawned ucx_perftest is bounded by a timeout.
+// child process and spawned ucx_perftest is bounded by a timeout, and a
+// ucx_perftest process dies with the process that started it (on Linux, a
+// parent-death signal).
 package main

@@ -8,6 +8,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -81,12 +82,12 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.SetOutput(stderr)
 	sizes := fs.String("sizes", "1MiB,16MiB,64MiB", "payload sizes, comma-separated (B, KiB, MiB, GiB)")
 	fs.IntVar(&o.iters, "iters", 10, "measured calls per size and method (the median is reported)")
-	fs.IntVar(&o.warmup, "warmup", 10, "calls per size and method before measuring (the first one is verified)")
+	fs.IntVar(&o.warmup, "warmup", 10, "unverified calls per size and method before measuring, after the verified call that always comes first")
 	fs.IntVar(&o.conns, "conns", 1, "gdrpc client connections the calls spread over (a dialer.Pool: each call goes over the connection with the fewest in flight; each connection is a session of its own)")
 	inflight := fs.String("inflight", "1", "calls in flight at once, or a comma list (a row per value and size, e.g. 1,4,8): above 1, that many goroutines make -iters calls each and the rates are aggregate throughput (bytes over wall time) instead of medians per call")
 	fs.IntVar(&o.connects, "connects", 0, "after the table, time this many new connections each way, alternating: a new ClientConn up to its first call's response (a 1 KiB Make), gdrpc (the session's setup included) against plain gRPC over TCP; medians and p90")
 	fs.IntVar(&o.runs, "runs", 1, "measure everything this many times, each run with a server process (unless -connect) and connections of its own, then print the medians over the runs with their ranges: where a run's threads land changes its figures, so compare medians of several runs (-connects times new connections to the last run's server only; -server-cpuprofile and -server-trace keep the last run's server; -server ignores it)")
-	fs.IntVar(&o.busy, "busy", 0, "run this many CPU-bound processes (each spins one core) beside client and server for the whole run: calls under contention, as in a service sharing its cores")
+	fs.IntVar(&o.busy, "busy", 0, "run this many CPU-bound processes (each spins one core) beside client and server for the whole run (with -server or -connect, beside this end only): calls under contention, as in a service sharing its cores")
 	fs.BoolVar(&o.spin, "spin", false, "spin on one core until stdin closes (the processes -busy starts)")
 	fs.StringVar(&o.transport, "transport", "auto", "gdrpc transport: auto, ucx or tcp")
 	fs.StringVar(&o.mem, "mem", "host", "where the sender's payload lives: host, or cuda (GPU -device); give the same on both ends")
@@ -95,9 +96,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.StringVar(&o.format, "format", "table", "output: table, or json (one object per size)")
 	fs.IntVar(&o.device, "device", 0, "CUDA device ordinal for -mem cuda")
 	fs.IntVar(&o.srvDevice, "server-device", -1, "CUDA device ordinal of the re-executed server (-1: as -device); another GPU than -device measures cuda-ipc between GPUs against an in-process peer copy")
-	fs.StringVar(&o.server, "server", "", "run only the server, listening on HOST:PORT (plain gRPC on PORT+1, ucx_perftest on PORT+2)")
+	fs.StringVar(&o.server, "server", "", "run only the server, listening on HOST:PORT, PORT given (plain gRPC on PORT+1, ucx_perftest on PORT+2)")
 	fs.StringVar(&o.connect, "connect", "", "run only the client, against a gdrperf -server at HOST:PORT")
-	fs.StringVar(&o.perftest, "perftest", "", `ucx_perftest binary ("" looks it up in PATH, "none" skips the column)`)
+	fs.StringVar(&o.perftest, "perftest", "", `ucx_perftest binary ("" looks it up in PATH, and skips the column if it is not there; "none" skips it); measured only beside a gdrpc session over UCX`)
 	fs.StringVar(&o.paths, "paths", "all", "out-of-band paths transfers may take: all, or a comma list of cuda-ipc, rdma (covers staged), stream (always allowed); give the same on both ends")
 	eager := fs.String("eager", "", `payloads under this size travel inline in the message, over any session (gdrcodec.WithEagerThreshold, both ends); "" keeps the codec's default: 64 KiB, 128 KiB for host payloads over a TCP session`)
 	space := fs.String("receive-space", "", `receive space the client advertises to a trusted server (gdrpc.WithReceiveSpace): a size, or 0 for none; "" keeps the default`)
@@ -112,9 +113,9 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 	fs.BoolVar(&o.verbose, "v", false, "log the UCX lanes of the gdrpc session")
 	fs.BoolVar(&o.child, "child", false, "internal: server half of a same-host run")
 	fs.StringVar(&o.cpuprofile, "cpuprofile", "", "write this process's CPU profile to the file")
-	fs.StringVar(&o.serverCPUProfile, "server-cpuprofile", "", "write the re-executed server's CPU profile to the file")
+	fs.StringVar(&o.serverCPUProfile, "server-cpuprofile", "", "write the re-executed server's CPU profile to the file (not with -server or -connect: give -cpuprofile to gdrperf -server)")
 	fs.StringVar(&o.trace, "trace", "", "write this process's execution trace to the file (go tool trace: where calls wait; gdrtrace breaks a call down, its regions gdrperf.call for gdrpc's calls, gdrperf.grpc for plain gRPC's)")
-	fs.StringVar(&o.serverTrace, "server-trace", "", "write the re-executed server's execution trace to the file")
+	fs.StringVar(&o.serverTrace, "server-trace", "", "write the re-executed server's execution trace to the file (not with -server or -connect: give -trace to gdrperf -server)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -203,6 +204,20 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, fmt.Errorf("-check %s: with -op pull (the server checksums pushed requests)", o.check)
 	case o.hold < 0 || o.hold > 0 && o.op != "pull":
 		return nil, fmt.Errorf("-hold %d: want 0 or more, with -op pull", o.hold)
+	case (o.serverCPUProfile != "" || o.serverTrace != "") && (o.server != "" || o.connect != ""):
+		return nil, errors.New("-server-cpuprofile and -server-trace are for the server this process starts: with -server or -connect, give -cpuprofile or -trace to the gdrperf -server")
+	}
+	if o.server != "" && !o.child {
+		// A -connect client finds plain gRPC and ucx_perftest next to PORT.
+		_, ps, err := net.SplitHostPort(o.server)
+		if port, perr := strconv.Atoi(ps); err != nil || perr != nil || port < 1 || port > 65533 {
+			return nil, fmt.Errorf("-server %q: want HOST:PORT with a port from 1 to 65533 (plain gRPC listens on PORT+1 and ucx_perftest on PORT+2, where gdrperf -connect looks for them)", o.server)
+		}
+	}
+	if o.perftest != "" && o.perftest != "none" {
+		if _, _, err := perftestBinary(o.perftest); err != nil {
+			return nil, err
+		}
 	}
 	return o, nil
 }
@@ -393,7 +408,7 @@ func realMain(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
 		spin(stdin)
 		return 0
 	}
-	if o.busy > 0 && o.server == "" {
+	if o.busy > 0 {
 		stopBusy, err := startBusy(o.busy)
 		if err != nil {
 			fmt.Fprintln(stderr, "gdrperf:", err)
@@ -453,9 +468,10 @@ const childEnv = "GDRPERF_CHILD"
 
 // child is the re-executed server process.
 type child struct {
-	cmd   *exec.Cmd
-	stdin io.WriteCloser
-	done  chan error
+	cmd    *exec.Cmd
+	stdin  io.WriteCloser
+	exited chan struct{} // closed once the process ended and was waited for
+	err    error         // cmd.Wait's, set before exited is closed
 }
 
 // startChild re-executes this program as the server on 127.0.0.1 and waits
@@ -496,8 +512,11 @@ func startChild(ctx context.Context, o *options) (*child, readyInfo, error) {
 	if err != nil {
 		return nil, readyInfo{}, fmt.Errorf("start the server: %w", err)
 	}
-	c := &child{cmd: cmd, stdin: stdin, done: make(chan error, 1)}
-	go func() { c.done <- cmd.Wait() }()
+	c := &child{cmd: cmd, stdin: stdin, exited: make(chan struct{})}
+	go func() {
+		c.err = cmd.Wait()
+		close(c.exited)
+	}()
 	lines := make(chan string, 1)
 	go func() {
 		// Ends at the server's first line, or when it exits or rr is closed.
@@ -526,19 +545,38 @@ func startChild(ctx context.Context, o *options) (*child, readyInfo, error) {
 	return c, info, nil
 }
 
+// ended reports whether the server process ended (without waiting).
+func (c *child) ended() bool {
+	select {
+	case <-c.exited:
+		return true
+	default:
+		return false
+	}
+}
+
 // stop asks the server to exit (closing its stdin), waits up to 10 s, then
-// kills it.
+// kills it. It returns an error where the server ended before it was asked
+// to, ended by a signal or with an error, or had to be killed.
 func (c *child) stop() error {
+	early := c.ended()
 	c.stdin.Close()
 	t := time.NewTimer(10 * time.Second)
 	defer t.Stop()
 	select {
-	case err := <-c.done:
-		return err
+	case <-c.exited:
 	case <-t.C:
 		_ = c.cmd.Process.Kill()
-		return fmt.Errorf("the server did not exit within 10s; killed: %v", <-c.done)
+		<-c.exited
+		return fmt.Errorf("the server process did not exit within 10s of being asked to; killed: %v", c.err)
 	}
+	switch {
+	case c.err != nil:
+		return fmt.Errorf("the server process failed (%v); its messages, if any, are above", c.err)
+	case early:
+		return errors.New("the server process exited before the run ended; its messages, if any, are above")
+	}
+	return nil
 }
 
 // spin keeps one core busy until stdin closes (the parent is done or gone).

@@ -62,7 +62,7 @@ func gdrperf(t *testing.T, args ...string) []result {
 	for line := range strings.Lines(out.String()) {
 		var m map[string]any
 		require.NoError(t, json.Unmarshal([]byte(line), &m))
-		for _, k := range []string{"size_bytes", "path", "gdrpc_mib_s", "grpc_tcp_mib_s", "ucx_perftest_mib_s", "gdrpc_vs_grpc_tcp", "gdrpc_vs_ucx_perftest"} {
+		for _, k := range []string{"size_bytes", "path", "gdrpc_mib_s", "grpc_tcp_mib_s", "ucx_perftest_mib_s", "gdrpc_vs_grpc_tcp", "gdrpc_vs_ucx_perftest", "xfer_vs_ucx_perftest", "transfer_mib_s"} {
 			require.Contains(t, m, k)
 		}
 	}
@@ -145,19 +145,19 @@ func TestEndToEnd(t *testing.T) {
 				require.Equal(t, inflight(tc.args), r.Inflight)
 				require.Equal(t, argInt(tc.args, "-hold", 0), r.Hold)
 				require.Equal(t, conns(tc.args), r.Sessions, "sessions the calls went over")
-				require.Positive(t, r.GDRPCMiBs, "notes: %v", r.Notes)
+				require.Positive(t, val(r.GDRPCMiBs), "notes: %v", r.Notes)
 				require.NotNil(t, r.GRPCTCPMiBs, "notes: %v", r.Notes)
 				require.Positive(t, *r.GRPCTCPMiBs)
 				require.NotNil(t, r.VsGRPCTCP)
-				require.InDelta(t, r.GDRPCMiBs / *r.GRPCTCPMiBs, *r.VsGRPCTCP, 1e-9)
+				require.InDelta(t, *r.GDRPCMiBs / *r.GRPCTCPMiBs, *r.VsGRPCTCP, 1e-9)
 				switch {
 				case want.path == "inline":
 				case strings.HasSuffix(want.path, "@space"):
 					// the client's own write into the server's space, timed
 					require.Equal(t, "push", tc.op)
-					require.Positive(t, r.TransferMiBs)
+					require.Positive(t, val(r.TransferMiBs))
 				default:
-					require.Positive(t, r.TransferMiBs)
+					require.Positive(t, val(r.TransferMiBs))
 				}
 				require.Equal(t, "host", r.Recv)
 				require.Nil(t, r.DtoDMiBs)
@@ -168,18 +168,31 @@ func TestEndToEnd(t *testing.T) {
 					require.Contains(t, strings.Join(r.Notes, "\n"), "ucx_perftest skipped")
 					continue
 				}
-				if _, note := perftestBinary(""); note != "" {
+				if _, note, _ := perftestBinary(""); note != "" {
 					require.Nil(t, r.UCXPerftestMiBs)
 					require.Contains(t, strings.Join(r.Notes, "\n"), "not found")
 					continue
 				}
 				require.NotNil(t, r.UCXPerftestMiBs, "notes: %v", r.Notes)
 				require.Positive(t, *r.UCXPerftestMiBs)
-				require.InDelta(t, r.GDRPCMiBs / *r.UCXPerftestMiBs, *r.VsUCXPerftest, 1e-9)
+				require.InDelta(t, *r.GDRPCMiBs / *r.UCXPerftestMiBs, *r.VsUCXPerftest, 1e-9)
+				if r.TransferMiBs == nil {
+					require.Nil(t, r.XferVsPerftest)
+				} else {
+					require.InDelta(t, *r.TransferMiBs / *r.UCXPerftestMiBs, *r.XferVsPerftest, 1e-9)
+				}
 			}
 			require.Equal(t, base, poolsInUse(), "buffers not given back to the host pools")
 		})
 	}
+}
+
+// val is *v, or 0 for nil (a figure not measured).
+func val(v *float64) float64 {
+	if v == nil {
+		return 0
+	}
+	return *v
 }
 
 // conns is the -conns value in args (1 if absent).
@@ -208,9 +221,11 @@ func TestTable(t *testing.T) {
 	s := out.String()
 	require.Contains(t, s, "gdrpc session over tcp")
 	require.Contains(t, s, fmt.Sprintf(" gomaxprocs=%d (server 1) cpus=%s (server %[2]s);", runtime.GOMAXPROCS(0), allowedCPUs()))
-	require.Regexp(t, `(?m)^\s*size\s+path\s+gdrpc MiB/s\s+call µs\s+xfer MiB/s\s+grpc-tcp MiB/s\s+x grpc\s+ucx_perftest MiB/s\s+x perftest\s+rpc 1KiB µs\s+call/\(rpc\+copy\)\s*$`, s)
-	require.Regexp(t, `(?m)^\s*256KiB\s+stream\s+[0-9.,]+\s+[0-9.,]+\s+[0-9.,]+\s+[0-9.,]+\s+[0-9.]+x\s+-\s+-\s+[0-9.,]+\s+[0-9.]+x\s*$`, s)
+	require.Regexp(t, `(?m)^\s*size\s+path\s+gdrpc MiB/s\s+call µs\s+xfer MiB/s\s+grpc-tcp MiB/s\s+x grpc\s+ucx_perftest MiB/s\s+x perftest\s+xfer/perftest\s+rpc 1KiB µs\s+call/\(rpc\+copy\)\s*$`, s)
+	require.Regexp(t, `(?m)^\s*256KiB\s+stream\s+[0-9.,]+\s+[0-9.,]+\s+[0-9.,]+\s+[0-9.,]+\s+[0-9.]+x\s+-\s+-\s+-\s+[0-9.,]+\s+[0-9.]+x\s*$`, s)
 	require.Contains(t, s, "# note: 256KiB: ucx_perftest skipped")
+	// The ratios are defined above the columns.
+	require.Contains(t, s, "\n# x grpc = gdrpc MiB/s / grpc-tcp MiB/s; x perftest = gdrpc MiB/s / ucx_perftest MiB/s (the whole call against UCX's puts alone); xfer/perftest = xfer MiB/s / ucx_perftest MiB/s (the out-of-band transfer alone against UCX's puts)\n")
 }
 
 // TestRuns: -runs measures everything again, each run with a server process
@@ -248,8 +263,8 @@ func TestRuns(t *testing.T) {
 			require.NotNil(t, r.CallMicros)
 			require.NotNil(t, r.VsRPCCopy)
 			calls, vs = append(calls, *r.CallMicros), append(vs, *r.VsRPCCopy)
-			if r.TransferMiBs > 0 {
-				xfers = append(xfers, r.TransferMiBs)
+			if r.TransferMiBs != nil {
+				xfers = append(xfers, *r.TransferMiBs)
 			}
 		}
 		require.Equal(t, spread{Median: median(calls), Min: slices.Min(calls), Max: slices.Max(calls), Runs: 3}, *s.Call)
@@ -273,12 +288,12 @@ func TestRuns(t *testing.T) {
 	require.Equal(t, 3, strings.Count(table, "# gdrperf op=pull"), "each run's table has its header")
 	_, summary, ok := strings.Cut(table, "# medians over 3 runs")
 	require.True(t, ok)
-	require.Regexp(t, `(?m)^\s*size\s+path\s+gdrpc MiB/s\s+call µs\s+xfer MiB/s\s+x grpc\s+x perftest\s+rpc 1KiB µs\s+call/\(rpc\+copy\)\s*$`, summary)
+	require.Regexp(t, `(?m)^\s*size\s+path\s+gdrpc MiB/s\s+call µs\s+xfer MiB/s\s+x grpc\s+ucx_perftest MiB/s\s+x perftest\s+xfer/perftest\s+rpc 1KiB µs\s+call/\(rpc\+copy\)\s*$`, summary)
 	// A figure a run missed adds "(2 runs)".
 	spreadCell := `[0-9.,]+ \([0-9.,]+-[0-9.,]+\)( \([12] runs?\))?`
 	ratioCell := `[0-9.]+x \([0-9.]+x-[0-9.]+x\)( \([12] runs?\))?`
-	require.Regexp(t, `(?m)^\s*4KiB\s+inline\s+[0-9.,]+\s+`+spreadCell+`\s+-\s+`+ratioCell+`\s+-\s+[0-9.,]+\s+`+ratioCell+`\s*$`, summary)
-	require.Regexp(t, `(?m)^\s*256KiB\s+stream\s+[0-9.,]+\s+`+spreadCell+`\s+`+spreadCell+`\s+`+ratioCell+`\s+-\s+[0-9.,]+\s+`+ratioCell+`\s*$`, summary)
+	require.Regexp(t, `(?m)^\s*4KiB\s+inline\s+[0-9.,]+\s+`+spreadCell+`\s+-\s+`+ratioCell+`\s+-\s+-\s+-\s+[0-9.,]+\s+`+ratioCell+`\s*$`, summary)
+	require.Regexp(t, `(?m)^\s*256KiB\s+stream\s+[0-9.,]+\s+`+spreadCell+`\s+`+spreadCell+`\s+`+ratioCell+`\s+-\s+-\s+-\s+[0-9.,]+\s+`+ratioCell+`\s*$`, summary)
 	require.Contains(t, table, "# medians over 3 runs;")
 	require.Equal(t, before, childProcesses(t), "server processes left")
 	require.Equal(t, base, poolsInUse(), "buffers not given back to the host pools")
@@ -318,8 +333,11 @@ func TestRunsInterrupted(t *testing.T) {
 func TestSummary(t *testing.T) {
 	f := func(v float64) *float64 { return &v }
 	row := func(size, inflight int, mibs float64, call, vsGRPC, rpc float64) *result {
-		return &result{SizeBytes: size, Size: formatSize(size), Inflight: inflight, Path: "rdma", GDRPCMiBs: mibs,
-			CallMicros: f(call), VsGRPCTCP: f(vsGRPC), RPCMicros: f(rpc), VsRPCCopy: f(call / (rpc + 10)), TransferMiBs: 2 * mibs}
+		r := &result{SizeBytes: size, Size: formatSize(size), Inflight: inflight, Path: "rdma", GDRPCMiBs: f(mibs),
+			CallMicros: f(call), VsGRPCTCP: f(vsGRPC), RPCMicros: f(rpc), VsRPCCopy: f(call / (rpc + 10)), TransferMiBs: f(2 * mibs),
+			UCXPerftestMiBs: f(4 * mibs)}
+		r.VsUCXPerftest, r.XferVsPerftest = ratio(r.GDRPCMiBs, r.UCXPerftestMiBs), ratio(r.TransferMiBs, r.UCXPerftestMiBs)
+		return r
 	}
 	unmeasured := &result{SizeBytes: 1 << 20, Size: "1MiB", Inflight: 4, Path: "", Notes: []string{"failed"}}
 	runs := [][]*result{
@@ -340,7 +358,9 @@ func TestSummary(t *testing.T) {
 	require.Equal(t, spread{Median: 30, Min: 30, Max: 30, Runs: 3}, *one.RPC)
 	require.Equal(t, spread{Median: 400, Min: 400, Max: 400, Runs: 2}, *four.GDRPCMiBs, "the run that measured nothing is left out")
 	require.Equal(t, spread{Median: 4, Min: 3, Max: 5, Runs: 2}, *four.VsGRPC)
-	require.Nil(t, one.VsPerf)
+	require.Equal(t, spread{Median: 800, Min: 400, Max: 1200, Runs: 3}, *one.Perftest)
+	require.Equal(t, spread{Median: 0.25, Min: 0.25, Max: 0.25, Runs: 3}, *one.VsPerf)
+	require.Equal(t, spread{Median: 0.5, Min: 0.5, Max: 0.5, Runs: 3}, *one.XferVsPerf)
 	require.Equal(t, []string{"rdma"}, four.Paths)
 
 	o := &options{runs: 4, inflights: []int{1, 4}, mem: "host", recv: "host", format: "table"}
@@ -348,8 +368,9 @@ func TestSummary(t *testing.T) {
 	require.NoError(t, writeSummary(&out, o, runs))
 	s := out.String()
 	require.Contains(t, s, "# medians over the 3 of 4 runs that ended;")
-	require.Regexp(t, `(?m)^\s*1MiB\s+1\s+rdma\s+200\s+70 \(50-90\)\s+400 \(200-600\)\s+3\.00x \(2\.00x-4\.00x\)\s+-\s+30\s+[0-9.]+x \([0-9.]+x-[0-9.]+x\)\s*$`, s)
-	require.Regexp(t, `(?m)^\s*1MiB\s+4\s+rdma\s+400 \(2 runs\)\s+60 \(2 runs\)\s+800 \(2 runs\)\s+4\.00x \(3\.00x-5\.00x\) \(2 runs\)\s+-\s+40 \(2 runs\)\s+[0-9.]+x \(2 runs\)\s*$`, s, "equal figures print no range")
+	require.Regexp(t, `(?m)^\s*size\s+inflight\s+path\s+gdrpc MiB/s\s+call µs\s+xfer MiB/s\s+x grpc\s+ucx_perftest MiB/s\s+x perftest\s+xfer/perftest\s+rpc 1KiB µs\s+call/\(rpc\+copy\)\s*$`, s)
+	require.Regexp(t, `(?m)^\s*1MiB\s+1\s+rdma\s+200\s+70 \(50-90\)\s+400 \(200-600\)\s+3\.00x \(2\.00x-4\.00x\)\s+800 \(400-1,200\)\s+0\.250x\s+0\.500x\s+30\s+[0-9.]+x \([0-9.]+x-[0-9.]+x\)\s*$`, s)
+	require.Regexp(t, `(?m)^\s*1MiB\s+4\s+rdma\s+400 \(2 runs\)\s+60 \(2 runs\)\s+800 \(2 runs\)\s+4\.00x \(3\.00x-5\.00x\) \(2 runs\)\s+1,600 \(2 runs\)\s+0\.250x \(2 runs\)\s+0\.500x \(2 runs\)\s+40 \(2 runs\)\s+[0-9.]+x \(2 runs\)\s*$`, s, "equal figures print no range")
 
 	// GPU to GPU: the GPU baselines' ratios follow, as in a run's table.
 	for _, tc := range []struct {
@@ -416,7 +437,7 @@ func TestCUDA(t *testing.T) {
 	require.Len(t, rs, 1)
 	r := rs[0]
 	require.Equal(t, oneDevice, r.Path, "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
-	require.Positive(t, r.GDRPCMiBs)
+	require.Positive(t, val(r.GDRPCMiBs))
 	require.NotNil(t, r.DtoDMiBs, "notes: %v", r.Notes)
 	require.NotNil(t, r.NaiveMiBs, "notes: %v", r.Notes)
 	require.NotNil(t, r.VsDtoD)
@@ -429,7 +450,7 @@ func TestCUDA(t *testing.T) {
 	r = rs[0]
 	require.Equal(t, 3, r.Inflight)
 	require.Equal(t, oneDevice, r.Path, "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
-	require.Positive(t, r.GDRPCMiBs)
+	require.Positive(t, val(r.GDRPCMiBs))
 	require.NotNil(t, r.VsDtoD, "notes: %v", r.Notes)
 	require.NotNil(t, r.VsNaive, "notes: %v", r.Notes)
 
@@ -442,7 +463,7 @@ func TestCUDA(t *testing.T) {
 	require.Len(t, rs, 1)
 	r = rs[0]
 	require.Contains(t, strings.Split(r.Path, "+"), "cuda-ipc@space", "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
-	require.Positive(t, r.GDRPCMiBs)
+	require.Positive(t, val(r.GDRPCMiBs))
 
 	// A caller holding more payloads than the space has events: the
 	// copies into the space go on (TestGPUEventsShared checks the bytes).
@@ -451,14 +472,14 @@ func TestCUDA(t *testing.T) {
 	r = rs[0]
 	require.Equal(t, 40, r.Hold)
 	require.Contains(t, strings.Split(r.Path, "+"), "cuda-ipc@space", "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
-	require.Positive(t, r.GDRPCMiBs)
+	require.Positive(t, val(r.GDRPCMiBs))
 
 	// Pushed into the server's receive space for requests.
 	rs = gdrperf(t, append(args, "-op", "push", "-request-space", "64MiB", "-warmup", "4")...)
 	require.Len(t, rs, 1)
 	r = rs[0]
 	require.Contains(t, strings.Split(r.Path, "+"), "cuda-ipc@space", "notes: %v, fallbacks: %v", r.Notes, r.Fallbacks)
-	require.Positive(t, r.GDRPCMiBs)
+	require.Positive(t, val(r.GDRPCMiBs))
 
 	// Between two GPUs of one host: the server on GPU 1, cuda-ipc across
 	// devices against an in-process peer copy, pulled and pushed.
@@ -529,6 +550,16 @@ func TestFlags(t *testing.T) {
 		{name: "hold push", args: []string{"-hold", "4", "-op", "push"}, err: "-op pull"},
 		{name: "check", args: []string{"-check", "some"}, err: "-check"},
 		{name: "check push", args: []string{"-check", "ends", "-op", "push"}, err: "-op pull"},
+		{name: "sizes twice", args: []string{"-sizes", "1MiB,4KiB,1024KiB"}, err: "size 1MiB given twice"},
+		// A -connect client finds plain gRPC on PORT+1 and ucx_perftest on PORT+2.
+		{name: "server port 0", args: []string{"-server", "127.0.0.1:0"}, err: "want HOST:PORT with a port from 1 to 65533"},
+		{name: "server no port", args: []string{"-server", "127.0.0.1"}, err: "want HOST:PORT"},
+		{name: "server port too high", args: []string{"-server", ":65534"}, err: "want HOST:PORT"},
+		// For the server this process starts only.
+		{name: "server-cpuprofile connect", args: []string{"-connect", "h:1", "-server-cpuprofile", "f"}, err: "-server-cpuprofile and -server-trace"},
+		{name: "server-trace connect", args: []string{"-connect", "h:1", "-server-trace", "f"}, err: "-server-cpuprofile and -server-trace"},
+		{name: "server-cpuprofile server", args: []string{"-server", "h:1", "-server-cpuprofile", "f"}, err: "-server-cpuprofile and -server-trace"},
+		{name: "perftest missing", args: []string{"-perftest", "/nonexistent/ucx_perftest"}, err: `-perftest "/nonexistent/ucx_perftest"`},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -553,6 +584,28 @@ func TestFlags(t *testing.T) {
 	o, err = parseFlags([]string{"-check", "ends"}, &bytes.Buffer{})
 	require.NoError(t, err)
 	require.Equal(t, "ends", o.check)
+	// The re-executed server listens on any port, and says which.
+	_, err = parseFlags([]string{"-child", "-server", "127.0.0.1:0"}, &bytes.Buffer{})
+	require.NoError(t, err)
+	_, err = parseFlags([]string{"-server", "127.0.0.1:7000", "-busy", "1"}, &bytes.Buffer{})
+	require.NoError(t, err)
+	// The perftest binary named is there: its path is taken; "" is looked up
+	// in PATH when needed, a note where it is not there.
+	if bin, err := exec.LookPath("ls"); err == nil {
+		o, err = parseFlags([]string{"-perftest", bin}, &bytes.Buffer{})
+		require.NoError(t, err)
+		require.Equal(t, bin, o.perftest)
+	}
+	t.Setenv("PATH", t.TempDir())
+	_, err = parseFlags([]string{"-perftest", ""}, &bytes.Buffer{})
+	require.NoError(t, err)
+	bin, note, err := perftestBinary("")
+	require.NoError(t, err)
+	require.Empty(t, bin)
+	require.Contains(t, note, "ucx_perftest not found")
+	var out, errb bytes.Buffer
+	require.Equal(t, 2, realMain([]string{"-perftest", "/nonexistent/ucx_perftest"}, strings.NewReader(""), &out, &errb))
+	require.Contains(t, errb.String(), `gdrperf: -perftest "/nonexistent/ucx_perftest": `)
 }
 
 func TestSizes(t *testing.T) {
@@ -590,6 +643,9 @@ func TestSizes(t *testing.T) {
 	require.Equal(t, []int{1 << 20, 16 << 20, 64 << 20}, got)
 	_, err = parseSizes(",")
 	require.Error(t, err)
+	// A size is a row: given twice, however written, it is refused.
+	_, err = parseSizes("1MiB,1024KiB")
+	require.ErrorContains(t, err, "size 1MiB given twice")
 	for _, n := range []int{17, 4 << 10, 64 << 20, 1 << 30, 1<<20 + 1} {
 		back, err := parseSize(formatSize(n))
 		require.NoError(t, err)
@@ -602,11 +658,21 @@ func TestMedian(t *testing.T) {
 	require.Equal(t, 3.0, median([]float64{5, 3, 1}))
 	require.Equal(t, 2.5, median([]float64{4, 1, 3, 2}))
 	require.InDelta(t, 64.0, medianRate(64<<20, []time.Duration{time.Second, 2 * time.Second, 500 * time.Millisecond}), 1e-9)
+	// An even count: the size over the middle two times' mean (2 s), not the
+	// middle two rates' mean (the harmonic mean of their times).
+	require.InDelta(t, 0.5, medianRate(1<<20, []time.Duration{3 * time.Second, time.Second}), 1e-12)
+	require.InDelta(t, 0.5, medianRate(1<<20, []time.Duration{4 * time.Second, time.Second, 3 * time.Second, 500 * time.Millisecond}), 1e-12)
+	require.Zero(t, medianRate(1<<20, nil))
 	require.Equal(t, "1,234,568", commas(1234567.8))
 	require.Equal(t, "999", commas(999))
 	for v, want := range map[float64]string{12.84: "12.8", 5: "5", 0.123456: "0.123", 99.96: "100", 1234.4: "1,234"} {
 		require.Equal(t, want, num(&v), "%v", v)
 	}
+	// Ratios: whole from 10, else three significant digits, tiny ones too.
+	for v, want := range map[float64]string{12.6: "13x", 10: "10x", 3: "3.00x", 1.234: "1.23x", 0.5: "0.500x", 0.0456: "0.0456x", 0.00123456: "0.00123x", 1.5e-7: "0.000000150x"} {
+		require.Equal(t, want, rat(&v), "%v", v)
+	}
+	require.Equal(t, "-", rat(nil))
 }
 
 // Output of ucx_perftest 1.13 (ucp_put_bw, 64 MiB, 20 iterations).
@@ -664,34 +730,100 @@ func TestNoServer(t *testing.T) {
 // fakePerftest is a stand-in for ucx_perftest: as a server ("-p PORT") it
 // listens on PORT until a client connects; as a client it connects, and
 // prints a Final line whose bandwidth encodes the message size it was given.
+// Where $FAKE_PERFTEST_LOG names a file, each run appends a line to it: its
+// role (server once it listens, client), its process ID and its UCX_TLS.
 const fakePerftest = `#!/usr/bin/env python3
-import socket, sys
+import os, socket, sys
 args = sys.argv[1:]
 port = int(args[args.index("-p") + 1])
+def log(role):
+    if os.environ.get("FAKE_PERFTEST_LOG"):
+        with open(os.environ["FAKE_PERFTEST_LOG"], "a") as f:
+            f.write("%s %d UCX_TLS=%s\n" % (role, os.getpid(), os.environ.get("UCX_TLS", "")))
 if args[0] == "-p":
     s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("127.0.0.1", port)); s.listen(1); c, _ = s.accept(); c.recv(1); sys.exit(0)
+    s.bind(("127.0.0.1", port)); s.listen(1); log("server"); c, _ = s.accept(); c.recv(1); sys.exit(0)
 assert args[args.index("-t") + 1] == "ucp_put_bw", args
 size, iters = int(args[args.index("-s") + 1]), int(args[args.index("-n") + 1])
+log("client")
 c = socket.create_connection((args[0], port)); c.send(b"x")
 print("Final: %d 1.0 2.0 3.0 %.2f %.2f 7 8" % (iters, size / 1024.0, size / 1024.0))
 `
 
-func TestPerftestColumn(t *testing.T) {
+// fakePerftestBin writes fakePerftest to a file and returns its path, and
+// the log its runs write (FAKE_PERFTEST_LOG, set for the test).
+func fakePerftestBin(t *testing.T) (bin, log string) {
+	t.Helper()
 	if _, err := exec.LookPath("python3"); err != nil {
 		t.Skipf("no python3 for the fake ucx_perftest: %v", err)
 	}
-	bin := filepath.Join(t.TempDir(), "ucx_perftest")
+	dir := t.TempDir()
+	bin, log = filepath.Join(dir, "ucx_perftest"), filepath.Join(dir, "runs.log")
 	require.NoError(t, os.WriteFile(bin, []byte(fakePerftest), 0o755))
-	rs := gdrperf(t, "-sizes", "3MiB", "-iters", "3", "-warmup", "0", "-transport", "tcp", "-perftest", bin)
-	require.Len(t, rs, 1)
-	for i, size := range []int{3 << 20} {
-		r := rs[i]
+	t.Setenv("FAKE_PERFTEST_LOG", log)
+	return bin, log
+}
+
+// perftestRuns returns the lines of the fake ucx_perftest's log whose role
+// is role ("server", "client"), each split in its fields.
+func perftestRuns(t *testing.T, log, role string) [][]string {
+	t.Helper()
+	b, err := os.ReadFile(log)
+	if os.IsNotExist(err) {
+		return nil
+	}
+	require.NoError(t, err)
+	var runs [][]string
+	for line := range strings.Lines(string(b)) {
+		if f := strings.Fields(line); len(f) == 3 && f[0] == role {
+			runs = append(runs, f)
+		}
+	}
+	return runs
+}
+
+// ucx_perftest is measured beside a gdrpc session over UCX, in the
+// environment gdrpc sees, and skipped with a note beside one over TCP
+// (-transport tcp, or auto without -trust-peers): it measures UCX's puts.
+func TestPerftestColumn(t *testing.T) {
+	bin, log := fakePerftestBin(t)
+	for _, mode := range []string{"tcp", "auto"} {
+		t.Run("session over tcp/"+mode, func(t *testing.T) {
+			rs := gdrperf(t, "-sizes", "3MiB", "-iters", "3", "-warmup", "0", "-transport", mode, "-perftest", bin)
+			require.Len(t, rs, 1)
+			r := rs[0]
+			require.Equal(t, "tcp", r.Transport)
+			require.Nil(t, r.UCXPerftestMiBs, "notes: %v", r.Notes)
+			require.Nil(t, r.VsUCXPerftest)
+			require.Nil(t, r.XferVsPerftest)
+			require.Empty(t, r.UCXTLS)
+			require.Contains(t, r.Notes, "ucx_perftest skipped: the gdrpc session runs over TCP (ucx_perftest measures UCX puts)")
+			require.Empty(t, perftestRuns(t, log, "client"), "ucx_perftest ran beside a TCP session")
+		})
+	}
+	var out, errb bytes.Buffer
+	code := realMain([]string{"-sizes", "3MiB", "-iters", "1", "-warmup", "0", "-transport", "tcp", "-perftest", bin}, strings.NewReader(""), &out, &errb)
+	require.Equal(t, 0, code, errb.String())
+	require.Contains(t, out.String(), "\n# ucx_perftest: ucx_perftest skipped: the gdrpc session runs over TCP (ucx_perftest measures UCX puts)\n")
+
+	t.Run("session over ucx", func(t *testing.T) {
+		requireUCX(t)
+		const size = 3 << 20
+		rs := gdrperf(t, "-sizes", "3MiB", "-iters", "3", "-warmup", "0", "-transport", "ucx", "-perftest", bin)
+		require.Len(t, rs, 1)
+		r := rs[0]
+		require.Equal(t, "ucx", r.Transport)
 		require.NotNil(t, r.UCXPerftestMiBs, "notes: %v", r.Notes)
 		require.Equal(t, float64(size)/1024, *r.UCXPerftestMiBs, "the size reached ucx_perftest")
-		require.Equal(t, perftestTLS("tcp"), r.UCXTLS, "gdrpc over TCP: ucx_perftest over UCX's tcp unless UCX_TLS says otherwise")
-		require.InDelta(t, r.GDRPCMiBs/(float64(size)/1024), *r.VsUCXPerftest, 1e-9)
-	}
+		require.Equal(t, perftestTLS(), r.UCXTLS)
+		require.InDelta(t, *r.GDRPCMiBs/(float64(size)/1024), *r.VsUCXPerftest, 1e-9)
+		require.NotNil(t, r.TransferMiBs, "notes: %v", r.Notes)
+		require.NotNil(t, r.XferVsPerftest)
+		require.InDelta(t, *r.TransferMiBs/(float64(size)/1024), *r.XferVsPerftest, 1e-9)
+		clients := perftestRuns(t, log, "client")
+		require.Len(t, clients, 1)
+		require.Equal(t, "UCX_TLS="+os.Getenv("UCX_TLS"), clients[0][2], "ucx_perftest runs in the environment gdrpc sees")
+	})
 }
 
 // -inflight takes a list: each size gets a row per value, in the order
@@ -704,9 +836,9 @@ func TestInflightList(t *testing.T) {
 		r := rs[i]
 		require.Equal(t, want.size, r.SizeBytes, "row %d", i)
 		require.Equal(t, want.inflight, r.Inflight, "row %d", i)
-		require.Positive(t, r.GDRPCMiBs, "row %d: notes: %v", i, r.Notes)
+		require.Positive(t, val(r.GDRPCMiBs), "row %d: notes: %v", i, r.Notes)
 		require.NotNil(t, r.CallMicros, "row %d", i)
-		require.InDelta(t, float64(want.inflight*want.size)/(1<<20)/r.GDRPCMiBs*1e6, *r.CallMicros, 1e-6)
+		require.InDelta(t, float64(want.inflight*want.size)/(1<<20) / *r.GDRPCMiBs * 1e6, *r.CallMicros, 1e-6)
 		require.NotNil(t, r.RPCMicros, "row %d: the 1 KiB RPC with as many in flight", i)
 		require.Positive(t, *r.RPCMicros, "row %d", i)
 		require.NotNil(t, r.VsRPCCopy, "row %d", i)
@@ -729,17 +861,17 @@ func TestCallVsRPCCopy(t *testing.T) {
 	f := func(v float64) *float64 { return &v }
 	// 64 MiB: a 100 µs RPC and a copy at 64 MiB/ms (1 ms) make a floor of
 	// 1.1 ms; a call at 32 MiB/ms (2 ms) is 1.82x that.
-	r := &result{GDRPCMiBs: 32 * 1000, RPCMicros: f(100), CopyMiBs: f(64 * 1000), Inflight: 1}
+	r := &result{GDRPCMiBs: f(32 * 1000), RPCMicros: f(100), CopyMiBs: f(64 * 1000), Inflight: 1}
 	require.InDelta(t, 2.0/1.1, *callVsRPCCopy(64<<20, r), 1e-9)
 	// GPU to GPU: the dtod copy stands in for the copy.
-	r = &result{GDRPCMiBs: 32 * 1000, RPCMicros: f(100), DtoDMiBs: f(64 * 1000), Inflight: 1}
+	r = &result{GDRPCMiBs: f(32 * 1000), RPCMicros: f(100), DtoDMiBs: f(64 * 1000), Inflight: 1}
 	require.InDelta(t, 2.0/1.1, *callVsRPCCopy(64<<20, r), 1e-9)
 	// Four in flight: a call under load takes 4 x 64 MiB at 32 MiB/ms (8 ms),
 	// over a plain call under the same load plus one copy.
 	r.Inflight = 4
 	require.InDelta(t, 8.0/1.1, *callVsRPCCopy(64<<20, r), 1e-9)
 	// A missing part: no ratio.
-	require.Nil(t, callVsRPCCopy(64<<20, &result{GDRPCMiBs: 1, Inflight: 1}))
+	require.Nil(t, callVsRPCCopy(64<<20, &result{GDRPCMiBs: f(1), Inflight: 1}))
 	require.Nil(t, callVsRPCCopy(64<<20, &result{RPCMicros: f(100), DtoDMiBs: f(1), Inflight: 1}))
 }
 
@@ -749,28 +881,39 @@ func TestBusy(t *testing.T) {
 	before := childProcesses(t)
 	res := gdrperf(t, "-transport", "tcp", "-sizes", "1KiB", "-iters", "3", "-warmup", "1", "-perftest", "none", "-busy", "2")
 	require.Len(t, res, 1)
-	require.Positive(t, res[0].GDRPCMiBs)
+	require.Positive(t, val(res[0].GDRPCMiBs))
 	require.Equal(t, before, childProcesses(t), "busy processes left")
 }
 
 // childProcesses counts this process's children.
 func childProcesses(t *testing.T) int {
 	t.Helper()
+	return len(childPIDs(t, os.Getpid()))
+}
+
+// childPIDs returns the IDs of the processes whose parent is ppid.
+func childPIDs(t *testing.T, ppid int) []int {
+	t.Helper()
 	ents, err := os.ReadDir("/proc")
 	require.NoError(t, err)
-	me, n := strconv.Itoa(os.Getpid()), 0
+	parent := strconv.Itoa(ppid)
+	var pids []int
 	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
 		b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
 		if err != nil {
 			continue
 		}
 		// pid (comm) state ppid ...: the fields after the command's closing parenthesis.
 		f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
-		if len(f) > 1 && f[1] == me {
-			n++
+		if len(f) > 1 && f[1] == parent {
+			pids = append(pids, pid)
 		}
 	}
-	return n
+	return pids
 }
 
 // TestConnects: -connects times new connections after the table, each way:

@@ -18,28 +18,32 @@ import (
 // ucx_perftest prints bandwidth in MB/s where 1 MB is 2^20 bytes (UCS_MBYTE):
 // the same unit as gdrperf's MiB/s.
 
-// perftestEnv is the environment ucx_perftest runs with: this process's, so
-// that UCX_TLS and friends are the ones gdrpc sees, and UCX_TLS=tcp when the
-// gdrpc session itself runs over TCP and the user did not choose.
-func perftestEnv(mode string) []string {
-	env := os.Environ()
-	if mode == "tcp" {
-		if _, ok := os.LookupEnv("UCX_TLS"); !ok {
-			env = append(env, "UCX_TLS=tcp")
-		}
-	}
-	return env
-}
+// ucx_perftest runs only beside a gdrpc session that runs over UCX: it
+// measures UCX's puts, on the transports UCX picks in this environment, as
+// the session's endpoint does. Its environment is this process's, so that
+// UCX_TLS and friends are the ones gdrpc sees.
 
 // perftestTLS describes the UCX transports ucx_perftest is told to use.
-func perftestTLS(mode string) string {
+func perftestTLS() string {
 	if v, ok := os.LookupEnv("UCX_TLS"); ok {
 		return v
 	}
-	if mode == "tcp" {
-		return "tcp"
-	}
 	return "UCX default"
+}
+
+// perftestSkipped says why ucx_perftest is not measured beside a gdrpc
+// session over transport ("ucx", "tcp"; "" where no call made one), or ""
+// when it is.
+func perftestSkipped(transport string) string {
+	switch transport {
+	case "ucx":
+		return ""
+	case "tcp":
+		return "ucx_perftest skipped: the gdrpc session runs over TCP (ucx_perftest measures UCX puts)"
+	case "":
+		return "ucx_perftest skipped: no gdrpc session was made to compare it with"
+	}
+	return "ucx_perftest skipped: the gdrpc session runs over " + transport + ", not UCX"
 }
 
 // freePort returns a TCP port that was free a moment ago on host.
@@ -55,16 +59,15 @@ func freePort(host string) (int, error) {
 // servePerftest keeps a ucx_perftest server listening on port until ctx ends:
 // each server process serves one test and exits, so it is started again.
 // Failures back off (bounded) and are reported through logf.
-func servePerftest(ctx context.Context, bin string, port int, env []string, logf func(string, ...any)) {
+func servePerftest(ctx context.Context, bin string, port int, logf func(string, ...any)) {
 	backoff := 100 * time.Millisecond
 	for ctx.Err() == nil {
 		cmd := exec.CommandContext(ctx, bin, "-p", strconv.Itoa(port))
-		cmd.Env = env
 		var out bytes.Buffer
 		cmd.Stdout, cmd.Stderr = &out, &out
 		cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
 		cmd.WaitDelay = 2 * time.Second
-		err := cmd.Run()
+		err := runTied(cmd)
 		if ctx.Err() != nil {
 			return
 		}
@@ -94,24 +97,23 @@ type perftestResult struct {
 // ucx_perftest's -m (source and destination memory, e.g. "cuda,cuda"); empty
 // means host memory. A refused connection (the server between two tests) is
 // retried until ctx ends.
-func runPerftest(ctx context.Context, bin, host string, port, size, iters, warmup int, mode, memTypes string) (perftestResult, error) {
+func runPerftest(ctx context.Context, bin, host string, port, size, iters, warmup int, memTypes string) (perftestResult, error) {
 	args := []string{host, "-p", strconv.Itoa(port), "-t", "ucp_put_bw",
 		"-s", strconv.Itoa(size), "-n", strconv.Itoa(perftestIters(size, iters)), "-w", strconv.Itoa(warmup)}
 	if memTypes != "" {
 		args = append(args, "-m", memTypes)
 	}
-	if perftestTLS(mode) == "tcp" {
+	if perftestTLS() == "tcp" {
 		args = append(args, "-O", "1") // puts over UCX tcp need the target to progress between them
 	}
 	var last error
 	for attempt := 0; ; attempt++ {
 		cmd := exec.CommandContext(ctx, bin, args...)
-		cmd.Env = perftestEnv(mode)
 		var out bytes.Buffer
 		cmd.Stdout, cmd.Stderr = &out, &out
 		cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
 		cmd.WaitDelay = 2 * time.Second
-		err := cmd.Run()
+		err := runTied(cmd)
 		if err == nil {
 			return parsePerftest(out.String())
 		}

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"runtime"
 	"slices"
 	"strconv"
@@ -74,16 +75,17 @@ func (r *reporter) header(b *bench) {
 	}
 	fmt.Fprintf(r.w, "# gdrpc: unary call, payload out-of-band (%s); MiB/s = %s; call µs = one call's time (in flight N: N x size / rate, the mean call under load); xfer = the out-of-band transfer alone, median (op push into a request space: the client's write into it)\n", what, rate)
 	fmt.Fprintf(r.w, "# grpc-tcp: plain gRPC-Go over TCP, bytes field, default codec and windows, message limits raised; same calls\n")
-	if b.perfBin != "" && b.info.PerftestPort != 0 {
+	if skipped := b.perftestSkipped(b.transport); skipped == "" {
 		mem := o.perftestMem()
 		if mem == "" {
 			mem = "host,host"
 		}
-		fmt.Fprintf(r.w, "# ucx_perftest: ucp_put_bw, UCX_TLS=%s, memory %s, overall bandwidth of -n %d puts, or as many as move 64 MiB\n", perftestTLS(o.transport), mem, o.iters)
+		fmt.Fprintf(r.w, "# ucx_perftest: ucp_put_bw, UCX_TLS=%s, memory %s, overall bandwidth of -n %d puts, or as many as move 64 MiB (beside a gdrpc session over UCX only)\n", perftestTLS(), mem, o.iters)
 	} else {
-		fmt.Fprintf(r.w, "# ucx_perftest: %s\n", b.perfNote)
+		fmt.Fprintf(r.w, "# ucx_perftest: %s\n", skipped)
 	}
-	cols := []string{"size", "path", "gdrpc MiB/s", "call µs", "xfer MiB/s", "grpc-tcp MiB/s", "x grpc", "ucx_perftest MiB/s", "x perftest"}
+	fmt.Fprintf(r.w, "# x grpc = gdrpc MiB/s / grpc-tcp MiB/s; x perftest = gdrpc MiB/s / ucx_perftest MiB/s (the whole call against UCX's puts alone); xfer/perftest = xfer MiB/s / ucx_perftest MiB/s (the out-of-band transfer alone against UCX's puts)\n")
+	cols := []string{"size", "path", "gdrpc MiB/s", "call µs", "xfer MiB/s", "grpc-tcp MiB/s", "x grpc", "ucx_perftest MiB/s", "x perftest", "xfer/perftest"}
 	if len(o.inflights) > 1 {
 		cols = slices.Insert(cols, 1, "inflight")
 	}
@@ -138,14 +140,19 @@ func num(v *float64) string {
 	return commas(*v)
 }
 
+// rat prints a ratio: whole numbers from 10, else three significant digits
+// (0.00123x, not 0.00x).
 func rat(v *float64) string {
-	if v == nil {
+	switch {
+	case v == nil:
 		return "-"
-	}
-	if *v >= 10 {
+	case *v >= 10:
 		return fmt.Sprintf("%.0fx", *v)
+	case *v >= 1 || *v <= 0 || math.IsNaN(*v):
+		return fmt.Sprintf("%.2fx", *v)
 	}
-	return fmt.Sprintf("%.2fx", *v)
+	digits := 2 - int(math.Floor(math.Log10(*v))) // after the point, for three significant ones
+	return strconv.FormatFloat(*v, 'f', digits, 64) + "x"
 }
 
 // commas prints v rounded, with thousands separators.
@@ -177,14 +184,8 @@ func (r *reporter) row(res *result) {
 	if path == "" {
 		path = "-"
 	}
-	g, x := &res.GDRPCMiBs, &res.TransferMiBs
-	if res.GDRPCMiBs == 0 {
-		g = nil
-	}
-	if res.TransferMiBs == 0 {
-		x = nil
-	}
-	cols := []string{res.Size, path, num(g), num(res.CallMicros), num(x), num(res.GRPCTCPMiBs), rat(res.VsGRPCTCP), num(res.UCXPerftestMiBs), rat(res.VsUCXPerftest)}
+	cols := []string{res.Size, path, num(res.GDRPCMiBs), num(res.CallMicros), num(res.TransferMiBs), num(res.GRPCTCPMiBs), rat(res.VsGRPCTCP),
+		num(res.UCXPerftestMiBs), rat(res.VsUCXPerftest), rat(res.XferVsPerftest)}
 	if len(r.o.inflights) > 1 {
 		cols = slices.Insert(cols, 1, strconv.Itoa(res.Inflight))
 	}
@@ -263,16 +264,18 @@ type summaryRow struct {
 	Asked     int      `json:"asked"` // -runs
 	Paths     []string `json:"paths"` // the paths the runs' payloads took, each once
 	// The figures of a run's row (nil where no run measured one).
-	GDRPCMiBs *spread `json:"gdrpc_mib_s"`
-	Call      *spread `json:"call_us"`
-	Transfer  *spread `json:"transfer_mib_s"`
-	VsGRPC    *spread `json:"gdrpc_vs_grpc_tcp"`
-	VsPerf    *spread `json:"gdrpc_vs_ucx_perftest"`
-	RPC       *spread `json:"rpc_1kib_us"`
-	VsRPCCopy *spread `json:"call_vs_rpc_plus_copy"`
-	VsD2HPut  *spread `json:"gdrpc_vs_min_d2h_put,omitempty"`
-	VsDtoD    *spread `json:"gdrpc_vs_dtod,omitempty"` // against the peer copy with -server-device another GPU
-	VsNaive   *spread `json:"gdrpc_vs_naive,omitempty"`
+	GDRPCMiBs  *spread `json:"gdrpc_mib_s"`
+	Call       *spread `json:"call_us"`
+	Transfer   *spread `json:"transfer_mib_s"`
+	VsGRPC     *spread `json:"gdrpc_vs_grpc_tcp"`
+	Perftest   *spread `json:"ucx_perftest_mib_s"`
+	VsPerf     *spread `json:"gdrpc_vs_ucx_perftest"`
+	XferVsPerf *spread `json:"xfer_vs_ucx_perftest"`
+	RPC        *spread `json:"rpc_1kib_us"`
+	VsRPCCopy  *spread `json:"call_vs_rpc_plus_copy"`
+	VsD2HPut   *spread `json:"gdrpc_vs_min_d2h_put,omitempty"`
+	VsDtoD     *spread `json:"gdrpc_vs_dtod,omitempty"` // against the peer copy with -server-device another GPU
+	VsNaive    *spread `json:"gdrpc_vs_naive,omitempty"`
 }
 
 // summarize groups the rows of runs by size and count in flight, in the
@@ -289,7 +292,7 @@ func summarize(runs [][]*result, asked int) []summaryRow {
 				order = append(order, k)
 				rows[k] = nil
 			}
-			if r.GDRPCMiBs > 0 {
+			if r.GDRPCMiBs != nil {
 				rows[k] = append(rows[k], r)
 			}
 		}
@@ -303,16 +306,14 @@ func summarize(runs [][]*result, asked int) []summaryRow {
 				s.Paths = append(s.Paths, r.Path)
 			}
 		}
-		s.GDRPCMiBs = spreadOf(rs, func(r *result) *float64 { return &r.GDRPCMiBs })
+		s.GDRPCMiBs = spreadOf(rs, func(r *result) *float64 { return r.GDRPCMiBs })
 		s.Call = spreadOf(rs, func(r *result) *float64 { return r.CallMicros })
-		s.Transfer = spreadOf(rs, func(r *result) *float64 {
-			if r.TransferMiBs == 0 {
-				return nil // no transfer timed: the payload was inline or landed in space
-			}
-			return &r.TransferMiBs
-		})
+		// nil where no transfer was timed: the payload was inline or landed in space
+		s.Transfer = spreadOf(rs, func(r *result) *float64 { return r.TransferMiBs })
 		s.VsGRPC = spreadOf(rs, func(r *result) *float64 { return r.VsGRPCTCP })
+		s.Perftest = spreadOf(rs, func(r *result) *float64 { return r.UCXPerftestMiBs })
 		s.VsPerf = spreadOf(rs, func(r *result) *float64 { return r.VsUCXPerftest })
+		s.XferVsPerf = spreadOf(rs, func(r *result) *float64 { return r.XferVsPerftest })
 		s.RPC = spreadOf(rs, func(r *result) *float64 { return r.RPCMicros })
 		s.VsRPCCopy = spreadOf(rs, func(r *result) *float64 { return r.VsRPCCopy })
 		s.VsD2HPut = spreadOf(rs, func(r *result) *float64 { return r.VsD2HPut })
@@ -343,9 +344,9 @@ func writeSummary(w io.Writer, o *options, runs [][]*result) error {
 	if len(runs) < o.runs {
 		over = fmt.Sprintf("the %d of %d runs that ended", len(runs), o.runs)
 	}
-	fmt.Fprintf(w, "# medians over %s; call µs, xfer and the ratios with their range, (min-max); (k runs): fewer runs measured the figure\n", over)
+	fmt.Fprintf(w, "# medians over %s; call µs, xfer, ucx_perftest and the ratios with their range, (min-max); (k runs): fewer runs measured the figure\n", over)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	cols := []string{"size", "path", "gdrpc MiB/s", "call µs", "xfer MiB/s", "x grpc", "x perftest", "rpc 1KiB µs", "call/(rpc+copy)"}
+	cols := []string{"size", "path", "gdrpc MiB/s", "call µs", "xfer MiB/s", "x grpc", "ucx_perftest MiB/s", "x perftest", "xfer/perftest", "rpc 1KiB µs", "call/(rpc+copy)"}
 	if len(o.inflights) > 1 {
 		cols = slices.Insert(cols, 1, "inflight")
 	}
@@ -363,7 +364,8 @@ func writeSummary(w io.Writer, o *options, runs [][]*result) error {
 			path = "-"
 		}
 		cells := []string{s.Size, path, s.GDRPCMiBs.cell(num, false, all), s.Call.cell(num, true, all), s.Transfer.cell(num, true, all),
-			s.VsGRPC.cell(rat, true, all), s.VsPerf.cell(rat, true, all), s.RPC.cell(num, false, all), s.VsRPCCopy.cell(rat, true, all)}
+			s.VsGRPC.cell(rat, true, all), s.Perftest.cell(num, true, all), s.VsPerf.cell(rat, true, all), s.XferVsPerf.cell(rat, true, all),
+			s.RPC.cell(num, false, all), s.VsRPCCopy.cell(rat, true, all)}
 		if len(o.inflights) > 1 {
 			cells = slices.Insert(cells, 1, strconv.Itoa(s.Inflight))
 		}

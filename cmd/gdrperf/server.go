@@ -291,6 +291,10 @@ func serve(ctx context.Context, o *options, ready func(readyInfo), logf func(str
 	if err != nil {
 		return fmt.Errorf("-server %q: port: %w", o.server, err)
 	}
+	bin, note, err := perftestBinary(o.perftest)
+	if err != nil {
+		return err
+	}
 	offset := func(n int) string {
 		if port == 0 {
 			return net.JoinHostPort(host, "0")
@@ -322,7 +326,7 @@ func serve(ctx context.Context, o *options, ready func(readyInfo), logf func(str
 	wg.Go(func() { errs <- bs.Serve(bl) })
 
 	info := readyInfo{GDRPC: lis.Addr().String(), GRPC: bl.Addr().String(), Procs: runtime.GOMAXPROCS(0), CPUs: allowedCPUs()}
-	if bin, note := perftestBinary(o.perftest); bin != "" {
+	if bin != "" {
 		pp := port + 2
 		if port == 0 {
 			if pp, err = freePort(host); err != nil {
@@ -332,12 +336,10 @@ func serve(ctx context.Context, o *options, ready func(readyInfo), logf func(str
 		}
 		if pp != 0 {
 			info.PerftestPort = pp
-			wg.Go(func() { servePerftest(ctx, bin, pp, perftestEnv(o.transport), logf) })
+			wg.Go(func() { servePerftest(ctx, bin, pp, logf) })
 		}
-		info.PerftestNote = note
-	} else {
-		info.PerftestNote = note
 	}
+	info.PerftestNote = note
 	ready(info)
 
 	var serveErr error
@@ -352,18 +354,20 @@ func serve(ctx context.Context, o *options, ready func(readyInfo), logf func(str
 }
 
 // perftestBinary finds ucx_perftest (flag "" looks it up in PATH; "none"
-// skips it) and says why when it is not there.
-func perftestBinary(flag string) (string, string) {
-	if flag == "none" {
-		return "", "ucx_perftest skipped (-perftest none)"
+// skips it) and says why when it is not there: a note where the flag left
+// it to PATH, an error where the flag named it.
+func perftestBinary(flag string) (bin, note string, err error) {
+	switch flag {
+	case "none":
+		return "", "ucx_perftest skipped (-perftest none)", nil
+	case "":
+		if bin, err = exec.LookPath("ucx_perftest"); err != nil {
+			return "", "ucx_perftest not found (install ucx-utils): " + err.Error(), nil
+		}
+		return bin, "", nil
 	}
-	name := flag
-	if name == "" {
-		name = "ucx_perftest"
+	if bin, err = exec.LookPath(flag); err != nil {
+		return "", "", fmt.Errorf("-perftest %q: %w", flag, err)
 	}
-	bin, err := exec.LookPath(name)
-	if err != nil {
-		return "", "ucx_perftest not found (install ucx-utils): " + err.Error()
-	}
-	return bin, ""
+	return bin, "", nil
 }

@@ -39,7 +39,8 @@ func parseSize(s string) (int, error) {
 	return int(v), nil
 }
 
-// parseSizes reads a comma-separated list of sizes.
+// parseSizes reads a comma-separated list of sizes, without repeats (however
+// written: 1MiB and 1024KiB are one size), since a size names a row.
 func parseSizes(s string) ([]int, error) {
 	var out []int
 	for f := range strings.SplitSeq(s, ",") {
@@ -49,6 +50,9 @@ func parseSizes(s string) ([]int, error) {
 		n, err := parseSize(f)
 		if err != nil {
 			return nil, err
+		}
+		if slices.Contains(out, n) {
+			return nil, fmt.Errorf("size %s given twice", formatSize(n))
 		}
 		out = append(out, n)
 	}
@@ -94,11 +98,20 @@ func median(xs []float64) float64 {
 	return (s[m-1] + s[m]) / 2
 }
 
-// medianRate is the median throughput of n-byte transfers that took ds.
+// medianRate is the throughput of n-byte transfers that took ds, at their
+// median time: n / median(ds), the middle two times' mean for an even count
+// (the median of the rates would be their harmonic mean instead). 0 for none.
 func medianRate(n int, ds []time.Duration) float64 {
+	if len(ds) == 0 {
+		return 0
+	}
 	xs := make([]float64, 0, len(ds))
 	for _, d := range ds {
-		xs = append(xs, mibPerSec(n, d))
+		xs = append(xs, d.Seconds())
 	}
-	return median(xs)
+	m := median(xs)
+	if m <= 0 {
+		return 0
+	}
+	return float64(n) / (1 << 20) / m
 }
