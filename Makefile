@@ -3,9 +3,8 @@ GO       ?= go
 PKGS     ?= ./...
 APT_PKGS := gcc libucx-dev ucx-utils pkg-config protobuf-compiler iproute2 python3-grpcio
 GO_MIN   := 1.26
-export PATH := $(PATH):$(shell $(GO) env GOPATH)/bin
 
-.PHONY: all deps build abi test test-nordma bench bench-twohosts lint proto demo gdrinfo
+.PHONY: all deps build abi test bench bench-twohosts lint proto demo gdrinfo
 
 all: build
 
@@ -21,7 +20,10 @@ deps:
 	done; \
 	if [ -n "$$missing" ]; then \
 		echo "installing:$$missing"; \
-		SUDO=; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+		SUDO=; if [ "$$(id -u)" != 0 ]; then \
+			command -v sudo >/dev/null || { echo "apt-get needs root: run this as root, or install:$$missing" >&2; exit 1; }; \
+			SUDO=sudo; \
+		fi; \
 		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
 	fi
 
@@ -37,12 +39,15 @@ abi: deps
 	GDRPC_REQUIRE=ucx,ucx-headers $(GO) test -count=1 -run '^TestUCXABI' ./rdma
 
 # test demands UCX and its headers (make deps installs both): a missing UCX
-# fails instead of skipping.
+# fails instead of skipping. The demo's own run (what make demo does, over
+# UCX) is skipped under -race and has no UCX without cgo: it runs once more
+# with UCX required.
 test: deps build abi
 	$(GO) vet $(PKGS)
 	CGO_ENABLED=0 $(GO) vet $(PKGS)
 	GDRPC_REQUIRE=ucx,ucx-headers $(GO) test -race -timeout 25m $(PKGS)
 	CGO_ENABLED=0 $(GO) test -timeout 10m $(PKGS)
+	GDRPC_REQUIRE=ucx $(GO) test -count=1 -run '^TestDemo$$' ./examples/demo
 
 bench: deps
 	$(GO) test -run '^$$' -bench . -benchtime 20x $(PKGS)
@@ -77,19 +82,25 @@ bench-twohosts: deps
 	done; \
 	ip netns exec $$b env GDRPC_HOST_ID=bench-host-b UCX_TLS=$(BENCH_UCX_TLS) $(CURDIR)/.gdrperf -connect 10.99.0.1:7700 -trust-peers $(GDRPERF_ARGS)
 
+# lint lists the Go files itself (a checkout without git has them too), leaving
+# out hidden directories (build outputs kept there).
 lint:
-	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt:"; echo "$$out"; exit 1; fi
+	@out=$$(find . -path './.*' -prune -o -name '*.go' -print | xargs gofmt -l); \
+	if [ -n "$$out" ]; then echo "gofmt:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
 
+# proto installs the pinned protoc plugins into .bin and names them to protoc,
+# so that no other plugin on PATH (Debian's older protoc-gen-go) is used.
+PLUGINS := --plugin=protoc-gen-go=$(CURDIR)/.bin/protoc-gen-go --plugin=protoc-gen-go-grpc=$(CURDIR)/.bin/protoc-gen-go-grpc
 proto: deps
-	$(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
-	$(GO) install google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.5.1
-	protoc -I gdrcodec/proto --go_out=. --go_opt=module=github.com/gdrpc/gdrpc gdrcodec/proto/gdr/v1/gdr.proto
-	protoc -I gdrcodec/proto -I examples/tensor/tensorpb \
+	GOBIN=$(CURDIR)/.bin $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.12
+	GOBIN=$(CURDIR)/.bin $(GO) install google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.5.1
+	protoc $(PLUGINS) -I gdrcodec/proto --go_out=. --go_opt=module=github.com/gdrpc/gdrpc gdrcodec/proto/gdr/v1/gdr.proto
+	protoc $(PLUGINS) -I gdrcodec/proto -I examples/tensor/tensorpb \
 		--go_out=. --go_opt=module=github.com/gdrpc/gdrpc \
 		--go-grpc_out=. --go-grpc_opt=module=github.com/gdrpc/gdrpc \
 		examples/tensor/tensorpb/tensor.proto
-	protoc -I gdrcodec/proto -I gdrcodec/internal/nestedpb --go_out=. --go_opt=module=github.com/gdrpc/gdrpc \
+	protoc $(PLUGINS) -I gdrcodec/proto -I gdrcodec/internal/nestedpb --go_out=. --go_opt=module=github.com/gdrpc/gdrpc \
 		gdrcodec/internal/nestedpb/nested.proto
 
 demo: deps

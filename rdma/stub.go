@@ -14,6 +14,9 @@ var errBuild = fmt.Errorf("%w: built without UCX (cgo disabled or the nordma tag
 // Available reports why UCX cannot be used: this build has no UCX.
 func Available() error { return errBuild }
 
+// DirectCopiesOff says that this build makes no direct copies.
+func DirectCopiesOff() string { return errBuild.Error() }
+
 // Context is a UCX context. In this build it cannot be created.
 type Context struct{}
 

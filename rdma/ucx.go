@@ -54,6 +54,23 @@ func load() error {
 // SIGBUS or SIGSEGV (UCX_ERROR_SIGNALS).
 func goTakesFaults() bool { return !loader.ucxFaults }
 
+// DirectCopiesOff says why contexts made without WithDirectCopies make no
+// direct copies in this process, or "" when they make them (into a peer's
+// memory whose key names a UCX shared-memory segment: where UCX has its
+// posix or sysv transport). It loads UCX if need be.
+func DirectCopiesOff() string {
+	if err := load(); err != nil {
+		return err.Error()
+	}
+	switch {
+	case !DirectCopiesDefault():
+		return DirectEnv + " is false"
+	case !goTakesFaults():
+		return "UCX_ERROR_SIGNALS names SIGSEGV or SIGBUS: a fault in the copy must reach Go's handler"
+	}
+	return ""
+}
+
 func envSet(name string) bool {
 	_, ok := os.LookupEnv(name)
 	return ok

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"strings"
 	"text/tabwriter"
 
@@ -53,6 +54,10 @@ type Path struct {
 func main() {
 	jsonOut := flag.Bool("json", false, "print one JSON object instead of text")
 	flag.Parse()
+	if flag.NArg() > 0 {
+		fmt.Fprintf(os.Stderr, "gdrinfo: takes no arguments but -json (got %q)\n", flag.Args())
+		os.Exit(2)
+	}
 	r := collect()
 	var err error
 	if *jsonOut {
@@ -175,9 +180,9 @@ func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA error, info rdm
 		ps = append(ps, Path{Name: "rdma", Available: true, Reason: trusted + "host and GPU memory: UCX registers CUDA memory and moves it itself " +
 			"where a session's lane reaches GPU memory without the CPU (GPUDirect RDMA over InfiniBand/RoCE, its cuda_ipc on one host); " +
 			"GPU to GPU on one device takes it (its cuda_ipc keeps its mappings), between two devices of this host cuda-ipc does, " +
-			"each the faster there; " + oneHost() + "; " + overTCP(info)})
+			"each the faster there; " + oneHost(info) + "; " + overTCP(info)})
 	default:
-		ps = append(ps, Path{Name: "rdma", Available: true, Reason: trusted + "host memory only: " + ucxCUDA.Error() + "; " + oneHost() + "; " + overTCP(info)})
+		ps = append(ps, Path{Name: "rdma", Available: true, Reason: trusted + "host memory only: " + ucxCUDA.Error() + "; " + oneHost(info) + "; " + overTCP(info)})
 	}
 	// staged: UCX and CUDA, device memory through pinned host bounce buffers.
 	var missing []string
@@ -201,12 +206,23 @@ func paths(cudaErr error, cudaDevices int, ucxErr error, ucxCUDA error, info rdm
 
 // oneHost says how host memory moves between two processes of this host:
 // UCX's rma lane there is tcp/lo, so puts into a peer's UCX shared-memory
-// segment are copies of the owner's own unless rdma.DirectEnv turns them off.
-func oneHost() string {
-	if !rdma.DirectCopiesDefault() {
-		return "between processes of this host, host memory goes by UCX's puts over its rma lane (tcp/lo; direct copies off: " + rdma.DirectEnv + ")"
+// segment are copies of the owner's own, where UCX has a shared-memory
+// transport and nothing turned direct copies off (rdma.DirectCopiesOff).
+func oneHost(info rdma.Info) string {
+	if off := rdma.DirectCopiesOff(); off != "" {
+		return "between processes of this host, host memory goes by UCX's puts over its rma lane (tcp/lo; direct copies off: " + off + ")"
+	}
+	if !slices.ContainsFunc(info.Transports, sharedMemory) {
+		return "between processes of this host, host memory goes by UCX's puts over its rma lane (no UCX shared-memory transport, posix or sysv, to copy into: UCX_TLS)"
 	}
 	return "between processes of this host, the owner copies host memory straight into the receiver's UCX shared-memory segment (UCX's own rma lane there is tcp/lo; " + rdma.DirectEnv + "=false turns this off)"
+}
+
+// sharedMemory reports whether a UCX transport (as rdma.Info lists them,
+// "name/device") is one whose memory a direct copy goes into.
+func sharedMemory(t string) bool {
+	name, _, _ := strings.Cut(t, "/")
+	return name == "posix" || name == "sysv"
 }
 
 // overTCP says what transfers between two hosts do when UCX reaches the peer

@@ -99,12 +99,17 @@ func TestPaths(t *testing.T) {
 		{"both, gpudirect", nil, nil, nil, true, true, true, "GPUDirect RDMA"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			ps := pathsByName(paths(c.cudaErr, 1, c.ucxErr, c.ucxCUDA, rdma.Info{Version: "1.13.1"}))
+			ps := pathsByName(paths(c.cudaErr, 1, c.ucxErr, c.ucxCUDA, rdma.Info{Version: "1.13.1", Transports: withSHM}))
 			require.Equal(t, c.ipc, ps["cuda-ipc"].Available)
 			require.Equal(t, c.rdmaOK, ps["rdma"].Available)
 			require.Contains(t, ps["rdma"].Reason, c.rdmaReason)
 			if c.rdmaOK {
-				require.Contains(t, ps["rdma"].Reason, "straight into the receiver's UCX shared-memory segment")
+				if off := rdma.DirectCopiesOff(); off != "" {
+					// A build or a host without UCX: this process copies nothing.
+					require.Contains(t, ps["rdma"].Reason, "direct copies off: "+off)
+				} else {
+					require.Contains(t, ps["rdma"].Reason, "straight into the receiver's UCX shared-memory segment")
+				}
 			}
 			require.Equal(t, c.staged, ps["staged"].Available)
 			require.True(t, ps["stream"].Available)
@@ -131,4 +136,22 @@ func TestPathsDirectOff(t *testing.T) {
 	ps := pathsByName(paths(errors.New("no driver"), 1, nil, errors.New("no CUDA in UCX"), rdma.Info{Version: "1.13.1"}))
 	require.True(t, ps["rdma"].Available)
 	require.Contains(t, ps["rdma"].Reason, "direct copies off")
+}
+
+// withSHM is what rdma.Info lists on a host whose UCX has its shared-memory
+// transports.
+var withSHM = []string{"self/memory0", "sysv/memory", "posix/memory", "tcp/lo"}
+
+// Without a shared-memory transport (UCX_TLS=tcp) there is no segment to
+// copy into, and with UCX handling SIGSEGV no direct copy is made: gdrinfo
+// says host memory goes by UCX's puts.
+func TestPathsDirectImpossible(t *testing.T) {
+	t.Setenv(rdma.DirectEnv, "")
+	ps := pathsByName(paths(errors.New("no driver"), 1, nil, errors.New("no CUDA in UCX"),
+		rdma.Info{Version: "1.13.1", Transports: []string{"self/memory0", "tcp/lo", "tcp/eth0"}}))
+	require.NotContains(t, ps["rdma"].Reason, "straight into")
+	require.Contains(t, ps["rdma"].Reason, "puts over its rma lane")
+	if rdma.DirectCopiesOff() == "" {
+		require.Contains(t, ps["rdma"].Reason, "no UCX shared-memory transport")
+	}
 }

@@ -55,9 +55,12 @@ func main() {
 	log.SetFlags(0)
 	log.SetPrefix("demo: ")
 	gdrcodec.Register() // the gdr codec, and a proto codec that inlines for plain peers
-	if len(os.Args) > 1 && os.Args[1] == "-serve" {
+	switch {
+	case len(os.Args) == 2 && os.Args[1] == "-serve":
 		serve()
 		return
+	case len(os.Args) > 1:
+		log.Fatalf("takes no arguments (got %q): it moves a %d MiB payload %d times, as the README describes", os.Args[1:], size>>20, calls)
 	}
 	if err := run(os.Stdout); err != nil {
 		log.Fatal(err)
@@ -196,8 +199,8 @@ func run(w io.Writer) error {
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
-// timeCalls makes one untimed call, checks the payload, then returns the
-// median time of the next calls.
+// timeCalls makes one untimed call, then returns the median time of the next
+// calls; it checks every call's payload, outside the time it takes.
 func timeCalls(c tensorpb.TensorServiceClient, req *tensorpb.Sized, wantSum uint32, opts ...grpc.CallOption) (time.Duration, error) {
 	var times []time.Duration
 	for i := range calls + 1 {
@@ -209,18 +212,17 @@ func timeCalls(c tensorpb.TensorServiceClient, req *tensorpb.Sized, wantSum uint
 		if err != nil {
 			return 0, err
 		}
-		if i == 0 {
-			sum, n, err := tensor.Checksum(t, 0)
-			if err != nil {
-				return 0, err
-			}
-			if n != size || sum != wantSum {
-				return 0, fmt.Errorf("received %d bytes with CRC-32C %#x, want %d bytes with %#x", n, sum, size, wantSum)
-			}
-		} else {
+		sum, n, err := tensor.Checksum(t, 0)
+		gdrcodec.ReleaseAll(t) // give the received buffer back to its pool
+		if err != nil {
+			return 0, err
+		}
+		if n != size || sum != wantSum {
+			return 0, fmt.Errorf("call %d: received %d bytes with CRC-32C %#x, want %d bytes with %#x", i, n, sum, size, wantSum)
+		}
+		if i > 0 {
 			times = append(times, elapsed)
 		}
-		gdrcodec.ReleaseAll(t) // give the received buffer back to its pool
 	}
 	slices.Sort(times)
 	return times[len(times)/2], nil
