@@ -20,6 +20,7 @@ import (
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	gdrv1 "github.com/gdrpc/gdrpc/gdrcodec/gdrv1"
+	"github.com/gdrpc/gdrpc/gdrcodec/internal/nestedpb"
 	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
@@ -408,4 +409,34 @@ func TestNetRPCRefusedReplyBodyGivesSpaceBack(t *testing.T) {
 	require.NotZero(t, oob.ReadStats().PeerSpaces, "the session is still up")
 	require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond, "the refused reply's range is given back: %+v", oob.ReadStats())
 
+}
+
+// Undecodable replies a Tensor whose data (field 3) lands in the client's
+// receive space and whose blob (field 4) holds bytes that are not UTF-8.
+type Undecodable struct{ data int }
+
+func (u *Undecodable) Get(r *tensorpb.Sized, t *tensorpb.Tensor) error {
+	b := devicebuf.HostFromBytes(pattern(u.data, r.Seed))
+	defer b.Release()
+	*t = tensorpb.Tensor{Data: gdrcodec.New(b), Blob: []byte{0xff, 0xfe}}
+	return nil
+}
+
+// A reply that passes the precount but fails to decode (into nestedpb.Outer,
+// whose field 3 is a DeviceBuffer and field 4 a string) gives back the
+// receive space its payload landed in.
+func TestNetRPCUndecodableReplyGivesSpaceBack(t *testing.T) {
+	requireUCX(t)
+	require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
+	trusted := []gdrpc.Option{gdrpc.WithTransport(transport.ModeUCX), gdrpc.WithTrustPeers()}
+	client := netRPCPairServing(t, &Undecodable{data: 8 << 20}, trusted, append(trusted, gdrpc.WithReceiveSpace(256<<20)))
+	var got tensorpb.Tensor
+	require.NoError(t, client.Call("Tensors.Make", &tensorpb.Sized{Size: 1 << 20, Seed: 1}, &got), "pulled: it prompts the space")
+	gdrcodec.ReleaseAll(&got)
+	waitPeerSpace(t)
+	err := client.Call("Undecodable.Get", &tensorpb.Sized{Seed: 2}, &nestedpb.Outer{})
+	require.ErrorContains(t, err, "UTF-8")
+	require.NotZero(t, oob.ReadStats().PeerSpaces, "the session is still up")
+	require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond,
+		"the undecodable reply's range is given back: %+v", oob.ReadStats())
 }

@@ -48,8 +48,8 @@ func within(b []byte, md protoreflect.MessageDescriptor, limit int) bool {
 
 // discardLandedOnWire gives back, as the walk of a refused message does
 // (discardLanded), the receive space that the DeviceBuffers of b, a body of
-// a message of type md that precount refused, name: decoding one at a time,
-// so that the refusal's purpose holds.
+// a message of type md that precount refused or that failed to decode, name:
+// decoding one at a time, so that a refusal's purpose holds.
 func discardLandedOnWire(ctx context.Context, b []byte, md protoreflect.MessageDescriptor, from sender) {
 	if from != gdrSender {
 		return

@@ -208,7 +208,7 @@ func runClient(ctx context.Context, o *options, stdout io.Writer, logf func(stri
 		if err != nil {
 			errs = append(errs, err)
 		}
-		if len(rs) == 0 {
+		if !slices.ContainsFunc(rs, func(r *result) bool { return r.GDRPCMiBs != nil }) {
 			// Nothing measured (no server, no connection): the next run
 			// would fail the same way.
 			break
@@ -248,13 +248,9 @@ func (b *bench) run(ctx context.Context, stdout io.Writer, run int, last bool) (
 		}()
 		b.info, b.host = info, "127.0.0.1"
 	} else {
-		host, ps, err := net.SplitHostPort(o.connect)
+		host, port, err := serverAddr("-connect", o.connect)
 		if err != nil {
-			return nil, fmt.Errorf("-connect %q: %w", o.connect, err)
-		}
-		port, err := strconv.Atoi(ps)
-		if err != nil || port <= 0 || port > 65533 {
-			return nil, fmt.Errorf("-connect %q: want a port from 1 to 65533", o.connect)
+			return nil, err
 		}
 		b.info = readyInfo{GDRPC: o.connect, GRPC: net.JoinHostPort(host, strconv.Itoa(port+1)), PerftestPort: port + 2}
 		b.host = host

@@ -208,10 +208,13 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		return nil, errors.New("-server-cpuprofile and -server-trace are for the server this process starts: with -server or -connect, give -cpuprofile or -trace to the gdrperf -server")
 	}
 	if o.server != "" && !o.child {
-		// A -connect client finds plain gRPC and ucx_perftest next to PORT.
-		_, ps, err := net.SplitHostPort(o.server)
-		if port, perr := strconv.Atoi(ps); err != nil || perr != nil || port < 1 || port > 65533 {
-			return nil, fmt.Errorf("-server %q: want HOST:PORT with a port from 1 to 65533 (plain gRPC listens on PORT+1 and ucx_perftest on PORT+2, where gdrperf -connect looks for them)", o.server)
+		if _, _, err := serverAddr("-server", o.server); err != nil {
+			return nil, err
+		}
+	}
+	if o.connect != "" {
+		if _, _, err := serverAddr("-connect", o.connect); err != nil {
+			return nil, err
 		}
 	}
 	if o.perftest != "" && o.perftest != "none" {
@@ -220,6 +223,19 @@ func parseFlags(args []string, stderr io.Writer) (*options, error) {
 		}
 	}
 	return o, nil
+}
+
+// serverAddr splits addr, the -server or -connect flag's HOST:PORT, whose
+// PORT a -connect client finds plain gRPC and ucx_perftest next to.
+func serverAddr(flag, addr string) (host string, port int, err error) {
+	host, ps, err := net.SplitHostPort(addr)
+	if err == nil {
+		port, err = strconv.Atoi(ps)
+	}
+	if err != nil || port < 1 || port > 65533 {
+		return "", 0, fmt.Errorf("%s %q: want HOST:PORT with a port from 1 to 65533 (plain gRPC listens on PORT+1 and ucx_perftest on PORT+2, where gdrperf -connect looks for them)", flag, addr)
+	}
+	return host, port, nil
 }
 
 // parseCounts reads a comma list of whole numbers of at least 1, in the

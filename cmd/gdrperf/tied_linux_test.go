@@ -150,12 +150,13 @@ func TestBusyServer(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, cmd.Start())
 	server := pidfd(t, cmd.Process.Pid)
+	out := bufio.NewReader(stdout)
+	line, err := out.ReadString('\n')
 	done := make(chan error, 1)
 	go func() {
-		_, _ = io.Copy(io.Discard, stdout) // after the first line
+		_, _ = io.Copy(io.Discard, out) // what follows the first line
 		done <- cmd.Wait()
 	}()
-	line, err := bufio.NewReader(stdout).ReadString('\n')
 	require.NoError(t, err, "stderr: %s", serverErrors())
 	require.Contains(t, line, "gdrperf server: gdrpc on 127.0.0.1:"+strconv.Itoa(port))
 
