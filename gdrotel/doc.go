@@ -61,7 +61,8 @@
 //	gdrpc.session.fallbacks  {fallback}  sessions that stayed on TCP although UCX was offered
 //
 // with transport ("ucx" or "tcp") and side ("client" or "server"); closed
-// also has outcome: "closed" (this side closed it), "idle", "keepalive" (the
+// also has outcome: "closed" (this side closed it, or closed its gRPC
+// connection and the peer's end came first), "idle", "keepalive" (the
 // peer stopped answering), "peer_gone" (the peer closed it or the connection
 // broke) or "error"; fallbacks have reason only.
 //

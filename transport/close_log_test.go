@@ -56,3 +56,25 @@ func TestPeerCloseLogsNoLoss(t *testing.T) {
 		})
 	}
 }
+
+// TestOrderlyCloseIsNoLoss: a side that began an orderly close (its gRPC
+// stream closed) reports its session closed, not lost, when the peer's end
+// of the connection, which that close prompts, reaches it before its own
+// close completes; a session that began no close still reports the loss.
+func TestOrderlyCloseIsNoLoss(t *testing.T) {
+	for _, mode := range []Mode{ModeTCP, ModeUCX} {
+		t.Run(string(mode), func(t *testing.T) {
+			if mode == ModeUCX && rdma.Available() != nil {
+				t.Skip("no UCX")
+			}
+			_, cs, ss, _, _ := lanePair(t, []Option{WithMode(mode)}, []Option{WithMode(mode)})
+			cs.closeGracefully()
+			cs.closeWith(ErrPeerGone) // as the monitor does when the peer's end comes first
+			require.ErrorIs(t, cs.Err(), ErrSessionClosed)
+			require.NotErrorIs(t, cs.Err(), ErrPeerGone)
+
+			ss.closeWith(ErrPeerGone)
+			require.ErrorIs(t, ss.Err(), ErrPeerGone, "no close begun: the peer is gone")
+		})
+	}
+}

@@ -101,9 +101,13 @@ type Session struct {
 	muxClosed chan struct{} // closed once the multiplexer and the connection are closed
 	closedRan chan struct{} // closed once the handler's Closed returned
 	closeOnce sync.Once
-	errMu     sync.Mutex
-	err       error
-	wg        sync.WaitGroup // internal goroutines
+	// ending is set once this side began an orderly close (its gRPC stream
+	// closed): the peer's end of the connection, which that close prompts,
+	// may then be seen before the close completes, and is no loss.
+	ending atomic.Bool
+	errMu  sync.Mutex
+	err    error
+	wg     sync.WaitGroup // internal goroutines
 
 	link    *Link   // what the engine holds of the session
 	handler Handler // the engine's side of the session (never nil)
@@ -339,8 +343,9 @@ func (s *Session) RTT() time.Duration { return time.Duration(s.rtt.Load()) }
 func (s *Session) Done() <-chan struct{} { return s.done }
 
 // Err returns nil while the session is open, then why it closed:
-// ErrSessionClosed after Close, an error wrapping ErrKeepAlive or ErrPeerGone
-// otherwise.
+// ErrSessionClosed after Close or an orderly close (the gRPC stream closed
+// first, whichever side's connection ended first then), an error wrapping
+// ErrKeepAlive or ErrPeerGone otherwise.
 func (s *Session) Err() error {
 	s.errMu.Lock()
 	defer s.errMu.Unlock()
@@ -385,6 +390,9 @@ func (s *Session) Close() error {
 // connection close on their own goroutine (closing a UCX endpoint may take a
 // while when the peer is gone).
 func (s *Session) closeWith(cause error) {
+	if s.ending.Load() && errors.Is(cause, ErrPeerGone) {
+		cause = nil // the peer ended its side of an orderly close first
+	}
 	if cause == ErrPeerGone {
 		// Whichever reader saw the end first, name what ended it.
 		if err := s.under.firstErr(); err != nil && !errors.Is(err, io.EOF) {
@@ -450,6 +458,7 @@ const gracefulCloseBound = 2 * time.Second
 // only after everything sent before it was read. It does not wait; the
 // session closes within gracefulCloseBound whatever the peer does.
 func (s *Session) closeGracefully() {
+	s.ending.Store(true)
 	select {
 	case <-s.done:
 		return

@@ -87,6 +87,8 @@ func (Kind) EnumDescriptor() ([]byte, []int) {
 // DeviceBuffer is a payload that may live in GPU memory. Applications do not fill
 // its fields by hand: they attach a buffer with gdrcodec.Attach and read the
 // received one with gdrcodec.Buffer (gdrcodec.Detach to keep it past the call).
+// A client without gdrpc's codec puts the payload in inline and its size in
+// length.
 type DeviceBuffer struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Payload length in bytes.
