@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"strconv"
@@ -146,6 +147,26 @@ func ctxErr(ctx context.Context, err error) error {
 	}
 }
 
+// serverChoseTCP is the fallback reason of a client that offered UCX to a
+// server that answered with a TCP session.
+const serverChoseTCP = "server chose TCP: it does not trust this client (WithTrustPeers on both ends), has no UCX, or is set to TCP"
+
+var serverChoseTCPNoted sync.Once
+
+// noteServerChoseTCP logs a server's choice of TCP for a client that offered
+// UCX: at Info the first time in the process (through slog's default logger
+// when no WithLogger was given), at Debug each time.
+func (c *config) noteServerChoseTCP() {
+	c.logger.Debug(serverChoseTCP)
+	serverChoseTCPNoted.Do(func() {
+		log := c.logger
+		if c.defaultLogger {
+			log = slog.Default()
+		}
+		log.Info("gdrpc: " + serverChoseTCP + "; payloads take the stream path (logged once per process)")
+	})
+}
+
 // clientHandshake runs the client's side of the handshake over conn. With
 // lanes, the session may dial the server again for its lanes (Dial: conn is a
 // TCP connection to the server's listener).
@@ -199,6 +220,14 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 	}
 	if w.Transport == "tcp" && cfg.mode == ModeUCX {
 		return nil, fmt.Errorf("handshake: transport ucx required but the server did not offer it")
+	}
+	if w.Transport == "tcp" && caps.UCX && cfg.mode == ModeAuto {
+		// This side offered UCX (it trusts its peers and has UCX); the
+		// server, which does not trust this client, has no UCX or is set
+		// to TCP, did not take it: said, since a user who trusted one end
+		// only would otherwise not learn why payloads take the stream.
+		cfg.noteServerChoseTCP()
+		cfg.metrics.Fallback(serverChoseTCP)
 	}
 
 	setup := sessionSetup{

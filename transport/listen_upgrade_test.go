@@ -3,6 +3,7 @@ package transport
 import (
 	"context"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"sync"
@@ -197,4 +198,44 @@ func acceptOne(l *Listener) <-chan net.Conn {
 		}
 	}()
 	return accepted
+}
+
+// TestServerChoseTCP: a client that trusts its peers and offers UCX, dialing
+// a server that does not trust its clients, gets a TCP session and says why
+// (a fallback, a log line); a client that offered nothing says nothing.
+func TestServerChoseTCP(t *testing.T) {
+	rc := internalUCX(t)
+	l, err := Listen("127.0.0.1:0", WithRDMAContext(rc)) // untrusted clients: TCP
+	require.NoError(t, err)
+	defer l.Close()
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			defer c.Close()
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for _, trust := range []bool{true, false} {
+		m := &countMetrics{}
+		var logs testenv.LogBuffer
+		logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+		s, err := Dial(ctx, l.Addr().String(), WithRDMAContext(rc), WithMetrics(m), WithTrustPeers(trust), WithLogger(logger))
+		require.NoError(t, err)
+		require.Equal(t, "tcp", s.Transport())
+		require.NoError(t, s.Close())
+		m.mu.Lock()
+		fallbacks := m.fallbacks
+		m.mu.Unlock()
+		if !trust {
+			require.Empty(t, fallbacks, "a client that offered no UCX")
+			require.NotContains(t, logs.String(), "server chose TCP")
+			continue
+		}
+		require.Equal(t, []string{serverChoseTCP}, fallbacks)
+		require.Contains(t, logs.String(), "server chose TCP: it does not trust this client")
+	}
 }
