@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/emptypb"
 
 	"github.com/gdrpc/gdrpc"
@@ -390,27 +391,6 @@ func (c *Crowded) Get(r *tensorpb.Sized, t *tensorpb.Tensor) error {
 	return nil
 }
 
-// A reply the client refuses before decoding it (more than MaxPayloads
-// payloads) gives back the receive space its payload was written into:
-// net/rpc has no end of call that would, and its client, which stops
-// reading at a body's error, leaves the session up until it is closed.
-func TestNetRPCRefusedReplyBodyGivesSpaceBack(t *testing.T) {
-	requireUCX(t)
-	require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
-	trusted := []gdrpc.Option{gdrpc.WithTransport(transport.ModeUCX), gdrpc.WithTrustPeers()}
-	client := netRPCPairServing(t, &Crowded{data: 80 << 20}, trusted, append(trusted, gdrpc.WithReceiveSpace(256<<20)))
-
-	var got tensorpb.Tensor
-	require.NoError(t, client.Call("Tensors.Make", &tensorpb.Sized{Size: 1 << 20, Seed: 1}, &got), "pulled: it prompts the space")
-	gdrcodec.ReleaseAll(&got)
-	waitPeerSpace(t)
-	err := client.Call("Crowded.Get", &tensorpb.Sized{Seed: 2}, &tensorpb.Tensor{})
-	require.ErrorContains(t, err, "more than 4096 payloads")
-	require.NotZero(t, oob.ReadStats().PeerSpaces, "the session is still up")
-	require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond, "the refused reply's range is given back: %+v", oob.ReadStats())
-
-}
-
 // Undecodable replies a Tensor whose data (field 3) lands in the client's
 // receive space and whose blob (field 4) holds bytes that are not UTF-8.
 type Undecodable struct{ data int }
@@ -422,21 +402,37 @@ func (u *Undecodable) Get(r *tensorpb.Sized, t *tensorpb.Tensor) error {
 	return nil
 }
 
-// A reply that passes the precount but fails to decode (into nestedpb.Outer,
-// whose field 3 is a DeviceBuffer and field 4 a string) gives back the
-// receive space its payload landed in.
-func TestNetRPCUndecodableReplyGivesSpaceBack(t *testing.T) {
-	requireUCX(t)
-	require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
-	trusted := []gdrpc.Option{gdrpc.WithTransport(transport.ModeUCX), gdrpc.WithTrustPeers()}
-	client := netRPCPairServing(t, &Undecodable{data: 8 << 20}, trusted, append(trusted, gdrpc.WithReceiveSpace(256<<20)))
-	var got tensorpb.Tensor
-	require.NoError(t, client.Call("Tensors.Make", &tensorpb.Sized{Size: 1 << 20, Seed: 1}, &got), "pulled: it prompts the space")
-	gdrcodec.ReleaseAll(&got)
-	waitPeerSpace(t)
-	err := client.Call("Undecodable.Get", &tensorpb.Sized{Seed: 2}, &nestedpb.Outer{})
-	require.ErrorContains(t, err, "UTF-8")
-	require.NotZero(t, oob.ReadStats().PeerSpaces, "the session is still up")
-	require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond,
-		"the undecodable reply's range is given back: %+v", oob.ReadStats())
+// A reply the client refuses before decoding it (more than MaxPayloads
+// payloads), or one that passes the precount but fails to decode (into
+// nestedpb.Outer, whose field 3 is a DeviceBuffer and field 4 a string),
+// gives back the receive space its payload was written into: net/rpc has no
+// end of call that would, and its client, which stops reading at a body's
+// error, leaves the session up until it is closed.
+func TestNetRPCBadReplyGivesSpaceBack(t *testing.T) {
+	for _, tc := range []struct {
+		name, method string
+		rcvr         any
+		reply        proto.Message
+		err          string
+	}{
+		{"refused", "Crowded.Get", &Crowded{data: 80 << 20}, &tensorpb.Tensor{}, "more than 4096 payloads"},
+		{"undecodable", "Undecodable.Get", &Undecodable{data: 8 << 20}, &nestedpb.Outer{}, "UTF-8"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			requireUCX(t)
+			require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
+			trusted := []gdrpc.Option{gdrpc.WithTransport(transport.ModeUCX), gdrpc.WithTrustPeers()}
+			client := netRPCPairServing(t, tc.rcvr, trusted, append(trusted, gdrpc.WithReceiveSpace(256<<20)))
+
+			var got tensorpb.Tensor
+			require.NoError(t, client.Call("Tensors.Make", &tensorpb.Sized{Size: 1 << 20, Seed: 1}, &got), "pulled: it prompts the space")
+			gdrcodec.ReleaseAll(&got)
+			waitPeerSpace(t)
+			err := client.Call(tc.method, &tensorpb.Sized{Seed: 2}, tc.reply)
+			require.ErrorContains(t, err, tc.err)
+			require.NotZero(t, oob.ReadStats().PeerSpaces, "the session is still up")
+			require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond,
+				"the reply's range is given back: %+v", oob.ReadStats())
+		})
+	}
 }

@@ -317,14 +317,7 @@ func TestRuns(t *testing.T) {
 // gives the medians over the runs that ended, and says it was interrupted.
 func TestRunsInterrupted(t *testing.T) {
 	before := childProcesses(t)
-	o, err := parseFlags([]string{"-runs", "4", "-sizes", "4KiB", "-iters", "2", "-warmup", "0", "-transport", "tcp", "-perftest", "none"}, io.Discard)
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	out := &cancelAt{mark: "# run 3 of 4", cancel: cancel}
-	err = runClient(ctx, o, out, t.Logf)
-	require.ErrorIs(t, err, context.Canceled)
-	s := out.String()
+	s := runInterrupted(t, []string{"-runs", "4", "-sizes", "4KiB", "-iters", "2", "-warmup", "0", "-transport", "tcp", "-perftest", "none"}, "# run 3 of 4")
 	_, summary, ok := strings.Cut(s, "# medians over the 2 of 4 runs that ended;")
 	require.True(t, ok, s)
 	require.Regexp(t, `(?m)^\s*4KiB\s+inline\s+[0-9.,]+\s+[0-9.,]+ \([0-9.,]+-[0-9.,]+\)`, summary)
@@ -413,6 +406,19 @@ func (c *cancelAt) Write(p []byte) (int, error) {
 		c.cancel()
 	}
 	return n, err
+}
+
+// runInterrupted runs the client with args (a server of its own started)
+// and cancels it once its output has mark; it returns the output.
+func runInterrupted(t *testing.T, args []string, mark string) string {
+	t.Helper()
+	o, err := parseFlags(args, io.Discard)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	out := &cancelAt{mark: mark, cancel: cancel}
+	require.ErrorIs(t, runClient(ctx, o, out, t.Logf), context.Canceled)
+	return out.String()
 }
 
 func TestCUDA(t *testing.T) {

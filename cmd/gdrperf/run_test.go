@@ -133,15 +133,8 @@ func TestBaselineMismatchFails(t *testing.T) {
 
 // An interrupted table run prints the rows it measured before the signal.
 func TestTableInterrupted(t *testing.T) {
-	o, err := parseFlags([]string{"-sizes", "4KiB,256KiB", "-iters", "2", "-warmup", "0", "-transport", "tcp", "-perftest", "none"}, io.Discard)
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(t.Context())
-	defer cancel()
 	// The header comes with the first row measured: the signal then.
-	out := &cancelAt{mark: "# gdrperf op=", cancel: cancel}
-	err = runClient(ctx, o, out, t.Logf)
-	require.ErrorIs(t, err, context.Canceled)
-	s := out.String()
+	s := runInterrupted(t, []string{"-sizes", "4KiB,256KiB", "-iters", "2", "-warmup", "0", "-transport", "tcp", "-perftest", "none"}, "# gdrperf op=")
 	require.Regexp(t, `(?m)^\s*size\s+path\s+gdrpc MiB/s`, s)
 	require.Regexp(t, `(?m)^\s*4KiB\s+inline\s+[0-9.,]+\s`, s, "the row measured before the signal")
 	require.NotRegexp(t, `(?m)^\s*256KiB\s`, s)
