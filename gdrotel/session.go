@@ -90,9 +90,9 @@ func closeOutcome(err error) string {
 	return outcomeError
 }
 
-// SessionFallback records a session that stayed on TCP although the server offered
-// UCX. The reason is recorded by its class (see WithMaxReasons): the text
-// before its first colon.
+// SessionFallback records a session that stayed on TCP although one side
+// offered UCX (transport.SessionMetrics.Fallback). The reason is recorded by
+// its class (see WithMaxReasons): the text before its first colon.
 func (r *Recorder) SessionFallback(reason string) {
 	if r.off() {
 		return

@@ -1,9 +1,11 @@
 package transport
 
 import (
+	"fmt"
 	"log/slog"
 	"net"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -75,6 +77,13 @@ func TestOrderlyCloseIsNoLoss(t *testing.T) {
 
 			ss.closeWith(ErrPeerGone)
 			require.ErrorIs(t, ss.Err(), ErrPeerGone, "no close begun: the peer is gone")
+
+			// A reset during an orderly close is a loss all the same.
+			_, cs, _, _, _ = lanePair(t, []Option{WithMode(mode)}, []Option{WithMode(mode)})
+			cs.closeGracefully()
+			cs.closeWith(fmt.Errorf("%w: %w", ErrPeerGone, syscall.ECONNRESET))
+			require.ErrorIs(t, cs.Err(), ErrPeerGone)
+			require.ErrorIs(t, cs.Err(), syscall.ECONNRESET)
 		})
 	}
 }

@@ -149,7 +149,7 @@ func ctxErr(ctx context.Context, err error) error {
 
 // serverChoseTCP is the fallback reason of a client that offered UCX to a
 // server that answered with a TCP session.
-const serverChoseTCP = "server chose TCP: it does not trust this client (WithTrustPeers on both ends), has no UCX, or is set to TCP"
+const serverChoseTCP = "server chose TCP: it does not trust this client (WithTrustPeers on both ends), has no UCX, is set to TCP, or the client came over IPv6 (UCX sessions start over IPv4)"
 
 var serverChoseTCPNoted sync.Once
 
@@ -223,9 +223,10 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 	}
 	if w.Transport == "tcp" && caps.UCX && cfg.mode == ModeAuto {
 		// This side offered UCX (it trusts its peers and has UCX); the
-		// server, which does not trust this client, has no UCX or is set
-		// to TCP, did not take it: said, since a user who trusted one end
-		// only would otherwise not learn why payloads take the stream.
+		// server did not take it (it does not trust this client, has no
+		// UCX, is set to TCP, or the client came over IPv6): said, since a
+		// user who trusted one end only would otherwise not learn why
+		// payloads take the stream.
 		cfg.noteServerChoseTCP()
 		cfg.metrics.Fallback(serverChoseTCP)
 	}

@@ -504,8 +504,9 @@ func TestUCXEndpointFloodAfterAck(t *testing.T) {
 	floodAborted(t, ep)
 }
 
-// attackerEndpoint dials l's UCX listener from a worker of rc of its own (no
-// in-process pairing with the listener's endpoint); both end with the test.
+// attackerEndpoint dials l's UCX listener from a context and worker of its
+// own (no in-process pairing with the listener's endpoint); they end with
+// the test.
 func attackerEndpoint(t *testing.T, l *Listener) *rdma.Endpoint {
 	t.Helper()
 	// A context of the attacker's own, which sends no zero-copy messages:

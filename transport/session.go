@@ -102,8 +102,8 @@ type Session struct {
 	closedRan chan struct{} // closed once the handler's Closed returned
 	closeOnce sync.Once
 	// ending is set once this side began an orderly close (its gRPC stream
-	// closed): the peer's end of the connection, which that close prompts,
-	// may then be seen before the close completes, and is no loss.
+	// closed): the peer's clean end of the connection, which that close
+	// prompts, may then be seen before the close completes, and is no loss.
 	ending atomic.Bool
 	errMu  sync.Mutex
 	err    error
@@ -390,14 +390,17 @@ func (s *Session) Close() error {
 // connection close on their own goroutine (closing a UCX endpoint may take a
 // while when the peer is gone).
 func (s *Session) closeWith(cause error) {
-	if s.ending.Load() && errors.Is(cause, ErrPeerGone) {
-		cause = nil // the peer ended its side of an orderly close first
-	}
 	if cause == ErrPeerGone {
 		// Whichever reader saw the end first, name what ended it.
 		if err := s.under.firstErr(); err != nil && !errors.Is(err, io.EOF) {
 			cause = fmt.Errorf("%w: %w", ErrPeerGone, err)
 		}
+	}
+	if cause == ErrPeerGone && s.ending.Load() {
+		// The peer's clean end of an orderly close this side began came
+		// first. A reset, a failed write or an engine's abort is still a
+		// loss.
+		cause = nil
 	}
 	first := false
 	s.closeOnce.Do(func() {

@@ -91,8 +91,9 @@ type SessionMetrics interface {
 	SessionUp(transport string, client bool)
 	// SessionDown reports a closed session and why (see Session.Err).
 	SessionDown(transport string, client bool, err error)
-	// Fallback reports a session that stayed on TCP although the server
-	// offered UCX, and why (on the side that knows the reason).
+	// Fallback reports a session that stayed on TCP although one side
+	// offered UCX (the server, and the client could not upgrade; or the
+	// client, and the server chose TCP), and why, on the side that knows.
 	Fallback(reason string)
 }
 
