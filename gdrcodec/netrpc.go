@@ -444,15 +444,15 @@ func (c *netrpcConn) readBody(v any) error {
 	}
 	if carries {
 		ReleaseAll(m) // as codec.Unmarshal: the decode resets m
-		if err := precount(p, md); err != nil {
+		err = precount(p, md)
+	}
+	if err == nil {
+		err = proto.Unmarshal(p, m)
+	}
+	if err != nil {
+		if carries {
 			// As a refused walk does: a reply's payloads that landed in
 			// this side's receive space are not taken back otherwise.
-			discardLandedOnWire(c.ctx, p, md, from)
-			return err
-		}
-	}
-	if err := proto.Unmarshal(p, m); err != nil {
-		if carries {
 			discardLandedOnWire(c.ctx, p, md, from)
 		}
 		return err

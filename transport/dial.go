@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"net"
 	"os"
 	"strconv"
@@ -158,13 +157,7 @@ var serverChoseTCPNoted sync.Once
 // when no WithLogger was given), at Debug each time.
 func (c *config) noteServerChoseTCP() {
 	c.logger.Debug(serverChoseTCP)
-	serverChoseTCPNoted.Do(func() {
-		log := c.logger
-		if c.defaultLogger {
-			log = slog.Default()
-		}
-		log.Info("gdrpc: " + serverChoseTCP + "; payloads take the stream path (logged once per process)")
-	})
+	c.infoOnce(&serverChoseTCPNoted, c.logger, "gdrpc: "+serverChoseTCP+"; payloads take the stream path (logged once per process)")
 }
 
 // clientHandshake runs the client's side of the handshake over conn. With

@@ -279,11 +279,18 @@ var ucxFallbackNoted sync.Once
 // logs it at Debug.
 func (c *config) noteNoUCX(log *slog.Logger, err error) {
 	log.Debug("UCX unavailable, TCP only", "err", err)
-	ucxFallbackNoted.Do(func() {
+	c.infoOnce(&ucxFallbackNoted, log, "gdrpc: UCX cannot be used in this process; sessions run over TCP", "err", err)
+}
+
+// infoOnce logs msg at Info once per process (once, of once), through log,
+// or slog's default logger when no WithLogger was given: what an operator
+// should see even where the application set no logger.
+func (c *config) infoOnce(once *sync.Once, log *slog.Logger, msg string, args ...any) {
+	once.Do(func() {
 		if c.defaultLogger {
 			log = slog.Default()
 		}
-		log.Info("gdrpc: UCX cannot be used in this process; sessions run over TCP", "err", err)
+		log.Info(msg, args...)
 	})
 }
 
