@@ -415,6 +415,9 @@ type Stats struct {
 	Sessions int // sessions the engine serves
 	Spaces   int // receive spaces this process advertised, alive (their session open, or ranges held)
 	Landed   int // ranges of them the application holds
+	// Making are the advertisements under way: receive spaces being made,
+	// cleared and advertised after the pulls that prompted them.
+	Making int
 	// SpaceBytes are the bytes of those spaces and of spaces being made
 	// (Limits.SpaceBytes bounds them).
 	SpaceBytes int64
@@ -444,6 +447,7 @@ func ReadStats() Stats {
 		}
 		return true
 	})
+	st.Making = int(spacesMaking.Load())
 	liveSpaces.Lock()
 	st.SpaceBytes = liveSpaces.bytes
 	for sp := range liveSpaces.m {

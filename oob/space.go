@@ -11,6 +11,7 @@ import (
 	"runtime/trace"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
@@ -284,7 +285,9 @@ func (c *TransferConfig) spaceLimit(client bool) int {
 // owner wrote into dst directly: a space of the configured size once per
 // session or, where the spaces grow (a client's by default, a server's with
 // a limit), one sized after the pull whenever the session's spaces cannot
-// hold two such payloads (within the limit).
+// hold two such payloads (within the limit). The space is made, cleared and
+// advertised on a goroutine of its own, off the pull's path: clearing a
+// host space of a gigabyte touches each of its pages first.
 func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devicebuf.Allocator) {
 	c := cfgOf(s)
 	// A server advertises only when configured to (a size or a limit): it
@@ -301,11 +304,35 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 	if !st.advertising.TryLock() {
 		return // another pull is advertising
 	}
-	defer st.advertising.Unlock()
+	like := spaceLike{kind: dst.Kind(), uuid: dst.DeviceUUID(), n: dst.Len()}
+	spacesMaking.Add(1)
+	go func() {
+		defer spacesMaking.Add(-1)
+		defer st.advertising.Unlock() // withdrawSpace waits for it
+		advertise(s, path, like, alloc, limit)
+	}()
+}
+
+// spacesMaking counts the advertisements under way (Stats.Making).
+var spacesMaking atomic.Int64
+
+// spaceLike is what a space has in common with the pull's destination that
+// prompted it: its kind of memory and device; n is that destination's length.
+type spaceLike struct {
+	kind devicebuf.Kind
+	uuid string
+	n    int
+}
+
+// advertise makes a space like the pull's destination, within limit (0:
+// none), and advertises it to the peer of s (st.advertising held).
+func advertise(s *transport.Session, path Path, like spaceLike, alloc devicebuf.Allocator, limit int) {
+	c := cfgOf(s)
+	st := &stateOf(s).space
 	st.mu.Lock()
 	size := 0
 	if !st.failed && !st.stopped && !st.withdrawing {
-		size = st.nextSize(c.ReceiveSpace, limit, dst.Len())
+		size = st.nextSize(c.ReceiveSpace, limit, like.n)
 	}
 	st.mu.Unlock()
 	if size == 0 {
@@ -315,14 +342,14 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 		c.Logger.Debug("no receive space advertised: the process's spaces are at Limits.SpaceBytes", "session", s.ID(), "size", size, "limit", c.Limits.SpaceBytes)
 		return
 	}
-	if dst.Kind() == devicebuf.CUDA && ipcAllowed(s) && c.Paths&PathCUDAIPC != 0 {
+	if like.kind == devicebuf.CUDA && ipcAllowed(s) && c.Paths&PathCUDAIPC != 0 {
 		// Into GPU memory on this host the owner copies through the
 		// space's CUDA IPC mapping, opened once: faster than UCX's
 		// cuda_ipc lane, which the rendezvous prefers on one device (the
 		// README's performance table).
 		path = PathCUDAIPC
 	}
-	sp, m, err := newSpace(s, path, dst, alloc, size)
+	sp, m, err := newSpace(s, path, like, alloc, size)
 	if err != nil {
 		unreserveSpace(int64(size))
 		st.mu.Lock()
@@ -349,16 +376,24 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 	}
 }
 
-// newSpace makes a region of n bytes with alloc and exposes it to the owner
-// the way path wrote into dst.
-func newSpace(s *transport.Session, path Path, dst *devicebuf.Buffer, alloc devicebuf.Allocator, n int) (*space, *spaceMsg, error) {
+// newSpace makes a region of n bytes with alloc, like the pull's
+// destination, clears it and exposes it to the owner the way path wrote
+// into that destination. A descriptor may name a range of the space that
+// nothing was written into, and the allocator's memory may hold another
+// transfer's bytes, another peer's: what reaches the application is bytes
+// that arrived, or zeros (clearDestination).
+func newSpace(s *transport.Session, path Path, like spaceLike, alloc devicebuf.Allocator, n int) (*space, *spaceMsg, error) {
 	region, err := alloc.Alloc(n)
 	if err != nil {
 		return nil, nil, err
 	}
-	if region.Kind() != dst.Kind() || region.DeviceUUID() != dst.DeviceUUID() || region.Len() != n {
+	if region.Kind() != like.kind || region.DeviceUUID() != like.uuid || region.Len() != n {
 		region.Release()
 		return nil, nil, errors.New("the allocator made different memory for the space than for the pull")
+	}
+	if err := clearDestination(region); err != nil {
+		region.Release()
+		return nil, nil, fmt.Errorf("clear: %w", err)
 	}
 	sp := makeSpace(newSpaceID(), s, region, path)
 	m := &spaceMsg{rtr: rtr{Req: sp.id, Length: uint64(n), Offers: path}}

@@ -580,11 +580,19 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 	}
 	rate, err := b.timeCalls(ctx, size, call, func() {
 		take()
-		if b.o.op == "push" && b.o.trust && (b.o.reqSpace > 0 || b.o.reqLimit > 0) {
+		switch {
+		case b.o.op == "push" && b.o.trust && (b.o.reqSpace > 0 || b.o.reqLimit > 0):
 			// The server advertises its space for requests once it pulled
 			// one (the verified call's): the measured requests are to land
 			// there.
-			if err := awaitPeerSpace(ctx, 10*time.Second); err != nil {
+			if err := awaitSpaces(ctx, "the server advertised no space for requests", func(st oob.Stats) bool { return st.PeerSpaces > 0 }); err != nil {
+				r.Notes = append(r.Notes, err.Error())
+			}
+		case b.o.op == "pull" && b.o.trust && b.o.space >= 0:
+			// This client makes and clears its receive space after a pull
+			// prompted it, off the call's path: the measured responses are
+			// to land there, not in a rendezvous's destination meanwhile.
+			if err := awaitSpaces(ctx, "the client's receive space was still being made", func(st oob.Stats) bool { return st.Making == 0 }); err != nil {
 				r.Notes = append(r.Notes, err.Error())
 			}
 		}
@@ -642,17 +650,19 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 	return nil
 }
 
-// awaitPeerSpace waits until a peer advertised receive space to this
-// process, for at most limit or until ctx ends.
-func awaitPeerSpace(ctx context.Context, limit time.Duration) error {
+// awaitSpaces waits until ready says the receive spaces are as the measured
+// calls need them, for at most 10 s or until ctx ends; then it returns an
+// error saying what was not.
+func awaitSpaces(ctx context.Context, what string, ready func(oob.Stats) bool) error {
+	const limit = 10 * time.Second
 	ctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
 	tick := time.NewTicker(time.Millisecond)
 	defer tick.Stop()
-	for oob.ReadStats().PeerSpaces == 0 {
+	for !ready(oob.ReadStats()) {
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("the server advertised no space for requests within %v", limit)
+			return fmt.Errorf("%s within %v", what, limit)
 		case <-tick.C:
 		}
 	}
