@@ -494,7 +494,10 @@ func (sp *space) markClosedLocked() {
 // end: its memory goes back once the session's connections are released
 // (no UCX put lands after its endpoint closed) and every copy the owner
 // recorded on its events completed, within the transfer timeout, so that a
-// late write does not land in what the allocator hands out next.
+// late write does not land in what the allocator hands out next. An
+// owner's direct copy into a host space (rdma's, over shared memory) is not
+// a UCX put: it stops at its next piece once the owner sees the session
+// end, which may come after this (the README's Security says so).
 func (sp *space) free() {
 	select {
 	case <-sp.withdrawn:
