@@ -34,6 +34,11 @@ func plan(dst, src *Buffer) (copyPlan, error) {
 	case dst.a.kind == Host && src.a.kind == CUDA:
 		p.dir, p.d = driver.DtoH, src.a.drv
 	default:
+		// CUDA leaves a copy between overlapping device ranges undefined (device
+		// addresses are unique across devices).
+		if dst.n > 0 && dst.ptr < src.ptr+uintptr(src.n) && src.ptr < dst.ptr+uintptr(dst.n) {
+			return p, fmt.Errorf("devicebuf: copy %s <- %s: the device ranges overlap", dst, src)
+		}
 		p.dir, p.d = driver.DtoD, dst.a.drv
 	}
 	if p.d == nil {
@@ -63,6 +68,7 @@ func hostCopy(dst, src *Buffer) error {
 // are in place. A device copy is ordered after work queued on the legacy default stream;
 // work on other streams that writes src or reads dst must be complete first (synchronize
 // those streams, as before handing a buffer to gdrpc). Pending buffers are waited for first.
+// Overlapping device ranges are refused: CUDA leaves such a copy undefined.
 func Copy(dst, src *Buffer) error {
 	p, err := plan(dst, src)
 	if err != nil || dst.n == 0 {
@@ -92,6 +98,9 @@ func Copy(dst, src *Buffer) error {
 // Clear sets every byte of b to zero and returns when they are: a memset on the device for
 // CUDA memory (the CPU never touches it), in place for host memory.
 func Clear(b *Buffer) error {
+	if b == nil {
+		return fmt.Errorf("devicebuf: clear of a nil buffer")
+	}
 	if b.n == 0 {
 		return nil
 	}
@@ -208,9 +217,14 @@ func (s *Stream) isClosed() bool {
 }
 
 // CopyAsync queues a copy of src into dst on s (lengths must match). The bytes are in place
-// after s.Synchronize returns nil. Host-to-host copies run before CopyAsync returns. The copy
-// waits on the device for Pending buffers.
+// after s.Synchronize returns nil. The copy waits on the device for Pending buffers. A
+// host-to-host copy keeps the stream's order too: on a device stream it waits for the
+// copies queued before it (a staging buffer a device copy fills or reads), and it is done
+// when CopyAsync returns.
 func CopyAsync(s *Stream, dst, src *Buffer) error {
+	if s == nil {
+		return fmt.Errorf("devicebuf: async copy on a nil stream")
+	}
 	p, err := plan(dst, src)
 	if err != nil || dst.n == 0 {
 		return err
@@ -223,6 +237,11 @@ func CopyAsync(s *Stream, dst, src *Buffer) error {
 			return ErrReleased
 		}
 		defer releaseAll(dst, src)
+		if s.d != nil {
+			if err := s.Synchronize(); err != nil {
+				return fmt.Errorf("devicebuf: copy %s <- %s after the stream's earlier copies: %w", dst, src, err)
+			}
+		}
 		return hostCopy(dst, src)
 	}
 	if s.d == nil {

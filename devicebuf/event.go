@@ -216,7 +216,9 @@ const (
 // on s and looks whether ev completed between sleeps, instead of waiting in
 // cuStreamSynchronize, which spins on the device's progress and slows every
 // other thread's copies queued on s meanwhile. ev is the caller's, used by
-// one SynchronizeBy at a time.
+// one SynchronizeBy at a time and recorded by nothing else meanwhile: a
+// record elsewhere would complete it early, and the copies still queued on s
+// would lose their buffers' references.
 func (s *Stream) SynchronizeBy(ev *Event) error {
 	if s.d == nil {
 		return s.Synchronize()

@@ -2,6 +2,7 @@ package devicebuf
 
 import (
 	"fmt"
+	"slices"
 	"sync"
 
 	"github.com/gdrpc/gdrpc/devicebuf/internal/driver"
@@ -19,8 +20,7 @@ func OwnIPC(h IPCHandle) bool {
 	}
 	exports.Lock()
 	defer exports.Unlock()
-	e := exports.m[ipcKey{d: d, h: h}]
-	return e != nil && !e.owner.freed
+	return exports.liveLocked(ipcKey{d: d, h: h}) != nil
 }
 
 // ExportIPC returns an IPC handle for the device allocation b lies in, and b's offset
@@ -56,7 +56,8 @@ func ExportIPC(b *Buffer) (IPCHandle, int, error) {
 	if r := owner.region; r.ptr == base && r.n <= size {
 		exports.Lock()
 		if !owner.freed {
-			exports.m[ipcKey{d: d, h: e.h}] = e
+			k := ipcKey{d: d, h: e.h}
+			exports.m[k] = append(exports.m[k], e)
 			owner.export.Store(e)
 		}
 		exports.Unlock()
@@ -85,10 +86,25 @@ type exportEntry struct {
 
 // exports maps the handles this process exported (for allocations still alive) to their
 // allocations, so that OpenIPC of a handle of this process returns the memory itself.
-var exports = struct {
+// Several allocations may share a handle: a buffer and a Wrap of its memory each export
+// the driver allocation they lie in, and either may be freed first.
+var exports = exportTable{m: map[ipcKey][]*exportEntry{}}
+
+type exportTable struct {
 	sync.Mutex
-	m map[ipcKey]*exportEntry
-}{m: map[ipcKey]*exportEntry{}}
+	m map[ipcKey][]*exportEntry
+}
+
+// liveLocked returns the entry of the first allocation still alive that exported k, or
+// nil (x locked).
+func (x *exportTable) liveLocked(k ipcKey) *exportEntry {
+	for _, e := range x.m[k] {
+		if !e.owner.freed {
+			return e
+		}
+	}
+	return nil
+}
 
 // unexport forgets a's handle; called when a's memory is freed.
 func unexport(a *allocation) {
@@ -96,7 +112,12 @@ func unexport(a *allocation) {
 	defer exports.Unlock()
 	a.freed = true
 	if e := a.export.Load(); e != nil {
-		delete(exports.m, ipcKey{d: e.d, h: e.h})
+		k := ipcKey{d: e.d, h: e.h}
+		if rest := slices.DeleteFunc(exports.m[k], func(x *exportEntry) bool { return x == e }); len(rest) > 0 {
+			exports.m[k] = rest
+		} else {
+			delete(exports.m, k)
+		}
 	}
 }
 
@@ -104,8 +125,8 @@ func unexport(a *allocation) {
 func openOwn(d driver.Driver, h IPCHandle) *Buffer {
 	exports.Lock()
 	defer exports.Unlock()
-	e := exports.m[ipcKey{d: d, h: h}]
-	if e == nil || e.owner.freed {
+	e := exports.liveLocked(ipcKey{d: d, h: h})
+	if e == nil {
 		return nil
 	}
 	r := e.owner.region

@@ -1,12 +1,17 @@
 package devicebuf
 
-import "fmt"
+import (
+	"fmt"
+	"sync"
+)
 
 // PinHost page-locks n bytes of host memory at ptr that this package did not
 // allocate (memory UCX allocated, a user's region) with CUDA, so copies between
 // it and GPU memory run at pinned speed. It returns the function that unpins
-// it; without a CUDA driver it fails with an error wrapping ErrNotSupported.
-// ptr must be C or mmap'ed memory, never the Go heap.
+// it, once: a later call returns an error and leaves the driver alone (the
+// same pages may be pinned again by then, by someone else). Without a CUDA
+// driver it fails with an error wrapping ErrNotSupported. ptr must be C or
+// mmap'ed memory, never the Go heap.
 func PinHost(ptr uintptr, n int) (unpin func() error, err error) {
 	d, err := cudaDriver()
 	if err != nil {
@@ -19,8 +24,13 @@ func PinHost(ptr uintptr, n int) (unpin func() error, err error) {
 		return nil, fmt.Errorf("devicebuf: cuMemHostRegister %d bytes at %#x: %w", n, ptr, err)
 	}
 	live.pinned.Add(1)
+	var once sync.Once
 	return func() error {
-		live.pinned.Add(-1)
-		return d.MemHostUnregister(ptr)
+		err := fmt.Errorf("devicebuf: unpin %d bytes at %#x: already unpinned", n, ptr)
+		once.Do(func() {
+			live.pinned.Add(-1)
+			err = d.MemHostUnregister(ptr)
+		})
+		return err
 	}, nil
 }

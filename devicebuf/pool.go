@@ -220,12 +220,18 @@ func (p *Pool) Device() int {
 	return p.dev
 }
 
-// regionSize is the size of a region for class size s.
+// regionSize is the size of a region for class size s: RegionBytes' worth
+// of its blocks, within MaxBytes (a pool bounded below RegionBytes would
+// otherwise make no region at all), or one block.
 func (p *Pool) regionSize(s int) int {
-	if s >= p.cfg.RegionBytes {
+	rb := p.cfg.RegionBytes
+	if int64(rb) > p.cfg.MaxBytes {
+		rb = int(p.cfg.MaxBytes)
+	}
+	if s >= rb {
 		return s
 	}
-	return p.cfg.RegionBytes / s * s
+	return rb / s * s
 }
 
 // Alloc returns a buffer of n bytes from the smallest class that fits (from a larger class's
@@ -489,6 +495,9 @@ func (p *Pool) newRegion(n int) (*poolRegion, error) {
 		if err != nil {
 			_ = buf.Release()
 			return nil, fmt.Errorf("devicebuf: register pool region of %d bytes: %w", n, err)
+		}
+		if r.release == nil {
+			r.release = func() error { return nil } // nothing to undo, but counted as one
 		}
 		live.registrations.Add(1)
 	}
