@@ -5,6 +5,7 @@ package devicebuf_test
 // on a device stream, overlapping device copies.
 
 import (
+	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -241,4 +242,75 @@ func TestGPUCopyAsyncHostCopyInStreamOrder(t *testing.T) {
 	got, err := final.HostBytes()
 	require.NoError(t, err)
 	requireBytes(t, want, got, "final after device -> bounce -> final on one stream")
+}
+
+// A pool bounded below two of its regions holds blocks of several classes at once: a
+// 128 KiB payload in flight beside a 64 KiB one (192 KiB of 1 MiB) fits, as
+// NewPayloadPool's "size it for the largest payloads in flight at once" says.
+func TestBoundedPoolTwoClasses(t *testing.T) {
+	p, err := devicebuf.NewPayloadPool(devicebuf.NewHostAllocator(), 1<<20)
+	require.NoError(t, err)
+	defer p.Close()
+	a, err := p.Alloc(64 << 10)
+	require.NoError(t, err)
+	defer a.Release()
+	b, err := p.Alloc(128 << 10)
+	if err == nil {
+		b.Release()
+	}
+	require.NoError(t, err, "a 128 KiB block beside a 64 KiB one in a pool bounded at 1 MiB (stats %+v)", p.Stats())
+}
+
+// OpenIPC of a handle this process exported gives a Buffer covering the whole allocation,
+// even where a Wrap of a part of it exported the handle first.
+func TestOpenOwnIPCCoversAllocation(t *testing.T) {
+	devicebuftest.Install(t, 1)
+	const n = 1 << 16
+	dst := cudaKind(0).alloc(t, n)
+	defer dst.Release()
+	w := devicebuf.Wrap(dst.Ptr(), n/2, devicebuf.CUDA, 0, nil)
+	defer w.Release()
+	h1, _, err := devicebuf.ExportIPC(w)
+	require.NoError(t, err)
+	h2, _, err := devicebuf.ExportIPC(dst)
+	require.NoError(t, err)
+	require.Equal(t, h1, h2)
+	m, err := devicebuf.OpenIPC(h1, 0)
+	require.NoError(t, err)
+	defer m.Release()
+	require.Equal(t, n, m.Len(), "OpenIPC of this process's own handle covers the whole allocation")
+}
+
+// Goroutines exporting the same allocation at once (slices of one pool region, as two
+// receivers' destinations) leave no entry in the export table once it is freed.
+func TestConcurrentExportLeavesNoEntry(t *testing.T) {
+	devicebuftest.Install(t, 1)
+	base := devicebuf.ExportEntries()
+	for range 300 {
+		b := cudaKind(0).alloc(t, 1<<16)
+		var wg sync.WaitGroup
+		for range 4 {
+			wg.Go(func() {
+				_, _, err := devicebuf.ExportIPC(b)
+				require.NoError(t, err)
+			})
+		}
+		wg.Wait()
+		require.NoError(t, b.Release())
+	}
+	require.Equal(t, base, devicebuf.ExportEntries(), "export table entries left after every exported allocation was freed")
+}
+
+// Clear and CopyAsync refuse nil arguments with an error, as Copy does.
+func TestNilArguments(t *testing.T) {
+	devicebuftest.Install(t, 1)
+	b := devicebuf.HostFromBytes(make([]byte, 16))
+	defer b.Release()
+	require.Error(t, devicebuf.Clear(nil))
+	require.Error(t, devicebuf.CopyAsync(nil, b, b))
+	s, err := devicebuf.NewStream(0)
+	require.NoError(t, err)
+	defer s.Close()
+	require.Error(t, devicebuf.CopyAsync(s, nil, b))
+	require.Error(t, devicebuf.Copy(b, nil))
 }

@@ -110,3 +110,14 @@ func mustAlloc(t *testing.T, a Allocator, n int) *Buffer {
 	}
 	return b
 }
+
+// ExportEntries returns how many entries the IPC export table holds.
+func ExportEntries() int {
+	exports.Lock()
+	defer exports.Unlock()
+	n := 0
+	for _, es := range exports.m {
+		n += len(es)
+	}
+	return n
+}

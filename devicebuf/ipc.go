@@ -55,7 +55,10 @@ func ExportIPC(b *Buffer) (IPCHandle, int, error) {
 	// process without the driver (which refuses a process's own handles).
 	if r := owner.region; r.ptr == base && r.n <= size {
 		exports.Lock()
-		if !owner.freed {
+		switch had := owner.export.Load(); {
+		case had != nil:
+			// Exported meanwhile by another goroutine: one entry an allocation.
+		case !owner.freed:
 			k := ipcKey{d: d, h: e.h}
 			exports.m[k] = append(exports.m[k], e)
 			owner.export.Store(e)
@@ -95,15 +98,16 @@ type exportTable struct {
 	m map[ipcKey][]*exportEntry
 }
 
-// liveLocked returns the entry of the first allocation still alive that exported k, or
-// nil (x locked).
+// liveLocked returns the entry of the allocation still alive that exported k and covers
+// the most of the driver's allocation (a Wrap may cover a part of it), or nil (x locked).
 func (x *exportTable) liveLocked(k ipcKey) *exportEntry {
+	var best *exportEntry
 	for _, e := range x.m[k] {
-		if !e.owner.freed {
-			return e
+		if !e.owner.freed && (best == nil || e.owner.region.n > best.owner.region.n) {
+			best = e
 		}
 	}
-	return nil
+	return best
 }
 
 // unexport forgets a's handle; called when a's memory is freed.

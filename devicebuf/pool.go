@@ -221,12 +221,14 @@ func (p *Pool) Device() int {
 }
 
 // regionSize is the size of a region for class size s: RegionBytes' worth
-// of its blocks, within MaxBytes (a pool bounded below RegionBytes would
-// otherwise make no region at all), or one block.
+// of its blocks, or one block. A pool bounded below two regions makes
+// regions of an eighth of its bound instead, so that blocks of several
+// classes fit it together (one of RegionBytes would not fit a pool bounded
+// below it at all).
 func (p *Pool) regionSize(s int) int {
 	rb := p.cfg.RegionBytes
-	if int64(rb) > p.cfg.MaxBytes {
-		rb = int(p.cfg.MaxBytes)
+	if int64(rb) > p.cfg.MaxBytes/2 {
+		rb = int(p.cfg.MaxBytes / 8)
 	}
 	if s >= rb {
 		return s

@@ -361,6 +361,9 @@ func testGPUPath(t *testing.T, tt gpuPath, space, ordered bool, gpu devicebuf.Al
 			}
 			gdrcodec.ReleaseAll(got)
 			t.Logf("path=%s size=%d make=%v (%.0f MiB/s incl. server fill)", tt.want, n, elapsed, float64(n)/(1<<20)/elapsed.Seconds())
+			// A space the calls' pulls prompted is made off their path:
+			// the next call is to find it.
+			waitSpacesMade(t)
 		})
 	}
 	if tt.reqGrow {

@@ -146,6 +146,7 @@ func TestRequestSpaceGrows(t *testing.T) {
 	// 13 MiB fits no space, and the limit has no room left for another.
 	digestChecked(t, r.client, 13*mib, 9)
 	require.Equal(t, map[string]int{"rdma": 1}, r.paths.reset())
+	waitSpacesMade(t)
 	require.Equal(t, 2, oob.ReadStats().Spaces, "no space past the limit")
 	require.Equal(t, 2, oob.ReadStats().PeerSpaces)
 }
@@ -167,6 +168,7 @@ func TestRequestSpaceProcessBound(t *testing.T) {
 		digestChecked(t, r.client, 5*mib, uint32(2+i))
 	}
 	require.Equal(t, map[string]int{"rdma": 3}, r.paths.reset())
+	waitSpacesMade(t)
 	require.Equal(t, 1, oob.ReadStats().Spaces)
 	require.Equal(t, int64(4*mib), oob.ReadStats().SpaceBytes)
 

@@ -65,6 +65,14 @@ func waitPeerSpace(t *testing.T) {
 	waitPeerSpaces(t, 1)
 }
 
+// waitSpacesMade waits until no receive space of this process is being made:
+// a pull that prompts one starts its making before it returns, so a check
+// that no space was made must come after this.
+func waitSpacesMade(t *testing.T) {
+	t.Helper()
+	require.Eventually(t, func() bool { return oob.ReadStats().Making == 0 }, 10*time.Second, time.Millisecond, "%+v", oob.ReadStats())
+}
+
 // waitPeerSpaces waits until this process's sessions took n advertisements
 // of their peers.
 func waitPeerSpaces(t *testing.T, n int) {
@@ -157,6 +165,7 @@ func TestReceiveSpaceNotFromBytesFields(t *testing.T) {
 	blob, err := r.client.Make(context.Background(), &tensorpb.Sized{Size: mib, Seed: 3, Blob: true})
 	require.NoError(t, err)
 	requireBytes(t, pattern(mib, 3), blob.Blob)
+	waitSpacesMade(t)
 	require.Zero(t, oob.ReadStats().Spaces, "a bytes field's pull advertises nothing")
 	gdrcodec.ReleaseAll(makeChecked(t, r, mib, 4))
 	waitPeerSpace(t)
@@ -176,6 +185,7 @@ func TestReceiveSpaceOff(t *testing.T) {
 		gdrcodec.ReleaseAll(makeChecked(t, r, 1<<20, uint32(i)))
 	}
 	require.Equal(t, map[string]int{"rdma": 3}, r.paths.reset())
+	waitSpacesMade(t)
 	require.Zero(t, oob.ReadStats().Spaces)
 }
 
@@ -440,6 +450,7 @@ func TestReceiveSpaceGrows(t *testing.T) {
 	second := makeChecked(t, r, 40*mib, 3) // 24 MiB free: pulled
 	require.Equal(t, map[string]int{"rdma": 1}, r.paths.reset())
 	require.Eventually(t, func() bool { return oob.ReadStats().PeerSpaces == 2 }, 10*time.Second, time.Millisecond)
+	waitSpacesMade(t)
 	require.Equal(t, 2, oob.ReadStats().Spaces)
 	third := makeChecked(t, r, 40*mib, 4)
 	require.Equal(t, map[string]int{"rdma@space": 1}, r.paths.reset(), "into the new space")
@@ -449,6 +460,7 @@ func TestReceiveSpaceGrows(t *testing.T) {
 	require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond)
 	gdrcodec.ReleaseAll(makeChecked(t, r, 40*mib, 5))
 	require.Equal(t, map[string]int{"rdma@space": 1}, r.paths.reset())
+	waitSpacesMade(t)
 	require.Equal(t, 2, oob.ReadStats().PeerSpaces, "two payloads fit now: no third space")
 }
 
@@ -518,6 +530,7 @@ func TestReceiveSpacePerSession(t *testing.T) {
 		}
 	}
 	require.Equal(t, map[string]int{"rdma@space": 4}, r.paths.reset())
+	waitSpacesMade(t)
 	require.Equal(t, 2, oob.ReadStats().Spaces)
 }
 

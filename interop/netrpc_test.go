@@ -387,6 +387,7 @@ func TestNetRPC(t *testing.T) {
 			if sess.TrustsPeer() {
 				require.True(t, advertised)
 			} else {
+				require.Eventually(t, func() bool { return oob.ReadStats().Making == 0 }, 10*time.Second, time.Millisecond)
 				require.Zero(t, oob.ReadStats().Spaces, "receive space advertised to an untrusted peer")
 			}
 			closeAll()

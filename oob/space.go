@@ -306,11 +306,18 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 	}
 	like := spaceLike{kind: dst.Kind(), uuid: dst.DeviceUUID(), n: dst.Len()}
 	spacesMaking.Add(1)
-	go func() {
-		defer spacesMaking.Add(-1)
-		defer st.advertising.Unlock() // withdrawSpace waits for it
+	made := func() {
+		st.advertising.Unlock() // withdrawSpace waits for it
+		spacesMaking.Add(-1)
+	}
+	// The session's Close joins it: the space's memory may go away after
+	// that (a UCX context's).
+	if !a.bounds.spawn(func() {
+		defer made()
 		advertise(s, path, like, alloc, limit)
-	}()
+	}) {
+		made()
+	}
 }
 
 // spacesMaking counts the advertisements under way (Stats.Making).
@@ -391,7 +398,7 @@ func newSpace(s *transport.Session, path Path, like spaceLike, alloc devicebuf.A
 		region.Release()
 		return nil, nil, errors.New("the allocator made different memory for the space than for the pull")
 	}
-	if err := clearDestination(region); err != nil {
+	if err := clearSpace(sessionContext(s), region); err != nil {
 		region.Release()
 		return nil, nil, fmt.Errorf("clear: %w", err)
 	}
@@ -445,6 +452,35 @@ func newSpace(s *transport.Session, path Path, like spaceLike, alloc devicebuf.A
 	return sp, m, nil
 }
 
+// spaceClearPiece is the most of a host space cleared between two looks at
+// whether its session ended.
+const spaceClearPiece = 64 << 20
+
+// clearSpace clears region, a new space's memory, unless ctx ends first: a
+// host space in pieces (its clear touches each page first: 43 ms a piece
+// on a 2-core VM), so that a session closing meanwhile does not wait for
+// the whole of it; GPU memory in one memset on the device.
+func clearSpace(ctx context.Context, region *devicebuf.Buffer) error {
+	if region.Kind() != devicebuf.Host {
+		return clearDestination(region)
+	}
+	for off := 0; off < region.Len(); off += spaceClearPiece {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		piece, err := region.Slice(off, min(spaceClearPiece, region.Len()-off))
+		if err != nil {
+			return err
+		}
+		err = clearDestination(piece)
+		piece.Release()
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // makeSpace returns the record of a space of s's, id, in region, written by
 // path: nothing held, nothing exposed yet.
 func makeSpace(id uint64, s *transport.Session, region *devicebuf.Buffer, path Path) *space {
@@ -496,8 +532,9 @@ func (sp *space) markClosedLocked() {
 // recorded on its events completed, within the transfer timeout, so that a
 // late write does not land in what the allocator hands out next. An
 // owner's direct copy into a host space (rdma's, over shared memory) is not
-// a UCX put: it stops at its next piece once the owner sees the session
-// end, which may come after this (the README's Security says so).
+// a UCX put: it issues no new piece once the owner sees the session end,
+// which may come after this, and the pieces under way complete (the
+// README's Security says so).
 func (sp *space) free() {
 	select {
 	case <-sp.withdrawn:

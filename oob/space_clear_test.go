@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/peer"
 
 	"github.com/gdrpc/gdrpc/devicebuf"
+	"github.com/gdrpc/gdrpc/rdma"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
@@ -89,4 +90,46 @@ func TestSpaceMemoryCleared(t *testing.T) {
 	leaked := bytes.Equal(got, other[off:off+n])
 	require.False(t, leaked, "A's descriptor handed the application peer B's bytes, left in the space's memory, as a payload that never arrived: %q", got[:36])
 	require.Equal(t, make([]byte, n), got, "a range nothing was written into reaches the application uncleared")
+}
+
+// makingSpace is the receive space the tests below configure: large enough
+// that making and clearing it (fresh memory) takes a while.
+const makingSpace = 512 << 20
+
+// promptSpace makes a trusted UCX (tcp) session on rc, pulls one
+// payload over it into rc's host pool, which starts the making of the
+// client's receive space on a goroutine of its own, waits until that
+// goroutine reserved the space's bytes (it is making the space then), and
+// returns the client's session.
+func promptSpace(t *testing.T, rc *rdma.Context) *transport.Session {
+	t.Helper()
+	ucx := []transport.Option{transport.WithRDMAContext(rc), transport.WithMode(transport.ModeUCX), transport.WithTrustPeers(true)}
+	_, cs, _, _, _ := lanePair(t, ucx, ucx)
+	payload := bytes.Repeat([]byte{7}, 256<<10)
+	d := Offer(Source{Bytes: payload}, OfferOptions{})
+	t.Cleanup(func() { Withdraw(d.Token) })
+	d.Owner = cs.PeerID()
+	dst, path, err := FetchFrom(testContext(t), d, HostPool(rc))
+	require.NoError(t, err)
+	require.Equal(t, PathRDMA, path)
+	require.NoError(t, dst.Release())
+	// The space is being made once its bytes are reserved (Stats.SpaceBytes
+	// counts spaces being made).
+	require.Eventually(t, func() bool { return ReadStats().SpaceBytes == makingSpace }, 10*time.Second, 100*time.Microsecond)
+	return cs
+}
+
+// Session.Close waits, through the engine's Join, for the goroutine that makes
+// a receive space after a pull: it allocates, clears and registers the
+// space's memory from the pool and UCX context that the application closes
+// next.
+func TestCloseWaitsForSpaceMaking(t *testing.T) {
+	setTransferConfig(t, TransferConfig{ReceiveSpace: makingSpace})
+	rc := ucxContext(t, "tcp")
+	cs := promptSpace(t, rc)
+	require.NoError(t, cs.Close())
+	making := ReadStats().Making
+	// Let it end before the context's cleanup closes the pool and the context.
+	require.Eventually(t, func() bool { return ReadStats().Making == 0 }, 20*time.Second, time.Millisecond)
+	require.Zero(t, making, "Session.Close (and the engine's Join) returned while a receive space of the session was still being made")
 }

@@ -662,7 +662,7 @@ func awaitSpaces(ctx context.Context, what string, ready func(oob.Stats) bool) e
 	for !ready(oob.ReadStats()) {
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("%s within %v", what, limit)
+			return fmt.Errorf("%s within %v: %w", what, limit, ctx.Err())
 		case <-tick.C:
 		}
 	}
