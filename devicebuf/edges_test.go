@@ -244,21 +244,48 @@ func TestGPUCopyAsyncHostCopyInStreamOrder(t *testing.T) {
 	requireBytes(t, want, got, "final after device -> bounce -> final on one stream")
 }
 
-// A pool bounded below two of its regions holds blocks of several classes at once: a
-// 128 KiB payload in flight beside a 64 KiB one (192 KiB of 1 MiB) fits, as
-// NewPayloadPool's "size it for the largest payloads in flight at once" says.
-func TestBoundedPoolTwoClasses(t *testing.T) {
-	p, err := devicebuf.NewPayloadPool(devicebuf.NewHostAllocator(), 1<<20)
+// A pool bounded near its region size holds blocks of three classes at once (64, 128 and
+// 256 KiB: under 1 MiB in flight), whatever the bound from 1 MiB up, as NewPayloadPool's
+// "size it for the largest payloads in flight at once" says; a larger bound never holds
+// less.
+func TestBoundedPoolThreeClasses(t *testing.T) {
+	for _, max := range []int64{1 << 20, 8<<20 - 1, 8 << 20, 12<<20 - 1, 12 << 20} {
+		p, err := devicebuf.NewPayloadPool(devicebuf.NewHostAllocator(), max)
+		require.NoError(t, err)
+		var held []*devicebuf.Buffer
+		for _, n := range []int{64 << 10, 128 << 10, 256 << 10} {
+			b, err := p.Alloc(n)
+			require.NoError(t, err, "MaxBytes %d: a %d-byte block beside %d others (stats %+v)", max, n, len(held), p.Stats())
+			held = append(held, b)
+		}
+		for _, b := range held {
+			require.NoError(t, b.Release())
+		}
+		require.NoError(t, p.Close())
+	}
+}
+
+// A pool bounded below its smallest class, or below 8 bytes, refuses with ErrExhausted
+// (no region arithmetic fails); one bounded at one block serves it.
+func TestPoolTinyBounds(t *testing.T) {
+	for _, max := range []int64{1, 7, 8, 64<<10 - 1} {
+		p, err := devicebuf.NewPayloadPool(devicebuf.NewHostAllocator(), max)
+		require.NoError(t, err)
+		_, err = p.Alloc(1)
+		require.ErrorIs(t, err, devicebuf.ErrExhausted, "MaxBytes %d", max)
+		require.NoError(t, p.Close())
+	}
+	p, err := devicebuf.NewPayloadPool(devicebuf.NewHostAllocator(), 64<<10)
 	require.NoError(t, err)
 	defer p.Close()
-	a, err := p.Alloc(64 << 10)
+	b, err := p.Alloc(1)
 	require.NoError(t, err)
-	defer a.Release()
-	b, err := p.Alloc(128 << 10)
-	if err == nil {
-		b.Release()
-	}
-	require.NoError(t, err, "a 128 KiB block beside a 64 KiB one in a pool bounded at 1 MiB (stats %+v)", p.Stats())
+	_, err = p.Alloc(1)
+	require.ErrorIs(t, err, devicebuf.ErrExhausted)
+	require.NoError(t, b.Release())
+	b, err = p.Alloc(64 << 10)
+	require.NoError(t, err)
+	require.NoError(t, b.Release())
 }
 
 // OpenIPC of a handle this process exported gives a Buffer covering the whole allocation,

@@ -10,7 +10,7 @@ import (
 // A pool of host memory: blocks are reused, the pool is bounded, and the memory goes back
 // when the last reference is released.
 func ExampleNewPool() {
-	p, err := devicebuf.NewPool(devicebuf.PoolConfig{MaxBytes: 8 << 20})
+	p, err := devicebuf.NewPool(devicebuf.PoolConfig{MaxBytes: 16 << 20})
 	if err != nil {
 		panic(err)
 	}
@@ -26,7 +26,7 @@ func ExampleNewPool() {
 	fmt.Println("reused:", b.Ptr() == first)
 	b.Release()
 
-	_, err = p.Alloc(16 << 20)
+	_, err = p.Alloc(32 << 20)
 	fmt.Println("exhausted:", errors.Is(err, devicebuf.ErrExhausted))
 	fmt.Printf("%+v\n", p.Stats())
 	// Output:

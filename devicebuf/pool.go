@@ -221,14 +221,13 @@ func (p *Pool) Device() int {
 }
 
 // regionSize is the size of a region for class size s: RegionBytes' worth
-// of its blocks, or one block. A pool bounded below two regions makes
-// regions of an eighth of its bound instead, so that blocks of several
-// classes fit it together (one of RegionBytes would not fit a pool bounded
-// below it at all).
+// of its blocks, or one block. A region of several blocks takes at most a
+// third of MaxBytes, so that blocks of three classes fit the bound together
+// (a region of RegionBytes would not fit a pool bounded below it at all).
 func (p *Pool) regionSize(s int) int {
 	rb := p.cfg.RegionBytes
-	if int64(rb) > p.cfg.MaxBytes/2 {
-		rb = int(p.cfg.MaxBytes / 8)
+	if third := p.cfg.MaxBytes / 3; int64(rb) > third {
+		rb = int(third)
 	}
 	if s >= rb {
 		return s

@@ -461,7 +461,8 @@ func TestReceiveSpaceGrows(t *testing.T) {
 	gdrcodec.ReleaseAll(makeChecked(t, r, 40*mib, 5))
 	require.Equal(t, map[string]int{"rdma@space": 1}, r.paths.reset())
 	waitSpacesMade(t)
-	require.Equal(t, 2, oob.ReadStats().PeerSpaces, "two payloads fit now: no third space")
+	require.Equal(t, 2, oob.ReadStats().Spaces, "two payloads fit now: no third space")
+	require.Equal(t, 2, oob.ReadStats().PeerSpaces)
 }
 
 // nameServer answers Make with a tensor whose name is as long as the seed

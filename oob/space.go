@@ -398,7 +398,7 @@ func newSpace(s *transport.Session, path Path, like spaceLike, alloc devicebuf.A
 		region.Release()
 		return nil, nil, errors.New("the allocator made different memory for the space than for the pull")
 	}
-	if err := clearSpace(sessionContext(s), region); err != nil {
+	if err := clearSpace(region, makingStopped(s)); err != nil {
 		region.Release()
 		return nil, nil, fmt.Errorf("clear: %w", err)
 	}
@@ -456,16 +456,35 @@ func newSpace(s *transport.Session, path Path, like spaceLike, alloc devicebuf.A
 // whether its session ended.
 const spaceClearPiece = 64 << 20
 
-// clearSpace clears region, a new space's memory, unless ctx ends first: a
-// host space in pieces (its clear touches each page first: 43 ms a piece
-// on a 2-core VM), so that a session closing meanwhile does not wait for
-// the whole of it; GPU memory in one memset on the device.
-func clearSpace(ctx context.Context, region *devicebuf.Buffer) error {
+// makingStopped returns what says why a space of s's being made is no
+// longer wanted: s ended, or it is winding down (withdrawSpace waits for the
+// making, then withdraws what it made).
+func makingStopped(s *transport.Session) func() error {
+	return func() error {
+		if err := sessionContext(s).Err(); err != nil {
+			return err
+		}
+		st := &stateOf(s).space
+		st.mu.Lock()
+		defer st.mu.Unlock()
+		if st.stopped || st.withdrawing {
+			return errors.New("the session is winding down")
+		}
+		return nil
+	}
+}
+
+// clearSpace clears region, a new space's memory, unless stopped says why
+// not first: a host space in pieces (its clear touches each page first:
+// 43 ms a piece on a 2-core VM), so that a session closing or winding down
+// meanwhile does not wait for the whole of it; GPU memory in one memset on
+// the device.
+func clearSpace(region *devicebuf.Buffer, stopped func() error) error {
 	if region.Kind() != devicebuf.Host {
 		return clearDestination(region)
 	}
 	for off := 0; off < region.Len(); off += spaceClearPiece {
-		if err := ctx.Err(); err != nil {
+		if err := stopped(); err != nil {
 			return err
 		}
 		piece, err := region.Slice(off, min(spaceClearPiece, region.Len()-off))
