@@ -32,7 +32,8 @@ type PoolConfig struct {
 	Classes []int
 	// MaxBytes bounds the total bytes of regions. If zero, 1 GiB.
 	MaxBytes int64
-	// RegionBytes is the size of a region carved into blocks of the classes smaller than it;
+	// RegionBytes is the size of a region carved into blocks of the classes smaller than it,
+	// at most a third of MaxBytes (so that blocks of three classes fit the bound together);
 	// a class as large or larger gets regions of one block. If zero, 4 MiB.
 	RegionBytes int
 	// Oversize gives an allocation above the largest class a region of its own (counted in
