@@ -81,7 +81,7 @@ func ExampleRecorder_ObservePool() {
 		log.Fatal(err)
 	}
 
-	pool, err := devicebuf.NewPool(devicebuf.PoolConfig{MaxBytes: 8 << 20})
+	pool, err := devicebuf.NewPool(devicebuf.PoolConfig{MaxBytes: 16 << 20})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"strconv"
@@ -133,32 +134,45 @@ func TestServerKilled(t *testing.T) {
 func TestBusyServer(t *testing.T) {
 	exe, err := os.Executable()
 	require.NoError(t, err)
-	port, err := freePort("127.0.0.1")
-	require.NoError(t, err)
-	cmd := exec.Command(exe, "-server", fmt.Sprintf("127.0.0.1:%d", port), "-busy", "2", "-transport", "tcp", "-perftest", "none")
-	cmd.Env = append(os.Environ(), childEnv+"=1") // this test binary runs gdrperf
-	// A file, which the server writes without a goroutine of this process's.
-	errf, err := os.Create(t.TempDir() + "/stderr")
-	require.NoError(t, err)
-	defer errf.Close()
-	cmd.Stderr = errf
-	serverErrors := func() string {
-		b, _ := os.ReadFile(errf.Name())
-		return string(b)
+	var cmd *exec.Cmd
+	var server int
+	var serverErrors func() string
+	var done chan error
+	// The server listens on its port and the next (plain gRPC): another
+	// test's listener may take the next one between the pick and the
+	// server's listen, which the server reports and the test tries again.
+	for attempt := 0; ; attempt++ {
+		port := adjacentFreePorts(t)
+		cmd = exec.Command(exe, "-server", fmt.Sprintf("127.0.0.1:%d", port), "-busy", "2", "-transport", "tcp", "-perftest", "none")
+		cmd.Env = append(os.Environ(), childEnv+"=1") // this test binary runs gdrperf
+		// A file, which the server writes without a goroutine of this process's.
+		errf, err := os.Create(fmt.Sprintf("%s/stderr%d", t.TempDir(), attempt))
+		require.NoError(t, err)
+		defer errf.Close()
+		cmd.Stderr = errf
+		serverErrors = func() string {
+			b, _ := os.ReadFile(errf.Name())
+			return string(b)
+		}
+		stdout, err := cmd.StdoutPipe()
+		require.NoError(t, err)
+		require.NoError(t, cmd.Start())
+		server = pidfd(t, cmd.Process.Pid)
+		out := bufio.NewReader(stdout)
+		line, err := out.ReadString('\n')
+		done = make(chan error, 1)
+		go func() {
+			_, _ = io.Copy(io.Discard, out) // what follows the first line
+			done <- cmd.Wait()
+		}()
+		if err != nil && strings.Contains(serverErrors(), "address already in use") && attempt < 5 {
+			<-done
+			continue
+		}
+		require.NoError(t, err, "stderr: %s", serverErrors())
+		require.Contains(t, line, "gdrperf server: gdrpc on 127.0.0.1:"+strconv.Itoa(port))
+		break
 	}
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, cmd.Start())
-	server := pidfd(t, cmd.Process.Pid)
-	out := bufio.NewReader(stdout)
-	line, err := out.ReadString('\n')
-	done := make(chan error, 1)
-	go func() {
-		_, _ = io.Copy(io.Discard, out) // what follows the first line
-		done <- cmd.Wait()
-	}()
-	require.NoError(t, err, "stderr: %s", serverErrors())
-	require.Contains(t, line, "gdrperf server: gdrpc on 127.0.0.1:"+strconv.Itoa(port))
 
 	var busy []int
 	for _, pid := range childPIDs(t, cmd.Process.Pid) {
@@ -177,5 +191,21 @@ func TestBusyServer(t *testing.T) {
 	require.NoError(t, <-done, "stderr: %s", serverErrors())
 	for _, fd := range busyFDs {
 		require.True(t, exited(t, fd, 10*time.Second), "a busy process outlived the server")
+	}
+}
+
+// adjacentFreePorts returns a port of 127.0.0.1 that is free, and the next
+// one with it, when it looked.
+func adjacentFreePorts(t *testing.T) int {
+	t.Helper()
+	for attempt := 0; ; attempt++ {
+		port, err := freePort("127.0.0.1")
+		require.NoError(t, err)
+		l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port+1))
+		if err == nil {
+			require.NoError(t, l.Close())
+			return port
+		}
+		require.Less(t, attempt, 20, "no two free ports in a row: %v", err)
 	}
 }
