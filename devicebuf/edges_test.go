@@ -1,6 +1,6 @@
 package devicebuf_test
 
-// Edges of the package's contract found by a review: pool bounds below the region size,
+// Edges of the package's contract: pool bounds below the region size,
 // registrars without a release, unpins and IPC exports made twice, the order of host copies
 // on a device stream, overlapping device copies.
 

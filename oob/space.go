@@ -304,7 +304,29 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 	if !st.advertising.TryLock() {
 		return // another pull is advertising
 	}
-	like := spaceLike{kind: dst.Kind(), uuid: dst.DeviceUUID(), n: dst.Len()}
+	st.mu.Lock()
+	size := 0
+	if !st.failed && !st.stopped && !st.withdrawing {
+		size = st.nextSize(c.ReceiveSpace, limit, dst.Len())
+	}
+	st.mu.Unlock()
+	if size == 0 {
+		st.advertising.Unlock()
+		return
+	}
+	if !reserveSpace(int64(size), c.Limits.SpaceBytes) {
+		st.advertising.Unlock()
+		c.Logger.Debug("no receive space advertised: the process's spaces are at Limits.SpaceBytes", "session", s.ID(), "size", size, "limit", c.Limits.SpaceBytes)
+		return
+	}
+	if dst.Kind() == devicebuf.CUDA && ipcAllowed(s) && c.Paths&PathCUDAIPC != 0 {
+		// Into GPU memory on this host the owner copies through the
+		// space's CUDA IPC mapping, opened once: faster than UCX's
+		// cuda_ipc lane, which the rendezvous prefers on one device (the
+		// README's performance table).
+		path = PathCUDAIPC
+	}
+	like := spaceLike{kind: dst.Kind(), uuid: dst.DeviceUUID()}
 	spacesMaking.Add(1)
 	made := func() {
 		st.advertising.Unlock() // withdrawSpace waits for it
@@ -314,8 +336,9 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 	// that (a UCX context's).
 	if !a.bounds.spawn(func() {
 		defer made()
-		advertise(s, path, like, alloc, limit)
+		advertise(s, st, path, like, alloc, size)
 	}) {
+		unreserveSpace(int64(size))
 		made()
 	}
 }
@@ -324,38 +347,17 @@ func maybeAdvertise(s *transport.Session, path Path, dst *devicebuf.Buffer, allo
 var spacesMaking atomic.Int64
 
 // spaceLike is what a space has in common with the pull's destination that
-// prompted it: its kind of memory and device; n is that destination's length.
+// prompted it: its kind of memory and device.
 type spaceLike struct {
 	kind devicebuf.Kind
 	uuid string
-	n    int
 }
 
-// advertise makes a space like the pull's destination, within limit (0:
-// none), and advertises it to the peer of s (st.advertising held).
-func advertise(s *transport.Session, path Path, like spaceLike, alloc devicebuf.Allocator, limit int) {
+// advertise makes a space of size bytes (reserved) like the pull's
+// destination, and advertises it to the peer of s, whose spaces st holds
+// (st.advertising held).
+func advertise(s *transport.Session, st *spaceState, path Path, like spaceLike, alloc devicebuf.Allocator, size int) {
 	c := cfgOf(s)
-	st := &stateOf(s).space
-	st.mu.Lock()
-	size := 0
-	if !st.failed && !st.stopped && !st.withdrawing {
-		size = st.nextSize(c.ReceiveSpace, limit, like.n)
-	}
-	st.mu.Unlock()
-	if size == 0 {
-		return
-	}
-	if !reserveSpace(int64(size), c.Limits.SpaceBytes) {
-		c.Logger.Debug("no receive space advertised: the process's spaces are at Limits.SpaceBytes", "session", s.ID(), "size", size, "limit", c.Limits.SpaceBytes)
-		return
-	}
-	if like.kind == devicebuf.CUDA && ipcAllowed(s) && c.Paths&PathCUDAIPC != 0 {
-		// Into GPU memory on this host the owner copies through the
-		// space's CUDA IPC mapping, opened once: faster than UCX's
-		// cuda_ipc lane, which the rendezvous prefers on one device (the
-		// README's performance table).
-		path = PathCUDAIPC
-	}
 	sp, m, err := newSpace(s, path, like, alloc, size)
 	if err != nil {
 		unreserveSpace(int64(size))

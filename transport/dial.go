@@ -215,11 +215,10 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 		return nil, fmt.Errorf("handshake: transport ucx required but the server did not offer it")
 	}
 	if w.Transport == "tcp" && caps.UCX && cfg.mode == ModeAuto {
-		// This side offered UCX (it trusts its peers and has UCX); the
-		// server did not take it (it does not trust this client, has no
-		// UCX, is set to TCP, or the client came over IPv6): said, since a
-		// user who trusted one end only would otherwise not learn why
-		// payloads take the stream.
+		// This side offered UCX (it trusts its peers and has UCX) and the
+		// server did not take it (serverChoseTCP says why it may not):
+		// said, since a user who trusted one end only would otherwise not
+		// learn why payloads take the stream.
 		cfg.noteServerChoseTCP()
 		cfg.metrics.Fallback(serverChoseTCP)
 	}
