@@ -1056,6 +1056,10 @@ type job struct {
 	// or another of its pulls failed first (a payload already in this
 	// process's receive space gives its range back).
 	discarded func(ctx context.Context)
+	// forgotten, if not nil, clears what names the payload in the message,
+	// for a message whose call is refused before anything is pulled or
+	// given back (pulls.drop).
+	forgotten func()
 }
 
 // pulls are the out-of-band payloads of a received message still to pull;
@@ -1143,8 +1147,16 @@ func (p *pulls) discard(ctx context.Context) {
 }
 
 // drop is discard for a message whose sender may not name payloads (its
-// call is refused): what it names of the receive space stays as it is.
-func (p *pulls) drop() { ReleaseAll(p.m.Interface()) }
+// call is refused): what it names of the receive space stays as it is, and
+// the message keeps no trace of what it named.
+func (p *pulls) drop() {
+	for _, j := range p.jobs {
+		if j.forgotten != nil {
+			j.forgotten()
+		}
+	}
+	ReleaseAll(p.m.Interface())
+}
 
 // maxParallelPulls bounds the goroutines that run one message's pulls; the
 // session's Limits.Pulls bounds the pulls under way.
@@ -1319,7 +1331,10 @@ func (c *collected) collect(m protoreflect.Message) {
 			switch {
 			case c.from == plainSender:
 			case c.err == nil:
-				c.fail(c.bytesJobs(m, fd, v)) // they name no receive space
+				if err := c.bytesJobs(m, fd, v); err != nil { // they name no receive space
+					c.fail(err)
+					forgetBytes(m, fd, v) // the failed element's and those after it
+				}
 			default:
 				forgetBytes(m, fd, v)
 			}
@@ -1352,15 +1367,16 @@ func (c *collected) collectMap(mp protoreflect.Map) {
 
 // discardLanded gives back the range of receive space that db, a payload of
 // a refused message, names (oob.Discard), if it names one the sender may,
-// and forgets what named the payload.
+// and forgets what named the payload, whoever sent it.
 func discardLanded(ctx context.Context, db *gdrv1.DeviceBuffer, from sender) {
-	if from != gdrSender {
-		return // no space was advertised to a plain peer; an untracked call has no session
+	// No space was advertised to a plain peer, and an untracked call has no
+	// session: only a gdr sender's ranges go back.
+	if from == gdrSender {
+		if d, ok, err := ParseDescriptor(db); err == nil && ok {
+			oob.Discard(ctx, d)
+		}
 	}
-	if d, ok, err := ParseDescriptor(db); err == nil && ok {
-		oob.Discard(ctx, d)
-		forget(db)
-	}
+	forget(db)
 }
 
 // forget clears what named db's payload once it is pulled, failed or
@@ -1446,6 +1462,7 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer, from sender, o *options) (j job, at
 			oob.Discard(ctx, d)
 			forget(db)
 		},
+		forgotten: func() { forget(db) },
 	}, false, nil
 }
 
@@ -1545,7 +1562,7 @@ func (c *collected) bytesJob(b []byte, setField func([]byte)) error {
 		dst.Release()
 		set(p)
 		return nil
-	}, discarded: func(context.Context) { set(nil) }})
+	}, discarded: func(context.Context) { set(nil) }, forgotten: func() { set(nil) }})
 	return nil
 }
 
