@@ -13,6 +13,8 @@ var testHooks struct {
 	bulk    func(s *Session, c net.Conn)       // nil: bulk streams are closed at once
 	lane    func(s *Session, c net.Conn) error // nil: frame lanes are left unread
 	closed  func(s *Session)
+	linger  func(s *Session)
+	join    func(s *Session)
 }
 
 // setHook sets *hook to fn until the test ends.
@@ -63,8 +65,17 @@ func (h testHandler) Lane(c net.Conn) error {
 	return nil
 }
 
-func (testHandler) Linger() {}
-func (testHandler) Join()   {}
+func (h testHandler) Linger() {
+	if fn := hookOf(&testHooks.linger); fn != nil {
+		fn(h.s)
+	}
+}
+
+func (h testHandler) Join() {
+	if fn := hookOf(&testHooks.join); fn != nil {
+		fn(h.s)
+	}
+}
 
 func (h testHandler) Closed() {
 	if fn := hookOf(&testHooks.closed); fn != nil {

@@ -463,7 +463,7 @@ func (l *Listener) handshakeTCP(c net.Conn) *Session {
 		l.plog.Warn("not a gdrpc, HTTP/2 or TLS client; closed", "remote", c.RemoteAddr().String(), "first_bytes", fmt.Sprintf("%q", first[:]))
 		return nil
 	}
-	s, err := serverHandshake(hctx, l.cfg, c, true, l)
+	s, err := serverHandshake(hctx, l.cfg, c, true, l, unbind)
 	unbind()
 	if err != nil {
 		_ = c.Close()
@@ -511,7 +511,7 @@ func NewServerSession(ctx context.Context, conn net.Conn, opts ...Option) (*Sess
 	hctx, cancel := context.WithTimeout(ctx, cfg.handshakeTimeout)
 	defer cancel()
 	unbind := bindDeadline(hctx, conn)
-	s, err := serverHandshake(hctx, cfg, conn, false, nil)
+	s, err := serverHandshake(hctx, cfg, conn, false, nil, unbind)
 	unbind()
 	if err != nil {
 		_ = conn.Close()
@@ -529,7 +529,10 @@ func remoteIPv4(conn net.Conn) bool {
 
 // serverHandshake reads the hello (its magic already read if magicRead),
 // answers, and, when it offered UCX, waits for the client's decision.
-func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead bool, l *Listener) (*Session, error) {
+// unbind ends the handshake's deadline on conn (bindDeadline): a session
+// that stays on conn starts reading it only after that, so that the
+// deadline's end cannot fail the session's first read.
+func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead bool, l *Listener, unbind func()) (*Session, error) {
 	version, body, err := readFrame(conn, magicRead)
 	if err != nil {
 		if err == io.EOF || err == io.ErrUnexpectedEOF { // the header's read, as ReadFull returns them
@@ -717,7 +720,7 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 		return nil, err
 	}
 	if setup.ep == nil {
-		_ = conn.SetDeadline(time.Time{})
+		unbind()
 	}
 	return newSession(setup)
 }

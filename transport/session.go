@@ -108,6 +108,12 @@ type Session struct {
 	errMu  sync.Mutex
 	err    error
 	wg     sync.WaitGroup // internal goroutines
+	// graceMu guards graceDone and graceShut: the orderly close's goroutine
+	// (closeGracefully) runs the handler's Linger, which Close joins as it
+	// does the session's other goroutines.
+	graceMu   sync.Mutex
+	graceDone chan struct{} // closed once that goroutine returned; nil while none started
+	graceShut bool          // Close began: no orderly close starts any more
 
 	link    *Link   // what the engine holds of the session
 	handler Handler // the engine's side of the session (never nil)
@@ -377,9 +383,16 @@ func (s *Session) Released() <-chan struct{} { return s.muxClosed }
 // (a UCX endpoint whose peer does not answer lingers for up to 2 s).
 func (s *Session) Close() error {
 	s.closeWith(nil)
+	s.graceMu.Lock()
+	s.graceShut = true
+	grace := s.graceDone
+	s.graceMu.Unlock()
 	<-s.closedRan
 	<-s.muxClosed
 	s.wg.Wait()
+	if grace != nil {
+		<-grace // Linger returns once the session is done
+	}
 	s.handler.Join()
 	return nil
 }
@@ -459,15 +472,24 @@ const gracefulCloseBound = 2 * time.Second
 // closeGracefully closes the session once the peer has received everything
 // queued so far (the FIN of the gRPC stream above all): a ping is answered
 // only after everything sent before it was read. It does not wait; the
-// session closes within gracefulCloseBound whatever the peer does.
+// session closes within gracefulCloseBound whatever the peer does. It
+// starts once: a later call, or one after Close began, does nothing.
 func (s *Session) closeGracefully() {
 	s.ending.Store(true)
+	s.graceMu.Lock()
+	defer s.graceMu.Unlock()
+	if s.graceShut || s.graceDone != nil {
+		return
+	}
 	select {
 	case <-s.done:
 		return
 	default:
 	}
+	grace := make(chan struct{})
+	s.graceDone = grace
 	go func() {
+		defer close(grace)
 		s.handler.Linger() // bounded: out-of-band transfers still using the session finish
 		t := time.AfterFunc(gracefulCloseBound, func() { s.closeWith(nil) })
 		_, _ = s.mux.Ping()
@@ -561,13 +583,11 @@ func (s *Session) open(ctx context.Context, role byte) (*streamConn, error) {
 	}
 	s.traffic.Add(1)
 	c := newStreamConn(s, st, role)
-	if dl, ok := ctx.Deadline(); ok {
-		_ = st.SetWriteDeadline(dl)
-	}
-	stop := context.AfterFunc(ctx, func() { _ = st.SetWriteDeadline(time.Unix(1, 0)) })
+	// Nothing reads the stream before it is returned: its read deadline
+	// may go with the write's.
+	unbind := bindDeadline(ctx, st)
 	_, err = st.Write([]byte{role})
-	stop()
-	_ = st.SetWriteDeadline(time.Time{})
+	unbind()
 	if err != nil {
 		_ = c.Close()
 		if ctx.Err() != nil {
