@@ -15,9 +15,10 @@ import (
 	"github.com/gdrpc/gdrpc/transport"
 )
 
-// Dialer makes gdrpc sessions for gRPC.
+// Dialer makes gdrpc sessions for gRPC. The zero Dialer is New() with no
+// options.
 type Dialer struct {
-	opts []transport.Option
+	opts []transport.Option // nil: New()'s, made at the first dial
 
 	mu sync.Mutex
 	// sessions are those it made, with their conns, until Close; released
@@ -54,6 +55,10 @@ func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error)
 		d.mu.Unlock()
 		return nil, errClosed
 	}
+	if d.opts == nil {
+		d.opts = face.SessionOptions(nil)
+	}
+	opts := d.opts
 	d.dialing.Add(1) // before Close's Wait: Close sets closed first
 	if d.stop == nil {
 		d.stop, d.stopDials = context.WithCancel(context.Background())
@@ -64,7 +69,7 @@ func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error)
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	defer context.AfterFunc(stop, cancel)()
-	c, err := transport.DialConn(ctx, addr, d.opts...)
+	c, err := transport.DialConn(ctx, addr, opts...)
 	if err != nil {
 		if stop.Err() != nil {
 			return nil, fmt.Errorf("%w (the dial under way: %w)", errClosed, err)
@@ -76,7 +81,7 @@ func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error)
 	if d.closed {
 		_, cut := d.endsLocked()
 		d.mu.Unlock()
-		closeSession(s, c, cut)
+		transport.CloseGracefully(c, cut)
 		return nil, errClosed
 	}
 	for o := range d.sessions {
@@ -132,6 +137,11 @@ func (d *Dialer) Shutdown(ctx context.Context) error {
 	d.closeOnce.Do(func() { go d.closeAll(ended, cut) })
 	select {
 	case <-ended:
+		return nil // closed already: nothing to cut, whatever ctx says
+	default:
+	}
+	select {
+	case <-ended:
 		return nil
 	case <-ctx.Done():
 	}
@@ -158,28 +168,13 @@ func (d *Dialer) closeAll(ended, cut chan struct{}) {
 	d.sessions = nil
 	d.mu.Unlock()
 	var wg sync.WaitGroup
-	for s, c := range sessions {
-		wg.Go(func() { closeSession(s, c, cut) })
+	for _, c := range sessions {
+		wg.Go(func() { transport.CloseGracefully(c, cut) })
 	}
 	wg.Wait()
 	d.pruned.Wait()
 }
 
-// closeSession closes c, the gRPC conn of s (a second close of it does
-// nothing), which closes s gracefully, and waits until s is closed and its
-// goroutines ended, or closes s at once when cut is closed first.
-func closeSession(s *transport.Session, c net.Conn, cut <-chan struct{}) {
-	select {
-	case <-cut: // no graceful close, which over UCX may wait for the peer
-	default:
-		_ = c.Close()
-		select {
-		case <-s.Released():
-		case <-cut:
-		}
-	}
-	_ = s.Close() // waits for the session's goroutines
-}
 
 // DialOptions returns the options a gRPC client needs to run over gdrpc: the
 // dialer; transport credentials (creds wrapped so that handlers find the

@@ -936,11 +936,14 @@ func ServerOptions() []grpc.ServerOption {
 	return []grpc.ServerOption{
 		grpc.ChainUnaryInterceptor(unaryServerInterceptor),
 		grpc.ChainStreamInterceptor(streamServerInterceptor),
-		grpc.StatsHandler(serverStats{}),
+		grpc.StatsHandler(&serverStats{}),
 	}
 }
 
 func unaryServerInterceptor(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	if interceptedBefore(ctx) {
+		return handler(ctx, req)
+	}
 	endSingleRequest(ctx)
 	gdr, err := refusal(ctx)
 	if err != nil {
@@ -964,11 +967,21 @@ func unaryServerInterceptor(ctx context.Context, req any, _ *grpc.UnaryServerInf
 }
 
 func streamServerInterceptor(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
+	if interceptedBefore(ss.Context()) {
+		return handler(srv, ss)
+	}
 	gdr, err := refusal(ss.Context())
 	if err != nil {
 		return err
 	}
 	return handler(srv, &requestStream{ServerStream: ss, gdr: gdr})
+}
+
+// interceptedBefore reports whether another of gdrpc's server interceptors
+// took the call of ctx already, and marks it taken.
+func interceptedBefore(ctx context.Context) bool {
+	c, _ := ctx.Value(callKey{}).(*callMessages)
+	return c != nil && c.intercepted.Swap(true)
 }
 
 // requestStream pulls the payloads of the messages a server stream receives
@@ -1009,10 +1022,20 @@ func (s *requestStream) SendMsg(m any) error {
 // received buffer past its return takes it with Detach. It also pulls the
 // payloads of a unary request the codec decoded (pullRequest), and moves a
 // failed pull of such a request to the request's call.
-type serverStats struct{}
+//
+// A server given ServerOptions twice has two: the first to tag a call owns
+// it, and the other leaves its calls alone, as the interceptors after the
+// first do (callMessages.intercepted).
+type serverStats struct{ _ byte } // not zero-sized: each has an address of its own
 
 type callMessages struct {
-	mu sync.Mutex
+	mu    sync.Mutex
+	owner *serverStats // the handler that tagged the call
+	// intercepted is set by the first of gdrpc's server interceptors to
+	// run for the call: one given twice (ServerOptions twice) passes the
+	// call on untouched, for binding a response's destination twice would
+	// take it for one sent on two calls.
+	intercepted atomic.Bool
 	// held is what the call's received messages had attached, released when
 	// the call ends; once it reaches pruneHeld, what the handler released
 	// or took leaves it (a long stream's). The DeviceBuffers, not their
@@ -1079,16 +1102,22 @@ func failedRequest(ctx context.Context, req any) *status.Status {
 	return st
 }
 
-func (serverStats) TagRPC(ctx context.Context, info *stats.RPCTagInfo) context.Context {
+func (h *serverStats) TagRPC(ctx context.Context, info *stats.RPCTagInfo) context.Context {
+	if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
+		return ctx // another of gdrpc's handlers tagged the call first
+	}
 	m, ok := lookupMethod(info.FullMethodName)
 	// A plain method's messages carry no payloads: nothing to give back,
 	// pull or bound. Its record only keeps the request of a call that takes
 	// one, so that a second request message is refused before the codec
 	// files anything for it (Unmarshal, isSingleRequest).
-	return context.WithValue(ctx, callKey{}, &callMessages{method: info.FullMethodName, plain: ok && m.plain})
+	return context.WithValue(ctx, callKey{}, &callMessages{owner: h, method: info.FullMethodName, plain: ok && m.plain})
 }
 
-func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
+func (h *serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
+	if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil && c.owner != h {
+		return // the call's owner handles it
+	}
 	switch s := s.(type) {
 	case *stats.InHeader:
 		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
@@ -1196,8 +1225,8 @@ func (serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 	}
 }
 
-func (serverStats) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context { return ctx }
-func (serverStats) HandleConn(context.Context, stats.ConnStats)                       {}
+func (*serverStats) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context { return ctx }
+func (*serverStats) HandleConn(context.Context, stats.ConnStats)                       {}
 
 // TapHandle refuses gdr calls on connections whose handshake did not
 // negotiate the codec, as ServerOptions' interceptors do, but before gRPC

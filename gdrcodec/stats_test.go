@@ -16,7 +16,7 @@ import (
 // bounded list, and the call's end releases what the handler kept.
 func TestServerCallKeepsWhatIsAttached(t *testing.T) {
 	attached := Attached()
-	h := serverStats{}
+	h := &serverStats{}
 	ctx := h.TagRPC(context.Background(), &stats.RPCTagInfo{FullMethodName: "/gdrpc.test.Service/Upload"})
 	h.HandleRPC(ctx, &stats.Begin{IsClientStream: true})
 	c := ctx.Value(callKey{}).(*callMessages)

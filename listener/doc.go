@@ -9,6 +9,8 @@
 //	srv := grpc.NewServer(listener.ServerOptions(nil)...)
 //	pb.RegisterYourServiceServer(srv, impl)
 //	srv.Serve(lis)
+//	// to stop: srv.GracefulStop(), then lis.Shutdown(ctx): clients pull a
+//	// response's payloads after its call ended
 //
 // Pass TLS credentials to ServerOptions instead of nil for TLS: a handler's
 // peer.AuthInfo is then the credentials' own (credentials.TLSInfo). A handler

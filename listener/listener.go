@@ -1,7 +1,6 @@
 package listener
 
 import (
-	"net"
 	"runtime"
 
 	"google.golang.org/grpc"
@@ -17,12 +16,14 @@ import (
 // transfers follow opts (package gdrpc's options). Hand the listener to
 // grpc.Server.Serve; Close (or the server's Stop) makes Serve return. Plain
 // gRPC clients (HTTP/2, with or without TLS) are served on the same port.
-func Listen(addr string, opts ...gdrpc.Option) (net.Listener, error) {
-	l, err := transport.Listen(addr, face.SessionOptions(opts)...)
-	if err != nil {
-		return nil, err
-	}
-	return l, nil
+//
+// A client pulls a response's out-of-band payloads after its call ended, so
+// a server process stops with the server's Stop or GracefulStop and then
+// the listener's Shutdown, which returns once the sessions it accepted
+// are closed (their transfers over, or cut short at its context's end),
+// before it exits.
+func Listen(addr string, opts ...gdrpc.Option) (*transport.Listener, error) {
+	return transport.Listen(addr, face.SessionOptions(opts)...)
 }
 
 // ServerOptions returns the options a gRPC server needs to serve gdrpc

@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/gdrpc/gdrpc/internal/wire"
@@ -34,6 +35,12 @@ type Listener struct {
 	acceptCh  chan net.Conn
 	done      chan struct{}
 	closeOnce sync.Once
+	// accepted are the gRPC conns Accept returned, until Shutdown takes them
+	// (released sessions' are pruned at each Accept); drained is made by the
+	// first Shutdown and closed once it closed them.
+	acceptedMu sync.Mutex
+	accepted   map[net.Conn]struct{}
+	drained    chan struct{}
 	ctx       context.Context
 	cancel    context.CancelFunc
 	wg        sync.WaitGroup
@@ -253,10 +260,117 @@ func (l *Listener) Accept() (net.Conn, error) {
 	}
 	select {
 	case c := <-l.acceptCh:
-		return c, nil
+		return l.keep(c)
 	case <-l.done:
 		return nil, l.closedErr()
 	}
+}
+
+// keep notes c, a conn Accept returns, for Shutdown, and forgets the
+// sessions that were released since the last. A conn that comes after
+// Shutdown began is closed, not returned.
+func (l *Listener) keep(c net.Conn) (net.Conn, error) {
+	l.acceptedMu.Lock()
+	defer l.acceptedMu.Unlock()
+	if l.drained != nil {
+		_ = c.Close()
+		return nil, l.closedErr()
+	}
+	for o := range l.accepted {
+		if s := SessionOf(o); s == nil || released(s) {
+			delete(l.accepted, o)
+		}
+	}
+	if l.accepted == nil {
+		l.accepted = map[net.Conn]struct{}{}
+	}
+	l.accepted[c] = struct{}{}
+	return c, nil
+}
+
+func released(s *Session) bool {
+	select {
+	case <-s.Released():
+		return true
+	default:
+		return false
+	}
+}
+
+// Shutdown is Close that also ends the sessions Accept returned: it closes
+// their gRPC conns (those the gRPC server did not close already), which
+// closes each session gracefully, once its out-of-band transfers are over
+// (LingerIdle after the last, at most the transfer timeout) and the peer
+// read what was sent, and returns once they are closed. A response's
+// payloads are pulled by the client after its call ended: a server that
+// exits after grpc.Server's Stop or GracefulStop cuts those pulls short,
+// one that calls Shutdown first does not. Once ctx is done, the sessions
+// still closing are closed at once, their transfers fail, and Shutdown
+// returns ctx's error. The raw conns of plain clients are closed. A
+// Shutdown called meanwhile returns with the first, or with its own
+// context's error at its end.
+func (l *Listener) Shutdown(ctx context.Context) error {
+	_ = l.Close()
+	l.acceptedMu.Lock()
+	first := l.drained == nil
+	if first {
+		l.drained = make(chan struct{})
+	}
+	drained, conns := l.drained, l.accepted
+	l.accepted = nil
+	l.acceptedMu.Unlock()
+	if !first {
+		select {
+		case <-drained:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	defer close(drained)
+	cut := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() { close(cut) })
+	defer stop()
+	var wg sync.WaitGroup
+	var cutShort atomic.Bool
+	for c := range conns {
+		wg.Go(func() {
+			if CloseGracefully(c, cut) {
+				cutShort.Store(true)
+			}
+		})
+	}
+	wg.Wait()
+	if cutShort.Load() {
+		return ctx.Err()
+	}
+	return nil
+}
+
+// CloseGracefully closes c, a session's gRPC conn (DialConn's or Accept's;
+// a second close of it does nothing), which closes its session gracefully,
+// and waits until the session is closed and its goroutines ended; once cut
+// is closed it closes the session at once, and reports that it did. A conn
+// of no session is closed.
+func CloseGracefully(c net.Conn, cut <-chan struct{}) (cutShort bool) {
+	s := SessionOf(c)
+	if s == nil {
+		_ = c.Close()
+		return false
+	}
+	select {
+	case <-cut: // no graceful close, which over UCX may wait for the peer
+		cutShort = !released(s)
+	default:
+		_ = c.Close()
+		select {
+		case <-s.Released():
+		case <-cut:
+			cutShort = !released(s)
+		}
+	}
+	_ = s.Close() // waits for the session's goroutines
+	return cutShort
 }
 
 func (l *Listener) closedErr() error {
@@ -271,8 +385,8 @@ func (l *Listener) closedErr() error {
 
 // Close stops accepting, closes the UCX listener, fails the handshakes in
 // progress and closes the sessions not yet returned by Accept. Sessions
-// already accepted stay up. It is idempotent and waits for the listener's
-// goroutines.
+// already accepted stay up (Shutdown ends them). It is idempotent and waits
+// for the listener's goroutines.
 func (l *Listener) Close() error {
 	l.shut()
 	l.wg.Wait()

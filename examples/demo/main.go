@@ -112,6 +112,12 @@ func serve() {
 	if err := gs.Serve(lis); err != nil {
 		log.Fatal(err)
 	}
+	// The sessions close once the client pulled what it was sent.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := lis.Shutdown(ctx); err != nil {
+		log.Print("sessions cut short: ", err)
+	}
 }
 
 // ---- the client ---------------------------------------------------------------

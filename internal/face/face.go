@@ -14,7 +14,9 @@ import (
 func SessionOptions(opts []gdrpc.Option) []transport.Option {
 	var c gdrpc.Config
 	for _, o := range opts {
-		o(&c)
+		if o != nil { // an optional option left unset
+			o(&c)
+		}
 	}
 	tc := oob.TransferConfig{Timeout: c.TransferTimeout, Paths: c.Paths, Logger: c.Logger, Limits: c.Limits, ReceiveSpace: c.ReceiveSpace, ReceiveSpaceLimit: c.ReceiveSpaceLimit, StreamOrdered: c.StreamOrdered}
 	out := []transport.Option{transport.WithTrustPeers(c.TrustPeers)}
