@@ -1319,6 +1319,10 @@ func (c *collected) collect(m protoreflect.Message) {
 		}
 		return
 	}
+	if m.Descriptor().FullName() == deviceBufferName {
+		c.collectForeign(m)
+		return
+	}
 	if !mayCarry(m.Descriptor()) {
 		return
 	}
@@ -1348,6 +1352,34 @@ func (c *collected) collect(m protoreflect.Message) {
 			c.collectMap(v.Map())
 		default:
 			c.collect(v.Message())
+		}
+	}
+}
+
+// collectForeign takes m, a DeviceBuffer of another Go type than
+// gdrv1.DeviceBuffer (a dynamicpb message: a proxy's, a reflection
+// client's): nothing can be attached to it, so one that names an
+// out-of-band payload refuses the message, rather than hand the
+// application a payload's length without its bytes; its range of receive
+// space goes back and it keeps no trace of what it named. An inline one
+// stays as it came.
+func (c *collected) collectForeign(m protoreflect.Message) {
+	var db gdrv1.DeviceBuffer
+	b, err := proto.Marshal(m.Interface())
+	if err == nil {
+		err = proto.Unmarshal(b, &db)
+	}
+	if err == nil && len(db.GetOwner()) == 0 && len(db.GetToken()) == 0 && db.GetSpace() == 0 {
+		return
+	}
+	c.fail(codecError(codes.FailedPrecondition, "a DeviceBuffer of type %T names an out-of-band payload, which only the generated gdr.v1.DeviceBuffer can take: decode into generated types, or have the peer send the payload inline", m.Interface()))
+	if err == nil {
+		discardLanded(c.ctx, &db, c.from)
+	}
+	fields := m.Descriptor().Fields()
+	for _, name := range []protoreflect.Name{"owner", "token", "space", "space_offset", "space_path", "space_event", "space_gen"} {
+		if fd := fields.ByName(name); fd != nil {
+			m.Clear(fd)
 		}
 	}
 }

@@ -168,3 +168,36 @@ func TestRefusedRequestDropForgetsTokens(t *testing.T) {
 		require.Nil(t, db.GetToken(), "payload %d of the refused request keeps its token", i)
 	}
 }
+
+// A message decoded into dynamic types (a proxy's, a reflection client's)
+// whose DeviceBuffer names an out-of-band payload is refused: nothing can
+// be attached to a dynamic DeviceBuffer, and the application would get a
+// payload's length without its bytes. The refused message keeps no owner
+// or token; an inline payload in a dynamic message arrives as it came.
+func TestRefusedDynamicDeviceBuffer(t *testing.T) {
+	md := (&tensorpb.Tensor{}).ProtoReflect().Descriptor()
+	decode := func(t *testing.T, sent *tensorpb.Tensor) (*dynamicpb.Message, error) {
+		body, err := proto.Marshal(sent)
+		require.NoError(t, err)
+		got := dynamicpb.NewMessage(md)
+		rc := expectReceive(context.Background(), got, false) // a call gdrpc tracks: a gdr peer
+		defer rc.closeCall()
+		return got, rc.done(got, (&codec{name: Name, oob: true}).Unmarshal(mem.BufferSlice{mem.SliceBuffer(body)}, got))
+	}
+	t.Run("named", func(t *testing.T) {
+		got, err := decode(t, &tensorpb.Tensor{Data: namedDescriptor()})
+		require.Equal(t, codes.FailedPrecondition, status.Code(err), "%v", err)
+		require.Contains(t, err.Error(), "dynamicpb")
+		db := got.Get(md.Fields().ByName("data")).Message()
+		for _, name := range []protoreflect.Name{"owner", "token"} {
+			require.False(t, db.Has(db.Descriptor().Fields().ByName(name)), "the refused message keeps the payload's %s", name)
+		}
+	})
+	t.Run("inline", func(t *testing.T) {
+		payload := []byte("inline bytes of a dynamic message")
+		got, err := decode(t, &tensorpb.Tensor{Data: &gdrv1.DeviceBuffer{Inline: payload, Length: uint64(len(payload)), Kind: gdrv1.Kind_KIND_HOST}})
+		require.NoError(t, err)
+		db := got.Get(md.Fields().ByName("data")).Message()
+		require.Equal(t, payload, db.Get(db.Descriptor().Fields().ByName("inline")).Bytes())
+	})
+}
