@@ -1305,11 +1305,19 @@ func serveBulk(s *transport.Session, c net.Conn) {
 		abort(s, fmt.Errorf("%w: bulk stream: %w", transport.ErrPeerGone, err))
 		return
 	}
+	// An owner that stalled mid-payload past the deadline ends the session,
+	// as one that stalled in the header does; after any other failure (a
+	// copy into device memory) the rest of the stream is read into nothing.
+	var stalled error
 	if p := claimFor(s, req, n); p != nil {
-		p.bulk <- readInto(c, p.dst, cfgOf(s).StagingChunk)
+		err := readInto(c, p.dst, cfgOf(s).StagingChunk)
+		p.bulk <- err
 		endRead(p)
+		if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() {
+			stalled = err
+		}
 	}
-	endBulk(s, c, timeout, nil)
+	endBulk(s, c, timeout, stalled)
 }
 
 // endBulk waits for the owner to close a bulk stream, reading what it still
