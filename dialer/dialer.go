@@ -175,7 +175,6 @@ func (d *Dialer) closeAll(ended, cut chan struct{}) {
 	d.pruned.Wait()
 }
 
-
 // DialOptions returns the options a gRPC client needs to run over gdrpc: the
 // dialer; transport credentials (creds wrapped so that handlers find the
 // session; nil creds means no security); buffer sizes and HTTP/2 windows

@@ -41,9 +41,10 @@ type Listener struct {
 	acceptedMu sync.Mutex
 	accepted   map[net.Conn]struct{}
 	drained    chan struct{}
-	ctx       context.Context
-	cancel    context.CancelFunc
-	wg        sync.WaitGroup
+
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
 
 	errMu    sync.Mutex
 	fatalErr error
