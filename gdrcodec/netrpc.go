@@ -714,6 +714,14 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 		reply = &callMessages{}
 		bindTo(c.ctx, s, reply, m)
 	}
+	// The request leaves args before any byte of its reply goes: a client
+	// that has the reply may send its seq again at once. Its size stays
+	// counted until the reply is written.
+	c.mu.Lock()
+	args, size := c.args[r.Seq], c.sizes[r.Seq]
+	delete(c.args, r.Seq)
+	delete(c.sizes, r.Seq)
+	c.mu.Unlock()
 	err := c.write(r.Seq, method, r.Error, body, nil)
 	takeDestination(m) // not marshaled: forget it
 	var refused unwritten
@@ -739,10 +747,7 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 		err = c.write(r.Seq, method, "gdrcodec: the reply could not be sent: "+refused.err.Error(), nil, nil)
 	}
 	c.mu.Lock()
-	args := c.args[r.Seq]
-	delete(c.args, r.Seq)
-	c.held -= c.sizes[r.Seq]
-	delete(c.sizes, r.Seq)
+	c.held -= size
 	c.replied.Signal() // one reader waits, at most
 	c.mu.Unlock()
 	for _, v := range []any{args, body} {
