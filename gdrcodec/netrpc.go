@@ -631,6 +631,10 @@ type serverCodec struct {
 	// (WithNetRPCPending) wait for their replies.
 	replied *sync.Cond
 	closed  bool
+	// writing counts the replies being written: their requests left args
+	// (a client that has a reply may send its seq again) but still count
+	// towards the pending bounds until the reply is written.
+	writing int
 }
 
 // ReadRequestHeader refuses a request whose seq is that of one not answered
@@ -645,7 +649,7 @@ func (c *serverCodec) ReadRequestHeader(r *rpc.Request) error {
 	}
 	c.mu.Lock()
 	n, b := c.c.options().netRPCPending(), c.c.options().netRPCPendingBytes()
-	for !c.closed && (n > 0 && len(c.args) >= n || b > 0 && c.held >= b && len(c.args) > 0) {
+	for !c.closed && (n > 0 && len(c.args)+c.writing >= n || b > 0 && c.held >= b && len(c.args)+c.writing > 0) {
 		c.replied.Wait()
 	}
 	c.mu.Unlock()
@@ -721,6 +725,7 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 	args, size := c.args[r.Seq], c.sizes[r.Seq]
 	delete(c.args, r.Seq)
 	delete(c.sizes, r.Seq)
+	c.writing++
 	c.mu.Unlock()
 	err := c.write(r.Seq, method, r.Error, body, nil)
 	takeDestination(m) // not marshaled: forget it
@@ -748,6 +753,7 @@ func (c *serverCodec) WriteResponse(r *rpc.Response, body any) error {
 	}
 	c.mu.Lock()
 	c.held -= size
+	c.writing--
 	c.replied.Signal() // one reader waits, at most
 	c.mu.Unlock()
 	for _, v := range []any{args, body} {

@@ -16,11 +16,11 @@ import (
 // An owner that announces a pull's bytes on a bulk stream, sends part of
 // them and stalls past the transfer timeout breaks the protocol as one that
 // keeps a stream open after its bytes does (TestBulkStreamReadToClose):
-// once the reader's deadline passed, the session ends, rather than stay up,
-// and the stream's handler with it, for one more transfer timeout while it
-// waits for the owner's close.
+// once the reader's deadline and a short grace for the owner's close passed
+// (its push ends at its own timeout), the session ends, rather than stay up,
+// and the stream's handler with it, for one more transfer timeout.
 func TestHostileBulkStallEndsSessionAtReadDeadline(t *testing.T) {
-	const timeout = 2 * time.Second
+	const timeout = 4 * time.Second // the grace: a second
 	setTransferConfig(t, TransferConfig{Timeout: timeout})
 	var owner atomic.Pointer[transport.Session]
 	stalled := make(chan net.Conn, 1)

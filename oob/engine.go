@@ -1305,19 +1305,21 @@ func serveBulk(s *transport.Session, c net.Conn) {
 		abort(s, fmt.Errorf("%w: bulk stream: %w", transport.ErrPeerGone, err))
 		return
 	}
-	// An owner that stalled mid-payload past the deadline ends the session,
-	// as one that stalled in the header does; after any other failure (a
-	// copy into device memory) the rest of the stream is read into nothing.
-	var stalled error
+	grace := timeout
 	if p := claimFor(s, req, n); p != nil {
 		err := readInto(c, p.dst, cfgOf(s).StagingChunk)
 		p.bulk <- err
 		endRead(p)
 		if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() {
-			stalled = err
+			// The owner's push began before this stream and ends at its own
+			// timeout, so an honest owner closes the stream moments after
+			// this deadline; one that keeps it open past a short grace
+			// stalled it on purpose, and the session ends, not a transfer
+			// timeout later.
+			grace = min(timeout/4, time.Second)
 		}
 	}
-	endBulk(s, c, timeout, stalled)
+	endBulk(s, c, grace, nil)
 }
 
 // endBulk waits for the owner to close a bulk stream, reading what it still

@@ -40,7 +40,8 @@ type Handler interface {
 	// its bulk lane calls it for each, concurrently.
 	Lane(c net.Conn) error
 	// Linger returns once a session whose gRPC conn closed may close: the
-	// session stays up while out-of-band transfers still use it.
+	// session stays up while out-of-band transfers still use it. Close
+	// waits for it; Linger must not call Close.
 	Linger()
 	// Closed runs once the session closed, after it left the registry and
 	// Done was closed, on a goroutine of its own: the session may be closed

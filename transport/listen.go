@@ -268,8 +268,10 @@ func (l *Listener) Accept() (net.Conn, error) {
 }
 
 // keep notes c, a conn Accept returns, for Shutdown, and forgets the
-// sessions that were released since the last. A conn that comes after
-// Shutdown began is closed, not returned.
+// sessions that were released since the last. A plain client's raw conn is
+// not noted: it carries no out-of-band transfer to wait for, and the gRPC
+// server's Stop closes it. A conn that comes after Shutdown began is
+// closed, not returned.
 func (l *Listener) keep(c net.Conn) (net.Conn, error) {
 	l.acceptedMu.Lock()
 	defer l.acceptedMu.Unlock()
@@ -277,8 +279,11 @@ func (l *Listener) keep(c net.Conn) (net.Conn, error) {
 		_ = c.Close()
 		return nil, l.closedErr()
 	}
+	if SessionOf(c) == nil {
+		return c, nil
+	}
 	for o := range l.accepted {
-		if s := SessionOf(o); s == nil || released(s) {
+		if released(SessionOf(o)) {
 			delete(l.accepted, o)
 		}
 	}
@@ -307,7 +312,8 @@ func released(s *Session) bool {
 // exits after grpc.Server's Stop or GracefulStop cuts those pulls short,
 // one that calls Shutdown first does not. Once ctx is done, the sessions
 // still closing are closed at once, their transfers fail, and Shutdown
-// returns ctx's error. The raw conns of plain clients are closed. A
+// returns ctx's error. The raw conns of plain gRPC clients are the gRPC
+// server's to close (its Stop or GracefulStop), as over any listener. A
 // Shutdown called meanwhile returns with the first, or with its own
 // context's error at its end.
 func (l *Listener) Shutdown(ctx context.Context) error {
@@ -321,6 +327,11 @@ func (l *Listener) Shutdown(ctx context.Context) error {
 	l.accepted = nil
 	l.acceptedMu.Unlock()
 	if !first {
+		select {
+		case <-drained:
+			return nil // done already, whatever ctx says
+		default:
+		}
 		select {
 		case <-drained:
 			return nil
