@@ -41,6 +41,13 @@ type Listener struct {
 	acceptedMu sync.Mutex
 	accepted   map[net.Conn]struct{}
 	drained    chan struct{}
+	// accepting counts the Accepts under way: one may have taken a conn
+	// as Shutdown began, which then waits for it (acceptEnded, over
+	// acceptedMu) and closes it with the rest (late).
+	accepting   int
+	acceptEnded *sync.Cond
+	late        []net.Conn
+	lateTaken   bool // Shutdown took late: later ones are closed at once
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -259,6 +266,17 @@ func (l *Listener) Accept() (net.Conn, error) {
 		return nil, l.closedErr()
 	default:
 	}
+	l.acceptedMu.Lock()
+	l.accepting++
+	l.acceptedMu.Unlock()
+	defer func() {
+		l.acceptedMu.Lock()
+		l.accepting--
+		if l.accepting == 0 && l.acceptEnded != nil {
+			l.acceptEnded.Broadcast()
+		}
+		l.acceptedMu.Unlock()
+	}()
 	select {
 	case c := <-l.acceptCh:
 		return l.keep(c)
@@ -270,13 +288,20 @@ func (l *Listener) Accept() (net.Conn, error) {
 // keep notes c, a conn Accept returns, for Shutdown, and forgets the
 // sessions that were released since the last. A plain client's raw conn is
 // not noted: it carries no out-of-band transfer to wait for, and the gRPC
-// server's Stop closes it. A conn that comes after Shutdown began is
-// closed, not returned.
+// server's Stop closes it. A conn that comes after Shutdown began is not
+// returned: Shutdown closes it.
 func (l *Listener) keep(c net.Conn) (net.Conn, error) {
 	l.acceptedMu.Lock()
 	defer l.acceptedMu.Unlock()
 	if l.drained != nil {
-		_ = c.Close()
+		if SessionOf(c) == nil || l.lateTaken {
+			// A plain client's, which no gRPC server gets now, or one
+			// later than the Shutdown waits for: its session closes as
+			// its conn does, on its own.
+			_ = c.Close()
+		} else {
+			l.late = append(l.late, c)
+		}
 		return nil, l.closedErr()
 	}
 	if SessionOf(c) == nil {
@@ -317,14 +342,24 @@ func released(s *Session) bool {
 // Shutdown called meanwhile returns with the first, or with its own
 // context's error at its end.
 func (l *Listener) Shutdown(ctx context.Context) error {
-	_ = l.Close()
+	_ = l.Close() // Accept returns at once from here on
 	l.acceptedMu.Lock()
 	first := l.drained == nil
 	if first {
 		l.drained = make(chan struct{})
+		l.acceptEnded = sync.NewCond(&l.acceptedMu)
+		for l.accepting > 0 {
+			l.acceptEnded.Wait()
+		}
 	}
 	drained, conns := l.drained, l.accepted
-	l.accepted = nil
+	for _, c := range l.late {
+		if conns == nil {
+			conns = map[net.Conn]struct{}{}
+		}
+		conns[c] = struct{}{}
+	}
+	l.accepted, l.late, l.lateTaken = nil, nil, true
 	l.acceptedMu.Unlock()
 	if !first {
 		select {
