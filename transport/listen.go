@@ -352,14 +352,18 @@ func (l *Listener) Shutdown(ctx context.Context) error {
 			l.acceptEnded.Wait()
 		}
 	}
-	drained, conns := l.drained, l.accepted
-	for _, c := range l.late {
-		if conns == nil {
-			conns = map[net.Conn]struct{}{}
+	drained := l.drained
+	var conns map[net.Conn]struct{}
+	if first { // a later Shutdown, come while this one waited, takes nothing
+		conns = l.accepted
+		for _, c := range l.late {
+			if conns == nil {
+				conns = map[net.Conn]struct{}{}
+			}
+			conns[c] = struct{}{}
 		}
-		conns[c] = struct{}{}
+		l.accepted, l.late, l.lateTaken = nil, nil, true
 	}
-	l.accepted, l.late, l.lateTaken = nil, nil, true
 	l.acceptedMu.Unlock()
 	if !first {
 		select {
