@@ -30,11 +30,7 @@ func TestHostileBulkStallEndsSessionAtReadDeadline(t *testing.T) {
 		}
 		m, err := parseRTR(p)
 		require.NoError(t, err)
-		c, err := stateOf(s).link.OpenBulk(context.Background())
-		require.NoError(t, err)
-		_, err = c.Write(append(bulkHeader(m.Req, m.Length), make([]byte, m.Length/2)...))
-		require.NoError(t, err)
-		stalled <- c
+		stalled <- halfBulk(t, s, m)
 		return true
 	})
 	opts := []transport.Option{transport.WithMode(transport.ModeTCP), transport.WithLanes(false)}

@@ -145,11 +145,7 @@ func TestStalledBulkThenFINOfferedPath(t *testing.T) {
 		m, err := parseRTR(p)
 		require.NoError(t, err)
 		require.NotZero(t, m.Offers&PathRDMA)
-		c, err := stateOf(s).link.OpenBulk(context.Background())
-		require.NoError(t, err)
-		_, err = c.Write(append(bulkHeader(m.Req, m.Length), make([]byte, m.Length/2)...))
-		require.NoError(t, err)
-		stalled <- c
+		stalled <- halfBulk(t, s, m)
 		require.Eventually(t, func() bool { return readingInto(m.Req) }, testTimeout, time.Millisecond, "the receiver reads into the destination")
 		f := &fin{Req: m.Req, Status: finOK, Path: PathRDMA}
 		require.NoError(t, sendControl(context.Background(), s, ctlFIN, f.marshal()))
@@ -338,4 +334,16 @@ func TestPushWriteTimeoutEndsSession(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		panic("closing the server's session waits for its pusher")
 	}
+}
+
+// halfBulk answers m, an RTR that came over s, as an owner that stalls:
+// it opens a bulk stream, writes the header and half the bytes, and returns
+// the stream, left open.
+func halfBulk(t *testing.T, s *transport.Session, m *rtr) net.Conn {
+	t.Helper()
+	c, err := stateOf(s).link.OpenBulk(context.Background())
+	require.NoError(t, err)
+	_, err = c.Write(append(bulkHeader(m.Req, m.Length), make([]byte, m.Length/2)...))
+	require.NoError(t, err)
+	return c
 }
