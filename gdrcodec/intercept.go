@@ -1036,6 +1036,7 @@ type callMessages struct {
 	// call on untouched, for binding a response's destination twice would
 	// take it for one sent on two calls.
 	intercepted atomic.Bool
+	begun       atomic.Bool // the call's Begin was handled: TagRPC runs before it
 	// held is what the call's received messages had attached, released when
 	// the call ends; once it reaches pruneHeld, what the handler released
 	// or took leaves it (a long stream's). The DeviceBuffers, not their
@@ -1103,8 +1104,11 @@ func failedRequest(ctx context.Context, req any) *status.Status {
 }
 
 func (h *serverStats) TagRPC(ctx context.Context, info *stats.RPCTagInfo) context.Context {
-	if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
-		return ctx // another of gdrpc's handlers tagged the call first
+	if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil && !c.begun.Load() {
+		// Another of gdrpc's handlers tagged this call first. (One that
+		// began is another call's, whose context this one's derives
+		// from: this call gets a record of its own.)
+		return ctx
 	}
 	m, ok := lookupMethod(info.FullMethodName)
 	// A plain method's messages carry no payloads: nothing to give back,
@@ -1131,6 +1135,9 @@ func (h *serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			}
 		}
 	case *stats.Begin:
+		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
+			c.begun.Store(true)
+		}
 		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil && !s.IsClientStream {
 			c.mu.Lock()
 			c.single = true

@@ -39,3 +39,20 @@ func TestServerCallKeepsWhatIsAttached(t *testing.T) {
 	h.HandleRPC(ctx, &stats.End{})
 	require.Equal(t, attached, Attached(), "the call's end releases what the handler kept")
 }
+
+// The second of a server's two sets of gdrpc options leaves a call to the
+// first (TagRPC returns the first's record), but a call whose context
+// derives from another call's that began (a server run under a handler's
+// context) gets a record of its own, owned by its own handler.
+func TestServerStatsTagsDerivedCall(t *testing.T) {
+	h1, h2 := &serverStats{}, &serverStats{}
+	info := &stats.RPCTagInfo{FullMethodName: "/gdrpc.test.Service/Echo"}
+	ctx := h1.TagRPC(context.Background(), info)
+	first := ctx.Value(callKey{}).(*callMessages)
+	require.Same(t, first, h2.TagRPC(ctx, info).Value(callKey{}).(*callMessages), "the same call's second handler")
+	h1.HandleRPC(ctx, &stats.Begin{})
+	defer h1.HandleRPC(ctx, &stats.End{})
+	derived := h2.TagRPC(ctx, info).Value(callKey{}).(*callMessages)
+	require.NotSame(t, first, derived, "a call under another call's context")
+	require.Same(t, h2, derived.owner)
+}
