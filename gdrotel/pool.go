@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"sync"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -35,7 +36,9 @@ type Pool interface {
 // Each name is observed by one pool at a time. unregister stops the
 // observation and frees the name; calls after the first return nil.
 func (r *Recorder) ObservePool(name string, p Pool) (unregister func() error, err error) {
-	if name == "" || p == nil {
+	if name == "" || p == nil || reflect.ValueOf(p).Kind() == reflect.Pointer && reflect.ValueOf(p).IsNil() {
+		// A nil *devicebuf.Pool in p would fail in the collector's
+		// goroutine, far from here, and take the process down.
 		return nil, errors.New("gdrotel: observe pool: a name and a pool are required")
 	}
 	if r.off() {

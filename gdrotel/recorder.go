@@ -94,7 +94,9 @@ type Recorder struct {
 func New(mp metric.MeterProvider, opts ...Option) (*Recorder, error) {
 	o := options{maxReasons: DefaultMaxReasons}
 	for _, opt := range opts {
-		opt(&o)
+		if opt != nil { // an optional option left unset
+			opt(&o)
+		}
 	}
 	if o.maxReasons <= 0 {
 		o.maxReasons = DefaultMaxReasons
@@ -261,7 +263,9 @@ func reasonClass(reason string) string {
 	if i := strings.IndexByte(reason, ':'); i >= 0 {
 		reason = reason[:i]
 	}
-	reason = strings.TrimSpace(reason)
+	// An exporter refuses a string that is not UTF-8 (OTLP's protobuf):
+	// one such reason would fail every export.
+	reason = strings.ToValidUTF8(strings.TrimSpace(reason), "\uFFFD")
 	if len(reason) > maxReasonLen {
 		n := maxReasonLen
 		for n > 0 && !utf8.RuneStart(reason[n]) {

@@ -38,6 +38,9 @@ func run(args []string, out io.Writer) error {
 		fs.Usage()
 		return errors.New("want one or two trace files")
 	}
+	if *skip < 0 || *top < 0 {
+		return fmt.Errorf("-skip %d, -top %d: neither may be negative", *skip, *top)
+	}
 	traces := make([]*events, 0, fs.NArg())
 	for _, p := range fs.Args() {
 		ev, err := readFile(p, *region)
