@@ -1119,12 +1119,13 @@ func (h *serverStats) TagRPC(ctx context.Context, info *stats.RPCTagInfo) contex
 }
 
 func (h *serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
-	if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil && c.owner != h {
+	c, _ := ctx.Value(callKey{}).(*callMessages) // TagRPC gives every call one
+	if c != nil && c.owner != h {
 		return // the call's owner handles it
 	}
 	switch s := s.(type) {
 	case *stats.InHeader:
-		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
+		if c != nil {
 			if v := s.Header.Get(oob.CallHeader); len(v) == 1 {
 				n, err := strconv.ParseUint(v[0], 16, 64)
 				c.mu.Lock()
@@ -1135,10 +1136,11 @@ func (h *serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			}
 		}
 	case *stats.Begin:
-		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
-			c.begun.Store(true)
+		if c == nil {
+			return
 		}
-		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil && !s.IsClientStream {
+		c.begun.Store(true)
+		if !s.IsClientStream {
 			c.mu.Lock()
 			c.single = true
 			if !s.IsServerStream && !c.plain {
@@ -1149,7 +1151,6 @@ func (h *serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		}
 	case *stats.InPayload:
 		p, pending := pendingPulls.take(s.Payload)
-		c, _ := ctx.Value(callKey{}).(*callMessages)
 		if c == nil {
 			return // TagRPC gives every call a record
 		}
@@ -1190,7 +1191,7 @@ func (h *serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		if !canCarry(s.Payload) {
 			return
 		}
-		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
+		if c != nil {
 			c.mu.Lock()
 			delete(c.landed, s.Payload) // the client has them now
 			if c.unsent == s.Payload {
@@ -1203,7 +1204,7 @@ func (h *serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			ReleaseAll(m)
 		}
 	case *stats.End:
-		if c, _ := ctx.Value(callKey{}).(*callMessages); c != nil {
+		if c != nil {
 			c.mu.Lock()
 			c.decoded()
 			held, landed, unsent := c.held, c.landed, c.unsent
