@@ -26,11 +26,15 @@ func PinHost(ptr uintptr, n int) (unpin func() error, err error) {
 	live.pinned.Add(1)
 	var once sync.Once
 	return func() error {
-		err := fmt.Errorf("devicebuf: unpin %d bytes at %#x: already unpinned", n, ptr)
+		err, ran := error(nil), false
 		once.Do(func() {
+			ran = true
 			live.pinned.Add(-1)
 			err = d.MemHostUnregister(ptr)
 		})
+		if !ran {
+			return fmt.Errorf("devicebuf: unpin %d bytes at %#x: already unpinned", n, ptr)
+		}
 		return err
 	}, nil
 }
