@@ -409,7 +409,7 @@ func (b *bench) measureBaselines(ctx context.Context, size int, pat []byte, r *r
 	}
 	// Measured for every row, next to the row's other figures: a floor taken
 	// once would set a later row against a reading of another moment.
-	if v, err := b.timeCalls(ctx, 1<<10, b.plainMake(1<<10), nil); err != nil {
+	if v, err := b.timeCalls(ctx, 1<<10, b.plainMake(1<<10), nil, nil); err != nil {
 		note("rpc 1KiB", err)
 	} else {
 		us := float64(b.o.inflight<<10) / (v * (1 << 20)) * 1e6
@@ -579,24 +579,24 @@ func (b *bench) measureGDRPC(ctx context.Context, size int, pat []byte, r *resul
 		return events
 	}
 	rate, err := b.timeCalls(ctx, size, call, func() {
-		take()
 		switch {
 		case b.o.op == "push" && b.o.trust && (b.o.reqSpace > 0 || b.o.reqLimit > 0):
 			// The server advertises its space for requests once it pulled
-			// one (the verified call's): the measured requests are to land
-			// there.
+			// one (the verified call's): the warm-up's requests and the
+			// measured ones are to land there.
 			if err := awaitSpaces(ctx, "the server advertised no space for requests", func(st oob.Stats) bool { return st.PeerSpaces > 0 }); err != nil {
 				r.Notes = append(r.Notes, err.Error())
 			}
 		case b.o.op == "pull" && b.o.trust && b.o.space >= 0:
 			// This client makes and clears its receive space after a pull
-			// prompted it, off the call's path: the measured responses are
-			// to land there, not in a rendezvous's destination meanwhile.
+			// prompted it, off the call's path: the warm-up's responses and
+			// the measured ones are to land there, not in a rendezvous's
+			// destination meanwhile.
 			if err := awaitSpaces(ctx, "the client's receive space was still being made", func(st oob.Stats) bool { return st.Making == 0 }); err != nil {
 				r.Notes = append(r.Notes, err.Error())
 			}
 		}
-	})
+	}, func() { take() })
 	if err != nil {
 		return err
 	}
@@ -881,7 +881,7 @@ func (b *bench) measurePlain(ctx context.Context, size int, pat []byte) (float64
 			return nil, err
 		}
 		return nil, b.pushPlain(cctx, w, methodPush, pat, first, crc)
-	}, nil)
+	}, nil, nil)
 }
 
 // plainConn is the baselines' connection for worker w: the workers share
@@ -941,11 +941,18 @@ func (f *followUp) finish() (time.Duration, error) {
 // -inflight 1 the measured phase is iters calls one after another, and the
 // rate is size / the median call time. With -inflight N, N goroutines make
 // iters calls each, back to back, and the rate is all their bytes over the
-// wall time from the first start to the last end. measuring, if not nil,
-// runs between the warm-up and the measured phase.
-func (b *bench) timeCalls(ctx context.Context, size int, call callFunc, measuring func()) (float64, error) {
+// wall time from the first start to the last end. The hooks, where not nil:
+// ready runs after the verified call, before the warm-up, and waits for
+// what the verified call set going and the measured calls need (a receive
+// space), so that the warm-up's calls take the measured calls' path and
+// its first-use costs; measuring runs between the warm-up and the measured
+// phase.
+func (b *bench) timeCalls(ctx context.Context, size int, call callFunc, ready, measuring func()) (float64, error) {
 	if _, _, err := b.batch(ctx, call, 1, 1, true, false); err != nil {
 		return 0, err
+	}
+	if ready != nil {
+		ready()
 	}
 	if b.o.warmup > 0 {
 		if _, _, err := b.batch(ctx, call, b.o.inflight, b.o.warmup, false, false); err != nil {
@@ -1157,7 +1164,7 @@ func (b *bench) measureNaive(ctx context.Context, size int, pat []byte) (float64
 			return nil, err
 		}
 		return nil, b.pushPlain(cctx, w, methodPushNaive, host, first, crc)
-	}, nil)
+	}, nil, nil)
 }
 
 func copyIn(dst *devicebuf.Buffer, p []byte) error {
