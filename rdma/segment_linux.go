@@ -223,6 +223,11 @@ func checkSysvSegment(comp []byte, foreign bool, base, length uint64) error {
 	if _, err := unix.SysvShmCtl(int(id), unix.IPC_STAT, &ds); err != nil {
 		return fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
 	}
+	// UCX makes its segments under IPC_PRIVATE; one under a key of its own
+	// is another program's shared memory, which no peer exposes.
+	if ds.Perm.Key != unix.IPC_PRIVATE {
+		return fmt.Errorf("%w: its sysv segment %d has key %#x, no UCX segment", ErrBadKey, id, uint32(ds.Perm.Key))
+	}
 	// IPC_STAT asks for read access only; UCX attaches for writing, which
 	// the kernel grants by the segment's mode and this process's ids and
 	// capabilities: attaching it here asks the same.
