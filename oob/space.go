@@ -766,11 +766,15 @@ func awaitOwner(ctx context.Context, ev *devicebuf.Event, timeout time.Duration)
 func (sp *space) giveBack(off uint64) {
 	sp.mu.Lock()
 	h, ok := sp.inUse[off]
-	if ok {
-		delete(sp.inUse, off)
-		sp.markHeldLocked(h.off, h.n, false)
+	if !ok {
+		// Not held (given back already): nothing to free, and no notice,
+		// which would name no range.
+		sp.mu.Unlock()
+		return
 	}
-	free := ok && sp.closed && len(sp.inUse) == 0 // the last range held: freed once
+	delete(sp.inUse, off)
+	sp.markHeldLocked(h.off, h.n, false)
+	free := sp.closed && len(sp.inUse) == 0 // the last range held: freed once
 	sp.queueFreeLocked(h)
 	sp.mu.Unlock()
 	if free {
