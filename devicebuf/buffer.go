@@ -263,11 +263,16 @@ func (b *Buffer) String() string {
 // Wrap makes a Buffer of foreign memory: n bytes at ptr, of the given kind (device is the
 // CUDA ordinal; ignored for Host). release, if not nil, runs once when the last reference
 // goes. For Host memory the caller guarantees that ptr..ptr+n is mapped CPU memory for the
-// Buffer's life; it must not be Go memory (use HostFromBytes for that). An unknown kind or a
-// negative length is a bug and panics.
+// Buffer's life; it must not be Go memory (use HostFromBytes for that). An unknown kind, a
+// negative length or a range whose end lies past the end of the address space is a bug
+// and panics.
 func Wrap(ptr uintptr, n int, kind Kind, device int, release func()) *Buffer {
 	if kind != Host && kind != CUDA || n < 0 {
 		panic(fmt.Sprintf("devicebuf: Wrap of %d bytes of %s memory", n, kind))
+	}
+	if uintptr(n) > ^uintptr(0)-ptr {
+		// Its end, and the addresses of views near it, would wrap around to low addresses.
+		panic(fmt.Sprintf("devicebuf: Wrap of %d bytes of %s memory at %#x: past the end of the address space", n, kind, ptr))
 	}
 	a := newAllocation(kind, device, release)
 	if kind == Host {

@@ -181,6 +181,9 @@ func (s *Stream) Wait(e *Event) error {
 }
 
 func (s *Stream) withEvent(e *Event, op string, call func(driver.Stream, driver.Event) error) error {
+	if e == nil {
+		return fmt.Errorf("devicebuf: %s with a nil event", op)
+	}
 	if s.d == nil {
 		return fmt.Errorf("devicebuf: %s on a host-only stream", op)
 	}
@@ -220,6 +223,9 @@ const (
 // record elsewhere would complete it early, and the copies still queued on s
 // would lose their buffers' references.
 func (s *Stream) SynchronizeBy(ev *Event) error {
+	if ev == nil {
+		return fmt.Errorf("devicebuf: stream synchronization by a nil event")
+	}
 	if s.d == nil {
 		return s.Synchronize()
 	}
@@ -325,6 +331,9 @@ func (b *Buffer) WaitOn(s *Stream) error {
 	ev := b.a.arrival.Load()
 	if ev == nil {
 		return nil
+	}
+	if s == nil {
+		return fmt.Errorf("devicebuf: wait for %s on a nil stream", b)
 	}
 	if done, err := ev.Query(); err == nil && done {
 		b.a.arrival.CompareAndSwap(ev, nil)

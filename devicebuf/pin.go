@@ -17,8 +17,8 @@ func PinHost(ptr uintptr, n int) (unpin func() error, err error) {
 	if err != nil {
 		return nil, err
 	}
-	if n <= 0 {
-		return nil, fmt.Errorf("devicebuf: pin %d bytes", n)
+	if ptr == 0 || n <= 0 || uintptr(n) > ^uintptr(0)-ptr {
+		return nil, fmt.Errorf("devicebuf: pin %d bytes at %#x", n, ptr)
 	}
 	if err := d.MemHostRegister(ptr, n); err != nil {
 		return nil, fmt.Errorf("devicebuf: cuMemHostRegister %d bytes at %#x: %w", n, ptr, err)

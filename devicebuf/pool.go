@@ -268,14 +268,14 @@ func (p *Pool) Alloc(n int) (*Buffer, error) {
 		}
 		rs := p.regionSize(c.size)
 		var victims []*poolRegion
-		if p.total+int64(rs) > p.cfg.MaxBytes {
+		if over := p.overBoundLocked(rs); over > 0 {
 			for j := ci + 1; j < len(p.classes); j++ {
 				if b, ok := p.popLocked(j); ok {
 					p.stats.Hits++
 					return p.handOutLocked(b, n), nil
 				}
 			}
-			victims = p.reclaimLocked(p.total + int64(rs) - p.cfg.MaxBytes)
+			victims = p.reclaimLocked(over)
 			if victims == nil {
 				p.stats.Exhausted++
 				err := fmt.Errorf("devicebuf: pool has no free block of %d bytes (class %d) and %d of %d region bytes are in use: %w",
@@ -298,6 +298,16 @@ func (p *Pool) Alloc(n int) (*Buffer, error) {
 		}
 		return p.handOutLocked(poolBlock{r: r, ptr: r.buf.ptr, ci: ci}, n), nil
 	}
+}
+
+// overBoundLocked returns how many bytes past MaxBytes a new region of n bytes would take
+// the pool, or 0 if it fits. It subtracts from what is left of the bound (the bytes held
+// never exceed it): their sum with n could wrap negative near the largest int64.
+func (p *Pool) overBoundLocked(n int) int64 {
+	if left := p.cfg.MaxBytes - p.total; int64(n) > left {
+		return int64(n) - left
+	}
+	return 0
 }
 
 // reclaimLocked takes out of the pool, longest idle first, regions with no block handed out
@@ -429,8 +439,8 @@ func (p *Pool) allocOversize(n int) (*Buffer, error) {
 	}
 	rs := roundPage(n)
 	var victims []*poolRegion
-	if p.total+int64(rs) > p.cfg.MaxBytes {
-		victims = p.reclaimLocked(p.total + int64(rs) - p.cfg.MaxBytes)
+	if over := p.overBoundLocked(rs); over > 0 {
+		victims = p.reclaimLocked(over)
 		if victims == nil {
 			p.stats.Exhausted++
 			err := fmt.Errorf("devicebuf: pool cannot make an oversize region of %d bytes: %d of %d region bytes are in use: %w",
