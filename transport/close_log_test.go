@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"net"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -70,8 +71,10 @@ func TestOrderlyCloseIsNoLoss(t *testing.T) {
 				t.Skip("no UCX")
 			}
 			_, cs, ss, _, _ := lanePair(t, []Option{WithMode(mode)}, []Option{WithMode(mode)})
+			release := heldLinger(t, cs)
 			cs.closeGracefully()
 			cs.closeWith(ErrPeerGone) // as the monitor does when the peer's end comes first
+			release()
 			require.ErrorIs(t, cs.Err(), ErrSessionClosed)
 			require.NotErrorIs(t, cs.Err(), ErrPeerGone)
 
@@ -80,10 +83,29 @@ func TestOrderlyCloseIsNoLoss(t *testing.T) {
 
 			// A reset during an orderly close is a loss all the same.
 			_, cs, _, _, _ = lanePair(t, []Option{WithMode(mode)}, []Option{WithMode(mode)})
+			release = heldLinger(t, cs)
 			cs.closeGracefully()
 			cs.closeWith(fmt.Errorf("%w: %w", ErrPeerGone, syscall.ECONNRESET))
+			release()
 			require.ErrorIs(t, cs.Err(), ErrPeerGone)
 			require.ErrorIs(t, cs.Err(), syscall.ECONNRESET)
 		})
 	}
+}
+
+// heldLinger holds the orderly close of s in the handler's Linger until the
+// returned release runs (at the latest as the test ends): what the test does
+// meanwhile comes before that close completes, however the goroutines are
+// scheduled.
+func heldLinger(t *testing.T, s *Session) (release func()) {
+	held := make(chan struct{})
+	var once sync.Once
+	release = func() { once.Do(func() { close(held) }) }
+	setHook(t, &testHooks.linger, func(ls *Session) {
+		if ls == s {
+			<-held
+		}
+	})
+	t.Cleanup(release)
+	return release
 }
