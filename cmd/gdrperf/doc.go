@@ -55,7 +55,9 @@
 // comes first, alone, before the warm-up and outside the time measured,
 // whatever -warmup is (the server's checksum, the comparison and noting the
 // session are no measured call's); -warmup counts the unverified calls after
-// it. gdrpc MiB/s is size / the median call time (with an even count of
+// it, which start once the receive space the verified call prompted (the
+// server's for -op push with -request-space, the client's for -op pull) is
+// there, so that they take the measured calls' path and pay its first use. gdrpc MiB/s is size / the median call time (with an even count of
 // calls, the middle two times' mean); xfer is size / the median time of the
 // out-of-band transfer alone as the transport's metrics hook timed it (the
 // receiver's pull for -op pull, the owner's write for -op push). The ratios:
