@@ -617,9 +617,11 @@ func lanesExpected() bool {
 }
 
 // takeLaneSession returns the session waiting for a lane of the role with
-// this token. A token opens one lane of each role; once the gRPC, control
-// and bulk lanes are open it is forgotten (a wide lane comes before them or
-// not at all).
+// this token. A token opens one lane of each role, and the gRPC lane last
+// (openLanes): once it is taken, or the gRPC, control and bulk lanes all
+// are, the token is forgotten, so that every lane after the gRPC lane is
+// refused alike, whether or not the session took its gRPC stream yet (a
+// wide lane comes before them or not at all).
 func takeLaneSession(ctx context.Context, l *Listener, token ID, role byte, broken <-chan struct{}) (*Session, error) {
 	bit, ok := laneRoles[role]
 	if !ok {
@@ -652,7 +654,7 @@ func takeLaneSession(ctx context.Context, l *Listener, token ID, role byte, brok
 		return nil, fmt.Errorf("the session's %q lane: %w", role, errLaneTaken)
 	}
 	slot.taken |= bit
-	if slot.taken&allLaneRoles == allLaneRoles {
+	if role == roleGRPC || slot.taken&allLaneRoles == allLaneRoles {
 		dropLaneLocked(token, slot)
 	}
 	return slot.s, nil

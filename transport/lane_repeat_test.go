@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"context"
 	"io"
 	"net"
 	"strings"
@@ -88,4 +89,26 @@ func TestLaneRepeatsThenDrop(t *testing.T) {
 	require.NoError(t, l.Close())
 	require.Eventually(t, func() bool { return len(transportGoroutines()) == 0 }, handTimeout, 10*time.Millisecond,
 		"goroutines left: %v", transportGoroutines())
+}
+
+// Once a token's gRPC lane is taken, every later lane of it is refused as
+// one of no session, even while the session has not yet taken its gRPC
+// stream (which is when the listener forgets the token as well).
+func TestLaneAfterGRPCLaneForgotten(t *testing.T) {
+	l := &Listener{}
+	token := NewIdentity().ID()
+	slot := expectLane(token, l)
+	defer forgetLane(token, slot)
+	s := &Session{}
+	slot.fill(s)
+	got, err := takeLaneSession(context.Background(), l, token, roleGRPC, nil)
+	require.NoError(t, err)
+	require.Same(t, s, got)
+	for _, role := range []byte{roleControl, roleBulk, roleGRPC} {
+		_, err := takeLaneSession(context.Background(), l, token, role, nil)
+		require.ErrorContains(t, err, "no session waits", "role %q", role)
+	}
+	laneWaiting.Lock()
+	defer laneWaiting.Unlock()
+	require.NotContains(t, laneWaiting.m, token)
 }
