@@ -122,10 +122,13 @@ func (d *Dialer) Close() error { return d.Shutdown(context.Background()) }
 // and Shutdown returns ctx's error once they are closed (a UCX session whose
 // peer does not answer takes up to 4 s: 2 s for its lanes, closed together,
 // and 2 s for its first endpoint; a gRPC lane already closing gracefully
-// when ctx ended takes up to 2 s before that). A Close or Shutdown called
-// meanwhile returns with the first, or at its own context's end, which
-// cuts the sessions short for both. Dials under way are cancelled (they
-// fail with an error wrapping net.ErrClosed) and waited for.
+// when ctx ended takes up to 2 s before that; a TCP session whose orderly
+// close the peer answered waits up to 1 s for the peer's end of its
+// connections, so that bytes still on their way are not answered with a
+// reset). A Close or Shutdown called meanwhile returns with the first, or
+// at its own context's end, which cuts the sessions short for both. Dials
+// under way are cancelled (they fail with an error wrapping net.ErrClosed)
+// and waited for.
 func (d *Dialer) Shutdown(ctx context.Context) error {
 	d.mu.Lock()
 	d.closed = true

@@ -2,6 +2,7 @@ package transport
 
 import (
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"strings"
@@ -9,6 +10,7 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/stretchr/testify/require"
 
@@ -108,4 +110,78 @@ func heldLinger(t *testing.T, s *Session) (release func()) {
 	})
 	t.Cleanup(release)
 	return release
+}
+
+// TestOrderlyCloseLeavesNoReset: a side whose orderly close completes while
+// bytes its peer sent are still unread (a notice on a lane nobody read yet)
+// ends its TCP connections with their end, not a reset: the peer reports its
+// session closed by the peer, not lost.
+func TestOrderlyCloseLeavesNoReset(t *testing.T) {
+	// The server's reader reads a duplicate of the lane's socket, which the
+	// server's own close (on whichever of the client's ends reaches it
+	// first) leaves open: it sees the client's end of that lane as it came.
+	ends := make(chan error, 2)
+	setHook(t, &testHooks.lane, func(s *Session, c net.Conn) error {
+		if s.client {
+			return nil // the client's lanes stay unread
+		}
+		f, err := tcpOf(c.(*laneConn).ep).File()
+		if err != nil {
+			ends <- err
+			return err
+		}
+		defer f.Close()
+		buf := make([]byte, 4096)
+		for {
+			if _, err := f.Read(buf); err != nil {
+				ends <- err
+				return err
+			}
+		}
+	})
+	var logs testenv.LogBuffer
+	logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	_, cs, ss, _, _ := lanePair(t, []Option{WithMode(ModeTCP), WithLogger(logger)}, []Option{WithMode(ModeTCP)})
+	for _, l := range []*frameLane{&ss.bulk, &cs.bulk} {
+		select {
+		case <-l.ready:
+		case <-time.After(10 * time.Second):
+			t.Fatal("a bulk lane never came up")
+		}
+	}
+	const n = 1024
+	_, err := ss.bulk.conn().Write(make([]byte, n))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return unreadBytes(t, cs.bulk.conn()) == n }, 10*time.Second, time.Millisecond,
+		"the server's bytes reached the client's socket")
+
+	cs.closeGracefully()
+	for _, s := range []*Session{cs, ss} {
+		select {
+		case <-s.Released():
+		case <-time.After(10 * time.Second):
+			t.Fatal("a session did not close")
+		}
+	}
+	require.ErrorIs(t, cs.Err(), ErrSessionClosed)
+	require.ErrorIs(t, <-ends, io.EOF, "the client's end of the server's bulk lane")
+	require.ErrorIs(t, ss.Err(), ErrPeerGone)
+	require.NotErrorIs(t, ss.Err(), syscall.ECONNRESET)
+	require.NotContains(t, logs.String(), "session lost", "the server's log")
+}
+
+// unreadBytes returns how many bytes wait in the socket of c, a TCP lane.
+func unreadBytes(t *testing.T, c net.Conn) int {
+	t.Helper()
+	tc := tcpOf(c.(*laneConn).ep)
+	require.NotNil(t, tc)
+	rc, err := tc.SyscallConn()
+	require.NoError(t, err)
+	var n int32
+	var errno syscall.Errno
+	require.NoError(t, rc.Control(func(fd uintptr) {
+		_, _, errno = syscall.Syscall(syscall.SYS_IOCTL, fd, syscall.TIOCINQ, uintptr(unsafe.Pointer(&n)))
+	}))
+	require.Zero(t, errno)
+	return int(n)
 }

@@ -287,6 +287,45 @@ type underConn struct {
 	tcp     bool   // the conn does vectored writes (net.Buffers)
 
 	in pingCounter // only yamux's receive loop reads
+
+	linger atomic.Int64 // Close lingers until then (Unix nanoseconds), if not 0
+}
+
+// lingerUntil makes Close linger (lingerClose) until t, where the connection
+// is a TCP one.
+func (c *underConn) lingerUntil(t time.Time) { c.linger.Store(t.UnixNano()) }
+
+// Close closes the connection, lingering if lingerUntil said so.
+func (c *underConn) Close() error {
+	if until := c.linger.Load(); until != 0 {
+		if tc := tcpOf(c.Conn); tc != nil {
+			return lingerClose(tc, time.Unix(0, until))
+		}
+	}
+	return c.Conn.Close()
+}
+
+// tcpOf returns the TCP connection c is, or wraps as a replayConn; nil for
+// any other (a UCX endpoint).
+func tcpOf(c net.Conn) *net.TCPConn {
+	if rc, ok := c.(*replayConn); ok {
+		c = rc.Conn
+	}
+	tc, _ := c.(*net.TCPConn)
+	return tc
+}
+
+// lingerClose closes c after its peer's end, until then at the latest: it
+// ends this side's writes (the peer reads its end), then reads and drops
+// whatever the peer still sends until the peer's end or until, and closes.
+// A connection closed with bytes unread, or before bytes the peer sent
+// meanwhile arrive, is answered by the kernel with a reset. Reads of other
+// goroutines, under way or later, fail or take part of the bytes dropped.
+func lingerClose(c *net.TCPConn, until time.Time) error {
+	if c.CloseWrite() == nil && c.SetReadDeadline(until) == nil {
+		_, _ = io.Copy(io.Discard, c)
+	}
+	return c.Close()
 }
 
 // maxPeerPings is how many of the peer's ping requests a session holds

@@ -479,7 +479,11 @@ func (s *Session) attachLane(ep net.Conn, role byte) (*laneConn, error) {
 
 // closeLanes closes the session's lanes and refuses later ones (the session
 // is closing).
-func (s *Session) closeLanes() {
+func (s *Session) closeLanes() { s.closeLanesLingering(time.Time{}) }
+
+// closeLanesLingering is closeLanes; where until is not zero, a lane over TCP
+// closes as lingerClose does, until then at the latest.
+func (s *Session) closeLanesLingering(until time.Time) {
 	s.laneMu.Lock()
 	lanes := s.lanes
 	s.lanes, s.laneDone = nil, true
@@ -488,7 +492,13 @@ func (s *Session) closeLanes() {
 	// answer, and a session has up to four.
 	var wg sync.WaitGroup
 	for _, ep := range lanes {
-		wg.Go(func() { _ = ep.Close() })
+		wg.Go(func() {
+			if tc := tcpOf(ep); tc != nil && !until.IsZero() {
+				_ = lingerClose(tc, until)
+				return
+			}
+			_ = ep.Close()
+		})
 	}
 	wg.Wait()
 }

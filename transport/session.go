@@ -380,7 +380,9 @@ func (s *Session) Released() <-chan struct{} { return s.muxClosed }
 // Close closes the session and everything on it: its streams, the underlying
 // connection, its registry entry. It is idempotent and waits for the
 // session's own goroutines and for the underlying connection to be released
-// (a UCX endpoint whose peer does not answer lingers for up to 2 s).
+// (a UCX endpoint whose peer does not answer lingers for up to 2 s; the TCP
+// connections of an orderly close whose ping the peer answered wait up to
+// lingerBound for the peer's end).
 func (s *Session) Close() error {
 	s.closeWith(nil)
 	s.graceMu.Lock()
@@ -402,7 +404,14 @@ func (s *Session) Close() error {
 // registry and Done is closed at once; the multiplexer and the underlying
 // connection close on their own goroutine (closing a UCX endpoint may take a
 // while when the peer is gone).
-func (s *Session) closeWith(cause error) {
+func (s *Session) closeWith(cause error) { s.closeLingering(cause, false) }
+
+// closeLingering is closeWith; where linger is true, the session's TCP
+// connections close as lingerClose does, within lingerBound: the session
+// ends an orderly close whose ping the peer answered, and the peer may still
+// be writing (its own orderly close's ping, a notice on a lane), which a
+// plain close would answer with a reset that the peer reports as a loss.
+func (s *Session) closeLingering(cause error, linger bool) {
 	if cause == ErrPeerGone {
 		// Whichever reader saw the end first, name what ended it.
 		if err := s.under.firstErr(); err != nil && !errors.Is(err, io.EOF) {
@@ -430,7 +439,12 @@ func (s *Session) closeWith(cause error) {
 		}
 		close(s.done)
 		go func() {
-			s.closeLanes()
+			var until time.Time
+			if linger {
+				until = time.Now().Add(lingerBound)
+				s.under.lingerUntil(until)
+			}
+			s.closeLanesLingering(until)
 			_ = s.mux.Close() // wakes every stream, then closes the underlying connection
 			close(s.muxClosed)
 		}()
@@ -469,6 +483,11 @@ func (s *Session) closeWith(cause error) {
 // gracefulCloseBound bounds how long closeGracefully waits for the peer.
 const gracefulCloseBound = 2 * time.Second
 
+// lingerBound bounds how long an orderly close's TCP connections wait for the
+// peer's end (lingerClose). A peer that answered the close's ping closes its
+// own within a round trip of reading this side's end.
+const lingerBound = time.Second
+
 // closeGracefully closes the session once the peer has received everything
 // queued so far (the FIN of the gRPC stream above all): a ping is answered
 // only after everything sent before it was read. It does not wait; the
@@ -492,9 +511,9 @@ func (s *Session) closeGracefully() {
 		defer close(grace)
 		s.handler.Linger() // bounded: out-of-band transfers still using the session finish
 		t := time.AfterFunc(gracefulCloseBound, func() { s.closeWith(nil) })
-		_, _ = s.mux.Ping()
+		_, err := s.mux.Ping()
 		t.Stop()
-		s.closeWith(nil)
+		s.closeLingering(nil, err == nil)
 	}()
 }
 
