@@ -276,3 +276,32 @@ func TestDialerCloseWaitsForReleasedSessions(t *testing.T) {
 	}
 	require.True(t, eng.ran.Load())
 }
+
+// A Dialer forgets a session it made once the session is released (its
+// ClientConn closed), without waiting for its next dial or its Close.
+func TestDialerForgetsReleased(t *testing.T) {
+	tc := transportCases[2]
+	addr, _ := start(t, tc, testService{})
+	d := dialer.New(gdrpc.WithSessionOptions(tc.options(t)...))
+	defer d.Close()
+	var sessions []*gdrpc.Session
+	for range 3 {
+		cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(nil)...)
+		require.NoError(t, err)
+		var p peer.Peer
+		_, err = testpb.NewTestServiceClient(cc).UnaryCall(t.Context(), &testpb.SimpleRequest{Payload: &testpb.Payload{Body: pattern(1024)}}, grpc.Peer(&p))
+		require.NoError(t, err)
+		s := gdrpc.SessionFromPeer(&p)
+		require.NotNil(t, s)
+		sessions = append(sessions, s)
+		require.NoError(t, cc.Close())
+	}
+	for i, s := range sessions {
+		select {
+		case <-s.Released():
+		case <-time.After(testTimeout):
+			t.Fatalf("session %d was not released after its ClientConn closed", i)
+		}
+	}
+	require.Eventually(t, func() bool { return d.Sessions() == 0 }, testTimeout, time.Millisecond, "sessions the Dialer still holds")
+}

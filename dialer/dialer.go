@@ -21,9 +21,9 @@ type Dialer struct {
 	opts []transport.Option // nil: New()'s, made at the first dial
 
 	mu sync.Mutex
-	// sessions are those it made, with their conns, until Close; released
-	// ones are pruned at each dial, and closed (pruned, which Close waits
-	// for: a released session's handlers may still run).
+	// sessions are those it made, with their conns, until Close or their
+	// release, which closes them (pruned, which Close waits for: a released
+	// session's handlers may still run).
 	sessions map[*transport.Session]net.Conn
 	pruned   sync.WaitGroup
 	closed   bool
@@ -84,20 +84,25 @@ func (d *Dialer) DialContext(ctx context.Context, addr string) (net.Conn, error)
 		transport.CloseGracefully(c, cut)
 		return nil, errClosed
 	}
-	for o := range d.sessions {
-		select {
-		case <-o.Released():
-			delete(d.sessions, o)
-			d.pruned.Go(func() { _ = o.Close() })
-		default:
-		}
-	}
 	if d.sessions == nil {
 		d.sessions = map[*transport.Session]net.Conn{}
 	}
 	d.sessions[s] = c
 	d.mu.Unlock()
+	s.AfterRelease(func() { d.forget(s) })
 	return c, nil
+}
+
+// forget drops s, a session of d that was released, and closes it. Once
+// Close took the sessions it has nothing to do: Close closes them.
+func (d *Dialer) forget(s *transport.Session) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if _, ok := d.sessions[s]; !ok {
+		return
+	}
+	delete(d.sessions, s)
+	d.pruned.Go(func() { _ = s.Close() }) // before Close's Wait: Close takes d.mu first
 }
 
 // errClosed is what a Dialer's dials return once it was closed.

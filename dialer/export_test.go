@@ -9,3 +9,10 @@ func (p *Pool) Busy() []int64 {
 	}
 	return out
 }
+
+// Sessions returns how many sessions d holds.
+func (d *Dialer) Sessions() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return len(d.sessions)
+}

@@ -36,7 +36,7 @@ type Listener struct {
 	done      chan struct{}
 	closeOnce sync.Once
 	// accepted are the gRPC conns Accept returned, until Shutdown takes them
-	// (released sessions' are pruned at each Accept); drained is made by the
+	// or their session is released; drained is made by the
 	// first Shutdown and closed once it closed them.
 	acceptedMu sync.Mutex
 	accepted   map[net.Conn]struct{}
@@ -285,8 +285,8 @@ func (l *Listener) Accept() (net.Conn, error) {
 	}
 }
 
-// keep notes c, a conn Accept returns, for Shutdown, and forgets the
-// sessions that were released since the last. A plain client's raw conn is
+// keep notes c, a conn Accept returns, for Shutdown, until its session is
+// released. A plain client's raw conn is
 // not noted: it carries no out-of-band transfer to wait for, and the gRPC
 // server's Stop closes it. A conn that comes after Shutdown began is not
 // returned: Shutdown closes it.
@@ -307,15 +307,15 @@ func (l *Listener) keep(c net.Conn) (net.Conn, error) {
 	if SessionOf(c) == nil {
 		return c, nil
 	}
-	for o := range l.accepted {
-		if released(SessionOf(o)) {
-			delete(l.accepted, o)
-		}
-	}
 	if l.accepted == nil {
 		l.accepted = map[net.Conn]struct{}{}
 	}
 	l.accepted[c] = struct{}{}
+	SessionOf(c).AfterRelease(func() {
+		l.acceptedMu.Lock()
+		delete(l.accepted, c) // nil once Shutdown took them: nothing to do
+		l.acceptedMu.Unlock()
+	})
 	return c, nil
 }
 

@@ -99,8 +99,11 @@ type Session struct {
 
 	done      chan struct{}
 	muxClosed chan struct{} // closed once the multiplexer and the connection are closed
-	closedRan chan struct{} // closed once the handler's Closed returned
-	closeOnce sync.Once
+	// releasedCtx is done once muxClosed is closed (AfterRelease).
+	releasedCtx  context.Context
+	markReleased context.CancelFunc
+	closedRan    chan struct{} // closed once the handler's Closed returned
+	closeOnce    sync.Once
 	// ending is set once this side began an orderly close (its gRPC stream
 	// closed): the peer's clean end of the connection, which that close
 	// prompts, may then be seen before the close completes, and is no loss.
@@ -180,6 +183,7 @@ func newSession(st sessionSetup) (*Session, error) {
 		tcpLaneAddr: st.tcpLaneAddr,
 		lossLog:     st.lossLog,
 	}
+	s.releasedCtx, s.markReleased = context.WithCancel(context.Background())
 	s.bulk.init()
 	s.wide.init()
 	role := "server"
@@ -377,6 +381,14 @@ func (s *Session) closedErr() error {
 // buffer) reads that buffer no more.
 func (s *Session) Released() <-chan struct{} { return s.muxClosed }
 
+// AfterRelease arranges for f to run on a goroutine of its own once the
+// session is released (Released), as context.AfterFunc does: nothing waits
+// for the release meanwhile. stop undoes it, reporting whether f had not
+// started yet.
+func (s *Session) AfterRelease(f func()) (stop func() bool) {
+	return context.AfterFunc(s.releasedCtx, f)
+}
+
 // Close closes the session and everything on it: its streams, the underlying
 // connection, its registry entry. It is idempotent and waits for the
 // session's own goroutines and for the underlying connection to be released
@@ -447,6 +459,7 @@ func (s *Session) closeLingering(cause error, linger bool) {
 			s.closeLanesLingering(until)
 			_ = s.mux.Close() // wakes every stream, then closes the underlying connection
 			close(s.muxClosed)
+			s.markReleased()
 		}()
 	})
 	if !first {
