@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/encoding"
 	encproto "google.golang.org/grpc/encoding/proto"
+	"google.golang.org/grpc/stats"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/gdrpc/gdrpc"
@@ -93,7 +94,17 @@ func BenchmarkUnaryCall(b *testing.B) {
 	b.Run("transport=grpc-tcp/method=Echo", func(b *testing.B) {
 		lis, err := net.Listen("tcp", "127.0.0.1:0")
 		require.NoError(b, err)
-		benchPlainEcho(b, lis)
+		benchPlainEcho(b, lis, nil)
+	})
+	// gRPC's own cost of a stats handler on each end, which the codec's
+	// options install (they learn a call's connection from its events):
+	// with any handler at all, gRPC makes and sends every event of every
+	// call (headers, payloads, trailers, begin and end), copying the
+	// metadata of each header event.
+	b.Run("transport=grpc-tcp-nop-stats-handlers/method=Echo", func(b *testing.B) {
+		lis, err := net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(b, err)
+		benchPlainEcho(b, lis, []grpc.ServerOption{grpc.StatsHandler(nopStatsHandler{})}, grpc.WithStatsHandler(nopStatsHandler{}))
 	})
 	// The session alone: gRPC's own codec and options over a gdrpc TCP
 	// session (its handshake, then the gRPC lane), none of the codec's
@@ -103,7 +114,7 @@ func BenchmarkUnaryCall(b *testing.B) {
 		opts := []gdrpc.Option{gdrpc.WithTransport(transport.ModeTCP), processEngine}
 		lis, err := listener.Listen("127.0.0.1:0", opts...)
 		require.NoError(b, err)
-		benchPlainEcho(b, lis, grpc.WithContextDialer(dialer.New(opts...).DialContext))
+		benchPlainEcho(b, lis, nil, grpc.WithContextDialer(dialer.New(opts...).DialContext))
 	})
 	for _, mode := range []transport.Mode{transport.ModeTCP, transport.ModeUCX} {
 		b.Run("transport="+string(mode), func(b *testing.B) {
@@ -149,12 +160,12 @@ func BenchmarkUnaryCall(b *testing.B) {
 	}
 }
 
-// benchPlainEcho serves TensorService on lis with gRPC's own proto codec and
-// no gdrpc option, and measures a plain client's Echo of a tensor whose 1 KiB
-// payload is in the descriptor's inline bytes, the client dialing with
-// dialOpts.
-func benchPlainEcho(b *testing.B, lis net.Listener, dialOpts ...grpc.DialOption) {
-	gs := grpc.NewServer(grpc.ForceServerCodecV2(grpcProto))
+// benchPlainEcho serves TensorService on lis with gRPC's own proto codec,
+// no gdrpc option and serverOpts, and measures a plain client's Echo of a
+// tensor whose 1 KiB payload is in the descriptor's inline bytes, the client
+// dialing with dialOpts.
+func benchPlainEcho(b *testing.B, lis net.Listener, serverOpts []grpc.ServerOption, dialOpts ...grpc.DialOption) {
+	gs := grpc.NewServer(append(serverOpts, grpc.ForceServerCodecV2(grpcProto))...)
 	tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
 	served := make(chan error, 1)
 	go func() { served <- gs.Serve(lis) }()
@@ -250,3 +261,13 @@ type fixedMaker struct {
 func (m fixedMaker) Make(context.Context, *tensorpb.Sized) (*tensorpb.Tensor, error) {
 	return &tensorpb.Tensor{Name: "bench", Data: gdrcodec.New(m.b)}, nil
 }
+
+// nopStatsHandler is a gRPC stats handler that does nothing.
+type nopStatsHandler struct{}
+
+func (nopStatsHandler) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context { return ctx }
+func (nopStatsHandler) HandleRPC(context.Context, stats.RPCStats)                       {}
+func (nopStatsHandler) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context {
+	return ctx
+}
+func (nopStatsHandler) HandleConn(context.Context, stats.ConnStats) {}
