@@ -321,9 +321,15 @@ func tcpOf(c net.Conn) *net.TCPConn {
 // A connection closed with bytes unread, or before bytes the peer sent
 // meanwhile arrive, is answered by the kernel with a reset. Reads of other
 // goroutines, under way or later, fail or take part of the bytes dropped.
+// A timer closes c at until: a read deadline alone would not bound the
+// wait, for another reader of c may set its own.
 func lingerClose(c *net.TCPConn, until time.Time) error {
-	if c.CloseWrite() == nil && c.SetReadDeadline(until) == nil {
-		_, _ = io.Copy(io.Discard, c)
+	if c.CloseWrite() == nil {
+		t := time.AfterFunc(time.Until(until), func() { _ = c.Close() })
+		defer t.Stop()
+		if c.SetReadDeadline(until) == nil {
+			_, _ = io.Copy(io.Discard, c)
+		}
 	}
 	return c.Close()
 }

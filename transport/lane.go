@@ -467,13 +467,13 @@ func (s *Session) attachLane(ep net.Conn, role byte) (*laneConn, error) {
 		_ = ep.Close()
 		return nil, s.closedErr()
 	}
-	s.lanes = append(s.lanes, ep)
-	s.laneMu.Unlock()
 	c := &laneConn{connCommon: newConnCommon(s, role), ep: ep}
 	if tc, ok := ep.(*net.TCPConn); ok {
 		c.raw, _ = tc.SyscallConn() // nil on error: ReadOnReady reads as Read does
 		c.ready.fn = c.ready.read
 	}
+	s.lanes = append(s.lanes, c)
+	s.laneMu.Unlock()
 	return c, nil
 }
 
@@ -482,7 +482,10 @@ func (s *Session) attachLane(ep net.Conn, role byte) (*laneConn, error) {
 func (s *Session) closeLanes() { s.closeLanesLingering(time.Time{}) }
 
 // closeLanesLingering is closeLanes; where until is not zero, a lane over TCP
-// closes as lingerClose does, until then at the latest.
+// closes as lingerClose does, until then at the latest. Its conn is closed
+// first: the session's readers of the lane read no more of it (one whose
+// read was under way ends with that read), and what the peer still sends
+// reaches none of the session's handlers.
 func (s *Session) closeLanesLingering(until time.Time) {
 	s.laneMu.Lock()
 	lanes := s.lanes
@@ -491,13 +494,14 @@ func (s *Session) closeLanesLingering(until time.Time) {
 	// Together: a UCX lane's close waits up to 2 s for a peer that does not
 	// answer, and a session has up to four.
 	var wg sync.WaitGroup
-	for _, ep := range lanes {
+	for _, c := range lanes {
 		wg.Go(func() {
-			if tc := tcpOf(ep); tc != nil && !until.IsZero() {
+			if tc := tcpOf(c.ep); tc != nil && !until.IsZero() {
+				c.closed.Store(true)
 				_ = lingerClose(tc, until)
 				return
 			}
-			_ = ep.Close()
+			_ = c.ep.Close()
 		})
 	}
 	wg.Wait()

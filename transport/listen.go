@@ -36,10 +36,13 @@ type Listener struct {
 	done      chan struct{}
 	closeOnce sync.Once
 	// accepted are the gRPC conns Accept returned, until Shutdown takes them
-	// or their session is released; drained is made by the
+	// or their session is released, which closes it (pruned, which Shutdown
+	// waits for: a released session's handlers may still run); drained is
+	// made by the
 	// first Shutdown and closed once it closed them.
 	acceptedMu sync.Mutex
 	accepted   map[net.Conn]struct{}
+	pruned     sync.WaitGroup
 	drained    chan struct{}
 	// accepting counts the Accepts under way: one may have taken a conn
 	// as Shutdown began, which then waits for it (acceptEnded, over
@@ -311,12 +314,22 @@ func (l *Listener) keep(c net.Conn) (net.Conn, error) {
 		l.accepted = map[net.Conn]struct{}{}
 	}
 	l.accepted[c] = struct{}{}
-	SessionOf(c).AfterRelease(func() {
-		l.acceptedMu.Lock()
-		delete(l.accepted, c) // nil once Shutdown took them: nothing to do
-		l.acceptedMu.Unlock()
-	})
+	SessionOf(c).AfterRelease(func() { l.forget(c) })
 	return c, nil
+}
+
+// forget drops c, an accepted conn whose session was released, and closes
+// the session. Once Shutdown took the conns it has nothing to do: Shutdown
+// closes them.
+func (l *Listener) forget(c net.Conn) {
+	l.acceptedMu.Lock()
+	defer l.acceptedMu.Unlock()
+	if _, ok := l.accepted[c]; !ok {
+		return
+	}
+	delete(l.accepted, c)
+	s := SessionOf(c)
+	l.pruned.Go(func() { _ = s.Close() }) // before Shutdown's Wait: Shutdown takes acceptedMu first
 }
 
 func released(s *Session) bool {
@@ -332,7 +345,9 @@ func released(s *Session) bool {
 // their gRPC conns (those the gRPC server did not close already), which
 // closes each session gracefully, once its out-of-band transfers are over
 // (LingerIdle after the last, at most the transfer timeout) and the peer
-// read what was sent, and returns once they are closed. A response's
+// read what was sent, and returns once they are closed (those released
+// before it too; a TCP session whose ping the peer answered waits up to 1 s
+// more for the peer's end of its connections). A response's
 // payloads are pulled by the client after its call ended: a server that
 // exits after grpc.Server's Stop or GracefulStop cuts those pulls short,
 // one that calls Shutdown first does not. Once ctx is done, the sessions
@@ -392,6 +407,7 @@ func (l *Listener) Shutdown(ctx context.Context) error {
 		})
 	}
 	wg.Wait()
+	l.pruned.Wait()
 	if cutShort.Load() {
 		return ctx.Err()
 	}

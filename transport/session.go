@@ -75,9 +75,9 @@ type Session struct {
 	tcpLaneAddr           string // client: the server's TCP listener, where a wide lane is dialed
 
 	laneMu   sync.Mutex
-	lanes    []net.Conn // the lanes opened so far, closed with the session (lane.go)
-	laneDone bool       // the session closed: no lane any more
-	laneSlot *laneSlot  // server: the slot lanes find the session by
+	lanes    []*laneConn // the lanes opened so far, closed with the session (lane.go)
+	laneDone bool        // the session closed: no lane any more
+	laneSlot *laneSlot   // server: the slot lanes find the session by
 
 	bulk frameLane // the bulk lane (lane.go)
 	wide frameLane // the wide lane, for large transfers, where the session has one (lane.go)
