@@ -421,6 +421,11 @@ func (c *underConn) record(err error) {
 }
 
 func (c *underConn) Read(b []byte) (int, error) {
+	if c.linger.Load() != 0 {
+		// Closing: what the peer still sends is lingerClose's to drop, not
+		// the multiplexer's to hand to streams.
+		return 0, net.ErrClosed
+	}
 	n, err := c.Conn.Read(b)
 	if ferr := c.in.scan(b[:n]); ferr != nil {
 		// The bytes read are dropped with the session: yamux's receive
