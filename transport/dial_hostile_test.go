@@ -289,16 +289,22 @@ func TestListenerCloseReleasesUnaccepted(t *testing.T) {
 	}
 }
 
-// readAnnounced reads exactly what was announced, in pieces of any size.
+// readAnnounced reads exactly what was announced, in pieces of any size,
+// and not a byte of what follows it.
 func TestReadAnnounced(t *testing.T) {
-	for _, n := range []int{0, 1, 1023, 1024, 1025, 4097, 70_000} {
-		want := make([]byte, n+3)
+	for _, n := range []int{0, 1, 1023, 1024, 1025, 1500, 3000, 4097, 70_000, 100_000} {
+		want := make([]byte, 2*n+3)
 		for i := range want {
 			want[i] = byte(i * 13)
 		}
 		got, err := readAnnounced(iotest.OneByteReader(bytes.NewReader(want)), n, 1<<10)
 		require.NoError(t, err)
 		require.Equal(t, want[:n], got)
+		r := bytes.NewReader(want) // reads as much as it is asked for
+		got, err = readAnnounced(r, n, 1<<10)
+		require.NoError(t, err)
+		require.Equal(t, want[:n], got, "n=%d", n)
+		require.Equal(t, len(want)-n, r.Len(), "n=%d: what follows stays unread", n)
 		_, err = readAnnounced(bytes.NewReader(want[:n/2]), n, 1<<10)
 		if n > 1 {
 			require.ErrorIs(t, err, io.ErrUnexpectedEOF)

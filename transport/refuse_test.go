@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"fmt"
 	"net"
 	"sync"
 	"testing"
@@ -187,5 +188,54 @@ func TestControlPayloadSizes(t *testing.T) {
 		}
 		require.NoError(t, cs.link.SendControl(context.Background(), 9, want))
 		require.Equal(t, want, <-got, "%d bytes", n)
+	}
+}
+
+// Control messages sent back to back, the first of them large, arrive each
+// whole and in order: a payload's read stops at its announced length, with
+// lanes and without.
+func TestControlMessagesBackToBack(t *testing.T) {
+	type msg struct {
+		typ     byte
+		payload []byte
+	}
+	got := make(chan msg, 8)
+	setHook(t, &testHooks.control, func(s *Session, typ byte, payload []byte) {
+		if !s.client && (typ == 9 || typ == 10) {
+			got <- msg{typ, bytes.Clone(payload)}
+		}
+	})
+	for _, lanes := range []bool{false, true} {
+		t.Run(fmt.Sprintf("lanes=%v", lanes), func(t *testing.T) {
+			opts := []Option{WithMode(ModeTCP), WithLanes(lanes), WithIdleTimeout(-1)}
+			_, cs, _, _, _ := lanePair(t, opts, opts)
+			big := make([]byte, 300_001)
+			for i := range big {
+				big[i] = byte(i * 7)
+			}
+			small := []byte("hello")
+			for range 3 {
+				require.NoError(t, cs.link.SendControl(context.Background(), 9, big))
+				require.NoError(t, cs.link.SendControl(context.Background(), 10, small))
+			}
+			// Handlers run concurrently: compare what arrived, in any order.
+			var nBig, nSmall int
+			for range 6 {
+				select {
+				case m := <-got:
+					switch m.typ {
+					case 9:
+						require.Equal(t, big, m.payload)
+						nBig++
+					case 10:
+						require.Equal(t, small, m.payload)
+						nSmall++
+					}
+				case <-time.After(10 * time.Second):
+					t.Fatalf("%d large and %d small messages arrived of 3 each", nBig, nSmall)
+				}
+			}
+			require.NoError(t, cs.Err())
+		})
 	}
 }

@@ -926,7 +926,9 @@ func readAnnounced(r io.Reader, n, first int) ([]byte, error) {
 		if len(b) == cap(b) {
 			b = slices.Grow(b, min(n-len(b), len(b)))
 		}
-		k, err := r.Read(b[len(b):cap(b)])
+		// Never past n: slices.Grow may give more room than asked, and
+		// what follows the n bytes on r is the next message's.
+		k, err := r.Read(b[len(b):min(cap(b), n)])
 		b = b[:len(b)+k]
 		if err != nil && len(b) < n {
 			if errors.Is(err, io.EOF) {
