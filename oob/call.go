@@ -297,7 +297,7 @@ func handleCallEnded(s *transport.Session, payload []byte) {
 	}
 	id, took, unknown, err := parseCallEnded(payload)
 	if err != nil {
-		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		dropControl(s, err)
 		return
 	}
 	st := &a.space

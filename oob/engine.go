@@ -387,7 +387,7 @@ func recordLinger(s *transport.Session, payload []byte, hold uint64) {
 	}
 	seq, err := parseLinger(payload)
 	if err != nil {
-		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		dropControl(s, err)
 		return
 	}
 	a := stateOf(s)
@@ -1197,7 +1197,7 @@ func handleFIN(s *transport.Session, payload []byte) {
 	trace.Log(context.Background(), "gdrpc", "fin-received")
 	f, err := parseFIN(payload)
 	if err != nil {
-		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		dropControl(s, err)
 		return
 	}
 	pulls.Lock()
@@ -1215,7 +1215,7 @@ func handleFIN(s *transport.Session, payload []byte) {
 func handleChunk(s *transport.Session, payload []byte) {
 	req, off, n, err := parseRangeNotice(payload, "chunk notice")
 	if err != nil {
-		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		dropControl(s, err)
 		return
 	}
 	pulls.Lock()

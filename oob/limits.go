@@ -424,7 +424,7 @@ func queueRTR(s *transport.Session, payload []byte) {
 	trace.Log(context.Background(), "gdrpc", "rtr-received")
 	m, err := parseRTR(payload)
 	if err != nil {
-		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		dropControl(s, err)
 		return
 	}
 	a := stateOf(s)

@@ -104,6 +104,20 @@ func stateOf(s *transport.Session) *attached {
 // cfgOf returns the configuration of the transfers over s.
 func cfgOf(s *transport.Session) *TransferConfig { return stateOf(s).eng.config() }
 
+// dropControl logs a control message from the peer of s that this side
+// drops (malformed, or naming what it does not hold), bounded as the
+// transport bounds its own lines about what peers send (Link.WarnPeer): a
+// peer can send such messages as fast as it writes.
+func dropControl(s *transport.Session, err error) {
+	a := stateOf(s)
+	log := a.eng.config().Logger
+	if a.link == nil {
+		log.Debug("dropping control message", "session", s.ID(), "err", err)
+		return
+	}
+	a.link.WarnPeer(log, "dropping control message", "session", s.ID(), "err", err)
+}
+
 // served reports whether the engine serves s.
 func served(s *transport.Session) bool {
 	_, ok := sessions.Load(s)

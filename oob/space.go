@@ -859,7 +859,7 @@ func handleSpace(s *transport.Session, payload []byte) {
 		err = fmt.Errorf("malformed SPACE: paths %v, %d bytes, id %#x", m.Offers, m.Length, m.Req)
 	}
 	if err != nil {
-		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		dropControl(s, err)
 		return
 	}
 	a := stateOf(s)
@@ -915,7 +915,7 @@ func sendWithdrawn(s *transport.Session, id uint64) {
 func handleSpaceFree(s *transport.Session, payload []byte) {
 	id, off, n, gen, err := parseFreeNotice(payload)
 	if err != nil {
-		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		dropControl(s, err)
 		return
 	}
 	ps := peerSpaceByID(s, id)
@@ -1051,7 +1051,7 @@ func withdrawSpace(a *attached) {
 func handleSpaceWithdraw(s *transport.Session, payload []byte) {
 	id, _, _, err := parseRangeNotice(payload, "SPACE-WITHDRAW")
 	if err != nil {
-		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		dropControl(s, err)
 		return
 	}
 	if a := stateOf(s); a.link != nil { // not closedState, which all closed sessions share
@@ -1069,7 +1069,7 @@ func handleSpaceWithdraw(s *transport.Session, payload []byte) {
 func handleSpaceWithdrawn(s *transport.Session, payload []byte) {
 	id, _, _, err := parseRangeNotice(payload, "SPACE-WITHDRAWN")
 	if err != nil {
-		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		dropControl(s, err)
 		return
 	}
 	a := stateOf(s)

@@ -122,7 +122,7 @@ func parseWritesEnded(b []byte) ([]spaceWrite, error) {
 func handleWritesEnded(s *transport.Session, payload []byte) {
 	ws, err := parseWritesEnded(payload)
 	if err != nil {
-		cfgOf(s).Logger.Warn("dropping control message", "session", s.ID(), "err", err)
+		dropControl(s, err)
 		return
 	}
 	a := stateOf(s)

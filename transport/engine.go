@@ -3,6 +3,7 @@ package transport
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"net"
 	"sync"
 	"time"
@@ -109,6 +110,16 @@ func (l *Link) WriteLaneFrame(ctx context.Context, total uint64, bufs ...[]byte)
 // may not report a partial write, letGo gets the whole body first.
 func (l *Link) WriteLaneFrameFrom(ctx context.Context, total uint64, hdr, body []byte, quick time.Duration, letGo func(rest []byte) []byte) error {
 	return l.s.writeLaneFrameFrom(ctx, total, hdr, body, quick, letGo)
+}
+
+// WarnPeer logs to log, at Warn, something the peer sent that this side
+// refuses or drops (a malformed control message): as the listener logs its
+// own per-connection failures, at most once per msg every 10 s over all the
+// sessions of the listener (a client's session: of the session), the others
+// at Debug, the next line at Warn counting them (more_at_debug). A peer can
+// send such messages as fast as it writes.
+func (l *Link) WarnPeer(log *slog.Logger, msg string, args ...any) {
+	l.s.peerWarns.logTo(log, slog.LevelWarn, "peer\x00"+msg, msg, args...)
 }
 
 // Abort ends the session with cause, without waiting (it may run on the

@@ -65,6 +65,11 @@ func errClass(err error) string {
 }
 
 func (p *peerLog) logAt(level slog.Level, kind, msg string, args ...any) {
+	p.logTo(p.log, level, kind, msg, args...)
+}
+
+// logTo is logAt to log, whose lines of kind share p's bound.
+func (p *peerLog) logTo(log *slog.Logger, level slog.Level, kind, msg string, args ...any) {
 	now := time.Now()
 	p.mu.Lock()
 	k := p.kinds[kind]
@@ -75,7 +80,7 @@ func (p *peerLog) logAt(level slog.Level, kind, msg string, args ...any) {
 	if !k.at.IsZero() && now.Sub(k.at) < p.every {
 		k.held++
 		p.mu.Unlock()
-		p.log.Debug(msg, args...)
+		log.Debug(msg, args...)
 		return
 	}
 	held, since := k.held, k.at
@@ -84,5 +89,5 @@ func (p *peerLog) logAt(level slog.Level, kind, msg string, args ...any) {
 	if held > 0 {
 		args = append(args, "more_at_debug", held, "since", since.Format(time.RFC3339))
 	}
-	p.log.Log(context.Background(), level, msg, args...)
+	log.Log(context.Background(), level, msg, args...)
 }

@@ -54,11 +54,15 @@ var sessionIDs atomic.Uint64
 // or, where either end has no lanes, on the multiplexer. Closing the gRPC
 // stream conn closes the session.
 type Session struct {
-	id        uint64
-	client    bool
-	cfg       *config
-	log       *slog.Logger
-	lossLog   *peerLog // server: the listener's, for a session lost (any peer can lose one)
+	id      uint64
+	client  bool
+	cfg     *config
+	log     *slog.Logger
+	lossLog *peerLog // server: the listener's, for a session lost (any peer can lose one)
+	// peerWarns bounds the engine's lines about what the peer sent
+	// (Link.WarnPeer): the listener's on a server, the session's own on a
+	// client.
+	peerWarns *peerLog
 	peer      Peer
 	token     ID
 	handshake [sha256.Size]byte // sessionHash of the handshake
@@ -182,6 +186,10 @@ func newSession(st sessionSetup) (*Session, error) {
 		laneAddr:    st.laneAddr,
 		tcpLaneAddr: st.tcpLaneAddr,
 		lossLog:     st.lossLog,
+		peerWarns:   st.lossLog,
+	}
+	if s.peerWarns == nil {
+		s.peerWarns = newPeerLog(nil, peerLogEvery) // logTo only
 	}
 	s.releasedCtx, s.markReleased = context.WithCancel(context.Background())
 	s.bulk.init()
