@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"io"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -14,6 +15,8 @@ import (
 
 	"github.com/hashicorp/yamux"
 	"github.com/stretchr/testify/require"
+
+	"github.com/gdrpc/gdrpc/internal/leaktest"
 )
 
 // stallingLaneServer answers a client's hello with a signed welcome that
@@ -338,6 +341,23 @@ func TestOpenStreamBounded(t *testing.T) {
 	_, err = s.link.OpenBulk(ctx)
 	require.ErrorIs(t, err, context.DeadlineExceeded)
 	require.Less(t, time.Since(start), 30*time.Second)
+	require.NoError(t, s.Err(), "the session lives on")
+
+	// Opens given up on leave no more than streamBacklog goroutines
+	// waiting in yamux for the peer.
+	for range 3 * streamBacklog {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Millisecond)
+		_, err := s.link.OpenBulk(ctx)
+		cancel()
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+	}
+	waiting := 0
+	for _, g := range leaktest.Goroutines("yamux.(*Session).OpenStream") {
+		if strings.Contains(g, "transport.(*Session).openStream") {
+			waiting++
+		}
+	}
+	require.LessOrEqual(t, waiting, streamBacklog)
 	require.NoError(t, s.Err(), "the session lives on")
 }
 

@@ -92,6 +92,9 @@ type Session struct {
 
 	ctrl    onceConn      // the control stream (a multiplexed stream or a lane)
 	ctrlSem chan struct{} // one writer at a time on the control stream
+	// openers bounds the goroutines in the multiplexer's OpenStream
+	// (openStream) to streamBacklog.
+	openers chan struct{}
 
 	rtt atomic.Int64
 
@@ -180,6 +183,7 @@ func newSession(st sessionSetup) (*Session, error) {
 		grpcCh:      make(chan net.Conn, 1),
 		ctrl:        onceConn{ready: make(chan struct{})},
 		ctrlSem:     make(chan struct{}, 1),
+		openers:     make(chan struct{}, streamBacklog),
 		done:        make(chan struct{}),
 		muxClosed:   make(chan struct{}),
 		closedRan:   make(chan struct{}),
@@ -640,15 +644,27 @@ func (s *Session) open(ctx context.Context, role byte) (*streamConn, error) {
 
 // openStream opens a multiplexed stream within ctx. yamux waits, without a
 // bound of its own, while streamBacklog of this side's streams wait for the
-// peer's acknowledgement; a stream it opens after ctx ended is closed.
+// peer's acknowledgement; a stream it opens after ctx ended is closed. The
+// goroutine that waits in yamux outlives ctx, until the peer acknowledges a
+// stream or the session ends: at most streamBacklog of them wait at once,
+// and an open past them waits for one within ctx, so that a peer that
+// acknowledges none of the streams this side opens does not pile them up.
 func (s *Session) openStream(ctx context.Context) (*yamux.Stream, error) {
 	type opened struct {
 		st  *yamux.Stream
 		err error
 	}
+	select {
+	case s.openers <- struct{}{}:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-s.done:
+		return nil, s.closedErr()
+	}
 	res := make(chan opened, 1)
 	go func() {
 		st, err := s.mux.OpenStream()
+		<-s.openers
 		res <- opened{st, err}
 	}()
 	select {
