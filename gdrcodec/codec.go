@@ -1364,6 +1364,9 @@ func (c *collected) collect(m protoreflect.Message) {
 // space goes back and it keeps no trace of what it named. An inline one
 // stays as it came.
 func (c *collected) collectForeign(m protoreflect.Message) {
+	if c.err == nil {
+		c.fail(c.count()) // inline or not, it counts towards MaxPayloads
+	}
 	var db gdrv1.DeviceBuffer
 	b, err := proto.Marshal(m.Interface())
 	if err == nil {

@@ -119,10 +119,15 @@ func scanDeviceBuffers(b []byte, md protoreflect.MessageDescriptor, depth int, f
 	return true
 }
 
-// mapValue returns the encoded value of entry, an encoded map entry (its
-// last, as the decoder takes it), or nil where it has none.
+// mapValue returns the encoded value of entry, an encoded map entry whose
+// value is a message, or nil where it has none. The decoder merges every
+// occurrence of the value into one message, so the value is their
+// encodings one after the other (a copy where there are several), which
+// decodes to that merge: a scan of its last alone would miss what the
+// others hold.
 func mapValue(entry []byte) []byte {
 	var value []byte
+	several := false
 	for len(entry) > 0 {
 		num, typ, n := protowire.ConsumeTag(entry)
 		if n < 0 {
@@ -133,7 +138,15 @@ func mapValue(entry []byte) []byte {
 			return value
 		}
 		if num == 2 && typ == protowire.BytesType {
-			value, _ = protowire.ConsumeBytes(entry)
+			v, _ := protowire.ConsumeBytes(entry)
+			switch {
+			case value == nil:
+				value = v
+			case !several:
+				value, several = append(append(make([]byte, 0, len(value)+len(v)), value...), v...), true
+			default:
+				value = append(value, v...)
+			}
 		}
 		entry = entry[n:]
 	}
