@@ -566,8 +566,10 @@ func (p *pull) dropBounce() {
 // timeout passes, or the session to the owner dies. On an error it returns
 // once the owner can no longer write into dst: where the owner answered
 // while bytes it began to send still arrive, once they stopped (past ctx's
-// end or the transfer timeout, the session to the owner is ended, which
-// stops them); where the session died before the owner answered, once its
+// end or the transfer timeout, and a grace of up to a second for bytes that
+// trail the answer, the session to the owner is ended, which stops them),
+// an answer for the stream path among them; where the session died before
+// the owner answered, once its
 // endpoints are released (up to their close's linger); or at ctx's end:
 // after ctx's end, as after its timeout, a write the owner began may still
 // land.
@@ -975,7 +977,17 @@ func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devi
 		}
 		select {
 		case <-p.released:
+			return
 		case <-ctx.Done():
+		}
+		// An honest owner's last bytes may trail its FIN (the FIN on the
+		// control stream, the bytes on the bulk lane): a grace before the
+		// session ends.
+		grace := time.NewTimer(finGrace(cfgOf(s).Timeout))
+		defer grace.Stop()
+		select {
+		case <-p.released:
+		case <-grace.C:
 			abort(s, fmt.Errorf("%w: %w", transport.ErrPeerGone, errOwnerStalled))
 			<-p.released
 		}
@@ -1048,7 +1060,11 @@ func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devi
 		select {
 		case err = <-p.bulk:
 		case <-ctx.Done():
-			letGo = giveUp
+			// The owner answered: the reader writing into dst is its
+			// stream's or frame's, which it may hold until its own
+			// deadline. letGo stays p.letGo, so that a dst the caller gave
+			// is the caller's again only once that reader stopped (the
+			// deferred wait above ends the session after a grace).
 			return f.Path, sessionError(d.Token, s, ctx, ctx.Err())
 		case <-s.Done():
 			letGo = settleNow
@@ -1316,11 +1332,16 @@ func serveBulk(s *transport.Session, c net.Conn) {
 			// this deadline; one that keeps it open past a short grace
 			// stalled it on purpose, and the session ends, not a transfer
 			// timeout later.
-			grace = min(timeout/4, time.Second)
+			grace = finGrace(timeout)
 		}
 	}
 	endBulk(s, c, grace, nil)
 }
+
+// finGrace is how long an owner's bytes that trail what ended a transfer
+// for this side (its FIN, or the end of its push's time) may still come
+// before the session ends, for a transfer timeout of timeout.
+func finGrace(timeout time.Duration) time.Duration { return min(timeout/4, time.Second) }
 
 // endBulk waits for the owner to close a bulk stream, reading what it still
 // sends into nothing (a pull given up, a stream cut short): the multiplexer

@@ -347,3 +347,66 @@ func halfBulk(t *testing.T, s *transport.Session, m *rtr) net.Conn {
 	require.NoError(t, err)
 	return c
 }
+
+// An owner that answers ok for the stream path while its frame or stream
+// is stalled mid-body, the caller's context ending while Fetch waits for
+// the rest: Fetch returns once nothing writes into the caller's memory any
+// more (after a grace, the session to the owner ends), not with the reader
+// still holding it for the owner's late bytes.
+func TestStalledBulkThenFINOkCancelled(t *testing.T) {
+	for _, lanes := range []bool{true, false} {
+		t.Run(map[bool]string{true: "lane", false: "multiplexed"}[lanes], func(t *testing.T) {
+			setTransferConfig(t, TransferConfig{Timeout: time.Minute})
+			var owner atomic.Pointer[transport.Session]
+			stalled := stallThenFIN(t, &owner, lanes, &fin{Status: finOK, Path: PathStream})
+			opts := []transport.Option{transport.WithMode(transport.ModeTCP), transport.WithLanes(lanes)}
+			_, cs, ss, _, _ := lanePair(t, opts, opts)
+			owner.Store(ss)
+			// The FIN as it reaches the caller's side, once handled there.
+			delivered := make(chan uint64, 1)
+			interceptControl(t, ctlFIN, func(s *transport.Session, payload []byte) bool {
+				if s != cs {
+					return false
+				}
+				handleFIN(s, payload)
+				if f, err := parseFIN(payload); err == nil {
+					delivered <- f.Req
+				}
+				return true
+			})
+
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			taken := make(chan net.Conn, 1)
+			go func() {
+				c := <-stalled
+				req := <-delivered
+				pulls.Lock()
+				p := pulls.m[req]
+				pulls.Unlock()
+				// Fetch took the FIN and waits for the stream's rest: the
+				// caller's time is up.
+				assert.NotNil(t, p)
+				if p != nil {
+					assert.Eventually(t, func() bool { return len(p.fin) == 0 }, testTimeout, time.Millisecond, "Fetch takes the FIN")
+				}
+				cancel()
+				taken <- c
+			}()
+			const n = 1 << 20
+			p := make([]byte, n)
+			_, err := FetchBytes(ctx, Descriptor{Owner: cs.Peer().ID, Token: newToken(), Length: n, Kind: devicebuf.Host, Device: -1}, p)
+			require.ErrorIs(t, err, context.Canceled)
+			require.Zero(t, reservedPulls(cs), "FetchBytes returned while the owner's reader wrote into the slice")
+			select {
+			case <-cs.Done():
+			case <-time.After(testTimeout):
+				t.Fatal("the session to the owner outlived the stalled transfer")
+			}
+			require.ErrorIs(t, cs.Err(), errOwnerStalled)
+			c := waitFor(t, taken, "the stalled transfer")
+			_, _ = c.Write(bytes.Repeat([]byte{0xBB}, laneFrameMax/2)) // reaches no reader
+			require.Equal(t, -1, bytes.IndexByte(p, 0xBB), "the owner's late bytes reached the caller's slice")
+		})
+	}
+}
