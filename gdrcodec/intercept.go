@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"reflect"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -493,11 +494,40 @@ func receiveFailed(v any, err error) error {
 		return err
 	}
 	m := messageV2Of(v)
-	if m == nil || !serverRequest(m.ProtoReflect()) {
+	if m == nil || !serverRequest(m.ProtoReflect()) || !inUnaryServerCall() {
 		return err
 	}
 	failures.put(v, st)
 	return nil
+}
+
+// inUnaryServerCall reports whether its caller runs within a gRPC server's
+// unary call, whose request's decode it is then. serverRequest counts the
+// calls decoding a request of a type, process-wide, and a peer can hold one
+// such call open by sending its headers alone: meanwhile a response of that
+// type that a plain gRPC client of this process decodes (with the proto
+// codec Register replaced) would be taken for a request, its failure filed
+// for a server that never takes it and the response handed to the client as
+// if it were whole. A failed decode is rare, and a walk of its stack cheap
+// beside it. The frames are gRPC's: the handler of a unary method, which
+// decodes the request (wrapUnaryHandler; processUnaryRPC before gRPC-Go
+// 1.85). Tests of a plain client's refused request fail if a gRPC release
+// names them otherwise.
+func inUnaryServerCall() bool {
+	var pcs [64]uintptr
+	frames := runtime.CallersFrames(pcs[:runtime.Callers(2, pcs[:])])
+	for {
+		f, more := frames.Next()
+		// Inlined, the handler's closure is named after its caller too
+		// ("grpc.(*Server).register.(*Server).wrapUnaryHandler.func1.1").
+		if fn, ok := strings.CutPrefix(f.Function, "google.golang.org/grpc."); ok &&
+			(strings.Contains(fn, "(*Server).wrapUnaryHandler") || strings.Contains(fn, "(*Server).processUnaryRPC")) {
+			return true
+		}
+		if !more {
+			return false
+		}
+	}
 }
 
 // decoding counts, by request type, the unary calls of servers with
