@@ -35,7 +35,9 @@ func (protobufOnly) Unmarshal(data mem.BufferSlice, v any) error {
 
 // namingServer answers Echo with a tensor whose DeviceBuffer names an
 // out-of-band payload, which no plain peer can hand over.
-type namingServer struct{ tensorpb.UnimplementedTensorServiceServer }
+type namingServer struct {
+	tensorpb.UnimplementedTensorServiceServer
+}
 
 func (namingServer) Echo(context.Context, *tensorpb.Tensor) (*tensorpb.Tensor, error) {
 	owner, token := make([]byte, 16), make([]byte, 16)
