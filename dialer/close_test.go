@@ -74,13 +74,7 @@ func TestDialerCloseWaits(t *testing.T) {
 			d := dialer.New(gdrpc.WithSessionOptions(tc.options(t)...))
 			var sessions []*gdrpc.Session
 			for i := range 2 {
-				cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(nil)...)
-				require.NoError(t, err)
-				var p peer.Peer
-				_, err = testpb.NewTestServiceClient(cc).UnaryCall(t.Context(), &testpb.SimpleRequest{Payload: &testpb.Payload{Body: pattern(1024)}}, grpc.Peer(&p))
-				require.NoError(t, err)
-				s := gdrpc.SessionFromPeer(&p)
-				require.NotNil(t, s)
+				cc, s := dialCall(t, d, addr)
 				sessions = append(sessions, s)
 				if i == 0 {
 					require.NoError(t, cc.Close()) // closing gracefully
@@ -286,13 +280,7 @@ func TestDialerForgetsReleased(t *testing.T) {
 	defer d.Close()
 	var sessions []*gdrpc.Session
 	for range 3 {
-		cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(nil)...)
-		require.NoError(t, err)
-		var p peer.Peer
-		_, err = testpb.NewTestServiceClient(cc).UnaryCall(t.Context(), &testpb.SimpleRequest{Payload: &testpb.Payload{Body: pattern(1024)}}, grpc.Peer(&p))
-		require.NoError(t, err)
-		s := gdrpc.SessionFromPeer(&p)
-		require.NotNil(t, s)
+		cc, s := dialCall(t, d, addr)
 		sessions = append(sessions, s)
 		require.NoError(t, cc.Close())
 	}
@@ -304,4 +292,18 @@ func TestDialerForgetsReleased(t *testing.T) {
 		}
 	}
 	require.Eventually(t, func() bool { return d.Sessions() == 0 }, testTimeout, time.Millisecond, "sessions the Dialer still holds")
+}
+
+// dialCall makes a ClientConn to addr over d and calls it once (1 KiB): it
+// returns the conn and the session the call went over.
+func dialCall(t *testing.T, d *dialer.Dialer, addr string) (*grpc.ClientConn, *gdrpc.Session) {
+	t.Helper()
+	cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(nil)...)
+	require.NoError(t, err)
+	var p peer.Peer
+	_, err = testpb.NewTestServiceClient(cc).UnaryCall(t.Context(), &testpb.SimpleRequest{Payload: &testpb.Payload{Body: pattern(1024)}}, grpc.Peer(&p))
+	require.NoError(t, err)
+	s := gdrpc.SessionFromPeer(&p)
+	require.NotNil(t, s)
+	return cc, s
 }

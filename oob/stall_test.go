@@ -243,16 +243,7 @@ func TestStalledBulkPastPullTime(t *testing.T) {
 			p := make([]byte, n)
 			_, err := FetchBytes(ctx, Descriptor{Owner: cs.Peer().ID, Token: newToken(), Length: n, Kind: devicebuf.Host, Device: -1}, p)
 			require.ErrorContains(t, err, "owner refused: nope")
-			require.Zero(t, reservedPulls(cs), "FetchBytes returned while the owner's reader wrote into the slice")
-			select {
-			case <-cs.Done():
-			case <-time.After(testTimeout):
-				t.Fatal("the session to the owner outlived the stalled transfer")
-			}
-			require.ErrorIs(t, cs.Err(), errOwnerStalled)
-			c := waitFor(t, taken, "the stalled transfer")
-			_, _ = c.Write(bytes.Repeat([]byte{0xBB}, laneFrameMax/2)) // reaches no reader
-			require.Equal(t, -1, bytes.IndexByte(p, 0xBB), "the owner's late bytes reached the caller's slice")
+			requireStallEnded(t, cs, p, taken)
 		})
 	}
 }
@@ -397,16 +388,25 @@ func TestStalledBulkThenFINOkCancelled(t *testing.T) {
 			p := make([]byte, n)
 			_, err := FetchBytes(ctx, Descriptor{Owner: cs.Peer().ID, Token: newToken(), Length: n, Kind: devicebuf.Host, Device: -1}, p)
 			require.ErrorIs(t, err, context.Canceled)
-			require.Zero(t, reservedPulls(cs), "FetchBytes returned while the owner's reader wrote into the slice")
-			select {
-			case <-cs.Done():
-			case <-time.After(testTimeout):
-				t.Fatal("the session to the owner outlived the stalled transfer")
-			}
-			require.ErrorIs(t, cs.Err(), errOwnerStalled)
-			c := waitFor(t, taken, "the stalled transfer")
-			_, _ = c.Write(bytes.Repeat([]byte{0xBB}, laneFrameMax/2)) // reaches no reader
-			require.Equal(t, -1, bytes.IndexByte(p, 0xBB), "the owner's late bytes reached the caller's slice")
+			requireStallEnded(t, cs, p, taken)
 		})
 	}
+}
+
+// requireStallEnded asserts what follows a Fetch into p, over cs, that
+// returned while the owner stalled its transfer: nothing of the pull is
+// left reading into p, the session to the owner ended as stalled, and the
+// owner's late bytes on the stalled conn (taken) reach no reader.
+func requireStallEnded(t *testing.T, cs *transport.Session, p []byte, taken <-chan net.Conn) {
+	t.Helper()
+	require.Zero(t, reservedPulls(cs), "FetchBytes returned while the owner's reader wrote into the slice")
+	select {
+	case <-cs.Done():
+	case <-time.After(testTimeout):
+		t.Fatal("the session to the owner outlived the stalled transfer")
+	}
+	require.ErrorIs(t, cs.Err(), errOwnerStalled)
+	c := waitFor(t, taken, "the stalled transfer")
+	_, _ = c.Write(bytes.Repeat([]byte{0xBB}, laneFrameMax/2)) // reaches no reader
+	require.Equal(t, -1, bytes.IndexByte(p, 0xBB), "the owner's late bytes reached the caller's slice")
 }
