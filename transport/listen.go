@@ -429,7 +429,15 @@ func CloseGracefully(c net.Conn, cut <-chan struct{}) (cutShort bool) {
 	case <-cut: // no graceful close, which over UCX may wait for the peer
 		cutShort = !released(s)
 	default:
-		_ = c.Close()
+		// The conn's own close may wait too: a multiplexed stream's end is
+		// a frame, which waits behind a peer that reads nothing, up to the
+		// keepalive timeout (the session's Close below ends that wait).
+		closed := make(chan struct{})
+		go func() {
+			defer close(closed)
+			_ = c.Close()
+		}()
+		defer func() { <-closed }()
 		select {
 		case <-s.Released():
 		case <-cut:
