@@ -250,6 +250,9 @@ func newSession(st sessionSetup) (*Session, error) {
 		cancel()
 		if err != nil {
 			_ = s.mux.Close()
+			if s.useLane() {
+				return nil, fmt.Errorf("gdrpc: open the session's lanes: %w", err)
+			}
 			return nil, fmt.Errorf("gdrpc: open control stream: %w", err)
 		}
 		s.ctrl.set(c)
