@@ -291,16 +291,14 @@ type underConn struct {
 	linger atomic.Int64 // Close lingers until then (Unix nanoseconds), if not 0
 }
 
-// lingerUntil makes Close linger (lingerClose) until t, where the connection
-// is a TCP one.
+// lingerUntil makes Close linger (lingerClose) until t, and the multiplexer's
+// reads end; the connection is a TCP one.
 func (c *underConn) lingerUntil(t time.Time) { c.linger.Store(t.UnixNano()) }
 
 // Close closes the connection, lingering if lingerUntil said so.
 func (c *underConn) Close() error {
 	if until := c.linger.Load(); until != 0 {
-		if tc := tcpOf(c.Conn); tc != nil {
-			return lingerClose(tc, time.Unix(0, until))
-		}
+		return lingerClose(tcpOf(c.Conn), time.Unix(0, until))
 	}
 	return c.Conn.Close()
 }

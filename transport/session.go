@@ -469,7 +469,9 @@ func (s *Session) closeLingering(cause error, linger bool) {
 			var until time.Time
 			if linger {
 				until = time.Now().Add(lingerBound)
-				s.under.lingerUntil(until)
+				if tcpOf(s.under.Conn) != nil {
+					s.under.lingerUntil(until) // a UCX endpoint has its own linger
+				}
 			}
 			s.closeLanesLingering(until)
 			_ = s.mux.Close() // wakes every stream, then closes the underlying connection
