@@ -33,27 +33,13 @@ func TestCloseGracefullyCutWhileCloseWaits(t *testing.T) {
 	c1, c2 := net.Pipe() // no buffer: a write waits for the peer's read
 	server := &heldReads{Conn: c2, release: make(chan struct{})}
 	opts := []Option{WithMode(ModeTCP), WithKeepAlive(-1, 30*time.Second)}
+	cs, ss := pairOver(t, c1, server, opts, opts)
+	defer close(server.release) // before the sessions' Close: the server's reader takes its end
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	type made struct {
-		s   *Session
-		err error
-	}
-	ch := make(chan made, 1)
-	go func() {
-		s, err := NewServerSession(ctx, server, opts...)
-		ch <- made{s, err}
-	}()
-	cs, err := NewClientSession(ctx, c1, opts...)
-	require.NoError(t, err)
-	defer cs.Close()
-	m := <-ch
-	require.NoError(t, m.err)
-	defer m.s.Close()
-	defer close(server.release) // before the sessions' Close: the server's reader takes its end
 	cc, err := cs.Conn(ctx)
 	require.NoError(t, err)
-	_, err = m.s.Conn(ctx)
+	_, err = ss.Conn(ctx)
 	require.NoError(t, err)
 
 	server.held.Store(true)

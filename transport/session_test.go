@@ -67,6 +67,12 @@ func pipePair(t *testing.T, opts ...Option) (client, server *Session) {
 func pipePairWith(t *testing.T, clientOpts, serverOpts []Option) (client, server *Session) {
 	t.Helper()
 	c1, c2 := net.Pipe()
+	return pairOver(t, c1, c2, clientOpts, serverOpts)
+}
+
+// pairOver is pipePairWith over c1 (the client's end) and c2.
+func pairOver(t *testing.T, c1, c2 net.Conn, clientOpts, serverOpts []Option) (client, server *Session) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	ch := make(chan *Session, 1)
