@@ -291,24 +291,54 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 }
 
 // dialAdmitted dials a gdrpc UCX listener at addr, making a request it
-// turned away again, with a growing pause, until ctx ends: the listener
-// takes requests only while a proven handshake or lane waits for one, and
-// while it has an endpoint slot free.
-func dialAdmitted(ctx context.Context, w *rdma.Worker, addr string) (*rdma.Endpoint, error) {
-	pause := time.Millisecond
+// turned away again, with a growing pause (pause, updated), until ctx ends:
+// the listener takes requests only while a proven handshake or lane waits
+// for one, and while it has an endpoint slot free.
+func dialAdmitted(ctx context.Context, w *rdma.Worker, addr string, pause *time.Duration) (*rdma.Endpoint, error) {
 	ep, err := w.Dial(ctx, addr)
 	for errors.Is(err, rdma.ErrRejected) {
-		t := time.NewTimer(pause)
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
+		if err := pauseAdmission(ctx, pause); err != nil {
 			return nil, ctxErr(ctx, err)
 		}
-		pause = min(2*pause, 100*time.Millisecond)
 		ep, err = w.Dial(ctx, addr)
 	}
 	return ep, err
+}
+
+// pauseAdmission waits *pause before a UCX listener is dialed again, and
+// doubles it up to 100 ms (a zero pause starts at 1 ms). It returns ctx's
+// error if ctx ends first.
+func pauseAdmission(ctx context.Context, pause *time.Duration) error {
+	*pause = min(max(2**pause, time.Millisecond), 100*time.Millisecond)
+	t := time.NewTimer(*pause)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// presentToken sends msg (a magic and the token that names a handshake or
+// a session) on ep, a new endpoint to a gdrpc UCX listener, and reads the
+// listener's one-byte answer. It closes ep on error. shed reports an
+// endpoint the listener closed unanswered: past its slots it closes one it
+// took (acceptUCX), since requests that pass its filter together may
+// outnumber them, and such an endpoint is dialed again like a request
+// turned away.
+func presentToken(ctx context.Context, ep net.Conn, msg []byte) (ack byte, shed bool, err error) {
+	unbind := bindDeadline(ctx, ep)
+	var b [1]byte
+	if _, err = ep.Write(msg); err == nil {
+		_, err = io.ReadFull(ep, b[:])
+	}
+	unbind()
+	if err != nil {
+		_ = ep.Close()
+		return 0, ctx.Err() == nil && errors.Is(err, io.EOF), ctxErr(ctx, err)
+	}
+	return b[0], false, nil
 }
 
 // upgradeUCX dials the server's UCX listener and proves the session with its
@@ -318,29 +348,28 @@ func upgradeUCX(ctx context.Context, rctx *rdma.Context, addr string, token ID) 
 	if w == nil {
 		return nil, fmt.Errorf("UCX context has no worker: %w", rdma.ErrNotSupported)
 	}
-	// The server's UCX listener takes the request once the server checked
-	// the proof, which this dial may overtake.
-	ep, err := dialAdmitted(ctx, w, addr)
-	if err != nil {
-		return nil, err
-	}
-	unbind := bindDeadline(ctx, ep)
 	msg := append([]byte(upgradeMagic), token[:]...)
-	if _, err := ep.Write(msg); err != nil {
-		unbind()
-		_ = ep.Close()
-		return nil, ctxErr(ctx, fmt.Errorf("send token: %w", err))
+	var pause time.Duration
+	for {
+		// The server's UCX listener takes the request once the server
+		// checked the proof, which this dial may overtake.
+		ep, err := dialAdmitted(ctx, w, addr, &pause)
+		if err != nil {
+			return nil, err
+		}
+		ack, shed, err := presentToken(ctx, ep, msg)
+		switch {
+		case shed:
+			if err := pauseAdmission(ctx, &pause); err != nil {
+				return nil, ctxErr(ctx, err)
+			}
+			continue
+		case err != nil:
+			return nil, fmt.Errorf("present token: %w", err)
+		case ack != upgradeAckOK:
+			_ = ep.Close()
+			return nil, fmt.Errorf("server refused the UCX upgrade (ack %d)", ack)
+		}
+		return ep, nil
 	}
-	var ack [1]byte
-	if _, err := io.ReadFull(ep, ack[:]); err != nil {
-		unbind()
-		_ = ep.Close()
-		return nil, ctxErr(ctx, fmt.Errorf("read ack: %w", err))
-	}
-	unbind()
-	if ack[0] != upgradeAckOK {
-		_ = ep.Close()
-		return nil, fmt.Errorf("server refused the UCX upgrade (ack %d)", ack[0])
-	}
-	return ep, nil
 }

@@ -415,47 +415,51 @@ func (s *Session) openLaneAfter(ctx context.Context, role byte, after <-chan str
 			return fmt.Errorf("gdrpc: open lane to %s: %w: %w", addr, errLaneUndialed, ctx.Err())
 		}
 	}
+	var w *rdma.Worker
 	if overUCX {
-		w := s.rctx.Worker()
-		if w == nil {
+		if w = s.rctx.Worker(); w == nil {
 			return nil, fmt.Errorf("gdrpc: open lane: UCX context has no worker: %w", rdma.ErrNotSupported)
 		}
-		ep, err = dialAdmitted(ctx, w, addr)
-	} else {
-		if err := wait(); err != nil {
-			return nil, err
-		}
-		var d net.Dialer
-		ep, err = d.DialContext(ctx, "tcp", addr)
 	}
-	if err != nil {
-		return nil, fmt.Errorf("gdrpc: open lane to %s: %w: %w", addr, errLaneUndialed, ctxErr(ctx, err))
-	}
-	if overUCX {
-		if err := wait(); err != nil {
-			_ = ep.Close()
-			return nil, err
-		}
-	}
-	unbind := bindDeadline(ctx, ep)
 	msg := append(append([]byte(laneMagic), s.token[:]...), role)
-	var ack [1]byte
-	if _, err = ep.Write(msg); err == nil {
-		_, err = io.ReadFull(ep, ack[:])
+	var pause time.Duration
+	for {
+		if overUCX {
+			ep, err = dialAdmitted(ctx, w, addr, &pause)
+		} else {
+			if err := wait(); err != nil {
+				return nil, err
+			}
+			var d net.Dialer
+			ep, err = d.DialContext(ctx, "tcp", addr)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("gdrpc: open lane to %s: %w: %w", addr, errLaneUndialed, ctxErr(ctx, err))
+		}
+		if overUCX {
+			if err := wait(); err != nil {
+				_ = ep.Close()
+				return nil, err
+			}
+		}
+		ack, shed, err := presentToken(ctx, ep, msg)
+		switch {
+		case shed && overUCX:
+			if err := pauseAdmission(ctx, &pause); err != nil {
+				return nil, fmt.Errorf("gdrpc: open lane: %w", ctxErr(ctx, err))
+			}
+			continue
+		case err != nil:
+			return nil, fmt.Errorf("gdrpc: open lane: %w", err)
+		case ack == upgradeAckTaken:
+			_ = ep.Close()
+			return nil, fmt.Errorf("gdrpc: open lane: %w", errLaneTaken)
+		case ack != upgradeAckOK:
+			_ = ep.Close()
+			return nil, fmt.Errorf("gdrpc: open lane: %w", errLaneRefused)
+		}
+		return s.attachLane(ep, role)
 	}
-	unbind()
-	switch {
-	case err != nil:
-		_ = ep.Close()
-		return nil, fmt.Errorf("gdrpc: open lane: %w", ctxErr(ctx, err))
-	case ack[0] == upgradeAckTaken:
-		_ = ep.Close()
-		return nil, fmt.Errorf("gdrpc: open lane: %w", errLaneTaken)
-	case ack[0] != upgradeAckOK:
-		_ = ep.Close()
-		return nil, fmt.Errorf("gdrpc: open lane: %w", errLaneRefused)
-	}
-	return s.attachLane(ep, role)
 }
 
 // attachLane adds ep to the session's lanes and returns its conn. It fails,

@@ -1019,9 +1019,9 @@ func (l *Listener) acceptUCX() {
 const maxShedding = 8
 
 // shed ends ep, an endpoint the listener has no slot for. It is closed, so
-// that an honest client turned away learns it at once, on a goroutine of
-// its own: a close waits up to 2 s for a peer that does not answer, which
-// would hold the accept loop from every other client. Past maxShedding such
+// that an honest client learns it at once and dials again (presentToken),
+// on a goroutine of its own: a close waits up to 2 s for a peer that does
+// not answer, which would hold the accept loop from every other client. Past maxShedding such
 // closes at once, it is aborted (its peer learns when UCX notices).
 func (l *Listener) shed(ep *rdma.Endpoint) {
 	select {

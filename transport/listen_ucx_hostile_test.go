@@ -2,6 +2,7 @@ package transport
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
@@ -273,6 +274,49 @@ func TestUpgradeRetriesUntilProven(t *testing.T) {
 	case <-ctx.Done():
 		t.Fatal("the endpoint did not reach its handshake")
 	}
+}
+
+// TestShedEndpointDialedAgain: an endpoint the listener closes before it
+// answers, as it closes one it took past its slots, is dialed again; the
+// token goes on the next endpoint, whose ack completes the upgrade.
+func TestShedEndpointDialedAgain(t *testing.T) {
+	rc := internalUCX(t)
+	ul, err := rc.Worker().Listen("127.0.0.1:0")
+	require.NoError(t, err)
+	defer ul.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+	defer cancel()
+	token := newToken()
+	served := make(chan error, 1)
+	go func() {
+		shed, err := ul.Accept(ctx)
+		if err != nil {
+			served <- err
+			return
+		}
+		_ = shed.Close() // unanswered, unread
+		ep, err := ul.Accept(ctx)
+		if err != nil {
+			served <- err
+			return
+		}
+		defer ep.Close()
+		msg := make([]byte, len(upgradeMagic)+len(token))
+		if _, err := io.ReadFull(ep, msg); err != nil {
+			served <- err
+			return
+		}
+		if string(msg) != upgradeMagic+string(token[:]) {
+			served <- fmt.Errorf("token %q", msg)
+			return
+		}
+		_, err = ep.Write([]byte{upgradeAckOK})
+		served <- err
+	}()
+	ep, err := upgradeUCX(ctx, rc, ul.Addr().String(), token)
+	require.NoError(t, err, "the shed endpoint is dialed again")
+	require.NoError(t, <-served)
+	require.NoError(t, ep.Close())
 }
 
 // TestLaneSlotForgottenWithGRPCStream: a proven client that announced lanes
