@@ -8,15 +8,18 @@ import (
 
 // expiring maps messages to what the codec noted about them until a later
 // hook takes it. Entries nobody takes (the hook never ran for that message)
-// are dropped once older than maxAge, by a sweep that a put runs at most once
-// a minute, and given to expired, if set, as are entries a put replaces.
+// are dropped once older than maxAge, by a sweep that runs every maxAge
+// while the map holds any (so at most 2*maxAge after their put, with puts
+// or without), and given to expired, if set, as are entries a put replaces.
+// An entry may hold what a peer waits for (a pull's ranges of its space),
+// which an idle process must give back too.
 type expiring[V any] struct {
 	maxAge  time.Duration
 	expired func(V)      // what to do with an entry nobody took; nil: nothing
 	n       atomic.Int64 // len(m), read without mu
 	mu      sync.Mutex
 	m       map[any]expiringEntry[V]
-	swept   time.Time
+	sweeper *time.Timer // armed while m holds entries; nil while it is empty
 }
 
 type expiringEntry[V any] struct {
@@ -38,37 +41,48 @@ func (e *expiring[V]) putNew(k any, v V) bool { return e.store(k, v, false) }
 
 func (e *expiring[V]) store(k any, v V, replace bool) bool {
 	now := time.Now()
-	var old []V
-	defer func() {
-		for _, v := range old {
-			e.expired(v)
-		}
-	}()
 	e.mu.Lock()
-	defer e.mu.Unlock()
-	if en, ok := e.m[k]; ok {
-		if !replace && now.Sub(en.at) <= e.maxAge {
-			return false
-		}
-		if e.expired != nil {
-			old = append(old, en.v) // replaced: nobody takes it now
-		}
+	en, had := e.m[k]
+	if had && !replace && now.Sub(en.at) <= e.maxAge {
+		e.mu.Unlock()
+		return false
 	}
 	e.m[k] = expiringEntry[V]{v: v, at: now}
-	defer func() { e.n.Store(int64(len(e.m))) }()
-	if now.Sub(e.swept) < time.Minute {
-		return true
+	e.n.Store(int64(len(e.m)))
+	if e.sweeper == nil {
+		e.sweeper = time.AfterFunc(e.maxAge, e.sweep)
 	}
-	e.swept = now
+	e.mu.Unlock()
+	if had && e.expired != nil {
+		e.expired(en.v) // replaced: nobody takes it now
+	}
+	return true
+}
+
+// sweep drops the entries older than maxAge, giving them to expired, and
+// runs again after maxAge while entries are left.
+func (e *expiring[V]) sweep() {
+	now := time.Now()
+	var old []V
+	e.mu.Lock()
 	for key, en := range e.m {
 		if now.Sub(en.at) > e.maxAge {
 			delete(e.m, key)
-			if e.expired != nil {
-				old = append(old, en.v)
-			}
+			old = append(old, en.v)
 		}
 	}
-	return true
+	e.n.Store(int64(len(e.m)))
+	if len(e.m) > 0 {
+		e.sweeper.Reset(e.maxAge)
+	} else {
+		e.sweeper = nil
+	}
+	e.mu.Unlock()
+	if e.expired != nil {
+		for _, v := range old {
+			e.expired(v)
+		}
+	}
 }
 
 // take removes and returns what was noted for k.
