@@ -176,8 +176,18 @@ func (e *Endpoint) unpackKey(packed []byte, foreign bool) (*RemoteKey, error) {
 	// peer it reaches, lanes or not; only those of lanes are known by kind,
 	// and so checked: the others go.
 	pk.rkey = laneKey(pk.rkey, lanes)
+	var held []func() // the segments checked, until UCX attached them too
+	defer func() {
+		for _, release := range held {
+			release()
+		}
+	}()
 	if err := rkeyComponents(pk.rkey, func(md int, comp []byte) error {
-		return checkSegment(lanes[md], comp, foreign, pk.base, pk.length)
+		release, err := checkSegment(lanes[md], comp, foreign, pk.base, pk.length)
+		if release != nil {
+			held = append(held, release)
+		}
+		return err
 	}); err != nil {
 		return nil, fmt.Errorf("rdma: unpack key: %w", err)
 	}

@@ -83,6 +83,7 @@ const (
 	posixProcFS   = 1 << 63
 	posixShmOpen  = 1 << 62
 	posixHugeTLB  = 1 << 61
+	posixPIDNS    = 1 << 60 // the owner's pid is in its own namespace (UCX 1.16 on)
 	posixFlags    = 0xf << 60
 	posixPIDBits  = 30
 	posixKeyBytes = 24 // segment id, owner's address, length
@@ -93,13 +94,20 @@ const (
 // checkSegment reports why UCX must not unpack comp, the key of a peer's
 // memory domain of kind component, for the region [base, base+length) the
 // key's header names: a shared-memory segment that does not attach, a file
-// that is no UCX segment, or a segment that does not hold the region. UCX
-// attaches a posix or sysv segment as it unpacks the key, with this
-// process's rights, and a failed attach crashes ucp_ep_rkey_unpack (UCX 1.13
-// to 1.18: its error path releases the key it failed to make), so a receiver
-// that died after its RTR, or a forged key, would take the owner down.
-// Checked here, the segment's end between this check and UCX's attach is
-// left: a window of microseconds.
+// that is no UCX segment, a segment that does not hold the region, or one
+// this process could not map. UCX attaches a posix or sysv segment as it
+// unpacks the key, with this process's rights, and a failed attach crashes
+// ucp_ep_rkey_unpack (UCX 1.13 to 1.18: its error path releases the key it
+// failed to make, and may free what it never allocated), so a receiver that
+// died after its RTR, or a forged key, would take the owner down.
+//
+// What is checked is what UCX attaches: the segment stays held from the
+// check until release, which the caller runs once UCX's unpack returned. A
+// posix key is rewritten, in comp, to name this process's own descriptor of
+// the file checked, so that UCX opens that file and not what the peer's
+// descriptor or name refers to by then; a sysv segment stays attached here,
+// so that it cannot go, nor its id name another. release is nil when err is
+// not, and for keys of other domains.
 //
 // A put or get through the key reaches address a of the region at a, less
 // the address the key says the segment has in its owner, plus where this
@@ -109,18 +117,16 @@ const (
 //
 // With foreign set the key must name the peer's memory, not this process's:
 // a posix segment under this process's id or one of its threads', or a sysv
-// segment it created, is
-// refused, for this process's puts would land in its own memory (another
-// peer's receive space, a pool of its own). UCX's shm_open mode names a
-// posix segment without its creator; that mode is not UCX's default.
-func checkSegment(component string, comp []byte, foreign bool, base, length uint64) error {
+// segment it created, is refused, for this process's puts would land in its
+// own memory (another peer's receive space, a pool of its own).
+func checkSegment(component string, comp []byte, foreign bool, base, length uint64) (release func(), err error) {
 	switch component {
 	case "posix":
 		return checkPosixSegment(comp, foreign, base, length)
 	case "sysv":
 		return checkSysvSegment(comp, foreign, base, length)
 	}
-	return nil
+	return nil, nil
 }
 
 // holdsRegion reports why a segment of n bytes at addr in its owner does not
@@ -132,39 +138,67 @@ func holdsRegion(addr, n, base, length uint64) error {
 	return nil
 }
 
-func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) error {
+func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) (func(), error) {
 	if len(comp) < posixKeyBytes {
-		return fmt.Errorf("%w: posix segment key of %d bytes", ErrBadKey, len(comp))
+		return nil, fmt.Errorf("%w: posix segment key of %d bytes", ErrBadKey, len(comp))
 	}
 	id := binary.LittleEndian.Uint64(comp)
 	length := binary.LittleEndian.Uint64(comp[16:])
 	if length == 0 {
-		return fmt.Errorf("%w: empty posix segment", ErrBadKey)
+		return nil, fmt.Errorf("%w: empty posix segment", ErrBadKey)
 	}
 	if err := holdsRegion(binary.LittleEndian.Uint64(comp[8:]), length, base, regionLen); err != nil {
-		return err
+		return nil, err
+	}
+	if max := segmentMax(); length > max {
+		// UCX maps the whole length the key says: one past the host's
+		// memory is no segment a peer made, and its mapping could fail.
+		return nil, fmt.Errorf("%w: its posix segment of %d bytes is larger than this host's memory (%d)", ErrBadKey, length, max)
 	}
 	mmid := id &^ posixFlags
 	var path string
+	flags := os.O_RDWR
 	switch {
 	case id&posixProcFS != 0:
 		pid := mmid & (1<<posixPIDBits - 1)
 		if foreign && ownTask(pid) {
-			return fmt.Errorf("%w: its posix segment is this process's own", ErrBadKey)
+			return nil, fmt.Errorf("%w: its posix segment is this process's own", ErrBadKey)
 		}
 		path = fmt.Sprintf("/proc/%d/fd/%d", pid, mmid>>posixPIDBits)
 	case id&posixShmOpen != 0:
 		path = fmt.Sprintf("/dev/shm/%s%x", posixFilePfx, mmid)
+		flags |= unix.O_NOFOLLOW // as shm_open opens it
 	default:
 		// A file in a directory the key names (UCX_POSIX_USE_PROC_LINK=n
 		// without shm_open): a path the peer chose.
-		return fmt.Errorf("%w: posix segment named by a directory path", ErrBadKey)
+		return nil, fmt.Errorf("%w: posix segment named by a directory path", ErrBadKey)
 	}
-	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	f, err := os.OpenFile(path, flags, 0)
 	if err != nil {
-		return fmt.Errorf("%w: its posix segment does not open: %w", ErrBadKey, err)
+		return nil, fmt.Errorf("%w: its posix segment does not open: %w", ErrBadKey, err)
 	}
-	defer f.Close()
+	if err := checkPosixFile(f, path, id, length); err != nil {
+		f.Close()
+		return nil, err
+	}
+	// UCX opens the descriptor this process holds, through procfs: the file
+	// checked, whatever the peer's descriptor or name became since.
+	fd := uint64(f.Fd())
+	if fd >= 1<<(60-posixPIDBits) || uint64(os.Getpid()) >= 1<<posixPIDBits {
+		f.Close()
+		return nil, fmt.Errorf("%w: descriptor %d or process id %d does not fit a posix segment id", ErrBadKey, fd, os.Getpid())
+	}
+	own := id&(posixHugeTLB|posixPIDNS) | posixProcFS | fd<<posixPIDBits | uint64(os.Getpid())
+	binary.LittleEndian.PutUint64(comp, own)
+	return func() { f.Close() }, nil
+}
+
+// checkPosixFile reports why f, opened at path for the posix key whose
+// segment id is id, is no segment UCX can map length bytes of: a file of
+// another kind or a shorter one, one flagged for huge pages off hugetlbfs,
+// a descriptor open on a file that is no UCX segment, or a mapping this
+// process cannot make now.
+func checkPosixFile(f *os.File, path string, id, length uint64) error {
 	fi, err := f.Stat()
 	if err != nil {
 		return fmt.Errorf("%w: its posix segment: %w", ErrBadKey, err)
@@ -174,6 +208,7 @@ func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) error 
 	if !fi.Mode().IsRegular() || fi.Size() < 0 || (uint64(fi.Size())+page-1)/page*page < length {
 		return fmt.Errorf("%w: its posix segment is a %v of %d bytes, the key says %d", ErrBadKey, fi.Mode().Type(), fi.Size(), length)
 	}
+	mapFlags := unix.MAP_SHARED
 	if id&posixHugeTLB != 0 {
 		// UCX maps it with MAP_HUGETLB, which fails on a file of any other
 		// file system, and refuses a length whose huge pages would double
@@ -185,12 +220,14 @@ func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) error 
 		if fs.Type != unix.HUGETLBFS_MAGIC || fs.Bsize <= 0 || length%uint64(fs.Bsize) != 0 {
 			return fmt.Errorf("%w: its posix segment is flagged for huge pages, and is no whole number of them on hugetlbfs", ErrBadKey)
 		}
+		mapFlags |= unix.MAP_HUGETLB
 	}
 	if id&posixProcFS != 0 {
 		// What the descriptor is open on: a UCX segment, whose name stays
 		// in the link once it was unlinked, and not any file the process
-		// holds open.
-		target, err := os.Readlink(path)
+		// holds open. (Read through this process's own descriptor: the
+		// peer's may name another file by now.)
+		target, err := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", f.Fd()))
 		if err != nil {
 			return fmt.Errorf("%w: its posix segment: %w", ErrBadKey, err)
 		}
@@ -198,7 +235,28 @@ func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) error 
 			return fmt.Errorf("%w: its posix segment is %q, no UCX segment", ErrBadKey, target)
 		}
 	}
+	// The mapping UCX will make, made and unmade here: one that fails here
+	// (address space, a limit) is refused rather than left to crash UCX.
+	// Nothing is touched, so no page is read or allocated.
+	if length > math.MaxInt {
+		return fmt.Errorf("%w: its posix segment of %d bytes", ErrBadKey, length)
+	}
+	b, err := unix.Mmap(int(f.Fd()), 0, int(length), unix.PROT_READ|unix.PROT_WRITE, mapFlags)
+	if err != nil {
+		return fmt.Errorf("%w: its posix segment of %d bytes does not map: %w", ErrBadKey, length, err)
+	}
+	_ = unix.Munmap(b)
 	return nil
+}
+
+// segmentMax is the longest shared-memory segment a key may name: this
+// host's memory and swap together.
+func segmentMax() uint64 {
+	var si unix.Sysinfo_t
+	if err := unix.Sysinfo(&si); err != nil || si.Unit == 0 {
+		return math.MaxInt64
+	}
+	return (uint64(si.Totalram) + uint64(si.Totalswap)) * uint64(si.Unit)
 }
 
 // ownTask reports whether id is this process's id or one of its threads':
@@ -211,33 +269,45 @@ func ownTask(id uint64) bool {
 	return err == nil
 }
 
-func checkSysvSegment(comp []byte, foreign bool, base, length uint64) error {
+func checkSysvSegment(comp []byte, foreign bool, base, length uint64) (func(), error) {
 	if len(comp) < sysvKeyBytes {
-		return fmt.Errorf("%w: sysv segment key of %d bytes", ErrBadKey, len(comp))
+		return nil, fmt.Errorf("%w: sysv segment key of %d bytes", ErrBadKey, len(comp))
 	}
 	id := binary.LittleEndian.Uint32(comp)
 	if id > math.MaxInt32 {
-		return fmt.Errorf("%w: sysv segment id %d", ErrBadKey, id)
+		return nil, fmt.Errorf("%w: sysv segment id %d", ErrBadKey, id)
 	}
+	// Attached first, and held so until release: the segment cannot go
+	// before UCX attaches it too, nor its id name another one meanwhile.
+	// The kernel grants the attach, for writing as UCX's, by the segment's
+	// mode and this process's ids and capabilities.
+	b, err := unix.SysvShmAttach(int(id), 0, 0)
+	if err != nil {
+		return nil, fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
+	}
+	release := func() { _ = unix.SysvShmDetach(b) }
 	var ds unix.SysvShmDesc
 	if _, err := unix.SysvShmCtl(int(id), unix.IPC_STAT, &ds); err != nil {
-		return fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
+		release()
+		return nil, fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
 	}
+	if err := checkSysvDesc(&ds, id, foreign, binary.LittleEndian.Uint64(comp[4:]), base, length); err != nil {
+		release()
+		return nil, err
+	}
+	return release, nil
+}
+
+// checkSysvDesc reports why the sysv segment id, described by ds, is not
+// one a peer's key may name at addr for [base, base+length).
+func checkSysvDesc(ds *unix.SysvShmDesc, id uint32, foreign bool, addr, base, length uint64) error {
 	// UCX makes its segments under IPC_PRIVATE; one under a key of its own
 	// is another program's shared memory, which no peer exposes.
 	if ds.Perm.Key != unix.IPC_PRIVATE {
 		return fmt.Errorf("%w: its sysv segment %d has key %#x, no UCX segment", ErrBadKey, id, uint32(ds.Perm.Key))
 	}
-	// IPC_STAT asks for read access only; UCX attaches for writing, which
-	// the kernel grants by the segment's mode and this process's ids and
-	// capabilities: attaching it here asks the same.
-	b, err := unix.SysvShmAttach(int(id), 0, 0)
-	if err != nil {
-		return fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
-	}
-	_ = unix.SysvShmDetach(b)
 	if foreign && int(ds.Cpid) == os.Getpid() {
 		return fmt.Errorf("%w: its sysv segment %d is this process's own", ErrBadKey, id)
 	}
-	return holdsRegion(binary.LittleEndian.Uint64(comp[4:]), ds.Segsz, base, length)
+	return holdsRegion(addr, ds.Segsz, base, length)
 }

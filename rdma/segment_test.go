@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -133,10 +134,10 @@ func TestCheckSegment(t *testing.T) {
 	odd := open(posixFilePfx+"5678", 4097) // UCX maps, and packs, whole pages
 	other := open("model.bin", 8192)
 	pid := os.Getpid()
-	require.NoError(t, checkSegment("posix", posixKey(pid, int(seg.Fd()), 8192), false, keyAt, 8192))
+	require.NoError(t, checkSegmentOnce("posix", posixKey(pid, int(seg.Fd()), 8192), false, keyAt, 8192))
 	page := os.Getpagesize()
-	require.NoError(t, checkSegment("posix", posixKey(pid, int(odd.Fd()), uint64((4097+page-1)/page*page)), false, keyAt+4096, 1))
-	require.NoError(t, checkSegment("tcp", nil, true, 0, 1<<20), "other domains are UCX's to check")
+	require.NoError(t, checkSegmentOnce("posix", posixKey(pid, int(odd.Fd()), uint64((4097+page-1)/page*page)), false, keyAt+4096, 1))
+	require.NoError(t, checkSegmentOnce("tcp", nil, true, 0, 1<<20), "other domains are UCX's to check")
 
 	shmid, err := unix.SysvShmGet(unix.IPC_PRIVATE, 8192, unix.IPC_CREAT|0o600)
 	require.NoError(t, err)
@@ -144,13 +145,13 @@ func TestCheckSegment(t *testing.T) {
 	sysv := func(id uint32) []byte {
 		return binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(nil, id), keyAt)
 	}
-	require.NoError(t, checkSegment("sysv", sysv(uint32(shmid)), false, keyAt, 8192))
+	require.NoError(t, checkSegmentOnce("sysv", sysv(uint32(shmid)), false, keyAt, 8192))
 
 	// Segments this process made, named by a peer that is another process.
-	err = checkSegment("posix", posixKey(pid, int(seg.Fd()), 8192), true, keyAt, 8192)
+	err = checkSegmentOnce("posix", posixKey(pid, int(seg.Fd()), 8192), true, keyAt, 8192)
 	require.ErrorIs(t, err, ErrBadKey)
 	require.ErrorContains(t, err, "this process's own")
-	err = checkSegment("sysv", sysv(uint32(shmid)), true, keyAt, 8192)
+	err = checkSegmentOnce("sysv", sysv(uint32(shmid)), true, keyAt, 8192)
 	require.ErrorIs(t, err, ErrBadKey)
 	require.ErrorContains(t, err, "this process's own")
 	// The descriptor named through a thread of this process: /proc/<tid>/fd
@@ -165,8 +166,8 @@ func TestCheckSegment(t *testing.T) {
 		}
 	}
 	require.NotZero(t, tid, "a Go process runs more than one thread")
-	require.NoError(t, checkSegment("posix", posixKey(tid, int(seg.Fd()), 8192), false, keyAt, 8192), "the thread's table holds the segment")
-	err = checkSegment("posix", posixKey(tid, int(seg.Fd()), 8192), true, keyAt, 8192)
+	require.NoError(t, checkSegmentOnce("posix", posixKey(tid, int(seg.Fd()), 8192), false, keyAt, 8192), "the thread's table holds the segment")
+	err = checkSegmentOnce("posix", posixKey(tid, int(seg.Fd()), 8192), true, keyAt, 8192)
 	require.ErrorIs(t, err, ErrBadKey)
 	require.ErrorContains(t, err, "this process's own")
 
@@ -208,8 +209,90 @@ func TestCheckSegment(t *testing.T) {
 		"sysv segment far below":          {"sysv", sysvAt(uint32(shmid), 0), "outside its segment"},
 		"huge pages off hugetlbfs":        {"posix", hugeKey, "huge pages"},
 	} {
-		err := checkSegment(tc.component, tc.key, false, keyAt, 4096)
+		err := checkSegmentOnce(tc.component, tc.key, false, keyAt, 4096)
 		require.ErrorIs(t, err, ErrBadKey, name)
 		require.ErrorContains(t, err, tc.why, name)
 	}
+}
+
+// checkSegmentOnce is checkSegment for a key nobody unpacks: it lets go of
+// what the check holds at once.
+func checkSegmentOnce(component string, comp []byte, foreign bool, base, length uint64) error {
+	release, err := checkSegment(component, comp, foreign, base, length)
+	if release != nil {
+		release()
+	}
+	return err
+}
+
+// A posix key that passes is rewritten to name this process's own
+// descriptor of the file checked, held until release: what the peer's
+// descriptor becomes after the check (another file, a pipe) is not what
+// UCX opens.
+func TestCheckSegmentHoldsPosixFile(t *testing.T) {
+	seg, err := os.Create(filepath.Join(t.TempDir(), posixFilePfx+"1"))
+	require.NoError(t, err)
+	defer seg.Close()
+	require.NoError(t, seg.Truncate(8192))
+	want, err := seg.Stat()
+	require.NoError(t, err)
+	peerFD := int(seg.Fd())
+	key := posixKey(os.Getpid(), peerFD, 8192)
+	release, err := checkSegment("posix", key, false, keyAt, 8192)
+	require.NoError(t, err)
+	require.NotNil(t, release)
+
+	id := binary.LittleEndian.Uint64(key)
+	require.Equal(t, uint64(posixProcFS), id&posixFlags, "procfs mode, shm_open dropped")
+	require.Equal(t, uint64(os.Getpid()), id&(1<<posixPIDBits-1))
+	ownFD := int(id&^posixFlags) >> posixPIDBits
+	require.NotEqual(t, peerFD, ownFD)
+	require.Equal(t, []byte{0x00, 0x00, 0x00, 0x10}, key[8:12], "the rest of the key as it was")
+
+	// The peer's descriptor now names a pipe, which UCX's mapping of would fail.
+	var p [2]int
+	require.NoError(t, unix.Pipe(p[:]))
+	defer unix.Close(p[0])
+	defer unix.Close(p[1])
+	require.NoError(t, unix.Dup2(p[0], peerFD))
+	got, err := os.Stat(fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), ownFD))
+	require.NoError(t, err)
+	require.True(t, os.SameFile(want, got), "the key names the file checked")
+
+	release()
+	_, err = os.Stat(fmt.Sprintf("/proc/self/fd/%d", ownFD))
+	require.ErrorIs(t, err, os.ErrNotExist, "released: the descriptor is closed")
+}
+
+// A sysv segment that passes stays attached until release: removed by its
+// owner meanwhile, it still attaches (UCX's attach follows the check), and
+// goes once released.
+func TestCheckSegmentHoldsSysvSegment(t *testing.T) {
+	shmid, err := unix.SysvShmGet(unix.IPC_PRIVATE, 8192, unix.IPC_CREAT|0o600)
+	require.NoError(t, err)
+	key := binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(nil, uint32(shmid)), keyAt)
+	release, err := checkSegment("sysv", key, false, keyAt, 8192)
+	require.NoError(t, err)
+	require.NotNil(t, release)
+	_, err = unix.SysvShmCtl(shmid, unix.IPC_RMID, nil)
+	require.NoError(t, err)
+	b, err := unix.SysvShmAttach(shmid, 0, 0)
+	require.NoError(t, err, "held: the removed segment still attaches")
+	require.NoError(t, unix.SysvShmDetach(b))
+	release()
+	_, err = unix.SysvShmAttach(shmid, 0, 0)
+	require.Error(t, err, "released: the segment is gone")
+}
+
+// A posix key longer than the host's memory is refused before anything is
+// opened or mapped (UCX maps the length the key says, and crashes where the
+// mapping fails).
+func TestCheckSegmentTooLong(t *testing.T) {
+	max := segmentMax()
+	require.Less(t, max, uint64(math.MaxInt64), "the host's memory is known")
+	page := uint64(os.Getpagesize())
+	n := (max/page + 1) * page
+	err := checkSegmentOnce("posix", posixKey(os.Getpid(), 1<<29, n), false, keyAt, 4096)
+	require.ErrorIs(t, err, ErrBadKey)
+	require.ErrorContains(t, err, "larger than this host's memory")
 }
