@@ -144,3 +144,11 @@ func (e *Endpoint) SetEndpointAt(h uintptr, owner *Endpoint) {
 		e.w.epByH[h] = owner
 	})
 }
+
+// SetMaxApart sets how many workers a listener or context keeps apart, and
+// returns a func that restores the bound.
+func SetMaxApart(n int) func() {
+	was := maxApart
+	maxApart = n
+	return func() { maxApart = was }
+}

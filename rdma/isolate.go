@@ -86,6 +86,12 @@ func (l *Listener) requestClient(req uintptr) (id uint64, local bool) {
 	return id, false
 }
 
+// maxApart bounds the workers one shares keeps apart: a client names its
+// worker's id itself, and each worker holds threads' worth of descriptors
+// and memory, so past the bound a peer's endpoints go on the shared worker,
+// as without isolation. A var for tests.
+var maxApart = 64
+
 // shares are workers kept apart for the endpoints of one peer each (a
 // listener's for each client worker, a context's for each listener it
 // dials), keyed by that peer. A worker lives while it holds an endpoint or
@@ -110,13 +116,18 @@ type shareLink struct {
 
 // hold returns the worker kept for key's endpoints, creating it at the
 // first, held until release: an endpoint attached meanwhile holds it too
-// (add), until it is released (drop). Nil (logged): use another worker.
+// (add), until it is released (drop). Nil (logged): use another worker (no
+// worker could be made, or maxApart are kept).
 func (s *shares) hold(key any) *Worker {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if sh := s.m[key]; sh != nil {
 		sh.refs++
 		return sh.w
+	}
+	if len(s.m) >= maxApart {
+		s.ctx.opts.logger.Debug("rdma: as many workers kept apart as allowed; a peer's endpoint goes on a shared one", "limit", maxApart)
+		return nil
 	}
 	w, err := s.ctx.newWorker(false, &shareLink{s: s, key: key})
 	if err != nil {

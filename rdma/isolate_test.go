@@ -112,3 +112,49 @@ func requireWorkers(t *testing.T, n int64, msg string) {
 	}
 	require.Equal(t, n, rdma.Stats().Workers, msg)
 }
+
+// TestIsolatedWorkersBounded: an isolating listener keeps at most maxApart
+// client workers apart; the endpoints of later clients go on its own
+// worker, and carry bytes there, and the workers kept apart go with their
+// endpoints.
+func TestIsolatedWorkersBounded(t *testing.T) {
+	defer rdma.SetMaxApart(2)()
+	c := newContext(t, "tcp")
+	l, err := c.Worker().Listen("127.0.0.1:0")
+	require.NoError(t, err)
+	defer l.Close()
+	l.IsolateClients()
+	var clients []*rdma.Context
+	for range 4 {
+		clients = append(clients, newContext(t, "tcp")) // another worker id each: another client
+	}
+	workers := rdma.Stats().Workers
+	var eps []*rdma.Endpoint
+	var apart, shared int
+	for _, client := range clients {
+		ctx := testCtx(t)
+		accepted := make(chan *rdma.Endpoint, 1)
+		go func() {
+			s, _ := l.Accept(ctx)
+			accepted <- s
+		}()
+		cl, err := client.DialApart(ctx, l.Addr().String())
+		require.NoError(t, err)
+		eps = append(eps, cl)
+		s := <-accepted
+		require.NotNil(t, s)
+		eps = append(eps, s)
+		if s.OnWorker(c.Worker()) {
+			shared++
+		} else {
+			apart++
+		}
+		requireEcho(t, cl, s)
+	}
+	require.Equal(t, 2, apart, "clients kept apart, up to the bound")
+	require.Equal(t, 2, shared, "the others on the listener's worker")
+	for _, ep := range eps {
+		require.NoError(t, ep.Close())
+	}
+	requireWorkers(t, workers, "workers kept apart left")
+}
