@@ -83,7 +83,7 @@ const (
 	posixProcFS   = 1 << 63
 	posixShmOpen  = 1 << 62
 	posixHugeTLB  = 1 << 61
-	posixPIDNS    = 1 << 60 // the owner's pid is in its own namespace (UCX 1.16 on)
+	posixPIDNS    = 1 << 60 // the owner names its pid namespace in its address
 	posixFlags    = 0xf << 60
 	posixPIDBits  = 30
 	posixKeyBytes = 24 // segment id, owner's address, length
