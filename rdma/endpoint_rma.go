@@ -30,6 +30,7 @@ type RemoteKey struct {
 	h        C.ucp_rkey_h // lock-only: the worker's lock guards it; nil once destroyed
 	region   packedKey
 	domains  []string // keyDomains of what UCX unpacked (Domains)
+	mapped   uint64   // address space its segments' mappings take (reserveMapped)
 	once     sync.Once
 	closeErr error
 
@@ -177,21 +178,24 @@ func (e *Endpoint) unpackKey(packed []byte, foreign bool) (*RemoteKey, error) {
 	// and so checked: the others go.
 	pk.rkey = laneKey(pk.rkey, lanes)
 	var held []func() // the segments checked, until UCX attached them too
+	var mapped uint64 // the address space their mappings take
 	defer func() {
 		for _, release := range held {
 			release()
 		}
 	}()
 	if err := rkeyComponents(pk.rkey, func(md int, comp []byte) error {
-		release, err := checkSegment(lanes[md], comp, foreign, pk.base, pk.length)
+		release, n, err := checkSegment(lanes[md], comp, foreign, pk.base, pk.length)
 		if release != nil {
 			held = append(held, release)
 		}
+		mapped += n
 		return err
 	}); err != nil {
+		unreserveMapped(mapped)
 		return nil, fmt.Errorf("rdma: unpack key: %w", err)
 	}
-	k := &RemoteKey{e: e, region: pk, domains: keyDomains(pk.rkey, lanes)}
+	k := &RemoteKey{e: e, region: pk, domains: keyDomains(pk.rkey, lanes), mapped: mapped}
 	var uerr error
 	direct := pk.memType == MemoryHost && pk.length > 0 && pk.length <= math.MaxInt && e.w.ctx.opts.direct && goTakesFaults()
 	err = e.w.call(func() {
@@ -226,6 +230,7 @@ func (e *Endpoint) unpackKey(packed []byte, foreign bool) (*RemoteKey, error) {
 		err = uerr
 	}
 	if err != nil {
+		unreserveMapped(mapped)
 		return nil, fmt.Errorf("rdma: unpack key: %w", err)
 	}
 	return k, nil
@@ -287,6 +292,7 @@ func (k *RemoteKey) destroy() {
 	}
 	C.rdma_rkey_destroy(k.e.w.cw, k.h)
 	k.h = nil
+	unreserveMapped(k.mapped)
 	delete(k.e.rkeys, k)
 	live.rkeys.Add(-1)
 }

@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 )
@@ -107,7 +108,10 @@ const (
 // the file checked, so that UCX opens that file and not what the peer's
 // descriptor or name refers to by then; a sysv segment stays attached here,
 // so that it cannot go, nor its id name another. release is nil when err is
-// not, and for keys of other domains.
+// not, and for keys of other domains. mapped is the address space UCX's
+// mapping of the segment takes, reserved (reserveMapped) until the caller
+// gives it back (unreserveMapped) when the key goes, or at once if UCX's
+// unpack fails.
 //
 // A put or get through the key reaches address a of the region at a, less
 // the address the key says the segment has in its owner, plus where this
@@ -118,15 +122,53 @@ const (
 // With foreign set the key must name the peer's memory, not this process's:
 // a posix segment under this process's id or one of its threads', or a sysv
 // segment it created, is refused, for this process's puts would land in its
-// own memory (another peer's receive space, a pool of its own).
-func checkSegment(component string, comp []byte, foreign bool, base, length uint64) (release func(), err error) {
+// own memory (another peer's receive space, a pool of its own). UCX's
+// shm_open mode names a posix segment without its creator, which this check
+// cannot tell then.
+func checkSegment(component string, comp []byte, foreign bool, base, length uint64) (release func(), mapped uint64, err error) {
 	switch component {
 	case "posix":
 		return checkPosixSegment(comp, foreign, base, length)
 	case "sysv":
 		return checkSysvSegment(comp, foreign, base, length)
 	}
-	return nil, nil
+	return nil, 0, nil
+}
+
+// mappedBudget bounds the address space that the segments of live keys map
+// into this process, all peers together: each key's segment may be as long
+// as the host's memory (segmentMax), and a peer that sends many keys of
+// sparse segments would otherwise exhaust the address space the Go heap
+// grows into. A quarter of x86-64's 128 TiB of user address space.
+const mappedBudget = 32 << 40
+
+// mappedSegments is the address space reserved for keys' segments.
+var mappedSegments atomic.Uint64
+
+// reserveMapped reserves n bytes of mappedBudget, or reports that they would
+// exceed it.
+func reserveMapped(n uint64) bool {
+	for {
+		was := mappedSegments.Load()
+		if n > mappedBudget-was {
+			return false
+		}
+		if mappedSegments.CompareAndSwap(was, was+n) {
+			return true
+		}
+	}
+}
+
+// unreserveMapped gives back n bytes that reserveMapped reserved.
+func unreserveMapped(n uint64) {
+	if n > 0 {
+		mappedSegments.Add(-n)
+	}
+}
+
+// errMappedBudget refuses a key whose segment would map past mappedBudget.
+func errMappedBudget(n uint64) error {
+	return fmt.Errorf("%w: its segment of %d bytes would take this process's peers' segments past %d TiB of address space", ErrBadKey, n, uint64(mappedBudget)>>40)
 }
 
 // holdsRegion reports why a segment of n bytes at addr in its owner does not
@@ -138,22 +180,22 @@ func holdsRegion(addr, n, base, length uint64) error {
 	return nil
 }
 
-func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) (func(), error) {
+func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) (func(), uint64, error) {
 	if len(comp) < posixKeyBytes {
-		return nil, fmt.Errorf("%w: posix segment key of %d bytes", ErrBadKey, len(comp))
+		return nil, 0, fmt.Errorf("%w: posix segment key of %d bytes", ErrBadKey, len(comp))
 	}
 	id := binary.LittleEndian.Uint64(comp)
 	length := binary.LittleEndian.Uint64(comp[16:])
 	if length == 0 {
-		return nil, fmt.Errorf("%w: empty posix segment", ErrBadKey)
+		return nil, 0, fmt.Errorf("%w: empty posix segment", ErrBadKey)
 	}
 	if err := holdsRegion(binary.LittleEndian.Uint64(comp[8:]), length, base, regionLen); err != nil {
-		return nil, err
+		return nil, 0, err
 	}
-	if max := segmentMax(); length > max {
+	if limit := segmentMax(); length > limit {
 		// UCX maps the whole length the key says: one past the host's
 		// memory is no segment a peer made, and its mapping could fail.
-		return nil, fmt.Errorf("%w: its posix segment of %d bytes is larger than this host's memory (%d)", ErrBadKey, length, max)
+		return nil, 0, fmt.Errorf("%w: its posix segment of %d bytes is larger than this host's memory (%d)", ErrBadKey, length, limit)
 	}
 	mmid := id &^ posixFlags
 	var path string
@@ -162,7 +204,7 @@ func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) (func(
 	case id&posixProcFS != 0:
 		pid := mmid & (1<<posixPIDBits - 1)
 		if foreign && ownTask(pid) {
-			return nil, fmt.Errorf("%w: its posix segment is this process's own", ErrBadKey)
+			return nil, 0, fmt.Errorf("%w: its posix segment is this process's own", ErrBadKey)
 		}
 		path = fmt.Sprintf("/proc/%d/fd/%d", pid, mmid>>posixPIDBits)
 	case id&posixShmOpen != 0:
@@ -171,26 +213,31 @@ func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) (func(
 	default:
 		// A file in a directory the key names (UCX_POSIX_USE_PROC_LINK=n
 		// without shm_open): a path the peer chose.
-		return nil, fmt.Errorf("%w: posix segment named by a directory path", ErrBadKey)
+		return nil, 0, fmt.Errorf("%w: posix segment named by a directory path", ErrBadKey)
 	}
 	f, err := os.OpenFile(path, flags, 0)
 	if err != nil {
-		return nil, fmt.Errorf("%w: its posix segment does not open: %w", ErrBadKey, err)
+		return nil, 0, fmt.Errorf("%w: its posix segment does not open: %w", ErrBadKey, err)
 	}
 	if err := checkPosixFile(f, path, id, length); err != nil {
 		f.Close()
-		return nil, err
+		return nil, 0, err
+	}
+	if !reserveMapped(length) {
+		f.Close()
+		return nil, 0, errMappedBudget(length)
 	}
 	// UCX opens the descriptor this process holds, through procfs: the file
 	// checked, whatever the peer's descriptor or name became since.
 	fd := uint64(f.Fd())
 	if fd >= 1<<(60-posixPIDBits) || uint64(os.Getpid()) >= 1<<posixPIDBits {
 		f.Close()
-		return nil, fmt.Errorf("%w: descriptor %d or process id %d does not fit a posix segment id", ErrBadKey, fd, os.Getpid())
+		unreserveMapped(length)
+		return nil, 0, fmt.Errorf("%w: descriptor %d or process id %d does not fit a posix segment id", ErrBadKey, fd, os.Getpid())
 	}
 	own := id&(posixHugeTLB|posixPIDNS) | posixProcFS | fd<<posixPIDBits | uint64(os.Getpid())
 	binary.LittleEndian.PutUint64(comp, own)
-	return func() { f.Close() }, nil
+	return func() { f.Close() }, length, nil
 }
 
 // checkPosixFile reports why f, opened at path for the posix key whose
@@ -269,13 +316,13 @@ func ownTask(id uint64) bool {
 	return err == nil
 }
 
-func checkSysvSegment(comp []byte, foreign bool, base, length uint64) (func(), error) {
+func checkSysvSegment(comp []byte, foreign bool, base, length uint64) (func(), uint64, error) {
 	if len(comp) < sysvKeyBytes {
-		return nil, fmt.Errorf("%w: sysv segment key of %d bytes", ErrBadKey, len(comp))
+		return nil, 0, fmt.Errorf("%w: sysv segment key of %d bytes", ErrBadKey, len(comp))
 	}
 	id := binary.LittleEndian.Uint32(comp)
 	if id > math.MaxInt32 {
-		return nil, fmt.Errorf("%w: sysv segment id %d", ErrBadKey, id)
+		return nil, 0, fmt.Errorf("%w: sysv segment id %d", ErrBadKey, id)
 	}
 	// Attached first, and held so until release: the segment cannot go
 	// before UCX attaches it too, nor its id name another one meanwhile.
@@ -283,19 +330,23 @@ func checkSysvSegment(comp []byte, foreign bool, base, length uint64) (func(), e
 	// mode and this process's ids and capabilities.
 	b, err := unix.SysvShmAttach(int(id), 0, 0)
 	if err != nil {
-		return nil, fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
+		return nil, 0, fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
 	}
 	release := func() { _ = unix.SysvShmDetach(b) }
 	var ds unix.SysvShmDesc
 	if _, err := unix.SysvShmCtl(int(id), unix.IPC_STAT, &ds); err != nil {
 		release()
-		return nil, fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
+		return nil, 0, fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
 	}
 	if err := checkSysvDesc(&ds, id, foreign, binary.LittleEndian.Uint64(comp[4:]), base, length); err != nil {
 		release()
-		return nil, err
+		return nil, 0, err
 	}
-	return release, nil
+	if !reserveMapped(ds.Segsz) {
+		release()
+		return nil, 0, errMappedBudget(ds.Segsz)
+	}
+	return release, ds.Segsz, nil
 }
 
 // checkSysvDesc reports why the sysv segment id, described by ds, is not

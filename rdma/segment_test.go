@@ -218,10 +218,11 @@ func TestCheckSegment(t *testing.T) {
 // checkSegmentOnce is checkSegment for a key nobody unpacks: it lets go of
 // what the check holds at once.
 func checkSegmentOnce(component string, comp []byte, foreign bool, base, length uint64) error {
-	release, err := checkSegment(component, comp, foreign, base, length)
+	release, mapped, err := checkSegment(component, comp, foreign, base, length)
 	if release != nil {
 		release()
 	}
+	unreserveMapped(mapped)
 	return err
 }
 
@@ -238,9 +239,11 @@ func TestCheckSegmentHoldsPosixFile(t *testing.T) {
 	require.NoError(t, err)
 	peerFD := int(seg.Fd())
 	key := posixKey(os.Getpid(), peerFD, 8192)
-	release, err := checkSegment("posix", key, false, keyAt, 8192)
+	release, mapped, err := checkSegment("posix", key, false, keyAt, 8192)
 	require.NoError(t, err)
 	require.NotNil(t, release)
+	require.Equal(t, uint64(8192), mapped)
+	defer unreserveMapped(mapped)
 
 	id := binary.LittleEndian.Uint64(key)
 	require.Equal(t, uint64(posixProcFS), id&posixFlags, "procfs mode, shm_open dropped")
@@ -271,9 +274,11 @@ func TestCheckSegmentHoldsSysvSegment(t *testing.T) {
 	shmid, err := unix.SysvShmGet(unix.IPC_PRIVATE, 8192, unix.IPC_CREAT|0o600)
 	require.NoError(t, err)
 	key := binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(nil, uint32(shmid)), keyAt)
-	release, err := checkSegment("sysv", key, false, keyAt, 8192)
+	release, mapped, err := checkSegment("sysv", key, false, keyAt, 8192)
 	require.NoError(t, err)
 	require.NotNil(t, release)
+	require.Equal(t, uint64(8192), mapped)
+	defer unreserveMapped(mapped)
 	_, err = unix.SysvShmCtl(shmid, unix.IPC_RMID, nil)
 	require.NoError(t, err)
 	b, err := unix.SysvShmAttach(shmid, 0, 0)
@@ -288,11 +293,38 @@ func TestCheckSegmentHoldsSysvSegment(t *testing.T) {
 // opened or mapped (UCX maps the length the key says, and crashes where the
 // mapping fails).
 func TestCheckSegmentTooLong(t *testing.T) {
-	max := segmentMax()
-	require.Less(t, max, uint64(math.MaxInt64), "the host's memory is known")
+	limit := segmentMax()
+	require.Less(t, limit, uint64(math.MaxInt64), "the host's memory is known")
 	page := uint64(os.Getpagesize())
-	n := (max/page + 1) * page
+	n := (limit/page + 1) * page
 	err := checkSegmentOnce("posix", posixKey(os.Getpid(), 1<<29, n), false, keyAt, 4096)
 	require.ErrorIs(t, err, ErrBadKey)
 	require.ErrorContains(t, err, "larger than this host's memory")
+}
+
+// The segments of live keys map at most mappedBudget into this process, all
+// peers together: a key past it is refused, and what a key reserved comes
+// back when it goes.
+func TestCheckSegmentMappedBudget(t *testing.T) {
+	seg, err := os.Create(filepath.Join(t.TempDir(), posixFilePfx+"2"))
+	require.NoError(t, err)
+	defer seg.Close()
+	require.NoError(t, seg.Truncate(8192))
+	key := func() []byte { return posixKey(os.Getpid(), int(seg.Fd()), 8192) }
+
+	was := mappedSegments.Load()
+	require.True(t, reserveMapped(mappedBudget-was-4096), "all but a page of the budget taken")
+	defer unreserveMapped(mappedBudget - was - 4096)
+	err = checkSegmentOnce("posix", key(), false, keyAt, 8192)
+	require.ErrorIs(t, err, ErrBadKey)
+	require.ErrorContains(t, err, "address space")
+	require.Equal(t, mappedBudget-uint64(4096), mappedSegments.Load(), "a refused key reserves nothing")
+
+	unreserveMapped(4096) // two pages free now
+	release, mapped, err := checkSegment("posix", key(), false, keyAt, 8192)
+	require.NoError(t, err)
+	release()
+	require.Equal(t, uint64(mappedBudget), mappedSegments.Load())
+	unreserveMapped(mapped)
+	require.True(t, reserveMapped(4096), "given back")
 }
