@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"syscall"
 )
 
 // ErrNotSupported reports that UCX cannot be used: the build has no UCX (no cgo,
@@ -54,11 +55,13 @@ func (e *StatusError) Error() string {
 	return fmt.Sprintf("rdma: %s: %s (status %d)", e.Op, e.Msg, e.Status)
 }
 
-// Is reports UCS_ERR_UNSUPPORTED as ErrNotSupported and UCS_ERR_REJECTED as
-// ErrRejected.
+// Is reports UCS_ERR_UNSUPPORTED as ErrNotSupported, UCS_ERR_REJECTED as
+// ErrRejected and UCS_ERR_CONNECTION_RESET as syscall.ECONNRESET (a peer
+// that aborted its endpoint).
 func (e *StatusError) Is(target error) bool {
 	return target == ErrNotSupported && e.Status == statusUnsupported ||
-		target == ErrRejected && e.Status == statusRejected
+		target == ErrRejected && e.Status == statusRejected ||
+		target == syscall.ECONNRESET && e.Status == statusConnReset
 }
 
 // EndpointError reports that an endpoint failed: the peer died, the connection

@@ -10,6 +10,7 @@ import (
 	"os"
 	"strconv"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/gdrpc/gdrpc/internal/wire"
@@ -290,27 +291,52 @@ func clientHandshake(ctx context.Context, cfg *config, conn net.Conn, rctx *rdma
 	return newSession(setup)
 }
 
-// dialAdmitted dials a gdrpc UCX listener at addr, making a request it
-// turned away again, with a growing pause (pause, updated), until ctx ends:
-// the listener takes requests only while a proven handshake or lane waits
-// for one, and while it has an endpoint slot free.
-func dialAdmitted(ctx context.Context, w *rdma.Worker, addr string, pause *time.Duration) (*rdma.Endpoint, error) {
-	ep, err := w.Dial(ctx, addr)
-	for errors.Is(err, rdma.ErrRejected) {
-		if err := pauseAdmission(ctx, pause); err != nil {
-			return nil, ctxErr(ctx, err)
-		}
-		ep, err = w.Dial(ctx, addr)
-	}
-	return ep, err
+// admission paces a client's requests to a gdrpc UCX listener: the
+// listener takes them only while a proven handshake or lane waits for one,
+// and while it has an endpoint slot free, and it closes (or, past
+// maxShedding closes at once, aborts) an endpoint it took past its slots
+// before it reads a byte, since requests that pass its filter together may
+// outnumber them. A request turned away is made again until the context
+// ends; an endpoint shed so, up to maxSheds times.
+type admission struct {
+	pause time.Duration // the next wait; doubles up to 100 ms
+	sheds int
 }
 
-// pauseAdmission waits *pause before a UCX listener is dialed again, and
-// doubles it up to 100 ms (a zero pause starts at 1 ms). It returns ctx's
-// error if ctx ends first.
-func pauseAdmission(ctx context.Context, pause *time.Duration) error {
-	*pause = min(max(2**pause, time.Millisecond), 100*time.Millisecond)
-	t := time.NewTimer(*pause)
+// maxSheds bounds the endpoints one client request dials again after the
+// listener shed them: past it, the end or reset is taken for what it says.
+const maxSheds = 8
+
+// dial dials the listener at addr until it takes the request or ctx ends.
+func (a *admission) dial(ctx context.Context, w *rdma.Worker, addr string) (*rdma.Endpoint, error) {
+	for {
+		ep, err := w.Dial(ctx, addr)
+		if !errors.Is(err, rdma.ErrRejected) && !a.shed(ctx, err) {
+			return ep, err
+		}
+		if err := a.wait(ctx); err != nil {
+			return nil, ctxErr(ctx, err)
+		}
+	}
+}
+
+// shed reports whether err, from an endpoint to the listener that it had
+// not answered yet, says the listener shed it (its end, or a reset), and
+// counts it: the endpoint is to be dialed again, up to maxSheds times.
+func (a *admission) shed(ctx context.Context, err error) bool {
+	if err == nil || ctx.Err() != nil || a.sheds == maxSheds ||
+		!errors.Is(err, io.EOF) && !errors.Is(err, syscall.ECONNRESET) {
+		return false
+	}
+	a.sheds++
+	return true
+}
+
+// wait waits a.pause, doubled from the last up to 100 ms (1 ms the first
+// time), or returns ctx's error if ctx ends first.
+func (a *admission) wait(ctx context.Context) error {
+	a.pause = min(max(2*a.pause, time.Millisecond), 100*time.Millisecond)
+	t := time.NewTimer(a.pause)
 	defer t.Stop()
 	select {
 	case <-t.C:
@@ -321,24 +347,21 @@ func pauseAdmission(ctx context.Context, pause *time.Duration) error {
 }
 
 // presentToken sends msg (a magic and the token that names a handshake or
-// a session) on ep, a new endpoint to a gdrpc UCX listener, and reads the
-// listener's one-byte answer. It closes ep on error. shed reports an
-// endpoint the listener closed unanswered: past its slots it closes one it
-// took (acceptUCX), since requests that pass its filter together may
-// outnumber them, and such an endpoint is dialed again like a request
-// turned away.
-func presentToken(ctx context.Context, ep net.Conn, msg []byte) (ack byte, shed bool, err error) {
+// a session) on ep, a new endpoint to a gdrpc listener, and reads the
+// listener's one-byte answer. It closes ep on error.
+func presentToken(ctx context.Context, ep net.Conn, msg []byte) (byte, error) {
 	unbind := bindDeadline(ctx, ep)
 	var b [1]byte
-	if _, err = ep.Write(msg); err == nil {
+	_, err := ep.Write(msg)
+	if err == nil {
 		_, err = io.ReadFull(ep, b[:])
 	}
 	unbind()
 	if err != nil {
 		_ = ep.Close()
-		return 0, ctx.Err() == nil && errors.Is(err, io.EOF), ctxErr(ctx, err)
+		return 0, ctxErr(ctx, err)
 	}
-	return b[0], false, nil
+	return b[0], nil
 }
 
 // upgradeUCX dials the server's UCX listener and proves the session with its
@@ -349,18 +372,18 @@ func upgradeUCX(ctx context.Context, rctx *rdma.Context, addr string, token ID) 
 		return nil, fmt.Errorf("UCX context has no worker: %w", rdma.ErrNotSupported)
 	}
 	msg := append([]byte(upgradeMagic), token[:]...)
-	var pause time.Duration
+	var a admission
 	for {
 		// The server's UCX listener takes the request once the server
 		// checked the proof, which this dial may overtake.
-		ep, err := dialAdmitted(ctx, w, addr, &pause)
+		ep, err := a.dial(ctx, w, addr)
 		if err != nil {
 			return nil, err
 		}
-		ack, shed, err := presentToken(ctx, ep, msg)
+		ack, err := presentToken(ctx, ep, msg)
 		switch {
-		case shed:
-			if err := pauseAdmission(ctx, &pause); err != nil {
+		case a.shed(ctx, err):
+			if err := a.wait(ctx); err != nil {
 				return nil, ctxErr(ctx, err)
 			}
 			continue

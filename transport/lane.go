@@ -422,10 +422,10 @@ func (s *Session) openLaneAfter(ctx context.Context, role byte, after <-chan str
 		}
 	}
 	msg := append(append([]byte(laneMagic), s.token[:]...), role)
-	var pause time.Duration
+	var a admission
 	for {
 		if overUCX {
-			ep, err = dialAdmitted(ctx, w, addr, &pause)
+			ep, err = a.dial(ctx, w, addr)
 		} else {
 			if err := wait(); err != nil {
 				return nil, err
@@ -442,10 +442,10 @@ func (s *Session) openLaneAfter(ctx context.Context, role byte, after <-chan str
 				return nil, err
 			}
 		}
-		ack, shed, err := presentToken(ctx, ep, msg)
+		ack, err := presentToken(ctx, ep, msg)
 		switch {
-		case shed && overUCX:
-			if err := pauseAdmission(ctx, &pause); err != nil {
+		case overUCX && a.shed(ctx, err):
+			if err := a.wait(ctx); err != nil {
 				return nil, fmt.Errorf("gdrpc: open lane: %w", ctxErr(ctx, err))
 			}
 			continue

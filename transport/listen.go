@@ -1018,11 +1018,12 @@ func (l *Listener) acceptUCX() {
 // UCX slot.
 const maxShedding = 8
 
-// shed ends ep, an endpoint the listener has no slot for. It is closed, so
-// that an honest client learns it at once and dials again (presentToken),
-// on a goroutine of its own: a close waits up to 2 s for a peer that does
-// not answer, which would hold the accept loop from every other client. Past maxShedding such
-// closes at once, it is aborted (its peer learns when UCX notices).
+// shed ends ep, an endpoint the listener has no slot for, unanswered: an
+// honest client dials again when it sees the end or the reset (admission).
+// It is closed on a goroutine of its own, for a close waits up to 2 s for a
+// peer that does not answer, which would hold the accept loop from every
+// other client; past maxShedding such closes at once, it is aborted (its
+// peer sees a reset when UCX notices).
 func (l *Listener) shed(ep *rdma.Endpoint) {
 	select {
 	case l.shedding <- struct{}{}:

@@ -276,9 +276,10 @@ func TestUpgradeRetriesUntilProven(t *testing.T) {
 	}
 }
 
-// TestShedEndpointDialedAgain: an endpoint the listener closes before it
-// answers, as it closes one it took past its slots, is dialed again; the
-// token goes on the next endpoint, whose ack completes the upgrade.
+// TestShedEndpointDialedAgain: an endpoint the listener closes or aborts
+// before it answers, as it sheds one it took past its slots, is dialed
+// again; the token goes on the next endpoint, whose ack completes the
+// upgrade.
 func TestShedEndpointDialedAgain(t *testing.T) {
 	rc := internalUCX(t)
 	ul, err := rc.Worker().Listen("127.0.0.1:0")
@@ -289,12 +290,14 @@ func TestShedEndpointDialedAgain(t *testing.T) {
 	token := newToken()
 	served := make(chan error, 1)
 	go func() {
-		shed, err := ul.Accept(ctx)
-		if err != nil {
-			served <- err
-			return
+		for _, shed := range []func(*rdma.Endpoint) error{(*rdma.Endpoint).Close, (*rdma.Endpoint).Abort} {
+			ep, err := ul.Accept(ctx)
+			if err != nil {
+				served <- err
+				return
+			}
+			_ = shed(ep) // unanswered, unread
 		}
-		_ = shed.Close() // unanswered, unread
 		ep, err := ul.Accept(ctx)
 		if err != nil {
 			served <- err
@@ -314,9 +317,39 @@ func TestShedEndpointDialedAgain(t *testing.T) {
 		served <- err
 	}()
 	ep, err := upgradeUCX(ctx, rc, ul.Addr().String(), token)
-	require.NoError(t, err, "the shed endpoint is dialed again")
+	require.NoError(t, err, "the shed endpoints are dialed again")
 	require.NoError(t, <-served)
 	require.NoError(t, ep.Close())
+}
+
+// TestShedEndpointsBounded: a listener that sheds every endpoint gets
+// maxSheds more of them, then the client's upgrade fails with the end it
+// saw, long before its context ends.
+func TestShedEndpointsBounded(t *testing.T) {
+	rc := internalUCX(t)
+	ul, err := rc.Worker().Listen("127.0.0.1:0")
+	require.NoError(t, err)
+	defer ul.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+	defer cancel()
+	var accepted atomic.Int32
+	var shedding sync.WaitGroup
+	shedding.Go(func() {
+		for {
+			ep, err := ul.Accept(ctx)
+			if err != nil {
+				return
+			}
+			accepted.Add(1)
+			_ = ep.Close()
+		}
+	})
+	_, err = upgradeUCX(ctx, rc, ul.Addr().String(), newToken())
+	require.ErrorIs(t, err, io.EOF)
+	require.NoError(t, ctx.Err(), "given up before the context ended")
+	require.Equal(t, int32(maxSheds+1), accepted.Load())
+	cancel()
+	shedding.Wait()
 }
 
 // TestLaneSlotForgottenWithGRPCStream: a proven client that announced lanes
