@@ -11,8 +11,8 @@ import (
 // are dropped once older than maxAge, by a sweep that runs every maxAge
 // while the map holds any (so at most 2*maxAge after their put, with puts
 // or without), and given to expired, if set, as are entries a put replaces.
-// An entry may hold what a peer waits for (a pull's ranges of its space),
-// which an idle process must give back too.
+// An entry may hold a decoded message and the buffers attached to it,
+// which an idle process must let go of too.
 type expiring[V any] struct {
 	maxAge  time.Duration
 	expired func(V)      // what to do with an entry nobody took; nil: nothing
