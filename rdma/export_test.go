@@ -145,10 +145,9 @@ func (e *Endpoint) SetEndpointAt(h uintptr, owner *Endpoint) {
 	})
 }
 
-// SetMaxApart sets how many workers a listener or context keeps apart, and
-// returns a func that restores the bound.
-func SetMaxApart(n int) func() {
-	was := maxApart
-	maxApart = n
-	return func() { maxApart = was }
+// SetMaxApart sets how many client workers the listener keeps apart.
+func (l *Listener) SetMaxApart(n int) {
+	l.clients.mu.Lock()
+	defer l.clients.mu.Unlock()
+	l.clients.max = n
 }

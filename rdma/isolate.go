@@ -8,6 +8,7 @@ package rdma
 import "C"
 
 import (
+	"cmp"
 	"context"
 	"math/rand/v2"
 	"sync"
@@ -89,8 +90,8 @@ func (l *Listener) requestClient(req uintptr) (id uint64, local bool) {
 // maxApart bounds the workers one shares keeps apart: a client names its
 // worker's id itself, and each worker holds threads' worth of descriptors
 // and memory, so past the bound a peer's endpoints go on the shared worker,
-// as without isolation. A var for tests.
-var maxApart = 64
+// as without isolation.
+const maxApart = 64
 
 // shares are workers kept apart for the endpoints of one peer each (a
 // listener's for each client worker, a context's for each listener it
@@ -98,6 +99,7 @@ var maxApart = 64
 // is held for one being made.
 type shares struct {
 	ctx *Context
+	max int // the workers kept at most (maxApart; 0 too)
 	mu  sync.Mutex
 	m   map[any]*share
 }
@@ -125,8 +127,8 @@ func (s *shares) hold(key any) *Worker {
 		sh.refs++
 		return sh.w
 	}
-	if len(s.m) >= maxApart {
-		s.ctx.opts.logger.Debug("rdma: as many workers kept apart as allowed; a peer's endpoint goes on a shared one", "limit", maxApart)
+	if len(s.m) >= cmp.Or(s.max, maxApart) {
+		s.ctx.opts.logger.Debug("rdma: as many workers kept apart as allowed; a peer's endpoint goes on a shared one", "limit", cmp.Or(s.max, maxApart))
 		return nil
 	}
 	w, err := s.ctx.newWorker(false, &shareLink{s: s, key: key})

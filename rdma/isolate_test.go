@@ -118,12 +118,12 @@ func requireWorkers(t *testing.T, n int64, msg string) {
 // worker, and carry bytes there, and the workers kept apart go with their
 // endpoints.
 func TestIsolatedWorkersBounded(t *testing.T) {
-	defer rdma.SetMaxApart(2)()
 	c := newContext(t, "tcp")
 	l, err := c.Worker().Listen("127.0.0.1:0")
 	require.NoError(t, err)
 	defer l.Close()
 	l.IsolateClients()
+	l.SetMaxApart(2)
 	var clients []*rdma.Context
 	for range 4 {
 		clients = append(clients, newContext(t, "tcp")) // another worker id each: another client
