@@ -56,12 +56,14 @@ func (e *StatusError) Error() string {
 }
 
 // Is reports UCS_ERR_UNSUPPORTED as ErrNotSupported, UCS_ERR_REJECTED as
-// ErrRejected and UCS_ERR_CONNECTION_RESET as syscall.ECONNRESET (a peer
-// that aborted its endpoint).
+// ErrRejected, and UCS_ERR_CONNECTION_RESET and UCS_ERR_NOT_CONNECTED as
+// syscall.ECONNRESET and syscall.ENOTCONN (a peer that aborted its
+// endpoint, after or while it was connected).
 func (e *StatusError) Is(target error) bool {
 	return target == ErrNotSupported && e.Status == statusUnsupported ||
 		target == ErrRejected && e.Status == statusRejected ||
-		target == syscall.ECONNRESET && e.Status == statusConnReset
+		target == syscall.ECONNRESET && e.Status == statusConnReset ||
+		target == syscall.ENOTCONN && e.Status == statusNotConnected
 }
 
 // EndpointError reports that an endpoint failed: the peer died, the connection

@@ -321,11 +321,12 @@ func (a *admission) dial(ctx context.Context, w *rdma.Worker, addr string) (*rdm
 }
 
 // shed reports whether err, from an endpoint to the listener that it had
-// not answered yet, says the listener shed it (its end, or a reset), and
+// not answered yet, says the listener shed it (its end; a reset, or, while
+// the dial was still connecting, an endpoint not connected: an abort), and
 // counts it: the endpoint is to be dialed again, up to maxSheds times.
 func (a *admission) shed(ctx context.Context, err error) bool {
 	if err == nil || ctx.Err() != nil || a.sheds == maxSheds ||
-		!errors.Is(err, io.EOF) && !errors.Is(err, syscall.ECONNRESET) {
+		!errors.Is(err, io.EOF) && !errors.Is(err, syscall.ECONNRESET) && !errors.Is(err, syscall.ENOTCONN) {
 		return false
 	}
 	a.sheds++

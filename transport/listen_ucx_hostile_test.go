@@ -276,17 +276,26 @@ func TestUpgradeRetriesUntilProven(t *testing.T) {
 	}
 }
 
+// bareUCXListener returns a UCX context, a plain UCX listener of it (no
+// gdrpc listener's filter or slots: the test plays that part) and a context
+// of handTimeout; both end when the test does.
+func bareUCXListener(t *testing.T) (*rdma.Context, *rdma.Listener, context.Context) {
+	t.Helper()
+	rc := internalUCX(t)
+	ul, err := rc.Worker().Listen("127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ul.Close() })
+	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
+	t.Cleanup(cancel)
+	return rc, ul, ctx
+}
+
 // TestShedEndpointDialedAgain: an endpoint the listener closes or aborts
 // before it answers, as it sheds one it took past its slots, is dialed
 // again; the token goes on the next endpoint, whose ack completes the
 // upgrade.
 func TestShedEndpointDialedAgain(t *testing.T) {
-	rc := internalUCX(t)
-	ul, err := rc.Worker().Listen("127.0.0.1:0")
-	require.NoError(t, err)
-	defer ul.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
-	defer cancel()
+	rc, ul, ctx := bareUCXListener(t)
 	token := newToken()
 	served := make(chan error, 1)
 	go func() {
@@ -326,12 +335,7 @@ func TestShedEndpointDialedAgain(t *testing.T) {
 // maxSheds more of them, then the client's upgrade fails with the end it
 // saw, long before its context ends.
 func TestShedEndpointsBounded(t *testing.T) {
-	rc := internalUCX(t)
-	ul, err := rc.Worker().Listen("127.0.0.1:0")
-	require.NoError(t, err)
-	defer ul.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), handTimeout)
-	defer cancel()
+	rc, ul, ctx := bareUCXListener(t)
 	var accepted atomic.Int32
 	var shedding sync.WaitGroup
 	shedding.Go(func() {
@@ -344,11 +348,11 @@ func TestShedEndpointsBounded(t *testing.T) {
 			_ = ep.Close()
 		}
 	})
-	_, err = upgradeUCX(ctx, rc, ul.Addr().String(), newToken())
+	_, err := upgradeUCX(ctx, rc, ul.Addr().String(), newToken())
 	require.ErrorIs(t, err, io.EOF)
 	require.NoError(t, ctx.Err(), "given up before the context ended")
 	require.Equal(t, int32(maxSheds+1), accepted.Load())
-	cancel()
+	require.NoError(t, ul.Close())
 	shedding.Wait()
 }
 
