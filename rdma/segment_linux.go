@@ -199,7 +199,9 @@ func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) (func(
 	}
 	mmid := id &^ posixFlags
 	var path string
-	flags := os.O_RDWR
+	// Never blocking: what the peer's descriptor names by now may be a
+	// FIFO or a device, which checkPosixFile refuses once open.
+	flags := os.O_RDWR | unix.O_NONBLOCK
 	switch {
 	case id&posixProcFS != 0:
 		pid := mmid & (1<<posixPIDBits - 1)
@@ -219,7 +221,7 @@ func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) (func(
 	if err != nil {
 		return nil, 0, fmt.Errorf("%w: its posix segment does not open: %w", ErrBadKey, err)
 	}
-	if err := checkPosixFile(f, path, id, length); err != nil {
+	if err := checkPosixFile(f, id, length); err != nil {
 		f.Close()
 		return nil, 0, err
 	}
@@ -240,12 +242,12 @@ func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) (func(
 	return func() { f.Close() }, length, nil
 }
 
-// checkPosixFile reports why f, opened at path for the posix key whose
-// segment id is id, is no segment UCX can map length bytes of: a file of
+// checkPosixFile reports why f, opened for the posix key whose segment id
+// is id, is no segment UCX can map length bytes of: a file of
 // another kind or a shorter one, one flagged for huge pages off hugetlbfs,
 // a descriptor open on a file that is no UCX segment, or a mapping this
 // process cannot make now.
-func checkPosixFile(f *os.File, path string, id, length uint64) error {
+func checkPosixFile(f *os.File, id, length uint64) error {
 	fi, err := f.Stat()
 	if err != nil {
 		return fmt.Errorf("%w: its posix segment: %w", ErrBadKey, err)

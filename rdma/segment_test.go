@@ -181,6 +181,9 @@ func TestCheckSegment(t *testing.T) {
 	}
 	hugeKey := posixKey(pid, int(seg.Fd()), 8192)
 	binary.LittleEndian.PutUint64(hugeKey, binary.LittleEndian.Uint64(hugeKey)|posixHugeTLB) // UCX would map it with MAP_HUGETLB, and fail
+	var fifo [2]int
+	require.NoError(t, unix.Pipe(fifo[:]))
+	t.Cleanup(func() { unix.Close(fifo[0]); unix.Close(fifo[1]) })
 	dirKey := posixKey(pid, 3, 8192)
 	binary.LittleEndian.PutUint64(dirKey, 0x1234) // no procfs, no shm_open: a path follows
 	for name, tc := range map[string]struct {
@@ -191,6 +194,7 @@ func TestCheckSegment(t *testing.T) {
 		"closed descriptor":    {"posix", posixKey(pid, 1<<29, 8192), "does not open"},
 		"dead process":         {"posix", posixKey(1<<30-1, 3, 8192), "does not open"},
 		"not a UCX segment":    {"posix", posixKey(pid, int(other.Fd()), 8192), "no UCX segment"},
+		"a pipe":               {"posix", posixKey(pid, fifo[0], 8192), "of 0 bytes"},
 		"longer than its file": {"posix", posixKey(pid, int(seg.Fd()), 8192+uint64(os.Getpagesize())), "of 8192 bytes"},
 		"empty":                {"posix", posixKey(pid, int(seg.Fd()), 0), "empty"},
 		"short":                {"posix", posixKey(pid, int(seg.Fd()), 8192)[:16], "16 bytes"},
