@@ -29,8 +29,8 @@ type RemoteKey struct {
 	e        *Endpoint
 	h        C.ucp_rkey_h // lock-only: the worker's lock guards it; nil once destroyed
 	region   packedKey
-	domains  []string // keyDomains of what UCX unpacked (Domains)
-	mapped   uint64   // address space its segments' mappings take (reserveMapped)
+	domains  []string      // keyDomains of what UCX unpacked (Domains)
+	segments []segmentHold // what its checks keep of the segments it names, until it goes
 	once     sync.Once
 	closeErr error
 
@@ -177,25 +177,30 @@ func (e *Endpoint) unpackKey(packed []byte, foreign bool) (*RemoteKey, error) {
 	// peer it reaches, lanes or not; only those of lanes are known by kind,
 	// and so checked: the others go.
 	pk.rkey = laneKey(pk.rkey, lanes)
-	var held []func() // the segments checked, until UCX attached them too
-	var mapped uint64 // the address space their mappings take
+	var holds []segmentHold // the segments checked (checkSegment)
 	defer func() {
-		for _, release := range held {
-			release()
+		for _, h := range holds {
+			if h.release != nil {
+				h.release() // UCX attached them too, or gave up
+			}
 		}
 	}()
-	if err := rkeyComponents(pk.rkey, func(md int, comp []byte) error {
-		release, n, err := checkSegment(lanes[md], comp, foreign, pk.base, pk.length)
-		if release != nil {
-			held = append(held, release)
+	drop := func() {
+		for _, h := range holds {
+			h.drop()
 		}
-		mapped += n
+	}
+	if err := rkeyComponents(pk.rkey, func(md int, comp []byte) error {
+		h, err := checkSegment(lanes[md], comp, foreign, pk.base, pk.length)
+		if err == nil {
+			holds = append(holds, h)
+		}
 		return err
 	}); err != nil {
-		unreserveMapped(mapped)
+		drop()
 		return nil, fmt.Errorf("rdma: unpack key: %w", err)
 	}
-	k := &RemoteKey{e: e, region: pk, domains: keyDomains(pk.rkey, lanes), mapped: mapped}
+	k := &RemoteKey{e: e, region: pk, domains: keyDomains(pk.rkey, lanes), segments: holds}
 	var uerr error
 	direct := pk.memType == MemoryHost && pk.length > 0 && pk.length <= math.MaxInt && e.w.ctx.opts.direct && goTakesFaults()
 	err = e.w.call(func() {
@@ -230,7 +235,7 @@ func (e *Endpoint) unpackKey(packed []byte, foreign bool) (*RemoteKey, error) {
 		err = uerr
 	}
 	if err != nil {
-		unreserveMapped(mapped)
+		drop()
 		return nil, fmt.Errorf("rdma: unpack key: %w", err)
 	}
 	return k, nil
@@ -292,7 +297,9 @@ func (k *RemoteKey) destroy() {
 	}
 	C.rdma_rkey_destroy(k.e.w.cw, k.h)
 	k.h = nil
-	unreserveMapped(k.mapped)
+	for _, h := range k.segments {
+		h.drop()
+	}
 	delete(k.e.rkeys, k)
 	live.rkeys.Add(-1)
 }

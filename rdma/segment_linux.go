@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 
 	"golang.org/x/sys/unix"
@@ -20,7 +21,8 @@ import (
 // mapping is a range of this process's address space, from /proc/self/maps.
 type mapping struct {
 	start, end uint64
-	sharedRW   bool // shared and writable: a shared-memory segment or a device's memory
+	sharedRW   bool        // shared and writable: a shared-memory segment or a device's memory
+	file       segmentFile // the file mapped, or zero
 }
 
 // mappings returns this process's mappings, or nil when they cannot be read.
@@ -44,7 +46,17 @@ func mappings() []mapping {
 		if err1 != nil || err2 != nil || end <= start {
 			continue
 		}
-		ms = append(ms, mapping{start, end, rest[0] == 'r' && rest[1] == 'w' && rest[3] == 's'})
+		m := mapping{start: start, end: end, sharedRW: rest[0] == 'r' && rest[1] == 'w' && rest[3] == 's'}
+		if f := bytes.Fields(rest); len(f) >= 4 { // perms offset dev inode
+			major, minor, ok := bytes.Cut(f[2], []byte(":"))
+			maj, err1 := strconv.ParseUint(string(major), 16, 32)
+			mnr, err2 := strconv.ParseUint(string(minor), 16, 32)
+			ino, err3 := strconv.ParseUint(string(f[3]), 10, 64)
+			if ok && err1 == nil && err2 == nil && err3 == nil && ino != 0 {
+				m.file = segmentFile{dev: unix.Mkdev(uint32(maj), uint32(mnr)), ino: ino}
+			}
+		}
+		ms = append(ms, m)
 	}
 	if sc.Err() != nil {
 		return nil
@@ -107,11 +119,10 @@ const (
 // posix key is rewritten, in comp, to name this process's own descriptor of
 // the file checked, so that UCX opens that file and not what the peer's
 // descriptor or name refers to by then; a sysv segment stays attached here,
-// so that it cannot go, nor its id name another. release is nil when err is
-// not, and for keys of other domains. mapped is the address space UCX's
-// mapping of the segment takes, reserved (reserveMapped) until the caller
-// gives it back (unreserveMapped) when the key goes, or at once if UCX's
-// unpack fails.
+// so that it cannot go, nor its id name another. The hold returned (empty
+// when err is not nil, and for keys of other domains) says what to let go
+// of when UCX's unpack returned (release) and when the key goes, or at once
+// if the unpack failed (drop).
 //
 // A put or get through the key reaches address a of the region at a, less
 // the address the key says the segment has in its owner, plus where this
@@ -122,17 +133,17 @@ const (
 // With foreign set the key must name the peer's memory, not this process's:
 // a posix segment under this process's id or one of its threads', or a sysv
 // segment it created, is refused, for this process's puts would land in its
-// own memory (another peer's receive space, a pool of its own). UCX's
-// shm_open mode names a posix segment without its creator, which this check
-// cannot tell then.
-func checkSegment(component string, comp []byte, foreign bool, base, length uint64) (release func(), mapped uint64, err error) {
+// own memory (another peer's receive space, a pool of its own); so is a
+// posix segment this process maps that no live key of a peer attached,
+// however the key names it (takePeerSegment).
+func checkSegment(component string, comp []byte, foreign bool, base, length uint64) (segmentHold, error) {
 	switch component {
 	case "posix":
 		return checkPosixSegment(comp, foreign, base, length)
 	case "sysv":
 		return checkSysvSegment(comp, foreign, base, length)
 	}
-	return nil, 0, nil
+	return segmentHold{}, nil
 }
 
 // mappedBudget bounds the address space that the segments of live keys map
@@ -180,22 +191,22 @@ func holdsRegion(addr, n, base, length uint64) error {
 	return nil
 }
 
-func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) (func(), uint64, error) {
+func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) (segmentHold, error) {
 	if len(comp) < posixKeyBytes {
-		return nil, 0, fmt.Errorf("%w: posix segment key of %d bytes", ErrBadKey, len(comp))
+		return segmentHold{}, fmt.Errorf("%w: posix segment key of %d bytes", ErrBadKey, len(comp))
 	}
 	id := binary.LittleEndian.Uint64(comp)
 	length := binary.LittleEndian.Uint64(comp[16:])
 	if length == 0 {
-		return nil, 0, fmt.Errorf("%w: empty posix segment", ErrBadKey)
+		return segmentHold{}, fmt.Errorf("%w: empty posix segment", ErrBadKey)
 	}
 	if err := holdsRegion(binary.LittleEndian.Uint64(comp[8:]), length, base, regionLen); err != nil {
-		return nil, 0, err
+		return segmentHold{}, err
 	}
 	if limit := segmentMax(); length > limit {
 		// UCX maps the whole length the key says: one past the host's
 		// memory is no segment a peer made, and its mapping could fail.
-		return nil, 0, fmt.Errorf("%w: its posix segment of %d bytes is larger than this host's memory (%d)", ErrBadKey, length, limit)
+		return segmentHold{}, fmt.Errorf("%w: its posix segment of %d bytes is larger than this host's memory (%d)", ErrBadKey, length, limit)
 	}
 	mmid := id &^ posixFlags
 	var path string
@@ -206,7 +217,7 @@ func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) (func(
 	case id&posixProcFS != 0:
 		pid := mmid & (1<<posixPIDBits - 1)
 		if foreign && ownTask(pid) {
-			return nil, 0, fmt.Errorf("%w: its posix segment is this process's own", ErrBadKey)
+			return segmentHold{}, fmt.Errorf("%w: its posix segment is this process's own", ErrBadKey)
 		}
 		path = fmt.Sprintf("/proc/%d/fd/%d", pid, mmid>>posixPIDBits)
 	case id&posixShmOpen != 0:
@@ -215,31 +226,39 @@ func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) (func(
 	default:
 		// A file in a directory the key names (UCX_POSIX_USE_PROC_LINK=n
 		// without shm_open): a path the peer chose.
-		return nil, 0, fmt.Errorf("%w: posix segment named by a directory path", ErrBadKey)
+		return segmentHold{}, fmt.Errorf("%w: posix segment named by a directory path", ErrBadKey)
 	}
 	f, err := os.OpenFile(path, flags, 0)
 	if err != nil {
-		return nil, 0, fmt.Errorf("%w: its posix segment does not open: %w", ErrBadKey, err)
+		return segmentHold{}, fmt.Errorf("%w: its posix segment does not open: %w", ErrBadKey, err)
 	}
 	if err := checkPosixFile(f, id, length); err != nil {
 		f.Close()
-		return nil, 0, err
+		return segmentHold{}, err
+	}
+	var file segmentFile
+	if foreign {
+		if file, err = takePeerSegment(f); err != nil {
+			f.Close()
+			return segmentHold{}, err
+		}
 	}
 	if !reserveMapped(length) {
 		f.Close()
-		return nil, 0, errMappedBudget(length)
+		dropPeerSegment(file)
+		return segmentHold{}, errMappedBudget(length)
 	}
 	// UCX opens the descriptor this process holds, through procfs: the file
 	// checked, whatever the peer's descriptor or name became since.
 	fd := uint64(f.Fd())
 	if fd >= 1<<(60-posixPIDBits) || uint64(os.Getpid()) >= 1<<posixPIDBits {
 		f.Close()
-		unreserveMapped(length)
-		return nil, 0, fmt.Errorf("%w: descriptor %d or process id %d does not fit a posix segment id", ErrBadKey, fd, os.Getpid())
+		segmentHold{mapped: length, file: file}.drop()
+		return segmentHold{}, fmt.Errorf("%w: descriptor %d or process id %d does not fit a posix segment id", ErrBadKey, fd, os.Getpid())
 	}
 	own := id&(posixHugeTLB|posixPIDNS) | posixProcFS | fd<<posixPIDBits | uint64(os.Getpid())
 	binary.LittleEndian.PutUint64(comp, own)
-	return func() { f.Close() }, length, nil
+	return segmentHold{release: func() { f.Close() }, mapped: length, file: file}, nil
 }
 
 // checkPosixFile reports why f, opened for the posix key whose segment id
@@ -308,6 +327,79 @@ func segmentMax() uint64 {
 	return (uint64(si.Totalram) + uint64(si.Totalswap)) * uint64(si.Unit)
 }
 
+// segmentHold is what checkSegment keeps of a key's segment: release, if
+// not nil, until UCX's unpack returned (the segment held open or attached);
+// the rest until the key goes (drop): the address space its mapping takes
+// (reserveMapped) and, for a key of a peer in another process, its file in
+// peerSegments.
+type segmentHold struct {
+	release func()
+	mapped  uint64
+	file    segmentFile
+}
+
+// drop gives back what h keeps for its key's life.
+func (h segmentHold) drop() {
+	unreserveMapped(h.mapped)
+	dropPeerSegment(h.file)
+}
+
+// segmentFile names a file by device and inode, as fstat and
+// /proc/self/maps do; the zero value names none.
+type segmentFile struct{ dev, ino uint64 }
+
+// peerSegments counts, by file, the posix segments that live keys of peers
+// in other processes attached: mapped in this process, yet a peer's.
+var peerSegments = struct {
+	sync.Mutex
+	n map[segmentFile]int
+}{n: map[segmentFile]int{}}
+
+// takePeerSegment returns the file of f, a posix segment a key of a peer in
+// another process names, counted in peerSegments until dropPeerSegment, or
+// why it is no peer's: this process maps it and no live key of a peer
+// attached it, so it is this process's own (a receive space, a pool, UCX's
+// own queues), named through another process's descriptor of it (one the
+// peer opened through this process's procfs entry, as UCX does) or by its
+// shm_open name, neither of which ownTask sees. Attached, it would have this
+// process's puts land in its own memory.
+func takePeerSegment(f *os.File) (segmentFile, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return segmentFile{}, fmt.Errorf("%w: its posix segment: %w", ErrBadKey, err)
+	}
+	file := segmentFile{dev: st.Dev, ino: st.Ino}
+	peerSegments.Lock()
+	defer peerSegments.Unlock()
+	if peerSegments.n[file] == 0 {
+		// Read with the lock held: a key of the same segment unpacked
+		// meanwhile maps it only once counted.
+		ms := mappings()
+		if ms == nil {
+			return segmentFile{}, fmt.Errorf("%w: this process's mappings cannot be read to check its posix segment", ErrBadKey)
+		}
+		for _, m := range ms {
+			if m.file == file {
+				return segmentFile{}, fmt.Errorf("%w: its posix segment is this process's own", ErrBadKey)
+			}
+		}
+	}
+	peerSegments.n[file]++
+	return file, nil
+}
+
+// dropPeerSegment ends a count takePeerSegment took; the zero file is none.
+func dropPeerSegment(file segmentFile) {
+	if file == (segmentFile{}) {
+		return
+	}
+	peerSegments.Lock()
+	defer peerSegments.Unlock()
+	if peerSegments.n[file]--; peerSegments.n[file] <= 0 {
+		delete(peerSegments.n, file)
+	}
+}
+
 // ownTask reports whether id is this process's id or one of its threads':
 // /proc/<id>/fd of any of them is this process's descriptor table.
 func ownTask(id uint64) bool {
@@ -318,13 +410,13 @@ func ownTask(id uint64) bool {
 	return err == nil
 }
 
-func checkSysvSegment(comp []byte, foreign bool, base, length uint64) (func(), uint64, error) {
+func checkSysvSegment(comp []byte, foreign bool, base, length uint64) (segmentHold, error) {
 	if len(comp) < sysvKeyBytes {
-		return nil, 0, fmt.Errorf("%w: sysv segment key of %d bytes", ErrBadKey, len(comp))
+		return segmentHold{}, fmt.Errorf("%w: sysv segment key of %d bytes", ErrBadKey, len(comp))
 	}
 	id := binary.LittleEndian.Uint32(comp)
 	if id > math.MaxInt32 {
-		return nil, 0, fmt.Errorf("%w: sysv segment id %d", ErrBadKey, id)
+		return segmentHold{}, fmt.Errorf("%w: sysv segment id %d", ErrBadKey, id)
 	}
 	// Attached first, and held so until release: the segment cannot go
 	// before UCX attaches it too, nor its id name another one meanwhile.
@@ -332,23 +424,23 @@ func checkSysvSegment(comp []byte, foreign bool, base, length uint64) (func(), u
 	// mode and this process's ids and capabilities.
 	b, err := unix.SysvShmAttach(int(id), 0, 0)
 	if err != nil {
-		return nil, 0, fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
+		return segmentHold{}, fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
 	}
 	release := func() { _ = unix.SysvShmDetach(b) }
 	var ds unix.SysvShmDesc
 	if _, err := unix.SysvShmCtl(int(id), unix.IPC_STAT, &ds); err != nil {
 		release()
-		return nil, 0, fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
+		return segmentHold{}, fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
 	}
 	if err := checkSysvDesc(&ds, id, foreign, binary.LittleEndian.Uint64(comp[4:]), base, length); err != nil {
 		release()
-		return nil, 0, err
+		return segmentHold{}, err
 	}
 	if !reserveMapped(ds.Segsz) {
 		release()
-		return nil, 0, errMappedBudget(ds.Segsz)
+		return segmentHold{}, errMappedBudget(ds.Segsz)
 	}
-	return release, ds.Segsz, nil
+	return segmentHold{release: release, mapped: ds.Segsz}, nil
 }
 
 // checkSysvDesc reports why the sysv segment id, described by ds, is not

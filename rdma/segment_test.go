@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strconv"
@@ -222,11 +223,11 @@ func TestCheckSegment(t *testing.T) {
 // checkSegmentOnce is checkSegment for a key nobody unpacks: it lets go of
 // what the check holds at once.
 func checkSegmentOnce(component string, comp []byte, foreign bool, base, length uint64) error {
-	release, mapped, err := checkSegment(component, comp, foreign, base, length)
-	if release != nil {
-		release()
+	h, err := checkSegment(component, comp, foreign, base, length)
+	if h.release != nil {
+		h.release()
 	}
-	unreserveMapped(mapped)
+	h.drop()
 	return err
 }
 
@@ -243,11 +244,12 @@ func TestCheckSegmentHoldsPosixFile(t *testing.T) {
 	require.NoError(t, err)
 	peerFD := int(seg.Fd())
 	key := posixKey(os.Getpid(), peerFD, 8192)
-	release, mapped, err := checkSegment("posix", key, false, keyAt, 8192)
+	h, err := checkSegment("posix", key, false, keyAt, 8192)
 	require.NoError(t, err)
-	require.NotNil(t, release)
-	require.Equal(t, uint64(8192), mapped)
-	defer unreserveMapped(mapped)
+	require.NotNil(t, h.release)
+	require.Equal(t, uint64(8192), h.mapped)
+	defer h.drop()
+	release := h.release
 
 	id := binary.LittleEndian.Uint64(key)
 	require.Equal(t, uint64(posixProcFS), id&posixFlags, "procfs mode, shm_open dropped")
@@ -278,11 +280,12 @@ func TestCheckSegmentHoldsSysvSegment(t *testing.T) {
 	shmid, err := unix.SysvShmGet(unix.IPC_PRIVATE, 8192, unix.IPC_CREAT|0o600)
 	require.NoError(t, err)
 	key := binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(nil, uint32(shmid)), keyAt)
-	release, mapped, err := checkSegment("sysv", key, false, keyAt, 8192)
+	h, err := checkSegment("sysv", key, false, keyAt, 8192)
 	require.NoError(t, err)
-	require.NotNil(t, release)
-	require.Equal(t, uint64(8192), mapped)
-	defer unreserveMapped(mapped)
+	require.NotNil(t, h.release)
+	require.Equal(t, uint64(8192), h.mapped)
+	defer h.drop()
+	release := h.release
 	_, err = unix.SysvShmCtl(shmid, unix.IPC_RMID, nil)
 	require.NoError(t, err)
 	b, err := unix.SysvShmAttach(shmid, 0, 0)
@@ -325,10 +328,55 @@ func TestCheckSegmentMappedBudget(t *testing.T) {
 	require.Equal(t, mappedBudget-uint64(4096), mappedSegments.Load(), "a refused key reserves nothing")
 
 	unreserveMapped(4096) // two pages free now
-	release, mapped, err := checkSegment("posix", key(), false, keyAt, 8192)
+	h, err := checkSegment("posix", key(), false, keyAt, 8192)
 	require.NoError(t, err)
-	release()
+	h.release()
 	require.Equal(t, uint64(mappedBudget), mappedSegments.Load())
-	unreserveMapped(mapped)
+	h.drop()
 	require.True(t, reserveMapped(4096), "given back")
+}
+
+// A posix segment this process maps, named by a key of a peer in another
+// process through that process's descriptor of it (a peer can open one
+// through this process's procfs entry, as UCX does), is refused: this
+// process's puts would land in its own memory. One a live key of a peer
+// attached is the peer's, and another key may name it while that lives.
+func TestCheckSegmentRefusesOwnMapping(t *testing.T) {
+	f, _ := sharedFile(t, 8192) // this process's own: mapped here
+	own := filepath.Join(filepath.Dir(f.Name()), posixFilePfx+"3")
+	require.NoError(t, os.Rename(f.Name(), own))
+	peer, err := os.Create(filepath.Join(t.TempDir(), posixFilePfx+"4"))
+	require.NoError(t, err)
+	defer peer.Close()
+	require.NoError(t, peer.Truncate(8192))
+
+	holder := exec.Command("sleep", "60")
+	holder.ExtraFiles = []*os.File{f, peer} // its descriptors 3 and 4
+	require.NoError(t, holder.Start())
+	defer func() {
+		_ = holder.Process.Kill()
+		_ = holder.Wait()
+	}()
+	pid := holder.Process.Pid
+
+	err = checkSegmentOnce("posix", posixKey(pid, 3, 8192), true, keyAt, 8192)
+	require.ErrorIs(t, err, ErrBadKey)
+	require.ErrorContains(t, err, "this process's own")
+	require.NoError(t, checkSegmentOnce("posix", posixKey(pid, 3, 8192), false, keyAt, 8192), "a peer in this process may")
+
+	// The peer's segment: a key's check counts it, and its unpack maps it.
+	first, err := checkSegment("posix", posixKey(pid, 4, 8192), true, keyAt, 8192)
+	require.NoError(t, err)
+	first.release()
+	attached, err := syscall.Mmap(int(peer.Fd()), 0, 8192, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
+	require.NoError(t, err)
+	require.NoError(t, checkSegmentOnce("posix", posixKey(pid, 4, 8192), true, keyAt, 8192), "a second key of a segment a live key attached")
+	first.drop()
+	err = checkSegmentOnce("posix", posixKey(pid, 4, 8192), true, keyAt, 8192)
+	require.ErrorContains(t, err, "this process's own", "mapped with no live key of a peer: as if it were this process's")
+	require.NoError(t, syscall.Munmap(attached))
+	require.NoError(t, checkSegmentOnce("posix", posixKey(pid, 4, 8192), true, keyAt, 8192))
+	peerSegments.Lock()
+	defer peerSegments.Unlock()
+	require.Empty(t, peerSegments.n, "every count dropped")
 }
