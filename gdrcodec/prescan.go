@@ -139,6 +139,9 @@ func mapValue(entry []byte) []byte {
 		}
 		if num == 2 && typ == protowire.BytesType {
 			v, _ := protowire.ConsumeBytes(entry)
+			// The first value stays in entry; a second makes the copy,
+			// which the later ones append to in place, so that a peer's
+			// many occurrences cost their length once.
 			switch {
 			case value == nil:
 				value = v

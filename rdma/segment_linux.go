@@ -232,33 +232,33 @@ func checkPosixSegment(comp []byte, foreign bool, base, regionLen uint64) (segme
 	if err != nil {
 		return segmentHold{}, fmt.Errorf("%w: its posix segment does not open: %w", ErrBadKey, err)
 	}
-	if err := checkPosixFile(f, id, length); err != nil {
-		f.Close()
+	h := segmentHold{release: func() { f.Close() }}
+	refuse := func(err error) (segmentHold, error) {
+		h.release()
+		h.drop()
 		return segmentHold{}, err
 	}
-	var file segmentFile
+	// UCX is to open the descriptor this process holds, through procfs: the
+	// file checked, whatever the peer's descriptor or name became since.
+	fd := uint64(f.Fd())
+	if fd >= 1<<(60-posixPIDBits) || uint64(os.Getpid()) >= 1<<posixPIDBits {
+		return refuse(fmt.Errorf("%w: descriptor %d or process id %d does not fit a posix segment id", ErrBadKey, fd, os.Getpid()))
+	}
+	if err := checkPosixFile(f, id, length); err != nil {
+		return refuse(err)
+	}
 	if foreign {
-		if file, err = takePeerSegment(f); err != nil {
-			f.Close()
-			return segmentHold{}, err
+		if h.file, err = takePeerSegment(f); err != nil {
+			return refuse(err)
 		}
 	}
 	if !reserveMapped(length) {
-		f.Close()
-		dropPeerSegment(file)
-		return segmentHold{}, errMappedBudget(length)
+		return refuse(errMappedBudget(length))
 	}
-	// UCX opens the descriptor this process holds, through procfs: the file
-	// checked, whatever the peer's descriptor or name became since.
-	fd := uint64(f.Fd())
-	if fd >= 1<<(60-posixPIDBits) || uint64(os.Getpid()) >= 1<<posixPIDBits {
-		f.Close()
-		segmentHold{mapped: length, file: file}.drop()
-		return segmentHold{}, fmt.Errorf("%w: descriptor %d or process id %d does not fit a posix segment id", ErrBadKey, fd, os.Getpid())
-	}
+	h.mapped = length
 	own := id&(posixHugeTLB|posixPIDNS) | posixProcFS | fd<<posixPIDBits | uint64(os.Getpid())
 	binary.LittleEndian.PutUint64(comp, own)
-	return segmentHold{release: func() { f.Close() }, mapped: length, file: file}, nil
+	return h, nil
 }
 
 // checkPosixFile reports why f, opened for the posix key whose segment id

@@ -38,8 +38,7 @@ type Listener struct {
 	// accepted are the gRPC conns Accept returned, until Shutdown takes them
 	// or their session is released, which closes it (pruned, which Shutdown
 	// waits for: a released session's handlers may still run); drained is
-	// made by the
-	// first Shutdown and closed once it closed them.
+	// made by the first Shutdown and closed once it closed them.
 	acceptedMu sync.Mutex
 	accepted   map[net.Conn]struct{}
 	pruned     sync.WaitGroup
