@@ -113,18 +113,20 @@ func (a *allocation) newRoot(ptr uintptr, n int) *Buffer {
 	return b
 }
 
+// dropHandle drops one handle of a, freeing a with its last. The handle
+// leaves Live's count only after that, so a count Live reports as zero
+// means the memory is back too: leak checks wait on it.
 func (a *allocation) dropHandle() {
+	if a.handles.Add(-1) == 0 {
+		if a.export.Load() != nil {
+			unexport(a)
+		}
+		if a.free != nil {
+			a.free()
+		}
+	}
 	if !a.uncounted {
 		live.buffers[a.kind].Add(-1)
-	}
-	if a.handles.Add(-1) != 0 {
-		return
-	}
-	if a.export.Load() != nil {
-		unexport(a)
-	}
-	if a.free != nil {
-		a.free()
 	}
 }
 

@@ -86,7 +86,7 @@ func TestNoPutAfterFetchFailed(t *testing.T) {
 // late, as a UCX endpoint's does while its close lingers. An RTR of which
 // nothing was written, its session closed, may go by another session.
 func TestRTRWriteFailedAfterItWent(t *testing.T) {
-	devicebuftest.Install(t, 1)
+	fake := devicebuftest.Install(t, 1)
 	t.Cleanup(func() { require.NoError(t, CloseHostPools()) })
 	token := newToken()
 	c1, c2 := net.Pipe()
@@ -127,8 +127,9 @@ func TestRTRWriteFailedAfterItWent(t *testing.T) {
 	_, err = fetchVia(ctx, cs, d, dst, func() {})
 	require.ErrorIs(t, err, errRTRNotSent, "nothing of the RTR was written: another session may carry the pull")
 	dst.Release()
-	require.Eventually(t, func() bool { return numPulls() == 0 && devicebuf.Live().CUDABuffers == 0 },
-		10*time.Second, time.Millisecond, "pulls, or their destination, left over")
+	require.Eventually(t, func() bool {
+		return numPulls() == 0 && devicebuf.Live().CUDABuffers == 0 && fake.Allocations() == 0
+	}, 10*time.Second, time.Millisecond, "pulls, or their destination, left over")
 }
 
 // failAfterWrite is a connection whose write of bytes that hold mark goes
