@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
 	"runtime/trace"
 	"slices"
 	"sync"
@@ -232,43 +233,67 @@ const LingerIdle = 500 * time.Millisecond
 // that keep it up ended.
 const lingerPoll = 20 * time.Millisecond
 
-// lingerers are the sessions lingering, by peer, oldest first.
+// lingerers are the sessions lingering, by peer and by remote host, oldest
+// first.
 var lingerers = struct {
 	sync.Mutex
-	m map[transport.ID][]*attached
-}{m: map[transport.ID][]*attached{}}
+	byPeer map[transport.ID][]*attached
+	byHost map[netip.Prefix][]*attached
+}{byPeer: map[transport.ID][]*attached{}, byHost: map[netip.Prefix][]*attached{}}
 
-// startLinger files a among its peer's lingering sessions, and ends the
-// linger of the oldest once they are more than a's session's
-// Limits.PeerLingeringSessions.
+// startLinger files a among its peer's and its host's lingering sessions,
+// and ends the linger of the oldest of either once they are more than a's
+// session's Limits.PeerLingeringSessions or Limits.HostLingeringSessions.
 func startLinger(a *attached) {
-	peer := a.s.PeerID()
-	bound := cfgOf(a.s).Limits.PeerLingeringSessions
+	lim := cfgOf(a.s).Limits
 	lingerers.Lock()
 	defer lingerers.Unlock()
-	l := append(lingerers.m[peer], a)
+	if cut := fileLinger(lingerers.byPeer, a.s.PeerID(), a, lim.PeerLingeringSessions); cut != nil {
+		dropLinger(lingerers.byHost, cut.s.RemoteHost(), cut)
+		close(cut.cutLinger)
+		if cut == a {
+			return // the peer's others are all kept up by this side's calls
+		}
+	}
+	if cut := fileLinger(lingerers.byHost, a.s.RemoteHost(), a, lim.HostLingeringSessions); cut != nil {
+		dropLinger(lingerers.byPeer, cut.s.PeerID(), cut)
+		close(cut.cutLinger)
+	}
+}
+
+// endLinger takes a out of the lingering sessions.
+func endLinger(a *attached) {
+	lingerers.Lock()
+	defer lingerers.Unlock()
+	dropLinger(lingerers.byPeer, a.s.PeerID(), a)
+	dropLinger(lingerers.byHost, a.s.RemoteHost(), a)
+}
+
+// fileLinger appends a to m[k] and, where that makes them more than bound,
+// takes out and returns the oldest that no call of this side's own keeps
+// up, whose linger the caller ends (nil: none).
+func fileLinger[K comparable](m map[K][]*attached, k K, a *attached, bound int) (cut *attached) {
+	l := append(m[k], a)
 	if len(l) > bound {
 		if i := slices.IndexFunc(l, func(o *attached) bool { return o.openCalls.Load() == 0 }); i >= 0 {
-			close(l[i].cutLinger)
+			cut = l[i]
 			l = slices.Delete(l, i, i+1)
 		}
 	}
-	lingerers.m[peer] = l
+	m[k] = l
+	return cut
 }
 
-// endLinger takes a out of its peer's lingering sessions.
-func endLinger(a *attached) {
-	peer := a.s.PeerID()
-	lingerers.Lock()
-	defer lingerers.Unlock()
-	l := lingerers.m[peer]
+// dropLinger takes a out of m[k], if there.
+func dropLinger[K comparable](m map[K][]*attached, k K, a *attached) {
+	l := m[k]
 	if i := slices.Index(l, a); i >= 0 {
 		l = slices.Delete(l, i, i+1)
 	}
 	if len(l) == 0 {
-		delete(lingerers.m, peer)
+		delete(m, k)
 	} else {
-		lingerers.m[peer] = l
+		m[k] = l
 	}
 }
 
@@ -296,8 +321,9 @@ func busy(s *transport.Session) func() {
 //   - this side saw no out-of-band transfer for LingerIdle, has no open call
 //     (Receiving), and the peer does not hold the session;
 //   - the session died;
-//   - more than Limits.PeerLingeringSessions sessions to the peer linger,
-//     and a is the oldest of them that no call of this side's keeps up;
+//   - more than Limits.PeerLingeringSessions sessions to the peer, or
+//     Limits.HostLingeringSessions to its host, linger, and a is the oldest
+//     of them that no call of this side's keeps up;
 //   - or the transfer timeout ran out, whatever the peer says or keeps doing.
 //
 // A side with open calls asks the peer to hold the session (ctlHold) and
@@ -333,7 +359,8 @@ func lingerForTransfers(a *attached) {
 		case <-s.Done():
 			return
 		case <-a.cutLinger:
-			cfgOf(s).Logger.Debug("session's linger cut: more sessions to its peer linger", "session", s.ID(), "max", cfgOf(s).Limits.PeerLingeringSessions)
+			cfgOf(s).Logger.Debug("session's linger cut: more sessions to its peer, or its host, linger", "session", s.ID(),
+				"max_peer", cfgOf(s).Limits.PeerLingeringSessions, "max_host", cfgOf(s).Limits.HostLingeringSessions)
 			return
 		case <-t.C:
 		}

@@ -117,6 +117,14 @@ type Limits struct {
 	// more connections at once, with unread messages on each, raises it. If
 	// zero, DefaultPeerLingeringSessions.
 	PeerLingeringSessions int
+	// HostLingeringSessions bounds likewise the sessions that linger at
+	// once to the peers of one remote host (Session.RemoteHost): a peer id
+	// is the peer's to choose anew at each handshake, and a peer that takes
+	// a new identity with each connection would have each of its sessions
+	// counted apart under PeerLingeringSessions. A server whose clients
+	// share an address (behind a NAT) shares this bound among them. If
+	// zero, DefaultHostLingeringSessions.
+	HostLingeringSessions int
 }
 
 // Defaults of Limits.
@@ -136,6 +144,9 @@ const (
 	// DefaultPeerLingeringSessions is Limits.PeerLingeringSessions unless
 	// set.
 	DefaultPeerLingeringSessions = 64
+	// DefaultHostLingeringSessions is Limits.HostLingeringSessions unless
+	// set: four peers' worth of DefaultPeerLingeringSessions.
+	DefaultHostLingeringSessions = 4 * DefaultPeerLingeringSessions
 )
 
 func (l Limits) withDefaults(timeout time.Duration) Limits {
@@ -171,6 +182,9 @@ func (l Limits) withDefaults(timeout time.Duration) Limits {
 	}
 	if l.PeerLingeringSessions <= 0 {
 		l.PeerLingeringSessions = DefaultPeerLingeringSessions
+	}
+	if l.HostLingeringSessions <= 0 {
+		l.HostLingeringSessions = DefaultHostLingeringSessions
 	}
 	return l
 }

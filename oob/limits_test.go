@@ -1077,6 +1077,7 @@ func TestLimitsDefaultsSaturate(t *testing.T) {
 	require.Equal(t, int64(2*DefaultPullBytes), l.TotalPullBytes)
 	require.Equal(t, int64(2*DefaultPeerUnpulledBytes), l.TotalUnpulledBytes)
 	require.Equal(t, DefaultPeerLingeringSessions, l.PeerLingeringSessions)
+	require.Equal(t, DefaultHostLingeringSessions, l.HostLingeringSessions)
 }
 
 // TestCallEndedWithdrawsUnpulled: a client that ends a call tells the

@@ -3,6 +3,8 @@ package oob
 import (
 	"bytes"
 	"maps"
+	"net"
+	"net/netip"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -278,7 +280,7 @@ func lingeringTo(peer transport.ID, n int) func() bool {
 	return func() bool {
 		lingerers.Lock()
 		defer lingerers.Unlock()
-		return len(lingerers.m[peer]) == n
+		return len(lingerers.byPeer[peer]) == n
 	}
 }
 
@@ -315,7 +317,84 @@ func testLingeringHeld(t *testing.T) {
 	}
 	lingerers.Lock()
 	defer lingerers.Unlock()
-	require.Empty(t, lingerers.m[servers[0].PeerID()])
+	require.Empty(t, lingerers.byPeer[servers[0].PeerID()])
+}
+
+// At most Limits.HostLingeringSessions sessions to one remote host linger
+// at once, whatever peer ids their peers took: a client that takes a new
+// identity for each connection, holding each session, ends the linger of
+// its host's oldest, and not another host's.
+func TestLingeringBoundedPerHost(t *testing.T) {
+	cfg := TransferConfig{Timeout: time.Minute, Limits: Limits{HostLingeringSessions: lingerBound}}
+	held := func(from string) *transport.Session {
+		c1, c2 := tcpConnFrom(t, from)
+		c, s := transporttest.PairOver(t, c1, c2,
+			[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(cfg))},
+			[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(cfg))})
+		require.NoError(t, sendControl(testContext(t), c, ctlHold, lingerMsg(1)))
+		require.Eventually(t, stateOf(s).peerHolds, 10*time.Second, time.Millisecond)
+		return s
+	}
+	other := held("127.0.0.3") // the oldest lingering, of another host
+	otherDone := lingerAsync(stateOf(other))
+	require.Eventually(t, lingeringFrom(other.RemoteHost(), 1), 10*time.Second, time.Millisecond)
+
+	var servers []*transport.Session
+	for range lingerBound + 1 {
+		servers = append(servers, held("127.0.0.2"))
+	}
+	host := servers[0].RemoteHost()
+	require.Equal(t, "127.0.0.2/32", host.String())
+	var dones []<-chan struct{}
+	for i, s := range servers[:lingerBound] {
+		dones = append(dones, lingerAsync(stateOf(s)))
+		require.Eventually(t, lingeringFrom(host, i+1), 10*time.Second, time.Millisecond)
+	}
+	last := lingerAsync(stateOf(servers[lingerBound]))
+	requireReturns(t, dones[0], "oldest server session of the host")
+	for i, d := range append(dones[1:], otherDone) {
+		select {
+		case <-d:
+			t.Fatalf("session %d stopped lingering: only the host's oldest goes", i+1)
+		default:
+		}
+	}
+	for _, s := range append(servers, other) {
+		require.NoError(t, s.Close())
+	}
+	for _, d := range append(dones[1:], last, otherDone) {
+		requireReturns(t, d, "server")
+	}
+	lingerers.Lock()
+	defer lingerers.Unlock()
+	require.Empty(t, lingerers.byHost)
+	require.Empty(t, lingerers.byPeer)
+}
+
+// lingeringFrom returns a condition: n sessions to host linger.
+func lingeringFrom(host netip.Prefix, n int) func() bool {
+	return func() bool {
+		lingerers.Lock()
+		defer lingerers.Unlock()
+		return len(lingerers.byHost[host]) == n
+	}
+}
+
+// tcpConnFrom returns the two ends of a TCP connection over the loopback
+// interface whose client end has the address from (any of 127/8).
+func tcpConnFrom(t *testing.T, from string) (client, server net.Conn) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer l.Close()
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(from)}}
+	client, err = d.Dial("tcp", l.Addr().String())
+	require.NoError(t, err)
+	server, err = l.Accept()
+	if err != nil {
+		_ = client.Close()
+	}
+	require.NoError(t, err)
+	return client, server
 }
 
 // The words of the side that makes the gRPC calls count whichever side

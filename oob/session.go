@@ -59,7 +59,8 @@ type attached struct {
 	// lingering: the session's gRPC conn closed and Linger runs.
 	lingering atomic.Bool
 	// cutLinger is closed when the linger must end now: too many sessions
-	// to the peer linger (Limits.PeerLingeringSessions).
+	// to the peer or its host linger (Limits.PeerLingeringSessions,
+	// HostLingeringSessions).
 	cutLinger chan struct{}
 	// openCalls are this side's client calls whose messages may still name
 	// payloads to pull over the session (Receiving); receives is set once

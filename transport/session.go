@@ -12,6 +12,7 @@ import (
 	"log"
 	"log/slog"
 	"net"
+	"net/netip"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -360,6 +361,13 @@ func (s *Session) IsClient() bool { return s.client }
 // LocalAddr and RemoteAddr return the addresses of the underlying connection.
 func (s *Session) LocalAddr() net.Addr  { return s.localAddr }
 func (s *Session) RemoteAddr() net.Addr { return s.remoteAddr }
+
+// RemoteHost returns the host the session's peer connected from, as a
+// listener's per-host bounds count hosts: an IPv4 address, an IPv6 /64, or,
+// for addresses of other kinds, the zero Prefix, which all such sessions
+// share. Unlike the peer's id, which a peer may change at every handshake,
+// it bounds what one host holds.
+func (s *Session) RemoteHost() netip.Prefix { return hostOfAddr(s.remoteAddr) }
 
 // RTT returns the round trip time the last keepalive ping measured, or 0.
 func (s *Session) RTT() time.Duration { return time.Duration(s.rtt.Load()) }
