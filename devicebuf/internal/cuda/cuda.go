@@ -191,8 +191,9 @@ static void gdr_cu_pop(void) {
 // gdr_cu_enable_peer lets the primary contexts a (device da) and b (device db) map each
 // other's memory where the devices allow it (NVLink or PCIe peer to peer), so that copies
 // between them run device to device; without it the driver stages them through host memory.
-// *can is set when both directions are possible. Access enabled before (by us or by the
-// application) is not an error.
+// Devices that cannot reach each other both ways are left as they are (0). Access enabled
+// before (by us or by the application) is not an error, and a retry after a failure half-way
+// enables what is left.
 static CUresult gdr_cu_enable_peer(CUcontext a, int da, CUcontext b, int db) {
 	CUdevice x, y;
 	int ab = 0, ba = 0;
@@ -392,6 +393,8 @@ import "C"
 import (
 	"fmt"
 	"sync"
+	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"github.com/gdrpc/gdrpc/devicebuf/internal/driver"
@@ -468,12 +471,17 @@ func (d *real) putSyncStream(dev int, s C.CUstream) {
 	l.mu.Unlock()
 }
 
-// peerAccess is the outcome of enabling peer access between two devices,
-// tried once per pair.
+// peerAccess is where enabling peer access between two devices stands.
 type peerAccess struct {
-	once sync.Once
-	err  error
+	done atomic.Bool // enabled, or the devices cannot reach each other
+	mu   sync.Mutex
+	next time.Time // when an attempt that failed is made again
 }
+
+// peerRetry is how long after a failed attempt to enable peer access
+// between two devices (a transient shortage of the driver's) the next copy
+// between them tries again; the copies meanwhile go staged.
+const peerRetry = 10 * time.Second
 
 type attrKey struct {
 	dev  int
@@ -639,17 +647,29 @@ func (d *real) ctx(dev int) (C.CUcontext, error) {
 }
 
 // enablePeer enables peer access between two devices' primary contexts once
-// per pair, so peer copies between them take NVLink or PCIe directly. Devices
-// that cannot reach each other are not an error: the driver then stages the
-// copy through host memory.
-func (d *real) enablePeer(da int, a C.CUcontext, db int, b C.CUcontext) error {
+// per pair, so peer copies between them take NVLink or PCIe directly. A copy
+// needs none: between devices that cannot reach each other, or while enabling
+// fails, the driver stages it through host memory, and a failed attempt is
+// made again peerRetry later rather than never (a copy that failed for it
+// would fail the transfer, and a failure kept for good would slow every
+// later one).
+func (d *real) enablePeer(da int, a C.CUcontext, db int, b C.CUcontext) {
 	k := [2]int{min(da, db), max(da, db)}
 	v, _ := d.peers.LoadOrStore(k, &peerAccess{})
 	pa := v.(*peerAccess)
-	pa.once.Do(func() {
-		pa.err = cuErr("cuCtxEnablePeerAccess", C.gdr_cu_enable_peer(a, C.int(da), b, C.int(db)))
-	})
-	return pa.err
+	if pa.done.Load() {
+		return
+	}
+	pa.mu.Lock()
+	defer pa.mu.Unlock()
+	if pa.done.Load() || time.Now().Before(pa.next) {
+		return
+	}
+	if C.gdr_cu_enable_peer(a, C.int(da), b, C.int(db)) != 0 {
+		pa.next = time.Now().Add(peerRetry)
+		return
+	}
+	pa.done.Store(true)
 }
 
 func (d *real) MemAlloc(dev int, n int) (uintptr, error) {
@@ -747,9 +767,7 @@ func (d *real) Memcpy(dir driver.Dir, dstDev int, dst uintptr, srcDev int, src u
 		if srcc, err = d.ctx(srcDev); err != nil {
 			return err
 		}
-		if err := d.enablePeer(dstDev, dstc, srcDev, srcc); err != nil {
-			return err
-		}
+		d.enablePeer(dstDev, dstc, srcDev, srcc)
 	}
 	if s != 0 {
 		return cuErr("cuMemcpyAsync", C.gdr_cu_memcpy(c, cdir, dstc, C.uintptr_t(dst), srcc, C.uintptr_t(src), C.size_t(n), C.uintptr_t(s), 0))
