@@ -292,7 +292,9 @@ func (q queued) done() {
 	}
 }
 
-// Synchronize waits until every copy queued on s before the call is complete.
+// Synchronize waits until every copy queued on s before the call is complete. After a
+// failure, the buffers of those copies stay referenced (the device may still run them) until
+// a later Synchronize succeeds.
 func (s *Stream) Synchronize() error {
 	s.life.RLock()
 	defer s.life.RUnlock()
@@ -316,16 +318,47 @@ func (s *Stream) takePending() ([]queued, error) {
 	return done, nil
 }
 
-// sync waits for the device stream and then lets go of done, copies queued before.
+// sync waits for the device stream and then lets go of done, copies queued
+// before. A failed wait lets go of nothing (keep).
 func (s *Stream) sync(done []queued) error {
-	var err error
 	if s.d != nil {
-		if e := s.d.StreamSynchronize(s.s); e != nil {
-			err = fmt.Errorf("devicebuf: cuStreamSynchronize: %w", e)
+		if err := s.d.StreamSynchronize(s.s); err != nil {
+			s.keep(done)
+			return fmt.Errorf("devicebuf: cuStreamSynchronize: %w", err)
 		}
 	}
 	letGo(done)
-	return err
+	return nil
+}
+
+// keep holds on to done, copies a failed wait of s left unknown: a failure
+// that is not sticky leaves the stream's work going, and a buffer given back
+// under a copy could be written while another transfer holds it, or freed
+// under the device. They wait for s's next wait, pending again ahead of the
+// copies queued since, or, s being closed, stay held for good (stranded):
+// memory lost rather than bytes gone astray.
+func (s *Stream) keep(done []queued) {
+	if len(done) == 0 {
+		return
+	}
+	s.mu.Lock()
+	if !s.closed {
+		s.pending = append(done, s.pending...)
+		s.mu.Unlock()
+		return
+	}
+	s.mu.Unlock()
+	stranded.Lock()
+	stranded.q = append(stranded.q, done...)
+	stranded.Unlock()
+}
+
+// stranded holds the copies of closed streams whose last wait failed: their
+// buffers' references, and the pins of Go memory among them, which a Pinner
+// collected while pinning would report.
+var stranded struct {
+	sync.Mutex
+	q []queued
 }
 
 // letGo lets go of the buffers of complete copies.
@@ -336,7 +369,8 @@ func letGo(done []queued) {
 }
 
 // Close waits for queued copies and destroys the stream. It is idempotent; afterwards calls
-// return an error wrapping net.ErrClosed.
+// return an error wrapping net.ErrClosed. Where its wait fails, the buffers of the copies
+// queued stay referenced for good: their memory is lost rather than reused under a copy.
 func (s *Stream) Close() error {
 	s.life.Lock()
 	defer s.life.Unlock()

@@ -362,3 +362,64 @@ func TestOwnIPC(t *testing.T) {
 	require.NoError(t, b.Release())
 	require.False(t, devicebuf.OwnIPC(h), "a freed allocation's handle")
 }
+
+// A failed wait of a stream lets go of none of the buffers of the copies
+// queued on it: a failure that is not sticky leaves them going, and a buffer
+// given back could be freed, or handed to another transfer, under the copy.
+// They go once a later wait succeeded; a stream closed by a failed wait
+// keeps them for good.
+func TestFailedSyncKeepsBuffers(t *testing.T) {
+	g := devicebuftest.Install(t, 1)
+	base := devicebuf.Live()
+	const n = 4096
+	queue := func(t *testing.T) (*devicebuf.Stream, *devicebuf.Buffer, []byte) {
+		src := hostKinds()[2].alloc(t, n)
+		hb, _ := src.HostBytes()
+		copy(hb, pattern(3, n))
+		dst := cudaKind(0).alloc(t, n)
+		s, err := devicebuf.NewStream(0)
+		require.NoError(t, err)
+		require.NoError(t, devicebuf.CopyAsync(s, dst, src))
+		require.NoError(t, src.Release()) // the stream's reference is left
+		return s, dst, bytes.Clone(hb)
+	}
+
+	t.Run("a later wait", func(t *testing.T) {
+		s, dst, want := queue(t)
+		require.NoError(t, g.FailSyncs(s.Handle(), 1))
+		require.Error(t, s.Synchronize())
+		require.Equal(t, int64(1), devicebuf.Live().Sub(base).HostBuffers, "the source went back under its copy")
+		require.NoError(t, s.Synchronize())
+		require.Zero(t, devicebuf.Live().Sub(base).HostBuffers)
+		got, err := g.Peek(dst.Ptr(), n)
+		require.NoError(t, err)
+		requireBytes(t, want, got, "after the wait that succeeded")
+		require.NoError(t, dst.Release())
+		require.NoError(t, s.Close())
+	})
+
+	t.Run("by event", func(t *testing.T) {
+		s, dst, _ := queue(t)
+		ev, err := devicebuf.NewEvent(0)
+		require.NoError(t, err)
+		require.NoError(t, g.FailSyncs(s.Handle(), 1))
+		require.NoError(t, ev.Close()) // the event fails, and then the stream's wait
+		require.Error(t, s.SynchronizeBy(ev))
+		require.Equal(t, int64(1), devicebuf.Live().Sub(base).HostBuffers)
+		require.NoError(t, dst.Release())
+		require.Equal(t, int64(1), devicebuf.Live().Sub(base).CUDABuffers, "the destination went back under its copy")
+		require.NoError(t, s.Close())
+		require.True(t, devicebuf.Live().Sub(base).IsZero(), "%+v", devicebuf.Live().Sub(base))
+	})
+
+	t.Run("closed", func(t *testing.T) {
+		s, dst, _ := queue(t)
+		require.NoError(t, dst.Release())
+		require.NoError(t, g.FailSyncs(s.Handle(), 1))
+		require.Error(t, s.Close())
+		require.Equal(t, int64(1), devicebuf.Live().Sub(base).CUDABuffers, "the destination went back under its copy")
+		require.Equal(t, 1, g.Allocations())
+		require.Equal(t, 1, devicebuf.ReleaseStranded())
+		require.True(t, devicebuf.Live().Sub(base).IsZero(), "%+v", devicebuf.Live().Sub(base))
+	})
+}

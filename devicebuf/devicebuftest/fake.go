@@ -71,6 +71,8 @@ type fakeStream struct {
 	// run is held while a synchronization runs the copies it took: another
 	// one returns only after they ran, as on a real stream.
 	run sync.Mutex
+	// failSyncs is how many of the next synchronizations fail (FailSyncs).
+	failSyncs int
 }
 
 // fakeEvent is an event of the fake, or one opened through an IPC handle of the same
@@ -663,6 +665,11 @@ func (g *GPU) StreamSynchronize(s driver.Stream) error {
 		g.mu.Unlock()
 		return cuError("cuStreamSynchronize", 400, "CUDA_ERROR_INVALID_HANDLE", "unknown stream")
 	}
+	if st.failSyncs > 0 {
+		st.failSyncs--
+		g.mu.Unlock()
+		return cuError("cuStreamSynchronize", 201, "CUDA_ERROR_INVALID_CONTEXT", "a failure FailSyncs asked for")
+	}
 	g.mu.Unlock()
 	st.run.Lock()
 	defer st.run.Unlock()
@@ -692,6 +699,20 @@ func (g *GPU) Streams() []uintptr {
 	}
 	slices.Sort(hs)
 	return hs
+}
+
+// FailSyncs makes the next n synchronizations of stream (a devicebuf.Stream's
+// Handle) fail as a failure that is not sticky does: the work queued on it
+// stays queued, and a later synchronization runs it.
+func (g *GPU) FailSyncs(stream uintptr, n int) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	st, ok := g.streams[driver.Stream(stream)]
+	if !ok {
+		return cuError("cuStreamSynchronize", 400, "CUDA_ERROR_INVALID_HANDLE", "unknown stream")
+	}
+	st.failSyncs = n
+	return nil
 }
 
 // Hang queues on s work that does not end until release is called (a
