@@ -1,6 +1,7 @@
 package devicebuf
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"runtime"
@@ -90,6 +91,7 @@ func Copy(dst, src *Buffer) error {
 	runtime.KeepAlive(dst.a)
 	runtime.KeepAlive(src.a)
 	if err != nil {
+		strandUnsettled(err, dst, src)
 		return fmt.Errorf("devicebuf: copy %s <- %s: %w", dst, src, err)
 	}
 	return nil
@@ -126,6 +128,7 @@ func Clear(b *Buffer) error {
 	err = d.MemsetZero(b.a.dev, b.ptr, b.n)
 	runtime.KeepAlive(b.a)
 	if err != nil {
+		strandUnsettled(err, b)
 		return fmt.Errorf("devicebuf: clear %s: %w", b, err)
 	}
 	return nil
@@ -288,7 +291,9 @@ func (q queued) done() {
 		q.pins.Unpin()
 	}
 	for _, b := range q.bufs {
-		_ = b.Release()
+		if b != nil {
+			_ = b.Release()
+		}
 	}
 }
 
@@ -353,12 +358,30 @@ func (s *Stream) keep(done []queued) {
 	stranded.Unlock()
 }
 
-// stranded holds the copies of closed streams whose last wait failed: their
-// buffers' references, and the pins of Go memory among them, which a Pinner
+// stranded holds the copies of closed streams whose last wait failed, and
+// the synchronous copies and memsets whose wait failed: their buffers'
+// references, and the pins of Go memory among them, which a Pinner
 // collected while pinning would report.
 var stranded struct {
 	sync.Mutex
 	q []queued
+}
+
+// strandUnsettled holds bufs for good, with a reference of its own on each,
+// where err says the device work that reads or writes them was queued and
+// may still run (driver.ErrUnsettled): the caller's references go as usual,
+// and the memory is lost rather than reused under that work.
+func strandUnsettled(err error, bufs ...*Buffer) {
+	if !errors.Is(err, driver.ErrUnsettled) {
+		return
+	}
+	var q queued
+	for i, b := range bufs {
+		q.bufs[i] = b.Retain()
+	}
+	stranded.Lock()
+	stranded.q = append(stranded.q, q)
+	stranded.Unlock()
 }
 
 // letGo lets go of the buffers of complete copies.

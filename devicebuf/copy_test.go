@@ -423,3 +423,27 @@ func TestFailedSyncKeepsBuffers(t *testing.T) {
 		require.True(t, devicebuf.Live().Sub(base).IsZero(), "%+v", devicebuf.Live().Sub(base))
 	})
 }
+
+// A synchronous copy or clear whose wait failed after its work was queued
+// (the driver's ErrUnsettled) holds its buffers for good: the caller's
+// references go as usual, and the memory is not freed under the work.
+func TestUnsettledCopyStrandsBuffers(t *testing.T) {
+	g := devicebuftest.Install(t, 1)
+	base := devicebuf.Live()
+	const n = 4096
+	src := hostKinds()[2].alloc(t, n)
+	hb, _ := src.HostBytes()
+	copy(hb, pattern(5, n))
+	dst := cudaKind(0).alloc(t, n)
+	g.FailWaits(2)
+	require.ErrorIs(t, devicebuf.Copy(dst, src), devicebuf.ErrUnsettled)
+	require.ErrorIs(t, devicebuf.Clear(dst), devicebuf.ErrUnsettled)
+	require.NoError(t, src.Release())
+	require.NoError(t, dst.Release())
+	require.Equal(t, devicebuf.Counters{HostBuffers: 1, CUDABuffers: 1, CUDABytes: n},
+		devicebuf.Live().Sub(base), "buffers went back under their work")
+	require.Equal(t, 1, g.Allocations())
+	require.Equal(t, 2, g.RunStrays()) // the work lands in memory still held
+	require.Equal(t, 2, devicebuf.ReleaseStranded())
+	require.True(t, devicebuf.Live().Sub(base).IsZero(), "%+v", devicebuf.Live().Sub(base))
+}

@@ -17,6 +17,10 @@ var (
 	ErrNotHost = errors.New("devicebuf: not host memory")
 	// ErrReleased reports use of a Buffer after its last Release.
 	ErrReleased = errors.New("devicebuf: buffer released")
+	// ErrUnsettled reports a Copy or Clear whose device work was queued but whose wait for
+	// it failed: the work may still run, so devicebuf holds the buffers it touches for good
+	// (their memory is lost rather than reused under it).
+	ErrUnsettled = driver.ErrUnsettled
 )
 
 // CUDAError is an error the CUDA driver returned: the call, the CUresult code, and the

@@ -35,6 +35,10 @@ type GPU struct {
 	events   map[driver.Event]*fakeEvent
 	nextE    driver.Event
 	absent   error
+	// failWaits is how many of the next synchronous copies and memsets
+	// fail their wait (FailWaits); strays is their work, run by RunStrays.
+	failWaits int
+	strays    []func()
 }
 
 type fakeDevice struct {
@@ -613,6 +617,10 @@ func (g *GPU) Memcpy(dir driver.Dir, dstDev int, dst uintptr, srcDev int, src ui
 		return err
 	}
 	if s == 0 {
+		if g.strayLocked(func() { copy(d, sb) }) {
+			g.mu.Unlock()
+			return errUnsettled("cuMemcpyAsync")
+		}
 		g.mu.Unlock()
 		copy(d, sb)
 		return nil
@@ -640,8 +648,50 @@ func (g *GPU) MemsetZero(dev int, p uintptr, n int) error {
 	if err != nil {
 		return err
 	}
+	if g.strayLocked(func() { clear(d) }) {
+		return errUnsettled("cuMemsetD8Async")
+	}
 	clear(d)
 	return nil
+}
+
+// FailWaits makes the next n synchronous copies and memsets (Memcpy on no
+// stream, MemsetZero) fail their wait as a failure that is not sticky does:
+// the work is queued, the call returns an error wrapping the driver's
+// ErrUnsettled, and the work runs when RunStrays is called, into whatever
+// memory its addresses then name.
+func (g *GPU) FailWaits(n int) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.failWaits = n
+}
+
+// RunStrays runs the work of the waits FailWaits failed, and returns how
+// much there was.
+func (g *GPU) RunStrays() int {
+	g.mu.Lock()
+	strays := g.strays
+	g.strays = nil
+	g.mu.Unlock()
+	for _, f := range strays {
+		f()
+	}
+	return len(strays)
+}
+
+// strayLocked keeps work as a stray, and reports true, where FailWaits asks
+// for its wait to fail.
+func (g *GPU) strayLocked(work func()) bool {
+	if g.failWaits == 0 {
+		return false
+	}
+	g.failWaits--
+	g.strays = append(g.strays, work)
+	return true
+}
+
+func errUnsettled(call string) error {
+	return fmt.Errorf("%w: %w", driver.ErrUnsettled, cuError(call, 201, "CUDA_ERROR_INVALID_CONTEXT", "a failure FailWaits asked for"))
 }
 
 func (g *GPU) StreamCreate(dev int, blocking bool) (driver.Stream, error) {

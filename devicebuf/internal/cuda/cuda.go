@@ -250,7 +250,7 @@ static CUresult gdr_cu_host_unregister(CUcontext c, uintptr_t p) {
 }
 
 static CUresult gdr_cu_memcpy_in(int dir, CUcontext dstc, uintptr_t dst, CUcontext srcc,
-		uintptr_t src, size_t n, CUstream s, int sync) {
+		uintptr_t src, size_t n, CUstream s, int *queued) {
 	CUresult r;
 	switch (dir) {
 	case 1: r = gdr_cu.cuMemcpyHtoDAsync((CUdeviceptr)dst, (const void *)src, n, s); break;
@@ -259,26 +259,30 @@ static CUresult gdr_cu_memcpy_in(int dir, CUcontext dstc, uintptr_t dst, CUconte
 	case 4: r = gdr_cu.cuMemcpyPeerAsync((CUdeviceptr)dst, dstc, (CUdeviceptr)src, srcc, n, s); break;
 	default: return 1; // CUDA_ERROR_INVALID_VALUE
 	}
-	if (r || !sync) return r;
+	if (r || !queued) return r;
+	*queued = 1;
 	return gdr_cu.cuStreamSynchronize(s);
 }
 
-// dir: 1 HtoD, 2 DtoH, 3 DtoD (same context), 4 peer. The copy is queued on s; with sync
-// set, it is waited for before returning.
+// dir: 1 HtoD, 2 DtoH, 3 DtoD (same context), 4 peer. The copy is queued on s; with queued
+// given, it is waited for before returning, and *queued is set once the copy was queued (a
+// failure then is the wait's).
 static CUresult gdr_cu_memcpy(CUcontext c, int dir, CUcontext dstc, uintptr_t dst, CUcontext srcc,
-		uintptr_t src, size_t n, uintptr_t st, int sync) {
-	GDR_IN_CTX(c, gdr_cu_memcpy_in(dir, dstc, dst, srcc, src, n, (CUstream)st, sync));
+		uintptr_t src, size_t n, uintptr_t st, int *queued) {
+	GDR_IN_CTX(c, gdr_cu_memcpy_in(dir, dstc, dst, srcc, src, n, (CUstream)st, queued));
 }
 
-static CUresult gdr_cu_memset_in(CUdeviceptr p, size_t n, CUstream s) {
+static CUresult gdr_cu_memset_in(CUdeviceptr p, size_t n, CUstream s, int *queued) {
 	CUresult r = gdr_cu.cuMemsetD8Async(p, 0, n, s);
 	if (r) return r;
+	*queued = 1;
 	return gdr_cu.cuStreamSynchronize(s);
 }
 
-// gdr_cu_memset_zero zeroes n bytes at p on stream st and waits for it.
-static CUresult gdr_cu_memset_zero(CUcontext c, uintptr_t p, size_t n, uintptr_t st) {
-	GDR_IN_CTX(c, gdr_cu_memset_in((CUdeviceptr)p, n, (CUstream)st));
+// gdr_cu_memset_zero zeroes n bytes at p on stream st and waits for it; *queued is set once
+// the memset was queued (a failure then is the wait's).
+static CUresult gdr_cu_memset_zero(CUcontext c, uintptr_t p, size_t n, uintptr_t st, int *queued) {
+	GDR_IN_CTX(c, gdr_cu_memset_in((CUdeviceptr)p, n, (CUstream)st, queued));
 }
 
 // flags: 0 CU_STREAM_DEFAULT (ordered with the legacy default stream), 1 CU_STREAM_NON_BLOCKING.
@@ -770,14 +774,27 @@ func (d *real) Memcpy(dir driver.Dir, dstDev int, dst uintptr, srcDev int, src u
 		d.enablePeer(dstDev, dstc, srcDev, srcc)
 	}
 	if s != 0 {
-		return cuErr("cuMemcpyAsync", C.gdr_cu_memcpy(c, cdir, dstc, C.uintptr_t(dst), srcc, C.uintptr_t(src), C.size_t(n), C.uintptr_t(s), 0))
+		return cuErr("cuMemcpyAsync", C.gdr_cu_memcpy(c, cdir, dstc, C.uintptr_t(dst), srcc, C.uintptr_t(src), C.size_t(n), C.uintptr_t(s), nil))
 	}
 	st, err := d.syncStream(ctxDev, c)
 	if err != nil {
 		return err
 	}
-	defer d.putSyncStream(ctxDev, st)
-	return cuErr("cuMemcpyAsync", C.gdr_cu_memcpy(c, cdir, dstc, C.uintptr_t(dst), srcc, C.uintptr_t(src), C.size_t(n), C.uintptr_t(uintptr(unsafe.Pointer(st))), 1))
+	var queued C.int
+	r := C.gdr_cu_memcpy(c, cdir, dstc, C.uintptr_t(dst), srcc, C.uintptr_t(src), C.size_t(n), C.uintptr_t(uintptr(unsafe.Pointer(st))), &queued)
+	return d.settled(ctxDev, st, "cuMemcpyAsync", r, queued != 0)
+}
+
+// settled ends a synchronous copy or memset on the pool's stream st: st goes
+// back to the pool, unless the work was queued on it and the wait failed
+// (ErrUnsettled), leaving the work of unknown state on st, which then goes
+// nowhere: a later copy on it would fail or wait on the same.
+func (d *real) settled(dev int, st C.CUstream, call string, r C.CUresult, queued bool) error {
+	if r == 0 || !queued {
+		d.putSyncStream(dev, st)
+		return cuErr(call, r)
+	}
+	return fmt.Errorf("%w: %w", driver.ErrUnsettled, cuErr("cuStreamSynchronize", r))
 }
 
 func (d *real) MemsetZero(dev int, p uintptr, n int) error {
@@ -789,8 +806,9 @@ func (d *real) MemsetZero(dev int, p uintptr, n int) error {
 	if err != nil {
 		return err
 	}
-	defer d.putSyncStream(dev, st)
-	return cuErr("cuMemsetD8Async", C.gdr_cu_memset_zero(c, C.uintptr_t(p), C.size_t(n), C.uintptr_t(uintptr(unsafe.Pointer(st)))))
+	var queued C.int
+	r := C.gdr_cu_memset_zero(c, C.uintptr_t(p), C.size_t(n), C.uintptr_t(uintptr(unsafe.Pointer(st))), &queued)
+	return d.settled(dev, st, "cuMemsetD8Async", r, queued != 0)
 }
 
 func (d *real) StreamCreate(dev int, blocking bool) (driver.Stream, error) {

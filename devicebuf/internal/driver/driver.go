@@ -9,6 +9,12 @@ import (
 // devicebuf re-exports it.
 var ErrNotSupported = errors.New("not supported")
 
+// ErrUnsettled is the root of the error of a Memcpy or MemsetZero that returns before the
+// work is complete because the device's work was queued but the wait for it failed: a
+// failure that is not sticky leaves the work going, so the memory it reads and writes must
+// not be reused.
+var ErrUnsettled = errors.New("queued, but the wait for it failed: it may still run")
+
 // Dir is the direction of a copy.
 type Dir uint8
 
@@ -82,11 +88,12 @@ type Driver interface {
 	MemHostUnregister(p uintptr) error
 
 	// Memcpy copies n bytes. dstDev/srcDev are the devices of the device sides (ignored for
-	// host sides). With s == 0 the copy is complete when Memcpy returns; otherwise it is
-	// ordered on s and complete after StreamSynchronize(s).
+	// host sides). With s == 0 the copy is complete when Memcpy returns, or, where the
+	// error wraps ErrUnsettled, may still run; otherwise it is ordered on s and complete
+	// after StreamSynchronize(s).
 	Memcpy(dir Dir, dstDev int, dst uintptr, srcDev int, src uintptr, n int, s Stream) error
 	// MemsetZero sets n bytes of device memory at p to zero on the device and returns when
-	// they are.
+	// they are, or, where the error wraps ErrUnsettled, may still be setting them.
 	MemsetZero(dev int, p uintptr, n int) error
 	// StreamCreate makes a stream on dev: a blocking one (its work ordered after work on
 	// the legacy default stream) or a non-blocking one.
