@@ -102,11 +102,11 @@ func scanDeviceBuffers(b []byte, md protoreflect.MessageDescriptor, depth int, f
 			switch {
 			case v.Kind() != protoreflect.MessageKind:
 			case v.Message().FullName() == deviceBufferName:
-				if !fn(mapValue(value)) {
+				if !eachMapValue(value, fn) {
 					return false
 				}
 			case mayCarry(v.Message()):
-				if !scanDeviceBuffers(mapValue(value), v.Message(), depth+1, fn) {
+				if !eachMapValue(value, func(mv []byte) bool { return scanDeviceBuffers(mv, v.Message(), depth+1, fn) }) {
 					return false
 				}
 			}
@@ -119,39 +119,33 @@ func scanDeviceBuffers(b []byte, md protoreflect.MessageDescriptor, depth int, f
 	return true
 }
 
-// mapValue returns the encoded value of entry, an encoded map entry whose
-// value is a message, or nil where it has none. The decoder merges every
-// occurrence of the value into one message, so the value is their
-// encodings one after the other (a copy where there are several), which
-// decodes to that merge: a scan of its last alone would miss what the
-// others hold.
-func mapValue(entry []byte) []byte {
-	var value []byte
-	several := false
+// eachMapValue calls fn with each encoded occurrence of the value of entry,
+// an encoded map entry whose value is a message, or once with nil where it
+// has none (the decoder makes an empty value for it), and reports false once
+// fn does. The decoder merges the occurrences into one message: each is
+// scanned apart, which counts whatever any of them holds (a singular field
+// set in several counts in each, as a repeated one does), where joining
+// them would copy the rest of the body at each level of a message that
+// nests maps of itself.
+func eachMapValue(entry []byte, fn func(v []byte) bool) bool {
+	found := false
 	for len(entry) > 0 {
 		num, typ, n := protowire.ConsumeTag(entry)
 		if n < 0 {
-			return value
+			break
 		}
 		entry = entry[n:]
 		if n = protowire.ConsumeFieldValue(num, typ, entry); n < 0 {
-			return value
+			break
 		}
 		if num == 2 && typ == protowire.BytesType {
 			v, _ := protowire.ConsumeBytes(entry)
-			// The first value stays in entry; a second makes the copy,
-			// which the later ones append to in place, so that a peer's
-			// many occurrences cost their length once.
-			switch {
-			case value == nil:
-				value = v
-			case !several:
-				value, several = append(append(make([]byte, 0, len(value)+len(v)), value...), v...), true
-			default:
-				value = append(value, v...)
+			found = true
+			if !fn(v) {
+				return false
 			}
 		}
 		entry = entry[n:]
 	}
-	return value
+	return found || fn(nil)
 }
