@@ -473,7 +473,7 @@ type pull struct {
 	after    []func()      // run once the owner can no longer write into dst
 	claimed  bool          // a bulk reader took the pull; guarded by pulls
 	reading  chan struct{} // while a bulk reader writes into dst: closed when it stops; guarded by pulls
-	detached bool          // settled: no bulk reader may write into dst; guarded by pulls
+	detached bool          // settled, or given up (stopReads): no bulk reader may write into dst; guarded by pulls
 	// bounce is a bulk lane reader's host buffer for a GPU dst, between
 	// two frames of the transfer too; it goes when the pull settles at the
 	// latest, so an owner that stops sending mid-transfer pins nothing
@@ -559,6 +559,25 @@ func (p *pull) detach() chan struct{} {
 	return p.reading
 }
 
+// stopReads keeps any bulk reader from writing into p's destination from
+// now on (claimBulk and beginRead refuse it, and a stream reader stops at
+// its next piece), while p stays listed for its FIN, and returns the read
+// under way, if any.
+func (p *pull) stopReads() chan struct{} {
+	pulls.Lock()
+	defer pulls.Unlock()
+	p.detached = true
+	return p.reading
+}
+
+// wanted reports whether a bulk reader may still write into p's
+// destination (stopReads, detach).
+func (p *pull) wanted() bool {
+	pulls.Lock()
+	defer pulls.Unlock()
+	return !p.detached
+}
+
 // letGo settles p at once unless a bulk reader is writing into its
 // destination: then a goroutine of the session settles it once the reader
 // stopped (abandon), which the reader's deadline bounds, not the caller's,
@@ -598,8 +617,10 @@ func (p *pull) dropBounce() {
 // an answer for the stream path among them; where the session died before
 // the owner answered, once its
 // endpoints are released (up to their close's linger); or at ctx's end:
-// after ctx's end, as after its timeout, a write the owner began may still
-// land.
+// after ctx's end, as after its timeout, a put the owner began by RDMA may
+// still land, but nothing of the stream path (this process's bulk reader
+// stops at its next piece, and where the owner stalls it mid-piece the
+// session ends after that grace).
 func Fetch(ctx context.Context, d Descriptor, dst *devicebuf.Buffer) (Path, error) {
 	if uint64(dst.Len()) != d.Length {
 		return PathNone, &TransferError{Token: d.Token, Kind: TransferInvalid,
@@ -999,24 +1020,36 @@ func fetchVia(ctx context.Context, s *transport.Session, d Descriptor, dst *devi
 			err = &TransferError{Token: d.Token, Kind: TransferInvalid,
 				Err: fmt.Errorf("bulk data still arriving for a transfer the owner answered by %v", path)}
 		}
-		if !callerOwnsDst(ctx) || gaveUp {
+		if !callerOwnsDst(ctx) {
 			return
 		}
-		select {
-		case <-p.released:
-			return
-		case <-ctx.Done():
+		done := p.released
+		if gaveUp {
+			// Unanswered: the owner may write into dst by RDMA until it
+			// answers (Fetch's contract), but this process's own bulk
+			// reader writes no more once Fetch returned. It stops at its
+			// next piece; one the owner stalls mid-piece ends with the
+			// session, after the grace.
+			if done = p.stopReads(); done == nil {
+				return
+			}
+		} else {
+			select {
+			case <-done:
+				return
+			case <-ctx.Done():
+			}
 		}
 		// An honest owner's last bytes may trail its FIN (the FIN on the
-		// control stream, the bytes on the bulk lane): a grace before the
-		// session ends.
+		// control stream, the bytes on the bulk lane) or the caller's end:
+		// a grace before the session ends.
 		grace := time.NewTimer(finGrace(cfgOf(s).Timeout))
 		defer grace.Stop()
 		select {
-		case <-p.released:
+		case <-done:
 		case <-grace.C:
 			abort(s, fmt.Errorf("%w: %w", transport.ErrPeerGone, errOwnerStalled))
-			<-p.released
+			<-done
 		}
 	}()
 	// The caller gave up: the pull settles on a goroutine of the session.
@@ -1350,7 +1383,7 @@ func serveBulk(s *transport.Session, c net.Conn) {
 	}
 	grace := timeout
 	if p := claimFor(s, req, n); p != nil {
-		err := readInto(c, p.dst, cfgOf(s).StagingChunk)
+		err := readInto(c, p, cfgOf(s).StagingChunk)
 		p.bulk <- err
 		endRead(p)
 		if ne, ok := errors.AsType[net.Error](err); ok && ne.Timeout() {
@@ -1610,23 +1643,45 @@ func (x *laneXfer) release() {
 }
 
 // readInto fills dst from r; device memory goes through a host bounce buffer.
-func readInto(r io.Reader, dst *devicebuf.Buffer, chunk int) error {
+func readInto(r io.Reader, p *pull, chunk int) error {
+	dst := p.dst
 	if dst.Kind() == devicebuf.Host {
 		b, err := dst.HostBytes()
 		if err != nil {
 			return err
 		}
-		_, err = io.ReadFull(r, b)
-		return err
+		for off := 0; off < len(b); {
+			if !p.wanted() {
+				return errPullGivenUp
+			}
+			k := min(len(b)-off, readPiece)
+			if _, err := io.ReadFull(r, b[off:off+k]); err != nil {
+				return err
+			}
+			off += k
+		}
+		return nil
 	}
 	return chunked(nil, dst.Len(), chunk, func(bounce *devicebuf.Buffer, off, n int) error {
 		hb, _ := bounce.HostBytes()
 		if _, err := io.ReadFull(r, hb[:n]); err != nil {
 			return err
 		}
+		if !p.wanted() {
+			return errPullGivenUp
+		}
 		return copyRange(dst, off, bounce, 0, n)
 	})
 }
+
+// readPiece is how much of a stream-path payload a bulk reader reads into
+// host memory before it looks again whether the pull still wants it: a
+// caller that gave up waits for one piece at most.
+const readPiece = 1 << 20
+
+// errPullGivenUp ends a bulk read whose pull was given up: the rest of the
+// stream goes into nothing.
+var errPullGivenUp = errors.New("the pull was given up")
 
 // ---- owner side ----------------------------------------------------------------
 

@@ -172,8 +172,8 @@ func TestStalledBulkThenFINOfferedPath(t *testing.T) {
 
 // stallThenFIN makes owner's session answer each RTR with half of a lane
 // frame, or of a bulk stream, then, once the receiver reads into the
-// destination, with f (for the RTR's request). The stalled connection comes
-// on the channel returned.
+// destination, with f (for the RTR's request; nil: no answer). The stalled
+// connection comes on the channel returned once the receiver reads.
 func stallThenFIN(t *testing.T, owner *atomic.Pointer[transport.Session], lanes bool, f *fin) <-chan net.Conn {
 	stalled := make(chan net.Conn, 1) // the bulk stream, or the lane, mid-transfer
 	interceptControl(t, ctlRTR, func(s *transport.Session, p []byte) bool {
@@ -188,15 +188,18 @@ func stallThenFIN(t *testing.T, owner *atomic.Pointer[transport.Session], lanes 
 			lf := laneFrame{kind: laneData, req: m.Req, total: m.Length, n: laneFrameMax}
 			_, err = link.Lane().Write(append(lf.marshal(), bytes.Repeat([]byte{0xAA}, laneFrameMax/2)...))
 			require.NoError(t, err)
-			stalled <- link.Lane()
+			defer func() { stalled <- link.Lane() }()
 		} else {
 			c, err := link.OpenBulk(context.Background())
 			require.NoError(t, err)
 			_, err = c.Write(append(bulkHeader(m.Req, m.Length), make([]byte, m.Length/2)...))
 			require.NoError(t, err)
-			stalled <- c
+			defer func() { stalled <- c }()
 		}
 		require.Eventually(t, func() bool { return readingInto(m.Req) }, testTimeout, time.Millisecond, "the receiver reads into the destination")
+		if f == nil {
+			return true
+		}
 		answer := *f
 		answer.Req = m.Req
 		if err := sendControl(context.Background(), s, ctlFIN, answer.marshal()); err != nil {
@@ -391,6 +394,92 @@ func TestStalledBulkThenFINOkCancelled(t *testing.T) {
 			requireStallEnded(t, cs, p, taken)
 		})
 	}
+}
+
+// An owner that stalls its frame or stream mid-body and never answers, the
+// caller's context ending meanwhile: Fetch returns once this process's
+// reader writes into the caller's memory no more (after a grace, the
+// session to the owner ends), not with the reader holding it until its own
+// deadline for the owner's late bytes.
+func TestStalledBulkUnansweredCancelled(t *testing.T) {
+	for _, lanes := range []bool{true, false} {
+		t.Run(map[bool]string{true: "lane", false: "multiplexed"}[lanes], func(t *testing.T) {
+			setTransferConfig(t, TransferConfig{Timeout: time.Minute})
+			var owner atomic.Pointer[transport.Session]
+			stalled := stallThenFIN(t, &owner, lanes, nil)
+			opts := []transport.Option{transport.WithMode(transport.ModeTCP), transport.WithLanes(lanes)}
+			_, cs, ss, _, _ := lanePair(t, opts, opts)
+			owner.Store(ss)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			taken := make(chan net.Conn, 1)
+			go func() {
+				c := <-stalled // the receiver reads into the caller's slice
+				cancel()
+				taken <- c
+			}()
+			const n = 1 << 20
+			p := make([]byte, n)
+			_, err := FetchBytes(ctx, Descriptor{Owner: cs.Peer().ID, Token: newToken(), Length: n, Kind: devicebuf.Host, Device: -1}, p)
+			require.ErrorIs(t, err, context.Canceled)
+			requireStallEnded(t, cs, p, taken)
+		})
+	}
+}
+
+// A caller that gives up a pull whose stream an honest owner is still
+// sending: the reader stops writing into the caller's memory at its next
+// piece, the rest of the stream goes into nothing, and the session stays.
+func TestBulkCancelledMidStream(t *testing.T) {
+	setTransferConfig(t, TransferConfig{Timeout: time.Minute})
+	const n = 8 * readPiece
+	var owner atomic.Pointer[transport.Session]
+	resume := make(chan struct{})
+	reading := make(chan struct{})
+	sent := make(chan error, 1)
+	interceptControl(t, ctlRTR, func(s *transport.Session, payload []byte) bool {
+		if s != owner.Load() {
+			return false
+		}
+		m, err := parseRTR(payload)
+		require.NoError(t, err)
+		go func() {
+			c, err := stateOf(s).link.OpenBulk(context.Background())
+			if err != nil {
+				sent <- err
+				return
+			}
+			defer c.Close()
+			if _, err := c.Write(append(bulkHeader(m.Req, m.Length), bytes.Repeat([]byte{0xAA}, readPiece)...)); err != nil {
+				sent <- err
+				return
+			}
+			assert.Eventually(t, func() bool { return readingInto(m.Req) }, testTimeout, time.Millisecond)
+			close(reading)
+			<-resume // the caller gave up meanwhile: the rest goes on as sent
+			_, err = c.Write(bytes.Repeat([]byte{0xBB}, int(m.Length)-readPiece))
+			sent <- err
+		}()
+		return true
+	})
+	opts := []transport.Option{transport.WithMode(transport.ModeTCP), transport.WithLanes(false)}
+	_, cs, ss, _, _ := lanePair(t, opts, opts)
+	owner.Store(ss)
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		<-reading
+		cancel()
+		close(resume)
+	}()
+	p := make([]byte, n)
+	_, err := FetchBytes(ctx, Descriptor{Owner: cs.Peer().ID, Token: newToken(), Length: n, Kind: devicebuf.Host, Device: -1}, p)
+	require.ErrorIs(t, err, context.Canceled)
+	got := bytes.Clone(p)
+	require.NoError(t, waitFor(t, sent, "the owner's stream"))
+	require.Eventually(t, func() bool { return reservedPulls(cs) == 0 }, testTimeout, time.Millisecond)
+	require.Equal(t, got, p, "the owner's bytes reached the caller's slice after FetchBytes returned")
+	require.Less(t, bytes.Count(p, []byte{0xBB}), n-readPiece, "the reader stopped at a piece: the rest went into nothing")
+	requireLive(t, cs)
 }
 
 // requireStallEnded asserts what follows a Fetch into p, over cs, that
