@@ -680,7 +680,7 @@ func (l *Listener) acceptLane(c net.Conn, got []byte, unbind func()) {
 		err = serveLane(ctx, l, c, token, rest[len(token)], quiet)
 		cancel()
 	} else {
-		_ = c.Close()
+		abortConn(c) // as serveUCX's endpoint before its token
 	}
 	if err != nil {
 		l.plog.WarnErr("lane refused", err, "remote", c.RemoteAddr().String())
@@ -1047,8 +1047,11 @@ func (l *Listener) serveUCX(ep *rdma.Endpoint, host netip.Prefix) {
 	var msg [len(upgradeMagic) + 16]byte
 	if _, err := io.ReadFull(ep, msg[:]); err != nil {
 		unbind()
-		_ = ep.Close()
-		l.log.Debug("UCX endpoint closed before its token", "err", err)
+		// Aborted, not closed: a close waits for the peer's answer to its
+		// end, and meanwhile UCX queues whatever the peer still sends, which
+		// nobody reads; this side has sent nothing it must deliver.
+		_ = ep.Abort()
+		l.log.Debug("UCX endpoint ended before its token", "err", err)
 		return
 	}
 	var token ID

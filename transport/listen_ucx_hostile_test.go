@@ -634,3 +634,30 @@ func floodAborted(t *testing.T, ep *rdma.Endpoint) {
 		t.Fatal("the attacker's endpoint outlived the abort")
 	}
 }
+
+// TestUCXEndpointSilentAborted: an endpoint that sends part of its token,
+// or none, by the handshake timeout is aborted, not closed: a close would
+// wait for the peer's answer to its end while UCX queued whatever the peer
+// still sent, which nobody reads. The peer sees its endpoint fail, not end.
+func TestUCXEndpointSilentAborted(t *testing.T) {
+	for _, sent := range [][]byte{nil, []byte(upgradeMagic[:2])} {
+		t.Run(fmt.Sprintf("sent=%d", len(sent)), func(t *testing.T) {
+			rc := internalUCX(t)
+			l, err := Listen("127.0.0.1:0", WithRDMAContext(rc), WithMode(ModeUCX), WithHandshakeTimeout(300*time.Millisecond))
+			require.NoError(t, err)
+			defer l.Close()
+			handClient(t, l.Addr().String(), ModeUCX, Caps{UCX: true}, true) // holds the UCX listener open
+			require.Eventually(t, l.expectsUCX, handTimeout, time.Millisecond)
+			ep := attackerEndpoint(t, l)
+			if len(sent) > 0 {
+				_, err = ep.Write(sent)
+				require.NoError(t, err)
+			}
+			require.NoError(t, ep.SetReadDeadline(time.Now().Add(handTimeout)))
+			_, err = ep.Read(make([]byte, 1))
+			require.Error(t, err)
+			require.NotErrorIs(t, err, os.ErrDeadlineExceeded, "the listener kept the endpoint")
+			require.NotErrorIs(t, err, io.EOF, "the listener closed the endpoint instead of aborting it")
+		})
+	}
+}
