@@ -492,3 +492,39 @@ func TestStreamBacklogBounded(t *testing.T) {
 	require.Len(t, served, 0, "no stream beyond the handlers was served")
 	require.NoError(t, s.Err(), "the session lives on")
 }
+
+// A peer that opens a multiplexed stream under an id of this side's (here
+// a client opening even ids, as a yamux server does, with the id the
+// server's next stream would take) ends the session at once: yamux's own
+// open would later take the same id and drop the peer's stream from its
+// map, and a reader of that stream (the control stream's, here) would then
+// spin for good, holding Close.
+func TestStreamOfOwnIDRefused(t *testing.T) {
+	cli, s := handPlayedPeer(t, WithEngine(testEngine{}), WithKeepAlive(-1, 0), WithLanes(false))
+	yc := yamux.DefaultConfig()
+	yc.EnableKeepAlive = false
+	yc.LogOutput = io.Discard
+	peer, err := yamux.Server(cli, yc) // even stream ids, the server's own
+	require.NoError(t, err)
+	defer peer.Close()
+	st, err := peer.OpenStream()
+	require.NoError(t, err)
+	require.Equal(t, uint32(2), st.StreamID())
+	_, _ = st.Write([]byte{roleControl})
+	select {
+	case <-s.Done():
+	case <-time.After(handTimeout):
+		t.Fatal("the session took the stream")
+	}
+	require.ErrorContains(t, s.Err(), "an id of this side's")
+	closed := make(chan struct{})
+	go func() {
+		_ = s.Close()
+		close(closed)
+	}()
+	select {
+	case <-closed:
+	case <-time.After(handTimeout):
+		t.Fatal("Session.Close did not return")
+	}
+}

@@ -723,6 +723,16 @@ func (s *Session) acceptLoop() {
 // serveStream reads the role byte of an accepted stream and dispatches it.
 func (s *Session) serveStream(st *yamux.Stream) {
 	defer s.wg.Done()
+	if id := st.StreamID(); id%2 == 1 == s.client {
+		// yamux's client opens odd ids and its server even ones, and its
+		// OpenStream takes the next id of this side's without looking
+		// whether the peer took it: a stream the peer opened under an id
+		// of this side's would be dropped from yamux's map by this side's
+		// next open, and a reader of it then never wakes, not even at the
+		// session's close, whose wait for that reader never ends.
+		s.refuseStream(st, fmt.Errorf("gdrpc: the peer opened stream %d, an id of this side's", id))
+		return
+	}
 	var role [1]byte
 	_ = st.SetReadDeadline(time.Now().Add(s.cfg.handshakeTimeout))
 	if _, err := io.ReadFull(st, role[:]); err != nil {
