@@ -170,6 +170,19 @@ func TestStalledBulkThenFINOfferedPath(t *testing.T) {
 	requireLive(t, cs)
 }
 
+// stalledPair returns the client session of a pair over TCP (with lanes or
+// not) whose server answers each RTR as stallThenFIN does with f, and the
+// channel of its stalled connections; the transfer timeout is a minute.
+func stalledPair(t *testing.T, lanes bool, f *fin) (*transport.Session, <-chan net.Conn) {
+	setTransferConfig(t, TransferConfig{Timeout: time.Minute})
+	var owner atomic.Pointer[transport.Session]
+	stalled := stallThenFIN(t, &owner, lanes, f)
+	opts := []transport.Option{transport.WithMode(transport.ModeTCP), transport.WithLanes(lanes)}
+	_, cs, ss, _, _ := lanePair(t, opts, opts)
+	owner.Store(ss)
+	return cs, stalled
+}
+
 // stallThenFIN makes owner's session answer each RTR with half of a lane
 // frame, or of a bulk stream, then, once the receiver reads into the
 // destination, with f (for the RTR's request; nil: no answer). The stalled
@@ -224,12 +237,7 @@ func stallThenFIN(t *testing.T, owner *atomic.Pointer[transport.Session], lanes 
 func TestStalledBulkPastPullTime(t *testing.T) {
 	for _, lanes := range []bool{true, false} {
 		t.Run(map[bool]string{true: "lane", false: "multiplexed"}[lanes], func(t *testing.T) {
-			setTransferConfig(t, TransferConfig{Timeout: time.Minute})
-			var owner atomic.Pointer[transport.Session]
-			stalled := stallThenFIN(t, &owner, lanes, &fin{Status: finFailed, Msg: "nope"})
-			opts := []transport.Option{transport.WithMode(transport.ModeTCP), transport.WithLanes(lanes)}
-			_, cs, ss, _, _ := lanePair(t, opts, opts)
-			owner.Store(ss)
+			cs, stalled := stalledPair(t, lanes, &fin{Status: finFailed, Msg: "nope"})
 
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
@@ -350,12 +358,7 @@ func halfBulk(t *testing.T, s *transport.Session, m *rtr) net.Conn {
 func TestStalledBulkThenFINOkCancelled(t *testing.T) {
 	for _, lanes := range []bool{true, false} {
 		t.Run(map[bool]string{true: "lane", false: "multiplexed"}[lanes], func(t *testing.T) {
-			setTransferConfig(t, TransferConfig{Timeout: time.Minute})
-			var owner atomic.Pointer[transport.Session]
-			stalled := stallThenFIN(t, &owner, lanes, &fin{Status: finOK, Path: PathStream})
-			opts := []transport.Option{transport.WithMode(transport.ModeTCP), transport.WithLanes(lanes)}
-			_, cs, ss, _, _ := lanePair(t, opts, opts)
-			owner.Store(ss)
+			cs, stalled := stalledPair(t, lanes, &fin{Status: finOK, Path: PathStream})
 			// The FIN as it reaches the caller's side, once handled there.
 			delivered := make(chan uint64, 1)
 			interceptControl(t, ctlFIN, func(s *transport.Session, payload []byte) bool {
@@ -387,11 +390,7 @@ func TestStalledBulkThenFINOkCancelled(t *testing.T) {
 				cancel()
 				taken <- c
 			}()
-			const n = 1 << 20
-			p := make([]byte, n)
-			_, err := FetchBytes(ctx, Descriptor{Owner: cs.Peer().ID, Token: newToken(), Length: n, Kind: devicebuf.Host, Device: -1}, p)
-			require.ErrorIs(t, err, context.Canceled)
-			requireStallEnded(t, cs, p, taken)
+			fetchCancelledInStall(ctx, t, cs, taken)
 		})
 	}
 }
@@ -404,12 +403,7 @@ func TestStalledBulkThenFINOkCancelled(t *testing.T) {
 func TestStalledBulkUnansweredCancelled(t *testing.T) {
 	for _, lanes := range []bool{true, false} {
 		t.Run(map[bool]string{true: "lane", false: "multiplexed"}[lanes], func(t *testing.T) {
-			setTransferConfig(t, TransferConfig{Timeout: time.Minute})
-			var owner atomic.Pointer[transport.Session]
-			stalled := stallThenFIN(t, &owner, lanes, nil)
-			opts := []transport.Option{transport.WithMode(transport.ModeTCP), transport.WithLanes(lanes)}
-			_, cs, ss, _, _ := lanePair(t, opts, opts)
-			owner.Store(ss)
+			cs, stalled := stalledPair(t, lanes, nil)
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
 			taken := make(chan net.Conn, 1)
@@ -418,11 +412,7 @@ func TestStalledBulkUnansweredCancelled(t *testing.T) {
 				cancel()
 				taken <- c
 			}()
-			const n = 1 << 20
-			p := make([]byte, n)
-			_, err := FetchBytes(ctx, Descriptor{Owner: cs.Peer().ID, Token: newToken(), Length: n, Kind: devicebuf.Host, Device: -1}, p)
-			require.ErrorIs(t, err, context.Canceled)
-			requireStallEnded(t, cs, p, taken)
+			fetchCancelledInStall(ctx, t, cs, taken)
 		})
 	}
 }
@@ -480,6 +470,18 @@ func TestBulkCancelledMidStream(t *testing.T) {
 	require.Equal(t, got, p, "the owner's bytes reached the caller's slice after FetchBytes returned")
 	require.Less(t, bytes.Count(p, []byte{0xBB}), n-readPiece, "the reader stopped at a piece: the rest went into nothing")
 	requireLive(t, cs)
+}
+
+// fetchCancelledInStall runs FetchBytes of a 1 MiB payload over cs under
+// ctx, which ends while the owner stalls the transfer, and asserts what
+// follows (requireStallEnded).
+func fetchCancelledInStall(ctx context.Context, t *testing.T, cs *transport.Session, taken <-chan net.Conn) {
+	t.Helper()
+	const n = 1 << 20
+	p := make([]byte, n)
+	_, err := FetchBytes(ctx, Descriptor{Owner: cs.Peer().ID, Token: newToken(), Length: n, Kind: devicebuf.Host, Device: -1}, p)
+	require.ErrorIs(t, err, context.Canceled)
+	requireStallEnded(t, cs, p, taken)
 }
 
 // requireStallEnded asserts what follows a Fetch into p, over cs, that
