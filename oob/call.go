@@ -204,13 +204,68 @@ func (c *Call) Ended(s *transport.Session, answered bool) {
 	if !first {
 		return
 	}
-	go func() {
-		ctx, cancel := context.WithTimeout(sessionContext(s), cfgOf(s).Timeout)
-		defer cancel()
-		if err := sendControl(ctx, s, ctlCallEnded, msg); err != nil {
-			cfgOf(s).Logger.Debug("call end not sent", "session", s.ID(), "call", c.ID, "err", err)
+	stateOf(s).callEnds.add(s, msg)
+}
+
+// callEnds are the CALL-ENDEDs of a session on their way: one goroutine
+// sends them in turn, so that calls that end faster than the peer takes
+// them (a server that stops reading its control stream) cost a queue entry
+// each, not a goroutine waiting on the control stream. The queue holds at
+// most maxCallEndBytes; past it a CALL-ENDED is dropped, and the server
+// keeps what it sent for that call until its lease ends, as for a client
+// that never says.
+type callEnds struct {
+	mu      sync.Mutex
+	queue   [][]byte
+	bytes   int
+	sending bool
+}
+
+// maxCallEndBytes bounds the CALL-ENDEDs of a session waiting to go.
+const maxCallEndBytes = 1 << 20
+
+// add queues msg, a CALL-ENDED, to go over s, and starts the sender unless
+// it runs.
+func (q *callEnds) add(s *transport.Session, msg []byte) {
+	q.mu.Lock()
+	if q.bytes+len(msg) > maxCallEndBytes {
+		q.mu.Unlock()
+		cfgOf(s).Logger.Debug("call end dropped: too many wait to go", "session", s.ID(), "bytes", q.bytes)
+		return
+	}
+	q.queue = append(q.queue, msg)
+	q.bytes += len(msg)
+	start := !q.sending
+	q.sending = true
+	q.mu.Unlock()
+	if start && !stateOf(s).bounds.spawn(func() { q.send(s) }) {
+		q.mu.Lock()
+		q.queue, q.bytes, q.sending = nil, 0, false // the session is closing
+		q.mu.Unlock()
+	}
+}
+
+// send sends the queue's CALL-ENDEDs over s until it is empty.
+func (q *callEnds) send(s *transport.Session) {
+	for {
+		q.mu.Lock()
+		if len(q.queue) == 0 {
+			q.sending = false
+			q.mu.Unlock()
+			return
 		}
-	}()
+		msg := q.queue[0]
+		q.queue[0] = nil
+		q.queue = q.queue[1:]
+		q.bytes -= len(msg)
+		q.mu.Unlock()
+		ctx, cancel := context.WithTimeout(sessionContext(s), cfgOf(s).Timeout)
+		err := sendControl(ctx, s, ctlCallEnded, msg)
+		cancel()
+		if err != nil {
+			cfgOf(s).Logger.Debug("call end not sent", "session", s.ID(), "err", err)
+		}
+	}
 }
 
 // end marks the call ended and returns its CALL-ENDED, or false if it ended

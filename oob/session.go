@@ -58,6 +58,8 @@ type attached struct {
 
 	// lingering: the session's gRPC conn closed and Linger runs.
 	lingering atomic.Bool
+	// callEnds are the CALL-ENDEDs waiting to go over the session.
+	callEnds callEnds
 	// cutLinger is closed when the linger must end now: too many sessions
 	// to the peer or its host linger (Limits.PeerLingeringSessions,
 	// HostLingeringSessions).
