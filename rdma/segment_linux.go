@@ -276,19 +276,25 @@ func checkPosixFile(f *os.File, id, length uint64) error {
 	if !fi.Mode().IsRegular() || fi.Size() < 0 || (uint64(fi.Size())+page-1)/page*page < length {
 		return fmt.Errorf("%w: its posix segment is a %v of %d bytes, the key says %d", ErrBadKey, fi.Mode().Type(), fi.Size(), length)
 	}
+	var fs unix.Statfs_t
+	if err := unix.Fstatfs(int(f.Fd()), &fs); err != nil {
+		return fmt.Errorf("%w: its posix segment: %w", ErrBadKey, err)
+	}
 	mapFlags := unix.MAP_SHARED
 	if id&posixHugeTLB != 0 {
 		// UCX maps it with MAP_HUGETLB, which fails on a file of any other
 		// file system, and refuses a length whose huge pages would double
 		// it: either way its unpack fails, and crashes.
-		var fs unix.Statfs_t
-		if err := unix.Fstatfs(int(f.Fd()), &fs); err != nil {
-			return fmt.Errorf("%w: its posix segment: %w", ErrBadKey, err)
-		}
 		if fs.Type != unix.HUGETLBFS_MAGIC || fs.Bsize <= 0 || length%uint64(fs.Bsize) != 0 {
 			return fmt.Errorf("%w: its posix segment is flagged for huge pages, and is no whole number of them on hugetlbfs", ErrBadKey)
 		}
 		mapFlags |= unix.MAP_HUGETLB
+	} else if fs.Type != unix.TMPFS_MAGIC {
+		// UCX makes its segments in shared memory (shm_open's tmpfs). A file
+		// elsewhere would turn a put into this process's own writes to a
+		// disk, or to a FUSE file system whose server may never answer the
+		// copy's page fault.
+		return fmt.Errorf("%w: its posix segment is on no tmpfs (file system %#x): no UCX segment", ErrBadKey, fs.Type)
 	}
 	if id&posixProcFS != 0 {
 		// What the descriptor is open on: a UCX segment, whose name stays

@@ -21,10 +21,19 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// shmTempDir returns a directory in shared memory (tmpfs), where UCX makes
+// its posix segments, removed when the test ends.
+func shmTempDir(t *testing.T) string {
+	d, err := os.MkdirTemp("/dev/shm", "gdrpc-rdma-test-")
+	require.NoError(t, err)
+	t.Cleanup(func() { os.RemoveAll(d) })
+	return d
+}
+
 // sharedFile maps a file of n bytes shared and writable, as UCX attaches a
 // peer's segment.
 func sharedFile(t *testing.T, n int) (*os.File, []byte) {
-	f, err := os.Create(filepath.Join(t.TempDir(), "segment"))
+	f, err := os.Create(filepath.Join(shmTempDir(t), "segment"))
 	require.NoError(t, err)
 	t.Cleanup(func() { f.Close() })
 	require.NoError(t, f.Truncate(int64(n)))
@@ -123,7 +132,7 @@ const keyAt = 0x10000000
 // naming a descriptor that is not open, a file that is no UCX segment, or a
 // segment id that does not exist is refused before UCX sees it.
 func TestCheckSegment(t *testing.T) {
-	dir := t.TempDir()
+	dir := shmTempDir(t)
 	open := func(name string, n int) *os.File {
 		f, err := os.Create(filepath.Join(dir, name))
 		require.NoError(t, err)
@@ -187,7 +196,7 @@ func TestCheckSegment(t *testing.T) {
 	t.Cleanup(func() { unix.Close(fifo[0]); unix.Close(fifo[1]) })
 	dirKey := posixKey(pid, 3, 8192)
 	binary.LittleEndian.PutUint64(dirKey, 0x1234) // no procfs, no shm_open: a path follows
-	for name, tc := range map[string]struct {
+	cases := map[string]struct {
 		component string
 		key       []byte
 		why       string
@@ -213,7 +222,24 @@ func TestCheckSegment(t *testing.T) {
 		"sysv region past its segment":    {"sysv", sysvAt(uint32(shmid), keyAt-8192+1), "outside its segment"},
 		"sysv segment far below":          {"sysv", sysvAt(uint32(shmid), 0), "outside its segment"},
 		"huge pages off hugetlbfs":        {"posix", hugeKey, "huge pages"},
-	} {
+	}
+	// A file named as UCX names its segments, on a file system of a disk.
+	disk, err := os.Create(filepath.Join(t.TempDir(), posixFilePfx+"9"))
+	require.NoError(t, err)
+	t.Cleanup(func() { disk.Close() })
+	require.NoError(t, disk.Truncate(8192))
+	var dfs unix.Statfs_t
+	require.NoError(t, unix.Fstatfs(int(disk.Fd()), &dfs))
+	if dfs.Type != unix.TMPFS_MAGIC {
+		cases["off tmpfs"] = struct {
+			component string
+			key       []byte
+			why       string
+		}{"posix", posixKey(pid, int(disk.Fd()), 8192), "on no tmpfs"}
+	} else {
+		t.Log("the test's temporary directory is on tmpfs: no segment off tmpfs to try")
+	}
+	for name, tc := range cases {
 		err := checkSegmentOnce(tc.component, tc.key, false, keyAt, 4096)
 		require.ErrorIs(t, err, ErrBadKey, name)
 		require.ErrorContains(t, err, tc.why, name)
@@ -236,7 +262,7 @@ func checkSegmentOnce(component string, comp []byte, foreign bool, base, length 
 // descriptor becomes after the check (another file, a pipe) is not what
 // UCX opens.
 func TestCheckSegmentHoldsPosixFile(t *testing.T) {
-	seg, err := os.Create(filepath.Join(t.TempDir(), posixFilePfx+"1"))
+	seg, err := os.Create(filepath.Join(shmTempDir(t), posixFilePfx+"1"))
 	require.NoError(t, err)
 	defer seg.Close()
 	require.NoError(t, seg.Truncate(8192))
@@ -313,7 +339,7 @@ func TestCheckSegmentTooLong(t *testing.T) {
 // peers together: a key past it is refused, and what a key reserved comes
 // back when it goes.
 func TestCheckSegmentMappedBudget(t *testing.T) {
-	seg, err := os.Create(filepath.Join(t.TempDir(), posixFilePfx+"2"))
+	seg, err := os.Create(filepath.Join(shmTempDir(t), posixFilePfx+"2"))
 	require.NoError(t, err)
 	defer seg.Close()
 	require.NoError(t, seg.Truncate(8192))
@@ -345,7 +371,7 @@ func TestCheckSegmentRefusesOwnMapping(t *testing.T) {
 	f, _ := sharedFile(t, 8192) // this process's own: mapped here
 	own := filepath.Join(filepath.Dir(f.Name()), posixFilePfx+"3")
 	require.NoError(t, os.Rename(f.Name(), own))
-	peer, err := os.Create(filepath.Join(t.TempDir(), posixFilePfx+"4"))
+	peer, err := os.Create(filepath.Join(shmTempDir(t), posixFilePfx+"4"))
 	require.NoError(t, err)
 	defer peer.Close()
 	require.NoError(t, peer.Truncate(8192))
