@@ -433,18 +433,19 @@ func checkSysvSegment(comp []byte, foreign bool, base, length uint64) (segmentHo
 		return segmentHold{}, fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
 	}
 	release := func() { _ = unix.SysvShmDetach(b) }
-	var ds unix.SysvShmDesc
-	if _, err := unix.SysvShmCtl(int(id), unix.IPC_STAT, &ds); err != nil {
-		release()
-		return segmentHold{}, fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err)
-	}
-	if err := checkSysvDesc(&ds, id, foreign, binary.LittleEndian.Uint64(comp[4:]), base, length); err != nil {
+	refuse := func(err error) (segmentHold, error) {
 		release()
 		return segmentHold{}, err
 	}
+	var ds unix.SysvShmDesc
+	if _, err := unix.SysvShmCtl(int(id), unix.IPC_STAT, &ds); err != nil {
+		return refuse(fmt.Errorf("%w: its sysv segment %d does not attach: %w", ErrBadKey, id, err))
+	}
+	if err := checkSysvDesc(&ds, id, foreign, binary.LittleEndian.Uint64(comp[4:]), base, length); err != nil {
+		return refuse(err)
+	}
 	if !reserveMapped(ds.Segsz) {
-		release()
-		return segmentHold{}, errMappedBudget(ds.Segsz)
+		return refuse(errMappedBudget(ds.Segsz))
 	}
 	return segmentHold{release: release, mapped: ds.Segsz}, nil
 }

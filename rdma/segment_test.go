@@ -30,6 +30,28 @@ func shmTempDir(t *testing.T) string {
 	return d
 }
 
+// shmSegment creates a file of n bytes named name in shared memory, as
+// UCX's posix segments are, closed when the test ends.
+func shmSegment(t *testing.T, name string, n int) *os.File {
+	f, err := os.Create(filepath.Join(shmTempDir(t), name))
+	require.NoError(t, err)
+	t.Cleanup(func() { f.Close() })
+	require.NoError(t, f.Truncate(int64(n)))
+	return f
+}
+
+// checkHeld checks key, of component, for 8192 bytes at keyAt: it must pass
+// and hold a segment of 8192 bytes until the returned release (and what its
+// key keeps, until the test ends).
+func checkHeld(t *testing.T, component string, key []byte) (release func()) {
+	h, err := checkSegment(component, key, false, keyAt, 8192)
+	require.NoError(t, err)
+	require.NotNil(t, h.release)
+	require.Equal(t, uint64(8192), h.mapped)
+	t.Cleanup(h.drop)
+	return h.release
+}
+
 // sharedFile maps a file of n bytes shared and writable, as UCX attaches a
 // peer's segment.
 func sharedFile(t *testing.T, n int) (*os.File, []byte) {
@@ -132,17 +154,9 @@ const keyAt = 0x10000000
 // naming a descriptor that is not open, a file that is no UCX segment, or a
 // segment id that does not exist is refused before UCX sees it.
 func TestCheckSegment(t *testing.T) {
-	dir := shmTempDir(t)
-	open := func(name string, n int) *os.File {
-		f, err := os.Create(filepath.Join(dir, name))
-		require.NoError(t, err)
-		t.Cleanup(func() { f.Close() })
-		require.NoError(t, f.Truncate(int64(n)))
-		return f
-	}
-	seg := open(posixFilePfx+"1234", 8192)
-	odd := open(posixFilePfx+"5678", 4097) // UCX maps, and packs, whole pages
-	other := open("model.bin", 8192)
+	seg := shmSegment(t, posixFilePfx+"1234", 8192)
+	odd := shmSegment(t, posixFilePfx+"5678", 4097) // UCX maps, and packs, whole pages
+	other := shmSegment(t, "model.bin", 8192)
 	pid := os.Getpid()
 	require.NoError(t, checkSegmentOnce("posix", posixKey(pid, int(seg.Fd()), 8192), false, keyAt, 8192))
 	page := os.Getpagesize()
@@ -262,20 +276,12 @@ func checkSegmentOnce(component string, comp []byte, foreign bool, base, length 
 // descriptor becomes after the check (another file, a pipe) is not what
 // UCX opens.
 func TestCheckSegmentHoldsPosixFile(t *testing.T) {
-	seg, err := os.Create(filepath.Join(shmTempDir(t), posixFilePfx+"1"))
-	require.NoError(t, err)
-	defer seg.Close()
-	require.NoError(t, seg.Truncate(8192))
+	seg := shmSegment(t, posixFilePfx+"1", 8192)
 	want, err := seg.Stat()
 	require.NoError(t, err)
 	peerFD := int(seg.Fd())
 	key := posixKey(os.Getpid(), peerFD, 8192)
-	h, err := checkSegment("posix", key, false, keyAt, 8192)
-	require.NoError(t, err)
-	require.NotNil(t, h.release)
-	require.Equal(t, uint64(8192), h.mapped)
-	defer h.drop()
-	release := h.release
+	release := checkHeld(t, "posix", key)
 
 	id := binary.LittleEndian.Uint64(key)
 	require.Equal(t, uint64(posixProcFS), id&posixFlags, "procfs mode, shm_open dropped")
@@ -306,12 +312,7 @@ func TestCheckSegmentHoldsSysvSegment(t *testing.T) {
 	shmid, err := unix.SysvShmGet(unix.IPC_PRIVATE, 8192, unix.IPC_CREAT|0o600)
 	require.NoError(t, err)
 	key := binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint32(nil, uint32(shmid)), keyAt)
-	h, err := checkSegment("sysv", key, false, keyAt, 8192)
-	require.NoError(t, err)
-	require.NotNil(t, h.release)
-	require.Equal(t, uint64(8192), h.mapped)
-	defer h.drop()
-	release := h.release
+	release := checkHeld(t, "sysv", key)
 	_, err = unix.SysvShmCtl(shmid, unix.IPC_RMID, nil)
 	require.NoError(t, err)
 	b, err := unix.SysvShmAttach(shmid, 0, 0)
@@ -339,16 +340,13 @@ func TestCheckSegmentTooLong(t *testing.T) {
 // peers together: a key past it is refused, and what a key reserved comes
 // back when it goes.
 func TestCheckSegmentMappedBudget(t *testing.T) {
-	seg, err := os.Create(filepath.Join(shmTempDir(t), posixFilePfx+"2"))
-	require.NoError(t, err)
-	defer seg.Close()
-	require.NoError(t, seg.Truncate(8192))
+	seg := shmSegment(t, posixFilePfx+"2", 8192)
 	key := func() []byte { return posixKey(os.Getpid(), int(seg.Fd()), 8192) }
 
 	was := mappedSegments.Load()
 	require.True(t, reserveMapped(mappedBudget-was-4096), "all but a page of the budget taken")
 	defer unreserveMapped(mappedBudget - was - 4096)
-	err = checkSegmentOnce("posix", key(), false, keyAt, 8192)
+	err := checkSegmentOnce("posix", key(), false, keyAt, 8192)
 	require.ErrorIs(t, err, ErrBadKey)
 	require.ErrorContains(t, err, "address space")
 	require.Equal(t, mappedBudget-uint64(4096), mappedSegments.Load(), "a refused key reserves nothing")
@@ -371,10 +369,7 @@ func TestCheckSegmentRefusesOwnMapping(t *testing.T) {
 	f, _ := sharedFile(t, 8192) // this process's own: mapped here
 	own := filepath.Join(filepath.Dir(f.Name()), posixFilePfx+"3")
 	require.NoError(t, os.Rename(f.Name(), own))
-	peer, err := os.Create(filepath.Join(shmTempDir(t), posixFilePfx+"4"))
-	require.NoError(t, err)
-	defer peer.Close()
-	require.NoError(t, peer.Truncate(8192))
+	peer := shmSegment(t, posixFilePfx+"4", 8192)
 
 	holder := exec.Command("sleep", "60")
 	holder.ExtraFiles = []*os.File{f, peer} // its descriptors 3 and 4
@@ -385,7 +380,7 @@ func TestCheckSegmentRefusesOwnMapping(t *testing.T) {
 	}()
 	pid := holder.Process.Pid
 
-	err = checkSegmentOnce("posix", posixKey(pid, 3, 8192), true, keyAt, 8192)
+	err := checkSegmentOnce("posix", posixKey(pid, 3, 8192), true, keyAt, 8192)
 	require.ErrorIs(t, err, ErrBadKey)
 	require.ErrorContains(t, err, "this process's own")
 	require.NoError(t, checkSegmentOnce("posix", posixKey(pid, 3, 8192), false, keyAt, 8192), "a peer in this process may")
