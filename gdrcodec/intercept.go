@@ -355,18 +355,23 @@ var singleRequests sync.Map
 // singleRequests once gRPC's receive of it returned (its decode of a second
 // message, if any, is over): the handler may use the message as it likes
 // from then on, a decode into it for another call or as a reply included.
-// The call's end does it where no interceptor of this package runs.
+// It also gives back what the request's pulls kept reserved
+// (holdSingleRequest). The call's end does both where no interceptor of this
+// package runs.
 func endSingleRequest(ctx context.Context) {
 	c, _ := ctx.Value(callKey{}).(*callMessages)
 	if c == nil {
 		return
 	}
 	c.mu.Lock()
-	r := c.request
+	r, hold := c.request, c.hold
 	c.request = nil
 	c.mu.Unlock()
 	if r != nil {
 		singleRequests.Delete(r)
+	}
+	if hold != nil {
+		hold.End() // the handler has the request
 	}
 }
 
@@ -1027,8 +1032,28 @@ func (s *requestStream) RecvMsg(m any) error {
 	if !canCarry(m) {
 		return s.ServerStream.RecvMsg(m)
 	}
-	rc := expectReceive(s.Context(), m, true)
+	rc := expectReceive(holdSingleRequest(s.Context()), m, true)
 	return rc.done(m, s.ServerStream.RecvMsg(m))
+}
+
+// holdSingleRequest returns ctx, under which a call that takes one request
+// (a server stream's) keeps its request's pulls reserved until gRPC's
+// receive returns (endSingleRequest), for gRPC waits for the end of the
+// client's side of the stream before it does (oob.PullHold).
+func holdSingleRequest(ctx context.Context) context.Context {
+	c, _ := ctx.Value(callKey{}).(*callMessages)
+	if c == nil {
+		return ctx
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.single {
+		return ctx
+	}
+	if c.hold == nil {
+		c.hold = new(oob.PullHold)
+	}
+	return oob.WithPullHold(ctx, c.hold)
 }
 
 // SendMsg lets the message's marshaling write its payloads into receive
@@ -1078,6 +1103,7 @@ type callMessages struct {
 	decoding  bool                   // a unary call, counted in decoding until its request is decoded
 	single    bool                   // the client sends one request (unary or server-streaming)
 	request   any                    // that request, once decoded (singleRequests)
+	hold      *oob.PullHold          // its pulls' reservations, kept until the handler has it
 	failed    map[any]*status.Status // request -> its failed pull
 	landed    map[any]landedPayloads // response not yet reported sent -> its payloads in the client's receive space
 	unsent    any                    // a unary call's response until it is reported sent
@@ -1197,7 +1223,7 @@ func (h *serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		if m := messageV2Of(s.Payload); m != nil && mayCarry(m.ProtoReflect().Descriptor()) {
 			st, _ := failures.take(s.Payload)
 			if pending {
-				st = pullRequest(ctx, p)
+				st = pullRequest(holdSingleRequest(ctx), p)
 			}
 			c.mu.Lock()
 			if !pending || p.attaches {
@@ -1237,13 +1263,16 @@ func (h *serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		if c != nil {
 			c.mu.Lock()
 			c.decoded()
-			held, landed, unsent := c.held, c.landed, c.unsent
+			held, landed, unsent, hold := c.held, c.landed, c.unsent, c.hold
 			c.held, c.failed, c.landed, c.unsent = nil, nil, nil, nil
 			if c.request != nil {
 				singleRequests.Delete(c.request)
 				c.request = nil
 			}
 			c.mu.Unlock()
+			if hold != nil {
+				hold.End()
+			}
 			for _, db := range held {
 				if b := detach(db); b != nil {
 					b.Release()

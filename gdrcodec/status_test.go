@@ -49,10 +49,16 @@ func (s *countingServer) Upload(st tensorpb.TensorService_UploadServer) error {
 // extra, and returns the listener's address.
 func serveTensors(t *testing.T, srv tensorpb.TensorServiceServer, extra ...grpc.ServerOption) string {
 	t.Helper()
+	return serveWith(t, func(gs *grpc.Server) { tensorpb.RegisterTensorServiceServer(gs, srv) }, extra...)
+}
+
+// serveWith is serveTensors with the services register registers.
+func serveWith(t *testing.T, register func(*grpc.Server), extra ...grpc.ServerOption) string {
+	t.Helper()
 	lis, err := listener.Listen("127.0.0.1:0", gdrpc.WithTransport(transport.ModeTCP), processEngine)
 	require.NoError(t, err)
 	gs := grpc.NewServer(append(listener.ServerOptions(insecure.NewCredentials()), extra...)...)
-	tensorpb.RegisterTensorServiceServer(gs, srv)
+	register(gs)
 	served := make(chan error, 1)
 	go func() { served <- gs.Serve(lis) }()
 	t.Cleanup(func() {

@@ -790,7 +790,7 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 			if err != nil {
 				return nil, PathNone, err
 			}
-			defer release()
+			defer heldRelease(ctx, release)()
 		}
 		if path, err := fetchLocal(d, made); err != nil {
 			return fail(path, err)
@@ -820,7 +820,7 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 		}
 		// A session that closes before the RTR left it never reached the owner:
 		// the next one may.
-		if path, err = fetchVia(ctx, s, d, dst, release); !errors.Is(err, errRTRNotSent) {
+		if path, err = fetchVia(ctx, s, d, dst, heldRelease(ctx, release)); !errors.Is(err, errRTRNotSent) {
 			break
 		}
 	}

@@ -24,6 +24,8 @@ type Limits struct {
 	// message that came over another session (a peer forwarding what it
 	// received), counts against the session the message came over, not the
 	// one to the owner: a peer spends its own budget, never another's. A
+	// pull under a PullHold (a server's request whose handler has not
+	// started) keeps its reservation until the hold ends. A
 	// pull waits, before its destination is
 	// allocated, until the session has room for it; it fails with a
 	// TransferExhausted error when it is larger than PullBytes on its own, or
@@ -372,6 +374,63 @@ func reservePull(ctx context.Context, payer, via *transport.Session, t Token, n 
 			unlock()
 		})
 	}, nil
+}
+
+// PullHold keeps what the pulls made under its context reserve (Limits.Pulls,
+// PullBytes, TotalPullBytes) past the pulls' end, until End: the pulled
+// payloads then count against the bounds for as long as no handler has them.
+// A gRPC server decodes a unary or server-streaming call's request, and its
+// payloads are pulled, before the client has ended its side of the stream,
+// and gRPC waits for that end before the handler runs: a client that never
+// ended its side would otherwise have each such call keep its payloads, with
+// no handler to use or release them, beyond every bound. Under a hold such
+// calls hold at most what a session's pulls may, and a later pull through
+// the session waits for room as any pull does. gdrcodec holds a request's
+// pulls until its handler starts or its call ends. The zero value is ready
+// to use; End may be called more than once.
+type PullHold struct {
+	mu       sync.Mutex
+	ended    bool
+	releases []func()
+}
+
+type pullHoldKey struct{}
+
+// WithPullHold returns ctx under which pulls keep their reservations in h
+// once they end, until h's End.
+func WithPullHold(ctx context.Context, h *PullHold) context.Context {
+	return context.WithValue(ctx, pullHoldKey{}, h)
+}
+
+// End gives back what h kept; a pull under h that ends later gives back its
+// reservation as it ends.
+func (h *PullHold) End() {
+	h.mu.Lock()
+	releases := h.releases
+	h.releases, h.ended = nil, true
+	h.mu.Unlock()
+	for _, release := range releases {
+		release()
+	}
+}
+
+// heldRelease returns release, a pull's reservation's, to run at the End of
+// the PullHold of ctx if it has one that has not ended yet, or at once.
+func heldRelease(ctx context.Context, release func()) func() {
+	h, _ := ctx.Value(pullHoldKey{}).(*PullHold)
+	if h == nil {
+		return release
+	}
+	return func() {
+		h.mu.Lock()
+		if !h.ended {
+			h.releases = append(h.releases, release)
+			h.mu.Unlock()
+			return
+		}
+		h.mu.Unlock()
+		release()
+	}
 }
 
 // pullTotal is what all sessions' pulls reserve together (Limits.TotalPullBytes).
