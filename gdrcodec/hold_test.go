@@ -36,6 +36,63 @@ func (c pullsSeen) Transfer(i oob.TransferInfo) {
 
 func (pullsSeen) Fallback(oob.Path, oob.Path, string) {}
 
+// wait waits for n more successful pulls.
+func (c pullsSeen) wait(t *testing.T, n int) {
+	t.Helper()
+	for i := range n {
+		select {
+		case info := <-c:
+			require.NoError(t, info.Err, "pull %d of %d", i+1, n)
+		case <-time.After(30 * time.Second):
+			t.Fatalf("no pull %d of %d in 30 s", i+1, n)
+		}
+	}
+}
+
+// gdrClient dials addr with gdrpc's dialer and DialOptions: a session of
+// its own.
+func gdrClient(t *testing.T, addr string) *grpc.ClientConn {
+	t.Helper()
+	d := dialer.New(gdrpc.WithTransport(transport.ModeTCP), processEngine)
+	cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(insecure.NewCredentials())...)
+	require.NoError(t, err)
+	t.Cleanup(func() { cc.Close() })
+	return cc
+}
+
+// partsRequest is a tensor with one out-of-band payload of size bytes per
+// seed.
+func partsRequest(size int, seeds ...uint32) *tensorpb.Tensor {
+	t := &tensorpb.Tensor{Name: "parts"}
+	for _, s := range seeds {
+		src := devicebuf.HostFromBytes(pattern(size, s))
+		t.Parts = append(t.Parts, gdrcodec.New(src))
+		src.Release()
+	}
+	return t
+}
+
+// oneCall makes a whole call of method (a unary Digest, or Down) with req.
+func oneCall(ctx context.Context, cc *grpc.ClientConn, method string, req *tensorpb.Tensor) error {
+	cs, err := cc.NewStream(ctx, &grpc.StreamDesc{ServerStreams: true}, method)
+	if err != nil {
+		return err
+	}
+	if err := cs.SendMsg(req); err != nil {
+		return err
+	}
+	if err := cs.CloseSend(); err != nil {
+		return err
+	}
+	if method == tensorpb.TensorService_Digest_FullMethodName {
+		return cs.RecvMsg(new(tensorpb.Summary))
+	}
+	got := new(tensorpb.Tensor)
+	err = cs.RecvMsg(got)
+	gdrcodec.ReleaseAll(got)
+	return err
+}
+
 // downDesc is a server-streaming method whose request carries a payload,
 // which it sends back: TensorService has none.
 var downDesc = grpc.ServiceDesc{
@@ -63,11 +120,7 @@ func TestUnendedRequestsHoldPullBounds(t *testing.T) {
 		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
 		gs.RegisterService(&downDesc, nil)
 	})
-	d := dialer.New(gdrpc.WithTransport(transport.ModeTCP), processEngine)
-	cc, err := grpc.NewClient("passthrough:///"+addr, d.DialOptions(insecure.NewCredentials())...)
-	require.NoError(t, err)
-	t.Cleanup(func() { cc.Close() })
-
+	cc := gdrClient(t, addr)
 	request := func(seed uint32) *tensorpb.Tensor {
 		src := devicebuf.HostFromBytes(pattern(n, seed))
 		defer src.Release()
@@ -89,12 +142,7 @@ func TestUnendedRequestsHoldPullBounds(t *testing.T) {
 				req := request(uint32(i))
 				require.NoError(t, cs.SendMsg(req))
 				gdrcodec.ReleaseAll(req)
-				select {
-				case info := <-seen:
-					require.NoError(t, info.Err, "the server's pull of held request %d", i)
-				case <-time.After(30 * time.Second):
-					t.Fatalf("the server did not pull held request %d", i)
-				}
+				seen.wait(t, 1)
 			}
 
 			// call makes one whole call of the method.
@@ -132,5 +180,132 @@ func TestUnendedRequestsHoldPullBounds(t *testing.T) {
 			require.NoError(t, err)
 			requireBytes(t, pattern(n, 4), b)
 		})
+	}
+}
+
+// What a request's own pulls parked does not hold back its other pulls: a
+// request whose payloads each fit Limits.PullBytes, or Limits.Pulls, but
+// not all together, is pulled as it was without the hold (each pull waits
+// only for the room the message's earlier ones give back as they end).
+func TestHeldRequestOwnPullsGoOn(t *testing.T) {
+	addr := serveWith(t, func(gs *grpc.Server) {
+		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
+		gs.RegisterService(&downDesc, nil)
+	})
+	cc := gdrClient(t, addr)
+	for _, tc := range []struct {
+		name   string
+		limits oob.Limits
+		size   int
+		parts  int
+	}{
+		{"two 1 MiB payloads under PullBytes 1.5 MiB", oob.Limits{PullBytes: 3 << 19}, 1 << 20, 2},
+		{"three 256 KiB payloads under Pulls 2", oob.Limits{Pulls: 2}, 256 << 10, 3},
+	} {
+		for _, method := range []string{tensorpb.TensorService_Digest_FullMethodName, "/test.Down/Down"} {
+			t.Run(tc.name+method, func(t *testing.T) {
+				oob.SetTransferConfig(oob.TransferConfig{Timeout: time.Minute, Limits: tc.limits})
+				t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
+				req := partsRequest(tc.size, []uint32{1, 2, 3}[:tc.parts]...)
+				defer gdrcodec.ReleaseAll(req)
+				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+				defer cancel()
+				require.NoError(t, oneCall(ctx, cc, method, req))
+			})
+		}
+	}
+}
+
+// Requests whose clients never end their side park their payloads on their
+// own sessions only: with two sessions' worth of them, over what
+// Limits.TotalPullBytes allows in flight, a call over a third session is
+// pulled at once.
+func TestHeldRequestsStallNoOtherSession(t *testing.T) {
+	const n = 1 << 20
+	addr := serveWith(t, func(gs *grpc.Server) {
+		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
+	})
+	seen := make(pullsSeen, 64)
+	oob.SetTransferConfig(oob.TransferConfig{Timeout: time.Minute, Metrics: seen, Limits: oob.Limits{PullBytes: 2 * n}}) // TotalPullBytes 4n
+	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
+	held, endHeld := context.WithCancel(context.Background())
+	defer endHeld()
+	bidi := &grpc.StreamDesc{ClientStreams: true, ServerStreams: true}
+	for range 2 {
+		cc := gdrClient(t, addr)
+		for i := range 2 {
+			cs, err := cc.NewStream(held, bidi, tensorpb.TensorService_Digest_FullMethodName)
+			require.NoError(t, err)
+			req := partsRequest(n, uint32(i))
+			require.NoError(t, cs.SendMsg(req))
+			gdrcodec.ReleaseAll(req)
+			seen.wait(t, 1)
+		}
+	}
+	req := partsRequest(n, 9)
+	defer gdrcodec.ReleaseAll(req)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	require.NoError(t, oneCall(ctx, gdrClient(t, addr), tensorpb.TensorService_Digest_FullMethodName, req))
+}
+
+// A server whose own interceptors run before gdrpc's and queue calls (a
+// concurrency limit): the unary calls waiting in it park their requests,
+// and the stream whose handler runs meanwhile, pulled under no hold, still
+// pulls its next message.
+func TestHeldRequestsQueuedBeforeInterceptor(t *testing.T) {
+	const n = 1 << 20
+	slot := make(chan struct{}, 1)
+	streaming := make(chan struct{})
+	limitUnary := func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+		select {
+		case slot <- struct{}{}:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+		defer func() { <-slot }()
+		return h(ctx, req)
+	}
+	limitStream := func(srv any, ss grpc.ServerStream, _ *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+		slot <- struct{}{}
+		close(streaming)
+		defer func() { <-slot }()
+		return h(srv, ss)
+	}
+	addr := serveWith(t, func(gs *grpc.Server) {
+		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
+	}, grpc.UnaryInterceptor(limitUnary), grpc.StreamInterceptor(limitStream))
+	seen := make(pullsSeen, 64)
+	oob.SetTransferConfig(oob.TransferConfig{Timeout: time.Minute, Metrics: seen, Limits: oob.Limits{PullBytes: 2*n + n/2}})
+	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
+	client := tensorpb.NewTensorServiceClient(gdrClient(t, addr))
+
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	up, err := client.Upload(ctx)
+	require.NoError(t, err)
+	first := partsRequest(n, 1)
+	require.NoError(t, up.Send(first))
+	gdrcodec.ReleaseAll(first)
+	<-streaming // the stream's handler holds the slot
+	digests := make(chan error, 2)
+	for i := range 2 {
+		go func() {
+			req := partsRequest(n, uint32(10+i))
+			defer gdrcodec.ReleaseAll(req)
+			_, err := client.Digest(ctx, req)
+			digests <- err
+		}()
+	}
+	seen.wait(t, 3) // the stream's first message, and both requests, queued
+
+	second := partsRequest(n, 2)
+	require.NoError(t, up.Send(second))
+	gdrcodec.ReleaseAll(second)
+	sum, err := up.CloseAndRecv()
+	require.NoError(t, err, "the running stream's second message")
+	require.Equal(t, uint64(2*n), sum.Bytes)
+	for range 2 {
+		require.NoError(t, <-digests)
 	}
 }

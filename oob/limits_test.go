@@ -1114,25 +1114,3 @@ func TestCallEndedWithdrawsUnpulled(t *testing.T) {
 	require.ErrorAs(t, err, &te)
 	require.Equal(t, TransferNotFound, te.Kind)
 }
-
-// A PullHold keeps the reservations given back under it until End, and
-// lets those given back after End go at once; a pull under no hold gives
-// its back at once.
-func TestPullHold(t *testing.T) {
-	given := 0
-	release := func() { given++ }
-	heldRelease(context.Background(), release)()
-	require.Equal(t, 1, given, "no hold")
-
-	h := new(PullHold)
-	ctx := WithPullHold(context.Background(), h)
-	heldRelease(ctx, release)()
-	heldRelease(ctx, release)()
-	require.Equal(t, 1, given, "kept until End")
-	h.End()
-	require.Equal(t, 3, given, "End gives both back")
-	heldRelease(ctx, release)()
-	require.Equal(t, 4, given, "after End, at once")
-	h.End()
-	require.Equal(t, 4, given, "a second End gives nothing back twice")
-}
