@@ -460,15 +460,35 @@ func TestGivenUpCallWithdrawsResponse(t *testing.T) {
 		"the response's payload left the outbox")
 }
 
+// connsListener sends each connection it accepts on conns.
+type connsListener struct {
+	net.Listener
+	conns chan<- net.Conn
+}
+
+func (l *connsListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err == nil {
+		l.conns <- c
+	}
+	return c, err
+}
+
 // uploadGate is an Upload that takes no message until open is closed, or
 // fails the call without taking any when fail is closed first: a server
 // that reads a client stream late, or never.
 type uploadGate struct {
 	tensor.Server
 	open, fail chan struct{}
+	headers    bool // send the response's headers first
 }
 
 func (s *uploadGate) Upload(st tensorpb.TensorService_UploadServer) error {
+	if s.headers {
+		if err := st.SendHeader(nil); err != nil {
+			return err
+		}
+	}
 	select {
 	case <-s.open:
 		return s.Server.Upload(st)
@@ -481,15 +501,25 @@ func (s *uploadGate) Upload(st tensorpb.TensorService_UploadServer) error {
 // pulls: while the server takes none, the next message waits in the
 // outbox (oob.Stats.Waiting) before it is sent, and goes once the server
 // pulled the earlier ones; a server that ends the stream meanwhile ends the
-// wait with io.EOF, its status coming from CloseAndRecv. Nothing stays in
-// the outbox either way.
+// wait with io.EOF, its status coming from CloseAndRecv, and so does one
+// whose connection closes after it sent the response's headers, well before
+// the session ends (a client with a call open keeps it lingering for the
+// payloads' pulls up to the transfer timeout). Nothing stays in the outbox
+// in any case.
 func TestClientStreamWaitsForPulls(t *testing.T) {
-	for _, ends := range []bool{false, true} {
-		name := map[bool]string{false: "server reads late", true: "server ends the stream"}[ends]
+	const (
+		late = iota
+		ends
+		drops
+	)
+	for end, name := range []string{"server reads late", "server ends the stream", "server's connection closes"} {
 		t.Run(name, func(t *testing.T) {
-			srv := &uploadGate{open: make(chan struct{}), fail: make(chan struct{})}
-			r := newRig(t, transport.ModeTCP, srv)
-			oob.SetTransferConfig(oob.TransferConfig{Timeout: 20 * time.Second, Limits: oob.Limits{UnpulledBytes: 2 << 20}})
+			srv := &uploadGate{open: make(chan struct{}), fail: make(chan struct{}), headers: end == drops}
+			conns := make(chan net.Conn, 4)
+			r := newRigWrapped(t, transport.ModeTCP, srv, nil, func(l net.Listener) net.Listener { return &connsListener{l, conns} })
+			// The session lingers for the transfer timeout at most: the
+			// wait must end with the connection, well before it.
+			oob.SetTransferConfig(oob.TransferConfig{Timeout: time.Minute, Limits: oob.Limits{UnpulledBytes: 2 << 20}})
 			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 			defer cancel()
 			st, err := r.client.Upload(ctx)
@@ -534,12 +564,19 @@ func TestClientStreamWaitsForPulls(t *testing.T) {
 				}
 				return nil
 			}
-			if ends {
+			switch end {
+			case ends:
 				close(srv.fail)
 				require.ErrorIs(t, result(), io.EOF)
 				_, err = st.CloseAndRecv()
 				require.Equal(t, codes.FailedPrecondition, status.Code(err), "%v", err)
-			} else {
+			case drops:
+				defer close(srv.fail) // the handler, whose stream is gone, returns
+				require.NoError(t, (<-conns).Close())
+				require.ErrorIs(t, result(), io.EOF)
+				_, err = st.CloseAndRecv()
+				require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+			case late:
 				close(srv.open)
 				require.NoError(t, result())
 				got, err := st.CloseAndRecv()

@@ -740,14 +740,14 @@ func (f *Flow) Over(s *transport.Session) bool {
 
 // Wait returns once the payloads f counts that wait in the outbox for the
 // peer's pulls add up to at most Limits.UnpulledBytes (of the engine serving
-// s, or the process's when s is nil), or fails when ctx ends or s closes
-// first: a client stream's next message waits here for the server's pulls
+// s, or the process's when s is nil), or fails when ctx ends, or s or its
+// gRPC conn closes, first: a client stream's next message waits here for the server's pulls
 // of the earlier ones (Track), as Send holds a server stream's.
 func (f *Flow) Wait(ctx context.Context, s *transport.Session) error {
 	limit := cfgOf(s).Limits.UnpulledBytes
-	var closed <-chan struct{} // nil: no session to watch
+	var closed, connClosed <-chan struct{} // nil: no session to watch
 	if s != nil {
-		closed = s.Done()
+		closed, connClosed = s.Done(), s.ConnClosed()
 	}
 	box.mu.Lock()
 	defer box.mu.Unlock()
@@ -765,6 +765,10 @@ func (f *Flow) Wait(ctx context.Context, s *transport.Session) error {
 			err = context.Cause(ctx)
 		case <-closed:
 			err = errors.New("the session closed")
+		case <-connClosed:
+			// The session may linger for the peer's pulls, but the call's
+			// stream went with the connection: no message of it will go.
+			err = errors.New("the session's gRPC connection closed")
 		}
 		box.mu.Lock()
 		box.waiting--

@@ -105,8 +105,11 @@ type Session struct {
 	inUse   atomic.Int32
 	traffic atomic.Uint64
 
-	done      chan struct{}
-	muxClosed chan struct{} // closed once the multiplexer and the connection are closed
+	done chan struct{}
+	// connClosed is closed once the gRPC conn closed (closeGracefully).
+	connClosed     chan struct{}
+	connClosedOnce sync.Once
+	muxClosed      chan struct{} // closed once the multiplexer and the connection are closed
 	// releasedCtx is done once muxClosed is closed (AfterRelease).
 	releasedCtx  context.Context
 	markReleased context.CancelFunc
@@ -186,6 +189,7 @@ func newSession(st sessionSetup) (*Session, error) {
 		ctrlSem:     make(chan struct{}, 1),
 		openers:     make(chan struct{}, streamBacklog),
 		done:        make(chan struct{}),
+		connClosed:  make(chan struct{}),
 		muxClosed:   make(chan struct{}),
 		closedRan:   make(chan struct{}),
 		laneAddr:    st.laneAddr,
@@ -375,6 +379,12 @@ func (s *Session) RTT() time.Duration { return time.Duration(s.rtt.Load()) }
 // Done is closed when the session has closed, for any reason.
 func (s *Session) Done() <-chan struct{} { return s.done }
 
+// ConnClosed is closed once the session's gRPC conn closed: the session may
+// stay up a while longer for out-of-band transfers still under way (the
+// engine's Linger), but carries no further gRPC message. A session that
+// closed without its gRPC conn closing first closes only Done.
+func (s *Session) ConnClosed() <-chan struct{} { return s.connClosed }
+
 // Err returns nil while the session is open, then why it closed:
 // ErrSessionClosed after Close or an orderly close (the gRPC stream closed
 // first, whichever side's connection ended first then), an error wrapping
@@ -532,6 +542,7 @@ const lingerBound = time.Second
 // session closes within gracefulCloseBound whatever the peer does. It
 // starts once: a later call, or one after Close began, does nothing.
 func (s *Session) closeGracefully() {
+	s.connClosedOnce.Do(func() { close(s.connClosed) })
 	s.ending.Store(true)
 	s.graceMu.Lock()
 	defer s.graceMu.Unlock()
