@@ -309,3 +309,118 @@ func TestHeldRequestsQueuedBeforeInterceptor(t *testing.T) {
 		require.NoError(t, <-digests)
 	}
 }
+
+// Honest calls at once on one connection, each with more payloads than one
+// message's pulls run in parallel and more bytes than Limits.PullBytes in
+// all, each payload well within it: a request parks all its payloads before
+// it pulls any, so no two wait for each other, and every call goes.
+func TestConcurrentRequestsOverPullBytes(t *testing.T) {
+	const size, parts, calls = 256 << 10, 48, 4
+	addr := serveWith(t, func(gs *grpc.Server) {
+		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
+	})
+	oob.SetTransferConfig(oob.TransferConfig{Timeout: time.Minute, Limits: oob.Limits{PullBytes: 16 * size}})
+	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
+	cc := gdrClient(t, addr)
+	seeds := make([]uint32, parts)
+	for i := range seeds {
+		seeds[i] = uint32(i + 1)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	errs := make(chan error, calls)
+	for range calls {
+		go func() {
+			req := partsRequest(size, seeds...)
+			defer gdrcodec.ReleaseAll(req)
+			errs <- oneCall(ctx, cc, tensorpb.TensorService_Digest_FullMethodName, req)
+		}()
+	}
+	for range calls {
+		require.NoError(t, <-errs)
+	}
+}
+
+// Requests that arrive together park one at a time: of eight 4 MiB
+// requests whose client never ends its side, under PullBytes 6 MiB, one is
+// parked and pulled and seven wait, until the calls end.
+func TestUnendedRequestsParkWithinPullBytes(t *testing.T) {
+	const n, calls = 4 << 20, 8
+	addr := serveWith(t, func(gs *grpc.Server) {
+		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
+	})
+	seen := make(pullsSeen, 64)
+	oob.SetTransferConfig(oob.TransferConfig{Timeout: time.Minute, Metrics: seen, Limits: oob.Limits{PullBytes: n + n/2}})
+	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
+	cc := gdrClient(t, addr)
+	held, endHeld := context.WithCancel(context.Background())
+	defer endHeld()
+	bidi := &grpc.StreamDesc{ClientStreams: true, ServerStreams: true}
+	for i := range calls {
+		cs, err := cc.NewStream(held, bidi, tensorpb.TensorService_Digest_FullMethodName)
+		require.NoError(t, err)
+		go func() {
+			req := partsRequest(n, uint32(i+1))
+			defer gdrcodec.ReleaseAll(req)
+			_ = cs.SendMsg(req) // fails once the test ends the calls
+		}()
+	}
+	require.Eventually(t, func() bool {
+		st := oob.ReadStats()
+		return st.Parked == n && st.ParkWaiting == calls-1
+	}, 20*time.Second, time.Millisecond, "one request parked, the others waiting: %+v", oob.ReadStats())
+	seen.wait(t, 1)
+	require.Empty(t, seen, "pulls of requests with no room to park")
+	endHeld()
+	require.Eventually(t, func() bool {
+		st := oob.ReadStats()
+		return st.Parked == 0 && st.ParkWaiting == 0
+	}, 20*time.Second, time.Millisecond, "the ended calls leave nothing parked: %+v", oob.ReadStats())
+}
+
+// A request waiting for room to park waits within its call, not the
+// transfer timeout: honest calls queued behind a server's own concurrency
+// limit (an interceptor before gdrpc's, where their requests stay parked)
+// all go, however long the queue takes.
+func TestParkedRequestWaitsBeyondTransferTimeout(t *testing.T) {
+	const n = 1 << 20
+	const timeout = 300 * time.Millisecond
+	entered, release := make(chan struct{}, 2), make(chan struct{})
+	slot := make(chan struct{}, 1)
+	limitUnary := func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+		select {
+		case slot <- struct{}{}:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+		defer func() { <-slot }()
+		entered <- struct{}{}
+		<-release
+		return h(ctx, req)
+	}
+	addr := serveWith(t, func(gs *grpc.Server) {
+		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
+	}, grpc.UnaryInterceptor(limitUnary))
+	oob.SetTransferConfig(oob.TransferConfig{Timeout: timeout, Limits: oob.Limits{PullBytes: n + n/2}})
+	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
+	client := tensorpb.NewTensorServiceClient(gdrClient(t, addr))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	errs := make(chan error, 2)
+	call := func(seed uint32) {
+		req := partsRequest(n, seed)
+		defer gdrcodec.ReleaseAll(req)
+		_, err := client.Digest(ctx, req)
+		errs <- err
+	}
+	go call(1)
+	<-entered // the first holds the slot, its request parked
+	go call(2)
+	require.Eventually(t, func() bool { return oob.ReadStats().ParkWaiting == 1 }, 20*time.Second, time.Millisecond,
+		"the second request waits for room to park")
+	time.Sleep(2 * timeout) // the queue outlasts the transfer timeout
+	close(release)
+	for range 2 {
+		require.NoError(t, <-errs)
+	}
+}

@@ -356,7 +356,7 @@ var singleRequests sync.Map
 // message, if any, is over): the handler may use the message as it likes
 // from then on, a decode into it for another call or as a reply included.
 // It also gives back what the request's pulls kept reserved
-// (holdSingleRequest). The call's end does both where no interceptor of this
+// (parkingRequest). The call's end does both where no interceptor of this
 // package runs.
 func endSingleRequest(ctx context.Context) {
 	c, _ := ctx.Value(callKey{}).(*callMessages)
@@ -364,14 +364,14 @@ func endSingleRequest(ctx context.Context) {
 		return
 	}
 	c.mu.Lock()
-	r, hold := c.request, c.hold
+	r, parked := c.request, c.parked
 	c.request = nil
 	c.mu.Unlock()
 	if r != nil {
 		singleRequests.Delete(r)
 	}
-	if hold != nil {
-		hold.End() // the handler has the request
+	if parked != nil {
+		parked.end() // the handler has the request
 	}
 }
 
@@ -401,6 +401,10 @@ func pullRequest(ctx context.Context, p *pulls) *status.Status {
 	}
 	if len(p.jobs) == 0 {
 		return nil // its payloads were inline
+	}
+	if err := parkPulls(ctx, p); err != nil {
+		p.discard(ctx)
+		return status.Convert(err)
 	}
 	if err := p.run(oob.ForServerRequest(ctx)); err != nil {
 		return status.Convert(err)
@@ -1032,15 +1036,50 @@ func (s *requestStream) RecvMsg(m any) error {
 	if !canCarry(m) {
 		return s.ServerStream.RecvMsg(m)
 	}
-	rc := expectReceive(holdSingleRequest(s.Context()), m, true)
+	rc := expectReceive(parkingRequest(s.Context()), m, true)
 	return rc.done(m, s.ServerStream.RecvMsg(m))
 }
 
-// holdSingleRequest returns ctx, under which a call that takes one request
-// (a server stream's) keeps its request's pulls reserved until gRPC's
-// receive returns (endSingleRequest), for gRPC waits for the end of the
-// client's side of the stream before it does (oob.PullHold).
-func holdSingleRequest(ctx context.Context) context.Context {
+// parkedRequest is what the request of a call that takes one (unary or
+// server-streaming) parked on the session it came over (oob.Park) until
+// its handler has it: gRPC receives, and the codec pulls, the request
+// before the client has ended its side of the stream, and gRPC waits for
+// that end before its receive returns.
+type parkedRequest struct {
+	mu     sync.Mutex
+	ended  bool
+	unpark []func()
+}
+
+// add keeps unpark until end, or runs it at once once ended.
+func (p *parkedRequest) add(unpark func()) {
+	p.mu.Lock()
+	if !p.ended {
+		p.unpark = append(p.unpark, unpark)
+		p.mu.Unlock()
+		return
+	}
+	p.mu.Unlock()
+	unpark()
+}
+
+// end gives back what the request parked.
+func (p *parkedRequest) end() {
+	p.mu.Lock()
+	unpark := p.unpark
+	p.unpark, p.ended = nil, true
+	p.mu.Unlock()
+	for _, f := range unpark {
+		f()
+	}
+}
+
+type parkedKey struct{}
+
+// parkingRequest returns ctx, under which the pulls of a call that takes
+// one request park its payloads (parkPulls) until gRPC's receive of it
+// returned (endSingleRequest) or the call ended.
+func parkingRequest(ctx context.Context) context.Context {
 	c, _ := ctx.Value(callKey{}).(*callMessages)
 	if c == nil {
 		return ctx
@@ -1050,10 +1089,37 @@ func holdSingleRequest(ctx context.Context) context.Context {
 	if !c.single {
 		return ctx
 	}
-	if c.hold == nil {
-		c.hold = new(oob.PullHold)
+	if c.parked == nil {
+		c.parked = new(parkedRequest)
 	}
-	return oob.WithPullHold(ctx, c.hold)
+	return context.WithValue(ctx, parkedKey{}, c.parked)
+}
+
+// parkPulls parks what p will pull, all of it before any is pulled, on the
+// session the request of ctx came over, if ctx is parkingRequest's. It
+// waits, within ctx, for the session's other parked requests to leave room
+// (oob.Park).
+func parkPulls(ctx context.Context, p *pulls) error {
+	parked, _ := ctx.Value(parkedKey{}).(*parkedRequest)
+	if parked == nil {
+		return nil
+	}
+	var n uint64
+	for _, j := range p.jobs {
+		if j.run != nil && !j.inSpace {
+			n += j.n // withinLimit bounded the sum
+		}
+	}
+	s := transport.SessionFromContext(ctx)
+	if n == 0 || s == nil {
+		return nil // nothing to pull, or no session to pull over
+	}
+	unpark, err := oob.Park(ctx, s, n)
+	if err != nil {
+		return transferStatus(err)
+	}
+	parked.add(unpark)
+	return nil
 }
 
 // SendMsg lets the message's marshaling write its payloads into receive
@@ -1103,7 +1169,7 @@ type callMessages struct {
 	decoding  bool                   // a unary call, counted in decoding until its request is decoded
 	single    bool                   // the client sends one request (unary or server-streaming)
 	request   any                    // that request, once decoded (singleRequests)
-	hold      *oob.PullHold          // its pulls' reservations, kept until the handler has it
+	parked    *parkedRequest         // what its pulls parked on the session, until the handler has it
 	failed    map[any]*status.Status // request -> its failed pull
 	landed    map[any]landedPayloads // response not yet reported sent -> its payloads in the client's receive space
 	unsent    any                    // a unary call's response until it is reported sent
@@ -1223,7 +1289,7 @@ func (h *serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		if m := messageV2Of(s.Payload); m != nil && mayCarry(m.ProtoReflect().Descriptor()) {
 			st, _ := failures.take(s.Payload)
 			if pending {
-				st = pullRequest(holdSingleRequest(ctx), p)
+				st = pullRequest(parkingRequest(ctx), p)
 			}
 			c.mu.Lock()
 			if !pending || p.attaches {
@@ -1263,15 +1329,15 @@ func (h *serverStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 		if c != nil {
 			c.mu.Lock()
 			c.decoded()
-			held, landed, unsent, hold := c.held, c.landed, c.unsent, c.hold
+			held, landed, unsent, parked := c.held, c.landed, c.unsent, c.parked
 			c.held, c.failed, c.landed, c.unsent = nil, nil, nil, nil
 			if c.request != nil {
 				singleRequests.Delete(c.request)
 				c.request = nil
 			}
 			c.mu.Unlock()
-			if hold != nil {
-				hold.End()
+			if parked != nil {
+				parked.end()
 			}
 			for _, db := range held {
 				if b := detach(db); b != nil {

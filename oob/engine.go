@@ -771,7 +771,6 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 			payer = arrived
 		}
 	}
-	hold := holdOf(ctx) // a server's request: its handler has not started
 	if len(sessions) == 0 {
 		if d.Owner != transport.LocalID() {
 			return nil, PathNone, &TransferError{Token: d.Token, Kind: TransferUnavailable,
@@ -787,9 +786,6 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 			// through another session would be, within its timeout.
 			ctx, cancel := context.WithTimeout(ctx, cfgOf(payer).Timeout)
 			defer cancel()
-			if err := hold.waitRoom(ctx, payer, d.Token, d.Length); err != nil {
-				return nil, PathNone, err
-			}
 			release, err := reservePull(ctx, payer, payer, d.Token, d.Length)
 			if err != nil {
 				return nil, PathNone, err
@@ -798,9 +794,6 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 		}
 		if path, err := fetchLocal(d, made); err != nil {
 			return fail(path, err)
-		}
-		if payer != nil {
-			hold.park(payer, d.Length)
 		}
 		return dst, PathLocal, nil
 	}
@@ -814,9 +807,6 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 	ctx, endTask := traceTask(ctx, "gdrpc.pull")
 	defer endTask()
 	for _, s = range sessions {
-		if err = hold.waitRoom(ctx, cmp.Or(payer, s), d.Token, d.Length); err != nil {
-			continue
-		}
 		var release func()
 		if release, err = reservePull(ctx, cmp.Or(payer, s), s, d.Token, d.Length); err != nil {
 			continue // another session to the owner may have room
@@ -838,7 +828,6 @@ func fetchNew(ctx context.Context, d Descriptor, alloc func(n int) (*devicebuf.B
 	if err != nil {
 		return fail(path, err)
 	}
-	hold.park(cmp.Or(payer, s), d.Length)
 	if dst.Kind() == devicebuf.CUDA && path == PathRDMA {
 		// An RDMA write straight into GPU memory is visible to the GPU only after a
 		// flush on devices whose ordering attribute requires it.

@@ -24,9 +24,8 @@ type Limits struct {
 	// message that came over another session (a peer forwarding what it
 	// received), counts against the session the message came over, not the
 	// one to the owner: a peer spends its own budget, never another's. A
-	// pull under a PullHold (a server's request whose handler has not
-	// started) first waits for the bytes parked by other such requests to
-	// leave room for it within PullBytes. A
+	// server's request whose handler has not started parks its payloads
+	// against PullBytes too (Park) before they are pulled. A
 	// pull waits, before its destination is
 	// allocated, until the session has room for it; it fails with a
 	// TransferExhausted error when it is larger than PullBytes on its own, or
@@ -201,17 +200,18 @@ type sessionBounds struct {
 	pulls     int           // pulls through the session not yet settled
 	relayed   int           // of them, third parties' pulls charged to other sessions
 	room      chan struct{} // closed when a reservation is given back; nil when nobody waits
-	// parked is what held pulls brought in through the session whose
-	// handlers do not have it yet (PullHold); parkedRoom is closed when
-	// some of it is taken off, nil when nobody waits.
-	parked     int64
-	parkedRoom chan struct{}
-	queue      []*rtr
-	pushers    int  // goroutines running pushLoop
-	closing    bool // Close is joining: no goroutine may start
-	ctx        context.Context
-	cancel     context.CancelFunc
-	wg         sync.WaitGroup
+	// parked is what requests that came over the session, whose handlers
+	// do not have them yet, pull or pulled (Park); parkedRoom is closed
+	// when some of it is taken off, nil when nobody waits.
+	parked      int64
+	parkedRoom  chan struct{}
+	parkWaiting int // requests waiting in Park
+	queue       []*rtr
+	pushers     int  // goroutines running pushLoop
+	closing     bool // Close is joining: no goroutine may start
+	ctx         context.Context
+	cancel      context.CancelFunc
+	wg          sync.WaitGroup
 }
 
 // spawn runs fn on a goroutine that the session's Close joins. It reports
@@ -382,117 +382,68 @@ func reservePull(ctx context.Context, payer, via *transport.Session, t Token, n 
 	}, nil
 }
 
-// PullHold counts what the pulls made under its context brought in, once
-// they succeeded, as parked on the session each was charged to, until End:
-// payloads a handler does not have yet. A gRPC server decodes a unary or
+// Park parks n bytes on s, the session a server's request came over, until
+// the returned function runs (once): payloads pulled for a request whose
+// handler does not have it yet. A gRPC server decodes a unary or
 // server-streaming call's request, and its payloads are pulled, before the
 // client has ended its side of the stream, and gRPC waits for that end
 // before the handler runs: a client that never ended its side would
-// otherwise have each such call keep its payloads, with no handler to use or
-// release them, beyond every bound. A pull under a hold waits, before it
-// reserves anything, while the session's parked bytes of other holds leave
-// no room for its payload within Limits.PullBytes: what a session's callers
-// park is bounded by PullBytes and one message's payloads, and only the
-// session's own later held pulls wait for it (a message's pulls never wait
-// for its own, and pulls under no hold, or through other sessions, not at
-// all). gdrcodec holds a request's pulls until its handler has the request
-// or its call ends. The zero value is ready to use; End may be called more
-// than once.
-type PullHold struct {
-	mu     sync.Mutex
-	ended  bool
-	parked map[*sessionBounds]int64
-}
-
-type pullHoldKey struct{}
-
-// WithPullHold returns ctx under which successful pulls park their payloads
-// in h until h's End.
-func WithPullHold(ctx context.Context, h *PullHold) context.Context {
-	return context.WithValue(ctx, pullHoldKey{}, h)
-}
-
-// holdOf returns the PullHold of ctx, or nil.
-func holdOf(ctx context.Context) *PullHold {
-	h, _ := ctx.Value(pullHoldKey{}).(*PullHold)
-	return h
-}
-
-// End takes what h parked off its sessions' counts; a pull under h that
-// succeeds later parks nothing.
-func (h *PullHold) End() {
-	h.mu.Lock()
-	parked := h.parked
-	h.parked, h.ended = nil, true
-	h.mu.Unlock()
-	for b, n := range parked {
-		b.mu.Lock()
-		b.parked -= n
-		if b.parkedRoom != nil {
-			close(b.parkedRoom)
-			b.parkedRoom = nil
-		}
-		b.mu.Unlock()
+// otherwise have each such call keep its payloads, with no handler to use
+// or release them, beyond every bound. Park first waits, within ctx (the
+// call's), until what other requests parked on s leaves room for n within
+// s's Limits.PullBytes, or nothing is parked there: a session's requests
+// park at most PullBytes, or one request's payloads, and only the same
+// session's later requests wait for them. A request parks all its payloads
+// at once, before it pulls any, so that no two requests wait for each
+// other. gdrcodec parks a request's payloads until its handler has the
+// request or its call ends.
+func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), err error) {
+	a, ok := sessions.Load(s)
+	if !ok {
+		return nil, sessionError(Token{}, s, ctx, closedErr(s))
 	}
-}
-
-// waitRoom waits while the bytes other holds parked on s leave no room for
-// n more within s's Limits.PullBytes, as long as ctx and s live. Nil h
-// waits for nothing.
-func (h *PullHold) waitRoom(ctx context.Context, s *transport.Session, t Token, n uint64) error {
-	if h == nil {
-		return nil
-	}
-	b, limit := &stateOf(s).bounds, cfgOf(s).Limits.PullBytes
+	b, limit := &a.(*attached).bounds, uint64(cfgOf(s).Limits.PullBytes)
 	for {
-		h.mu.Lock()
-		own := h.parked[b]
-		h.mu.Unlock()
 		b.mu.Lock()
-		others := b.parked - own
-		if uint64(others)+n <= uint64(limit) {
+		if b.parked == 0 || uint64(b.parked)+n <= limit {
+			b.parked += int64(n)
 			b.mu.Unlock()
-			return nil
+			break
 		}
 		if b.parkedRoom == nil {
 			b.parkedRoom = make(chan struct{})
 		}
-		room := b.parkedRoom
+		room, parked := b.parkedRoom, b.parked
+		b.parkWaiting++
 		b.mu.Unlock()
+		var err error
 		select {
 		case <-room:
 		case <-ctx.Done():
-			return exhausted(t, "no room for a %d-byte payload through session %d: requests whose handlers have not started hold %d bytes of it (Limits.PullBytes %d): %w",
-				n, s.ID(), others, limit, ctx.Err())
+			err = &TransferError{Kind: TransferExhausted, Err: fmt.Errorf("no room for a request's %d bytes of payloads through session %d: requests whose handlers have not started hold %d bytes there (Limits.PullBytes %d): %w",
+				n, s.ID(), parked, limit, ctx.Err())}
 		case <-s.Done():
-			return sessionError(t, s, ctx, s.Err())
+			err = sessionError(Token{}, s, ctx, s.Err())
+		}
+		b.mu.Lock()
+		b.parkWaiting--
+		b.mu.Unlock()
+		if err != nil {
+			return nil, err
 		}
 	}
-}
-
-// park counts n bytes, a successful pull's, as parked by h on s, until h's
-// End. Nil h parks nothing.
-func (h *PullHold) park(s *transport.Session, n uint64) {
-	if h == nil {
-		return
-	}
-	a, ok := sessions.Load(s)
-	if !ok {
-		return // the session is gone: nothing pulls through it any more
-	}
-	b := &a.(*attached).bounds
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	if h.ended {
-		return
-	}
-	if h.parked == nil {
-		h.parked = map[*sessionBounds]int64{}
-	}
-	h.parked[b] += int64(n)
-	b.mu.Lock()
-	b.parked += int64(n)
-	b.mu.Unlock()
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			b.mu.Lock()
+			b.parked -= int64(n)
+			if b.parkedRoom != nil {
+				close(b.parkedRoom)
+				b.parkedRoom = nil
+			}
+			b.mu.Unlock()
+		})
+	}, nil
 }
 
 // pullTotal is what all sessions' pulls reserve together (Limits.TotalPullBytes).

@@ -424,6 +424,11 @@ type Stats struct {
 	// PeerSpaces are the receive spaces peers advertised to this process, of
 	// open sessions; PeerTaken the ranges of them written and not given back.
 	PeerSpaces, PeerTaken int
+	// Parked are the payload bytes of requests whose handlers do not have
+	// them yet, all sessions together (Park); ParkWaiting the requests
+	// waiting for room to park theirs.
+	Parked      int64
+	ParkWaiting int
 }
 
 // ReadStats returns the current Stats.
@@ -439,6 +444,11 @@ func ReadStats() Stats {
 	pulls.Unlock()
 	sessions.Range(func(_, v any) bool {
 		st.Sessions++
+		b := &v.(*attached).bounds
+		b.mu.Lock()
+		st.Parked += b.parked
+		st.ParkWaiting += b.parkWaiting
+		b.mu.Unlock()
 		for _, ps := range peerSpacesOfState(v.(*attached)) {
 			st.PeerSpaces++
 			ps.mu.Lock()
