@@ -774,7 +774,7 @@ func (w *rewriter) offer(src oob.Source, landable bool) oob.Descriptor {
 	opt := oob.OfferOptions{Held: w.hold.held()}
 	var d oob.Descriptor
 	switch {
-	case landable && w.to != nil && w.hold == nil:
+	case landable && w.to != nil && w.hold == nil && w.to.mayLand():
 		opt.Call = w.to.clientCall()
 		if d = oob.OfferTo(w.to.s, src, opt); d.Space != 0 {
 			w.landed = append(w.landed, d)

@@ -692,12 +692,14 @@ func (h *hold) release() {
 // releases what the response brought when the call fails (the caller never
 // sees it), and returns the status of an out-of-band transfer that failed
 // while the response was being decoded, where gRPC reports Internal. It
-// numbers the call in its metadata, and a call that fails tells the server,
-// which takes back the receive space of a response the call never decoded.
-// A call whose request and response types cannot carry a payload needs none
-// of this and goes straight to the invoker: client and server are taken to
-// share the method's schema (a server whose newer response type gained a
-// payload field writes for such a call as for one of a plain gRPC client).
+// numbers the call in its metadata, and a call that fails, or whose
+// response may name a write into this side's receive space that its decode
+// did not take (mayHoldUntaken), tells the server, which takes back the
+// receive space of a response payload the call never took. A call whose request and response types cannot carry a
+// payload needs none of this and goes straight to the invoker, unnumbered: a
+// server writes none of an unnumbered gRPC call's response into receive
+// space (a server whose newer response type gained a payload field leaves
+// it in its outbox, as for a plain gRPC client).
 func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		if !canCarry(req) && !canCarry(reply) {
@@ -721,10 +723,12 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 		if m := messageV2Of(reply); err != nil && m != nil {
 			ReleaseAll(m)
 		}
-		if err != nil {
-			// The response, if one came, came over the session its header
-			// did (clientStats): a call is not retried once headers came.
-			call.Ended(transport.SessionFromContext(rc.context()), mayBeAnswered(ctx, rc))
+		// The response, if one came, came over the session its header did
+		// (clientStats): a call is not retried once headers came.
+		if s := transport.SessionFromContext(rc.context()); err != nil {
+			call.Ended(s, mayBeAnswered(ctx, rc))
+		} else if mayHoldUntaken(s, reply) {
+			call.Ended(s, true)
 		}
 		sending.sent(req)
 		if sending.h != h {
@@ -733,6 +737,49 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 		h.end()
 		return err
 	}
+}
+
+// mayHoldUntaken reports whether v, a response received over s, may name a
+// payload the server wrote into receive space this side advertised over s
+// that the decode did not take: one under a field v's type lacks (a
+// server's newer schema), which protobuf keeps as an unknown field. Its
+// call then tells the server (oob.Call.Ended), which takes the range back;
+// an honest call whose types match sends nothing more.
+func mayHoldUntaken(s *transport.Session, v any) bool {
+	m := messageV2Of(v)
+	return m != nil && oob.AdvertisesOver(s) && hasUnknown(m.ProtoReflect(), 0)
+}
+
+// hasUnknown reports whether m, or a message set in it, has unknown fields.
+func hasUnknown(m protoreflect.Message, depth int) bool {
+	if len(m.GetUnknown()) > 0 {
+		return true
+	}
+	if depth > prescanDepth {
+		return false // the decoder refused deeper ones
+	}
+	found := false
+	m.Range(func(fd protoreflect.FieldDescriptor, v protoreflect.Value) bool {
+		switch {
+		case fd.IsMap():
+			if fd.MapValue().Kind() == protoreflect.MessageKind {
+				v.Map().Range(func(_ protoreflect.MapKey, mv protoreflect.Value) bool {
+					found = hasUnknown(mv.Message(), depth+1)
+					return !found
+				})
+			}
+		case fd.Kind() != protoreflect.MessageKind && fd.Kind() != protoreflect.GroupKind:
+		case fd.IsList():
+			l := v.List()
+			for i := 0; i < l.Len() && !found; i++ {
+				found = hasUnknown(l.Get(i).Message(), depth+1)
+			}
+		default:
+			found = hasUnknown(v.Message(), depth+1)
+		}
+		return !found
+	})
+	return found
 }
 
 // StreamClientInterceptor keeps the payloads of the messages a stream sends
@@ -805,6 +852,7 @@ type heldStream struct {
 	call          *oob.Call
 	serverStreams bool
 	complete      atomic.Bool // every message of the server was received
+	untaken       atomic.Bool // a received message may name a write into receive space it did not take (mayHoldUntaken)
 	ended         sync.Once
 
 	mu sync.Mutex
@@ -833,6 +881,8 @@ func (s *heldStream) end() {
 		}
 		if !s.complete.Load() {
 			s.call.Ended(transport.SessionFromContext(s.h.rc.context()), mayBeAnswered(s.ctx, s.h.rc))
+		} else if s.untaken.Load() {
+			s.call.Ended(transport.SessionFromContext(s.h.rc.context()), true)
 		}
 	})
 }
@@ -903,6 +953,9 @@ func (s *heldStream) RecvMsg(m any) error {
 		err = rc.done(m, s.ClientStream.RecvMsg(m))
 	} else {
 		err = s.ClientStream.RecvMsg(m)
+	}
+	if err == nil && mayHoldUntaken(transport.SessionFromContext(s.h.rc.context()), m) {
+		s.untaken.Store(true)
 	}
 	if err == io.EOF || err == nil && !s.serverStreams {
 		s.complete.Store(true) // a single response, received, ends the stream

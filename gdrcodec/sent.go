@@ -117,6 +117,21 @@ func takeDestination(v any) *destination {
 	return d
 }
 
+// mayLand reports whether the message's payloads may be written into the
+// peer's receive space: a gRPC call's only where its client numbered the
+// call, for an unnumbered call ends with no CALL-ENDED, and a range its
+// client did not take (a field its schema lacks) would stay taken for the
+// session's life; a net/rpc reply's (a record with no owner) always.
+func (d *destination) mayLand() bool {
+	switch {
+	case d.call == nil:
+		return false // no call's record: nobody to take the ranges back
+	case d.call.owner == nil:
+		return true // a net/rpc reply
+	}
+	return d.clientCall() != 0
+}
+
 // clientCall is the client's number for the call the message answers, or 0.
 func (d *destination) clientCall() uint64 {
 	if d.call == nil {

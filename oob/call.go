@@ -283,6 +283,10 @@ func (c *Call) end() ([]byte, bool) {
 	return callEnded(c.ID, c.took, c.overflow || len(c.took) > maxCallTaken), true
 }
 
+// AdvertisesOver reports whether this process advertised a receive space
+// over s: a response that came over s may have written into it.
+func AdvertisesOver(s *transport.Session) bool { return s != nil && advertisesOver(s) }
+
 // advertisesOver reports whether this process advertised a space over s.
 func advertisesOver(s *transport.Session) bool {
 	a := stateOf(s)
