@@ -1050,11 +1050,8 @@ func ParseDescriptor(db *gdrv1.DeviceBuffer) (oob.Descriptor, bool, error) {
 
 // job is one payload to resolve in a received message.
 type job struct {
-	n uint64 // the payload's length: what run allocates
-	// inSpace: the payload is in this process's receive space, where run
-	// takes it from, allocating nothing.
-	inSpace bool
-	run     func(ctx context.Context) error
+	n   uint64 // the payload's length: what run allocates
+	run func(ctx context.Context) error
 	// place, if not nil, is an inline payload for the receive allocator,
 	// which is not host memory: the message's inline payloads share one
 	// allocation (collected.placeInline), with no run.
@@ -1488,8 +1485,7 @@ func deviceBufferJob(db *gdrv1.DeviceBuffer, from sender, o *options) (j job, at
 		return job{}, true, nil
 	}
 	return job{
-		n:       d.Length,
-		inSpace: d.Space != 0,
+		n: d.Length,
 		run: func(ctx context.Context) error {
 			// The destination is allocated only once a session to the owner
 			// has room for it.

@@ -355,8 +355,7 @@ var singleRequests sync.Map
 // singleRequests once gRPC's receive of it returned (its decode of a second
 // message, if any, is over): the handler may use the message as it likes
 // from then on, a decode into it for another call or as a reply included.
-// It also gives back what the request's pulls kept reserved
-// (parkingRequest). The call's end does both where no interceptor of this
+// It also unparks what the request parked (parkingRequest). The call's end does both where no interceptor of this
 // package runs.
 func endSingleRequest(ctx context.Context) {
 	c, _ := ctx.Value(callKey{}).(*callMessages)
@@ -1157,9 +1156,12 @@ func parkPulls(ctx context.Context, p *pulls) error {
 	if parked == nil {
 		return nil
 	}
+	// Every payload counts, those a descriptor says are in this process's
+	// receive space too: a range that turns out unknown or stale is pulled
+	// by its token like any other.
 	var n uint64
 	for _, j := range p.jobs {
-		if j.run != nil && !j.inSpace {
+		if j.run != nil {
 			n += j.n // withinLimit bounded the sum
 		}
 	}

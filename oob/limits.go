@@ -24,12 +24,11 @@ type Limits struct {
 	// message that came over another session (a peer forwarding what it
 	// received), counts against the session the message came over, not the
 	// one to the owner: a peer spends its own budget, never another's. A
-	// server's request whose handler has not started parks its payloads
-	// against PullBytes too (Park) before they are pulled. A
-	// pull waits, before its destination is
-	// allocated, until the session has room for it; it fails with a
-	// TransferExhausted error when it is larger than PullBytes on its own, or
-	// when its context ends first. If zero, 4 GiB.
+	// pull waits, before its destination is allocated, until the session
+	// has room for it; it fails with a TransferExhausted error when it is
+	// larger than PullBytes on its own, or when its context ends first.
+	// PullBytes also bounds what a session's requests park (Park) while
+	// the server has not handed them on. If zero, 4 GiB.
 	PullBytes int64
 	// TotalPullBytes bounds the destination bytes reserved at once for pulls
 	// through all sessions together: a peer can open many sessions, under as
@@ -395,8 +394,8 @@ func reservePull(ctx context.Context, payer, via *transport.Session, t Token, n 
 // park at most PullBytes, or one request's payloads, and only the same
 // session's later requests wait for them. A request parks all its payloads
 // at once, before it pulls any, so that no two requests wait for each
-// other. gdrcodec parks a request's payloads until its handler has the
-// request or its call ends.
+// other. Waiters are not served in order: a request larger than the room
+// left may wait, within its call, while smaller ones go.
 func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), err error) {
 	a, ok := sessions.Load(s)
 	if !ok {
@@ -420,7 +419,7 @@ func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), e
 		select {
 		case <-room:
 		case <-ctx.Done():
-			err = &TransferError{Kind: TransferExhausted, Err: fmt.Errorf("no room for a request's %d bytes of payloads through session %d: requests whose handlers have not started hold %d bytes there (Limits.PullBytes %d): %w",
+			err = &TransferError{Kind: TransferExhausted, Err: fmt.Errorf("no room for a request's %d bytes of payloads through session %d: requests parked there hold %d bytes (Limits.PullBytes %d): %w",
 				n, s.ID(), parked, limit, ctx.Err())}
 		case <-s.Done():
 			err = sessionError(Token{}, s, ctx, s.Err())

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
@@ -111,10 +112,10 @@ var downDesc = grpc.ServiceDesc{
 // A server pulls a unary or server-streaming call's request payloads
 // before the client has ended its side of the stream, and gRPC starts the
 // handler only at that end: a client that never ends it leaves the pulled
-// payloads with no handler. Until the handler has them they count against
-// the session's pull bounds (Limits.PullBytes), so such calls hold no more
-// than those allow; once they end, the next call finds room.
-func TestUnendedRequestsHoldPullBounds(t *testing.T) {
+// payloads with no handler. Until the handler has them they stay parked on
+// the session within Limits.PullBytes (oob.Park), so such calls hold no
+// more than that; once they end, the next call finds room.
+func TestUnendedRequestsPark(t *testing.T) {
 	const n = 1 << 20
 	addr := serveWith(t, func(gs *grpc.Server) {
 		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
@@ -162,8 +163,8 @@ func TestUnendedRequestsHoldPullBounds(t *testing.T) {
 				got := new(tensorpb.Tensor)
 				return got, cs.RecvMsg(got)
 			}
-			// The three hold the session's bound: a fourth request's pull
-			// waits for room until its call's deadline.
+			// The three fill the session's bound: a fourth request waits
+			// for room to park until its call's deadline.
 			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 			got, err := call(ctx, 3)
 			cancel()
@@ -183,11 +184,11 @@ func TestUnendedRequestsHoldPullBounds(t *testing.T) {
 	}
 }
 
-// What a request's own pulls parked does not hold back its other pulls: a
-// request whose payloads each fit Limits.PullBytes, or Limits.Pulls, but
-// not all together, is pulled as it was without the hold (each pull waits
-// only for the room the message's earlier ones give back as they end).
-func TestHeldRequestOwnPullsGoOn(t *testing.T) {
+// A request's own parked payloads do not hold back its pulls: a request
+// whose payloads each fit Limits.PullBytes, or Limits.Pulls, but not all
+// together, is pulled as an unparked one is (each pull waits only for the
+// room the message's earlier ones give back as they end).
+func TestParkedRequestOwnPullsGoOn(t *testing.T) {
 	addr := serveWith(t, func(gs *grpc.Server) {
 		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
 		gs.RegisterService(&downDesc, nil)
@@ -220,7 +221,7 @@ func TestHeldRequestOwnPullsGoOn(t *testing.T) {
 // own sessions only: with two sessions' worth of them, over what
 // Limits.TotalPullBytes allows in flight, a call over a third session is
 // pulled at once.
-func TestHeldRequestsStallNoOtherSession(t *testing.T) {
+func TestParkedRequestsStallNoOtherSession(t *testing.T) {
 	const n = 1 << 20
 	addr := serveWith(t, func(gs *grpc.Server) {
 		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
@@ -251,9 +252,9 @@ func TestHeldRequestsStallNoOtherSession(t *testing.T) {
 
 // A server whose own interceptors run before gdrpc's and queue calls (a
 // concurrency limit): the unary calls waiting in it park their requests,
-// and the stream whose handler runs meanwhile, pulled under no hold, still
-// pulls its next message.
-func TestHeldRequestsQueuedBeforeInterceptor(t *testing.T) {
+// and the stream whose handler runs meanwhile, whose messages are not
+// parked, still pulls its next message.
+func TestParkedRequestsQueuedBeforeInterceptor(t *testing.T) {
 	const n = 1 << 20
 	slot := make(chan struct{}, 1)
 	streaming := make(chan struct{})
@@ -423,4 +424,41 @@ func TestParkedRequestWaitsBeyondTransferTimeout(t *testing.T) {
 	for range 2 {
 		require.NoError(t, <-errs)
 	}
+}
+
+// A descriptor that names receive space this process does not know is
+// pulled by its token like any other, and is parked like any other: a
+// client cannot pass the bound by naming a made-up space.
+func TestUnknownSpaceRequestsPark(t *testing.T) {
+	const n = 1 << 20
+	addr := serveWith(t, func(gs *grpc.Server) {
+		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
+	})
+	seen := make(pullsSeen, 64)
+	oob.SetTransferConfig(oob.TransferConfig{Timeout: time.Minute, Metrics: seen, Limits: oob.Limits{PullBytes: n + n/2}})
+	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
+	cc := gdrClient(t, addr)
+	held, endHeld := context.WithCancel(context.Background())
+	defer endHeld()
+	bidi := &grpc.StreamDesc{ClientStreams: true, ServerStreams: true}
+	for i := range 2 {
+		src := devicebuf.HostFromBytes(pattern(n, uint32(i)))
+		req := &tensorpb.Tensor{Data: gdrcodec.New(src)}
+		src.Release()
+		body, err := gdrcodec.MarshalForTest(req) // offers the payload
+		gdrcodec.ReleaseAll(req)
+		require.NoError(t, err)
+		var forged tensorpb.Tensor
+		require.NoError(t, proto.Unmarshal(body, &forged))
+		forged.Data.Space, forged.Data.SpacePath = 0xfeed, uint32(oob.PathRDMA)
+		t.Cleanup(func() { oob.Withdraw(oob.Token(forged.Data.Token)) })
+		cs, err := cc.NewStream(held, bidi, tensorpb.TensorService_Digest_FullMethodName, grpc.ForceCodecV2(rawCodec{}))
+		require.NoError(t, err)
+		require.NoError(t, cs.SendMsg(&forged))
+	}
+	require.Eventually(t, func() bool {
+		st := oob.ReadStats()
+		return st.Parked == n && st.ParkWaiting == 1
+	}, 20*time.Second, time.Millisecond, "one request parked, the other waiting: %+v", oob.ReadStats())
+	seen.wait(t, 1)
 }
