@@ -217,17 +217,17 @@ func TestParkedRequestOwnPullsGoOn(t *testing.T) {
 	}
 }
 
-// Requests whose clients never end their side park their payloads on their
-// own sessions only: with two sessions' worth of them, over what
-// Limits.TotalPullBytes allows in flight, a call over a third session is
-// pulled at once.
+// Requests whose clients never end their side fill their own sessions'
+// Limits.PullBytes only: with two sessions full, a call over a third of the
+// same host, whose parked bytes stay within Limits.TotalPullBytes, is
+// pulled at once (oob.TestParkBoundedPerHost has the host's bound).
 func TestParkedRequestsStallNoOtherSession(t *testing.T) {
 	const n = 1 << 20
 	addr := serveWith(t, func(gs *grpc.Server) {
 		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
 	})
 	seen := make(pullsSeen, 64)
-	oob.SetTransferConfig(oob.TransferConfig{Timeout: time.Minute, Metrics: seen, Limits: oob.Limits{PullBytes: 2 * n}}) // TotalPullBytes 4n
+	oob.SetTransferConfig(oob.TransferConfig{Timeout: time.Minute, Metrics: seen, Limits: oob.Limits{PullBytes: 2 * n, TotalPullBytes: 5 * n}})
 	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
 	held, endHeld := context.WithCancel(context.Background())
 	defer endHeld()

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"net/netip"
 	"runtime/trace"
 	"sync"
 	"time"
@@ -390,9 +391,12 @@ func reservePull(ctx context.Context, payer, via *transport.Session, t Token, n 
 // otherwise have each such call keep its payloads, with no handler to use
 // or release them, beyond every bound. Park first waits, within ctx (the
 // call's), until what other requests parked on s leaves room for n within
-// s's Limits.PullBytes, or nothing is parked there: a session's requests
-// park at most PullBytes, or one request's payloads, and only the same
-// session's later requests wait for them. A request parks all its payloads
+// s's Limits.PullBytes, or nothing is parked there, and what the sessions
+// of s's remote host (Session.RemoteHost) parked leaves room for n within
+// Limits.TotalPullBytes, or nothing is parked there: a session's requests
+// park at most PullBytes, or one request's payloads, and a host's at most
+// TotalPullBytes, however many connections it opens; only the same
+// session's, or host's, later requests wait for them. A request parks all its payloads
 // at once, before it pulls any, so that no two requests wait for each
 // other. Waiters are not served in order: a request larger than the room
 // left may wait, within its call, while smaller ones go.
@@ -401,26 +405,40 @@ func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), e
 	if !ok {
 		return nil, sessionError(Token{}, s, ctx, closedErr(s))
 	}
-	b, limit := &a.(*attached).bounds, uint64(cfgOf(s).Limits.PullBytes)
+	lim := cfgOf(s).Limits
+	b, host := &a.(*attached).bounds, s.RemoteHost()
+	limit, hostLimit := uint64(lim.PullBytes), uint64(lim.TotalPullBytes)
+	// Lock order: the session's bounds, then parkedHosts.
 	for {
 		b.mu.Lock()
-		if b.parked == 0 || uint64(b.parked)+n <= limit {
+		parkedHosts.Lock()
+		hostParked := parkedHosts.bytes[host]
+		if (b.parked == 0 || uint64(b.parked)+n <= limit) && (hostParked == 0 || uint64(hostParked)+n <= hostLimit) {
 			b.parked += int64(n)
+			parkedHosts.bytes[host] += int64(n)
+			parkedHosts.Unlock()
 			b.mu.Unlock()
 			break
 		}
 		if b.parkedRoom == nil {
 			b.parkedRoom = make(chan struct{})
 		}
+		hostRoom := parkedHosts.room[host]
+		if hostRoom == nil {
+			hostRoom = make(chan struct{})
+			parkedHosts.room[host] = hostRoom
+		}
+		parkedHosts.Unlock()
 		room, parked := b.parkedRoom, b.parked
 		b.parkWaiting++
 		b.mu.Unlock()
 		var err error
 		select {
 		case <-room:
+		case <-hostRoom:
 		case <-ctx.Done():
-			err = &TransferError{Kind: TransferExhausted, Err: fmt.Errorf("no room for a request's %d bytes of payloads through session %d: requests parked there hold %d bytes (Limits.PullBytes %d): %w",
-				n, s.ID(), parked, limit, ctx.Err())}
+			err = &TransferError{Kind: TransferExhausted, Err: fmt.Errorf("no room for a request's %d bytes of payloads through session %d: requests parked there hold %d bytes (Limits.PullBytes %d), and those of its host %v %d bytes (Limits.TotalPullBytes %d): %w",
+				n, s.ID(), parked, limit, host, hostParked, hostLimit, ctx.Err())}
 		case <-s.Done():
 			err = sessionError(Token{}, s, ctx, s.Err())
 		}
@@ -440,10 +458,27 @@ func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), e
 				close(b.parkedRoom)
 				b.parkedRoom = nil
 			}
+			parkedHosts.Lock()
+			if parkedHosts.bytes[host] -= int64(n); parkedHosts.bytes[host] == 0 {
+				delete(parkedHosts.bytes, host)
+			}
+			if r := parkedHosts.room[host]; r != nil {
+				close(r)
+				delete(parkedHosts.room, host)
+			}
+			parkedHosts.Unlock()
 			b.mu.Unlock()
 		})
 	}, nil
 }
+
+// parkedHosts are the bytes the sessions of each remote host parked (Park),
+// and for each host some request waits on, a channel closed when some go.
+var parkedHosts = struct {
+	sync.Mutex
+	bytes map[netip.Prefix]int64
+	room  map[netip.Prefix]chan struct{}
+}{bytes: map[netip.Prefix]int64{}, room: map[netip.Prefix]chan struct{}{}}
 
 // pullTotal is what all sessions' pulls reserve together (Limits.TotalPullBytes).
 var pullTotal struct {

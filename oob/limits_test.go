@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"google.golang.org/grpc/peer"
@@ -1113,4 +1114,59 @@ func TestCallEndedWithdrawsUnpulled(t *testing.T) {
 	var te *TransferError
 	require.ErrorAs(t, err, &te)
 	require.Equal(t, TransferNotFound, te.Kind)
+}
+
+// Park bounds what a session's requests park by Limits.PullBytes and what
+// the sessions of one remote host park by Limits.TotalPullBytes, whatever
+// identities they took; a request parks once either room frees, and another
+// host's parks at once.
+func TestParkBoundedPerHost(t *testing.T) {
+	const n = 1 << 20
+	cfg := TransferConfig{Timeout: time.Minute, Limits: Limits{PullBytes: 2 * n, TotalPullBytes: 3 * n}}
+	from := func(host string) *transport.Session {
+		c1, c2 := tcpConnFrom(t, host)
+		_, s := transporttest.PairOver(t, c1, c2,
+			[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(cfg))},
+			[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(cfg))})
+		return s
+	}
+	park := func(ctx context.Context, s *transport.Session) (func(), error) { return Park(ctx, s, n) }
+	a1, a2, b := from("127.0.0.2"), from("127.0.0.2"), from("127.0.0.3")
+
+	unpark1, err := park(testContext(t), a1)
+	require.NoError(t, err)
+	unpark2, err := park(testContext(t), a1)
+	require.NoError(t, err)
+	short, cancel := context.WithTimeout(testContext(t), 50*time.Millisecond)
+	_, err = park(short, a1)
+	cancel()
+	require.ErrorContains(t, err, "Limits.PullBytes", "a third on the session, over its PullBytes")
+	unpark3, err := park(testContext(t), a2) // the host's third
+	require.NoError(t, err)
+
+	parked := make(chan func(), 1)
+	go func() {
+		unpark, err := park(testContext(t), a2) // the host's fourth, over TotalPullBytes
+		assert.NoError(t, err)
+		parked <- unpark
+	}()
+	require.Eventually(t, func() bool { return ReadStats().ParkWaiting == 1 }, 10*time.Second, time.Millisecond)
+	unparkB, err := park(testContext(t), b) // another host's
+	require.NoError(t, err)
+	select {
+	case <-parked:
+		t.Fatal("the host's fourth parked over TotalPullBytes")
+	default:
+	}
+	unpark1()
+	unpark4 := <-parked
+	require.Equal(t, int64(4*n), ReadStats().Parked)
+	for _, unpark := range []func(){unpark2, unpark3, unpark4, unparkB, unpark1} { // unpark1 twice: once counts
+		unpark()
+	}
+	require.Zero(t, ReadStats().Parked)
+	parkedHosts.Lock()
+	defer parkedHosts.Unlock()
+	require.Empty(t, parkedHosts.bytes)
+	require.Empty(t, parkedHosts.room)
 }
