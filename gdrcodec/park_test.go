@@ -50,6 +50,20 @@ func (c pullsSeen) wait(t *testing.T, n int) {
 	}
 }
 
+// parkServer serves TensorService with ServerOptions under limits (the
+// transfer timeout a minute), and returns its address and the process's
+// pulls as they finish.
+func parkServer(t *testing.T, limits oob.Limits) (string, pullsSeen) {
+	t.Helper()
+	addr := serveWith(t, func(gs *grpc.Server) {
+		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
+	})
+	seen := make(pullsSeen, 64)
+	oob.SetTransferConfig(oob.TransferConfig{Timeout: time.Minute, Metrics: seen, Limits: limits})
+	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
+	return addr, seen
+}
+
 // gdrClient dials addr with gdrpc's dialer and DialOptions: a session of
 // its own.
 func gdrClient(t *testing.T, addr string) *grpc.ClientConn {
@@ -223,12 +237,7 @@ func TestParkedRequestOwnPullsGoOn(t *testing.T) {
 // pulled at once (oob.TestParkBoundedPerHost has the host's bound).
 func TestParkedRequestsStallNoOtherSession(t *testing.T) {
 	const n = 1 << 20
-	addr := serveWith(t, func(gs *grpc.Server) {
-		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
-	})
-	seen := make(pullsSeen, 64)
-	oob.SetTransferConfig(oob.TransferConfig{Timeout: time.Minute, Metrics: seen, Limits: oob.Limits{PullBytes: 2 * n, TotalPullBytes: 5 * n}})
-	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
+	addr, seen := parkServer(t, oob.Limits{PullBytes: 2 * n, TotalPullBytes: 5 * n})
 	held, endHeld := context.WithCancel(context.Background())
 	defer endHeld()
 	bidi := &grpc.StreamDesc{ClientStreams: true, ServerStreams: true}
@@ -347,12 +356,7 @@ func TestConcurrentRequestsOverPullBytes(t *testing.T) {
 // parked and pulled and seven wait, until the calls end.
 func TestUnendedRequestsParkWithinPullBytes(t *testing.T) {
 	const n, calls = 4 << 20, 8
-	addr := serveWith(t, func(gs *grpc.Server) {
-		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
-	})
-	seen := make(pullsSeen, 64)
-	oob.SetTransferConfig(oob.TransferConfig{Timeout: time.Minute, Metrics: seen, Limits: oob.Limits{PullBytes: n + n/2}})
-	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
+	addr, seen := parkServer(t, oob.Limits{PullBytes: n + n/2})
 	cc := gdrClient(t, addr)
 	held, endHeld := context.WithCancel(context.Background())
 	defer endHeld()
@@ -431,12 +435,7 @@ func TestParkedRequestWaitsBeyondTransferTimeout(t *testing.T) {
 // client cannot pass the bound by naming a made-up space.
 func TestUnknownSpaceRequestsPark(t *testing.T) {
 	const n = 1 << 20
-	addr := serveWith(t, func(gs *grpc.Server) {
-		tensorpb.RegisterTensorServiceServer(gs, &tensor.Server{})
-	})
-	seen := make(pullsSeen, 64)
-	oob.SetTransferConfig(oob.TransferConfig{Timeout: time.Minute, Metrics: seen, Limits: oob.Limits{PullBytes: n + n/2}})
-	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
+	addr, seen := parkServer(t, oob.Limits{PullBytes: n + n/2})
 	cc := gdrClient(t, addr)
 	held, endHeld := context.WithCancel(context.Background())
 	defer endHeld()
