@@ -1149,8 +1149,8 @@ func parkingRequest(ctx context.Context) context.Context {
 
 // parkPulls parks what p will pull, all of it before any is pulled, on the
 // session the request of ctx came over, if ctx is parkingRequest's. It
-// waits, within ctx, for the session's other parked requests to leave room
-// (oob.Park).
+// waits, within ctx, for the other requests parked on the session, and on
+// the sessions of its remote host, to leave room (oob.Park).
 func parkPulls(ctx context.Context, p *pulls) error {
 	parked, _ := ctx.Value(parkedKey{}).(*parkedRequest)
 	if parked == nil {
