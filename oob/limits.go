@@ -7,6 +7,7 @@ import (
 	"math"
 	"net/netip"
 	"runtime/trace"
+	"slices"
 	"sync"
 	"time"
 
@@ -203,15 +204,15 @@ type sessionBounds struct {
 	// parked is what requests that came over the session, whose handlers
 	// do not have them yet, pull or pulled (Park); parkedRoom is closed
 	// when some of it is taken off, nil when nobody waits.
-	parked      int64
-	parkedRoom  chan struct{}
-	parkWaiting int // requests waiting in Park
-	queue       []*rtr
-	pushers     int  // goroutines running pushLoop
-	closing     bool // Close is joining: no goroutine may start
-	ctx         context.Context
-	cancel      context.CancelFunc
-	wg          sync.WaitGroup
+	parked     int64
+	parkedRoom chan struct{}
+	parkQueue  []*parkTurn // the requests waiting in Park, in turn
+	queue      []*rtr
+	pushers    int  // goroutines running pushLoop
+	closing    bool // Close is joining: no goroutine may start
+	ctx        context.Context
+	cancel     context.CancelFunc
+	wg         sync.WaitGroup
 }
 
 // spawn runs fn on a goroutine that the session's Close joins. It reports
@@ -398,8 +399,7 @@ func reservePull(ctx context.Context, payer, via *transport.Session, t Token, n 
 // TotalPullBytes, however many connections it opens; only the same
 // session's, or host's, later requests wait for them. A request parks all its payloads
 // at once, before it pulls any, so that no two requests wait for each
-// other. Waiters are not served in order: a request larger than the room
-// left may wait, within its call, while smaller ones go.
+// other. Requests that wait park in the order they came, per session.
 func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), err error) {
 	a, ok := sessions.Load(s)
 	if !ok {
@@ -408,15 +408,22 @@ func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), e
 	lim := cfgOf(s).Limits
 	b, host := &a.(*attached).bounds, s.RemoteHost()
 	limit, hostLimit := uint64(lim.PullBytes), uint64(lim.TotalPullBytes)
-	// Lock order: the session's bounds, then parkedHosts.
+	// Lock order: the session's bounds, then parkedHosts. A request that
+	// must wait takes its turn in the session's queue: only the first may
+	// park, so that smaller requests do not pass a larger one.
+	var turn *parkTurn // this request's place in b.parkQueue, once queued
 	for {
 		b.mu.Lock()
 		parkedHosts.Lock()
 		hostParked := parkedHosts.bytes[host]
-		if (b.parked == 0 || uint64(b.parked)+n <= limit) && (hostParked == 0 || uint64(hostParked)+n <= hostLimit) {
+		first := len(b.parkQueue) == 0 || b.parkQueue[0] == turn
+		if first && (b.parked == 0 || uint64(b.parked)+n <= limit) && (hostParked == 0 || uint64(hostParked)+n <= hostLimit) {
 			b.parked += int64(n)
 			parkedHosts.bytes[host] += int64(n)
 			parkedHosts.Unlock()
+			if turn != nil {
+				b.leaveParkQueue(turn) // the next may fit too
+			}
 			b.mu.Unlock()
 			break
 		}
@@ -429,23 +436,26 @@ func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), e
 			parkedHosts.room[host] = hostRoom
 		}
 		parkedHosts.Unlock()
+		if turn == nil {
+			turn = new(parkTurn)
+			b.parkQueue = append(b.parkQueue, turn)
+		}
 		room, parked := b.parkedRoom, b.parked
-		b.parkWaiting++
 		b.mu.Unlock()
 		var err error
 		select {
 		case <-room:
 		case <-hostRoom:
 		case <-ctx.Done():
-			err = &TransferError{Kind: TransferExhausted, Err: fmt.Errorf("no room for a request's %d bytes of payloads through session %d: requests parked there hold %d bytes (Limits.PullBytes %d), and those of its host %v %d bytes (Limits.TotalPullBytes %d): %w",
+			err = &TransferError{Kind: TransferExhausted, Err: fmt.Errorf("no room for a request's %d bytes of payloads through session %d: requests parked there hold %d bytes (Limits.PullBytes %d), and those of its host %v %d bytes (Limits.TotalPullBytes %d), or earlier requests wait for room: %w",
 				n, s.ID(), parked, limit, host, hostParked, hostLimit, ctx.Err())}
 		case <-s.Done():
 			err = sessionError(Token{}, s, ctx, s.Err())
 		}
-		b.mu.Lock()
-		b.parkWaiting--
-		b.mu.Unlock()
 		if err != nil {
+			b.mu.Lock()
+			b.leaveParkQueue(turn)
+			b.mu.Unlock()
 			return nil, err
 		}
 	}
@@ -470,6 +480,24 @@ func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), e
 			b.mu.Unlock()
 		})
 	}, nil
+}
+
+// parkTurn is a request's place in a session's Park queue: not zero-sized,
+// so that each has an address of its own.
+type parkTurn struct{ _ byte }
+
+// leaveParkQueue takes turn out of b's Park queue and, where it was the
+// first, wakes the others: the next may park now. b.mu is held.
+func (b *sessionBounds) leaveParkQueue(turn *parkTurn) {
+	i := slices.Index(b.parkQueue, turn)
+	if i < 0 {
+		return
+	}
+	b.parkQueue = slices.Delete(b.parkQueue, i, i+1)
+	if i == 0 && b.parkedRoom != nil {
+		close(b.parkedRoom)
+		b.parkedRoom = nil
+	}
 }
 
 // parkedHosts are the bytes the sessions of each remote host parked (Park),

@@ -1170,3 +1170,64 @@ func TestParkBoundedPerHost(t *testing.T) {
 	require.Empty(t, parkedHosts.bytes)
 	require.Empty(t, parkedHosts.room)
 }
+
+// Requests that wait to park on a session park in the order they came: a
+// smaller one that would fit does not pass a larger one ahead of it, and
+// one that gives up lets the next take its turn.
+func TestParkInTurn(t *testing.T) {
+	const n = 1 << 20
+	cfg := TransferConfig{Timeout: time.Minute, Limits: Limits{PullBytes: 3 * n, TotalPullBytes: 10 * n}}
+	c1, c2 := tcpConnFrom(t, "127.0.0.2")
+	_, s := transporttest.PairOver(t, c1, c2,
+		[]transport.Option{transport.WithEngine(New(cfg))}, []transport.Option{transport.WithEngine(New(cfg))})
+	type parked struct {
+		unpark func()
+		err    error
+	}
+	parkAsync := func(ctx context.Context, size uint64) <-chan parked {
+		done := make(chan parked, 1)
+		go func() {
+			unpark, err := Park(ctx, s, size)
+			done <- parked{unpark, err}
+		}()
+		return done
+	}
+	waiting := func(k int) {
+		t.Helper()
+		require.Eventually(t, func() bool { return ReadStats().ParkWaiting == k }, 10*time.Second, time.Millisecond, "%d waiting", k)
+	}
+
+	unparkA, err := Park(testContext(t), s, 2*n)
+	require.NoError(t, err)
+	b := parkAsync(testContext(t), 2*n) // 4n: over
+	waiting(1)
+	c := parkAsync(testContext(t), n) // 3n would fit, behind b
+	waiting(2)
+	require.Equal(t, int64(2*n), ReadStats().Parked, "the smaller request passed the larger")
+	unparkA()
+	got := <-b
+	require.NoError(t, got.err)
+	unparkB := got.unpark
+	got = <-c
+	require.NoError(t, got.err)
+	unparkC := got.unpark
+	require.Equal(t, int64(3*n), ReadStats().Parked)
+
+	// The first in line gives up: the next takes its turn.
+	giveUp, cancel := context.WithCancel(testContext(t))
+	d := parkAsync(giveUp, 2*n)
+	waiting(1)
+	e := parkAsync(testContext(t), n)
+	waiting(2)
+	cancel()
+	require.Error(t, (<-d).err)
+	waiting(1) // e, still over
+	unparkB()
+	got = <-e
+	require.NoError(t, got.err)
+	for _, unpark := range []func(){unparkC, got.unpark} {
+		unpark()
+	}
+	require.Zero(t, ReadStats().Parked)
+	require.Zero(t, ReadStats().ParkWaiting)
+}

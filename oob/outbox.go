@@ -447,7 +447,7 @@ func ReadStats() Stats {
 		b := &v.(*attached).bounds
 		b.mu.Lock()
 		st.Parked += b.parked
-		st.ParkWaiting += b.parkWaiting
+		st.ParkWaiting += len(b.parkQueue)
 		b.mu.Unlock()
 		for _, ps := range peerSpacesOfState(v.(*attached)) {
 			st.PeerSpaces++
