@@ -399,7 +399,9 @@ func reservePull(ctx context.Context, payer, via *transport.Session, t Token, n 
 // TotalPullBytes, however many connections it opens; only the same
 // session's, or host's, later requests wait for them. A request parks all its payloads
 // at once, before it pulls any, so that no two requests wait for each
-// other. Requests that wait park in the order they came, per session.
+// other. Requests that wait park in the order they came: a session's in
+// turn, and those of a host's sessions that wait for the host's room in
+// turn.
 func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), err error) {
 	a, ok := sessions.Load(s)
 	if !ok {
@@ -409,23 +411,40 @@ func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), e
 	b, host := &a.(*attached).bounds, s.RemoteHost()
 	limit, hostLimit := uint64(lim.PullBytes), uint64(lim.TotalPullBytes)
 	// Lock order: the session's bounds, then parkedHosts. A request that
-	// must wait takes its turn in the session's queue: only the first may
-	// park, so that smaller requests do not pass a larger one.
-	var turn *parkTurn // this request's place in b.parkQueue, once queued
+	// must wait takes its turn in the session's queue, and, once it is the
+	// session's first and fits the session's room, in its host's: only the
+	// first of each may park, so that later requests, of the session or of
+	// the host's other sessions, do not pass it.
+	var turn *parkTurn // this request's place in the queues, once queued
+	inHost := false    // turn is in parkedHosts.queue[host]
 	for {
 		b.mu.Lock()
 		parkedHosts.Lock()
-		hostParked := parkedHosts.bytes[host]
+		hostParked, hostQueue := parkedHosts.bytes[host], parkedHosts.queue[host]
 		first := len(b.parkQueue) == 0 || b.parkQueue[0] == turn
-		if first && (b.parked == 0 || uint64(b.parked)+n <= limit) && (hostParked == 0 || uint64(hostParked)+n <= hostLimit) {
+		fits := b.parked == 0 || uint64(b.parked)+n <= limit
+		hostFirst := len(hostQueue) == 0 || hostQueue[0] == turn
+		if first && fits && hostFirst && (hostParked == 0 || uint64(hostParked)+n <= hostLimit) {
 			b.parked += int64(n)
 			parkedHosts.bytes[host] += int64(n)
+			if inHost {
+				parkedHosts.leaveQueue(host, turn) // the next may fit too
+			}
 			parkedHosts.Unlock()
 			if turn != nil {
-				b.leaveParkQueue(turn) // the next may fit too
+				b.leaveParkQueue(turn)
 			}
 			b.mu.Unlock()
 			break
+		}
+		if turn == nil {
+			turn = new(parkTurn)
+			b.parkQueue = append(b.parkQueue, turn)
+		}
+		if first && fits && !inHost {
+			// Its session has room: it waits for its host's, in turn.
+			parkedHosts.queue[host] = append(hostQueue, turn)
+			inHost = true
 		}
 		if b.parkedRoom == nil {
 			b.parkedRoom = make(chan struct{})
@@ -436,10 +455,6 @@ func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), e
 			parkedHosts.room[host] = hostRoom
 		}
 		parkedHosts.Unlock()
-		if turn == nil {
-			turn = new(parkTurn)
-			b.parkQueue = append(b.parkQueue, turn)
-		}
 		room, parked := b.parkedRoom, b.parked
 		b.mu.Unlock()
 		var err error
@@ -454,6 +469,11 @@ func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), e
 		}
 		if err != nil {
 			b.mu.Lock()
+			if inHost {
+				parkedHosts.Lock()
+				parkedHosts.leaveQueue(host, turn)
+				parkedHosts.Unlock()
+			}
 			b.leaveParkQueue(turn)
 			b.mu.Unlock()
 			return nil, err
@@ -500,13 +520,41 @@ func (b *sessionBounds) leaveParkQueue(turn *parkTurn) {
 	}
 }
 
-// parkedHosts are the bytes the sessions of each remote host parked (Park),
-// and for each host some request waits on, a channel closed when some go.
-var parkedHosts = struct {
+// parkedHosts are the bytes the sessions of each remote host parked (Park);
+// for each host some request waits on, a channel closed when some go or the
+// first in line leaves; and the requests waiting for their host's room, in
+// turn.
+var parkedHosts = hostParking{
+	bytes: map[netip.Prefix]int64{},
+	room:  map[netip.Prefix]chan struct{}{},
+	queue: map[netip.Prefix][]*parkTurn{},
+}
+
+type hostParking struct {
 	sync.Mutex
 	bytes map[netip.Prefix]int64
 	room  map[netip.Prefix]chan struct{}
-}{bytes: map[netip.Prefix]int64{}, room: map[netip.Prefix]chan struct{}{}}
+	queue map[netip.Prefix][]*parkTurn
+}
+
+// leaveQueue takes turn out of host's queue and, where it was the first,
+// wakes the host's waiters: the next may park now. The lock is held.
+func (h *hostParking) leaveQueue(host netip.Prefix, turn *parkTurn) {
+	q := h.queue[host]
+	i := slices.Index(q, turn)
+	if i < 0 {
+		return
+	}
+	if q = slices.Delete(q, i, i+1); len(q) == 0 {
+		delete(h.queue, host)
+	} else {
+		h.queue[host] = q
+	}
+	if r := h.room[host]; i == 0 && r != nil {
+		close(r)
+		delete(h.room, host)
+	}
+}
 
 // pullTotal is what all sessions' pulls reserve together (Limits.TotalPullBytes).
 var pullTotal struct {

@@ -1231,3 +1231,48 @@ func TestParkInTurn(t *testing.T) {
 	require.Zero(t, ReadStats().Parked)
 	require.Zero(t, ReadStats().ParkWaiting)
 }
+
+// The requests of a host's sessions that wait for the host's room park in
+// the order they came: a later request of another session of the host,
+// though it would fit, does not pass an earlier, larger one.
+func TestParkHostInTurn(t *testing.T) {
+	const n = 1 << 20
+	cfg := TransferConfig{Timeout: time.Minute, Limits: Limits{PullBytes: 3 * n, TotalPullBytes: 3 * n}}
+	from := func(host string) *transport.Session {
+		c1, c2 := tcpConnFrom(t, host)
+		_, s := transporttest.PairOver(t, c1, c2,
+			[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(cfg))},
+			[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(cfg))})
+		return s
+	}
+	parkAsync := func(s *transport.Session, size uint64) <-chan func() {
+		done := make(chan func(), 1)
+		go func() {
+			unpark, err := Park(testContext(t), s, size)
+			assert.NoError(t, err)
+			done <- unpark
+		}()
+		return done
+	}
+	state := func(parked int64, waiting int) func() bool {
+		return func() bool { st := ReadStats(); return st.Parked == parked && st.ParkWaiting == waiting }
+	}
+	a1, a2 := from("127.0.0.2"), from("127.0.0.2")
+	unparkFirst, err := Park(testContext(t), a2, n)
+	require.NoError(t, err)
+	large := parkAsync(a1, 3*n) // waits for the host's room
+	require.Eventually(t, state(n, 1), 10*time.Second, time.Millisecond)
+	later := parkAsync(a2, n) // would fit, but comes after
+	require.Eventually(t, state(n, 2), 10*time.Second, time.Millisecond, "the later request waits its turn: %+v", ReadStats())
+	unparkFirst()
+	unparkLarge := <-large
+	require.Eventually(t, state(3*n, 1), 10*time.Second, time.Millisecond)
+	unparkLarge()
+	(<-later)()
+	require.Eventually(t, state(0, 0), 10*time.Second, time.Millisecond)
+	parkedHosts.Lock()
+	defer parkedHosts.Unlock()
+	require.Empty(t, parkedHosts.bytes)
+	require.Empty(t, parkedHosts.queue)
+	require.Empty(t, parkedHosts.room)
+}
