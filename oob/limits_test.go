@@ -1116,6 +1116,17 @@ func TestCallEndedWithdrawsUnpulled(t *testing.T) {
 	require.Equal(t, TransferNotFound, te.Kind)
 }
 
+// servedFrom returns the serving end of a session whose client connected
+// from host, both ends with engines of cfg and identities of their own.
+func servedFrom(t *testing.T, host string, cfg TransferConfig) *transport.Session {
+	t.Helper()
+	c1, c2 := tcpConnFrom(t, host)
+	_, s := transporttest.PairOver(t, c1, c2,
+		[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(cfg))},
+		[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(cfg))})
+	return s
+}
+
 // Park bounds what a session's requests park by Limits.PullBytes and what
 // the sessions of one remote host park by Limits.TotalPullBytes, whatever
 // identities they took; a request parks once either room frees, and another
@@ -1123,13 +1134,7 @@ func TestCallEndedWithdrawsUnpulled(t *testing.T) {
 func TestParkBoundedPerHost(t *testing.T) {
 	const n = 1 << 20
 	cfg := TransferConfig{Timeout: time.Minute, Limits: Limits{PullBytes: 2 * n, TotalPullBytes: 3 * n}}
-	from := func(host string) *transport.Session {
-		c1, c2 := tcpConnFrom(t, host)
-		_, s := transporttest.PairOver(t, c1, c2,
-			[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(cfg))},
-			[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(cfg))})
-		return s
-	}
+	from := func(host string) *transport.Session { return servedFrom(t, host, cfg) }
 	park := func(ctx context.Context, s *transport.Session) (func(), error) { return Park(ctx, s, n) }
 	a1, a2, b := from("127.0.0.2"), from("127.0.0.2"), from("127.0.0.3")
 
@@ -1177,9 +1182,7 @@ func TestParkBoundedPerHost(t *testing.T) {
 func TestParkInTurn(t *testing.T) {
 	const n = 1 << 20
 	cfg := TransferConfig{Timeout: time.Minute, Limits: Limits{PullBytes: 3 * n, TotalPullBytes: 10 * n}}
-	c1, c2 := tcpConnFrom(t, "127.0.0.2")
-	_, s := transporttest.PairOver(t, c1, c2,
-		[]transport.Option{transport.WithEngine(New(cfg))}, []transport.Option{transport.WithEngine(New(cfg))})
+	s := servedFrom(t, "127.0.0.2", cfg)
 	type parked struct {
 		unpark func()
 		err    error
@@ -1238,13 +1241,7 @@ func TestParkInTurn(t *testing.T) {
 func TestParkHostInTurn(t *testing.T) {
 	const n = 1 << 20
 	cfg := TransferConfig{Timeout: time.Minute, Limits: Limits{PullBytes: 3 * n, TotalPullBytes: 3 * n}}
-	from := func(host string) *transport.Session {
-		c1, c2 := tcpConnFrom(t, host)
-		_, s := transporttest.PairOver(t, c1, c2,
-			[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(cfg))},
-			[]transport.Option{transport.WithIdentity(transport.NewIdentity()), transport.WithEngine(New(cfg))})
-		return s
-	}
+	from := func(host string) *transport.Session { return servedFrom(t, host, cfg) }
 	parkAsync := func(s *transport.Session, size uint64) <-chan func() {
 		done := make(chan func(), 1)
 		go func() {
