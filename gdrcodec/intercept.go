@@ -355,8 +355,8 @@ var singleRequests sync.Map
 // singleRequests once gRPC's receive of it returned (its decode of a second
 // message, if any, is over): the handler may use the message as it likes
 // from then on, a decode into it for another call or as a reply included.
-// It also unparks what the request parked (parkingRequest). The call's end does both where no interceptor of this
-// package runs.
+// It also unparks what the request parked (parkingRequest). The call's end
+// does both where no interceptor of this package runs.
 func endSingleRequest(ctx context.Context) {
 	c, _ := ctx.Value(callKey{}).(*callMessages)
 	if c == nil {
@@ -694,11 +694,12 @@ func (h *hold) release() {
 // numbers the call in its metadata, and a call that fails, or whose
 // response may name a write into this side's receive space that its decode
 // did not take (mayHoldUntaken), tells the server, which takes back the
-// receive space of a response payload the call never took. A call whose request and response types cannot carry a
-// payload needs none of this and goes straight to the invoker, unnumbered: a
-// server writes none of an unnumbered gRPC call's response into receive
-// space (a server whose newer response type gained a payload field leaves
-// it in its outbox, as for a plain gRPC client).
+// receive space of a response payload the call never took. A call whose
+// request and response types cannot carry a payload needs none of this and
+// goes straight to the invoker, unnumbered: a server writes none of an
+// unnumbered gRPC call's response into receive space (a server whose newer
+// response type gained a payload field leaves it in its outbox, as for a
+// plain gRPC client).
 func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		if !canCarry(req) && !canCarry(reply) {
@@ -953,7 +954,7 @@ func (s *heldStream) RecvMsg(m any) error {
 	} else {
 		err = s.ClientStream.RecvMsg(m)
 	}
-	if err == nil && mayHoldUntaken(transport.SessionFromContext(s.h.rc.context()), m) {
+	if err == nil && !s.untaken.Load() && mayHoldUntaken(transport.SessionFromContext(s.h.rc.context()), m) {
 		s.untaken.Store(true)
 	}
 	if err == io.EOF || err == nil && !s.serverStreams {

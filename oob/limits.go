@@ -397,11 +397,11 @@ func reservePull(ctx context.Context, payer, via *transport.Session, t Token, n 
 // Limits.TotalPullBytes, or nothing is parked there: a session's requests
 // park at most PullBytes, or one request's payloads, and a host's at most
 // TotalPullBytes, however many connections it opens; only the same
-// session's, or host's, later requests wait for them. A request parks all its payloads
-// at once, before it pulls any, so that no two requests wait for each
-// other. Requests that wait park in the order they came: a session's in
-// turn, and those of a host's sessions that wait for the host's room in
-// turn.
+// session's, or host's, later requests wait for them. A request parks all
+// its payloads at once, before it pulls any, so that no two requests wait
+// for each other. Requests that wait park in the order they came: a
+// session's in turn, and those of a host's sessions that wait for the
+// host's room in turn.
 func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), err error) {
 	a, ok := sessions.Load(s)
 	if !ok {
@@ -484,18 +484,12 @@ func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), e
 		once.Do(func() {
 			b.mu.Lock()
 			b.parked -= int64(n)
-			if b.parkedRoom != nil {
-				close(b.parkedRoom)
-				b.parkedRoom = nil
-			}
+			b.wakeParked()
 			parkedHosts.Lock()
 			if parkedHosts.bytes[host] -= int64(n); parkedHosts.bytes[host] == 0 {
 				delete(parkedHosts.bytes, host)
 			}
-			if r := parkedHosts.room[host]; r != nil {
-				close(r)
-				delete(parkedHosts.room, host)
-			}
+			parkedHosts.wake(host)
 			parkedHosts.Unlock()
 			b.mu.Unlock()
 		})
@@ -514,7 +508,15 @@ func (b *sessionBounds) leaveParkQueue(turn *parkTurn) {
 		return
 	}
 	b.parkQueue = slices.Delete(b.parkQueue, i, i+1)
-	if i == 0 && b.parkedRoom != nil {
+	if i == 0 {
+		b.wakeParked()
+	}
+}
+
+// wakeParked wakes the requests waiting for room to park on b. b.mu is
+// held.
+func (b *sessionBounds) wakeParked() {
+	if b.parkedRoom != nil {
 		close(b.parkedRoom)
 		b.parkedRoom = nil
 	}
@@ -550,7 +552,14 @@ func (h *hostParking) leaveQueue(host netip.Prefix, turn *parkTurn) {
 	} else {
 		h.queue[host] = q
 	}
-	if r := h.room[host]; i == 0 && r != nil {
+	if i == 0 {
+		h.wake(host)
+	}
+}
+
+// wake wakes the requests waiting for host's room. The lock is held.
+func (h *hostParking) wake(host netip.Prefix) {
+	if r := h.room[host]; r != nil {
 		close(r)
 		delete(h.room, host)
 	}
