@@ -204,8 +204,21 @@ func packedKey(mem *rdma.Memory) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := keyFitsRTR(k); err != nil {
+		return nil, err
+	}
 	keyCache.Store(mem, k)
 	return k, nil
+}
+
+// keyFitsRTR reports why a packed key cannot go in an RTR or a SPACE: the
+// owner refuses one longer than maxRKey as malformed, without a FIN, and the
+// pull would wait out its timeout instead of taking another path.
+func keyFitsRTR(k []byte) error {
+	if len(k) > maxRKey {
+		return fmt.Errorf("packed key of %d bytes, more than the %d an RTR carries", len(k), maxRKey)
+	}
+	return nil
 }
 
 // deviceOrdinal finds the local CUDA ordinal of a GPU by UUID.

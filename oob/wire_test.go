@@ -55,6 +55,19 @@ func TestRTRMalformed(t *testing.T) {
 	require.ErrorContains(t, err, "unknown paths")
 }
 
+// TestKeyFitsRTR: a receiver offers only keys the owner's parse takes, so a
+// key too long for an RTR makes the receiver choose another path rather than
+// send an RTR the owner drops (and wait for a FIN that never comes).
+func TestKeyFitsRTR(t *testing.T) {
+	for _, n := range []int{0, 1, maxRKey - 1, maxRKey, maxRKey + 1, 1 << 16} {
+		key := make([]byte, n)
+		fits := keyFitsRTR(key) == nil
+		m := rtr{Req: 1, Token: Token{1}, Length: 1, Offers: PathStream | PathRDMA, RKey: key}
+		_, err := parseRTR(m.marshal())
+		require.Equal(t, err == nil, fits, "key of %d bytes: keyFitsRTR %v, the owner's parse %v", n, fits, err)
+	}
+}
+
 func TestFINRoundTrip(t *testing.T) {
 	m := fin{Req: 77, Status: finUnknownToken, Path: PathRDMA, Msg: "unknown or expired token"}
 	got, err := parseFIN(m.marshal())
