@@ -46,6 +46,8 @@ type Config struct {
 	KeepAliveInterval, KeepAliveTimeout time.Duration
 	// IdleTimeout: see WithIdleTimeout.
 	IdleTimeout time.Duration
+	// HostSessions: see WithHostSessions; zero means the default.
+	HostSessions int
 	// ReceiveSpace: see WithReceiveSpace; zero means spaces that grow within
 	// ReceiveSpaceLimit, negative none.
 	ReceiveSpace int
@@ -109,6 +111,16 @@ func WithKeepAlive(interval, timeout time.Duration) Option {
 // gRPC conn (a peer that connected and went quiet); zero keeps the default
 // (2 minutes), negative turns it off.
 func WithIdleTimeout(d time.Duration) Option { return func(c *Config) { c.IdleTimeout = d } }
+
+// WithHostSessions bounds the connections a Listener keeps from one remote
+// host (an IPv4 address, an IPv6 /64) at once, its gdrpc sessions and its
+// plain gRPC clients' connections together; n <= 0 keeps the default
+// (transport.DefaultHostSessions, 1,024). A peer's identities cost it
+// nothing, so this is what bounds the connections, goroutines and
+// per-session resources one host holds. A handshake past it is refused,
+// and the client's dial fails with the reason; a plain connection past it
+// is closed. Clients behind one address (a NAT) share it. Dialers ignore it.
+func WithHostSessions(n int) Option { return func(c *Config) { c.HostSessions = n } }
 
 // WithReceiveSpace sets the receive space a client advertises to each server
 // it trusts: one space of n bytes per session; 0 or less, none. After the

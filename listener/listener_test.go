@@ -9,9 +9,11 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
 
 	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/dialer"
@@ -108,4 +110,29 @@ func TestStreamWorkers(t *testing.T) {
 	// calls ran on about as many goroutines as there are workers (plus one
 	// for each call that came before any worker was back), not one each.
 	require.Less(t, len(h.ids), calls/2, "goroutines that served %d calls: %v", calls, h.ids)
+}
+
+// TestHostSessions: gdrpc.WithHostSessions reaches the listener, and a
+// client past it fails its call with the server's reason.
+func TestHostSessions(t *testing.T) {
+	opts := []gdrpc.Option{gdrpc.WithSessionOptions(transport.WithMode(transport.ModeTCP))}
+	l, err := listener.Listen("127.0.0.1:0", append(opts, gdrpc.WithHostSessions(1))...)
+	require.NoError(t, err)
+	srv := grpc.NewServer(listener.ServerOptions(nil)...)
+	defer srv.Stop()
+	healthpb.RegisterHealthServer(srv, health.NewServer())
+	go func() { _ = srv.Serve(l) }()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	check := func() error {
+		cc, err := grpc.NewClient("passthrough:///"+l.Addr().String(), dialer.New(opts...).DialOptions(nil)...)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = cc.Close() })
+		_, err = healthpb.NewHealthClient(cc).Check(ctx, &healthpb.HealthCheckRequest{})
+		return err
+	}
+	require.NoError(t, check())
+	err = check()
+	require.Equal(t, codes.Unavailable, status.Code(err), "%v", err)
+	require.ErrorContains(t, err, "at most 1 sessions from one host")
 }

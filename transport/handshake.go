@@ -238,6 +238,7 @@ const (
 	rejectMode      = 3 // the requested transport cannot be provided
 	rejectInternal  = 4
 	rejectIdentity  = 5 // the peer did not prove its process id
+	rejectBusy      = 6 // the server keeps no more sessions from the client's host
 )
 
 // Handshake errors. Dial, Listen and the New*Session functions return them

@@ -64,6 +64,7 @@ type Listener struct {
 
 	handshakes chan struct{} // a slot per connection before its handshake ends
 	hosts      *hostShares   // the handshake slots' share-out between remote hosts
+	conns      *hostConns    // the sessions and plain connections kept, by remote host
 	ucxMu      sync.Mutex
 	ucxSlots   int                  // a slot per UCX endpoint before it is handed on
 	ucxHeld    int                  // the slots taken
@@ -128,6 +129,7 @@ func Listen(addr string, opts ...Option) (*Listener, error) {
 		cancel:   cancel,
 		pending:  map[ID]*pendingUpgrade{},
 		hosts:    newHostShares(),
+		conns:    &hostConns{max: cfg.hostSessions},
 
 		handshakes: make(chan struct{}, maxHandshakes),
 		ucxSlots:   maxHandshakes,
@@ -643,7 +645,13 @@ func (l *Listener) handshakeTCP(c net.Conn) *Session {
 	if string(first[:]) != magic {
 		if isHTTP2Preface(first[:]) || isTLSHello(first[:]) {
 			unbind()
-			l.deliver(&replayConn{Conn: c, buf: first[:]})
+			host := hostOf(c)
+			if !l.conns.take(host) {
+				_ = c.Close()
+				l.plog.Warn("plain client's connection closed: its host holds the listener's bound", "remote", c.RemoteAddr().String(), "limit", l.conns.max)
+				return nil
+			}
+			l.deliver(&countedConn{replayConn: &replayConn{Conn: c, buf: first[:]}, give: func() { l.conns.give(host) }})
 			return nil
 		}
 		unbind()
@@ -745,6 +753,23 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 	if err := checkClaim(self, h.ID, h.Key); err != nil {
 		_, _ = conn.Write(encodeReject(rejectIdentity, err.Error()))
 		return nil, fmt.Errorf("handshake: %w", err)
+	}
+	// The session counts for its host from here until it is released: the
+	// bound is on what a host holds, whatever identities it claims.
+	var counted func() // uncounts the session, unless newSession made it
+	if l != nil {
+		host := hostOf(conn)
+		if !l.conns.take(host) {
+			why := fmt.Sprintf("the server keeps at most %d sessions from one host", l.conns.max)
+			_, _ = conn.Write(encodeReject(rejectBusy, why))
+			return nil, fmt.Errorf("handshake: %s", why)
+		}
+		counted = func() { l.conns.give(host) }
+		defer func() {
+			if counted != nil {
+				counted()
+			}
+		}()
 	}
 
 	haveUCX := l != nil && l.ucx != nil
@@ -910,7 +935,12 @@ func serverHandshake(ctx context.Context, cfg *config, conn net.Conn, magicRead 
 	if setup.ep == nil {
 		unbind()
 	}
-	return newSession(setup)
+	sess, err := newSession(setup)
+	if err == nil && counted != nil {
+		sess.AfterRelease(counted)
+		counted = nil
+	}
+	return sess, err
 }
 
 // expect records that the handshake of token waits for its UCX endpoint.

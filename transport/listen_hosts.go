@@ -262,3 +262,55 @@ func (l *Listener) shutHosts() {
 		_ = c.Close()
 	}
 }
+
+// hostConns counts the connections a listener keeps from each remote host
+// (WithHostSessions): sessions from their handshake until released, plain
+// gRPC connections until closed.
+type hostConns struct {
+	max int
+	mu  sync.Mutex
+	n   map[netip.Prefix]int
+}
+
+// take counts one more connection of host, or reports that host holds max.
+func (hc *hostConns) take(host netip.Prefix) bool {
+	hc.mu.Lock()
+	defer hc.mu.Unlock()
+	if hc.n[host] >= hc.max {
+		return false
+	}
+	if hc.n == nil {
+		hc.n = map[netip.Prefix]int{}
+	}
+	hc.n[host]++
+	return true
+}
+
+// give uncounts a connection of host that take counted.
+func (hc *hostConns) give(host netip.Prefix) {
+	hc.mu.Lock()
+	defer hc.mu.Unlock()
+	if hc.n[host]--; hc.n[host] <= 0 {
+		delete(hc.n, host)
+	}
+}
+
+// held returns the connections counted for host.
+func (hc *hostConns) held(host netip.Prefix) int {
+	hc.mu.Lock()
+	defer hc.mu.Unlock()
+	return hc.n[host]
+}
+
+// countedConn is a plain client's connection counted for its host until
+// its first Close.
+type countedConn struct {
+	*replayConn
+	once sync.Once
+	give func()
+}
+
+func (c *countedConn) Close() error {
+	c.once.Do(c.give)
+	return c.replayConn.Close()
+}

@@ -43,6 +43,8 @@ const (
 	DefaultKeepAliveTimeout  = 10 * time.Second
 	DefaultHandshakeTimeout  = 10 * time.Second
 	DefaultIdleTimeout       = 2 * time.Minute
+	// DefaultHostSessions is what WithHostSessions sets unless given.
+	DefaultHostSessions = 1024
 	// DefaultWindow is the yamux per-stream receive window.
 	DefaultWindow = 16 << 20
 	// GRPCBufferSize is the gRPC write buffer size that suits a gdrpc conn:
@@ -79,6 +81,7 @@ type config struct {
 	noLane           bool
 	engine           Engine
 	trustPeers       bool
+	hostSessions     int
 	// grpcWithLanes: a client opens its gRPC lane with its control and bulk
 	// lanes, in newSession (DialConn), rather than in Conn.
 	grpcWithLanes bool
@@ -102,6 +105,20 @@ type nopSessionMetrics struct{}
 func (nopSessionMetrics) SessionUp(string, bool)          {}
 func (nopSessionMetrics) SessionDown(string, bool, error) {}
 func (nopSessionMetrics) Fallback(string)                 {}
+
+// WithHostSessions bounds the connections a Listener keeps from one remote
+// host (an IPv4 address, an IPv6 /64) at once: its gdrpc sessions, from
+// their handshake until they are released, and its plain gRPC clients'
+// connections, until gRPC closes them. A peer's sessions each hold
+// connections (a session's lanes are connections of their own),
+// goroutines and the engine's per-session bounds, and its identities cost
+// it nothing: without a bound per host, one host could hold every
+// descriptor of the process. A handshake past the bound is refused (the
+// client's Dial fails with a *RejectError), a plain connection past it is
+// closed. n <= 0 means DefaultHostSessions. Dial ignores it.
+func WithHostSessions(n int) Option {
+	return func(c *config) { c.hostSessions = n }
+}
 
 // WithMetrics sets the receiver of session events. If nil or not given,
 // events are dropped.
@@ -212,6 +229,9 @@ func newConfig(opts []Option) (*config, error) {
 		// A UCX connection lets its peer write anywhere in this process (see
 		// ModeAuto): untrusted peers get TCP sessions.
 		c.mode = ModeTCP
+	}
+	if c.hostSessions <= 0 {
+		c.hostSessions = DefaultHostSessions
 	}
 	if c.logger == nil {
 		c.logger = slog.New(slog.DiscardHandler)

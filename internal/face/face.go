@@ -37,6 +37,9 @@ func SessionOptions(opts []gdrpc.Option) []transport.Option {
 	if c.IdleTimeout != 0 {
 		out = append(out, transport.WithIdleTimeout(c.IdleTimeout))
 	}
+	if c.HostSessions != 0 {
+		out = append(out, transport.WithHostSessions(c.HostSessions))
+	}
 	return append(out, c.Session...)
 }
 
