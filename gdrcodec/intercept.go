@@ -325,6 +325,15 @@ func decodeContext(v any) (context.Context, sender) {
 	if rc.server && sessionRefusal(ctx) != nil {
 		return ctx, plainSender
 	}
+	if p, _ := peer.FromContext(ctx); !rc.server && p != nil {
+		// A server over a connection that is no gdrpc session speaking this
+		// codec proved no identity: what its response names by reference
+		// is not pulled on its word, as a server does not pull what such a
+		// client's request names.
+		if s := transport.SessionFromPeer(p); s == nil || !s.Speaks(Name) {
+			return ctx, plainSender
+		}
+	}
 	return ctx, gdrSender
 }
 
