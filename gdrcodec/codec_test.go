@@ -127,6 +127,21 @@ type rig struct {
 	client tensorpb.TensorServiceClient
 	cc     *grpc.ClientConn
 	paths  *pathCounter
+	server *grpc.Server
+	lis    *closeNotifyListener // what server serves, over whatever wrap made
+}
+
+// closeNotifyListener closes closed when Close is first called: a test
+// that closes the listener itself (its Shutdown) expects Serve to fail.
+type closeNotifyListener struct {
+	net.Listener
+	once   sync.Once
+	closed chan struct{}
+}
+
+func (l *closeNotifyListener) Close() error {
+	l.once.Do(func() { close(l.closed) })
+	return l.Listener.Close()
 }
 
 // processEngine makes a face's sessions use the engine with the process's
@@ -169,6 +184,8 @@ func newRigWrapped(t testing.TB, mode transport.Mode, srv tensorpb.TensorService
 	if wrap != nil {
 		lis = wrap(lis)
 	}
+	cn := &closeNotifyListener{Listener: lis, closed: make(chan struct{})}
+	lis = cn
 	gs := grpc.NewServer(slices.Concat(serverOpts, listener.ServerOptions(insecure.NewCredentials()))...)
 	if srv == nil {
 		srv = &tensor.Server{}
@@ -183,12 +200,20 @@ func newRigWrapped(t testing.TB, mode transport.Mode, srv tensorpb.TensorService
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		cc.Close()
+		var closedFirst bool // by the test: Serve then fails
+		select {
+		case <-cn.closed:
+			closedFirst = true
+		default:
+		}
 		gs.Stop()
-		require.NoError(t, <-served)
+		if err := <-served; !closedFirst {
+			require.NoError(t, err)
+		}
 		// The next test starts with no session of this one left.
 		require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
 	})
-	return &rig{client: tensorpb.NewTensorServiceClient(cc), cc: cc, paths: pc}
+	return &rig{client: tensorpb.NewTensorServiceClient(cc), cc: cc, paths: pc, server: gs, lis: cn}
 }
 
 func pattern(n int, seed uint32) []byte {

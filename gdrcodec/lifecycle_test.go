@@ -3,7 +3,6 @@ package gdrcodec_test
 import (
 	"context"
 	"fmt"
-	"net"
 	"sync"
 	"testing"
 	"time"
@@ -11,17 +10,14 @@ import (
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/gdrpc/gdrpc"
 	"github.com/gdrpc/gdrpc/devicebuf"
-	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
 	"github.com/gdrpc/gdrpc/internal/leaktest"
-	"github.com/gdrpc/gdrpc/listener"
 	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 )
@@ -89,39 +85,8 @@ func (s *blockingServer) Echo(ctx context.Context, m *tensorpb.Tensor) (*tensorp
 // listener.
 func lifecycleRig(t *testing.T, srv tensorpb.TensorServiceServer, opts ...gdrpc.Option) (*rig, *grpc.Server, *closeNotifyListener) {
 	t.Helper()
-	require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
-	oob.SetTransferConfig(oob.TransferConfig{Timeout: time.Minute})
-	t.Cleanup(func() { oob.SetTransferConfig(oob.TransferConfig{}) })
-	opts = append([]gdrpc.Option{gdrpc.WithTransport(transport.ModeTCP), processEngine}, opts...)
-	l, err := listener.Listen("127.0.0.1:0", opts...)
-	require.NoError(t, err)
-	lis := &closeNotifyListener{Listener: l, closed: make(chan struct{})}
-	gs := grpc.NewServer(listener.ServerOptions(insecure.NewCredentials())...)
-	tensorpb.RegisterTensorServiceServer(gs, srv)
-	served := make(chan error, 1)
-	go func() { served <- gs.Serve(lis) }()
-	d := dialer.New(opts...)
-	cc, err := grpc.NewClient("passthrough:///"+lis.Addr().String(), d.DialOptions(insecure.NewCredentials())...)
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		cc.Close()
-		gs.Stop()
-		<-served
-		require.Eventually(t, func() bool { return transport.ReadStats().Sessions == 0 }, 10*time.Second, 5*time.Millisecond)
-	})
-	return &rig{client: tensorpb.NewTensorServiceClient(cc), cc: cc}, gs, lis
-}
-
-// closeNotifyListener closes closed when Close is first called.
-type closeNotifyListener struct {
-	net.Listener
-	once   sync.Once
-	closed chan struct{}
-}
-
-func (l *closeNotifyListener) Close() error {
-	l.once.Do(func() { close(l.closed) })
-	return l.Listener.Close()
+	r := newRig(t, transport.ModeTCP, srv, opts...)
+	return r, r.server, r.lis
 }
 
 // A handler still running when the server's GracefulStop begins answers
