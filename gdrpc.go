@@ -129,8 +129,8 @@ func WithHostSessions(n int) Option { return func(c *Config) { c.HostSessions = 
 // allocator) and hands the server its key; the server then writes the
 // payloads of its responses straight there while it marshals them, and the
 // client takes them with no rendezvous. A received buffer holds its range
-// until it is released; payloads that do not fit the free space take the
-// rendezvous. Without this option a client's spaces grow with the payloads
+// until it is released, and once the session closed its whole space;
+// payloads that do not fit the free space take the rendezvous. Without this option a client's spaces grow with the payloads
 // (WithReceiveSpaceLimit).
 //
 // Given to a Listener, it sets the space a server advertises to each
