@@ -187,7 +187,9 @@ func TestSecondUnaryMessage(t *testing.T) {
 	}
 	require.True(t, oob.Offered(token), "the server pulled the payload a plain client's second message named")
 	require.Zero(t, alloc.n.Load(), "the server allocated for a plain client's second message")
-	require.Eventually(t, func() bool { return devicebuf.Live().HostBuffers == live }, 10*time.Second, time.Millisecond, "a second message's inline payload is held")
+	// At most where it was: earlier tests' pool regions may be freed
+	// meanwhile (idle trimming), and nothing else is allocated.
+	require.Eventually(t, func() bool { return devicebuf.Live().HostBuffers <= live }, 10*time.Second, time.Millisecond, "a second message's inline payload is held")
 }
 
 // The same on a server-streaming method whose request carries a payload:
@@ -223,7 +225,9 @@ func TestSecondServerStreamRequest(t *testing.T) {
 			require.ErrorContains(t, err, "a second request message on a call that takes one")
 		}
 	}
-	require.Eventually(t, func() bool { return devicebuf.Live().HostBuffers == live }, 10*time.Second, time.Millisecond, "a second message's inline payload is held")
+	// At most where it was: earlier tests' pool regions may be freed
+	// meanwhile (idle trimming), and nothing else is allocated.
+	require.Eventually(t, func() bool { return devicebuf.Live().HostBuffers <= live }, 10*time.Second, time.Millisecond, "a second message's inline payload is held")
 }
 
 // rawCall sends msg as the one request message of method over HTTP/2
