@@ -258,10 +258,13 @@ func TestCancelWhileClientPullsResponse(t *testing.T) {
 
 // A client stream cancelled between its Sends: the server's Recv fails
 // with Canceled and nothing is left.
+// recvOneServer's Upload receives one message, closes got, and receives
+// again (with waitEnd, once the call ended), its error to errc.
 type recvOneServer struct {
 	tensor.Server
-	got  chan struct{}
-	errc chan error
+	got     chan struct{}
+	errc    chan error
+	waitEnd bool
 }
 
 func (s *recvOneServer) Upload(st tensorpb.TensorService_UploadServer) error {
@@ -272,7 +275,12 @@ func (s *recvOneServer) Upload(st tensorpb.TensorService_UploadServer) error {
 	}
 	gdrcodec.ReleaseAll(m)
 	close(s.got)
-	_, err = st.Recv()
+	if s.waitEnd {
+		<-st.Context().Done()
+	}
+	if m, err = st.Recv(); err == nil {
+		gdrcodec.ReleaseAll(m)
+	}
 	s.errc <- err
 	return err
 }

@@ -134,21 +134,36 @@ func TestSpaceLifecycleCancelDuringResponseWrite(t *testing.T) {
 		} else {
 			require.Contains(t, []codes.Code{codes.Canceled, codes.DeadlineExceeded}, status.Code(err), "%v", err)
 		}
-		require.Eventually(t, func() bool {
-			st := oob.ReadStats()
-			return st.PeerTaken == 0 && st.Landed == 0
-		}, 10*time.Second, time.Millisecond, "round %d: %+v", i, oob.ReadStats())
+		requireNoneTaken(t, i)
 	}
+	requireSpaceWhole(t, r, spaceMiB, 101)
+	requireSettled(t, "after calls cancelled around the response's write")
+}
+
+// requireNoneTaken waits until no range of a receive space is taken or
+// landed, either way, after round i.
+func requireNoneTaken(t *testing.T, i int) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		st := oob.ReadStats()
+		return st.PeerTaken == 0 && st.Landed == 0
+	}, 10*time.Second, time.Millisecond, "round %d: %+v", i, oob.ReadStats())
+}
+
+// requireSpaceWhole checks that four payloads of n bytes (seeds from seed)
+// land in the client's space again, all of them held at once, then
+// releases them: the whole space is the server's again.
+func requireSpaceWhole(t *testing.T, r *rig, n int, seed uint32) {
+	t.Helper()
 	r.paths.reset()
 	var held []*tensorpb.Tensor
 	for i := range 4 {
-		held = append(held, makeChecked(t, r, spaceMiB, uint32(101+2*i)))
+		held = append(held, makeChecked(t, r, n, seed+uint32(i)))
 	}
 	require.Equal(t, map[string]int{"rdma@space": 4}, r.paths.reset(), "the whole space is the server's again")
 	for _, m := range held {
 		gdrcodec.ReleaseAll(m)
 	}
-	requireSettled(t, "after calls cancelled around the response's write")
 }
 
 // A buffer that landed in the client's space, held past its session's end
@@ -315,33 +330,9 @@ func TestSpaceLifecycleCloseMidStream(t *testing.T) {
 
 // A client stream whose messages land in the server's request space,
 // cancelled between Sends, leaves nothing taken on either side.
-// recvOneThenWait receives one message, then waits for the call's end
-// before it receives again.
-type recvOneThenWait struct {
-	tensor.Server
-	got  chan struct{}
-	errc chan error
-}
-
-func (s *recvOneThenWait) Upload(st tensorpb.TensorService_UploadServer) error {
-	m, err := st.Recv()
-	if err != nil {
-		s.errc <- err
-		return err
-	}
-	gdrcodec.ReleaseAll(m)
-	close(s.got)
-	<-st.Context().Done()
-	m, err = st.Recv()
-	if err == nil {
-		gdrcodec.ReleaseAll(m)
-	}
-	s.errc <- err
-	return err
-}
 
 func TestSpaceLifecycleClientStreamCancelBetweenSends(t *testing.T) {
-	srv := &recvOneThenWait{got: make(chan struct{}), errc: make(chan error, 1)}
+	srv := &recvOneServer{got: make(chan struct{}), errc: make(chan error, 1), waitEnd: true}
 	r := requestSpaceRig(t, srv, 4*spaceMiB)
 	r.paths.reset()
 	r.paths.takePushes()
@@ -417,20 +408,9 @@ func TestSpaceLifecycleDeadlineDuringLargeWrite(t *testing.T) {
 		} else {
 			require.Equal(t, codes.DeadlineExceeded, status.Code(err), "%v", err)
 		}
-		require.Eventually(t, func() bool {
-			st := oob.ReadStats()
-			return st.PeerTaken == 0 && st.Landed == 0
-		}, 10*time.Second, time.Millisecond, "round %d: %+v", i, oob.ReadStats())
+		requireNoneTaken(t, i)
 	}
-	r.paths.reset()
-	var held []*tensorpb.Tensor
-	for i := range 4 {
-		held = append(held, makeChecked(t, r, n, uint32(50+i)))
-	}
-	require.Equal(t, map[string]int{"rdma@space": 4}, r.paths.reset())
-	for _, m := range held {
-		gdrcodec.ReleaseAll(m)
-	}
+	requireSpaceWhole(t, r, n, 50)
 	requireSettled(t, "after deadlines passed during large writes")
 }
 

@@ -427,13 +427,8 @@ func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), e
 		if first && fits && hostFirst && (hostParked == 0 || uint64(hostParked)+n <= hostLimit) {
 			b.parked += int64(n)
 			parkedHosts.bytes[host] += int64(n)
-			if inHost {
-				parkedHosts.leaveQueue(host, turn) // the next may fit too
-			}
+			b.leaveParkTurn(host, turn, inHost) // the next may fit too
 			parkedHosts.Unlock()
-			if turn != nil {
-				b.leaveParkQueue(turn)
-			}
 			b.mu.Unlock()
 			break
 		}
@@ -469,12 +464,9 @@ func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), e
 		}
 		if err != nil {
 			b.mu.Lock()
-			if inHost {
-				parkedHosts.Lock()
-				parkedHosts.leaveQueue(host, turn)
-				parkedHosts.Unlock()
-			}
-			b.leaveParkQueue(turn)
+			parkedHosts.Lock()
+			b.leaveParkTurn(host, turn, inHost)
+			parkedHosts.Unlock()
 			b.mu.Unlock()
 			return nil, err
 		}
@@ -499,6 +491,19 @@ func Park(ctx context.Context, s *transport.Session, n uint64) (unpark func(), e
 // parkTurn is a request's place in a session's Park queue: not zero-sized,
 // so that each has an address of its own.
 type parkTurn struct{ _ byte }
+
+// leaveParkTurn takes turn, if any, out of b's Park queue and, where
+// inHost, out of host's; each queue it led wakes its waiters. b.mu and
+// parkedHosts are held.
+func (b *sessionBounds) leaveParkTurn(host netip.Prefix, turn *parkTurn, inHost bool) {
+	if turn == nil {
+		return
+	}
+	if inHost {
+		parkedHosts.leaveQueue(host, turn)
+	}
+	b.leaveParkQueue(turn)
+}
 
 // leaveParkQueue takes turn out of b's Park queue and, where it was the
 // first, wakes the others: the next may park now. b.mu is held.
