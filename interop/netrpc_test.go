@@ -241,18 +241,21 @@ func requirePayloadsSettled(tb testing.TB) {
 	settle(tb, "payloads still held", check)
 }
 
-// memoryMaps counts the UCX memory maps and the pool regions alive.
+// memoryMaps counts the UCX memory maps and, of them, those of pool regions:
+// each region of a UCX host pool is one map and the one registration its pool
+// holds (devicebuf counts no other registrations).
 type memoryMaps struct{ maps, regions int64 }
 
 func liveMemoryMaps() memoryMaps {
-	return memoryMaps{maps: rdma.Stats().Memories, regions: devicebuf.Live().Regions}
+	return memoryMaps{maps: rdma.Stats().Memories, regions: devicebuf.Live().Registrations}
 }
 
 // requireNetRPCSettled checks (bounded) that nothing is left once the test
 // closed its client and server: requireSettled's checks, no receive space
 // alive on either side, and no UCX memory map made since before (the
-// registrations of transfers and receive spaces) left beyond the pool
-// regions made since, which pools keep for the life of the process.
+// registrations of transfers and receive spaces) left beyond the change in
+// pool regions: pools keep regions until they idle out, and an earlier
+// test's may idle out during this one.
 func requireNetRPCSettled(t *testing.T, before memoryMaps) {
 	t.Helper()
 	requireSettled(t)
