@@ -53,7 +53,14 @@ func refusingRig(t *testing.T, method string, refuse *atomic.Bool, space int) *r
 // trusted, with opts.
 func anotherClient(t *testing.T, r *rig, opts ...grpc.DialOption) tensorpb.TensorServiceClient {
 	t.Helper()
-	d := dialer.New(gdrpc.WithTransport(transport.ModeUCX), processEngine, gdrpc.WithTrustPeers())
+	return anotherClientIn(t, r, transport.ModeUCX, opts...)
+}
+
+// anotherClientIn is anotherClient over sessions in mode (between trusted
+// peers all the same).
+func anotherClientIn(t *testing.T, r *rig, mode transport.Mode, opts ...grpc.DialOption) tensorpb.TensorServiceClient {
+	t.Helper()
+	d := dialer.New(gdrpc.WithTransport(mode), processEngine, gdrpc.WithTrustPeers())
 	cc, err := grpc.NewClient(r.cc.Target(), append(d.DialOptions(insecure.NewCredentials()), opts...)...)
 	require.NoError(t, err)
 	t.Cleanup(func() { cc.Close() })
