@@ -4,38 +4,53 @@ import (
 	"context"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/resolver"
+	"google.golang.org/grpc/resolver/manual"
 	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/tap"
 
 	"github.com/gdrpc/gdrpc"
+	"github.com/gdrpc/gdrpc/dialer"
 	"github.com/gdrpc/gdrpc/examples/tensor"
 	"github.com/gdrpc/gdrpc/examples/tensor/tensorpb"
 	"github.com/gdrpc/gdrpc/gdrcodec"
+	"github.com/gdrpc/gdrpc/listener"
+	"github.com/gdrpc/gdrpc/oob"
 	"github.com/gdrpc/gdrpc/transport"
 )
 
-// An attempt is what dropFirst saw of one attempt of a Digest.
+// An attempt is what failOnce saw of one attempt of a Digest.
 type attempt struct {
 	retry   bool
 	session *transport.Session
-	sum     uint32
+	sum     uint32 // of the payload the attempt took; 0 if refused before
 }
 
-// dropFirst checks the payload of every Digest but the warm-up's and records
-// the attempt. While armed, it disarms, closes the session the attempt came
-// over and fails it with Unavailable: the client's retry policy replays the
-// request on a new connection. Other attempts are served.
-type dropFirst struct {
+// How failOnce fails the attempt it is armed for, with Unavailable.
+const (
+	failCloses  = iota // after it took the payload, closing its session
+	failAfter          // after it took the payload
+	failRefuses        // before gRPC reads the request (a tap handle)
+)
+
+// failOnce records every Digest but the warm-ups, checking each payload it
+// is given. While armed, it disarms and fails the attempt as how says: the
+// client's retry policy replays the request. Other attempts are served.
+type failOnce struct {
 	tensor.Server
+	how      int
 	armed    atomic.Bool
 	attempts chan attempt
 }
 
-func (f *dropFirst) Digest(ctx context.Context, t *tensorpb.Tensor) (*tensorpb.Summary, error) {
+func (f *failOnce) Digest(ctx context.Context, t *tensorpb.Tensor) (*tensorpb.Summary, error) {
 	if t.Name == "warm-up" {
 		return f.Server.Digest(ctx, t)
 	}
@@ -48,15 +63,70 @@ func (f *dropFirst) Digest(ctx context.Context, t *tensorpb.Tensor) (*tensorpb.S
 		return nil, status.Errorf(codes.Internal, "checksum: %v", err)
 	}
 	f.attempts <- attempt{retry: retry, session: sess, sum: sum}
-	if sess == nil || !f.armed.CompareAndSwap(true, false) {
+	if f.how == failRefuses || sess == nil || !f.armed.CompareAndSwap(true, false) {
 		return f.Server.Digest(ctx, t)
 	}
 	gdrcodec.ReleaseAll(t)
-	// Close waits for the session's streams, this handler's among them:
-	// it runs on its own, and the attempt fails once the session is gone.
-	go func() { _ = sess.Close() }()
-	<-sess.Done()
-	return nil, status.Error(codes.Unavailable, "the first attempt's connection is closed on purpose")
+	if f.how == failCloses {
+		// Close waits for the session's streams, this handler's among
+		// them: it runs on its own, and the attempt fails once the
+		// session is gone.
+		go func() { _ = sess.Close() }()
+		<-sess.Done()
+	}
+	return nil, status.Error(codes.Unavailable, "the first attempt fails on purpose")
+}
+
+func (f *failOnce) tap(ctx context.Context, info *tap.Info) (context.Context, error) {
+	if f.how == failRefuses && info.FullMethodName == "/gdrpc.examples.tensor.TensorService/Digest" && f.armed.CompareAndSwap(true, false) {
+		f.attempts <- attempt{session: transport.SessionFromContext(ctx)}
+		return nil, status.Error(codes.Unavailable, "refused on purpose")
+	}
+	return ctx, nil
+}
+
+// failOnceRig serves f in mode between trusted peers, with space bytes of
+// receive space both ways (none if 0).
+func failOnceRig(t *testing.T, f *failOnce, mode transport.Mode, space int) *rig {
+	t.Helper()
+	r := newRigWith(t, mode, f, []grpc.ServerOption{grpc.InTapHandle(f.tap)}, gdrpc.WithTrustPeers())
+	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpace: space})
+	return r
+}
+
+// retriedDigest calls Digest with n bytes of seed's pattern, f armed, and
+// checks the server's checksum; it returns the two attempts f saw.
+func retriedDigest(t *testing.T, c tensorpb.TensorServiceClient, f *failOnce, n int, seed uint32) (first, again attempt) {
+	t.Helper()
+	req := tensorOf(n, seed)
+	f.armed.Store(true)
+	sum, err := c.Digest(context.Background(), req, grpc.WaitForReady(true))
+	gdrcodec.ReleaseAll(req)
+	require.NoError(t, err)
+	want := tensor.ChecksumBytes(pattern(n, seed))
+	require.Equal(t, uint64(n), sum.Bytes)
+	require.Equal(t, want, sum.Crc32C)
+	first, again = <-f.attempts, <-f.attempts
+	require.False(t, first.retry)
+	require.True(t, again.retry)
+	if f.how != failRefuses {
+		require.Equal(t, want, first.sum, "the first attempt's bytes")
+	}
+	require.Equal(t, want, again.sum, "the retry's bytes")
+	require.NotNil(t, first.session)
+	require.NotSame(t, first.session, again.session, "the retry came over another connection")
+	return first, again
+}
+
+// warmUp calls Digest with a payload f does not record: the pull prompts
+// the server's receive space on that connection.
+func warmUp(t *testing.T, c tensorpb.TensorServiceClient, n int) {
+	t.Helper()
+	warm := tensorOf(n, 1)
+	warm.Name = "warm-up"
+	defer gdrcodec.ReleaseAll(warm)
+	_, err := c.Digest(context.Background(), warm, grpc.WaitForReady(true))
+	require.NoError(t, err)
 }
 
 // gRPC replays a request whose first attempt's connection closed after the
@@ -72,75 +142,99 @@ func TestRetryOnAnotherConnection(t *testing.T) {
 		name  string
 		mode  transport.Mode
 		space int
-		paths []map[string]int // the first attempt's, the retry's, the next call's
+		paths []map[string]int // the retried call's, the next call's
 	}{
-		{"transport=tcp", transport.ModeTCP, 0, []map[string]int{{"stream": 1}, {"stream": 1}, {"stream": 1}}},
-		{"transport=ucx", transport.ModeUCX, 0, []map[string]int{{"rdma": 1}, {"rdma": 1}, {"rdma": 1}}},
-		{"transport=ucx/receive-space", transport.ModeUCX, 4 * n, []map[string]int{{"rdma@space": 1}, {"rdma": 1}, {"rdma@space": 1}}},
+		{"transport=tcp", transport.ModeTCP, 0, []map[string]int{{"stream": 2}, {"stream": 1}}},
+		{"transport=ucx", transport.ModeUCX, 0, []map[string]int{{"rdma": 2}, {"rdma": 1}}},
+		{"transport=ucx/receive-space", transport.ModeUCX, 4 * n, []map[string]int{{"rdma@space": 1, "rdma": 1}, {"rdma@space": 1}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			srv := &dropFirst{attempts: make(chan attempt, 4)}
-			var r *rig
-			if tc.space > 0 {
-				r = spaceRigServing(t, srv, tc.space)
-			} else {
-				r = newRig(t, tc.mode, srv, gdrpc.WithTrustPeers())
-			}
+			f := &failOnce{how: failCloses, attempts: make(chan attempt, 4)}
+			r := failOnceRig(t, f, tc.mode, tc.space)
 			c := anotherClientIn(t, r, tc.mode, grpc.WithDefaultServiceConfig(retryConfig))
-			// The warm-up's pull prompts the server's space, which the
-			// first attempt then writes into.
-			warm := tensorOf(n, 1)
-			warm.Name = "warm-up"
-			_, err := c.Digest(context.Background(), warm, grpc.WaitForReady(true))
-			require.NoError(t, err)
-			gdrcodec.ReleaseAll(warm)
+			warmUp(t, c, n)
 			if tc.space > 0 {
 				waitPeerSpace(t)
 			}
 			r.paths.reset()
 
-			req := tensorOf(n, 2)
-			srv.armed.Store(true)
-			sum, err := c.Digest(context.Background(), req, grpc.WaitForReady(true))
-			gdrcodec.ReleaseAll(req)
-			require.NoError(t, err)
-			want := tensor.ChecksumBytes(pattern(n, 2))
-			require.Equal(t, uint64(n), sum.Bytes)
-			require.Equal(t, want, sum.Crc32C)
-			first, again := <-srv.attempts, <-srv.attempts
-			require.False(t, first.retry)
-			require.True(t, again.retry)
-			require.Equal(t, want, first.sum, "the first attempt's bytes")
-			require.Equal(t, want, again.sum, "the retry's bytes")
-			require.NotNil(t, first.session)
-			require.NotSame(t, first.session, again.session, "the retry came over another connection")
+			first, _ := retriedDigest(t, c, f, n, 2)
 			require.ErrorIs(t, first.session.Err(), transport.ErrSessionClosed, "the first attempt's session")
-			got := r.paths.reset()
-			require.Equal(t, sumPaths(tc.paths[0], tc.paths[1]), got, "one pull by each attempt")
+			require.Equal(t, tc.paths[0], r.paths.reset(), "one pull by each attempt")
 
 			if tc.space > 0 {
 				waitPeerSpaces(t, 1) // the new session's, prompted by the retry's pull
 			}
-			req = tensorOf(n, 3)
-			sum, err = c.Digest(context.Background(), req)
-			gdrcodec.ReleaseAll(req)
-			require.NoError(t, err)
-			require.Equal(t, tensor.ChecksumBytes(pattern(n, 3)), sum.Crc32C)
-			require.Equal(t, tc.paths[2], r.paths.reset(), "the call after the retry")
-			again = <-srv.attempts
-			require.False(t, again.retry)
+			digestChecked(t, c, n, 3)
+			require.Equal(t, tc.paths[1], r.paths.reset(), "the call after the retry")
+			require.False(t, (<-f.attempts).retry)
 			requireSettled(t, "after the retried call")
 		})
 	}
 }
 
-// sumPaths adds path counts.
-func sumPaths(ms ...map[string]int) map[string]int {
-	sum := map[string]int{}
-	for _, m := range ms {
-		for k, v := range m {
-			sum[k] += v
-		}
+// gRPC retries a call on another live connection to the same server (round
+// robin over two of its listeners), whose first attempt wrote its payload
+// into the receive space the server advertised over the first connection:
+// the replay names that space's range and comes over the other session.
+// Failed after the server took the payload, the replay finds the range given
+// back and is pulled by token; refused before gRPC read the request, the
+// range is still unclaimed and the replay takes it there. Either way the
+// bytes are right, both connections stay up, both spaces serve later calls,
+// and no range stays taken.
+func TestRetryOnAnotherLiveConnection(t *testing.T) {
+	const n = 1 << 20
+	for _, tc := range []struct {
+		name  string
+		how   int
+		paths map[string]int // of the retried call
+	}{
+		{"fail=after-decode", failAfter, map[string]int{"rdma@space": 1, "rdma": 1}},
+		{"fail=refused", failRefuses, map[string]int{"rdma@space": 1}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := &failOnce{how: tc.how, attempts: make(chan attempt, 4)}
+			r := failOnceRig(t, f, transport.ModeUCX, 4*n)
+			opts := []gdrpc.Option{gdrpc.WithTransport(transport.ModeUCX), processEngine, gdrpc.WithTrustPeers()}
+			lis2, err := listener.Listen("127.0.0.1:0", opts...)
+			require.NoError(t, err)
+			served := make(chan error, 1)
+			go func() { served <- r.server.Serve(lis2) }()
+			t.Cleanup(func() {
+				r.server.Stop()
+				require.NoError(t, <-served)
+			})
+
+			res := manual.NewBuilderWithScheme("gdrtest")
+			res.InitialState(resolver.State{Addresses: []resolver.Address{{Addr: r.lis.Addr().String()}, {Addr: lis2.Addr().String()}}})
+			cc, err := grpc.NewClient("gdrtest:///server", append(dialer.New(opts...).DialOptions(insecure.NewCredentials()),
+				grpc.WithResolvers(res), grpc.WithDefaultServiceConfig(roundRobinRetry))...)
+			require.NoError(t, err)
+			t.Cleanup(func() { cc.Close() })
+			c := tensorpb.NewTensorServiceClient(cc)
+			// Until the server advertised its space over both connections
+			// (round robin takes a connection into turn once it is ready).
+			for i := 0; oob.ReadStats().PeerSpaces < 2; i++ {
+				require.Less(t, i, 100, "the server advertised over %d connections", oob.ReadStats().PeerSpaces)
+				warmUp(t, c, n)
+			}
+			r.paths.reset()
+
+			first, again := retriedDigest(t, c, f, n, 2)
+			require.NoError(t, first.session.Err(), "the first attempt's session")
+			require.NoError(t, again.session.Err(), "the retry's session")
+			require.Equal(t, tc.paths, r.paths.reset(), "the retried call's pulls")
+			waitNothingTaken(t)
+			for i := range 4 { // two rounds of the robin: each space serves
+				digestChecked(t, c, n, uint32(3+i))
+				require.False(t, (<-f.attempts).retry)
+			}
+			require.Equal(t, map[string]int{"rdma@space": 4}, r.paths.reset(), "the calls after the retry")
+			requireSettled(t, "after the retried call")
+		})
 	}
-	return sum
 }
+
+// roundRobinRetry spreads calls over the resolved addresses, and retries as
+// retryConfig does.
+var roundRobinRetry = `{"loadBalancingConfig": [{"round_robin": {}}], ` + retryConfig[1:]
