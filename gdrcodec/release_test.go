@@ -60,6 +60,16 @@ func TestGPUBuffersFreedOnRelease(t *testing.T) {
 	require.Zero(t, left.IPCMappings, "IPC mappings left: %+v", left)
 }
 
+// liveBase returns devicebuf's counters for a test to compare what it left
+// with, once the host pools are closed: a region an earlier test left idle
+// would otherwise be freed (DefaultPoolIdleTimeout) at any time, and count
+// as buffers and bytes this test freed.
+func liveBase(t *testing.T) devicebuf.Counters {
+	t.Helper()
+	require.NoError(t, oob.CloseHostPools())
+	return devicebuf.Live()
+}
+
 // leaksMade counts the leaks tests make on purpose; TestMain fails on any other.
 var leaksMade atomic.Int64
 
@@ -69,7 +79,7 @@ func TestCollectedAttachmentIsReported(t *testing.T) {
 	logs := &recordingHandler{records: make(chan slog.Record, 1)}
 	gdrcodec.Register(gdrcodec.WithLogger(slog.New(logs)))
 	t.Cleanup(func() { gdrcodec.Register() })
-	base := devicebuf.Live()
+	base := liveBase(t)
 	b, err := devicebuf.NewHostAllocator().Alloc(12345)
 	require.NoError(t, err)
 	leaksBefore := gdrcodec.Leaked()
@@ -312,7 +322,7 @@ func TestResponseOnTwoCallsAtOnce(t *testing.T) {
 // counters leave out; ReleaseAll leaves the bytes, and Detach hands a view
 // over and leaves the message without them.
 func TestInlinePayloadStaysInItsMessage(t *testing.T) {
-	base, attached := devicebuf.Live(), gdrcodec.Attached()
+	base, attached := liveBase(t), gdrcodec.Attached()
 	payload := pattern(1000, 3)
 	var got tensorpb.Tensor
 	require.NoError(t, decode(t, &tensorpb.Tensor{Data: &gdrv1.DeviceBuffer{Length: 1000, Inline: payload}}, &got))
@@ -365,7 +375,7 @@ func TestAttachmentsByAddress(t *testing.T) {
 	logs := &recordingHandler{records: make(chan slog.Record, 1024)}
 	gdrcodec.Register(gdrcodec.WithLogger(slog.New(logs)))
 	t.Cleanup(func() { gdrcodec.Register() })
-	base, attached, leaks := devicebuf.Live(), gdrcodec.Attached(), gdrcodec.Leaked()
+	base, attached, leaks := liveBase(t), gdrcodec.Attached(), gdrcodec.Leaked()
 	const n = 200
 	bufs := make([]*devicebuf.Buffer, n)
 	for i := range bufs {
