@@ -4,7 +4,7 @@ PKGS     ?= ./...
 APT_PKGS := gcc libucx-dev ucx-utils pkg-config protobuf-compiler iproute2 python3-grpcio
 GO_MIN   := 1.26
 
-.PHONY: all deps build abi test bench bench-twohosts lint proto demo gdrinfo
+.PHONY: all deps build abi test test-gpu gpu-bins bench bench-twohosts lint proto demo gdrinfo
 
 all: build
 
@@ -48,6 +48,26 @@ test: deps build abi
 	GDRPC_REQUIRE=ucx,ucx-headers $(GO) test -race -timeout 25m $(PKGS)
 	CGO_ENABLED=0 $(GO) test -timeout 10m $(PKGS)
 	GDRPC_REQUIRE=ucx $(GO) test -count=1 -run '^TestDemo$$' ./examples/demo
+
+# test-gpu runs the tests of the packages with GPU paths on a GPU host, where
+# a missing GPU or UCX fails them instead of skipping. UCX_DIR names a UCX
+# installation to use instead of the system's (a CUDA-enabled build: its lib/
+# goes first on the library path); GPU paths are verified with both.
+GPU_PKGS := ./devicebuf ./devicebuf/internal/cuda ./devicebuf/internal/nvmlinv ./rdma ./oob ./gdrcodec ./cmd/gdrperf ./examples/demo
+UCX_ENV = $(if $(UCX_DIR),LD_LIBRARY_PATH=$(UCX_DIR)/lib$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH} UCX_MODULE_DIR=$(UCX_DIR)/lib/ucx)
+test-gpu: deps
+	env $(UCX_ENV) GDRPC_REQUIRE=ucx,cuda $(GO) test -count=1 -timeout 30m $(GPU_PKGS)
+
+# gpu-bins builds those packages' test binaries into GPU_BINS, with
+# scripts/gpu-tests, which runs them on a GPU host that has the checkout but no
+# Go (from the checkout's root: GPU_BINS/gpu-tests, UCX_DIR as above).
+GPU_BINS ?= .gpu-tests
+gpu-bins: deps
+	@mkdir -p $(GPU_BINS)
+	for p in $(GPU_PKGS); do \
+		$(GO) test -c -o $(GPU_BINS)/$$(echo $${p#./} | sed 's|/|__|g').test $$p || exit 1; \
+	done
+	cp scripts/gpu-tests $(GPU_BINS)/
 
 bench: deps
 	$(GO) test -run '^$$' -bench . -benchtime 20x $(PKGS)
