@@ -242,6 +242,11 @@ type recvCall struct {
 	// messages may have gone, their payloads waiting in the server's
 	// outbox (oob.Call.Ended).
 	answered bool
+	// answeredOn are the sessions an attempt's response headers came over,
+	// in turn: an attempt that is not the call's last (an application's
+	// retry inside this interceptor) may have left a response there that
+	// nothing decoded.
+	answeredOn []*transport.Session
 	// trailed is closed when an attempt's trailers came (the server ended
 	// the stream): a client stream's send waiting for the server's pulls
 	// gives up (heldStream.SendMsg). nil for a unary call.
@@ -273,6 +278,20 @@ func (c *recvCall) openOver(s *transport.Session) {
 	if s != nil {
 		oob.Receiving(s)
 	}
+}
+
+// answeredElsewhere returns the sessions an attempt of c's call was
+// answered over, other than s.
+func (c *recvCall) answeredElsewhere(s *transport.Session) []*transport.Session {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var out []*transport.Session
+	for _, a := range c.answeredOn {
+		if a != s {
+			out = append(out, a)
+		}
+	}
+	return out
 }
 
 // closeCall marks c's call ended: nothing more of it is decoded.
@@ -481,6 +500,9 @@ func (clientStats) HandleRPC(ctx context.Context, s stats.RPCStats) {
 			rc.answered = true
 			if sess := transport.SessionFromPeer(p); sess != nil {
 				rc.openOver(sess)
+				if !slices.Contains(rc.answeredOn, sess) {
+					rc.answeredOn = append(rc.answeredOn, sess)
+				}
 			}
 		}
 		rc.mu.Unlock()
@@ -733,11 +755,20 @@ func UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 			ReleaseAll(m)
 		}
 		// The response, if one came, came over the session its header did
-		// (clientStats): a call is not retried once headers came.
-		if s := transport.SessionFromContext(rc.context()); err != nil {
-			call.Ended(s, mayBeAnswered(ctx, rc))
-		} else if mayHoldUntaken(s, reply) {
-			call.Ended(s, true)
+		// (clientStats): gRPC does not retry a call once headers came. An
+		// application's retry chained inside this interceptor may: an
+		// attempt answered over another session, and cut before its
+		// response was decoded, left that server holding what it wrote
+		// for the call until it hears the call ended.
+		s := transport.SessionFromContext(rc.context())
+		others := rc.answeredElsewhere(s)
+		switch {
+		case err != nil:
+			call.EndedOver(s, mayBeAnswered(ctx, rc), others)
+		case mayHoldUntaken(s, reply):
+			call.EndedOver(s, true, others)
+		case len(others) > 0:
+			call.EndedOver(nil, false, others)
 		}
 		sending.sent(req)
 		if sending.h != h {

@@ -195,23 +195,7 @@ func TestRetryOnAnotherLiveConnection(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			f := &failOnce{how: tc.how, attempts: make(chan attempt, 4)}
 			r := failOnceRig(t, f, transport.ModeUCX, 4*n)
-			opts := []gdrpc.Option{gdrpc.WithTransport(transport.ModeUCX), processEngine, gdrpc.WithTrustPeers()}
-			lis2, err := listener.Listen("127.0.0.1:0", opts...)
-			require.NoError(t, err)
-			served := make(chan error, 1)
-			go func() { served <- r.server.Serve(lis2) }()
-			t.Cleanup(func() {
-				r.server.Stop()
-				require.NoError(t, <-served)
-			})
-
-			res := manual.NewBuilderWithScheme("gdrtest")
-			res.InitialState(resolver.State{Addresses: []resolver.Address{{Addr: r.lis.Addr().String()}, {Addr: lis2.Addr().String()}}})
-			cc, err := grpc.NewClient("gdrtest:///server", append(dialer.New(opts...).DialOptions(insecure.NewCredentials()),
-				grpc.WithResolvers(res), grpc.WithDefaultServiceConfig(roundRobinRetry))...)
-			require.NoError(t, err)
-			t.Cleanup(func() { cc.Close() })
-			c := tensorpb.NewTensorServiceClient(cc)
+			c := roundRobinClient(t, r, grpc.WithDefaultServiceConfig(roundRobinRetry))
 			// Until the server advertised its space over both connections
 			// (round robin takes a connection into turn once it is ready).
 			for i := 0; oob.ReadStats().PeerSpaces < 2; i++ {
@@ -238,3 +222,26 @@ func TestRetryOnAnotherLiveConnection(t *testing.T) {
 // roundRobinRetry spreads calls over the resolved addresses, and retries as
 // retryConfig does.
 var roundRobinRetry = `{"loadBalancingConfig": [{"round_robin": {}}], ` + retryConfig[1:]
+
+// roundRobinClient serves r's server on a second gdrpc listener too (UCX,
+// trusted peers) and returns a client that resolves both listeners, with
+// opts (a service config that picks round_robin among them).
+func roundRobinClient(t *testing.T, r *rig, opts ...grpc.DialOption) tensorpb.TensorServiceClient {
+	t.Helper()
+	gopts := []gdrpc.Option{gdrpc.WithTransport(transport.ModeUCX), processEngine, gdrpc.WithTrustPeers()}
+	lis2, err := listener.Listen("127.0.0.1:0", gopts...)
+	require.NoError(t, err)
+	served := make(chan error, 1)
+	go func() { served <- r.server.Serve(lis2) }()
+	t.Cleanup(func() {
+		r.server.Stop()
+		require.NoError(t, <-served)
+	})
+	res := manual.NewBuilderWithScheme("gdrtest")
+	res.InitialState(resolver.State{Addresses: []resolver.Address{{Addr: r.lis.Addr().String()}, {Addr: lis2.Addr().String()}}})
+	cc, err := grpc.NewClient("gdrtest:///server", append(dialer.New(gopts...).DialOptions(insecure.NewCredentials()),
+		append([]grpc.DialOption{grpc.WithResolvers(res)}, opts...)...)...)
+	require.NoError(t, err)
+	t.Cleanup(func() { cc.Close() })
+	return tensorpb.NewTensorServiceClient(cc)
+}

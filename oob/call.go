@@ -196,15 +196,30 @@ func givenBack(id uint64, rs []spaceRange, gone map[spaceRange]bool) {
 // may have been on their way); if not, and no space was advertised over s,
 // the server holds nothing for the call and nothing is sent. Only the first Ended of a call counts; it
 // returns at once (the message goes on a goroutine).
-func (c *Call) Ended(s *transport.Session, answered bool) {
-	if c == nil || s == nil || (!answered && !advertisesOver(s)) {
+func (c *Call) Ended(s *transport.Session, answered bool) { c.EndedOver(s, answered, nil) }
+
+// EndedOver is Ended over s (none where nil), and over each of others
+// whatever answered says: sessions over which an earlier attempt of the call
+// was answered (an application's retry inside the codec's interceptor),
+// whose servers may hold what they wrote for a response nothing decoded.
+// The same CALL-ENDED goes over each.
+func (c *Call) EndedOver(s *transport.Session, answered bool, others []*transport.Session) {
+	if s != nil && !answered && !advertisesOver(s) {
+		s = nil
+	}
+	if c == nil || (s == nil && len(others) == 0) {
 		return
 	}
 	msg, first := c.end()
 	if !first {
 		return
 	}
-	stateOf(s).callEnds.add(s, msg)
+	for _, o := range others {
+		stateOf(o).callEnds.add(o, msg)
+	}
+	if s != nil {
+		stateOf(s).callEnds.add(s, msg)
+	}
 }
 
 // callEnds are the CALL-ENDEDs of a session on their way: one goroutine
