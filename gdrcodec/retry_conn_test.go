@@ -196,12 +196,7 @@ func TestRetryOnAnotherLiveConnection(t *testing.T) {
 			f := &failOnce{how: tc.how, attempts: make(chan attempt, 4)}
 			r := failOnceRig(t, f, transport.ModeUCX, 4*n)
 			c := roundRobinClient(t, r, grpc.WithDefaultServiceConfig(roundRobinRetry))
-			// Until the server advertised its space over both connections
-			// (round robin takes a connection into turn once it is ready).
-			for i := 0; oob.ReadStats().PeerSpaces < 2; i++ {
-				require.Less(t, i, 100, "the server advertised over %d connections", oob.ReadStats().PeerSpaces)
-				warmUp(t, c, n)
-			}
+			warmUpBoth(t, c)
 			r.paths.reset()
 
 			first, again := retriedDigest(t, c, f, n, 2)
@@ -222,6 +217,17 @@ func TestRetryOnAnotherLiveConnection(t *testing.T) {
 // roundRobinRetry spreads calls over the resolved addresses, and retries as
 // retryConfig does.
 var roundRobinRetry = `{"loadBalancingConfig": [{"round_robin": {}}], ` + retryConfig[1:]
+
+// warmUpBoth warms c's calls up until the server advertised its space over
+// both of roundRobinClient's connections (round robin takes a connection
+// into turn once it is ready).
+func warmUpBoth(t *testing.T, c tensorpb.TensorServiceClient) {
+	t.Helper()
+	for i := 0; oob.ReadStats().PeerSpaces < 2; i++ {
+		require.Less(t, i, 100, "the server advertised over %d connections", oob.ReadStats().PeerSpaces)
+		warmUp(t, c, 1<<20)
+	}
+}
 
 // roundRobinClient serves r's server on a second gdrpc listener too (UCX,
 // trusted peers) and returns a client that resolves both listeners, with
