@@ -85,11 +85,11 @@ func (f *failOnce) tap(ctx context.Context, info *tap.Info) (context.Context, er
 	return ctx, nil
 }
 
-// failOnceRig serves f in mode between trusted peers, with space bytes of
-// receive space both ways (none if 0).
-func failOnceRig(t *testing.T, f *failOnce, mode transport.Mode, space int) *rig {
+// tapRig serves srv in mode between trusted peers, its calls passed through
+// in first, with space bytes of receive space both ways (none if 0).
+func tapRig(t *testing.T, mode transport.Mode, srv tensorpb.TensorServiceServer, in tap.ServerInHandle, space int) *rig {
 	t.Helper()
-	r := newRigWith(t, mode, f, []grpc.ServerOption{grpc.InTapHandle(f.tap)}, gdrpc.WithTrustPeers())
+	r := newRigWith(t, mode, srv, []grpc.ServerOption{grpc.InTapHandle(in)}, gdrpc.WithTrustPeers())
 	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpace: space})
 	return r
 }
@@ -150,7 +150,7 @@ func TestRetryOnAnotherConnection(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := &failOnce{how: failCloses, attempts: make(chan attempt, 4)}
-			r := failOnceRig(t, f, tc.mode, tc.space)
+			r := tapRig(t, tc.mode, f, f.tap, tc.space)
 			c := anotherClientIn(t, r, tc.mode, grpc.WithDefaultServiceConfig(retryConfig))
 			warmUp(t, c, n)
 			if tc.space > 0 {
@@ -194,7 +194,7 @@ func TestRetryOnAnotherLiveConnection(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := &failOnce{how: tc.how, attempts: make(chan attempt, 4)}
-			r := failOnceRig(t, f, transport.ModeUCX, 4*n)
+			r := tapRig(t, transport.ModeUCX, f, f.tap, 4*n)
 			c := roundRobinClient(t, r, grpc.WithDefaultServiceConfig(roundRobinRetry))
 			warmUpBoth(t, c)
 			r.paths.reset()

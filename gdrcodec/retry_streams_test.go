@@ -62,8 +62,7 @@ func (h *hookServer) tapHandle(ctx context.Context, info *tap.Info) (context.Con
 // advertised its space over both connections.
 func twoListenerRig(t *testing.T, srv *hookServer, space int, serviceConfig string) (*rig, tensorpb.TensorServiceClient) {
 	t.Helper()
-	r := newRigWith(t, transport.ModeUCX, srv, []grpc.ServerOption{grpc.InTapHandle(srv.tapHandle)}, gdrpc.WithTrustPeers())
-	oob.SetTransferConfig(oob.TransferConfig{Metrics: r.paths, Timeout: 20 * time.Second, ReceiveSpace: space})
+	r := tapRig(t, transport.ModeUCX, srv, srv.tapHandle, space)
 	c := roundRobinClient(t, r, grpc.WithDefaultServiceConfig(serviceConfig))
 	warmUpBoth(t, c)
 	waitNothingTaken(t)

@@ -136,7 +136,7 @@ func TestSpaceLifecycleCancelDuringResponseWrite(t *testing.T) {
 		}
 		requireNoneTaken(t, i)
 	}
-	requireSpaceWhole(t, r, spaceMiB, 101)
+	requireSpaceWhole(t, r, 4, spaceMiB, 101)
 	requireSettled(t, "after calls cancelled around the response's write")
 }
 
@@ -150,17 +150,17 @@ func requireNoneTaken(t *testing.T, i int) {
 	}, 10*time.Second, time.Millisecond, "round %d: %+v", i, oob.ReadStats())
 }
 
-// requireSpaceWhole checks that four payloads of n bytes (seeds from seed)
+// requireSpaceWhole checks that k payloads of n bytes (seeds from seed)
 // land in the client's space again, all of them held at once, then
 // releases them: the whole space is the server's again.
-func requireSpaceWhole(t *testing.T, r *rig, n int, seed uint32) {
+func requireSpaceWhole(t *testing.T, r *rig, k, n int, seed uint32) {
 	t.Helper()
 	r.paths.reset()
 	var held []*tensorpb.Tensor
-	for i := range 4 {
+	for i := range k {
 		held = append(held, makeChecked(t, r, n, seed+uint32(i)))
 	}
-	require.Equal(t, map[string]int{"rdma@space": 4}, r.paths.reset(), "the whole space is the server's again")
+	require.Equal(t, map[string]int{"rdma@space": k}, r.paths.reset(), "the whole space is the server's again")
 	for _, m := range held {
 		gdrcodec.ReleaseAll(m)
 	}
@@ -269,15 +269,7 @@ func TestSpaceLifecycleServerStreamSlowReaderCancels(t *testing.T) {
 		}
 		requireSettled(t, fmt.Sprintf("round %d", round))
 	}
-	r.paths.reset()
-	var held []*tensorpb.Tensor
-	for i := range 8 {
-		held = append(held, makeChecked(t, r, spaceMiB, uint32(400+i)))
-	}
-	require.Equal(t, map[string]int{"rdma@space": 8}, r.paths.reset())
-	for _, m := range held {
-		gdrcodec.ReleaseAll(m)
-	}
+	requireSpaceWhole(t, r, 8, spaceMiB, 400)
 }
 
 // A session closing (either end) while a server stream writes into the
@@ -410,7 +402,7 @@ func TestSpaceLifecycleDeadlineDuringLargeWrite(t *testing.T) {
 		}
 		requireNoneTaken(t, i)
 	}
-	requireSpaceWhole(t, r, n, 50)
+	requireSpaceWhole(t, r, 4, n, 50)
 	requireSettled(t, "after deadlines passed during large writes")
 }
 

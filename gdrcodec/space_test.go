@@ -585,15 +585,7 @@ func TestReceiveSpaceUndecodedResponse(t *testing.T) {
 	require.Eventually(t, func() bool { return oob.ReadStats().PeerTaken == 0 }, 10*time.Second, time.Millisecond)
 	require.Equal(t, map[string]int{"rdma@space": 1}, r.paths.reset())
 
-	// The whole space is the server's to write into again.
-	var held []*tensorpb.Tensor
-	for i := range 4 {
-		held = append(held, makeChecked(t, r, mib, uint32(50+i)))
-	}
-	require.Equal(t, map[string]int{"rdma@space": 4}, r.paths.reset())
-	for _, m := range held {
-		gdrcodec.ReleaseAll(m)
-	}
+	requireSpaceWhole(t, r, 4, mib, 50)
 }
 
 // lateSender's Download sends one message, waits for the client to cancel,
